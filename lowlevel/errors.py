@@ -1,0 +1,118 @@
+"""The whole exception tree of lowlevel.
+
+::
+
+    LowlevelError                  base, never raised itself
+    ├── PolicyError(ValueError)    rejected before anything runs; the message says what to change
+    ├── WorkspaceError(LowlevelError, OSError)  workspace missing, not a directory, unsafe entry
+    ├── UnsupportedError           host lacks a feature (bwrap, userns, cgroup, option); ``.feature``
+    ├── SeccompError               building the seccomp filter failed; ``.operation``, ``.errno``
+    └── LaunchError(OSError)       bwrap could not start or set up the sandbox; ``.argv``, ``.stderr``
+        └── BwrapNotFoundError     no bwrap executable on PATH
+
+The program exiting non-zero, dying on a signal, hitting a limit or a seccomp denial is
+*not* an exception: it is a :class:`lowlevel.result.Result`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class LowlevelError(Exception):
+    """Base of every exception raised by lowlevel. Never raised itself."""
+
+
+class PolicyError(LowlevelError, ValueError):
+    """A Policy (or a run argument) is invalid or unsafe; nothing ran.
+
+    The message names the offending field and what to pass instead.
+    """
+
+
+class WorkspaceError(LowlevelError, OSError):
+    """The workspace is missing, not a directory, or holds an entry we refuse to touch."""
+
+
+class UnsupportedError(LowlevelError):
+    """The host lacks a feature the run needs.
+
+    Attributes:
+        feature: short name of the missing feature, e.g. ``"userns"``, ``"cgroup:memory"``.
+        fix: a one-line hint on how to get it, or ``""``.
+    """
+
+    def __init__(self, feature: str, message: str, fix: str = "") -> None:
+        super().__init__(message + (f" (fix: {fix})" if fix else ""))
+        self.feature = feature
+        self.fix = fix
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.feature, str(self.args[0]).split(" (fix: ")[0], self.fix))
+
+
+class SeccompError(LowlevelError):
+    """Building or exporting the seccomp filter failed.
+
+    Attributes:
+        operation: the libseccomp call that failed, e.g. ``"seccomp_rule_add"``.
+        errno: the positive errno it reported (libseccomp returns ``-errno``).
+    """
+
+    def __init__(self, operation: str, errno: int, message: str = "") -> None:
+        import os
+
+        detail = message or f"{operation} failed: {os.strerror(errno)} (errno {errno})"
+        super().__init__(detail)
+        self.operation = operation
+        self.errno = errno
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.operation, self.errno, str(self)))
+
+
+class LaunchError(LowlevelError, OSError):
+    """bwrap could not be started, or failed while setting up the sandbox.
+
+    A program that ran and exited non-zero is never a LaunchError.
+
+    Attributes:
+        argv: the argv of the process we tried to start (bwrap's own options included).
+        stderr: what bwrap printed (its ``bwrap: ...`` message), decoded, or ``""``.
+    """
+
+    def __init__(self, message: str, *, argv: list[str] | None = None, stderr: str = "",
+                 errno: int | None = None) -> None:
+        if errno is not None:
+            super().__init__(errno, message)
+        else:
+            super().__init__(message)
+        self.argv = list(argv or [])
+        self.stderr = stderr
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_launch_error, (type(self), self.message, self.argv, self.stderr, self.errno))
+
+
+class BwrapNotFoundError(LaunchError):
+    """No ``bwrap`` executable was found (install the ``bubblewrap`` package)."""
+
+
+def _rebuild_launch_error(cls: type[LaunchError], message: str, argv: list[str], stderr: str,
+                          errno: int | None) -> LaunchError:
+    return cls(message, argv=argv, stderr=stderr, errno=errno)
+
+
+__all__ = [
+    "BwrapNotFoundError",
+    "LaunchError",
+    "LowlevelError",
+    "PolicyError",
+    "SeccompError",
+    "UnsupportedError",
+    "WorkspaceError",
+]
