@@ -1,0 +1,41 @@
+"""lowlevel: run untrusted programs in a bubblewrap sandbox with seccomp, rlimits and cgroups.
+
+Quick start::
+
+    import lowlevel
+    result = lowlevel.run(["python3", "-c", "print(6 * 7)"])
+    assert result.stdout == b"42\\n"
+
+See :func:`lowlevel.run`, :class:`lowlevel.Policy` and :class:`lowlevel.Result`.
+"""
+
+from .errors import (BwrapNotFoundError, LaunchError, LowlevelError, PolicyError, SeccompError,
+                     UnsupportedError, WorkspaceError)
+from .launcher import ExecError, run
+from .limits import Limits
+from .policy import Bind, Policy
+from .result import Result, RunFailedError
+from .seccomp import DEFAULT_PROFILE, SeccompProfile
+from .workspace import Changes
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Bind",
+    "BwrapNotFoundError",
+    "Changes",
+    "DEFAULT_PROFILE",
+    "ExecError",
+    "LaunchError",
+    "Limits",
+    "LowlevelError",
+    "Policy",
+    "PolicyError",
+    "Result",
+    "RunFailedError",
+    "SeccompError",
+    "SeccompProfile",
+    "UnsupportedError",
+    "WorkspaceError",
+    "run",
+]

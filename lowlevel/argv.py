@@ -1,0 +1,197 @@
+"""Policy (+ host facts + fd numbers) -> bwrap argv. Pure: no I/O, golden-list testable.
+
+The argv is split in two: the *static* part depends only on the Policy and the host
+(cached per Policy, so thousands of runs build it once) and the *dynamic* part carries the
+per-run workspace, fd numbers, extra environment and command.
+
+Mount order matters (bwrap applies filesystem options in order): the read-only base
+first, then ``/proc``, ``/dev``, ``/tmp``, the user's binds, the workspace, and last
+``--remount-ro /`` so the sandbox root (a tmpfs bwrap creates) is not a second writable
+place. Source: bwrap(1), "--remount-ro" and the ordering note.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from .policy import WORKSPACE_DEST, Policy
+from .probe import BwrapInfo, HostLayout
+
+#: /etc entries bound only with ``network=True``: name resolution and TLS trust.
+NETWORK_ETC = ("/etc/resolv.conf", "/etc/hosts", "/etc/ssl", "/etc/ca-certificates",
+               "/etc/gai.conf", "/etc/host.conf")
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """Host facts the argv depends on (all from :mod:`lowlevel.probe`).
+
+    Attributes:
+        bwrap: the installed bwrap's version and options.
+        layout: usr-merge symlinks, read-only top-level dirs, /etc entries present.
+        caller_is_root: the caller's uid is 0 (then the sandbox runs as ``policy.host_uid``).
+        network_etc: ``(source, dest)`` pairs of network /etc entries that exist, resolved
+            (``/etc/resolv.conf`` is often a symlink into ``/run``).
+        cap_sys_resource: the caller holds CAP_SYS_RESOURCE. A root caller without it (some
+            container and VM hosts drop it) cannot prlimit(2) a process of another uid, so
+            its rlimits are set before exec instead (see :func:`outer_argv`).
+    """
+
+    bwrap: BwrapInfo
+    layout: HostLayout
+    caller_is_root: bool
+    network_etc: tuple[tuple[str, str], ...] = ()
+    cap_sys_resource: bool = True
+
+
+@dataclass(frozen=True)
+class Fds:
+    """Fd numbers as bwrap will see them (the launcher dup2s its fds onto these).
+
+    Attributes:
+        json_status: ``--json-status-fd`` (child-pid first, exit-code when the program ran).
+        block: ``--block-fd``: bwrap waits to read one byte before running the program.
+        seccomp: ``--seccomp`` BPF memfd, or None for no filter.
+        passwd, group: ``--ro-bind-data`` sources for /etc/passwd and /etc/group, or None.
+    """
+
+    json_status: int = 4
+    block: int | None = 5
+    seccomp: int | None = 6
+    passwd: int | None = 7
+    group: int | None = 8
+
+
+@functools.lru_cache(maxsize=256)
+def static_args(policy: Policy, facts: HostFacts) -> tuple[str, ...]:
+    """The per-Policy part of bwrap's argv (cached; treat the tuple as read-only).
+
+    Args:
+        policy: the sandbox description.
+        facts: host facts from the probes.
+    Returns:
+        bwrap options, without the program name, fds, workspace or command.
+    """
+    a: list[str] = []
+    a += ["--unshare-all"]
+    if policy.network:
+        a += ["--share-net"]
+    # --unshare-user explicitly: --unshare-all only *tries* it, and --disable-userns needs it.
+    a += ["--unshare-user"]
+    if facts.bwrap.can_disable_userns:
+        a += ["--disable-userns"]
+    a += ["--die-with-parent", "--new-session", "--cap-drop", "ALL", "--clearenv"]
+    env = policy.environment()
+    for key in sorted(env):
+        a += ["--setenv", key, env[key]]
+    a += ["--hostname", policy.hostname]
+    if policy.sandbox_uid is not None:
+        a += ["--uid", str(policy.sandbox_uid)]
+    if policy.sandbox_gid is not None:
+        a += ["--gid", str(policy.sandbox_gid)]
+    # Read-only base: /usr, then the usr-merge symlinks or read-only top-level dirs.
+    a += ["--ro-bind", "/usr", "/usr"]
+    for target, name in facts.layout.symlinks:
+        a += ["--symlink", target, name]
+    for path in facts.layout.ro_dirs:
+        a += ["--ro-bind", path, path]
+    for path in facts.layout.etc_files:
+        a += ["--ro-bind", path, path]
+    if policy.network:
+        for source, dest in facts.network_etc:
+            a += ["--ro-bind", source, dest]
+    a += ["--proc", "/proc", "--dev", "/dev"]
+    tmp_size = policy.limits.tmp_size_bytes
+    if tmp_size is not None and facts.bwrap.has("--size"):
+        a += ["--size", str(tmp_size)]
+    a += ["--tmpfs", "/tmp"]
+    # /dev/shm (POSIX semaphores, multiprocessing) on its own sized tmpfs, like /tmp.
+    if tmp_size is not None and facts.bwrap.has("--size"):
+        a += ["--size", str(tmp_size)]
+    a += ["--tmpfs", "/dev/shm"]
+    for bind in policy.binds:
+        a += ["--bind" if bind.writable else "--ro-bind", bind.source, bind.dest]
+    return tuple(a)
+
+
+def dynamic_args(
+    *,
+    workspace: str,
+    fds: Fds,
+    extra_env: Mapping[str, str] | None = None,
+    cwd: str = WORKSPACE_DEST,
+) -> list[str]:
+    """The per-run part of bwrap's argv.
+
+    Args:
+        workspace: host path of the run's workspace, bound read-write at ``/workspace``.
+        fds: fd numbers bwrap will see.
+        extra_env: variables set on top of the Policy's environment.
+        cwd: the working directory inside (default ``/workspace``).
+    """
+    a = ["--bind", workspace, WORKSPACE_DEST]
+    if fds.passwd is not None:
+        a += ["--ro-bind-data", str(fds.passwd), "/etc/passwd"]
+    if fds.group is not None:
+        a += ["--ro-bind-data", str(fds.group), "/etc/group"]
+    a += ["--remount-ro", "/", "--chdir", cwd]
+    if extra_env:
+        for key in sorted(extra_env):
+            a += ["--setenv", key, extra_env[key]]
+    a += ["--json-status-fd", str(fds.json_status)]
+    if fds.block is not None:
+        a += ["--block-fd", str(fds.block)]
+    if fds.seccomp is not None:
+        a += ["--seccomp", str(fds.seccomp)]
+    return a
+
+
+def build_argv(policy: Policy, facts: HostFacts, *, workspace: str, fds: Fds,
+               extra_env: Mapping[str, str] | None = None, cwd: str = WORKSPACE_DEST) -> list[str]:
+    """bwrap's options (without ``bwrap`` itself or the command), static then dynamic part.
+
+    Returns:
+        ``list[str]``; the launcher passes it through ``--args FD`` so no policy is too long
+        for the kernel's argv limit (E2BIG). bwrap takes only options from ``--args``: the
+        command follows on the real argv (see :func:`outer_argv`).
+    """
+    return [*static_args(policy, facts),
+            *dynamic_args(workspace=workspace, fds=fds, extra_env=extra_env, cwd=cwd)]
+
+
+#: util-linux prlimit(1) option for each rlimit.
+PRLIMIT_OPTIONS = {"RLIMIT_CPU": "--cpu", "RLIMIT_AS": "--as", "RLIMIT_DATA": "--data",
+                   "RLIMIT_NPROC": "--nproc", "RLIMIT_FSIZE": "--fsize", "RLIMIT_NOFILE": "--nofile",
+                   "RLIMIT_CORE": "--core"}
+
+
+def outer_argv(facts: HostFacts, policy: Policy, setpriv: str | None, args_fd: int,
+               command: Sequence[str], *, prlimit: str | None = None,
+               pre_exec_rlimits: Sequence[tuple[str, int, int]] = ()) -> list[str]:
+    """The argv actually exec'd: ``bwrap --args FD -- COMMAND...``, behind ``setpriv`` for root.
+
+    With ``pre_exec_rlimits`` (root without CAP_SYS_RESOURCE), ``prlimit(1)`` sets them
+    before ``setpriv``; they then bind bwrap too, which is harmless (bwrap is small and forks
+    once), and they are in force before the sandbox exists, so still race-free.
+
+    A root caller drops to ``policy.host_uid``/``host_gid`` with ``setpriv --reuid --regid
+    --clear-groups`` before bwrap runs, so bwrap maps the sandbox to that unprivileged uid
+    instead of host uid 0 (with bwrap 0.8.0, host uid 0 inside can write /proc/sys).
+    Source: setpriv(1); bwrap(1) --uid.
+    """
+    inner = [facts.bwrap.path, "--args", str(args_fd), "--", *command]
+    if facts.caller_is_root:
+        assert setpriv is not None
+        pre: list[str] = []
+        if pre_exec_rlimits:
+            assert prlimit is not None
+            pre = [prlimit, *(f"{PRLIMIT_OPTIONS[name]}={soft}:{hard}" for name, soft, hard in pre_exec_rlimits),
+                   "--"]
+        return [*pre, setpriv, f"--reuid={policy.host_uid}", f"--regid={policy.host_gid}", "--clear-groups",
+                "--", *inner]
+    return inner
+
+
+__all__ = ["Fds", "HostFacts", "NETWORK_ETC", "build_argv", "dynamic_args", "outer_argv", "static_args"]

@@ -1,0 +1,843 @@
+"""Start bwrap with os.posix_spawn, hand it exactly the fds it needs, and supervise it.
+
+The life of one run (:class:`Run`), the same for the sync and the async drivers:
+
+1. ``prepare``: everything that can fail or allocate happens before the spawn: the Policy's
+   static argv (cached), the workspace, the seccomp BPF (compiled once per profile), the
+   cgroup, and the fds: an ``--args`` memfd (so a long policy never hits E2BIG), the
+   ``--json-status-fd`` and ``--block-fd`` pipes, the ``--seccomp`` memfd, the
+   ``/etc/passwd``/``/etc/group`` memfds and the stdio pipes.
+2. ``spawn``: ``os.posix_spawn`` of bwrap (behind ``setpriv`` for root callers) with an
+   empty environment (bwrap's PID 1 inside keeps the environment it was started with, and
+   ``/proc/1/environ`` is readable from the sandbox). The file actions dup2 our fds onto
+   fixed numbers and close every *inheritable* fd the caller has (a leaked directory fd is a
+   path out of any mount namespace); everything Python opens is O_CLOEXEC already (PEP 446).
+3. handshake: bwrap writes ``{"child-pid": N}`` to the json-status fd, then its child waits
+   on the block fd. We open a pidfd for N (race-free: it cannot be reaped while blocked),
+   apply rlimits with prlimit, attach N to the run's cgroup, and only then write the byte
+   that lets the program exec. Not one instruction of the program runs unlimited.
+4. supervise: poll the bwrap pidfd, the output pipes and the deadline; at the deadline
+   ``pidfd_send_signal(SIGKILL)`` the sandbox's PID 1, which makes the kernel kill the whole
+   PID namespace (a double-forked ``setsid`` daemon included).
+5. finish: reap bwrap with ``os.wait4``, wait until the sandbox PID 1's pidfd reports exit
+   (a PID 1 exits only after every process of its namespace is gone: ``zap_pid_ns_processes``),
+   read cgroup figures, remove the cgroup, and build the :class:`Result`.
+
+Fds each run holds in the parent after the handshake: bwrap pidfd, sandbox-init pidfd,
+json-status read end, stdout and stderr read ends (capture mode), stdin write end (when
+stdin is bytes): at most 6.
+
+Sources: bwrap(1) --args, --json-status-fd, --block-fd, --seccomp, --die-with-parent;
+pidfd_open(2); pidfd_send_signal(2); posix_spawn(3); prlimit(2).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import functools
+import json
+import logging
+import os
+import re
+import select
+import shutil
+import signal
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from . import limits as _limits
+from . import seccomp as _seccomp
+from . import workspace as _ws
+from .argv import NETWORK_ETC, Fds, HostFacts, build_argv, outer_argv
+from .errors import LaunchError, PolicyError, UnsupportedError, WorkspaceError
+from .policy import WORKSPACE_DEST, Policy
+from .probe import bwrap_info, host_layout, require_pidfd
+from .result import Result, decode_exit
+
+log = logging.getLogger("lowlevel")
+
+#: Fd numbers bwrap sees (the parent dup2s onto these in the spawn's file actions).
+ARGS_FD = 3
+CHILD_FDS = Fds(json_status=4, block=5, seccomp=6, passwd=7, group=8)
+
+#: Default wall-clock timeout for a run, seconds.
+DEFAULT_TIMEOUT_S = 60.0
+#: How long the handshake (bwrap setting up namespaces and mounts) may take, seconds.
+SETUP_TIMEOUT_S = 30.0
+
+
+class ExecError(LaunchError):
+    """The sandbox was set up but the command could not be executed inside it.
+
+    ``errno`` is ENOENT (not found: the CLI exits 127) or EACCES/ENOEXEC (not executable: 126).
+    """
+
+
+@functools.lru_cache(maxsize=None)
+def host_facts(bwrap: str | None = None) -> HostFacts:
+    """Probe the host once per process: bwrap, usr-merge layout, root or not, network /etc."""
+    info = bwrap_info(bwrap)
+    require_pidfd()
+    net: list[tuple[str, str]] = []
+    for path in NETWORK_ETC:
+        if os.path.exists(path):
+            net.append((os.path.realpath(path), path))
+    return HostFacts(bwrap=info, layout=host_layout(), caller_is_root=os.geteuid() == 0,
+                     network_etc=tuple(net), cap_sys_resource=_has_cap(24))
+
+
+def _has_cap(bit: int) -> bool:
+    """True when the caller's effective capability set has capability number ``bit``."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> bit & 1)
+    except OSError:
+        pass
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def _prlimit_cmd() -> str:
+    path = shutil.which("prlimit") or ("/usr/bin/prlimit" if os.path.exists("/usr/bin/prlimit") else None)
+    if not path:
+        raise UnsupportedError("prlimit", "root without CAP_SYS_RESOURCE needs prlimit(1) to set rlimits",
+                               "install util-linux")
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def _setpriv() -> str:
+    path = shutil.which("setpriv") or ("/usr/bin/setpriv" if os.path.exists("/usr/bin/setpriv") else None)
+    if not path:
+        raise UnsupportedError("setpriv", "running as root needs setpriv(1) to drop to an unprivileged uid",
+                               "install util-linux")
+    return path
+
+
+class _Capture:
+    """Bounded capture of one output stream: keeps the head and the tail, counts what it drops."""
+
+    __slots__ = ("limit", "head", "tail", "total", "head_cap", "tail_cap")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.head_cap = limit // 2
+        self.tail_cap = limit - self.head_cap
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.total = 0
+
+    def feed(self, data: bytes) -> None:
+        self.total += len(data)
+        room = self.head_cap - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
+        if data:
+            self.tail += data
+            if len(self.tail) > 2 * self.tail_cap + 65536:
+                del self.tail[: len(self.tail) - self.tail_cap]
+
+    def value(self) -> tuple[bytes, bool, int]:
+        """(data, truncated, dropped_bytes)."""
+        if self.total <= self.limit:
+            return bytes(self.head + self.tail), False, 0
+        tail = self.tail[-self.tail_cap:] if self.tail_cap else b""
+        return bytes(self.head + tail), True, self.total - self.limit
+
+
+def _memfd(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | getattr(os, "MFD_ALLOW_SEALING", 2))
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _inheritable_fds(keep: set[int]) -> list[int]:
+    """Caller fds >= 3 that would survive exec (no FD_CLOEXEC), except ``keep``."""
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd < 3 or fd in keep:
+            continue
+        try:
+            if not fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC:
+                out.append(fd)
+        except OSError:
+            continue
+    return out
+
+
+def _passwd_group(uid: int, gid: int) -> tuple[bytes, bytes]:
+    passwd = (f"root:x:0:0:root:/root:/usr/sbin/nologin\n"
+              f"sandbox:x:{uid}:{gid}:sandbox:{WORKSPACE_DEST}:/bin/sh\n"
+              f"nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
+    group = f"root:x:0:\nsandbox:x:{gid}:\nnogroup:x:65534:\n"
+    if uid in (0, 65534):
+        passwd = "".join(line + "\n" for line in passwd.splitlines() if not line.startswith("sandbox:"))
+    if gid in (0, 65534):
+        group = "".join(line + "\n" for line in group.splitlines() if not line.startswith("sandbox:"))
+    return passwd.encode(), group.encode()
+
+
+def _check_command(command: Sequence[str]) -> list[str]:
+    if isinstance(command, (str, bytes)) or not isinstance(command, Sequence) or not command:
+        raise PolicyError("command must be a non-empty list of strings, e.g. ['python3', 'main.py']")
+    out = []
+    for arg in command:
+        if not isinstance(arg, str):
+            raise PolicyError(f"command arguments must be str, got {type(arg).__name__}: {arg!r}")
+        if "\0" in arg:
+            raise PolicyError(f"command argument {arg!r} contains a NUL byte")
+        out.append(arg)
+    return out
+
+
+def _host_path(policy: Policy, workspace: str, inside: str) -> str | None:
+    """Map a sandbox path to the host path that backs it, or None when unknown (tmpfs, /proc)."""
+    inside = os.path.normpath(inside)
+    if inside == WORKSPACE_DEST or inside.startswith(WORKSPACE_DEST + "/"):
+        return workspace + inside[len(WORKSPACE_DEST):]
+    for bind in policy.binds:
+        if inside == bind.dest or inside.startswith(bind.dest.rstrip("/") + "/"):
+            return bind.source + inside[len(bind.dest):]
+    if inside.startswith("/usr/"):
+        return inside
+    for name in ("/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32"):
+        if inside.startswith(name + "/"):
+            return inside
+    return None
+
+
+def precheck_exec(policy: Policy, workspace: str, command: Sequence[str], env: Mapping[str, str],
+                  cwd: str = WORKSPACE_DEST) -> None:
+    """Fail fast with ExecError when the command surely does not exist or is not executable.
+
+    Only paths whose host backing we know (``/usr``, the workspace, binds) are checked; any
+    other path is left to bwrap's own execvp, whose failure is decoded after the run.
+    """
+    prog = command[0]
+    if "/" in prog:
+        candidates = [prog if prog.startswith("/") else os.path.join(cwd, prog)]
+    else:
+        candidates = [os.path.join(d, prog) for d in env.get("PATH", "").split(":") if d.startswith("/")]
+    unknown = False
+    for cand in candidates:
+        host = _host_path(policy, workspace, cand)
+        if host is None:
+            unknown = True
+            continue
+        if "/" not in prog and host.startswith(workspace):
+            unknown = True  # PATH entries inside the workspace: leave it to execvp
+            continue
+        if os.path.isfile(host):
+            if os.access(host, os.X_OK) or os.geteuid() == 0:
+                return
+            raise ExecError(f"{prog}: permission denied (not executable)", argv=list(command),
+                            errno=errno.EACCES)
+    if not unknown and candidates:
+        raise ExecError(f"{prog}: command not found in the sandbox (PATH={env.get('PATH', '')})",
+                        argv=list(command), errno=errno.ENOENT)
+
+
+_EXEC_FAIL = re.compile(rb"bwrap: execvp ([^\n]*): ([^\n]*)")
+_USERNS_HINTS = (b"No permissions to create new namespace", b"setting up uid map", b"Creating new namespace failed",
+                 b"unprivileged_userns_clone", b"user namespace")
+
+
+def classify_setup_failure(stderr: bytes, argv: list[str], command: Sequence[str]) -> LaunchError:
+    """Turn bwrap's stderr after a run that never exec'd into the most specific exception."""
+    text = stderr.decode("utf-8", "replace").strip()
+    m = _EXEC_FAIL.search(stderr)
+    if m:
+        reason = m.group(2).decode("utf-8", "replace")
+        code = errno.ENOENT if "No such file" in reason else errno.EACCES
+        return ExecError(f"{command[0]}: {reason.lower()} in the sandbox", argv=argv, stderr=text, errno=code)
+    bwrap_lines = b"\n".join(line for line in stderr.splitlines() if line.startswith(b"bwrap:"))
+    if any(h in bwrap_lines for h in _USERNS_HINTS):
+        return LaunchError(
+            "bwrap could not create a user namespace: the host restricts unprivileged user namespaces. "
+            "Fix: `sysctl -w kernel.unprivileged_userns_clone=1` (Debian < 11), "
+            "`sysctl -w user.max_user_namespaces=15000`, or on Ubuntu >= 23.10 "
+            "`sysctl -w kernel.apparmor_restrict_unprivileged_userns=0` or an AppArmor profile for bwrap. "
+            f"bwrap said: {text}", argv=argv, stderr=text)
+    return LaunchError(f"sandbox setup failed: {text or 'bwrap exited without a message'}", argv=argv,
+                       stderr=text)
+
+
+class Run:
+    """One sandboxed run, driven by :func:`run` (sync) or :func:`lowlevel.aio.arun` (async).
+
+    Not thread-safe; one driver per Run. Always ends with :meth:`close` (idempotent), which
+    kills whatever is left and closes every fd.
+    """
+
+    def __init__(self, command: Sequence[str], *, policy: Policy, workspace: str | None = None,
+                 inputs: Sequence[str | os.PathLike[str]] = (), timeout: float | None = DEFAULT_TIMEOUT_S,
+                 stdin: bytes | None = None, env: Mapping[str, str] | None = None, capture: bool = True,
+                 cwd: str = WORKSPACE_DEST, workspace_base: str | None = None, bwrap: str | None = None) -> None:
+        if not isinstance(policy, Policy):
+            raise PolicyError(f"policy must be a lowlevel.Policy, got {type(policy).__name__}")
+        if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
+                                    or not timeout > 0):
+            raise PolicyError(f"timeout must be a number of seconds > 0 or None, got {timeout!r}")
+        if stdin is not None and not isinstance(stdin, (bytes, bytearray, memoryview)):
+            raise PolicyError("stdin must be bytes or None")
+        if not isinstance(cwd, str) or not cwd.startswith("/"):
+            raise PolicyError(f"cwd must be an absolute path inside the sandbox, got {cwd!r}")
+        self.command = _check_command(command)
+        self.policy = policy
+        self.timeout = float(timeout) if timeout is not None else None
+        self.stdin = bytes(stdin) if stdin is not None else None
+        self.capture = capture
+        self.cwd = cwd
+        self.env_extra = dict(env or {})
+        self.environment = policy.environment(self.env_extra)
+        self.facts = host_facts(bwrap)
+        self.inputs = list(inputs)
+        self.workspace_arg = workspace
+        self.workspace_base = workspace_base
+        # State filled as the run goes.
+        self.workspace = ""
+        self.owns_workspace = False
+        self.restore_owner: tuple[int, int] | None = None
+        self.fds: list[int] = []
+        self.pid: int | None = None
+        self.pidfd: int | None = None
+        self.init_pid: int | None = None
+        self.init_pidfd: int | None = None
+        self.json_r: int | None = None
+        self.block_w: int | None = None
+        self.stdin_w: int | None = None
+        self.out_r: int | None = None
+        self.err_r: int | None = None
+        self.json_buf = b""
+        self.exit_status: dict[str, Any] | None = None
+        self.out = _Capture(policy.stdout_limit_bytes)
+        self.err = _Capture(policy.stderr_limit_bytes)
+        self.cgroup: Any = None
+        self.rlimits_applied: tuple[str, ...] = ()
+        self.notes: list[str] = []
+        self.killed_by: str | None = None
+        self.timed_out = False
+        self.wait_status: int | None = None
+        self.rusage: Any = None
+        self.t0 = 0.0
+        self.t_end = 0.0
+        self.deadline: float | None = None
+        self.argv: list[str] = []
+        self.full_argv: list[str] = []
+        self.before: Any = None
+        self.stdin_view: memoryview | None = None
+        self.closed = False
+        self.pre_exec_rlimits: tuple[tuple[str, int, int], ...] = ()
+        self.seccomp_loaded = False
+
+    # -- 1. prepare ----------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Workspace, cgroup, seccomp and fds; everything that can fail before the spawn."""
+        policy = self.policy
+        if self.workspace_arg is not None:
+            ws = os.path.abspath(os.fspath(self.workspace_arg))
+            if not os.path.exists(ws):
+                raise WorkspaceError(errno.ENOENT, f"workspace {ws} does not exist: create it or omit it "
+                                     "to get a fresh per-run workspace")
+            if not os.path.isdir(ws) or os.path.islink(ws):
+                raise WorkspaceError(errno.ENOTDIR, f"workspace {ws} is not a directory")
+            self.workspace = os.path.realpath(ws)
+            if self.inputs:
+                _ws.copy_inputs(self.workspace, self.inputs)
+        else:
+            self.workspace = _ws.create_workspace(self.inputs, self.workspace_base)
+            self.owns_workspace = True
+        if self.facts.caller_is_root:
+            _ws.check_traversable(self.workspace, policy.host_uid, policy.host_gid)
+            st = os.stat(self.workspace)
+            if not self.owns_workspace:
+                self.restore_owner = (st.st_uid, st.st_gid)
+            _ws.chown_tree(self.workspace, policy.host_uid, policy.host_gid)
+        precheck_exec(policy, self.workspace, self.command, self.environment, self.cwd)
+        self.before = _ws.snapshot(self.workspace)
+
+        self.cgroup = _limits.RunCgroup.create(policy.limits, f"run-{os.getpid()}-{id(self):x}")
+        if self.cgroup is None:
+            self.notes.append("no writable cgroup hierarchy: memory, pids and CPU bounded by rlimits only")
+
+        if self.facts.caller_is_root and not self.facts.cap_sys_resource:
+            self.pre_exec_rlimits = _limits.rlimits(policy.limits, self.cgroup)
+            self.notes.append("root without CAP_SYS_RESOURCE: rlimits set with prlimit(1) before bwrap starts")
+
+        bpf = _seccomp.compile_bpf(policy.seccomp) if policy.seccomp is not None else None
+        fds = CHILD_FDS
+        seccomp_fd = None
+        if bpf:
+            seccomp_fd = _seccomp.bpf_memfd(bpf)
+            self.fds.append(seccomp_fd)
+            self.seccomp_loaded = True
+        else:
+            fds = Fds(json_status=fds.json_status, block=fds.block, seccomp=None, passwd=fds.passwd,
+                      group=fds.group)
+        uid = policy.sandbox_uid if policy.sandbox_uid is not None else (
+            policy.host_uid if self.facts.caller_is_root else os.getuid())
+        gid = policy.sandbox_gid if policy.sandbox_gid is not None else (
+            policy.host_gid if self.facts.caller_is_root else os.getgid())
+        passwd, group = _passwd_group(uid, gid)
+        passwd_fd = _memfd("lowlevel-passwd", passwd)
+        self.fds.append(passwd_fd)
+        group_fd = _memfd("lowlevel-group", group)
+        self.fds.append(group_fd)
+
+        self.argv = build_argv(policy, self.facts, workspace=self.workspace, fds=fds,
+                               extra_env=self.env_extra or None, cwd=self.cwd)
+        args_fd = _memfd("lowlevel-args", b"".join(a.encode() + b"\0" for a in self.argv))
+        self.fds.append(args_fd)
+
+        json_r, json_w = os.pipe()
+        self.fds += [json_r, json_w]
+        self.json_r = json_r
+        block_r, block_w = os.pipe()
+        self.fds += [block_r, block_w]
+        self.block_w = block_w
+
+        actions: list[tuple[Any, ...]] = []
+        if self.capture:
+            out_r, out_w = os.pipe()
+            err_r, err_w = os.pipe()
+            self.fds += [out_r, out_w, err_r, err_w]
+            self.out_r, self.err_r = out_r, err_r
+            if self.stdin is not None:
+                in_r, in_w = os.pipe()
+                self.fds += [in_r, in_w]
+                self.stdin_w = in_w
+                os.set_blocking(in_w, False)
+                actions.append((os.POSIX_SPAWN_DUP2, in_r, 0))
+            else:
+                actions.append((os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0))
+            actions += [(os.POSIX_SPAWN_DUP2, out_w, 1), (os.POSIX_SPAWN_DUP2, err_w, 2)]
+        elif self.stdin is not None:
+            in_r, in_w = os.pipe()
+            self.fds += [in_r, in_w]
+            self.stdin_w = in_w
+            os.set_blocking(in_w, False)
+            actions.append((os.POSIX_SPAWN_DUP2, in_r, 0))
+        if self.stdin_w is not None:
+            self.stdin_view = memoryview(self.stdin or b"")
+        # Move every source fd above the targets first, so no dup2 clobbers a later source.
+        mapping = [(args_fd, ARGS_FD), (json_w, fds.json_status), (block_r, fds.block or 0),
+                   (passwd_fd, fds.passwd or 0), (group_fd, fds.group or 0)]
+        if seccomp_fd is not None:
+            mapping.append((seccomp_fd, fds.seccomp or 0))
+        high = []
+        for src, _dst in mapping:
+            if src <= 16:
+                moved = fcntl.fcntl(src, fcntl.F_DUPFD_CLOEXEC, 17)
+                self.fds.append(moved)
+                high.append(moved)
+            else:
+                high.append(src)
+        for i, (_src, dst) in enumerate(mapping):
+            actions.append((os.POSIX_SPAWN_DUP2, high[i], dst))
+        keep = {dst for _s, dst in mapping} | {0, 1, 2}
+        for fd in _inheritable_fds(keep):
+            actions.append((os.POSIX_SPAWN_CLOSE, fd))
+        self.actions = actions
+        self.block_r = block_r
+        self.json_w = json_w
+
+    # -- 2. spawn ------------------------------------------------------------------------
+    def spawn(self) -> None:
+        """posix_spawn bwrap with an empty environment; open its pidfd."""
+        setpriv = _setpriv() if self.facts.caller_is_root else None
+        exe_argv = outer_argv(self.facts, self.policy, setpriv, ARGS_FD, self.command,
+                              prlimit=_prlimit_cmd() if self.pre_exec_rlimits else None,
+                              pre_exec_rlimits=self.pre_exec_rlimits)
+        i = exe_argv.index("--args")
+        self.full_argv = [*exe_argv[:i], *self.argv, *exe_argv[i + 2:]]
+        log.debug("lowlevel: spawning %s", self.full_argv)
+        self.t0 = time.monotonic()
+        if self.timeout is not None:
+            self.deadline = self.t0 + self.timeout
+        try:
+            self.pid = os.posix_spawn(exe_argv[0], exe_argv, {}, file_actions=self.actions)
+        except OSError as err:
+            raise LaunchError(f"cannot start {exe_argv[0]}: {err.strerror}", argv=exe_argv,
+                              errno=err.errno) from err
+        self.pidfd = os.pidfd_open(self.pid)
+        # Close the child's ends in the parent.
+        keep = {self.json_r, self.block_w, self.out_r, self.err_r, self.stdin_w}
+        for fd in list(self.fds):
+            if fd not in keep:
+                os.close(fd)
+                self.fds.remove(fd)
+        for fd in (self.out_r, self.err_r, self.json_r):
+            if fd is not None:
+                os.set_blocking(fd, False)
+
+    # -- 3. handshake --------------------------------------------------------------------
+    def feed_json(self, data: bytes) -> bool:
+        """Feed json-status bytes; return True once the child-pid document has arrived."""
+        self.json_buf += data
+        if self.init_pid is None:
+            doc = self._first_doc()
+            if doc is not None and "child-pid" in doc:
+                self.init_pid = int(doc["child-pid"])
+                return True
+        return False
+
+    def _docs(self) -> list[dict[str, Any]]:
+        docs = []
+        for line in self.json_buf.split(b"\n"):
+            line = line.strip()
+            if line:
+                try:
+                    docs.append(json.loads(line))
+                except ValueError:
+                    pass
+        return docs
+
+    def _first_doc(self) -> dict[str, Any] | None:
+        if b"\n" not in self.json_buf:
+            return None
+        docs = self._docs()
+        return docs[0] if docs else None
+
+    def release(self) -> None:
+        """Apply limits to the sandbox's PID 1, attach it to the cgroup, then let it run."""
+        assert self.init_pid is not None
+        try:
+            self.init_pidfd = os.pidfd_open(self.init_pid)
+        except OSError as err:
+            # It died during setup: bwrap will report why on stderr.
+            if err.errno != errno.ESRCH:
+                raise
+        if self.init_pidfd is not None:
+            if self.cgroup is not None:
+                self.cgroup.attach(self.init_pid)
+            if self.pre_exec_rlimits:
+                self.rlimits_applied = tuple(name for name, _s, _h in self.pre_exec_rlimits)
+            else:
+                self.rlimits_applied = _limits.apply_rlimits(self.init_pid, self.policy.limits, self.cgroup)
+        assert self.block_w is not None
+        os.write(self.block_w, b"1")
+        os.close(self.block_w)
+        self.fds.remove(self.block_w)
+        self.block_w = None
+
+    # -- 4. supervise --------------------------------------------------------------------
+    def feed_stdin(self) -> bool:
+        """Write what the stdin pipe takes; return True when stdin is done (and closed)."""
+        if self.stdin_w is None:
+            return True
+        view = self.stdin_view
+        try:
+            while view:
+                n = os.write(self.stdin_w, view[:65536])
+                view = view[n:]
+        except BlockingIOError:
+            self.stdin_view = view
+            return False
+        except BrokenPipeError:
+            pass
+        self._close_fd("stdin_w")
+        return True
+
+    def read_fd(self, which: str) -> bool:
+        """Drain readable data from 'out_r', 'err_r' or 'json_r'; return False at EOF (fd closed)."""
+        fd = getattr(self, which)
+        if fd is None:
+            return False
+        while True:
+            try:
+                data = os.read(fd, 262144)
+            except BlockingIOError:
+                return True
+            except OSError:
+                data = b""
+            if not data:
+                self._close_fd(which)
+                return False
+            if which == "out_r":
+                self.out.feed(data)
+            elif which == "err_r":
+                self.err.feed(data)
+            else:
+                self.feed_json(data)
+
+    def _close_fd(self, attr: str) -> None:
+        fd = getattr(self, attr)
+        if fd is not None:
+            os.close(fd)
+            if fd in self.fds:
+                self.fds.remove(fd)
+            setattr(self, attr, None)
+
+    def kill(self, reason: str | None) -> None:
+        """SIGKILL the whole sandbox (its PID 1 takes the PID namespace with it) and bwrap."""
+        if reason and self.killed_by is None:
+            self.killed_by = reason
+            if reason == "timeout":
+                self.timed_out = True
+        for pfd in (self.init_pidfd, self.pidfd):
+            if pfd is not None:
+                try:
+                    signal.pidfd_send_signal(pfd, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        if self.cgroup is not None:
+            try:
+                self.cgroup.kill_all()
+            except Exception:  # noqa: BLE001 - best effort, bwrap's death kills the namespace anyway
+                pass
+
+    def reap(self) -> None:
+        """Reap bwrap (blocking: call once its pidfd is readable) and make sure the sandbox is gone."""
+        if self.pid is not None and self.wait_status is None:
+            _, status, ru = os.wait4(self.pid, 0)
+            self.wait_status = status
+            self.rusage = ru
+            self.t_end = time.monotonic()
+        if self.init_pidfd is not None:
+            # --die-with-parent SIGKILLs the sandbox's PID 1 when bwrap exits; make sure.
+            if not select.select([self.init_pidfd], [], [], 2.0)[0]:
+                signal.pidfd_send_signal(self.init_pidfd, signal.SIGKILL)
+                select.select([self.init_pidfd], [], [], 10.0)
+
+    def sandbox_alive(self) -> bool:
+        """True while the sandbox's PID 1 (and so its PID namespace) still exists."""
+        if self.init_pidfd is None:
+            return False
+        return not select.select([self.init_pidfd], [], [], 0)[0]
+
+    # -- 5. finish -----------------------------------------------------------------------
+    def result(self) -> Result:
+        """Build the Result once bwrap is reaped and the pipes are drained."""
+        docs = self._docs()
+        exit_doc = next((d for d in docs if "exit-code" in d), None)
+        if exit_doc is None and not self.timed_out and self.killed_by is None:
+            stderr, _, _ = self.err.value()
+            raise classify_setup_failure(stderr, self.full_argv, self.command)
+        if exit_doc is not None:
+            exit_code = int(exit_doc["exit-code"])
+        else:
+            exit_code = 128 + signal.SIGKILL
+        term = decode_exit(exit_code)
+        stats = None
+        if self.cgroup is not None:
+            try:
+                stats = self.cgroup.stats()
+            except OSError as err:
+                self.notes.append(f"cgroup figures unavailable: {err}")
+        killed_by = self.killed_by
+        if killed_by is None and stats is not None:
+            if getattr(stats, "oom_kills", 0):
+                killed_by = "memory"
+            elif getattr(stats, "pids_limit_hit", False) and exit_code != 0:
+                killed_by = "pids"
+        if killed_by is None and term == signal.SIGXCPU:
+            killed_by = "cpu"
+        if killed_by is None and term == signal.SIGKILL and "RLIMIT_CPU" in self.rlimits_applied \
+                and stats is not None and self.policy.limits.cpu_s is not None \
+                and (getattr(stats, "cpu_user_s", 0) or 0) + (getattr(stats, "cpu_system_s", 0) or 0) \
+                >= self.policy.limits.cpu_s:
+            killed_by = "cpu"
+        if killed_by is None and term is not None:
+            killed_by = "signal"
+        out, out_t, out_d = self.out.value()
+        err, err_t, err_d = self.err.value()
+        after = _ws.snapshot(self.workspace)
+        enforced = tuple(self.rlimits_applied) + tuple(
+            f"cgroup:{c}" for c in (getattr(self.cgroup, "enforced", ()) if self.cgroup else ()))
+        if self.seccomp_loaded:
+            enforced += ("seccomp",)
+        return Result(
+            exit_code=exit_code, term_signal=term, timed_out=self.timed_out, killed_by=killed_by,
+            stdout=out, stderr=err, stdout_truncated=out_t, stderr_truncated=err_t,
+            stdout_dropped_bytes=out_d, stderr_dropped_bytes=err_d,
+            wall_time_s=(self.t_end or time.monotonic()) - self.t0,
+            cpu_user_s=getattr(stats, "cpu_user_s", None), cpu_system_s=getattr(stats, "cpu_system_s", None),
+            peak_memory_bytes=getattr(stats, "peak_memory_bytes", None),
+            max_rss_bytes=(self.rusage.ru_maxrss * 1024) if self.rusage is not None else None,
+            oom_kills=getattr(stats, "oom_kills", None),
+            limits_enforced=enforced, changes=_ws.diff(self.before, after), workspace=self.workspace,
+            notes=tuple(self.notes), argv=tuple(self.full_argv),
+        )
+
+    def close(self) -> None:
+        """Kill anything left, reap, remove the cgroup, close every fd. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.pid is not None and self.wait_status is None:
+                self.kill(None)
+                self.reap()
+            elif self.init_pidfd is not None and self.sandbox_alive():
+                self.kill(None)
+                self.reap()
+        finally:
+            for fd in self.fds:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self.fds.clear()
+            for attr in ("pidfd", "init_pidfd"):
+                fd = getattr(self, attr)
+                if fd is not None:
+                    os.close(fd)
+                    setattr(self, attr, None)
+            self.json_r = self.block_w = self.stdin_w = self.out_r = self.err_r = None
+            if self.restore_owner is not None and self.workspace:
+                try:
+                    _ws.chown_tree(self.workspace, *self.restore_owner)
+                except OSError as err:
+                    log.warning("lowlevel: cannot restore ownership of %s: %s", self.workspace, err)
+            if self.cgroup is not None:
+                try:
+                    self.cgroup.remove()
+                except Exception as err:  # noqa: BLE001
+                    log.warning("lowlevel: cannot remove cgroup: %s", err)
+
+
+def _remaining(deadline: float | None, cap: float | None = None) -> float | None:
+    if deadline is None:
+        return cap
+    left = max(0.0, deadline - time.monotonic())
+    return left if cap is None else min(left, cap)
+
+
+def _drive_sync(r: Run) -> Result:
+    r.prepare()
+    r.spawn()
+    # Handshake: wait for child-pid, or bwrap's exit (setup failure).
+    setup_deadline = time.monotonic() + SETUP_TIMEOUT_S
+    poller = select.poll()
+    assert r.json_r is not None and r.pidfd is not None
+    poller.register(r.json_r, select.POLLIN)
+    poller.register(r.pidfd, select.POLLIN)
+    for fd in (r.out_r, r.err_r):
+        if fd is not None:
+            poller.register(fd, select.POLLIN)
+    released = False
+    while not released:
+        left = setup_deadline - time.monotonic()
+        if left <= 0:
+            r.kill(None)
+            r.reap()
+            raise LaunchError(f"bwrap did not finish setting up within {SETUP_TIMEOUT_S:.0f} s", argv=r.full_argv)
+        for fd, _ev in poller.poll(left * 1000):
+            if fd == r.json_r:
+                if not r.read_fd("json_r"):
+                    poller.unregister(fd)
+            elif fd == r.out_r:
+                if not r.read_fd("out_r"):
+                    poller.unregister(fd)
+            elif fd == r.err_r:
+                if not r.read_fd("err_r"):
+                    poller.unregister(fd)
+            elif fd == r.pidfd:
+                # bwrap exited before the handshake: setup failed.
+                r.reap()
+                while r.read_fd("err_r") or r.read_fd("out_r") or r.read_fd("json_r"):
+                    pass
+                raise classify_setup_failure(r.err.value()[0], r.full_argv, r.command)
+        if r.init_pid is not None:
+            r.release()
+            released = True
+    if r.stdin_w is not None and not r.feed_stdin():
+        poller.register(r.stdin_w, select.POLLOUT)
+    bwrap_done = False
+    while True:
+        open_fds = [fd for fd in (r.out_r, r.err_r, r.json_r, r.stdin_w) if fd is not None]
+        if bwrap_done and not open_fds:
+            break
+        wait = _remaining(r.deadline)
+        if bwrap_done:
+            # bwrap is gone and the sandbox is dead: the pipes are at EOF or about to be.
+            wait = 1.0 if wait is None else min(wait, 1.0)
+        events = poller.poll(None if wait is None else wait * 1000)
+        if not events:
+            if bwrap_done:
+                for attr in ("out_r", "err_r", "json_r", "stdin_w"):
+                    fd = getattr(r, attr)
+                    if fd is not None:
+                        poller.unregister(fd)
+                        if attr != "stdin_w":
+                            r.read_fd(attr)
+                        r._close_fd(attr)
+                break
+            if r.deadline is not None and time.monotonic() >= r.deadline:
+                r.kill("timeout")
+            continue
+        for fd, _ev in events:
+            if fd == r.pidfd:
+                poller.unregister(fd)
+                r.reap()
+                bwrap_done = True
+            elif fd == r.stdin_w:
+                if r.feed_stdin():
+                    poller.unregister(fd)
+            else:
+                attr = "out_r" if fd == r.out_r else "err_r" if fd == r.err_r else "json_r"
+                if not r.read_fd(attr):
+                    poller.unregister(fd)
+        if not bwrap_done and r.deadline is not None and time.monotonic() >= r.deadline:
+            r.kill("timeout")
+    return r.result()
+
+
+def run(command: Sequence[str], *, policy: Policy | None = None, workspace: str | os.PathLike[str] | None = None,
+        inputs: Sequence[str | os.PathLike[str]] = (), timeout: float | None = DEFAULT_TIMEOUT_S,
+        stdin: bytes | None = None, env: Mapping[str, str] | None = None, capture: bool = True,
+        cwd: str = WORKSPACE_DEST, workspace_base: str | None = None) -> Result:
+    """Run ``command`` in a fresh bwrap sandbox and wait for it.
+
+    Args:
+        command: program and arguments as seen inside, e.g. ``["python3", "main.py"]``;
+            a bare name is searched on the sandbox's PATH.
+        policy: the sandbox description; default ``Policy()`` (the hardened recipe).
+        workspace: host directory bound read-write at ``/workspace`` (must exist). None makes
+            a fresh per-run directory under ``workspace_base`` (kept after the run; its path
+            is ``Result.workspace``).
+        inputs: host files or directories copied into the workspace before the run.
+        timeout: wall-clock limit in seconds (None: no limit); on expiry the whole sandbox is
+            SIGKILLed and the Result has ``timed_out=True``, ``killed_by="timeout"``.
+        stdin: bytes fed to the program's stdin, or None for ``/dev/null`` (capture mode) or
+            the caller's stdin (``capture=False``).
+        env: variables set inside on top of the Policy's.
+        capture: True pipes stdout/stderr into the Result (capped per Policy); False lets the
+            program use the caller's fds 0, 1, 2 (a terminal included).
+        cwd: working directory inside the sandbox.
+        workspace_base: parent of fresh workspaces (default ``$LOWLEVEL_WORKSPACE_BASE`` or
+            ``/tmp/lowlevel-<uid>``).
+    Returns:
+        A :class:`Result`.
+    Raises:
+        PolicyError: a bad argument (the message says which).
+        WorkspaceError: the workspace is missing, not a directory, or unreachable by the
+            sandbox's uid; an input is missing.
+        ExecError: the command does not exist (errno ENOENT) or is not executable (EACCES).
+        BwrapNotFoundError: bwrap is not installed.
+        LaunchError: bwrap failed to set up the sandbox (``.stderr`` has its message).
+        UnsupportedError: the host cannot enforce a limit the Policy requires.
+    """
+    r = Run(command, policy=policy or Policy(), workspace=None if workspace is None else os.fspath(workspace),
+            inputs=inputs, timeout=timeout, stdin=stdin, env=env, capture=capture, cwd=cwd,
+            workspace_base=workspace_base)
+    try:
+        return _drive_sync(r)
+    finally:
+        r.close()
+
+
+__all__ = ["DEFAULT_TIMEOUT_S", "ExecError", "Run", "classify_setup_failure", "host_facts", "precheck_exec", "run"]

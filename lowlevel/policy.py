@@ -1,0 +1,280 @@
+"""The sandbox description: immutable, validated on construction.
+
+A :class:`Policy` says what the sandbox sees and may do; it never changes after it is built,
+so one Policy can serve thousands of runs (its static bwrap argv is cached per Policy).
+
+Defaults are the hardened recipe: read-only ``/usr`` (and the usr-merge symlinks or
+read-only ``/bin``, ``/lib*`` dirs), a fresh ``/proc``, ``/dev`` and sized ``/tmp``, one
+writable workspace at ``/workspace``, every namespace unshared, no network, a cleared
+environment, no capabilities, no nested user namespaces, the default seccomp profile and
+resource limits.
+
+Sources: bwrap(1); bubblewrap README "Sandbox security" (anything bound in can be used to
+escalate; a bound D-Bus socket lets the sandbox run commands through systemd).
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import re
+import stat
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from .errors import PolicyError
+from .limits import Limits
+from .seccomp import DEFAULT_PROFILE, SeccompProfile
+
+#: Where the workspace appears inside the sandbox; also the cwd and HOME.
+WORKSPACE_DEST = "/workspace"
+
+#: The deliberate minimum environment after ``--clearenv``. A missing HOME sends pip and npm
+#: looking in surprising places; a missing LANG breaks UTF-8 I/O in Python < 3.15.
+BASE_ENV: Mapping[str, str] = MappingProxyType({
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "HOME": WORKSPACE_DEST,
+    "TMPDIR": "/tmp",
+    "LANG": "C.UTF-8",
+    "PYTHONDONTWRITEBYTECODE": "1",
+})
+
+#: Paths under a home directory that hold credentials. Binding them (or a parent of them)
+#: hands the sandbox the user's keys. Sources: OpenSSH, AWS CLI, gcloud, kubectl, Docker,
+#: GnuPG, git-credential-store, npm, pip/twine, GitHub CLI documentation.
+SENSITIVE_HOME_ENTRIES = (
+    ".ssh", ".aws", ".azure", ".config/gcloud", ".kube", ".docker", ".gnupg", ".netrc",
+    ".git-credentials", ".npmrc", ".pypirc", ".config/gh", ".password-store",
+    ".local/share/keyrings", ".config/hub", ".terraform.d", ".vault-token", ".config/op",
+)
+
+#: Host paths never bound without an override. /run and /var/run hold the D-Bus system bus,
+#: the Docker and containerd sockets, systemd's private socket and user runtime dirs
+#: (bubblewrap README: a D-Bus socket is enough to execute commands via systemd);
+#: /tmp/.X11-unix gives keystroke injection into the X server; /proc, /sys and /dev
+#: are the host's (the sandbox gets fresh ones).
+SENSITIVE_PATHS = (
+    "/run", "/var/run", "/tmp/.X11-unix", "/tmp/.ICE-unix", "/proc", "/sys", "/dev",
+    "/etc/shadow", "/etc/gshadow", "/etc/sudoers", "/etc/sudoers.d", "/etc/ssh",
+    "/var/lib/docker", "/boot",
+)
+
+#: Destinations the base layout owns; a user bind may not replace them.
+RESERVED_DESTS = ("/", "/usr", "/proc", "/dev", "/tmp", "/etc", WORKSPACE_DEST,
+                  "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _home_dirs() -> set[str]:
+    homes = {"/root"}
+    env_home = os.environ.get("HOME")
+    if env_home and os.path.isabs(env_home):
+        homes.add(os.path.realpath(env_home))
+    try:
+        homes.add(os.path.realpath(pwd.getpwuid(os.getuid()).pw_dir))
+    except KeyError:
+        pass
+    try:
+        for entry in pwd.getpwall():
+            if entry.pw_dir.startswith("/home/") and entry.pw_uid >= 1000:
+                homes.add(os.path.realpath(entry.pw_dir))
+    except OSError:
+        pass
+    homes.discard("/")
+    return homes
+
+
+def _within(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+def sensitive_reason(source: str) -> str | None:
+    """Say why binding host path ``source`` would leak secrets or escalate, or None.
+
+    ``source`` must be absolute and already resolved (``os.path.realpath``). A path is
+    sensitive when it is, contains, or lies inside a credential location, a home directory
+    itself (``~``: binding it exposes every dotfile), ``/run``/``/var/run``, a socket, or
+    a device/proc/sys tree.
+    """
+    if source == "/":
+        return "it is the host's root directory, which contains every secret on the host"
+    for home in _home_dirs():
+        if _within(home, source):
+            return (f"it is or contains the home directory {home} (SSH keys, tokens, shell history); "
+                    "bind only the project subdirectory you need")
+        for entry in SENSITIVE_HOME_ENTRIES:
+            secret = os.path.join(home, entry)
+            if _within(source, secret):
+                return f"it is inside the credential location {secret}"
+    for path in SENSITIVE_PATHS:
+        if _within(source, path) or _within(path, source):
+            return (f"it overlaps {path}, which holds host sockets, devices or secrets "
+                    "(a bound D-Bus or Docker socket is a way out of the sandbox)")
+    try:
+        st = os.stat(source)
+    except OSError:
+        return None
+    if stat.S_ISSOCK(st.st_mode):
+        return "it is a Unix socket (D-Bus, X11, Docker and the like are ways out of the sandbox)"
+    if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
+        return "it is a device node"
+    return None
+
+
+@dataclass(frozen=True)
+class Bind:
+    """One extra bind mount of a host path into the sandbox.
+
+    Attributes:
+        source: host path (absolute, or relative to the cwd); resolved with realpath on
+            construction, so a symlink cannot smuggle in a refused location.
+        dest: absolute path inside the sandbox; defaults to ``source``.
+        writable: ``--bind`` when True, ``--ro-bind`` when False (the default).
+        allow_sensitive: bind even a location :func:`sensitive_reason` refuses. Use only
+            when you mean to hand that location to untrusted code.
+
+    Raises:
+        PolicyError: the source does not exist, the destination is relative, reserved
+            (``/usr``, ``/proc``, ``/workspace``...) or contains ``..``, or the source is
+            sensitive and ``allow_sensitive`` is False.
+    """
+
+    source: str
+    dest: str = ""
+    writable: bool = False
+    allow_sensitive: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.source, (str, os.PathLike)) or not str(self.source):
+            raise PolicyError(f"Bind source must be a non-empty path, got {self.source!r}")
+        raw = os.fspath(self.source)
+        if "\0" in raw:
+            raise PolicyError("Bind source contains a NUL byte")
+        real = os.path.realpath(raw)
+        if not os.path.exists(real):
+            raise PolicyError(f"Bind source {raw!r} does not exist on the host")
+        dest = self.dest or real
+        if not os.path.isabs(dest) or "\0" in dest:
+            raise PolicyError(f"Bind dest {dest!r} must be an absolute path inside the sandbox")
+        if any(part == ".." for part in dest.split("/")):
+            raise PolicyError(f"Bind dest {dest!r} must not contain '..'")
+        dest = os.path.normpath(dest)
+        if dest in RESERVED_DESTS or any(_within(dest, r) for r in ("/proc", "/dev")):
+            raise PolicyError(f"Bind dest {dest!r} is reserved by the base layout; choose another path "
+                              "(e.g. /opt/NAME)")
+        if not self.allow_sensitive:
+            reason = sensitive_reason(real)
+            if reason:
+                raise PolicyError(f"refusing to bind {raw!r} into the sandbox: {reason}. "
+                                  "Pass allow_sensitive=True (CLI: --allow-sensitive) only if you "
+                                  "really mean to expose it")
+        object.__setattr__(self, "source", real)
+        object.__setattr__(self, "dest", dest)
+
+
+def _freeze_env(env: Mapping[str, str] | tuple[tuple[str, str], ...] | None) -> tuple[tuple[str, str], ...]:
+    items = env.items() if isinstance(env, Mapping) else (env or ())
+    out: dict[str, str] = {}
+    for key, value in items:
+        if not isinstance(key, str) or not _ENV_NAME.match(key):
+            raise PolicyError(f"environment variable name {key!r} is invalid: use letters, digits and _")
+        if not isinstance(value, str) or "\0" in value:
+            raise PolicyError(f"environment variable {key} must be a str without NUL bytes")
+        out[key] = value
+    return tuple(sorted(out.items()))
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What a sandbox sees and may do. Immutable and hashable; validated on construction.
+
+    Attributes:
+        network: False (default) unshares the network namespace: only a down loopback.
+            True keeps the host network (``--share-net``) and binds ``/etc/resolv.conf``,
+            ``/etc/hosts``, ``/etc/ssl`` and ``/etc/ca-certificates`` read-only.
+        binds: extra :class:`Bind` mounts (a virtualenv, node_modules, a toolchain...).
+        env: variables set on top of :data:`BASE_ENV` (mapping or sorted pairs).
+        limits: resource limits (:class:`lowlevel.limits.Limits`).
+        seccomp: the seccomp profile loaded with ``--seccomp``; None requires
+            ``unsafe_no_seccomp=True``.
+        unsafe_no_seccomp: allow ``seccomp=None``. Never set this for untrusted code.
+        hostname: the sandbox's hostname (``--hostname``, needs the UTS namespace).
+        host_uid, host_gid: when the caller is root, the unprivileged host ids the sandbox
+            runs as (default 65534, ``nobody``/``nogroup``). With bwrap 0.8.0 a sandbox
+            whose uid maps to host uid 0 can write sysctls under ``/proc/sys`` such as
+            ``kernel.core_pattern``, which is host root; so root callers never keep uid 0.
+            Ignored for non-root callers (bwrap maps the caller's own uid).
+        sandbox_uid, sandbox_gid: the ids seen inside (``--uid``/``--gid``); None keeps
+            the host ids.
+        stdout_limit_bytes, stderr_limit_bytes: capture caps; the rest is dropped with head
+            and tail kept and ``truncated`` set. Default 16 MiB each.
+
+    Raises:
+        PolicyError: an invalid value (the message names the field).
+    """
+
+    network: bool = False
+    binds: tuple[Bind, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    limits: Limits = field(default_factory=Limits)
+    seccomp: SeccompProfile | None = DEFAULT_PROFILE
+    unsafe_no_seccomp: bool = False
+    hostname: str = "sandbox"
+    host_uid: int = 65534
+    host_gid: int = 65534
+    sandbox_uid: int | None = None
+    sandbox_gid: int | None = None
+    stdout_limit_bytes: int = 16 * 1024 * 1024
+    stderr_limit_bytes: int = 16 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "env", _freeze_env(self.env))  # type: ignore[arg-type]
+        binds = tuple(self.binds)
+        for b in binds:
+            if not isinstance(b, Bind):
+                raise PolicyError(f"Policy.binds must hold Bind objects, got {type(b).__name__}")
+        dests = [b.dest for b in binds]
+        if len(set(dests)) != len(dests):
+            raise PolicyError(f"two binds share a destination: {sorted(dests)}")
+        object.__setattr__(self, "binds", binds)
+        if not isinstance(self.limits, Limits):
+            raise PolicyError("Policy.limits must be a lowlevel.Limits")
+        if self.seccomp is None and not self.unsafe_no_seccomp:
+            raise PolicyError("seccomp=None turns off the syscall filter; pass unsafe_no_seccomp=True "
+                              "to confirm (never for untrusted code)")
+        if self.seccomp is not None and not isinstance(self.seccomp, SeccompProfile):
+            raise PolicyError("Policy.seccomp must be a SeccompProfile or None")
+        if not re.match(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,62})$", self.hostname):
+            raise PolicyError(f"hostname {self.hostname!r} is not a valid host name (letters, digits, -)")
+        for name in ("host_uid", "host_gid"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 < value < 2**32 - 1:
+                raise PolicyError(f"Policy.{name} must be a non-zero uid/gid, got {value!r}: "
+                                  "the sandbox never runs as host root")
+        for name in ("sandbox_uid", "sandbox_gid"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 0 <= value < 2**32 - 1):
+                raise PolicyError(f"Policy.{name} must be None or a uid/gid, got {value!r}")
+        for name in ("stdout_limit_bytes", "stderr_limit_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise PolicyError(f"Policy.{name} must be a byte count >= 0, got {value!r}")
+
+    def environment(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        """Return the sandbox's environment: BASE_ENV, then ``env``, then ``extra``.
+
+        Raises:
+            PolicyError: an invalid name or value in ``extra``.
+        """
+        out = dict(BASE_ENV)
+        out.update(self.env)
+        if extra:
+            out.update(_freeze_env(extra))
+        return out
+
+
+__all__ = ["BASE_ENV", "Bind", "Policy", "SENSITIVE_HOME_ENTRIES", "SENSITIVE_PATHS", "WORKSPACE_DEST",
+           "sensitive_reason"]

@@ -1,0 +1,130 @@
+"""The outcome of a sandboxed run: what the program did, never whether lowlevel failed.
+
+The program exiting non-zero, dying on a signal, timing out or hitting a limit is a
+:class:`Result`; the sandbox failing to start is a :class:`lowlevel.errors.LaunchError`.
+
+bwrap reports the program's death by signal N as exit status 128+N (like a shell); we decode
+it into ``term_signal``. A program that calls ``exit(137)`` looks the same as one killed by
+SIGKILL: bwrap does not pass the difference on. Source: bubblewrap ``propagate_exit_status``.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .errors import LowlevelError
+from .workspace import Changes
+
+#: Values of :attr:`Result.killed_by`.
+KILLED_BY = ("timeout", "cpu", "memory", "pids", "signal", "cancelled")
+
+
+class RunFailedError(LowlevelError):
+    """Raised by :meth:`Result.check` when the program did not exit 0. ``.result`` has the Result."""
+
+    def __init__(self, result: "Result") -> None:
+        why = (f"killed by {result.killed_by}" if result.killed_by else
+               f"exited with status {result.exit_code}")
+        super().__init__(f"sandboxed program {why}")
+        self.result = result
+
+
+@dataclass
+class Result:
+    """What one sandboxed run did.
+
+    Attributes:
+        exit_code: the program's exit status as bwrap reports it (0-255; 128+N after signal N).
+        term_signal: N when ``exit_code`` is 128+N (1 <= N <= 64), else None.
+        timed_out: the wall-clock timeout fired and the sandbox was killed.
+        killed_by: why the run died early: ``"timeout"``, ``"cpu"`` (RLIMIT_CPU),
+            ``"memory"`` (cgroup OOM kill), ``"pids"`` (pids.max reached), ``"signal"``
+            (any other signal death), ``"cancelled"`` (the caller cancelled), or None.
+        stdout, stderr: captured output (bytes), capped: when over the cap, the head and tail
+            are kept and the middle dropped.
+        stdout_truncated, stderr_truncated: a cap applied.
+        stdout_dropped_bytes, stderr_dropped_bytes: how many bytes the cap dropped.
+        wall_time_s: seconds from spawn to reap (float).
+        cpu_user_s, cpu_system_s: CPU seconds of the whole sandbox, from its cgroup; None
+            when no cgroup applied (bwrap's parent never reaps the sandbox's processes, so
+            os.wait4 cannot see them).
+        peak_memory_bytes: the cgroup's peak memory (``memory.peak`` /
+            ``memory.max_usage_in_bytes``), or None.
+        max_rss_bytes: bwrap's own max RSS from os.wait4 (bytes), a floor, not the program's.
+        oom_kills: OOM kills counted in the cgroup, or None.
+        limits_enforced: what actually applied, e.g. ``("RLIMIT_CPU", "cgroup:memory", ...)``.
+        changes: files added, modified and deleted in the workspace.
+        workspace: host path of the workspace.
+        seccomp_denials: syscall names the filter denied (audit mode only), else None.
+        notes: human-readable notes on degraded behaviour (no cgroup, etc.).
+        argv: the full bwrap argv used (for records and debugging).
+    """
+
+    exit_code: int
+    term_signal: int | None = None
+    timed_out: bool = False
+    killed_by: str | None = None
+    stdout: bytes = b""
+    stderr: bytes = b""
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    stdout_dropped_bytes: int = 0
+    stderr_dropped_bytes: int = 0
+    wall_time_s: float = 0.0
+    cpu_user_s: float | None = None
+    cpu_system_s: float | None = None
+    peak_memory_bytes: int | None = None
+    max_rss_bytes: int | None = None
+    oom_kills: int | None = None
+    limits_enforced: tuple[str, ...] = ()
+    changes: Changes = field(default_factory=Changes)
+    workspace: str = ""
+    seccomp_denials: tuple[str, ...] | None = None
+    notes: tuple[str, ...] = ()
+    argv: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        """True when the program exited 0 and nothing killed it."""
+        return self.exit_code == 0 and self.killed_by is None
+
+    def check(self) -> "Result":
+        """Return self if :attr:`ok`, else raise :class:`RunFailedError`."""
+        if not self.ok:
+            raise RunFailedError(self)
+        return self
+
+    def signal_name(self) -> str | None:
+        """``"SIGKILL"`` etc. for :attr:`term_signal`, or None."""
+        if self.term_signal is None:
+            return None
+        try:
+            return signal.Signals(self.term_signal).name
+        except ValueError:
+            return f"SIG{self.term_signal}"
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict: bytes decoded as UTF-8 with replacement, changes as lists."""
+        d = asdict(self)
+        d["stdout"] = self.stdout.decode("utf-8", "replace")
+        d["stderr"] = self.stderr.decode("utf-8", "replace")
+        d["changes"] = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self.changes).items()}
+        d["limits_enforced"] = list(self.limits_enforced)
+        d["notes"] = list(self.notes)
+        d["argv"] = list(self.argv)
+        d["signal"] = self.signal_name()
+        if self.seccomp_denials is not None:
+            d["seccomp_denials"] = list(self.seccomp_denials)
+        return d
+
+
+def decode_exit(exit_code: int) -> int | None:
+    """Return N when ``exit_code`` is bwrap's 128+N encoding of death by signal N, else None."""
+    if 128 < exit_code <= 128 + 64:
+        return exit_code - 128
+    return None
+
+
+__all__ = ["KILLED_BY", "Result", "RunFailedError", "decode_exit"]
