@@ -285,7 +285,8 @@ class Run:
     def __init__(self, command: Sequence[str], *, policy: Policy, workspace: str | None = None,
                  inputs: Sequence[str | os.PathLike[str]] = (), timeout: float | None = DEFAULT_TIMEOUT_S,
                  stdin: bytes | None = None, env: Mapping[str, str] | None = None, capture: bool = True,
-                 cwd: str = WORKSPACE_DEST, workspace_base: str | None = None, bwrap: str | None = None) -> None:
+                 cwd: str = WORKSPACE_DEST, workspace_base: str | None = None, bwrap: str | None = None,
+                 extra_fds: Mapping[int, int] | None = None) -> None:
         if not isinstance(policy, Policy):
             raise PolicyError(f"policy must be a lowlevel.Policy, got {type(policy).__name__}")
         if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
@@ -304,6 +305,12 @@ class Run:
         self.env_extra = dict(env or {})
         self.environment = policy.environment(self.env_extra)
         self.facts = host_facts(bwrap)
+        self.inputs = list(inputs)
+        # {fd number inside: parent fd}; the parent keeps ownership of its fds.
+        self.extra_fds = dict(extra_fds or {})
+        for child_fd in self.extra_fds:
+            if child_fd < 9:
+                raise PolicyError(f"extra_fds: child fd {child_fd} is reserved (use 9 or above)")
         self.inputs = list(inputs)
         self.workspace_arg = workspace
         self.workspace_base = workspace_base
@@ -409,44 +416,39 @@ class Run:
         self.fds += [block_r, block_w]
         self.block_w = block_w
 
-        actions: list[tuple[Any, ...]] = []
+        stdio: list[tuple[int, int]] = []
+        devnull_stdin = False
+        if self.stdin is not None:
+            in_r, in_w = os.pipe()
+            self.fds += [in_r, in_w]
+            self.stdin_w = in_w
+            os.set_blocking(in_w, False)
+            self.stdin_view = memoryview(self.stdin)
+            stdio.append((in_r, 0))
+        elif self.capture:
+            devnull_stdin = True
         if self.capture:
             out_r, out_w = os.pipe()
             err_r, err_w = os.pipe()
             self.fds += [out_r, out_w, err_r, err_w]
             self.out_r, self.err_r = out_r, err_r
-            if self.stdin is not None:
-                in_r, in_w = os.pipe()
-                self.fds += [in_r, in_w]
-                self.stdin_w = in_w
-                os.set_blocking(in_w, False)
-                actions.append((os.POSIX_SPAWN_DUP2, in_r, 0))
-            else:
-                actions.append((os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0))
-            actions += [(os.POSIX_SPAWN_DUP2, out_w, 1), (os.POSIX_SPAWN_DUP2, err_w, 2)]
-        elif self.stdin is not None:
-            in_r, in_w = os.pipe()
-            self.fds += [in_r, in_w]
-            self.stdin_w = in_w
-            os.set_blocking(in_w, False)
-            actions.append((os.POSIX_SPAWN_DUP2, in_r, 0))
-        if self.stdin_w is not None:
-            self.stdin_view = memoryview(self.stdin or b"")
-        # Move every source fd above the targets first, so no dup2 clobbers a later source.
-        mapping = [(args_fd, ARGS_FD), (json_w, fds.json_status), (block_r, fds.block or 0),
-                   (passwd_fd, fds.passwd or 0), (group_fd, fds.group or 0)]
+            stdio += [(out_w, 1), (err_w, 2)]
+        mapping = stdio + [(args_fd, ARGS_FD), (json_w, fds.json_status), (block_r, fds.block or 0),
+                           (passwd_fd, fds.passwd or 0), (group_fd, fds.group or 0)]
         if seccomp_fd is not None:
             mapping.append((seccomp_fd, fds.seccomp or 0))
-        high = []
-        for src, _dst in mapping:
-            if src <= 16:
-                moved = fcntl.fcntl(src, fcntl.F_DUPFD_CLOEXEC, 17)
-                self.fds.append(moved)
-                high.append(moved)
-            else:
-                high.append(src)
-        for i, (_src, dst) in enumerate(mapping):
-            actions.append((os.POSIX_SPAWN_DUP2, high[i], dst))
+        mapping += [(parent_fd, child_fd) for child_fd, parent_fd in sorted(self.extra_fds.items())]
+        # Move every source above all targets first, so no dup2 clobbers a later source, and
+        # no dup2 has src == dst (which would leave FD_CLOEXEC set).
+        threshold = max(dst for _s, dst in mapping) + 1
+        actions: list[tuple[Any, ...]] = []
+        if devnull_stdin:
+            actions.append((os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0))
+        for src, dst in mapping:
+            if src < threshold:
+                src = fcntl.fcntl(src, fcntl.F_DUPFD_CLOEXEC, threshold)
+                self.fds.append(src)
+            actions.append((os.POSIX_SPAWN_DUP2, src, dst))
         keep = {dst for _s, dst in mapping} | {0, 1, 2}
         for fd in _inheritable_fds(keep):
             actions.append((os.POSIX_SPAWN_CLOSE, fd))
