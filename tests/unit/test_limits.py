@@ -1,0 +1,572 @@
+"""Unit tests of lowlevel.limits: validation, rlimit tables, parsers, and the cgroup v1/v2 code
+paths against a fake cgroupfs (a directory tree plus a small stand-in for the kernel's rules).
+
+No processes are spawned and the real /sys/fs/cgroup is not touched.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import pickle
+import shutil
+
+import pytest
+
+from lowlevel import limits as L
+from lowlevel.errors import PolicyError, UnsupportedError
+from lowlevel.limits import GiB, KiB, MiB, Limits
+
+# ---------------------------------------------------------------------------------------------
+# Limits validation
+# ---------------------------------------------------------------------------------------------
+
+
+def test_defaults() -> None:
+    lim = Limits()
+    assert (lim.cpu_s, lim.memory_bytes, lim.address_space_bytes, lim.pids) == (60.0, GiB, None, 256)
+    assert (lim.fsize_bytes, lim.nofile, lim.core_bytes, lim.cpu_quota) == (GiB, 1024, 0, None)
+    assert (lim.tmp_size_bytes, lim.require) == (256 * MiB, ())
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("cpu_s", 0), ("cpu_s", -1.0), ("cpu_s", float("nan")), ("cpu_s", float("inf")), ("cpu_s", "60"),
+    ("cpu_s", True),
+    ("memory_bytes", 1024), ("memory_bytes", 1.5 * GiB), ("memory_bytes", True), ("memory_bytes", 2**63),
+    ("address_space_bytes", 0),
+    ("pids", 1), ("pids", 0), ("pids", 2.0),
+    ("fsize_bytes", -1),
+    ("nofile", 2),
+    ("core_bytes", None), ("core_bytes", -1),
+    ("cpu_quota", 0), ("cpu_quota", 0.001),
+    ("tmp_size_bytes", 1),
+])
+def test_bad_values_raise_policy_error_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(PolicyError, match=rf"Limits\.{field}"):
+        Limits(**{field: value})  # type: ignore[arg-type]
+
+
+def test_none_disables_each_optional_limit() -> None:
+    lim = Limits(cpu_s=None, memory_bytes=None, pids=None, fsize_bytes=None, nofile=None,
+                 tmp_size_bytes=None)
+    assert L.rlimits(lim) == (("RLIMIT_CORE", 0, 0),)
+
+
+def test_require_must_be_a_tuple_of_known_names() -> None:
+    with pytest.raises(PolicyError, match=r"require=\('memory',\)"):
+        Limits(require="memory")  # type: ignore[arg-type]
+    with pytest.raises(PolicyError, match="unknown name 'disk'"):
+        Limits(require=("disk",))
+    with pytest.raises(PolicyError, match="memory_bytes is None"):
+        Limits(memory_bytes=None, require=("memory",))
+    with pytest.raises(PolicyError, match="cpu_quota is None"):
+        Limits(require=("cpu",))
+    assert Limits(require=["pids", "memory", "pids"]).require == ("pids", "memory")  # type: ignore[arg-type]
+
+
+def test_limits_is_frozen_and_hashable() -> None:
+    lim = Limits()
+    with pytest.raises(AttributeError):
+        lim.cpu_s = 1  # type: ignore[misc]
+    assert hash(lim) == hash(Limits())
+
+
+# ---------------------------------------------------------------------------------------------
+# rlimit table
+# ---------------------------------------------------------------------------------------------
+
+
+class _Enforcing:
+    """Stands in for a RunCgroup in rlimits(): only ``enforced`` is read."""
+
+    def __init__(self, *enforced: str) -> None:
+        self.enforced = enforced
+
+
+def test_rlimits_without_cgroup_use_data_and_nproc_fallbacks() -> None:
+    assert L.rlimits(Limits()) == (
+        ("RLIMIT_CPU", 60, 61),
+        ("RLIMIT_DATA", GiB, GiB),
+        ("RLIMIT_NPROC", 256, 256),
+        ("RLIMIT_FSIZE", GiB, GiB),
+        ("RLIMIT_NOFILE", 1024, 1024),
+        ("RLIMIT_CORE", 0, 0),
+    )
+
+
+def test_rlimits_leave_out_what_the_cgroup_enforces() -> None:
+    names = [n for n, _, _ in L.rlimits(Limits(), _Enforcing("memory", "pids"))]  # type: ignore[arg-type]
+    assert names == ["RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_CORE"]
+    names = [n for n, _, _ in L.rlimits(Limits(), _Enforcing("memory"))]  # type: ignore[arg-type]
+    assert "RLIMIT_NPROC" in names and "RLIMIT_DATA" not in names
+
+
+def test_rlimit_cpu_rounds_up_and_hard_is_one_second_later() -> None:
+    assert L.rlimits(Limits(cpu_s=0.2))[0] == ("RLIMIT_CPU", 1, 2)
+    assert L.rlimits(Limits(cpu_s=2.5))[0] == ("RLIMIT_CPU", 3, 4)
+
+
+def test_rlimit_as_only_when_set() -> None:
+    assert "RLIMIT_AS" not in {n for n, _, _ in L.rlimits(Limits())}
+    assert ("RLIMIT_AS", 4 * GiB, 4 * GiB) in L.rlimits(Limits(address_space_bytes=4 * GiB))
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsers
+# ---------------------------------------------------------------------------------------------
+
+HYBRID_MOUNTINFO = """\
+31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
+32 31 0:29 / /sys/fs/cgroup/cpu,cpuacct rw,relatime - cgroup cgroup rw,cpu,cpuacct
+35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory
+36 31 0:33 / /sys/fs/cgroup/devices rw,relatime - cgroup cgroup rw,devices
+40 31 0:37 / /sys/fs/cgroup/systemd rw,relatime - cgroup cgroup rw,xattr,name=systemd
+41 31 0:38 / /sys/fs/cgroup/unified rw,relatime shared:9 - cgroup2 cgroup2 rw,nsdelegate
+50 23 0:40 /docker/abc /mnt/my\\040cg rw - cgroup cgroup rw,pids
+"""
+
+
+def test_parse_mountinfo_keeps_cgroup_mounts_and_unescapes() -> None:
+    got = L.parse_mountinfo(HYBRID_MOUNTINFO)
+    assert got[0] == ("/", "/sys/fs/cgroup/cpu,cpuacct", "cgroup", "rw,cpu,cpuacct")
+    assert ("/", "/sys/fs/cgroup/unified", "cgroup2", "rw,nsdelegate") in got
+    assert ("/docker/abc", "/mnt/my cg", "cgroup", "rw,pids") in got
+    assert all(fs in ("cgroup", "cgroup2") for _, _, fs, _ in got)
+
+
+def test_parse_proc_cgroup() -> None:
+    text = "9:name=systemd:/\n4:memory:/process_api/x\n2:cpu,cpuacct:/a:b\n0::/user.slice\n"
+    assert L.parse_proc_cgroup(text) == {"name=systemd": "/", "memory": "/process_api/x",
+                                         "cpu,cpuacct": "/a:b", "": "/user.slice"}
+
+
+@pytest.mark.parametrize(("root", "own", "expected"), [
+    ("/", "/", "/m"),
+    ("/", "/a/b", "/m/a/b"),
+    ("/docker/abc", "/docker/abc/x", "/m/x"),   # bind mount of a subtree, no cgroup namespace
+    ("/docker/abc", "/", "/m"),                 # cgroup namespace: paths already relative
+])
+def test_own_dir(root: str, own: str, expected: str) -> None:
+    assert L._own_dir("/m", root, own) == expected
+
+
+# ---------------------------------------------------------------------------------------------
+# Fake cgroupfs: directories + the kernel rules we rely on
+# ---------------------------------------------------------------------------------------------
+
+V2_FILES = {
+    None: {"cgroup.procs": "", "cgroup.subtree_control": "", "cgroup.type": "domain\n",
+           "cgroup.kill": "", "cgroup.events": "populated 0\nfrozen 0\n",
+           "cpu.stat": "usage_usec 0\nuser_usec 0\nsystem_usec 0\n"},
+    "memory": {"memory.max": "max\n", "memory.swap.max": "max\n", "memory.current": "0\n",
+               "memory.peak": "0\n", "memory.events": "low 0\nhigh 0\nmax 0\noom 0\noom_kill 0\n"},
+    "pids": {"pids.max": "max\n", "pids.events": "max 0\n", "pids.current": "0\n"},
+    "cpu": {"cpu.max": "max 100000\n"},
+}
+V1_FILES = {
+    "memory": {"memory.limit_in_bytes": "9223372036854771712\n", "memory.memsw.limit_in_bytes": "x\n",
+               "memory.max_usage_in_bytes": "0\n", "memory.oom_control": "oom_kill_disable 0\nunder_oom 0\noom_kill 0\n"},
+    "pids": {"pids.max": "max\n", "pids.events": "max 0\n", "pids.peak": "0\n"},
+    "cpu": {"cpu.cfs_period_us": "100000\n", "cpu.cfs_quota_us": "-1\n"},
+    "cpuacct": {"cpuacct.usage_user": "0\n", "cpuacct.usage_sys": "0\n"},
+    "freezer": {"freezer.state": "THAWED\n"},
+}
+
+
+class FakeKernel:
+    """Stands in for cgroupfs: mkdir populates interface files; writes follow the kernel's rules.
+
+    - v2 ``cgroup.subtree_control``: ``+ctrl`` must be in ``cgroup.controllers``; a non-root
+      cgroup with processes refuses (EBUSY, the "no internal processes" rule).
+    - ``cgroup.procs``: moving a PID removes it from every other cgroup of the same tree.
+    - other files: must exist (no O_CREAT), content replaced.
+    """
+
+    def __init__(self, tmp: str, *, omit: tuple[str, ...] = ()) -> None:
+        self.tmp = tmp
+        self.omit = omit
+        self.v1_mounts: dict[str, frozenset[str]] = {}
+        self.writes: list[tuple[str, str]] = []
+        self.killed: list[int] = []
+
+    def v2_root(self, controllers: str = "cpu memory pids") -> str:
+        root = os.path.join(self.tmp, "v2")
+        os.makedirs(root)
+        for name, text in {"cgroup.procs": "", "cgroup.subtree_control": "",
+                           "cgroup.controllers": controllers + "\n"}.items():
+            self._put(os.path.join(root, name), text)
+        return root
+
+    def v1_root(self, controller: str) -> str:
+        root = os.path.join(self.tmp, "v1", controller)
+        os.makedirs(root)
+        self.v1_mounts[root] = frozenset(controller.split(","))
+        self._put(os.path.join(root, "cgroup.procs"), "")
+        return root
+
+    def _put(self, path: str, text: str) -> None:
+        with open(path, "w") as f:
+            f.write(text)
+
+    def _v1_mount(self, path: str) -> str | None:
+        return next((m for m in self.v1_mounts if path == m or path.startswith(m + "/")), None)
+
+    def mkdir(self, path: str, exist_ok: bool = False) -> None:
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            if not exist_ok:
+                raise
+            return
+        mount = self._v1_mount(path)
+        if mount is not None:
+            self._put(os.path.join(path, "cgroup.procs"), "")
+            for c in self.v1_mounts[mount]:
+                for name, text in V1_FILES[c].items():
+                    if name not in self.omit:
+                        self._put(os.path.join(path, name), text)
+            return
+        parent = os.path.dirname(path)
+        enabled = L._read_words(os.path.join(parent, "cgroup.subtree_control"))
+        self._put(os.path.join(path, "cgroup.controllers"), " ".join(sorted(enabled)) + "\n")
+        for key in (None, *sorted(enabled)):
+            for name, text in V2_FILES.get(key, {}).items():
+                if name not in self.omit:
+                    self._put(os.path.join(path, name), text)
+
+    def rmdir(self, path: str) -> None:
+        if L._read_ints(os.path.join(path, "cgroup.procs")):
+            raise OSError(errno.EBUSY, "busy", path)
+        if any(os.path.isdir(os.path.join(path, e)) for e in os.listdir(path)):
+            raise OSError(errno.EBUSY, "has children", path)
+        shutil.rmtree(path)
+
+    def write(self, path: str, text: str) -> None:
+        self.writes.append((os.path.relpath(path, self.tmp), text))
+        if not os.path.exists(path):
+            raise FileNotFoundError(errno.ENOENT, "No such file", path)
+        d, name = os.path.split(path)
+        if name == "cgroup.subtree_control":
+            available = L._read_words(os.path.join(d, "cgroup.controllers"))
+            current = L._read_words(path)
+            for word in text.split():
+                ctrl = word[1:]
+                if ctrl not in available:
+                    raise OSError(errno.ENOENT, "not available", path)
+                if os.path.exists(os.path.join(d, "cgroup.type")) and L._read_ints(os.path.join(d, "cgroup.procs")):
+                    raise OSError(errno.EBUSY, "no internal processes", path)
+                current = current | {ctrl} if word[0] == "+" else current - {ctrl}
+            self._put(path, " ".join(sorted(current)) + "\n")
+        elif name == "cgroup.procs":
+            pid = int(text)
+            top = self._v1_mount(path) or os.path.join(self.tmp, "v2")
+            for dirpath, _, files in os.walk(top):
+                if "cgroup.procs" in files:
+                    procs = os.path.join(dirpath, "cgroup.procs")
+                    self._put(procs, "".join(f"{p}\n" for p in L._read_ints(procs) if p != pid))
+            self._put(path, "".join(f"{p}\n" for p in [*L._read_ints(path), pid]))
+        else:
+            self._put(path, text)
+
+
+@pytest.fixture
+def kernel(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> FakeKernel:
+    k = FakeKernel(str(tmp_path))
+    monkeypatch.setattr(L, "_mkdir", k.mkdir)
+    monkeypatch.setattr(L, "_rmdir", k.rmdir)
+    monkeypatch.setattr(L, "_write", k.write)
+    monkeypatch.setattr(L, "_kill", k.killed.append)  # fake PIDs: never signal a real process
+    return k
+
+
+def _no_delegate(mount: str, user: bool) -> None:
+    return None
+
+
+def _mountinfo(*mounts: tuple[str, str, str]) -> str:
+    return "".join(f"{i} 1 0:{i} / {m} rw - {fs} {fs} {opts}\n" for i, (m, fs, opts) in enumerate(mounts, 30))
+
+
+# ---------------------------------------------------------------------------------------------
+# v2 detection
+# ---------------------------------------------------------------------------------------------
+
+
+def test_v2_root_cgroup_gets_lowlevel_base_with_controllers(kernel: FakeKernel) -> None:
+    root = kernel.v2_root()
+    support = L._detect(_mountinfo((root, "cgroup2", "rw")), "0::/\n", euid=0, pid=1,
+                        delegate=_no_delegate)
+    h = support.v2
+    assert h is not None and h.base == os.path.join(root, "lowlevel") and h.how == "root cgroup"
+    assert h.controllers == {"cpu", "memory", "pids"}
+    assert L._read_words(os.path.join(root, "cgroup.subtree_control")) == {"cpu", "memory", "pids"}
+    assert support.version == "v2" and support.hierarchy_for("memory") is h
+
+
+def test_v2_own_cgroup_delegated_moves_us_to_a_leaf(kernel: FakeKernel) -> None:
+    root = kernel.v2_root()
+    kernel.write(os.path.join(root, "cgroup.subtree_control"), "+memory +pids")
+    own = os.path.join(root, "user.slice", "app.scope")
+    kernel.mkdir(os.path.dirname(own))
+    kernel.write(os.path.join(os.path.dirname(own), "cgroup.subtree_control"), "+memory +pids")
+    kernel.mkdir(own)
+    kernel.write(os.path.join(own, "cgroup.procs"), "4242")
+    os.chown(own, 1000, 1000)
+    support = L._detect(_mountinfo((root, "cgroup2", "rw")), "0::/user.slice/app.scope\n",
+                        euid=1000, pid=4242, delegate=_no_delegate)
+    h = support.v2
+    assert h is not None and h.base == os.path.join(own, "lowlevel"), h
+    assert h.controllers == {"memory", "pids"}
+    assert L._read_ints(os.path.join(own, "supervisor", "cgroup.procs")) == [4242]
+    assert L._read_ints(os.path.join(own, "cgroup.procs")) == []
+
+
+def test_v2_own_cgroup_shared_with_other_processes_is_not_taken(kernel: FakeKernel) -> None:
+    root = kernel.v2_root()
+    kernel.write(os.path.join(root, "cgroup.subtree_control"), "+memory")
+    own = os.path.join(root, "session.scope")
+    kernel.mkdir(own)
+    kernel.write(os.path.join(own, "cgroup.procs"), "4242")
+    kernel.write(os.path.join(own, "cgroup.procs"), "77")  # the caller's shell
+    os.chown(own, 1000, 1000)
+    h = L._detect(_mountinfo((root, "cgroup2", "rw")), "0::/session.scope\n", euid=1000, pid=4242,
+                  delegate=_no_delegate).v2
+    assert h is not None and h.base is None and "not writable" in h.how
+    assert not os.path.exists(os.path.join(own, "supervisor"))
+
+
+def test_v2_systemd_scope_is_used_and_the_holder_moved_out(kernel: FakeKernel) -> None:
+    root = kernel.v2_root()
+    kernel.write(os.path.join(root, "cgroup.subtree_control"), "+memory +pids +cpu")
+    scope = os.path.join(root, "lowlevel-1.scope")
+    calls = []
+
+    def delegate(mount: str, user: bool) -> tuple[str, int]:
+        calls.append((mount, user))
+        kernel.mkdir(scope)
+        kernel.write(os.path.join(scope, "cgroup.procs"), "555")
+        return scope, 555
+
+    own = os.path.join(root, "session.scope")
+    kernel.mkdir(own)
+    kernel.write(os.path.join(own, "cgroup.procs"), "4242")
+    support = L._detect(_mountinfo((root, "cgroup2", "rw")), "0::/session.scope\n", euid=1000, pid=4242,
+                        delegate=delegate)
+    assert calls == [(root, True)]
+    h = support.v2
+    assert h is not None and h.base == scope and h.controllers == {"cpu", "memory", "pids"}
+    assert L._read_ints(os.path.join(scope, "holder", "cgroup.procs")) == [555]
+
+
+def test_v2_not_writable_and_no_systemd_means_no_base(kernel: FakeKernel) -> None:
+    root = kernel.v2_root()
+    kernel.write(os.path.join(root, "cgroup.subtree_control"), "+memory")
+    kernel.mkdir(os.path.join(root, "svc"))
+    kernel.write(os.path.join(root, "svc", "cgroup.procs"), "9")
+    support = L._detect(_mountinfo((root, "cgroup2", "rw")), "0::/svc\n", euid=0, pid=9,
+                        delegate=_no_delegate)  # root, but no delegate xattr: not ours to split
+    assert support.v2 is not None and support.v2.base is None
+    assert not support.usable
+    with pytest.raises(UnsupportedError) as info:
+        L.enforcement_plan(Limits(require=("memory",)), support)
+    assert info.value.feature == "cgroup:memory"
+    assert "not writable" in str(info.value)
+    again = pickle.loads(pickle.dumps(info.value))
+    assert (again.feature, str(again)) == (info.value.feature, str(info.value))
+    assert L.RunCgroup.create(Limits(), support=support) is None
+
+
+def test_hybrid_prefers_v1_controllers_and_keeps_v2_core(kernel: FakeKernel) -> None:
+    v2 = kernel.v2_root(controllers="hugetlb")
+    mem = kernel.v1_root("memory")
+    cpu = kernel.v1_root("cpu,cpuacct")
+    mountinfo = _mountinfo((mem, "cgroup", "rw,memory"), (cpu, "cgroup", "rw,cpu,cpuacct"),
+                           (v2, "cgroup2", "rw"))
+    os.makedirs(os.path.join(mem, "process_api", "h"))
+    support = L._detect(mountinfo, "4:memory:/process_api/h\n2:cpu,cpuacct:/\n0::/\n", euid=0, pid=1,
+                        delegate=_no_delegate)
+    assert support.version == "hybrid"
+    assert support.hierarchy_for("memory").base == os.path.join(mem, "process_api", "h", "lowlevel")  # type: ignore[union-attr]
+    assert support.hierarchy_for("cpu").mount == cpu  # type: ignore[union-attr]
+    assert support.hierarchy_for("pids") is None
+    assert support.v2 is not None and support.v2.base and support.v2.controllers == frozenset()
+    plan = L.enforcement_plan(Limits(cpu_quota=1.0), support)
+    assert plan.cgroups == (("memory", 1), ("cpu", 1))
+    assert plan.not_enforced == (("pids", "no writable pids cgroup: RLIMIT_NPROC per uid instead "
+                                          "(not enforced for root)"),)
+    assert ("RLIMIT_NPROC", 256, 256) in plan.rlimits
+    assert "RLIMIT_DATA" not in {n for n, _, _ in plan.rlimits}
+
+
+# ---------------------------------------------------------------------------------------------
+# RunCgroup on fake v2 and v1
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def v2_support(kernel: FakeKernel) -> L.CgroupSupport:
+    root = kernel.v2_root()
+    return L._detect(_mountinfo((root, "cgroup2", "rw")), "0::/\n", euid=0, pid=1, delegate=_no_delegate)
+
+
+def _file(cg: L.RunCgroup, controller: str, name: str) -> str:
+    node = cg.node(controller)
+    assert node is not None
+    return L._read(os.path.join(node.path, name))
+
+
+def test_v2_run_cgroup_writes_limits(kernel: FakeKernel, v2_support: L.CgroupSupport) -> None:
+    cg = L.RunCgroup.create(Limits(memory_bytes=256 * MiB, pids=64, cpu_quota=0.5), "r1", support=v2_support)
+    assert cg is not None and len(cg.nodes) == 1
+    assert cg.enforced == ("memory", "pids", "cpu")
+    assert cg.limit_files == ("memory.max", "memory.swap.max", "pids.max", "cpu.max")
+    assert _file(cg, "memory", "memory.max") == str(256 * MiB)
+    assert _file(cg, "memory", "memory.swap.max") == "0"
+    assert _file(cg, "pids", "pids.max") == "64"
+    assert _file(cg, "cpu", "cpu.max") == "50000 100000"
+    assert L.limits_enforced(("RLIMIT_CPU",), cg) == ("RLIMIT_CPU", "memory.max", "memory.swap.max",
+                                                      "pids.max", "cpu.max")
+    cg.attach(31337)
+    assert cg.pids() == [31337]
+    with pytest.raises(OSError) as info:
+        cg.remove(timeout_s=0.01)  # the fake PID never exits
+    assert info.value.errno == errno.EBUSY
+    assert ("v2/lowlevel/r1/cgroup.kill", "1") in kernel.writes
+    assert set(kernel.killed) == {31337}  # cgroup.kill did not empty it: SIGKILL loop
+    with open(os.path.join(cg.nodes[0].path, "cgroup.procs"), "w"):
+        pass  # "it exited"
+    cg.remove()
+    assert not os.path.exists(cg.nodes[0].path)
+    cg.remove()  # idempotent
+
+
+def test_v2_stats(kernel: FakeKernel, v2_support: L.CgroupSupport) -> None:
+    cg = L.RunCgroup.create(Limits(), "r2", support=v2_support)
+    assert cg is not None
+    d = cg.nodes[0].path
+    for name, text in {"memory.peak": "123456\n", "memory.events": "max 4\noom 1\noom_kill 1\n",
+                       "pids.events": "max 7\n", "cpu.stat": "usage_usec 3500000\nuser_usec 2500000\n"
+                                                            "system_usec 1000000\n"}.items():
+        with open(os.path.join(d, name), "w") as f:
+            f.write(text)
+    assert cg.stats() == L.CgroupStats(peak_memory_bytes=123456, oom_kills=1, pids_limit_hit=True,
+                                       pids_peak=None, cpu_user_s=2.5, cpu_system_s=1.0)
+    cg.remove()
+
+
+def test_v2_peak_by_sampling_without_memory_peak(kernel: FakeKernel, v2_support: L.CgroupSupport) -> None:
+    kernel.omit = ("memory.peak",)  # Linux < 5.19
+    cg = L.RunCgroup.create(Limits(), "r3", support=v2_support)
+    assert cg is not None
+    current = os.path.join(cg.nodes[0].path, "memory.current")
+    for value in (10, 900, 20):
+        with open(current, "w") as f:
+            f.write(f"{value}\n")
+        cg.sample()
+    assert cg.stats().peak_memory_bytes == 900
+    cg.remove()
+
+
+def test_v2_without_swap_accounting_notes_it(kernel: FakeKernel, v2_support: L.CgroupSupport) -> None:
+    kernel.omit = ("memory.swap.max",)
+    cg = L.RunCgroup.create(Limits(), "r4", support=v2_support)
+    assert cg is not None and cg.enforced == ("memory", "pids")
+    assert cg.limit_files == ("memory.max", "pids.max")
+    assert any("swap is not bounded" in n for n in cg.notes)
+    cg.remove()
+
+
+def test_required_limit_whose_write_fails_raises_and_leaves_nothing(kernel: FakeKernel,
+                                                                    v2_support: L.CgroupSupport) -> None:
+    kernel.omit = ("pids.max",)
+    base = v2_support.v2.base  # type: ignore[union-attr]
+    with pytest.raises(UnsupportedError) as info:
+        L.RunCgroup.create(Limits(require=("pids",)), "r5", support=v2_support)
+    assert info.value.feature == "cgroup:pids"
+    assert "pids.max: missing" in str(info.value)
+    assert not os.path.exists(os.path.join(base, "r5"))  # type: ignore[arg-type]
+
+
+def test_name_collision_and_bad_names(kernel: FakeKernel, v2_support: L.CgroupSupport) -> None:
+    cg = L.RunCgroup.create(Limits(), "same", support=v2_support)
+    with pytest.raises(FileExistsError):
+        L.RunCgroup.create(Limits(), "same", support=v2_support)
+    assert cg is not None
+    cg.remove()
+    for bad in ("..", "a/b", "", "x" * 65):
+        with pytest.raises(ValueError):
+            L.RunCgroup.create(Limits(), bad, support=v2_support)
+
+
+def test_v1_run_cgroup_uses_each_hierarchy(kernel: FakeKernel) -> None:
+    mem, pids, cpu, frz = (kernel.v1_root(c) for c in ("memory", "pids", "cpu,cpuacct", "freezer"))
+    mountinfo = _mountinfo((mem, "cgroup", "rw,memory"), (pids, "cgroup", "rw,pids"),
+                           (cpu, "cgroup", "rw,cpu,cpuacct"), (frz, "cgroup", "rw,freezer"))
+    support = L._detect(mountinfo, "5:memory:/\n4:pids:/\n3:cpu,cpuacct:/\n2:freezer:/\n", euid=0, pid=1,
+                        delegate=_no_delegate)
+    assert support.version == "v1"
+    cg = L.RunCgroup.create(Limits(memory_bytes=64 * MiB, pids=10, cpu_quota=2.0), "r6", support=support)
+    assert cg is not None
+    assert {n.path for n in cg.nodes} == {os.path.join(m, "lowlevel", "r6") for m in (mem, pids, cpu, frz)}
+    assert cg.limit_files == ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes", "pids.max",
+                              "cpu.cfs_quota_us")
+    assert _file(cg, "memory", "memory.memsw.limit_in_bytes") == str(64 * MiB)
+    assert _file(cg, "cpu", "cpu.cfs_quota_us") == "200000"
+    with open(os.path.join(cg.node("cpuacct").path, "cpuacct.usage_user"), "w") as f:  # type: ignore[union-attr]
+        f.write("1500000000\n")
+    with open(os.path.join(cg.node("memory").path, "memory.oom_control"), "w") as f:  # type: ignore[union-attr]
+        f.write("oom_kill_disable 0\nunder_oom 0\noom_kill 3\n")
+    stats = cg.stats()
+    assert (stats.cpu_user_s, stats.cpu_system_s, stats.oom_kills, stats.pids_limit_hit) == (1.5, 0.0, 3, False)
+    cg.remove()
+    assert all(not os.path.exists(n.path) for n in cg.nodes)
+
+
+def test_v1_without_memsw_notes_unbounded_swap(kernel: FakeKernel) -> None:
+    kernel.omit = ("memory.memsw.limit_in_bytes",)
+    mem = kernel.v1_root("memory")
+    support = L._detect(_mountinfo((mem, "cgroup", "rw,memory")), "5:memory:/\n", euid=0, pid=1,
+                        delegate=_no_delegate)
+    cg = L.RunCgroup.create(Limits(), "r7", support=support)
+    assert cg is not None and cg.enforced == ("memory",)
+    assert any("swapaccount=0" in n for n in cg.notes)
+    cg.remove()
+
+
+def test_v1_not_writable_reports_why(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    def denied(path: str, exist_ok: bool = False) -> None:
+        raise PermissionError(errno.EACCES, "Permission denied", path)
+
+    monkeypatch.setattr(L, "_mkdir", denied)
+    support = L._detect(_mountinfo(("/nonexistent/memory", "cgroup", "rw,memory")), "5:memory:/x\n",
+                        euid=1000, pid=1, delegate=_no_delegate)
+    (h,) = support.hierarchies
+    assert h.base is None and h.how == "mkdir /nonexistent/memory/x/lowlevel: Permission denied"
+    assert not support.usable and support.version == "v1"
+
+
+def test_stale_runs_of_dead_processes_are_swept(kernel: FakeKernel) -> None:
+    mem = kernel.v1_root("memory")
+    kernel.mkdir(os.path.join(mem, "lowlevel"))
+    dead = os.path.join(mem, "lowlevel", "999999999-1-abc")
+    mine = os.path.join(mem, "lowlevel", f"{os.getpid()}-1-abc")
+    other = os.path.join(mem, "lowlevel", "someone-else")
+    for d in (dead, mine, other):
+        kernel.mkdir(d)
+    L._detect(_mountinfo((mem, "cgroup", "rw,memory")), "5:memory:/\n", euid=0, pid=1, delegate=_no_delegate)
+    assert not os.path.exists(dead) and os.path.exists(mine) and os.path.exists(other)
+
+
+def test_no_cgroups_at_all() -> None:
+    support = L._detect("", "", euid=0, pid=1, delegate=_no_delegate)
+    assert support.version is None and not support.usable
+    assert L.RunCgroup.create(Limits(), support=support) is None
+    plan = L.enforcement_plan(Limits(), support)
+    assert not plan.cgroup and plan.cgroups == ()
+    assert {n for n, _, _ in plan.rlimits} >= {"RLIMIT_DATA", "RLIMIT_NPROC"}
+    with pytest.raises(UnsupportedError, match="no cgroup mounted"):
+        L.enforcement_plan(Limits(require=("cgroup",)), support)
+
+
+def test_sizes_are_bytes() -> None:
+    assert (KiB, MiB, GiB) == (1024, 1024**2, 1024**3)
