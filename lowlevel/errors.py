@@ -31,7 +31,13 @@ class PolicyError(LowlevelError, ValueError):
 
 
 class WorkspaceError(LowlevelError, OSError):
-    """The workspace is missing, not a directory, or holds an entry we refuse to touch."""
+    """The workspace is missing, not a directory, or holds an entry we refuse to touch.
+
+    Built as ``WorkspaceError(errno, message)``; ``str()`` is the message alone.
+    """
+
+    def __str__(self) -> str:
+        return str(self.strerror) if self.strerror else super().__str__()
 
 
 class UnsupportedError(LowlevelError):

@@ -674,6 +674,12 @@ class Run:
             notes=tuple(self.notes), argv=tuple(self.full_argv),
         )
 
+    def discard_workspace_if_unused(self) -> None:
+        """Remove a workspace this Run created when the program never started (setup failed)."""
+        if self.owns_workspace and self.workspace and b'"exit-code"' not in self.json_buf \
+                and not self.killed_by:
+            shutil.rmtree(self.workspace, ignore_errors=True)
+
     def close(self) -> None:
         """Kill anything left, reap, remove the cgroup, close every fd. Idempotent."""
         if self.closed:
@@ -838,6 +844,10 @@ def run(command: Sequence[str], *, policy: Policy | None = None, workspace: str 
             workspace_base=workspace_base)
     try:
         return _drive_sync(r)
+    except BaseException:
+        r.close()
+        r.discard_workspace_if_unused()
+        raise
     finally:
         r.close()
 
