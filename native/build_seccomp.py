@@ -9,6 +9,7 @@ Only ``lowlevel/seccomp.py`` imports the result.
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 from cffi import FFI
@@ -76,8 +77,8 @@ ffibuilder.cdef(
 ffibuilder.set_source(
     "lowlevel._native",
     '#include "seccomp_helper.h"',
-    sources=[str(HERE / "seccomp_helper.c")],
-    include_dirs=[str(HERE)],
+    sources=[os.path.relpath(HERE / "seccomp_helper.c")],  # setuptools wants relative paths
+    include_dirs=[os.path.relpath(HERE)],
     libraries=["seccomp"],
     extra_compile_args=["-Wall", "-Wextra", "-O2"],
 )
