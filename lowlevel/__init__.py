@@ -20,6 +20,22 @@ from .workspace import Changes
 
 __version__ = "0.1.0"
 
+#: Names served lazily by :func:`__getattr__`: the asyncio API imports asyncio (~30 ms),
+#: which ``import lowlevel`` (and the CLI) should not pay.
+_LAZY = {"Runner": "aio", "arun": "aio"}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lowlevel' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
 __all__ = [
     "Bind",
     "BwrapNotFoundError",
@@ -33,9 +49,11 @@ __all__ = [
     "PolicyError",
     "Result",
     "RunFailedError",
+    "Runner",
     "SeccompError",
     "SeccompProfile",
     "UnsupportedError",
     "WorkspaceError",
+    "arun",
     "run",
 ]

@@ -163,6 +163,17 @@ def _memfd(name: str, data: bytes) -> int:
     return fd
 
 
+def _readable(fd: int, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for ``fd`` to be readable (a pidfd: the process exited).
+
+    poll(2), not select(2): select cannot take fds >= FD_SETSIZE (1024), which a process
+    with hundreds of runs in flight reaches.
+    """
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    return bool(p.poll(timeout_s * 1000))
+
+
 def _inheritable_fds(keep: set[int]) -> list[int]:
     """Caller fds >= 3 that would survive exec (no FD_CLOEXEC), except ``keep``."""
     out = []
@@ -583,8 +594,16 @@ class Run:
                 self.fds.remove(fd)
             setattr(self, attr, None)
 
-    def kill(self, reason: str | None) -> None:
-        """SIGKILL the whole sandbox (its PID 1 takes the PID namespace with it) and bwrap."""
+    def kill(self, reason: str | None, *, cgroup_kill: bool = True) -> None:
+        """SIGKILL the whole sandbox (its PID 1 takes the PID namespace with it) and bwrap.
+
+        Args:
+            reason: recorded as ``killed_by`` (the first reason wins), or None.
+            cgroup_kill: also SIGKILL every process in the run's cgroup and wait (up to 2 s,
+                blocking) until it is empty. The async driver passes False and instead waits
+                on the sandbox-init pidfd without blocking the loop; :meth:`close` still
+                empties and removes the cgroup.
+        """
         if reason and self.killed_by is None:
             self.killed_by = reason
             if reason == "timeout":
@@ -595,7 +614,7 @@ class Run:
                     signal.pidfd_send_signal(pfd, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-        if self.cgroup is not None:
+        if cgroup_kill and self.cgroup is not None:
             try:
                 self.cgroup.kill_all()
             except Exception:  # noqa: BLE001 - best effort, bwrap's death kills the namespace anyway
@@ -603,22 +622,33 @@ class Run:
 
     def reap(self) -> None:
         """Reap bwrap (blocking: call once its pidfd is readable) and make sure the sandbox is gone."""
+        self.reap_bwrap()
+        if self.init_pidfd is not None:
+            # --die-with-parent SIGKILLs the sandbox's PID 1 when bwrap exits; make sure.
+            if not _readable(self.init_pidfd, 2.0):
+                try:
+                    signal.pidfd_send_signal(self.init_pidfd, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                _readable(self.init_pidfd, 10.0)
+
+    def reap_bwrap(self) -> None:
+        """``os.wait4`` bwrap and record its status; blocks unless bwrap's pidfd is readable.
+
+        The first half of :meth:`reap`; the async driver calls it once the loop reports the
+        pidfd readable, then waits for the sandbox-init pidfd itself instead of blocking.
+        """
         if self.pid is not None and self.wait_status is None:
             _, status, ru = os.wait4(self.pid, 0)
             self.wait_status = status
             self.rusage = ru
             self.t_end = time.monotonic()
-        if self.init_pidfd is not None:
-            # --die-with-parent SIGKILLs the sandbox's PID 1 when bwrap exits; make sure.
-            if not select.select([self.init_pidfd], [], [], 2.0)[0]:
-                signal.pidfd_send_signal(self.init_pidfd, signal.SIGKILL)
-                select.select([self.init_pidfd], [], [], 10.0)
 
     def sandbox_alive(self) -> bool:
         """True while the sandbox's PID 1 (and so its PID namespace) still exists."""
         if self.init_pidfd is None:
             return False
-        return not select.select([self.init_pidfd], [], [], 0)[0]
+        return not _readable(self.init_pidfd, 0)
 
     # -- 5. finish -----------------------------------------------------------------------
     def result(self) -> Result:

@@ -1,0 +1,386 @@
+"""asyncio driver: ``await arun(...)``, the same run as :func:`lowlevel.run`, on the event loop.
+
+Each run is the launcher's :class:`~lowlevel.launcher.Run` (prepare, spawn, handshake,
+supervise, reap, result) driven by loop callbacks instead of ``poll(2)``: bwrap's pidfd and
+the output pipes are registered with ``loop.add_reader``, stdin with ``loop.add_writer``,
+the deadline with ``loop.call_later``. No thread per child, no polling sleeps, nothing in
+the loop blocks on the child: ``os.wait4`` runs only once bwrap's pidfd is readable, and
+the wait for the sandbox's PID 1 (which :meth:`Run.reap` does with a blocking 2 s poll) is
+an awaited reader on its pidfd.
+
+Glossary:
+    bwrap pidfd: ``pidfd_open(2)`` of the bwrap process we spawned; readable when it exits.
+    init pidfd: pidfd of the sandbox's PID 1 (bwrap's child, reported on
+        ``--json-status-fd``); readable once every process of the PID namespace is gone.
+    limiter: an ``asyncio.Semaphore`` bounding the runs that hold fds and processes. A call
+        waiting for it holds nothing but its coroutine.
+
+File descriptors, per run (Linux fds in this process; the loop's epoll fd is shared):
+    - while ``prepare``/``spawn`` run (synchronously, one run at a time per loop): up to
+      ~25 short-lived fds (args, seccomp, passwd and group memfds, 5 pipes, and their
+      copies moved above the child's fd numbers); closed before ``spawn`` returns;
+    - from spawn to reap, at most 6: bwrap pidfd, json-status read end, stdout and stderr
+      read ends (``capture=True``), stdin write end (``stdin`` bytes, until written), and
+      the block-fd write end (until the handshake) or, after it, the init pidfd;
+    - after the run: none. So ``n`` runs in flight hold at most ``6 * n + 25`` fds, and a
+      :class:`Runner` with ``max_concurrency=64`` stays under 410 however many calls wait
+      (the default ``RLIMIT_NOFILE`` soft limit is often 1024).
+    Processes: bwrap and the sandbox's processes per running run; threads: none.
+
+Cancellation: cancelling the awaiting task SIGKILLs the sandbox (PID 1, so the whole PID
+namespace, and bwrap), waits on the loop until both are gone and bwrap is reaped, removes
+the cgroup and closes every fd, then re-raises :class:`asyncio.CancelledError`. A second
+cancellation during that wait falls back to the blocking cleanup of :meth:`Run.close`
+(bounded: SIGKILL has already been sent).
+
+Sources: pidfd_open(2) (poll: "readable when the process terminates", Linux 5.3);
+asyncio "Watching file descriptors" (``loop.add_reader``); bwrap(1) --json-status-fd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import select
+import signal
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from .errors import LaunchError
+from .launcher import DEFAULT_TIMEOUT_S, SETUP_TIMEOUT_S, Run, classify_setup_failure
+from .policy import WORKSPACE_DEST, Policy
+from .result import Result
+
+#: How long the supervisor waits for the output pipes to reach EOF after the sandbox is
+#: gone (they do at once unless a process outside the sandbox holds a copy), seconds.
+DRAIN_TIMEOUT_S = 1.0
+#: How long bwrap's exit may precede the sandbox PID 1's (``--die-with-parent`` kills it)
+#: before we SIGKILL it ourselves, then how long we wait for that, seconds (as Run.reap).
+INIT_EXIT_TIMEOUT_S = 2.0
+INIT_KILL_TIMEOUT_S = 10.0
+
+
+def _ready_now(fd: int) -> bool:
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    return bool(p.poll(0))
+
+
+class _Supervision:
+    """The loop registrations of one Run: readers, the stdin writer, the deadline timer.
+
+    Callbacks only read, write or record and then wake the driving coroutine; every
+    decision is taken in :func:`_drive`, in the order of the sync driver.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, r: Run) -> None:
+        self.loop = loop
+        self.r = r
+        self.readers: set[int] = set()
+        self.writer: int | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.wake: asyncio.Future[None] | None = None
+        self.bwrap_exited = False
+
+    # -- registrations -------------------------------------------------------------------
+    def add_reader(self, fd: int | None, callback: Callable[..., None], *args: Any) -> None:
+        if fd is not None:
+            self.loop.add_reader(fd, callback, *args)
+            self.readers.add(fd)
+
+    def remove_reader(self, fd: int) -> None:
+        if fd in self.readers:
+            self.readers.discard(fd)
+            self.loop.remove_reader(fd)
+
+    def detach(self) -> None:
+        """Drop every registration (before Run.close closes the fds)."""
+        for fd in list(self.readers):
+            self.remove_reader(fd)
+        if self.writer is not None:
+            self.loop.remove_writer(self.writer)
+            self.writer = None
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    # -- callbacks -----------------------------------------------------------------------
+    def _wakeup(self) -> None:
+        if self.wake is not None and not self.wake.done():
+            self.wake.set_result(None)
+
+    def on_pipe(self, attr: str) -> None:
+        fd = getattr(self.r, attr)
+        if fd is None:
+            return
+        if not self.r.read_fd(attr):
+            # read_fd closed it at EOF; unregister the number at once (nothing can reuse it
+            # in between: fds are only opened by this thread's Run objects).
+            self.remove_reader(fd)
+            self._wakeup()
+        elif attr == "json_r" and self.r.init_pid is not None:
+            self._wakeup()
+
+    def on_bwrap_exit(self) -> None:
+        assert self.r.pidfd is not None
+        self.remove_reader(self.r.pidfd)
+        self.bwrap_exited = True
+        self._wakeup()
+
+    def on_stdin(self) -> None:
+        fd = self.r.stdin_w
+        if fd is None or self.r.feed_stdin():
+            if self.writer is not None:
+                self.loop.remove_writer(self.writer)
+                self.writer = None
+            self._wakeup()
+
+    def on_deadline(self) -> None:
+        self.timer = None
+        if not self.bwrap_exited:
+            self.r.kill("timeout", cgroup_kill=False)
+
+    # -- waiting -------------------------------------------------------------------------
+    async def wait(self, timeout_s: float | None = None) -> bool:
+        """Sleep until a callback wakes us; False when ``timeout_s`` passed first."""
+        fut = self.loop.create_future()
+        self.wake = fut
+        try:
+            if timeout_s is None:
+                await fut
+                return True
+            done, _ = await asyncio.wait([fut], timeout=timeout_s)
+            return bool(done)
+        finally:
+            self.wake = None
+            if not fut.done():
+                fut.cancel()
+
+    async def readable(self, fd: int, timeout_s: float) -> bool:
+        """Await ``fd`` readable (a pidfd: its process exited); False after ``timeout_s``."""
+        if _ready_now(fd):
+            return True
+        fut: asyncio.Future[None] = self.loop.create_future()
+
+        def ready() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        self.loop.add_reader(fd, ready)
+        try:
+            done, _ = await asyncio.wait([fut], timeout=timeout_s)
+            return bool(done)
+        finally:
+            self.loop.remove_reader(fd)
+            if not fut.done():
+                fut.cancel()
+
+    async def reap(self) -> None:
+        """Async :meth:`Run.reap`: wait4 bwrap (its pidfd is readable), then await PID 1's exit."""
+        r = self.r
+        if r.pidfd is not None and r.wait_status is None and not self.bwrap_exited:
+            await self.readable(r.pidfd, INIT_KILL_TIMEOUT_S + INIT_EXIT_TIMEOUT_S)
+        r.reap_bwrap()
+        if r.init_pidfd is not None and not await self.readable(r.init_pidfd, INIT_EXIT_TIMEOUT_S):
+            try:
+                signal.pidfd_send_signal(r.init_pidfd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            await self.readable(r.init_pidfd, INIT_KILL_TIMEOUT_S)
+
+
+async def _drive(r: Run, sup: _Supervision) -> Result:
+    """The sync driver's steps (``launcher._drive_sync``), on loop callbacks."""
+    r.prepare()
+    r.spawn()
+    assert r.json_r is not None and r.pidfd is not None
+    # Handshake: wait for child-pid, or bwrap's exit (setup failure).
+    sup.add_reader(r.json_r, sup.on_pipe, "json_r")
+    sup.add_reader(r.out_r, sup.on_pipe, "out_r")
+    sup.add_reader(r.err_r, sup.on_pipe, "err_r")
+    sup.add_reader(r.pidfd, sup.on_bwrap_exit)
+    setup_deadline = time.monotonic() + SETUP_TIMEOUT_S
+    while r.init_pid is None:
+        if sup.bwrap_exited:
+            # bwrap exited before the handshake: setup failed.
+            sup.detach()
+            r.reap_bwrap()
+            while r.read_fd("err_r") or r.read_fd("out_r") or r.read_fd("json_r"):
+                pass
+            raise classify_setup_failure(r.err.value()[0], r.full_argv, r.command)
+        left = setup_deadline - time.monotonic()
+        if left <= 0:
+            r.kill(None, cgroup_kill=False)
+            await sup.reap()
+            raise LaunchError(f"bwrap did not finish setting up within {SETUP_TIMEOUT_S:.0f} s", argv=r.full_argv)
+        await sup.wait(left)
+    r.release()
+    if r.stdin_w is not None and not r.feed_stdin():
+        sup.writer = r.stdin_w
+        sup.loop.add_writer(r.stdin_w, sup.on_stdin)
+    if r.deadline is not None:
+        sup.timer = sup.loop.call_later(max(0.0, r.deadline - time.monotonic()), sup.on_deadline)
+    while not sup.bwrap_exited:
+        await sup.wait()
+    if sup.timer is not None:
+        sup.timer.cancel()
+        sup.timer = None
+    await sup.reap()
+    # bwrap is gone and the sandbox is dead: the pipes are at EOF or about to be.
+    while any(fd is not None for fd in (r.out_r, r.err_r, r.json_r, r.stdin_w)):
+        if not await sup.wait(DRAIN_TIMEOUT_S):
+            sup.detach()
+            for attr in ("out_r", "err_r", "json_r", "stdin_w"):
+                if getattr(r, attr) is not None:
+                    if attr != "stdin_w":
+                        r.read_fd(attr)
+                    r._close_fd(attr)
+            break
+    return r.result()
+
+
+async def _arun(r: Run) -> Result:
+    loop = asyncio.get_running_loop()
+    sup = _Supervision(loop, r)
+    try:
+        return await _drive(r, sup)
+    except asyncio.CancelledError:
+        if r.pid is not None and r.wait_status is None:
+            r.kill("cancelled", cgroup_kill=False)
+            try:
+                await sup.reap()
+            except asyncio.CancelledError:
+                pass  # cancelled again: Run.close() below kills and reaps, blocking briefly
+        raise
+    except BaseException:
+        sup.detach()
+        r.close()
+        discard = getattr(r, "discard_workspace_if_unused", None)
+        if discard is not None:
+            discard()
+        raise
+    finally:
+        sup.detach()
+        r.close()
+
+
+async def arun(command: Sequence[str], *, policy: Policy | None = None,
+               workspace: str | os.PathLike[str] | None = None, inputs: Sequence[str | os.PathLike[str]] = (),
+               timeout: float | None = DEFAULT_TIMEOUT_S, stdin: bytes | None = None,
+               env: Mapping[str, str] | None = None, capture: bool = True, cwd: str = WORKSPACE_DEST,
+               workspace_base: str | None = None, limiter: asyncio.Semaphore | None = None) -> Result:
+    """Run ``command`` in a fresh bwrap sandbox without blocking the event loop.
+
+    The same run, arguments and :class:`~lowlevel.result.Result` as :func:`lowlevel.run`
+    (see there), plus ``limiter``. The Policy's argv, seccomp BPF and host probes are
+    computed once per process and shared by every call.
+
+    Args:
+        command: program and arguments as seen inside, e.g. ``["python3", "main.py"]``.
+        policy: the sandbox description; default ``Policy()``.
+        workspace, inputs, timeout, stdin, env, capture, cwd, workspace_base: as
+            :func:`lowlevel.run`. ``timeout`` (seconds, None for none) counts from the spawn;
+            on expiry the sandbox is SIGKILLed and the Result has ``timed_out=True``.
+        limiter: an ``asyncio.Semaphore`` shared by the calls it should bound; the call
+            waits for it before allocating anything (no fd, no process, no workspace).
+            None: no bound (each run in flight holds up to 6 fds; see the module docstring).
+    Returns:
+        A :class:`~lowlevel.result.Result`.
+    Raises:
+        asyncio.CancelledError: the task was cancelled; the sandbox was killed and reaped
+            and its fds closed first.
+        PolicyError, WorkspaceError, ExecError, BwrapNotFoundError, LaunchError,
+        UnsupportedError: as :func:`lowlevel.run`.
+    """
+    if limiter is not None and not isinstance(limiter, asyncio.Semaphore):
+        raise TypeError(f"limiter must be an asyncio.Semaphore or None, got {type(limiter).__name__}")
+
+    def make() -> Run:
+        return Run(command, policy=policy or Policy(),
+                   workspace=None if workspace is None else os.fspath(workspace), inputs=inputs,
+                   timeout=timeout, stdin=stdin, env=env, capture=capture, cwd=cwd,
+                   workspace_base=workspace_base)
+
+    if limiter is None:
+        return await _arun(make())
+    async with limiter:
+        return await _arun(make())
+
+
+class Runner:
+    """Many :func:`arun` calls under one concurrency cap, with shared defaults.
+
+    ::
+
+        async with lowlevel.Runner(max_concurrency=8) as runner:
+            results = await asyncio.gather(*(runner.run(["python3", "-c", code]) for code in codes))
+
+    Calls beyond ``max_concurrency`` wait (holding no fd) until a slot frees. Leaving the
+    ``async with`` block (or :meth:`aclose`) cancels the calls still in flight and waits
+    until their sandboxes are killed and reaped, so no sandbox outlives the block.
+
+    Args:
+        max_concurrency: runs allowed at once, >= 1. Each holds at most 6 fds and its
+            sandbox's processes; 2-4x the CPU count keeps the CPUs busy for short runs.
+        policy, timeout, workspace_base, env: defaults for :meth:`run` (a call's own
+            arguments win).
+    Raises:
+        ValueError: ``max_concurrency`` is not an int >= 1.
+    """
+
+    def __init__(self, max_concurrency: int, *, policy: Policy | None = None,
+                 timeout: float | None = DEFAULT_TIMEOUT_S, workspace_base: str | None = None,
+                 env: Mapping[str, str] | None = None) -> None:
+        if not isinstance(max_concurrency, int) or isinstance(max_concurrency, bool) or max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be an int >= 1, got {max_concurrency!r}")
+        self.max_concurrency = max_concurrency
+        self.defaults: dict[str, Any] = {"policy": policy, "timeout": timeout, "workspace_base": workspace_base,
+                                         "env": env}
+        self._limiter = asyncio.Semaphore(max_concurrency)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closed = False
+
+    @property
+    def in_flight(self) -> int:
+        """Calls that hold a slot now (0 <= in_flight <= max_concurrency)."""
+        return self.max_concurrency - self._limiter._value  # noqa: SLF001 - Semaphore has no public count
+
+    async def run(self, command: Sequence[str], **kwargs: Any) -> Result:
+        """:func:`arun` under this Runner's cap and defaults; same arguments except ``limiter``.
+
+        Raises:
+            RuntimeError: the Runner is closed.
+            TypeError: ``limiter`` was passed.
+        """
+        if self._closed:
+            raise RuntimeError("Runner is closed")
+        if "limiter" in kwargs:
+            raise TypeError("Runner.run takes no limiter: the Runner's own bounds the call")
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+        try:
+            return await arun(command, **{**self.defaults, **kwargs}, limiter=self._limiter)
+        finally:
+            if task is not None:
+                self._tasks.discard(task)
+
+    async def aclose(self) -> None:
+        """Refuse new calls, cancel those in flight and wait for their cleanup."""
+        self._closed = True
+        me = asyncio.current_task()
+        tasks = [t for t in self._tasks if t is not me and not t.done()]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def __aenter__(self) -> "Runner":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+__all__ = ["DRAIN_TIMEOUT_S", "Runner", "arun"]
