@@ -122,6 +122,7 @@ def dynamic_args(
     fds: Fds,
     extra_env: Mapping[str, str] | None = None,
     cwd: str = WORKSPACE_DEST,
+    clearenv: bool = False,
 ) -> list[str]:
     """The per-run part of bwrap's argv.
 
@@ -130,6 +131,8 @@ def dynamic_args(
         fds: fd numbers bwrap will see.
         extra_env: variables set on top of the Policy's environment.
         cwd: the working directory inside (default ``/workspace``).
+        clearenv: emit ``--clearenv`` before ``extra_env`` (bwrap applies it where it stands),
+            so ``extra_env`` is then the whole environment, set in sorted order.
     """
     a = ["--bind", workspace, WORKSPACE_DEST]
     if fds.passwd is not None:
@@ -137,6 +140,8 @@ def dynamic_args(
     if fds.group is not None:
         a += ["--ro-bind-data", str(fds.group), "/etc/group"]
     a += ["--remount-ro", "/", "--chdir", cwd]
+    if clearenv:
+        a += ["--clearenv"]
     if extra_env:
         for key in sorted(extra_env):
             a += ["--setenv", key, extra_env[key]]
@@ -156,9 +161,30 @@ def build_argv(policy: Policy, facts: HostFacts, *, workspace: str, fds: Fds,
         ``list[str]``; the launcher passes it through ``--args FD`` so no policy is too long
         for the kernel's argv limit (E2BIG). bwrap takes only options from ``--args``: the
         command follows on the real argv (see :func:`outer_argv`).
+
+        Deterministic mode with ``extra_env``: the per-run part clears the environment and sets
+        all of it again in sorted order, so ``environ`` inside is sorted (bwrap's setenv appends
+        new names at the end of ``environ``, after the static part's).
     """
+    if policy.deterministic and extra_env:
+        return [*static_args(policy, facts),
+                *dynamic_args(workspace=workspace, fds=fds, extra_env=policy.environment(extra_env), cwd=cwd,
+                              clearenv=True)]
     return [*static_args(policy, facts),
             *dynamic_args(workspace=workspace, fds=fds, extra_env=extra_env, cwd=cwd)]
+
+
+def redact_env_values(argv: Sequence[str]) -> list[str]:
+    """Copy of ``argv`` with the value after each ``--setenv NAME`` replaced by ``"***"``.
+
+    For logs: environment values a caller passes into the sandbox may be secrets (tokens);
+    their names are kept.
+    """
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg == "--setenv" and i + 2 < len(out):
+            out[i + 2] = "***"
+    return out
 
 
 #: util-linux prlimit(1) option for each rlimit.
@@ -194,4 +220,5 @@ def outer_argv(facts: HostFacts, policy: Policy, setpriv: str | None, args_fd: i
     return inner
 
 
-__all__ = ["Fds", "HostFacts", "NETWORK_ETC", "build_argv", "dynamic_args", "outer_argv", "static_args"]
+__all__ = ["Fds", "HostFacts", "NETWORK_ETC", "build_argv", "dynamic_args", "outer_argv", "redact_env_values",
+           "static_args"]

@@ -50,7 +50,7 @@ from typing import Any
 from . import limits as _limits
 from . import seccomp as _seccomp
 from . import workspace as _ws
-from .argv import NETWORK_ETC, Fds, HostFacts, build_argv, outer_argv
+from .argv import NETWORK_ETC, Fds, HostFacts, build_argv, outer_argv, redact_env_values
 from .errors import LaunchError, PolicyError, UnsupportedError, WorkspaceError
 from .policy import WORKSPACE_DEST, Policy
 from .probe import bwrap_info, host_layout, require_pidfd
@@ -476,7 +476,7 @@ class Run:
                               pre_exec_rlimits=self.pre_exec_rlimits)
         i = exe_argv.index("--args")
         self.full_argv = [*exe_argv[:i], *self.argv, *exe_argv[i + 2:]]
-        log.debug("lowlevel: spawning %s", self.full_argv)
+        log.debug("lowlevel: spawning %s", redact_env_values(self.full_argv))
         self.t0 = time.monotonic()
         if self.timeout is not None:
             self.deadline = self.t0 + self.timeout
@@ -837,7 +837,8 @@ def _drive_sync(r: Run) -> Result:
 def run(command: Sequence[str], *, policy: Policy | None = None, workspace: str | os.PathLike[str] | None = None,
         inputs: Sequence[str | os.PathLike[str]] = (), timeout: float | None = DEFAULT_TIMEOUT_S,
         stdin: bytes | None = None, env: Mapping[str, str] | None = None, capture: bool = True,
-        cwd: str = WORKSPACE_DEST, workspace_base: str | None = None) -> Result:
+        cwd: str = WORKSPACE_DEST, workspace_base: str | None = None,
+        record: str | os.PathLike[str] | None = None) -> Result:
     """Run ``command`` in a fresh bwrap sandbox and wait for it.
 
     Args:
@@ -858,6 +859,9 @@ def run(command: Sequence[str], *, policy: Policy | None = None, workspace: str 
         cwd: working directory inside the sandbox.
         workspace_base: parent of fresh workspaces (default ``$LOWLEVEL_WORKSPACE_BASE`` or
             ``/tmp/lowlevel-<uid>``).
+        record: write a run record (JSON, ``docs/record-schema.json``) to this path after the
+            run, and copy the inputs to ``<record>.inputs/`` for ``lowlevel replay``; see
+            :func:`lowlevel.record.record_run`.
     Returns:
         A :class:`Result`.
     Raises:
@@ -869,6 +873,11 @@ def run(command: Sequence[str], *, policy: Policy | None = None, workspace: str 
         LaunchError: bwrap failed to set up the sandbox (``.stderr`` has its message).
         UnsupportedError: the host cannot enforce a limit the Policy requires.
     """
+    if record is not None:
+        from .record import record_run
+        return record_run(command, record=record, policy=policy, workspace=workspace, inputs=inputs,
+                          timeout=timeout, stdin=stdin, env=env, capture=capture, cwd=cwd,
+                          workspace_base=workspace_base)
     r = Run(command, policy=policy or Policy(), workspace=None if workspace is None else os.fspath(workspace),
             inputs=inputs, timeout=timeout, stdin=stdin, env=env, capture=capture, cwd=cwd,
             workspace_base=workspace_base)

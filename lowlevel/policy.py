@@ -64,6 +64,23 @@ SENSITIVE_PATHS = (
 RESERVED_DESTS = ("/", "/usr", "/proc", "/dev", "/tmp", "/etc", WORKSPACE_DEST,
                   "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
 
+#: Deterministic mode (``Policy(deterministic=True)``): variables set on top of BASE_ENV (the
+#: Policy's own ``env`` and per-run ``env`` still win, so a caller can pin a different
+#: SOURCE_DATE_EPOCH). 315532800 is 1980-01-01T00:00:00Z, the earliest time a zip file can hold
+#: (what reproducible-builds.org tools clamp to). Source: reproducible-builds.org
+#: "SOURCE_DATE_EPOCH" specification; Python docs for PYTHONHASHSEED; tzset(3) for TZ.
+DETERMINISTIC_ENV: Mapping[str, str] = MappingProxyType({
+    "TZ": "UTC",
+    "LANG": "C.UTF-8",
+    "LC_ALL": "C.UTF-8",
+    "SOURCE_DATE_EPOCH": "315532800",
+    "PYTHONHASHSEED": "0",
+})
+
+#: Deterministic mode: the uid/gid seen inside when ``sandbox_uid``/``sandbox_gid`` are None.
+DETERMINISTIC_UID = 1000
+DETERMINISTIC_GID = 1000
+
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -210,6 +227,14 @@ class Policy:
             the host ids.
         stdout_limit_bytes, stderr_limit_bytes: capture caps; the rest is dropped with head
             and tail kept and ``truncated`` set. Default 16 MiB each.
+        deterministic: benchmark-reproduction mode: adds :data:`DETERMINISTIC_ENV` (``TZ=UTC``,
+            ``LANG``/``LC_ALL=C.UTF-8``, ``SOURCE_DATE_EPOCH``, ``PYTHONHASHSEED=0``), fixes the
+            ids inside to :data:`DETERMINISTIC_UID`/``GID`` unless ``sandbox_uid``/``gid`` are
+            set, and passes the whole environment in sorted order. The hostname is
+            ``hostname`` as always. It cannot fix wall-clock time, randomness
+            (``/dev/urandom``, ``getrandom(2)``), ASLR, CPU speed or core count, scheduling
+            order of threads and processes, inode numbers and mtimes, or the kernel and
+            library versions of the host; see docs/records.md.
 
     Raises:
         PolicyError: an invalid value (the message names the field).
@@ -228,6 +253,7 @@ class Policy:
     sandbox_gid: int | None = None
     stdout_limit_bytes: int = 16 * 1024 * 1024
     stderr_limit_bytes: int = 16 * 1024 * 1024
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "env", _freeze_env(self.env))  # type: ignore[arg-type]
@@ -262,19 +288,29 @@ class Policy:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise PolicyError(f"Policy.{name} must be a byte count >= 0, got {value!r}")
+        if not isinstance(self.deterministic, bool):
+            raise PolicyError(f"Policy.deterministic must be a bool, got {self.deterministic!r}")
+        if self.deterministic:
+            if self.sandbox_uid is None:
+                object.__setattr__(self, "sandbox_uid", DETERMINISTIC_UID)
+            if self.sandbox_gid is None:
+                object.__setattr__(self, "sandbox_gid", DETERMINISTIC_GID)
 
     def environment(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-        """Return the sandbox's environment: BASE_ENV, then ``env``, then ``extra``.
+        """Return the sandbox's environment: BASE_ENV, then (deterministic mode)
+        DETERMINISTIC_ENV, then ``env``, then ``extra``.
 
         Raises:
             PolicyError: an invalid name or value in ``extra``.
         """
         out = dict(BASE_ENV)
+        if self.deterministic:
+            out.update(DETERMINISTIC_ENV)
         out.update(self.env)
         if extra:
             out.update(_freeze_env(extra))
         return out
 
 
-__all__ = ["BASE_ENV", "Bind", "Policy", "SENSITIVE_HOME_ENTRIES", "SENSITIVE_PATHS", "WORKSPACE_DEST",
+__all__ = ["BASE_ENV", "Bind", "DETERMINISTIC_ENV", "DETERMINISTIC_GID", "DETERMINISTIC_UID", "Policy", "SENSITIVE_HOME_ENTRIES", "SENSITIVE_PATHS", "WORKSPACE_DEST",
            "sensitive_reason"]

@@ -1,0 +1,548 @@
+"""Run records: one JSON document per run, to audit it and to replay it.
+
+A record (schema ``docs/record-schema.json``, prose in ``docs/records.md``) holds the full
+bwrap argv, the Policy in a canonical form and its SHA-256, the seccomp profile hash, the
+versions of bwrap, libseccomp, the kernel, Python and lowlevel, the environment inside the
+sandbox, the limits requested and enforced, timings, rusage and cgroup figures, the exit
+status, ``killed_by``, and the SHA-256 of every workspace file before and after the run.
+
+Glossary:
+    canonical policy: :func:`canonical_policy`: the Policy as a JSON object with sorted keys,
+        every field by its own name; the seccomp profile appears as its name, default action,
+        log flag and the SHA-256 of its rule table (see :func:`seccomp_rules_sha256`). Its
+        SHA-256 (``policy_sha256``) is the hash of ``json.dumps(canonical, sort_keys=True,
+        separators=(",", ":"), ensure_ascii=False)`` encoded as UTF-8.
+    input store: the sibling directory ``<record>.inputs/`` holding a copy of every regular
+        file that was in the workspace before the run (and stdin, if any), each named by its
+        SHA-256 (content-addressed, so a file used twice is stored once). Replay needs the
+        record and its store, nothing else: the original input paths may be gone.
+
+The caller's own environment is never read into a record: ``environment`` is the sandbox's
+(:meth:`Policy.environment`), which holds only BASE_ENV, the Policy's ``env`` and the
+per-run ``env``. Whatever a caller passes into the sandbox (an API token in ``env``) is in
+the sandbox and therefore in the record.
+
+Workspace content is untrusted: it is walked with :func:`lowlevel.workspace.list_files` and
+read with :func:`lowlevel.workspace.read_file` (no symlink followed, special files and
+multiply-linked files refused), files larger than :data:`MAX_HASH_BYTES` are listed with
+``sha256: null`` and a ``skipped`` reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import logging
+import os
+import platform
+import shutil
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import workspace as _ws
+from .errors import LowlevelError, WorkspaceError
+from .launcher import DEFAULT_TIMEOUT_S, host_facts
+from .launcher import run as _run
+from .limits import Limits
+from .policy import WORKSPACE_DEST, Bind, Policy
+from .result import Result
+
+log = logging.getLogger("lowlevel")
+
+#: The ``schema`` value of records this module writes and reads.
+SCHEMA_ID = "lowlevel-run-record/1"
+#: Files larger than this (bytes) are listed but not hashed or stored.
+MAX_HASH_BYTES = 64 * 1024 * 1024
+#: Total bytes copied into one record's input store; beyond it files are hashed, not stored.
+MAX_STORE_BYTES = 512 * 1024 * 1024
+#: Suffix of the input store directory next to the record file.
+STORE_SUFFIX = ".inputs"
+
+
+class RecordError(LowlevelError):
+    """A record cannot be written, read or replayed (bad schema, missing input, policy drift)."""
+
+
+# --- canonical policy ---------------------------------------------------------------------
+
+def _canon(value: Any) -> Any:
+    """JSON-ready form of a policy value: dataclasses by their comparable fields, tuples as lists."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _canon(getattr(value, f.name)) for f in dataclasses.fields(value) if f.compare}
+    if isinstance(value, Mapping):
+        return {str(k): _canon(v) for k, v in sorted(value.items())}
+    if isinstance(value, (list, tuple)):
+        return [_canon(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
+def _dumps(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def seccomp_rules_sha256(profile: Any) -> str:
+    """SHA-256 of a SeccompProfile's rule table: rows (syscall, action, args), default action, log.
+
+    Prose (``reason``, ``source``) does not count, as it does not for equality. Host-independent,
+    unlike the BPF bytes (which depend on the arch and the libseccomp version).
+    """
+    canon = _canon(profile)
+    canon.pop("name", None)
+    return hashlib.sha256(_dumps(canon)).hexdigest()
+
+
+def canonical_policy(policy: Policy) -> dict[str, Any]:
+    """The Policy as a JSON object (see the module glossary). Pure."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(policy):
+        value = getattr(policy, f.name)
+        if f.name == "seccomp":
+            out[f.name] = None if value is None else {
+                "name": value.name, "default_action": value.default_action, "log": value.log,
+                "rules_sha256": seccomp_rules_sha256(value)}
+        else:
+            out[f.name] = _canon(value)
+    return out
+
+
+def policy_sha256(policy: Policy) -> str:
+    """SHA-256 (hex) of :func:`canonical_policy`'s compact, key-sorted UTF-8 JSON."""
+    return hashlib.sha256(_dumps(canonical_policy(policy))).hexdigest()
+
+
+def _known_profiles(extra: Sequence[Any]) -> dict[str, Any]:
+    from . import seccomp as _seccomp
+    profiles = [_seccomp.DEFAULT_PROFILE, _seccomp.DEFAULT_PROFILE.with_log(), *extra]
+    return {seccomp_rules_sha256(p): p for p in profiles}
+
+
+def policy_from_canonical(canon: Mapping[str, Any], *, profiles: Sequence[Any] = ()) -> Policy:
+    """Rebuild a Policy from :func:`canonical_policy` output.
+
+    Args:
+        canon: the ``policy`` object of a record.
+        profiles: SeccompProfiles to look the record's profile up in (by rules hash), besides
+            the default profile and its log-mode copy.
+    Raises:
+        RecordError: an unknown field, or a seccomp profile not among ``profiles``.
+        PolicyError: the rebuilt Policy is invalid here (a bind source missing on this host).
+    """
+    names = {f.name for f in dataclasses.fields(Policy)}
+    unknown = set(canon) - names
+    if unknown:
+        raise RecordError(f"record policy has fields this lowlevel does not know: {sorted(unknown)}")
+    kwargs: dict[str, Any] = {}
+    for name, value in canon.items():
+        if name == "binds":
+            kwargs[name] = tuple(Bind(**b) for b in value)
+        elif name == "limits":
+            kwargs[name] = Limits(**{k: tuple(v) if isinstance(v, list) else v for k, v in value.items()})
+        elif name == "env":
+            kwargs[name] = tuple((k, v) for k, v in value)
+        elif name == "seccomp":
+            if value is None:
+                kwargs[name] = None
+            else:
+                found = _known_profiles(profiles).get(value["rules_sha256"])
+                if found is None:
+                    raise RecordError(f"the record's seccomp profile {value['name']!r} (rules sha256 "
+                                      f"{value['rules_sha256']}) is not known here: pass it to replay(profiles=...)")
+                kwargs[name] = found
+        else:
+            kwargs[name] = tuple(value) if isinstance(value, list) else value
+    return Policy(**kwargs)
+
+
+# --- host facts ---------------------------------------------------------------------------
+
+def _versions(bwrap_version: tuple[int, ...] | None) -> dict[str, Any]:
+    from . import __version__
+    libseccomp = None
+    try:
+        from . import seccomp as _seccomp
+        fn = getattr(_seccomp, "libseccomp_version", None)
+        v = fn() if fn is not None else _seccomp._backend().version()
+        libseccomp = ".".join(map(str, v)) if v else None
+    except Exception as err:  # noqa: BLE001 - a record notes what it cannot learn
+        log.debug("lowlevel: libseccomp version unknown: %s", err)
+    uname = os.uname()
+    return {"bwrap": ".".join(map(str, bwrap_version)) if bwrap_version else None,
+            "libseccomp": libseccomp, "kernel": uname.release, "kernel_build": uname.version,
+            "machine": uname.machine, "python": platform.python_version(),
+            "python_implementation": platform.python_implementation(), "lowlevel": __version__}
+
+
+def _seccomp_doc(policy: Policy) -> dict[str, Any] | None:
+    if policy.seccomp is None:
+        return None
+    from . import seccomp as _seccomp
+    fn = getattr(_seccomp, "profile_sha256", None)
+    bpf = _seccomp.compile_bpf(policy.seccomp)
+    return {"profile": policy.seccomp.name, "rules_sha256": seccomp_rules_sha256(policy.seccomp),
+            "bpf_sha256": hashlib.sha256(bpf).hexdigest(), "bpf_bytes": len(bpf),
+            "profile_sha256": fn(policy.seccomp) if fn is not None else None}
+
+
+# --- workspace hashing --------------------------------------------------------------------
+
+def _readlink(root: str, relpath: str) -> str | None:
+    """Read a symlink's text without following any symlink on the way (openat per component)."""
+    parts = relpath.split("/")
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in parts[:-1]:
+            nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+        return os.readlink(parts[-1], dir_fd=fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class _Store:
+    """The input store of one record being written: ``dir`` (created lazily) and bytes used."""
+
+    dir: str | None
+    used: int = 0
+    complete: bool = True
+
+    def put(self, digest: str, data: bytes) -> bool:
+        if self.dir is None:
+            return False
+        if self.used + len(data) > MAX_STORE_BYTES:
+            self.complete = False
+            return False
+        os.makedirs(self.dir, 0o700, exist_ok=True)
+        path = os.path.join(self.dir, digest)
+        if not os.path.exists(path):
+            tmp = f"{path}.tmp{os.getpid()}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+            self.used += len(data)
+        return True
+
+
+def hash_workspace(root: str, store: _Store | None = None,
+                   max_bytes: int = MAX_HASH_BYTES) -> tuple[list[dict[str, Any]], bool]:
+    """List every entry of ``root`` with the SHA-256 of each regular file.
+
+    Args:
+        root: host path of a workspace (untrusted content).
+        store: when given, regular files are also copied into it (the input store).
+        max_bytes: files larger than this are listed with ``sha256: None`` and ``skipped``.
+    Returns:
+        ``(entries, complete)``: entries sorted by path, each ``{"path", "kind", "size",
+        "mode", "sha256", "link", "stored", "skipped"}``; ``complete`` is False when the walk
+        stopped at :data:`lowlevel.workspace.MAX_SNAPSHOT_ENTRIES`.
+    Raises:
+        WorkspaceError: root is missing or unreadable.
+    """
+    entries = _ws.list_files(root)
+    complete = len(entries) < _ws.MAX_SNAPSHOT_ENTRIES
+    out: list[dict[str, Any]] = []
+    for e in entries:
+        doc: dict[str, Any] = {"path": e.path, "kind": e.kind, "size": e.size, "mode": e.mode,
+                               "sha256": None, "link": None, "stored": False, "skipped": None}
+        if e.kind == "file":
+            if e.size > max_bytes:
+                doc["skipped"] = f"larger than {max_bytes} bytes"
+            else:
+                try:
+                    data = _ws.read_file(root, e.path, max_bytes)
+                except WorkspaceError as err:
+                    doc["skipped"] = str(err)
+                else:
+                    doc["sha256"] = hashlib.sha256(data).hexdigest()
+                    doc["size"] = len(data)
+                    if store is not None:
+                        doc["stored"] = store.put(doc["sha256"], data)
+        elif e.kind == "symlink":
+            doc["link"] = _readlink(root, e.path)
+        out.append(doc)
+    return out, complete
+
+
+def _stream_doc(data: bytes, truncated: bool, dropped: int) -> dict[str, Any]:
+    return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "truncated": truncated,
+            "dropped_bytes": dropped}
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds")
+
+
+def store_dir_for(record_path: str) -> str:
+    """The input store directory of the record at ``record_path``: ``<record_path>.inputs``."""
+    return os.path.abspath(record_path) + STORE_SUFFIX
+
+
+# --- recording ----------------------------------------------------------------------------
+
+def execute_recorded(command: Sequence[str], *, policy: Policy | None = None,
+                     workspace: str | os.PathLike[str] | None = None,
+                     inputs: Sequence[str | os.PathLike[str]] = (), timeout: float | None = DEFAULT_TIMEOUT_S,
+                     stdin: bytes | None = None, env: Mapping[str, str] | None = None, capture: bool = True,
+                     cwd: str = WORKSPACE_DEST, workspace_base: str | None = None,
+                     store_dir: str | None = None) -> tuple[Result, dict[str, Any]]:
+    """Run ``command`` like :func:`lowlevel.run` and build its record (not written).
+
+    Same arguments as :func:`lowlevel.run`, plus ``store_dir``: where to copy the inputs for
+    replay (None: hash only; the record then cannot be replayed).
+
+    Returns:
+        ``(result, record)``; the record is a JSON-ready dict.
+    Raises:
+        Whatever :func:`lowlevel.run` raises; no record is made for a run that never started.
+    """
+    policy = policy or Policy()
+    created = None
+    if workspace is None:
+        ws = created = _ws.create_workspace(inputs, workspace_base)
+    else:
+        ws = os.path.realpath(os.fspath(workspace))
+        if inputs:
+            _ws.copy_inputs(ws, inputs)
+    try:
+        store = _Store(store_dir)
+        t_hash = time.monotonic()
+        before, before_complete = hash_workspace(ws, store)
+        stdin_doc = None
+        if stdin is not None:
+            digest = hashlib.sha256(stdin).hexdigest()
+            stdin_doc = {"sha256": digest, "bytes": len(stdin), "stored": store.put(digest, bytes(stdin))}
+        hash_before_s = time.monotonic() - t_hash
+        environment = policy.environment(env)
+        started_at = _now()
+        result = _run(command, policy=policy, workspace=ws, timeout=timeout, stdin=stdin, env=env,
+                      capture=capture, cwd=cwd)
+    except BaseException:
+        if created:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+    finished_at = _now()
+    after, after_complete = hash_workspace(ws)
+    facts = host_facts()
+    record: dict[str, Any] = {
+        "schema": SCHEMA_ID,
+        "created_at": finished_at,
+        "command": list(command),
+        "cwd": cwd,
+        "env": dict(sorted((env or {}).items())),
+        "environment": dict(sorted(environment.items())),
+        "stdin": stdin_doc,
+        "timeout_s": timeout,
+        "policy": canonical_policy(policy),
+        "policy_sha256": policy_sha256(policy),
+        "seccomp": _seccomp_doc(policy),
+        "bwrap_argv": list(result.argv),
+        "versions": _versions(facts.bwrap.version),
+        "host": {"caller_uid": os.getuid(), "caller_is_root": facts.caller_is_root},
+        "limits": {"requested": _canon(policy.limits), "enforced": list(result.limits_enforced)},
+        "timings": {"started_at": started_at, "finished_at": finished_at, "wall_time_s": result.wall_time_s,
+                    "hash_before_s": hash_before_s},
+        "usage": {"cpu_user_s": result.cpu_user_s, "cpu_system_s": result.cpu_system_s,
+                  "peak_memory_bytes": result.peak_memory_bytes, "max_rss_bytes": result.max_rss_bytes,
+                  "oom_kills": result.oom_kills},
+        "exit": {"exit_code": result.exit_code, "term_signal": result.term_signal, "signal": result.signal_name(),
+                 "timed_out": result.timed_out, "killed_by": result.killed_by},
+        "output": {"captured": capture,
+                   "stdout": _stream_doc(result.stdout, result.stdout_truncated, result.stdout_dropped_bytes),
+                   "stderr": _stream_doc(result.stderr, result.stderr_truncated, result.stderr_dropped_bytes)},
+        "workspace": {"path": ws, "before": before, "before_complete": before_complete,
+                      "after": after, "after_complete": after_complete},
+        "inputs": {"store": os.path.basename(store_dir) if store_dir else None,
+                   "complete": bool(store_dir) and store.complete and before_complete
+                   and all(e["stored"] for e in before if e["kind"] == "file")},
+        "notes": list(result.notes),
+    }
+    return result, record
+
+
+def write_record(path: str | os.PathLike[str], record: Mapping[str, Any]) -> None:
+    """Write ``record`` as indented, key-sorted JSON to ``path`` (atomically: temp file + rename)."""
+    path = os.path.abspath(os.fspath(path))
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=2, sort_keys=True, ensure_ascii=False)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def record_run(command: Sequence[str], *, record: str | os.PathLike[str], **kwargs: Any) -> Result:
+    """Run like :func:`lowlevel.run` and write the run's record to ``record``.
+
+    The inputs (every regular file in the workspace before the run, and stdin) are copied
+    into ``<record>.inputs/`` for :func:`replay`. ``lowlevel.run(..., record=PATH)`` calls this.
+
+    Args:
+        command: as for :func:`lowlevel.run`.
+        record: path of the JSON record to write (replaced if it exists).
+        **kwargs: the other keyword arguments of :func:`lowlevel.run`.
+    Returns:
+        The run's :class:`Result`.
+    Raises:
+        Whatever :func:`lowlevel.run` raises; OSError when the record cannot be written.
+    """
+    path = os.fspath(record)
+    result, doc = execute_recorded(command, store_dir=store_dir_for(path), **kwargs)
+    write_record(path, doc)
+    return result
+
+
+# --- replay -------------------------------------------------------------------------------
+
+@dataclass
+class ReplayReport:
+    """What :func:`replay` found.
+
+    Attributes:
+        matched: True when exit status, ``killed_by``, stdout, stderr and every workspace
+            entry after the run (path, kind, mode, SHA-256, symlink text) are the same.
+        differences: one line per difference, empty when matched.
+        result: the replayed run's Result.
+        record: the replayed run's own record (same shape as the original).
+    """
+
+    matched: bool
+    differences: list[str] = field(default_factory=list)
+    result: Result | None = None
+    record: dict[str, Any] = field(default_factory=dict)
+
+
+def load_record(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a record and check its ``schema``.
+
+    Raises:
+        RecordError: not JSON, or not a ``lowlevel-run-record/1`` document.
+    """
+    try:
+        with open(os.fspath(path), encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as err:
+        raise RecordError(f"cannot read record {os.fspath(path)!r}: {err}") from err
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA_ID:
+        raise RecordError(f"{os.fspath(path)!r} is not a {SCHEMA_ID} record")
+    return doc
+
+
+def _restore_inputs(doc: Mapping[str, Any], store: str, root: str) -> bytes | None:
+    """Recreate the workspace as it was before the recorded run; return stdin (or None)."""
+    ws = doc["workspace"]
+    if not ws["before_complete"]:
+        raise RecordError("the record's workspace listing is incomplete (too many entries): cannot replay")
+
+    def blob(digest: str, what: str) -> bytes:
+        try:
+            with open(os.path.join(store, digest), "rb") as f:
+                data = f.read()
+        except OSError as err:
+            raise RecordError(f"input {what} (sha256 {digest}) is missing from the store {store}: {err}") from err
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise RecordError(f"input {what} in the store {store} does not match its sha256")
+        return data
+
+    for e in ws["before"]:
+        if e["kind"] == "dir":
+            os.makedirs(os.path.join(root, e["path"]), 0o755, exist_ok=True)
+    for e in ws["before"]:
+        if e["kind"] == "file":
+            if e["sha256"] is None:
+                raise RecordError(f"input {e['path']!r} was not hashed ({e['skipped']}): cannot replay")
+            _ws.write_file(root, e["path"], blob(e["sha256"], repr(e["path"])))
+            os.chmod(os.path.join(root, e["path"]), e["mode"], follow_symlinks=False)
+        elif e["kind"] == "symlink" and e["link"] is not None:
+            os.symlink(e["link"], os.path.join(root, e["path"]))
+    for e in reversed(ws["before"]):
+        if e["kind"] == "dir":
+            os.chmod(os.path.join(root, e["path"]), e["mode"])
+    stdin = doc.get("stdin")
+    return blob(stdin["sha256"], "stdin") if stdin else None
+
+
+def _entry_key(e: Mapping[str, Any]) -> tuple[Any, ...]:
+    return (e["kind"], e["mode"], e["sha256"] if e["kind"] == "file" else None, e["link"])
+
+
+def compare(original: Mapping[str, Any], replayed: Mapping[str, Any]) -> list[str]:
+    """Differences between two records' outcomes (exit, killed_by, output, workspace after)."""
+    diffs: list[str] = []
+    for key in ("exit_code", "killed_by", "timed_out"):
+        a, b = original["exit"][key], replayed["exit"][key]
+        if a != b:
+            diffs.append(f"exit.{key}: recorded {a!r}, replayed {b!r}")
+    if original["output"]["captured"] and replayed["output"]["captured"]:
+        for stream in ("stdout", "stderr"):
+            a, b = original["output"][stream], replayed["output"][stream]
+            if a["sha256"] != b["sha256"]:
+                diffs.append(f"{stream}: recorded {a['bytes']} bytes sha256 {a['sha256'][:12]}, "
+                             f"replayed {b['bytes']} bytes sha256 {b['sha256'][:12]}")
+    before = {e["path"]: e for e in original["workspace"]["after"]}
+    after = {e["path"]: e for e in replayed["workspace"]["after"]}
+    for p in sorted(set(before) | set(after)):
+        if p not in after:
+            diffs.append(f"workspace: {p} missing after replay")
+        elif p not in before:
+            diffs.append(f"workspace: {p} appeared only in the replay")
+        elif _entry_key(before[p]) != _entry_key(after[p]):
+            a, b = before[p], after[p]
+            what = [k for k in ("kind", "mode", "sha256", "link") if a[k] != b[k]]
+            diffs.append(f"workspace: {p} differs ({', '.join(what)})")
+    return diffs
+
+
+def replay(path: str | os.PathLike[str], *, workspace_base: str | None = None,
+           profiles: Sequence[Any] = (), keep_workspace: bool = False) -> ReplayReport:
+    """Rerun a recorded run with the same policy, command, environment and inputs.
+
+    The workspace is rebuilt from the record's input store in a fresh directory; the run
+    uses the recorded Policy (checked against ``policy_sha256``), command, cwd, per-run env,
+    stdin and timeout, and always captures output.
+
+    Args:
+        path: the record file; its store ``<path>.inputs/`` must sit next to it.
+        workspace_base: parent of the fresh workspace (default as for :func:`lowlevel.run`).
+        profiles: SeccompProfiles other than the default that the record may name.
+        keep_workspace: keep the replay's workspace (its path is ``report.result.workspace``).
+    Returns:
+        A :class:`ReplayReport`.
+    Raises:
+        RecordError: bad record, missing inputs, or a policy that does not hash the same here.
+        Whatever :func:`lowlevel.run` raises.
+    """
+    doc = load_record(path)
+    policy = policy_from_canonical(doc["policy"], profiles=profiles)
+    if policy_sha256(policy) != doc["policy_sha256"]:
+        raise RecordError("the rebuilt policy does not hash to the recorded policy_sha256 "
+                          "(a lowlevel version with different Policy fields?)")
+    if not doc["inputs"]["store"]:
+        raise RecordError("the record has no input store: it was written without inputs and cannot be replayed")
+    store = os.path.join(os.path.dirname(os.path.abspath(os.fspath(path))), doc["inputs"]["store"])
+    root = _ws.create_workspace((), workspace_base)
+    try:
+        stdin = _restore_inputs(doc, store, root)
+        result, new = execute_recorded(doc["command"], policy=policy, workspace=root, timeout=doc["timeout_s"],
+                                       stdin=stdin, env=doc["env"] or None, cwd=doc["cwd"])
+    except BaseException:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+    if not keep_workspace:
+        shutil.rmtree(root, ignore_errors=True)
+    diffs = compare(doc, new)
+    if doc["policy"].get("deterministic") is False and diffs:
+        diffs.append("note: the recorded run was not in deterministic mode (Policy(deterministic=True))")
+    return ReplayReport(matched=not diffs, differences=diffs, result=result, record=new)
+
+
+__all__ = ["MAX_HASH_BYTES", "MAX_STORE_BYTES", "RecordError", "ReplayReport", "SCHEMA_ID", "canonical_policy",
+           "compare", "execute_recorded", "hash_workspace", "load_record", "policy_from_canonical",
+           "policy_sha256", "record_run", "replay", "seccomp_rules_sha256", "store_dir_for", "write_record"]
