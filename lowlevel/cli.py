@@ -10,6 +10,13 @@ the command is not executable; 127 when it is not found; 128+N when signal N kil
 
 ``lowlevel doctor [--json]`` reports what the host can do and exits non-zero when the default
 policy cannot run.
+
+``lowlevel run --record FILE`` also writes a run record (docs/record-schema.json) and copies
+the inputs to ``FILE.inputs/``; ``lowlevel replay FILE`` reruns it and exits 0 when the outputs
+match, 1 when they differ, 125 when it cannot replay.
+
+``lowlevel mcp [--config FILE.toml] [--workspace-base DIR] [--network/--no-network] ...`` serves
+the Model Context Protocol over stdio (see :mod:`lowlevel.mcp_server`).
 """
 
 from __future__ import annotations
@@ -92,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lowlevel", description="Run untrusted programs in a bubblewrap "
                                      "sandbox with seccomp and resource limits.")
     parser.add_argument("--version", action="version", version=f"lowlevel {__version__}")
-    sub = parser.add_subparsers(dest="cmd", required=True, metavar="{run,doctor}")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="{run,doctor,replay,mcp}")
 
     p = sub.add_parser("run", help="run a command in a fresh sandbox",
                        description="Run COMMAND in a fresh sandbox. Put -- before the command.")
@@ -121,10 +128,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nofile", metavar="N", type=_positive_int, help="open files (RLIMIT_NOFILE), default 1024")
     p.add_argument("--tmp-size", metavar="BYTES", type=parse_size, help="size of /tmp tmpfs, default 256M")
     p.add_argument("--json", action="store_true", help="capture output; print one JSON object with the Result")
+    p.add_argument("--deterministic", action="store_true", help="deterministic mode: TZ=UTC, LANG, "
+                   "SOURCE_DATE_EPOCH, PYTHONHASHSEED=0, fixed uid/gid, sorted env")
+    p.add_argument("--record", metavar="FILE", help="write a run record (JSON) to FILE and copy the inputs "
+                   "to FILE.inputs/ for `lowlevel replay`")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARG...]")
 
     d = sub.add_parser("doctor", help="check what this host can do")
     d.add_argument("--json", action="store_true", help="print a JSON report")
+
+    r = sub.add_parser("replay", help="rerun a recorded run and compare its outputs",
+                       description="Rerun the run recorded in FILE (written by `lowlevel run --record FILE`) "
+                       "with the same policy and inputs. Exit 0: outputs match; 1: they differ; 125: cannot replay.")
+    r.add_argument("file", metavar="FILE", help="the record")
+    r.add_argument("--json", action="store_true", help="print the differences and the new record as JSON")
+    r.add_argument("--keep-workspace", action="store_true", help="keep the replay's workspace")
+
+    m = sub.add_parser("mcp", help="serve the Model Context Protocol over stdio",
+                       description="MCP tool server over stdio. The operator's settings (file and flags) bound "
+                       "every request: clients can narrow limits, never widen them.")
+    m.add_argument("--config", metavar="FILE.toml", help="operator config (see lowlevel.mcp_server)")
+    m.add_argument("--workspace-base", metavar="DIR", help="directory of the workspaces")
+    m.add_argument("--network", action=argparse.BooleanOptionalAction, default=None,
+                   help="let clients request network access (default: --no-network)")
+    m.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
+                   help="deterministic mode for every run")
+    m.add_argument("--max-timeout", metavar="SECONDS", type=_positive_float, help="ceiling for timeout_s")
+    m.add_argument("--max-output-bytes", metavar="BYTES", type=parse_size, help="per stream in results")
+    m.add_argument("--memory", metavar="BYTES", type=parse_size, help="memory ceiling per run")
+    m.add_argument("--cpu", metavar="SECONDS", type=_positive_float, help="CPU seconds ceiling")
+    m.add_argument("--pids", metavar="N", type=_positive_int, help="process ceiling")
+    m.add_argument("--allow-bind", metavar="PATH", action="append", default=None,
+                   help="host path clients may ask to bind read-only (repeatable)")
     return parser
 
 
@@ -139,7 +174,8 @@ def _policy_from_args(args: argparse.Namespace) -> Policy:
         ("nofile", "nofile"), ("tmp_size_bytes", "tmp_size")) if getattr(args, attr) is not None}
     binds = [Bind(src, dest, writable=False, allow_sensitive=args.allow_sensitive) for src, dest in args.ro]
     binds += [Bind(src, dest, writable=True, allow_sensitive=args.allow_sensitive) for src, dest in args.rw]
-    return Policy(network=args.network, binds=tuple(binds), env=tuple(args.env), limits=Limits(**overrides))
+    return Policy(network=args.network, binds=tuple(binds), env=tuple(args.env), limits=Limits(**overrides),
+                  deterministic=args.deterministic)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -169,7 +205,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
         else:
             inputs = args.input
         result = run(command, policy=policy, workspace=workspace, inputs=inputs, timeout=args.timeout,
-                     capture=args.json)
+                     capture=args.json or bool(args.record), record=args.record)
+        if args.record and not args.json:
+            sys.stdout.buffer.write(result.stdout)
+            sys.stdout.flush()
+            sys.stderr.buffer.write(result.stderr)
+            sys.stderr.flush()
         if created:
             print(f"lowlevel: workspace {created}", file=sys.stderr)
     except BaseException:
@@ -177,11 +218,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
             import shutil
             shutil.rmtree(created, ignore_errors=True)
         raise
-        return _fail(str(err), EXIT_NOTFOUND if err.errno == errno.ENOENT else EXIT_NOEXEC)
-    except (PolicyError, UnsupportedError, LaunchError) as err:
-        return _fail(str(err))
-    except LowlevelError as err:
-        return _fail(str(err))
     if args.json:
         json.dump(result.to_json(), sys.stdout, indent=2, sort_keys=True)
         sys.stdout.write("\n")
@@ -214,6 +250,54 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 1
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    """``lowlevel replay FILE``: 0 when the outputs match, 1 when they differ, 125 on failure."""
+    from .record import replay
+
+    try:
+        report = replay(args.file, keep_workspace=args.keep_workspace)
+    except ExecError as err:
+        return _fail(str(err))
+    except (LowlevelError, OSError) as err:
+        return _fail(str(err))
+    if args.json:
+        json.dump({"matched": report.matched, "differences": report.differences, "record": report.record},
+                  sys.stdout, indent=2, sort_keys=True)
+        sys.stdout.write("\n")
+    else:
+        for line in report.differences:
+            print(f"lowlevel: replay: {line}", file=sys.stderr)
+        print("outputs match" if report.matched else "outputs DIFFER")
+    return 0 if report.matched else 1
+
+
+def cmd_mcp(args: argparse.Namespace) -> int:
+    """``lowlevel mcp``: serve MCP over stdio until the client goes away."""
+    from .mcp_server import ServerConfig, serve
+
+    overrides: dict[str, object] = {}
+    for key, attr in (("workspace_base", "workspace_base"), ("network", "network"),
+                      ("deterministic", "deterministic"), ("max_timeout_s", "max_timeout"),
+                      ("max_output_bytes", "max_output_bytes"), ("allowed_binds", "allow_bind")):
+        if getattr(args, attr) is not None:
+            overrides[key] = getattr(args, attr)
+    try:
+        config = ServerConfig.from_toml(args.config, **overrides) if args.config else \
+            ServerConfig.from_mapping(overrides)
+        limit_overrides = {name: getattr(args, attr) for name, attr in (
+            ("memory_bytes", "memory"), ("cpu_s", "cpu"), ("pids", "pids")) if getattr(args, attr) is not None}
+        if limit_overrides:
+            import dataclasses
+            config = dataclasses.replace(config, limits=dataclasses.replace(config.limits, **limit_overrides))
+    except (LowlevelError, OSError, ValueError) as err:
+        return _fail(f"mcp config: {err}")
+    try:
+        serve(config)
+    except ImportError as err:
+        return _fail(f"{err}: install the MCP SDK with `pip install 'lowlevel[mcp]'`")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``lowlevel`` console script. Returns the exit status."""
     parser = build_parser()
@@ -221,6 +305,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.cmd == "run":
             return cmd_run(args)
+        if args.cmd == "replay":
+            return cmd_replay(args)
+        if args.cmd == "mcp":
+            return cmd_mcp(args)
         return cmd_doctor(args)
     except KeyboardInterrupt:
         return 130

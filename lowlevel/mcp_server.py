@@ -1,0 +1,319 @@
+"""``lowlevel mcp``: a Model Context Protocol tool server over stdio.
+
+Tools an agent client can call (each result a JSON object):
+
+``run``
+    Run a command in a fresh sandbox (or in a named workspace the client filled with
+    ``write_file``). Arguments carry ``timeout_s`` and limits (``memory_bytes``, ``cpu_s``,
+    ``pids``), each clamped to the operator's ceiling; ``network`` and ``binds`` are requests
+    that are refused unless the operator allowed them. Result: ``exit_code``, ``term_signal``,
+    ``killed_by``, ``timed_out``, ``stdout``/``stderr`` (UTF-8, truncated to the operator's
+    ``max_output_bytes`` with ``stdout_truncated``/``stderr_truncated``), ``wall_time_s``,
+    ``workspace`` (its name, for ``read_file``), ``clamped`` (what the operator's config cut).
+``write_file``, ``read_file``, ``list_files``
+    Workspace files, through :mod:`lowlevel.workspace`'s untrusted-output rules (no symlink
+    followed, no ``..``, special and hard-linked files refused) and the operator's
+    ``max_file_bytes``.
+
+Sessions: ``lowlevel.session.Session`` does not exist yet; TODO: a ``run_in_session`` tool
+once it lands (same clamping, ``session`` name argument).
+
+Configuration comes from the operator only (TOML file and CLI flags), never from a request:
+a client can narrow the policy (shorter timeout, smaller limits) but never widen it.
+
+TOML keys (all optional)::
+
+    workspace_base = "/var/lib/lowlevel-mcp"   # where named and per-run workspaces live
+    network = false           # may a client ask for network? (off by default)
+    deterministic = false     # Policy(deterministic=True) for every run
+    default_timeout_s = 30.0  # when the client gives none
+    max_timeout_s = 120.0     # ceiling for timeout_s
+    max_output_bytes = 65536  # per stream, in tool results
+    max_file_bytes = 1048576  # read_file / write_file cap
+    allowed_binds = ["/opt/data"]  # host paths a client may ask to bind read-only
+    [limits]                  # ceilings (and defaults) for memory_bytes, cpu_s, pids, ...
+    memory_bytes = 536870912
+    [[binds]]                 # always bound (the operator's own policy)
+    source = "/opt/venv"
+    dest = "/opt/venv"
+    writable = false
+
+Source: Model Context Protocol specification (tools/list, tools/call, ``isError`` results);
+the ``mcp`` Python SDK (``MCPServer``, formerly ``FastMCP``).
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import logging
+import os
+import re
+import secrets
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import workspace as _ws
+from .errors import LowlevelError, PolicyError
+from .limits import Limits
+from .policy import Bind, Policy
+
+log = logging.getLogger("lowlevel")
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The operator's configuration of ``lowlevel mcp``; requests can only narrow it.
+
+    Attributes:
+        workspace_base: host directory holding the workspaces (one subdirectory per name).
+        network: clients may request network access (``--share-net``); off by default.
+        deterministic: every run uses ``Policy(deterministic=True)``.
+        limits: the ceiling and the default for each limit.
+        binds: binds every run gets.
+        allowed_binds: host paths (resolved) a client may ask to bind read-only.
+        default_timeout_s, max_timeout_s: timeout when the client gives none; ceiling.
+        max_output_bytes: per stream, in results (bytes).
+        max_file_bytes: cap for read_file/write_file (bytes).
+    """
+
+    workspace_base: str = field(default_factory=lambda: os.path.join(_ws.default_base(), "mcp"))
+    network: bool = False
+    deterministic: bool = False
+    limits: Limits = field(default_factory=Limits)
+    binds: tuple[Bind, ...] = ()
+    allowed_binds: tuple[str, ...] = ()
+    default_timeout_s: float = 30.0
+    max_timeout_s: float = 120.0
+    max_output_bytes: int = 64 * 1024
+    max_file_bytes: int = 1024 * 1024
+
+    @classmethod
+    def from_toml(cls, path: str, **overrides: Any) -> ServerConfig:
+        """Read a TOML config; ``overrides`` (CLI flags that were given) win.
+
+        Raises:
+            PolicyError: unknown key or a bad value (the message names it).
+            OSError: the file cannot be read.
+        """
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+        return cls.from_mapping({**data, **overrides})
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> ServerConfig:
+        """Build from a parsed mapping (TOML keys above). Raises PolicyError on bad keys."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise PolicyError(f"unknown mcp config keys {sorted(unknown)}; known: {sorted(known)}")
+        kwargs: dict[str, Any] = dict(data)
+        if "limits" in kwargs and isinstance(kwargs["limits"], Mapping):
+            try:
+                kwargs["limits"] = Limits(**kwargs["limits"])
+            except TypeError as err:
+                raise PolicyError(f"mcp config [limits]: {err}") from err
+        if "binds" in kwargs:
+            kwargs["binds"] = tuple(b if isinstance(b, Bind) else Bind(**b) for b in kwargs["binds"])
+        if "allowed_binds" in kwargs:
+            kwargs["allowed_binds"] = tuple(os.path.realpath(p) for p in kwargs["allowed_binds"])
+        return cls(**kwargs)
+
+
+def _clamp(name: str, asked: float | None, ceiling: float | None, clamped: list[str]) -> Any:
+    if asked is None:
+        return ceiling
+    if asked <= 0:
+        raise PolicyError(f"{name} must be > 0, got {asked!r}")
+    if ceiling is not None and asked > ceiling:
+        clamped.append(f"{name}: asked {asked}, operator ceiling {ceiling}")
+        return ceiling
+    return asked
+
+
+class Tools:
+    """The tool implementations, independent of the MCP SDK (plain calls, easy to test).
+
+    Every method raises :class:`lowlevel.errors.LowlevelError` (PolicyError for a refused or
+    invalid request); the server turns it into an MCP tool error.
+    """
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.base = _ws.ensure_base(config.workspace_base)
+
+    def _workspace(self, name: str, create: bool) -> str:
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise PolicyError(f"workspace name {name!r}: use 1-64 letters, digits, '_', '.', '-'")
+        path = os.path.join(self.base, name)
+        if create:
+            try:
+                os.mkdir(path, 0o700)
+            except FileExistsError:
+                pass
+        if os.path.islink(path) or not os.path.isdir(path):
+            raise PolicyError(f"no workspace named {name!r}: write a file to it first, or omit it")
+        return path
+
+    def policy_for(self, *, network: bool, binds: list[str], memory_bytes: int | None, cpu_s: float | None,
+                   pids: int | None, clamped: list[str]) -> Policy:
+        """The Policy of one request: the operator's, narrowed by the request.
+
+        Raises:
+            PolicyError: the request asks for network or a bind the operator did not allow.
+        """
+        cfg = self.config
+        if network and not cfg.network:
+            raise PolicyError("refused: network access is disabled by the operator of this server")
+        extra: list[Bind] = []
+        for path in binds:
+            real = os.path.realpath(path)
+            if real not in cfg.allowed_binds:
+                raise PolicyError(f"refused: binding {path!r} is not allowed by the operator of this server")
+            extra.append(Bind(real))
+        lim = cfg.limits
+        new_limits = dataclasses.replace(
+            lim,
+            memory_bytes=_clamp("memory_bytes", memory_bytes, lim.memory_bytes, clamped),
+            cpu_s=_clamp("cpu_s", cpu_s, lim.cpu_s, clamped),
+            pids=_clamp("pids", pids, lim.pids, clamped),
+        )
+        return Policy(network=bool(network), binds=cfg.binds + tuple(extra), limits=new_limits,
+                      deterministic=cfg.deterministic)
+
+    def run(self, command: list[str], *, workspace: str | None = None, timeout_s: float | None = None,
+            memory_bytes: int | None = None, cpu_s: float | None = None, pids: int | None = None,
+            network: bool = False, binds: list[str] | None = None, stdin: str | None = None,
+            env: dict[str, str] | None = None) -> dict[str, Any]:
+        """Run ``command`` in a fresh sandbox; see the module docstring for the result."""
+        from .launcher import run as _run
+
+        clamped: list[str] = []
+        policy = self.policy_for(network=network, binds=list(binds or ()), memory_bytes=memory_bytes,
+                                 cpu_s=cpu_s, pids=pids, clamped=clamped)
+        timeout = _clamp("timeout_s", timeout_s if timeout_s is not None else self.config.default_timeout_s,
+                         self.config.max_timeout_s, clamped)
+        name = workspace or f"run-{secrets.token_hex(6)}"
+        path = self._workspace(name, create=workspace is None)
+        result = _run(list(command), policy=policy, workspace=path, timeout=timeout,
+                      stdin=stdin.encode() if stdin is not None else None, env=env)
+        cap = self.config.max_output_bytes
+        out: dict[str, Any] = {
+            "exit_code": result.exit_code, "term_signal": result.term_signal, "signal": result.signal_name(),
+            "killed_by": result.killed_by, "timed_out": result.timed_out, "wall_time_s": result.wall_time_s,
+            "workspace": name, "clamped": clamped, "limits_enforced": list(result.limits_enforced),
+        }
+        for stream, data, truncated in (("stdout", result.stdout, result.stdout_truncated),
+                                        ("stderr", result.stderr, result.stderr_truncated)):
+            out[stream] = data[:cap].decode("utf-8", "replace")
+            out[f"{stream}_truncated"] = truncated or len(data) > cap
+        return out
+
+    def write_file(self, workspace: str, path: str, content: str, encoding: str = "utf-8") -> dict[str, Any]:
+        """Write a file into a named workspace (created if missing). ``encoding``: utf-8 or base64."""
+        data = _decode(content, encoding)
+        if len(data) > self.config.max_file_bytes:
+            raise PolicyError(f"refused: {len(data)} bytes > the operator's max_file_bytes "
+                              f"{self.config.max_file_bytes}")
+        _ws.write_file(self._workspace(workspace, create=True), path, data)
+        return {"workspace": workspace, "path": path, "bytes": len(data)}
+
+    def read_file(self, workspace: str, path: str, encoding: str = "utf-8") -> dict[str, Any]:
+        """Read a workspace file (untrusted: no symlinks, size-capped)."""
+        data = _ws.read_file(self._workspace(workspace, create=False), path, self.config.max_file_bytes)
+        content = base64.b64encode(data).decode() if encoding == "base64" else data.decode("utf-8", "replace")
+        return {"workspace": workspace, "path": path, "bytes": len(data), "encoding": encoding, "content": content}
+
+    def list_files(self, workspace: str) -> dict[str, Any]:
+        """List a workspace's entries (no symlink followed)."""
+        entries = _ws.list_files(self._workspace(workspace, create=False))
+        return {"workspace": workspace,
+                "entries": [{"path": e.path, "kind": e.kind, "size": e.size} for e in entries]}
+
+
+def _decode(content: str, encoding: str) -> bytes:
+    if encoding == "utf-8":
+        return content.encode()
+    if encoding == "base64":
+        try:
+            return base64.b64decode(content, validate=True)
+        except ValueError as err:
+            raise PolicyError(f"content is not valid base64: {err}") from err
+    raise PolicyError(f"encoding must be 'utf-8' or 'base64', got {encoding!r}")
+
+
+def build_server(config: ServerConfig) -> Any:
+    """The MCP server object (``mcp.server.mcpserver.MCPServer``, or ``FastMCP`` on mcp 1.x).
+
+    Raises:
+        ImportError: the ``mcp`` package is missing (``pip install 'lowlevel[mcp]'``).
+    """
+    import anyio.to_thread
+
+    try:
+        from mcp.server.mcpserver import MCPServer as _Server
+        from mcp.server.mcpserver.exceptions import ToolError
+    except ImportError:  # mcp 1.x
+        from mcp.server.fastmcp import FastMCP as _Server  # type: ignore[no-redef]
+        from mcp.server.fastmcp.exceptions import ToolError  # type: ignore[no-redef]
+
+    tools = Tools(config)
+    server = _Server("lowlevel", instructions=(
+        "Run commands in a bubblewrap sandbox (no network unless the operator allows it). "
+        "Use write_file to put files in a named workspace, run with workspace=NAME, then read_file."))
+
+    async def call(fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        try:
+            result: dict[str, Any] = await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
+        except (LowlevelError, OSError) as err:
+            raise ToolError(str(err)) from err
+        return result
+
+    @server.tool()
+    async def run(command: list[str], workspace: str | None = None, timeout_s: float | None = None,
+                  memory_bytes: int | None = None, cpu_s: float | None = None, pids: int | None = None,
+                  network: bool = False, binds: list[str] | None = None, stdin: str | None = None,
+                  env: dict[str, str] | None = None) -> dict[str, Any]:
+        """Run a command (argv list, e.g. ["python3", "main.py"]) in a fresh sandbox.
+
+        workspace: name of a workspace filled with write_file (default: a fresh empty one; its
+        name is returned). timeout_s, memory_bytes, cpu_s, pids: limits, clamped to the
+        operator's ceilings (what was cut is listed in "clamped"). network, binds: requests the
+        operator may refuse. Returns exit_code, term_signal, killed_by, timed_out, stdout,
+        stderr (truncated, with stdout_truncated/stderr_truncated), wall_time_s, workspace.
+        """
+        return await call(tools.run, command, workspace=workspace, timeout_s=timeout_s,
+                          memory_bytes=memory_bytes, cpu_s=cpu_s, pids=pids, network=network,
+                          binds=binds, stdin=stdin, env=env)
+
+    @server.tool()
+    async def write_file(workspace: str, path: str, content: str, encoding: str = "utf-8") -> dict[str, Any]:
+        """Write a file (relative path) into a named workspace, creating it. encoding: utf-8 or base64."""
+        return await call(tools.write_file, workspace, path, content, encoding)
+
+    @server.tool()
+    async def read_file(workspace: str, path: str, encoding: str = "utf-8") -> dict[str, Any]:
+        """Read a file (relative path) from a workspace; symlinks and oversized files are refused."""
+        return await call(tools.read_file, workspace, path, encoding)
+
+    @server.tool()
+    async def list_files(workspace: str) -> dict[str, Any]:
+        """List the entries of a workspace (path, kind, size)."""
+        return await call(tools.list_files, workspace)
+
+    return server
+
+
+def serve(config: ServerConfig) -> None:
+    """Serve MCP over stdio until the client closes stdin."""
+    server = build_server(config)
+    log.debug("lowlevel: mcp server on stdio, workspace base %s, network %s", config.workspace_base,
+              "allowed" if config.network else "off")
+    server.run("stdio")
+
+
+__all__ = ["ServerConfig", "Tools", "build_server", "serve"]
