@@ -435,6 +435,8 @@ def _detect(mountinfo: str, proc_cgroup: str, *, euid: int | None = None, pid: i
         base = os.path.join(path, BASE_NAME)
         try:
             _mkdir(base, exist_ok=True)
+            if not os.access(base, os.W_OK | os.X_OK):  # made earlier by another user (root)
+                raise PermissionError(errno.EACCES, "not writable by us")
         except OSError as err:
             hierarchies.append(Hierarchy(1, mount, path, controllers, None,
                                          f"mkdir {base}: {err.strerror}"))
@@ -585,7 +587,8 @@ def _stop_holder(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
-_RUN_NAME = re.compile(r"^(\d+)-[0-9]+-[0-9a-f]+$")
+#: Run names that carry their creator's PID: our default ``<pid>-<n>-<hex>`` and ``run-<pid>-<...>``.
+_RUN_NAME = re.compile(r"^(?:run-)?(\d+)-[0-9A-Za-z_.-]+$")
 
 
 def _sweep(base: str) -> None:
@@ -754,8 +757,9 @@ class RunCgroup:
 
         Args:
             limits: the run's limits.
-            name: directory name, ``[A-Za-z0-9_.-]{1,64}``; default ``<pid>-<n>-<hex>``, the
-                form stale-run cleanup recognises.
+            name: directory name, ``[A-Za-z0-9_.-]{1,64}``; default ``<pid>-<n>-<hex>``. Names
+                of the form ``<pid>-...`` or ``run-<pid>-...`` are swept by the next
+                :func:`detect_cgroups` once that PID is gone (a caller killed mid-run).
             support: the host's cgroups; default :func:`detect_cgroups`.
         Returns:
             The RunCgroup, or None when no hierarchy is writable (rlimits only) and nothing in

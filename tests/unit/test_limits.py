@@ -550,11 +550,13 @@ def test_stale_runs_of_dead_processes_are_swept(kernel: FakeKernel) -> None:
     kernel.mkdir(os.path.join(mem, "lowlevel"))
     dead = os.path.join(mem, "lowlevel", "999999999-1-abc")
     mine = os.path.join(mem, "lowlevel", f"{os.getpid()}-1-abc")
+    dead_run = os.path.join(mem, "lowlevel", "run-999999999-7f00aa")
     other = os.path.join(mem, "lowlevel", "someone-else")
-    for d in (dead, mine, other):
+    for d in (dead, dead_run, mine, other):
         kernel.mkdir(d)
     L._detect(_mountinfo((mem, "cgroup", "rw,memory")), "5:memory:/\n", euid=0, pid=1, delegate=_no_delegate)
-    assert not os.path.exists(dead) and os.path.exists(mine) and os.path.exists(other)
+    assert not os.path.exists(dead) and not os.path.exists(dead_run)
+    assert os.path.exists(mine) and os.path.exists(other)
 
 
 def test_no_cgroups_at_all() -> None:
