@@ -15,55 +15,145 @@ def _check(name: str, ok: bool, detail: str, fix: str = "", required: bool = Fal
     return {"name": name, "ok": bool(ok), "required": required, "detail": detail, "fix": fix}
 
 
+_USERNS_SYSCTLS = ("/proc/sys/kernel/unprivileged_userns_clone", "/proc/sys/user/max_user_namespaces",
+                   "/proc/sys/kernel/apparmor_restrict_unprivileged_userns")
+
+#: Run in a child as an unprivileged uid: exit 0 when unshare(CLONE_NEWUSER) works, else the errno.
+_USERNS_PROBE = ("import ctypes, sys; libc = ctypes.CDLL(None, use_errno=True); "
+                 "sys.exit(0 if libc.unshare(0x10000000) == 0 else ctypes.get_errno())")
+
+
+def _sysctls() -> dict[str, str]:
+    out = {}
+    for path in _USERNS_SYSCTLS:
+        try:
+            with open(path) as f:
+                out[path[len("/proc/sys/"):].replace("/", ".")] = f.read().strip()
+        except OSError:
+            pass
+    return out
+
+
+def userns_check() -> dict[str, Any]:
+    """Can an *unprivileged* user create a user namespace (what a non-setuid bwrap needs)?
+
+    As root, the probe drops to uid/gid 65534 with setpriv(1) first, since root passes the
+    check whatever the sysctls say. Source: user_namespaces(7); unshare(2).
+    """
+    import shutil
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-I", "-c", _USERNS_PROBE]
+    as_whom = f"uid {os.getuid()}"
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv") or "/usr/bin/setpriv"
+        cmd = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", "--", *cmd]
+        as_whom = "uid 65534 (probed with setpriv as root)"
+    sysctls = _sysctls()
+    try:
+        rc = subprocess.run(cmd, env={}, timeout=20, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return _check("unprivileged userns", False, f"probe could not run: {err}", "install util-linux (setpriv)")
+    detail = ("unshare(CLONE_NEWUSER) works as " + as_whom if rc == 0 else
+              f"unshare(CLONE_NEWUSER) failed as {as_whom}: {os.strerror(rc) if 0 < rc < 256 else rc}")
+    if sysctls:
+        detail += "; " + ", ".join(f"{k}={v}" for k, v in sorted(sysctls.items()))
+    return _check("unprivileged userns", rc == 0, detail,
+                  "sysctl -w kernel.unprivileged_userns_clone=1 (Debian < 11), user.max_user_namespaces=15000, "
+                  "or kernel.apparmor_restrict_unprivileged_userns=0 (Ubuntu >= 23.10); "
+                  "root callers only need it for the uid the sandbox drops to")
+
+
+def cgroup_checks() -> list[dict[str, Any]]:
+    """cgroup version and, per hierarchy, the controllers runs can write (limits.detect_cgroups)."""
+    from . import limits
+
+    try:
+        support = limits.detect_cgroups()
+    except Exception as err:  # noqa: BLE001 - doctor reports, never crashes
+        return [_check("cgroups", False, f"{type(err).__name__}: {err}")]
+    writable = sorted(support.writable_controllers)
+    checks = [_check("cgroups", bool(writable),
+                     f"version {support.version}; writable controllers: {', '.join(writable) or 'none'}",
+                     "run as root, or on a systemd host use a delegated cgroup v2 subtree "
+                     "(systemd-run --user --scope -p Delegate=yes); without one, limits are rlimits only")]
+    for h in support.hierarchies:
+        checks.append(_check(f"cgroup v{h.version} {h.mount}", h.base is not None,
+                             f"controllers: {', '.join(sorted(h.controllers)) or 'none'}; "
+                             f"base: {h.base or 'not writable'} ({h.how})"))
+    return checks
+
+
+def seccomp_checks() -> list[dict[str, Any]]:
+    """The CFFI extension built or not, the libseccomp version, and a default-profile compile."""
+    checks = []
+    try:
+        from . import _native  # type: ignore[attr-defined]  # noqa: F401
+        checks.append(_check("native extension", True, "lowlevel._native (CFFI, libseccomp) is built"))
+    except ImportError as err:
+        checks.append(_check("native extension", False, f"lowlevel._native not built ({err}): "
+                             "falling back to pyseccomp",
+                             "apt-get install libseccomp-dev gcc python3-dev, then reinstall lowlevel"))
+    try:
+        from . import seccomp
+        version = seccomp._backend().version()
+        checks.append(_check("libseccomp", True, "version " + ".".join(map(str, version))))
+        bpf = seccomp.compile_bpf(seccomp.DEFAULT_PROFILE)
+        checks.append(_check("seccomp", True, f"default profile compiles to {len(bpf) // 8} BPF instructions",
+                             required=True))
+    except Exception as err:  # noqa: BLE001 - doctor reports, never crashes
+        checks.append(_check("seccomp", False, f"{type(err).__name__}: {err}",
+                             "apt-get install libseccomp2 (and libseccomp-dev to build the extension)",
+                             required=True))
+    return checks
+
+
 def diagnose() -> dict[str, Any]:
-    """Probe the host and return the report (never raises for a missing capability)."""
-    from . import limits, probe
+    """Probe the host and return the report (never raises for a missing capability).
+
+    bwrap is looked up on ``PATH`` strictly (``shutil.which``): :func:`lowlevel.probe.bwrap_info`
+    falls back to ``/usr/bin/bwrap``, which would hide a PATH that other tools (and other
+    Python environments) also rely on, so a bwrap found only through the fallback is reported
+    as a failure with the fix, and the sandbox test run is not attempted.
+    """
+    import shutil
+
+    from . import probe
     from .errors import LowlevelError
 
     checks: list[dict[str, Any]] = []
     checks.append(_check("kernel", True, f"{platform.system()} {platform.release()} {platform.machine()}"))
     info = None
-    try:
-        info = probe.bwrap_info()
-        checks.append(_check("bwrap", True, f"{info.path} version {'.'.join(map(str, info.version))}",
-                             required=True))
-        checks.append(_check("bwrap setuid", not info.setuid,
-                             "setuid root" if info.setuid else "not setuid (user namespaces)",
-                             "prefer a non-setuid bwrap with unprivileged user namespaces"))
-        checks.append(_check("--disable-userns", info.can_disable_userns,
-                             "supported" if info.can_disable_userns else "not supported (needs bwrap >= 0.8.0, "
-                             "not setuid): nested user namespaces are blocked by seccomp only",
-                             "upgrade bubblewrap to >= 0.8.0"))
-        for opt in ("--json-status-fd", "--block-fd", "--args", "--size", "--seccomp"):
-            checks.append(_check(f"bwrap {opt}", info.has(opt), "supported" if info.has(opt) else "missing",
-                                 "upgrade bubblewrap", required=opt in ("--json-status-fd", "--args", "--seccomp")))
-    except LowlevelError as err:
-        checks.append(_check("bwrap", False, str(err), "apt-get install bubblewrap", required=True))
+    on_path = shutil.which("bwrap")
+    if on_path is None:
+        fallback = "/usr/bin/bwrap" if os.access("/usr/bin/bwrap", os.X_OK) else None
+        checks.append(_check("bwrap", False, "bwrap not found on PATH=" + repr(os.environ.get("PATH", ""))
+                             + (f" (only the fallback {fallback} exists)" if fallback else ""),
+                             "apt-get install bubblewrap, or put its directory on PATH", required=True))
+    else:
+        try:
+            info = probe.bwrap_info(on_path)
+            checks.append(_check("bwrap", True, f"{info.path} version {'.'.join(map(str, info.version))}",
+                                 required=True))
+            checks.append(_check("bwrap setuid", not info.setuid,
+                                 "setuid root" if info.setuid else "not setuid (user namespaces)",
+                                 "prefer a non-setuid bwrap with unprivileged user namespaces"))
+            checks.append(_check("--disable-userns", info.can_disable_userns,
+                                 "supported" if info.can_disable_userns else "not supported (needs bwrap >= "
+                                 "0.8.0, not setuid): nested user namespaces are blocked by seccomp only",
+                                 "upgrade bubblewrap to >= 0.8.0"))
+            for opt in ("--json-status-fd", "--block-fd", "--args", "--size", "--seccomp"):
+                checks.append(_check(f"bwrap {opt}", info.has(opt), "supported" if info.has(opt) else "missing",
+                                     "upgrade bubblewrap",
+                                     required=opt in ("--json-status-fd", "--args", "--seccomp")))
+        except LowlevelError as err:
+            checks.append(_check("bwrap", False, str(err), "apt-get install bubblewrap", required=True))
     checks.append(_check("pidfd", probe.pidfd_supported(), "pidfd_open(2) works" if probe.pidfd_supported()
                          else "pidfd_open(2) missing", "use Linux >= 5.3", required=True))
-    try:
-        from . import seccomp
-        native = getattr(seccomp, "native_available", lambda: None)()
-        checks.append(_check("seccomp native helper", bool(native),
-                             "CFFI extension lowlevel._native built" if native else
-                             "not built: falling back to pyseccomp",
-                             "apt-get install libseccomp-dev, then reinstall lowlevel"))
-        version = getattr(seccomp, "libseccomp_version", lambda: None)()
-        if version:
-            checks.append(_check("libseccomp", True, "version " + ".".join(map(str, version))))
-    except Exception as err:  # noqa: BLE001 - doctor reports, never crashes
-        checks.append(_check("seccomp", False, f"{type(err).__name__}: {err}", "apt-get install libseccomp2",
-                             required=True))
-    try:
-        support = limits.detect_cgroups()
-        writable = sorted(support.writable_controllers) if hasattr(support, "writable_controllers") else []
-        checks.append(_check("cgroups", bool(writable),
-                             f"version {getattr(support, 'version', None)}; writable controllers: "
-                             f"{', '.join(writable) or 'none'}",
-                             "run as root, or on a systemd host use a delegated cgroup v2 subtree "
-                             "(systemd-run --user --scope -p Delegate=yes); without one, limits are rlimits only"))
-    except Exception as err:  # noqa: BLE001
-        checks.append(_check("cgroups", False, f"{type(err).__name__}: {err}"))
+    checks.append(userns_check())
+    checks.extend(seccomp_checks())
+    checks.extend(cgroup_checks())
     if info is not None:
         try:
             from .launcher import run
@@ -71,11 +161,16 @@ def diagnose() -> dict[str, Any]:
             ok = result.exit_code == 7
             checks.append(_check("sandbox runs", ok, "a default-policy sandbox ran and exited 7" if ok else
                                  f"unexpected exit {result.exit_code}", required=True))
+            if result.workspace:
+                shutil.rmtree(result.workspace, ignore_errors=True)
         except LowlevelError as err:
             checks.append(_check("sandbox runs", False, str(err),
                                  "enable unprivileged user namespaces: sysctl -w kernel.unprivileged_userns_clone=1 "
                                  "(Debian < 11) or kernel.apparmor_restrict_unprivileged_userns=0 (Ubuntu >= 23.10)",
                                  required=True))
+    else:
+        checks.append(_check("sandbox runs", False, "not attempted: no usable bwrap", "fix bwrap first",
+                             required=True))
     checks.append(_check("uid", True, f"running as uid {os.getuid()}"
                          + (" (sandbox drops to an unprivileged uid)" if os.getuid() == 0 else "")))
     ok = all(c["ok"] for c in checks if c["required"])
