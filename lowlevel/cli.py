@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import errno
 import json
-import os
 import re
 import sys
 from collections.abc import Sequence

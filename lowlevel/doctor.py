@@ -89,7 +89,7 @@ def seccomp_checks() -> list[dict[str, Any]]:
     """The CFFI extension built or not, the libseccomp version, and a default-profile compile."""
     checks = []
     try:
-        from . import _native  # type: ignore[attr-defined]  # noqa: F401
+        from . import _native  # noqa: F401
         checks.append(_check("native extension", True, "lowlevel._native (CFFI, libseccomp) is built"))
     except ImportError as err:
         checks.append(_check("native extension", False, f"lowlevel._native not built ({err}): "

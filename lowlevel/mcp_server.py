@@ -258,8 +258,8 @@ def build_server(config: ServerConfig) -> Any:
         from mcp.server.mcpserver import MCPServer as _Server
         from mcp.server.mcpserver.exceptions import ToolError
     except ImportError:  # mcp 1.x
-        from mcp.server.fastmcp import FastMCP as _Server  # type: ignore[no-redef]
-        from mcp.server.fastmcp.exceptions import ToolError  # type: ignore[no-redef]
+        from mcp.server.fastmcp import FastMCP as _Server  # type: ignore[no-redef,attr-defined,unused-ignore]
+        from mcp.server.fastmcp.exceptions import ToolError  # type: ignore[no-redef,unused-ignore]
 
     tools = Tools(config)
     server = _Server("lowlevel", instructions=(

@@ -142,7 +142,8 @@ def policy_from_canonical(canon: Mapping[str, Any], *, profiles: Sequence[Any] =
         if name == "binds":
             kwargs[name] = tuple(Bind(**b) for b in value)
         elif name == "limits":
-            kwargs[name] = Limits(**{k: tuple(v) if isinstance(v, list) else v for k, v in value.items()})
+            limit_kwargs: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in value.items()}
+            kwargs[name] = Limits(**limit_kwargs)
         elif name == "env":
             kwargs[name] = tuple((k, v) for k, v in value)
         elif name == "seccomp":
@@ -278,7 +279,7 @@ def _stream_doc(data: bytes, truncated: bool, dropped: int) -> dict[str, Any]:
 
 
 def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds")
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="microseconds")
 
 
 def store_dir_for(record_path: str) -> str:

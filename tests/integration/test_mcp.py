@@ -72,7 +72,7 @@ def test_mcp_client_lists_tools_runs_and_is_refused_widening(base: Any) -> None:
                 names = {t.name for t in tools.tools}
                 assert {"run", "write_file", "read_file", "list_files"} <= names
                 run_tool = next(t for t in tools.tools if t.name == "run")
-                schema = getattr(run_tool, "input_schema", None) or getattr(run_tool, "inputSchema")
+                schema = getattr(run_tool, "input_schema", None) or run_tool.inputSchema
                 assert {"timeout_s", "memory_bytes", "network", "binds"} <= set(schema["properties"])
 
                 # A command in a fresh sandbox: the Result comes back.
