@@ -1,0 +1,140 @@
+"""End-to-end limit tests through ``lowlevel.run`` (issue 4), for each identity of the
+``sandbox`` fixture: root (cgroups here) and an unprivileged user (rlimits only).
+
+Bounded: every run has a wall-clock timeout of at most 10 s, memory is capped at 256 MiB by the
+cgroup or by RLIMIT_DATA, process counts by pids.max or RLIMIT_NPROC.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import time
+
+import pytest
+
+from lowlevel import limits as L
+from lowlevel.limits import MiB
+
+pytestmark = pytest.mark.bwrap
+
+
+def _cgroup(outcome, controller: str) -> bool:
+    return f"cgroup:{controller}" in outcome.limits_enforced
+
+
+def _processes_with(marker: str) -> list[int]:
+    """PIDs on the host whose command line contains ``marker``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+def _nothing_survives(marker: str, timeout: float = 3.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while (left := _processes_with(marker)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+def _run_cgroups_of(pid: int) -> list[str]:
+    """Run cgroups left by process ``pid`` under any of our bases."""
+    left = []
+    for h in L.detect_cgroups().hierarchies:
+        if h.base is not None and os.path.isdir(h.base):
+            left += [os.path.join(h.base, e) for e in os.listdir(h.base)
+                     if e.startswith((f"{pid}-", f"run-{pid}-"))]
+    return left
+
+
+def test_fork_bomb_stops_at_the_pids_limit_and_nothing_survives(sandbox) -> None:
+    marker = f"bomb-{secrets.token_hex(4)}"
+    # Every process forks forever and retries when fork fails: only the timeout ends it.
+    code = ("import os, sys, time\n"
+            "while True:\n"
+            "    try:\n"
+            "        os.fork()\n"
+            "    except OSError as e:\n"
+            "        if os.getpid() == 2 or os.getppid() == 1: print(e.errno, file=sys.stderr)\n"
+            "        time.sleep(0.05)\n")
+    t0 = time.monotonic()
+    out = sandbox.run(["python3", "-c", code, marker], timeout=3, limits={"pids": 32})
+    assert out.error is None, out.message
+    assert time.monotonic() - t0 < 30
+    assert out.killed_by == "timeout", out
+    assert "11\n" in out.err  # EAGAIN: the limit stopped fork
+    if sandbox.identity == "root":
+        assert _cgroup(out, "pids")
+    else:
+        assert "RLIMIT_NPROC" in out.limits_enforced
+    assert _nothing_survives(marker) == []
+    assert _run_cgroups_of(os.getpid()) == []
+
+
+def test_memory_bomb_2gib_under_256mib(sandbox) -> None:
+    # Touches every byte: 32 chunks of 64 MiB, 2 GiB in all.
+    code = "chunks = [bytearray(b'x') * (64 << 20) for _ in range(32)]"
+    out = sandbox.run(["python3", "-c", code], timeout=10, limits={"memory_bytes": 256 * MiB})
+    assert out.error is None, out.message
+    assert out.exit_code != 0
+    if _cgroup(out, "memory"):
+        assert out.killed_by == "memory", out
+        assert out.term_signal == signal.SIGKILL
+        assert out.raw["oom_kills"] >= 1
+        assert out.raw["peak_memory_bytes"] <= 256 * MiB
+    else:
+        # rlimits only: RLIMIT_DATA makes the allocation fail instead.
+        assert sandbox.identity == "user"
+        assert "RLIMIT_DATA" in out.limits_enforced
+        assert "MemoryError" in out.err
+        assert out.killed_by is None
+
+
+def test_cpu_spin_is_killed_by_cpu(sandbox) -> None:
+    out = sandbox.run(["python3", "-c", "while True: pass"], timeout=10, limits={"cpu_s": 1})
+    assert out.error is None, out.message
+    assert out.killed_by == "cpu", out
+    assert out.term_signal in (signal.SIGXCPU, signal.SIGKILL)
+    assert "RLIMIT_CPU" in out.limits_enforced
+    if out.raw.get("cpu_user_s") is not None:
+        assert 0.8 <= out.raw["cpu_user_s"] + out.raw["cpu_system_s"] < 3
+
+
+def test_write_past_fsize_fails_inside_and_the_host_file_is_capped(sandbox) -> None:
+    out = sandbox.run(["sh", "-c", "head -c 4194304 /dev/zero > big"], timeout=10,
+                      limits={"fsize_bytes": 1 * MiB})
+    assert out.error is None, out.message
+    # SIGXFSZ (exit 128+25) where its default disposition reaches the program, EFBIG otherwise.
+    assert out.exit_code != 0
+    assert out.term_signal == signal.SIGXFSZ or "File too large" in out.err, out
+    assert os.path.getsize(os.path.join(out.workspace, "big")) == 1 * MiB
+
+
+def test_setsid_daemon_is_gone_after_the_timeout(sandbox) -> None:
+    marker = f"daemon-{secrets.token_hex(4)}"
+    script = f"setsid sh -c 'exec sleep 1000' {marker} </dev/null >/dev/null 2>&1 & exec sleep 1000"
+    out = sandbox.run(["sh", "-c", script], timeout=1)
+    assert out.error is None, out.message
+    assert out.killed_by == "timeout" and out.timed_out
+    assert _nothing_survives(marker) == []
+    assert _run_cgroups_of(os.getpid()) == []
+
+
+def test_limits_enforced_says_what_applied(sandbox) -> None:
+    out = sandbox.run(["true"], limits={"memory_bytes": 256 * MiB, "pids": 64})
+    assert out.exit_code == 0, out
+    assert {"RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_CORE"} <= set(out.limits_enforced)
+    if sandbox.identity == "root" and L.detect_cgroups().hierarchy_for("memory") is not None:
+        assert _cgroup(out, "memory") and _cgroup(out, "pids")
+        assert "RLIMIT_DATA" not in out.limits_enforced  # the cgroup bounds memory instead
+    if sandbox.identity == "user":
+        assert not any(e.startswith("cgroup:") for e in out.limits_enforced)
+        assert {"RLIMIT_DATA", "RLIMIT_NPROC"} <= set(out.limits_enforced)
