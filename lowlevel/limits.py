@@ -341,7 +341,8 @@ def parse_mountinfo(text: str) -> list[tuple[str, str, str, str]]:
         fields, tail = left.split(), right.split()
         if len(fields) < 5 or len(tail) < 3 or tail[0] not in ("cgroup", "cgroup2"):
             continue
-        unescape = lambda s: re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), s)  # noqa: E731
+        def unescape(s: str) -> str:
+            return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), s)
         out.append((unescape(fields[3]), unescape(fields[4]), tail[0], tail[2]))
     return out
 
@@ -529,6 +530,9 @@ def _delegated(path: str, euid: int) -> bool:
     return False
 
 
+#: Exists when systemd is PID 1 (sd_booted(3)); without it systemd-run cannot work.
+_SYSTEMD_BOOTED = "/run/systemd/system"
+
 _HOLDER = ("import sys; sys.stdout.write(open('/proc/self/cgroup').read() + '.\\n'); "
            "sys.stdout.flush(); sys.stdin.read()")
 
@@ -541,7 +545,7 @@ def _systemd_delegate(mount: str, user: bool) -> tuple[str, int] | None:
     """
     global _holder
     exe = shutil.which("systemd-run")
-    if exe is None or not os.path.isdir("/run/systemd/system"):
+    if exe is None or not os.path.isdir(_SYSTEMD_BOOTED):
         return None
     argv = [exe, *(["--user"] if user else []), "--scope", "--quiet", "--collect",
             "-p", "Delegate=yes", f"--unit=lowlevel-{os.getpid()}-{secrets.token_hex(4)}",
@@ -592,7 +596,12 @@ _RUN_NAME = re.compile(r"^(?:run-)?(\d+)-[0-9A-Za-z_.-]+$")
 
 
 def _sweep(base: str) -> None:
-    """Remove empty run cgroups of processes that no longer exist (a caller killed mid-run)."""
+    """Remove empty run cgroups of processes that no longer exist (a caller killed mid-run).
+
+    Only empty directories go (rmdir(2) refuses the others). A caller in another PID namespace
+    sharing this base is invisible here: its run cgroup could be removed between its create and
+    attach, and its attach then fails with ENOENT (a LaunchError, never a run without limits).
+    """
     try:
         names = os.listdir(base)
     except OSError:
