@@ -1,0 +1,1372 @@
+"""Session mode: one sandbox, many commands; and a warm Pool of fresh sandboxes.
+
+A :class:`Session` sets the sandbox up once (one bwrap, same Policy, seccomp filter and limits
+as :func:`lowlevel.run`) with a small C init as its program (``native/lowlevel_init.c``), then
+runs each command inside it at the cost of a fork and an exec. :class:`AsyncSession` is the
+asyncio form. A :class:`Pool` keeps N sandboxes started in advance, each with its own fresh
+workspace, and gives each call a sandbox of its own: the isolation of ``run`` at close to a
+session's latency.
+
+Glossary:
+    init: ``lowlevel_init``, the sandbox's program (PID 2, under bwrap's PID-1 reaper). It
+        receives commands over a socket, forks a shepherd per command and reaps shepherds.
+    shepherd: one per command: a child subreaper that vforks and execs the command, enforces
+        its timeout, kills its whole tree when it ends and reports status and rusage.
+    command: what the caller asked to run; the leader of its own process group.
+
+Isolation between commands of one session (exactly):
+    Shared: the workspace (``/workspace``) and ``/tmp`` and ``/dev/shm`` (one tmpfs each, for the
+        session's life); every namespace (mount, PID, network, IPC, UTS, user); the seccomp
+        filter; the uid and gid; the session's cgroup, hence its ``memory_bytes``, ``pids``
+        and ``cpu_quota`` limits and its CPU/memory accounting (a command that fills memory
+        can get another one OOM-killed); the environment given to bwrap (each command gets
+        the Policy's environment plus its own ``env``, nothing else: the init passes an
+        explicit environment to execve).
+    Separate: each command runs in its own process group with its own stdin/stdout/stderr
+        pipes (outputs are never mixed), its own rlimits (``RLIMIT_CPU``, ``RLIMIT_FSIZE``,
+        ``RLIMIT_NOFILE``, ``RLIMIT_CORE``, and ``RLIMIT_DATA``/``RLIMIT_NPROC`` where the
+        cgroup does not enforce memory/pids), its own cwd, its own timeout.
+    Not isolated: commands run as the same uid in one PID namespace, so a command can see
+        the others in ``/proc``, signal them and read their ``/proc/PID/{environ,cmdline}``
+        (ptrace, process_vm_* and pidfd_getfd are denied by the seccomp profile). Use a Pool,
+        or one ``run`` per call, when calls must not see each other.
+    Lifetime: no command outlives its own end: when a command's main process exits, times
+        out or is killed, its shepherd SIGKILLs its process group and then every process
+        reparented to it (a double-forked ``setsid`` daemon included) until none is left, and
+        only then reports. Background commands (:meth:`Session.start`) live until they exit,
+        time out, are killed, or the session closes.
+    The init: not dumpable (``PR_SET_DUMPABLE`` 0: no ptrace, no ``/proc/2/fd``), ignores
+        every catchable signal, and keeps no command's fds. A command can still SIGKILL or
+        SIGSTOP it (same uid; the kernel offers no way to refuse those). Killing it ends the
+        session at once (bwrap's PID 1 exits with it and the kernel kills the PID namespace):
+        every waiting call and every later one raises :class:`SessionError` with
+        ``reason="init_died"``. A stopped init or shepherd is found by the host when a command
+        overruns its timeout by :data:`GRACE_S` (or, for a command without timeout, when the
+        init's state is ``T``), and the session is then killed (``reason="unresponsive"``).
+        Either way the caller never hangs and nothing is left running.
+
+The session ends on :meth:`Session.close`, on the caller's death (bwrap ``--die-with-parent``),
+on its idle or total timeout (enforced by the init, which then exits), or on the init's death;
+in every case the kernel kills the sandbox's PID namespace, and ``close()`` reaps bwrap and
+removes the session's cgroup.
+
+Protocol (``SOCK_SEQPACKET`` socketpair; one record per message; native byte order; layouts in
+``native/lowlevel_init.c``):
+    host -> init: ``SPAWN`` (header, rlimits, cwd, argv, env; stdio pipes attached with
+        ``SCM_RIGHTS``; a body over 128 KiB travels in a memfd), ``SIGNAL`` (id, signo, or
+        "kill the tree").
+    init/shepherd -> host: ``HELLO`` (version; the kernel attaches the init's host PID with
+        ``SO_PASSCRED``), ``STARTED`` (id, PID inside), ``EXIT`` (id, kind, wait status or
+        errno and stage, flags timed-out/cancelled, user and system CPU and max RSS of the
+        command's tree from ``getrusage(RUSAGE_CHILDREN)``), ``BYE`` (idle/total timeout).
+    Output never travels over the socket: the command writes into pipes the host created.
+
+Sources: unix(7) (SOCK_SEQPACKET, SCM_RIGHTS, SO_PASSCRED); prctl(2) (PR_SET_CHILD_SUBREAPER,
+Linux 3.4; PR_SET_DUMPABLE); credentials(7) (process groups); bwrap(1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import errno as _errno
+import functools
+import logging
+import os
+import resource
+import select
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from . import limits as _limits
+from . import workspace as _ws
+from .errors import LaunchError, LowlevelError, PolicyError, UnsupportedError
+from .launcher import (DEFAULT_TIMEOUT_S, SETUP_TIMEOUT_S, ExecError, Run, _Capture, _check_command,
+                       classify_setup_failure)
+from .limits import Limits
+from .policy import WORKSPACE_DEST, Policy
+from .result import Result
+
+log = logging.getLogger("lowlevel")
+
+#: Extra seconds the host waits past a command's timeout before it declares the session
+#: unresponsive (the shepherd enforces the timeout itself; this covers a stopped shepherd).
+GRACE_S = 2.0
+#: How long the host waits for the init's HELLO after bwrap released it, seconds.
+HELLO_TIMEOUT_S = 10.0
+#: Path of the init executable built at install time (``setup.py`` ``build_ext``).
+INIT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lowlevel_init")
+
+# Fd numbers inside the sandbox (extra_fds of the Run: 9 and up are ours).
+_SOCK_FD = 9
+_EXE_FD = 10
+
+# Protocol, mirrored from native/lowlevel_init.c.
+_PROTO_VERSION = 1
+_MSG_SPAWN, _MSG_SIGNAL = 1, 2
+_MSG_HELLO, _MSG_STARTED, _MSG_EXIT, _MSG_BYE = 100, 101, 102, 103
+_SPAWN_STDIN_PIPE, _SPAWN_BODY_MEMFD = 1, 2
+_SIGNAL_TREE = 1
+_EXIT_WAIT_STATUS, _EXIT_SETUP_FAILED, _EXIT_SPAWN_FAILED, _EXIT_SHEPHERD_DIED = 0, 1, 2, 3
+_EXITF_TIMED_OUT, _EXITF_CANCELLED = 1, 2
+_STAGES = {1: "chdir", 2: "setrlimit", 3: "execve", 4: "stdio"}
+_BYE_REASONS = {1: "idle_timeout", 2: "total_timeout"}
+_SPAWN_HDR = struct.Struct("=IIIIqII")
+_RLIM = struct.Struct("=IIQQ")
+_SIGNAL = struct.Struct("=IIII")
+_SMALL = struct.Struct("=IIII")
+_EXIT = struct.Struct("=IIIIIIqqqq")
+_MAX_INLINE = 128 * 1024
+_U64 = 2**64 - 1
+
+
+class SessionError(LowlevelError):
+    """The session ended or broke; the command (if any) has no Result.
+
+    Attributes:
+        reason: ``"closed"`` (close() was called), ``"init_died"`` (the init exited or was
+            killed, e.g. by a command), ``"unresponsive"`` (the init or a shepherd stopped
+            answering: SIGSTOP from a command), ``"idle_timeout"``, ``"total_timeout"``,
+            ``"protocol"`` (a malformed message: a bug).
+    """
+
+    def __init__(self, message: str, reason: str = "init_died") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.reason))
+
+
+def init_path() -> str:
+    """Path of the ``lowlevel_init`` executable: ``$LOWLEVEL_INIT`` or the one installed.
+
+    Raises:
+        UnsupportedError: it is missing (the package was installed without building it).
+    """
+    path = os.environ.get("LOWLEVEL_INIT") or INIT_PATH
+    if not os.access(path, os.X_OK):
+        raise UnsupportedError("session-init", f"the session init executable {path} is missing or not "
+                               "executable", "reinstall lowlevel (pip install .) with a C compiler present")
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def _init_fd(path: str) -> int:
+    """An O_RDONLY fd of the init executable, opened once per process.
+
+    bwrap execs it as ``/proc/self/fd/10``: no bind mount is needed and its host path need
+    not be reachable by the sandbox's uid (only its mode, 0755, matters).
+    """
+    return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+
+def _rlimit_records(limits: Limits, cgroup: Any) -> tuple[tuple[str, ...], bytes]:
+    triples = _limits.rlimits(limits, cgroup)
+    names = tuple(name for name, _s, _h in triples)
+    data = b"".join(_RLIM.pack(getattr(resource, name), 0, soft & _U64, hard & _U64)
+                    for name, soft, hard in triples)
+    return names, data
+
+
+def _env_block(env: Mapping[str, str]) -> tuple[int, bytes]:
+    return len(env), b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items())
+
+
+class _Cmd:
+    """Host-side state of one command."""
+
+    def __init__(self, cid: int, argv: list[str], policy: Policy, timeout: float | None,
+                 stream: bool) -> None:
+        self.id = cid
+        self.argv = argv
+        self.timeout = timeout
+        self.t0 = time.monotonic()
+        self.host_deadline = None if timeout is None else self.t0 + timeout + GRACE_S
+        self.out = _Capture(policy.stdout_limit_bytes)
+        self.err = _Capture(policy.stderr_limit_bytes)
+        self.stream = stream
+        self.new_out = bytearray()
+        self.new_err = bytearray()
+        self.out_r: int | None = None
+        self.err_r: int | None = None
+        self.stdin_w: int | None = None
+        self.stdin_view: memoryview | None = None
+        self.pid: int | None = None
+        self.done = False
+        self.result: Result | None = None
+        self.error: BaseException | None = None
+        self.cancelled = False
+        self.rlimit_names: tuple[str, ...] = ()
+        self.before: Any = None
+
+    def fds(self) -> list[int]:
+        return [fd for fd in (self.out_r, self.err_r, self.stdin_w) if fd is not None]
+
+    def read(self, fd: int) -> None:
+        """Drain readable data from one of our output pipes; close it at EOF."""
+        is_out = fd == self.out_r
+        cap = self.out if is_out else self.err
+        while True:
+            try:
+                data = os.read(fd, 262144)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                os.close(fd)
+                if is_out:
+                    self.out_r = None
+                else:
+                    self.err_r = None
+                return
+            cap.feed(data)
+            if self.stream:
+                (self.new_out if is_out else self.new_err).extend(data)
+
+    def feed_stdin(self) -> None:
+        fd = self.stdin_w
+        if fd is None:
+            return
+        view = self.stdin_view
+        try:
+            while view:
+                view = view[os.write(fd, view[:65536]):]
+        except BlockingIOError:
+            self.stdin_view = view
+            return
+        except OSError:
+            pass
+        os.close(fd)
+        self.stdin_w = None
+        self.stdin_view = None
+
+    def close_fds(self) -> None:
+        for attr in ("out_r", "err_r", "stdin_w"):
+            fd = getattr(self, attr)
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+                setattr(self, attr, None)
+
+
+class _Core:
+    """The sandbox, the socket and the command table; no waiting policy (see the drivers)."""
+
+    def __init__(self, policy: Policy | None, *, workspace: str | os.PathLike[str] | None,
+                 inputs: Sequence[str | os.PathLike[str]], idle_timeout: float | None,
+                 total_timeout: float | None, workspace_base: str | None, bwrap: str | None,
+                 track_changes: bool) -> None:
+        policy = policy or Policy()
+        if not isinstance(policy, Policy):
+            raise PolicyError(f"policy must be a lowlevel.Policy, got {type(policy).__name__}")
+        for name, value in (("idle_timeout", idle_timeout), ("total_timeout", total_timeout)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not value > 0):
+                raise PolicyError(f"{name} must be a number of seconds > 0 or None, got {value!r}")
+        self.policy = policy
+        self.track_changes = track_changes
+        self.idle_timeout = idle_timeout
+        self.total_timeout = total_timeout
+        # The init itself must not run under RLIMIT_CPU (it lives for thousands of commands):
+        # the sandbox gets the Policy's limits without it; each command gets it back.
+        self.sandbox_policy = dataclasses.replace(policy, limits=dataclasses.replace(policy.limits, cpu_s=None))
+        exe = init_path()
+        self.sock, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        argv = [f"/proc/self/fd/{_EXE_FD}", str(_SOCK_FD), str(_ms(idle_timeout)), str(_ms(total_timeout)),
+                str(_EXE_FD)]
+        self.run = Run(argv, policy=self.sandbox_policy,
+                       workspace=None if workspace is None else os.fspath(workspace), inputs=inputs,
+                       timeout=None, capture=True, workspace_base=workspace_base, bwrap=bwrap,
+                       extra_fds={_SOCK_FD: child.fileno(), _EXE_FD: _init_fd(exe)})
+        self.cmds: dict[int, _Cmd] = {}
+        self.fd_owner: dict[int, _Cmd] = {}
+        self.next_id = 1
+        self.failed: SessionError | None = None
+        self.closed = False
+        self.init_host_pid: int | None = None
+        self.lock = threading.Lock()  # command table and socket sends
+        self.fds_version = 0
+        self.last_state_check = 0.0
+        self.oom_seen = 0
+        try:
+            self._start(child)
+        except BaseException:
+            child.close()
+            self.sock.close()
+            self.run.close()
+            raise
+        child.close()
+        env = self.policy.environment()
+        self.env_default = _env_block(env)
+        self.rlimit_default = _rlimit_records(policy.limits, self.run.cgroup)
+        enforced = getattr(self.run.cgroup, "enforced", ()) if self.run.cgroup is not None else ()
+        self.cgroup_enforced = tuple(f"cgroup:{c}" for c in enforced)
+        self.notes = tuple(self.run.notes) + (
+            ("cgroup limits and accounting are shared by every command of the session",) if enforced else ())
+
+    # -- start ---------------------------------------------------------------------------
+    def _start(self, child: socket.socket) -> None:
+        r = self.run
+        r.prepare()
+        r.spawn()
+        child.close()
+        deadline = time.monotonic() + SETUP_TIMEOUT_S
+        poller = select.poll()
+        assert r.json_r is not None and r.pidfd is not None
+        for fd in (r.json_r, r.pidfd, r.out_r, r.err_r, self.sock.fileno()):
+            if fd is not None:
+                poller.register(fd, select.POLLIN)
+        released = False
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise LaunchError(f"the session sandbox did not start within {SETUP_TIMEOUT_S:.0f} s",
+                                  argv=r.full_argv)
+            for fd, _ev in poller.poll(left * 1000):
+                if fd == self.sock.fileno():
+                    self._hello()
+                    return
+                if fd == r.pidfd:
+                    r.reap()
+                    while r.read_fd("err_r") or r.read_fd("out_r") or r.read_fd("json_r"):
+                        pass
+                    raise classify_setup_failure(r.err.value()[0], r.full_argv, r.command)
+                attr = "json_r" if fd == r.json_r else "out_r" if fd == r.out_r else "err_r"
+                if not r.read_fd(attr):
+                    poller.unregister(fd)
+            if not released and r.init_pid is not None:
+                r.release()
+                released = True
+                deadline = time.monotonic() + HELLO_TIMEOUT_S
+
+    def _hello(self) -> None:
+        data, anc, _flags, _addr = self.sock.recvmsg(64, socket.CMSG_SPACE(12))
+        if len(data) < _SMALL.size:
+            raise LaunchError("the session init exited before saying hello", argv=self.run.full_argv)
+        mtype, version, _pid, _ = _SMALL.unpack_from(data)
+        if mtype != _MSG_HELLO or version != _PROTO_VERSION:
+            raise LaunchError(f"the session init speaks protocol {version} (type {mtype}), expected "
+                              f"{_PROTO_VERSION}: reinstall lowlevel", argv=self.run.full_argv)
+        for level, kind, payload in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+                self.init_host_pid = struct.unpack("=iII", payload[:12])[0]
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 0)
+        self.sock.setblocking(False)
+
+    # -- submit --------------------------------------------------------------------------
+    def submit(self, argv: Sequence[str], *, stdin: bytes | None, timeout: float | None,
+               env: Mapping[str, str] | None, cwd: str, limits: Limits | None, stream: bool,
+               track_changes: bool | None = None) -> _Cmd:
+        command = _check_command(argv)
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout > 0):
+            raise PolicyError(f"timeout must be a number of seconds > 0 or None, got {timeout!r}")
+        if stdin is not None and not isinstance(stdin, (bytes, bytearray, memoryview)):
+            raise PolicyError("stdin must be bytes or None")
+        if not isinstance(cwd, str) or not cwd.startswith("/") or "\0" in cwd:
+            raise PolicyError(f"cwd must be an absolute path inside the sandbox, got {cwd!r}")
+        if limits is not None and not isinstance(limits, Limits):
+            raise PolicyError(f"limits must be a lowlevel.Limits or None, got {type(limits).__name__}")
+        if self.failed is not None:
+            raise self.failed
+        envc, envb = self.env_default if env is None else _env_block(self.policy.environment(env))
+        names, rlb = self.rlimit_default if limits is None else _rlimit_records(limits, self.run.cgroup)
+        strings = cwd.encode() + b"\0" + b"".join(a.encode() + b"\0" for a in command) + envb
+        cmd = _Cmd(0, command, self.policy, timeout, stream)
+        cmd.rlimit_names = names
+        if track_changes if track_changes is not None else self.track_changes:
+            cmd.before = _ws.snapshot(self.run.workspace)
+        flags = 0
+        send_fds: list[int] = []
+        close_after: list[int] = []
+        try:
+            if stdin is not None:
+                in_r, in_w = os.pipe()
+                close_after.append(in_r)
+                cmd.stdin_w = in_w
+                os.set_blocking(in_w, False)
+                cmd.stdin_view = memoryview(bytes(stdin))
+                send_fds.append(in_r)
+                flags |= _SPAWN_STDIN_PIPE
+            out_r, out_w = os.pipe()
+            cmd.out_r = out_r
+            close_after.append(out_w)
+            err_r, err_w = os.pipe()
+            cmd.err_r = err_r
+            close_after.append(err_w)
+            send_fds += [out_w, err_w]
+            os.set_blocking(out_r, False)
+            os.set_blocking(err_r, False)
+            body = rlb + strings
+            timeout_ms = -1 if timeout is None else max(1, round(timeout * 1000))
+            with self.lock:
+                if self.failed is not None:
+                    raise self.failed
+                cmd.id = self.next_id
+                self.next_id += 1
+                if len(body) > _MAX_INLINE:
+                    from .launcher import _memfd
+                    mfd = _memfd("lowlevel-spawn", body)
+                    close_after.append(mfd)
+                    send_fds.append(mfd)
+                    flags |= _SPAWN_BODY_MEMFD
+                    body = b""
+                header = _SPAWN_HDR.pack(_MSG_SPAWN, cmd.id, flags, len(rlb) // _RLIM.size, timeout_ms,
+                                         len(command), envc)
+                self.cmds[cmd.id] = cmd
+                for fd in cmd.fds():
+                    self.fd_owner[fd] = cmd
+                self.fds_version += 1
+                try:
+                    self._send([header, body], send_fds)
+                except BaseException:
+                    self.cmds.pop(cmd.id, None)
+                    for fd in cmd.fds():
+                        self.fd_owner.pop(fd, None)
+                    raise
+        except BaseException:
+            cmd.close_fds()
+            raise
+        finally:
+            for fd in close_after:
+                os.close(fd)
+        cmd.feed_stdin()
+        return cmd
+
+    def _send(self, parts: list[bytes], fds: list[int]) -> None:
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))] if fds else []
+        deadline = time.monotonic() + 10.0
+        while True:
+            try:
+                self.sock.sendmsg(parts, anc)
+                return
+            except BlockingIOError:
+                # The init is not reading (stopped?); wait a little for buffer space.
+                if time.monotonic() > deadline or not select.select([], [self.sock], [], 1.0)[1] and \
+                        self._init_stopped():
+                    self._fail_locked("the session's init stopped reading commands (stopped by a "
+                                      "command?); the session was killed", "unresponsive")
+                    assert self.failed is not None
+                    raise self.failed from None
+            except (BrokenPipeError, ConnectionResetError) as err:
+                self._fail_locked(self._death_message(), "init_died")
+                assert self.failed is not None
+                raise self.failed from err
+
+    def signal(self, cmd: _Cmd, signo: int, tree: bool) -> None:
+        """Ask the init to signal a command's group (tree: SIGKILL its whole tree)."""
+        with self.lock:
+            if cmd.done or self.failed is not None:
+                return
+            if tree:
+                cmd.cancelled = True
+            try:
+                self.sock.send(_SIGNAL.pack(_MSG_SIGNAL, cmd.id, int(signo), _SIGNAL_TREE if tree else 0))
+            except OSError:
+                pass
+
+    # -- receive -------------------------------------------------------------------------
+    def on_readable(self) -> None:
+        """Drain and dispatch every message waiting on the socket (one reader at a time)."""
+        while True:
+            try:
+                data = self.sock.recv(256)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                with self.lock:
+                    self._fail_locked(self._death_message(), "init_died")
+                return
+            self._dispatch(data)
+
+    def _dispatch(self, data: bytes) -> None:
+        mtype = struct.unpack_from("=I", data)[0]
+        if mtype == _MSG_STARTED and len(data) == _SMALL.size:
+            _t, cid, pid, _ = _SMALL.unpack(data)
+            cmd = self.cmds.get(cid)
+            if cmd is not None:
+                cmd.pid = pid
+        elif mtype == _MSG_EXIT and len(data) == _EXIT.size:
+            fields = _EXIT.unpack(data)
+            cmd = self.cmds.get(fields[1])
+            if cmd is not None:
+                self._finish(cmd, fields)
+        elif mtype == _MSG_BYE and len(data) == _SMALL.size:
+            reason = _BYE_REASONS.get(_SMALL.unpack(data)[1], "idle_timeout")
+            limit = self.idle_timeout if reason == "idle_timeout" else self.total_timeout
+            with self.lock:
+                self._fail_locked(f"the session ended: its {reason.replace('_', ' ')} of {limit} s passed",
+                                  reason)
+        else:
+            with self.lock:
+                self._fail_locked(f"malformed message from the session init (type {mtype}, {len(data)} bytes)",
+                                  "protocol")
+
+    def _finish(self, cmd: _Cmd, fields: tuple[int, ...]) -> None:
+        _t, _cid, kind, status, flags, stage, utime_us, stime_us, maxrss_kib, _wall_ns = fields
+        # The shepherd reported only after the command's whole tree was dead: what is in the
+        # pipes is all there is. Drain without waiting for EOF (another command of the session
+        # could hold a copy of our pipe through /proc/PID/fd).
+        for fd in (cmd.out_r, cmd.err_r):
+            if fd is not None:
+                cmd.read(fd)
+        with self.lock:
+            self.cmds.pop(cmd.id, None)
+            for fd in cmd.fds():
+                self.fd_owner.pop(fd, None)
+            self.fds_version += 1
+        cmd.close_fds()
+        wall = time.monotonic() - cmd.t0
+        if kind == _EXIT_SETUP_FAILED:
+            stage_name = _STAGES.get(stage, str(stage))
+            msg = os.strerror(status)
+            if stage_name == "execve":
+                cmd.error = ExecError(f"{cmd.argv[0]}: {msg.lower()} in the sandbox", argv=list(cmd.argv),
+                                      errno=status)
+            else:
+                cmd.error = LaunchError(f"{stage_name} failed for {cmd.argv[0]!r} in the session: {msg}",
+                                        argv=list(cmd.argv), errno=status)
+        elif kind == _EXIT_SPAWN_FAILED:
+            cmd.error = LaunchError(f"the session init could not start {cmd.argv[0]!r}: {os.strerror(status)}",
+                                    argv=list(cmd.argv), errno=status)
+        elif kind == _EXIT_SHEPHERD_DIED:
+            cmd.error = SessionError(f"the supervisor of {cmd.argv[0]!r} was killed (wait status {status}) "
+                                     "by a command of the session; its processes were killed", "unresponsive")
+        else:
+            cmd.result = self._result(cmd, status, flags, utime_us, stime_us, maxrss_kib, wall)
+        cmd.done = True
+
+    def _result(self, cmd: _Cmd, status: int, flags: int, utime_us: int, stime_us: int, maxrss_kib: int,
+                wall: float) -> Result:
+        term: int | None = None
+        if os.WIFSIGNALED(status):
+            term = os.WTERMSIG(status)
+            exit_code = 128 + term
+        else:
+            exit_code = os.WEXITSTATUS(status)
+        killed_by = None
+        cpu = (utime_us + stime_us) / 1e6
+        if flags & _EXITF_TIMED_OUT:
+            killed_by = "timeout"
+        elif flags & _EXITF_CANCELLED or cmd.cancelled:
+            killed_by = "cancelled"
+        elif term == signal.SIGXCPU or (term == signal.SIGKILL and "RLIMIT_CPU" in cmd.rlimit_names
+                                        and self.policy.limits.cpu_s is not None
+                                        and cpu >= self.policy.limits.cpu_s):
+            killed_by = "cpu"
+        elif term == signal.SIGKILL and self._oom_delta():
+            killed_by = "memory"
+        elif term is not None:
+            killed_by = "signal"
+        out, out_t, out_d = cmd.out.value()
+        err, err_t, err_d = cmd.err.value()
+        changes = _ws.Changes()
+        if cmd.before is not None:
+            changes = _ws.diff(cmd.before, _ws.snapshot(self.run.workspace))
+        enforced = cmd.rlimit_names + self.cgroup_enforced + (("seccomp",) if self.run.seccomp_loaded else ())
+        return Result(
+            exit_code=exit_code, term_signal=term, timed_out=bool(flags & _EXITF_TIMED_OUT), killed_by=killed_by,
+            stdout=out, stderr=err, stdout_truncated=out_t, stderr_truncated=err_t,
+            stdout_dropped_bytes=out_d, stderr_dropped_bytes=err_d, wall_time_s=wall,
+            cpu_user_s=utime_us / 1e6, cpu_system_s=stime_us / 1e6, peak_memory_bytes=None,
+            max_rss_bytes=maxrss_kib * 1024, oom_kills=None, limits_enforced=enforced, changes=changes,
+            workspace=self.run.workspace, notes=self.notes, argv=tuple(cmd.argv))
+
+    def _oom_delta(self) -> bool:
+        cg = self.run.cgroup
+        if cg is None:
+            return False
+        try:
+            kills = getattr(cg.stats(), "oom_kills", 0) or 0
+        except Exception:  # noqa: BLE001 - accounting is best effort
+            return False
+        seen, self.oom_seen = self.oom_seen, kills
+        return kills > seen
+
+    # -- health and failure --------------------------------------------------------------
+    def check_health(self, now: float) -> None:
+        """Declare the session unresponsive when a command overran its timeout by GRACE_S, or
+        when the init is stopped (checked at most every 0.5 s, only while someone waits)."""
+        overdue = [c for c in list(self.cmds.values()) if c.host_deadline is not None and now > c.host_deadline]
+        if overdue:
+            with self.lock:
+                self._fail_locked(f"{overdue[0].argv[0]!r} overran its timeout of {overdue[0].timeout} s by "
+                                  f"{GRACE_S} s without a report: its supervisor or the session's init was "
+                                  "stopped by a command; the session was killed", "unresponsive")
+            return
+        if now - self.last_state_check >= 0.5:
+            self.last_state_check = now
+            if self._init_stopped():
+                with self.lock:
+                    self._fail_locked("the session's init was stopped (SIGSTOP from a command?); the session "
+                                      "was killed", "unresponsive")
+
+    def next_health_check(self, now: float) -> float:
+        t = now + 0.5
+        for c in list(self.cmds.values()):
+            if c.host_deadline is not None:
+                t = min(t, c.host_deadline + 0.001)
+        return t
+
+    def _init_stopped(self) -> bool:
+        pid = self.init_host_pid
+        if pid is None or self.failed is not None:
+            return False
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            return False
+        state = stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3]
+        return state in (b"T", b"t")
+
+    def _death_message(self) -> str:
+        r = self.run
+        if r.pidfd is not None and r.wait_status is None:
+            p = select.poll()
+            p.register(r.pidfd, select.POLLIN)
+            if p.poll(1000):
+                r.reap_bwrap() if hasattr(r, "reap_bwrap") else r.reap()
+        code = None
+        if r.json_r is not None:
+            r.read_fd("json_r")
+        for doc in r._docs():
+            if "exit-code" in doc:
+                code = int(doc["exit-code"])
+        how = "exited"
+        if code is not None and 128 < code <= 192:
+            try:
+                how = f"was killed by {signal.Signals(code - 128).name}"
+            except ValueError:
+                how = f"was killed by signal {code - 128}"
+        elif code is not None:
+            how = f"exited with status {code}"
+        return (f"the session's init {how}: the session is over (a command can kill it: commands run as the "
+                "same uid); start a new Session")
+
+    def _fail_locked(self, message: str, reason: str) -> None:
+        """Mark the session failed, fail every pending command, kill the sandbox. Holds self.lock."""
+        if self.failed is not None:
+            return
+        self.failed = SessionError(message, reason)
+        for cmd in list(self.cmds.values()):
+            for fd in (cmd.out_r, cmd.err_r):
+                if fd is not None:
+                    cmd.read(fd)
+            cmd.close_fds()
+            cmd.error = self.failed
+            cmd.done = True
+        self.cmds.clear()
+        self.fd_owner.clear()
+        self.fds_version += 1
+        try:
+            self.run.kill(None)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def close(self) -> None:
+        """Kill the sandbox and everything in it, reap bwrap, remove the cgroup. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        with self.lock:
+            if self.failed is None:
+                self.failed = SessionError("the session is closed", "closed")
+            for cmd in list(self.cmds.values()):
+                cmd.close_fds()
+                cmd.error = self.failed
+                cmd.done = True
+            self.cmds.clear()
+            self.fd_owner.clear()
+        try:
+            self.sock.close()
+        finally:
+            self.run.close()
+
+
+def _ms(seconds: float | None) -> int:
+    return 0 if seconds is None else max(1, round(seconds * 1000))
+
+
+# ---------------------------------------------------------------------------------------------
+# sync driver
+# ---------------------------------------------------------------------------------------------
+
+
+class Process:
+    """A command started with :meth:`Session.start`: stream its output, poll, wait, kill.
+
+    Attributes:
+        argv: the command as given.
+        pid: its PID inside the sandbox (None until the init reports it started).
+    """
+
+    def __init__(self, session: "Session", cmd: _Cmd) -> None:
+        self._session = session
+        self._cmd = cmd
+        self.argv = tuple(cmd.argv)
+
+    @property
+    def pid(self) -> int | None:
+        return self._cmd.pid
+
+    def poll(self) -> Result | None:
+        """Return the Result if the command has finished, else None; never blocks.
+
+        Raises:
+            ExecError, LaunchError: the command could not be started.
+            SessionError: the session ended before the command did.
+        """
+        if not self._cmd.done:
+            self._session._wait(self._cmd, time.monotonic())
+        return self._outcome() if self._cmd.done else None
+
+    def wait(self, timeout: float | None = None) -> Result:
+        """Wait for the command to finish and return its Result.
+
+        Args:
+            timeout: seconds to wait (None: until it ends; its own timeout bounds that).
+        Raises:
+            TimeoutError: still running after ``timeout`` (it keeps running; see :meth:`kill`).
+            ExecError, LaunchError, SessionError: as :meth:`poll`.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._session._wait(self._cmd, deadline)
+        if not self._cmd.done:
+            raise TimeoutError(f"{self.argv[0]!r} still running after {timeout} s")
+        return self._outcome()
+
+    def read(self, timeout: float | None = 0) -> tuple[bytes, bytes]:
+        """Return ``(stdout, stderr)`` written since the last read, waiting up to ``timeout``
+        seconds for something to arrive (0: don't wait; None: until output or the end).
+
+        Returns ``(b"", b"")`` once the command has finished and everything was read.
+        """
+        cmd = self._cmd
+        if not (cmd.new_out or cmd.new_err or cmd.done):
+            deadline = None if timeout is None else time.monotonic() + timeout
+            self._session._wait(cmd, deadline, until=lambda: bool(cmd.new_out or cmd.new_err))
+        out, err = bytes(cmd.new_out), bytes(cmd.new_err)
+        cmd.new_out.clear()
+        cmd.new_err.clear()
+        return out, err
+
+    def send_signal(self, signo: int) -> None:
+        """Send ``signo`` to the command's process group (no-op once it has finished)."""
+        self._session._core.signal(self._cmd, signo, tree=False)
+
+    def kill(self) -> None:
+        """SIGKILL the command's whole tree (its group and every descendant); its Result then
+        has ``killed_by="cancelled"``. Returns at once; :meth:`wait` for the Result."""
+        self._session._core.signal(self._cmd, signal.SIGKILL, tree=True)
+
+    def _outcome(self) -> Result:
+        if self._cmd.error is not None:
+            raise self._cmd.error
+        assert self._cmd.result is not None
+        return self._cmd.result
+
+
+class Session:
+    """One sandbox for many commands (sync). Use as a context manager.
+
+    Args:
+        policy: as for :func:`lowlevel.run` (default ``Policy()``): mounts, seccomp filter,
+            limits. ``limits.cpu_s`` applies per command (``RLIMIT_CPU``), not to the init;
+            the cgroup limits (memory, pids, cpu_quota) apply to the session as a whole.
+        workspace: host directory bound at ``/workspace`` (must exist); None makes a fresh
+            one under ``workspace_base``, kept after close (``session.workspace``).
+        inputs: host files or directories copied into the workspace before the start.
+        idle_timeout: end the session after this many seconds with no command running and
+            no request (None: never). Enforced by the init.
+        total_timeout: end the session this many seconds after it started (None: never).
+        workspace_base: parent of fresh workspaces (see :func:`lowlevel.run`).
+        track_changes: fill ``Result.changes`` for each command (a snapshot of the workspace
+            before and after: costs a directory walk per command, so off by default).
+        bwrap: an explicit bwrap path.
+    Raises:
+        PolicyError, WorkspaceError, LaunchError, UnsupportedError: as :func:`lowlevel.run`,
+            for the sandbox's start; UnsupportedError(feature="session-init") when the init
+            executable was not built.
+
+    Thread-safe: several threads may call :meth:`run` at once (the commands run concurrently
+    in the sandbox; one thread at a time moves the I/O for all of them).
+    """
+
+    def __init__(self, policy: Policy | None = None, *, workspace: str | os.PathLike[str] | None = None,
+                 inputs: Sequence[str | os.PathLike[str]] = (), idle_timeout: float | None = None,
+                 total_timeout: float | None = None, workspace_base: str | None = None,
+                 track_changes: bool = False, bwrap: str | None = None) -> None:
+        self._core = _Core(policy, workspace=workspace, inputs=inputs, idle_timeout=idle_timeout,
+                           total_timeout=total_timeout, workspace_base=workspace_base, bwrap=bwrap,
+                           track_changes=track_changes)
+        self._io_lock = threading.Lock()
+        self._cond = threading.Condition(threading.Lock())
+        self._handles: list[Process] = []
+
+    @property
+    def workspace(self) -> str:
+        """Host path of the session's workspace."""
+        return self._core.run.workspace
+
+    @property
+    def alive(self) -> bool:
+        """False once the session was closed or ended (init death, idle/total timeout)."""
+        return self._core.failed is None
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        core = getattr(self, "_core", None)
+        if core is not None and not core.closed and not sys.is_finalizing():
+            try:
+                self.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+    def run(self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = DEFAULT_TIMEOUT_S,
+            env: Mapping[str, str] | None = None, cwd: str = WORKSPACE_DEST, limits: Limits | None = None,
+            track_changes: bool | None = None) -> Result:
+        """Run one command in the session and wait for it.
+
+        Args:
+            argv: program and arguments; a bare name is searched on the command's PATH.
+            stdin: bytes fed to its stdin, or None for ``/dev/null``.
+            timeout: wall-clock seconds (None: none). On expiry its whole tree is SIGKILLed:
+                ``timed_out=True``, ``killed_by="timeout"``; the session stays usable.
+            env: variables set on top of the Policy's environment (nothing else is inherited).
+            cwd: working directory inside the sandbox.
+            limits: per-command rlimits (default: the Policy's); values above the session's
+                hard limits are lowered to them. Cgroup limits stay session-wide.
+            track_changes: override the session's ``track_changes`` for this command.
+        Returns:
+            A :class:`Result`. ``cpu_user_s``/``cpu_system_s``/``max_rss_bytes`` are the
+            command tree's (rusage); ``peak_memory_bytes`` and ``oom_kills`` are None (the
+            cgroup is the session's); ``argv`` is the command's.
+        Raises:
+            PolicyError: a bad argument.
+            ExecError: the command was not found (ENOENT) or is not executable (EACCES).
+            LaunchError: chdir to ``cwd`` or an rlimit failed (``.errno``).
+            SessionError: the session is closed or ended (see the module docstring).
+        """
+        cmd = self._core.submit(argv, stdin=stdin, timeout=timeout, env=env, cwd=cwd, limits=limits,
+                                stream=False, track_changes=track_changes)
+        try:
+            self._wait(cmd, None)
+        except BaseException:
+            self._core.signal(cmd, signal.SIGKILL, tree=True)
+            raise
+        if cmd.error is not None:
+            raise cmd.error
+        assert cmd.result is not None
+        return cmd.result
+
+    def start(self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None,
+              env: Mapping[str, str] | None = None, cwd: str = WORKSPACE_DEST,
+              limits: Limits | None = None) -> Process:
+        """Start a background command and return its :class:`Process` handle at once.
+
+        Arguments as :meth:`run`, but ``timeout`` defaults to None (a server runs until
+        killed). Its output is captured (capped as for ``run``) and streamed through
+        :meth:`Process.read`. Handles still running are killed by :meth:`close`.
+        """
+        cmd = self._core.submit(argv, stdin=stdin, timeout=timeout, env=env, cwd=cwd, limits=limits,
+                                stream=True, track_changes=False)
+        handle = Process(self, cmd)
+        self._handles = [h for h in self._handles if not h._cmd.done] + [handle]
+        return handle
+
+    def close(self) -> None:
+        """Kill every command and the sandbox, reap, remove the cgroup. Idempotent."""
+        self._core.close()
+        with self._cond:
+            self._cond.notify_all()
+
+    # -- the I/O pump: one leader moves everybody's I/O, the others wait for it -------------
+    def _wait(self, cmd: _Cmd, deadline: float | None, until: Callable[[], bool] | None = None) -> None:
+        def satisfied() -> bool:
+            return cmd.done or (until is not None and until())
+
+        while not satisfied():
+            with self._cond:
+                if satisfied():
+                    return
+                if not self._io_lock.acquire(blocking=False):
+                    left = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
+                    if left <= 0:
+                        return
+                    self._cond.wait(left)
+                    continue
+            try:
+                self._pump(satisfied, deadline)
+            finally:
+                with self._cond:
+                    self._io_lock.release()
+                    self._cond.notify_all()
+            if deadline is not None and time.monotonic() >= deadline:
+                return
+
+    def _pump(self, satisfied: Callable[[], bool], deadline: float | None) -> None:
+        core = self._core
+        sock_fd = core.sock.fileno() if not core.closed else -1
+        poller = select.poll()
+        version = -1
+        registered: set[int] = set()
+        while not satisfied():
+            if core.closed or core.failed is not None:
+                return
+            if version != core.fds_version:
+                with core.lock:
+                    version = core.fds_version
+                    wanted = {fd: (select.POLLOUT if fd == c.stdin_w else select.POLLIN)
+                              for fd, c in core.fd_owner.items()}
+                wanted[sock_fd] = select.POLLIN
+                for fd in registered - wanted.keys():
+                    poller.unregister(fd)
+                for fd, ev in wanted.items():
+                    if fd not in registered:
+                        poller.register(fd, ev)
+                registered = set(wanted)
+            now = time.monotonic()
+            wake = core.next_health_check(now)
+            if deadline is not None:
+                wake = min(wake, deadline)
+            events = poller.poll(max(0.0, wake - now) * 1000)
+            done_any = False
+            for fd, _ev in events:
+                if fd == sock_fd:
+                    core.on_readable()
+                    done_any = True
+                    continue
+                owner = core.fd_owner.get(fd)
+                if owner is None:
+                    continue
+                if fd == owner.stdin_w:
+                    owner.feed_stdin()
+                    if owner.stdin_w is None:
+                        with core.lock:
+                            core.fd_owner.pop(fd, None)
+                            core.fds_version += 1
+                else:
+                    owner.read(fd)
+                    if fd not in (owner.out_r, owner.err_r):
+                        with core.lock:
+                            core.fd_owner.pop(fd, None)
+                            core.fds_version += 1
+            if done_any:
+                with self._cond:
+                    self._cond.notify_all()
+            now = time.monotonic()
+            if not events or now >= wake:
+                core.check_health(now)
+            if deadline is not None and now >= deadline:
+                return
+
+
+# ---------------------------------------------------------------------------------------------
+# async driver
+# ---------------------------------------------------------------------------------------------
+
+
+class AsyncProcess:
+    """Async twin of :class:`Process` (from :meth:`AsyncSession.start`)."""
+
+    def __init__(self, session: "AsyncSession", cmd: _Cmd) -> None:
+        self._session = session
+        self._cmd = cmd
+        self.argv = tuple(cmd.argv)
+
+    @property
+    def pid(self) -> int | None:
+        return self._cmd.pid
+
+    def poll(self) -> Result | None:
+        """The Result if finished, else None."""
+        if not self._cmd.done:
+            return None
+        return Process._outcome(self)  # type: ignore[arg-type]
+
+    async def wait(self, timeout: float | None = None) -> Result:
+        """Wait for the end (``TimeoutError`` after ``timeout`` seconds; it keeps running)."""
+        await self._session._wait(self._cmd, timeout)
+        return Process._outcome(self)  # type: ignore[arg-type]
+
+    async def read(self, timeout: float | None = None) -> tuple[bytes, bytes]:
+        """``(stdout, stderr)`` since the last read, waiting up to ``timeout`` for some."""
+        cmd = self._cmd
+        if not (cmd.new_out or cmd.new_err or cmd.done):
+            try:
+                await self._session._wait(cmd, timeout, until=lambda: bool(cmd.new_out or cmd.new_err))
+            except TimeoutError:
+                pass
+        out, err = bytes(cmd.new_out), bytes(cmd.new_err)
+        cmd.new_out.clear()
+        cmd.new_err.clear()
+        return out, err
+
+    def send_signal(self, signo: int) -> None:
+        self._session._core.signal(self._cmd, signo, tree=False)
+
+    def kill(self) -> None:
+        self._session._core.signal(self._cmd, signal.SIGKILL, tree=True)
+
+
+class AsyncSession:
+    """Async form of :class:`Session` (asyncio). ``async with await AsyncSession.create(...)``
+    or ``async with AsyncSession(...)`` (the sandbox then starts on ``__aenter__``).
+
+    Arguments, Results and errors as :class:`Session`. One event loop per session; the
+    sandbox's start and close run in a worker thread (they wait on bwrap).
+    """
+
+    def __init__(self, policy: Policy | None = None, **kwargs: Any) -> None:
+        self._args = (policy, kwargs)
+        self._core: _Core | None = None
+        self._waiters: list[tuple[Callable[[], bool], asyncio.Future[None]]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._readers: set[int] = set()
+        self._timer: asyncio.TimerHandle | None = None
+
+    @classmethod
+    async def create(cls, policy: Policy | None = None, **kwargs: Any) -> "AsyncSession":
+        """Start the sandbox and return the session."""
+        self = cls(policy, **kwargs)
+        await self._open()
+        return self
+
+    async def _open(self) -> None:
+        if self._core is not None:
+            return
+        policy, kwargs = self._args
+        kwargs = {"workspace": None, "inputs": (), "idle_timeout": None, "total_timeout": None,
+                  "workspace_base": None, "bwrap": None, "track_changes": False, **kwargs}
+        self._core = await asyncio.to_thread(_Core, policy, **kwargs)
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._core.sock.fileno(), self._on_sock)
+        self._readers.add(self._core.sock.fileno())
+
+    async def __aenter__(self) -> "AsyncSession":
+        await self._open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def workspace(self) -> str:
+        assert self._core is not None
+        return self._core.run.workspace
+
+    @property
+    def alive(self) -> bool:
+        return self._core is not None and self._core.failed is None
+
+    async def run(self, argv: Sequence[str], *, stdin: bytes | None = None,
+                  timeout: float | None = DEFAULT_TIMEOUT_S, env: Mapping[str, str] | None = None,
+                  cwd: str = WORKSPACE_DEST, limits: Limits | None = None,
+                  track_changes: bool | None = None) -> Result:
+        """As :meth:`Session.run`. Cancelling the task SIGKILLs the command's tree."""
+        await self._open()
+        assert self._core is not None
+        cmd = self._core.submit(argv, stdin=stdin, timeout=timeout, env=env, cwd=cwd, limits=limits,
+                                stream=False, track_changes=track_changes)
+        self._watch(cmd)
+        try:
+            await self._wait(cmd, None)
+        except BaseException:
+            self._core.signal(cmd, signal.SIGKILL, tree=True)
+            raise
+        if cmd.error is not None:
+            raise cmd.error
+        assert cmd.result is not None
+        return cmd.result
+
+    async def start(self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None,
+                    env: Mapping[str, str] | None = None, cwd: str = WORKSPACE_DEST,
+                    limits: Limits | None = None) -> AsyncProcess:
+        """As :meth:`Session.start`."""
+        await self._open()
+        assert self._core is not None
+        cmd = self._core.submit(argv, stdin=stdin, timeout=timeout, env=env, cwd=cwd, limits=limits,
+                                stream=True, track_changes=False)
+        self._watch(cmd)
+        return AsyncProcess(self, cmd)
+
+    async def close(self) -> None:
+        """As :meth:`Session.close`."""
+        core = self._core
+        if core is None or core.closed:
+            return
+        self._drop_readers()
+        await asyncio.to_thread(core.close)
+        self._wake()
+
+    # -- plumbing ---------------------------------------------------------------------
+    def _watch(self, cmd: _Cmd) -> None:
+        assert self._loop is not None
+        for fd in cmd.fds():
+            if fd == cmd.stdin_w:
+                self._loop.add_writer(fd, self._on_stdin, cmd)
+            else:
+                self._loop.add_reader(fd, self._on_pipe, cmd, fd)
+            self._readers.add(fd)
+        self._arm_timer()
+
+    def _forget(self, fd: int) -> None:
+        if fd in self._readers and self._loop is not None:
+            self._loop.remove_reader(fd)
+            self._loop.remove_writer(fd)
+            self._readers.discard(fd)
+
+    def _drop_readers(self) -> None:
+        for fd in list(self._readers):
+            self._forget(fd)
+
+    def _on_pipe(self, cmd: _Cmd, fd: int) -> None:
+        cmd.read(fd)
+        if fd not in (cmd.out_r, cmd.err_r):
+            self._forget(fd)
+            assert self._core is not None
+            with self._core.lock:
+                self._core.fd_owner.pop(fd, None)
+        self._wake()
+
+    def _on_stdin(self, cmd: _Cmd) -> None:
+        fd = cmd.stdin_w
+        cmd.feed_stdin()
+        if cmd.stdin_w is None and fd is not None:
+            self._forget(fd)
+
+    def _on_sock(self) -> None:
+        core = self._core
+        assert core is not None
+        before = {fd for c in core.cmds.values() for fd in c.fds()}
+        core.on_readable()
+        after = {fd for c in core.cmds.values() for fd in c.fds()}
+        for fd in before - after:
+            self._forget(fd)
+        if core.failed is not None:
+            self._drop_readers()
+        self._wake()
+
+    def _wake(self) -> None:
+        keep = []
+        for pred, fut in self._waiters:
+            if fut.done():
+                continue
+            if pred() or (self._core is not None and self._core.failed is not None):
+                fut.set_result(None)
+            else:
+                keep.append((pred, fut))
+        self._waiters = keep
+        self._arm_timer()
+
+    def _arm_timer(self) -> None:
+        core, loop = self._core, self._loop
+        if core is None or loop is None or core.closed or self._timer is not None:
+            return
+        if not core.cmds:
+            return
+        now = time.monotonic()
+        delay = max(0.0, core.next_health_check(now) - now)
+        self._timer = loop.call_later(delay, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        core = self._core
+        if core is None or core.closed:
+            return
+        core.check_health(time.monotonic())
+        if core.failed is not None:
+            self._drop_readers()
+        self._wake()
+
+    async def _wait(self, cmd: _Cmd, timeout: float | None, until: Callable[[], bool] | None = None) -> None:
+        def pred() -> bool:
+            return cmd.done or (until is not None and until())
+
+        if pred():
+            return
+        assert self._loop is not None
+        fut: asyncio.Future[None] = self._loop.create_future()
+        self._waiters.append((pred, fut))
+        self._arm_timer()
+        if timeout is None:
+            await fut
+        else:
+            try:
+                await asyncio.wait_for(fut, timeout)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"{cmd.argv[0]!r} still running after {timeout} s") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Pool
+# ---------------------------------------------------------------------------------------------
+
+
+class Pool:
+    """N sandboxes started in advance; each call gets a fresh one, used once, then destroyed.
+
+    Each sandbox has its own fresh workspace (under ``workspace_base``, kept after use like
+    :func:`lowlevel.run`'s: ``Result.workspace``), its own namespaces, ``/tmp`` and cgroup:
+    nothing is shared between calls. A background thread starts replacements and tears used
+    sandboxes down.
+
+    Args:
+        policy: as for :func:`lowlevel.run`.
+        size: how many sandboxes to keep ready (>= 1).
+        workspace_base, bwrap: as for :class:`Session`.
+        track_changes: fill ``Result.changes`` (default True, as ``run``: a fresh workspace is small).
+    Raises:
+        PolicyError: a bad argument. The first sandbox's start errors surface on the first call.
+    """
+
+    def __init__(self, policy: Policy | None = None, *, size: int = 2, workspace_base: str | None = None,
+                 bwrap: str | None = None, track_changes: bool = True) -> None:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise PolicyError(f"Pool size must be an int >= 1, got {size!r}")
+        self.policy = policy or Policy()
+        self.size = size
+        self._kwargs = {"workspace_base": workspace_base, "bwrap": bwrap, "track_changes": track_changes}
+        self._ready: collections.deque[Session] = collections.deque()
+        self._retired: collections.deque[Session] = collections.deque()
+        self._starting = 0
+        self._cond = threading.Condition()
+        self._closed = False
+        self._error: BaseException | None = None
+        #: Calls served by a ready sandbox / calls that had to start one themselves.
+        self.hits = 0
+        self.misses = 0
+        self._thread = threading.Thread(target=self._worker, name="lowlevel-pool", daemon=True)
+        self._thread.start()
+
+    def __enter__(self) -> "Pool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _new(self) -> Session:
+        return Session(self.policy, **self._kwargs)  # type: ignore[arg-type]
+
+    def _worker(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self._retired and \
+                        (len(self._ready) + self._starting >= self.size or self._error is not None):
+                    self._cond.wait()
+                if self._closed:
+                    return
+                retire = self._retired.popleft() if self._retired else None
+                start = retire is None and len(self._ready) + self._starting < self.size
+                if start:
+                    self._starting += 1
+            if retire is not None:
+                try:
+                    retire.close()
+                except Exception as err:  # noqa: BLE001
+                    log.warning("lowlevel: pool teardown failed: %s", err)
+                continue
+            if start:
+                try:
+                    s = self._new()
+                except BaseException as err:  # noqa: BLE001 - reported on the next call
+                    with self._cond:
+                        self._starting -= 1
+                        self._error = err
+                        self._cond.notify_all()
+                    continue
+                with self._cond:
+                    self._starting -= 1
+                    if self._closed:
+                        closing = s
+                    else:
+                        closing = None
+                        self._ready.append(s)
+                    self._cond.notify_all()
+                if closing is not None:
+                    closing.close()
+
+    def _take(self) -> Session:
+        with self._cond:
+            if self._closed:
+                raise SessionError("the pool is closed", "closed")
+            while self._ready:
+                s = self._ready.popleft()
+                self._cond.notify_all()
+                if s.alive:
+                    self.hits += 1
+                    return s
+                self._retired.append(s)
+            err, self._error = self._error, None
+            self.misses += 1
+            self._cond.notify_all()
+        if err is not None:
+            raise err
+        return self._new()
+
+    def run(self, argv: Sequence[str], *, inputs: Sequence[str | os.PathLike[str]] = (),
+            stdin: bytes | None = None, timeout: float | None = DEFAULT_TIMEOUT_S,
+            env: Mapping[str, str] | None = None, cwd: str = WORKSPACE_DEST,
+            limits: Limits | None = None) -> Result:
+        """Run one command in a fresh sandbox taken from the pool (as :func:`lowlevel.run`).
+
+        Args:
+            inputs: host files or directories copied into the sandbox's empty workspace first.
+            Others: as :meth:`Session.run`.
+        Raises:
+            WorkspaceError: an input is missing or unreadable. Others as :meth:`Session.run`.
+        """
+        s = self._take()
+        try:
+            if inputs:
+                names = _ws.copy_inputs(s.workspace, inputs)
+                if s._core.run.facts.caller_is_root:
+                    for name in names:
+                        _ws.chown_tree(os.path.join(s.workspace, name), self.policy.host_uid, self.policy.host_gid)
+            return s.run(argv, stdin=stdin, timeout=timeout, env=env, cwd=cwd, limits=limits)
+        finally:
+            with self._cond:
+                self._retired.append(s)
+                self._cond.notify_all()
+
+    async def arun(self, argv: Sequence[str], **kwargs: Any) -> Result:
+        """:meth:`run` in a worker thread, for asyncio callers."""
+        return await asyncio.to_thread(self.run, argv, **kwargs)
+
+    def close(self) -> None:
+        """Stop refilling and destroy every sandbox; idempotent."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join()
+        while self._ready or self._retired:
+            s = (self._ready or self._retired).popleft()
+            try:
+                s.close()
+            except Exception as err:  # noqa: BLE001
+                log.warning("lowlevel: pool teardown failed: %s", err)
+
+
+__all__ = ["AsyncProcess", "AsyncSession", "GRACE_S", "Pool", "Process", "Session", "SessionError", "init_path"]

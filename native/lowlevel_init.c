@@ -1,0 +1,607 @@
+/* lowlevel_init: the in-sandbox init of a lowlevel Session.
+ *
+ * bwrap execs this as the sandbox's program (PID 2 under bwrap's own PID-1 reaper), with the
+ * host's end of a SOCK_SEQPACKET socketpair on an inherited fd. It then runs commands for the
+ * host, several at once, each under its own "shepherd":
+ *
+ *   init (PID 2, child subreaper, not dumpable, ignores every catchable signal)
+ *    +-- shepherd (one per command; child subreaper, not dumpable)
+ *         +-- command (own process group, own stdio from the host, per-command rlimits)
+ *              +-- ... whatever the command forks; orphans reparent to the shepherd
+ *
+ * The shepherd enforces the command's wall-clock timeout, kills the command's whole tree (its
+ * process group, then every process reparented to the shepherd, until none is left) when the
+ * command exits, times out or the host asks, and reports the exit status and the tree's
+ * rusage straight to the host over the shared socket (SEQPACKET sends are atomic, so several
+ * shepherds never interleave). The init only dispatches: it forks shepherds, forwards signal
+ * requests, reaps shepherds and SIGKILLs any process that ends up as its own child without
+ * being a shepherd (the orphans of a shepherd that was killed).
+ *
+ * Protocol: one message per SEQPACKET record, native byte order (both ends are on one host),
+ * every message starting with a u32 type. See lowlevel/session.py for the host side; the two
+ * struct layouts below are mirrored there with the struct module.
+ *
+ * Usage: lowlevel_init SOCK_FD IDLE_MS TOTAL_MS [CLOSE_FD]   (IDLE_MS/TOTAL_MS 0: none)
+ *
+ * Static and self-contained: no Python, no allocation on the hot path beyond the message
+ * buffer, only syscalls the default seccomp profile allows (fork, vfork, execve, signalfd,
+ * prctl(PR_SET_CHILD_SUBREAPER/PR_SET_DUMPABLE), close_range with a fallback).
+ */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/time.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define PROTO_VERSION 1
+
+/* host -> init */
+#define MSG_SPAWN 1
+#define MSG_SIGNAL 2
+/* init/shepherd -> host */
+#define MSG_HELLO 100
+#define MSG_STARTED 101
+#define MSG_EXIT 102
+#define MSG_BYE 103
+
+/* MSG_SPAWN flags */
+#define SPAWN_STDIN_PIPE 1u  /* fds[0] is stdin; else /dev/null */
+#define SPAWN_BODY_MEMFD 2u  /* the body is in the last fd passed, not inline */
+
+/* MSG_SIGNAL flags */
+#define SIGNAL_TREE 1u       /* SIGKILL the whole tree (the host cancelled the command) */
+
+/* MSG_EXIT kinds */
+#define EXIT_WAIT_STATUS 0   /* status: the command's wait status */
+#define EXIT_SETUP_FAILED 1  /* status: errno; stage says where */
+#define EXIT_SPAWN_FAILED 2  /* status: errno of fork/pipe in the init */
+#define EXIT_SHEPHERD_DIED 3 /* status: the shepherd's wait status */
+
+/* MSG_EXIT flags */
+#define EXITF_TIMED_OUT 1u
+#define EXITF_CANCELLED 2u
+
+/* setup stages */
+#define STAGE_CHDIR 1
+#define STAGE_RLIMIT 2
+#define STAGE_EXEC 3
+#define STAGE_STDIO 4
+
+/* MSG_BYE reasons */
+#define BYE_IDLE 1
+#define BYE_TOTAL 2
+
+#define MAX_MSG (256 * 1024)
+#define MAX_FDS 8
+
+struct spawn_hdr {        /* 32 bytes, then nrlimits * struct rlim_rec, then strings */
+    uint32_t type, id, flags, nrlimits;
+    int64_t timeout_ms;   /* < 0: none */
+    uint32_t argc, envc;  /* strings: cwd, argv[argc], env[envc], each NUL-terminated */
+};
+struct rlim_rec { uint32_t resource, pad; uint64_t soft, hard; };
+struct signal_msg { uint32_t type, id, signo, flags; };
+struct hello_msg { uint32_t type, version, pid, pad; };
+struct started_msg { uint32_t type, id, pid, pad; };
+struct exit_msg {         /* 48 bytes */
+    uint32_t type, id, kind, status, flags, stage;
+    int64_t utime_us, stime_us, maxrss_kib, wall_ns;
+};
+struct bye_msg { uint32_t type, reason, pad0, pad1; };
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static void send_msg(int sock, const void *msg, size_t len) {
+    /* Blocking send; the host always drains. EPIPE: the host is gone, we die with the sandbox. */
+    while (send(sock, msg, len, MSG_NOSIGNAL) < 0 && errno == EINTR) {}
+}
+
+static void close_from(int lowfd) {
+    if (syscall(SYS_close_range, (unsigned)lowfd, ~0u, 0u) == 0) return;
+    struct rlimit rl;
+    int max = (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY) ? (int)rl.rlim_cur : 65536;
+    for (int fd = lowfd; fd < max; fd++) close(fd);
+}
+
+/* Signals we ignore (SIG_IGN discards them at send time). SIGKILL and SIGSTOP cannot be. */
+static const int ignored_signals[] = {
+    SIGHUP, SIGINT, SIGQUIT, SIGPIPE, SIGALRM, SIGTERM, SIGUSR1, SIGUSR2, SIGTSTP, SIGTTIN,
+    SIGTTOU, SIGXCPU, SIGXFSZ, SIGVTALRM, SIGPROF, SIGIO, SIGPWR, SIGURG, SIGWINCH, SIGCONT,
+};
+
+static void ignore_signals(void) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = SIG_IGN;
+    for (size_t i = 0; i < sizeof ignored_signals / sizeof ignored_signals[0]; i++)
+        sigaction(ignored_signals[i], &sa, NULL);
+    for (int s = SIGRTMIN; s <= SIGRTMAX; s++) sigaction(s, &sa, NULL);
+}
+
+static int sigchld_fd(void) {
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGCHLD);
+    sigprocmask(SIG_BLOCK, &set, NULL);
+    return signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK);
+}
+
+static void drain_fd(int fd) {
+    char buf[512];
+    while (read(fd, buf, sizeof buf) > 0) {}
+}
+
+/* Return the PPid of /proc/PID/stat, or -1. */
+static int proc_ppid(int pid) {
+    char path[64], buf[512];
+    snprintf(path, sizeof path, "/proc/%d/stat", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return -1;
+    buf[n] = 0;
+    char *p = strrchr(buf, ')');
+    if (!p) return -1;
+    char state;
+    int ppid;
+    if (sscanf(p + 1, " %c %d", &state, &ppid) != 2) return -1;
+    return ppid;
+}
+
+/* SIGKILL every child of ours for which keep(pid) is false; return how many were found. */
+static int kill_children(int (*keep)(pid_t)) {
+    pid_t self = getpid();
+    int found = 0;
+    DIR *d = opendir("/proc");
+    if (!d) return 0;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        char *end;
+        long pid = strtol(e->d_name, &end, 10);
+        if (*end || pid <= 0 || pid == self) continue;
+        if (proc_ppid((int)pid) != self) continue;
+        if (keep && keep((pid_t)pid)) continue;
+        kill((pid_t)pid, SIGKILL);
+        found++;
+    }
+    closedir(d);
+    return found;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* shepherd                                                                                   */
+/* ------------------------------------------------------------------------------------------ */
+
+/* Shared with the vfork child (same memory until it execs or exits). */
+static volatile int child_errno, child_stage;
+
+static void exec_search(const char *file, char *const argv[], char *const envp[]) {
+    if (strchr(file, '/')) {
+        execve(file, argv, envp);
+        return;
+    }
+    const char *path = "/usr/local/bin:/usr/bin:/bin";
+    for (char *const *e = envp; *e; e++)
+        if (strncmp(*e, "PATH=", 5) == 0) { path = *e + 5; break; }
+    size_t flen = strlen(file);
+    char buf[4096];
+    int saw_eacces = 0;
+    for (const char *p = path;; ) {
+        const char *colon = strchrnul(p, ':');
+        size_t dlen = (size_t)(colon - p);
+        if (dlen + flen + 2 <= sizeof buf) {
+            if (dlen) { memcpy(buf, p, dlen); buf[dlen] = '/'; dlen++; }
+            memcpy(buf + dlen, file, flen + 1);
+            execve(buf, argv, envp);
+            if (errno == EACCES) saw_eacces = 1;
+            else if (errno != ENOENT && errno != ENOTDIR && errno != ENAMETOOLONG) return;
+        }
+        if (!*colon) break;
+        p = colon + 1;
+    }
+    errno = saw_eacces ? EACCES : ENOENT;
+}
+
+struct cmd {
+    uint32_t id, flags;
+    int64_t timeout_ms;
+    const struct rlim_rec *rl;
+    uint32_t nrl;
+    const char *cwd;
+    char **argv, **envp;
+};
+
+static void shepherd_report_exit(int sock, uint32_t id, uint32_t kind, uint32_t status, uint32_t flags,
+                                 uint32_t stage, int64_t t0) {
+    struct exit_msg m;
+    memset(&m, 0, sizeof m);
+    m.type = MSG_EXIT; m.id = id; m.kind = kind; m.status = status; m.flags = flags; m.stage = stage;
+    struct rusage ru;
+    if (getrusage(RUSAGE_CHILDREN, &ru) == 0) {
+        m.utime_us = (int64_t)ru.ru_utime.tv_sec * 1000000 + ru.ru_utime.tv_usec;
+        m.stime_us = (int64_t)ru.ru_stime.tv_sec * 1000000 + ru.ru_stime.tv_usec;
+        m.maxrss_kib = ru.ru_maxrss;
+    }
+    m.wall_ns = now_ns() - t0;
+    send_msg(sock, &m, sizeof m);
+}
+
+/* Kill the command's group and every process left in our subtree; reap until none is left. */
+static void kill_tree(pid_t pgid, int sfd, pid_t main_pid, int *main_status, int *main_done) {
+    if (pgid > 0) kill(-pgid, SIGKILL);
+    for (int round = 0;; round++) {
+        int st;
+        pid_t r;
+        while ((r = waitpid(-1, &st, WNOHANG)) > 0) {
+            if (r == main_pid && !*main_done) { *main_status = st; *main_done = 1; }
+        }
+        if (r < 0 && errno == ECHILD) return;
+        if (pgid > 0) kill(-pgid, SIGKILL);
+        kill_children(NULL);
+        struct pollfd p = { sfd, POLLIN, 0 };
+        poll(&p, 1, round < 10 ? 1 : 10);
+        drain_fd(sfd);
+    }
+}
+
+/* vfork the command; the child never returns from here (exec or _exit). */
+static __attribute__((noinline)) pid_t spawn_command(const struct cmd *c, int *vfork_errno) {
+    child_errno = 0; child_stage = 0;
+    pid_t pid = vfork();
+    if (pid == 0) {
+        /* The command: default dispositions, empty mask, own process group. */
+        struct sigaction sa;
+        memset(&sa, 0, sizeof sa);
+        sa.sa_handler = SIG_DFL;
+        for (int s = 1; s < NSIG; s++) sigaction(s, &sa, NULL);
+        sigset_t none;
+        sigemptyset(&none);
+        setpgid(0, 0);
+        for (uint32_t i = 0; i < c->nrl; i++) {
+            struct rlimit cur, want;
+            if (getrlimit((int)c->rl[i].resource, &cur) < 0) { child_errno = errno; child_stage = STAGE_RLIMIT; _exit(127); }
+            want.rlim_cur = c->rl[i].soft; want.rlim_max = c->rl[i].hard;
+            if (cur.rlim_max != RLIM_INFINITY) {
+                if (want.rlim_max > cur.rlim_max) want.rlim_max = cur.rlim_max;
+                if (want.rlim_cur > cur.rlim_max) want.rlim_cur = cur.rlim_max;
+            }
+            if (setrlimit((int)c->rl[i].resource, &want) < 0) { child_errno = errno; child_stage = STAGE_RLIMIT; _exit(127); }
+        }
+        if (chdir(c->cwd) < 0) { child_errno = errno; child_stage = STAGE_CHDIR; _exit(127); }
+        sigprocmask(SIG_SETMASK, &none, NULL);
+        exec_search(c->argv[0], c->argv, c->envp);
+        child_errno = errno ? errno : ENOEXEC;
+        child_stage = STAGE_EXEC;
+        _exit(127);
+    }
+    *vfork_errno = errno;
+    return pid;
+}
+
+static void shepherd(int sock, int ctl, const struct cmd *c, int *fds, int nfds) {
+    int64_t t0 = now_ns();
+    prctl(PR_SET_CHILD_SUBREAPER, 1);
+    /* stdio of the command on our own 0, 1, 2 (we never print). */
+    int idx = 0, in_fd;
+    if (c->flags & SPAWN_STDIN_PIPE) in_fd = fds[idx++];
+    else in_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    int out_fd = idx < nfds ? fds[idx++] : -1;
+    int err_fd = idx < nfds ? fds[idx++] : -1;
+    int s3 = fcntl(sock, F_DUPFD_CLOEXEC, 10), c3 = fcntl(ctl, F_DUPFD_CLOEXEC, 10);
+    if (in_fd < 0 || out_fd < 0 || err_fd < 0 || s3 < 0 || c3 < 0
+        || dup2(in_fd, 0) < 0 || dup2(out_fd, 1) < 0 || dup2(err_fd, 2) < 0
+        || dup3(s3, 3, O_CLOEXEC) < 0 || dup3(c3, 4, O_CLOEXEC) < 0) {
+        shepherd_report_exit(s3 >= 0 ? s3 : sock, c->id, EXIT_SETUP_FAILED, (uint32_t)errno, 0, STAGE_STDIO, t0);
+        _exit(0);
+    }
+    sock = 3; ctl = 4;
+    close_from(5);
+    int sfd = sigchld_fd();  /* SIGCHLD is already blocked (inherited) */
+
+    int vfork_errno = 0;
+    sigset_t all, old;
+    sigfillset(&all);
+    sigprocmask(SIG_SETMASK, &all, &old);
+    pid_t pid = spawn_command(c, &vfork_errno);
+    sigprocmask(SIG_SETMASK, &old, NULL);
+    if (pid < 0) {
+        shepherd_report_exit(sock, c->id, EXIT_SETUP_FAILED, (uint32_t)vfork_errno, 0, STAGE_EXEC, t0);
+        _exit(0);
+    }
+    if (child_errno) {
+        int st;
+        waitpid(pid, &st, 0);
+        shepherd_report_exit(sock, c->id, EXIT_SETUP_FAILED, (uint32_t)child_errno, 0, (uint32_t)child_stage, t0);
+        _exit(0);
+    }
+    setpgid(pid, pid);  /* no-op: the child did it before exec; kept for clarity */
+    close(0); close(1); close(2);  /* the host sees EOF once the command's tree is gone */
+    struct started_msg sm = { MSG_STARTED, c->id, (uint32_t)pid, 0 };
+    send_msg(sock, &sm, sizeof sm);
+
+    int64_t deadline = c->timeout_ms >= 0 ? t0 + c->timeout_ms * 1000000 : -1;
+    int main_status = 0, main_done = 0;
+    uint32_t flags = 0;
+    while (!main_done) {
+        struct pollfd p[2] = { { sfd, POLLIN, 0 }, { ctl, POLLIN, 0 } };
+        int wait_ms = -1;
+        if (deadline >= 0) {
+            int64_t left = deadline - now_ns();
+            if (left <= 0) {
+                flags |= EXITF_TIMED_OUT;
+                kill_tree(pid, sfd, pid, &main_status, &main_done);
+                break;
+            }
+            wait_ms = (int)((left + 999999) / 1000000);
+        }
+        int n = poll(p, 2, wait_ms);
+        if (n < 0 && errno != EINTR) break;
+        if (p[0].revents) {
+            drain_fd(sfd);
+            int st;
+            pid_t r;
+            while ((r = waitpid(-1, &st, WNOHANG)) > 0)
+                if (r == pid) { main_status = st; main_done = 1; }
+        }
+        if (p[1].revents) {
+            struct signal_msg m;
+            ssize_t got = recv(ctl, &m, sizeof m, 0);
+            if (got <= 0) {  /* the init is gone: the session is over; the host hears it from the socket */
+                kill_tree(pid, sfd, pid, &main_status, &main_done);
+                _exit(0);
+            }
+            if (got == sizeof m) {
+                if (m.flags & SIGNAL_TREE) {
+                    flags |= EXITF_CANCELLED;
+                    kill_tree(pid, sfd, pid, &main_status, &main_done);
+                    break;
+                }
+                kill(-pid, (int)m.signo);
+            }
+        }
+    }
+    /* The command is done: nothing it started may outlive it. */
+    kill_tree(pid, sfd, pid, &main_status, &main_done);
+    shepherd_report_exit(sock, c->id, EXIT_WAIT_STATUS, (uint32_t)main_status, flags, 0, t0);
+    _exit(0);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* init                                                                                       */
+/* ------------------------------------------------------------------------------------------ */
+
+struct job { uint32_t id; pid_t pid; int ctl; };
+static struct job *jobs;
+static size_t njobs, capjobs;
+
+static int is_shepherd(pid_t pid) {
+    for (size_t i = 0; i < njobs; i++)
+        if (jobs[i].pid == pid) return 1;
+    return 0;
+}
+
+static void send_exit_simple(int sock, uint32_t id, uint32_t kind, uint32_t status) {
+    struct exit_msg m;
+    memset(&m, 0, sizeof m);
+    m.type = MSG_EXIT; m.id = id; m.kind = kind; m.status = status;
+    send_msg(sock, &m, sizeof m);
+}
+
+static char msgbuf[MAX_MSG + 1];
+
+/* Parse and run one MSG_SPAWN. fds are ours to close. */
+static void do_spawn(int sock, const char *buf, size_t len, int *fds, int nfds) {
+    const struct spawn_hdr *h = (const void *)buf;
+    char *body = NULL;
+    size_t blen = 0;
+    char *owned = NULL;
+    uint32_t id = h->id;
+    int err = EINVAL;
+    if (h->flags & SPAWN_BODY_MEMFD) {
+        if (nfds < 1) goto bad;
+        int bfd = fds[--nfds];
+        struct stat st;
+        if (fstat(bfd, &st) < 0 || st.st_size > 64 * 1024 * 1024) { close(bfd); goto bad; }
+        owned = malloc((size_t)st.st_size + 1);
+        if (!owned) { close(bfd); err = ENOMEM; goto bad; }
+        size_t got = 0;
+        while (got < (size_t)st.st_size) {
+            ssize_t n = pread(bfd, owned + got, (size_t)st.st_size - got, (off_t)got);
+            if (n <= 0) break;
+            got += (size_t)n;
+        }
+        close(bfd);
+        body = owned; blen = got;
+    } else {
+        body = (char *)buf + sizeof *h; blen = len - sizeof *h;
+    }
+    size_t rlbytes = (size_t)h->nrlimits * sizeof(struct rlim_rec);
+    if (h->nrlimits > 64 || rlbytes > blen || h->argc == 0 || h->argc > 1000000 || h->envc > 1000000) goto bad;
+    {
+        int need = 2 + ((h->flags & SPAWN_STDIN_PIPE) ? 1 : 0);
+        if (nfds != need) goto bad;
+        /* Strings: cwd, argv, env, each NUL-terminated, all inside the body. */
+        char *s = body + rlbytes, *end = body + blen;
+        size_t nstr = 1 + (size_t)h->argc + h->envc;
+        char **vec = malloc((nstr + 2) * sizeof(char *));
+        if (!vec) { err = ENOMEM; goto bad; }
+        for (size_t i = 0; i < nstr; i++) {
+            char *z = memchr(s, 0, (size_t)(end - s));
+            if (!z) { free(vec); goto bad; }
+            vec[i] = s;
+            s = z + 1;
+        }
+        struct cmd c;
+        c.id = id; c.flags = h->flags; c.timeout_ms = h->timeout_ms;
+        c.rl = (const struct rlim_rec *)(void *)body; c.nrl = h->nrlimits;
+        c.cwd = vec[0];
+        /* argv = vec[1..argc], NULL; envp = vec[argc+2..], NULL: shift env up by one slot. */
+        memmove(vec + h->argc + 2, vec + h->argc + 1, h->envc * sizeof(char *));
+        vec[h->argc + 1] = NULL;
+        vec[nstr + 1] = NULL;
+        c.argv = vec + 1;
+        c.envp = vec + h->argc + 2;
+        int sp[2];
+        if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp) < 0) {
+            err = errno; free(vec); goto fail;
+        }
+        if (njobs == capjobs) {
+            size_t ncap = capjobs ? capjobs * 2 : 16;
+            struct job *nj = realloc(jobs, ncap * sizeof *nj);
+            if (!nj) { err = ENOMEM; close(sp[0]); close(sp[1]); free(vec); goto fail; }
+            jobs = nj; capjobs = ncap;
+        }
+        pid_t pid = fork();
+        if (pid == 0) {
+            close(sp[0]);
+            shepherd(sock, sp[1], &c, fds, nfds);
+            _exit(0);
+        }
+        err = errno;
+        close(sp[1]);
+        free(vec);
+        if (pid < 0) { close(sp[0]); goto fail; }
+        jobs[njobs].id = id; jobs[njobs].pid = pid; jobs[njobs].ctl = sp[0];
+        njobs++;
+        for (int i = 0; i < nfds; i++) close(fds[i]);
+        free(owned);
+        return;
+    }
+bad:
+    err = EINVAL;
+fail:
+    for (int i = 0; i < nfds; i++) close(fds[i]);
+    free(owned);
+    send_exit_simple(sock, id, EXIT_SPAWN_FAILED, (uint32_t)err);
+}
+
+int main(int argc, char **argv) {
+    if (argc < 4) {
+        fprintf(stderr, "usage: lowlevel_init SOCK_FD IDLE_MS TOTAL_MS [CLOSE_FD]\n");
+        return 2;
+    }
+    int sock = atoi(argv[1]);
+    int64_t idle_ns = atoll(argv[2]) * 1000000LL, total_ns = atoll(argv[3]) * 1000000LL;
+    if (argc > 4) close(atoi(argv[4]));  /* the fd our binary was exec'd through */
+    prctl(PR_SET_NAME, "lowlevel-init");
+    /* Not dumpable: no ptrace, no /proc/PID/{mem,fd,environ} for the commands (same uid). */
+    prctl(PR_SET_DUMPABLE, 0);
+    prctl(PR_SET_CHILD_SUBREAPER, 1);
+    ignore_signals();
+    int sfd = sigchld_fd();
+    if (sfd < 0 || fcntl(sock, F_SETFD, FD_CLOEXEC) < 0) {
+        fprintf(stderr, "lowlevel-init: setup failed: %s\n", strerror(errno));
+        return 2;
+    }
+    struct hello_msg hm = { MSG_HELLO, PROTO_VERSION, (uint32_t)getpid(), 0 };
+    send_msg(sock, &hm, sizeof hm);
+
+    int64_t start = now_ns(), last_activity = start;
+    for (;;) {
+        int wait_ms = -1;
+        int64_t now = now_ns();
+        int64_t next = -1;
+        if (total_ns > 0) next = start + total_ns;
+        if (idle_ns > 0 && njobs == 0 && (next < 0 || last_activity + idle_ns < next)) next = last_activity + idle_ns;
+        if (next >= 0) {
+            if (next <= now) {
+                uint32_t reason = (total_ns > 0 && now >= start + total_ns) ? BYE_TOTAL : BYE_IDLE;
+                struct bye_msg b = { MSG_BYE, reason, 0, 0 };
+                send_msg(sock, &b, sizeof b);
+                return 0;  /* bwrap's PID 1 follows us; the kernel kills the namespace */
+            }
+            wait_ms = (int)((next - now + 999999) / 1000000);
+        }
+        struct pollfd p[2] = { { sock, POLLIN, 0 }, { sfd, POLLIN, 0 } };
+        int n = poll(p, 2, wait_ms);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return 3;
+        }
+        if (p[1].revents) {
+            drain_fd(sfd);
+            int st;
+            pid_t r;
+            int orphans = 0;
+            while ((r = waitpid(-1, &st, WNOHANG)) > 0) {
+                size_t i;
+                for (i = 0; i < njobs && jobs[i].pid != r; i++) {}
+                if (i == njobs) { orphans = 1; continue; }
+                if (!(WIFEXITED(st) && WEXITSTATUS(st) == 0)) {
+                    send_exit_simple(sock, jobs[i].id, EXIT_SHEPHERD_DIED, (uint32_t)st);
+                    orphans = 1;
+                }
+                close(jobs[i].ctl);
+                jobs[i] = jobs[--njobs];
+                last_activity = now_ns();
+            }
+            /* Anything reparented to us that is not a shepherd belonged to a shepherd that died. */
+            if (orphans) kill_children(is_shepherd);
+        }
+        if (p[0].revents) {
+            char cbuf[CMSG_SPACE(MAX_FDS * sizeof(int))];
+            struct iovec iov = { msgbuf, MAX_MSG };
+            struct msghdr mh;
+            memset(&mh, 0, sizeof mh);
+            mh.msg_iov = &iov; mh.msg_iovlen = 1;
+            mh.msg_control = cbuf; mh.msg_controllen = sizeof cbuf;
+            ssize_t len = recvmsg(sock, &mh, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+            if (len < 0) {
+                if (errno == EAGAIN || errno == EINTR) continue;
+                return 3;
+            }
+            if (len == 0) return 0;  /* the host closed its end: end the session */
+            int fds[MAX_FDS], nfds = 0;
+            for (struct cmsghdr *cm = CMSG_FIRSTHDR(&mh); cm; cm = CMSG_NXTHDR(&mh, cm)) {
+                if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
+                    int k = (int)((cm->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+                    int *src = (int *)(void *)CMSG_DATA(cm);
+                    for (int i = 0; i < k; i++) {
+                        if (nfds < MAX_FDS) fds[nfds++] = src[i];
+                        else close(src[i]);
+                    }
+                }
+            }
+            last_activity = now_ns();
+            uint32_t type = len >= 4 ? *(uint32_t *)(void *)msgbuf : 0;
+            if ((mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) || type == 0) {
+                for (int i = 0; i < nfds; i++) close(fds[i]);
+                fprintf(stderr, "lowlevel-init: protocol error (truncated or empty message)\n");
+                return 4;
+            }
+            if (type == MSG_SPAWN && (size_t)len >= sizeof(struct spawn_hdr)) {
+                do_spawn(sock, msgbuf, (size_t)len, fds, nfds);
+            } else if (type == MSG_SIGNAL && (size_t)len == sizeof(struct signal_msg)) {
+                struct signal_msg *m = (void *)msgbuf;
+                for (size_t i = 0; i < njobs; i++)
+                    if (jobs[i].id == m->id) { send(jobs[i].ctl, m, sizeof *m, MSG_NOSIGNAL | MSG_DONTWAIT); break; }
+                for (int i = 0; i < nfds; i++) close(fds[i]);
+            } else {
+                for (int i = 0; i < nfds; i++) close(fds[i]);
+                fprintf(stderr, "lowlevel-init: protocol error (message type %u, %zd bytes)\n", type, len);
+                return 4;
+            }
+        }
+    }
+}
