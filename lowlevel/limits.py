@@ -378,14 +378,17 @@ def detect_cgroups(*, refresh: bool = False) -> CgroupSupport:
 
     1. our cgroup is the root of the hierarchy (root on a host without systemd, a container
        with its own cgroup namespace): ``<root>/lowlevel``;
-    2. our cgroup is delegated to us (writable and, for root, marked with the
-       ``trusted.delegate`` xattr systemd >= 251 sets) and we are its only process: we move
-       ourselves into ``<our cgroup>/supervisor`` to obey the "no internal processes" rule,
-       then use ``<our cgroup>/lowlevel``;
+    2. our cgroup is ours (the root of our cgroup namespace, i.e. a container's; or delegated:
+       writable and owned by our non-root uid, or marked with the ``trusted.delegate`` xattr
+       systemd >= 251 sets) and we are its only process: we move ourselves into
+       ``<our cgroup>/supervisor`` to obey the "no internal processes" rule, then use
+       ``<our cgroup>/lowlevel``;
     3. ``systemd-run [--user] --scope -p Delegate=yes`` gives a fresh delegated scope, kept by
        a small holder process that exits when this process does (its stdin is our pipe);
        ``<scope>`` is the base, the holder moves to ``<scope>/holder``;
-    4. otherwise v2 is not writable and only v1 (if any) or rlimits apply.
+    4. our cgroup is ours but shared with other processes: ``<our cgroup>/lowlevel`` without
+       controllers (kill and CPU time only);
+    5. otherwise v2 is not writable and only v1 (if any) or rlimits apply.
 
     A v2 base without controllers still gives ``cgroup.kill``, ``cgroup.freeze`` and CPU time
     (``cpu.stat``), as on hybrid hosts where v1 holds memory, pids and cpu.
@@ -423,7 +426,8 @@ def _detect(mountinfo: str, proc_cgroup: str, *, euid: int | None = None, pid: i
                 continue
             seen.add("v2")
             path = _own_dir(mount, root, own[""])
-            hierarchies.append(_prepare_v2(mount, path, euid=euid, pid=pid, delegate=delegate))
+            hierarchies.append(_prepare_v2(mount, path, euid=euid, pid=pid, delegate=delegate,
+                                           own_path=own[""]))
             continue
         controllers = frozenset(options.split(",")) & _V1_USED
         if not controllers or mount in seen:
@@ -455,35 +459,42 @@ def _own_dir(mount: str, mount_root: str, own_path: str) -> str:
 
 
 def _prepare_v2(mount: str, path: str, *, euid: int, pid: int,
-                delegate: Callable[[str, bool], tuple[str, int] | None]) -> Hierarchy:
+                delegate: Callable[[str, bool], tuple[str, int] | None], own_path: str = "") -> Hierarchy:
     wanted = _read_words(os.path.join(path, "cgroup.controllers")) & set(LIMIT_CONTROLLERS)
     is_real_root = not os.path.exists(os.path.join(path, "cgroup.type"))  # the root has none
-    if os.access(os.path.join(path, "cgroup.procs"), os.W_OK):
-        if is_real_root:
-            # The root cgroup may hold processes and have controllers enabled for children.
-            return _v2_base(mount, path, os.path.join(path, BASE_NAME), wanted, "root cgroup")
-        if _delegated(path, euid) and _read_ints(os.path.join(path, "cgroup.procs")) == [pid]:
-            try:
-                leaf = os.path.join(path, "supervisor")
-                _mkdir(leaf, exist_ok=True)
-                _write(os.path.join(leaf, "cgroup.procs"), str(pid))
-            except OSError as err:
-                return Hierarchy(2, mount, path, frozenset(), None,
-                                 f"cannot move ourselves to {leaf}: {err.strerror}")
-            return _v2_base(mount, path, os.path.join(path, BASE_NAME), wanted,
-                            "delegated own cgroup (we moved to its supervisor/ leaf)")
+    writable = os.access(os.path.join(path, "cgroup.procs"), os.W_OK)
+    # "/" of a cgroup namespace (a container's own cgroup) is ours like a delegated one.
+    ours = own_path == "/" or _delegated(path, euid)
+    if writable and is_real_root:
+        # The root cgroup may hold processes and have controllers enabled for children.
+        return _v2_base(mount, path, os.path.join(path, BASE_NAME), wanted, "root cgroup")
+    if writable and ours and _read_ints(os.path.join(path, "cgroup.procs")) == [pid]:
+        leaf = os.path.join(path, "supervisor")
+        try:
+            _mkdir(leaf, exist_ok=True)
+            _write(os.path.join(leaf, "cgroup.procs"), str(pid))
+        except OSError as err:
+            return Hierarchy(2, mount, path, frozenset(), None,
+                             f"cannot move ourselves to {leaf}: {err.strerror}")
+        return _v2_base(mount, path, os.path.join(path, BASE_NAME), wanted,
+                        "delegated own cgroup (we moved to its supervisor/ leaf)")
     got = delegate(mount, euid != 0)
     if got is not None:
         scope, holder_pid = got
         wanted = _read_words(os.path.join(scope, "cgroup.controllers")) & set(LIMIT_CONTROLLERS)
+        leaf = os.path.join(scope, "holder")
         try:
-            leaf = os.path.join(scope, "holder")
             _mkdir(leaf, exist_ok=True)
             _write(os.path.join(leaf, "cgroup.procs"), str(holder_pid))
         except OSError as err:
             return Hierarchy(2, mount, path, frozenset(), None,
                              f"systemd-run scope {scope}: cannot move the holder: {err.strerror}")
         return _v2_base(mount, scope, scope, wanted, "systemd-run --scope -p Delegate=yes")
+    if writable and ours:
+        # Other processes share our cgroup, so no controller can be enabled below it ("no
+        # internal processes"); child cgroups without controllers still give kill and CPU time.
+        return _v2_base(mount, path, os.path.join(path, BASE_NAME), set(),
+                        "own cgroup shared with other processes: no controllers, kill and CPU time only")
     return Hierarchy(2, mount, path, frozenset(), None,
                      "not writable: run as root, or in a delegated cgroup (systemd-run --user "
                      "--scope -p Delegate=yes), or with a systemd user manager")

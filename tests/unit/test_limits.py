@@ -321,7 +321,7 @@ def test_v2_own_cgroup_delegated_moves_us_to_a_leaf(kernel: FakeKernel) -> None:
     assert L._read_ints(os.path.join(own, "cgroup.procs")) == []
 
 
-def test_v2_own_cgroup_shared_with_other_processes_is_not_taken(kernel: FakeKernel) -> None:
+def test_v2_own_cgroup_shared_with_other_processes_gets_no_controllers(kernel: FakeKernel) -> None:
     root = kernel.v2_root()
     kernel.write(os.path.join(root, "cgroup.subtree_control"), "+memory")
     own = os.path.join(root, "session.scope")
@@ -331,8 +331,9 @@ def test_v2_own_cgroup_shared_with_other_processes_is_not_taken(kernel: FakeKern
     os.chown(own, 1000, 1000)
     h = L._detect(_mountinfo((root, "cgroup2", "rw")), "0::/session.scope\n", euid=1000, pid=4242,
                   delegate=_no_delegate).v2
-    assert h is not None and h.base is None and "not writable" in h.how
-    assert not os.path.exists(os.path.join(own, "supervisor"))
+    assert h is not None and h.base == os.path.join(own, "lowlevel") and h.controllers == frozenset()
+    assert not os.path.exists(os.path.join(own, "supervisor"))  # the caller's shell is not moved
+    assert L.enforcement_plan(Limits(), L.CgroupSupport((h,))).cgroups == ()
 
 
 def test_v2_systemd_scope_is_used_and_the_holder_moved_out(kernel: FakeKernel) -> None:
@@ -604,3 +605,30 @@ def test_systemd_delegate_reads_the_scope_and_stops_the_holder(tmp_path, monkeyp
 def test_systemd_delegate_without_systemd(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(L.shutil, "which", lambda name: None)
     assert L._systemd_delegate("/sys/fs/cgroup", True) is None
+
+
+def test_v2_container_namespace_root_shared_gets_a_core_only_base(kernel: FakeKernel) -> None:
+    # A container's cgroup namespace: "/" here is a non-root cgroup (it has cgroup.type) holding
+    # the container's init and us, so no controller can be enabled below it.
+    root = kernel.v2_root()
+    kernel.write(os.path.join(root, "cgroup.subtree_control"), "+memory +pids")
+    ns_root = os.path.join(root, "docker-1.scope")
+    kernel.mkdir(ns_root)
+    kernel.write(os.path.join(ns_root, "cgroup.procs"), "1")
+    kernel.write(os.path.join(ns_root, "cgroup.procs"), "4242")
+    mountinfo = f"30 1 0:30 / {ns_root} rw - cgroup2 cgroup2 rw\n"
+    h = L._detect(mountinfo, "0::/\n", euid=0, pid=4242, delegate=_no_delegate).v2
+    assert h is not None and h.base == os.path.join(ns_root, "lowlevel") and h.controllers == frozenset()
+    assert "kill and CPU time only" in h.how
+
+
+def test_v2_container_namespace_root_alone_moves_us_and_enables_controllers(kernel: FakeKernel) -> None:
+    root = kernel.v2_root()
+    kernel.write(os.path.join(root, "cgroup.subtree_control"), "+memory +pids")
+    ns_root = os.path.join(root, "docker-1.scope")
+    kernel.mkdir(ns_root)
+    kernel.write(os.path.join(ns_root, "cgroup.procs"), "4242")
+    mountinfo = f"30 1 0:30 / {ns_root} rw - cgroup2 cgroup2 rw\n"
+    h = L._detect(mountinfo, "0::/\n", euid=0, pid=4242, delegate=_no_delegate).v2
+    assert h is not None and h.controllers == {"memory", "pids"}
+    assert L._read_ints(os.path.join(ns_root, "supervisor", "cgroup.procs")) == [4242]
