@@ -240,6 +240,26 @@ async def _drive(r: Run, sup: _Supervision) -> Result:
     return r.result()
 
 
+def _adopt_init(r: Run, sup: _Supervision) -> None:
+    """Cancelled mid-handshake: take a pidfd for the sandbox's PID 1 if bwrap reported it.
+
+    Then the kill and the wait cover the sandbox too, not bwrap alone. Safe while bwrap is
+    alive and unreaped: its child is blocked on the block fd and cannot be reaped by anyone
+    else (the same reasoning as :meth:`Run.release`). Before bwrap reports the child, the
+    child is covered by ``--die-with-parent`` alone.
+    """
+    if r.init_pidfd is not None or r.json_r is None:
+        return
+    fd = r.json_r
+    if not r.read_fd("json_r"):
+        sup.remove_reader(fd)
+    if r.init_pid is not None:
+        try:
+            r.init_pidfd = os.pidfd_open(r.init_pid)
+        except OSError:
+            pass  # already gone
+
+
 async def _arun(r: Run) -> Result:
     loop = asyncio.get_running_loop()
     sup = _Supervision(loop, r)
@@ -247,6 +267,7 @@ async def _arun(r: Run) -> Result:
         return await _drive(r, sup)
     except asyncio.CancelledError:
         if r.pid is not None and r.wait_status is None:
+            _adopt_init(r, sup)
             r.kill("cancelled", cgroup_kill=False)
             try:
                 await sup.reap()

@@ -378,14 +378,20 @@ class Run:
         else:
             self.workspace = _ws.create_workspace(self.inputs, self.workspace_base)
             self.owns_workspace = True
+        fresh_empty = self.owns_workspace and not self.inputs
         if self.facts.caller_is_root:
             _ws.check_traversable(self.workspace, policy.host_uid, policy.host_gid)
             st = os.stat(self.workspace)
             if not self.owns_workspace:
                 self.restore_owner = (st.st_uid, st.st_gid)
-            _ws.chown_tree(self.workspace, policy.host_uid, policy.host_gid)
+            if fresh_empty:
+                os.chown(self.workspace, policy.host_uid, policy.host_gid)
+            else:
+                _ws.chown_tree(self.workspace, policy.host_uid, policy.host_gid)
         precheck_exec(policy, self.workspace, self.command, self.environment, self.cwd)
-        self.before = _ws.snapshot(self.workspace)
+        # A directory mkdtemp made a moment ago (mode 0700, ours) and nothing copied in is empty:
+        # skip the walks (fast path; the snapshot is the one _ws.snapshot gives an empty dir).
+        self.before = ({}, True) if fresh_empty else _ws.snapshot(self.workspace)
 
         self.cgroup = _limits.RunCgroup.create(policy.limits, f"run-{os.getpid()}-{id(self):x}")
         if self.cgroup is None:
@@ -492,9 +498,9 @@ class Run:
             if fd not in keep:
                 os.close(fd)
                 self.fds.remove(fd)
-        for fd in (self.out_r, self.err_r, self.json_r):
-            if fd is not None:
-                os.set_blocking(fd, False)
+        for rfd in (self.out_r, self.err_r, self.json_r):
+            if rfd is not None:
+                os.set_blocking(rfd, False)
 
     # -- 3. handshake --------------------------------------------------------------------
     def feed_json(self, data: bytes) -> bool:
@@ -685,7 +691,7 @@ class Run:
         if killed_by is None and term is not None:
             killed_by = "signal"
         out, out_t, out_d = self.out.value()
-        err, err_t, err_d = self.err.value()
+        errout, err_t, err_d = self.err.value()
         after = _ws.snapshot(self.workspace)
         enforced = tuple(self.rlimits_applied) + tuple(
             f"cgroup:{c}" for c in (getattr(self.cgroup, "enforced", ()) if self.cgroup else ()))
@@ -693,7 +699,7 @@ class Run:
             enforced += ("seccomp",)
         return Result(
             exit_code=exit_code, term_signal=term, timed_out=self.timed_out, killed_by=killed_by,
-            stdout=out, stderr=err, stdout_truncated=out_t, stderr_truncated=err_t,
+            stdout=out, stderr=errout, stdout_truncated=out_t, stderr_truncated=err_t,
             stdout_dropped_bytes=out_d, stderr_dropped_bytes=err_d,
             wall_time_s=(self.t_end or time.monotonic()) - self.t0,
             cpu_user_s=getattr(stats, "cpu_user_s", None), cpu_system_s=getattr(stats, "cpu_system_s", None),

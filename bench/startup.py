@@ -1,0 +1,465 @@
+#!/usr/bin/env python3
+"""What does the sandbox cost per call?
+
+Measures, in one process and interleaved (each round runs every case once, in a rotated
+order, so machine drift hits all cases alike), for ``/usr/bin/true`` and
+``/usr/bin/python3 -c pass``:
+
+- ``floor``: ``os.posix_spawn`` of the command + ``waitpid``, no sandbox;
+- ``subprocess``: ``subprocess.run(cmd, capture_output=True)``, no sandbox;
+- ``raw_bwrap``: the exact bwrap argv lowlevel builds for the default Policy (``setpriv``
+  prefix for root callers included), spawned with ``posix_spawn`` and the same sealed
+  seccomp memfd and passwd/group memfds; no ``--json-status-fd``/``--block-fd`` handshake,
+  no rlimits, no cgroup, no capture. Driven synchronously (concurrency 1) and from asyncio
+  (pidfd readers) at each concurrency;
+- ``run``: ``lowlevel.run`` with the default Policy (seccomp, rlimits, cgroup, handshake);
+- ``arun``: ``lowlevel.arun`` at each concurrency, bounded by a semaphore.
+
+Latency of a call runs from its start (for concurrent cases: from taking a slot) to its
+end; ``calls_per_s`` is calls divided by the wall time the case's batches took.
+
+Usage: ``python bench/startup.py [--quick] [--json FILE] [--profile]``. Never asserts.
+The JSON schema is documented in bench/README.md (``schema`` = 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import fcntl
+import importlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+_T_IMPORT = time.perf_counter_ns()
+import lowlevel  # noqa: E402
+from lowlevel import launcher as _launcher  # noqa: E402
+from lowlevel import seccomp as _seccomp  # noqa: E402
+
+IMPORT_MS = (time.perf_counter_ns() - _T_IMPORT) / 1e6
+
+SCHEMA = 1
+COMMANDS: dict[str, list[str]] = {
+    "/usr/bin/true": ["/usr/bin/true"],
+    "/usr/bin/python3 -c pass": ["/usr/bin/python3", "-c", "pass"],
+}
+CONCURRENCY = (1, 2, 8, 64)
+
+
+# --- statistics -------------------------------------------------------------------------------
+
+def percentile(sorted_ms: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (``q`` in 0..100) of an ascending list."""
+    if not sorted_ms:
+        return float("nan")
+    k = (len(sorted_ms) - 1) * q / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(sorted_ms) - 1)
+    return sorted_ms[lo] + (sorted_ms[hi] - sorted_ms[lo]) * (k - lo)
+
+
+class Case:
+    """One measured case: name, command, concurrency, driver; raw samples and wall time."""
+
+    def __init__(self, name: str, command: str, concurrency: int, driver: str, fn: Any) -> None:
+        self.name = name
+        self.command = command
+        self.concurrency = concurrency
+        self.driver = driver
+        self.fn = fn
+        self.samples_ns: list[int] = []
+        self.wall_ns = 0
+        self.errors = 0
+        self.skipped: str | None = None
+
+    def summary(self) -> dict[str, Any]:
+        ms = sorted(s / 1e6 for s in self.samples_ns)
+        d: dict[str, Any] = {"name": self.name, "command": self.command, "concurrency": self.concurrency,
+                             "driver": self.driver, "n": len(ms)}
+        if self.skipped:
+            d.update(skipped=True, reason=self.skipped, p50_ms=None, p90_ms=None, p99_ms=None,
+                     mean_ms=None, calls_per_s=None, samples_ms=[])
+            return d
+        d.update(p50_ms=round(percentile(ms, 50), 4), p90_ms=round(percentile(ms, 90), 4),
+                 p99_ms=round(percentile(ms, 99), 4), mean_ms=round(sum(ms) / len(ms), 4) if ms else None,
+                 calls_per_s=round(len(ms) / (self.wall_ns / 1e9), 2) if self.wall_ns else None,
+                 errors=self.errors, skipped=False,
+                 samples_ms=[round(s / 1e6, 4) for s in self.samples_ns])
+        return d
+
+
+# --- the cases --------------------------------------------------------------------------------
+
+_DEVNULL_W = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+
+
+def _high(fd: int, low: int = 16) -> int:
+    """Move ``fd`` to a number >= ``low`` (so no dup2 in the file actions clobbers a source)."""
+    if fd >= low:
+        return fd
+    new = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, low)
+    os.close(fd)
+    return new
+
+
+def floor_call(cmd: list[str]) -> None:
+    pid = os.posix_spawn(cmd[0], cmd, os.environ,
+                         file_actions=[(os.POSIX_SPAWN_DUP2, _DEVNULL_W, 1), (os.POSIX_SPAWN_DUP2, _DEVNULL_W, 2)])
+    os.waitpid(pid, 0)
+
+
+def subprocess_call(cmd: list[str]) -> None:
+    subprocess.run(cmd, capture_output=True, check=False)
+
+
+class RawBwrap:
+    """bwrap with lowlevel's exact argv for the default Policy, minus the handshake fds.
+
+    The argv comes from :meth:`lowlevel.launcher.Run.prepare` (its ``argv``: the bwrap options
+    it writes to the ``--args`` memfd) and :func:`lowlevel.argv.outer_argv` without rlimits;
+    ``--json-status-fd`` and ``--block-fd`` are dropped (no handshake). Each call makes the
+    same three memfds lowlevel makes (sealed seccomp BPF, /etc/passwd, /etc/group) and dup2s
+    them onto the same numbers.
+    """
+
+    def __init__(self, cmd: list[str]) -> None:
+        policy = lowlevel.Policy()
+        r = _launcher.Run(cmd, policy=policy)
+        try:
+            r.prepare()
+            options = list(r.argv)
+            self.workspace = r.workspace
+        finally:
+            r.close()
+        for opt in ("--json-status-fd", "--block-fd"):
+            i = options.index(opt)
+            del options[i:i + 2]
+        facts = r.facts
+        setpriv = _launcher._setpriv() if facts.caller_is_root else None
+        outer = lowlevel.argv.outer_argv(facts, policy, setpriv, _launcher.ARGS_FD, cmd)
+        i = outer.index("--args")
+        self.argv = [*outer[:i], *options, *outer[i + 2:]]
+        self.bpf = _seccomp.compile_bpf(policy.seccomp)
+        uid = policy.host_uid if facts.caller_is_root else os.getuid()
+        gid = policy.host_gid if facts.caller_is_root else os.getgid()
+        self.passwd, self.group = _launcher._passwd_group(uid, gid)
+        self.fds = _launcher.CHILD_FDS
+
+    def spawn(self) -> int:
+        """posix_spawn one raw bwrap; return its pid (the caller waits)."""
+        sfd = _high(_seccomp.bpf_memfd(self.bpf))
+        pfd = _high(_launcher._memfd("passwd", self.passwd))
+        gfd = _high(_launcher._memfd("group", self.group))
+        try:
+            return os.posix_spawn(self.argv[0], self.argv, {}, file_actions=[
+                (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                (os.POSIX_SPAWN_DUP2, _DEVNULL_W, 1), (os.POSIX_SPAWN_DUP2, _DEVNULL_W, 2),
+                (os.POSIX_SPAWN_DUP2, sfd, self.fds.seccomp), (os.POSIX_SPAWN_DUP2, pfd, self.fds.passwd),
+                (os.POSIX_SPAWN_DUP2, gfd, self.fds.group)])
+        finally:
+            os.close(sfd)
+            os.close(pfd)
+            os.close(gfd)
+
+    def call(self) -> None:
+        pid = self.spawn()
+        _, status = os.waitpid(pid, 0)
+        if status:
+            raise RuntimeError(f"raw bwrap exited with status {status:#x}: {self.argv}")
+
+    async def acall(self) -> None:
+        loop = asyncio.get_running_loop()
+        pid = self.spawn()
+        pidfd = os.pidfd_open(pid)
+        fut = loop.create_future()
+        loop.add_reader(pidfd, lambda: fut.done() or fut.set_result(None))
+        try:
+            await fut
+        finally:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+        _, status = os.waitpid(pid, 0)
+        if status:
+            raise RuntimeError(f"raw bwrap exited with status {status:#x}")
+
+    def close(self) -> None:
+        shutil.rmtree(self.workspace, ignore_errors=True)
+
+
+#: Fresh workspaces lowlevel kept (Result.workspace); removed between rounds, untimed.
+_WORKSPACES: list[str] = []
+
+
+def _sweep_workspaces() -> None:
+    while _WORKSPACES:
+        shutil.rmtree(_WORKSPACES.pop(), ignore_errors=True)
+
+
+def run_call(cmd: list[str]) -> None:
+    r = lowlevel.run(cmd)
+    _WORKSPACES.append(r.workspace)
+    if r.exit_code != 0:
+        raise RuntimeError(f"lowlevel.run exited {r.exit_code}: {r.stderr!r}")
+
+
+async def arun_call(cmd: list[str]) -> None:
+    r = await lowlevel.arun(cmd)
+    _WORKSPACES.append(r.workspace)
+    if r.exit_code != 0:
+        raise RuntimeError(f"lowlevel.arun exited {r.exit_code}: {r.stderr!r}")
+
+
+# --- driving ----------------------------------------------------------------------------------
+
+def sync_round(case: Case, calls: int) -> None:
+    fn: Callable[[], None] = case.fn
+    t_wall = time.perf_counter_ns()
+    for _ in range(calls):
+        t = time.perf_counter_ns()
+        try:
+            fn()
+        except Exception as err:  # noqa: BLE001 - counted and reported, never fatal
+            case.errors += 1
+            print(f"  {case.name} {case.command}: {err}", file=sys.stderr)
+            continue
+        case.samples_ns.append(time.perf_counter_ns() - t)
+    case.wall_ns += time.perf_counter_ns() - t_wall
+    _sweep_workspaces()
+
+
+async def async_round(case: Case, calls: int) -> None:
+    sem = asyncio.Semaphore(case.concurrency)
+
+    async def one() -> None:
+        async with sem:
+            t = time.perf_counter_ns()
+            try:
+                await case.fn()
+            except Exception as err:  # noqa: BLE001
+                case.errors += 1
+                print(f"  {case.name} {case.command}: {err}", file=sys.stderr)
+                return
+            case.samples_ns.append(time.perf_counter_ns() - t)
+
+    t_wall = time.perf_counter_ns()
+    await asyncio.gather(*(one() for _ in range(calls)))
+    case.wall_ns += time.perf_counter_ns() - t_wall
+    _sweep_workspaces()
+
+
+def one_time_costs() -> dict[str, Any]:
+    """First call of the process (probes, seccomp compile, imports), then each part alone."""
+    out: dict[str, Any] = {"import_lowlevel_ms": round(IMPORT_MS, 3)}
+    compiles0 = len(_seccomp._cache)
+    t = time.perf_counter_ns()
+    r = lowlevel.run(["/usr/bin/true"])
+    out["first_run_ms"] = round((time.perf_counter_ns() - t) / 1e6, 3)
+    _WORKSPACES.append(r.workspace)
+    out["seccomp_compiles_first_run"] = len(_seccomp._cache) - compiles0
+    t = time.perf_counter_ns()
+    r = lowlevel.run(["/usr/bin/true"])
+    out["second_run_ms"] = round((time.perf_counter_ns() - t) / 1e6, 3)
+    _WORKSPACES.append(r.workspace)
+    _sweep_workspaces()
+    # A profile not compiled yet: what one compile costs (once per profile per process).
+    profile = lowlevel.DEFAULT_PROFILE.with_extra_deny("acct")
+    t = time.perf_counter_ns()
+    _seccomp.compile_bpf(profile)
+    out["seccomp_compile_ms"] = round((time.perf_counter_ns() - t) / 1e6, 3)
+    t = time.perf_counter_ns()
+    _seccomp.compile_bpf(profile)
+    out["seccomp_cached_lookup_ms"] = round((time.perf_counter_ns() - t) / 1e6, 4)
+    _launcher.host_facts.cache_clear()
+    _launcher.bwrap_info.cache_clear()
+    t = time.perf_counter_ns()
+    _launcher.host_facts()
+    out["host_probe_ms"] = round((time.perf_counter_ns() - t) / 1e6, 3)
+    t = time.perf_counter_ns()
+    importlib.import_module("lowlevel.aio")  # asyncio itself is already imported by this script
+    out["import_aio_ms"] = round((time.perf_counter_ns() - t) / 1e6, 3)
+    return out
+
+
+def host_info() -> dict[str, Any]:
+    facts = _launcher.host_facts()
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    cg = None
+    try:
+        cg = lowlevel.limits.detect_cgroups().version
+    except Exception:  # noqa: BLE001
+        pass
+    commit = ""
+    try:
+        commit = subprocess.run(["git", "-C", os.path.dirname(os.path.abspath(__file__)), "rev-parse", "--short",
+                                 "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
+    except OSError:
+        pass
+    return {"kernel": platform.release(), "bwrap": ".".join(map(str, facts.bwrap.version)),
+            "python": platform.python_version(), "cpus": os.cpu_count(), "cpu_model": model,
+            "machine": platform.machine(), "caller_is_root": facts.caller_is_root,
+            "cap_sys_resource": facts.cap_sys_resource, "cgroup": cg, "lowlevel": lowlevel.__version__,
+            "commit": commit, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def ratios(results: list[dict[str, Any]], command: str) -> dict[str, float | None]:
+    def get(name: str, conc: int, driver: str) -> dict[str, Any] | None:
+        return next((r for r in results if r["name"] == name and r["command"] == command
+                     and r["concurrency"] == conc and r["driver"] == driver and not r["skipped"]), None)
+
+    def div(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 3) if a is not None and b else None
+
+    floor, sub, raw, run = (get("floor", 1, "sync"), get("subprocess", 1, "sync"), get("raw_bwrap", 1, "sync"),
+                            get("run", 1, "sync"))
+    p50 = {k: (v["p50_ms"] if v else None) for k, v in
+           {"floor": floor, "subprocess": sub, "raw": raw, "run": run, "arun": get("arun", 1, "asyncio")}.items()}
+    out = {"run_vs_raw_bwrap": div(p50["run"], p50["raw"]),
+           "raw_bwrap_vs_floor": div(p50["raw"], p50["floor"]),
+           "run_vs_floor": div(p50["run"], p50["floor"]),
+           "subprocess_vs_floor": div(p50["subprocess"], p50["floor"]),
+           "arun_vs_run": div(p50["arun"], p50["run"]),
+           "run_p99_vs_p50": div(run["p99_ms"] if run else None, p50["run"])}
+    for c in CONCURRENCY:
+        a, rb = get("arun", c, "asyncio"), get("raw_bwrap", c, "asyncio")
+        if a and rb:
+            out[f"arun_vs_raw_bwrap_calls_per_s_c{c}"] = div(a["calls_per_s"], rb["calls_per_s"])
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small N: finishes in under 30 s")
+    ap.add_argument("--json", metavar="FILE", help="write the results as JSON (schema in bench/README.md)")
+    ap.add_argument("--rounds", type=int, help="interleaved rounds (default 10, --quick 3)")
+    ap.add_argument("--per-round", type=int, help="sync calls per case per round (default 30, --quick 8)")
+    ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)),
+                    help="comma-separated asyncio concurrencies (default 1,2,8,64)")
+    ap.add_argument("--command", action="append", choices=sorted(COMMANDS), help="only this command (repeatable)")
+    ap.add_argument("--profile", action="store_true", help="profile lowlevel.run with pyinstrument and exit")
+    args = ap.parse_args(argv)
+    conc = tuple(int(c) for c in args.concurrency.split(",") if c)
+    rounds = args.rounds or (3 if args.quick else 10)
+    per_round = args.per_round or (8 if args.quick else 30)
+    commands = args.command or list(COMMANDS)
+
+    if args.profile:
+        return profile(per_round * rounds)
+
+    t_start = time.monotonic()
+    once = one_time_costs()
+    host = host_info()
+    compiles_before = len(_seccomp._cache)
+
+    cases: list[Case] = []
+    raws: list[RawBwrap] = []
+    for label in commands:
+        cmd = COMMANDS[label]
+        raw = RawBwrap(cmd)
+        raws.append(raw)
+        cases += [Case("floor", label, 1, "sync", lambda c=cmd: floor_call(c)),
+                  Case("subprocess", label, 1, "sync", lambda c=cmd: subprocess_call(c)),
+                  Case("raw_bwrap", label, 1, "sync", raw.call),
+                  Case("run", label, 1, "sync", lambda c=cmd: run_call(c))]
+        for c in conc:
+            cases.append(Case("raw_bwrap", label, c, "asyncio", raw.acall))
+            cases.append(Case("arun", label, c, "asyncio", lambda c_=cmd: arun_call(c_)))
+
+    loop = asyncio.new_event_loop()
+    try:
+        # Warm-up: every case a few calls, discarded.
+        for case in cases:
+            if case.driver == "sync":
+                sync_round(case, 3)
+            else:
+                loop.run_until_complete(async_round(case, min(case.concurrency, 8)))
+            case.samples_ns.clear()
+            case.wall_ns = 0
+        for rnd in range(rounds):
+            k = rnd % len(cases)
+            for case in cases[k:] + cases[:k]:
+                if case.driver == "sync":
+                    sync_round(case, per_round)
+                else:
+                    # Enough calls to keep `concurrency` in flight for most of the batch.
+                    loop.run_until_complete(async_round(case, max(per_round, 2 * case.concurrency)))
+            print(f"round {rnd + 1}/{rounds} done ({time.monotonic() - t_start:.1f} s)", file=sys.stderr)
+    finally:
+        loop.close()
+        for raw in raws:
+            raw.close()
+    once["seccomp_compiles_during_bench"] = len(_seccomp._cache) - compiles_before
+
+    results = [c.summary() for c in cases]
+    doc = {"schema": SCHEMA, "results": results,
+           "ratios": ratios(results, "/usr/bin/true"),
+           "ratios_by_command": {label: ratios(results, label) for label in commands},
+           "one_time": once, "host": host,
+           "config": {"quick": args.quick, "rounds": rounds, "per_round": per_round, "concurrency": list(conc),
+                      "commands": commands, "duration_s": round(time.monotonic() - t_start, 2),
+                      "argv": sys.argv}}
+    print_table(doc)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+            f.write("\n")
+    return 0
+
+
+def print_table(doc: dict[str, Any]) -> None:
+    h = doc["host"]
+    print(f"kernel {h['kernel']}, bwrap {h['bwrap']}, Python {h['python']}, {h['cpus']} CPUs ({h['cpu_model']}), "
+          f"cgroup {h['cgroup']}, root={h['caller_is_root']}")
+    print(f"{'name':<11} {'driver':<8} {'conc':>4} {'command':<26} {'n':>5} {'p50 ms':>8} {'p90 ms':>8} "
+          f"{'p99 ms':>8} {'calls/s':>8}")
+    for r in doc["results"]:
+        if r["skipped"]:
+            print(f"{r['name']:<11} {r['driver']:<8} {r['concurrency']:>4} {r['command']:<26} skipped: {r['reason']}")
+            continue
+        print(f"{r['name']:<11} {r['driver']:<8} {r['concurrency']:>4} {r['command']:<26} {r['n']:>5} "
+              f"{r['p50_ms']:>8.2f} {r['p90_ms']:>8.2f} {r['p99_ms']:>8.2f} {r['calls_per_s']:>8.1f}")
+    print("ratios (/usr/bin/true, p50, concurrency 1 unless named):")
+    for k, v in doc["ratios"].items():
+        print(f"  {k:<36} {v}")
+    print("one-time costs:")
+    for k, v in doc["one_time"].items():
+        print(f"  {k:<36} {v}")
+
+
+def profile(n: int) -> int:
+    try:
+        from pyinstrument import Profiler
+    except ImportError:
+        print("--profile needs pyinstrument: pip install pyinstrument", file=sys.stderr)
+        return 2
+    for _ in range(5):
+        run_call(["/usr/bin/true"])
+    prof = Profiler(interval=0.0001)
+    prof.start()
+    t = time.perf_counter_ns()
+    for i in range(n):
+        run_call(["/usr/bin/true"])
+        if i % 50 == 49:
+            _sweep_workspaces()
+    per = (time.perf_counter_ns() - t) / n / 1e6
+    prof.stop()
+    print(f"{n} x lowlevel.run(['/usr/bin/true']): {per:.2f} ms per call (profiled)")
+    print(prof.output_text(unicode=False, color=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

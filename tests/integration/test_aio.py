@@ -1,0 +1,328 @@
+"""lowlevel.arun / Runner: the same Results as lowlevel.run, cancellation, fds, the bench's JSON.
+
+No pytest-asyncio: each test drives its own loop with ``asyncio.run``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import lowlevel
+from lowlevel.aio import Runner, arun
+
+pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(120)]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _fds() -> set[int]:
+    return {int(n) for n in os.listdir("/proc/self/fd")}
+
+
+def _comparable(r: lowlevel.Result) -> dict:
+    """The Result's fields that must not depend on the driver (paths and times differ)."""
+    def scrub(b: bytes) -> bytes:
+        return b.replace(r.workspace.encode(), b"<ws>")
+
+    return {"exit_code": r.exit_code, "term_signal": r.term_signal, "timed_out": r.timed_out,
+            "killed_by": r.killed_by, "stdout": scrub(r.stdout), "stderr": scrub(r.stderr),
+            "changes": r.changes, "limits_enforced": r.limits_enforced, "notes": r.notes}
+
+
+def both(command: list[str], **kw) -> tuple[lowlevel.Result, lowlevel.Result]:
+    """Run ``command`` with run and with arun; return both Results (workspaces removed after)."""
+    sync = lowlevel.run(command, **kw)
+    asy = asyncio.run(arun(command, **kw))
+    for r in (sync, asy):
+        if "workspace" not in kw:
+            shutil.rmtree(r.workspace, ignore_errors=True)
+    return sync, asy
+
+
+# -- the main job's security cases, through both drivers --------------------------------------
+
+def test_workspace_only_writes_same_as_run():
+    script = ("touch /usr/bin/x; echo usr=$?; touch /etc/x; echo etc=$?; touch /x; echo root=$?; "
+              "echo hello > /workspace/out.txt; echo ws=$?; cat /workspace/out.txt")
+    sync, asy = both(["sh", "-c", script])
+    assert _comparable(asy) == _comparable(sync)
+    assert asy.exit_code == 0, asy.stderr
+    out = asy.stdout.decode()
+    assert "usr=1" in out and "etc=1" in out and "root=1" in out and "ws=0" in out and "hello" in out
+    assert asy.changes.added == ("out.txt",)
+    assert not Path("/usr/bin/x").exists()
+
+
+CONNECT = """
+import socket, sys
+try:
+    s = socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=3)
+    print("got", s.recv(4).decode())
+except OSError as err:
+    print("blocked", type(err).__name__, err.errno)
+"""
+
+
+def test_no_network_same_as_run():
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    accepted = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            accepted.append(1)
+            conn.sendall(b"pong")
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        with socket.create_connection(("127.0.0.1", srv.getsockname()[1]), timeout=3) as c:  # control
+            assert c.recv(4) == b"pong"
+        before = len(accepted)
+        sync, asy = both(["python3", "-c", CONNECT, str(srv.getsockname()[1])])
+        assert _comparable(asy) == _comparable(sync)
+        assert asy.stdout.startswith(b"blocked"), asy.stdout
+        assert len(accepted) == before
+    finally:
+        srv.close()
+
+
+def test_no_host_home_same_as_run():
+    ssh = Path.home() / ".ssh"
+    created = not ssh.exists()
+    ssh.mkdir(mode=0o700, exist_ok=True)
+    key = ssh / f"id_lowlevel_aio_{os.getpid()}"
+    marker = f"FAKE-KEY-{time.time_ns()}"
+    key.write_text(marker + "\n")
+    try:
+        assert marker in key.read_text()  # control: readable on the host
+        sync, asy = both(["sh", "-c", f"cat {key}; ls -a {ssh}; grep -rs {marker} /home /root /etc /tmp; echo done"])
+        assert _comparable(asy) == _comparable(sync)
+        assert marker.encode() not in asy.stdout
+        assert asy.stdout.strip().endswith(b"done")
+    finally:
+        key.unlink()
+        if created:
+            ssh.rmdir()
+
+
+def test_cleared_env_same_as_run(monkeypatch):
+    secret = f"ghp_FAKE{time.time_ns()}"
+    monkeypatch.setenv("LOWLEVEL_FAKE_TOKEN", secret)
+    sync, asy = both(["sh", "-c", "env | sort; tr '\\0' '\\n' < /proc/1/environ"], env={"GREETING": "hi"})
+    assert _comparable(asy) == _comparable(sync)
+    assert secret.encode() not in asy.stdout and b"LOWLEVEL_FAKE_TOKEN" not in asy.stdout
+    assert b"GREETING=hi" in asy.stdout
+
+
+@pytest.mark.parametrize("script", ["exit 0", "exit 3", "kill -9 $$", "cat; echo err >&2"])
+def test_exit_status_and_stdio_same_as_run(script):
+    sync, asy = both(["sh", "-c", script], stdin=b"from stdin\n")
+    assert _comparable(asy) == _comparable(sync)
+
+
+def test_timeout_same_as_run():
+    sync, asy = both(["sh", "-c", "setsid sleep 100 & sleep 100"], timeout=0.5)
+    assert _comparable(asy) == _comparable(sync)
+    assert asy.timed_out and asy.killed_by == "timeout" and asy.exit_code == 137
+    assert asy.wall_time_s < 5
+
+
+def test_setup_failure_same_exception_as_run():
+    with pytest.raises(lowlevel.ExecError) as sync:
+        lowlevel.run(["/nonexistent-program"])
+    with pytest.raises(lowlevel.ExecError) as asy:
+        asyncio.run(arun(["/nonexistent-program"]))
+    assert asy.value.errno == sync.value.errno
+    with pytest.raises(lowlevel.PolicyError):
+        asyncio.run(arun("not a list"))  # type: ignore[arg-type]
+
+
+# -- cancellation ------------------------------------------------------------------------------
+
+def _processes_with(needle: bytes) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    if needle in f.read():
+                        found.append(int(name))
+            except OSError:
+                pass
+    return found
+
+
+def _our_children() -> list[int]:
+    me = str(os.getpid())
+    kids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[1] == me:  # ppid (zombies included: not yet reaped)
+                kids.append(int(name))
+    return kids
+
+
+def test_cancellation_kills_and_reaps():
+    marker = f"{random.randint(1000, 9999)}.{os.getpid() % 10000:04d}"  # a unique `sleep` duration
+    needle = b"sleep\0" + marker.encode() + b"\0"
+    fds_before = _fds()
+
+    async def main() -> None:
+        task = asyncio.create_task(arun(["sh", "-c", f"setsid sleep {marker} & sleep {marker} & wait"]))
+        for _ in range(500):  # the sandbox's two sleeps are up (bounded wait, not a timing assertion)
+            if len(_processes_with(needle)) >= 2:
+                break
+            await asyncio.sleep(0.01)
+        assert len(_processes_with(needle)) >= 2
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # Already gone when the CancelledError arrives: killed, namespace empty, bwrap reaped.
+        assert _processes_with(needle) == []
+        assert _our_children() == []
+
+    asyncio.run(main())
+    assert _fds() == fds_before
+
+
+def test_runner_aclose_cancels_in_flight():
+    marker = f"{random.randint(1000, 9999)}.{(os.getpid() + 1) % 10000:04d}"
+    needle = b"sleep\0" + marker.encode() + b"\0"
+
+    async def main() -> None:
+        runner = Runner(max_concurrency=2)
+        # `sh -c "sleep M"`: only the sleep's own cmdline is "sleep\0M\0" (bwrap's has "sleep M").
+        tasks = [asyncio.create_task(runner.run(["sh", "-c", f"sleep {marker}; :"])) for _ in range(4)]
+        for _ in range(500):
+            if len(_processes_with(needle)) >= 2:
+                break
+            await asyncio.sleep(0.01)
+        assert runner.in_flight == 2
+        await runner.aclose()
+        assert all(t.cancelled() for t in tasks)
+        assert _processes_with(needle) == []
+        assert _our_children() == []
+        with pytest.raises(RuntimeError):
+            await runner.run(["true"])
+
+    asyncio.run(main())
+
+
+# -- many at once ------------------------------------------------------------------------------
+
+def test_500_concurrent_no_fd_or_thread_growth():
+    cap = 32
+    fds_before = _fds()
+    threads_before = threading.active_count()
+    peak = {"fds": 0, "in_flight": 0}
+
+    async def main() -> list[lowlevel.Result]:
+        limiter = asyncio.Semaphore(cap)
+        done = asyncio.Event()
+
+        async def sample() -> None:
+            while not done.is_set():
+                peak["fds"] = max(peak["fds"], len(os.listdir("/proc/self/fd")))
+                peak["in_flight"] = max(peak["in_flight"], cap - limiter._value)
+                await asyncio.sleep(0.005)
+
+        sampler = asyncio.create_task(sample())
+        try:
+            return await asyncio.gather(*(arun(["/usr/bin/true"], limiter=limiter) for _ in range(500)))
+        finally:
+            done.set()
+            await sampler
+
+    results = asyncio.run(main())
+    for r in results:
+        shutil.rmtree(r.workspace, ignore_errors=True)
+    assert [r.exit_code for r in results] == [0] * 500
+    assert _fds() == fds_before
+    assert threading.active_count() <= threads_before  # no thread per child (none at all)
+    assert peak["in_flight"] <= cap
+    # The documented bound: at most 6 fds per run in flight, plus one run's transient fds.
+    assert peak["fds"] <= len(fds_before) + 6 * cap + 25, peak
+
+
+def test_runner_caps_concurrency_and_validates():
+    with pytest.raises(ValueError):
+        Runner(max_concurrency=0)
+
+    async def main() -> None:
+        async with Runner(max_concurrency=3, timeout=30) as runner:
+            seen = []
+
+            async def one() -> lowlevel.Result:
+                seen.append(runner.in_flight)
+                r = await runner.run(["sh", "-c", "echo $X"], env={"X": "y"})
+                seen.append(runner.in_flight)
+                return r
+
+            results = await asyncio.gather(*(one() for _ in range(10)))
+        assert {r.stdout for r in results} == {b"y\n"}
+        assert max(seen) <= 3
+        for r in results:
+            shutil.rmtree(r.workspace, ignore_errors=True)
+        with pytest.raises(TypeError):
+            await arun(["true"], limiter=3)  # type: ignore[arg-type]
+
+    asyncio.run(main())
+
+
+def test_public_names():
+    assert lowlevel.arun is arun and lowlevel.Runner is Runner
+    assert "arun" in lowlevel.__all__ and lowlevel.__all__ == sorted(lowlevel.__all__)
+
+
+# -- the bench ---------------------------------------------------------------------------------
+
+RESULT_KEYS = {"name", "command", "concurrency", "n", "p50_ms", "p90_ms", "p99_ms", "calls_per_s"}
+
+
+def test_bench_quick_json_schema(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "startup.py"), "--quick", "--rounds", "1",
+                           "--per-round", "2", "--concurrency", "1,2", "--json", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == 1
+    assert {"results", "ratios", "host", "one_time"} <= set(doc)
+    names = {r["name"] for r in doc["results"]}
+    assert names == {"floor", "subprocess", "raw_bwrap", "run", "arun"}
+    assert {r["command"] for r in doc["results"]} == {"/usr/bin/true", "/usr/bin/python3 -c pass"}
+    for r in doc["results"]:
+        assert RESULT_KEYS <= set(r), r
+        assert r["skipped"] is False and r["n"] >= 1
+        for k in ("p50_ms", "p90_ms", "p99_ms", "calls_per_s"):
+            assert isinstance(r[k], float) and r[k] > 0, (k, r)
+        assert r["p50_ms"] <= r["p90_ms"] <= r["p99_ms"]
+        assert len(r["samples_ms"]) == r["n"]
+    assert {(r["name"], r["concurrency"]) for r in doc["results"] if r["name"] == "arun"} == {("arun", 1), ("arun", 2)}
+    for k in ("run_vs_raw_bwrap", "raw_bwrap_vs_floor"):
+        assert isinstance(doc["ratios"][k], float) and doc["ratios"][k] > 0
+    assert doc["one_time"]["seccomp_compiles_during_bench"] == 0
+    for k in ("kernel", "bwrap", "python", "cpus"):
+        assert doc["host"][k]
