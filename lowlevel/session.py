@@ -461,9 +461,29 @@ class _Core:
                     assert self.failed is not None
                     raise self.failed from None
             except (BrokenPipeError, ConnectionResetError) as err:
+                bye = self._pending_bye()
+                if bye is not None:
+                    self._fail_locked(*bye)
                 self._fail_locked(self._death_message(), "init_died")
                 assert self.failed is not None
                 raise self.failed from err
+
+    def _pending_bye(self) -> tuple[str, str] | None:
+        """The (message, reason) of a BYE still queued on the socket (the init ended itself)."""
+        while True:
+            try:
+                data = self.sock.recv(256)
+            except OSError:
+                return None
+            if not data:
+                return None
+            if len(data) == _SMALL.size and _SMALL.unpack(data)[0] == _MSG_BYE:
+                return self._bye(data)
+
+    def _bye(self, data: bytes) -> tuple[str, str]:
+        reason = _BYE_REASONS.get(_SMALL.unpack(data)[1], "idle_timeout")
+        limit = self.idle_timeout if reason == "idle_timeout" else self.total_timeout
+        return f"the session ended: its {reason.replace('_', ' ')} of {limit} s passed", reason
 
     def signal(self, cmd: _Cmd, signo: int, tree: bool) -> None:
         """Ask the init to signal a command's group (tree: SIGKILL its whole tree)."""
@@ -506,11 +526,8 @@ class _Core:
             if cmd is not None:
                 self._finish(cmd, fields)
         elif mtype == _MSG_BYE and len(data) == _SMALL.size:
-            reason = _BYE_REASONS.get(_SMALL.unpack(data)[1], "idle_timeout")
-            limit = self.idle_timeout if reason == "idle_timeout" else self.total_timeout
             with self.lock:
-                self._fail_locked(f"the session ended: its {reason.replace('_', ' ')} of {limit} s passed",
-                                  reason)
+                self._fail_locked(*self._bye(data))
         else:
             with self.lock:
                 self._fail_locked(f"malformed message from the session init (type {mtype}, {len(data)} bytes)",

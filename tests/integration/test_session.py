@@ -1,0 +1,405 @@
+"""Session mode: the main job's security cases as session commands, per-command lifetime,
+the init under attack, concurrency without mixed outputs, and no growth over many commands."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import lowlevel
+from lowlevel.session import AsyncSession, Pool, Session, SessionError
+
+pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(120)]
+
+
+def _ws() -> str:
+    """A fresh workspace the sandbox's uid can reach (pytest's tmp_path is under a 0700 dir)."""
+    path = tempfile.mkdtemp(prefix="ws-session-", dir="/tmp")
+    os.chmod(path, 0o755)
+    return path
+
+
+def _fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def _children_of(pid: int) -> list[int]:
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat[stat.rfind(b")") + 2:].split()[1]) == pid:
+                out.append(int(name))
+    return out
+
+
+@pytest.fixture
+def session():
+    s = Session(workspace=_ws())
+    yield s
+    s.close()
+
+
+def _sandbox_procs(s: Session) -> list[str]:
+    """Command lines of every process in the session (via a command; minus that command)."""
+    out = s.run(["ps", "-eo", "pid,ppid,pgid,args"]).stdout.decode().splitlines()[1:]
+    return [line for line in out if "ps -eo" not in line]
+
+
+# -- the main job's security cases, as session commands -------------------------------------
+
+
+def test_basic_exit_output_stdin(session):
+    r = session.run(["sh", "-c", "echo out; echo err >&2; exit 3"])
+    assert (r.exit_code, r.stdout, r.stderr, r.killed_by, r.term_signal) == (3, b"out\n", b"err\n", None, None)
+    assert r.cpu_user_s is not None and r.max_rss_bytes and r.max_rss_bytes > 0
+    assert "seccomp" in r.limits_enforced and "RLIMIT_CPU" in r.limits_enforced
+    data = os.urandom(300_000)
+    assert session.run(["cat"], stdin=data).stdout == data
+
+
+def test_no_network(session):
+    r = session.run(["python3", "-c", "import socket\ns = socket.socket()\ns.settimeout(2)\n"
+                     "try:\n s.connect(('1.1.1.1', 53)); print('connected')\nexcept OSError as e: print('err', e.errno)\n"
+                     "print(open('/proc/net/dev').read())"])
+    assert r.exit_code == 0, r.stderr
+    assert "connected" not in r.stdout.decode()
+    devs = [line.split(":")[0].strip() for line in r.stdout.decode().splitlines() if ":" in line and "|" not in line]
+    assert devs == ["lo"]
+
+
+def test_read_only_system_and_workspace_only_writes(session):
+    r = session.run(["sh", "-c", "touch /usr/bin/x; echo usr=$?; touch /etc/x; echo etc=$?; touch /x; echo root=$?; "
+                     "echo hello > /workspace/out.txt; echo ws=$?"])
+    assert "usr=1" in r.stdout.decode() and "etc=1" in r.stdout.decode() and "root=1" in r.stdout.decode()
+    assert "ws=0" in r.stdout.decode()
+    assert Path(session.workspace, "out.txt").read_text() == "hello\n"
+    assert not Path("/usr/bin/x").exists()
+
+
+def test_env_cleared_and_per_command_env(session, monkeypatch):
+    monkeypatch.setenv("LOWLEVEL_FAKE_SECRET", "hunter2")
+    r = session.run(["env"], env={"EXTRA": "1"})
+    env = dict(line.split("=", 1) for line in r.stdout.decode().splitlines())
+    assert "LOWLEVEL_FAKE_SECRET" not in env and "hunter2" not in r.stdout.decode()
+    assert env["EXTRA"] == "1"
+    assert set(env) == set(lowlevel.Policy().environment({"EXTRA": "1"}))
+    # The extra variable does not leak into the next command.
+    assert "EXTRA" not in session.run(["env"]).stdout.decode()
+
+
+def test_cwd_and_per_command_rlimits(session):
+    session.run(["mkdir", "-p", "sub"])
+    assert session.run(["pwd"], cwd="/workspace/sub").stdout == b"/workspace/sub\n"
+    r = session.run(["sh", "-c", "ulimit -n; ulimit -t"], limits=lowlevel.Limits(nofile=64, cpu_s=5))
+    assert r.stdout == b"64\n5\n"
+    assert session.run(["sh", "-c", "ulimit -n"]).stdout == b"1024\n"
+
+
+def test_exec_errors(session):
+    with pytest.raises(lowlevel.ExecError) as e:
+        session.run(["no-such-program"])
+    assert e.value.errno == 2
+    session.run(["sh", "-c", "printf '#!/bin/sh\\n' > noexec; chmod 644 noexec"])
+    with pytest.raises(lowlevel.ExecError) as e:
+        session.run(["./noexec"])
+    assert e.value.errno == 13
+    with pytest.raises(lowlevel.LaunchError) as e:
+        session.run(["true"], cwd="/nonexistent")
+    assert e.value.errno == 2
+    assert session.run(["true"]).exit_code == 0
+
+
+def test_large_argv_goes_through_a_memfd(session):
+    big = "x" * 100_000
+    assert session.run(["sh", "-c", 'echo ${#1} ${#2}', "sh", big, big]).stdout == b"100000 100000\n"
+
+
+# -- lifetime: timeouts, leftovers, background commands --------------------------------------
+
+
+def test_timeout_kills_double_forked_children_and_session_stays_usable(session):
+    script = ("setsid sh -c 'sleep 300' & (sh -c 'sleep 301 &') ; "
+              "sh -c 'trap \"\" TERM; exec sleep 302' & echo started; sleep 303")
+    r = session.run(["sh", "-c", script], timeout=0.5)
+    assert r.timed_out and r.killed_by == "timeout" and r.term_signal == signal.SIGKILL
+    assert r.stdout == b"started\n"
+    assert r.wall_time_s < 3
+    procs = _sandbox_procs(session)
+    assert not [p for p in procs if "sleep" in p], procs
+    assert session.run(["echo", "ok"]).stdout == b"ok\n"
+
+
+def test_leftovers_die_with_their_command(session):
+    r = session.run(["sh", "-c", "setsid sleep 300 & (sleep 301 &); echo bye"])
+    assert r.exit_code == 0 and r.stdout == b"bye\n"
+    assert not [p for p in _sandbox_procs(session) if "sleep" in p]
+
+
+def test_background_command_stream_poll_wait_kill(session):
+    p = session.start(["sh", "-c", "for i in 1 2 3; do echo line$i; sleep 0.1; done; exec sleep 300"])
+    seen = b""
+    deadline = time.monotonic() + 10
+    while b"line3" not in seen and time.monotonic() < deadline:
+        out, _err = p.read(timeout=1)
+        seen += out
+    assert seen == b"line1\nline2\nline3\n"
+    assert p.poll() is None
+    with pytest.raises(TimeoutError):
+        p.wait(timeout=0.1)
+    # Short commands run beside it.
+    assert session.run(["echo", "beside"]).stdout == b"beside\n"
+    p.kill()
+    r = p.wait(timeout=10)
+    assert r.killed_by == "cancelled" and r.term_signal == signal.SIGKILL
+    assert r.stdout == b"line1\nline2\nline3\n"
+
+
+def test_send_signal_to_group(session):
+    p = session.start(["sh", "-c", "trap 'echo got-term; exit 7' TERM; while :; do sleep 0.05; done"])
+    time.sleep(0.3)
+    p.send_signal(signal.SIGTERM)
+    r = p.wait(timeout=10)
+    assert r.exit_code == 7 and b"got-term" in r.stdout
+
+
+# -- the init under attack -------------------------------------------------------------------
+
+
+def test_catchable_signals_to_the_init_are_ignored(session):
+    r = session.run(["sh", "-c", "for s in TERM INT HUP QUIT USR1 USR2 PIPE ALRM; do kill -$s 2; done; "
+                     "kill -TERM -1; echo alive"])
+    assert r.stdout == b"alive\n" or r.killed_by == "signal"  # kill -1 may hit the command itself
+    assert session.run(["echo", "still"]).stdout == b"still\n"
+
+
+def test_init_not_ptraceable_or_readable(session):
+    r = session.run(["sh", "-c", "cat /proc/2/environ; echo rc=$?; ls /proc/2/fd; echo rc=$?; cat /proc/2/mem; "
+                     "echo rc=$?"])
+    assert b"rc=0" not in r.stdout, r.stdout
+
+
+def test_killing_the_init_ends_the_session_without_hanging(session):
+    pid = session._core.init_host_pid
+    bg = session.start(["sleep", "300"])
+    t = time.monotonic()
+    with pytest.raises(SessionError) as e:
+        session.run(["sh", "-c", "kill -KILL 2; sleep 300"])
+    assert e.value.reason == "init_died" and "SIGKILL" in str(e.value)
+    assert time.monotonic() - t < 5
+    with pytest.raises(SessionError):
+        bg.wait(timeout=5)
+    with pytest.raises(SessionError):
+        session.run(["true"])
+    assert not session.alive
+    session.close()
+    assert not os.path.exists(f"/proc/{pid}")
+
+
+def test_kill_everything_from_a_command(session):
+    with pytest.raises(SessionError) as e:
+        session.run(["sh", "-c", "kill -KILL -1; sleep 300"])
+    assert e.value.reason == "init_died"
+
+
+def test_stopping_the_init_cannot_hang_the_caller(session):
+    t = time.monotonic()
+    with pytest.raises(SessionError) as e:
+        session.run(["sh", "-c", "kill -STOP 2; sleep 300"], timeout=None)
+    assert e.value.reason == "unresponsive"
+    assert time.monotonic() - t < 5
+
+
+def test_stopping_the_shepherd_cannot_hang_the_caller(session):
+    # The command's parent is its shepherd; stopping it stops timeout enforcement.
+    t = time.monotonic()
+    with pytest.raises(SessionError) as e:
+        session.run(["sh", "-c", "kill -STOP $PPID; sleep 300"], timeout=0.5)
+    assert e.value.reason == "unresponsive"
+    assert time.monotonic() - t < 0.5 + lowlevel.session.GRACE_S + 2
+
+
+def test_killing_the_shepherd_kills_its_command(session):
+    with pytest.raises(SessionError) as e:
+        session.run(["sh", "-c", "(setsid sleep 300 &); kill -KILL $PPID; sleep 300"], timeout=30)
+    assert e.value.reason == "unresponsive"
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if not [p for p in _sandbox_procs(session) if "sleep" in p]:
+            break
+        time.sleep(0.05)
+    assert not [p for p in _sandbox_procs(session) if "sleep" in p]
+
+
+def test_close_leaves_nothing():
+    before = _fds()
+    s = Session(workspace=_ws())
+    pid = s._core.init_host_pid
+    bwrap_pid = s._core.run.pid
+    handles = [s.start(["sh", "-c", "setsid sleep 300 & sleep 300"]) for _ in range(3)]
+    s.run(["true"])
+    s.close()
+    assert not os.path.exists(f"/proc/{pid}")
+    assert not os.path.exists(f"/proc/{bwrap_pid}")
+    assert not _children_of(os.getpid())
+    for h in handles:
+        with pytest.raises(SessionError) as e:
+            h.wait(timeout=1)
+        assert e.value.reason == "closed"
+    with pytest.raises(SessionError):
+        s.run(["true"])
+    s.close()
+    assert _fds() == before
+
+
+def test_idle_timeout_ends_the_session():
+    s = Session(workspace=_ws(), idle_timeout=0.3)
+    try:
+        assert s.run(["true"]).exit_code == 0
+        time.sleep(0.8)
+        with pytest.raises(SessionError) as e:
+            s.run(["true"])
+        assert e.value.reason == "idle_timeout"
+    finally:
+        s.close()
+
+
+def test_total_timeout_ends_the_session():
+    s = Session(workspace=_ws(), total_timeout=0.5)
+    try:
+        with pytest.raises(SessionError) as e:
+            s.run(["sleep", "5"])
+        assert e.value.reason == "total_timeout"
+    finally:
+        s.close()
+
+
+# -- concurrency ----------------------------------------------------------------------------
+
+
+def test_concurrent_commands_outputs_never_mixed(session):
+    def job(tag: str, results: dict) -> None:
+        r = session.run(["sh", "-c", f"i=0; while [ $i -lt 3000 ]; do echo {tag}-$i; echo E{tag} >&2; i=$((i+1)); done"])
+        results[tag] = r
+
+    results: dict = {}
+    threads = [threading.Thread(target=job, args=(f"T{n}", results)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(results) == 8
+    for tag, r in results.items():
+        lines = r.stdout.decode().splitlines()
+        assert lines == [f"{tag}-{i}" for i in range(3000)]
+        assert set(r.stderr.decode().splitlines()) == {f"E{tag}"}
+
+
+def test_async_session_concurrent():
+    async def main() -> None:
+        async with AsyncSession(workspace=_ws()) as s:
+            rs = await asyncio.gather(*(s.run(["sh", "-c", f"echo {i}; sleep 0.2"]) for i in range(8)))
+            assert [r.stdout for r in rs] == [f"{i}\n".encode() for i in range(8)]
+            p = await s.start(["sh", "-c", "echo hi; sleep 300"])
+            out, _ = await p.read(timeout=5)
+            assert out == b"hi\n"
+            p.kill()
+            assert (await p.wait(timeout=5)).killed_by == "cancelled"
+            r = await s.run(["sleep", "5"], timeout=0.3)
+            assert r.timed_out
+            task = asyncio.ensure_future(s.run(["sleep", "300"]))
+            await asyncio.sleep(0.2)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert (await s.run(["echo", "ok"])).stdout == b"ok\n"
+
+    asyncio.run(main())
+
+
+# -- no growth ------------------------------------------------------------------------------
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def test_many_sequential_commands_no_growth(session):
+    n = int(os.environ.get("LOWLEVEL_SESSION_N", "2000"))
+    for _ in range(50):
+        session.run(["true"])
+    fds0 = _fds()
+    init_pid = session._core.init_host_pid
+    init_rss0 = _rss_kib(init_pid)
+    procs0 = len(_sandbox_procs(session))
+    for _ in range(n):
+        assert session.run(["true"]).exit_code == 0
+    assert _fds() == fds0
+    assert len(_sandbox_procs(session)) == procs0
+    assert _rss_kib(init_pid) <= init_rss0 + 64
+    assert not session._core.cmds and not session._core.fd_owner
+
+
+# -- pool -----------------------------------------------------------------------------------
+
+
+def test_pool_fresh_sandbox_per_call(tmp_path):
+    src = tmp_path / "input.txt"
+    src.write_text("data\n")
+    os.chmod(tmp_path, 0o755)
+    with Pool(size=2) as pool:
+        r1 = pool.run(["sh", "-c", "cat input.txt; echo x > /tmp/mark; echo y > made.txt; echo $$"], inputs=[src])
+        r2 = pool.run(["sh", "-c", "ls /tmp /workspace; cat /tmp/mark"])
+        assert r1.stdout.startswith(b"data\n") and r1.exit_code == 0
+        assert r1.changes.added == ("made.txt",)
+        assert r1.workspace != r2.workspace
+        assert r2.exit_code != 0 and b"made.txt" not in r2.stdout and b"input.txt" not in r2.stdout
+        deadline = time.monotonic() + 10
+        while pool.hits < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        rs = [pool.run(["echo", str(i)]) for i in range(6)]
+        assert [r.stdout for r in rs] == [f"{i}\n".encode() for i in range(6)]
+    assert not _children_of(os.getpid())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs the session as an unprivileged user via runuser")
+def test_session_as_unprivileged_user():
+    user = "lowlevel-test"
+    try:
+        import pwd
+        pwd.getpwnam(user)
+    except KeyError:
+        pytest.skip("no lowlevel-test user (tests/conftest.py creates it)")
+    code = ("from lowlevel.session import Session\n"
+            "with Session() as s:\n"
+            "    r = s.run(['sh', '-c', 'id -u; echo hi > /workspace/f; cat /workspace/f'])\n"
+            "    print(r.exit_code, r.stdout)\n")
+    runuser = shutil.which("runuser") or "/usr/sbin/runuser"
+    probe = subprocess.run([runuser, "-u", user, "--", sys.executable, "-c", "import lowlevel.session"],
+                           capture_output=True, cwd="/")
+    if probe.returncode != 0:
+        pytest.skip(f"{user} cannot import lowlevel from {sys.executable} (.ci/run makes the checkout and venv "
+                    f"world-readable): {probe.stderr.decode()[-300:]}")
+    proc = subprocess.run([runuser, "-u", user, "--", sys.executable, "-c", code], capture_output=True,
+                          timeout=60, cwd="/", env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    assert "0 b'" in proc.stdout.decode() and "hi" in proc.stdout.decode()
