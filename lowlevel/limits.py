@@ -91,7 +91,10 @@ class Limits:
         cpu_s: CPU seconds per process, ``RLIMIT_CPU``: soft ``ceil(cpu_s)`` delivers SIGXCPU,
             hard one second later SIGKILL. Per *process*, not per run: a program that forks N
             workers gets N times this. The cgroup's total (:meth:`RunCgroup.stats`) lets the
-            supervisor enforce a per-run budget.
+            supervisor enforce a per-run budget. The kernel checks it against utime+stime as
+            sampled by the scheduler tick (posix-cpu-timers, ``CPUCLOCK_PROF``), so on a loaded
+            or overcommitted host SIGXCPU can come when the exact runtime (the cgroup's) is
+            still short of it: 0.87 s for ``cpu_s=1`` measured here at load average 9 on 2 CPUs.
         memory_bytes: memory of the whole run. cgroup v2 ``memory.max`` with
             ``memory.swap.max = 0``; v1 ``memory.limit_in_bytes`` and
             ``memory.memsw.limit_in_bytes`` where swap accounting exists. Past it the kernel's OOM
@@ -712,8 +715,8 @@ class CgroupStats:
         pids_limit_hit: a fork/clone failed at ``pids.max`` (``max`` in ``pids.events``).
         pids_peak: most tasks at once (``pids.peak``, Linux 6.1 v1 / 6.13 v2), or None.
         cpu_user_s, cpu_system_s: CPU seconds of every process of the run, dead or alive:
-            v2 ``user_usec``/``system_usec`` in ``cpu.stat``; v1 ``cpuacct.usage_user``/
-            ``cpuacct.usage_sys`` (nanoseconds). The reliable source under bwrap, whose
+            v2 ``user_usec``/``system_usec`` in ``cpu.stat``; v1 ``cpuacct.usage``
+            (nanoseconds) split in the ratio of ``cpuacct.usage_user``/``cpuacct.usage_sys``. The reliable source under bwrap, whose
             sandboxed program is not a child of ours (os.wait4 cannot see it).
     """
 
@@ -905,8 +908,13 @@ class RunCgroup:
         elif acct is not None:
             u = _read_int(os.path.join(acct.path, "cpuacct.usage_user"))
             s = _read_int(os.path.join(acct.path, "cpuacct.usage_sys"))
-            user = None if u is None else u / 1e9
-            system = None if s is None else s / 1e9
+            total = _read_int(os.path.join(acct.path, "cpuacct.usage"))
+            if u is not None and s is not None:
+                # usage_user/usage_sys come from tick samples and overshoot; cpuacct.usage is the
+                # exact runtime: split it in their proportion (what cputime_adjust() does).
+                if total is not None and u + s > 0:
+                    u, s = total * u // (u + s), total * s // (u + s)
+                user, system = u / 1e9, s / 1e9
         return CgroupStats(peak, oom, pids_hit, pids_peak, user, system)
 
     def kill_all(self, timeout_s: float = 2.0) -> None:

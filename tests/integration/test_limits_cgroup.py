@@ -227,9 +227,19 @@ def test_enforced_and_rlimit_fallbacks_dropped(run_cgroup, gated) -> None:
     assert g.go()[0] == 0
 
 
+def _cpu_sources() -> list:
+    """cpu.stat (v2) where writable, and the v1 cpuacct fallback forced by leaving v2 out."""
+    out = [pytest.param(None, id="default")]
+    no_v2 = L.CgroupSupport(tuple(h for h in SUPPORT.hierarchies if h.version == 1))
+    if SUPPORT.v2 is not None and SUPPORT.v2.base and no_v2.hierarchy_for("cpuacct") is not None:
+        out.append(pytest.param(no_v2, id="v1-cpuacct"))
+    return out
+
+
 @needs_cgroup
-def test_cpu_time_is_read_from_the_cgroup(run_cgroup, gated) -> None:
-    cg = run_cgroup(Limits())
+@pytest.mark.parametrize("support", _cpu_sources())
+def test_cpu_time_is_read_from_the_cgroup(run_cgroup, gated, support) -> None:
+    cg = run_cgroup(Limits(), support)
     g = gated("""
         t = time.process_time()
         while time.process_time() - t < 0.3: pass

@@ -105,7 +105,8 @@ def test_cpu_spin_is_killed_by_cpu(sandbox) -> None:
     assert out.term_signal in (signal.SIGXCPU, signal.SIGKILL)
     assert "RLIMIT_CPU" in out.limits_enforced
     if out.raw.get("cpu_user_s") is not None:
-        assert 0.8 <= out.raw["cpu_user_s"] + out.raw["cpu_system_s"] < 3
+        # RLIMIT_CPU counts tick samples: under load it fires before 1 s of exact runtime.
+        assert 0.3 <= out.raw["cpu_user_s"] + out.raw["cpu_system_s"] < 3
 
 
 def test_write_past_fsize_fails_inside_and_the_host_file_is_capped(sandbox) -> None:

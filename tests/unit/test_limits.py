@@ -168,7 +168,7 @@ V1_FILES = {
                "memory.max_usage_in_bytes": "0\n", "memory.oom_control": "oom_kill_disable 0\nunder_oom 0\noom_kill 0\n"},
     "pids": {"pids.max": "max\n", "pids.events": "max 0\n", "pids.peak": "0\n"},
     "cpu": {"cpu.cfs_period_us": "100000\n", "cpu.cfs_quota_us": "-1\n"},
-    "cpuacct": {"cpuacct.usage_user": "0\n", "cpuacct.usage_sys": "0\n"},
+    "cpuacct": {"cpuacct.usage_user": "0\n", "cpuacct.usage_sys": "0\n", "cpuacct.usage": "0\n"},
     "freezer": {"freezer.state": "THAWED\n"},
 }
 
@@ -513,12 +513,16 @@ def test_v1_run_cgroup_uses_each_hierarchy(kernel: FakeKernel) -> None:
                               "cpu.cfs_quota_us")
     assert _file(cg, "memory", "memory.memsw.limit_in_bytes") == str(64 * MiB)
     assert _file(cg, "cpu", "cpu.cfs_quota_us") == "200000"
-    with open(os.path.join(cg.node("cpuacct").path, "cpuacct.usage_user"), "w") as f:  # type: ignore[union-attr]
-        f.write("1500000000\n")
+    acct = cg.node("cpuacct").path  # type: ignore[union-attr]
+    for name, value in (("cpuacct.usage_user", 1_600_000_000), ("cpuacct.usage_sys", 400_000_000),
+                        ("cpuacct.usage", 1_000_000_000)):
+        with open(os.path.join(acct, name), "w") as f:
+            f.write(f"{value}\n")
     with open(os.path.join(cg.node("memory").path, "memory.oom_control"), "w") as f:  # type: ignore[union-attr]
         f.write("oom_kill_disable 0\nunder_oom 0\noom_kill 3\n")
     stats = cg.stats()
-    assert (stats.cpu_user_s, stats.cpu_system_s, stats.oom_kills, stats.pids_limit_hit) == (1.5, 0.0, 3, False)
+    # tick-sampled user/sys (2 s) scaled to the exact usage (1 s)
+    assert (stats.cpu_user_s, stats.cpu_system_s, stats.oom_kills, stats.pids_limit_hit) == (0.8, 0.2, 3, False)
     cg.remove()
     assert all(not os.path.exists(n.path) for n in cg.nodes)
 
