@@ -1,0 +1,181 @@
+"""Shared fixtures: the ``sandbox`` fixture runs every sandbox test twice on a root host.
+
+``sandbox.run(command, **kw)`` has the signature of a small ``lowlevel.run``. It is
+parametrized over the identities the suite can take here:
+
+- ``root``: in-process ``lowlevel.run`` as root (the sandbox drops to uid 65534).
+- ``user``: the same call executed by ``tests/helpers/run_as.py`` as an unprivileged user
+  (``lowlevel-test``, created here with useradd), through ``runuser``; bwrap then maps the
+  caller's own uid and no cgroup is writable (rlimits only).
+
+Run as a non-root user, the suite has only the ``user`` identity (in-process).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import lowlevel
+
+HERE = Path(__file__).resolve().parent
+RUN_AS = HERE / "helpers" / "run_as.py"
+TEST_USER = "lowlevel-test"
+RUNUSER = shutil.which("runuser") or "/usr/sbin/runuser"
+USERADD = shutil.which("useradd") or "/usr/sbin/useradd"
+IS_ROOT = os.geteuid() == 0
+
+
+def _bwrap_ok() -> str | None:
+    if not shutil.which("bwrap"):
+        return "bwrap is not installed (apt-get install bubblewrap)"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    reason = _bwrap_ok()
+    for item in items:
+        if reason and "bwrap" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=reason))
+        if "root" in item.keywords and not IS_ROOT:
+            item.add_marker(pytest.mark.skip(reason="needs root (run the suite as root to cover it)"))
+
+
+@pytest.fixture(scope="session")
+def test_user() -> pwd.struct_passwd:
+    """An unprivileged account for the non-root runs (created once, kept for later runs)."""
+    if not IS_ROOT:
+        pytest.skip("creating the test user needs root")
+    try:
+        return pwd.getpwnam(TEST_USER)
+    except KeyError:
+        subprocess.run([USERADD, "--create-home", "--shell", "/bin/sh", TEST_USER], check=True)
+        return pwd.getpwnam(TEST_USER)
+
+
+@dataclass
+class Outcome:
+    """The fields of a Result the tests look at, the same for both identities."""
+
+    exit_code: int | None
+    stdout: bytes = b""
+    stderr: bytes = b""
+    timed_out: bool = False
+    killed_by: str | None = None
+    term_signal: int | None = None
+    workspace: str = ""
+    changes: dict[str, Any] = field(default_factory=dict)
+    limits_enforced: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    wall_time_s: float = 0.0
+    error: str | None = None
+    message: str = ""
+    errno: int | None = None
+    raw: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def out(self) -> str:
+        return self.stdout.decode("utf-8", "replace")
+
+    @property
+    def err(self) -> str:
+        return self.stderr.decode("utf-8", "replace")
+
+
+class Sandbox:
+    """Runs lowlevel as one identity; see the module docstring."""
+
+    def __init__(self, identity: str, user: pwd.struct_passwd | None, tmp: Path) -> None:
+        self.identity = identity
+        self.user = user
+        self.tmp = tmp
+
+    @property
+    def home(self) -> str:
+        """The caller's home directory (where the planted secrets go)."""
+        return self.user.pw_dir if self.user else os.path.expanduser("~")
+
+    @property
+    def uid(self) -> int:
+        return self.user.pw_uid if self.user else os.getuid()
+
+    def workspace(self) -> Path:
+        """A fresh empty workspace dir owned by this identity."""
+        ws = Path(self._mkdtemp())
+        return ws
+
+    def _mkdtemp(self) -> str:
+        import tempfile
+        path = tempfile.mkdtemp(prefix=f"ws-{self.identity}-", dir="/tmp")
+        os.chmod(path, 0o755)
+        if self.user:
+            os.chown(path, self.user.pw_uid, self.user.pw_gid)
+        return path
+
+    def run(self, command: list[str], *, timeout: float = 30, stdin: bytes | None = None,
+            env: dict[str, str] | None = None, network: bool = False,
+            binds: list[tuple[str, str, bool]] | None = None, limits: dict[str, Any] | None = None,
+            files: dict[str, bytes] | None = None, workspace: str | None = None) -> Outcome:
+        ws = workspace or self._mkdtemp()
+        if self.user is None:
+            for name, data in (files or {}).items():
+                Path(ws, name).write_bytes(data)
+            policy = lowlevel.Policy(network=network, env=env or {},
+                                     binds=tuple(lowlevel.Bind(s, d, writable=w) for s, d, w in binds or ()),
+                                     limits=lowlevel.Limits(**(limits or {})))
+            try:
+                r = lowlevel.run(command, policy=policy, workspace=ws, timeout=timeout, stdin=stdin)
+            except lowlevel.LowlevelError as err:
+                return Outcome(None, error=type(err).__name__, message=str(err),
+                               errno=getattr(err, "errno", None), workspace=ws)
+            d = r.to_json()
+            return Outcome(r.exit_code, r.stdout, r.stderr, r.timed_out, r.killed_by, r.term_signal, ws,
+                           d["changes"], list(r.limits_enforced), list(r.notes), r.wall_time_s, raw=d)
+        spec = {"command": command, "timeout": timeout, "env": env or {}, "network": network,
+                "binds": binds or [], "limits": limits or {}, "workspace": ws,
+                "files": {k: base64.b64encode(v).decode() for k, v in (files or {}).items()},
+                "stdin_b64": base64.b64encode(stdin).decode() if stdin is not None else None}
+        proc = subprocess.run(
+            [RUNUSER, "-u", self.user.pw_name, "--", sys.executable, str(RUN_AS)],
+            input=json.dumps(spec).encode(), capture_output=True, timeout=timeout + 60,
+            env={"PATH": "/usr/bin:/bin", "HOME": self.user.pw_dir, "LANG": "C.UTF-8",
+                 # fake secrets planted by tests travel to the caller, as a real caller's would
+                 **{k: v for k, v in os.environ.items() if k.startswith("LOWLEVEL_FAKE_")}}, cwd="/")
+        if proc.returncode != 0:
+            raise AssertionError(f"run_as.py failed as {self.user.pw_name}: {proc.stderr.decode()[-2000:]}")
+        d = json.loads(proc.stdout)
+        if "error" in d:
+            return Outcome(None, error=d["error"], message=d["message"], errno=d.get("errno"), workspace=ws)
+        return Outcome(d["exit_code"], base64.b64decode(d["stdout_b64"]), base64.b64decode(d["stderr_b64"]),
+                       d["timed_out"], d["killed_by"], d["term_signal"], ws, d["changes"],
+                       d["limits_enforced"], d["notes"], d["wall_time_s"], raw=d)
+
+
+def _identities() -> list[str]:
+    return ["root", "user"] if IS_ROOT else ["self"]
+
+
+@pytest.fixture(params=_identities())
+def sandbox(request: pytest.FixtureRequest, tmp_path: Path) -> Sandbox:
+    """A :class:`Sandbox` for each identity this host can test (root and unprivileged)."""
+    if _bwrap_ok():
+        pytest.skip(_bwrap_ok() or "")
+    if request.param == "user":
+        user = request.getfixturevalue("test_user")
+        probe = subprocess.run([RUNUSER, "-u", user.pw_name, "--", sys.executable, "-c", "import lowlevel"],
+                               capture_output=True, cwd="/")
+        if probe.returncode != 0:
+            pytest.fail(f"user {user.pw_name} cannot import lowlevel from {sys.executable}: make the checkout and "
+                        f"venv world-readable (.ci/run does): {probe.stderr.decode()[-500:]}")
+        return Sandbox("user", user, tmp_path)
+    return Sandbox(request.param, None, tmp_path)

@@ -1,0 +1,48 @@
+"""Run one lowlevel.run() from a JSON spec on stdin and print the Result as JSON.
+
+The test suite executes this script as an unprivileged user (runuser) to test the
+non-root path of bwrap with the same assertions as the root path. Spec keys:
+``command``, ``timeout``, ``stdin_b64``, ``env``, ``network``, ``binds`` ([src, dest, writable]),
+``limits`` (Limits kwargs), ``files`` ({name: base64} written into a fresh workspace),
+``workspace`` (an existing dir instead).
+"""
+
+import base64
+import json
+import os
+import sys
+import tempfile
+
+import lowlevel
+from lowlevel.workspace import write_file
+
+
+def main() -> int:
+    spec = json.load(sys.stdin)
+    binds = tuple(lowlevel.Bind(s, d, writable=w) for s, d, w in spec.get("binds", []))
+    policy = lowlevel.Policy(network=spec.get("network", False), binds=binds, env=spec.get("env", {}),
+                             limits=lowlevel.Limits(**spec.get("limits", {})))
+    workspace = spec.get("workspace")
+    if workspace is None:
+        workspace = tempfile.mkdtemp(prefix="lowlevel-test-ws-")
+        os.chmod(workspace, 0o755)
+    for name, b64 in spec.get("files", {}).items():
+        write_file(workspace, name, base64.b64decode(b64))
+    stdin = base64.b64decode(spec["stdin_b64"]) if spec.get("stdin_b64") is not None else None
+    out: dict = {}
+    try:
+        result = lowlevel.run(spec["command"], policy=policy, workspace=workspace,
+                              timeout=spec.get("timeout", 60), stdin=stdin)
+    except lowlevel.LowlevelError as err:
+        out = {"error": type(err).__name__, "message": str(err), "errno": getattr(err, "errno", None),
+               "workspace": workspace}
+    else:
+        out = result.to_json()
+        out["stdout_b64"] = base64.b64encode(result.stdout).decode()
+        out["stderr_b64"] = base64.b64encode(result.stderr).decode()
+    json.dump(out, sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,328 @@
+"""The main job's security cases, each an attack that must fail plus a control that works.
+
+Every test taking the ``sandbox`` fixture runs as root and as an unprivileged user.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import lowlevel
+from lowlevel.workspace import list_files, read_file
+
+pytestmark = pytest.mark.bwrap
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+
+
+def _ws() -> str:
+    """A fresh workspace the sandbox's uid can reach (pytest's tmp_path is under a 0700 dir)."""
+    import tempfile
+    path = tempfile.mkdtemp(prefix="ws-", dir="/tmp")
+    os.chmod(path, 0o755)
+    return path
+
+
+@pytest.fixture
+def planted_key(sandbox):
+    """A fake private key planted in the caller's real ~/.ssh (removed afterwards)."""
+    ssh = Path(sandbox.home) / ".ssh"
+    created_dir = not ssh.exists()
+    ssh.mkdir(mode=0o700, exist_ok=True)
+    key = ssh / "id_rsa"
+    if key.exists():
+        key = ssh / "id_lowlevel_test"
+    marker = f"FAKE-PRIVATE-KEY-{os.getpid()}-{time.time_ns()}"
+    key.write_text(f"-----BEGIN OPENSSH PRIVATE KEY-----\n{marker}\n-----END OPENSSH PRIVATE KEY-----\n")
+    key.chmod(0o600)
+    if sandbox.user:
+        os.chown(ssh, sandbox.user.pw_uid, sandbox.user.pw_gid)
+        os.chown(key, sandbox.user.pw_uid, sandbox.user.pw_gid)
+    yield key, marker
+    key.unlink()
+    if created_dir:
+        ssh.rmdir()
+
+
+def test_host_ssh_key_not_readable(sandbox, planted_key):
+    key, marker = planted_key
+    # Control: the key is readable on the host by its owner.
+    assert marker in key.read_text()
+    r = sandbox.run(["sh", "-c", f"cat {key}; cat ~/.ssh/{key.name}; ls -a {key.parent}; "
+                     "grep -rs " + marker + " /home /root /etc /tmp /workspace; echo done"])
+    assert r.exit_code == 0, r.err
+    assert marker not in r.out
+    assert "No such file or directory" in r.err
+    assert r.out.strip().endswith("done")
+
+
+def test_system_is_read_only_and_workspace_is_written_on_host(sandbox):
+    r = sandbox.run(["sh", "-c", "touch /usr/bin/x; echo usr=$?; touch /etc/x; echo etc=$?; touch /x; echo root=$?; "
+                     "echo hello > /workspace/out.txt; echo ws=$?"])
+    assert r.exit_code == 0, r.err
+    assert "usr=1" in r.out and "etc=1" in r.out and "root=1" in r.out and "ws=0" in r.out
+    assert "Read-only file system" in r.err
+    assert Path(r.workspace, "out.txt").read_text() == "hello\n"
+    assert not Path("/usr/bin/x").exists()
+    assert r.changes["added"] == ["out.txt"]
+
+
+class _Server:
+    """A TCP server on host loopback answering b'pong' to anyone who connects."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.accepted = 0
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            conn.sendall(b"pong")
+            conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def server():
+    s = _Server()
+    yield s
+    s.close()
+
+
+CONNECT = """
+import socket, sys
+try:
+    s = socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=3)
+    print("got", s.recv(4).decode())
+except OSError as err:
+    print("blocked", type(err).__name__, err.errno)
+try:
+    socket.getaddrinfo("example.com", 443)
+    print("dns ok")
+except OSError as err:
+    print("dns blocked", err)
+"""
+
+
+def test_no_network_by_default(sandbox, server):
+    # Control: the server answers on the host.
+    with socket.create_connection(("127.0.0.1", server.port), timeout=3) as s:
+        assert s.recv(4) == b"pong"
+    before = server.accepted
+    r = sandbox.run(["python3", "-c", CONNECT, str(server.port)])
+    assert r.exit_code == 0, r.err
+    assert "blocked" in r.out.splitlines()[0]
+    assert "dns blocked" in r.out
+    assert server.accepted == before
+
+
+def test_network_opt_in_reaches_host_loopback(sandbox, server):
+    r = sandbox.run(["python3", "-c", CONNECT, str(server.port)], network=True)
+    assert r.exit_code == 0, r.err
+    assert r.out.splitlines()[0] == "got pong"
+
+
+def test_host_environment_secret_absent(sandbox, monkeypatch):
+    secret = f"ghp_FAKE{time.time_ns()}"
+    monkeypatch.setenv("LOWLEVEL_FAKE_TOKEN", secret)
+    r = sandbox.run(["sh", "-c", "env; cat /proc/1/environ | tr '\\0' '\\n'; cat /proc/self/environ"])
+    assert r.exit_code == 0, r.err
+    assert secret not in r.out and "LOWLEVEL_FAKE_TOKEN" not in r.out
+    names = {line.split("=", 1)[0] for line in r.out.splitlines() if "=" in line}
+    assert names <= {"PATH", "HOME", "TMPDIR", "LANG", "PYTHONDONTWRITEBYTECODE", "PWD", "SHLVL", "_"}
+
+
+def test_user_env_is_set(sandbox):
+    r = sandbox.run(["sh", "-c", "echo $GREETING $HOME $LANG"], env={"GREETING": "hi"})
+    assert r.out.strip() == "hi /workspace C.UTF-8"
+
+
+@pytest.mark.parametrize("script,code,sig", [("exit 0", 0, None), ("exit 3", 3, None), ("kill -9 $$", 137, 9)])
+def test_exit_status_propagates(sandbox, script, code, sig):
+    r = sandbox.run(["sh", "-c", script])
+    assert r.exit_code == code
+    assert r.term_signal == sig
+    assert r.killed_by == ("signal" if sig else None)
+
+
+def test_timeout_kills_sandbox_and_setsid_daemon(sandbox):
+    script = ("setsid sh -c 'while :; do date +%s%N >> /workspace/beat; sleep 0.05; done' "
+              "</dev/null >/dev/null 2>&1 & sleep 1000")
+    t0 = time.monotonic()
+    r = sandbox.run(["sh", "-c", script], timeout=1)
+    elapsed = time.monotonic() - t0
+    assert r.timed_out and r.killed_by == "timeout"
+    assert elapsed < 3 + (2 if sandbox.user else 0)  # runuser + interpreter start for the user identity
+    beat = Path(r.workspace, "beat")
+    assert beat.exists(), "the daemon never ran: the test would prove nothing"
+    size = beat.stat().st_size
+    time.sleep(0.5)
+    assert beat.stat().st_size == size, "the setsid daemon survived the timeout"
+
+
+def test_daemon_dies_when_program_exits(sandbox):
+    script = ("setsid sh -c 'while :; do echo x >> /workspace/beat; sleep 0.05; done' "
+              "</dev/null >/dev/null 2>&1 & sleep 0.3; exit 0")
+    r = sandbox.run(["sh", "-c", script])
+    assert r.exit_code == 0
+    size = Path(r.workspace, "beat").stat().st_size
+    assert size > 0
+    time.sleep(0.4)
+    assert Path(r.workspace, "beat").stat().st_size == size
+
+
+def test_python_example(sandbox):
+    files = {"wordfreq.py": (EXAMPLES / "wordfreq.py").read_bytes(),
+             "corpus.txt": (EXAMPLES / "corpus.txt").read_bytes()}
+    r = sandbox.run(["python3", "wordfreq.py", "corpus.txt", "5"], files=files)
+    assert r.exit_code == 0, r.err
+    import json
+    out = json.loads(Path(r.workspace, "wordfreq.json").read_text())
+    assert out["top"][0] == ["the", 8]
+    assert "ALLOWED" not in r.out
+    assert r.out.count("blocked") == 5
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/bin/node"), reason="node is not installed (apt-get install nodejs)")
+def test_node_example(sandbox):
+    files = {"summarize.js": (EXAMPLES / "summarize.js").read_bytes(),
+             "data.csv": (EXAMPLES / "data.csv").read_bytes()}
+    r = sandbox.run(["node", "summarize.js", "data.csv"], files=files)
+    assert r.exit_code == 0, r.err
+    import json
+    out = json.loads(Path(r.workspace, "summary.json").read_text())
+    assert out["bytes"]["sum"] == 7680
+    assert "ALLOWED" not in r.out
+    assert r.out.count("blocked") == 3
+
+
+def test_result_collection_does_not_follow_planted_symlink(sandbox, planted_key):
+    key, marker = planted_key
+    r = sandbox.run(["sh", "-c", f"ln -s {key} leak; ln -s / rootlink; mkdir d; ln -s {key.parent} d/sshdir; "
+                     "echo ok > real.txt"])
+    assert r.exit_code == 0, r.err
+    ws = r.workspace
+    kinds = {e.path: e.kind for e in list_files(ws)}
+    assert kinds["leak"] == "symlink" and kinds["rootlink"] == "symlink" and kinds["d/sshdir"] == "symlink"
+    assert not any(p.startswith("rootlink/") for p in kinds)
+    for rel in ("leak", "rootlink/etc/passwd", f"d/sshdir/{key.name}"):
+        with pytest.raises(lowlevel.WorkspaceError):
+            read_file(ws, rel)
+    assert read_file(ws, "real.txt") == b"ok\n"
+
+
+def test_stdin_and_output_capture(sandbox):
+    data = os.urandom(300_000)
+    r = sandbox.run(["sh", "-c", "cat; echo to-stderr >&2"], stdin=data)
+    assert r.stdout == data
+    assert r.err == "to-stderr\n"
+
+
+def test_missing_command_is_exec_error(sandbox):
+    r = sandbox.run(["definitely-not-a-command"])
+    assert r.error == "ExecError" and r.errno == 2
+    r = sandbox.run(["/workspace/nope.sh"])
+    assert r.error == "ExecError"
+
+
+# --- root only: the sandbox must not be host root --------------------------------------------
+
+
+@pytest.mark.root
+def test_root_caller_sandbox_is_not_host_root():
+    r = lowlevel.run(["sh", "-c", "touch mine; echo x > /proc/sys/kernel/core_pattern && echo WROTE-SYSCTL; "
+                      "echo 1 > /proc/sys/vm/drop_caches && echo WROTE-SYSCTL"])
+    ws = r.workspace  # a fresh workspace keeps the sandbox's ownership after the run
+    assert "WROTE-SYSCTL" not in r.stdout.decode()
+    assert r.stderr.decode().count("Permission denied") == 2
+    # What the host sees: a file made inside belongs to an unprivileged host uid.
+    assert os.stat(Path(ws, "mine")).st_uid == 65534
+    # Control: host root can open the sysctl for writing (we open it, never write it).
+    with open("/proc/sys/kernel/core_pattern", "r+"):
+        pass
+
+
+@pytest.mark.root
+def test_proc_1_environ_has_no_caller_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("LOWLEVEL_FAKE_TOKEN", "sekrit-123")
+    r = lowlevel.run(["sh", "-c", "for p in /proc/[0-9]*; do tr '\\0' '\\n' < $p/environ; done"],
+                     workspace=_ws())
+    assert b"sekrit-123" not in r.stdout
+
+
+def test_inherited_fd_not_open_inside():
+    """A caller whose own parent left an inheritable directory fd 5 open must not leak it."""
+    code = (
+        "import os, lowlevel, tempfile\n"
+        "assert os.get_inheritable(5)\n"
+        "ws = tempfile.mkdtemp(dir='/tmp'); os.chmod(ws, 0o755)\n"
+        "r = lowlevel.run(['sh', '-c', 'ls /proc/self/fd; ls -l /proc/self/fd/5 && echo OPEN'], workspace=ws)\n"
+        "print(r.stdout.decode())\n"
+    )
+    fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        # Control: the child really holds fd 5, a directory fd that would be a way out.
+        ctl = subprocess.run([sys.executable, "-c", "import os; print(os.readlink('/proc/self/fd/5'))"],
+                             close_fds=False, preexec_fn=lambda: os.dup2(fd, 5),
+                             capture_output=True, text=True)
+        assert ctl.stdout.strip() == "/"
+        p = subprocess.run([sys.executable, "-c", code], close_fds=False, preexec_fn=lambda: os.dup2(fd, 5),
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+        assert "OPEN" not in p.stdout
+        assert sorted(int(x) for x in p.stdout.split() if x.isdigit()) == [0, 1, 2, 3]
+    finally:
+        os.close(fd)
+
+
+def test_no_fd_leak_after_runs(tmp_path):
+    before = sorted(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        lowlevel.run(["true"], workspace=_ws())
+    with pytest.raises(lowlevel.ExecError):
+        lowlevel.run(["nope-nope"], workspace=_ws())
+    assert sorted(os.listdir("/proc/self/fd")) == before
+
+
+def test_cli_runs_example_and_exit_codes(tmp_path):
+    exe = [sys.executable, "-m", "lowlevel"]
+    p = subprocess.run([*exe, "run", "--input", str(EXAMPLES / "wordfreq.py"), "--input", str(EXAMPLES / "corpus.txt"),
+                        "--", "python3", "wordfreq.py", "corpus.txt"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    ws = p.stderr.split("lowlevel: workspace ")[1].split()[0]
+    assert Path(ws, "wordfreq.json").exists()
+    assert subprocess.run([*exe, "run", "--", "sh", "-c", "exit 5"], capture_output=True).returncode == 5
+    assert subprocess.run([*exe, "run", "--timeout", "0.5", "--", "sleep", "10"], capture_output=True).returncode == 124
+    p = subprocess.run([*exe, "run", "--", "no-such-cmd"], capture_output=True, text=True)
+    assert p.returncode == 127 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr
+    p = subprocess.run([*exe, "run", "--workspace", str(tmp_path / "missing"), "--", "true"], capture_output=True,
+                       text=True)
+    assert p.returncode == 125 and "does not exist" in p.stderr and "Traceback" not in p.stderr
+    if os.geteuid() == 0:  # tmp_path sits under a 0700 dir the sandbox's uid cannot traverse
+        p = subprocess.run([*exe, "run", "--workspace", str(tmp_path), "--", "true"], capture_output=True, text=True)
+        assert p.returncode == 125 and "not reachable" in p.stderr and "chmod o+x" in p.stderr
+    p = subprocess.run([*exe, "run", "--workspace", str(tmp_path / "missing"), "--", "true"], capture_output=True,
+                       text=True)
+    assert p.returncode == 125 and "does not exist" in p.stderr and "Traceback" not in p.stderr
+    p = subprocess.run([*exe, "run", "--json", "--", "sh", "-c", "printf 'a\\377b'"], capture_output=True, text=True)
+    import json
+    assert json.loads(p.stdout)["stdout"] == "a\ufffdb"
