@@ -13,7 +13,15 @@ order, so machine drift hits all cases alike), for ``/usr/bin/true`` and
   no rlimits, no cgroup, no capture. Driven synchronously (concurrency 1) and from asyncio
   (pidfd readers) at each concurrency;
 - ``run``: ``lowlevel.run`` with the default Policy (seccomp, rlimits, cgroup, handshake);
-- ``arun``: ``lowlevel.arun`` at each concurrency, bounded by a semaphore.
+- ``arun``: ``lowlevel.arun`` at each concurrency, bounded by a semaphore;
+- ``session``: ``Session.run`` in one long-lived session (sync, concurrency 1) and
+  ``AsyncSession.run`` at each concurrency: the cost of a command once the sandbox exists;
+- ``pool``: ``Pool.run`` (a fresh pre-started sandbox per call; sync, concurrency 1, calls
+  spaced so the pool is full and idle when each call starts: the untimed wait is the refill)
+  and ``Pool.arun`` at each concurrency (unspaced: sustained throughput, refill-bound).
+
+``--soak N`` (default 10000, ``--quick`` 1000) also runs N sequential ``/usr/bin/true`` in one
+session and records fds, processes and memory before and after (``session_soak``).
 
 Latency of a call runs from its start (for concurrent cases: from taking a slot) to its
 end; ``calls_per_s`` is calls divided by the wall time the case's batches took.
@@ -80,6 +88,9 @@ class Case:
         self.wall_ns = 0
         self.errors = 0
         self.skipped: str | None = None
+        #: Untimed hooks: ``before`` runs before each call, ``settle`` after each round.
+        self.before: Callable[[], None] | None = None
+        self.settle: Callable[[], None] | None = None
 
     def summary(self) -> dict[str, Any]:
         ms = sorted(s / 1e6 for s in self.samples_ns)
@@ -224,6 +235,8 @@ def sync_round(case: Case, calls: int) -> None:
     fn: Callable[[], None] = case.fn
     t_wall = time.perf_counter_ns()
     for _ in range(calls):
+        if case.before is not None:
+            case.before()
         t = time.perf_counter_ns()
         try:
             fn()
@@ -234,6 +247,8 @@ def sync_round(case: Case, calls: int) -> None:
         case.samples_ns.append(time.perf_counter_ns() - t)
     case.wall_ns += time.perf_counter_ns() - t_wall
     _sweep_workspaces()
+    if case.settle is not None:
+        case.settle()
 
 
 async def async_round(case: Case, calls: int) -> None:
@@ -254,6 +269,96 @@ async def async_round(case: Case, calls: int) -> None:
     await asyncio.gather(*(one() for _ in range(calls)))
     case.wall_ns += time.perf_counter_ns() - t_wall
     _sweep_workspaces()
+    if case.settle is not None:
+        case.settle()
+
+
+# --- session and pool -----------------------------------------------------------------------
+
+class SessionCases:
+    """One sync Session, one AsyncSession and one Pool per pool size, shared by the rounds."""
+
+    def __init__(self) -> None:
+        from lowlevel import session as _session
+        self.mod = _session
+        self.session = _session.Session()
+        self.asession = _session.AsyncSession()
+        self.pools: dict[int, Any] = {}
+
+    def pool(self, size: int) -> Any:
+        if size not in self.pools:
+            self.pools[size] = self.mod.Pool(size=size)
+            self.wait_full(self.pools[size])
+        return self.pools[size]
+
+    @staticmethod
+    def wait_full(pool: Any, timeout_s: float = 30.0) -> None:
+        """Untimed: until every sandbox is started and every used one torn down."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with pool._cond:
+                if len(pool._ready) >= pool.size and not pool._retired and not pool._starting:
+                    return
+            time.sleep(0.0005)
+
+    def session_call(self, cmd: list[str]) -> None:
+        r = self.session.run(cmd)
+        if r.exit_code != 0:
+            raise RuntimeError(f"Session.run exited {r.exit_code}: {r.stderr!r}")
+
+    async def asession_call(self, cmd: list[str]) -> None:
+        r = await self.asession.run(cmd)
+        if r.exit_code != 0:
+            raise RuntimeError(f"AsyncSession.run exited {r.exit_code}: {r.stderr!r}")
+
+    def pool_call(self, size: int, cmd: list[str]) -> None:
+        r = self.pool(size).run(cmd)
+        _WORKSPACES.append(r.workspace)
+        if r.exit_code != 0:
+            raise RuntimeError(f"Pool.run exited {r.exit_code}: {r.stderr!r}")
+
+    async def apool_call(self, size: int, cmd: list[str]) -> None:
+        r = await self.pool(size).arun(cmd)
+        _WORKSPACES.append(r.workspace)
+        if r.exit_code != 0:
+            raise RuntimeError(f"Pool.arun exited {r.exit_code}: {r.stderr!r}")
+
+    def close(self, loop: asyncio.AbstractEventLoop) -> None:
+        for pool in self.pools.values():
+            pool.close()
+        self.session.close()
+        if self.asession.alive:
+            loop.run_until_complete(self.asession.close())
+
+
+def session_soak(n: int) -> dict[str, Any]:
+    """N sequential ``/usr/bin/true`` in one session: fds, processes and memory before/after."""
+    from lowlevel import session as _session
+
+    def rss_kib(pid: int) -> int:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:"))
+
+    with _session.Session() as s:
+        for _ in range(100):
+            s.run(["/usr/bin/true"])
+        init = s._core.init_host_pid
+
+        def state() -> dict[str, int]:
+            procs = len(s.run(["/usr/bin/ps", "-e", "--no-headers"]).stdout.splitlines()) - 1
+            return {"fds": len(os.listdir("/proc/self/fd")), "host_rss_kib": rss_kib(os.getpid()),
+                    "init_rss_kib": rss_kib(init) if init else -1, "sandbox_procs": procs}
+
+        before = state()
+        t = time.perf_counter_ns()
+        errors = 0
+        for _ in range(n):
+            if s.run(["/usr/bin/true"]).exit_code != 0:
+                errors += 1
+        secs = (time.perf_counter_ns() - t) / 1e9
+        after = state()
+    return {"n": n, "seconds": round(secs, 3), "calls_per_s": round(n / secs, 1), "errors": errors,
+            "before": before, "after": after}
 
 
 def one_time_costs() -> dict[str, Any]:
@@ -315,6 +420,10 @@ def host_info() -> dict[str, Any]:
             "commit": commit, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
+def _p50(r: dict[str, Any] | None) -> float | None:
+    return r["p50_ms"] if r else None
+
+
 def ratios(results: list[dict[str, Any]], command: str) -> dict[str, float | None]:
     def get(name: str, conc: int, driver: str) -> dict[str, Any] | None:
         return next((r for r in results if r["name"] == name and r["command"] == command
@@ -332,6 +441,10 @@ def ratios(results: list[dict[str, Any]], command: str) -> dict[str, float | Non
            "run_vs_floor": div(p50["run"], p50["floor"]),
            "subprocess_vs_floor": div(p50["subprocess"], p50["floor"]),
            "arun_vs_run": div(p50["arun"], p50["run"]),
+           "run_vs_session": div(p50["run"], _p50(get("session", 1, "sync"))),
+           "run_vs_pool": div(p50["run"], _p50(get("pool", 1, "sync"))),
+           "run_vs_session_c8": div(_p50(get("arun", 8, "asyncio")), _p50(get("session", 8, "asyncio"))),
+           "run_vs_pool_c8": div(_p50(get("arun", 8, "asyncio")), _p50(get("pool", 8, "asyncio"))),
            "run_p99_vs_p50": div(run["p99_ms"] if run else None, p50["run"])}
     for c in CONCURRENCY:
         a, rb = get("arun", c, "asyncio"), get("raw_bwrap", c, "asyncio")
@@ -350,6 +463,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="comma-separated asyncio concurrencies (default 1,2,8,64)")
     ap.add_argument("--command", action="append", choices=sorted(COMMANDS), help="only this command (repeatable)")
     ap.add_argument("--profile", action="store_true", help="profile lowlevel.run with pyinstrument and exit")
+    ap.add_argument("--soak", type=int, help="sequential session commands for session_soak (default 10000, "
+                    "--quick 1000, 0: skip)")
     args = ap.parse_args(argv)
     conc = tuple(int(c) for c in args.concurrency.split(",") if c)
     rounds = args.rounds or (3 if args.quick else 10)
@@ -366,6 +481,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     cases: list[Case] = []
     raws: list[RawBwrap] = []
+    sess = SessionCases()
     for label in commands:
         cmd = COMMANDS[label]
         raw = RawBwrap(cmd)
@@ -374,9 +490,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                   Case("subprocess", label, 1, "sync", lambda c=cmd: subprocess_call(c)),
                   Case("raw_bwrap", label, 1, "sync", raw.call),
                   Case("run", label, 1, "sync", lambda c=cmd: run_call(c))]
+        cases.append(Case("session", label, 1, "sync", lambda c=cmd: sess.session_call(c)))
+        pool1 = Case("pool", label, 1, "sync", lambda c=cmd: sess.pool_call(2, c))
+        pool1.before = lambda: sess.wait_full(sess.pool(2))
+        cases.append(pool1)
         for c in conc:
             cases.append(Case("raw_bwrap", label, c, "asyncio", raw.acall))
             cases.append(Case("arun", label, c, "asyncio", lambda c_=cmd: arun_call(c_)))
+            cases.append(Case("session", label, c, "asyncio", lambda c_=cmd: sess.asession_call(c_)))
+            if c in (1, 8):
+                size = max(2, c)
+                pc = Case("pool", label, c, "asyncio", lambda c_=cmd, n=size: sess.apool_call(n, c_))
+                pc.settle = lambda n=size: sess.wait_full(sess.pool(n))
+                cases.append(pc)
 
     loop = asyncio.new_event_loop()
     try:
@@ -398,16 +524,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                     loop.run_until_complete(async_round(case, max(per_round, 2 * case.concurrency)))
             print(f"round {rnd + 1}/{rounds} done ({time.monotonic() - t_start:.1f} s)", file=sys.stderr)
     finally:
+        sess.close(loop)
         loop.close()
         for raw in raws:
             raw.close()
     once["seccomp_compiles_during_bench"] = len(_seccomp._cache) - compiles_before
+    soak_n = args.soak if args.soak is not None else (1000 if args.quick else 10000)
+    soak = session_soak(soak_n) if soak_n else None
 
     results = [c.summary() for c in cases]
     doc = {"schema": SCHEMA, "results": results,
            "ratios": ratios(results, "/usr/bin/true"),
            "ratios_by_command": {label: ratios(results, label) for label in commands},
-           "one_time": once, "host": host,
+           "one_time": once, "host": host, "session_soak": soak,
            "config": {"quick": args.quick, "rounds": rounds, "per_round": per_round, "concurrency": list(conc),
                       "commands": commands, "duration_s": round(time.monotonic() - t_start, 2),
                       "argv": sys.argv}}
@@ -437,6 +566,8 @@ def print_table(doc: dict[str, Any]) -> None:
     print("one-time costs:")
     for k, v in doc["one_time"].items():
         print(f"  {k:<36} {v}")
+    if doc.get("session_soak"):
+        print(f"session soak: {doc['session_soak']}")
 
 
 def profile(n: int) -> int:

@@ -538,15 +538,17 @@ class _Core:
         # The shepherd reported only after the command's whole tree was dead: what is in the
         # pipes is all there is. Drain without waiting for EOF (another command of the session
         # could hold a copy of our pipe through /proc/PID/fd).
+        owned = cmd.fds()
         for fd in (cmd.out_r, cmd.err_r):
             if fd is not None:
                 cmd.read(fd)
         with self.lock:
             self.cmds.pop(cmd.id, None)
-            for fd in cmd.fds():
-                self.fd_owner.pop(fd, None)
+            for fd in owned:
+                if self.fd_owner.get(fd) is cmd:
+                    del self.fd_owner[fd]
             self.fds_version += 1
-        cmd.close_fds()
+            cmd.close_fds()
         wall = time.monotonic() - cmd.t0
         if kind == _EXIT_SETUP_FAILED:
             stage_name = _STAGES.get(stage, str(stage))
@@ -959,8 +961,7 @@ class Session:
                 for fd in registered - wanted.keys():
                     poller.unregister(fd)
                 for fd, ev in wanted.items():
-                    if fd not in registered:
-                        poller.register(fd, ev)
+                    poller.register(fd, ev)  # (re)sets the mask: fd numbers are reused
                 registered = set(wanted)
             now = time.monotonic()
             wake = core.next_health_check(now)
@@ -974,7 +975,7 @@ class Session:
                     done_any = True
                     continue
                 owner = core.fd_owner.get(fd)
-                if owner is None:
+                if owner is None or fd not in (owner.out_r, owner.err_r, owner.stdin_w):
                     continue
                 if fd == owner.stdin_w:
                     owner.feed_stdin()
