@@ -62,6 +62,13 @@ log = logging.getLogger("lowlevel")
 ARGS_FD = 3
 CHILD_FDS = Fds(json_status=4, block=5, seccomp=6, passwd=7, group=8)
 
+#: Signals reset to their default action in bwrap (and so in the program): Python ignores
+#: SIGPIPE and SIGXFSZ, and an ignored disposition survives exec, which would turn a write past
+#: RLIMIT_FSIZE into EFBIG instead of a kill and break `yes | head`. The caller may ignore
+#: others (SIGINT in a daemon). Source: posix_spawnattr_setsigdefault(3), signal(7).
+_DEFAULT_SIGNALS = tuple(s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)
+                         and s < signal.SIGRTMIN)
+
 #: Default wall-clock timeout for a run, seconds.
 DEFAULT_TIMEOUT_S = 60.0
 #: How long the handshake (bwrap setting up namespaces and mounts) may take, seconds.
@@ -487,7 +494,8 @@ class Run:
         if self.timeout is not None:
             self.deadline = self.t0 + self.timeout
         try:
-            self.pid = os.posix_spawn(exe_argv[0], exe_argv, {}, file_actions=self.actions)
+            self.pid = os.posix_spawn(exe_argv[0], exe_argv, {}, file_actions=self.actions,
+                                      setsigdef=_DEFAULT_SIGNALS, setsigmask=())
         except OSError as err:
             raise LaunchError(f"cannot start {exe_argv[0]}: {err.strerror}", argv=exe_argv,
                               errno=err.errno) from err

@@ -1,0 +1,89 @@
+"""Workspace creation and untrusted-output reading (no sandbox needed)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from lowlevel import WorkspaceError
+from lowlevel.workspace import (create_workspace, diff, ensure_base, list_files, read_file, snapshot,
+                                write_file)
+
+
+def test_create_copies_inputs_and_is_all_or_nothing(tmp_path):
+    (tmp_path / "a.py").write_text("print(1)")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "x.txt").write_text("x")
+    base = tmp_path / "base"
+    ws = create_workspace([tmp_path / "a.py", tmp_path / "dir"], base=str(base))
+    assert sorted(os.listdir(ws)) == ["a.py", "dir"]
+    assert Path(ws, "dir", "x.txt").read_text() == "x"
+    before = set(os.listdir(base))
+    with pytest.raises(WorkspaceError, match="does not exist"):
+        create_workspace([tmp_path / "a.py", tmp_path / "missing"], base=str(base))
+    assert set(os.listdir(base)) == before, "a half-made workspace was left behind"
+    with pytest.raises(WorkspaceError, match="same name"):
+        create_workspace([tmp_path / "a.py", tmp_path / "dir" / ".." / "a.py"], base=str(base))
+
+
+def test_base_must_be_ours_and_not_a_symlink(tmp_path):
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path)
+    with pytest.raises(WorkspaceError):
+        ensure_base(str(link))
+    if os.geteuid() == 0:
+        squat = tmp_path / "squat"
+        squat.mkdir()
+        os.chown(squat, 65534, 65534)
+        with pytest.raises(WorkspaceError, match="owned by uid 65534"):
+            ensure_base(str(squat))
+
+
+def test_read_file_refuses_symlinks_specials_hardlinks_and_big(tmp_path):
+    ws = tmp_path
+    (ws / "ok.txt").write_bytes(b"fine")
+    (ws / "link").symlink_to("/etc/hostname")
+    (ws / "dirlink").symlink_to("/etc")
+    os.mkfifo(ws / "fifo")
+    (ws / "big").write_bytes(b"x" * 100)
+    (ws / "hard1").write_bytes(b"h")
+    os.link(ws / "hard1", ws / "hard2")
+    assert read_file(str(ws), "ok.txt") == b"fine"
+    for rel in ("link", "dirlink/hostname", "fifo", "hard1", "../etc/passwd", "/etc/passwd", ""):
+        with pytest.raises(WorkspaceError):
+            read_file(str(ws), rel)
+    with pytest.raises(WorkspaceError, match="cap"):
+        read_file(str(ws), "big", max_bytes=10)
+
+
+def test_write_file_never_through_symlink(tmp_path):
+    target = tmp_path / "outside.txt"
+    target.write_text("original")
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "evil").symlink_to(target)
+    (ws / "evildir").symlink_to(tmp_path)
+    with pytest.raises(WorkspaceError):
+        write_file(str(ws), "evil", b"pwned")
+    with pytest.raises(WorkspaceError):
+        write_file(str(ws), "evildir/outside.txt", b"pwned")
+    assert target.read_text() == "original"
+    write_file(str(ws), "sub/dir/new.txt", b"ok")
+    assert (ws / "sub" / "dir" / "new.txt").read_bytes() == b"ok"
+
+
+def test_snapshot_diff_and_listing(tmp_path):
+    (tmp_path / "keep").write_text("1")
+    (tmp_path / "change").write_text("1")
+    (tmp_path / "gone").write_text("1")
+    before = snapshot(str(tmp_path))
+    (tmp_path / "change").write_text("22")
+    (tmp_path / "gone").unlink()
+    (tmp_path / "new").write_text("n")
+    (tmp_path / "lnk").symlink_to("/")
+    changes = diff(before, snapshot(str(tmp_path)))
+    assert changes.added == ("lnk", "new") and changes.modified == ("change",) and changes.deleted == ("gone",)
+    kinds = {e.path: e.kind for e in list_files(str(tmp_path))}
+    assert kinds == {"keep": "file", "change": "file", "new": "file", "lnk": "symlink"}
