@@ -528,7 +528,7 @@ class _PySeccompBackend:
 
     def syscall_name(self, arch: int, num: int) -> str | None:
         try:
-            return self.m.resolve_syscall(arch, num).decode()
+            return str(self.m.resolve_syscall(arch, num).decode())
         except ValueError:
             return None
 
@@ -660,7 +660,7 @@ def compile_bpf(profile: SeccompProfile) -> bytes:
     rules = []
     for action, name, args in profile.effective_rules():
         rules.append((action, b.resolve(name), args))
-    bpf = b.build(profile.effective_default_action(), arches, rules)
+    bpf: bytes = b.build(profile.effective_default_action(), arches, rules)
     if not bpf or len(bpf) % 8:
         raise SeccompError("seccomp_export_bpf", errno.EINVAL,
                            f"seccomp_export_bpf returned {len(bpf)} bytes, not a whole number of "
@@ -708,7 +708,8 @@ def bpf_memfd(bpf: bytes) -> int:
 
 def syscall_name(arch: int, num: int) -> str | None:
     """libseccomp's name for syscall ``num`` on ``arch`` (an ``SCMP_ARCH_*``), or None."""
-    return _backend().syscall_name(arch, num)
+    name: str | None = _backend().syscall_name(arch, num)
+    return name
 
 
 # --- denial report (opt-in audit mode) -------------------------------------------------------
@@ -831,17 +832,23 @@ class DenialAudit:
             name = f"{ARCH_NAMES.get(arch, hex(arch))}:{name}"
         return name
 
-    def finish(self) -> tuple[str, ...]:
+    def finish(self, settle_s: float = 0.05) -> tuple[str, ...]:
         """Stop collecting and return the sorted, distinct names the run tripped.
 
-        Native-arch calls are plain names (``"ptrace"``), others are prefixed with the arch
-        (``"x86:ptrace"``, ``"x32:101"``). Idempotent; closes the fds.
+        Args:
+            settle_s: keep reading until the log has been quiet this long (seconds): the
+                kernel's kauditd thread prints records asynchronously, shortly after the call.
+        Returns:
+            Native-arch calls as plain names (``"ptrace"``), others prefixed with the arch
+            (``"x86:ptrace"``, ``"x32:101"``). Idempotent; closes the fds.
         """
         if not self._closed:
             if self._thread is not None:
                 os.write(self._stop_w, b"x")
                 self._thread.join()
             self._drain()
+            while select.select([self._fd], [], [], settle_s)[0]:
+                self._drain()
             with _active_lock:
                 alone = _active_audits == 1
             if alone:

@@ -10,8 +10,10 @@ Each denied syscall is tried by ``tests/helpers/try_syscall.c`` on every ABI: ``
   EAFNOSUPPORT for socket families);
 - outside any sandbox, as the test user (control): the call is not blocked by the host.
 
-Sandboxes are started by :func:`sandbox`, the one place that knows how (``lowlevel.run``),
-so the suite can be parametrized over users later.
+Runs with the default profile go through the ``sandbox`` fixture of ``tests/conftest.py``,
+so on a root host they run twice: as root and as an unprivileged user. Runs with a custom
+table (marked, log mode) or none use :func:`run_in_sandbox` (in-process ``lowlevel.run``),
+because the fixture's user path always takes the default Policy.
 """
 
 from __future__ import annotations
@@ -74,6 +76,21 @@ def probes() -> Iterator[Path]:
     shutil.rmtree(d)
 
 
+def probe_workspace(sandbox, probes: Path) -> str:  # type: ignore[no-untyped-def]
+    """A workspace owned by the fixture's identity, holding the probes."""
+    ws = sandbox.workspace()
+    for p in probes.iterdir():
+        shutil.copy2(p, ws)
+        if sandbox.user is not None:
+            os.chown(ws / p.name, sandbox.user.pw_uid, sandbox.user.pw_gid)
+    return str(ws)
+
+
+def default_run(sandbox, probes: Path, argv: list[str], stdin: bytes | None = None):  # type: ignore[no-untyped-def]
+    """Run ``argv`` with the default Policy (default profile) as the fixture's identity."""
+    return sandbox.run(argv, workspace=probe_workspace(sandbox, probes), stdin=stdin, timeout=60)
+
+
 @pytest.fixture
 def workspace(probes: Path) -> Iterator[str]:
     """A fresh workspace (under /tmp, traversable by the sandbox user) holding the probes."""
@@ -85,7 +102,7 @@ def workspace(probes: Path) -> Iterator[str]:
     shutil.rmtree(d, ignore_errors=True)
 
 
-def sandbox(argv: list[str], workspace: str, profile: SeccompProfile | None = DEFAULT_PROFILE,
+def run_in_sandbox(argv: list[str], workspace: str, profile: SeccompProfile | None = DEFAULT_PROFILE,
             timeout: float = 60, stdin: bytes | None = None) -> lowlevel.Result:
     """Run ``argv`` in a default-policy sandbox with ``profile`` (None: no filter)."""
     if profile is None:
@@ -222,18 +239,19 @@ def parse(out: bytes, rows: list[tuple[str, tuple[int, ...]]]) -> list[tuple[str
 # --- every denied call, every ABI --------------------------------------------------------------
 
 @pytest.mark.parametrize("abi", ["64", "32"], ids=["x86_64", "i386-int0x80"])
-def test_denied_calls_fail_inside_and_work_outside(abi: str, workspace: str, probes: Path) -> None:
+def test_denied_calls_fail_inside_and_work_outside(abi: str, workspace: str, probes: Path,
+                                                   sandbox) -> None:  # type: ignore[no-untyped-def]
     argv, rows = probe_argv(abi, DENIED + ALLOWED)
     n_denied = sum(1 for r in rows if r in DENIED)
 
-    res = sandbox(argv, workspace, MARKED)
+    res = run_in_sandbox(argv, workspace, MARKED)
     assert res.term_signal is None, res
     for name, args, ret, err in parse(res.stdout, rows)[:n_denied]:
         assert (ret, err) == (-1, MARK), f"{name}{args}: our rule did not fire ({ret}, {errno.errorcode.get(err)})"
     for name, args, ret, err in parse(res.stdout, rows)[n_denied:]:
         assert err != MARK, f"{name}{args} is allowed but was denied"
 
-    res = sandbox(argv, workspace, DEFAULT_PROFILE)
+    res = default_run(sandbox, probes, argv)
     for name, args, ret, err in parse(res.stdout, rows)[:n_denied]:
         assert (ret, err) == (-1, expected(name)), f"{name}{args}: got {errno.errorcode.get(err)}"
 
@@ -245,9 +263,9 @@ def test_denied_calls_fail_inside_and_work_outside(abi: str, workspace: str, pro
 
 
 @pytest.mark.parametrize("name", ["getpid", "ptrace", "unshare"])
-def test_x32_calls_are_killed(name: str, workspace: str, probes: Path) -> None:
+def test_x32_calls_are_killed(name: str, probes: Path, sandbox) -> None:  # type: ignore[no-untyped-def]
     n = number("64", name)
-    res = sandbox(["./try_syscall", "x32", str(n), "0", "0", "0", "0", "0", "0"], workspace)
+    res = default_run(sandbox, probes, ["./try_syscall", "x32", str(n), "0", "0", "0", "0", "0", "0"])
     assert res.term_signal == signal.SIGSYS and res.stdout == b"", res
     # control: outside, the kernel answers (ENOSYS without CONFIG_X86_X32_ABI) instead of a kill
     out = subprocess.run([str(probes / "try_syscall"), "x32", str(n)] + ["0"] * 6, capture_output=True)
@@ -300,22 +318,23 @@ def test_tty_injection_blocked_on_a_real_pty(request_: int, probes: Path) -> Non
 
 # --- namespaces, siblings ----------------------------------------------------------------------
 
-def test_no_user_namespace_inside(workspace: str) -> None:
-    res = sandbox(["unshare", "-U", "true"], workspace)
+def test_no_user_namespace_inside(workspace: str, probes: Path, sandbox) -> None:  # type: ignore[no-untyped-def]
+    res = default_run(sandbox, probes, ["unshare", "-U", "true"])
     assert res.exit_code != 0
     py = ("import ctypes, ctypes.util\nlibc = ctypes.CDLL(ctypes.util.find_library('c'), use_errno=True)\n"
           "print(libc.unshare(0x10000000), ctypes.get_errno())\n")  # os.unshare is 3.12+
-    res = sandbox(["python3", "-c", py], workspace, MARKED)
+    res = run_in_sandbox(["python3", "-c", py], workspace, MARKED)
     assert res.stdout.split() == [b"-1", str(MARK).encode()], res
     n = number("64", "clone")
-    res = sandbox(["./try_syscall", "64", str(n), str(0x10000000 | 17), "0", "0", "0", "0", "0"], workspace, MARKED)
+    res = run_in_sandbox(["./try_syscall", "64", str(n), str(0x10000000 | 17), "0", "0", "0", "0", "0"], workspace, MARKED)
     assert res.stdout.split() == [b"-1", str(MARK).encode()]
 
 
-def test_no_ptrace_or_vm_read_of_a_sibling(workspace: str, probes: Path) -> None:
-    res = sandbox(["./ptrace_sibling"], workspace, MARKED)
+def test_no_ptrace_or_vm_read_of_a_sibling(workspace: str, probes: Path,
+                                           sandbox) -> None:  # type: ignore[no-untyped-def]
+    res = run_in_sandbox(["./ptrace_sibling"], workspace, MARKED)
     assert res.stdout.decode().split() == ["ptrace", str(MARK), "process_vm_readv", str(MARK), "kcmp", str(MARK)]
-    res = sandbox(["./ptrace_sibling"], workspace)
+    res = default_run(sandbox, probes, ["./ptrace_sibling"])
     assert res.stdout.decode().split() == ["ptrace", "1", "process_vm_readv", "1", "kcmp", "1"]
     out = subprocess.run([str(probes / "ptrace_sibling")], capture_output=True, timeout=60).stdout
     assert out.decode().split() == ["ptrace", "0", "process_vm_readv", "0", "kcmp", "0"], "control"
@@ -323,9 +342,9 @@ def test_no_ptrace_or_vm_read_of_a_sibling(workspace: str, probes: Path) -> None
 
 # --- bwrap's PID 1 runs under the filter and still works ------------------------------------------
 
-def test_pid1_reaper_is_filtered_and_works(workspace: str) -> None:
-    res = sandbox(["sh", "-c", "grep '^Seccomp:' /proc/1/status; (sleep 0.2; echo late) & "
-                   "for i in 1 2 3; do (true &); done; exit 7"], workspace)
+def test_pid1_reaper_is_filtered_and_works(probes: Path, sandbox) -> None:  # type: ignore[no-untyped-def]
+    res = default_run(sandbox, probes, ["sh", "-c", "grep '^Seccomp:' /proc/1/status; (sleep 0.2; echo late) & "
+                   "for i in 1 2 3; do (true &); done; exit 7"])
     assert res.exit_code == 7, res
     assert res.stdout.startswith(b"Seccomp:\t2\n"), res.stdout
 
@@ -366,10 +385,11 @@ WORK = [
 
 
 @pytest.mark.parametrize("argv,want", WORK)
-def test_ordinary_work_runs_under_the_filter(argv: list[str], want: bytes, workspace: str) -> None:
+def test_ordinary_work_runs_under_the_filter(argv: list[str], want: bytes, probes: Path,
+                                            sandbox) -> None:  # type: ignore[no-untyped-def]
     if shutil.which(argv[0]) is None:
         pytest.skip(f"{argv[0]} is not installed")
-    res = sandbox(argv, workspace, stdin=PY_WORK.encode())
+    res = default_run(sandbox, probes, argv, stdin=PY_WORK.encode())
     assert res.exit_code == 0, (res.stdout, res.stderr)
     assert res.stdout.strip().endswith(want), (res.stdout, res.stderr)
 
@@ -395,7 +415,16 @@ def test_audit_mode_reports_what_the_run_tripped(probes: Path) -> None:
                               "--info-fd", str(info_w), "--"] + argv,
                              pass_fds=(fd, info_w), stdout=subprocess.PIPE)
         os.close(info_w)
-        info = json.loads(os.read(info_r, 4096).decode() or "{}")
+        raw = b""
+        while True:  # bwrap writes the info JSON in pieces
+            chunk = os.read(info_r, 4096)
+            raw += chunk
+            try:
+                info = json.loads(raw)
+                break
+            except ValueError:
+                assert chunk, raw
+
         audit.attach(info["child-pid"])
         out, _ = p.communicate(timeout=60)
         names = audit.finish()
