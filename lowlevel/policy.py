@@ -256,7 +256,7 @@ class Policy:
     deterministic: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "env", _freeze_env(self.env))  # type: ignore[arg-type]
+        object.__setattr__(self, "env", _freeze_env(self.env))
         binds = tuple(self.binds)
         for b in binds:
             if not isinstance(b, Bind):
