@@ -15,8 +15,12 @@ Tools an agent client can call (each result a JSON object):
     followed, no ``..``, special and hard-linked files refused) and the operator's
     ``max_file_bytes``.
 
-Sessions: ``lowlevel.session.Session`` does not exist yet; TODO: a ``run_in_session`` tool
-once it lands (same clamping, ``session`` name argument).
+``run_in_session``, ``close_session``
+    Run a command in a named, long-lived sandbox (:class:`lowlevel.session.Session`), created
+    on first use with the operator's policy narrowed by that first request (``network``,
+    ``binds``, ``memory_bytes``, ``pids`` are fixed for the session's life; ``timeout_s`` and
+    ``cpu_s`` apply per command). Its workspace is the workspace of the same name, so
+    ``write_file``/``read_file`` reach it. At most ``max_sessions`` live at once.
 
 Configuration comes from the operator only (TOML file and CLI flags), never from a request:
 a client can narrow the policy (shorter timeout, smaller limits) but never widen it.
@@ -30,6 +34,7 @@ TOML keys (all optional)::
     max_timeout_s = 120.0     # ceiling for timeout_s
     max_output_bytes = 65536  # per stream, in tool results
     max_file_bytes = 1048576  # read_file / write_file cap
+    max_sessions = 8          # named sessions alive at once
     allowed_binds = ["/opt/data"]  # host paths a client may ask to bind read-only
     [limits]                  # ceilings (and defaults) for memory_bytes, cpu_s, pids, ...
     memory_bytes = 536870912
@@ -50,6 +55,7 @@ import logging
 import os
 import re
 import secrets
+import threading
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -59,6 +65,7 @@ from . import workspace as _ws
 from .errors import LowlevelError, PolicyError
 from .limits import Limits
 from .policy import Bind, Policy
+from .result import Result
 
 log = logging.getLogger("lowlevel")
 
@@ -79,6 +86,7 @@ class ServerConfig:
         default_timeout_s, max_timeout_s: timeout when the client gives none; ceiling.
         max_output_bytes: per stream, in results (bytes).
         max_file_bytes: cap for read_file/write_file (bytes).
+        max_sessions: named sessions alive at once.
     """
 
     workspace_base: str = field(default_factory=lambda: os.path.join(_ws.default_base(), "mcp"))
@@ -91,6 +99,7 @@ class ServerConfig:
     max_timeout_s: float = 120.0
     max_output_bytes: int = 64 * 1024
     max_file_bytes: int = 1024 * 1024
+    max_sessions: int = 8
 
     @classmethod
     def from_toml(cls, path: str, **overrides: Any) -> ServerConfig:
@@ -145,6 +154,9 @@ class Tools:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.base = _ws.ensure_base(config.workspace_base)
+        self.sessions: dict[str, Any] = {}
+        self.session_policies: dict[str, Policy] = {}
+        self.sessions_lock = threading.Lock()
 
     def _workspace(self, name: str, create: bool) -> str:
         if not isinstance(name, str) or not _NAME.match(name):
@@ -201,6 +213,59 @@ class Tools:
         path = self._workspace(name, create=workspace is None)
         result = _run(list(command), policy=policy, workspace=path, timeout=timeout,
                       stdin=stdin.encode() if stdin is not None else None, env=env)
+        return self._result(result, name, clamped)
+
+    def run_in_session(self, session: str, command: list[str], *, timeout_s: float | None = None,
+                       memory_bytes: int | None = None, cpu_s: float | None = None, pids: int | None = None,
+                       network: bool = False, binds: list[str] | None = None, stdin: str | None = None,
+                       env: dict[str, str] | None = None) -> dict[str, Any]:
+        """Run ``command`` in the named session, starting it on first use."""
+        from .session import Session
+
+        clamped: list[str] = []
+        policy = self.policy_for(network=network, binds=list(binds or ()), memory_bytes=memory_bytes,
+                                 cpu_s=cpu_s, pids=pids, clamped=clamped)
+        timeout = _clamp("timeout_s", timeout_s if timeout_s is not None else self.config.default_timeout_s,
+                         self.config.max_timeout_s, clamped)
+        with self.sessions_lock:
+            sess = self.sessions.get(session)
+            if sess is not None and not sess.alive:
+                sess.close()
+                del self.sessions[session]
+                sess = None
+            if sess is None:
+                if len(self.sessions) >= self.config.max_sessions:
+                    raise PolicyError(f"refused: {len(self.sessions)} sessions are open, the operator's "
+                                      f"max_sessions; close one with close_session")
+                sess = Session(policy, workspace=self._workspace(session, create=True))
+                self.sessions[session] = sess
+                self.session_policies[session] = policy
+            elif policy != self.session_policies[session] and (network or binds):
+                raise PolicyError(f"session {session!r} already runs with its own network/binds; "
+                                  "close it to start it with others")
+        result = sess.run(list(command), timeout=timeout, stdin=stdin.encode() if stdin is not None else None,
+                          env=env, limits=policy.limits)
+        return self._result(result, session, clamped)
+
+    def close_session(self, session: str) -> dict[str, Any]:
+        """Close a named session (its workspace stays)."""
+        with self.sessions_lock:
+            sess = self.sessions.pop(session, None)
+            self.session_policies.pop(session, None)
+        if sess is None:
+            raise PolicyError(f"no open session named {session!r}")
+        sess.close()
+        return {"session": session, "closed": True}
+
+    def close(self) -> None:
+        """Close every session."""
+        with self.sessions_lock:
+            sessions = list(self.sessions.values())
+            self.sessions.clear()
+        for sess in sessions:
+            sess.close()
+
+    def _result(self, result: Result, name: str, clamped: list[str]) -> dict[str, Any]:
         cap = self.config.max_output_bytes
         out: dict[str, Any] = {
             "exit_code": result.exit_code, "term_signal": result.term_signal, "signal": result.signal_name(),
@@ -246,7 +311,7 @@ def _decode(content: str, encoding: str) -> bytes:
     raise PolicyError(f"encoding must be 'utf-8' or 'base64', got {encoding!r}")
 
 
-def build_server(config: ServerConfig) -> Any:
+def build_server(config: ServerConfig, tools: Tools | None = None) -> Any:
     """The MCP server object (``mcp.server.mcpserver.MCPServer``, or ``FastMCP`` on mcp 1.x).
 
     Raises:
@@ -261,7 +326,7 @@ def build_server(config: ServerConfig) -> Any:
         from mcp.server.fastmcp import FastMCP as _Server  # type: ignore[no-redef,attr-defined,unused-ignore]
         from mcp.server.fastmcp.exceptions import ToolError  # type: ignore[no-redef,unused-ignore]
 
-    tools = Tools(config)
+    tools = tools or Tools(config)
     server = _Server("lowlevel", instructions=(
         "Run commands in a bubblewrap sandbox (no network unless the operator allows it). "
         "Use write_file to put files in a named workspace, run with workspace=NAME, then read_file."))
@@ -291,6 +356,27 @@ def build_server(config: ServerConfig) -> Any:
                           binds=binds, stdin=stdin, env=env)
 
     @server.tool()
+    async def run_in_session(session: str, command: list[str], timeout_s: float | None = None,
+                             memory_bytes: int | None = None, cpu_s: float | None = None, pids: int | None = None,
+                             network: bool = False, binds: list[str] | None = None, stdin: str | None = None,
+                             env: dict[str, str] | None = None) -> dict[str, Any]:
+        """Run a command in the named long-lived sandbox, starting it on first use.
+
+        The session's workspace is the workspace of the same name (write_file/read_file reach
+        it); files and processes persist between commands. network, binds, memory_bytes and
+        pids are fixed when the session starts; timeout_s and cpu_s apply per command, clamped
+        to the operator's ceilings. Returns the same fields as run.
+        """
+        return await call(tools.run_in_session, session, command, timeout_s=timeout_s,
+                          memory_bytes=memory_bytes, cpu_s=cpu_s, pids=pids, network=network, binds=binds,
+                          stdin=stdin, env=env)
+
+    @server.tool()
+    async def close_session(session: str) -> dict[str, Any]:
+        """Close a named session; its workspace stays."""
+        return await call(tools.close_session, session)
+
+    @server.tool()
     async def write_file(workspace: str, path: str, content: str, encoding: str = "utf-8") -> dict[str, Any]:
         """Write a file (relative path) into a named workspace, creating it. encoding: utf-8 or base64."""
         return await call(tools.write_file, workspace, path, content, encoding)
@@ -310,10 +396,14 @@ def build_server(config: ServerConfig) -> Any:
 
 def serve(config: ServerConfig) -> None:
     """Serve MCP over stdio until the client closes stdin."""
-    server = build_server(config)
+    tools = Tools(config)
+    server = build_server(config, tools)
     log.debug("lowlevel: mcp server on stdio, workspace base %s, network %s", config.workspace_base,
               "allowed" if config.network else "off")
-    server.run("stdio")
+    try:
+        server.run("stdio")
+    finally:
+        tools.close()
 
 
 __all__ = ["ServerConfig", "Tools", "build_server", "serve"]

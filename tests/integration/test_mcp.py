@@ -70,7 +70,7 @@ def test_mcp_client_lists_tools_runs_and_is_refused_widening(base: Any) -> None:
                 await session.initialize()
                 tools = await session.list_tools()
                 names = {t.name for t in tools.tools}
-                assert {"run", "write_file", "read_file", "list_files"} <= names
+                assert {"run", "run_in_session", "close_session", "write_file", "read_file", "list_files"} <= names
                 run_tool = next(t for t in tools.tools if t.name == "run")
                 schema = getattr(run_tool, "input_schema", None) or run_tool.inputSchema
                 assert {"timeout_s", "memory_bytes", "network", "binds"} <= set(schema["properties"])
@@ -110,6 +110,22 @@ def test_mcp_client_lists_tools_runs_and_is_refused_widening(base: Any) -> None:
                 res = await session.call_tool("run", {"command": ["cat", str(allowed / "data.txt")],
                                                       "binds": [str(allowed)]})
                 assert _payload(res)["stdout"] == "from the operator\n"
+
+                # A named session: state persists between commands; its workspace is reachable.
+                res = await session.call_tool("run_in_session", {"session": "s1", "command": [
+                    "sh", "-c", "echo kept > state.txt; echo started"]})
+                assert _payload(res)["stdout"] == "started\n"
+                res = await session.call_tool("run_in_session", {"session": "s1", "command": ["cat", "state.txt"],
+                                                                 "timeout_s": 999})
+                out = _payload(res)
+                assert out["stdout"] == "kept\n" and out["clamped"]
+                res = await session.call_tool("read_file", {"workspace": "s1", "path": "state.txt"})
+                assert _payload(res)["content"] == "kept\n"
+                res = await session.call_tool("run_in_session", {"session": "s2", "command": ["true"],
+                                                                 "network": True})
+                assert (res.is_error if hasattr(res, "is_error") else res.isError)
+                res = await session.call_tool("close_session", {"session": "s1"})
+                assert _payload(res)["closed"] is True
 
                 # Untrusted-output rules: a symlink planted by the sandbox is not followed.
                 await session.call_tool("run", {"command": ["ln", "-s", "/etc/hostname", "link"],
