@@ -793,16 +793,19 @@ class DenialAudit:
             if self._stop_r in ready:
                 return
 
-    def _drain(self) -> None:
+    def _drain(self) -> int:
+        """Read every pending record; return how many were read."""
+        n = 0
         while True:
             try:
                 rec = os.read(self._fd, 8192)
             except BlockingIOError:
-                return
+                return n
             except BrokenPipeError:  # records overwritten before we read them: skip ahead
                 continue
-            if not rec:
-                return
+            if not rec:  # EOF: only a regular file (tests) gets here
+                return n
+            n += 1
             self._take(rec)
 
     def _take(self, rec: bytes) -> None:
@@ -847,8 +850,8 @@ class DenialAudit:
                 os.write(self._stop_w, b"x")
                 self._thread.join()
             self._drain()
-            while select.select([self._fd], [], [], settle_s)[0]:
-                self._drain()
+            while select.select([self._fd], [], [], settle_s)[0] and self._drain():
+                pass
             with _active_lock:
                 alone = _active_audits == 1
             if alone:
