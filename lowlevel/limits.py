@@ -53,7 +53,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from .errors import LaunchError, PolicyError, UnsupportedError
 
@@ -716,8 +716,9 @@ class CgroupStats:
         pids_peak: most tasks at once (``pids.peak``, Linux 6.1 v1 / 6.13 v2), or None.
         cpu_user_s, cpu_system_s: CPU seconds of every process of the run, dead or alive:
             v2 ``user_usec``/``system_usec`` in ``cpu.stat``; v1 ``cpuacct.usage``
-            (nanoseconds) split in the ratio of ``cpuacct.usage_user``/``cpuacct.usage_sys``. The reliable source under bwrap, whose
-            sandboxed program is not a child of ours (os.wait4 cannot see it).
+            (nanoseconds) split in the ratio of ``cpuacct.usage_user``/``cpuacct.usage_sys``. The
+            reliable source under bwrap, whose sandboxed program is not a child of ours
+            (os.wait4 cannot see it).
     """
 
     peak_memory_bytes: int | None = None
@@ -1043,7 +1044,8 @@ def _write_limits(nodes: list[_Node], limits: Limits) -> tuple[tuple[str, ...], 
         if cpu.version == 2:
             ok = put(cpu, "cpu.max", f"{quota} {CPU_PERIOD_US}")
         else:
-            ok = put(cpu, "cpu.cfs_period_us", str(CPU_PERIOD_US), record=False) and put(cpu, "cpu.cfs_quota_us", str(quota))
+            ok = put(cpu, "cpu.cfs_period_us", str(CPU_PERIOD_US), record=False) \
+                and put(cpu, "cpu.cfs_quota_us", str(quota))
         if ok:
             enforced.append("cpu")
     return tuple(enforced), tuple(files), tuple(notes)

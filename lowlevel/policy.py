@@ -312,5 +312,6 @@ class Policy:
         return out
 
 
-__all__ = ["BASE_ENV", "Bind", "DETERMINISTIC_ENV", "DETERMINISTIC_GID", "DETERMINISTIC_UID", "Policy", "SENSITIVE_HOME_ENTRIES", "SENSITIVE_PATHS", "WORKSPACE_DEST",
+__all__ = ["BASE_ENV", "Bind", "DETERMINISTIC_ENV", "DETERMINISTIC_GID", "DETERMINISTIC_UID", "Policy",
+           "SENSITIVE_HOME_ENTRIES", "SENSITIVE_PATHS", "WORKSPACE_DEST",
            "sensitive_reason"]

@@ -18,7 +18,7 @@ import sys
 import textwrap
 import time
 from dataclasses import replace
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 

@@ -26,7 +26,6 @@ import pty
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import termios
 from collections.abc import Iterator

@@ -12,7 +12,6 @@ import errno
 import fcntl
 import os
 import struct
-import warnings
 
 import pytest
 
