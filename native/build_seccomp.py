@@ -74,11 +74,19 @@ ffibuilder.cdef(
     """
 )
 
+
+
+def _path(p: pathlib.Path) -> str:
+    # setuptools wants relative paths; the in-place build below compiles in a scratch dir,
+    # where only absolute ones resolve.
+    return str(p) if __name__ == "__main__" else os.path.relpath(p)
+
+
 ffibuilder.set_source(
     "lowlevel._native",
     '#include "seccomp_helper.h"',
-    sources=[os.path.relpath(HERE / "seccomp_helper.c")],  # setuptools wants relative paths
-    include_dirs=[os.path.relpath(HERE)],
+    sources=[_path(HERE / "seccomp_helper.c")],
+    include_dirs=[_path(HERE)],
     libraries=["seccomp"],
     extra_compile_args=["-Wall", "-Wextra", "-O2"],
 )
