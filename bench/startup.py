@@ -520,8 +520,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if case.driver == "sync":
                     sync_round(case, per_round)
                 else:
-                    # Enough calls to keep `concurrency` in flight for most of the batch.
-                    loop.run_until_complete(async_round(case, max(per_round, 2 * case.concurrency)))
+                    # At least `concurrency` calls, so every slot is used at the start of the batch.
+                    loop.run_until_complete(async_round(case, max(per_round, case.concurrency)))
             print(f"round {rnd + 1}/{rounds} done ({time.monotonic() - t_start:.1f} s)", file=sys.stderr)
     finally:
         sess.close(loop)
