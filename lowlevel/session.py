@@ -50,6 +50,11 @@ on its idle or total timeout (enforced by the init, which then exits), or on the
 in every case the kernel kills the sandbox's PID namespace, and ``close()`` reaps bwrap and
 removes the session's cgroup.
 
+How the init gets in: the host opens the installed ``lowlevel/_lowlevel_init`` (static, mode
+0755) once per process and passes the fd to bwrap, which execs ``/proc/self/fd/10``; the init
+closes that fd first thing. No bind mount, nothing added to the sandbox's file tree, and the
+package's host path need not be reachable by the sandbox's uid (65534 for root callers).
+
 Protocol (``SOCK_SEQPACKET`` socketpair; one record per message; native byte order; layouts in
 ``native/lowlevel_init.c``):
     host -> init: ``SPAWN`` (header, rlimits, cwd, argv, env; stdio pipes attached with
@@ -124,6 +129,8 @@ _SIGNAL = struct.Struct("=IIII")
 _SMALL = struct.Struct("=IIII")
 _EXIT = struct.Struct("=IIIIIIqqqq")
 _MAX_INLINE = 128 * 1024
+#: A path that exists in no sandbox: the Pool's warm-up command fails in execve on purpose.
+_WARMUP_PROGRAM = "/.lowlevel-warmup-does-not-exist"
 _U64 = 2**64 - 1
 
 
@@ -906,6 +913,11 @@ class Session:
         Arguments as :meth:`run`, but ``timeout`` defaults to None (a server runs until
         killed). Its output is captured (capped as for ``run``) and streamed through
         :meth:`Process.read`. Handles still running are killed by :meth:`close`.
+
+        A sync Session moves output only while some thread is inside :meth:`run` or a
+        handle's ``wait``/``read``/``poll``: a background command that writes more than a
+        pipe buffer (64 KiB) while nobody calls blocks in ``write`` until the next call (it
+        loses nothing). :class:`AsyncSession` reads whenever the event loop runs.
         """
         cmd = self._core.submit(argv, stdin=stdin, timeout=timeout, env=env, cwd=cwd, limits=limits,
                                 stream=True, track_changes=False)
@@ -1284,7 +1296,17 @@ class Pool:
         self.close()
 
     def _new(self) -> Session:
-        return Session(self.policy, **self._kwargs)  # type: ignore[arg-type]
+        s = Session(self.policy, **self._kwargs)  # type: ignore[arg-type]
+        try:
+            # Warm the path once (the init's first message, allocations, shepherd fork, a
+            # failed execve) so the caller's command is not the first through it.
+            s.run([_WARMUP_PROGRAM], timeout=10, track_changes=False)
+        except ExecError:
+            pass
+        except BaseException:
+            s.close()
+            raise
+        return s
 
     def _worker(self) -> None:
         while True:
@@ -1328,9 +1350,11 @@ class Pool:
         with self._cond:
             if self._closed:
                 raise SessionError("the pool is closed", "closed")
+            # No notify on a hit: the worker refills when this call is over (run's finally), so
+            # starting the replacement (bwrap, cgroup, workspace: CPU and the GIL) does not
+            # compete with the call itself.
             while self._ready:
                 s = self._ready.popleft()
-                self._cond.notify_all()
                 if s.alive:
                     self.hits += 1
                     return s
