@@ -367,6 +367,7 @@ class Run:
         self.closed = False
         self.pre_exec_rlimits: tuple[tuple[str, int, int], ...] = ()
         self.seccomp_loaded = False
+        self.audit: Any = None
 
     # -- 1. prepare ----------------------------------------------------------------------
     def prepare(self) -> None:
@@ -408,6 +409,12 @@ class Run:
             self.pre_exec_rlimits = _limits.rlimits(policy.limits, self.cgroup)
             self.notes.append("root without CAP_SYS_RESOURCE: rlimits set with prlimit(1) before bwrap starts")
 
+        if policy.seccomp is not None and policy.seccomp.log:
+            # Audit mode: the kernel logs what the profile would deny; read back at the end.
+            try:
+                self.audit = _seccomp.DenialAudit()
+            except UnsupportedError as err:
+                self.notes.append(f"seccomp audit unavailable: {err}")
         bpf = _seccomp.compile_bpf(policy.seccomp) if policy.seccomp is not None else None
         fds = CHILD_FDS
         seccomp_fd = None
@@ -548,6 +555,8 @@ class Run:
             if err.errno != errno.ESRCH:
                 raise
         if self.init_pidfd is not None:
+            if self.audit is not None:
+                self.audit.attach(self.init_pid)
             if self.cgroup is not None:
                 self.cgroup.attach(self.init_pid)
             if self.pre_exec_rlimits:
@@ -705,6 +714,10 @@ class Run:
             f"cgroup:{c}" for c in (getattr(self.cgroup, "enforced", ()) if self.cgroup else ()))
         if self.seccomp_loaded:
             enforced += ("seccomp",)
+        denials = None
+        if self.audit is not None:
+            denials = tuple(self.audit.finish())
+            self.audit = None
         return Result(
             exit_code=exit_code, term_signal=term, timed_out=self.timed_out, killed_by=killed_by,
             stdout=out, stderr=errout, stdout_truncated=out_t, stderr_truncated=err_t,
@@ -715,7 +728,7 @@ class Run:
             max_rss_bytes=(self.rusage.ru_maxrss * 1024) if self.rusage is not None else None,
             oom_kills=getattr(stats, "oom_kills", None),
             limits_enforced=enforced, changes=_ws.diff(self.before, after), workspace=self.workspace,
-            notes=tuple(self.notes), argv=tuple(self.full_argv),
+            notes=tuple(self.notes), argv=tuple(self.full_argv), seccomp_denials=denials,
         )
 
     def discard_workspace_if_unused(self) -> None:
@@ -737,6 +750,9 @@ class Run:
                 self.kill(None)
                 self.reap()
         finally:
+            if self.audit is not None:
+                self.audit.close()
+                self.audit = None
             for fd in self.fds:
                 try:
                     os.close(fd)

@@ -326,3 +326,15 @@ def test_cli_runs_example_and_exit_codes(tmp_path):
     p = subprocess.run([*exe, "run", "--json", "--", "sh", "-c", "printf 'a\\377b'"], capture_output=True, text=True)
     import json
     assert json.loads(p.stdout)["stdout"] == "a\ufffdb"
+
+
+@pytest.mark.root
+def test_seccomp_audit_mode_reports_denials():
+    """Log mode lets the calls through and the Result names what the default profile would deny."""
+    probe = "import ctypes; l = ctypes.CDLL(None); print(l.syscall(101, 0, 0, 0, 0))"  # ptrace(PTRACE_TRACEME)
+    audited = lowlevel.run(["python3", "-c", probe],
+                           policy=lowlevel.Policy(seccomp=lowlevel.DEFAULT_PROFILE.with_log()))
+    assert audited.stdout == b"0\n"
+    assert audited.seccomp_denials is not None and "ptrace" in audited.seccomp_denials
+    enforced = lowlevel.run(["python3", "-c", probe])
+    assert enforced.stdout == b"-1\n" and enforced.seccomp_denials is None
