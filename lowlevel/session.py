@@ -405,6 +405,9 @@ class _Core:
                 cmd.stdin_w = in_w
                 os.set_blocking(in_w, False)
                 cmd.stdin_view = memoryview(bytes(stdin))
+                # Fill the pipe now, before the fd is visible to the thread moving I/O (two
+                # writers on one pipe would interleave); the rest goes on POLLOUT.
+                cmd.feed_stdin()
                 send_fds.append(in_r)
                 flags |= _SPAWN_STDIN_PIPE
             out_r, out_w = os.pipe()
@@ -449,7 +452,6 @@ class _Core:
         finally:
             for fd in close_after:
                 os.close(fd)
-        cmd.feed_stdin()
         return cmd
 
     def _send(self, parts: list[bytes], fds: list[int]) -> None:

@@ -309,6 +309,22 @@ def test_concurrent_commands_outputs_never_mixed(session):
         assert set(r.stderr.decode().splitlines()) == {f"E{tag}"}
 
 
+def test_concurrent_stdin_never_mixed(session):
+    def job(n: int, results: dict) -> None:
+        data = bytes([65 + n]) * 300_000 + os.urandom(1000)
+        results[n] = (data, session.run(["cat"], stdin=data))
+
+    results: dict = {}
+    threads = [threading.Thread(target=job, args=(n, results)) for n in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(results) == 6
+    for data, r in results.values():
+        assert r.stdout == data
+
+
 def test_async_session_concurrent():
     async def main() -> None:
         async with AsyncSession(workspace=_ws()) as s:
