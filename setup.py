@@ -11,7 +11,7 @@ INIT_SOURCE = os.path.join("native", "lowlevel_init.c")
 INIT_TARGET = os.path.join("lowlevel", "_lowlevel_init")
 
 
-class build_ext_with_init(build_ext):
+class BuildExtWithInit(build_ext):
     """build_ext, then compile native/lowlevel_init.c into a static ``lowlevel/_lowlevel_init``.
 
     A plain executable, not an extension module: bwrap execs it inside the sandbox, where no
@@ -46,4 +46,4 @@ class build_ext_with_init(build_ext):
         return [*super().get_outputs(), self.init_output()]
 
 
-setup(cffi_modules=["native/build_seccomp.py:ffibuilder"], cmdclass={"build_ext": build_ext_with_init})
+setup(cffi_modules=["native/build_seccomp.py:ffibuilder"], cmdclass={"build_ext": BuildExtWithInit})

@@ -75,7 +75,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import errno as _errno
 import functools
 import logging
 import os
@@ -1055,9 +1054,13 @@ class AsyncProcess:
         return out, err
 
     def send_signal(self, signo: int) -> None:
+        """As :meth:`Process.send_signal`."""
+        assert self._session._core is not None
         self._session._core.signal(self._cmd, signo, tree=False)
 
     def kill(self) -> None:
+        """As :meth:`Process.kill`."""
+        assert self._session._core is not None
         self._session._core.signal(self._cmd, signal.SIGKILL, tree=True)
 
 
@@ -1246,7 +1249,7 @@ class AsyncSession:
         else:
             try:
                 await asyncio.wait_for(fut, timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise TimeoutError(f"{cmd.argv[0]!r} still running after {timeout} s") from None
 
 
