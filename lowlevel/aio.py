@@ -277,9 +277,7 @@ async def _arun(r: Run) -> Result:
     except BaseException:
         sup.detach()
         r.close()
-        discard = getattr(r, "discard_workspace_if_unused", None)
-        if discard is not None:
-            discard()
+        r.discard_workspace_if_unused()  # as lowlevel.run: drop a fresh workspace when nothing ran
         raise
     finally:
         sup.detach()
