@@ -266,6 +266,24 @@ def test_close_leaves_nothing():
     assert _fds() == before
 
 
+def test_callers_death_ends_the_session():
+    code = ("import os, signal, sys, tempfile\n"
+            "from lowlevel.session import Session\n"
+            "ws = tempfile.mkdtemp(prefix='ws-session-', dir='/tmp'); os.chmod(ws, 0o755)\n"
+            "s = Session(workspace=ws)\n"
+            "s.start(['sh', '-c', 'setsid sleep 300 & sleep 300'])\n"
+            "s.run(['true'])\n"
+            "print(s._core.init_host_pid, flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    pid = int(proc.stdout.split()[0])
+    deadline = time.monotonic() + 5
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not os.path.exists(f"/proc/{pid}")
+
+
 def test_idle_timeout_ends_the_session():
     s = Session(workspace=_ws(), idle_timeout=0.3)
     try:
