@@ -10,7 +10,7 @@ See :func:`lowlevel.run`, :class:`lowlevel.Policy` and :class:`lowlevel.Result`.
 """
 
 from .errors import (BwrapNotFoundError, LaunchError, LowlevelError, PolicyError, SeccompError,
-                     UnsupportedError, WorkspaceError)
+                     SessionError, UnsupportedError, WorkspaceError)
 from .launcher import ExecError, run
 from .limits import Limits
 from .policy import Bind, Policy
@@ -22,7 +22,8 @@ __version__ = "0.1.0"
 
 #: Names served lazily by :func:`__getattr__`: the asyncio API imports asyncio (~30 ms),
 #: which ``import lowlevel`` (and the CLI) should not pay.
-_LAZY = {"Runner": "aio", "arun": "aio"}
+_LAZY = {"Runner": "aio", "arun": "aio", "AsyncProcess": "session", "AsyncSession": "session",
+         "Pool": "session", "Process": "session", "Session": "session"}
 
 
 def __getattr__(name: str) -> object:
@@ -37,6 +38,8 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
+    "AsyncProcess",
+    "AsyncSession",
     "Bind",
     "BwrapNotFoundError",
     "Changes",
@@ -47,11 +50,15 @@ __all__ = [
     "LowlevelError",
     "Policy",
     "PolicyError",
+    "Pool",
+    "Process",
     "Result",
     "RunFailedError",
     "Runner",
     "SeccompError",
     "SeccompProfile",
+    "Session",
+    "SessionError",
     "UnsupportedError",
     "WorkspaceError",
     "arun",

@@ -7,8 +7,11 @@
     ├── WorkspaceError(LowlevelError, OSError)  workspace missing, not a directory, unsafe entry
     ├── UnsupportedError           host lacks a feature (bwrap, userns, cgroup, option); ``.feature``
     ├── SeccompError               building the seccomp filter failed; ``.operation``, ``.errno``
-    └── LaunchError(OSError)       bwrap could not start or set up the sandbox; ``.argv``, ``.stderr``
-        └── BwrapNotFoundError     no bwrap executable on PATH
+    ├── LaunchError(OSError)       bwrap could not start or set up the sandbox; ``.argv``, ``.stderr``
+    │   ├── BwrapNotFoundError     no bwrap executable on PATH
+    │   └── ExecError              the command is missing (ENOENT) or not executable (EACCES)
+    ├── SessionError               a Session ended or broke; ``.reason``
+    └── RunFailedError             raised only by ``Result.check()``; ``.result``
 
 The program exiting non-zero, dying on a signal, hitting a limit or a seccomp denial is
 *not* an exception: it is a :class:`lowlevel.result.Result`.
@@ -108,6 +111,24 @@ class BwrapNotFoundError(LaunchError):
     """No ``bwrap`` executable was found (install the ``bubblewrap`` package)."""
 
 
+class SessionError(LowlevelError):
+    """The session ended or broke; the command (if any) has no Result.
+
+    Attributes:
+        reason: ``"closed"`` (close() was called), ``"init_died"`` (the init exited or was
+            killed, e.g. by a command), ``"unresponsive"`` (the init or a shepherd stopped
+            answering: SIGSTOP from a command), ``"idle_timeout"``, ``"total_timeout"``,
+            ``"protocol"`` (a malformed message: a bug).
+    """
+
+    def __init__(self, message: str, reason: str = "init_died") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.reason))
+
+
 def _rebuild_launch_error(cls: type[LaunchError], message: str, argv: list[str], stderr: str,
                           errno: int | None) -> LaunchError:
     return cls(message, argv=argv, stderr=stderr, errno=errno)
@@ -119,6 +140,7 @@ __all__ = [
     "LowlevelError",
     "PolicyError",
     "SeccompError",
+    "SessionError",
     "UnsupportedError",
     "WorkspaceError",
 ]

@@ -91,7 +91,7 @@ from typing import Any
 
 from . import limits as _limits
 from . import workspace as _ws
-from .errors import LaunchError, LowlevelError, PolicyError, UnsupportedError
+from .errors import LaunchError, PolicyError, SessionError, UnsupportedError
 from .launcher import (DEFAULT_TIMEOUT_S, SETUP_TIMEOUT_S, ExecError, Run, _Capture, _check_command,
                        classify_setup_failure)
 from .limits import Limits
@@ -131,24 +131,6 @@ _MAX_INLINE = 128 * 1024
 #: A path that exists in no sandbox: the Pool's warm-up command fails in execve on purpose.
 _WARMUP_PROGRAM = "/.lowlevel-warmup-does-not-exist"
 _U64 = 2**64 - 1
-
-
-class SessionError(LowlevelError):
-    """The session ended or broke; the command (if any) has no Result.
-
-    Attributes:
-        reason: ``"closed"`` (close() was called), ``"init_died"`` (the init exited or was
-            killed, e.g. by a command), ``"unresponsive"`` (the init or a shepherd stopped
-            answering: SIGSTOP from a command), ``"idle_timeout"``, ``"total_timeout"``,
-            ``"protocol"`` (a malformed message: a bug).
-    """
-
-    def __init__(self, message: str, reason: str = "init_died") -> None:
-        super().__init__(message)
-        self.reason = reason
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (str(self), self.reason))
 
 
 def init_path() -> str:
