@@ -8,6 +8,14 @@ the loop blocks on the child: ``os.wait4`` runs only once bwrap's pidfd is reada
 the wait for the sandbox's PID 1 (which :meth:`Run.reap` does with a blocking 2 s poll) is
 an awaited reader on its pidfd.
 
+The two blocking steps of a run, ``prepare`` + ``spawn`` (workspace, cgroup, fds, and
+``posix_spawn``, which returns only once the first exec is done) and ``release`` (the
+``cgroup.procs`` write, 1-2 ms of kernel waiting on hybrid hosts, and the rlimits), run in
+one executor shared by the whole process (``EXECUTOR_THREADS`` threads, created on first
+use, never one per child), so the loop keeps supervising other runs meanwhile. Those
+threads live as long as the process: a sandbox is tied by ``--die-with-parent``
+(``PR_SET_PDEATHSIG``) to the *thread* that spawned bwrap (see :func:`_executor`).
+
 Glossary:
     bwrap pidfd: ``pidfd_open(2)`` of the bwrap process we spawned; readable when it exits.
     init pidfd: pidfd of the sandbox's PID 1 (bwrap's child, reported on
@@ -16,20 +24,25 @@ Glossary:
         waiting for it holds nothing but its coroutine.
 
 File descriptors, per run (Linux fds in this process; the loop's epoll fd is shared):
-    - while ``prepare``/``spawn`` run (synchronously, one run at a time per loop): up to
-      ~25 short-lived fds (args, seccomp, passwd and group memfds, 5 pipes, and their
-      copies moved above the child's fd numbers); closed before ``spawn`` returns;
+    - while ``prepare``/``spawn`` run (in the executor, so at most ``EXECUTOR_THREADS``
+      runs at a time): up to ~25 short-lived fds each (args, seccomp, passwd and group
+      memfds, 5 pipes, and their copies moved above the child's fd numbers); closed before
+      ``spawn`` returns;
     - from spawn to reap, at most 6: bwrap pidfd, json-status read end, stdout and stderr
       read ends (``capture=True``), stdin write end (``stdin`` bytes, until written), and
       the block-fd write end (until the handshake) or, after it, the init pidfd;
-    - after the run: none. So ``n`` runs in flight hold at most ``6 * n + 25`` fds, and a
-      :class:`Runner` with ``max_concurrency=64`` stays under 410 however many calls wait
-      (the default ``RLIMIT_NOFILE`` soft limit is often 1024).
-    Processes: bwrap and the sandbox's processes per running run; threads: none.
+    - after the run: none. So ``n`` runs in flight hold at most ``6 * n + 25 *
+      EXECUTOR_THREADS`` fds, and a :class:`Runner` with ``max_concurrency=64`` stays under
+      490 however many calls wait (the default ``RLIMIT_NOFILE`` soft limit is often 1024).
+    Processes: bwrap and the sandbox's processes per running run; threads: the shared
+    executor's ``EXECUTOR_THREADS``, whatever the number of runs.
 
 Cancellation: cancelling the awaiting task SIGKILLs the sandbox (PID 1, so the whole PID
 namespace, and bwrap), waits on the loop until both are gone and bwrap is reaped, removes
-the cgroup and closes every fd, then re-raises :class:`asyncio.CancelledError`. A second
+the cgroup and closes every fd, then re-raises :class:`asyncio.CancelledError`. A cancel
+that arrives while an executor step runs first waits for the step to end (bounded: no step
+waits on the program; a cancelled ``prepare`` skips the spawn and drops the fresh
+workspace), then does the same. A second
 cancellation during that wait falls back to the blocking cleanup of :meth:`Run.close`
 (bounded: SIGKILL has already been sent).
 
@@ -40,9 +53,12 @@ asyncio "Watching file descriptors" (``loop.add_reader``); bwrap(1) --json-statu
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import os
 import select
 import signal
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -59,6 +75,12 @@ DRAIN_TIMEOUT_S = 1.0
 #: before we SIGKILL it ourselves, then how long we wait for that, seconds (as Run.reap).
 INIT_EXIT_TIMEOUT_S = 2.0
 INIT_KILL_TIMEOUT_S = 10.0
+#: Threads of the executor shared by every run of the process (see :func:`_executor`).
+EXECUTOR_THREADS = 4
+
+_pool_lock = threading.Lock()
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_pid = 0
 
 
 def _ready_now(fd: int) -> bool:
@@ -114,10 +136,11 @@ class _Supervision:
         fd = getattr(self.r, attr)
         if fd is None:
             return
-        if not self.r.read_fd(attr):
-            # read_fd closed it at EOF; unregister the number at once (nothing can reuse it
-            # in between: fds are only opened by this thread's Run objects).
+        if not self.r.read_fd(attr, close=False):
+            # EOF: unregister the number, then close it (closed first, the number could be
+            # reused by a pipe an executor thread opens meanwhile).
             self.remove_reader(fd)
+            self.r._close_fd(attr)
             self._wakeup()
         elif attr == "json_r" and self.r.init_pid is not None:
             self._wakeup()
@@ -130,10 +153,11 @@ class _Supervision:
 
     def on_stdin(self) -> None:
         fd = self.r.stdin_w
-        if fd is None or self.r.feed_stdin():
+        if fd is None or self.r.feed_stdin(close=False):
             if self.writer is not None:
                 self.loop.remove_writer(self.writer)
                 self.writer = None
+            self.r._close_fd("stdin_w")
             self._wakeup()
 
     def on_deadline(self) -> None:
@@ -190,10 +214,73 @@ class _Supervision:
             await self.readable(r.init_pidfd, INIT_KILL_TIMEOUT_S)
 
 
+def _executor() -> concurrent.futures.ThreadPoolExecutor:
+    """The process's shared executor for the blocking steps of every Run (created lazily).
+
+    ``EXECUTOR_THREADS`` threads at most, whatever the number of runs, event loops or
+    Runners. Never shut down: a pool thread spawns bwrap, and bwrap's ``--die-with-parent``
+    (``PR_SET_PDEATHSIG``) fires when the spawning *thread* exits, not the process, so a pool
+    thread that exited would kill every sandbox it started. ``ThreadPoolExecutor`` keeps its
+    workers until ``shutdown()`` or interpreter exit, and this module keeps a reference for
+    the process's lifetime. A forked child (whose copy has no threads) makes its own.
+
+    Source: prctl(2) PR_SET_PDEATHSIG ("the parent" is the thread that created the child);
+    bwrap(1) --die-with-parent.
+    """
+    global _pool, _pool_pid
+    pool = _pool
+    if pool is not None and _pool_pid == os.getpid():
+        return pool
+    with _pool_lock:
+        if _pool is None or _pool_pid != os.getpid():
+            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=EXECUTOR_THREADS,
+                                                          thread_name_prefix="lowlevel-aio")
+            _pool_pid = os.getpid()
+        return _pool
+
+
+async def _step(fn: Callable[[], None], abort: threading.Event | None = None) -> None:
+    """Run one blocking step of a Run in the shared executor; wait for its end even if cancelled.
+
+    A step cannot be interrupted (it may sit in ``posix_spawn`` or a ``cgroup.procs``
+    write) and a Run has one driver at a time, so on cancellation we wait until the step is
+    over (steps are bounded: none waits on the program) and only then raise
+    ``CancelledError``, so the caller kills and reaps whatever the step started. A step that
+    failed after the cancellation is dropped in favour of the ``CancelledError``.
+
+    Args:
+        fn: the step, called in a pool thread.
+        abort: set on cancellation, for a step of several parts to skip the rest.
+    """
+    fut = asyncio.wrap_future(_executor().submit(fn))
+    cancelled = False
+    while not fut.done():
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            if not fut.done():
+                cancelled = True
+                if abort is not None:
+                    abort.set()
+        except BaseException:  # noqa: BLE001 - the step's own error: re-raised by fut.result() below
+            break
+    if cancelled:
+        fut.exception()  # retrieved, so asyncio does not log it as never retrieved
+        raise asyncio.CancelledError
+    fut.result()
+
+
+def _start(r: Run, abort: threading.Event) -> None:
+    """prepare then spawn, in a pool thread; no spawn once the task was cancelled."""
+    r.prepare()
+    if not abort.is_set():
+        r.spawn()
+
+
 async def _drive(r: Run, sup: _Supervision) -> Result:
     """The sync driver's steps (``launcher._drive_sync``), on loop callbacks."""
-    r.prepare()
-    r.spawn()
+    abort = threading.Event()
+    await _step(functools.partial(_start, r, abort), abort)
     assert r.json_r is not None and r.pidfd is not None
     # Handshake: wait for child-pid, or bwrap's exit (setup failure).
     sup.add_reader(r.json_r, sup.on_pipe, "json_r")
@@ -215,7 +302,7 @@ async def _drive(r: Run, sup: _Supervision) -> Result:
             await sup.reap()
             raise LaunchError(f"bwrap did not finish setting up within {SETUP_TIMEOUT_S:.0f} s", argv=r.full_argv)
         await sup.wait(left)
-    r.release()
+    await _step(r.release)
     if r.stdin_w is not None and not r.feed_stdin():
         sup.writer = r.stdin_w
         sup.loop.add_writer(r.stdin_w, sup.on_stdin)
@@ -251,8 +338,9 @@ def _adopt_init(r: Run, sup: _Supervision) -> None:
     if r.init_pidfd is not None or r.json_r is None:
         return
     fd = r.json_r
-    if not r.read_fd("json_r"):
+    if not r.read_fd("json_r", close=False):
         sup.remove_reader(fd)
+        r._close_fd("json_r")
     if r.init_pid is not None:
         try:
             r.init_pidfd = os.pidfd_open(r.init_pid)
@@ -266,7 +354,10 @@ async def _arun(r: Run) -> Result:
     try:
         return await _drive(r, sup)
     except asyncio.CancelledError:
-        if r.pid is not None and r.wait_status is None:
+        if r.pid is None:
+            r.close()
+            r.discard_workspace_if_unused()  # cancelled before the spawn: nothing ran
+        elif r.wait_status is None:
             _adopt_init(r, sup)
             r.kill("cancelled", cgroup_kill=False)
             try:

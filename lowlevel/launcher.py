@@ -570,8 +570,13 @@ class Run:
         self.block_w = None
 
     # -- 4. supervise --------------------------------------------------------------------
-    def feed_stdin(self) -> bool:
-        """Write what the stdin pipe takes; return True when stdin is done (and closed)."""
+    def feed_stdin(self, *, close: bool = True) -> bool:
+        """Write what the stdin pipe takes; return True when stdin is done (and closed).
+
+        Args:
+            close: close the pipe when done. The async driver passes False and closes it
+                itself once the loop no longer watches the fd number.
+        """
         if self.stdin_w is None:
             return True
         view = self.stdin_view
@@ -584,11 +589,20 @@ class Run:
             return False
         except BrokenPipeError:
             pass
-        self._close_fd("stdin_w")
+        self.stdin_view = None
+        if close:
+            self._close_fd("stdin_w")
         return True
 
-    def read_fd(self, which: str) -> bool:
-        """Drain readable data from 'out_r', 'err_r' or 'json_r'; return False at EOF (fd closed)."""
+    def read_fd(self, which: str, *, close: bool = True) -> bool:
+        """Drain readable data from 'out_r', 'err_r' or 'json_r'; return False at EOF.
+
+        Args:
+            which: the attribute naming the fd.
+            close: close the fd at EOF (the default). The async driver passes False and
+                closes it after unregistering it from the loop: a number closed while still
+                registered could be reused by a pipe another thread opens meanwhile.
+        """
         fd = getattr(self, which)
         if fd is None:
             return False
@@ -600,7 +614,8 @@ class Run:
             except OSError:
                 data = b""
             if not data:
-                self._close_fd(which)
+                if close:
+                    self._close_fd(which)
                 return False
             if which == "out_r":
                 self.out.feed(data)
