@@ -7,43 +7,50 @@ import sysconfig
 from setuptools import setup
 from setuptools.command.build_ext import build_ext
 
-INIT_SOURCE = os.path.join("native", "lowlevel_init.c")
-INIT_TARGET = os.path.join("lowlevel", "_lowlevel_init")
+#: Static executables built next to the extension modules: (source, target in the package).
+EXECUTABLES = (
+    # The session init: bwrap execs it inside the sandbox, where no Python runs.
+    (os.path.join("native", "lowlevel_init.c"), os.path.join("lowlevel", "_lowlevel_init")),
+    # The exec helper for root callers: setrlimit, drop uid/gid/groups, execv bwrap (one exec
+    # instead of prlimit(1) + setpriv(1)); the launcher falls back to those when it is missing.
+    (os.path.join("native", "lowlevel_exec.c"), os.path.join("lowlevel", "_lowlevel_exec")),
+)
 
 
 class BuildExtWithInit(build_ext):
-    """build_ext, then compile native/lowlevel_init.c into a static ``lowlevel/_lowlevel_init``.
+    """build_ext, then compile each of ``EXECUTABLES`` into a static ``lowlevel/_lowlevel_*``.
 
-    A plain executable, not an extension module: bwrap execs it inside the sandbox, where no
-    Python runs. Linked statically (glibc's libc.a, Debian package libc6-dev) so it does not
-    depend on the sandbox's libraries; falls back to dynamic linking when libc.a is missing.
-    Editable installs (``pip install -e``) build it in place, next to ``lowlevel/_native*.so``.
+    Plain executables, not extension modules. Linked statically (glibc's libc.a, Debian
+    package libc6-dev) so they do not depend on the sandbox's libraries and start fast (no
+    dynamic loader); fall back to dynamic linking when libc.a is missing. Editable installs
+    (``pip install -e``) build them in place, next to ``lowlevel/_native*.so``.
     """
 
     def run(self) -> None:
         super().run()
-        self.build_init()
+        for source, target in EXECUTABLES:
+            self.build_executable(source, target)
 
-    def init_output(self) -> str:
+    def output(self, target: str) -> str:
         base = "" if self.inplace else self.build_lib
-        return os.path.join(base, INIT_TARGET)
+        return os.path.join(base, target)
 
-    def build_init(self) -> None:
-        out = self.init_output()
+    def build_executable(self, source: str, target: str) -> None:
+        out = self.output(target)
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
         cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
         cc = cc.split()
-        flags = ["-O2", "-Wall", "-std=gnu11", "-o", out + ".tmp", INIT_SOURCE]
+        flags = ["-O2", "-Wall", "-std=gnu11", "-o", out + ".tmp", source]
         try:
             subprocess.run([*cc, "-static", *flags], check=True)
         except subprocess.CalledProcessError:
-            self.warn("static link of lowlevel_init failed (no libc.a?); linking dynamically")
+            self.warn(f"static link of {source} failed (no libc.a?); linking dynamically")
             subprocess.run([*cc, *flags], check=True)
         os.chmod(out + ".tmp", 0o755)
         shutil.move(out + ".tmp", out)
 
     def get_outputs(self) -> list:
-        return [*super().get_outputs(), self.init_output()]
+        return [*super().get_outputs(), *(self.output(target) for _source, target in EXECUTABLES)]
 
 
 setup(cffi_modules=["native/build_seccomp.py:ffibuilder"], cmdclass={"build_ext": BuildExtWithInit})

@@ -7,11 +7,11 @@ order, so machine drift hits all cases alike), for ``/usr/bin/true`` and
 
 - ``floor``: ``os.posix_spawn`` of the command + ``waitpid``, no sandbox;
 - ``subprocess``: ``subprocess.run(cmd, capture_output=True)``, no sandbox;
-- ``raw_bwrap``: the exact bwrap argv lowlevel builds for the default Policy (``setpriv``
-  prefix for root callers included), spawned with ``posix_spawn`` and the same sealed
-  seccomp memfd and passwd/group memfds; no ``--json-status-fd``/``--block-fd`` handshake,
-  no rlimits, no cgroup, no capture. Driven synchronously (concurrency 1) and from asyncio
-  (pidfd readers) at each concurrency;
+- ``raw_bwrap``: the exact bwrap argv lowlevel builds for the default Policy (the
+  ``_lowlevel_exec`` or ``setpriv`` prefix for root callers included), spawned with
+  ``posix_spawn`` and the same sealed seccomp memfd and passwd/group memfds; no
+  ``--json-status-fd``/``--block-fd`` handshake, no rlimits, no cgroup, no capture. Driven
+  synchronously (concurrency 1) and from asyncio (pidfd readers) at each concurrency;
 - ``run``: ``lowlevel.run`` with the default Policy (seccomp, rlimits, cgroup, handshake);
 - ``arun``: ``lowlevel.arun`` at each concurrency, bounded by a semaphore;
 - ``session``: ``Session.run`` in one long-lived session (sync, concurrency 1) and
@@ -155,8 +155,9 @@ class RawBwrap:
             i = options.index(opt)
             del options[i:i + 2]
         facts = r.facts
-        setpriv = _launcher._setpriv() if facts.caller_is_root else None
-        outer = lowlevel.argv.outer_argv(facts, policy, setpriv, _launcher.ARGS_FD, cmd)
+        helper = _launcher._exec_helper() if facts.caller_is_root else None
+        setpriv = _launcher._setpriv() if facts.caller_is_root and helper is None else None
+        outer = lowlevel.argv.outer_argv(facts, policy, setpriv, _launcher.ARGS_FD, cmd, exec_helper=helper)
         i = outer.index("--args")
         self.argv = [*outer[:i], *options, *outer[i + 2:]]
         self.bpf = _seccomp.compile_bpf(policy.seccomp)

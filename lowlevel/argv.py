@@ -36,7 +36,7 @@ class HostFacts:
             (``/etc/resolv.conf`` is often a symlink into ``/run``).
         cap_sys_resource: the caller holds CAP_SYS_RESOURCE. A root caller without it (some
             container and VM hosts drop it) cannot prlimit(2) a process of another uid, so
-            its rlimits are set before exec instead (see :func:`outer_argv`).
+            its rlimits are set before bwrap's exec instead (see :func:`outer_argv`).
     """
 
     bwrap: BwrapInfo
@@ -193,31 +193,60 @@ PRLIMIT_OPTIONS = {"RLIMIT_CPU": "--cpu", "RLIMIT_AS": "--as", "RLIMIT_DATA": "-
                    "RLIMIT_CORE": "--core"}
 
 
+def _rlimit_value(value: int) -> str:
+    """An rlimit value as ``_lowlevel_exec`` and prlimit(1) spell it (``resource.RLIM_INFINITY`` is -1)."""
+    return "unlimited" if value < 0 else str(value)
+
+
 def outer_argv(facts: HostFacts, policy: Policy, setpriv: str | None, args_fd: int,
                command: Sequence[str], *, prlimit: str | None = None,
-               pre_exec_rlimits: Sequence[tuple[str, int, int]] = ()) -> list[str]:
-    """The argv actually exec'd: ``bwrap --args FD -- COMMAND...``, behind ``setpriv`` for root.
+               pre_exec_rlimits: Sequence[tuple[str, int, int]] = (),
+               exec_helper: str | None = None) -> list[str]:
+    """The argv actually exec'd: ``bwrap --args FD -- COMMAND...``, behind a uid drop for root.
 
-    With ``pre_exec_rlimits`` (root without CAP_SYS_RESOURCE), ``prlimit(1)`` sets them
-    before ``setpriv``; they then bind bwrap too, which is harmless (bwrap is small and forks
-    once), and they are in force before the sandbox exists, so still race-free.
+    A root caller drops to ``policy.host_uid``/``host_gid`` with no supplementary groups
+    before bwrap runs, so bwrap maps the sandbox to that unprivileged uid instead of host uid
+    0 (with bwrap 0.8.0, host uid 0 inside can write /proc/sys). With ``pre_exec_rlimits``
+    (root without CAP_SYS_RESOURCE, which cannot prlimit(2) a process of another uid) the
+    rlimits are set before that, so they also bind bwrap, which is harmless (bwrap is small
+    and forks once), and are in force before the sandbox exists: still race-free.
 
-    A root caller drops to ``policy.host_uid``/``host_gid`` with ``setpriv --reuid --regid
-    --clear-groups`` before bwrap runs, so bwrap maps the sandbox to that unprivileged uid
-    instead of host uid 0 (with bwrap 0.8.0, host uid 0 inside can write /proc/sys).
-    Source: setpriv(1); bwrap(1) --uid.
+    Two ways, same effect:
+
+    - ``exec_helper`` (``lowlevel/_lowlevel_exec``, static, built from
+      ``native/lowlevel_exec.c``): ``HELPER --rlimit=NAME=SOFT:HARD... --uid=U --gid=G --
+      bwrap ...``: one exec; it exits 125 without exec'ing when any call fails;
+    - otherwise ``prlimit --cpu=S:H ... -- setpriv --reuid=U --regid=G --clear-groups --
+      bwrap ...`` (util-linux): one or two extra execs of dynamic programs.
+
+    Args:
+        facts: host facts (``caller_is_root``, bwrap's path).
+        policy: gives ``host_uid``/``host_gid``.
+        setpriv: setpriv(1)'s path; needed for a root caller without ``exec_helper``.
+        args_fd: the fd bwrap reads its options from (``--args``).
+        command: the program and its arguments inside.
+        prlimit: prlimit(1)'s path; needed for ``pre_exec_rlimits`` without ``exec_helper``.
+        pre_exec_rlimits: ``(name, soft, hard)`` triples (``RLIMIT_*`` names, -1 for none).
+        exec_helper: the helper's path, or None for the util-linux fallback.
+
+    Source: setpriv(1); prlimit(1); setrlimit(2); setresuid(2); bwrap(1) --uid.
     """
     inner = [facts.bwrap.path, "--args", str(args_fd), "--", *command]
-    if facts.caller_is_root:
-        assert setpriv is not None
-        pre: list[str] = []
-        if pre_exec_rlimits:
-            assert prlimit is not None
-            pre = [prlimit, *(f"{PRLIMIT_OPTIONS[name]}={soft}:{hard}" for name, soft, hard in pre_exec_rlimits),
-                   "--"]
-        return [*pre, setpriv, f"--reuid={policy.host_uid}", f"--regid={policy.host_gid}", "--clear-groups",
-                "--", *inner]
-    return inner
+    if not facts.caller_is_root:
+        return inner
+    if exec_helper is not None:
+        return [exec_helper,
+                *(f"--rlimit={name}={_rlimit_value(soft)}:{_rlimit_value(hard)}"
+                  for name, soft, hard in pre_exec_rlimits),
+                f"--uid={policy.host_uid}", f"--gid={policy.host_gid}", "--", *inner]
+    assert setpriv is not None
+    pre: list[str] = []
+    if pre_exec_rlimits:
+        assert prlimit is not None
+        pre = [prlimit, *(f"{PRLIMIT_OPTIONS[name]}={_rlimit_value(soft)}:{_rlimit_value(hard)}"
+                          for name, soft, hard in pre_exec_rlimits), "--"]
+    return [*pre, setpriv, f"--reuid={policy.host_uid}", f"--regid={policy.host_gid}", "--clear-groups",
+            "--", *inner]
 
 
 __all__ = ["Fds", "HostFacts", "NETWORK_ETC", "build_argv", "dynamic_args", "outer_argv", "redact_env_values",

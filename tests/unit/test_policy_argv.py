@@ -81,7 +81,22 @@ def test_env_user_values_on_top_and_validated():
             Policy(env=bad)
 
 
-def test_root_caller_goes_through_setpriv():
+def test_root_caller_goes_through_the_exec_helper():
+    facts = HostFacts(bwrap=INFO, layout=MERGED, caller_is_root=True)
+    helper = "/site/lowlevel/_lowlevel_exec"
+    argv = outer_argv(facts, Policy(), None, 3, ["true"], exec_helper=helper)
+    assert argv == [helper, "--uid=65534", "--gid=65534", "--", "/usr/bin/bwrap", "--args", "3", "--", "true"]
+    argv = outer_argv(facts, Policy(), None, 3, ["true"], exec_helper=helper,
+                      pre_exec_rlimits=[("RLIMIT_CPU", 5, 6), ("RLIMIT_AS", -1, -1), ("RLIMIT_CORE", 0, 0)])
+    assert argv == [helper, "--rlimit=RLIMIT_CPU=5:6", "--rlimit=RLIMIT_AS=unlimited:unlimited",
+                    "--rlimit=RLIMIT_CORE=0:0", "--uid=65534", "--gid=65534", "--",
+                    "/usr/bin/bwrap", "--args", "3", "--", "true"]
+    # Not root: bwrap directly, helper or not (rlimits are prlimit(2) calls at the handshake).
+    assert outer_argv(FACTS, Policy(), None, 3, ["ls"], exec_helper=helper) == \
+        ["/usr/bin/bwrap", "--args", "3", "--", "ls"]
+
+
+def test_root_caller_without_the_helper_goes_through_setpriv():
     facts = HostFacts(bwrap=INFO, layout=MERGED, caller_is_root=True)
     argv = outer_argv(facts, Policy(), "/usr/bin/setpriv", 3, ["true"])
     assert argv == ["/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--",

@@ -1,0 +1,179 @@
+"""native/lowlevel_exec.c (``lowlevel/_lowlevel_exec``): rlimits, uid/gid/groups drop, exec; fails closed.
+
+Every failure must exit 125 without exec'ing the target: the target here writes a marker
+file, so "it did not run" is checked by the file's absence, not by the exit code alone.
+The launcher's forced fallback (setpriv/prlimit, helper absent) is tested at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import lowlevel
+from lowlevel import launcher
+
+pytestmark = [pytest.mark.timeout(60)]
+HELPER = launcher.EXEC_HELPER_PATH
+ROOT = os.geteuid() == 0
+needs_helper = pytest.mark.skipif(not os.access(HELPER, os.X_OK),
+                                  reason="lowlevel/_lowlevel_exec not built (pip install -e .)")
+
+#: The target: records its ids, groups, capabilities and limits, proving it ran.
+PROBE = """
+import os, resource, sys
+r, e, s = os.getresuid(); rg, eg, sg = os.getresgid()
+caps = {l.split(':')[0]: l.split()[1] for l in open('/proc/self/status') if l.startswith('Cap')}
+open(sys.argv[1], 'w').write(repr({'uid': (r, e, s), 'gid': (rg, eg, sg), 'groups': os.getgroups(),
+    'caps': caps, 'nofile': resource.getrlimit(resource.RLIMIT_NOFILE),
+    'cpu': resource.getrlimit(resource.RLIMIT_CPU), 'core': resource.getrlimit(resource.RLIMIT_CORE)}))
+"""
+
+
+@pytest.fixture
+def marker() -> Iterator[Path]:
+    """A path the target writes when it runs, in a directory any uid can write (not tmp_path:
+    its parents are root-only, and a target that wrongly ran as 65534 must still leave it)."""
+    d = tempfile.mkdtemp(prefix="lowlevel-exec-test-", dir="/tmp")
+    os.chmod(d, 0o777)
+    try:
+        yield Path(d) / "ran"
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _helper(args: list[str], marker: Path, *, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*prefix, HELPER, *args, "--", "/usr/bin/python3", "-c", PROBE, str(marker)],
+                          capture_output=True, text=True, timeout=30)
+
+
+@needs_helper
+@pytest.mark.root
+def test_ids_dropped_groups_cleared_limits_set(marker: Path):
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    nofile = min(512, hard)
+    proc = _helper([f"--rlimit=RLIMIT_NOFILE={nofile - 1}:{nofile}", "--rlimit=RLIMIT_CPU=7:8",
+                    "--rlimit=RLIMIT_CORE=0:0", "--uid=65534", "--gid=65534"], marker)
+    assert proc.returncode == 0, proc.stderr
+    seen = eval(marker.read_text())  # noqa: S307 - our own repr()
+    assert seen["uid"] == (65534, 65534, 65534)
+    assert seen["gid"] == (65534, 65534, 65534)
+    assert seen["groups"] == []
+    assert seen["caps"]["CapEff"] == seen["caps"]["CapPrm"] == seen["caps"]["CapAmb"] == "0000000000000000"
+    assert seen["nofile"] == (nofile - 1, nofile) and seen["cpu"] == (7, 8) and seen["core"] == (0, 0)
+    # Control: the caller is root with supplementary groups to clear.
+    assert os.getresuid() == (0, 0, 0)
+
+
+@needs_helper
+@pytest.mark.root
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv(1) to drop CAP_SETUID")
+def test_refuses_to_exec_when_setresuid_fails(marker: Path):
+    """Without CAP_SETUID (setgroups and setresgid still work), setresuid fails: exit 125, no exec."""
+    # Control: with the same prefix and no drop, the target runs (as root).
+    ok = _helper([], marker, prefix=("setpriv", "--bounding-set=-setuid", "--"))
+    assert ok.returncode == 0 and marker.exists(), ok.stderr
+    marker.unlink()
+    proc = _helper(["--uid=65534", "--gid=65534"], marker, prefix=("setpriv", "--bounding-set=-setuid", "--"))
+    assert proc.returncode == 125
+    assert "setresuid (65534, 65534, 65534): Operation not permitted" in proc.stderr
+    assert not marker.exists()
+
+
+@needs_helper
+@pytest.mark.skipif(ROOT and launcher.host_facts().cap_sys_resource,
+                    reason="with CAP_SYS_RESOURCE raising a hard limit succeeds")
+def test_refuses_to_exec_when_setrlimit_fails(marker: Path):
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        pytest.skip("RLIMIT_NOFILE hard limit is unlimited here")
+    proc = _helper([f"--rlimit=RLIMIT_NOFILE={hard + 1}:{hard + 1}"], marker)
+    assert proc.returncode == 125, proc.stderr
+    assert f"setrlimit RLIMIT_NOFILE={hard + 1}:{hard + 1}: Operation not permitted" in proc.stderr
+    assert not marker.exists()
+
+
+@needs_helper
+def test_refuses_to_exec_when_setgroups_fails_unprivileged(marker: Path, request: pytest.FixtureRequest):
+    """An unprivileged caller asking for uid 0: setgroups fails first; exit 125, no exec."""
+    prefix: tuple[str, ...] = ()
+    if ROOT:
+        user = request.getfixturevalue("test_user")  # conftest: the unprivileged account
+        prefix = (shutil.which("runuser") or "/usr/sbin/runuser", "-u", user.pw_name, "--")
+    proc = _helper(["--uid=0", "--gid=0"], marker, prefix=prefix)
+    assert proc.returncode == 125 and "setgroups" in proc.stderr
+    assert not marker.exists()
+
+
+@needs_helper
+@pytest.mark.parametrize("args", [
+    ["--uid=65534"],                                  # uid without gid
+    ["--gid=65534"],
+    ["--uid=-1", "--gid=65534"],                      # -1 means "unchanged" to setresuid
+    ["--uid=4294967295", "--gid=65534"],
+    ["--uid=65534x", "--gid=65534"],
+    ["--uid=", "--gid=65534"],
+    ["--rlimit=RLIMIT_CPU=-1:5"],
+    ["--rlimit=RLIMIT_CPU=6:5"],                      # soft above hard
+    ["--rlimit=RLIMIT_BOGUS=1:1"],
+    ["--rlimit=RLIMIT_CPU=1"],
+    ["--rlimit=RLIMIT_CPU=1:18446744073709551616"],   # overflows
+    ["--setuid=0"],                                   # unknown option
+])
+def test_bad_arguments_exit_125_without_exec(marker: Path, args: list[str]):
+    proc = _helper(args, marker)
+    assert proc.returncode == 125, (args, proc.stderr)
+    assert proc.stderr.startswith("lowlevel_exec: ")
+    assert not marker.exists()
+
+
+@needs_helper
+def test_relative_target_and_missing_target():
+    proc = subprocess.run([HELPER, "--", "python3", "-c", "pass"], capture_output=True, text=True)
+    assert proc.returncode == 125 and "usage" in proc.stderr
+    proc = subprocess.run([HELPER, "--", "/nonexistent/bwrap"], capture_output=True, text=True)
+    assert proc.returncode == 127 and "execv /nonexistent/bwrap: No such file or directory" in proc.stderr
+
+
+# -- the launcher: helper and forced fallback give the same sandbox ----------------------------
+
+SCRIPT = "id -u; id -g; id -G; ulimit -n; ulimit -c; grep CapEff /proc/self/status"
+
+
+@pytest.mark.bwrap
+@pytest.mark.root
+def test_launcher_uses_helper_and_fallback_agrees(monkeypatch: pytest.MonkeyPatch):
+    if launcher._exec_helper() is None:
+        pytest.skip("helper not built")
+    fast = lowlevel.run(["sh", "-c", SCRIPT])
+    assert fast.argv[0] == HELPER
+    monkeypatch.setattr(launcher, "_exec_helper", lambda: None)
+    slow = lowlevel.run(["sh", "-c", SCRIPT])
+    assert os.path.basename(slow.argv[0]) in ("setpriv", "prlimit")
+    for r in (fast, slow):
+        shutil.rmtree(r.workspace, ignore_errors=True)
+    assert fast.exit_code == slow.exit_code == 0, (fast.stderr, slow.stderr)
+    assert fast.stdout == slow.stdout
+    assert fast.limits_enforced == slow.limits_enforced
+    assert b"CapEff:\t0000000000000000" in fast.stdout
+
+
+@pytest.mark.bwrap
+@pytest.mark.root
+def test_launcher_reports_a_failing_helper_as_setup_failure(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """A helper that exits 125 before bwrap runs is a LaunchError carrying its message."""
+    fake = tmp_path / "fake_exec"
+    fake.write_text("#!/bin/sh\necho 'lowlevel_exec: setresuid (65534, 65534, 65534): Operation not permitted' >&2\n"
+                    "exit 125\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(launcher, "_exec_helper", lambda: str(fake))
+    with pytest.raises(lowlevel.LaunchError) as info:
+        lowlevel.run(["true"])
+    assert "setresuid" in str(info.value)
