@@ -1,0 +1,129 @@
+"""Supervision and hygiene: floods, the caller's death, and 1,000 runs that leave nothing behind."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+import lowlevel
+from lowlevel import limits as _limits
+
+pytestmark = pytest.mark.bwrap
+
+
+def _ws() -> str:
+    path = tempfile.mkdtemp(prefix="ws-", dir="/tmp")
+    os.chmod(path, 0o755)
+    return path
+
+
+def _procs_with(marker: str) -> list[int]:
+    found = []
+    for cmdline in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            with open(cmdline, "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(cmdline.split("/")[2]))
+        except OSError:
+            pass
+    return found
+
+
+def test_one_gib_stdout_flood_is_capped_and_caller_rss_bounded():
+    code = (
+        "import resource, lowlevel, tempfile, os\n"
+        "ws = tempfile.mkdtemp(dir='/tmp'); os.chmod(ws, 0o755)\n"
+        "p = lowlevel.Policy(stdout_limit_bytes=1 << 20)\n"
+        "r = lowlevel.run(['head', '-c', str(1 << 30), '/dev/zero'], policy=p, workspace=ws, timeout=120)\n"
+        "print(r.exit_code, len(r.stdout), r.stdout_truncated, r.stdout_dropped_bytes,\n"
+        "      resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr
+    exit_code, kept, truncated, dropped, maxrss_kib = p.stdout.split()
+    assert exit_code == "0" and int(kept) == 1 << 20 and truncated == "True"
+    assert int(dropped) == (1 << 30) - (1 << 20)
+    assert int(maxrss_kib) < 150 * 1024, f"caller RSS grew to {int(maxrss_kib) // 1024} MiB"
+
+
+def test_head_and_tail_kept_when_truncated():
+    data = b"HEAD" + b"." * 100_000 + b"TAIL"
+    r = lowlevel.run(["cat"], stdin=data, workspace=_ws(), policy=lowlevel.Policy(stdout_limit_bytes=1000))
+    assert r.stdout.startswith(b"HEAD") and r.stdout.endswith(b"TAIL") and len(r.stdout) == 1000
+    assert r.stdout_truncated and r.stdout_dropped_bytes == len(data) - 1000
+
+
+def test_sigkill_of_the_caller_kills_the_sandbox_within_a_second():
+    marker = f"lowlevel-orphan-probe-{os.getpid()}-{time.time_ns()}"
+    ws = _ws()
+    code = (
+        "import lowlevel, sys\n"
+        f"lowlevel.run(['sh', '-c', 'while :; do echo x >> beat; sleep 0.05; done', '{marker}'],\n"
+        f"             workspace='{ws}', timeout=600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    beat = Path(ws, "beat")
+    deadline = time.monotonic() + 30
+    while not (beat.exists() and beat.stat().st_size > 10):
+        assert time.monotonic() < deadline, "the sandbox never started"
+        time.sleep(0.05)
+    assert _procs_with(marker), "control: the sandboxed loop is visible on the host while it runs"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    t0 = time.monotonic()
+    while _procs_with(marker) and time.monotonic() - t0 < 1.0:
+        time.sleep(0.02)
+    assert not _procs_with(marker), "sandbox processes survived their caller's SIGKILL for over 1 s"
+    size = beat.stat().st_size
+    time.sleep(0.3)
+    assert beat.stat().st_size == size
+
+
+def _children() -> list[str]:
+    out = []
+    for path in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
+        with open(path) as f:
+            out += f.read().split()
+    return out
+
+
+def _our_cgroups() -> list[str]:
+    support = _limits.detect_cgroups()
+    found = []
+    for h in support.hierarchies:
+        if h.base and os.path.isdir(h.base):
+            found += [d for d in os.listdir(h.base) if str(os.getpid()) in d]
+    return found
+
+
+@pytest.mark.slow
+def test_thousand_runs_leave_nothing_behind():
+    ws = _ws()
+    base = tempfile.mkdtemp(prefix="wsbase-", dir="/tmp")
+    os.chmod(base, 0o755)
+    lowlevel.run(["true"], workspace=ws)  # warm-up: probes, seccomp compile, cgroup base dirs
+    fds_before = sorted(os.listdir("/proc/self/fd"))
+    tmp_before = set(os.listdir(tempfile.gettempdir()))
+    for i in range(1000):
+        if i % 250 == 0:
+            # a few error paths too: they must not leak either
+            with pytest.raises(lowlevel.ExecError):
+                lowlevel.run(["no-such-command-anywhere"], workspace=ws)
+            r = lowlevel.run(["sleep", "5"], workspace=ws, timeout=0.2)
+            assert r.timed_out
+        r = lowlevel.run(["true"], workspace=ws)
+        assert r.exit_code == 0
+    assert sorted(os.listdir("/proc/self/fd")) == fds_before, "fds leaked (pidfds, pipes or memfds)"
+    assert _children() == [], "zombie or live children left"
+    assert _our_cgroups() == [], "stray per-run cgroups left"
+    assert set(os.listdir(tempfile.gettempdir())) == tmp_before, "temp files or dirs left"
+    assert not any("memfd:" in os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+                   if os.path.exists(f"/proc/self/fd/{fd}"))
