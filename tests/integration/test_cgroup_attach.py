@@ -1,0 +1,68 @@
+"""The program is in its run's cgroup from its first instruction (the attach precedes the release).
+
+The command is ``cat /proc/self/cgroup``: the first thing the program does is report where
+it is. bwrap's ``--unshare-cgroup`` roots the sandbox's cgroup namespace where bwrap's child
+was when it was cloned (the caller's cgroup); the launcher then moves that child into the
+run's cgroup before it writes the ``--block-fd`` byte, so inside, every hierarchy with a run
+directory shows ``/lowlevel/run-<caller pid>-<hex>`` (``/`` would mean "never moved", a
+path elsewhere "moved too late or to the wrong place").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+
+import pytest
+
+import lowlevel
+from lowlevel import limits as _limits
+from lowlevel.aio import arun
+
+pytestmark = [pytest.mark.bwrap, pytest.mark.root, pytest.mark.timeout(60)]
+
+
+def _hierarchies() -> dict[str, str]:
+    """``{controller key in /proc/PID/cgroup: our run-directory base}`` for what a run uses."""
+    support = _limits.detect_cgroups()
+    if not support.usable:
+        pytest.skip("no writable cgroup hierarchy here")
+    out = {}
+    for controller in ("memory", "pids"):
+        h = support.hierarchy_for(controller)
+        if h is not None and h.version == 1:
+            out[controller] = controller
+        elif h is not None:
+            out[""] = ""
+    if support.v2 is not None and support.v2.base is not None:
+        out[""] = ""
+    return out
+
+
+def _check(stdout: bytes, keys: dict[str, str]) -> None:
+    seen = _limits.parse_proc_cgroup(stdout.decode())
+    prefix = f"run-{os.getpid()}-"
+    for key in keys:
+        path = seen[key]
+        assert path.startswith("/") and not path.startswith("/..")
+        assert os.path.basename(path).startswith(prefix), (key, path, stdout)
+
+
+@pytest.mark.parametrize("driver", ["run", "arun"])
+def test_first_instruction_runs_in_the_run_cgroup(driver: str):
+    keys = _hierarchies()
+    assert "memory" in keys or "" in keys
+    for _ in range(20):  # the attach races nothing, but a regression may be intermittent
+        if driver == "run":
+            r = lowlevel.run(["cat", "/proc/self/cgroup"])
+        else:
+            r = asyncio.run(arun(["cat", "/proc/self/cgroup"]))
+        shutil.rmtree(r.workspace, ignore_errors=True)
+        assert r.exit_code == 0, r.stderr
+        _check(r.stdout, keys)
+
+
+def test_control_the_caller_is_not_in_a_run_cgroup():
+    with open("/proc/self/cgroup") as f:
+        assert "/run-" not in f.read()
