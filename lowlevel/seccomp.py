@@ -49,6 +49,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import stat
 import re
 import select
 import threading
@@ -319,6 +320,45 @@ def _socket_family_rules() -> tuple[Rule, ...]:
     return tuple(rules)
 
 
+def _setid_rules() -> tuple[Rule, ...]:
+    """Deny making setuid/setgid files: chmod-family calls, and creating calls with those mode bits.
+
+    A setuid file left in a workspace runs with the sandbox's host uid *outside* the sandbox
+    (no seccomp, host network, other sandboxes' /proc/PID/root) for any local user who reaches
+    it; for an unprivileged caller that uid is the caller's own. The mode argument is masked,
+    so ordinary chmod/open calls pass. open/openat only carry a mode with O_CREAT or
+    O_TMPFILE: the rule tests the flag too, so garbage in an unused mode register cannot
+    trip it. openat2 passes mode in a struct seccomp cannot read: ENOSYS, so libc falls back
+    to openat. Cost: ``chmod g+s`` on a directory (``git init --shared``) fails with EPERM.
+    """
+    src = ("flatpak-run.c (chmod/fchmod/fchmodat with S_ISUID|S_ISGID, CVE-2021-41133 follow-up); "
+           "Docker has no rule (no shared workspace); lowlevel red-team finding")
+    why = "creating a setuid/setgid file that runs outside the sandbox with its uid"
+    rows: list[Rule] = []
+    for bit in (stat.S_ISUID, stat.S_ISGID):
+        name = "S_ISUID" if bit == stat.S_ISUID else "S_ISGID"
+        for syscall, mode_arg in (("chmod", 1), ("fchmod", 1), ("fchmodat", 2), ("fchmodat2", 2),
+                                  ("creat", 1)):
+            rows.append(_deny(syscall, f"{syscall} with {name}: {why}", src,
+                              args=(Arg(mode_arg, SCMP_CMP_MASKED_EQ, bit, bit),)))
+        for syscall, mode_arg in (("mknod", 1), ("mknodat", 2)):
+            rows.append(_deny(syscall, f"{syscall} of a file with {name}: {why}", src,
+                              args=(Arg(mode_arg, SCMP_CMP_MASKED_EQ, bit, bit),)))
+        for syscall, flags_arg in (("open", 1), ("openat", 2)):
+            for flag, fname in ((os.O_CREAT, "O_CREAT"), (_O_TMPFILE_BIT, "O_TMPFILE")):
+                rows.append(_deny(syscall, f"{syscall}({fname}) with mode {name}: {why}", src,
+                                  args=(Arg(flags_arg, SCMP_CMP_MASKED_EQ, flag, flag),
+                                        Arg(flags_arg + 1, SCMP_CMP_MASKED_EQ, bit, bit))))
+    rows.append(_deny("openat2", "openat2's mode sits in struct open_how, which seccomp cannot read; "
+                      "ENOSYS makes libc fall back to openat, which the rules above check.", src,
+                      action=_ENOSYS))
+    return tuple(rows)
+
+
+#: __O_TMPFILE without O_DIRECTORY (O_TMPFILE = __O_TMPFILE | O_DIRECTORY), x86 and arm values.
+_O_TMPFILE_BIT = 0o20000000
+
+
 _NO_TOOL_NEEDS = "no tool we run needs it"
 _MOUNT_REASON = ("Mount table changes. bwrap drops CAP_SYS_ADMIN so the kernel says EPERM anyway; "
                  "denying them here keeps that true if a policy ever keeps capabilities. flatpak "
@@ -426,7 +466,7 @@ _DEFAULT_RULES: tuple[Rule, ...] = (
           "moby default.json (CAP_SYS_TIME)"),
     _deny("clock_settime", "As settimeofday.", "moby default.json (CAP_SYS_TIME)"),
     _deny("stime", "As settimeofday (i386 only).", "moby default.json (CAP_SYS_TIME)"),
-) + _personality_rules() + _socket_family_rules()
+) + _personality_rules() + _socket_family_rules() + _setid_rules()
 
 #: Calls flatpak or Docker deny that the default profile allows, and why (the other half of
 #: the line-by-line comparison; rows above name their flatpak/Docker counterpart).

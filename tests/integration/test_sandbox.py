@@ -338,3 +338,37 @@ def test_seccomp_audit_mode_reports_denials():
     assert audited.seccomp_denials is not None and "ptrace" in audited.seccomp_denials
     enforced = lowlevel.run(["python3", "-c", probe])
     assert enforced.stdout == b"-1\n" and enforced.seccomp_denials is None
+
+
+SETID_PROBE = """
+import os, stat, sys
+results = []
+open("f", "w").close()
+for label, fn in [
+    ("chmod-suid", lambda: os.chmod("f", 0o4755)),
+    ("chmod-sgid", lambda: os.chmod("f", 0o2755)),
+    ("fchmod-suid", lambda: os.fchmod(os.open("f", os.O_RDONLY), 0o4755)),
+    ("open-creat-suid", lambda: os.open("g", os.O_CREAT | os.O_WRONLY, 0o4755)),
+    ("mknod-suid", lambda: os.mknod("h", stat.S_IFREG | 0o4755)),
+    ("chmod-plain", lambda: os.chmod("f", 0o755)),
+]:
+    try:
+        fn()
+        results.append(label + "=ok")
+    except PermissionError:
+        results.append(label + "=EPERM")
+modes = [oct(os.stat(p).st_mode & 0o7777) for p in ("f",)]
+print(" ".join(results), *modes)
+"""
+
+
+def test_setuid_files_cannot_be_made(sandbox, tmp_path):
+    # Control: outside the sandbox the same probe makes setuid files.
+    ctl = subprocess.run([sys.executable, "-c", SETID_PROBE], cwd=tmp_path, capture_output=True, text=True)
+    assert "chmod-suid=ok" in ctl.stdout and "open-creat-suid=ok" in ctl.stdout
+    r = sandbox.run(["python3", "-c", SETID_PROBE])
+    assert r.exit_code == 0, r.err
+    for label in ("chmod-suid", "chmod-sgid", "fchmod-suid", "open-creat-suid", "mknod-suid"):
+        assert f"{label}=EPERM" in r.out
+    assert "chmod-plain=ok" in r.out and r.out.split()[-1] == "0o755"
+    assert not any(os.stat(p).st_mode & (0o4000 | 0o2000) for p in Path(r.workspace).iterdir())
