@@ -111,6 +111,10 @@ def static_args(policy: Policy, facts: HostFacts) -> tuple[str, ...]:
     if tmp_size is not None and facts.bwrap.has("--size"):
         a += ["--size", str(tmp_size)]
     a += ["--tmpfs", "/dev/shm"]
+    # bwrap's /dev is an unsized tmpfs: left writable, it is a second, unbounded place to write
+    # (memory outside every limit when no cgroup applies). /dev/shm, /dev/pts and the device
+    # nodes are separate mounts or inodes and keep working.
+    a += ["--remount-ro", "/dev"]
     for bind in policy.binds:
         a += ["--bind" if bind.writable else "--ro-bind", bind.source, bind.dest]
     return tuple(a)

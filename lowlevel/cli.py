@@ -55,7 +55,11 @@ def parse_size(text: str) -> int:
     if not m:
         raise argparse.ArgumentTypeError(f"invalid size {text!r}: use a number of bytes with an optional "
                                          "K, M or G suffix, e.g. 256M")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    number, unit = m.group(1), m.group(2).lower()
+    if not unit and "." in number:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: a byte count is a whole number "
+                                         "(or use a suffix: 1.5M)")
+    return int(float(number) * _UNITS[unit])
 
 
 def _positive_float(text: str) -> float:

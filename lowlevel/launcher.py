@@ -52,7 +52,7 @@ from . import limits as _limits
 from . import seccomp as _seccomp
 from . import workspace as _ws
 from .argv import NETWORK_ETC, Fds, HostFacts, build_argv, outer_argv, redact_env_values
-from .errors import LaunchError, PolicyError, UnsupportedError, WorkspaceError
+from .errors import LaunchError, LowlevelError, PolicyError, UnsupportedError, WorkspaceError
 from .policy import WORKSPACE_DEST, Policy
 from .probe import bwrap_info, host_layout, require_pidfd
 from .result import Result, decode_exit
@@ -225,6 +225,19 @@ def _passwd_group(uid: int, gid: int) -> tuple[bytes, bytes]:
     return passwd.encode(), group.encode()
 
 
+def _clamp_to_own_hard_limits(triples: Sequence[tuple[str, int, int]]) -> tuple[tuple[str, int, int], ...]:
+    """Lower (name, soft, hard) rlimits to our own hard limits: without CAP_SYS_RESOURCE,
+    prlimit(1) cannot raise them, and the stricter value stays in force anyway."""
+    import resource
+    out = []
+    for name, soft, hard in triples:
+        _cur, own_hard = resource.getrlimit(getattr(resource, name))
+        if own_hard != resource.RLIM_INFINITY:
+            soft, hard = min(soft, own_hard), min(hard, own_hard)
+        out.append((name, soft, hard))
+    return tuple(out)
+
+
 def _check_command(command: Sequence[str]) -> list[str]:
     if isinstance(command, (str, bytes)) or not isinstance(command, Sequence) or not command:
         raise PolicyError("command must be a non-empty list of strings, e.g. ['python3', 'main.py']")
@@ -235,31 +248,50 @@ def _check_command(command: Sequence[str]) -> list[str]:
         if "\0" in arg:
             raise PolicyError(f"command argument {arg!r} contains a NUL byte")
         out.append(arg)
+    if not out[0]:
+        raise PolicyError("command[0] is empty: name the program to run, e.g. ['python3', 'main.py']")
     return out
 
 
-def _host_path(policy: Policy, workspace: str, inside: str) -> str | None:
-    """Map a sandbox path to the host path that backs it, or None when unknown (tmpfs, /proc)."""
+#: Sandbox paths that exist but are never executable (synthesized by the launcher).
+_SYNTHESIZED = ("/etc/passwd", "/etc/group")
+#: Mounts whose content we cannot know before the run: leave those paths to bwrap's execvp.
+_OPAQUE = ("/proc", "/dev", "/sys")
+
+
+def _host_path(policy: Policy, workspace: str, inside: str, etc_files: Sequence[str] = ()) -> str | None:
+    """Map a sandbox path to the host path that backs it.
+
+    Returns the host path; ``""`` when the path surely does not exist in a fresh sandbox
+    (``/tmp`` is empty at start, the root holds only what the base layout puts there); or
+    None when we cannot know (``/proc``, ``/dev``).
+    """
     inside = os.path.normpath(inside)
     if inside == WORKSPACE_DEST or inside.startswith(WORKSPACE_DEST + "/"):
         return workspace + inside[len(WORKSPACE_DEST):]
     for bind in policy.binds:
         if inside == bind.dest or inside.startswith(bind.dest.rstrip("/") + "/"):
             return bind.source + inside[len(bind.dest):]
-    if inside.startswith("/usr/"):
-        return inside
-    for name in ("/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32"):
-        if inside.startswith(name + "/"):
+    for name in ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32"):
+        if inside == name or inside.startswith(name + "/"):
             return inside
-    return None
+    for entry in etc_files:
+        if inside == entry or inside.startswith(entry + "/"):
+            return inside
+    if any(inside == p or inside.startswith(p + "/") for p in _OPAQUE):
+        return None
+    return ""
 
 
 def precheck_exec(policy: Policy, workspace: str, command: Sequence[str], env: Mapping[str, str],
-                  cwd: str = WORKSPACE_DEST) -> None:
+                  cwd: str = WORKSPACE_DEST, etc_files: Sequence[str] = ()) -> None:
     """Fail fast with ExecError when the command surely does not exist or is not executable.
 
-    Only paths whose host backing we know (``/usr``, the workspace, binds) are checked; any
-    other path is left to bwrap's own execvp, whose failure is decoded after the run.
+    The sandbox's filesystem is known before it starts (``/usr`` and friends, the workspace,
+    the binds, a few ``/etc`` entries, an empty ``/tmp``), so "not found" and "not executable"
+    are decided here, in capture and in inherited-stdio mode alike, before paying for a
+    sandbox. Paths under ``/proc`` and ``/dev`` are left to bwrap's own execvp, whose failure
+    is decoded after the run.
     """
     prog = command[0]
     if "/" in prog:
@@ -267,22 +299,35 @@ def precheck_exec(policy: Policy, workspace: str, command: Sequence[str], env: M
     else:
         candidates = [os.path.join(d, prog) for d in env.get("PATH", "").split(":") if d.startswith("/")]
     unknown = False
+    not_exec = False
     for cand in candidates:
-        host = _host_path(policy, workspace, cand)
+        norm = os.path.normpath(cand)
+        if norm in _SYNTHESIZED:
+            not_exec = True
+            continue
+        host = _host_path(policy, workspace, cand, etc_files)
         if host is None:
             unknown = True
+            continue
+        if host == "":
             continue
         if "/" not in prog and host.startswith(workspace):
             unknown = True  # PATH entries inside the workspace: leave it to execvp
             continue
+        if os.path.isdir(host):
+            not_exec = True
+            continue
         if os.path.isfile(host):
-            if os.access(host, os.X_OK) or os.geteuid() == 0:
+            if os.stat(host).st_mode & 0o111:
                 return
-            raise ExecError(f"{prog}: permission denied (not executable)", argv=list(command),
-                            errno=errno.EACCES)
-    if not unknown and candidates:
-        raise ExecError(f"{prog}: command not found in the sandbox (PATH={env.get('PATH', '')})",
-                        argv=list(command), errno=errno.ENOENT)
+            not_exec = True
+    if unknown or not candidates:
+        return
+    if not_exec:
+        raise ExecError(f"{prog}: permission denied (not an executable file)", argv=list(command),
+                        errno=errno.EACCES)
+    raise ExecError(f"{prog}: command not found in the sandbox (PATH={env.get('PATH', '')})",
+                    argv=list(command), errno=errno.ENOENT)
 
 
 _EXEC_FAIL = re.compile(rb"bwrap: execvp ([^\n]*): ([^\n]*)")
@@ -325,8 +370,9 @@ class Run:
         if not isinstance(policy, Policy):
             raise PolicyError(f"policy must be a lowlevel.Policy, got {type(policy).__name__}")
         if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
-                                    or not timeout > 0):
-            raise PolicyError(f"timeout must be a number of seconds > 0 or None, got {timeout!r}")
+                                    or not 0 < timeout < 2**31):
+            raise PolicyError(f"timeout must be a finite number of seconds > 0 (or None for no "
+                              f"timeout), got {timeout!r}")
         if stdin is not None and not isinstance(stdin, (bytes, bytearray, memoryview)):
             raise PolicyError("stdin must be bytes or None")
         if not isinstance(cwd, str) or not cwd.startswith("/"):
@@ -413,7 +459,8 @@ class Run:
                 os.chown(self.workspace, policy.host_uid, policy.host_gid)
             else:
                 _ws.chown_tree(self.workspace, policy.host_uid, policy.host_gid)
-        precheck_exec(policy, self.workspace, self.command, self.environment, self.cwd)
+        precheck_exec(policy, self.workspace, self.command, self.environment, self.cwd,
+                      self.facts.layout.etc_files)
         # A directory mkdtemp made a moment ago (mode 0700, ours) and nothing copied in is empty:
         # skip the walks (fast path; the snapshot is the one _ws.snapshot gives an empty dir).
         self.before = ({}, True) if fresh_empty else _ws.snapshot(self.workspace)
@@ -423,7 +470,7 @@ class Run:
             self.notes.append("no writable cgroup hierarchy: memory, pids and CPU bounded by rlimits only")
 
         if self.facts.caller_is_root and not self.facts.cap_sys_resource:
-            self.pre_exec_rlimits = _limits.rlimits(policy.limits, self.cgroup)
+            self.pre_exec_rlimits = _clamp_to_own_hard_limits(_limits.rlimits(policy.limits, self.cgroup))
             how = "setrlimit in _lowlevel_exec" if _exec_helper() else "prlimit(1)"
             self.notes.append(f"root without CAP_SYS_RESOURCE: rlimits set with {how} before bwrap starts")
 
@@ -573,17 +620,28 @@ class Run:
             # It died during setup: bwrap will report why on stderr.
             if err.errno != errno.ESRCH:
                 raise
+        died = self.init_pidfd is None
         if self.init_pidfd is not None:
-            if self.audit is not None:
-                self.audit.attach(self.init_pid)
-            if self.cgroup is not None:
-                self.cgroup.attach(self.init_pid)
-            if self.pre_exec_rlimits:
-                self.rlimits_applied = tuple(name for name, _s, _h in self.pre_exec_rlimits)
-            else:
-                self.rlimits_applied = _limits.apply_rlimits(self.init_pid, self.policy.limits, self.cgroup)
+            try:
+                if self.audit is not None:
+                    self.audit.attach(self.init_pid)
+                if self.cgroup is not None:
+                    self.cgroup.attach(self.init_pid)
+                if self.pre_exec_rlimits:
+                    self.rlimits_applied = tuple(name for name, _s, _h in self.pre_exec_rlimits)
+                else:
+                    self.rlimits_applied = _limits.apply_rlimits(self.init_pid, self.policy.limits,
+                                                                 self.cgroup)
+            except (OSError, LowlevelError):
+                if not _readable(self.init_pidfd, 0):
+                    raise  # alive and not limited: never release it (close() kills it)
+                died = True  # it died while setting up: bwrap's own message explains why
         assert self.block_w is not None
-        os.write(self.block_w, b"1")
+        if not died:
+            try:
+                os.write(self.block_w, b"1")
+            except BrokenPipeError:
+                pass
         os.close(self.block_w)
         self.fds.remove(self.block_w)
         self.block_w = None

@@ -146,7 +146,8 @@ class Limits:
         _check_int("memory_bytes", self.memory_bytes, minimum=1 * MiB)
         _check_int("address_space_bytes", self.address_space_bytes, minimum=1 * MiB)
         _check_int("pids", self.pids, minimum=2)
-        _check_int("fsize_bytes", self.fsize_bytes, minimum=0)
+        # bwrap itself writes small files (/etc/passwd) under this limit on some paths.
+        _check_int("fsize_bytes", self.fsize_bytes, minimum=4 * KiB)
         _check_int("nofile", self.nofile, minimum=3)
         _check_int("core_bytes", self.core_bytes, minimum=0, optional=False)
         _check_seconds("cpu_quota", self.cpu_quota, minimum=0.01, unit="cores")

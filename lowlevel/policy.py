@@ -178,6 +178,9 @@ class Bind:
         if any(part == ".." for part in dest.split("/")):
             raise PolicyError(f"Bind dest {dest!r} must not contain '..'")
         dest = os.path.normpath(dest)
+        if _within(dest, WORKSPACE_DEST) and dest != WORKSPACE_DEST:
+            raise PolicyError(f"Bind dest {dest!r} is inside /workspace, which the workspace bind "
+                              "mounts over: copy it in as an input, or bind it elsewhere (e.g. /opt/NAME)")
         if dest in RESERVED_DESTS or any(_within(dest, r) for r in ("/proc", "/dev")):
             raise PolicyError(f"Bind dest {dest!r} is reserved by the base layout; choose another path "
                               "(e.g. /opt/NAME)")

@@ -35,7 +35,7 @@ def test_golden_default_argv():
         "--symlink", "usr/lib64", "/lib64", "--symlink", "usr/sbin", "/sbin",
         "--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache",
         "--proc", "/proc", "--dev", "/dev", "--size", "1048576", "--tmpfs", "/tmp",
-        "--size", "1048576", "--tmpfs", "/dev/shm",
+        "--size", "1048576", "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
         "--bind", "/srv/ws", "/workspace", "--ro-bind-data", "7", "/etc/passwd", "--ro-bind-data", "8", "/etc/group",
         "--remount-ro", "/", "--chdir", "/workspace", "--json-status-fd", "4", "--block-fd", "5", "--seccomp", "6",
     ]
@@ -167,7 +167,7 @@ def test_socket_bind_refused():
 
 
 def test_bind_dest_validation(tmp_path):
-    for dest in ("relative", "/usr", "/proc/x", "/workspace", "/a/../etc"):
+    for dest in ("relative", "/usr", "/proc/x", "/workspace", "/workspace/lib", "/a/../etc"):
         with pytest.raises(lowlevel.PolicyError):
             Bind(str(tmp_path), dest)
     with pytest.raises(lowlevel.PolicyError, match="does not exist"):
@@ -183,7 +183,7 @@ def test_parse_size(text, value):
     assert parse_size(text) == value
 
 
-@pytest.mark.parametrize("text", ["", "12Q", "-1", "M", "1 2"])
+@pytest.mark.parametrize("text", ["", "12Q", "-1", "M", "1 2", "1.5"])
 def test_parse_size_rejects(text):
     import argparse
     with pytest.raises(argparse.ArgumentTypeError):
