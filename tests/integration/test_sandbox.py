@@ -372,3 +372,27 @@ def test_setuid_files_cannot_be_made(sandbox, tmp_path):
         assert f"{label}=EPERM" in r.out
     assert "chmod-plain=ok" in r.out and r.out.split()[-1] == "0o755"
     assert not any(os.stat(p).st_mode & (0o4000 | 0o2000) for p in Path(r.workspace).iterdir())
+
+
+def test_dev_is_read_only_but_devices_and_shm_work(sandbox):
+    r = sandbox.run(["sh", "-c", "echo x > /dev/fill; echo dev=$?; echo x > /dev/null; echo null=$?; "
+                     "echo x > /dev/shm/s; echo shm=$?; head -c 4 /dev/urandom | wc -c"])
+    assert "dev=2" in r.out and "null=0" in r.out and "shm=0" in r.out and r.out.split()[-1] == "4"
+
+
+@pytest.mark.parametrize("prog,code", [("/etc/passwd", 126), ("/usr", 126), ("/tmp/nope", 127),
+                                        ("nope-not-here", 127)])
+def test_cli_exec_failures_exit_126_127_without_json(prog, code):
+    p = subprocess.run([sys.executable, "-m", "lowlevel", "run", "--", prog], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == code, p.stderr
+    assert "Traceback" not in p.stderr and p.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("args", [["--timeout", "inf"], ["--timeout", "1e300"], ["--fsize", "0"],
+                                  ["--tmp-size", "1.5"], ["--memory", "12Q"]])
+def test_cli_bad_values_one_line_no_traceback(args):
+    p = subprocess.run([sys.executable, "-m", "lowlevel", "run", *args, "--", "true"], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode in (2, 125), p.stderr
+    assert "Traceback" not in p.stderr
