@@ -151,10 +151,15 @@ class RawBwrap:
             self.workspace = r.workspace
         finally:
             r.close()
+        facts = r.facts
+        if facts.caller_is_root:
+            # close() gave the workspace back (root:root 0700); raw bwrap runs as host_uid and
+            # reaches it through the group, as lowlevel's runs do (workspace.hand_over).
+            os.chown(self.workspace, -1, policy.host_gid)
+            os.chmod(self.workspace, 0o770)
         for opt in ("--json-status-fd", "--block-fd"):
             i = options.index(opt)
             del options[i:i + 2]
-        facts = r.facts
         helper = _launcher._exec_helper() if facts.caller_is_root else None
         setpriv = _launcher._setpriv() if facts.caller_is_root and helper is None else None
         outer = lowlevel.argv.outer_argv(facts, policy, setpriv, _launcher.ARGS_FD, cmd, exec_helper=helper)

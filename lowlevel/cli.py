@@ -22,11 +22,14 @@ the Model Context Protocol over stdio (see :mod:`lowlevel.mcp_server`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import re
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from types import FrameType
 
 from . import __version__
 from .errors import LowlevelError
@@ -301,20 +304,72 @@ def cmd_mcp(args: argparse.Namespace) -> int:
     return 0
 
 
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived during ``run`` or ``replay``.
+
+    Raised from the signal handler, like KeyboardInterrupt for SIGINT, so every ``finally``
+    runs before the CLI exits 128+N: the sandbox is killed and reaped and the workspace given
+    back to its owners (with the default action the process would die with the tree still
+    owned by the sandbox's uid). A BaseException, so ``except Exception`` cannot swallow it.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+#: Signals turned into :class:`Terminated`; SIGINT is KeyboardInterrupt already.
+SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def clean_shutdown() -> Iterator[None]:
+    """Turn SIGTERM and SIGHUP into :class:`Terminated` while the block runs; restore after.
+
+    The first signal raises; later ones are ignored, so a second SIGTERM cannot cut the
+    cleanup short. A signal the caller ignores (``nohup`` ignores SIGHUP) stays ignored.
+    Outside the main thread (``signal.signal`` refuses) nothing is installed.
+    """
+    def handler(signum: int, _frame: FrameType | None) -> None:
+        for sig in SHUTDOWN_SIGNALS:
+            if sig in old:
+                signal.signal(sig, signal.SIG_IGN)
+        raise Terminated(signum)
+
+    old: dict[int, object] = {}
+    try:
+        for sig in SHUTDOWN_SIGNALS:
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                old[sig] = signal.signal(sig, handler)
+    except ValueError:  # not the main thread
+        pass
+    try:
+        yield
+    finally:
+        for signum, previous in old.items():
+            signal.signal(signum, previous)  # type: ignore[arg-type]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``lowlevel`` console script. Returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         if args.cmd == "run":
-            return cmd_run(args)
+            with clean_shutdown():
+                return cmd_run(args)
         if args.cmd == "replay":
-            return cmd_replay(args)
+            with clean_shutdown():
+                return cmd_replay(args)
         if args.cmd == "mcp":
             return cmd_mcp(args)
         return cmd_doctor(args)
     except KeyboardInterrupt:
         return 130
+    except Terminated as err:
+        print(f"lowlevel: {signal.Signals(err.signum).name}: the sandbox was killed and the workspace "
+              "given back", file=sys.stderr)
+        return 128 + err.signum
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -366,7 +366,7 @@ class Run:
                  inputs: Sequence[str | os.PathLike[str]] = (), timeout: float | None = DEFAULT_TIMEOUT_S,
                  stdin: bytes | None = None, env: Mapping[str, str] | None = None, capture: bool = True,
                  cwd: str = WORKSPACE_DEST, workspace_base: str | None = None, bwrap: str | None = None,
-                 extra_fds: Mapping[int, int] | None = None) -> None:
+                 extra_fds: Mapping[int, int] | None = None, allow_sensitive_workspace: bool = False) -> None:
         if not isinstance(policy, Policy):
             raise PolicyError(f"policy must be a lowlevel.Policy, got {type(policy).__name__}")
         if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
@@ -395,10 +395,11 @@ class Run:
         self.inputs = list(inputs)
         self.workspace_arg = workspace
         self.workspace_base = workspace_base
+        self.allow_sensitive_workspace = allow_sensitive_workspace
         # State filled as the run goes.
         self.workspace = ""
         self.owns_workspace = False
-        self.restore_owner: tuple[int, int] | None = None
+        self.handover: _ws.Handover | None = None
         self.fds: list[int] = []
         self.pid: int | None = None
         self.pidfd: int | None = None
@@ -444,6 +445,7 @@ class Run:
             if not os.path.isdir(ws) or os.path.islink(ws):
                 raise WorkspaceError(errno.ENOTDIR, f"workspace {ws} is not a directory")
             self.workspace = os.path.realpath(ws)
+            _ws.check_workspace_path(self.workspace, allow_sensitive=self.allow_sensitive_workspace)
             if self.inputs:
                 _ws.copy_inputs(self.workspace, self.inputs)
         else:
@@ -452,18 +454,16 @@ class Run:
         fresh_empty = self.owns_workspace and not self.inputs
         if self.facts.caller_is_root:
             _ws.check_traversable(self.workspace, policy.host_uid, policy.host_gid)
-            st = os.stat(self.workspace)
-            if not self.owns_workspace:
-                self.restore_owner = (st.st_uid, st.st_gid)
-            if fresh_empty:
-                os.chown(self.workspace, policy.host_uid, policy.host_gid)
-            else:
-                _ws.chown_tree(self.workspace, policy.host_uid, policy.host_gid)
         precheck_exec(policy, self.workspace, self.command, self.environment, self.cwd,
                       self.facts.layout.etc_files)
-        # A directory mkdtemp made a moment ago (mode 0700, ours) and nothing copied in is empty:
-        # skip the walks (fast path; the snapshot is the one _ws.snapshot gives an empty dir).
-        self.before = ({}, True) if fresh_empty else _ws.snapshot(self.workspace)
+        # One walk: the change-report snapshot, the owners to give back, and (root callers) the
+        # tree given to the sandbox's uid with the root kept 0770 ours:host_gid; close() (or
+        # result()) gives it back and strips setuid/setgid bits (lowlevel.workspace.hand_over).
+        # A directory mkdtemp made a moment ago with nothing copied in is empty: no walk.
+        self.handover = _ws.hand_over(
+            self.workspace, sandbox_ids=(policy.host_uid, policy.host_gid) if self.facts.caller_is_root else None,
+            empty=fresh_empty)
+        self.before = self.handover.before
 
         self.cgroup = _limits.RunCgroup.create(policy.limits, f"run-{os.getpid()}-{id(self):x}")
         if self.cgroup is None:
@@ -801,7 +801,8 @@ class Run:
             killed_by = "signal"
         out, out_t, out_d = self.out.value()
         errout, err_t, err_d = self.err.value()
-        after = _ws.snapshot(self.workspace)
+        # The sandbox is dead: give the workspace back now; the walk is also the "after" snapshot.
+        after = self.give_back_workspace() if self.handover is not None else _ws.snapshot(self.workspace)
         enforced = tuple(self.rlimits_applied) + tuple(
             f"cgroup:{c}" for c in (getattr(self.cgroup, "enforced", ()) if self.cgroup else ()))
         if self.seccomp_loaded:
@@ -822,6 +823,18 @@ class Run:
             limits_enforced=enforced, changes=_ws.diff(self.before, after), workspace=self.workspace,
             notes=tuple(self.notes), argv=tuple(self.full_argv), seccomp_denials=denials,
         )
+
+    def give_back_workspace(self) -> tuple[Any, bool]:
+        """Strip setuid/setgid bits the run left and give the workspace back to its owners.
+
+        Only once the sandbox is dead (:meth:`result` and :meth:`close` call it). Returns the
+        snapshot after the run. See :func:`lowlevel.workspace.give_back`.
+
+        Raises:
+            WorkspaceError: the walk failed (the root directory is restored regardless).
+        """
+        assert self.handover is not None
+        return _ws.give_back(self.handover)
 
     def discard_workspace_if_unused(self) -> None:
         """Remove a workspace this Run created when the program never started (setup failed)."""
@@ -857,11 +870,11 @@ class Run:
                     os.close(fd)
                     setattr(self, attr, None)
             self.json_r = self.block_w = self.stdin_w = self.out_r = self.err_r = None
-            if self.restore_owner is not None and self.workspace:
+            if self.handover is not None and not self.handover.done:
                 try:
-                    _ws.chown_tree(self.workspace, *self.restore_owner)
-                except OSError as err:
-                    log.warning("lowlevel: cannot restore ownership of %s: %s", self.workspace, err)
+                    self.give_back_workspace()
+                except WorkspaceError as err:
+                    log.warning("lowlevel: %s", err)
             if self.cgroup is not None:
                 try:
                     self.cgroup.remove()

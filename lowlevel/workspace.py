@@ -333,6 +333,346 @@ def chown_tree(root: str, uid: int, gid: int, *, only_from: int | None = None) -
                 pass
 
 
+# --- handing a workspace to the sandbox and taking it back ------------------------------------
+
+#: S_ISUID | S_ISGID: the bits that make an executable run with its owner's or group's ids.
+SETID_BITS = stat.S_ISUID | stat.S_ISGID
+#: Cap on pre-existing setuid/setgid non-directories pinned with an O_PATH fd during a run
+#: (callers whose sandbox runs as their own uid); see :class:`Handover`.
+MAX_PINNED = 256
+
+#: Directories that are never a workspace themselves (the workspace is bound read-write and,
+#: for root callers, handed to the sandbox's uid for the run). ``/lib`` and ``/bin`` resolve into
+#: ``/usr`` on usr-merged hosts; both spellings are here for the others.
+SYSTEM_DIRS = ("/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/libx32",
+               "/media", "/mnt", "/opt", "/proc", "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr",
+               "/var", "/var/cache", "/var/lib", "/var/log", "/var/mail", "/var/spool", "/var/tmp")
+#: Trees no workspace may lie inside (system files, devices, kernel interfaces, sockets).
+SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc", "/run",
+                "/sbin", "/sys", "/usr")
+
+
+def _inside(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+def workspace_refusal(path: str) -> str | None:
+    """Say why host directory ``path`` must not be a workspace, or None.
+
+    Refused: ``/`` and the system directories (:data:`SYSTEM_DIRS`), anything inside a system
+    tree (:data:`SYSTEM_TREES`), a directory containing any of those, and whatever
+    :func:`lowlevel.policy.sensitive_reason` flags (home directories and anything containing
+    one, credential locations, ``/run``, sockets). Behind this: ``lowlevel run --workspace /root``
+    as root handed all of ``/root`` to uid 65534 for the run.
+
+    Args:
+        path: absolute and resolved (``os.path.realpath``).
+    """
+    from .policy import sensitive_reason  # policy imports seccomp and limits: keep this module light
+
+    for sysdir in SYSTEM_DIRS:
+        if _inside(sysdir, path):
+            what = "is" if sysdir == path else "contains"
+            return f"it {what} the system directory {sysdir}"
+    for tree in SYSTEM_TREES:
+        if _inside(path, tree):
+            return f"it is inside the system tree {tree}"
+    reason = sensitive_reason(path)
+    if reason:
+        return reason
+    return None
+
+
+def check_workspace_path(path: str, *, allow_sensitive: bool = False) -> None:
+    """Refuse a workspace :func:`workspace_refusal` flags, before anything touches it.
+
+    Args:
+        path: absolute and resolved (``os.path.realpath``).
+        allow_sensitive: skip the check (API ``allow_sensitive_workspace=True``, CLI
+            ``--allow-sensitive``).
+    Raises:
+        WorkspaceError: (EPERM) the message says why and how to override.
+    """
+    if allow_sensitive:
+        return
+    reason = workspace_refusal(path)
+    if reason:
+        raise WorkspaceError(errno.EPERM, f"refusing workspace {path}: {reason}. The workspace is bound "
+                             "read-write into the sandbox (and, for a root caller, handed to the sandbox's "
+                             "uid for the run): use a dedicated project directory, or pass "
+                             "allow_sensitive_workspace=True (CLI: --allow-sensitive) if you really mean it")
+
+
+@dataclass
+class Handover:
+    """What :func:`hand_over` changed and saw, for :func:`give_back` after the run.
+
+    Attributes:
+        root: the workspace's host path.
+        before: the snapshot before the run (``(Snapshot, complete)``, as :func:`snapshot`).
+        root_ids: ``(uid, gid, mode)`` of the root directory before the run (mode with its
+            special bits).
+        owners: ``{(st_dev, st_ino): (uid, gid, st_mode)}`` of every entry below the root
+            before the run (the inodes that existed before it).
+        pins: ``{(st_dev, st_ino): fd}``: O_PATH fds holding pre-existing setuid/setgid
+            non-directories alive while the sandbox (as the caller's own uid) could delete
+            them: an inode that cannot be freed cannot have its number reused by a file the
+            sandbox makes, so a matching number after the run is the same file.
+        sandbox_uid: the host uid the sandbox ran as when it differs from the caller's (root
+            callers), else None.
+        new_owner: ``(uid, gid)`` given to inodes the run created (the root's owner and group).
+        done: True once :func:`give_back` ran.
+    """
+
+    root: str
+    before: tuple[Snapshot, bool]
+    root_ids: tuple[int, int, int]
+    owners: dict[tuple[int, int], tuple[int, int, int]]
+    pins: dict[tuple[int, int], int]
+    sandbox_uid: int | None
+    new_owner: tuple[int, int]
+    done: bool = False
+
+
+def _open_root(root: str) -> int:
+    try:
+        return os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as err:
+        raise WorkspaceError(err.errno, f"cannot open workspace {root}: {err.strerror}") from err
+
+
+def hand_over(root: str, *, sandbox_ids: tuple[int, int] | None, empty: bool = False,
+              limit: int = MAX_SNAPSHOT_ENTRIES) -> Handover:
+    """Snapshot the workspace and make it writable for the sandbox, in one walk.
+
+    For a root caller (``sandbox_ids`` given: the sandbox's host uid and gid):
+
+    - the root directory keeps its owner (the caller's uid if it was the sandbox's) and gets
+      group ``sandbox gid`` and mode 0770: the sandbox writes through the group bits and no
+      other local user can traverse it, so nothing the sandbox makes (a setuid copy of a
+      shell) is reachable from outside while the run is live. The sandbox's uid never owns
+      the root, so it cannot ``chmod o+rx`` it.
+    - every entry below is given to the sandbox's uid:gid (``fchownat`` without following
+      symlinks), except regular files with several hard links (their other names may lie
+      outside the workspace) and setuid/setgid non-directories (they keep their owner and
+      bits; the sandbox can read and replace them, not change them).
+
+    For other callers (the sandbox runs as the caller's own uid) nothing changes hands; the
+    walk records the state and pins the setuid/setgid files (see :class:`Handover`).
+
+    Args:
+        root: the workspace (absolute, resolved).
+        sandbox_ids: ``(host_uid, host_gid)`` of the sandbox for root callers, else None.
+        empty: the workspace was made empty a moment ago (skip the walk).
+        limit: entries to record. A root caller's workspace with more is refused (its owners
+            could not be given back exactly); others get an incomplete snapshot, and after
+            the run every setuid/setgid bit of an unrecorded inode is cleared.
+    Returns:
+        The :class:`Handover` for :func:`give_back`; ``before`` is the change-report snapshot.
+    Raises:
+        WorkspaceError: the workspace cannot be walked, or (root callers) has more than
+            ``limit`` entries (E2BIG): nothing is left changed.
+    """
+    rootfd = _open_root(root)
+    try:
+        st = os.fstat(rootfd)
+        caller = (os.getuid(), os.getgid())
+        owner = st.st_uid if sandbox_ids is None or st.st_uid != sandbox_ids[0] else caller[0]
+        h = Handover(root=root, before=({}, True), root_ids=(st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)),
+                     owners={}, pins={}, sandbox_uid=sandbox_ids[0] if sandbox_ids else None,
+                     new_owner=(owner, st.st_gid if owner == st.st_uid else caller[1]))
+        if sandbox_ids is not None:
+            os.fchown(rootfd, owner, sandbox_ids[1])
+            os.fchmod(rootfd, 0o770)
+        if empty:
+            return h
+        try:
+            _hand_over_walk(h, rootfd, sandbox_ids, limit)
+        except BaseException:
+            give_back(h)
+            raise
+        return h
+    finally:
+        os.close(rootfd)
+
+
+def _hand_over_walk(h: Handover, rootfd: int, sandbox_ids: tuple[int, int] | None, limit: int) -> None:
+    snap: Snapshot = {}
+    complete = True
+    unlisted: list[OSError] = []
+    try:
+        for dirpath, dirnames, filenames, dirfd in os.fwalk(".", follow_symlinks=False, dir_fd=rootfd,
+                                                            onerror=unlisted.append):
+            rel_dir = os.path.normpath(dirpath)
+            for name in dirnames + filenames:
+                try:
+                    st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if len(snap) >= limit:
+                    complete = False
+                    if sandbox_ids is not None:
+                        raise WorkspaceError(errno.E2BIG, f"workspace {h.root} has more than {limit} entries: "
+                                             "too many to hand to the sandbox's uid and give back exactly. "
+                                             "Use a smaller workspace (copy in what the program needs), "
+                                             "or run lowlevel as an unprivileged user")
+                    break
+                rel = name if rel_dir == "." else f"{rel_dir}/{name}"
+                mode = st.st_mode
+                snap[rel] = (_kind(mode), st.st_size, st.st_mtime_ns, st.st_ino, stat.S_IMODE(mode))
+                key = (st.st_dev, st.st_ino)
+                h.owners[key] = (st.st_uid, st.st_gid, mode)
+                setid_file = bool(mode & SETID_BITS) and not stat.S_ISDIR(mode)
+                if sandbox_ids is not None:
+                    if setid_file or (stat.S_ISREG(mode) and st.st_nlink > 1):
+                        continue
+                    if (st.st_uid, st.st_gid) != sandbox_ids:
+                        os.chown(name, *sandbox_ids, dir_fd=dirfd, follow_symlinks=False)
+                elif setid_file and len(h.pins) < MAX_PINNED and key not in h.pins:
+                    pin = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
+                    pst = os.fstat(pin)
+                    if (pst.st_dev, pst.st_ino) == key:
+                        h.pins[key] = pin
+                    else:
+                        os.close(pin)
+            if not complete:
+                break
+    except OSError as err:
+        raise WorkspaceError(err.errno, f"cannot walk workspace {h.root}: {err.strerror}") from err
+    if unlisted:
+        # A directory we cannot list (a non-root caller's workspace holding someone else's 0700
+        # dir): its entries are unrecorded, so they count as new after the run.
+        if sandbox_ids is not None:
+            first = unlisted[0]
+            raise WorkspaceError(first.errno or errno.EIO, f"cannot list {first.filename} in workspace {h.root}: "
+                                 f"{first.strerror}")
+        complete = False
+    h.before = (snap, complete)
+
+
+def give_back(h: Handover, *, limit: int = MAX_SNAPSHOT_ENTRIES) -> tuple[Snapshot, bool]:
+    """After the run: strip what the sandbox could abuse and give ownership back. Idempotent.
+
+    Call it only once the sandbox is dead. Walks the whole tree (no cap) relative to
+    directory fds, never following a symlink (``fchownat``/``fchmodat`` with
+    ``AT_SYMLINK_NOFOLLOW``), and for each entry:
+
+    - an inode that existed before the run (same ``st_dev``/``st_ino``, same file type) gets
+      back its uid and gid (root callers), and its setuid/setgid bits as recorded. For a
+      non-directory that needs proof that it is the same file, not a new one that reused the
+      number: for root callers, that it is not owned by the sandbox's uid (only the sandbox's
+      files are; the sandbox cannot chmod others'), otherwise that it was pinned. Without the
+      proof the bits are cleared.
+    - an inode the run created gets the root's owner and group (root callers), and loses its
+      setuid/setgid bits. Every such inode lives inside the sandbox's writable mounts (it was
+      made there, and a hard link can only be made inside them), so changing it is safe even
+      with ``st_nlink > 1``.
+    - other-write (``o+w``) is kept only where the inode had it before the run.
+    - the permission bits the program set are kept (a ``chmod +x`` it made stays);
+    - for root callers, inodes not owned by the sandbox's uid are left alone: the sandbox
+      could not have changed them.
+
+    Then the root directory gets back its uid, gid and mode, and the pins are closed.
+
+    Args:
+        h: from :func:`hand_over`.
+        limit: entries to record in the returned snapshot.
+    Returns:
+        The snapshot after the run, as :func:`snapshot` gives (the state once given back),
+        or an empty complete one on the second call.
+    Raises:
+        WorkspaceError: the walk failed (the root is still restored and the pins closed).
+    """
+    if h.done:
+        return {}, True
+    h.done = True
+    snap: Snapshot = {}
+    complete = True
+    try:
+        rootfd = _open_root(h.root)
+    except WorkspaceError:
+        _close_pins(h)
+        raise
+    unlisted: list[OSError] = []
+    try:
+        for dirpath, dirnames, filenames, dirfd in os.fwalk(".", follow_symlinks=False, dir_fd=rootfd,
+                                                            onerror=unlisted.append):
+            rel_dir = os.path.normpath(dirpath)
+            for name in dirnames + filenames:
+                try:
+                    st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+                    mode = _give_back_entry(h, name, dirfd, st)
+                except FileNotFoundError:
+                    continue
+                if len(snap) < limit:
+                    rel = name if rel_dir == "." else f"{rel_dir}/{name}"
+                    snap[rel] = (_kind(st.st_mode), st.st_size, st.st_mtime_ns, st.st_ino, mode)
+                else:
+                    complete = False
+    except OSError as err:
+        raise WorkspaceError(err.errno, f"cannot give back workspace {h.root}: {err.strerror}") from err
+    finally:
+        try:
+            uid, gid, mode = h.root_ids
+            os.fchown(rootfd, uid, gid)
+            os.fchmod(rootfd, mode)
+        finally:
+            os.close(rootfd)
+            _close_pins(h)
+    if unlisted:
+        first = unlisted[0]
+        raise WorkspaceError(first.errno or errno.EIO, f"cannot list {first.filename} in workspace {h.root} "
+                             f"after the run ({first.strerror}): setuid/setgid bits below it were not checked")
+    return snap, complete and h.before[1]
+
+
+def _close_pins(h: Handover) -> None:
+    for fd in h.pins.values():
+        os.close(fd)
+    h.pins.clear()
+
+
+def _give_back_entry(h: Handover, name: str, dirfd: int, st: os.stat_result) -> int:
+    """Fix one entry (see :func:`give_back`); return its permission bits afterwards."""
+    mode = st.st_mode
+    cur = stat.S_IMODE(mode)
+    if h.sandbox_uid is not None and st.st_uid != h.sandbox_uid:
+        return cur
+    key = (st.st_dev, st.st_ino)
+    prev = h.owners.get(key)
+    if prev is not None and stat.S_IFMT(prev[2]) != stat.S_IFMT(mode):
+        prev = None
+    is_dir = stat.S_ISDIR(mode)
+    if prev is not None:
+        uid, gid, prev_mode = prev
+        # A directory's setgid bit grants nothing; a file's needs proof it is the same inode.
+        proven = is_dir or key in h.pins
+        want = (cur & ~SETID_BITS) | (prev_mode & SETID_BITS if proven else 0)
+        if not prev_mode & stat.S_IWOTH:
+            want &= ~stat.S_IWOTH
+    else:
+        uid, gid = h.new_owner
+        want = cur & ~(SETID_BITS | stat.S_IWOTH)
+    if is_dir and h.sandbox_uid is None and st.st_uid == os.getuid():
+        # A run as our own uid can leave a directory we cannot list (chmod 0311): we must see
+        # inside it, so it gets u+rx back.
+        want |= stat.S_IRUSR | stat.S_IXUSR
+    chowned = False
+    if h.sandbox_uid is not None and (st.st_uid, st.st_gid) != (uid, gid):
+        os.chown(name, uid, gid, dir_fd=dirfd, follow_symlinks=False)
+        chowned = True
+    if stat.S_ISLNK(mode):
+        return cur
+    if want != cur or (chowned and want & SETID_BITS):
+        try:
+            os.chmod(name, want, dir_fd=dirfd, follow_symlinks=False)
+        except (NotImplementedError, ValueError):
+            # glibc's fchmodat(AT_SYMLINK_NOFOLLOW) refuses a symlink (EOPNOTSUPP): the entry
+            # was swapped for one since the stat. Symlinks have no mode to fix.
+            return cur
+    return want
+
+
 def check_traversable(path: str, uid: int, gid: int) -> None:
     """Check that uid:gid can reach ``path`` (execute permission on each ancestor).
 
@@ -360,5 +700,7 @@ def check_traversable(path: str, uid: int, gid: int) -> None:
         cur = os.path.dirname(cur)
 
 
-__all__ = ["Changes", "FileEntry", "check_traversable", "chown_tree", "copy_inputs", "create_workspace",
-           "default_base", "diff", "ensure_base", "list_files", "read_file", "snapshot", "write_file"]
+__all__ = ["MAX_PINNED", "SETID_BITS", "SYSTEM_DIRS", "SYSTEM_TREES", "Changes", "FileEntry", "Handover",
+           "check_traversable", "check_workspace_path", "chown_tree", "copy_inputs", "create_workspace",
+           "default_base", "diff", "ensure_base", "give_back", "hand_over", "list_files", "read_file", "snapshot",
+           "workspace_refusal", "write_file"]

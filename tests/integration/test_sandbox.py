@@ -6,9 +6,11 @@ Every test taking the ``sandbox`` fixture runs as root and as an unprivileged us
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -249,13 +251,28 @@ def test_missing_command_is_exec_error(sandbox):
 
 @pytest.mark.root
 def test_root_caller_sandbox_is_not_host_root():
-    r = lowlevel.run(["sh", "-c", "touch mine; echo x > /proc/sys/kernel/core_pattern && echo WROTE-SYSCTL; "
-                      "echo 1 > /proc/sys/vm/drop_caches && echo WROTE-SYSCTL"])
-    ws = r.workspace  # a fresh workspace keeps the sandbox's ownership after the run
+    ws = tempfile.mkdtemp(prefix="lowlevel-notroot-")
+    os.chmod(ws, 0o755)
+    out: list[lowlevel.Result] = []
+    t = threading.Thread(target=lambda: out.append(lowlevel.run(
+        ["sh", "-c", "touch mine; echo x > /proc/sys/kernel/core_pattern && echo WROTE-SYSCTL; "
+         "echo 1 > /proc/sys/vm/drop_caches && echo WROTE-SYSCTL; sleep 5"], workspace=ws, timeout=3)))
+    t.start()
+    owner = None
+    for _ in range(200):
+        if os.path.exists(Path(ws, "mine")):
+            owner = os.stat(Path(ws, "mine")).st_uid
+            break
+        time.sleep(0.01)
+    t.join()
+    r = out[0]
     assert "WROTE-SYSCTL" not in r.stdout.decode()
     assert r.stderr.decode().count("Permission denied") == 2
-    # What the host sees: a file made inside belongs to an unprivileged host uid.
-    assert os.stat(Path(ws, "mine")).st_uid == 65534
+    # What the host sees during the run: a file made inside belongs to an unprivileged host uid;
+    # after the run it is given back to the workspace's owner (workspace.give_back).
+    assert owner == 65534
+    assert os.stat(Path(ws, "mine")).st_uid == 0
+    shutil.rmtree(ws)
     # Control: host root can open the sysctl for writing (we open it, never write it).
     with open("/proc/sys/kernel/core_pattern", "r+"):
         pass
