@@ -379,7 +379,8 @@ async def arun(command: Sequence[str], *, policy: Policy | None = None,
                workspace: str | os.PathLike[str] | None = None, inputs: Sequence[str | os.PathLike[str]] = (),
                timeout: float | None = DEFAULT_TIMEOUT_S, stdin: bytes | None = None,
                env: Mapping[str, str] | None = None, capture: bool = True, cwd: str = WORKSPACE_DEST,
-               workspace_base: str | None = None, limiter: asyncio.Semaphore | None = None) -> Result:
+               workspace_base: str | None = None, limiter: asyncio.Semaphore | None = None,
+               allow_sensitive_workspace: bool = False) -> Result:
     """Run ``command`` in a fresh bwrap sandbox without blocking the event loop.
 
     The same run, arguments and :class:`~lowlevel.result.Result` as :func:`lowlevel.run`
@@ -389,7 +390,7 @@ async def arun(command: Sequence[str], *, policy: Policy | None = None,
     Args:
         command: program and arguments as seen inside, e.g. ``["python3", "main.py"]``.
         policy: the sandbox description; default ``Policy()``.
-        workspace, inputs, timeout, stdin, env, capture, cwd, workspace_base: as
+        workspace, inputs, timeout, stdin, env, capture, cwd, workspace_base, allow_sensitive_workspace: as
             :func:`lowlevel.run`. ``timeout`` (seconds, None for none) counts from the spawn;
             on expiry the sandbox is SIGKILLed and the Result has ``timed_out=True``.
         limiter: an ``asyncio.Semaphore`` shared by the calls it should bound; the call
@@ -410,7 +411,7 @@ async def arun(command: Sequence[str], *, policy: Policy | None = None,
         return Run(command, policy=policy or Policy(),
                    workspace=None if workspace is None else os.fspath(workspace), inputs=inputs,
                    timeout=timeout, stdin=stdin, env=env, capture=capture, cwd=cwd,
-                   workspace_base=workspace_base)
+                   workspace_base=workspace_base, allow_sensitive_workspace=allow_sensitive_workspace)
 
     if limiter is None:
         return await _arun(make())

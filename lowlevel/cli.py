@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rw", metavar="PATH[:DEST]", action="append", default=[], type=_bind_spec,
                    help="extra writable bind (repeatable)")
     p.add_argument("--allow-sensitive", action="store_true",
-                   help="allow binds of credential dirs, home, /run, sockets (dangerous)")
+                   help="allow binds of credential dirs, home, /run, sockets, and a --workspace that is a "
+                   "system or home dir (dangerous)")
     p.add_argument("--env", metavar="KEY=VALUE", action="append", default=[], type=_env_pair,
                    help="environment variable inside (repeatable)")
     p.add_argument("--memory", metavar="BYTES", type=parse_size, help="memory limit of the run (cgroup; "
@@ -211,7 +212,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         else:
             inputs = args.input
         result = run(command, policy=policy, workspace=workspace, inputs=inputs, timeout=args.timeout,
-                     capture=args.json or bool(args.record), record=args.record)
+                     capture=args.json or bool(args.record), record=args.record,
+                     allow_sensitive_workspace=args.allow_sensitive)
         if args.record and not args.json:
             sys.stdout.buffer.write(result.stdout)
             sys.stdout.flush()

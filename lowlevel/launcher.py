@@ -973,7 +973,7 @@ def run(command: Sequence[str], *, policy: Policy | None = None, workspace: str 
         inputs: Sequence[str | os.PathLike[str]] = (), timeout: float | None = DEFAULT_TIMEOUT_S,
         stdin: bytes | None = None, env: Mapping[str, str] | None = None, capture: bool = True,
         cwd: str = WORKSPACE_DEST, workspace_base: str | None = None,
-        record: str | os.PathLike[str] | None = None) -> Result:
+        record: str | os.PathLike[str] | None = None, allow_sensitive_workspace: bool = False) -> Result:
     """Run ``command`` in a fresh bwrap sandbox and wait for it.
 
     Args:
@@ -982,7 +982,9 @@ def run(command: Sequence[str], *, policy: Policy | None = None, workspace: str 
         policy: the sandbox description; default ``Policy()`` (the hardened recipe).
         workspace: host directory bound read-write at ``/workspace`` (must exist). None makes
             a fresh per-run directory under ``workspace_base`` (kept after the run; its path
-            is ``Result.workspace``).
+            is ``Result.workspace``). ``/``, system directories (``/etc``, ``/usr``, ``/var``,
+            ``/tmp`` itself...), home directories and credential locations are refused
+            (:func:`lowlevel.workspace.workspace_refusal`).
         inputs: host files or directories copied into the workspace before the run.
         timeout: wall-clock limit in seconds (None: no limit); on expiry the whole sandbox is
             SIGKILLed and the Result has ``timed_out=True``, ``killed_by="timeout"``.
@@ -997,11 +999,14 @@ def run(command: Sequence[str], *, policy: Policy | None = None, workspace: str 
         record: write a run record (JSON, ``docs/record-schema.json``) to this path after the
             run, and copy the inputs to ``<record>.inputs/`` for ``lowlevel replay``; see
             :func:`lowlevel.record.record_run`.
+        allow_sensitive_workspace: accept a ``workspace`` that would be refused. It is bound
+            read-write and, for a root caller, handed to the sandbox's uid for the run.
     Returns:
         A :class:`Result`.
     Raises:
         PolicyError: a bad argument (the message says which).
-        WorkspaceError: the workspace is missing, not a directory, or unreachable by the
+        WorkspaceError: the workspace is refused (EPERM: a system or home directory), missing,
+            not a directory, too large for a root caller (E2BIG), or unreachable by the
             sandbox's uid; an input is missing.
         ExecError: the command does not exist (errno ENOENT) or is not executable (EACCES).
         BwrapNotFoundError: bwrap is not installed.
@@ -1012,10 +1017,11 @@ def run(command: Sequence[str], *, policy: Policy | None = None, workspace: str 
         from .record import record_run
         return record_run(command, record=record, policy=policy, workspace=workspace, inputs=inputs,
                           timeout=timeout, stdin=stdin, env=env, capture=capture, cwd=cwd,
-                          workspace_base=workspace_base)
+                          workspace_base=workspace_base, allow_sensitive_workspace=allow_sensitive_workspace)
     r = Run(command, policy=policy or Policy(), workspace=None if workspace is None else os.fspath(workspace),
             inputs=inputs, timeout=timeout, stdin=stdin, env=env, capture=capture, cwd=cwd,
-            workspace_base=workspace_base)
+            workspace_base=workspace_base,
+            allow_sensitive_workspace=allow_sensitive_workspace)
     try:
         return _drive_sync(r)
     except BaseException:

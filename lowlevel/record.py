@@ -294,7 +294,8 @@ def execute_recorded(command: Sequence[str], *, policy: Policy | None = None,
                      inputs: Sequence[str | os.PathLike[str]] = (), timeout: float | None = DEFAULT_TIMEOUT_S,
                      stdin: bytes | None = None, env: Mapping[str, str] | None = None, capture: bool = True,
                      cwd: str = WORKSPACE_DEST, workspace_base: str | None = None,
-                     store_dir: str | None = None) -> tuple[Result, dict[str, Any]]:
+                     store_dir: str | None = None,
+                     allow_sensitive_workspace: bool = False) -> tuple[Result, dict[str, Any]]:
     """Run ``command`` like :func:`lowlevel.run` and build its record (not written).
 
     Same arguments as :func:`lowlevel.run`, plus ``store_dir``: where to copy the inputs for
@@ -311,6 +312,7 @@ def execute_recorded(command: Sequence[str], *, policy: Policy | None = None,
         ws = created = _ws.create_workspace(inputs, workspace_base)
     else:
         ws = os.path.realpath(os.fspath(workspace))
+        _ws.check_workspace_path(ws, allow_sensitive=allow_sensitive_workspace)
         if inputs:
             _ws.copy_inputs(ws, inputs)
     try:
@@ -325,7 +327,7 @@ def execute_recorded(command: Sequence[str], *, policy: Policy | None = None,
         environment = policy.environment(env)
         started_at = _now()
         result = _run(command, policy=policy, workspace=ws, timeout=timeout, stdin=stdin, env=env,
-                      capture=capture, cwd=cwd)
+                      capture=capture, cwd=cwd, allow_sensitive_workspace=allow_sensitive_workspace)
     except BaseException:
         if created:
             shutil.rmtree(created, ignore_errors=True)

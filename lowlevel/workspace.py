@@ -370,6 +370,9 @@ def workspace_refusal(path: str) -> str | None:
     """
     from .policy import sensitive_reason  # policy imports seccomp and limits: keep this module light
 
+    reason = sensitive_reason(path)
+    if reason:
+        return reason
     for sysdir in SYSTEM_DIRS:
         if _inside(sysdir, path):
             what = "is" if sysdir == path else "contains"
@@ -377,9 +380,6 @@ def workspace_refusal(path: str) -> str | None:
     for tree in SYSTEM_TREES:
         if _inside(path, tree):
             return f"it is inside the system tree {tree}"
-    reason = sensitive_reason(path)
-    if reason:
-        return reason
     return None
 
 
