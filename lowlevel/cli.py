@@ -150,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("file", metavar="FILE", help="the record")
     r.add_argument("--json", action="store_true", help="print the differences and the new record as JSON")
     r.add_argument("--keep-workspace", action="store_true", help="keep the replay's workspace")
+    r.add_argument("--trust-record-policy", action="store_true",
+                   help="replay even when the record's policy is looser than the default (binds, network, "
+                   "seccomp off, higher limits); a record is untrusted input")
 
     m = sub.add_parser("mcp", help="serve the Model Context Protocol over stdio",
                        description="MCP tool server over stdio. The operator's settings (file and flags) bound "
@@ -263,7 +266,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from .record import replay
 
     try:
-        report = replay(args.file, keep_workspace=args.keep_workspace)
+        report = replay(args.file, keep_workspace=args.keep_workspace, trust_policy=args.trust_record_policy)
     except ExecError as err:
         return _fail(str(err))
     except (LowlevelError, OSError) as err:

@@ -37,7 +37,9 @@ import json
 import logging
 import os
 import platform
+import re
 import shutil
+import stat
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -438,38 +440,135 @@ def load_record(path: str | os.PathLike[str]) -> dict[str, Any]:
     return doc
 
 
+_DIGEST = re.compile(r"^[0-9a-f]{64}$")
+_KINDS = ("file", "dir", "symlink", "other")
+
+
+def _check_entries(entries: Any) -> list[Mapping[str, Any]]:
+    """Validate a record's ``workspace.before`` (untrusted input) before anything is created.
+
+    Raises:
+        RecordError: not a list of entries, or an entry with an absolute path, a ``..``
+            component, an unknown kind, a mode outside 0..0o7777, a malformed SHA-256 or
+            symlink text.
+    """
+    if not isinstance(entries, list):
+        raise RecordError("the record's workspace.before is not a list")
+    out = []
+    for e in entries:
+        if not isinstance(e, Mapping) or not isinstance(e.get("path"), str):
+            raise RecordError(f"bad workspace entry in the record: {e!r}")
+        try:
+            _ws._split_rel(e["path"])
+        except WorkspaceError as err:
+            raise RecordError(f"refusing the record: {err}") from err
+        if e.get("kind") not in _KINDS:
+            raise RecordError(f"refusing the record: entry {e['path']!r} has kind {e.get('kind')!r}")
+        mode = e.get("mode")
+        if not isinstance(mode, int) or isinstance(mode, bool) or not 0 <= mode <= 0o7777:
+            raise RecordError(f"refusing the record: entry {e['path']!r} has mode {mode!r}")
+        if e["kind"] == "file" and e.get("sha256") is not None and not _DIGEST.match(str(e["sha256"])):
+            raise RecordError(f"refusing the record: entry {e['path']!r} has sha256 {e['sha256']!r}")
+        if e["kind"] == "symlink" and e.get("link") is not None and (
+                not isinstance(e["link"], str) or "\0" in e["link"]):
+            raise RecordError(f"refusing the record: symlink {e['path']!r} has target {e['link']!r}")
+        out.append(e)
+    return out
+
+
 def _restore_inputs(doc: Mapping[str, Any], store: str, root: str) -> bytes | None:
-    """Recreate the workspace as it was before the recorded run; return stdin (or None)."""
+    """Recreate the workspace as it was before the recorded run; return stdin (or None).
+
+    The record is untrusted: every path is checked (relative, no ``..``) before anything is
+    made, and everything is made relative to directory fds without following a symlink
+    (:func:`lowlevel.workspace.make_dir`, ``make_symlink``, ``write_file``, ``set_mode``), so
+    nothing outside ``root`` is created or changed. Setuid/setgid bits are never recreated.
+    """
     ws = doc["workspace"]
     if not ws["before_complete"]:
         raise RecordError("the record's workspace listing is incomplete (too many entries): cannot replay")
+    entries = _check_entries(ws["before"])
+    stdin = doc.get("stdin")
+    if stdin is not None and (not isinstance(stdin, Mapping) or not _DIGEST.match(str(stdin.get("sha256")))):
+        raise RecordError(f"refusing the record: bad stdin entry {stdin!r}")
 
     def blob(digest: str, what: str) -> bytes:
         try:
-            with open(os.path.join(store, digest), "rb") as f:
-                data = f.read()
+            fd = os.open(os.path.join(store, digest), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                    raise RecordError(f"input {what} in the store {store} is not a regular file")
+                data = f.read(MAX_HASH_BYTES + 1)
         except OSError as err:
             raise RecordError(f"input {what} (sha256 {digest}) is missing from the store {store}: {err}") from err
         if hashlib.sha256(data).hexdigest() != digest:
             raise RecordError(f"input {what} in the store {store} does not match its sha256")
         return data
 
-    for e in ws["before"]:
-        if e["kind"] == "dir":
-            os.makedirs(os.path.join(root, e["path"]), 0o755, exist_ok=True)
-    for e in ws["before"]:
-        if e["kind"] == "file":
-            if e["sha256"] is None:
-                raise RecordError(f"input {e['path']!r} was not hashed ({e['skipped']}): cannot replay")
-            _ws.write_file(root, e["path"], blob(e["sha256"], repr(e["path"])))
-            os.chmod(os.path.join(root, e["path"]), e["mode"], follow_symlinks=False)
-        elif e["kind"] == "symlink" and e["link"] is not None:
-            os.symlink(e["link"], os.path.join(root, e["path"]))
-    for e in reversed(ws["before"]):
-        if e["kind"] == "dir":
-            os.chmod(os.path.join(root, e["path"]), e["mode"])
-    stdin = doc.get("stdin")
+    try:
+        for e in entries:
+            if e["kind"] == "dir":
+                _ws.make_dir(root, e["path"], 0o755)
+        for e in entries:
+            if e["kind"] == "file":
+                if e["sha256"] is None:
+                    raise RecordError(f"input {e['path']!r} was not hashed ({e['skipped']}): cannot replay")
+                _ws.write_file(root, e["path"], blob(e["sha256"], repr(e["path"])))
+                _ws.set_mode(root, e["path"], e["mode"] & ~_ws.SETID_BITS)
+            elif e["kind"] == "symlink" and e["link"] is not None:
+                _ws.make_symlink(root, e["path"], e["link"])
+        for e in reversed(entries):
+            if e["kind"] == "dir":
+                _ws.set_mode(root, e["path"], e["mode"] & ~_ws.SETID_BITS)
+    except WorkspaceError as err:
+        raise RecordError(f"cannot rebuild the record's workspace: {err}") from err
     return blob(stdin["sha256"], "stdin") if stdin else None
+
+
+def policy_loosening(policy: Policy, timeout_s: float | None = DEFAULT_TIMEOUT_S, *,
+                     profiles: Sequence[Any] = ()) -> list[str]:
+    """Where ``policy`` (and the timeout) give a sandbox more than ``Policy()`` does; one line each.
+
+    Looser: any bind (it names host paths; writable or ``allow_sensitive`` said so), the host
+    network, no seccomp filter or a profile in log mode (denials only logged) or one that is
+    neither the default nor among ``profiles``, other host ids, a limit above its default or
+    removed, larger capture caps, and a timeout above :data:`DEFAULT_TIMEOUT_S` or none.
+    Environment, hostname, ids inside and deterministic mode are not looser.
+    """
+    from .seccomp import DEFAULT_PROFILE
+
+    default = Policy()
+    out: list[str] = []
+    for b in policy.binds:
+        flags = ["writable" if b.writable else "read-only"] + (["allow_sensitive"] if b.allow_sensitive else [])
+        out.append(f"bind {b.source} -> {b.dest} ({', '.join(flags)}); default: no binds")
+    if policy.network:
+        out.append("network=True (the host network); default: no network")
+    if policy.seccomp is None:
+        out.append("seccomp=None (no syscall filter); default: the default profile")
+    elif policy.seccomp.log:
+        out.append(f"seccomp profile {policy.seccomp.name!r} in log mode (denied syscalls are allowed and "
+                   "logged); default: the default profile")
+    elif policy.seccomp != DEFAULT_PROFILE and all(policy.seccomp != p for p in profiles):
+        out.append(f"seccomp profile {policy.seccomp.name!r} instead of the default")
+    for name in ("host_uid", "host_gid"):
+        if getattr(policy, name) != getattr(default, name):
+            out.append(f"{name}={getattr(policy, name)} (the sandbox runs as that host id); "
+                       f"default: {getattr(default, name)}")
+    for f in dataclasses.fields(Limits):
+        mine, theirs = getattr(policy.limits, f.name), getattr(default.limits, f.name)
+        if f.name == "require":
+            missing = sorted(set(theirs) - set(mine))
+            if missing:
+                out.append(f"limits.require drops {missing}")
+        elif theirs is not None and (mine is None or mine > theirs):
+            out.append(f"limits.{f.name}={mine!r}; default: {theirs!r}")
+    for name in ("stdout_limit_bytes", "stderr_limit_bytes"):
+        if getattr(policy, name) > getattr(default, name):
+            out.append(f"{name}={getattr(policy, name)}; default: {getattr(default, name)}")
+    if timeout_s is None or timeout_s > DEFAULT_TIMEOUT_S:
+        out.append(f"timeout_s={timeout_s!r}; default: {DEFAULT_TIMEOUT_S:g}")
+    return out
 
 
 def _entry_key(e: Mapping[str, Any]) -> tuple[Any, ...]:
@@ -504,7 +603,7 @@ def compare(original: Mapping[str, Any], replayed: Mapping[str, Any]) -> list[st
 
 
 def replay(path: str | os.PathLike[str], *, workspace_base: str | None = None,
-           profiles: Sequence[Any] = (), keep_workspace: bool = False) -> ReplayReport:
+           profiles: Sequence[Any] = (), keep_workspace: bool = False, trust_policy: bool = False) -> ReplayReport:
     """Rerun a recorded run with the same policy, command, environment and inputs.
 
     The workspace is rebuilt from the record's input store in a fresh directory; the run
@@ -516,20 +615,41 @@ def replay(path: str | os.PathLike[str], *, workspace_base: str | None = None,
         workspace_base: parent of the fresh workspace (default as for :func:`lowlevel.run`).
         profiles: SeccompProfiles other than the default that the record may name.
         keep_workspace: keep the replay's workspace (its path is ``report.result.workspace``).
+        trust_policy: run even when the record's policy is looser than ``Policy()`` (see
+            :func:`policy_loosening`: binds, network, seccomp off or in log mode, other host
+            ids, higher limits). A record is untrusted input: without this, such a record is
+            refused and the message lists each difference. CLI: ``--trust-record-policy``.
     Returns:
         A :class:`ReplayReport`.
     Raises:
-        RecordError: bad record, missing inputs, or a policy that does not hash the same here.
+        RecordError: bad record (a workspace path that is absolute or has ``..``...), missing
+            inputs, a policy that does not hash the same here, or a looser policy without
+            ``trust_policy``.
         Whatever :func:`lowlevel.run` raises.
     """
     doc = load_record(path)
-    policy = policy_from_canonical(doc["policy"], profiles=profiles)
+    try:
+        policy = policy_from_canonical(doc["policy"], profiles=profiles)
+    except (TypeError, ValueError, KeyError, AttributeError) as err:
+        raise RecordError(f"refusing the record: its policy cannot be rebuilt: {err}") from err
     if policy_sha256(policy) != doc["policy_sha256"]:
         raise RecordError("the rebuilt policy does not hash to the recorded policy_sha256 "
                           "(a lowlevel version with different Policy fields?)")
-    if not doc["inputs"]["store"]:
+    timeout_s = doc["timeout_s"]
+    if timeout_s is not None and (not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool)):
+        raise RecordError(f"refusing the record: timeout_s is {timeout_s!r}")
+    if not trust_policy:
+        loose = policy_loosening(policy, timeout_s, profiles=profiles)
+        if loose:
+            raise RecordError("refusing to replay: the record's policy is looser than the default:\n  "
+                              + "\n  ".join(loose) + "\nA record is untrusted input. If you trust it, pass "
+                              "trust_policy=True (CLI: --trust-record-policy)")
+    store_name = doc["inputs"]["store"]
+    if not store_name:
         raise RecordError("the record has no input store: it was written without inputs and cannot be replayed")
-    store = os.path.join(os.path.dirname(os.path.abspath(os.fspath(path))), doc["inputs"]["store"])
+    if not isinstance(store_name, str) or "/" in store_name or store_name in (".", "..") or "\0" in store_name:
+        raise RecordError(f"refusing the record: its input store {store_name!r} is not a name next to the record")
+    store = os.path.join(os.path.dirname(os.path.abspath(os.fspath(path))), store_name)
     root = _ws.create_workspace((), workspace_base)
     try:
         stdin = _restore_inputs(doc, store, root)
@@ -548,4 +668,5 @@ def replay(path: str | os.PathLike[str], *, workspace_base: str | None = None,
 
 __all__ = ["MAX_HASH_BYTES", "MAX_STORE_BYTES", "RecordError", "ReplayReport", "SCHEMA_ID", "canonical_policy",
            "compare", "execute_recorded", "hash_workspace", "load_record", "policy_from_canonical",
-           "policy_sha256", "record_run", "replay", "seccomp_rules_sha256", "store_dir_for", "write_record"]
+           "policy_loosening", "policy_sha256", "record_run", "replay", "seccomp_rules_sha256", "store_dir_for",
+           "write_record"]

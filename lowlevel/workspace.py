@@ -217,6 +217,75 @@ def write_file(root: str, relpath: str, data: bytes, *, uid: int | None = None, 
             os.fchown(f.fileno(), uid, gid if gid is not None else -1)
 
 
+def make_dir(root: str, relpath: str, mode: int = 0o755) -> None:
+    """Create directory ``relpath`` (and its parents) in a workspace, never through a symlink.
+
+    An existing directory is fine; a symlink or a file in the way is an error.
+
+    Raises:
+        WorkspaceError: invalid path (absolute, ``..``), or a non-directory in the way.
+    """
+    parts = _split_rel(relpath)
+    try:
+        dfd = _open_parent(root, parts, create=True)
+        try:
+            try:
+                os.mkdir(parts[-1], mode, dir_fd=dfd)
+            except FileExistsError:
+                pass
+            st = os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False)
+        finally:
+            os.close(dfd)
+    except OSError as err:
+        raise WorkspaceError(err.errno, f"cannot make directory {relpath!r} in workspace: {err.strerror}") from err
+    if not stat.S_ISDIR(st.st_mode):
+        raise WorkspaceError(errno.ENOTDIR, f"refusing {relpath!r}: something else than a directory is there")
+
+
+def make_symlink(root: str, relpath: str, target: str) -> None:
+    """Create symlink ``relpath`` -> ``target`` in a workspace (parents must exist; no symlink crossed).
+
+    The target text is stored as is: it is only ever resolved inside the sandbox, and this
+    module's readers never follow symlinks.
+
+    Raises:
+        WorkspaceError: invalid path, a symlink in the way, or the name exists.
+    """
+    parts = _split_rel(relpath)
+    if not isinstance(target, str) or not target or "\0" in target:
+        raise WorkspaceError(errno.EINVAL, f"invalid symlink target {target!r} for {relpath!r}")
+    try:
+        dfd = _open_parent(root, parts)
+        try:
+            os.symlink(target, parts[-1], dir_fd=dfd)
+        finally:
+            os.close(dfd)
+    except OSError as err:
+        raise WorkspaceError(err.errno, f"cannot make symlink {relpath!r} in workspace: {err.strerror}") from err
+
+
+def set_mode(root: str, relpath: str, mode: int) -> None:
+    """chmod a workspace entry that is not a symlink, never through or at a symlink.
+
+    Raises:
+        WorkspaceError: invalid path, a symlink in the way or at ``relpath`` (ELOOP).
+    """
+    parts = _split_rel(relpath)
+    try:
+        dfd = _open_parent(root, parts)
+        try:
+            if stat.S_ISLNK(os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False).st_mode):
+                raise WorkspaceError(errno.ELOOP, f"refusing to chmod {relpath!r}: it is a symlink")
+            try:
+                os.chmod(parts[-1], mode, dir_fd=dfd, follow_symlinks=False)
+            except (NotImplementedError, ValueError) as err:  # swapped for a symlink meanwhile
+                raise WorkspaceError(errno.ELOOP, f"refusing to chmod {relpath!r}: it is a symlink") from err
+        finally:
+            os.close(dfd)
+    except OSError as err:
+        raise WorkspaceError(err.errno, f"cannot chmod {relpath!r} in workspace: {err.strerror}") from err
+
+
 def default_base() -> str:
     """The default parent of per-run workspaces: ``$LOWLEVEL_WORKSPACE_BASE`` or
     ``<tmpdir>/lowlevel-<uid>``."""
@@ -702,5 +771,5 @@ def check_traversable(path: str, uid: int, gid: int) -> None:
 
 __all__ = ["MAX_PINNED", "SETID_BITS", "SYSTEM_DIRS", "SYSTEM_TREES", "Changes", "FileEntry", "Handover",
            "check_traversable", "check_workspace_path", "chown_tree", "copy_inputs", "create_workspace",
-           "default_base", "diff", "ensure_base", "give_back", "hand_over", "list_files", "read_file", "snapshot",
-           "workspace_refusal", "write_file"]
+           "default_base", "diff", "ensure_base", "give_back", "hand_over", "list_files", "make_dir", "make_symlink",
+           "read_file", "set_mode", "snapshot", "workspace_refusal", "write_file"]
