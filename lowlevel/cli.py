@@ -36,6 +36,7 @@ from .errors import LowlevelError
 from .launcher import ExecError, run
 from .limits import Limits
 from .policy import Bind, Policy
+from .result import Result
 
 EXIT_TIMEOUT = 124
 EXIT_FAILED = 125
@@ -135,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nofile", metavar="N", type=_positive_int, help="open files (RLIMIT_NOFILE), default 1024")
     p.add_argument("--tmp-size", metavar="BYTES", type=parse_size, help="size of /tmp tmpfs, default 256M")
     p.add_argument("--json", action="store_true", help="capture output; print one JSON object with the Result")
+    p.add_argument("--rm", action="store_true", help="remove the fresh per-run workspace after the run "
+                   "(--json still lists its changes); not with --workspace")
     p.add_argument("--deterministic", action="store_true", help="deterministic mode: TZ=UTC, LANG, "
                    "SOURCE_DATE_EPOCH, PYTHONHASHSEED=0, fixed uid/gid, sorted env")
     p.add_argument("--record", metavar="FILE", help="write a run record (JSON) to FILE and copy the inputs "
@@ -204,6 +207,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         command = command[1:]
     if not command:
         return _fail("no command given: write `lowlevel run [OPTIONS] -- COMMAND [ARG...]`", 2)
+    if args.rm and args.workspace is not None:
+        return _fail("--rm removes the fresh per-run workspace; it does not go with --workspace "
+                     "(lowlevel never deletes your directory)", 2)
     created = None
     try:
         policy = _policy_from_args(args)
@@ -222,13 +228,28 @@ def _cmd_run(args: argparse.Namespace) -> int:
             sys.stdout.flush()
             sys.stderr.buffer.write(result.stderr)
             sys.stderr.flush()
-        if created:
+        if created and not args.rm:
             print(f"lowlevel: workspace {created}", file=sys.stderr)
     except BaseException:
         if created:
-            import shutil
-            shutil.rmtree(created, ignore_errors=True)
+            from .workspace import remove_workspace
+            try:
+                remove_workspace(created)
+            except LowlevelError:
+                pass
         raise
+    try:
+        return _report(args, result)
+    finally:
+        if created and args.rm:
+            from .workspace import remove_workspace
+            try:
+                remove_workspace(created)
+            except LowlevelError as err:
+                print(f"lowlevel: --rm: {err}", file=sys.stderr)
+
+
+def _report(args: argparse.Namespace, result: Result) -> int:
     if args.json:
         json.dump(result.to_json(), sys.stdout, indent=2, sort_keys=True)
         sys.stdout.write("\n")

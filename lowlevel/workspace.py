@@ -375,6 +375,46 @@ def create_workspace(inputs: Iterable[str | os.PathLike[str]] = (), base: str | 
     return path
 
 
+def remove_workspace(root: str) -> None:
+    """Delete a workspace tree after its run, never following a symlink (``shutil.rmtree``'s
+    fd-based walk). A missing tree is fine.
+
+    A run as the caller's own uid can leave directories without ``u+w`` (``chmod 0500 d``)
+    that rmtree could not empty: ours get ``u+rwx`` first. Root needs no such help.
+
+    Raises:
+        WorkspaceError: the tree could not be removed entirely.
+    """
+    if os.geteuid() != 0:
+        try:
+            rootfd = _open_root(root)
+        except WorkspaceError as err:
+            if err.errno == errno.ENOENT:
+                return
+            raise
+        try:
+            me = os.getuid()
+            if os.fstat(rootfd).st_uid == me:
+                os.fchmod(rootfd, stat.S_IMODE(os.fstat(rootfd).st_mode) | stat.S_IRWXU)
+            for _dirpath, dirnames, _filenames, dirfd in os.fwalk(".", follow_symlinks=False, dir_fd=rootfd):
+                for name in dirnames:
+                    try:
+                        st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+                        if stat.S_ISDIR(st.st_mode) and st.st_uid == me and st.st_mode & 0o700 != 0o700:
+                            os.chmod(name, stat.S_IMODE(st.st_mode) | stat.S_IRWXU, dir_fd=dirfd,
+                                     follow_symlinks=False)
+                    except (OSError, NotImplementedError, ValueError):
+                        continue
+        finally:
+            os.close(rootfd)
+    try:
+        shutil.rmtree(root)
+    except FileNotFoundError:
+        pass
+    except OSError as err:
+        raise WorkspaceError(err.errno or errno.EIO, f"cannot remove workspace {root}: {err}") from err
+
+
 def chown_tree(root: str, uid: int, gid: int, *, only_from: int | None = None) -> None:
     """Give the tree to uid:gid without following symlinks (lchown).
 
@@ -772,4 +812,4 @@ def check_traversable(path: str, uid: int, gid: int) -> None:
 __all__ = ["MAX_PINNED", "SETID_BITS", "SYSTEM_DIRS", "SYSTEM_TREES", "Changes", "FileEntry", "Handover",
            "check_traversable", "check_workspace_path", "chown_tree", "copy_inputs", "create_workspace",
            "default_base", "diff", "ensure_base", "give_back", "hand_over", "list_files", "make_dir", "make_symlink",
-           "read_file", "set_mode", "snapshot", "workspace_refusal", "write_file"]
+           "read_file", "remove_workspace", "set_mode", "snapshot", "workspace_refusal", "write_file"]
