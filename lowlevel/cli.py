@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "default 1G")
     p.add_argument("--nofile", metavar="N", type=_positive_int, help="open files (RLIMIT_NOFILE), default 1024")
     p.add_argument("--tmp-size", metavar="BYTES", type=parse_size, help="size of /tmp tmpfs, default 256M")
+    p.add_argument("--workspace-size", metavar="BYTES", type=parse_size,
+                   help="total bytes the run may keep in its workspace (a sized tmpfs copied back after "
+                   "the run; root only); default: no total, --fsize per file")
     p.add_argument("--json", action="store_true", help="capture output; print one JSON object with the Result")
     p.add_argument("--rm", action="store_true", help="remove the fresh per-run workspace after the run "
                    "(--json still lists its changes); not with --workspace")
@@ -184,7 +187,8 @@ def _fail(message: str, code: int = EXIT_FAILED) -> int:
 def _policy_from_args(args: argparse.Namespace) -> Policy:
     overrides = {name: getattr(args, attr) for name, attr in (
         ("memory_bytes", "memory"), ("cpu_s", "cpu"), ("pids", "pids"), ("fsize_bytes", "fsize"),
-        ("nofile", "nofile"), ("tmp_size_bytes", "tmp_size")) if getattr(args, attr) is not None}
+        ("nofile", "nofile"), ("tmp_size_bytes", "tmp_size"),
+        ("workspace_bytes", "workspace_size")) if getattr(args, attr) is not None}
     binds = [Bind(src, dest, writable=False, allow_sensitive=args.allow_sensitive) for src, dest in args.ro]
     binds += [Bind(src, dest, writable=True, allow_sensitive=args.allow_sensitive) for src, dest in args.rw]
     return Policy(network=args.network, binds=tuple(binds), env=tuple(args.env), limits=Limits(**overrides),

@@ -50,6 +50,7 @@ from typing import Any
 
 from . import limits as _limits
 from . import seccomp as _seccomp
+from . import sizedws as _sizedws
 from . import workspace as _ws
 from .argv import NETWORK_ETC, Fds, HostFacts, build_argv, outer_argv, redact_env_values
 from .errors import LaunchError, LowlevelError, PolicyError, UnsupportedError, WorkspaceError
@@ -400,6 +401,7 @@ class Run:
         self.workspace = ""
         self.owns_workspace = False
         self.handover: _ws.Handover | None = None
+        self.sized: _sizedws.SizedWorkspace | None = None
         self.fds: list[int] = []
         self.pid: int | None = None
         self.pidfd: int | None = None
@@ -460,10 +462,26 @@ class Run:
         # tree given to the sandbox's uid with the root kept 0770 ours:host_gid; close() (or
         # result()) gives it back and strips setuid/setgid bits (lowlevel.workspace.hand_over).
         # A directory mkdtemp made a moment ago with nothing copied in is empty: no walk.
-        self.handover = _ws.hand_over(
-            self.workspace, sandbox_ids=(policy.host_uid, policy.host_gid) if self.facts.caller_is_root else None,
-            empty=fresh_empty)
-        self.before = self.handover.before
+        bind_source = self.workspace
+        if policy.limits.workspace_bytes is not None:
+            # Size-limited workspace: the sandbox writes into a sized tmpfs (nosuid, nodev) and
+            # never sees the real workspace, which needs no hand-over; copied back in result().
+            if not self.facts.caller_is_root:
+                raise UnsupportedError("workspace-size", "Limits.workspace_bytes needs a root caller "
+                                       "(lowlevel mounts a sized tmpfs for the workspace)",
+                                       "run as root, or leave workspace_bytes unset (RLIMIT_FSIZE bounds "
+                                       "each file)")
+            self.before = _ws.snapshot(self.workspace)
+            self.sized = _sizedws.SizedWorkspace.mount(
+                self.workspace, policy.limits.workspace_bytes, os.geteuid(), policy.host_gid,
+                entry_ids=(policy.host_uid, policy.host_gid))
+            bind_source = self.sized.path
+            self.notes.append(f"workspace on a {policy.limits.workspace_bytes}-byte tmpfs, copied back after the run")
+        else:
+            self.handover = _ws.hand_over(
+                self.workspace, sandbox_ids=(policy.host_uid, policy.host_gid) if self.facts.caller_is_root
+                else None, empty=fresh_empty)
+            self.before = self.handover.before
 
         self.cgroup = _limits.RunCgroup.create(policy.limits, f"run-{os.getpid()}-{id(self):x}")
         if self.cgroup is None:
@@ -500,7 +518,7 @@ class Run:
         group_fd = _memfd("lowlevel-group", group)
         self.fds.append(group_fd)
 
-        self.argv = build_argv(policy, self.facts, workspace=self.workspace, fds=fds,
+        self.argv = build_argv(policy, self.facts, workspace=bind_source, fds=fds,
                                extra_env=self.env_extra or None, cwd=self.cwd)
         args_fd = _memfd("lowlevel-args", b"".join(a.encode() + b"\0" for a in self.argv))
         self.fds.append(args_fd)
@@ -802,7 +820,14 @@ class Run:
         out, out_t, out_d = self.out.value()
         errout, err_t, err_d = self.err.value()
         # The sandbox is dead: give the workspace back now; the walk is also the "after" snapshot.
-        after = self.give_back_workspace() if self.handover is not None else _ws.snapshot(self.workspace)
+        if self.sized is not None:
+            self.sized.finish()  # untrusted copy back into the real workspace, then unmount
+            self.sized = None
+            after = _ws.snapshot(self.workspace)
+            changes = _ws.diff(self.before, after, same_inodes=False)
+        else:
+            after = self.give_back_workspace() if self.handover is not None else _ws.snapshot(self.workspace)
+            changes = _ws.diff(self.before, after)
         enforced = tuple(self.rlimits_applied) + tuple(
             f"cgroup:{c}" for c in (getattr(self.cgroup, "enforced", ()) if self.cgroup else ()))
         if self.seccomp_loaded:
@@ -820,7 +845,7 @@ class Run:
             peak_memory_bytes=getattr(stats, "peak_memory_bytes", None),
             max_rss_bytes=(self.rusage.ru_maxrss * 1024) if self.rusage is not None else None,
             oom_kills=getattr(stats, "oom_kills", None),
-            limits_enforced=enforced, changes=_ws.diff(self.before, after), workspace=self.workspace,
+            limits_enforced=enforced, changes=changes, workspace=self.workspace,
             notes=tuple(self.notes), argv=tuple(self.full_argv), seccomp_denials=denials,
         )
 
@@ -870,6 +895,12 @@ class Run:
                     os.close(fd)
                     setattr(self, attr, None)
             self.json_r = self.block_w = self.stdin_w = self.out_r = self.err_r = None
+            if self.sized is not None:
+                try:
+                    self.sized.discard()
+                except OSError as err:
+                    log.warning("lowlevel: cannot unmount the sized workspace: %s", err)
+                self.sized = None
             if self.handover is not None and not self.handover.done:
                 try:
                     self.give_back_workspace()

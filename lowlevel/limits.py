@@ -121,6 +121,10 @@ class Limits:
             ``cpu.cfs_quota_us`` over a 100 ms period. Throttles, never kills.
         tmp_size_bytes: size of the ``/tmp`` tmpfs (bwrap ``--size``, bwrap >= 0.5.0); used by the
             launcher, not here.
+        workspace_bytes: total bytes the run may keep in its workspace, or None (only
+            ``fsize_bytes`` per file). Set, the run's ``/workspace`` is a tmpfs of this size
+            that lowlevel mounts on the host and copies back safely after the run
+            (:mod:`lowlevel.sizedws`); needs a root caller (mount), else UnsupportedError.
         require: limits that must be enforced by the kernel, else :class:`UnsupportedError`
             before anything runs. Names: ``"memory"``, ``"pids"``, ``"cpu"`` (the cgroup limits
             of ``memory_bytes``, ``pids``, ``cpu_quota``) and ``"cgroup"`` (any per-run
@@ -139,6 +143,7 @@ class Limits:
     core_bytes: int = 0
     cpu_quota: float | None = None
     tmp_size_bytes: int | None = 256 * MiB
+    workspace_bytes: int | None = None
     require: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -152,6 +157,7 @@ class Limits:
         _check_int("core_bytes", self.core_bytes, minimum=0, optional=False)
         _check_seconds("cpu_quota", self.cpu_quota, minimum=0.01, unit="cores")
         _check_int("tmp_size_bytes", self.tmp_size_bytes, minimum=4 * KiB)
+        _check_int("workspace_bytes", self.workspace_bytes, minimum=64 * KiB)
         require = self.require
         if isinstance(require, str) or not isinstance(require, (tuple, list)):
             raise PolicyError(f"Limits.require must be a tuple of names from {REQUIRABLE}, "

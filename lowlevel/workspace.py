@@ -106,13 +106,21 @@ def snapshot(root: str) -> tuple[Snapshot, bool]:
              for rel, st in entries}, complete)
 
 
-def diff(before: tuple[Snapshot, bool], after: tuple[Snapshot, bool]) -> Changes:
-    """Compare two snapshots of the same workspace."""
+def diff(before: tuple[Snapshot, bool], after: tuple[Snapshot, bool], *, same_inodes: bool = True) -> Changes:
+    """Compare two snapshots of the same workspace.
+
+    ``same_inodes=False`` ignores inode numbers (a workspace copied back from a sized tmpfs
+    has new inodes everywhere; size, mtime, mode and kind still tell what changed).
+    """
     b, bc = before
     a, ac = after
     added = sorted(k for k in a if k not in b)
     deleted = sorted(k for k in b if k not in a)
-    modified = sorted(k for k in a if k in b and a[k] != b[k] and a[k][0] != "dir")
+
+    def key(entry: tuple[str, int, int, int, int]) -> tuple[object, ...]:
+        return entry if same_inodes else (entry[0], entry[1], entry[2], entry[4])
+
+    modified = sorted(k for k in a if k in b and key(a[k]) != key(b[k]) and a[k][0] != "dir")
     return Changes(tuple(added), tuple(modified), tuple(deleted), bc and ac)
 
 
