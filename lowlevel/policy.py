@@ -75,6 +75,12 @@ DETERMINISTIC_ENV: Mapping[str, str] = MappingProxyType({
     "LC_ALL": "C.UTF-8",
     "SOURCE_DATE_EPOCH": "315532800",
     "PYTHONHASHSEED": "0",
+    # With fixed ids inside, the workspace root belongs to an id the sandbox does not map, and
+    # git's "dubious ownership" check (CVE-2022-24765, for shared multi-user hosts) refuses a
+    # repository at /workspace; inside a one-user sandbox that check protects nothing.
+    "GIT_CONFIG_COUNT": "1",
+    "GIT_CONFIG_KEY_0": "safe.directory",
+    "GIT_CONFIG_VALUE_0": WORKSPACE_DEST,
 })
 
 #: Deterministic mode: the uid/gid seen inside when ``sandbox_uid``/``sandbox_gid`` are None.

@@ -413,3 +413,12 @@ def test_cli_bad_values_one_line_no_traceback(args):
                        text=True, timeout=60)
     assert p.returncode in (2, 125), p.stderr
     assert "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_git_commit_in_workspace_root(deterministic):
+    script = ("git init -q . && git -c user.name=a -c user.email=a@example.com commit -q --allow-empty -m x "
+              "&& git log --oneline | wc -l")
+    r = lowlevel.run(["sh", "-c", script], policy=lowlevel.Policy(deterministic=deterministic))
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout.strip() == b"1"
