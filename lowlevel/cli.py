@@ -25,11 +25,13 @@ import argparse
 import contextlib
 import errno
 import json
+import os
 import re
 import signal
 import sys
 from collections.abc import Iterator, Sequence
 from types import FrameType
+from typing import Any
 
 from . import __version__
 from .errors import LowlevelError
@@ -179,6 +181,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def _terminal_restored(active: bool) -> Iterator[None]:
+    """Save the terminal's settings (termios) on stdin/stdout/stderr and put them back after the
+    run: a sandboxed program sharing the caller's tty can turn off echo or switch to raw mode
+    and die before restoring it. No-op when not a terminal or not streaming."""
+    saved: list[tuple[int, list[Any]]] = []
+    if active:
+        import termios
+        for fd in (0, 1, 2):
+            try:
+                if os.isatty(fd):
+                    saved.append((fd, termios.tcgetattr(fd)))
+                    break
+            except (OSError, termios.error):
+                continue
+    try:
+        yield
+    finally:
+        if saved:
+            import termios
+            for fd, attrs in saved:
+                try:
+                    termios.tcsetattr(fd, termios.TCSANOW, attrs)
+                except (OSError, termios.error):
+                    pass
+
+
 def _fail(message: str, code: int = EXIT_FAILED) -> int:
     print(f"lowlevel: {message}", file=sys.stderr)
     return code
@@ -224,9 +253,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
             inputs: list[str] = []
         else:
             inputs = args.input
-        result = run(command, policy=policy, workspace=workspace, inputs=inputs, timeout=args.timeout,
-                     capture=args.json or bool(args.record), record=args.record,
-                     allow_sensitive_workspace=args.allow_sensitive)
+        capture = args.json or bool(args.record)
+        with _terminal_restored(not capture):
+            result = run(command, policy=policy, workspace=workspace, inputs=inputs, timeout=args.timeout,
+                         capture=capture, record=args.record, allow_sensitive_workspace=args.allow_sensitive)
         if args.record and not args.json:
             sys.stdout.buffer.write(result.stdout)
             sys.stdout.flush()

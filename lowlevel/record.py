@@ -374,10 +374,13 @@ def execute_recorded(command: Sequence[str], *, policy: Policy | None = None,
 
 
 def write_record(path: str | os.PathLike[str], record: Mapping[str, Any]) -> None:
-    """Write ``record`` as indented, key-sorted JSON to ``path`` (atomically: temp file + rename)."""
+    """Write ``record`` as indented, key-sorted JSON to ``path`` (atomically: temp file + rename; mode 0600)."""
     path = os.path.abspath(os.fspath(path))
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
+    # 0600: a record holds the environment inside the sandbox, which may carry tokens the
+    # caller passed in on purpose.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
         json.dump(record, f, indent=2, sort_keys=True, ensure_ascii=False)
         f.write("\n")
     os.replace(tmp, path)

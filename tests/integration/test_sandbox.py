@@ -422,3 +422,25 @@ def test_git_commit_in_workspace_root(deterministic):
     r = lowlevel.run(["sh", "-c", script], policy=lowlevel.Policy(deterministic=deterministic))
     assert r.exit_code == 0, r.stderr
     assert r.stdout.strip() == b"1"
+
+
+def _echo_after(argv: list[str]) -> bool:
+    import pty
+    import termios
+    pid, fd = pty.fork()
+    if pid == 0:  # child: exec only
+        os.execv(argv[0], argv)
+    status = os.waitpid(pid, 0)[1]
+    try:
+        echo = bool(termios.tcgetattr(fd)[3] & termios.ECHO)
+    finally:
+        os.close(fd)
+    assert os.waitstatus_to_exitcode(status) == 0
+    return echo
+
+
+def test_cli_restores_the_terminal_a_program_left_raw():
+    script = "stty -echo raw; exit 0"
+    # Control: the same program run directly leaves the terminal without echo.
+    assert _echo_after(["/bin/sh", "-c", script]) is False
+    assert _echo_after([sys.executable, "-m", "lowlevel", "run", "--rm", "--", "sh", "-c", script]) is True
