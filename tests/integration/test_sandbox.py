@@ -444,3 +444,26 @@ def test_cli_restores_the_terminal_a_program_left_raw():
     # Control: the same program run directly leaves the terminal without echo.
     assert _echo_after(["/bin/sh", "-c", script]) is False
     assert _echo_after([sys.executable, "-m", "lowlevel", "run", "--rm", "--", "sh", "-c", script]) is True
+
+
+@pytest.mark.root
+def test_arun_as_unprivileged_user(test_user):
+    """The async API on the non-root path: cleared env, workspace-only writes, timeout."""
+    code = (
+        "import asyncio, os, tempfile, lowlevel\n"
+        "ws = tempfile.mkdtemp(dir='/tmp')\n"
+        "async def main():\n"
+        "    ok = await lowlevel.arun(['sh', '-c', 'echo hi > out; touch /usr/x; env | wc -l'], workspace=ws)\n"
+        "    slow = await lowlevel.arun(['sleep', '100'], workspace=ws, timeout=0.5)\n"
+        "    print(ok.exit_code, ok.stdout.decode().strip(), open(os.path.join(ws, 'out')).read().strip(),\n"
+        "          slow.killed_by, 'Read-only' in ok.stderr.decode())\n"
+        "asyncio.run(main())\n"
+    )
+    import shutil
+    runuser = shutil.which("runuser") or "/usr/sbin/runuser"
+    p = subprocess.run([runuser, "-u", test_user.pw_name, "--", sys.executable, "-c", code], capture_output=True,
+                       text=True, timeout=120, cwd="/", env={"PATH": "/usr/bin:/bin", "LOWLEVEL_FAKE_X": "1"})
+    assert p.returncode == 0, p.stderr
+    exit_code, env_lines, out, killed_by, ro = p.stdout.split()
+    assert exit_code == "0" and out == "hi" and killed_by == "timeout" and ro == "True"
+    assert int(env_lines) <= 7
