@@ -453,6 +453,11 @@ class Run:
         else:
             self.workspace = _ws.create_workspace(self.inputs, self.workspace_base)
             self.owns_workspace = True
+            try:
+                _ws.check_trusted_ancestors(self.workspace)
+            except WorkspaceError:
+                shutil.rmtree(self.workspace, ignore_errors=True)
+                raise
         fresh_empty = self.owns_workspace and not self.inputs
         if self.facts.caller_is_root:
             _ws.check_traversable(self.workspace, policy.host_uid, policy.host_gid)

@@ -511,6 +511,7 @@ def check_workspace_path(path: str, *, allow_sensitive: bool = False) -> None:
     Raises:
         WorkspaceError: (EPERM) the message says why and how to override.
     """
+    check_trusted_ancestors(path)
     if allow_sensitive:
         return
     reason = workspace_refusal(path)
@@ -519,6 +520,43 @@ def check_workspace_path(path: str, *, allow_sensitive: bool = False) -> None:
                              "read-write into the sandbox (and, for a root caller, handed to the sandbox's "
                              "uid for the run): use a dedicated project directory, or pass "
                              "allow_sensitive_workspace=True (CLI: --allow-sensitive) if you really mean it")
+
+
+def check_trusted_ancestors(path: str) -> None:
+    """Refuse a workspace whose parent directories someone else could rename or replace.
+
+    Everything lowlevel does to a workspace after the run (giving ownership back, copying a
+    sized workspace back) reaches it by path again. If another local user owns, or may write
+    to, any directory above it, they can swap that directory for a symlink during the run and
+    redirect root's chown/rmtree/rename to ``/etc`` (a confirmed attack). So each ancestor
+    must be owned by root or by the caller, and not group/other-writable unless sticky
+    (``/tmp``: others cannot rename entries they do not own). The workspace itself may
+    belong to anyone: its last component is opened with O_NOFOLLOW.
+
+    Args:
+        path: absolute and resolved (``os.path.realpath``).
+    Raises:
+        WorkspaceError: (EPERM) names the ancestor, its owner and mode, and the fix.
+    """
+    trusted = {0, os.geteuid()}
+    cur = os.path.dirname(path.rstrip("/")) or "/"
+    while True:
+        try:
+            st = os.lstat(cur)
+        except OSError as err:
+            raise WorkspaceError(err.errno, f"cannot check {cur} above workspace {path}: {err.strerror}") from err
+        mode = st.st_mode
+        owner_ok = st.st_uid in trusted and stat.S_ISDIR(mode)
+        writable_by_others = mode & (stat.S_IWGRP | stat.S_IWOTH) and not mode & stat.S_ISVTX
+        if not owner_ok or writable_by_others:
+            raise WorkspaceError(errno.EPERM, f"refusing workspace {path}: {cur} (owner uid {st.st_uid}, mode "
+                                 f"{stat.S_IMODE(mode):04o}) could be renamed or replaced by another user during "
+                                 "the run, redirecting what lowlevel does to the workspace afterwards. Use a "
+                                 "workspace below directories owned by root or by you and not writable by others"
+                                 + (" (or run lowlevel as that user)" if os.geteuid() == 0 else ""))
+        if cur == "/":
+            return
+        cur = os.path.dirname(cur)
 
 
 @dataclass
@@ -827,6 +865,6 @@ def check_traversable(path: str, uid: int, gid: int) -> None:
 
 
 __all__ = ["MAX_PINNED", "SETID_BITS", "SYSTEM_DIRS", "SYSTEM_TREES", "Changes", "FileEntry", "Handover",
-           "check_traversable", "check_workspace_path", "chown_tree", "copy_inputs", "create_workspace",
+           "check_traversable", "check_trusted_ancestors", "check_workspace_path", "chown_tree", "copy_inputs", "create_workspace",
            "default_base", "diff", "ensure_base", "give_back", "hand_over", "list_files", "make_dir", "make_symlink",
            "read_file", "remove_workspace", "set_mode", "snapshot", "workspace_refusal", "write_file"]
