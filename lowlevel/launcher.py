@@ -826,7 +826,7 @@ class Run:
         errout, err_t, err_d = self.err.value()
         # The sandbox is dead: give the workspace back now; the walk is also the "after" snapshot.
         if self.sized is not None:
-            self.sized.finish()  # untrusted copy back into the real workspace, then unmount
+            self.notes.extend(self.sized.finish())  # untrusted copy back into the workspace, then unmount
             self.sized = None
             after = _ws.snapshot(self.workspace)
             changes = _ws.diff(self.before, after, same_inodes=False)
