@@ -832,6 +832,8 @@ class Run:
             changes = _ws.diff(self.before, after, same_inodes=False)
         else:
             after = self.give_back_workspace() if self.handover is not None else _ws.snapshot(self.workspace)
+            if self.handover is not None:
+                self.notes.extend(self.handover.notes)  # e.g. directories too deep to check, sealed
             changes = _ws.diff(self.before, after)
         enforced = tuple(self.rlimits_applied) + tuple(
             f"cgroup:{c}" for c in (getattr(self.cgroup, "enforced", ()) if self.cgroup else ()))

@@ -5,7 +5,7 @@ A run's workspace is the one writable host directory bound into the sandbox (at
 copies the inputs in, so an agent deleting files deletes only its own run's copy.
 
 Everything in a workspace after a run is untrusted: :func:`snapshot`, :func:`list_files` and
-:func:`read_file` walk it with ``os.fwalk``/``openat`` relative to directory fds, never follow
+:func:`read_file` walk it iteratively with ``openat`` relative to directory fds, never follow
 a symlink (``O_NOFOLLOW`` on every component), refuse special files (fifos, sockets, devices)
 and files with more than one hard link, and cap sizes and entry counts.
 """
@@ -18,8 +18,8 @@ import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Generator, Iterable, Sequence
+from dataclasses import dataclass, field
 
 from .errors import WorkspaceError
 
@@ -78,25 +78,96 @@ def _kind(mode: int) -> str:
     return "other"
 
 
-def _walk(root: str, limit: int = MAX_SNAPSHOT_ENTRIES) -> tuple[list[tuple[str, os.stat_result]], bool]:
-    """lstat every entry under root without following symlinks. Returns (entries, complete)."""
-    out: list[tuple[str, os.stat_result]] = []
+#: Directory levels below the root that the walks enter. The walks are iterative and hold one
+#: fd per level; a directory deeper than this is not entered (see :func:`give_back`).
+MAX_DEPTH = 256
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _iter_tree(rootfd: int, *, onerror: Callable[[OSError], None] | None = None,
+               too_deep: Callable[[str, str, int], None] | None = None,
+               ) -> Generator[tuple[str, str, int, os.stat_result], None, None]:
+    """Yield ``(rel, name, dirfd, lstat)`` for every entry below ``rootfd``, top-down.
+
+    Iterative (Python's ``os.fwalk`` recurses: 1,000 nested directories raised RecursionError),
+    never follows a symlink, holds at most MAX_DEPTH + 1 directory fds. A directory is
+    yielded before it is entered, so the caller may fix its mode first. A directory at
+    level MAX_DEPTH + 1 is yielded but not entered: ``too_deep(rel, name, dirfd)`` is called.
+    Unlistable directories go to ``onerror`` (``filename`` set to their relative path).
+    Closing the generator early closes its fds.
+    """
+    stack: list[tuple[int, str, list[str]]] = []
+
+    def enter(fd: int, rel: str) -> None:
+        try:
+            names = os.listdir(fd)
+        except OSError as err:
+            os.close(fd)
+            err.filename = rel or "."
+            if onerror is not None:
+                onerror(err)
+            return
+        names.reverse()
+        stack.append((fd, rel, names))
+
     try:
-        walker = os.fwalk(root, follow_symlinks=False)
-        for dirpath, dirnames, filenames, dirfd in walker:
-            rel_dir = os.path.relpath(dirpath, root)
-            for name in dirnames + filenames:
-                try:
-                    st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                rel = name if rel_dir == "." else f"{rel_dir}/{name}"
+        enter(os.open(".", _DIR_FLAGS, dir_fd=rootfd), "")
+        while stack:
+            dirfd, rel_dir, names = stack[-1]
+            if not names:
+                stack.pop()
+                os.close(dirfd)
+                continue
+            name = names.pop()
+            try:
+                st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            rel = f"{rel_dir}/{name}" if rel_dir else name
+            yield rel, name, dirfd, st
+            if not stat.S_ISDIR(st.st_mode):
+                continue
+            if len(stack) > MAX_DEPTH:
+                if too_deep is not None:
+                    too_deep(rel, name, dirfd)
+                continue
+            try:
+                fd = os.open(name, _DIR_FLAGS, dir_fd=dirfd)
+            except OSError as err:
+                if err.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                    continue  # gone or swapped meanwhile
+                err.filename = rel
+                if onerror is not None:
+                    onerror(err)
+                continue
+            enter(fd, rel)
+    finally:
+        for dirfd, _, _ in stack:
+            os.close(dirfd)
+
+
+def _walk(root: str, limit: int = MAX_SNAPSHOT_ENTRIES) -> tuple[list[tuple[str, os.stat_result]], bool]:
+    """lstat every entry under root without following symlinks. Returns (entries, complete).
+
+    Incomplete past ``limit`` entries or MAX_DEPTH levels, or when a directory is unlistable.
+    """
+    out: list[tuple[str, os.stat_result]] = []
+    cut: list[object] = []
+    rootfd = _open_root(root)
+    try:
+        walker = _iter_tree(rootfd, onerror=cut.append, too_deep=lambda *a: cut.append(a))
+        try:
+            for rel, _name, _dirfd, st in walker:
                 out.append((rel, st))
                 if len(out) >= limit:
                     return out, False
+        finally:
+            walker.close()
     except OSError as err:
         raise WorkspaceError(err.errno, f"cannot walk workspace {root}: {err.strerror}") from err
-    return out, True
+    finally:
+        os.close(rootfd)
+    return out, not cut
 
 
 def snapshot(root: str) -> tuple[Snapshot, bool]:
@@ -390,32 +461,50 @@ def remove_workspace(root: str) -> None:
 
     A run as the caller's own uid can leave directories without ``u+w`` (``chmod 0500 d``)
     that rmtree could not empty: ours get ``u+rwx`` first. Root needs no such help.
+    ``shutil.rmtree`` recurses (1,000 nested directories raise RecursionError): directories
+    more than MAX_DEPTH levels deep are first moved up to the root, until none is left.
 
     Raises:
         WorkspaceError: the tree could not be removed entirely.
     """
-    if os.geteuid() != 0:
-        try:
-            rootfd = _open_root(root)
-        except WorkspaceError as err:
-            if err.errno == errno.ENOENT:
-                return
-            raise
-        try:
-            me = os.getuid()
-            if os.fstat(rootfd).st_uid == me:
-                os.fchmod(rootfd, stat.S_IMODE(os.fstat(rootfd).st_mode) | stat.S_IRWXU)
-            for _dirpath, dirnames, _filenames, dirfd in os.fwalk(".", follow_symlinks=False, dir_fd=rootfd):
-                for name in dirnames:
+    try:
+        rootfd = _open_root(root)
+    except WorkspaceError as err:
+        if err.errno == errno.ENOENT:
+            return
+        raise
+    try:
+        me = os.getuid()
+        if os.geteuid() != 0 and os.fstat(rootfd).st_uid == me:
+            os.fchmod(rootfd, stat.S_IMODE(os.fstat(rootfd).st_mode) | stat.S_IRWXU)
+        moved = 1
+        serial = 0
+        while moved:
+            moved = 0
+
+            def lift(_rel: str, name: str, dirfd: int) -> None:
+                nonlocal moved, serial
+                for _ in range(100):
+                    serial += 1
                     try:
-                        st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
-                        if stat.S_ISDIR(st.st_mode) and st.st_uid == me and st.st_mode & 0o700 != 0o700:
-                            os.chmod(name, stat.S_IMODE(st.st_mode) | stat.S_IRWXU, dir_fd=dirfd,
-                                     follow_symlinks=False)
+                        os.rename(name, f".lowlevel-deep-{serial}", src_dir_fd=dirfd, dst_dir_fd=rootfd)
+                        moved += 1
+                        return
+                    except OSError as err:
+                        if err.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+                            return
+
+            for _rel, name, dirfd, st in _iter_tree(rootfd, too_deep=lift):
+                if os.geteuid() != 0 and stat.S_ISDIR(st.st_mode) and st.st_uid == me \
+                        and st.st_mode & 0o700 != 0o700:
+                    try:
+                        os.chmod(name, stat.S_IMODE(st.st_mode) | stat.S_IRWXU, dir_fd=dirfd, follow_symlinks=False)
                     except (OSError, NotImplementedError, ValueError):
                         continue
-        finally:
-            os.close(rootfd)
+    except OSError:
+        pass  # rmtree below reports what is left
+    finally:
+        os.close(rootfd)
     try:
         shutil.rmtree(root)
     except FileNotFoundError:
@@ -428,13 +517,13 @@ def chown_tree(root: str, uid: int, gid: int, *, only_from: int | None = None) -
     """Give the tree to uid:gid without following symlinks (lchown).
 
     Regular files with several hard links are skipped: changing their owner would change the
-    owner of the other names too, which may lie outside the workspace.
+    owner of the other names too, which may lie outside the workspace. Iterative; directories
+    more than MAX_DEPTH levels deep are given too but not entered.
 
     Args:
         only_from: when set, change only entries currently owned by this uid.
     """
-    def fix(name: str, dir_fd: int | None) -> None:
-        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    def fix(name: str, dir_fd: int | None, st: os.stat_result) -> None:
         if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
             return
         if only_from is not None and st.st_uid != only_from:
@@ -442,13 +531,19 @@ def chown_tree(root: str, uid: int, gid: int, *, only_from: int | None = None) -
         if st.st_uid != uid or st.st_gid != gid:
             os.chown(name, uid, gid, dir_fd=dir_fd, follow_symlinks=False)
 
-    fix(root, None)
-    for _dirpath, dirnames, filenames, dirfd in os.fwalk(root, follow_symlinks=False):
-        for name in dirnames + filenames:
+    st = os.lstat(root)
+    fix(root, None, st)
+    if not stat.S_ISDIR(st.st_mode):
+        return
+    rootfd = _open_root(root)
+    try:
+        for _rel, name, dirfd, st in _iter_tree(rootfd):
             try:
-                fix(name, dirfd)
+                fix(name, dirfd, st)
             except FileNotFoundError:
                 pass
+    finally:
+        os.close(rootfd)
 
 
 # --- handing a workspace to the sandbox and taking it back ------------------------------------
@@ -577,6 +672,12 @@ class Handover:
         sandbox_uid: the host uid the sandbox ran as when it differs from the caller's (root
             callers), else None.
         new_owner: ``(uid, gid)`` given to inodes the run created (the root's owner and group).
+        acls: ``{(st_dev, st_ino): {xattr: value}}``: the POSIX ACLs (:data:`ACL_XATTRS`) of
+            entries handed to the sandbox's uid that had any before the run (root callers).
+        stamps: ``{(st_dev, st_ino): (size, mtime_ns, ctime_ns)}`` of pre-existing
+            setuid/setgid non-directories: one whose stamp changed was written (a write
+            through a ``MAP_SHARED`` mapping keeps the bits) and loses them.
+        notes: what :func:`give_back` could not do exactly (for ``Result.notes``).
         done: True once :func:`give_back` ran.
     """
 
@@ -587,7 +688,59 @@ class Handover:
     pins: dict[tuple[int, int], int]
     sandbox_uid: int | None
     new_owner: tuple[int, int]
+    acls: dict[tuple[int, int], dict[str, bytes]] = field(default_factory=dict)
+    stamps: dict[tuple[int, int], tuple[int, int, int]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
     done: bool = False
+
+
+#: The xattrs holding POSIX ACLs. The sandbox may set them on what it owns during the run
+#: (``user:65534:rwx``); chown does not clear them, so :func:`give_back` does.
+ACL_XATTRS = ("system.posix_acl_access", "system.posix_acl_default")
+
+
+def _xattr_path(dirfd: int, name: str) -> str:
+    # os.*xattr have no dir_fd: go through the directory's /proc magic link; the last
+    # component is not followed (follow_symlinks=False).
+    return f"/proc/self/fd/{dirfd}/{name}"
+
+
+def _read_acls(dirfd: int, name: str) -> dict[str, bytes]:
+    path = _xattr_path(dirfd, name)
+    try:
+        present = [a for a in os.listxattr(path, follow_symlinks=False) if a in ACL_XATTRS]
+        return {a: os.getxattr(path, a, follow_symlinks=False) for a in present}
+    except OSError as err:
+        if err.errno in (errno.ENOTSUP, errno.ENODATA):
+            return {}
+        raise
+
+
+def _reset_acls(dirfd: int, name: str, recorded: dict[str, bytes] | None) -> bool:
+    """Drop the ACLs the run may have set, restoring ``recorded`` ones. True if anything changed."""
+    path = _xattr_path(dirfd, name)
+    try:
+        present = {a: os.getxattr(path, a, follow_symlinks=False)
+                   for a in os.listxattr(path, follow_symlinks=False) if a in ACL_XATTRS}
+    except OSError as err:
+        if err.errno in (errno.ENOTSUP, errno.ENODATA):
+            return False
+        raise
+    recorded = recorded or {}
+    changed = False
+    for attr in ACL_XATTRS:
+        if attr in recorded:
+            if present.get(attr) != recorded[attr]:
+                os.setxattr(path, attr, recorded[attr], follow_symlinks=False)
+                changed = True
+        elif attr in present:
+            try:
+                os.removexattr(path, attr, follow_symlinks=False)
+                changed = True
+            except OSError as err:
+                if err.errno not in (errno.ENOTSUP, errno.ENODATA):
+                    raise
+    return changed
 
 
 def _open_root(root: str) -> int:
@@ -656,48 +809,51 @@ def _hand_over_walk(h: Handover, rootfd: int, sandbox_ids: tuple[int, int] | Non
     snap: Snapshot = {}
     complete = True
     unlisted: list[OSError] = []
+    deep: list[str] = []
+    walker = _iter_tree(rootfd, onerror=unlisted.append, too_deep=lambda rel, _n, _fd: deep.append(rel))
     try:
-        for dirpath, dirnames, filenames, dirfd in os.fwalk(".", follow_symlinks=False, dir_fd=rootfd,
-                                                            onerror=unlisted.append):
-            rel_dir = os.path.normpath(dirpath)
-            for name in dirnames + filenames:
-                try:
-                    st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                if len(snap) >= limit:
-                    complete = False
-                    if sandbox_ids is not None:
-                        raise WorkspaceError(errno.E2BIG, f"workspace {h.root} has more than {limit} entries: "
-                                             "too many to hand to the sandbox's uid and give back exactly. "
-                                             "Use a smaller workspace (copy in what the program needs), "
-                                             "or run lowlevel as an unprivileged user")
-                    break
-                rel = name if rel_dir == "." else f"{rel_dir}/{name}"
-                mode = st.st_mode
-                snap[rel] = (_kind(mode), st.st_size, st.st_mtime_ns, st.st_ino, stat.S_IMODE(mode))
-                key = (st.st_dev, st.st_ino)
-                h.owners[key] = (st.st_uid, st.st_gid, mode)
-                setid_file = bool(mode & SETID_BITS) and not stat.S_ISDIR(mode)
+        for rel, name, dirfd, st in walker:
+            if len(snap) >= limit:
+                complete = False
                 if sandbox_ids is not None:
-                    if setid_file or (stat.S_ISREG(mode) and st.st_nlink > 1):
-                        continue
-                    if (st.st_uid, st.st_gid) != sandbox_ids:
-                        os.chown(name, *sandbox_ids, dir_fd=dirfd, follow_symlinks=False)
-                elif setid_file and len(h.pins) < MAX_PINNED and key not in h.pins:
-                    pin = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
-                    pst = os.fstat(pin)
-                    if (pst.st_dev, pst.st_ino) == key:
-                        h.pins[key] = pin
-                    else:
-                        os.close(pin)
-            if not complete:
+                    raise WorkspaceError(errno.E2BIG, f"workspace {h.root} has more than {limit} entries: "
+                                         "too many to hand to the sandbox's uid and give back exactly. "
+                                         "Use a smaller workspace (copy in what the program needs), "
+                                         "or run lowlevel as an unprivileged user")
                 break
+            mode = st.st_mode
+            snap[rel] = (_kind(mode), st.st_size, st.st_mtime_ns, st.st_ino, stat.S_IMODE(mode))
+            key = (st.st_dev, st.st_ino)
+            h.owners[key] = (st.st_uid, st.st_gid, mode)
+            setid_file = bool(mode & SETID_BITS) and not stat.S_ISDIR(mode)
+            if setid_file:
+                h.stamps[key] = (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+            if sandbox_ids is not None:
+                if setid_file or (stat.S_ISREG(mode) and st.st_nlink > 1):
+                    continue
+                if not stat.S_ISLNK(mode):
+                    acls = _read_acls(dirfd, name)
+                    if acls:
+                        h.acls[key] = acls
+                if (st.st_uid, st.st_gid) != sandbox_ids:
+                    os.chown(name, *sandbox_ids, dir_fd=dirfd, follow_symlinks=False)
+            elif setid_file and len(h.pins) < MAX_PINNED and key not in h.pins:
+                pin = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
+                pst = os.fstat(pin)
+                if (pst.st_dev, pst.st_ino) == key:
+                    h.pins[key] = pin
+                else:
+                    os.close(pin)
     except OSError as err:
         raise WorkspaceError(err.errno, f"cannot walk workspace {h.root}: {err.strerror}") from err
-    if unlisted:
+    finally:
+        walker.close()
+    if deep and sandbox_ids is not None:
+        raise WorkspaceError(errno.ELOOP, f"workspace {h.root} has directories more than {MAX_DEPTH} levels "
+                             f"deep ({deep[0]}): too deep to hand to the sandbox's uid and give back exactly")
+    if unlisted or deep:
         # A directory we cannot list (a non-root caller's workspace holding someone else's 0700
-        # dir): its entries are unrecorded, so they count as new after the run.
+        # dir) or too deep to enter: its entries are unrecorded, so they count as new after the run.
         if sandbox_ids is not None:
             first = unlisted[0]
             raise WorkspaceError(first.errno or errno.EIO, f"cannot list {first.filename} in workspace {h.root}: "
@@ -752,24 +908,27 @@ def give_back(h: Handover, *, limit: int = MAX_SNAPSHOT_ENTRIES) -> tuple[Snapsh
         _close_pins(h)
         raise
     unlisted: list[OSError] = []
+    deep: list[str] = []
+
+    def too_deep(rel: str, name: str, dirfd: int) -> None:
+        deep.append(rel)
+        _seal(h, name, dirfd)
+
+    walker = _iter_tree(rootfd, onerror=unlisted.append, too_deep=too_deep)
     try:
-        for dirpath, dirnames, filenames, dirfd in os.fwalk(".", follow_symlinks=False, dir_fd=rootfd,
-                                                            onerror=unlisted.append):
-            rel_dir = os.path.normpath(dirpath)
-            for name in dirnames + filenames:
-                try:
-                    st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
-                    mode = _give_back_entry(h, name, dirfd, st)
-                except FileNotFoundError:
-                    continue
-                if len(snap) < limit:
-                    rel = name if rel_dir == "." else f"{rel_dir}/{name}"
-                    snap[rel] = (_kind(st.st_mode), st.st_size, st.st_mtime_ns, st.st_ino, mode)
-                else:
-                    complete = False
+        for rel, name, dirfd, st in walker:
+            try:
+                mode = _give_back_entry(h, name, dirfd, st)
+            except FileNotFoundError:
+                continue
+            if len(snap) < limit:
+                snap[rel] = (_kind(st.st_mode), st.st_size, st.st_mtime_ns, st.st_ino, mode)
+            else:
+                complete = False
     except OSError as err:
         raise WorkspaceError(err.errno, f"cannot give back workspace {h.root}: {err.strerror}") from err
     finally:
+        walker.close()
         try:
             uid, gid, mode = h.root_ids
             os.fchown(rootfd, uid, gid)
@@ -787,7 +946,27 @@ def give_back(h: Handover, *, limit: int = MAX_SNAPSHOT_ENTRIES) -> tuple[Snapsh
         # someone else's directory (one the caller could not list before the run either).
         logging.getLogger("lowlevel").warning("lowlevel: %s", message)
         complete = False
+    if deep:
+        who = "root:root" if h.sandbox_uid is not None else "you"
+        h.notes.append(f"workspace: {len(deep)} director{'y' if len(deep) == 1 else 'ies'} more than {MAX_DEPTH} "
+                       f"levels deep ({deep[0]}) not checked after the run: made mode 0700, owned by {who}, so "
+                       "no other user can reach what is below")
+        complete = False
     return snap, complete and h.before[1]
+
+
+def _seal(h: Handover, name: str, dirfd: int) -> None:
+    """Neutralise a directory too deep to walk: only the caller may enter it (0700, no ACL;
+    root callers also take it: ``root:root``). What is below was not checked."""
+    try:
+        if h.sandbox_uid is not None:
+            os.chown(name, os.getuid(), os.getgid(), dir_fd=dirfd, follow_symlinks=False)
+        elif os.stat(name, dir_fd=dirfd, follow_symlinks=False).st_uid != os.getuid():
+            return  # someone else's: the sandbox (our uid) could not have made it
+        _reset_acls(dirfd, name, None)
+        os.chmod(name, 0o700, dir_fd=dirfd, follow_symlinks=False)
+    except (NotImplementedError, ValueError, FileNotFoundError):
+        pass
 
 
 def _close_pins(h: Handover) -> None:
@@ -800,17 +979,28 @@ def _give_back_entry(h: Handover, name: str, dirfd: int, st: os.stat_result) -> 
     """Fix one entry (see :func:`give_back`); return its permission bits afterwards."""
     mode = st.st_mode
     cur = stat.S_IMODE(mode)
-    if h.sandbox_uid is not None and st.st_uid != h.sandbox_uid:
-        return cur
     key = (st.st_dev, st.st_ino)
+    is_dir = stat.S_ISDIR(mode)
+    stamp = h.stamps.get(key)
+    # A pre-existing setuid/setgid file whose content or inode changed during the run (a write
+    # through MAP_SHARED keeps the bits; only the sandbox could have written it) loses them.
+    tampered = stamp is not None and stamp != (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if h.sandbox_uid is not None and st.st_uid != h.sandbox_uid:
+        if tampered and cur & SETID_BITS and not stat.S_ISLNK(mode):
+            os.chmod(name, cur & ~SETID_BITS, dir_fd=dirfd, follow_symlinks=False)
+            return cur & ~SETID_BITS
+        return cur
     prev = h.owners.get(key)
     if prev is not None and stat.S_IFMT(prev[2]) != stat.S_IFMT(mode):
         prev = None
-    is_dir = stat.S_ISDIR(mode)
+    acl_changed = False
+    if h.sandbox_uid is not None and not stat.S_ISLNK(mode):
+        # The sandbox's uid owned this inode during the run: it may have set ACLs on it.
+        acl_changed = _reset_acls(dirfd, name, h.acls.get(key) if prev is not None else None)
     if prev is not None:
         uid, gid, prev_mode = prev
         # A directory's setgid bit grants nothing; a file's needs proof it is the same inode.
-        proven = is_dir or key in h.pins
+        proven = is_dir or (key in h.pins and not tampered)
         want = (cur & ~SETID_BITS) | (prev_mode & SETID_BITS if proven else 0)
         if not prev_mode & stat.S_IWOTH:
             want &= ~stat.S_IWOTH
@@ -827,7 +1017,7 @@ def _give_back_entry(h: Handover, name: str, dirfd: int, st: os.stat_result) -> 
         chowned = True
     if stat.S_ISLNK(mode):
         return cur
-    if want != cur or (chowned and want & SETID_BITS):
+    if want != cur or (chowned and want & SETID_BITS) or acl_changed:
         try:
             os.chmod(name, want, dir_fd=dirfd, follow_symlinks=False)
         except (NotImplementedError, ValueError):
@@ -864,7 +1054,8 @@ def check_traversable(path: str, uid: int, gid: int) -> None:
         cur = os.path.dirname(cur)
 
 
-__all__ = ["MAX_PINNED", "SETID_BITS", "SYSTEM_DIRS", "SYSTEM_TREES", "Changes", "FileEntry", "Handover",
-           "check_traversable", "check_trusted_ancestors", "check_workspace_path", "chown_tree", "copy_inputs", "create_workspace",
-           "default_base", "diff", "ensure_base", "give_back", "hand_over", "list_files", "make_dir", "make_symlink",
-           "read_file", "remove_workspace", "set_mode", "snapshot", "workspace_refusal", "write_file"]
+__all__ = ["ACL_XATTRS", "MAX_DEPTH", "MAX_PINNED", "SETID_BITS", "SYSTEM_DIRS", "SYSTEM_TREES", "Changes",
+           "FileEntry", "Handover", "check_traversable", "check_trusted_ancestors", "check_workspace_path",
+           "chown_tree", "copy_inputs", "create_workspace", "default_base", "diff", "ensure_base", "give_back",
+           "hand_over", "list_files", "make_dir", "make_symlink", "read_file", "remove_workspace", "set_mode",
+           "snapshot", "workspace_refusal", "write_file"]

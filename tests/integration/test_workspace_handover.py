@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 import lowlevel
+import lowlevel.workspace
 from lowlevel import WorkspaceError
 from lowlevel.workspace import give_back, hand_over
 
@@ -169,6 +170,7 @@ def test_given_workspace_restored_exactly(tmpdir_0755: Path, test_user: pwd.stru
 USER_SCRIPT = r"""
 import json, os, stat, sys, tempfile, shutil
 import lowlevel
+import lowlevel.workspace
 ws = tempfile.mkdtemp(prefix="lowlevel-user-handover-")
 shutil.copyfile("/usr/bin/true", os.path.join(ws, "mine_suid")); os.chmod(os.path.join(ws, "mine_suid"), 0o4755)
 shutil.copyfile("/usr/bin/true", os.path.join(ws, "mine2_suid")); os.chmod(os.path.join(ws, "mine2_suid"), 0o4755)
@@ -254,3 +256,112 @@ def test_cli_signal_mid_run_restores_ownership(tmpdir_0755: Path, test_user: pwd
     assert proc.returncode == 128 + getattr(signal, signame), err
     assert signame.encode() in err
     assert {p: _ids(p) for p in before} == before
+
+
+SETPRIV = shutil.which("setpriv") or "/usr/bin/setpriv"
+
+
+def _as_nobody(cmd: str) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run([SETPRIV, "--reuid", "65534", "--regid", "65534", "--clear-groups", "sh", "-c", cmd],
+                          capture_output=True, cwd="/")
+
+
+@pytest.mark.root
+def test_deep_nesting_give_back_is_iterative_and_seals_the_rest(tmpdir_0755: Path) -> None:
+    """Red team: 1,100 nested dirs made give_back raise RecursionError, leaving o+w nobody entries."""
+    ws = tmpdir_0755 / "ws"
+    ws.mkdir()
+    prog = ("import os\nfor i in range(1100):\n    os.mkdir('d', 0o777); os.chmod('d', 0o777); os.chdir('d')\n"
+            "open('leaf', 'w').write('x'); os.chmod('leaf', 0o666)\nprint(len(os.getcwd()))")
+    r = lowlevel.run(["python3", "-c", prog], workspace=str(ws), policy=UNSAFE)
+    assert r.exit_code == 0, r.stderr
+    assert int(r.stdout) > 2200  # control: the nesting exists
+    assert any("more than 256 levels deep" in n for n in r.notes), r.notes
+    assert not r.changes.complete
+    p = ws
+    for level in range(1, 258):
+        p = p / "d"
+        st = os.lstat(p)
+        if level <= 256:
+            assert (st.st_uid, st.st_mode & 0o7777) == (0, 0o775), level  # given back, no o+w
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (0, 0, 0o700)  # level 257: sealed
+    assert _ids(ws) == (0, 0, 0o755)
+    probe = _as_nobody(f"ls {p}")
+    assert probe.returncode != 0  # nobody cannot reach the unchecked part
+    # The library's other walks cope too.
+    assert len(lowlevel.workspace.list_files(str(ws))) == 257
+    lowlevel.workspace.remove_workspace(str(ws))
+    assert not ws.exists()
+
+
+def _acl(entries: list[tuple[int, int, int]]) -> bytes:
+    import struct
+    return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries)
+
+
+@pytest.mark.root
+def test_acls_set_by_the_sandbox_are_removed(tmpdir_0755: Path) -> None:
+    """Red team: user:65534:rwx ACLs survived give_back; nobody could modify root's outputs."""
+    ws = tmpdir_0755 / "ws"
+    ws.mkdir()
+    (ws / "old.sh").write_text("echo old\n")
+    (ws / "kept").write_text("k")
+    # A pre-existing ACL (user 12345 may read) is restored as it was.
+    kept_acl = _acl([(1, 6, 0xFFFFFFFF), (2, 4, 12345), (4, 4, 0xFFFFFFFF), (0x10, 4, 0xFFFFFFFF),
+                     (0x20, 4, 0xFFFFFFFF)])
+    os.setxattr(ws / "kept", "system.posix_acl_access", kept_acl)
+    prog = r"""
+import os, struct
+u = os.getuid()
+def acl(*e): return struct.pack('<I', 2) + b''.join(struct.pack('<HHI', *x) for x in e)
+a = acl((1, 7, 0xffffffff), (2, 7, u), (4, 5, 0xffffffff), (0x10, 7, 0xffffffff), (0x20, 5, 0xffffffff))
+open('new.txt', 'w').write('new')
+os.mkdir('d')
+for p in ('old.sh', 'new.txt', 'd', 'kept'):
+    os.setxattr(p, 'system.posix_acl_access', a)
+os.setxattr('d', 'system.posix_acl_default', a)
+print(sorted(os.listxattr('d')))
+"""
+    r = lowlevel.run(["python3", "-c", prog], workspace=str(ws), policy=UNSAFE)
+    assert r.exit_code == 0, r.stderr
+    assert b"system.posix_acl_default" in r.stdout  # control: the ACLs were set inside
+    for rel in ("old.sh", "new.txt", "d"):
+        assert [a for a in os.listxattr(ws / rel) if a.startswith("system.posix_acl")] == [], rel
+        assert os.lstat(ws / rel).st_uid == 0
+    import struct
+    raw = os.getxattr(ws / "kept", "system.posix_acl_access")
+    named = [e for e in struct.iter_unpack("<HHI", raw[4:]) if e[0] in (2, 8)]
+    assert named == [(2, 4, 12345)]  # the recorded ACL is back (its mode entries follow the program's chmod)
+    (ws / "d" / "later").write_text("created by root after the run")
+    probe = _as_nobody(f"echo pwned >> {ws}/old.sh || echo DENIED1; echo pwned >> {ws}/d/later || echo DENIED2")
+    assert b"DENIED1" in probe.stdout and b"DENIED2" in probe.stdout, probe
+    assert (ws / "old.sh").read_text() == "echo old\n"
+
+
+MMAP_SCRIPT = r"""
+import json, os, shutil, stat, sys, tempfile
+import lowlevel
+import lowlevel.workspace
+ws = tempfile.mkdtemp(prefix="lowlevel-user-mmap-")
+for name in ("victim_suid", "control_suid"):
+    shutil.copyfile("/usr/bin/true", os.path.join(ws, name)); os.chmod(os.path.join(ws, name), 0o4755)
+prog = ("import mmap, os\nfd = os.open('victim_suid', os.O_RDWR)\nm = mmap.mmap(fd, 0)\n"
+        "m[:36] = b'#!/bin/sh\\necho PWNED-BY-SANDBOX; id\\n'\nm.flush()\nprint(oct(os.stat('victim_suid').st_mode))")
+r = lowlevel.run(["python3", "-c", prog], policy=lowlevel.Policy(seccomp=None, unsafe_no_seccomp=True), workspace=ws)
+modes = {n: stat.S_IMODE(os.lstat(os.path.join(ws, n)).st_mode) for n in ("victim_suid", "control_suid")}
+print(json.dumps({"exit": r.exit_code, "stdout": r.stdout.decode(), "stderr": r.stderr.decode(), "modes": modes}))
+shutil.rmtree(ws)
+"""
+
+
+@pytest.mark.root
+def test_setuid_file_written_through_mmap_loses_its_bits(test_user: pwd.struct_passwd) -> None:
+    """Red team: MAP_SHARED writes into the caller's own setuid file keep S_ISUID (no write() to clear it)."""
+    proc = subprocess.run([RUNUSER, "-u", test_user.pw_name, "--", sys.executable, "-c", MMAP_SCRIPT],
+                          capture_output=True, cwd="/", timeout=60,
+                          env={"PATH": "/usr/bin:/bin", "HOME": test_user.pw_dir, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    d = json.loads(proc.stdout)
+    assert d["exit"] == 0, d["stderr"]
+    assert d["stdout"].strip() == oct(0o104755)  # control: the bit survived the write inside
+    assert d["modes"] == {"victim_suid": 0o755, "control_suid": 0o4755}
