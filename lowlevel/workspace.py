@@ -884,6 +884,15 @@ def give_back(h: Handover, *, limit: int = MAX_SNAPSHOT_ENTRIES) -> tuple[Snapsh
     - for root callers, inodes not owned by the sandbox's uid are left alone: the sandbox
       could not have changed them.
 
+    - POSIX ACLs (root callers): on every inode the sandbox's uid owns (it may have set
+      ``user:65534:rwx``; chown keeps ACLs) the two ACL xattrs are removed, or restored to
+      what :func:`hand_over` recorded. Unprivileged callers are not cleaned: the sandbox runs
+      as the caller, so its ACLs grant only what the caller could grant anyway.
+    - a pre-existing setuid/setgid file whose size, mtime or ctime changed (written, e.g.
+      through a ``MAP_SHARED`` mapping, which keeps the bits) loses them.
+    - a directory more than MAX_DEPTH levels deep is not entered: it is sealed (mode 0700,
+      no ACL; ``root:root`` for root callers), noted in ``h.notes``, the snapshot incomplete.
+
     Then the root directory gets back its uid, gid and mode, and the pins are closed.
 
     Args:
