@@ -106,7 +106,10 @@ def test_copy_back_keeps_hard_links_and_holes_within_the_budget(wsparent):
     assert r.stdout.split()[0] == b"201"  # control: the links and the hole exist inside
     assert int(r.stdout.split()[1]) < 100
     assert os.lstat(ws / "big").st_nlink == 201 and os.path.samefile(ws / "big", ws / "l200")
-    assert os.lstat(ws / "sparse").st_size == 300 << 20 and (ws / "sparse").read_bytes()[1000:1001] == b"x"
+    with open(ws / "sparse", "rb") as f:
+        f.seek(1000)
+        assert f.read(1) == b"x"
+    assert os.lstat(ws / "sparse").st_size == 300 << 20
     assert _du(ws) < 3 << 20, _du(ws)
     assert (ws / "fits").stat().st_size == 900000
 

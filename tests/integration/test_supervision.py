@@ -43,8 +43,10 @@ def test_one_gib_stdout_flood_is_capped_and_caller_rss_bounded():
         "ws = tempfile.mkdtemp(dir='/tmp'); os.chmod(ws, 0o755)\n"
         "p = lowlevel.Policy(stdout_limit_bytes=1 << 20)\n"
         "r = lowlevel.run(['head', '-c', str(1 << 30), '/dev/zero'], policy=p, workspace=ws, timeout=120)\n"
-        "print(r.exit_code, len(r.stdout), r.stdout_truncated, r.stdout_dropped_bytes,\n"
-        "      resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+        # VmHWM, not ru_maxrss: Linux carries ru_maxrss across execve, so it would report the
+        # forking parent's (pytest's) peak, not ours.
+        "hwm = [l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')][0]\n"
+        "print(r.exit_code, len(r.stdout), r.stdout_truncated, r.stdout_dropped_bytes, hwm)\n"
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stderr
