@@ -801,27 +801,13 @@ class Run:
         else:
             exit_code = 128 + signal.SIGKILL
         term = decode_exit(exit_code)
-        stats = None
+        stats: _limits.CgroupStats | None = None
         if self.cgroup is not None:
             try:
                 stats = self.cgroup.stats()
             except OSError as err:
                 self.notes.append(f"cgroup figures unavailable: {err}")
-        killed_by = self.killed_by
-        if killed_by is None and stats is not None:
-            if getattr(stats, "oom_kills", 0):
-                killed_by = "memory"
-            elif getattr(stats, "pids_limit_hit", False) and exit_code != 0:
-                killed_by = "pids"
-        if killed_by is None and term == signal.SIGXCPU:
-            killed_by = "cpu"
-        if killed_by is None and term == signal.SIGKILL and "RLIMIT_CPU" in self.rlimits_applied \
-                and stats is not None and self.policy.limits.cpu_s is not None \
-                and (getattr(stats, "cpu_user_s", 0) or 0) + (getattr(stats, "cpu_system_s", 0) or 0) \
-                >= self.policy.limits.cpu_s:
-            killed_by = "cpu"
-        if killed_by is None and term is not None:
-            killed_by = "signal"
+        killed_by = self.killed_by or self._killed_by(exit_code, term, stats)
         out, out_t, out_d = self.out.value()
         errout, err_t, err_d = self.err.value()
         # The sandbox is dead: give the workspace back now; the walk is also the "after" snapshot.
@@ -836,7 +822,7 @@ class Run:
                 self.notes.extend(self.handover.notes)  # e.g. directories too deep to check, sealed
             changes = _ws.diff(self.before, after)
         enforced = tuple(self.rlimits_applied) + tuple(
-            f"cgroup:{c}" for c in (getattr(self.cgroup, "enforced", ()) if self.cgroup else ()))
+            f"cgroup:{c}" for c in (self.cgroup.enforced if self.cgroup is not None else ()))
         if self.seccomp_loaded:
             enforced += ("seccomp",)
         denials = None
@@ -848,13 +834,31 @@ class Run:
             stdout=out, stderr=errout, stdout_truncated=out_t, stderr_truncated=err_t,
             stdout_dropped_bytes=out_d, stderr_dropped_bytes=err_d,
             wall_time_s=(self.t_end or time.monotonic()) - self.t0,
-            cpu_user_s=getattr(stats, "cpu_user_s", None), cpu_system_s=getattr(stats, "cpu_system_s", None),
-            peak_memory_bytes=getattr(stats, "peak_memory_bytes", None),
+            cpu_user_s=stats.cpu_user_s if stats else None, cpu_system_s=stats.cpu_system_s if stats else None,
+            peak_memory_bytes=stats.peak_memory_bytes if stats else None,
             max_rss_bytes=(self.rusage.ru_maxrss * 1024) if self.rusage is not None else None,
-            oom_kills=getattr(stats, "oom_kills", None),
+            oom_kills=stats.oom_kills if stats else None,
             limits_enforced=enforced, changes=changes, workspace=self.workspace,
             notes=tuple(self.notes), argv=tuple(self.full_argv), seccomp_denials=denials,
         )
+
+    def _killed_by(self, exit_code: int, term: int | None, stats: _limits.CgroupStats | None) -> str | None:
+        """Why the run died when the supervisor did not kill it: the cgroup's OOM kill
+        (``memory``), a failed fork at ``pids.max`` with a non-zero exit (``pids``), RLIMIT_CPU
+        (SIGXCPU at the soft limit, or SIGKILL at the hard one once the cgroup's CPU total
+        reached ``cpu_s``: ``cpu``), any other signal (``signal``), else None."""
+        if stats is not None:
+            if stats.oom_kills:
+                return "memory"
+            if stats.pids_limit_hit and exit_code != 0:
+                return "pids"
+        if term == signal.SIGXCPU:
+            return "cpu"
+        cpu_s = self.policy.limits.cpu_s
+        if term == signal.SIGKILL and "RLIMIT_CPU" in self.rlimits_applied and stats is not None \
+                and cpu_s is not None and (stats.cpu_user_s or 0) + (stats.cpu_system_s or 0) >= cpu_s:
+            return "cpu"
+        return "signal" if term is not None else None
 
     def give_back_workspace(self) -> tuple[Any, bool]:
         """Strip setuid/setgid bits the run left and give the workspace back to its owners.
