@@ -197,6 +197,17 @@ class Tools:
         return Policy(network=bool(network), binds=cfg.binds + tuple(extra), limits=new_limits,
                       deterministic=cfg.deterministic)
 
+    def _policy_and_timeout(self, network: bool, binds: list[str] | None, memory_bytes: int | None,
+                            cpu_s: float | None, pids: int | None, timeout_s: float | None,
+                            clamped: list[str]) -> tuple[Policy, float]:
+        """The request's Policy and timeout, both bounded by the operator's config (what was
+        cut is appended to ``clamped``)."""
+        policy = self.policy_for(network=network, binds=list(binds or ()), memory_bytes=memory_bytes,
+                                 cpu_s=cpu_s, pids=pids, clamped=clamped)
+        timeout = _clamp("timeout_s", timeout_s if timeout_s is not None else self.config.default_timeout_s,
+                         self.config.max_timeout_s, clamped)
+        return policy, timeout
+
     def run(self, command: list[str], *, workspace: str | None = None, timeout_s: float | None = None,
             memory_bytes: int | None = None, cpu_s: float | None = None, pids: int | None = None,
             network: bool = False, binds: list[str] | None = None, stdin: str | None = None,
@@ -205,10 +216,7 @@ class Tools:
         from .launcher import run as _run
 
         clamped: list[str] = []
-        policy = self.policy_for(network=network, binds=list(binds or ()), memory_bytes=memory_bytes,
-                                 cpu_s=cpu_s, pids=pids, clamped=clamped)
-        timeout = _clamp("timeout_s", timeout_s if timeout_s is not None else self.config.default_timeout_s,
-                         self.config.max_timeout_s, clamped)
+        policy, timeout = self._policy_and_timeout(network, binds, memory_bytes, cpu_s, pids, timeout_s, clamped)
         name = workspace or f"run-{secrets.token_hex(6)}"
         path = self._workspace(name, create=workspace is None)
         result = _run(list(command), policy=policy, workspace=path, timeout=timeout,
@@ -223,10 +231,7 @@ class Tools:
         from .session import Session
 
         clamped: list[str] = []
-        policy = self.policy_for(network=network, binds=list(binds or ()), memory_bytes=memory_bytes,
-                                 cpu_s=cpu_s, pids=pids, clamped=clamped)
-        timeout = _clamp("timeout_s", timeout_s if timeout_s is not None else self.config.default_timeout_s,
-                         self.config.max_timeout_s, clamped)
+        policy, timeout = self._policy_and_timeout(network, binds, memory_bytes, cpu_s, pids, timeout_s, clamped)
         with self.sessions_lock:
             sess = self.sessions.get(session)
             if sess is not None and not sess.alive:
