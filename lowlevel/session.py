@@ -254,7 +254,7 @@ class _Core:
     def __init__(self, policy: Policy | None, *, workspace: str | os.PathLike[str] | None,
                  inputs: Sequence[str | os.PathLike[str]], idle_timeout: float | None,
                  total_timeout: float | None, workspace_base: str | None, bwrap: str | None,
-                 track_changes: bool) -> None:
+                 track_changes: bool, allow_sensitive_workspace: bool = False) -> None:
         policy = policy or Policy()
         if not isinstance(policy, Policy):
             raise PolicyError(f"policy must be a lowlevel.Policy, got {type(policy).__name__}")
@@ -277,7 +277,8 @@ class _Core:
         self.run = Run(argv, policy=self.sandbox_policy,
                        workspace=None if workspace is None else os.fspath(workspace), inputs=inputs,
                        timeout=None, capture=True, workspace_base=workspace_base, bwrap=bwrap,
-                       extra_fds={_SOCK_FD: child.fileno(), _EXE_FD: _init_fd(exe)})
+                       extra_fds={_SOCK_FD: child.fileno(), _EXE_FD: _init_fd(exe)},
+                       allow_sensitive_workspace=allow_sensitive_workspace)
         self.cmds: dict[int, _Cmd] = {}
         self.fd_owner: dict[int, _Cmd] = {}
         self.next_id = 1
@@ -804,6 +805,8 @@ class Session:
             no request (None: never). Enforced by the init.
         total_timeout: end the session this many seconds after it started (None: never).
         workspace_base: parent of fresh workspaces (see :func:`lowlevel.run`).
+        allow_sensitive_workspace: accept a ``workspace`` :func:`lowlevel.run` would refuse as
+            sensitive (never one below a directory another user controls).
         track_changes: fill ``Result.changes`` for each command (a snapshot of the workspace
             before and after: costs a directory walk per command, so off by default).
         bwrap: an explicit bwrap path.
@@ -819,10 +822,11 @@ class Session:
     def __init__(self, policy: Policy | None = None, *, workspace: str | os.PathLike[str] | None = None,
                  inputs: Sequence[str | os.PathLike[str]] = (), idle_timeout: float | None = None,
                  total_timeout: float | None = None, workspace_base: str | None = None,
-                 track_changes: bool = False, bwrap: str | None = None) -> None:
+                 track_changes: bool = False, bwrap: str | None = None,
+                 allow_sensitive_workspace: bool = False) -> None:
         self._core = _Core(policy, workspace=workspace, inputs=inputs, idle_timeout=idle_timeout,
                            total_timeout=total_timeout, workspace_base=workspace_base, bwrap=bwrap,
-                           track_changes=track_changes)
+                           track_changes=track_changes, allow_sensitive_workspace=allow_sensitive_workspace)
         self._io_lock = threading.Lock()
         self._cond = threading.Condition(threading.Lock())
         self._handles: list[Process] = []

@@ -467,3 +467,11 @@ def test_arun_as_unprivileged_user(test_user):
     exit_code, env_lines, out, killed_by, ro = p.stdout.split()
     assert exit_code == "0" and out == "hi" and killed_by == "timeout" and ro == "True"
     assert int(env_lines) <= 7
+
+
+def test_session_workspace_checks_match_run():
+    with pytest.raises(lowlevel.WorkspaceError, match="system directory"):
+        lowlevel.Session(workspace="/usr")
+    ws = _ws()
+    with lowlevel.Session(workspace=ws, allow_sensitive_workspace=True) as s:
+        assert s.run(["sh", "-c", "echo ok > f; cat f"]).stdout == b"ok\n"
