@@ -195,6 +195,13 @@ class _Cmd:
         self.rlimit_names: tuple[str, ...] = ()
         self.before: Any = None
 
+    def outcome(self) -> Result:
+        """The finished command's Result, or raise the error that ended it."""
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
     def fds(self) -> list[int]:
         return [fd for fd in (self.out_r, self.err_r, self.stdin_w) if fd is not None]
 
@@ -743,7 +750,7 @@ class Process:
         """
         if not self._cmd.done:
             self._session._wait(self._cmd, time.monotonic())
-        return self._outcome() if self._cmd.done else None
+        return self._cmd.outcome() if self._cmd.done else None
 
     def wait(self, timeout: float | None = None) -> Result:
         """Wait for the command to finish and return its Result.
@@ -758,7 +765,7 @@ class Process:
         self._session._wait(self._cmd, deadline)
         if not self._cmd.done:
             raise TimeoutError(f"{self.argv[0]!r} still running after {timeout} s")
-        return self._outcome()
+        return self._cmd.outcome()
 
     def read(self, timeout: float | None = 0) -> tuple[bytes, bytes]:
         """Return ``(stdout, stderr)`` written since the last read, waiting up to ``timeout``
@@ -783,12 +790,6 @@ class Process:
         """SIGKILL the command's whole tree (its group and every descendant); its Result then
         has ``killed_by="cancelled"``. Returns at once; :meth:`wait` for the Result."""
         self._session._core.signal(self._cmd, signal.SIGKILL, tree=True)
-
-    def _outcome(self) -> Result:
-        if self._cmd.error is not None:
-            raise self._cmd.error
-        assert self._cmd.result is not None
-        return self._cmd.result
 
 
 class Session:
@@ -1019,12 +1020,12 @@ class AsyncProcess:
         """The Result if finished, else None."""
         if not self._cmd.done:
             return None
-        return Process._outcome(self)  # type: ignore[arg-type]
+        return self._cmd.outcome()
 
     async def wait(self, timeout: float | None = None) -> Result:
         """Wait for the end (``TimeoutError`` after ``timeout`` seconds; it keeps running)."""
         await self._session._wait(self._cmd, timeout)
-        return Process._outcome(self)  # type: ignore[arg-type]
+        return self._cmd.outcome()
 
     async def read(self, timeout: float | None = None) -> tuple[bytes, bytes]:
         """``(stdout, stderr)`` since the last read, waiting up to ``timeout`` for some."""
