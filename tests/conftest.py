@@ -18,8 +18,10 @@ import json
 import os
 import pwd
 import shutil
+import socket
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -179,3 +181,36 @@ def sandbox(request: pytest.FixtureRequest, tmp_path: Path) -> Sandbox:
                         f"venv world-readable (.ci/run does): {probe.stderr.decode()[-500:]}")
         return Sandbox("user", user, tmp_path)
     return Sandbox(request.param, None, tmp_path)
+
+
+class LoopbackServer:
+    """A TCP server on host loopback answering b'pong' to anyone who connects."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.accepted = 0
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            conn.sendall(b"pong")
+            conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def server():
+    s = LoopbackServer()
+    yield s
+    s.close()

@@ -74,33 +74,14 @@ except OSError as err:
 """
 
 
-def test_no_network_same_as_run():
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(8)
-    accepted = []
-
-    def serve() -> None:
-        while True:
-            try:
-                conn, _ = srv.accept()
-            except OSError:
-                return
-            accepted.append(1)
-            conn.sendall(b"pong")
-            conn.close()
-
-    threading.Thread(target=serve, daemon=True).start()
-    try:
-        with socket.create_connection(("127.0.0.1", srv.getsockname()[1]), timeout=3) as c:  # control
-            assert c.recv(4) == b"pong"
-        before = len(accepted)
-        sync, asy = both(["python3", "-c", CONNECT, str(srv.getsockname()[1])])
-        assert _comparable(asy) == _comparable(sync)
-        assert asy.stdout.startswith(b"blocked"), asy.stdout
-        assert len(accepted) == before
-    finally:
-        srv.close()
+def test_no_network_same_as_run(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=3) as c:  # control
+        assert c.recv(4) == b"pong"
+    before = server.accepted
+    sync, asy = both(["python3", "-c", CONNECT, str(server.port)])
+    assert _comparable(asy) == _comparable(sync)
+    assert asy.stdout.startswith(b"blocked"), asy.stdout
+    assert server.accepted == before
 
 
 def test_no_host_home_same_as_run():

@@ -77,39 +77,6 @@ def test_system_is_read_only_and_workspace_is_written_on_host(sandbox):
     assert r.changes["added"] == ["out.txt"]
 
 
-class _Server:
-    """A TCP server on host loopback answering b'pong' to anyone who connects."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(16)
-        self.port = self.sock.getsockname()[1]
-        self.accepted = 0
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.accepted += 1
-            conn.sendall(b"pong")
-            conn.close()
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-@pytest.fixture
-def server():
-    s = _Server()
-    yield s
-    s.close()
-
-
 CONNECT = """
 import socket, sys
 try:
