@@ -14,6 +14,9 @@ EXECUTABLES = (
     # The exec helper for root callers: setrlimit, drop uid/gid/groups, execv bwrap (one exec
     # instead of prlimit(1) + setpriv(1)); the launcher falls back to those when it is missing.
     (os.path.join("native", "lowlevel_exec.c"), os.path.join("lowlevel", "_lowlevel_exec")),
+    # The run guard: bwrap execs it in place of the program of a fresh sandbox; it applies
+    # Landlock and reports the program's wait status (lowlevel/landlock.py).
+    (os.path.join("native", "lowlevel_guard.c"), os.path.join("lowlevel", "_lowlevel_guard")),
 )
 
 

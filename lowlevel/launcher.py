@@ -48,6 +48,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from . import landlock as _landlock
 from . import limits as _limits
 from . import seccomp as _seccomp
 from . import sizedws as _sizedws
@@ -367,7 +368,8 @@ class Run:
                  inputs: Sequence[str | os.PathLike[str]] = (), timeout: float | None = DEFAULT_TIMEOUT_S,
                  stdin: bytes | None = None, env: Mapping[str, str] | None = None, capture: bool = True,
                  cwd: str = WORKSPACE_DEST, workspace_base: str | None = None, bwrap: str | None = None,
-                 extra_fds: Mapping[int, int] | None = None, allow_sensitive_workspace: bool = False) -> None:
+                 extra_fds: Mapping[int, int] | None = None, allow_sensitive_workspace: bool = False,
+                 guard: bool = True) -> None:
         if not isinstance(policy, Policy):
             raise PolicyError(f"policy must be a lowlevel.Policy, got {type(policy).__name__}")
         if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
@@ -434,6 +436,13 @@ class Run:
         self.pre_exec_rlimits: tuple[tuple[str, int, int], ...] = ()
         self.seccomp_loaded = False
         self.audit: Any = None
+        # The guard (lowlevel.landlock): bwrap execs it in place of the command; it applies
+        # Landlock and reports the command's exact wait status on status_r. Session passes
+        # guard=False (its init does both itself).
+        self.guard = guard
+        self.guard_prefix: list[str] = []
+        self.status_r: int | None = None
+        self.guard_report: _landlock.GuardReport | None = None
 
     # -- 1. prepare ----------------------------------------------------------------------
     def prepare(self) -> None:
@@ -463,6 +472,7 @@ class Run:
             _ws.check_traversable(self.workspace, policy.host_uid, policy.host_gid)
         precheck_exec(policy, self.workspace, self.command, self.environment, self.cwd,
                       self.facts.layout.etc_files)
+        _landlock.require_supported(policy)
         # One walk: the change-report snapshot, the owners to give back, and (root callers) the
         # tree given to the sandbox's uid with the root kept 0770 ours:host_gid; close() (or
         # result()) gives it back and strips setuid/setgid bits (lowlevel.workspace.hand_over).
@@ -557,6 +567,15 @@ class Run:
         if seccomp_fd is not None:
             mapping.append((seccomp_fd, fds.seccomp or 0))
         mapping += [(parent_fd, child_fd) for child_fd, parent_fd in sorted(self.extra_fds.items())]
+        if self.guard:
+            # The guard's executable and its report pipe, on the first numbers above the others.
+            exe_child = max([fds.group or 8, *self.extra_fds]) + 1
+            status_r, status_w = os.pipe()
+            self.fds += [status_r, status_w]
+            self.status_r = status_r
+            mapping += [(_landlock.guard_fd(), exe_child), (status_w, exe_child + 1)]
+            self.guard_prefix = _landlock.guard_argv(
+                exe_child, exe_child + 1, _landlock.ruleset_args(policy, self.facts.layout.ro_dirs))
         # Move every source above all targets first, so no dup2 clobbers a later source, and
         # no dup2 has src == dst (which would leave FD_CLOEXEC set).
         threshold = max(dst for _s, dst in mapping) + 1
@@ -580,7 +599,7 @@ class Run:
         """posix_spawn bwrap with an empty environment; open its pidfd."""
         helper = _exec_helper() if self.facts.caller_is_root else None
         setpriv = _setpriv() if self.facts.caller_is_root and helper is None else None
-        exe_argv = outer_argv(self.facts, self.policy, setpriv, ARGS_FD, self.command,
+        exe_argv = outer_argv(self.facts, self.policy, setpriv, ARGS_FD, [*self.guard_prefix, *self.command],
                               prlimit=_prlimit_cmd() if self.pre_exec_rlimits and helper is None else None,
                               pre_exec_rlimits=self.pre_exec_rlimits, exec_helper=helper)
         i = exe_argv.index("--args")
@@ -597,12 +616,12 @@ class Run:
                               errno=err.errno) from err
         self.pidfd = os.pidfd_open(self.pid)
         # Close the child's ends in the parent.
-        keep = {self.json_r, self.block_w, self.out_r, self.err_r, self.stdin_w}
+        keep = {self.json_r, self.block_w, self.out_r, self.err_r, self.stdin_w, self.status_r}
         for fd in list(self.fds):
             if fd not in keep:
                 os.close(fd)
                 self.fds.remove(fd)
-        for rfd in (self.out_r, self.err_r, self.json_r):
+        for rfd in (self.out_r, self.err_r, self.json_r, self.status_r):
             if rfd is not None:
                 os.set_blocking(rfd, False)
 
@@ -793,14 +812,34 @@ class Run:
         """Build the Result once bwrap is reaped and the pipes are drained."""
         docs = self._docs()
         exit_doc = next((d for d in docs if "exit-code" in d), None)
+        rep = self.read_guard_report()
+        if rep is not None and rep.fail_stage is not None and not rep.started:
+            raise self._guard_failure(rep)
         if exit_doc is None and not self.timed_out and self.killed_by is None:
             stderr, _, _ = self.err.value()
+            if self.guard and b"execvp /proc/self/fd/" in stderr:
+                raise LaunchError("bwrap could not execute lowlevel's guard (lowlevel/_lowlevel_guard): "
+                                  f"{stderr.decode('utf-8', 'replace').strip()}", argv=self.full_argv)
             raise classify_setup_failure(stderr, self.full_argv, self.command)
-        if exit_doc is not None:
-            exit_code = int(exit_doc["exit-code"])
+        term: int | None
+        if rep is not None and rep.wait_status is not None:
+            # The guard's report: the program's own wait status, a fact (bwrap's exit code says
+            # 152 both for "exit 152" and for death by SIGXCPU).
+            if os.WIFSIGNALED(rep.wait_status):
+                term = os.WTERMSIG(rep.wait_status)
+                exit_code = 128 + term
+            else:
+                term = None
+                exit_code = os.WEXITSTATUS(rep.wait_status)
         else:
-            exit_code = 128 + signal.SIGKILL
-        term = decode_exit(exit_code)
+            exit_code = int(exit_doc["exit-code"]) if exit_doc is not None else 128 + signal.SIGKILL
+            # Without a guard report (the sandbox was killed, or no guard) the code is bwrap's;
+            # with a guard, a code above 128 then is the guard's own death by that signal: the
+            # guard exits above 128 on its own only after reporting.
+            term = decode_exit(exit_code)
+            if rep is not None and rep.started and exit_doc is not None and self.killed_by is None:
+                self.notes.append("the guard (the program's parent inside the sandbox) ended before reporting "
+                                  f"the program's end (bwrap exit code {exit_code}); the sandbox was torn down")
         stats: _limits.CgroupStats | None = None
         if self.cgroup is not None:
             try:
@@ -825,6 +864,11 @@ class Run:
             f"cgroup:{c}" for c in (self.cgroup.enforced if self.cgroup is not None else ()))
         if self.seccomp_loaded:
             enforced += ("seccomp",)
+        landlock_abi = rep.abi if rep is not None and rep.started else None
+        if landlock_abi:
+            enforced += ("landlock",)
+        elif rep is not None and rep.started and self.policy.landlock is not False:
+            self.notes.append("Landlock not applied: " + _landlock.describe(0))
         denials = None
         if self.audit is not None:
             denials = tuple(self.audit.finish())
@@ -840,7 +884,29 @@ class Run:
             oom_kills=stats.oom_kills if stats else None,
             limits_enforced=enforced, changes=changes, workspace=self.workspace,
             notes=tuple(self.notes), argv=tuple(self.full_argv), seccomp_denials=denials,
+            landlock_abi=landlock_abi,
         )
+
+    def read_guard_report(self) -> _landlock.GuardReport | None:
+        """What the guard reported (read once, after bwrap exited); None without a guard."""
+        if self.guard_report is None and self.status_r is not None:
+            self.guard_report = _landlock.read_report(self.status_r)
+            self._close_fd("status_r")
+        return self.guard_report
+
+    def _guard_failure(self, rep: _landlock.GuardReport) -> LowlevelError:
+        """The error for a program the guard could not start (exec or Landlock failed)."""
+        code = rep.fail_errno or 0
+        text = self.err.value()[0].decode("utf-8", "replace").strip()
+        if rep.fail_stage == _landlock.STAGE_EXEC:
+            return ExecError(f"{self.command[0]}: {os.strerror(code).lower()} in the sandbox", argv=self.full_argv,
+                             stderr=text, errno=code)
+        if rep.fail_stage == _landlock.STAGE_LANDLOCK and code in (errno.EOPNOTSUPP, errno.ENOSYS):
+            return UnsupportedError("landlock", "Policy(landlock='require') but Landlock is not available "
+                                    "inside the sandbox", "use Policy(landlock=True) for best effort")
+        stage = _landlock.STAGES.get(rep.fail_stage or 0, str(rep.fail_stage))
+        return LaunchError(f"the sandbox's guard could not start {self.command[0]!r}: {stage}: {os.strerror(code)}",
+                           argv=self.full_argv, stderr=text, errno=code)
 
     def _killed_by(self, exit_code: int, term: int | None, stats: _limits.CgroupStats | None) -> str | None:
         """Why the run died when the supervisor did not kill it: the cgroup's OOM kill
@@ -874,8 +940,10 @@ class Run:
 
     def discard_workspace_if_unused(self) -> None:
         """Remove a workspace this Run created when the program never started (setup failed)."""
-        if self.owns_workspace and self.workspace and b'"exit-code"' not in self.json_buf \
-                and not self.killed_by:
+        rep = self.guard_report
+        never_ran = b'"exit-code"' not in self.json_buf or (
+            rep is not None and rep.fail_stage is not None and not rep.started)
+        if self.owns_workspace and self.workspace and never_ran and not self.killed_by:
             shutil.rmtree(self.workspace, ignore_errors=True)
 
     def close(self) -> None:
@@ -905,7 +973,7 @@ class Run:
                 if fd is not None:
                     os.close(fd)
                     setattr(self, attr, None)
-            self.json_r = self.block_w = self.stdin_w = self.out_r = self.err_r = None
+            self.json_r = self.block_w = self.stdin_w = self.out_r = self.err_r = self.status_r = None
             if self.sized is not None:
                 try:
                     self.sized.discard()

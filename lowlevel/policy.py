@@ -244,6 +244,15 @@ class Policy:
             (``/dev/urandom``, ``getrandom(2)``), ASLR, CPU speed or core count, scheduling
             order of threads and processes, inode numbers and mtimes, or the kernel and
             library versions of the host; see docs/records.md.
+        landlock: the second wall (:mod:`lowlevel.landlock`): True (default) applies a Landlock
+            ruleset to the program inside the sandbox, best effort (the kernel's ABI, down to
+            1; none when the kernel lacks Landlock: ``Result.landlock_abi`` says which);
+            ``"require"`` fails with UnsupportedError when the kernel lacks it; False applies
+            none. Reads and execs only beneath the read-only mounts, writes only beneath
+            ``/workspace``, ``/tmp``, ``/dev/shm`` and writable binds, no TCP bind (and no TCP
+            connect without ``network``), no host abstract unix sockets, no signals out.
+        landlock_omit: testing aid: bind destinations left out of the Landlock rules (so a
+            test can show Landlock holds where a mount is wrong). It only takes access away.
 
     Raises:
         PolicyError: an invalid value (the message names the field).
@@ -263,6 +272,8 @@ class Policy:
     stdout_limit_bytes: int = 16 * 1024 * 1024
     stderr_limit_bytes: int = 16 * 1024 * 1024
     deterministic: bool = False
+    landlock: bool | str = True
+    landlock_omit: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "env", _freeze_env(self.env))
@@ -297,6 +308,13 @@ class Policy:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise PolicyError(f"Policy.{name} must be a byte count >= 0, got {value!r}")
+        if not (self.landlock is True or self.landlock is False or self.landlock == "require"):
+            raise PolicyError(f"Policy.landlock must be True, False or 'require', got {self.landlock!r}")
+        omit = self.landlock_omit
+        if not isinstance(omit, (tuple, list)) or not all(
+                isinstance(p, str) and p.startswith("/") and "\0" not in p for p in omit):
+            raise PolicyError(f"Policy.landlock_omit must be a tuple of absolute sandbox paths, got {omit!r}")
+        object.__setattr__(self, "landlock_omit", tuple(os.path.normpath(p) for p in omit))
         if not isinstance(self.deterministic, bool):
             raise PolicyError(f"Policy.deterministic must be a bool, got {self.deterministic!r}")
         if self.deterministic:

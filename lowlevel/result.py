@@ -3,9 +3,11 @@
 The program exiting non-zero, dying on a signal, timing out or hitting a limit is a
 :class:`Result`; the sandbox failing to start is a :class:`lowlevel.errors.LaunchError`.
 
-bwrap reports the program's death by signal N as exit status 128+N (like a shell); we decode
-it into ``term_signal``. A program that calls ``exit(137)`` looks the same as one killed by
-SIGKILL: bwrap does not pass the difference on. Source: bubblewrap ``propagate_exit_status``.
+bwrap reports the program's death by signal N as exit status 128+N (like a shell), so a
+program that calls ``exit(152)`` looks the same to bwrap as one killed by SIGXCPU (bubblewrap
+``propagate_exit_status``). ``term_signal`` is therefore taken from the program's own wait
+status, which the run guard inside the sandbox (:mod:`lowlevel.landlock`) or the session init
+reports; ``exit_code`` keeps the shell's 128+N convention for a death by signal N.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ class Result:
     """What one sandboxed run did.
 
     Attributes:
-        exit_code: the program's exit status as bwrap reports it (0-255; 128+N after signal N).
-        term_signal: N when ``exit_code`` is 128+N (1 <= N <= 64), else None.
+        exit_code: the program's exit status (0-255; 128+N after death by signal N).
+        term_signal: the signal that killed the program (from its wait status), else None.
         timed_out: the wall-clock timeout fired and the sandbox was killed.
         killed_by: why the run died early: ``"timeout"``, ``"cpu"`` (RLIMIT_CPU),
             ``"memory"`` (cgroup OOM kill), ``"pids"`` (pids.max reached), ``"signal"``
@@ -60,6 +62,8 @@ class Result:
         seccomp_denials: syscall names the filter denied (audit mode only), else None.
         notes: human-readable notes on degraded behaviour (no cgroup, etc.).
         argv: the full bwrap argv used (for records and debugging).
+        landlock_abi: the Landlock ABI the program ran under (1-7; 0: none, the kernel lacks
+            it or ``Policy(landlock=False)``), or None when unknown (the program never started).
     """
 
     exit_code: int
@@ -84,6 +88,7 @@ class Result:
     seccomp_denials: tuple[str, ...] | None = None
     notes: tuple[str, ...] = ()
     argv: tuple[str, ...] = ()
+    landlock_abi: int | None = None
 
     @property
     def ok(self) -> bool:

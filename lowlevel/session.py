@@ -89,11 +89,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from . import landlock as _landlock
 from . import limits as _limits
 from . import workspace as _ws
 from .errors import LaunchError, PolicyError, SessionError, UnsupportedError
 from .launcher import (DEFAULT_TIMEOUT_S, SETUP_TIMEOUT_S, ExecError, Run, _Capture, _check_command,
-                       classify_setup_failure)
+                       classify_setup_failure, host_facts)
 from .limits import Limits
 from .policy import WORKSPACE_DEST, Policy
 from .result import Result
@@ -279,13 +280,15 @@ class _Core:
         exe = init_path()
         self.sock, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        # Landlock: the init restricts itself before its first command (lowlevel.landlock).
         argv = [f"/proc/self/fd/{_EXE_FD}", str(_SOCK_FD), str(_ms(idle_timeout)), str(_ms(total_timeout)),
-                str(_EXE_FD)]
+                str(_EXE_FD), *_landlock.ruleset_args(policy, host_facts(bwrap).layout.ro_dirs)]
+        self.landlock_abi = 0
         self.run = Run(argv, policy=self.sandbox_policy,
                        workspace=None if workspace is None else os.fspath(workspace), inputs=inputs,
                        timeout=None, capture=True, workspace_base=workspace_base, bwrap=bwrap,
                        extra_fds={_SOCK_FD: child.fileno(), _EXE_FD: _init_fd(exe)},
-                       allow_sensitive_workspace=allow_sensitive_workspace)
+                       allow_sensitive_workspace=allow_sensitive_workspace, guard=False)
         self.cmds: dict[int, _Cmd] = {}
         self.fd_owner: dict[int, _Cmd] = {}
         self.next_id = 1
@@ -350,8 +353,11 @@ class _Core:
     def _hello(self) -> None:
         data, anc, _flags, _addr = self.sock.recvmsg(64, socket.CMSG_SPACE(12))
         if len(data) < _SMALL.size:
-            raise LaunchError("the session init exited before saying hello", argv=self.run.full_argv)
-        mtype, version, _pid, _ = _SMALL.unpack_from(data)
+            self.run.read_fd("err_r")
+            said = self.run.err.value()[0].decode("utf-8", "replace").strip()
+            raise LaunchError("the session init exited before saying hello" + (f": {said}" if said else ""),
+                              argv=self.run.full_argv)
+        mtype, version, _pid, self.landlock_abi = _SMALL.unpack_from(data)
         if mtype != _MSG_HELLO or version != _PROTO_VERSION:
             raise LaunchError(f"the session init speaks protocol {version} (type {mtype}), expected "
                               f"{_PROTO_VERSION}: reinstall lowlevel", argv=self.run.full_argv)
@@ -594,14 +600,15 @@ class _Core:
         changes = _ws.Changes()
         if cmd.before is not None:
             changes = _ws.diff(cmd.before, _ws.snapshot(self.run.workspace))
-        enforced = cmd.rlimit_names + self.cgroup_enforced + (("seccomp",) if self.run.seccomp_loaded else ())
+        enforced = cmd.rlimit_names + self.cgroup_enforced + (("seccomp",) if self.run.seccomp_loaded else ()) \
+            + (("landlock",) if self.landlock_abi else ())
         return Result(
             exit_code=exit_code, term_signal=term, timed_out=bool(flags & _EXITF_TIMED_OUT), killed_by=killed_by,
             stdout=out, stderr=err, stdout_truncated=out_t, stderr_truncated=err_t,
             stdout_dropped_bytes=out_d, stderr_dropped_bytes=err_d, wall_time_s=wall,
             cpu_user_s=utime_us / 1e6, cpu_system_s=stime_us / 1e6, peak_memory_bytes=None,
             max_rss_bytes=maxrss_kib * 1024, oom_kills=None, limits_enforced=enforced, changes=changes,
-            workspace=self.run.workspace, notes=self.notes, argv=tuple(cmd.argv))
+            workspace=self.run.workspace, notes=self.notes, argv=tuple(cmd.argv), landlock_abi=self.landlock_abi)
 
     def _oom_delta(self) -> bool:
         cg = self.run.cgroup

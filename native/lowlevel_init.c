@@ -21,7 +21,11 @@
  * every message starting with a u32 type. See lowlevel/session.py for the host side; the two
  * struct layouts below are mirrored there with the struct module.
  *
- * Usage: lowlevel_init SOCK_FD IDLE_MS TOTAL_MS [CLOSE_FD]   (IDLE_MS/TOTAL_MS 0: none)
+ * Usage: lowlevel_init SOCK_FD IDLE_MS TOTAL_MS [CLOSE_FD [--ll...]]   (IDLE_MS/TOTAL_MS 0: none)
+ *
+ * Landlock (the --ll options, lowlevel_landlock.h): the init restricts itself once, before
+ * HELLO, and every shepherd and command inherits the domain. HELLO's last field carries the
+ * ABI applied (0: none).
  *
  * Static and self-contained: no Python, no allocation on the hot path beyond the message
  * buffer, only syscalls the default seccomp profile allows (fork, vfork, execve, signalfd,
@@ -48,6 +52,8 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+
+#include "lowlevel_landlock.h"
 
 #define PROTO_VERSION 1
 
@@ -97,7 +103,7 @@ struct spawn_hdr {        /* 32 bytes, then nrlimits * struct rlim_rec, then str
 };
 struct rlim_rec { uint32_t resource, pad; uint64_t soft, hard; };
 struct signal_msg { uint32_t type, id, signo, flags; };
-struct hello_msg { uint32_t type, version, pid, pad; };
+struct hello_msg { uint32_t type, version, pid, landlock_abi; };
 struct started_msg { uint32_t type, id, pid, pad; };
 struct exit_msg {         /* 48 bytes */
     uint32_t type, id, kind, status, flags, stage;
@@ -498,8 +504,16 @@ fail:
 
 int main(int argc, char **argv) {
     if (argc < 4) {
-        fprintf(stderr, "usage: lowlevel_init SOCK_FD IDLE_MS TOTAL_MS [CLOSE_FD]\n");
+        fprintf(stderr, "usage: lowlevel_init SOCK_FD IDLE_MS TOTAL_MS [CLOSE_FD [--ll...]]\n");
         return 2;
+    }
+    struct ll_spec ll;
+    memset(&ll, 0, sizeof ll);
+    for (int i = 5; i < argc; i++) {
+        if (ll_parse_opt(&ll, argv[i]) != 1) {
+            fprintf(stderr, "lowlevel-init: bad option %s\n", argv[i]);
+            return 2;
+        }
     }
     int sock = atoi(argv[1]);
     int64_t idle_ns = atoll(argv[2]) * 1000000LL, total_ns = atoll(argv[3]) * 1000000LL;
@@ -514,6 +528,13 @@ int main(int argc, char **argv) {
         fprintf(stderr, "lowlevel-init: setup failed: %s\n", strerror(errno));
         return 2;
     }
+    int ll_abi = 0, ll_fd = ll_build(&ll, &ll_abi);
+    if (ll_fd >= 0 && ll_restrict(ll_fd) < 0) ll_abi = -1;
+    if (ll_abi < 0) {
+        fprintf(stderr, "lowlevel-init: landlock: %s\n", strerror(errno));
+        return 5;
+    }
+    if (ll_fd >= 0) close(ll_fd);
     if (getenv("LOWLEVEL_INIT_NO_WARMUP") == NULL) {
         /* Warm-up: the first fork (and vfork) of a fresh sandbox costs ~1-3 ms more than the
          * next ones; pay it here, before HELLO, so the first command does not. */
@@ -527,7 +548,7 @@ int main(int argc, char **argv) {
         if (w > 0) waitpid(w, NULL, 0);
         drain_fd(sfd);
     }
-    struct hello_msg hm = { MSG_HELLO, PROTO_VERSION, (uint32_t)getpid(), 0 };
+    struct hello_msg hm = { MSG_HELLO, PROTO_VERSION, (uint32_t)getpid(), (uint32_t)ll_abi };
     send_msg(sock, &hm, sizeof hm);
 
     int64_t start = now_ns(), last_activity = start;

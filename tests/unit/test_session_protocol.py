@@ -51,6 +51,6 @@ def test_struct_layouts_match(tmp_path):
             "sizeof(struct hello_msg)); return 0; }\n")
     probe.write_text(src)
     exe = tmp_path / "probe"
-    subprocess.run(["gcc", "-w", "-o", str(exe), str(probe)], check=True)
+    subprocess.run(["gcc", "-w", "-I", str(SOURCE.parent), "-o", str(exe), str(probe)], check=True)
     sizes = [int(x) for x in subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()]
     assert sizes == [S._SPAWN_HDR.size, S._RLIM.size, S._SIGNAL.size, S._EXIT.size, S._SMALL.size]

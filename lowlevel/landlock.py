@@ -1,0 +1,223 @@
+"""Landlock, the second wall: the ruleset a sandbox's program runs under, and the run guard.
+
+bwrap's mount namespace decides what the sandbox *sees*; Landlock (an LSM any unprivileged
+process can apply to itself, Linux >= 5.13) decides what the program may *do* with what it
+reaches, independently: a path the first wall exposes by mistake (a bind the operator added,
+an fd to a host directory passed in, a handle opened outside the namespace) or a shared host
+network is still fenced by the second.
+
+The rules (sandbox paths; built inside the sandbox by ``native/lowlevel_landlock.h``):
+
+- read files and execute beneath the read-only mounts: ``/usr``, the host's read-only
+  top-level dirs (``/lib64``... when not usr-merged), ``/etc``, read-only binds;
+- every filesystem right beneath ``/workspace``, ``/tmp``, ``/dev/shm`` and writable binds;
+- read, write and ioctl existing files beneath ``/dev`` and ``/proc`` (both mounted so that
+  nothing can be created there; ``/proc/sys`` is read-only);
+- list directories anywhere in the sandbox's tree (so ``ls /`` works), nothing else there;
+- the standard streams when they are files or terminals (so ``/dev/stdout`` reopens);
+- TCP (ABI >= 4): no bind; connect only with ``Policy(network=True)``;
+- scopes (ABI >= 6): no connecting to abstract unix sockets made outside the sandbox's
+  domain (the host's, with a shared network), no signals to processes outside it.
+
+Everything else is denied, whatever the mounts allow: a writable host directory reached by
+any other path cannot be written, read or executed (only listed, when it is mounted in the
+sandbox's tree). Rights the kernel lacks are dropped (best effort down to ABI 1; with
+ABI 1, renames and links across directories fail with EXDEV, which ``mv``, ``shutil.move``
+and npm answer with a copy). UDP is not covered by Landlock (ABI 7).
+
+Where it is applied:
+
+- fresh sandboxes (``run``, ``arun``, the CLI, MCP): bwrap execs the *guard*
+  (``native/lowlevel_guard.c``, through an fd: no bind mount) in place of the program. The
+  guard builds the ruleset, vforks, restricts the child and execs the program in it, then
+  reports the program's exact wait status over a pipe (so ``exit 152`` and death by SIGXCPU,
+  both 152 to bwrap, are told apart by fact) and exits with the same code. The guard stays
+  outside the program's domain: with ABI >= 6 the program cannot signal it.
+- sessions and pools: the session init (``native/lowlevel_init.c``) restricts itself once
+  before its first command; every command inherits the domain (commands of one session share
+  it, as they share everything else).
+
+Sources: Documentation/userspace-api/landlock.rst (kernel); landlock(7),
+landlock_create_ruleset(2), landlock_add_rule(2), landlock_restrict_self(2).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import functools
+import os
+import struct
+from dataclasses import dataclass
+
+from .errors import UnsupportedError
+from .policy import WORKSPACE_DEST, Policy
+
+#: The guard executable (``native/lowlevel_guard.c``), built next to this module by setup.py.
+GUARD_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lowlevel_guard")
+
+#: Records the guard writes on its status fd (16 bytes each, native byte order).
+_REC = struct.Struct("=IIII")
+REC_START, REC_EXIT, REC_FAIL = 1, 2, 3
+STAGE_LANDLOCK, STAGE_EXEC, STAGE_FORK = 1, 2, 3
+STAGES = {STAGE_LANDLOCK: "landlock", STAGE_EXEC: "execve", STAGE_FORK: "vfork"}
+
+#: Tests only: cap the ABI the guard and the init use (to exercise the fallbacks). None: no cap.
+_ABI_MAX: int | None = None
+
+_SYS_LANDLOCK_CREATE_RULESET = 444  # the same on every architecture
+_CREATE_RULESET_VERSION = 1
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_abi() -> int:
+    """The running kernel's Landlock ABI version (1 for Linux 5.13 ... 7 for 6.15), or 0.
+
+    0 when the kernel is built without Landlock or boots without it in ``lsm=`` (the call
+    fails with ENOSYS or EOPNOTSUPP). Cached per process.
+    Source: landlock_create_ruleset(2), ``LANDLOCK_CREATE_RULESET_VERSION``.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        v = libc.syscall(ctypes.c_long(_SYS_LANDLOCK_CREATE_RULESET), None, ctypes.c_size_t(0),
+                         ctypes.c_uint32(_CREATE_RULESET_VERSION))
+    except (OSError, AttributeError):
+        return 0
+    return int(v) if v > 0 else 0
+
+
+def describe(abi: int) -> str:
+    """What ABI ``abi`` lets the sandbox enforce, in words (for ``doctor`` and notes)."""
+    if abi < 1:
+        return "not available (kernel without Landlock, or not in the lsm= list)"
+    parts = ["filesystem"]
+    parts.append("cross-directory rename/link" if abi >= 2 else "no cross-directory rename/link (EXDEV)")
+    if abi >= 3:
+        parts.append("truncate")
+    if abi >= 4:
+        parts.append("TCP bind/connect")
+    if abi >= 5:
+        parts.append("device ioctl")
+    if abi >= 6:
+        parts.append("abstract unix socket and signal scopes")
+    return f"ABI {abi}: " + ", ".join(parts)
+
+
+def require_supported(policy: Policy) -> None:
+    """Raise UnsupportedError when ``policy.landlock == "require"`` and the kernel lacks Landlock.
+
+    Checked on the host before a sandbox starts (same kernel); the guard and the init check
+    again inside and fail closed.
+    """
+    if policy.landlock == "require" and kernel_abi() < 1:
+        raise UnsupportedError("landlock", "Policy(landlock='require') but this kernel has no Landlock "
+                               "(needs Linux >= 5.13 with CONFIG_SECURITY_LANDLOCK and landlock in lsm=)",
+                               "boot with lsm=...,landlock, or use Policy(landlock=True) for best effort")
+
+
+def ruleset_args(policy: Policy, ro_dirs: tuple[str, ...]) -> tuple[str, ...]:
+    """The ``--ll...`` options of the guard and the init for ``policy`` (cached per Policy).
+
+    Args:
+        policy: the sandbox description (``landlock``, ``binds``, ``network``, ``landlock_omit``).
+        ro_dirs: the host's read-only top-level dirs the base layout binds
+            (:attr:`lowlevel.probe.HostLayout.ro_dirs`).
+    Returns:
+        options for ``native/lowlevel_landlock.h``; ``("--ll=off",)`` when Landlock is off.
+    """
+    return _ruleset_args(policy, ro_dirs, _ABI_MAX)
+
+
+@functools.lru_cache(maxsize=256)
+def _ruleset_args(policy: Policy, ro_dirs: tuple[str, ...], abi_max: int | None) -> tuple[str, ...]:
+    if policy.landlock is False:
+        return ("--ll=off",)
+    omit = set(policy.landlock_omit)
+    a = ["--ll=require" if policy.landlock == "require" else "--ll=on", "--ll-ls=/", "--ll-rx=/usr"]
+    a += [f"--ll-rx={d}" for d in ro_dirs]
+    a += ["--ll-rx=/etc", "--ll-proc=/proc", "--ll-dev=/dev", "--ll-rw=/dev/shm", "--ll-rw=/tmp",
+          f"--ll-rw={WORKSPACE_DEST}"]
+    for bind in policy.binds:
+        if bind.dest not in omit:
+            a.append(f"--ll-{'rw' if bind.writable else 'rx'}={bind.dest}")
+    a.append("--ll-net=connect" if policy.network else "--ll-net=none")
+    if abi_max is not None:
+        a.append(f"--ll-abi-max={abi_max}")
+    return tuple(a)
+
+
+@functools.lru_cache(maxsize=None)
+def guard_fd() -> int:
+    """An O_RDONLY fd of the guard executable, opened once per process (bwrap execs
+    ``/proc/self/fd/N``: no bind mount, and the package's path need not be reachable by the
+    sandbox's uid).
+
+    Raises:
+        UnsupportedError: the guard is missing (the package was installed without building it).
+    """
+    try:
+        return os.open(GUARD_PATH, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as err:
+        raise UnsupportedError("guard", f"the run guard {GUARD_PATH} is missing ({err.strerror})",
+                               "reinstall lowlevel (pip install .) with a C compiler present") from err
+
+
+def guard_argv(exe_fd: int, status_fd: int, ll_args: tuple[str, ...]) -> list[str]:
+    """The guard's argv as bwrap execs it, before ``--`` and the program."""
+    return [f"/proc/self/fd/{exe_fd}", f"--fd={exe_fd}", f"--status={status_fd}", *ll_args, "--"]
+
+
+@dataclass
+class GuardReport:
+    """What the guard said about one run (all None/False when it said nothing).
+
+    Attributes:
+        started: the program was exec'd.
+        abi: Landlock ABI the program runs under (0: none), once started.
+        pid: the program's PID inside the sandbox.
+        wait_status: the program's wait status (``os.waitstatus_to_exitcode`` shape), once it ended.
+        fail_errno, fail_stage: why the guard could not start it (``STAGES``).
+    """
+
+    started: bool = False
+    abi: int | None = None
+    pid: int | None = None
+    wait_status: int | None = None
+    fail_errno: int | None = None
+    fail_stage: int | None = None
+
+
+def parse_report(data: bytes) -> GuardReport:
+    """Decode the guard's records (a short or unknown trailing record is ignored)."""
+    rep = GuardReport()
+    for off in range(0, len(data) - _REC.size + 1, _REC.size):
+        kind, a, b, _c = _REC.unpack_from(data, off)
+        if kind == REC_START:
+            rep.started, rep.abi, rep.pid = True, a, b
+        elif kind == REC_EXIT:
+            rep.wait_status = a
+        elif kind == REC_FAIL:
+            rep.fail_errno, rep.fail_stage = a, b
+    return rep
+
+
+def read_report(fd: int) -> GuardReport:
+    """Read everything the guard wrote on the (non-blocking) pipe ``fd``; call once bwrap exited."""
+    chunks = []
+    while True:
+        try:
+            data = os.read(fd, 4096)
+        except BlockingIOError:
+            break
+        except OSError as err:
+            if err.errno == errno.EINTR:
+                continue
+            break
+        if not data:
+            break
+        chunks.append(data)
+    return parse_report(b"".join(chunks))
+
+
+__all__ = ["GUARD_PATH", "GuardReport", "describe", "guard_argv", "guard_fd", "kernel_abi", "parse_report",
+           "read_report", "require_supported", "ruleset_args"]

@@ -1,0 +1,217 @@
+/* lowlevel_landlock.h: the Landlock ruleset of a sandbox, built from command-line options.
+ *
+ * Header-only, shared by the run guard (lowlevel_guard.c) and the session init
+ * (lowlevel_init.c). Both run inside the sandbox, after bwrap has set up the mounts, so the
+ * rules name sandbox paths; the host (lowlevel/landlock.py) derives the options from the
+ * Policy:
+ *
+ *   --ll=MODE        off | on (best effort: no Landlock in the kernel, none applied) | require
+ *   --ll-rx=PATH     read files, list directories and execute beneath PATH (read-only mounts)
+ *   --ll-rw=PATH     every filesystem right beneath PATH (workspace, /tmp, /dev/shm, writable binds)
+ *   --ll-dev=PATH    read, write and ioctl existing device files beneath PATH (/dev, mounted read-only)
+ *   --ll-proc=PATH   read and write existing files beneath PATH (/proc; /proc/sys is read-only)
+ *   --ll-ls=PATH     list directories beneath PATH (only that: "/", so `ls /` works)
+ *   --ll-net=MODE    TCP (ABI >= 4): none (no bind, no connect) | connect (connect only) | any
+ *   --ll-abi-max=N   use at most ABI N (tests of the fallbacks)
+ *
+ * Rights the running kernel does not know are dropped (best effort down to ABI 1, as in the
+ * kernel's samples/landlock/sandboxer.c): REFER needs ABI 2 (before, the kernel refuses every
+ * rename or link across directories with EXDEV, which tools answer with a copy), TRUNCATE
+ * ABI 3, TCP bind/connect ABI 4, IOCTL_DEV ABI 5, the abstract-unix-socket and signal scopes
+ * ABI 6. The standard streams (fds 0-2) that are regular files or character devices get a
+ * rule of their own matching their open mode, so reopening them through /dev/stdout (a
+ * magic link to a host file or terminal, outside every rule) keeps working.
+ *
+ * Sources: Documentation/userspace-api/landlock.rst; landlock(7); landlock_create_ruleset(2),
+ * landlock_add_rule(2), landlock_restrict_self(2); include/uapi/linux/landlock.h.
+ */
+#ifndef LOWLEVEL_LANDLOCK_H
+#define LOWLEVEL_LANDLOCK_H
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Same numbers on every architecture (the unified syscall table, Linux 5.13). */
+#ifndef __NR_landlock_create_ruleset
+#define __NR_landlock_create_ruleset 444
+#endif
+#ifndef __NR_landlock_add_rule
+#define __NR_landlock_add_rule 445
+#endif
+#ifndef __NR_landlock_restrict_self
+#define __NR_landlock_restrict_self 446
+#endif
+
+#define LL_CREATE_RULESET_VERSION (1U << 0)
+#define LL_RULE_PATH_BENEATH 1
+
+#define LL_FS_EXECUTE (1ULL << 0)
+#define LL_FS_WRITE_FILE (1ULL << 1)
+#define LL_FS_READ_FILE (1ULL << 2)
+#define LL_FS_READ_DIR (1ULL << 3)
+#define LL_FS_REMOVE_DIR (1ULL << 4)
+#define LL_FS_REMOVE_FILE (1ULL << 5)
+#define LL_FS_MAKE_CHAR (1ULL << 6)
+#define LL_FS_MAKE_DIR (1ULL << 7)
+#define LL_FS_MAKE_REG (1ULL << 8)
+#define LL_FS_MAKE_SOCK (1ULL << 9)
+#define LL_FS_MAKE_FIFO (1ULL << 10)
+#define LL_FS_MAKE_BLOCK (1ULL << 11)
+#define LL_FS_MAKE_SYM (1ULL << 12)
+#define LL_FS_REFER (1ULL << 13)     /* ABI 2 */
+#define LL_FS_TRUNCATE (1ULL << 14)  /* ABI 3 */
+#define LL_FS_IOCTL_DEV (1ULL << 15) /* ABI 5 */
+#define LL_NET_BIND_TCP (1ULL << 0)  /* ABI 4 */
+#define LL_NET_CONNECT_TCP (1ULL << 1)
+#define LL_SCOPE_ABSTRACT_UNIX_SOCKET (1ULL << 0) /* ABI 6 */
+#define LL_SCOPE_SIGNAL (1ULL << 1)
+
+#define LL_FS_V1 ((1ULL << 13) - 1)
+#define LL_FS_READ (LL_FS_READ_FILE | LL_FS_READ_DIR)
+/* Rights that apply to a file (not only to a directory); landlock_add_rule refuses others on a file. */
+#define LL_FS_FILE (LL_FS_EXECUTE | LL_FS_WRITE_FILE | LL_FS_READ_FILE | LL_FS_TRUNCATE | LL_FS_IOCTL_DEV)
+
+struct ll_ruleset_attr { uint64_t handled_access_fs, handled_access_net, scoped; };
+struct ll_path_beneath_attr { uint64_t allowed_access; int32_t parent_fd; } __attribute__((packed));
+
+enum { LL_OFF = 0, LL_ON = 1, LL_REQUIRE = 2 };
+enum { LL_NET_ANY = 0, LL_NET_CONNECT = 1, LL_NET_NONE = 2 };
+enum { LL_CLS_RX, LL_CLS_RW, LL_CLS_DEV, LL_CLS_PROC, LL_CLS_LS };
+
+#define LL_MAX_RULES 128
+
+struct ll_spec {
+    int mode, net, abi_max;
+    unsigned nrules;
+    struct { const char *path; int cls; } rules[LL_MAX_RULES];
+};
+
+static uint64_t ll_class_rights(int cls) {
+    switch (cls) {
+    case LL_CLS_RX: return LL_FS_READ | LL_FS_EXECUTE;
+    case LL_CLS_RW: return ~0ULL;  /* masked with the handled set */
+    case LL_CLS_DEV: return LL_FS_READ | LL_FS_WRITE_FILE | LL_FS_TRUNCATE | LL_FS_IOCTL_DEV;
+    case LL_CLS_PROC: return LL_FS_READ | LL_FS_WRITE_FILE | LL_FS_TRUNCATE;
+    default: return LL_FS_READ_DIR;
+    }
+}
+
+/* Parse one option into spec. Returns 1 when consumed, 0 when not a Landlock option, -1 when invalid. */
+static int ll_parse_opt(struct ll_spec *s, const char *arg) {
+    static const struct { const char *prefix; int cls; } paths[] = {
+        { "--ll-rx=", LL_CLS_RX }, { "--ll-rw=", LL_CLS_RW }, { "--ll-dev=", LL_CLS_DEV },
+        { "--ll-proc=", LL_CLS_PROC }, { "--ll-ls=", LL_CLS_LS },
+    };
+    if (strncmp(arg, "--ll", 4) != 0) return 0;
+    for (size_t i = 0; i < sizeof paths / sizeof paths[0]; i++) {
+        size_t n = strlen(paths[i].prefix);
+        if (strncmp(arg, paths[i].prefix, n) == 0) {
+            if (arg[n] != '/' || s->nrules >= LL_MAX_RULES) return -1;
+            s->rules[s->nrules].path = arg + n;
+            s->rules[s->nrules].cls = paths[i].cls;
+            s->nrules++;
+            return 1;
+        }
+    }
+    if (strcmp(arg, "--ll=off") == 0) { s->mode = LL_OFF; return 1; }
+    if (strcmp(arg, "--ll=on") == 0) { s->mode = LL_ON; return 1; }
+    if (strcmp(arg, "--ll=require") == 0) { s->mode = LL_REQUIRE; return 1; }
+    if (strcmp(arg, "--ll-net=any") == 0) { s->net = LL_NET_ANY; return 1; }
+    if (strcmp(arg, "--ll-net=connect") == 0) { s->net = LL_NET_CONNECT; return 1; }
+    if (strcmp(arg, "--ll-net=none") == 0) { s->net = LL_NET_NONE; return 1; }
+    if (strncmp(arg, "--ll-abi-max=", 13) == 0) {
+        char *end;
+        long v = strtol(arg + 13, &end, 10);
+        if (*end || v < 1 || v > 1000) return -1;
+        s->abi_max = (int)v;
+        return 1;
+    }
+    return -1;
+}
+
+/* The kernel's Landlock ABI version, or 0 when Landlock is not built in or not enabled. */
+static int ll_kernel_abi(void) {
+    long v = syscall(__NR_landlock_create_ruleset, NULL, 0, LL_CREATE_RULESET_VERSION);
+    return v > 0 ? (int)v : 0;
+}
+
+/* Rule for one standard stream that is a regular file or a character device (see above). */
+static int ll_stdio_rule(int ruleset, int fd, uint64_t handled) {
+    struct stat st;
+    int fl = fcntl(fd, F_GETFL);
+    if (fl < 0 || fstat(fd, &st) < 0 || !(S_ISREG(st.st_mode) || S_ISCHR(st.st_mode))) return 0;
+    uint64_t want = 0;
+    int acc = fl & O_ACCMODE;
+    if (acc == O_RDONLY || acc == O_RDWR) want |= LL_FS_READ_FILE;
+    if (acc == O_WRONLY || acc == O_RDWR) want |= LL_FS_WRITE_FILE | LL_FS_TRUNCATE;
+    if (S_ISCHR(st.st_mode)) want |= LL_FS_IOCTL_DEV;
+    struct ll_path_beneath_attr pb = { want & handled & LL_FS_FILE, fd };
+    if (!pb.allowed_access) return 0;
+    return (int)syscall(__NR_landlock_add_rule, ruleset, LL_RULE_PATH_BENEATH, &pb, 0);
+}
+
+/* Build the ruleset. Returns its fd (O_CLOEXEC); -1 with *abi_used = 0 when none is to be
+ * applied (mode off, or no Landlock in the kernel in best-effort mode); -1 with errno set and
+ * *abi_used = -1 on failure (require without Landlock: EOPNOTSUPP). A rule path that does not
+ * exist is skipped: a missing rule only takes access away. */
+static int ll_build(const struct ll_spec *s, int *abi_used) {
+    *abi_used = 0;
+    if (s->mode == LL_OFF) return -1;
+    int abi = ll_kernel_abi();
+    if (s->abi_max && abi > s->abi_max) abi = s->abi_max;
+    if (abi < 1) {
+        if (s->mode == LL_REQUIRE) { *abi_used = -1; errno = EOPNOTSUPP; return -1; }
+        return -1;
+    }
+    struct ll_ruleset_attr attr = { LL_FS_V1, 0, 0 };
+    if (abi >= 2) attr.handled_access_fs |= LL_FS_REFER;
+    if (abi >= 3) attr.handled_access_fs |= LL_FS_TRUNCATE;
+    if (abi >= 4 && s->net != LL_NET_ANY)
+        attr.handled_access_net = s->net == LL_NET_NONE ? (LL_NET_BIND_TCP | LL_NET_CONNECT_TCP) : LL_NET_BIND_TCP;
+    if (abi >= 5) attr.handled_access_fs |= LL_FS_IOCTL_DEV;
+    if (abi >= 6) attr.scoped = LL_SCOPE_ABSTRACT_UNIX_SOCKET | LL_SCOPE_SIGNAL;
+    /* Older kernels take the struct's first 8 or 16 bytes only (copy_struct_from_user). */
+    size_t size = abi >= 6 ? sizeof attr : abi >= 4 ? 2 * sizeof(uint64_t) : sizeof(uint64_t);
+    int rs = (int)syscall(__NR_landlock_create_ruleset, &attr, size, 0);
+    if (rs < 0) { *abi_used = -1; return -1; }
+    for (unsigned i = 0; i < s->nrules; i++) {
+        int fd = open(s->rules[i].path, O_PATH | O_CLOEXEC);
+        if (fd < 0) {
+            if (errno == ENOENT || errno == ENOTDIR) continue;
+            goto fail;
+        }
+        struct stat st;
+        uint64_t rights = ll_class_rights(s->rules[i].cls) & attr.handled_access_fs;
+        if (fstat(fd, &st) == 0 && !S_ISDIR(st.st_mode)) rights &= LL_FS_FILE;
+        struct ll_path_beneath_attr pb = { rights, fd };
+        long r = rights ? syscall(__NR_landlock_add_rule, rs, LL_RULE_PATH_BENEATH, &pb, 0) : 0;
+        int e = errno;
+        close(fd);
+        if (r < 0) { errno = e; goto fail; }
+    }
+    for (int fd = 0; fd < 3; fd++)
+        if (ll_stdio_rule(rs, fd, attr.handled_access_fs) < 0) goto fail;
+    *abi_used = abi;
+    return rs;
+fail:;
+    int e = errno;
+    close(rs);
+    errno = e;
+    *abi_used = -1;
+    return -1;
+}
+
+/* Enforce the ruleset on the calling thread (and what it execs). 0 or -1 with errno. */
+static int ll_restrict(int ruleset) {
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) return -1;
+    return (int)syscall(__NR_landlock_restrict_self, ruleset, 0);
+}
+
+#endif
