@@ -147,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "SOURCE_DATE_EPOCH, PYTHONHASHSEED=0, fixed uid/gid, sorted env")
     p.add_argument("--record", metavar="FILE", help="write a run record (JSON) to FILE and copy the inputs "
                    "to FILE.inputs/ for `lowlevel replay`")
+    p.add_argument("--landlock", choices=("on", "off", "require"), default="on",
+                   help="Landlock, the second wall (default on: best effort; require: fail without it)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARG...]")
 
     d = sub.add_parser("doctor", help="check what this host can do")
@@ -220,8 +222,9 @@ def _policy_from_args(args: argparse.Namespace) -> Policy:
         ("workspace_bytes", "workspace_size")) if getattr(args, attr) is not None}
     binds = [Bind(src, dest, writable=False, allow_sensitive=args.allow_sensitive) for src, dest in args.ro]
     binds += [Bind(src, dest, writable=True, allow_sensitive=args.allow_sensitive) for src, dest in args.rw]
+    landlock = {"on": True, "off": False}.get(args.landlock, args.landlock)
     return Policy(network=args.network, binds=tuple(binds), env=tuple(args.env), limits=Limits(**overrides),
-                  deterministic=args.deterministic)
+                  deterministic=args.deterministic, landlock=landlock)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -109,6 +109,23 @@ def seccomp_checks() -> list[dict[str, Any]]:
     return checks
 
 
+def landlock_checks() -> list[dict[str, Any]]:
+    """The run guard built or not (every fresh sandbox needs it), and the kernel's Landlock ABI
+    (the version a sandbox's ruleset uses) with what it covers.
+
+    Landlock itself is not required: ``Policy(landlock=True)`` runs without it (best effort);
+    only ``landlock="require"`` needs it. Source: landlock_create_ruleset(2).
+    """
+    from . import landlock
+
+    guard = os.access(landlock.GUARD_PATH, os.X_OK)
+    abi = landlock.kernel_abi()
+    return [_check("run guard", guard, f"{landlock.GUARD_PATH} " + ("is built" if guard else "is missing"),
+                   "reinstall lowlevel (pip install .) with a C compiler present", required=True),
+            _check("landlock", abi >= 1, landlock.describe(abi),
+                   "Linux >= 5.13 with CONFIG_SECURITY_LANDLOCK=y and landlock in the lsm= boot parameter")]
+
+
 def diagnose() -> dict[str, Any]:
     """Probe the host and return the report (never raises for a missing capability).
 
@@ -153,6 +170,7 @@ def diagnose() -> dict[str, Any]:
                          else "pidfd_open(2) missing", "use Linux >= 5.3", required=True))
     checks.append(userns_check())
     checks.extend(seccomp_checks())
+    checks.extend(landlock_checks())
     checks.extend(cgroup_checks())
     if info is not None:
         try:

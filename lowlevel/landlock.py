@@ -172,16 +172,15 @@ class GuardReport:
     """What the guard said about one run (all None/False when it said nothing).
 
     Attributes:
-        started: the program was exec'd.
-        abi: Landlock ABI the program runs under (0: none), once started.
-        pid: the program's PID inside the sandbox.
-        wait_status: the program's wait status (``os.waitstatus_to_exitcode`` shape), once it ended.
+        started: the guard set up and went on to start the program (START, written before the
+            vfork); it ran unless ``fail_stage`` is set.
+        abi: Landlock ABI the program runs under (0: none).
+        wait_status: the program's wait status (``os.wait`` shape), once it ended.
         fail_errno, fail_stage: why the guard could not start it (``STAGES``).
     """
 
     started: bool = False
     abi: int | None = None
-    pid: int | None = None
     wait_status: int | None = None
     fail_errno: int | None = None
     fail_stage: int | None = None
@@ -193,7 +192,7 @@ def parse_report(data: bytes) -> GuardReport:
     for off in range(0, len(data) - _REC.size + 1, _REC.size):
         kind, a, b, _c = _REC.unpack_from(data, off)
         if kind == REC_START:
-            rep.started, rep.abi, rep.pid = True, a, b
+            rep.started, rep.abi = True, a
         elif kind == REC_EXIT:
             rep.wait_status = a
         elif kind == REC_FAIL:

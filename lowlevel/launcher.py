@@ -813,7 +813,7 @@ class Run:
         docs = self._docs()
         exit_doc = next((d for d in docs if "exit-code" in d), None)
         rep = self.read_guard_report()
-        if rep is not None and rep.fail_stage is not None and not rep.started:
+        if rep is not None and rep.fail_stage is not None:
             raise self._guard_failure(rep)
         if exit_doc is None and not self.timed_out and self.killed_by is None:
             stderr, _, _ = self.err.value()
@@ -941,8 +941,7 @@ class Run:
     def discard_workspace_if_unused(self) -> None:
         """Remove a workspace this Run created when the program never started (setup failed)."""
         rep = self.guard_report
-        never_ran = b'"exit-code"' not in self.json_buf or (
-            rep is not None and rep.fail_stage is not None and not rep.started)
+        never_ran = b'"exit-code"' not in self.json_buf or (rep is not None and rep.fail_stage is not None)
         if self.owns_workspace and self.workspace and never_ran and not self.killed_by:
             shutil.rmtree(self.workspace, ignore_errors=True)
 

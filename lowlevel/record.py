@@ -351,7 +351,8 @@ def execute_recorded(command: Sequence[str], *, policy: Policy | None = None,
         "seccomp": _seccomp_doc(policy),
         "bwrap_argv": list(result.argv),
         "versions": _versions(facts.bwrap.version),
-        "host": {"caller_uid": os.getuid(), "caller_is_root": facts.caller_is_root},
+        "host": {"caller_uid": os.getuid(), "caller_is_root": facts.caller_is_root,
+                 "landlock_abi": result.landlock_abi},
         "limits": {"requested": _canon(policy.limits), "enforced": list(result.limits_enforced)},
         "timings": {"started_at": started_at, "finished_at": finished_at, "wall_time_s": result.wall_time_s,
                     "hash_before_s": hash_before_s},
@@ -533,7 +534,7 @@ def policy_loosening(policy: Policy, timeout_s: float | None = DEFAULT_TIMEOUT_S
     """Where ``policy`` (and the timeout) give a sandbox more than ``Policy()`` does; one line each.
 
     Looser: any bind (it names host paths; writable or ``allow_sensitive`` said so), the host
-    network, no seccomp filter or a profile in log mode (denials only logged) or one that is
+    network, Landlock off, no seccomp filter or a profile in log mode (denials only logged) or one that is
     neither the default nor among ``profiles``, other host ids, a limit above its default or
     removed, larger capture caps, and a timeout above :data:`DEFAULT_TIMEOUT_S` or none.
     Environment, hostname, ids inside and deterministic mode are not looser.
@@ -547,6 +548,8 @@ def policy_loosening(policy: Policy, timeout_s: float | None = DEFAULT_TIMEOUT_S
         out.append(f"bind {b.source} -> {b.dest} ({', '.join(flags)}); default: no binds")
     if policy.network:
         out.append("network=True (the host network); default: no network")
+    if policy.landlock is False:
+        out.append("landlock=False (no Landlock ruleset); default: Landlock, best effort")
     if policy.seccomp is None:
         out.append("seccomp=None (no syscall filter); default: the default profile")
     elif policy.seccomp.log:

@@ -8,9 +8,10 @@
  *      (as bwrap --new-session did for the program), restricts itself with the ruleset and
  *      execvp()s the program (the same PATH search and ENOEXEC /bin/sh fallback as bwrap's
  *      own execvp),
- *   3. reports to the host over a pipe: START (the Landlock ABI used, the program's PID) once
- *      the exec succeeded, then EXIT with the program's exact wait status; or FAIL (errno and
- *      stage) when the ruleset or the exec failed,
+ *   3. reports to the host over a pipe: START (the Landlock ABI the program will run under)
+ *      before the vfork (the program could otherwise end the guard before it says so), then
+ *      EXIT with the program's exact wait status; or FAIL (errno and stage) when the ruleset
+ *      or the exec failed,
  *   4. exits with the program's code (128+N after death by signal N, as bwrap encodes it).
  *
  * The guard itself stays outside the program's Landlock domain, so with ABI >= 6 (the
@@ -41,7 +42,7 @@
 #include "lowlevel_landlock.h"
 
 /* Records on the status fd (16 bytes, native byte order), mirrored in lowlevel/landlock.py. */
-#define REC_START 1 /* a: Landlock ABI applied (0: none), b: program PID (inside) */
+#define REC_START 1 /* a: Landlock ABI applied (0: none) */
 #define REC_EXIT 2  /* a: wait status */
 #define REC_FAIL 3  /* a: errno, b: stage */
 #define STAGE_LANDLOCK 1
@@ -131,6 +132,7 @@ int main(int argc, char **argv) {
     int ruleset = ll_build(&spec, &abi);
     if (ruleset < 0 && abi < 0) die_setup(STAGE_LANDLOCK, errno, "landlock");
 
+    report(REC_START, (uint32_t)abi, 0);
     pid_t pid = spawn(argv + i, ruleset);
     int err = errno;
     if (ruleset >= 0) close(ruleset);
@@ -147,7 +149,6 @@ int main(int argc, char **argv) {
         fprintf(stderr, "lowlevel-guard: landlock_restrict_self: %s\n", strerror(child_errno));
         _exit(125);
     }
-    report(REC_START, (uint32_t)abi, (uint32_t)pid);
     /* The program has its own copies; ours would keep a closed reader's pipe alive (no EPIPE). */
     close(0); close(1); close(2);
     int st;

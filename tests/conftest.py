@@ -127,16 +127,24 @@ class Sandbox:
     def run(self, command: list[str], *, timeout: float = 30, stdin: bytes | None = None,
             env: dict[str, str] | None = None, network: bool = False,
             binds: list[tuple[str, str, bool]] | None = None, limits: dict[str, Any] | None = None,
-            files: dict[str, bytes] | None = None, workspace: str | None = None) -> Outcome:
+            files: dict[str, bytes] | None = None, workspace: str | None = None,
+            policy: dict[str, Any] | None = None, extra_dirs: dict[int, str] | None = None) -> Outcome:
+        """``policy``: more Policy kwargs (JSON-able); ``extra_dirs``: host dirs passed in as
+        open fds ``{fd number inside (>= 9): path}`` (helpers/run_as.py ``run_with_dir_fds``)."""
         ws = workspace or self._mkdtemp()
         if self.user is None:
             for name, data in (files or {}).items():
                 Path(ws, name).write_bytes(data)
-            policy = lowlevel.Policy(network=network, env=env or {},
-                                     binds=tuple(lowlevel.Bind(s, d, writable=w) for s, d, w in binds or ()),
-                                     limits=lowlevel.Limits(**(limits or {})))
+            pol = lowlevel.Policy(network=network, env=env or {},
+                                  binds=tuple(lowlevel.Bind(s, d, writable=w) for s, d, w in binds or ()),
+                                  limits=lowlevel.Limits(**(limits or {})), **(policy or {}))
             try:
-                r = lowlevel.run(command, policy=policy, workspace=ws, timeout=timeout, stdin=stdin)
+                if extra_dirs:
+                    from helpers.run_as import run_with_dir_fds
+                    r = run_with_dir_fds(command, policy=pol, workspace=ws, timeout=timeout, stdin=stdin,
+                                         dirs=extra_dirs)
+                else:
+                    r = lowlevel.run(command, policy=pol, workspace=ws, timeout=timeout, stdin=stdin)
             except lowlevel.LowlevelError as err:
                 return Outcome(None, error=type(err).__name__, message=str(err),
                                errno=getattr(err, "errno", None), workspace=ws)
@@ -144,7 +152,8 @@ class Sandbox:
             return Outcome(r.exit_code, r.stdout, r.stderr, r.timed_out, r.killed_by, r.term_signal, ws,
                            d["changes"], list(r.limits_enforced), list(r.notes), r.wall_time_s, raw=d)
         spec = {"command": command, "timeout": timeout, "env": env or {}, "network": network,
-                "binds": binds or [], "limits": limits or {}, "workspace": ws,
+                "binds": binds or [], "limits": limits or {}, "workspace": ws, "policy": policy or {},
+                "extra_dirs": {str(k): v for k, v in (extra_dirs or {}).items()},
                 "files": {k: base64.b64encode(v).decode() for k, v in (files or {}).items()},
                 "stdin_b64": base64.b64encode(stdin).decode() if stdin is not None else None}
         proc = subprocess.run(

@@ -4,7 +4,8 @@ The test suite executes this script as an unprivileged user (runuser) to test th
 non-root path of bwrap with the same assertions as the root path. Spec keys:
 ``command``, ``timeout``, ``stdin_b64``, ``env``, ``network``, ``binds`` ([src, dest, writable]),
 ``limits`` (Limits kwargs), ``files`` ({name: base64} written into a fresh workspace),
-``workspace`` (an existing dir instead).
+``workspace`` (an existing dir instead), ``policy`` (more Policy kwargs), ``extra_dirs``
+({fd number inside: host dir} opened here and passed in as fds, see :func:`run_with_dir_fds`).
 """
 
 import base64
@@ -17,11 +18,28 @@ import lowlevel
 from lowlevel.workspace import write_file
 
 
+def run_with_dir_fds(command, *, policy, workspace, timeout, stdin, dirs):
+    """``lowlevel.run`` with host directories passed in as open fds, ``{fd number inside: host
+    dir}``: a test harness smuggling a handle past the mount namespace (the Landlock tests)."""
+    from lowlevel import launcher
+    opened = {int(n): os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) for n, path in dirs.items()}
+    try:
+        r = launcher.Run(command, policy=policy, workspace=workspace, timeout=timeout, stdin=stdin,
+                         extra_fds=opened)
+        try:
+            return launcher._drive_sync(r)
+        finally:
+            r.close()
+    finally:
+        for fd in opened.values():
+            os.close(fd)
+
+
 def main() -> int:
     spec = json.load(sys.stdin)
     binds = tuple(lowlevel.Bind(s, d, writable=w) for s, d, w in spec.get("binds", []))
     policy = lowlevel.Policy(network=spec.get("network", False), binds=binds, env=spec.get("env", {}),
-                             limits=lowlevel.Limits(**spec.get("limits", {})))
+                             limits=lowlevel.Limits(**spec.get("limits", {})), **spec.get("policy", {}))
     workspace = spec.get("workspace")
     if workspace is None:
         workspace = tempfile.mkdtemp(prefix="lowlevel-test-ws-")
@@ -31,8 +49,12 @@ def main() -> int:
     stdin = base64.b64decode(spec["stdin_b64"]) if spec.get("stdin_b64") is not None else None
     out: dict = {}
     try:
-        result = lowlevel.run(spec["command"], policy=policy, workspace=workspace,
-                              timeout=spec.get("timeout", 60), stdin=stdin)
+        if spec.get("extra_dirs"):
+            result = run_with_dir_fds(spec["command"], policy=policy, workspace=workspace,
+                                      timeout=spec.get("timeout", 60), stdin=stdin, dirs=spec["extra_dirs"])
+        else:
+            result = lowlevel.run(spec["command"], policy=policy, workspace=workspace,
+                                  timeout=spec.get("timeout", 60), stdin=stdin)
     except lowlevel.LowlevelError as err:
         out = {"error": type(err).__name__, "message": str(err), "errno": getattr(err, "errno", None),
                "workspace": workspace}

@@ -59,11 +59,12 @@ def test_fork_bomb_stops_at_the_pids_limit_and_nothing_survives(sandbox) -> None
     marker = f"bomb-{secrets.token_hex(4)}"
     # Every process forks forever and retries when fork fails: only the timeout ends it.
     code = ("import os, sys, time\n"
+            "top = os.getpid()\n"
             "while True:\n"
             "    try:\n"
             "        os.fork()\n"
             "    except OSError as e:\n"
-            "        if os.getpid() == 2 or os.getppid() == 1: print(e.errno, file=sys.stderr)\n"
+            "        if os.getpid() == top or os.getppid() == 1: print(e.errno, file=sys.stderr)\n"
             "        time.sleep(0.05)\n")
     t0 = time.monotonic()
     out = sandbox.run(["python3", "-c", code, marker], timeout=3, limits={"pids": 32})
@@ -110,7 +111,9 @@ def test_cpu_spin_is_killed_by_cpu(sandbox) -> None:
 
 
 def test_write_past_fsize_fails_inside_and_the_host_file_is_capped(sandbox) -> None:
-    out = sandbox.run(["sh", "-c", "head -c 4194304 /dev/zero > big"], timeout=10,
+    # exec: head itself is the program, so its own death is what the Result reports (a shell
+    # around it would exit 153 normally after printing "File size limit exceeded").
+    out = sandbox.run(["sh", "-c", "exec head -c 4194304 /dev/zero > big"], timeout=10,
                       limits={"fsize_bytes": 1 * MiB})
     assert out.error is None, out.message
     # SIGXFSZ (exit 128+25) where its default disposition reaches the program, EFBIG otherwise.
