@@ -228,6 +228,61 @@ def run_call(cmd: list[str]) -> None:
         raise RuntimeError(f"lowlevel.run exited {r.exit_code}: {r.stderr!r}")
 
 
+_NO_LANDLOCK = lowlevel.Policy(landlock=False)
+
+
+def run_no_landlock_call(cmd: list[str]) -> None:
+    """``lowlevel.run`` with ``Policy(landlock=False)``: the guard runs, without a ruleset."""
+    r = lowlevel.run(cmd, policy=_NO_LANDLOCK)
+    _WORKSPACES.append(r.workspace)
+    if r.exit_code != 0:
+        raise RuntimeError(f"lowlevel.run exited {r.exit_code}: {r.stderr!r}")
+
+
+def run_bare_call(cmd: list[str]) -> None:
+    """``lowlevel.run`` without the guard (``Run(guard=False)``): bwrap execs the command, as
+    before the guard existed (no Landlock, exit status decoded from bwrap's code)."""
+    r = _launcher.Run(cmd, policy=lowlevel.Policy(), guard=False)
+    try:
+        res = _launcher._drive_sync(r)
+    finally:
+        r.close()
+    _WORKSPACES.append(res.workspace)
+    if res.exit_code != 0:
+        raise RuntimeError(f"bare run exited {res.exit_code}: {res.stderr!r}")
+
+
+class GuardFloor:
+    """``posix_spawn`` of the guard (``lowlevel/_lowlevel_guard``) with the default Policy's
+    Landlock options around the command, + ``waitpid``; no sandbox. Minus ``floor``: what the
+    guard adds to every fresh sandbox (its exec, the ruleset, the vfork and the report)."""
+
+    def __init__(self, cmd: list[str]) -> None:
+        from lowlevel import landlock
+        facts = _launcher.host_facts()
+        ll = landlock.ruleset_args(lowlevel.Policy(), facts.layout.ro_dirs)
+        self.status_r, self.status_w = os.pipe()
+        os.set_blocking(self.status_r, False)
+        self.status_w = _high(self.status_w, 32)
+        self.argv = [landlock.GUARD_PATH, f"--status={self.status_w}", *ll, "--", *cmd]
+
+    def call(self) -> None:
+        pid = os.posix_spawn(self.argv[0], self.argv, os.environ, file_actions=[
+            (os.POSIX_SPAWN_DUP2, _DEVNULL_W, 1), (os.POSIX_SPAWN_DUP2, _DEVNULL_W, 2),
+            (os.POSIX_SPAWN_DUP2, self.status_w, self.status_w)])
+        _, status = os.waitpid(pid, 0)
+        try:
+            os.read(self.status_r, 4096)
+        except BlockingIOError:
+            pass
+        if status:
+            raise RuntimeError(f"guard exited with status {status:#x}")
+
+    def close(self) -> None:
+        os.close(self.status_r)
+        os.close(self.status_w)
+
+
 async def arun_call(cmd: list[str]) -> None:
     r = await lowlevel.arun(cmd)
     _WORKSPACES.append(r.workspace)
@@ -288,6 +343,7 @@ class SessionCases:
         from lowlevel import session as _session
         self.mod = _session
         self.session = _session.Session()
+        self.session_no_landlock = _session.Session(_NO_LANDLOCK)
         self.asession = _session.AsyncSession()
         self.pools: dict[int, Any] = {}
 
@@ -312,6 +368,11 @@ class SessionCases:
         if r.exit_code != 0:
             raise RuntimeError(f"Session.run exited {r.exit_code}: {r.stderr!r}")
 
+    def session_no_landlock_call(self, cmd: list[str]) -> None:
+        r = self.session_no_landlock.run(cmd)
+        if r.exit_code != 0:
+            raise RuntimeError(f"Session.run exited {r.exit_code}: {r.stderr!r}")
+
     async def asession_call(self, cmd: list[str]) -> None:
         r = await self.asession.run(cmd)
         if r.exit_code != 0:
@@ -333,6 +394,7 @@ class SessionCases:
         for pool in self.pools.values():
             pool.close()
         self.session.close()
+        self.session_no_landlock.close()
         if self.asession.alive:
             loop.run_until_complete(self.asession.close())
 
@@ -452,6 +514,19 @@ def ratios(results: list[dict[str, Any]], command: str) -> dict[str, float | Non
            "run_vs_session_c8": div(_p50(get("arun", 8, "asyncio")), _p50(get("session", 8, "asyncio"))),
            "run_vs_pool_c8": div(_p50(get("arun", 8, "asyncio")), _p50(get("pool", 8, "asyncio"))),
            "run_p99_vs_p50": div(run["p99_ms"] if run else None, p50["run"])}
+    # The guard and Landlock (issue 17): run (guard + ruleset) over run_bare (no guard), and the
+    # added milliseconds; guard_floor - floor is the guard alone, outside any sandbox.
+    bare, nol = _p50(get("run_bare", 1, "sync")), _p50(get("run_no_landlock", 1, "sync"))
+    sess, sess_nol = _p50(get("session", 1, "sync")), _p50(get("session_no_landlock", 1, "sync"))
+
+    def minus(a: float | None, b: float | None) -> float | None:
+        return round(a - b, 3) if a is not None and b is not None else None
+
+    out |= {"run_landlock_vs_run": div(p50["run"], bare),
+            "run_landlock_minus_run_ms": minus(p50["run"], bare),
+            "run_no_landlock_minus_run_ms": minus(nol, bare),
+            "guard_minus_floor_ms": minus(_p50(get("guard_floor", 1, "sync")), p50["floor"]),
+            "session_landlock_minus_session_ms": minus(sess, sess_nol)}
     for c in CONCURRENCY:
         a, rb = get("arun", c, "asyncio"), get("raw_bwrap", c, "asyncio")
         if a and rb:
@@ -487,6 +562,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     cases: list[Case] = []
     raws: list[RawBwrap] = []
+    guards: list[GuardFloor] = []
     sess = SessionCases()
     for label in commands:
         cmd = COMMANDS[label]
@@ -496,7 +572,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                   Case("subprocess", label, 1, "sync", lambda c=cmd: subprocess_call(c)),
                   Case("raw_bwrap", label, 1, "sync", raw.call),
                   Case("run", label, 1, "sync", lambda c=cmd: run_call(c))]
+        guard = GuardFloor(cmd)
+        guards.append(guard)
+        cases += [Case("run_bare", label, 1, "sync", lambda c=cmd: run_bare_call(c)),
+                  Case("run_no_landlock", label, 1, "sync", lambda c=cmd: run_no_landlock_call(c)),
+                  Case("guard_floor", label, 1, "sync", guard.call)]
         cases.append(Case("session", label, 1, "sync", lambda c=cmd: sess.session_call(c)))
+        cases.append(Case("session_no_landlock", label, 1, "sync", lambda c=cmd: sess.session_no_landlock_call(c)))
         pool1 = Case("pool", label, 1, "sync", lambda c=cmd: sess.pool_call(2, c))
         pool1.before = lambda: sess.wait_full(sess.pool(2))
         cases.append(pool1)
@@ -534,6 +616,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         loop.close()
         for raw in raws:
             raw.close()
+        for guard in guards:
+            guard.close()
     once["seccomp_compiles_during_bench"] = len(_seccomp._cache) - compiles_before
     soak_n = args.soak if args.soak is not None else (1000 if args.quick else 10000)
     soak = session_soak(soak_n) if soak_n else None
@@ -558,13 +642,13 @@ def print_table(doc: dict[str, Any]) -> None:
     h = doc["host"]
     print(f"kernel {h['kernel']}, bwrap {h['bwrap']}, Python {h['python']}, {h['cpus']} CPUs ({h['cpu_model']}), "
           f"cgroup {h['cgroup']}, root={h['caller_is_root']}")
-    print(f"{'name':<11} {'driver':<8} {'conc':>4} {'command':<26} {'n':>5} {'p50 ms':>8} {'p90 ms':>8} "
+    print(f"{'name':<19} {'driver':<8} {'conc':>4} {'command':<26} {'n':>5} {'p50 ms':>8} {'p90 ms':>8} "
           f"{'p99 ms':>8} {'calls/s':>8}")
     for r in doc["results"]:
         if r["skipped"]:
-            print(f"{r['name']:<11} {r['driver']:<8} {r['concurrency']:>4} {r['command']:<26} skipped: {r['reason']}")
+            print(f"{r['name']:<19} {r['driver']:<8} {r['concurrency']:>4} {r['command']:<26} skipped: {r['reason']}")
             continue
-        print(f"{r['name']:<11} {r['driver']:<8} {r['concurrency']:>4} {r['command']:<26} {r['n']:>5} "
+        print(f"{r['name']:<19} {r['driver']:<8} {r['concurrency']:>4} {r['command']:<26} {r['n']:>5} "
               f"{r['p50_ms']:>8.2f} {r['p90_ms']:>8.2f} {r['p99_ms']:>8.2f} {r['calls_per_s']:>8.1f}")
     print("ratios (/usr/bin/true, p50, concurrency 1 unless named):")
     for k, v in doc["ratios"].items():

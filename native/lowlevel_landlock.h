@@ -28,15 +28,7 @@
 #ifndef LOWLEVEL_LANDLOCK_H
 #define LOWLEVEL_LANDLOCK_H
 
-#include <errno.h>
-#include <fcntl.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/prctl.h>
-#include <sys/stat.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "lowlevel_sys.h"
 
 /* Same numbers on every architecture (the unified syscall table, Linux 5.13). */
 #ifndef __NR_landlock_create_ruleset
@@ -109,10 +101,10 @@ static int ll_parse_opt(struct ll_spec *s, const char *arg) {
         { "--ll-rx=", LL_CLS_RX }, { "--ll-rw=", LL_CLS_RW }, { "--ll-dev=", LL_CLS_DEV },
         { "--ll-proc=", LL_CLS_PROC }, { "--ll-ls=", LL_CLS_LS },
     };
-    if (strncmp(arg, "--ll", 4) != 0) return 0;
+    if (ll_strncmp(arg, "--ll", 4) != 0) return 0;
     for (size_t i = 0; i < sizeof paths / sizeof paths[0]; i++) {
-        size_t n = strlen(paths[i].prefix);
-        if (strncmp(arg, paths[i].prefix, n) == 0) {
+        size_t n = ll_strlen(paths[i].prefix);
+        if (ll_strncmp(arg, paths[i].prefix, n) == 0) {
             if (arg[n] != '/' || s->nrules >= LL_MAX_RULES) return -1;
             s->rules[s->nrules].path = arg + n;
             s->rules[s->nrules].cls = paths[i].cls;
@@ -120,17 +112,16 @@ static int ll_parse_opt(struct ll_spec *s, const char *arg) {
             return 1;
         }
     }
-    if (strcmp(arg, "--ll=off") == 0) { s->mode = LL_OFF; return 1; }
-    if (strcmp(arg, "--ll=on") == 0) { s->mode = LL_ON; return 1; }
-    if (strcmp(arg, "--ll=require") == 0) { s->mode = LL_REQUIRE; return 1; }
-    if (strcmp(arg, "--ll-net=any") == 0) { s->net = LL_NET_ANY; return 1; }
-    if (strcmp(arg, "--ll-net=connect") == 0) { s->net = LL_NET_CONNECT; return 1; }
-    if (strcmp(arg, "--ll-net=none") == 0) { s->net = LL_NET_NONE; return 1; }
-    if (strncmp(arg, "--ll-abi-max=", 13) == 0) {
-        char *end;
-        long v = strtol(arg + 13, &end, 10);
-        if (*end || v < 1 || v > 1000) return -1;
-        s->abi_max = (int)v;
+    if (ll_strcmp(arg, "--ll=off") == 0) { s->mode = LL_OFF; return 1; }
+    if (ll_strcmp(arg, "--ll=on") == 0) { s->mode = LL_ON; return 1; }
+    if (ll_strcmp(arg, "--ll=require") == 0) { s->mode = LL_REQUIRE; return 1; }
+    if (ll_strcmp(arg, "--ll-net=any") == 0) { s->net = LL_NET_ANY; return 1; }
+    if (ll_strcmp(arg, "--ll-net=connect") == 0) { s->net = LL_NET_CONNECT; return 1; }
+    if (ll_strcmp(arg, "--ll-net=none") == 0) { s->net = LL_NET_NONE; return 1; }
+    if (ll_strncmp(arg, "--ll-abi-max=", 13) == 0) {
+        int v = ll_atoi(arg + 13);
+        if (v < 1) return -1;
+        s->abi_max = v;
         return 1;
     }
     return -1;
@@ -138,23 +129,22 @@ static int ll_parse_opt(struct ll_spec *s, const char *arg) {
 
 /* The kernel's Landlock ABI version, or 0 when Landlock is not built in or not enabled. */
 static int ll_kernel_abi(void) {
-    long v = syscall(__NR_landlock_create_ruleset, NULL, 0, LL_CREATE_RULESET_VERSION);
+    long v = lsys3(__NR_landlock_create_ruleset, 0, 0, LL_CREATE_RULESET_VERSION);
     return v > 0 ? (int)v : 0;
 }
 
 /* Rule for one standard stream that is a regular file or a character device (see above). */
 static int ll_stdio_rule(int ruleset, int fd, uint64_t handled) {
-    struct stat st;
-    int fl = fcntl(fd, F_GETFL);
-    if (fl < 0 || fstat(fd, &st) < 0 || !(S_ISREG(st.st_mode) || S_ISCHR(st.st_mode))) return 0;
+    long fl = lsys2(__NR_fcntl, fd, F_GETFL), type = ll_fd_type(fd);
+    if (fl < 0 || !(type == 0100000 || type == 0020000)) return 0;  /* S_IFREG, S_IFCHR */
     uint64_t want = 0;
-    int acc = fl & O_ACCMODE;
+    long acc = fl & O_ACCMODE;
     if (acc == O_RDONLY || acc == O_RDWR) want |= LL_FS_READ_FILE;
     if (acc == O_WRONLY || acc == O_RDWR) want |= LL_FS_WRITE_FILE | LL_FS_TRUNCATE;
-    if (S_ISCHR(st.st_mode)) want |= LL_FS_IOCTL_DEV;
+    if (type == 0020000) want |= LL_FS_IOCTL_DEV;
     struct ll_path_beneath_attr pb = { want & handled & LL_FS_FILE, fd };
     if (!pb.allowed_access) return 0;
-    return (int)syscall(__NR_landlock_add_rule, ruleset, LL_RULE_PATH_BENEATH, &pb, 0);
+    return (int)lsys4(__NR_landlock_add_rule, ruleset, LL_RULE_PATH_BENEATH, &pb, 0);
 }
 
 /* Build the ruleset. Returns its fd (O_CLOEXEC); -1 with *abi_used = 0 when none is to be
@@ -179,21 +169,20 @@ static int ll_build(const struct ll_spec *s, int *abi_used) {
     if (abi >= 6) attr.scoped = LL_SCOPE_ABSTRACT_UNIX_SOCKET | LL_SCOPE_SIGNAL;
     /* Older kernels take the struct's first 8 or 16 bytes only (copy_struct_from_user). */
     size_t size = abi >= 6 ? sizeof attr : abi >= 4 ? 2 * sizeof(uint64_t) : sizeof(uint64_t);
-    int rs = (int)syscall(__NR_landlock_create_ruleset, &attr, size, 0);
+    int rs = (int)lsys3(__NR_landlock_create_ruleset, &attr, size, 0);
     if (rs < 0) { *abi_used = -1; return -1; }
     for (unsigned i = 0; i < s->nrules; i++) {
-        int fd = open(s->rules[i].path, O_PATH | O_CLOEXEC);
+        int fd = (int)lsys4(__NR_openat, AT_FDCWD, s->rules[i].path, O_PATH | O_CLOEXEC, 0);
         if (fd < 0) {
             if (errno == ENOENT || errno == ENOTDIR) continue;
             goto fail;
         }
-        struct stat st;
         uint64_t rights = ll_class_rights(s->rules[i].cls) & attr.handled_access_fs;
-        if (fstat(fd, &st) == 0 && !S_ISDIR(st.st_mode)) rights &= LL_FS_FILE;
+        if (ll_fd_type(fd) != 0040000) rights &= LL_FS_FILE;  /* not a directory */
         struct ll_path_beneath_attr pb = { rights, fd };
-        long r = rights ? syscall(__NR_landlock_add_rule, rs, LL_RULE_PATH_BENEATH, &pb, 0) : 0;
+        long r = rights ? lsys4(__NR_landlock_add_rule, rs, LL_RULE_PATH_BENEATH, &pb, 0) : 0;
         int e = errno;
-        close(fd);
+        lsys1(__NR_close, fd);
         if (r < 0) { errno = e; goto fail; }
     }
     for (int fd = 0; fd < 3; fd++)
@@ -202,7 +191,7 @@ static int ll_build(const struct ll_spec *s, int *abi_used) {
     return rs;
 fail:;
     int e = errno;
-    close(rs);
+    lsys1(__NR_close, rs);
     errno = e;
     *abi_used = -1;
     return -1;
@@ -210,8 +199,8 @@ fail:;
 
 /* Enforce the ruleset on the calling thread (and what it execs). 0 or -1 with errno. */
 static int ll_restrict(int ruleset) {
-    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) return -1;
-    return (int)syscall(__NR_landlock_restrict_self, ruleset, 0);
+    if (lsys5(__NR_prctl, PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) return -1;
+    return (int)lsys2(__NR_landlock_restrict_self, ruleset, 0);
 }
 
 #endif

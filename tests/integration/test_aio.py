@@ -376,8 +376,10 @@ def test_bench_quick_json_schema(tmp_path):
         assert r["p50_ms"] <= r["p90_ms"] <= r["p99_ms"]
         assert len(r["samples_ms"]) == r["n"]
     assert {(r["name"], r["concurrency"]) for r in doc["results"] if r["name"] == "arun"} == {("arun", 1), ("arun", 2)}
-    for k in ("run_vs_raw_bwrap", "raw_bwrap_vs_floor"):
+    for k in ("run_vs_raw_bwrap", "raw_bwrap_vs_floor", "run_landlock_vs_run"):
         assert isinstance(doc["ratios"][k], float) and doc["ratios"][k] > 0
+    assert {"run_bare", "run_no_landlock", "guard_floor", "session_no_landlock"} <= names
+    assert isinstance(doc["ratios"]["guard_minus_floor_ms"], float)
     assert doc["one_time"]["seccomp_compiles_during_bench"] == 0
     for k in ("kernel", "bwrap", "python", "cpus"):
         assert doc["host"][k]
