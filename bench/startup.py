@@ -221,8 +221,19 @@ def _sweep_workspaces() -> None:
         shutil.rmtree(_WORKSPACES.pop(), ignore_errors=True)
 
 
+#: Sandbox CPU (the run cgroup's user+system seconds: bwrap's PID 1, the guard, the program)
+#: per (case, command), in ms: what each case costs the machine, whatever the load.
+_SANDBOX_CPU: dict[tuple[str, str], list[float]] = {}
+
+
+def _note_cpu(case: str, cmd: list[str], r: Any) -> None:
+    if r.cpu_user_s is not None and r.cpu_system_s is not None:
+        _SANDBOX_CPU.setdefault((case, " ".join(cmd)), []).append((r.cpu_user_s + r.cpu_system_s) * 1e3)
+
+
 def run_call(cmd: list[str]) -> None:
     r = lowlevel.run(cmd)
+    _note_cpu("run", cmd, r)
     _WORKSPACES.append(r.workspace)
     if r.exit_code != 0:
         raise RuntimeError(f"lowlevel.run exited {r.exit_code}: {r.stderr!r}")
@@ -234,6 +245,7 @@ _NO_LANDLOCK = lowlevel.Policy(landlock=False)
 def run_no_landlock_call(cmd: list[str]) -> None:
     """``lowlevel.run`` with ``Policy(landlock=False)``: the guard runs, without a ruleset."""
     r = lowlevel.run(cmd, policy=_NO_LANDLOCK)
+    _note_cpu("run_no_landlock", cmd, r)
     _WORKSPACES.append(r.workspace)
     if r.exit_code != 0:
         raise RuntimeError(f"lowlevel.run exited {r.exit_code}: {r.stderr!r}")
@@ -247,6 +259,7 @@ def run_bare_call(cmd: list[str]) -> None:
         res = _launcher._drive_sync(r)
     finally:
         r.close()
+    _note_cpu("run_bare", cmd, res)
     _WORKSPACES.append(res.workspace)
     if res.exit_code != 0:
         raise RuntimeError(f"bare run exited {res.exit_code}: {res.stderr!r}")
@@ -427,6 +440,28 @@ def session_soak(n: int) -> dict[str, Any]:
         after = state()
     return {"n": n, "seconds": round(secs, 3), "calls_per_s": round(n / secs, 1), "errors": errors,
             "before": before, "after": after}
+
+
+def guard_cpu(n: int) -> dict[str, Any]:
+    """CPU (ms, ``os.wait4`` rusage of the process and what it waited for) of ``/usr/bin/true``
+    alone and behind the guard with and without the default Landlock rules, ``n`` interleaved
+    calls each, no sandbox: the guard's own cost, independent of the machine's load."""
+    from lowlevel import landlock
+    ll = landlock.ruleset_args(lowlevel.Policy(), _launcher.host_facts().layout.ro_dirs)
+    cases = {"floor": ["/usr/bin/true"], "guard": [landlock.GUARD_PATH, "--ll=off", "--", "/usr/bin/true"],
+             "guard_landlock": [landlock.GUARD_PATH, *ll, "--", "/usr/bin/true"]}
+    cpu: dict[str, list[float]] = {k: [] for k in cases}
+    for _ in range(n):
+        for name, argv in cases.items():
+            quiet = [(os.POSIX_SPAWN_DUP2, _DEVNULL_W, 1), (os.POSIX_SPAWN_DUP2, _DEVNULL_W, 2)]
+            pid = os.posix_spawn(argv[0], argv, {"PATH": "/usr/bin:/bin"}, file_actions=quiet)
+            _, _status, ru = os.wait4(pid, 0)
+            cpu[name].append((ru.ru_utime + ru.ru_stime) * 1e3)
+    out: dict[str, Any] = {f"{k}_cpu_ms": round(sum(v) / len(v), 4) for k, v in cpu.items()}
+    out["guard_minus_floor_cpu_ms"] = round(out["guard_landlock_cpu_ms"] - out["floor_cpu_ms"], 4)
+    out["landlock_cpu_ms"] = round(out["guard_landlock_cpu_ms"] - out["guard_cpu_ms"], 4)
+    out["n"] = n
+    return out
 
 
 def one_time_costs() -> dict[str, Any]:
@@ -621,12 +656,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     once["seccomp_compiles_during_bench"] = len(_seccomp._cache) - compiles_before
     soak_n = args.soak if args.soak is not None else (1000 if args.quick else 10000)
     soak = session_soak(soak_n) if soak_n else None
+    gcpu = guard_cpu(100 if args.quick else 2000)
+    sandbox_cpu: dict[str, dict[str, float]] = {}
+    for (case_name, command), values in sorted(_SANDBOX_CPU.items()):
+        sandbox_cpu.setdefault(command, {})[case_name] = round(sum(values) / len(values), 4)
 
     results = [c.summary() for c in cases]
     doc = {"schema": SCHEMA, "results": results,
            "ratios": ratios(results, "/usr/bin/true"),
            "ratios_by_command": {label: ratios(results, label) for label in commands},
-           "one_time": once, "host": host, "session_soak": soak,
+           "one_time": once, "host": host, "session_soak": soak, "guard_cpu": gcpu, "sandbox_cpu_ms": sandbox_cpu,
            "config": {"quick": args.quick, "rounds": rounds, "per_round": per_round, "concurrency": list(conc),
                       "commands": commands, "duration_s": round(time.monotonic() - t_start, 2),
                       "argv": sys.argv}}
@@ -658,6 +697,8 @@ def print_table(doc: dict[str, Any]) -> None:
         print(f"  {k:<36} {v}")
     if doc.get("session_soak"):
         print(f"session soak: {doc['session_soak']}")
+    print(f"guard CPU (no sandbox): {doc['guard_cpu']}")
+    print(f"sandbox CPU per call, ms (run cgroup): {doc['sandbox_cpu_ms']}")
 
 
 def profile(n: int) -> int:
