@@ -213,6 +213,18 @@ def test_program_cannot_signal_its_guard(sandbox):
     assert "Operation not permitted" in r.err
 
 
+@needs_abi6
+def test_bwraps_pid1_is_out_of_reach(sandbox):
+    # bwrap's PID 1 runs as the program's uid: Landlock (outside the domain) keeps the program
+    # from signalling it or reading its /proc entries (ptrace access mode).
+    probe = ("cat /proc/1/environ > /dev/null 2>&1 && echo environ; readlink /proc/1/fd/0 > /dev/null 2>&1 && echo fds; "
+             "kill -0 1 2>/dev/null && echo signal; true")
+    on = sandbox.run(["sh", "-c", probe])
+    assert on.out == "", on.out
+    off = sandbox.run(["sh", "-c", probe], policy={"landlock": False})
+    assert off.out.split() == ["environ", "fds", "signal"]
+
+
 def test_guard_killed_without_landlock_reports_a_signal(sandbox):
     # Without Landlock the program can kill the guard (same uid): the run is over, the Result
     # says a signal ended it (the guard's death), with a note; no exit code is invented.

@@ -65,6 +65,7 @@ def test_record_then_replay_matches(base: pathlib.Path, monkeypatch: pytest.Monk
     assert doc["environment"]["RUN_LABEL"] == "x"
     assert doc["policy_sha256"] == policy_sha256(policy)
     assert policy_from_canonical(doc["policy"]) == policy
+    assert doc["host"]["landlock_abi"] == result.landlock_abi
     assert doc["bwrap_argv"][doc["bwrap_argv"].index("--uid") + 1] == "1000"
     assert {e["path"] for e in doc["workspace"]["before"]} == {"in", "in/data.txt", "in/prog.py"}
     assert "out.txt" in {e["path"] for e in doc["workspace"]["after"]}
