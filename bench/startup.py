@@ -581,6 +581,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="profile lowlevel.run with pyinstrument and exit")
     ap.add_argument("--soak", type=int, help="sequential session commands for session_soak (default 10000, "
                     "--quick 1000, 0: skip)")
+    ap.add_argument("--only", metavar="NAMES", help="comma-separated case names to run (e.g. run,run_bare for "
+                    "a focused A/B); default: all")
     args = ap.parse_args(argv)
     conc = tuple(int(c) for c in args.concurrency.split(",") if c)
     rounds = args.rounds or (3 if args.quick else 10)
@@ -627,6 +629,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 pc.settle = lambda n=size: sess.wait_full(sess.pool(n))
                 cases.append(pc)
 
+    if args.only:
+        keep = set(args.only.split(","))
+        cases = [c for c in cases if c.name in keep]
     loop = asyncio.new_event_loop()
     try:
         # Warm-up: every case a few calls, discarded.

@@ -58,6 +58,12 @@ static inline long lsys6(long n, long a, long b, long c, long d, long e, long f)
     return r;
 }
 
+/* As lsys6, but the error comes back as -errno and the shared errno is left alone (for a
+ * process that shares its memory with a CLONE_VM child). */
+static inline long lsys6_ret(long n, long a, long b, long c, long d, long e, long f) {
+    return ll_raw6(n, a, b, c, d, e, f);
+}
+
 /* The compiler may emit calls to these for struct copies and zeroing. */
 void *memset(void *s, int c, size_t n);
 void *memcpy(void *d, const void *s, size_t n);
@@ -95,6 +101,11 @@ static int ll_strcmp(const char *a, const char *b) { return ll_strncmp(a, b, (si
 
 static inline long lsys6(long n, long a, long b, long c, long d, long e, long f) {
     return syscall(n, a, b, c, d, e, f);
+}
+
+static inline long lsys6_ret(long n, long a, long b, long c, long d, long e, long f) {
+    long r = syscall(n, a, b, c, d, e, f);
+    return r < 0 ? -errno : r;
 }
 #define ll_strlen strlen
 #define ll_strncmp strncmp
