@@ -313,7 +313,9 @@ class _Core:
         enforced = getattr(self.run.cgroup, "enforced", ()) if self.run.cgroup is not None else ()
         self.cgroup_enforced = tuple(f"cgroup:{c}" for c in enforced)
         self.notes = tuple(self.run.notes) + (
-            ("cgroup limits and accounting are shared by every command of the session",) if enforced else ())
+            ("cgroup limits and accounting are shared by every command of the session",) if enforced else ()) + (
+            (f"Landlock not applied: {_landlock.describe(0)}",)
+            if not self.landlock_abi and policy.landlock is not False else ())
 
     # -- start ---------------------------------------------------------------------------
     def _start(self, child: socket.socket) -> None:

@@ -149,8 +149,8 @@ static int ll_stdio_rule(int ruleset, int fd, uint64_t handled) {
 
 /* Build the ruleset. Returns its fd (O_CLOEXEC); -1 with *abi_used = 0 when none is to be
  * applied (mode off, or no Landlock in the kernel in best-effort mode); -1 with errno set and
- * *abi_used = -1 on failure (require without Landlock: EOPNOTSUPP). A rule path that does not
- * exist is skipped: a missing rule only takes access away. */
+ * *abi_used = -1 on failure (require without Landlock: EOPNOTSUPP). A rule path that cannot be
+ * opened (missing, not reachable) is skipped: a missing rule only takes access away. */
 static int ll_build(const struct ll_spec *s, int *abi_used) {
     *abi_used = 0;
     if (s->mode == LL_OFF) return -1;
@@ -173,10 +173,7 @@ static int ll_build(const struct ll_spec *s, int *abi_used) {
     if (rs < 0) { *abi_used = -1; return -1; }
     for (unsigned i = 0; i < s->nrules; i++) {
         int fd = (int)lsys4(__NR_openat, AT_FDCWD, s->rules[i].path, O_PATH | O_CLOEXEC, 0);
-        if (fd < 0) {
-            if (errno == ENOENT || errno == ENOTDIR) continue;
-            goto fail;
-        }
+        if (fd < 0) continue;  /* missing or unreachable: the rule would only have granted access */
         uint64_t rights = ll_class_rights(s->rules[i].cls) & attr.handled_access_fs;
         if (ll_fd_type(fd) != 0040000) rights &= LL_FS_FILE;  /* not a directory */
         struct ll_path_beneath_attr pb = { rights, fd };
@@ -186,7 +183,7 @@ static int ll_build(const struct ll_spec *s, int *abi_used) {
         if (r < 0) { errno = e; goto fail; }
     }
     for (int fd = 0; fd < 3; fd++)
-        if (ll_stdio_rule(rs, fd, attr.handled_access_fs) < 0) goto fail;
+        ll_stdio_rule(rs, fd, attr.handled_access_fs);  /* best effort: a failure only takes access away */
     *abi_used = abi;
     return rs;
 fail:;
