@@ -569,7 +569,7 @@ class Run:
         mapping += [(parent_fd, child_fd) for child_fd, parent_fd in sorted(self.extra_fds.items())]
         if self.guard:
             # The guard's executable and its report pipe, on the first numbers above the others.
-            exe_child = max([fds.group or 8, *self.extra_fds]) + 1
+            exe_child = max(dst for _src, dst in mapping) + 1
             status_r, status_w = os.pipe()
             self.fds += [status_r, status_w]
             self.status_r = status_r
