@@ -872,6 +872,13 @@ class RunCgroup:
                 raise LaunchError(f"write {pid} to {target} failed: {err.strerror}",
                                   errno=err.errno) from err
 
+    def procs_files(self) -> list[str]:
+        """The ``cgroup.procs`` of the run's directory in every hierarchy: the anchor joins each
+        (writes ``"0"``, its own PID, to an fd the launcher opens), so every process of the
+        sandbox is born inside. Opened by the caller: on cgroup v2 the write permission is
+        checked against the opener's credentials (cgroup-v2.rst, "Delegation Containment")."""
+        return [os.path.join(node.path, "cgroup.procs") for node in self.nodes]
+
     def pids(self) -> list[int]:
         """PIDs (host namespace) of the processes in the run, from every ``cgroup.procs``."""
         found: set[int] = set()

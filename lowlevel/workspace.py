@@ -596,17 +596,20 @@ def workspace_refusal(path: str) -> str | None:
     return None
 
 
-def check_workspace_path(path: str, *, allow_sensitive: bool = False) -> None:
+def check_workspace_path(path: str, *, allow_sensitive: bool = False, check_ancestors: bool = True) -> None:
     """Refuse a workspace :func:`workspace_refusal` flags, before anything touches it.
 
     Args:
         path: absolute and resolved (``os.path.realpath``).
         allow_sensitive: skip the check (API ``allow_sensitive_workspace=True``, CLI
             ``--allow-sensitive``).
+        check_ancestors: also :func:`check_trusted_ancestors` (whenever the workspace will be
+            reached by path again; a copy-on-write run opens it once, by fd).
     Raises:
         WorkspaceError: (EPERM) the message says why and how to override.
     """
-    check_trusted_ancestors(path)
+    if check_ancestors:
+        check_trusted_ancestors(path)
     if allow_sensitive:
         return
     reason = workspace_refusal(path)
