@@ -210,9 +210,12 @@ _cow_lock = threading.Lock()
 def cow_support(workspace: str, probe: "functools.partial[CowSupport] | None" = None) -> CowSupport:
     """Can runs on ``workspace``'s filesystem use the overlay? Cached per (st_dev, euid).
 
-    Decided by a real probe (``probe``: the launcher's trial run of the anchor with an overlay
+    ``LOWLEVEL_NO_OVERLAY`` (any non-empty value) turns it off: workspaces are then handed
+    over to the sandbox as in lowlevel 0.1 (:func:`lowlevel.workspace.hand_over`). Decided by a real probe (``probe``: the launcher's trial run of the anchor with an overlay
     on this directory, which exits at once), once per filesystem and process.
     """
+    if os.environ.get("LOWLEVEL_NO_OVERLAY"):
+        return CowSupport(False, "copy-on-write workspace turned off (LOWLEVEL_NO_OVERLAY is set)")
     try:
         dev = os.stat(workspace).st_dev
     except OSError:
@@ -222,9 +225,7 @@ def cow_support(workspace: str, probe: "functools.partial[CowSupport] | None" = 
         found = _cow_cache.get(key)
     if found is not None:
         return found
-    if os.environ.get("LOWLEVEL_NO_OVERLAY"):
-        result = CowSupport(False, "copy-on-write workspace turned off (LOWLEVEL_NO_OVERLAY)")
-    elif probe is None:
+    if probe is None:
         result = CowSupport(True)
     else:
         result = probe()

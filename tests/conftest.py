@@ -152,7 +152,8 @@ class Sandbox:
             input=json.dumps(spec).encode(), capture_output=True, timeout=timeout + 60,
             env={"PATH": "/usr/bin:/bin", "HOME": self.user.pw_dir, "LANG": "C.UTF-8",
                  # fake secrets planted by tests travel to the caller, as a real caller's would
-                 **{k: v for k, v in os.environ.items() if k.startswith("LOWLEVEL_FAKE_")}}, cwd="/")
+                 **{k: v for k, v in os.environ.items()
+                    if k.startswith("LOWLEVEL_FAKE_") or k == "LOWLEVEL_NO_OVERLAY"}}, cwd="/")
         if proc.returncode != 0:
             raise AssertionError(f"run_as.py failed as {self.user.pw_name}: {proc.stderr.decode()[-2000:]}")
         d = json.loads(proc.stdout)
@@ -207,6 +208,15 @@ class LoopbackServer:
 
     def close(self) -> None:
         self.sock.close()
+
+
+@pytest.fixture
+def handover_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run with the fallback workspace model (hand-over, no copy-on-write overlay), in-process and
+    for the unprivileged identity's subprocess alike; root's sandboxes as uid 65534 (a range of
+    one uid, as lowlevel 0.1 did), which these tests check by number."""
+    monkeypatch.setenv("LOWLEVEL_NO_OVERLAY", "1")
+    monkeypatch.setenv("LOWLEVEL_UID_RANGE", "65534-65534")
 
 
 @pytest.fixture

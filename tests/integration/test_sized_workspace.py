@@ -1,4 +1,4 @@
-"""Limits(workspace_bytes=N): the run's total disk use is bounded, results copied back safely."""
+"""(The fallback workspace model: LOWLEVEL_NO_OVERLAY, see the handover_model fixture.) Limits(workspace_bytes=N): the run's total disk use is bounded, results copied back safely."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 import lowlevel
 
-pytestmark = pytest.mark.bwrap
+pytestmark = [pytest.mark.bwrap, pytest.mark.usefixtures("handover_model")]
 
 
 def _mounts() -> int:
