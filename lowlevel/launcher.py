@@ -53,7 +53,6 @@ from . import cow as _cow
 from . import limits as _limits
 from . import overlay as _overlay
 from . import seccomp as _seccomp
-from . import sizedws as _sizedws
 from . import workspace as _ws
 from .argv import NETWORK_ETC, AnchorOverlay as _AnchorOverlay, Fds, HostFacts, anchor_argv, build_argv, redact_env_values
 from .errors import LaunchError, LowlevelError, PolicyError, UnsupportedError, WorkspaceError
@@ -407,7 +406,6 @@ class Run:
         self.workspace = ""
         self.owns_workspace = False
         self.handover: _ws.Handover | None = None
-        self.sized: _sizedws.SizedWorkspace | None = None
         self.fds: list[int] = []
         self.pid: int | None = None
         self.pidfd: int | None = None
@@ -668,19 +666,9 @@ class Run:
         # result()) gives it back and strips setuid/setgid bits (lowlevel.workspace.hand_over).
         # A directory mkdtemp made a moment ago with nothing copied in is empty: no walk.
         if policy.limits.workspace_bytes is not None:
-            # Size-limited workspace: the sandbox writes into a sized tmpfs (nosuid, nodev) and
-            # never sees the real workspace, which needs no hand-over; copied back in result().
-            if not root:
-                raise UnsupportedError("workspace-size", "Limits.workspace_bytes needs a root caller where "
-                                       "the copy-on-write overlay is unavailable (" + why + ")",
-                                       "run as root, or leave workspace_bytes unset (RLIMIT_FSIZE bounds "
-                                       "each file)")
-            self.before = _ws.snapshot(self.workspace)
-            self.sized = _sizedws.SizedWorkspace.mount(
-                self.workspace, policy.limits.workspace_bytes, os.geteuid(), self.host_ids[1],
-                entry_ids=self.host_ids)
-            self.notes.append(f"workspace on a {policy.limits.workspace_bytes}-byte tmpfs, copied back after the run")
-            return self.sized.path
+            raise UnsupportedError("workspace-size", "Limits.workspace_bytes bounds the copy-on-write overlay's "
+                                   f"upper layer, which is unavailable here ({why})",
+                                   "leave workspace_bytes unset (RLIMIT_FSIZE still bounds each file)")
         self.handover = _ws.hand_over(self.workspace, sandbox_ids=self.host_ids if root else None,
                                       empty=fresh_empty)
         self.before = self.handover.before
@@ -977,11 +965,6 @@ class Run:
         # The sandbox is dead: its writes are final.
         if self.cow:
             changes = self.read_changes()
-        elif self.sized is not None:
-            self.notes.extend(self.sized.finish())  # untrusted copy back into the workspace, then unmount
-            self.sized = None
-            after = _ws.snapshot(self.workspace)
-            changes = _ws.diff(self.before, after, same_inodes=False)
         else:
             after = self.give_back_workspace() if self.handover is not None else _ws.snapshot(self.workspace)
             if self.handover is not None:
@@ -1177,12 +1160,6 @@ class Run:
                 self.lower_fd = None
             if self.lease is not None:
                 self.lease.release()
-            if self.sized is not None:
-                try:
-                    self.sized.discard()
-                except OSError as err:
-                    log.warning("lowlevel: cannot unmount the sized workspace: %s", err)
-                self.sized = None
             if self.handover is not None and not self.handover.done:
                 try:
                     self.give_back_workspace()
