@@ -128,7 +128,8 @@ class Sandbox:
             env: dict[str, str] | None = None, network: bool = False,
             binds: list[tuple[str, str, bool]] | None = None, limits: dict[str, Any] | None = None,
             files: dict[str, bytes] | None = None, workspace: str | None = None,
-            policy: dict[str, Any] | None = None, extra_dirs: dict[int, str] | None = None) -> Outcome:
+            commit: bool | str = True, policy: dict[str, Any] | None = None,
+            extra_dirs: dict[int, str] | None = None) -> Outcome:
         """``policy``: more Policy kwargs (JSON-able); ``extra_dirs``: host dirs passed in as
         open fds ``{fd number inside (>= 9): path}`` (helpers/run_as.py ``run_with_dir_fds``)."""
         ws = workspace or self._mkdtemp()
@@ -142,9 +143,9 @@ class Sandbox:
                 if extra_dirs:
                     from helpers.run_as import run_with_dir_fds
                     r = run_with_dir_fds(command, policy=pol, workspace=ws, timeout=timeout, stdin=stdin,
-                                         dirs=extra_dirs)
+                                         dirs=extra_dirs, commit=commit)
                 else:
-                    r = lowlevel.run(command, policy=pol, workspace=ws, timeout=timeout, stdin=stdin)
+                    r = lowlevel.run(command, policy=pol, workspace=ws, timeout=timeout, stdin=stdin, commit=commit)
             except lowlevel.LowlevelError as err:
                 return Outcome(None, error=type(err).__name__, message=str(err),
                                errno=getattr(err, "errno", None), workspace=ws)
@@ -152,8 +153,8 @@ class Sandbox:
             return Outcome(r.exit_code, r.stdout, r.stderr, r.timed_out, r.killed_by, r.term_signal, ws,
                            d["changes"], list(r.limits_enforced), list(r.notes), r.wall_time_s, raw=d)
         spec = {"command": command, "timeout": timeout, "env": env or {}, "network": network,
-                "binds": binds or [], "limits": limits or {}, "workspace": ws, "policy": policy or {},
-                "extra_dirs": {str(k): v for k, v in (extra_dirs or {}).items()},
+                "binds": binds or [], "limits": limits or {}, "workspace": ws, "commit": commit,
+                "policy": policy or {}, "extra_dirs": {str(k): v for k, v in (extra_dirs or {}).items()},
                 "files": {k: base64.b64encode(v).decode() for k, v in (files or {}).items()},
                 "stdin_b64": base64.b64encode(stdin).decode() if stdin is not None else None}
         proc = subprocess.run(
@@ -161,7 +162,8 @@ class Sandbox:
             input=json.dumps(spec).encode(), capture_output=True, timeout=timeout + 60,
             env={"PATH": "/usr/bin:/bin", "HOME": self.user.pw_dir, "LANG": "C.UTF-8",
                  # fake secrets planted by tests travel to the caller, as a real caller's would
-                 **{k: v for k, v in os.environ.items() if k.startswith("LOWLEVEL_FAKE_")}}, cwd="/")
+                 **{k: v for k, v in os.environ.items()
+                    if k.startswith("LOWLEVEL_FAKE_") or k == "LOWLEVEL_NO_OVERLAY"}}, cwd="/")
         if proc.returncode != 0:
             raise AssertionError(f"run_as.py failed as {self.user.pw_name}: {proc.stderr.decode()[-2000:]}")
         d = json.loads(proc.stdout)
@@ -216,6 +218,15 @@ class LoopbackServer:
 
     def close(self) -> None:
         self.sock.close()
+
+
+@pytest.fixture
+def handover_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run with the fallback workspace model (hand-over, no copy-on-write overlay), in-process and
+    for the unprivileged identity's subprocess alike; root's sandboxes as uid 65534 (a range of
+    one uid, as lowlevel 0.1 did), which these tests check by number."""
+    monkeypatch.setenv("LOWLEVEL_NO_OVERLAY", "1")
+    monkeypatch.setenv("LOWLEVEL_UID_RANGE", "65534-65534")
 
 
 @pytest.fixture

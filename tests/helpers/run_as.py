@@ -4,8 +4,9 @@ The test suite executes this script as an unprivileged user (runuser) to test th
 non-root path of bwrap with the same assertions as the root path. Spec keys:
 ``command``, ``timeout``, ``stdin_b64``, ``env``, ``network``, ``binds`` ([src, dest, writable]),
 ``limits`` (Limits kwargs), ``files`` ({name: base64} written into a fresh workspace),
-``workspace`` (an existing dir instead), ``policy`` (more Policy kwargs), ``extra_dirs``
-({fd number inside: host dir} opened here and passed in as fds, see :func:`run_with_dir_fds`).
+``workspace`` (an existing dir instead), ``commit`` (True, False or "on_success"), ``policy``
+(more Policy kwargs), ``extra_dirs`` ({fd number inside: host dir} opened here and passed in as
+fds, see :func:`run_with_dir_fds`).
 """
 
 import base64
@@ -18,14 +19,14 @@ import lowlevel
 from lowlevel.workspace import write_file
 
 
-def run_with_dir_fds(command, *, policy, workspace, timeout, stdin, dirs):
+def run_with_dir_fds(command, *, policy, workspace, timeout, stdin, dirs, commit=True):
     """``lowlevel.run`` with host directories passed in as open fds, ``{fd number inside: host
     dir}``: a test harness smuggling a handle past the mount namespace (the Landlock tests)."""
     from lowlevel import launcher
     opened = {int(n): os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) for n, path in dirs.items()}
     try:
         r = launcher.Run(command, policy=policy, workspace=workspace, timeout=timeout, stdin=stdin,
-                         extra_fds=opened)
+                         extra_fds=opened, commit=commit)
         try:
             return launcher._drive_sync(r)
         finally:
@@ -51,10 +52,11 @@ def main() -> int:
     try:
         if spec.get("extra_dirs"):
             result = run_with_dir_fds(spec["command"], policy=policy, workspace=workspace,
-                                      timeout=spec.get("timeout", 60), stdin=stdin, dirs=spec["extra_dirs"])
+                                      timeout=spec.get("timeout", 60), stdin=stdin, dirs=spec["extra_dirs"],
+                                      commit=spec.get("commit", True))
         else:
             result = lowlevel.run(spec["command"], policy=policy, workspace=workspace,
-                                  timeout=spec.get("timeout", 60), stdin=stdin)
+                                  timeout=spec.get("timeout", 60), stdin=stdin, commit=spec.get("commit", True))
     except lowlevel.LowlevelError as err:
         out = {"error": type(err).__name__, "message": str(err), "errno": getattr(err, "errno", None),
                "workspace": workspace}
