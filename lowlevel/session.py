@@ -122,7 +122,7 @@ _SPAWN_STDIN_PIPE, _SPAWN_BODY_MEMFD = 1, 2
 _SIGNAL_TREE = 1
 _EXIT_WAIT_STATUS, _EXIT_SETUP_FAILED, _EXIT_SPAWN_FAILED, _EXIT_SHEPHERD_DIED = 0, 1, 2, 3
 _EXITF_TIMED_OUT, _EXITF_CANCELLED = 1, 2
-_STAGES = {1: "chdir", 2: "setrlimit", 3: "execve", 4: "stdio"}
+_STAGES = {1: "chdir", 2: "setrlimit", 3: "execve", 4: "stdio", 5: "landlock"}
 _BYE_REASONS = {1: "idle_timeout", 2: "total_timeout"}
 _SPAWN_HDR = struct.Struct("=IIIIqII")
 _RLIM = struct.Struct("=IIQQ")

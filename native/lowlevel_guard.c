@@ -234,7 +234,7 @@ static int guard_main(int argc, char **argv, char **envp) {
     set_all_signals(G_SIG_IGN);
 
     int abi = 0;
-    int ruleset = ll_build(&spec, &abi);
+    int ruleset = ll_build(&spec, LL_PART_ALL, &abi);
     if (ruleset < 0 && abi < 0) {
         report(REC_FAIL, (uint32_t)errno, STAGE_LANDLOCK);
         put(2, "lowlevel-guard: cannot set up Landlock\n");

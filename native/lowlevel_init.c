@@ -24,8 +24,12 @@
  * Usage: lowlevel_init SOCK_FD IDLE_MS TOTAL_MS [CLOSE_FD [--ll...]]   (IDLE_MS/TOTAL_MS 0: none)
  *
  * Landlock (the --ll options, lowlevel_landlock.h): the init restricts itself once, before
- * HELLO, and every shepherd and command inherits the domain. HELLO's last field carries the
- * ABI applied (0: none).
+ * HELLO, with the TCP rules and the scopes (a domain the shepherds and every command share:
+ * commands can still signal each other); each command then restricts itself, between vfork
+ * and exec, with the filesystem rules in a nested domain. That ruleset is built once and
+ * rebuilt when a writable mount point changes (a Session's reset stacks a fresh overlay on
+ * /workspace, and Landlock ignores rules on a covered mount point). HELLO's last field carries
+ * the ABI applied (0: none).
  *
  * Static and self-contained: no Python, no allocation on the hot path beyond the message
  * buffer, only syscalls the default seccomp profile allows (fork, vfork, execve, signalfd,
@@ -88,6 +92,7 @@
 #define STAGE_RLIMIT 2
 #define STAGE_EXEC 3
 #define STAGE_STDIO 4
+#define STAGE_LANDLOCK 5
 
 /* MSG_BYE reasons */
 #define BYE_IDLE 1
@@ -202,6 +207,40 @@ static int kill_children(int (*keep)(pid_t)) {
 /* Shared with the vfork child (same memory until it execs or exits). */
 static volatile int child_errno, child_stage;
 
+/* Landlock: the spec from the command line, the filesystem ruleset commands restrict themselves
+ * with (the init's fd; fd 5 in a shepherd), and an O_PATH fd on each writable rule path as it
+ * was when that ruleset was built. The fd pins that mount, so a mount stacked on the path later
+ * cannot reuse its device number: a different (st_dev, st_ino) at the path means "rebuild". */
+static struct ll_spec ll;
+static int ll_fs_fd = -1, cmd_ll_fd = -1, ll_fs_built, ll_pins_set;
+static int ll_pins[LL_MAX_RULES];
+
+static int ll_same(int fd, const char *path) {
+    struct stat a, b;
+    return fd >= 0 && fstat(fd, &a) == 0 && stat(path, &b) == 0 && a.st_dev == b.st_dev && a.st_ino == b.st_ino;
+}
+
+/* (Re)build the filesystem ruleset when it does not exist yet or a writable rule path is now
+ * another directory (a mount stacked on it). 0, or -1 with errno. */
+static int ll_fs_refresh(void) {
+    if (ll.mode == LL_OFF) return 0;
+    int changed = !ll_fs_built;
+    for (unsigned i = 0; i < ll.nrules && !changed; i++)
+        if (ll.rules[i].cls == LL_CLS_RW && !ll_same(ll_pins[i], ll.rules[i].path)) changed = 1;
+    if (!changed) return 0;
+    for (unsigned i = 0; i < ll.nrules; i++) {
+        if (ll_pins_set && ll_pins[i] >= 0) close(ll_pins[i]);
+        ll_pins[i] = ll.rules[i].cls == LL_CLS_RW ? open(ll.rules[i].path, O_PATH | O_CLOEXEC) : -1;
+    }
+    ll_pins_set = 1;
+    int abi, fd = ll_build(&ll, LL_PART_FS, &abi);
+    if (fd < 0 && abi < 0) { ll_fs_built = 0; return -1; }
+    if (ll_fs_fd >= 0) close(ll_fs_fd);
+    ll_fs_fd = fd;
+    ll_fs_built = 1;
+    return 0;
+}
+
 static void exec_search(const char *file, char *const argv[], char *const envp[]) {
     if (strchr(file, '/')) {
         execve(file, argv, envp);
@@ -295,6 +334,7 @@ static __attribute__((noinline)) pid_t spawn_command(const struct cmd *c, int *v
             if (setrlimit((int)c->rl[i].resource, &want) < 0) { child_errno = errno; child_stage = STAGE_RLIMIT; _exit(127); }
         }
         if (chdir(c->cwd) < 0) { child_errno = errno; child_stage = STAGE_CHDIR; _exit(127); }
+        if (cmd_ll_fd >= 0 && ll_restrict(cmd_ll_fd) < 0) { child_errno = errno; child_stage = STAGE_LANDLOCK; _exit(127); }
         sigprocmask(SIG_SETMASK, &none, NULL);
         exec_search(c->argv[0], c->argv, c->envp);
         child_errno = errno ? errno : ENOEXEC;
@@ -315,14 +355,17 @@ static void shepherd(int sock, int ctl, const struct cmd *c, int *fds, int nfds)
     int out_fd = idx < nfds ? fds[idx++] : -1;
     int err_fd = idx < nfds ? fds[idx++] : -1;
     int s3 = fcntl(sock, F_DUPFD_CLOEXEC, 10), c3 = fcntl(ctl, F_DUPFD_CLOEXEC, 10);
-    if (in_fd < 0 || out_fd < 0 || err_fd < 0 || s3 < 0 || c3 < 0
+    int l3 = ll_fs_fd >= 0 ? fcntl(ll_fs_fd, F_DUPFD_CLOEXEC, 10) : -1;
+    if (in_fd < 0 || out_fd < 0 || err_fd < 0 || s3 < 0 || c3 < 0 || (ll_fs_fd >= 0 && l3 < 0)
         || dup2(in_fd, 0) < 0 || dup2(out_fd, 1) < 0 || dup2(err_fd, 2) < 0
-        || dup3(s3, 3, O_CLOEXEC) < 0 || dup3(c3, 4, O_CLOEXEC) < 0) {
+        || dup3(s3, 3, O_CLOEXEC) < 0 || dup3(c3, 4, O_CLOEXEC) < 0
+        || (l3 >= 0 && dup3(l3, 5, O_CLOEXEC) < 0)) {
         shepherd_report_exit(s3 >= 0 ? s3 : sock, c->id, EXIT_SETUP_FAILED, (uint32_t)errno, 0, STAGE_STDIO, t0);
         _exit(0);
     }
     sock = 3; ctl = 4;
-    close_from(5);
+    cmd_ll_fd = ll_fs_fd >= 0 ? 5 : -1;
+    close_from(cmd_ll_fd >= 0 ? 6 : 5);
     int sfd = sigchld_fd();  /* SIGCHLD is already blocked (inherited) */
 
     int vfork_errno = 0;
@@ -472,6 +515,7 @@ static void do_spawn(int sock, const char *buf, size_t len, int *fds, int nfds) 
         if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp) < 0) {
             err = errno; free(vec); goto fail;
         }
+        if (ll_fs_refresh() < 0) { err = errno; close(sp[0]); close(sp[1]); free(vec); goto fail; }
         if (njobs == capjobs) {
             size_t ncap = capjobs ? capjobs * 2 : 16;
             struct job *nj = realloc(jobs, ncap * sizeof *nj);
@@ -507,8 +551,6 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: lowlevel_init SOCK_FD IDLE_MS TOTAL_MS [CLOSE_FD [--ll...]]\n");
         return 2;
     }
-    struct ll_spec ll;
-    memset(&ll, 0, sizeof ll);
     for (int i = 5; i < argc; i++) {
         if (ll_parse_opt(&ll, argv[i]) != 1) {
             fprintf(stderr, "lowlevel-init: bad option %s\n", argv[i]);
@@ -528,13 +570,14 @@ int main(int argc, char **argv) {
         fprintf(stderr, "lowlevel-init: setup failed: %s\n", strerror(errno));
         return 2;
     }
-    int ll_abi = 0, ll_fd = ll_build(&ll, &ll_abi);
+    int ll_abi = 0, ll_fd = ll_build(&ll, LL_PART_NET | LL_PART_SCOPE, &ll_abi);
     if (ll_fd >= 0 && ll_restrict(ll_fd) < 0) ll_abi = -1;
+    if (ll_fd >= 0) close(ll_fd);
+    if (ll_abi >= 0 && ll_fs_refresh() < 0) ll_abi = -1;
     if (ll_abi < 0) {
         fprintf(stderr, "lowlevel-init: landlock: %s\n", strerror(errno));
         return 5;
     }
-    if (ll_fd >= 0) close(ll_fd);
     if (getenv("LOWLEVEL_INIT_NO_WARMUP") == NULL) {
         /* Warm-up: the first fork (and vfork) of a fresh sandbox costs ~1-3 ms more than the
          * next ones; pay it here, before HELLO, so the first command does not. */

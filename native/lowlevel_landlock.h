@@ -147,11 +147,23 @@ static int ll_stdio_rule(int ruleset, int fd, uint64_t handled) {
     return (int)lsys4(__NR_landlock_add_rule, ruleset, LL_RULE_PATH_BENEATH, &pb, 0);
 }
 
-/* Build the ruleset. Returns its fd (O_CLOEXEC); -1 with *abi_used = 0 when none is to be
- * applied (mode off, or no Landlock in the kernel in best-effort mode); -1 with errno set and
- * *abi_used = -1 on failure (require without Landlock: EOPNOTSUPP). A rule path that cannot be
- * opened (missing, not reachable) is skipped: a missing rule only takes access away. */
-static int ll_build(const struct ll_spec *s, int *abi_used) {
+/* Parts of the ruleset ll_build makes. The guard applies all of them at once; the session init
+ * applies NET|SCOPE to itself (a domain every command shares, so commands can still signal
+ * each other) and FS to each command in a nested domain, rebuilt when a watched mount point
+ * changes (Landlock ignores rules on a mount point once another mount covers it: a Session's
+ * reset stacks a fresh overlay on /workspace). */
+#define LL_PART_FS 1u
+#define LL_PART_NET 2u
+#define LL_PART_SCOPE 4u
+#define LL_PART_STDIO 8u  /* rules for fds 0-2 (with FS) */
+#define LL_PART_ALL (LL_PART_FS | LL_PART_NET | LL_PART_SCOPE | LL_PART_STDIO)
+
+/* Build the ruleset's ``parts``. Returns its fd (O_CLOEXEC); -1 with *abi_used >= 0 when none
+ * is to be applied (mode off, no Landlock in the kernel in best-effort mode: 0; nothing these
+ * parts handle at this ABI: the ABI); -1 with errno set and *abi_used = -1 on failure (require
+ * without Landlock: EOPNOTSUPP). A rule path that cannot be opened (missing, not reachable) is
+ * skipped: a missing rule only takes access away. */
+static int ll_build(const struct ll_spec *s, unsigned parts, int *abi_used) {
     *abi_used = 0;
     if (s->mode == LL_OFF) return -1;
     int abi = ll_kernel_abi();
@@ -160,18 +172,25 @@ static int ll_build(const struct ll_spec *s, int *abi_used) {
         if (s->mode == LL_REQUIRE) { *abi_used = -1; errno = EOPNOTSUPP; return -1; }
         return -1;
     }
-    struct ll_ruleset_attr attr = { LL_FS_V1, 0, 0 };
-    if (abi >= 2) attr.handled_access_fs |= LL_FS_REFER;
-    if (abi >= 3) attr.handled_access_fs |= LL_FS_TRUNCATE;
-    if (abi >= 4 && s->net != LL_NET_ANY)
+    struct ll_ruleset_attr attr = { 0, 0, 0 };
+    if (parts & LL_PART_FS) {
+        attr.handled_access_fs = LL_FS_V1;
+        if (abi >= 2) attr.handled_access_fs |= LL_FS_REFER;
+        if (abi >= 3) attr.handled_access_fs |= LL_FS_TRUNCATE;
+        if (abi >= 5) attr.handled_access_fs |= LL_FS_IOCTL_DEV;
+    }
+    if ((parts & LL_PART_NET) && abi >= 4 && s->net != LL_NET_ANY)
         attr.handled_access_net = s->net == LL_NET_NONE ? (LL_NET_BIND_TCP | LL_NET_CONNECT_TCP) : LL_NET_BIND_TCP;
-    if (abi >= 5) attr.handled_access_fs |= LL_FS_IOCTL_DEV;
-    if (abi >= 6) attr.scoped = LL_SCOPE_ABSTRACT_UNIX_SOCKET | LL_SCOPE_SIGNAL;
+    if ((parts & LL_PART_SCOPE) && abi >= 6) attr.scoped = LL_SCOPE_ABSTRACT_UNIX_SOCKET | LL_SCOPE_SIGNAL;
+    if (!attr.handled_access_fs && !attr.handled_access_net && !attr.scoped) {
+        *abi_used = abi;  /* nothing to restrict at this ABI */
+        return -1;
+    }
     /* Older kernels take the struct's first 8 or 16 bytes only (copy_struct_from_user). */
     size_t size = abi >= 6 ? sizeof attr : abi >= 4 ? 2 * sizeof(uint64_t) : sizeof(uint64_t);
     int rs = (int)lsys3(__NR_landlock_create_ruleset, &attr, size, 0);
     if (rs < 0) { *abi_used = -1; return -1; }
-    for (unsigned i = 0; i < s->nrules; i++) {
+    for (unsigned i = 0; i < s->nrules && (parts & LL_PART_FS); i++) {
         int fd = (int)lsys4(__NR_openat, AT_FDCWD, s->rules[i].path, O_PATH | O_CLOEXEC, 0);
         if (fd < 0) continue;  /* missing or unreachable: the rule would only have granted access */
         uint64_t rights = ll_class_rights(s->rules[i].cls) & attr.handled_access_fs;
@@ -182,7 +201,7 @@ static int ll_build(const struct ll_spec *s, int *abi_used) {
         lsys1(__NR_close, fd);
         if (r < 0) { errno = e; goto fail; }
     }
-    for (int fd = 0; fd < 3; fd++)
+    for (int fd = 0; fd < 3 && (parts & LL_PART_STDIO) && attr.handled_access_fs; fd++)
         ll_stdio_rule(rs, fd, attr.handled_access_fs);  /* best effort: a failure only takes access away */
     *abi_used = abi;
     return rs;

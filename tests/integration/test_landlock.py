@@ -302,6 +302,19 @@ def test_session_and_pool_commands_are_under_landlock(tmp_path):
             assert r.exit_code == 9 and "Permission denied" in r.stderr.decode()
             assert r.landlock_abi == ABI and "landlock" in r.limits_enforced
         assert os.listdir(host) == []
+        if s._core.run.cow:
+            # reset() stacks a fresh overlay on /workspace; Landlock ignores rules on a covered
+            # mount point, so the init rebuilds the commands' ruleset: still writable, still walled.
+            s.reset()
+            r = s.run(["sh", "-c", "echo y > /workspace/after-reset && cat /workspace/after-reset; "
+                                   "echo x > /opt/unlisted/f"])
+            assert r.stdout == b"y\n" and "Permission denied" in r.stderr.decode(), r
+        # Commands share the init's domain (scopes): one can still signal another.
+        bg = s.start(["sleep", "30"])
+        while bg.pid is None:
+            bg.poll()
+        assert s.run(["kill", "-TERM", str(bg.pid)]).exit_code == 0
+        assert bg.wait(10).term_signal == 15
     with lowlevel.Pool(policy, size=1) as pool:
         r = pool.run(["sh", "-c", "echo x > /opt/unlisted/f"])
         assert r.exit_code != 0 and r.landlock_abi == ABI
