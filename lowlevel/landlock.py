@@ -33,9 +33,12 @@ Where it is applied:
   reports the program's exact wait status over a pipe (so ``exit 152`` and death by SIGXCPU,
   both 152 to bwrap, are told apart by fact) and exits with the same code. The guard stays
   outside the program's domain: with ABI >= 6 the program cannot signal it.
-- sessions and pools: the session init (``native/lowlevel_init.c``) restricts itself once
-  before its first command; every command inherits the domain (commands of one session share
-  it, as they share everything else).
+- sessions and pools: the session init (``native/lowlevel_init.c``) restricts itself once with
+  the TCP rules and the scopes (a domain the commands share: they can still signal each other
+  and reach each other's abstract sockets, as they share everything else); each command then
+  restricts itself, between vfork and exec, with the filesystem rules in a nested domain. That
+  ruleset is rebuilt when a writable mount point changes: ``Session.reset`` stacks a fresh
+  overlay on ``/workspace``, and Landlock ignores rules on a mount point another mount covers.
 
 Sources: Documentation/userspace-api/landlock.rst (kernel); landlock(7),
 landlock_create_ruleset(2), landlock_add_rule(2), landlock_restrict_self(2).
