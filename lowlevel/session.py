@@ -17,7 +17,7 @@ Glossary:
 Isolation between commands of one session (exactly):
     Shared: the workspace (``/workspace``) and ``/tmp`` and ``/dev/shm`` (one tmpfs each, for the
         session's life); every namespace (mount, PID, network, IPC, UTS, user); the seccomp
-        filter; the uid and gid; the session's cgroup, hence its ``memory_bytes``, ``pids``
+        filter; the Landlock TCP rules and scopes (the init's domain); the uid and gid; the session's cgroup, hence its ``memory_bytes``, ``pids``
         and ``cpu_quota`` limits and its CPU/memory accounting (a command that fills memory
         can get another one OOM-killed); the environment given to bwrap (each command gets
         the Policy's environment plus its own ``env``, nothing else: the init passes an
@@ -25,7 +25,9 @@ Isolation between commands of one session (exactly):
     Separate: each command runs in its own process group with its own stdin/stdout/stderr
         pipes (outputs are never mixed), its own rlimits (``RLIMIT_CPU``, ``RLIMIT_FSIZE``,
         ``RLIMIT_NOFILE``, ``RLIMIT_CORE``, and ``RLIMIT_DATA``/``RLIMIT_NPROC`` where the
-        cgroup does not enforce memory/pids), its own cwd, its own timeout.
+        cgroup does not enforce memory/pids), its own cwd, its own timeout, its own Landlock
+        domain for the filesystem rules (the same rules for every command; nested in the
+        init's, so commands still signal each other: :mod:`lowlevel.landlock`).
     Not isolated: commands run as the same uid in one PID namespace, so a command can see
         the others in ``/proc``, signal them and read their ``/proc/PID/{environ,cmdline}``
         (ptrace, process_vm_* and pidfd_getfd are denied by the seccomp profile). Use a Pool,
