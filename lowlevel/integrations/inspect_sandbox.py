@@ -122,6 +122,11 @@ def load_config(config: SandboxEnvironmentConfigType | None) -> SandboxConfig:
                       f"{type(config).__name__} (a Dockerfile/compose config is docker's, not lowlevel's)")
 
 
+def _task_key(task_name: str) -> str:
+    """Inspect passes sample_init the unqualified task name and task_cleanup the registry name."""
+    return task_name.rsplit("/", 1)[-1]
+
+
 def _max_subprocesses() -> int:
     try:  # the same limiter Inspect's local and docker providers take a slot of
         from inspect_ai.util._subprocess import max_subprocesses_context_var
@@ -184,7 +189,7 @@ class LowlevelSandboxEnvironment(SandboxEnvironment):
         cfg = load_config(config)
         session = await AsyncSession.create(cfg.policy, workspace_base=cfg.workspace_base)
         env = cls(session, cfg, task_name)
-        live = cls._live.setdefault(task_name, set())
+        live = cls._live.setdefault(_task_key(task_name), set())
         live.add(env)
         LowlevelSandboxEnvironment.peak_live = max(cls.peak_live, sum(len(s) for s in cls._live.values()))
         return {"default": env}
@@ -199,18 +204,18 @@ class LowlevelSandboxEnvironment(SandboxEnvironment):
     @classmethod
     async def task_cleanup(cls, task_name: str, config: SandboxEnvironmentConfigType | None,
                            cleanup: bool) -> None:
-        for env in list(cls._live.get(task_name, ())):
+        for env in list(cls._live.get(_task_key(task_name), ())):
             await env._end(remove=cleanup)
             if not cleanup:
                 log.info("lowlevel sandbox workspace kept (--no-sandbox-cleanup): %s", env.session.workspace)
-        cls._live.pop(task_name, None)
+        cls._live.pop(_task_key(task_name), None)
 
     @classmethod
     async def cli_cleanup(cls, id: str | None) -> None:
         return None  # sessions die with the eval's process (bwrap --die-with-parent)
 
     async def _end(self, *, remove: bool) -> None:
-        self._live.get(self.task_name, set()).discard(self)
+        self._live.get(_task_key(self.task_name), set()).discard(self)
         with anyio.CancelScope(shield=True):
             await self.session.close()
             if remove:
