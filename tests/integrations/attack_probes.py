@@ -47,3 +47,8 @@ def run_on_host(code: str) -> str:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
                          env={**os.environ})
     return out.stdout + out.stderr
+
+
+def blocked_lines(output: str) -> int:
+    """How many attempts the probe reported as blocked (lines starting ``blocked ``)."""
+    return sum(line.startswith("blocked ") for line in output.splitlines())

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("autogen_core", reason="the AutoGen extra is not installed (pip install 'lowlevel[autogen]')")
 
-from attack_probes import PlantedSecret, loopback_attack, run_on_host  # noqa: E402
+from attack_probes import PlantedSecret, blocked_lines as _blocked, loopback_attack, run_on_host  # noqa: E402
 from autogen_core import CancellationToken  # noqa: E402
 from autogen_core.code_executor import CodeBlock, CodeExecutor, CodeResult  # noqa: E402
 
@@ -93,7 +93,7 @@ def test_denied_file_reads_and_blocked_network(planted_secret: PlantedSecret, se
         async with LowlevelCodeExecutor(timeout=30) as ex:
             r = await _exec(ex, ("python", planted_secret.ssh_attack()))
             assert planted_secret.secret not in r.output
-            assert r.output.count("blocked") == 2, r.output
+            assert _blocked(r.output) == 2, r.output
             r = await _exec(ex, ("sh", f"cat {planted_secret.key_path} /etc/shadow"))
             assert r.exit_code != 0 and planted_secret.secret not in r.output
             assert "No such file or directory" in r.output
