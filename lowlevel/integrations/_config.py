@@ -145,7 +145,8 @@ def _limits(value: object, where: str) -> Limits:
     unknown = set(value) - known
     if unknown:
         raise PolicyError(f"{where}: unknown [limits] keys {sorted(unknown)}; known: {sorted(known)}")
-    kwargs = {k: parse_size(v, f"{where}: limits.{k}") if k in _SIZE_FIELDS else v for k, v in value.items()}
+    kwargs: dict[str, Any] = {k: parse_size(v, f"{where}: limits.{k}") if k in _SIZE_FIELDS else v
+                              for k, v in value.items()}
     if isinstance(kwargs.get("require"), list):
         kwargs["require"] = tuple(kwargs["require"])
     return Limits(**kwargs)

@@ -112,7 +112,7 @@ def check_write(result: Result, path: str) -> None:
         raise _error(result, path, "write_file")
 
 
-class FileTooLarge(Exception):
+class FileTooLargeError(Exception):
     """The file is larger than the caller's cap; ``size`` in bytes (-1: it grew while read)."""
 
     def __init__(self, size: int) -> None:
@@ -132,7 +132,7 @@ async def read_file(run: RunFn, path: str, max_bytes: int, chunk_bytes: int) -> 
         max_bytes: refuse files larger than this.
         chunk_bytes: largest stdout one command may produce (the session's stdout cap).
     Raises:
-        FileTooLarge: the file is larger than ``max_bytes``.
+        FileTooLargeError: the file is larger than ``max_bytes``.
         OSError: FileNotFoundError, IsADirectoryError, PermissionError, or EINVAL (not a
             regular file: a fifo or a device is never read).
     """
@@ -140,7 +140,7 @@ async def read_file(run: RunFn, path: str, max_bytes: int, chunk_bytes: int) -> 
     first = min(chunk_bytes, max_bytes + 1)
     result = await run([_SH, "-c", _READ, "sh", path, str(max_bytes), str(first)])
     if result.exit_code == 127 and result.stderr.split(b"\n")[0].strip().isdigit():
-        raise FileTooLarge(int(result.stderr.split(b"\n")[0]))
+        raise FileTooLargeError(int(result.stderr.split(b"\n")[0]))
     if result.exit_code != 0:
         raise _error(result, path, "read_file")
     data = bytearray(result.stdout)
@@ -154,5 +154,5 @@ async def read_file(run: RunFn, path: str, max_bytes: int, chunk_bytes: int) -> 
             break  # it shrank while we read
         data += result.stdout
     if len(data) > max_bytes:
-        raise FileTooLarge(-1)
+        raise FileTooLargeError(-1)
     return bytes(data)

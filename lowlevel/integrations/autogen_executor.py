@@ -47,7 +47,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from string import Template
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TYPE_CHECKING
 
 try:
     from autogen_core import CancellationToken, Component
@@ -55,13 +55,18 @@ try:
                                             FunctionWithRequirementsStr)
     from autogen_core.code_executor._func_with_reqs import build_python_functions_file, to_stub
     from pydantic import BaseModel
-    from typing_extensions import Self
+    from typing import Self
 except ImportError as _err:  # pragma: no cover - exercised only without the extra
     raise ImportError("lowlevel.integrations.autogen_executor needs autogen-core: "
                       "pip install 'lowlevel[autogen]'") from _err
 
 import lowlevel.workspace
-from lowlevel import AsyncSession, ExecError, LowlevelError, Policy, Result, SessionError
+from lowlevel import ExecError, LowlevelError, Policy, Result, SessionError
+
+if TYPE_CHECKING:  # the lazy names of lowlevel/__init__.py, spelled for the type checker
+    from lowlevel.session import AsyncSession
+else:
+    from lowlevel import AsyncSession
 
 from . import _files
 from ._config import SandboxConfig

@@ -54,7 +54,7 @@ import logging
 import os
 import shlex
 from collections.abc import Sequence
-from typing import Any, Literal, Union, overload
+from typing import Any, Literal, TYPE_CHECKING, overload
 
 try:
     import anyio
@@ -68,7 +68,12 @@ except ImportError as _err:  # pragma: no cover - exercised only without the ext
 
 import lowlevel
 import lowlevel.workspace
-from lowlevel import AsyncSession, ExecError, LaunchError, LowlevelError, Policy, PolicyError, Result, SessionError
+from lowlevel import ExecError, LaunchError, LowlevelError, Policy, PolicyError, Result, SessionError
+
+if TYPE_CHECKING:  # the lazy names of lowlevel/__init__.py, spelled for the type checker
+    from lowlevel.session import AsyncSession
+else:
+    from lowlevel import AsyncSession
 
 from . import _files
 from ._config import SandboxConfig
@@ -295,7 +300,7 @@ class LowlevelSandboxEnvironment(SandboxEnvironment):
     @overload
     async def read_file(self, file: str, text: Literal[False]) -> bytes: ...
 
-    async def read_file(self, file: str, text: bool = True) -> Union[str, bytes]:
+    async def read_file(self, file: str, text: bool = True) -> str | bytes:
         path = _files.resolve(file)
         if _files.is_directory_alias(path):
             raise IsADirectoryError(errno.EISDIR, "Is a directory", file)
@@ -306,7 +311,7 @@ class LowlevelSandboxEnvironment(SandboxEnvironment):
 
         try:
             data = await _files.read_file(run, path, limit, self.session_policy.stdout_limit_bytes)
-        except _files.FileTooLarge:
+        except _files.FileTooLargeError:
             raise OutputLimitExceededError(SandboxEnvironmentLimits.MAX_READ_FILE_SIZE_STR, None) from None
         except OSError as err:
             raise type(err)(err.errno, err.strerror, file) from None

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TYPE_CHECKING
 
 try:
     from langchain_core.callbacks import AsyncCallbackManagerForToolRun, CallbackManagerForToolRun
@@ -40,7 +40,12 @@ except ImportError as _err:  # pragma: no cover - exercised only without the ext
 
 import lowlevel
 import lowlevel.workspace
-from lowlevel import ExecError, LowlevelError, Policy, Result, Session
+from lowlevel import ExecError, LowlevelError, Policy, Result
+
+if TYPE_CHECKING:  # the lazy names of lowlevel/__init__.py, spelled for the type checker
+    from lowlevel.session import Session
+else:
+    from lowlevel import Session
 
 from . import _files
 

@@ -45,7 +45,7 @@ import logging
 import secrets
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TYPE_CHECKING
 
 try:
     from smolagents.local_python_executor import (BASE_BUILTIN_MODULES, DEFAULT_MAX_LEN_OUTPUT,
@@ -59,7 +59,12 @@ except ImportError as _err:  # pragma: no cover - exercised only without the ext
                       "pip install 'lowlevel[smolagents]'") from _err
 
 import lowlevel.workspace
-from lowlevel import LowlevelError, Policy, Session, SessionError
+from lowlevel import LowlevelError, Policy, SessionError
+
+if TYPE_CHECKING:  # the lazy names of lowlevel/__init__.py, spelled for the type checker
+    from lowlevel.session import Session
+else:
+    from lowlevel import Session
 
 from ._config import SandboxConfig
 from ._smolagents_kernel import CLIENT, KERNEL
@@ -126,7 +131,8 @@ class LowlevelPythonExecutor(RemotePythonExecutor):  # type: ignore[misc]
     def _start_kernel(self) -> list[str]:
         assert self.session is not None
         self._socket = "lowlevel-smolagents-" + secrets.token_hex(8)
-        self._kernel = self.session.start([self.python, "-c", KERNEL, self._socket, json.dumps(self.authorized_imports)])
+        argv = [self.python, "-c", KERNEL, self._socket, json.dumps(self.authorized_imports)]
+        self._kernel = self.session.start(argv)
         deadline = time.monotonic() + KERNEL_START_TIMEOUT_S
         seen = b""
         while time.monotonic() < deadline:
