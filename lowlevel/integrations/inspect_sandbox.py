@@ -105,6 +105,9 @@ class LowlevelSandboxConfig(BaseModel):
     workspace_base: str | None = None
     default_timeout_s: float | None = None
 
+    def __hash__(self) -> int:  # Inspect hashes its (frozen) SandboxEnvironmentSpec, config included
+        return hash(self.model_dump_json())
+
     def sandbox_config(self) -> SandboxConfig:
         """The validated :class:`SandboxConfig` (raises PolicyError on a bad value)."""
         data = {k: v for k, v in self.model_dump().items() if v is not None and v != {} and v != []}

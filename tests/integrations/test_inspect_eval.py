@@ -26,10 +26,10 @@ from inspect_ai.model import ChatMessage, ModelOutput, ModelUsage, get_model  # 
 from inspect_ai.scorer import CORRECT, INCORRECT, Score, Target, accuracy, scorer  # noqa: E402
 from inspect_ai.solver import TaskState, generate, use_tools  # noqa: E402
 from inspect_ai.tool import python  # noqa: E402
-from inspect_ai.util import sandbox  # noqa: E402
+from inspect_ai.util import SandboxEnvironmentSpec, sandbox  # noqa: E402
 
 from lowlevel import PolicyError  # noqa: E402
-from lowlevel.integrations.inspect_sandbox import LowlevelSandboxEnvironment  # noqa: E402
+from lowlevel.integrations.inspect_sandbox import LowlevelSandboxConfig, LowlevelSandboxEnvironment  # noqa: E402
 
 pytestmark = [
     pytest.mark.bwrap, pytest.mark.timeout(240),
@@ -80,9 +80,14 @@ def run_tests() -> Any:
     return score
 
 
-def _task(samples: list[Sample], config: str | None) -> Task:
+def _task(samples: list[Sample], config: str | LowlevelSandboxConfig | None) -> Task:
+    sandbox: Any = "lowlevel"
+    if isinstance(config, str):
+        sandbox = ("lowlevel", config)
+    elif config is not None:
+        sandbox = SandboxEnvironmentSpec("lowlevel", config)
     return Task(dataset=samples, solver=[use_tools(python(timeout=30)), generate()], scorer=run_tests(),
-                sandbox=("lowlevel", config) if config else "lowlevel")
+                sandbox=sandbox)
 
 
 def test_mockllm_eval_scores_and_attacks(tmp_path: Path, planted_secret: PlantedSecret, server: Any) -> None:
@@ -128,14 +133,19 @@ def test_mockllm_eval_scores_and_attacks(tmp_path: Path, planted_secret: Planted
 
 
 def test_max_sandboxes_bounds_live_sessions(tmp_path: Path) -> None:
-    """max_sandboxes=2 with 5 samples that each hold their sandbox for a while: never more than 2 live."""
+    """max_sandboxes=2 with 5 samples that each hold their sandbox for a while: never more than 2 live.
+
+    The config is an object here (LowlevelSandboxConfig); its env reaches the sandbox.
+    """
     LowlevelSandboxEnvironment.peak_live = 0
-    dataset = [Sample(id=f"s{i}", input=f"Task s{i}", metadata={"tests": "import time; time.sleep(0.5)\n"})
-               for i in range(5)]
+    tests = "import os, time; time.sleep(0.5); assert os.environ['FROM_CONFIG'] == 'yes'\n"
+    dataset = [Sample(id=f"s{i}", input=f"Task s{i}", metadata={"tests": tests}) for i in range(5)]
     answers = {f"Task s{i}": "pass\n" for i in range(5)}
-    logs = inspect_eval(_task(dataset, None), model=get_model("mockllm/model", custom_outputs=_mock(answers)),
+    config = LowlevelSandboxConfig(env={"FROM_CONFIG": "yes"}, limits={"pids": 32})
+    logs = inspect_eval(_task(dataset, config), model=get_model("mockllm/model", custom_outputs=_mock(answers)),
                         log_dir=str(tmp_path / "logs"), display="none", max_sandboxes=2, max_samples=5)
     assert logs[0].status == "success", logs[0].error
+    assert logs[0].samples and all(s.scores and s.scores["run_tests"].value == "C" for s in logs[0].samples)
     assert 1 <= LowlevelSandboxEnvironment.peak_live <= 2
 
 
