@@ -66,13 +66,16 @@ def test_head_and_tail_kept_when_truncated():
 def test_sigkill_of_the_caller_kills_the_sandbox_within_a_second():
     marker = f"lowlevel-orphan-probe-{os.getpid()}-{time.time_ns()}"
     ws = _ws()
+    out = _ws()  # the heartbeat goes to a writable bind: the workspace's writes stay in its upper layer
+    os.chmod(out, 0o777)
     code = (
         "import lowlevel, sys\n"
-        f"lowlevel.run(['sh', '-c', 'while :; do echo x >> beat; sleep 0.05; done', '{marker}'],\n"
-        f"             workspace='{ws}', timeout=600)\n"
+        f"p = lowlevel.Policy(binds=(lowlevel.Bind('{out}', '/out', writable=True),))\n"
+        f"lowlevel.run(['sh', '-c', 'while :; do echo x >> /out/beat; sleep 0.05; done', '{marker}'],\n"
+        f"             workspace='{ws}', timeout=600, policy=p)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", code])
-    beat = Path(ws, "beat")
+    beat = Path(out, "beat")
     deadline = time.monotonic() + 30
     while not (beat.exists() and beat.stat().st_size > 10):
         assert time.monotonic() < deadline, "the sandbox never started"
