@@ -8,6 +8,7 @@ fresh lowlevel session, as a sample would.
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 
 import pytest
@@ -51,3 +52,4 @@ async def sandbox_env(request: pytest.FixtureRequest) -> AsyncIterator[LowlevelS
         yield env
     finally:
         await LowlevelSandboxEnvironment.sample_cleanup("conformance", None, envs, False)
+    assert not env.session.alive and not os.path.exists(env.session.workspace)  # nothing left behind

@@ -8,6 +8,7 @@ loopback attacks blocked (with their host controls).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -65,12 +66,15 @@ def test_code_agent_state_tools_and_final_answer() -> None:
     ]
     model = ScriptedModel(steps)
     executor = _executor(imports=["os"])
+    assert executor.session is not None
+    workspace = executor.session.workspace
     with CodeAgent(tools=[Multiply()], model=model, executor=executor, max_steps=5) as agent:
         answer = agent.run("compute")
         assert answer["y"] == 46 and answer["cwd"] == "/workspace"
         # The second step saw the first one's variable, and its logs reached the model.
         assert any("x is 42" in s for s in model.seen) and any("y is 46" in s for s in model.seen)
-    assert executor.session is None  # the agent's cleanup ended the session
+    assert executor.session is None  # the agent's cleanup ended the session ...
+    assert not os.path.exists(workspace)  # ... and removed its workspace
 
 
 def test_executor_contract_direct() -> None:
