@@ -25,6 +25,9 @@ Contract (as autogen-ext's command-line executors define it):
   125 and ``Cancelled``. The session stays usable.
 - ``restart()`` ends the session (every process of it, ``/tmp``) and starts a fresh one on the
   same workspace, whose files persist (as docker's bind-mounted ``work_dir`` does).
+- Files: the session works on ``work_dir`` through lowlevel's copy-on-write overlay; the
+  blocks' changes are committed to it when :meth:`execute_code_blocks` returns (so the host
+  sees the files then, as with autogen-ext's executors), bounded by ``Limits.workspace_bytes``.
 - ``functions`` (``FunctionWithRequirements`` or plain functions) are written to
   ``<functions_module>.py`` in the workspace before the first block, as the local executor does;
   their ``python_packages`` cannot be pip-installed in a sandbox without network, so listing any
@@ -61,7 +64,7 @@ except ImportError as _err:  # pragma: no cover - exercised only without the ext
                       "pip install 'lowlevel[autogen]'") from _err
 
 import lowlevel.workspace
-from lowlevel import ExecError, LowlevelError, Policy, Result, SessionError
+from lowlevel import ExecError, LowlevelError, Policy, Result, SessionError, UnsupportedError
 
 if TYPE_CHECKING:  # the lazy names of lowlevel/__init__.py, spelled for the type checker
     from lowlevel.session import AsyncSession
@@ -165,9 +168,10 @@ class LowlevelCodeExecutor(CodeExecutor, Component[LowlevelCodeExecutorConfig]):
 
     @property
     def work_dir(self) -> Path:
-        """Host path of the workspace (``/workspace`` inside). Raises ValueError before start()."""
+        """Host directory of the workspace (``/workspace`` inside); it holds the blocks' files
+        once :meth:`execute_code_blocks` returns. Raises ValueError before start()."""
         if self._session is not None:
-            return Path(self._session.workspace)
+            return Path(self._session.directory)
         if self._work_dir is not None:
             return self._work_dir
         raise ValueError("the executor has no workspace before start()")
@@ -206,9 +210,9 @@ class LowlevelCodeExecutor(CodeExecutor, Component[LowlevelCodeExecutorConfig]):
         await session.close()
         if self._work_dir is None:
             try:
-                await asyncio.to_thread(lowlevel.workspace.remove_workspace, session.workspace)
+                await asyncio.to_thread(lowlevel.workspace.remove_workspace, session.directory)
             except LowlevelError as err:
-                log.warning("could not remove workspace %s: %s", session.workspace, err)
+                log.warning("could not remove workspace %s: %s", session.directory, err)
 
     async def restart(self) -> None:
         """A fresh session on the same workspace: processes and ``/tmp`` are gone, files stay."""
@@ -216,7 +220,7 @@ class LowlevelCodeExecutor(CodeExecutor, Component[LowlevelCodeExecutorConfig]):
         if session is None:
             return await self.start()
         await session.close()
-        self._session = await AsyncSession.create(self._config.policy, workspace=session.workspace,
+        self._session = await AsyncSession.create(self._config.policy, workspace=session.directory,
                                                   workspace_base=self._config.workspace_base)
         self._setup_functions_complete = not self._functions
 
@@ -233,7 +237,20 @@ class LowlevelCodeExecutor(CodeExecutor, Component[LowlevelCodeExecutorConfig]):
             raise ValueError("The lowlevel executor is not running. Start it with start() or `async with`.")
         if not self._setup_functions_complete:
             await self._setup_functions(session, cancellation_token)
-        return await self._execute(session, code_blocks, cancellation_token)
+        try:
+            return await self._execute(session, code_blocks, cancellation_token)
+        finally:
+            await self._commit(session)
+
+    async def _commit(self, session: AsyncSession) -> None:
+        """Apply the blocks' changes to the host directory (lowlevel's copy-on-write overlay
+        holds them until then), so ``work_dir`` shows the files as autogen-ext's executors do."""
+        if not session.alive:
+            return
+        try:
+            await session.commit()
+        except UnsupportedError:
+            pass  # no overlay on this host: the blocks wrote into the directory directly
 
     async def _setup_functions(self, session: AsyncSession, token: CancellationToken) -> None:
         source = build_python_functions_file(self._functions)

@@ -37,8 +37,11 @@ environment.py``) and its conformance suite (``inspect_ai.util._sandbox.self_che
   :meth:`default_concurrency` is ``2 * CPUs``, as for docker.
 - ``connection`` raises ``NotImplementedError``: nothing can join a live bwrap sandbox without
   bypassing its seccomp filter and uid drop; the workspace path is in the message.
-- ``--no-sandbox-cleanup``: the sessions are still ended at ``task_cleanup`` (no process
-  outlives the eval) but their workspaces are kept and logged.
+- Workspaces: each sample's session works on a fresh directory through lowlevel's
+  copy-on-write overlay with ``commit=False``: its writes stay in the bounded upper layer
+  (``Limits.workspace_bytes``) and are dropped with it. ``--no-sandbox-cleanup``: the sessions
+  are still ended at ``task_cleanup`` (no process outlives the eval) but their changes are
+  committed first and the directories kept and logged.
 
 Not supported: Inspect's injected sandbox-tools bundle (``exec_remote``, ``text_editor``,
 ``bash_session``, ``web_browser``), which installs an executable under ``/var/tmp`` of a
@@ -130,11 +133,6 @@ def load_config(config: SandboxEnvironmentConfigType | None) -> SandboxConfig:
                       f"{type(config).__name__} (a Dockerfile/compose config is docker's, not lowlevel's)")
 
 
-def _task_key(task_name: str) -> str:
-    """Inspect passes sample_init the unqualified task name and task_cleanup the registry name."""
-    return task_name.rsplit("/", 1)[-1]
-
-
 def _max_subprocesses() -> int:
     try:  # the same limiter Inspect's local and docker providers take a slot of
         from inspect_ai.util._subprocess import max_subprocesses_context_var
@@ -160,16 +158,18 @@ def _require_asyncio() -> None:
 class LowlevelSandboxEnvironment(SandboxEnvironment):
     """One sample's sandbox: a :class:`lowlevel.AsyncSession` (see the module docstring)."""
 
-    #: Live environments per task name, ended at task_cleanup whatever happened before.
-    _live: dict[str, set["LowlevelSandboxEnvironment"]] = {}
+    #: Live environments per config, ended at task_cleanup whatever happened before (Inspect
+    #: calls task_init/task_cleanup once per sandbox type and config, with task name
+    #: "startup"/"shutdown", so the config is the key shared with sample_init).
+    _live: dict[Any, set["LowlevelSandboxEnvironment"]] = {}
     #: Most environments alive at once since the process started (tests read it).
     peak_live = 0
 
-    def __init__(self, session: AsyncSession, config: SandboxConfig, task_name: str) -> None:
+    def __init__(self, session: AsyncSession, config: SandboxConfig, key: Any) -> None:
         super().__init__()
         self.session = session
         self.config = config
-        self.task_name = task_name
+        self._key = key
         self._identity: tuple[str, str] | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -195,9 +195,11 @@ class LowlevelSandboxEnvironment(SandboxEnvironment):
                           metadata: dict[str, str]) -> dict[str, SandboxEnvironment]:
         _require_asyncio()
         cfg = load_config(config)
-        session = await AsyncSession.create(cfg.policy, workspace_base=cfg.workspace_base)
-        env = cls(session, cfg, task_name)
-        live = cls._live.setdefault(_task_key(task_name), set())
+        # commit=False: a sample's workspace is scratch; its changes stay in the copy-on-write
+        # upper layer and go with it (task_cleanup commits them under --no-sandbox-cleanup).
+        session = await AsyncSession.create(cfg.policy, workspace_base=cfg.workspace_base, commit=False)
+        env = cls(session, cfg, config)
+        live = cls._live.setdefault(config, set())
         live.add(env)
         LowlevelSandboxEnvironment.peak_live = max(cls.peak_live, sum(len(s) for s in cls._live.values()))
         return {"default": env}
@@ -212,25 +214,30 @@ class LowlevelSandboxEnvironment(SandboxEnvironment):
     @classmethod
     async def task_cleanup(cls, task_name: str, config: SandboxEnvironmentConfigType | None,
                            cleanup: bool) -> None:
-        for env in list(cls._live.get(_task_key(task_name), ())):
+        for env in list(cls._live.get(config, ())):
+            if not cleanup and env.session.alive:
+                try:
+                    await env.session.commit()  # keep the sample's files for inspection
+                except LowlevelError as err:  # no overlay here: the files are in the directory already
+                    log.debug("commit before keeping %s: %s", env.session.directory, err)
             await env._end(remove=cleanup)
             if not cleanup:
-                log.info("lowlevel sandbox workspace kept (--no-sandbox-cleanup): %s", env.session.workspace)
-        cls._live.pop(_task_key(task_name), None)
+                log.info("lowlevel sandbox workspace kept (--no-sandbox-cleanup): %s", env.session.directory)
+        cls._live.pop(config, None)
 
     @classmethod
     async def cli_cleanup(cls, id: str | None) -> None:
         return None  # sessions die with the eval's process (bwrap --die-with-parent)
 
     async def _end(self, *, remove: bool) -> None:
-        self._live.get(_task_key(self.task_name), set()).discard(self)
+        self._live.get(self._key, set()).discard(self)
         with anyio.CancelScope(shield=True):
             await self.session.close()
             if remove:
                 try:
-                    await anyio.to_thread.run_sync(lowlevel.workspace.remove_workspace, self.session.workspace)
+                    await anyio.to_thread.run_sync(lowlevel.workspace.remove_workspace, self.session.directory)
                 except LowlevelError as err:
-                    log.warning("could not remove lowlevel workspace %s: %s", self.session.workspace, err)
+                    log.warning("could not remove lowlevel workspace %s: %s", self.session.directory, err)
 
     # -- exec -----------------------------------------------------------------------------
     async def exec(self, cmd: list[str], input: str | bytes | None = None, cwd: str | None = None,
@@ -331,8 +338,8 @@ class LowlevelSandboxEnvironment(SandboxEnvironment):
             raise ConnectionError("the lowlevel sandbox of this sample is not running")
         raise NotImplementedError(
             "the lowlevel sandbox offers no interactive connection: nothing can join a live bwrap sandbox "
-            "without bypassing its seccomp filter and uid drop. Its workspace is on the host at "
-            f"{shlex.quote(self.session.workspace)} (read it as untrusted content)")
+            "without bypassing its seccomp filter and uid drop. Its live workspace view is "
+            f"{shlex.quote(self.session.workspace)} on the host (read it as untrusted content)")
 
 
 def _human(size: int) -> str:

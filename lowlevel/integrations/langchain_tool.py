@@ -112,7 +112,7 @@ class _LowlevelTool(BaseTool):
                     with open(inputs[-1], "wb") as f:
                         f.write(data)
                 result = lowlevel.run(argv, policy=self.policy, inputs=inputs, stdin=stdin, timeout=timeout,
-                                      workspace_base=self.workspace_base)
+                                      workspace_base=self.workspace_base, commit=False)
             lowlevel.workspace.remove_workspace(result.workspace)
             return result
         except ExecError as err:

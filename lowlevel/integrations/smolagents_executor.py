@@ -114,7 +114,9 @@ class LowlevelPythonExecutor(RemotePythonExecutor):  # type: ignore[misc]
         self.state: dict[str, Any] = {"_print_outputs": ""}
         self._setup_code: list[str] = []  # tools and variables, sent again after a kernel restart
         self._trusted = False
-        self.session: Session | None = Session(self.config.policy, workspace_base=self.config.workspace_base)
+        # commit=False: the agent's scratch files stay in the copy-on-write layer and go with it.
+        self.session: Session | None = Session(self.config.policy, workspace_base=self.config.workspace_base,
+                                               commit=False)
         self._kernel: Any = None
         self._socket = ""
         try:
@@ -258,9 +260,9 @@ class LowlevelPythonExecutor(RemotePythonExecutor):  # type: ignore[misc]
             return
         session.close()
         try:
-            lowlevel.workspace.remove_workspace(session.workspace)
+            lowlevel.workspace.remove_workspace(session.directory)
         except LowlevelError as err:
-            log.warning("could not remove workspace %s: %s", session.workspace, err)
+            log.warning("could not remove workspace %s: %s", session.directory, err)
 
     def delete(self) -> None:
         """As :meth:`cleanup` (the name smolagents' Docker executor uses)."""

@@ -52,4 +52,4 @@ async def sandbox_env(request: pytest.FixtureRequest) -> AsyncIterator[LowlevelS
         yield env
     finally:
         await LowlevelSandboxEnvironment.sample_cleanup("conformance", None, envs, False)
-    assert not env.session.alive and not os.path.exists(env.session.workspace)  # nothing left behind
+    assert not env.session.alive and not os.path.exists(env.session.directory)  # nothing left behind

@@ -28,6 +28,7 @@ from inspect_ai.solver import TaskState, generate, use_tools  # noqa: E402
 from inspect_ai.tool import python  # noqa: E402
 from inspect_ai.util import SandboxEnvironmentSpec, sandbox  # noqa: E402
 
+import lowlevel.workspace  # noqa: E402
 from lowlevel import PolicyError  # noqa: E402
 from lowlevel.integrations.inspect_sandbox import LowlevelSandboxConfig, LowlevelSandboxEnvironment  # noqa: E402
 
@@ -157,3 +158,19 @@ def test_bad_config_fails_before_any_sample(tmp_path: Path) -> None:
         inspect_eval(_task(dataset, str(config)), model=get_model("mockllm/model", custom_outputs=_mock({})),
                      log_dir=str(tmp_path / "logs"), display="none")
     assert not any(LowlevelSandboxEnvironment._live.values())
+
+
+def test_no_sandbox_cleanup_keeps_the_files_and_ends_the_sessions(tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """--no-sandbox-cleanup: no session outlives the eval, but each sample's files stay on the host."""
+    dataset = [Sample(id="keep", input="Task keep", metadata={"tests": "open('left.txt', 'w').write('kept')\n"})]
+    with caplog.at_level("INFO", logger="lowlevel.inspect"):
+        logs = inspect_eval(_task(dataset, None), model=get_model("mockllm/model", custom_outputs=_mock({"Task keep": "x = 1\n"})),
+                            log_dir=str(tmp_path / "logs"), display="none", sandbox_cleanup=False)
+    assert logs[0].status == "success", logs[0].error
+    assert not any(LowlevelSandboxEnvironment._live.values())
+    [kept] = [r.getMessage().rsplit(": ", 1)[1] for r in caplog.records if "workspace kept" in r.getMessage()]
+    try:
+        assert Path(kept, "left.txt").read_text() == "kept" and Path(kept, "solution.py").read_text() == "x = 1\n"
+    finally:
+        lowlevel.workspace.remove_workspace(kept)

@@ -67,7 +67,7 @@ def test_code_agent_state_tools_and_final_answer() -> None:
     model = ScriptedModel(steps)
     executor = _executor(imports=["os"])
     assert executor.session is not None
-    workspace = executor.session.workspace
+    workspace = executor.session.directory
     with CodeAgent(tools=[Multiply()], model=model, executor=executor, max_steps=5) as agent:
         answer = agent.run("compute")
         assert answer["y"] == 46 and answer["cwd"] == "/workspace"
