@@ -63,7 +63,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .errors import LaunchError
+from .errors import LaunchError, LowlevelError
 from .launcher import DEFAULT_TIMEOUT_S, SETUP_TIMEOUT_S, Run, classify_setup_failure
 from .policy import WORKSPACE_DEST, Policy
 from .result import Result
@@ -104,6 +104,7 @@ class _Supervision:
         self.timer: asyncio.TimerHandle | None = None
         self.wake: asyncio.Future[None] | None = None
         self.bwrap_exited = False
+        self.error: BaseException | None = None  # raised by the driver (a callback cannot raise)
 
     # -- registrations -------------------------------------------------------------------
     def add_reader(self, fd: int | None, callback: Callable[..., None], *args: Any) -> None:
@@ -152,10 +153,14 @@ class _Supervision:
         fd = sock.fileno()
         try:
             r.read_report()
-        finally:
-            if r.ready or r.report is None:
-                self.remove_reader(fd)
-                self._wakeup()
+        except LowlevelError as err:
+            self.error = err
+            self.remove_reader(fd)
+            self._wakeup()
+            return
+        if r.ready or r.report is None:
+            self.remove_reader(fd)
+            self._wakeup()
 
     def on_bwrap_exit(self) -> None:
         assert self.r.pidfd is not None
@@ -302,6 +307,8 @@ async def _drive(r: Run, sup: _Supervision) -> Result:
     sup.add_reader(r.pidfd, sup.on_bwrap_exit)
     setup_deadline = time.monotonic() + SETUP_TIMEOUT_S
     while not r.ready:
+        if sup.error is not None:
+            raise sup.error
         if sup.bwrap_exited:
             # The anchor exited before READY: setup failed.
             sup.detach()

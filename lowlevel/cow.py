@@ -92,7 +92,8 @@ class UidLease:
 
     Raises:
         UnsupportedError: every uid of the range is leased (too many concurrent sandboxes: widen
-            ``LOWLEVEL_UID_RANGE``), or the lock file cannot be opened.
+            ``LOWLEVEL_UID_RANGE``).
+        OSError: the lock file cannot be opened.
     """
 
     _next = 0
@@ -107,10 +108,8 @@ class UidLease:
         first, count = uid_range()
         state = ensure_root_state_dir()
         path = os.path.join(state, "uids.lock")
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        except OSError as err:
-            raise UnsupportedError("uid-range", f"cannot open {path}: {err.strerror}") from err
+        # An OSError here (EMFILE...) propagates: the launcher reports it as a LaunchError.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         with cls._lock:
             start = cls._next
             cls._next = (cls._next + 1) % count

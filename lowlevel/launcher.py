@@ -759,9 +759,15 @@ class Run:
                 os.close(fd)
                 self.fds.remove(fd)
             return False
-        if not msg.startswith(b"READY") or not fds:
-            raise LaunchError(f"the anchor sent {msg[:80]!r}, expected READY: reinstall lowlevel",
-                              argv=self.full_argv)
+        want = 2 if self.cow else 1
+        if not msg.startswith(b"READY") or len(fds) != want:
+            # No fds with READY: the kernel could not install them (MSG_CTRUNC: EMFILE). Without
+            # bwrap's pidfd the sandbox cannot be supervised: kill it (the anchor's death takes
+            # bwrap, which has not started yet, with it) and say why.
+            self.kill(None)
+            why = ("the sandbox's fds could not be received (too many open files?)" if msg.startswith(b"READY")
+                   else f"the anchor sent {msg[:80]!r}, expected READY: reinstall lowlevel")
+            raise LaunchError(why, argv=self.full_argv, errno=errno.EMFILE if msg.startswith(b"READY") else None)
         self.init_pidfd = fds[0]
         self.fds.remove(fds[0])
         if len(fds) > 1:
@@ -1002,10 +1008,19 @@ class Run:
         return "trusted.overlay." if self.facts.caller_is_root else "user.overlay."
 
     def read_changes(self) -> _ws.Changes:
-        """What the run changed so far, from the upper directory (O(changed entries))."""
+        """What the run changed so far, from the upper directory (O(changed entries)).
+
+        Raises:
+            WorkspaceError: the upper or lower directory could not be read (``.errno``).
+        """
         if self.upper_fd is None or self.lower_fd is None:
             return _ws.Changes()
-        return _overlay.read_changes(self.upper_fd, self.lower_fd, xattr_prefix=self.xattr_prefix)
+        try:
+            return _overlay.read_changes(self.upper_fd, self.lower_fd, xattr_prefix=self.xattr_prefix)
+        except LowlevelError:
+            raise
+        except OSError as err:
+            raise WorkspaceError(err.errno, f"cannot read the run's changes: {err.strerror}") from err
 
     def finish_cow(self, *, success: bool, result: Result | None = None) -> None:
         """Commit or discard the run's upper layer (``commit``), once; then release it.
