@@ -85,6 +85,8 @@ log = logging.getLogger("lowlevel.inspect")
 
 #: The config file looked for next to a task when ``sandbox="lowlevel"`` has none.
 CONFIG_FILE = "lowlevel.toml"
+#: Smallest stdout/stderr cap the provider accepts (read_file moves files in chunks of the cap).
+_MIN_OUTPUT_CAP = 64 * 1024
 
 
 class LowlevelSandboxConfig(BaseModel):
@@ -126,11 +128,17 @@ def load_config(config: SandboxEnvironmentConfigType | None) -> SandboxConfig:
     if config is None:
         return SandboxConfig()
     if isinstance(config, str):
-        return SandboxConfig.from_toml(config)
-    if isinstance(config, LowlevelSandboxConfig):
-        return config.sandbox_config()
-    raise PolicyError(f"the lowlevel sandbox takes a TOML file path or a LowlevelSandboxConfig, got "
-                      f"{type(config).__name__} (a Dockerfile/compose config is docker's, not lowlevel's)")
+        cfg = SandboxConfig.from_toml(config)
+    elif isinstance(config, LowlevelSandboxConfig):
+        cfg = config.sandbox_config()
+    else:
+        raise PolicyError(f"the lowlevel sandbox takes a TOML file path or a LowlevelSandboxConfig, got "
+                          f"{type(config).__name__} (a Dockerfile/compose config is docker's, not lowlevel's)")
+    for name in ("stdout_limit_bytes", "stderr_limit_bytes"):
+        if getattr(cfg.policy, name) < _MIN_OUTPUT_CAP:
+            raise PolicyError(f"{name} must be at least {_MIN_OUTPUT_CAP} bytes for the Inspect provider (files are "
+                              f"read through stdout in chunks of that size), got {getattr(cfg.policy, name)}")
+    return cfg
 
 
 def _max_subprocesses() -> int:

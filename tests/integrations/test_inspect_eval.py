@@ -174,3 +174,14 @@ def test_no_sandbox_cleanup_keeps_the_files_and_ends_the_sessions(tmp_path: Path
         assert Path(kept, "left.txt").read_text() == "kept" and Path(kept, "solution.py").read_text() == "x = 1\n"
     finally:
         lowlevel.workspace.remove_workspace(kept)
+
+
+def test_config_output_cap_too_small(tmp_path: Path) -> None:
+    from lowlevel.integrations.inspect_sandbox import load_config
+
+    path = tmp_path / "lowlevel.toml"
+    path.write_text('stdout_limit_bytes = "1K"\n')
+    with pytest.raises(PolicyError, match="stdout_limit_bytes must be at least 65536"):
+        load_config(str(path))
+    with pytest.raises(PolicyError, match="TOML file path or a LowlevelSandboxConfig"):
+        load_config(42)  # type: ignore[arg-type]
