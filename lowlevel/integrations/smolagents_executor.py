@@ -166,7 +166,7 @@ class LowlevelPythonExecutor(RemotePythonExecutor):  # type: ignore[misc]
         body = json.dumps({"code": code, "check_imports": not trusted,
                            "max_logs": self.max_print_outputs_length}).encode()
         try:
-            result = self.session.run([self.python, "-c", CLIENT, self._socket], stdin=body,
+            result = self.session.run([self.python, "-I", "-S", "-c", CLIENT, self._socket], stdin=body,
                                       timeout=self.timeout_seconds)
         except SessionError as err:
             raise InterpreterError(f"the lowlevel sandbox ended: {err}") from err
