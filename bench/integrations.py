@@ -31,6 +31,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+#: The interpreter the sandboxes run (the system one, bound read-only), for the baselines.
+PY = "/usr/bin/python3"
+
 
 def _ms(samples: list[float]) -> dict[str, float]:
     s = sorted(samples)
@@ -79,11 +82,11 @@ async def main_async(rounds: int) -> dict[str, Any]:
         "inspect_sample/local": lambda: sample(LocalSandboxEnvironment),
         "autogen_block/lowlevel": lambda: autogen.execute_code_blocks([CodeBlock("print(1)", "python")],
                                                                        CancellationToken()),
-        "autogen_block/subprocess": sync(lambda: subprocess.run(["/usr/bin/python3", script.name], capture_output=True)),
+        "autogen_block/subprocess": sync(lambda: subprocess.run([PY, script.name], capture_output=True)),
         "smolagents_step/lowlevel": sync(lambda: smol("x = x + 1")),
         "smolagents_step/local": sync(lambda: smol_local("x = x + 1")),
         "langchain_call/lowlevel": sync(lambda: tool.invoke({"code": "print(1)"})),
-        "langchain_call/subprocess": sync(lambda: subprocess.run(["/usr/bin/python3", "-c", "print(1)"], capture_output=True)),
+        "langchain_call/subprocess": sync(lambda: subprocess.run([PY, "-c", "print(1)"], capture_output=True)),
     }
     times: dict[str, list[float]] = {name: [] for name in cases}
     names = list(cases)
