@@ -267,7 +267,7 @@ def _tuple_of_str(value: object, field: str) -> tuple[str, ...]:
     if isinstance(value, str) or not isinstance(value, Iterable):
         raise PolicyError(f"Egress.{field} must be a tuple of str, got {value!r} "
                           f"(write {field}=({value!r},))")
-    return tuple(value)  # type: ignore[arg-type]
+    return tuple(value)
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ from . import seccomp as _seccomp
 from . import sizedws as _sizedws
 from . import workspace as _ws
 from .argv import NETWORK_ETC, Fds, HostFacts, build_argv, outer_argv, redact_env_values
+from .egress import Egress
 from .errors import LaunchError, LowlevelError, PolicyError, UnsupportedError, WorkspaceError
 from .policy import WORKSPACE_DEST, Policy
 from .probe import bwrap_info, host_layout, require_pidfd
@@ -434,6 +435,7 @@ class Run:
         self.pre_exec_rlimits: tuple[tuple[str, int, int], ...] = ()
         self.seccomp_loaded = False
         self.audit: Any = None
+        self.egress: Any = None  # lowlevel.egress_proxy.EgressRun in egress mode
 
     # -- 1. prepare ----------------------------------------------------------------------
     def prepare(self) -> None:
@@ -523,8 +525,16 @@ class Run:
         group_fd = _memfd("lowlevel-group", group)
         self.fds.append(group_fd)
 
+        if isinstance(policy.network, Egress):
+            # The host-side proxy and the relay that runs first inside (lowlevel/egress_proxy.py).
+            from .egress_proxy import EgressRun
+            self.egress = EgressRun.open(policy.network, policy.limits.net_bytes,
+                                         caller_is_root=self.facts.caller_is_root, host_gid=policy.host_gid)
+            self.extra_fds.update(self.egress.child_fds)
+            self.fds.extend(self.egress.owned_fds)
         self.argv = build_argv(policy, self.facts, workspace=bind_source, fds=fds,
-                               extra_env=self.env_extra or None, cwd=self.cwd)
+                               extra_env=self.env_extra or None, cwd=self.cwd,
+                               extra_mounts=self.egress.mounts if self.egress is not None else ())
         args_fd = _memfd("lowlevel-args", b"".join(a.encode() + b"\0" for a in self.argv))
         self.fds.append(args_fd)
 
@@ -580,7 +590,8 @@ class Run:
         """posix_spawn bwrap with an empty environment; open its pidfd."""
         helper = _exec_helper() if self.facts.caller_is_root else None
         setpriv = _setpriv() if self.facts.caller_is_root and helper is None else None
-        exe_argv = outer_argv(self.facts, self.policy, setpriv, ARGS_FD, self.command,
+        command = self.egress.wrap(self.command) if self.egress is not None else self.command
+        exe_argv = outer_argv(self.facts, self.policy, setpriv, ARGS_FD, command,
                               prlimit=_prlimit_cmd() if self.pre_exec_rlimits and helper is None else None,
                               pre_exec_rlimits=self.pre_exec_rlimits, exec_helper=helper)
         i = exe_argv.index("--args")
@@ -829,6 +840,11 @@ class Run:
         if self.audit is not None:
             denials = tuple(self.audit.finish())
             self.audit = None
+        network = None
+        if self.egress is not None:
+            network, egress_notes, egress_enforced = self.egress.finish()
+            self.notes.extend(egress_notes)
+            enforced += egress_enforced
         return Result(
             exit_code=exit_code, term_signal=term, timed_out=self.timed_out, killed_by=killed_by,
             stdout=out, stderr=errout, stdout_truncated=out_t, stderr_truncated=err_t,
@@ -839,7 +855,7 @@ class Run:
             max_rss_bytes=(self.rusage.ru_maxrss * 1024) if self.rusage is not None else None,
             oom_kills=stats.oom_kills if stats else None,
             limits_enforced=enforced, changes=changes, workspace=self.workspace,
-            notes=tuple(self.notes), argv=tuple(self.full_argv), seccomp_denials=denials,
+            notes=tuple(self.notes), argv=tuple(self.full_argv), seccomp_denials=denials, network=network,
         )
 
     def _killed_by(self, exit_code: int, term: int | None, stats: _limits.CgroupStats | None) -> str | None:
@@ -894,6 +910,8 @@ class Run:
             if self.audit is not None:
                 self.audit.close()
                 self.audit = None
+            if self.egress is not None:
+                self.egress.close()
             for fd in self.fds:
                 try:
                     os.close(fd)
