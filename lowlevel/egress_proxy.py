@@ -62,6 +62,7 @@ import contextlib
 import functools
 import logging
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -244,6 +245,9 @@ def _split_authority(authority: str, default_port: int | None) -> tuple[str, int
     return host, int(port_text)
 
 
+_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+
+
 def parse_request(head: bytes) -> _Request:
     """Parse a request head (up to and including the blank line) into what the proxy needs.
 
@@ -266,12 +270,12 @@ def parse_request(head: bytes) -> _Request:
         if not line:
             continue
         name, sep, value = line.partition(":")
-        if not sep or not name or name != name.strip() or line[0] in " \t":
+        if not sep or not _TOKEN.match(name):
             raise _RefusedError(400, f"bad header line {line[:80]!r}")
         headers.append((name, value.strip()))
     if method == "CONNECT":
         host, port = _split_authority(target, None)
-        return _Request(method, host, port, None)
+        return _Request(method, host.lower(), port, None)
     if target.startswith("/"):
         hosts = [v for k, v in headers if k.lower() == "host"]
         if len(hosts) != 1:
@@ -288,6 +292,7 @@ def parse_request(head: bytes) -> _Request:
         path = target[len(url.scheme) + 3 + len(url.netloc):] or "/"
         if not path.startswith("/"):
             path = "/" + path
+    host = host.lower()
     shown = f"[{host}]" if ":" in host else host
     authority = shown if port == 80 else f"{shown}:{port}"
     out = [f"{method} {path} {version}", f"Host: {authority}"]

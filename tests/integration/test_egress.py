@@ -367,11 +367,11 @@ def test_record_lists_network_and_replays_policy(origin, scripted, tmp_path):
     assert policy_from_canonical(doc["policy"]) == policy
 
 
-def test_mcp_operator_allowlist_narrowed_by_client(origin, scripted, tmp_path):
+def test_mcp_operator_allowlist_narrowed_by_client(origin, scripted):
     from lowlevel.errors import PolicyError
     from lowlevel.mcp_server import ServerConfig, Tools
 
-    config = ServerConfig.from_mapping({"workspace_base": str(tmp_path / "mcp"),
+    config = ServerConfig.from_mapping({"workspace_base": os.path.join(_ws(), "mcp"),
                                         "egress": {"allow": ["allowed.test", "*.example.org"],
                                                    "allow_ports": [origin.port]}})
     tools = Tools(config)
