@@ -301,10 +301,23 @@ def scripted():
         yield res
 
 
-def _ws(tmp: str = "/tmp") -> str:
+_CREATED: list[str] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _remove_workspaces():
+    yield
+    import shutil
+    while _CREATED:
+        shutil.rmtree(_CREATED.pop(), ignore_errors=True)
+
+
+def _ws() -> str:
+    """A fresh workspace the sandbox's uid can reach, removed when the module ends."""
     import tempfile
-    path = tempfile.mkdtemp(prefix="ws-egress-", dir=tmp)
+    path = tempfile.mkdtemp(prefix="ws-egress-", dir="/tmp")
     os.chmod(path, 0o755)
+    _CREATED.append(path)
     return path
 
 
