@@ -1,7 +1,7 @@
 """The host side of network egress: one small HTTP proxy per run, served by a shared asyncio thread.
 
 For ``Policy(network=Egress(...))`` each run (or session) gets a :class:`Listener`: a unix
-socket in a private directory under ``/tmp``, bound read-only into the sandbox at
+socket in a private directory under ``/dev/shm`` (or ``/tmp``), bound read-only into the sandbox at
 :data:`lowlevel.egress.SOCKET_DEST`, where the in-sandbox relay (``native/lowlevel_relay.c``,
 listening on ``127.0.0.1:3128``) connects once per TCP connection the program opens. Every
 listener of the process is served by one event loop in one daemon thread
@@ -63,7 +63,6 @@ import functools
 import logging
 import os
 import re
-import shutil
 import socket
 import tempfile
 import threading
@@ -183,6 +182,28 @@ def _ca_bundle(extra_pem: str) -> bytes:
     if base and not base.endswith(b"\n"):
         base += b"\n"
     return base + extra_pem.encode("ascii", "strict").rstrip(b"\n") + b"\n"
+
+
+@functools.lru_cache(maxsize=None)
+def _socket_base() -> str:
+    """Where the per-run socket directories go: ``/dev/shm`` (a tmpfs on Linux: creating and
+    removing a directory and a socket there costs ~0.03 ms, against 1-3 ms on a busy ext4
+    ``/tmp``), else ``/tmp``. Both are sticky and world-writable; each run's directory is
+    private (0700, or 0710 for the sandbox's group)."""
+    for base in ("/dev/shm", "/tmp"):
+        if os.path.isdir(base) and os.access(base, os.W_OK | os.X_OK):
+            return base
+    return tempfile.gettempdir()
+
+
+def _remove(path: str, directory: str) -> None:
+    for fn, target in ((os.unlink, path), (os.rmdir, directory)):
+        try:
+            fn(target)
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            log.warning("lowlevel: cannot remove the egress socket %s: %s", target, err)
 
 
 # --- requests ---------------------------------------------------------------------------------
@@ -356,8 +377,7 @@ class Listener:
         self.writers: set[asyncio.StreamWriter] = set()
         self.closed = False
         self.test_resolver = _resolver_override
-        base = "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
-        self.dir = tempfile.mkdtemp(prefix="lowlevel-egress-", dir=base)
+        self.dir = tempfile.mkdtemp(prefix="lowlevel-egress-", dir=_socket_base())
         self.path = os.path.join(self.dir, "proxy.sock")
         self.sock: socket.socket | None = None
         try:
@@ -378,7 +398,7 @@ class Listener:
         except BaseException:
             if self.sock is not None:
                 self.sock.close()
-            shutil.rmtree(self.dir, ignore_errors=True)
+            _remove(self.path, self.dir)
             raise
 
     # -- loop thread ---------------------------------------------------------------------------
@@ -640,7 +660,7 @@ class Listener:
                 if self.sock is not None:
                     self.sock.close()
                     self.sock = None
-            shutil.rmtree(self.dir, ignore_errors=True)
+            _remove(self.path, self.dir)
         return self.attempts_since(0)[0]
 
 
