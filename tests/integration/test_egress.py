@@ -279,6 +279,16 @@ def test_net_bytes_cap_cuts_a_large_download(sandbox, origin):
     assert any("net_bytes cap" in n for n in r.notes)
 
 
+def test_nothing_of_the_host_stays_open_inside(sandbox):
+    """The relay closes the fd it was exec'd through; the program gets only its stdio (control:
+    the same listing without egress)."""
+    code = "import os; print(sorted(os.listdir('/proc/self/fd')))"
+    plain = sandbox.run(["python3", "-c", code])
+    r = sandbox.run(["python3", "-c", code], egress=egress(allow=("pypi.org",)))
+    assert r.exit_code == 0 == plain.exit_code, r.err
+    assert r.out == plain.out == "['0', '1', '2', '3']\n"
+
+
 def test_no_dns_inside(sandbox):
     code = ("import os, socket\nprint(os.path.exists('/etc/resolv.conf'))\n"
             "try:\n    socket.getaddrinfo('pypi.org', 443)\n    print('RESOLVED')\n"

@@ -267,3 +267,22 @@ def test_parse_refuses(head):
     with pytest.raises(_RefusedError) as info:
         parse_request(head)
     assert info.value.status == 400
+
+
+def test_resolver_override_is_test_only():
+    """The test resolver is no Policy/Egress field, no CLI flag, not exported, and scoped."""
+    import dataclasses
+
+    from lowlevel import egress_proxy
+    from lowlevel.cli import build_parser
+    fields = {f.name for f in dataclasses.fields(Egress)} | {f.name for f in dataclasses.fields(Policy)}
+    assert not any("resolv" in name for name in fields)
+    assert not any("resolv" in name.lower() for name in lowlevel.__all__)
+    parser = build_parser()
+    helps = parser.format_help() + "".join(
+        p.format_help() for a in parser._subparsers._group_actions for p in a.choices.values())  # type: ignore[union-attr]
+    assert "resolver" not in helps.lower() and "override" not in helps.lower()
+    assert egress_proxy._resolver_override is None
+    with egress_proxy.override_resolver_for_tests(lambda n, p: ["127.0.0.1"], pretend_public=["127.0.0.1"]):
+        assert egress_proxy._resolver_override is not None
+    assert egress_proxy._resolver_override is None
