@@ -300,29 +300,35 @@ async def async_round(case: Case, calls: int) -> None:
 
 # --- egress download ----------------------------------------------------------------------------
 
+_SERVER = """
+import http.server, sys
+body = b"x" * int(sys.argv[1])
+class H(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+s = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+print(s.server_address[1], flush=True)
+s.serve_forever()
+"""
+
+
 def egress_download(rounds: int, per_round: int, size: int = 1 << 20) -> dict[str, Any]:
-    """1 MiB from a host-loopback server: host network vs egress proxy, in two Sessions, interleaved."""
-    import http.server
+    """1 MiB from a host-loopback server: host network vs egress proxy, in two Sessions, interleaved.
+
+    The server is another process (as a real upstream is), so it does not share this
+    process's GIL with the proxy thread.
+    """
     import tempfile
-    import threading
 
-    body = b"x" * size
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def do_GET(self) -> None:  # noqa: N802
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    port = server.server_address[1]
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = subprocess.Popen([sys.executable, "-c", _SERVER, str(size)], stdout=subprocess.PIPE)
+    assert server.stdout is not None
+    port = int(server.stdout.readline())
     url = f"http://127.0.0.1:{port}/1m"
     cmd = ["curl", "-sS", "--fail", "-o", "/dev/null", url]
     no_bypass = {"NO_PROXY": "", "no_proxy": ""}  # send the loopback URL through the proxy
@@ -357,8 +363,8 @@ def egress_download(rounds: int, per_round: int, size: int = 1 << 20) -> dict[st
     finally:
         for s in sessions.values():
             s.close()
-        server.shutdown()
-        server.server_close()
+        server.kill()
+        server.wait()
         for d in dirs:
             shutil.rmtree(d, ignore_errors=True)
     out: dict[str, Any] = {"bytes": size, "command": " ".join(cmd)}
