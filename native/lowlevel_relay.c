@@ -13,8 +13,9 @@
  *      the environment, PATH search and stdio bwrap set up); an exec failure prints
  *      "lowlevel-relay: execvp NAME: REASON" and exits 127 (not found) or 126, as a shell does;
  *   4. the parent relays: each TCP connection accepted on 127.0.0.1:PORT gets a fresh
- *      connection to SOCKET_PATH and bytes are copied both ways (half-closes passed on), with
- *      poll(2), one 64 KiB buffer per direction, at most MAX_PAIRS connections at once;
+ *      connection to SOCKET_PATH and bytes move both ways (half-closes passed on), with poll(2)
+ *      and splice(2) through one kernel pipe per direction (or, without a pipe, a 64 KiB
+ *      buffer), at most MAX_PAIRS connections at once;
  *   5. when COMMAND exits, the relay exits with its status (exit code N, or 128+N after
  *      signal N: what bwrap reports for a signal death), so bwrap and the launcher see the
  *      program's status.
@@ -25,7 +26,7 @@
  * Fails closed: a bad argument or a failing listen prints one line and exits 125 before
  * COMMAND runs.
  *
- * Sources: socket(7), ip(7), unix(7), poll(2), signalfd(2), shutdown(2), execvp(3), bwrap(1)
+ * Sources: socket(7), ip(7), unix(7), poll(2), splice(2), signalfd(2), shutdown(2), execvp(3), bwrap(1)
  * (propagate_exit_status: 128+N for death by signal N).
  */
 #define _GNU_SOURCE
@@ -48,12 +49,16 @@
 
 #define EXIT_SETUP 125
 #define BUF_SIZE 65536
-#define MAX_PAIRS 256
+#define MAX_PAIRS 128
 
-/* One direction of a relayed connection: bytes read from `from`, not yet written to `to`. */
+/* One direction of a relayed connection, `from` -> `to`. Bytes move through a kernel pipe with
+ * splice(2) (never copied through this process); when a pipe cannot be made (RLIMIT_NOFILE) or
+ * splice refuses the fds, through a 64 KiB buffer with recv/send instead. */
 struct dir {
-    char *buf;
-    size_t len, off;
+    int pipe_r, pipe_w; /* splice mode when pipe_r >= 0 */
+    char *buf;          /* buffer mode */
+    size_t len, off;    /* bytes held (pipe or buffer), offset in buf */
+    size_t cap;
     int eof;  /* `from` reached EOF */
     int shut; /* shutdown(to, SHUT_WR) done */
 };
@@ -85,11 +90,48 @@ static int parse_int(const char *s, int lo, int hi) {
     return (int)v;
 }
 
+static void dir_free(struct dir *d) {
+    if (d->pipe_r >= 0) {
+        close(d->pipe_r);
+        close(d->pipe_w);
+    }
+    free(d->buf);
+}
+
+/* Splice mode if a pipe can be made, else a buffer; -1 when neither. */
+static int dir_init(struct dir *d) {
+    int p[2];
+    memset(d, 0, sizeof *d);
+    d->pipe_r = d->pipe_w = -1;
+    if (pipe2(p, O_NONBLOCK | O_CLOEXEC) == 0) {
+        d->pipe_r = p[0];
+        d->pipe_w = p[1];
+        int cap = fcntl(p[1], F_GETPIPE_SZ);
+        d->cap = cap > 0 ? (size_t)cap : 4096;
+        return 0;
+    }
+    d->buf = malloc(BUF_SIZE);
+    d->cap = BUF_SIZE;
+    return d->buf ? 0 : -1;
+}
+
+/* splice(2) refused these fds: fall back to the buffer (nothing is in the pipe yet). */
+static int dir_to_buffer(struct dir *d) {
+    if (d->len > 0)
+        return -1;
+    close(d->pipe_r);
+    close(d->pipe_w);
+    d->pipe_r = d->pipe_w = -1;
+    d->buf = malloc(BUF_SIZE);
+    d->cap = BUF_SIZE;
+    return d->buf ? 0 : -1;
+}
+
 static void pair_close(int i) {
     close(pairs[i].tcp);
     close(pairs[i].unx);
-    free(pairs[i].up.buf);
-    free(pairs[i].down.buf);
+    dir_free(&pairs[i].up);
+    dir_free(&pairs[i].down);
     pairs[i] = pairs[--npairs];
 }
 
@@ -120,14 +162,11 @@ static int accept_one(int lfd, const struct sockaddr_un *addr) {
         return 1;
     }
     struct pair *p = &pairs[npairs];
-    memset(p, 0, sizeof *p);
     p->tcp = tcp;
     p->unx = unx;
-    p->up.buf = malloc(BUF_SIZE);
-    p->down.buf = malloc(BUF_SIZE);
-    if (!p->up.buf || !p->down.buf) {
-        free(p->up.buf);
-        free(p->down.buf);
+    if (dir_init(&p->up) < 0 || dir_init(&p->down) < 0) {
+        dir_free(&p->up);
+        dir_free(&p->down);
         close(tcp);
         close(unx);
         return 1;
@@ -136,27 +175,43 @@ static int accept_one(int lfd, const struct sockaddr_un *addr) {
     return 1;
 }
 
+static int again(void) {
+    return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+}
+
 /* Move what can move in one direction. Returns -1 on a fatal error of the connection. */
 static int pump(struct dir *d, int from, int to, short from_ev, short to_ev) {
-    if (d->len == 0 && !d->eof && (from_ev & (POLLIN | POLLHUP | POLLERR))) {
-        ssize_t n = recv(from, d->buf, BUF_SIZE, 0);
-        if (n > 0) {
-            d->len = (size_t)n;
-            d->off = 0;
-        } else if (n == 0) {
-            d->eof = 1;
-        } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-            return -1;
+    if (d->len < d->cap && !d->eof && (from_ev & (POLLIN | POLLHUP | POLLERR))) {
+        ssize_t n;
+        if (d->pipe_r >= 0) {
+            n = splice(from, NULL, d->pipe_w, NULL, d->cap - d->len, SPLICE_F_MOVE | SPLICE_F_NONBLOCK);
+            if (n < 0 && errno == EINVAL) {
+                if (dir_to_buffer(d) < 0)
+                    return -1;
+                n = recv(from, d->buf, d->cap, 0);
+            }
+        } else {
+            if (d->len == 0)
+                d->off = 0;
+            n = d->off + d->len < d->cap ? recv(from, d->buf + d->off + d->len, d->cap - d->off - d->len, 0)
+                                         : (errno = EAGAIN, -1);
         }
-        /* Try to write at once: most of the time the other side can take it. */
-        to_ev |= POLLOUT;
+        if (n > 0)
+            d->len += (size_t)n;
+        else if (n == 0)
+            d->eof = 1;
+        else if (!again())
+            return -1;
+        to_ev |= POLLOUT; /* try to write at once: most of the time the other side can take it */
     }
     if (d->len > 0 && (to_ev & (POLLOUT | POLLERR | POLLHUP))) {
-        ssize_t n = send(to, d->buf + d->off, d->len, MSG_NOSIGNAL);
+        ssize_t n = d->pipe_r >= 0 ? splice(d->pipe_r, NULL, to, NULL, d->len, SPLICE_F_MOVE | SPLICE_F_NONBLOCK)
+                                   : send(to, d->buf + d->off, d->len, MSG_NOSIGNAL);
         if (n > 0) {
-            d->off += (size_t)n;
             d->len -= (size_t)n;
-        } else if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+            if (d->pipe_r < 0)
+                d->off += (size_t)n;
+        } else if (n < 0 && !again()) {
             return -1;
         }
     }
@@ -228,11 +283,11 @@ int main(int argc, char **argv) {
         for (int i = 0; i < npairs; i++) {
             struct pair *p = &pairs[i];
             short tcp_ev = 0, unx_ev = 0;
-            if (p->up.len == 0 && !p->up.eof)
+            if (p->up.len < p->up.cap && !p->up.eof)
                 tcp_ev |= POLLIN;
             if (p->down.len > 0)
                 tcp_ev |= POLLOUT;
-            if (p->down.len == 0 && !p->down.eof)
+            if (p->down.len < p->down.cap && !p->down.eof)
                 unx_ev |= POLLIN;
             if (p->up.len > 0)
                 unx_ev |= POLLOUT;

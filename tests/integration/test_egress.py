@@ -413,3 +413,24 @@ def test_mcp_operator_allowlist_narrowed_by_client(origin, scripted):
             tools.run(["true"], network=True)
     finally:
         tools.close()
+
+
+CONCURRENT = """
+import sys, urllib.request
+first = urllib.request.urlopen(sys.argv[1], timeout=30)         # open (headers read), body pending
+second = len(urllib.request.urlopen(sys.argv[1], timeout=30).read())  # while the first is open
+print([len(first.read()), second])
+"""
+
+
+def test_relay_copies_when_no_pipe_can_be_made(sandbox, origin):
+    """With RLIMIT_NOFILE 16 the relay (fds 0-4 its own, then 6 per connection: two sockets and
+    two pipes) has no fd left for the second connection's second pipe and moves those bytes
+    through its buffer instead: same bytes, same report."""
+    url = f"http://allowed.test:{origin.port}/bytes/{3 << 20}"
+    r = sandbox.run(["python3", "get.py", url], files={"get.py": CONCURRENT.encode()}, resolver=resolver(),
+                    egress=egress(origin.port), limits={"nofile": 16})
+    assert r.exit_code == 0, r.err
+    assert r.out.strip() == str([3 << 20] * 2)
+    assert [a["allowed"] for a in attempts(r)] == [True] * 2
+    assert all(a["bytes_down"] > 3 << 20 for a in attempts(r))
