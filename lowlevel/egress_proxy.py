@@ -369,6 +369,8 @@ class _Flow:
     driven in the loop thread: read readiness on ``src`` while the pipe has room, write readiness
     on ``dst`` while it holds bytes (backpressure both ways). Counts and caps the bytes taken
     from ``src``. The pipe is made on first use (a direction that never carries data costs no fds).
+    Where no pipe can be made (EMFILE) or splice(2) refuses the fds (EINVAL, ENOSYS), the same
+    loop copies through a ``bytearray`` with read(2)/write(2) instead.
 
     Source: splice(2) (SPLICE_F_NONBLOCK, SPLICE_F_MOVE), fcntl(2) F_SETPIPE_SZ.
     """
@@ -380,6 +382,7 @@ class _Flow:
         self.dst_sock = dst
         self.up = up
         self.r = self.w = -1
+        self.buf: bytearray | None = None  # copy mode
         self.cap = 0
         self.queued = 0
         self.eof = False
@@ -412,18 +415,54 @@ class _Flow:
             self.writing = False
 
     def _pipe(self) -> None:
-        self.r, self.w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        if not hasattr(os, "splice"):
+            return self._to_copy()
+        try:
+            self.r, self.w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            return self._to_copy()
         try:
             fcntl.fcntl(self.w, getattr(fcntl, "F_SETPIPE_SZ", 1031), PIPE_BYTES)
         except OSError:
             pass
         self.cap = fcntl.fcntl(self.w, getattr(fcntl, "F_GETPIPE_SZ", 1032))
+        return None
+
+    def _to_copy(self) -> None:
+        for fd in (self.r, self.w):
+            if fd >= 0:
+                os.close(fd)
+        self.r = self.w = -1
+        self.buf = bytearray()
+        self.cap = PIPE_BYTES
+
+    def _take(self, want: int) -> int:
+        """Move up to ``want`` bytes from ``src`` in; 0 at EOF; BlockingIOError when none wait."""
+        if self.buf is None:
+            try:
+                return os.splice(self.src, self.w, want, flags=_SPLICE_FLAGS)
+            except OSError as err:
+                if err.errno not in (errno.EINVAL, errno.ENOSYS) or self.queued:
+                    raise
+                self._to_copy()
+        assert self.buf is not None
+        data = os.read(self.src, want)
+        self.buf += data
+        return len(data)
+
+    def _give(self) -> int:
+        """Move queued bytes out to ``dst``; BlockingIOError when it takes none."""
+        if self.buf is None:
+            return os.splice(self.r, self.dst, self.queued, flags=_SPLICE_FLAGS)
+        m = os.write(self.dst, self.buf)
+        del self.buf[:m]
+        return m
 
     def _on_readable(self) -> None:
         if self.closed:  # a callback already queued when the tunnel ended
             return
         try:
-            if self.r < 0:
+            if self.r < 0 and self.buf is None:
                 self._pipe()
             listener = self.tunnel.listener
             attempt = self.tunnel.attempt
@@ -435,7 +474,7 @@ class _Flow:
                         self.cut = True
                         break
                 try:
-                    n = os.splice(self.src, self.w, want, flags=_SPLICE_FLAGS)
+                    n = self._take(want)
                 except BlockingIOError:
                     break
                 if n == 0:
@@ -464,7 +503,7 @@ class _Flow:
     def _flush(self) -> None:
         while self.queued:
             try:
-                m = os.splice(self.r, self.dst, self.queued, flags=_SPLICE_FLAGS)
+                m = self._give()
             except BlockingIOError:
                 self._read_off()  # backpressure: read again once dst took the pipe's bytes
                 self._write_on()

@@ -434,3 +434,14 @@ def test_relay_copies_when_no_pipe_can_be_made(sandbox, origin):
     assert r.out.strip() == str([3 << 20] * 2)
     assert [a["allowed"] for a in attempts(r)] == [True] * 2
     assert all(a["bytes_down"] > 3 << 20 for a in attempts(r))
+
+
+def test_proxy_copies_where_splice_is_missing(origin, scripted, monkeypatch):
+    """The host proxy's fallback (no os.splice): the same download, the same count."""
+    monkeypatch.delattr("os.splice")
+    policy = lowlevel.Policy(network=lowlevel.Egress(allow=("allowed.test",), allow_ports=(origin.port,)))
+    r = lowlevel.run(["sh", "-c", f"curl -sS -o big http://allowed.test:{origin.port}/bytes/{3 << 20} && wc -c < big"],
+                     policy=policy, workspace=_ws())
+    assert r.stdout.strip() == str(3 << 20).encode(), r.stderr
+    (a,) = r.network
+    assert a.allowed and a.bytes_down > 3 << 20 and a.error is None
