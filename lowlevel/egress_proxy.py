@@ -25,8 +25,8 @@ Per connection (all decisions are :class:`lowlevel.egress.Egress`'s, see that mo
     6. tunnel: ``200 Connection established`` and bytes both ways; plain HTTP: the head is sent
        on in origin form with ``Host`` set from the URL, ``Proxy-*`` and hop-by-hop headers
        dropped and ``Connection: close`` (one request per upstream connection), then bytes
-       both ways. The exchange ends when the server closes (the program's half-close is
-       passed on).
+       both ways, moved by splice(2) through a kernel pipe per direction (:class:`_Flow`). The
+       exchange ends when the server closes (the program's half-close is passed on).
 Bytes are counted per connection and per run; with ``Limits(net_bytes=N)`` the connection
 that crosses N is cut after exactly N bytes in total, every other connection of the run is
 closed and later requests get ``403``. The run's :attr:`lowlevel.Result.network` lists each
