@@ -128,7 +128,8 @@ class Sandbox:
             env: dict[str, str] | None = None, network: bool = False,
             binds: list[tuple[str, str, bool]] | None = None, limits: dict[str, Any] | None = None,
             files: dict[str, bytes] | None = None, workspace: str | None = None,
-            egress: dict[str, Any] | None = None, resolver: dict[str, Any] | None = None) -> Outcome:
+            commit: bool | str = True, egress: dict[str, Any] | None = None,
+            resolver: dict[str, Any] | None = None) -> Outcome:
         """``egress``: Egress kwargs (network by allowlist); ``resolver``: the egress tests'
         TEST-ONLY resolver override ({"answers": ..., "pretend_public": [...]},
         tests/helpers/scripted_resolver.py); its lookups land in ``raw["resolver_calls"]``."""
@@ -152,7 +153,8 @@ class Sandbox:
                 override = override_resolver_for_tests(scripted, pretend_public=resolver.get("pretend_public", ()))
             try:
                 with override:
-                    r = lowlevel.run(command, policy=policy, workspace=ws, timeout=timeout, stdin=stdin)
+                    r = lowlevel.run(command, policy=policy, workspace=ws, timeout=timeout, stdin=stdin,
+                                     commit=commit)
             except lowlevel.LowlevelError as err:
                 return Outcome(None, error=type(err).__name__, message=str(err),
                                errno=getattr(err, "errno", None), workspace=ws)
@@ -162,8 +164,8 @@ class Sandbox:
             return Outcome(r.exit_code, r.stdout, r.stderr, r.timed_out, r.killed_by, r.term_signal, ws,
                            d["changes"], list(r.limits_enforced), list(r.notes), r.wall_time_s, raw=d)
         spec = {"command": command, "timeout": timeout, "env": env or {}, "network": network,
-                "binds": binds or [], "limits": limits or {}, "workspace": ws, "egress": egress,
-                "resolver": resolver,
+                "binds": binds or [], "limits": limits or {}, "workspace": ws, "commit": commit,
+                "egress": egress, "resolver": resolver,
                 "files": {k: base64.b64encode(v).decode() for k, v in (files or {}).items()},
                 "stdin_b64": base64.b64encode(stdin).decode() if stdin is not None else None}
         proc = subprocess.run(
@@ -171,7 +173,8 @@ class Sandbox:
             input=json.dumps(spec).encode(), capture_output=True, timeout=timeout + 60,
             env={"PATH": "/usr/bin:/bin", "HOME": self.user.pw_dir, "LANG": "C.UTF-8",
                  # fake secrets planted by tests travel to the caller, as a real caller's would
-                 **{k: v for k, v in os.environ.items() if k.startswith("LOWLEVEL_FAKE_")}}, cwd="/")
+                 **{k: v for k, v in os.environ.items()
+                    if k.startswith("LOWLEVEL_FAKE_") or k == "LOWLEVEL_NO_OVERLAY"}}, cwd="/")
         if proc.returncode != 0:
             raise AssertionError(f"run_as.py failed as {self.user.pw_name}: {proc.stderr.decode()[-2000:]}")
         d = json.loads(proc.stdout)
@@ -226,6 +229,15 @@ class LoopbackServer:
 
     def close(self) -> None:
         self.sock.close()
+
+
+@pytest.fixture
+def handover_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run with the fallback workspace model (hand-over, no copy-on-write overlay), in-process and
+    for the unprivileged identity's subprocess alike; root's sandboxes as uid 65534 (a range of
+    one uid, as lowlevel 0.1 did), which these tests check by number."""
+    monkeypatch.setenv("LOWLEVEL_NO_OVERLAY", "1")
+    monkeypatch.setenv("LOWLEVEL_UID_RANGE", "65534-65534")
 
 
 @pytest.fixture
