@@ -286,3 +286,32 @@ def test_resolver_override_is_test_only():
     with egress_proxy.override_resolver_for_tests(lambda n, p: ["127.0.0.1"], pretend_public=["127.0.0.1"]):
         assert egress_proxy._resolver_override is not None
     assert egress_proxy._resolver_override is None
+
+
+def test_mcp_config_egress_from_toml_and_flags(tmp_path):
+    import trustme
+
+    from lowlevel.mcp_server import ServerConfig, Tools
+    ca = tmp_path / "ca.pem"
+    ca.write_bytes(trustme.CA().cert_pem.bytes())
+    toml = tmp_path / "mcp.toml"
+    toml.write_text(f'[egress]\nallow = ["pypi.org"]\nallow_ports = [443]\nextra_ca_file = "{ca}"\n'
+                    '[limits]\nnet_bytes = 1048576\n')
+    cfg = ServerConfig.from_toml(str(toml), workspace_base=str(tmp_path / "ws"))
+    assert cfg.egress is not None and cfg.egress.allow == ("pypi.org",) and cfg.egress.allow_ports == (443,)
+    assert "BEGIN CERTIFICATE" in cfg.egress.extra_ca_pem and cfg.limits.net_bytes == 1 << 20
+    # `lowlevel mcp --allow-host` replaces the allow list and keeps the rest of [egress].
+    cfg = ServerConfig.from_toml(str(toml), workspace_base=str(tmp_path / "ws"), egress={"allow": ["*.npmjs.org"]})
+    assert cfg.egress is not None and cfg.egress.allow == ("*.npmjs.org",) and cfg.egress.allow_ports == (443,)
+    tools = Tools(cfg)
+    clamped: list[str] = []
+    p = tools.policy_for(network=False, binds=[], memory_bytes=None, cpu_s=None, pids=None, clamped=clamped)
+    assert p.network == cfg.egress
+    p = tools.policy_for(network=False, binds=[], memory_bytes=None, cpu_s=None, pids=None, clamped=clamped,
+                         allow_hosts=["registry.npmjs.org"])
+    assert isinstance(p.network, Egress) and p.network.allow == ("registry.npmjs.org",)
+    p = tools.policy_for(network=False, binds=[], memory_bytes=None, cpu_s=None, pids=None, clamped=clamped,
+                         allow_hosts=[])
+    assert p.network is False
+    with pytest.raises(PolicyError, match="unknown egress keys"):
+        ServerConfig.from_mapping({"egress": {"allow_hosts": ["x"]}})
