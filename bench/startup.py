@@ -30,7 +30,9 @@ session and records fds, processes and memory before and after (``session_soak``
 from a server on host loopback, from inside one Session with the host network
 (``--network=host``, ``curl http://127.0.0.1:PORT/``) and one with egress (the same URL through
 the proxy, allowed by ``allow_cidrs=("127.0.0.1/32",)``: no resolver override), interleaved; the
-difference of the p50s is what the proxy adds.
+difference of the p50s is what the proxy adds, and the proxy thread's and the relay's CPU per
+call (``/proc/.../schedstat``) what it costs whatever the load. ``egress_cpu``: CPU per
+``lowlevel.run`` (ours + reaped children), default Policy vs egress.
 
 Latency of a call runs from its start (for concurrent cases: from taking a slot) to its
 end; ``calls_per_s`` is calls divided by the wall time the case's batches took.
@@ -348,11 +350,21 @@ def egress_download(rounds: int, per_round: int, size: int = 1 << 20) -> dict[st
         for s in sessions.values():  # warm-up
             for _ in range(3):
                 s.run(cmd, env=no_bypass).check()
+        # CPU the proxy path adds per download (load-independent, unlike latency): the proxy
+        # thread's and the relay's run time from /proc/.../schedstat (ns), over the egress calls.
+        from lowlevel import egress_proxy as _ep
+        assert _ep._thread is not None
+        cpu_files = [f"/proc/self/task/{_ep._thread.thread.native_id}/schedstat"]
+        init_pid = sessions["egress"]._core.init_host_pid
+        with open(f"/proc/{init_pid}/stat") as f:
+            cpu_files.append(f"/proc/{int(f.read().rsplit(')', 1)[1].split()[1])}/schedstat")  # the relay
+        cpu_ns = [0, 0]
         for rnd in range(rounds):
             order = list(sessions.items())
             if rnd % 2:
                 order.reverse()
             for name, s in order:
+                before = [_schedstat(f) for f in cpu_files] if name == "egress" else []
                 for _ in range(per_round):
                     t = time.perf_counter_ns()
                     r = s.run(cmd, env=no_bypass)
@@ -361,6 +373,8 @@ def egress_download(rounds: int, per_round: int, size: int = 1 << 20) -> dict[st
                         samples[name].append(dt)
                     else:
                         print(f"  egress_download {name}: curl exited {r.exit_code}: {r.stderr!r}", file=sys.stderr)
+                for i, b in enumerate(before):
+                    cpu_ns[i] += _schedstat(cpu_files[i]) - b
     finally:
         for s in sessions.values():
             s.close()
@@ -375,6 +389,42 @@ def egress_download(rounds: int, per_round: int, size: int = 1 << 20) -> dict[st
         out[f"{name}_p50_ms"] = round(percentile(vals, 50), 3)
         out[f"{name}_p90_ms"] = round(percentile(vals, 90), 3)
     out["added_p50_ms"] = round(out["egress_p50_ms"] - out["host_p50_ms"], 3)
+    n = max(1, out["egress_n"])
+    out["proxy_cpu_ms_per_call"] = round(cpu_ns[0] / n / 1e6, 3)
+    out["relay_cpu_ms_per_call"] = round(cpu_ns[1] / n / 1e6, 3)
+    return out
+
+
+def _schedstat(path: str) -> int:
+    """Run time of a task so far (ns), the first field of /proc/.../schedstat."""
+    with open(path) as f:
+        return int(f.read().split()[0])
+
+
+def egress_cpu(calls: int) -> dict[str, Any]:
+    """CPU per ``lowlevel.run(["/usr/bin/true"])`` (ours + reaped children, ms), default Policy vs
+    egress, interleaved: what the egress path costs independently of the host's load."""
+    import resource
+
+    def cpu() -> float:
+        s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+
+    policies = {"run": lowlevel.Policy(), "run_egress": EGRESS_POLICY}
+    per: dict[str, list[float]] = {k: [] for k in policies}
+    for i in range(calls):
+        for name in (list(policies) if i % 2 else list(policies)[::-1]):
+            c0 = cpu()
+            r = lowlevel.run(["/usr/bin/true"], policy=policies[name])
+            per[name].append((cpu() - c0) * 1000)
+            _WORKSPACES.append(r.workspace)
+        if i % 50 == 49:
+            _sweep_workspaces()
+    _sweep_workspaces()
+    out: dict[str, Any] = {"calls": calls}
+    for name, vals in per.items():
+        out[f"{name}_cpu_ms_mean"] = round(sum(vals) / len(vals), 3)
+    out["run_egress_vs_run_cpu"] = round(out["run_egress_cpu_ms_mean"] / out["run_cpu_ms_mean"], 3)
     return out
 
 
@@ -641,12 +691,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     soak = session_soak(soak_n) if soak_n else None
     dl_rounds = args.download_rounds if args.download_rounds is not None else rounds
     download = egress_download(dl_rounds, per_round) if dl_rounds else None
+    egress_cpu_doc = egress_cpu(rounds * per_round) if dl_rounds else None
 
     results = [c.summary() for c in cases]
     doc = {"schema": SCHEMA, "results": results,
            "ratios": ratios(results, "/usr/bin/true"),
            "ratios_by_command": {label: ratios(results, label) for label in commands},
            "one_time": once, "host": host, "session_soak": soak, "egress_download": download,
+           "egress_cpu": egress_cpu_doc,
            "config": {"quick": args.quick, "rounds": rounds, "per_round": per_round, "concurrency": list(conc),
                       "commands": commands, "duration_s": round(time.monotonic() - t_start, 2),
                       "argv": sys.argv}}
@@ -680,6 +732,8 @@ def print_table(doc: dict[str, Any]) -> None:
         print(f"session soak: {doc['session_soak']}")
     if doc.get("egress_download"):
         print(f"egress download: {doc['egress_download']}")
+    if doc.get("egress_cpu"):
+        print(f"egress cpu: {doc['egress_cpu']}")
 
 
 def profile(n: int) -> int:
