@@ -1396,22 +1396,34 @@ class Pool:
     nothing is shared between calls. A background thread starts replacements and tears used
     sandboxes down.
 
+    With the copy-on-write workspace, a call's Result is final when :meth:`run` returns: its
+    changes are in ``Result.changes`` and (without a template) committed to its workspace.
+
     Args:
         policy: as for :func:`lowlevel.run`.
         size: how many sandboxes to keep ready (>= 1).
         workspace_base, bwrap: as for :class:`Session`.
-        track_changes: fill ``Result.changes`` (default True, as ``run``: a fresh workspace is small).
+        track_changes: fill ``Result.changes`` where the overlay is unavailable (a snapshot walk
+            of the fresh workspace; with the overlay the changes come from its upper layer).
+        template: a directory every call starts from: each sandbox gets a fresh copy-on-write
+            overlay over it (nothing is copied; the directory is never written: calls' changes
+            are reported and discarded). Needs the overlay (UnsupportedError otherwise).
     Raises:
         PolicyError: a bad argument. The first sandbox's start errors surface on the first call.
     """
 
     def __init__(self, policy: Policy | None = None, *, size: int = 2, workspace_base: str | None = None,
-                 bwrap: str | None = None, track_changes: bool = True) -> None:
+                 bwrap: str | None = None, track_changes: bool = True,
+                 template: str | os.PathLike[str] | None = None) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise PolicyError(f"Pool size must be an int >= 1, got {size!r}")
         self.policy = policy or Policy()
         self.size = size
-        self._kwargs = {"workspace_base": workspace_base, "bwrap": bwrap, "track_changes": track_changes}
+        self.template = None if template is None else os.fspath(template)
+        self._kwargs: dict[str, Any] = {"workspace_base": workspace_base, "bwrap": bwrap,
+                                        "track_changes": track_changes}
+        if self.template is not None:
+            self._kwargs.update(workspace=self.template, commit=False, track_changes=False)
         self._ready: collections.deque[Session] = collections.deque()
         self._retired: collections.deque[Session] = collections.deque()
         self._starting = 0
@@ -1431,7 +1443,11 @@ class Pool:
         self.close()
 
     def _new(self) -> Session:
-        s = Session(self.policy, **self._kwargs)  # type: ignore[arg-type]
+        s = Session(self.policy, **self._kwargs)
+        if self.template is not None and not s._core.run.cow:
+            s.close()
+            raise UnsupportedError("overlay", "Pool(template=...) needs the copy-on-write workspace: "
+                                   + "; ".join(s._core.run.notes))
         try:
             # Warm the path once (the init's first message, allocations, shepherd fork, a
             # failed execve) so the caller's command is not the first through it.
@@ -1515,7 +1531,13 @@ class Pool:
         """
         s = self._take()
         try:
-            if inputs:
+            if inputs and self.template is not None:
+                # Into this call's view (its upper layer), owned as its sandbox.
+                names = _ws.copy_inputs(s.workspace, inputs)
+                if s._core.run.facts.caller_is_root:
+                    for name in names:
+                        _ws.chown_tree(os.path.join(s.workspace, name), *s.host_ids)
+            elif inputs:
                 # Into the directory itself (the overlay's lower layer: this sandbox's fresh,
                 # still unvisited workspace), so they are inputs, not changes; the idmapped lower
                 # gives them to the sandbox's uid without a chown.
@@ -1523,8 +1545,11 @@ class Pool:
                 if s._core.run.facts.caller_is_root and not s._core.run.cow:
                     for name in names:
                         _ws.chown_tree(os.path.join(s.directory, name), *s.host_ids)
-            result = s.run(argv, stdin=stdin, timeout=timeout, env=env, cwd=cwd, limits=limits)
-            if s._core.run.cow:
+            result = s.run(argv, stdin=stdin, timeout=timeout, env=env, cwd=cwd, limits=limits,
+                           track_changes=False if s._core.run.cow else None)
+            if self.template is not None:
+                result.changes = s.diff()  # reported; the template is never written
+            elif s._core.run.cow:
                 # The Result is final when it is returned: the call's changes are in its workspace.
                 result.changes = s.commit()
             return result
@@ -1546,9 +1571,12 @@ class Pool:
             self._cond.notify_all()
         self._thread.join()
         while self._ready or self._retired:
+            unused = bool(self._ready)
             s = (self._ready or self._retired).popleft()
             try:
                 s.close()
+                if unused and self.template is None:
+                    _ws.remove_workspace(s.directory)  # started in advance, never used: nothing to keep
             except Exception as err:  # noqa: BLE001
                 log.warning("lowlevel: pool teardown failed: %s", err)
 

@@ -252,3 +252,31 @@ def test_workspace_under_a_private_root_owned_directory(tmp_path: Path):
         assert (ws / "out.txt").read_text() == "in\n" and os.stat(ws / "out.txt").st_uid == 0
     finally:
         shutil.rmtree(private)
+
+
+def test_pool_with_a_template_gives_each_call_a_fresh_overlay(tmp_path: Path):
+    template = tmp_path / "template"
+    template.mkdir()
+    (template / "data.txt").write_text("base\n")
+    os.chmod(tmp_path, 0o755)
+    before = _state(str(template))
+    with lowlevel.Pool(size=2, template=template) as pool:
+        r1 = pool.run(["sh", "-c", "cat data.txt; echo one >> data.txt; echo x > new.txt"])
+        r2 = pool.run(["sh", "-c", "cat data.txt; ls"])
+    assert r1.stdout == b"base\n" and r1.changes.modified == ("data.txt",) and r1.changes.added == ("new.txt",)
+    assert r2.stdout == b"base\ndata.txt\n"  # the second call saw none of the first's changes
+    assert _state(str(template)) == before
+
+
+def test_pool_close_leaves_no_prestarted_workspaces(tmp_path: Path):
+    base = tmp_path / "base"
+    base.mkdir()
+    os.chmod(tmp_path, 0o755)
+    with lowlevel.Pool(size=2, workspace_base=str(base)) as pool:
+        r = pool.run(["sh", "-c", "echo out > o.txt"])
+        assert Path(r.workspace, "o.txt").read_text() == "out\n"
+        deadline = time.monotonic() + 20
+        while len([p for p in base.iterdir() if p.name.startswith("run-")]) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    left = sorted(p.name for p in base.iterdir() if p.name.startswith("run-"))
+    assert left == [Path(r.workspace).name], left  # the used one is kept, the pre-started ones are gone
