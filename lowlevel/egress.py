@@ -73,7 +73,10 @@ CA_BUNDLE_DEST = "/etc/ssl/certs/ca-certificates.crt"
 #: Hosts programs reach directly (the sandbox's own loopback), never through the proxy.
 NO_PROXY = "localhost,127.0.0.1,::1"
 #: /etc entries bound read-only in egress mode: TLS trust only (no resolv.conf, no hosts).
-EGRESS_ETC = ("/etc/ssl", "/etc/ca-certificates")
+#: ``/etc/ssl`` holds the CA bundle and the hashed certificate links OpenSSL reads (their
+#: targets are under ``/usr/share/ca-certificates``); ``/etc/ca-certificates`` is only
+#: update-ca-certificates(8)'s configuration, so it is left out (one bind mount less per run).
+EGRESS_ETC = ("/etc/ssl",)
 
 _LABEL = re.compile(r"^[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?$")
 _INET_ATON_CHARS = re.compile(r"^[0-9a-fx.]+$")

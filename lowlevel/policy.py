@@ -221,7 +221,7 @@ class Policy:
         network: False (default) unshares the network namespace: the sandbox has only its own
             loopback. An :class:`lowlevel.egress.Egress` keeps that namespace and adds one way
             out, an allowlisting HTTP proxy on the host (``HTTP_PROXY`` and friends set inside,
-            ``/etc/ssl`` and ``/etc/ca-certificates`` bound; no DNS inside): see
+            ``/etc/ssl`` bound; no DNS inside): see
             :mod:`lowlevel.egress`. True keeps the host's whole network (``--share-net``: its
             ``127.0.0.1`` services and abstract unix sockets included) and binds
             ``/etc/resolv.conf``, ``/etc/hosts``, ``/etc/ssl`` and ``/etc/ca-certificates``

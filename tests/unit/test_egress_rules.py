@@ -203,7 +203,7 @@ def test_egress_argv_keeps_its_own_netns_and_binds_only_tls_trust():
     argv = build_argv(Policy(network=Egress(allow=("pypi.org",))), FACTS, workspace="/w", fds=Fds(),
                       extra_mounts=["--ro-bind", "/tmp/x/proxy.sock", "/run/lowlevel/egress.sock"])
     assert "--share-net" not in argv
-    assert "/etc/resolv.conf" not in argv and "/etc/hosts" not in argv
+    assert "/etc/resolv.conf" not in argv and "/etc/hosts" not in argv and "/etc/ca-certificates" not in argv
     assert ["--ro-bind", "/etc/ssl", "/etc/ssl"] == argv[argv.index("/etc/ssl") - 1:argv.index("/etc/ssl") + 2]
     i = argv.index("/run/lowlevel/egress.sock")
     assert i < argv.index("/")  # mounted before --remount-ro / (nothing can be created after)
