@@ -9,7 +9,7 @@
  *   1. close EXE_FD (the fd bwrap exec'd this program through: nothing of the host stays open);
  *   2. listen on 127.0.0.1:PORT (the sandbox's own loopback) before anything else runs, so the
  *      proxy is ready when the program starts;
- *   3. fork; the child restores the signal mask and SIGPIPE and execvp(3)s COMMAND (so it keeps
+ *   3. posix_spawnp(3) COMMAND with the signal mask and dispositions bwrap gave us (so it keeps
  *      the environment, PATH search and stdio bwrap set up); an exec failure prints
  *      "lowlevel-relay: execvp NAME: REASON" and exits 127 (not found) or 126, as a shell does;
  *   4. the parent relays: each TCP connection accepted on 127.0.0.1:PORT gets a fresh
@@ -37,6 +37,7 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <signal.h>
+#include <spawn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -46,6 +47,8 @@
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+extern char **environ;
 
 #define EXIT_SETUP 125
 #define BUF_SIZE 65536
@@ -263,16 +266,39 @@ int main(int argc, char **argv) {
     if (sfd < 0)
         die("signalfd", NULL);
 
-    pid_t child = fork();
-    if (child < 0)
-        die("fork", NULL);
-    if (child == 0) {
-        sigprocmask(SIG_SETMASK, &old, NULL);
-        execvp(command[0], command);
-        int err = errno;
-        fprintf(stderr, "lowlevel-relay: execvp %s: %s\n", command[0], strerror(err));
-        _exit(err == ENOENT || err == ENOTDIR ? 127 : 126);
+    /* posix_spawnp: glibc clones with CLONE_VM|CLONE_VFORK (no copy of our address space) and
+     * reports an exec failure as its return value. */
+    pid_t child;
+    posix_spawnattr_t attr;
+    sigset_t dfl;
+    sigemptyset(&dfl);
+    sigaddset(&dfl, SIGCHLD);
+    sigaddset(&dfl, SIGPIPE);
+    if (posix_spawnattr_init(&attr) != 0 || posix_spawnattr_setsigmask(&attr, &old) != 0 ||
+        posix_spawnattr_setsigdefault(&attr, &dfl) != 0 ||
+        posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF) != 0)
+        die("posix_spawnattr", NULL);
+    int err = posix_spawnp(&child, command[0], NULL, &attr, command, environ);
+    if (err == ENOEXEC) {
+        /* A script without "#!": execvp(3) (what bwrap itself uses) runs it with /bin/sh,
+         * posix_spawnp (glibc >= 2.29) does not. Do as execvp does. */
+        child = fork();
+        if (child < 0)
+            die("fork", NULL);
+        if (child == 0) {
+            sigprocmask(SIG_SETMASK, &old, NULL);
+            execvp(command[0], command);
+            int e = errno;
+            fprintf(stderr, "lowlevel-relay: execvp %s: %s\n", command[0], strerror(e));
+            _exit(e == ENOENT || e == ENOTDIR ? 127 : 126);
+        }
+        err = 0;
     }
+    if (err != 0) {
+        fprintf(stderr, "lowlevel-relay: execvp %s: %s\n", command[0], strerror(err));
+        exit(err == ENOENT || err == ENOTDIR ? 127 : 126);
+    }
+    posix_spawnattr_destroy(&attr);
     signal(SIGPIPE, SIG_IGN);
 
     static struct pollfd fds[2 + 2 * MAX_PAIRS];

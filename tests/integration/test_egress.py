@@ -445,3 +445,16 @@ def test_proxy_copies_where_splice_is_missing(origin, scripted, monkeypatch):
     assert r.stdout.strip() == str(3 << 20).encode(), r.stderr
     (a,) = r.network
     assert a.allowed and a.bytes_down > 3 << 20 and a.error is None
+
+
+def test_relay_runs_the_command_as_bwrap_would(sandbox):
+    """The relay starts the program the way bwrap's execvp does (a script without "#!" runs with
+    /bin/sh), passes its exit status through, and reports an exec failure like a shell (127)."""
+    # files= writes 0644: make it executable first, as a program would.
+    r = sandbox.run(["sh", "-c", "chmod +x s && ./s 3"], files={"s": b'echo "from sh: $1"; exit "$1"\n'},
+                    egress=egress())
+    assert (r.exit_code, r.out) == (3, "from sh: 3\n"), r.err
+    r = sandbox.run(["sh", "-c", "kill -TERM $$"], egress=egress())
+    assert r.exit_code == 128 + 15 and r.term_signal == 15
+    r = sandbox.run(["/proc/self/no-such-program"], egress=egress())
+    assert r.exit_code == 127 and "lowlevel-relay: execvp /proc/self/no-such-program" in r.err
