@@ -34,7 +34,8 @@ from types import FrameType
 from typing import Any
 
 from . import __version__
-from .errors import LowlevelError
+from .egress import DEFAULT_PORTS, Egress
+from .errors import LowlevelError, PolicyError
 from .launcher import ExecError, run
 from .limits import Limits
 from .policy import Bind, Policy
@@ -88,6 +89,20 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _network_mode(text: str) -> str:
+    """``none`` or ``host``; ``bare`` is the value argparse passes (through this) for a bare --network."""
+    if text not in ("none", "host", "bare"):
+        raise argparse.ArgumentTypeError(f"invalid network mode {text!r}: use --network=none, --network=host, "
+                                         "or --allow-host PATTERN for an allowlist (put -- before the command)")
+    return text
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r}: use a number from 1 to 65535")
+    return int(text)
+
+
 def _env_pair(text: str) -> tuple[str, str]:
     if "=" not in text:
         raise argparse.ArgumentTypeError(f"invalid --env {text!r}: use KEY=VALUE")
@@ -118,7 +133,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="file or dir copied into the workspace before the run (repeatable)")
     p.add_argument("--timeout", metavar="SECONDS", type=_positive_float, default=60.0,
                    help="wall-clock limit, seconds (default 60); exit 124 when it fires")
-    p.add_argument("--network", action="store_true", help="keep the host network (default: none)")
+    p.add_argument("--network", nargs="?", const="bare", default=None, type=_network_mode, metavar="{none,host}",
+                   help="none (default): the sandbox's own loopback only; host: the host's whole network "
+                   "(its 127.0.0.1 services, cloud metadata and abstract unix sockets included). A bare "
+                   "--network means host and prints a warning. For an allowlist use --allow-host")
+    p.add_argument("--allow-host", metavar="PATTERN", action="append", default=[],
+                   help="egress by allowlist: let the sandbox reach this host through lowlevel's HTTP proxy "
+                   "(exact name, *.suffix, or *; repeatable; HTTP_PROXY/HTTPS_PROXY are set inside, no DNS). "
+                   "Names resolving to loopback/private/link-local addresses and IP literals are refused")
+    p.add_argument("--deny-host", metavar="PATTERN", action="append", default=[],
+                   help="egress: refuse this host pattern even when --allow-host matches (repeatable)")
+    p.add_argument("--allow-cidr", metavar="CIDR", action="append", default=[],
+                   help="egress: also allow addresses in this network, private ones included (repeatable)")
+    p.add_argument("--allow-port", metavar="PORT", action="append", default=[], type=_port,
+                   help="egress: allow this port besides 80 and 443 (repeatable)")
+    p.add_argument("--ca-cert", metavar="FILE.pem", action="append", default=[],
+                   help="egress: CA certificate(s) the sandbox trusts besides the system's (repeatable)")
+    p.add_argument("--net-bytes", metavar="BYTES", type=parse_size,
+                   help="egress: bytes the run may move through the proxy, both ways; past it connections are cut")
     p.add_argument("--ro", metavar="PATH[:DEST]", action="append", default=[], type=_bind_spec,
                    help="extra read-only bind (repeatable)")
     p.add_argument("--rw", metavar="PATH[:DEST]", action="append", default=[], type=_bind_spec,
@@ -168,7 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--config", metavar="FILE.toml", help="operator config (see lowlevel.mcp_server)")
     m.add_argument("--workspace-base", metavar="DIR", help="directory of the workspaces")
     m.add_argument("--network", action=argparse.BooleanOptionalAction, default=None,
-                   help="let clients request network access (default: --no-network)")
+                   help="let clients request the host's whole network (default: --no-network)")
+    m.add_argument("--allow-host", metavar="PATTERN", action="append", default=None,
+                   help="egress allowlist for every run (repeatable; config [egress] allow); clients may "
+                   "narrow it with allow_hosts, never widen it")
     m.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
                    help="deterministic mode for every run")
     m.add_argument("--max-timeout", metavar="SECONDS", type=_positive_float, help="ceiling for timeout_s")
@@ -220,8 +255,26 @@ def _policy_from_args(args: argparse.Namespace) -> Policy:
         ("workspace_bytes", "workspace_size")) if getattr(args, attr) is not None}
     binds = [Bind(src, dest, writable=False, allow_sensitive=args.allow_sensitive) for src, dest in args.ro]
     binds += [Bind(src, dest, writable=True, allow_sensitive=args.allow_sensitive) for src, dest in args.rw]
-    return Policy(network=args.network, binds=tuple(binds), env=tuple(args.env), limits=Limits(**overrides),
+    if args.net_bytes is not None:
+        overrides["net_bytes"] = args.net_bytes
+    network: bool | Egress = args.network in ("host", "bare")
+    if _egress_requested(args):
+        pem = ""
+        for path in args.ca_cert:
+            try:
+                with open(path, encoding="ascii") as f:
+                    pem += f.read().rstrip("\n") + "\n"
+            except (OSError, UnicodeDecodeError) as err:
+                raise PolicyError(f"--ca-cert {path}: cannot read it: {err}") from None
+        network = Egress(allow=tuple(args.allow_host), deny=tuple(args.deny_host),
+                         allow_cidrs=tuple(args.allow_cidr), allow_ports=DEFAULT_PORTS + tuple(args.allow_port),
+                         extra_ca_pem=pem)
+    return Policy(network=network, binds=tuple(binds), env=tuple(args.env), limits=Limits(**overrides),
                   deterministic=args.deterministic)
+
+
+def _egress_requested(args: argparse.Namespace) -> bool:
+    return bool(args.allow_host or args.deny_host or args.allow_cidr or args.allow_port or args.ca_cert)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -243,6 +296,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.rm and args.workspace is not None:
         return _fail("--rm removes the fresh per-run workspace; it does not go with --workspace "
                      "(lowlevel never deletes your directory)", 2)
+    if args.network in ("host", "bare", "none") and _egress_requested(args):
+        return _fail(f"--network={'host' if args.network == 'bare' else args.network} and --allow-host "
+                     "(or --deny-host/--allow-cidr/--allow-port/--ca-cert) contradict each other: "
+                     "--allow-host alone gives an allowlist", 2)
+    if args.net_bytes is not None and not _egress_requested(args):
+        return _fail("--net-bytes is enforced by the egress proxy: use it with --allow-host", 2)
+    if args.network == "bare":
+        print("lowlevel: warning: --network gives the sandbox the host's whole network (127.0.0.1 services, "
+              "cloud metadata); say --network=host to confirm, or use --allow-host HOST", file=sys.stderr)
     created = None
     try:
         policy = _policy_from_args(args)
@@ -291,6 +353,11 @@ def _report(args: argparse.Namespace, result: Result) -> int:
         if not args.json:
             print(f"lowlevel: timed out after {args.timeout:g} s; the sandbox was killed", file=sys.stderr)
         return EXIT_TIMEOUT
+    if result.network and not args.json:
+        from .egress_proxy import describe_attempt
+        for attempt in result.network:
+            if not attempt.allowed or attempt.error:
+                print(f"lowlevel: egress: {describe_attempt(attempt)}", file=sys.stderr)
     if result.killed_by and not args.json:
         print(f"lowlevel: killed by {result.killed_by}"
               + (f" ({result.signal_name()})" if result.term_signal else ""), file=sys.stderr)
@@ -347,6 +414,8 @@ def cmd_mcp(args: argparse.Namespace) -> int:
                       ("max_output_bytes", "max_output_bytes"), ("allowed_binds", "allow_bind")):
         if getattr(args, attr) is not None:
             overrides[key] = getattr(args, attr)
+    if args.allow_host is not None:
+        overrides["egress"] = {"allow": args.allow_host}
     try:
         config = ServerConfig.from_toml(args.config, **overrides) if args.config else \
             ServerConfig.from_mapping(overrides)

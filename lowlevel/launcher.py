@@ -56,6 +56,7 @@ from . import seccomp as _seccomp
 from . import workspace as _ws
 from .argv import NETWORK_ETC, Fds, HostFacts, anchor_argv, build_argv, redact_env_values
 from .argv import AnchorOverlay as _AnchorOverlay
+from .egress import Egress
 from .errors import LaunchError, LowlevelError, PolicyError, UnsupportedError, WorkspaceError
 from .policy import WORKSPACE_DEST, Policy
 from .probe import bwrap_info, host_layout, require_pidfd
@@ -438,6 +439,7 @@ class Run:
         self.pre_exec_rlimits: tuple[tuple[str, int, int], ...] = ()
         self.seccomp_loaded = False
         self.audit: Any = None
+        self.egress: Any = None  # lowlevel.egress_proxy.EgressRun in egress mode
         # The anchor and the copy-on-write workspace.
         self.lease: _cow.UidLease | None = None
         self.host_ids: tuple[int, int] = (0, 0)
@@ -587,8 +589,17 @@ class Run:
         passwd_fd = self._own(_memfd("lowlevel-passwd", passwd))
         group_fd = self._own(_memfd("lowlevel-group", group))
 
+        if isinstance(policy.network, Egress):
+            # The host-side proxy and the relay that runs first inside (lowlevel/egress_proxy.py).
+            from .egress_proxy import EgressRun
+            self.egress = EgressRun.open(policy.network, policy.limits.net_bytes,
+                                         caller_is_root=self.facts.caller_is_root, host_gid=self.host_ids[1])
+            self.extra_fds.update(self.egress.child_fds)
+            for fd in self.egress.owned_fds:
+                self._own(fd)  # closed after the spawn, like ours
         self.argv = build_argv(policy, self.facts, workspace=bind_source, fds=fds,
-                               extra_env=self.env_extra or None, cwd=self.cwd)
+                               extra_env=self.env_extra or None, cwd=self.cwd,
+                               extra_mounts=self.egress.mounts if self.egress is not None else ())
         if any("\0" in a for a in self.argv):
             # Last line of defence: the --args memfd is NUL-separated, so a NUL inside a value
             # would split it into extra bwrap options. The policy edge refuses them already.
@@ -690,7 +701,8 @@ class Run:
                            cgroup_fds=self.anchor_fds["cgroups"], rlimits=self.pre_exec_rlimits,
                            ids=self.host_ids if self.facts.caller_is_root else None, overlay=ov,
                            keep_fds=(self.anchor_fds["lease"],) if "lease" in self.anchor_fds else (),
-                           pass_fds=self.pass_fds, args_fd=ARGS_FD, command=self.command)
+                           pass_fds=self.pass_fds, args_fd=ARGS_FD,
+                           command=self.egress.wrap(self.command) if self.egress is not None else self.command)
 
     def spawn(self) -> None:
         """posix_spawn the anchor (which execs bwrap) with an empty environment; open its pidfd.
@@ -986,6 +998,11 @@ class Run:
         if self.audit is not None:
             denials = tuple(self.audit.finish())
             self.audit = None
+        network = None
+        if self.egress is not None:
+            network, egress_notes, egress_enforced = self.egress.finish()
+            self.notes.extend(egress_notes)
+            enforced += egress_enforced
         result = Result(
             exit_code=exit_code, term_signal=term, timed_out=self.timed_out, killed_by=killed_by,
             stdout=out, stderr=errout, stdout_truncated=out_t, stderr_truncated=err_t,
@@ -996,7 +1013,7 @@ class Run:
             max_rss_bytes=(self.rusage.ru_maxrss * 1024) if self.rusage is not None else None,
             oom_kills=stats.oom_kills if stats else None,
             limits_enforced=enforced, changes=changes, workspace=self.workspace,
-            notes=tuple(self.notes), argv=tuple(self.full_argv), seccomp_denials=denials,
+            notes=tuple(self.notes), argv=tuple(self.full_argv), seccomp_denials=denials, network=network,
         )
         if self.cow:
             self.finish_cow(success=exit_code == 0 and killed_by is None, result=result)
@@ -1149,6 +1166,8 @@ class Run:
             if self.audit is not None:
                 self.audit.close()
                 self.audit = None
+            if self.egress is not None:
+                self.egress.close()
             for fd in self.fds:
                 try:
                     os.close(fd)

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from .egress import Egress
 from .errors import PolicyError
 from .limits import Limits
 from .seccomp import DEFAULT_PROFILE, SeccompProfile
@@ -217,9 +218,14 @@ class Policy:
     """What a sandbox sees and may do. Immutable and hashable; validated on construction.
 
     Attributes:
-        network: False (default) unshares the network namespace: only a down loopback.
-            True keeps the host network (``--share-net``) and binds ``/etc/resolv.conf``,
-            ``/etc/hosts``, ``/etc/ssl`` and ``/etc/ca-certificates`` read-only.
+        network: False (default) unshares the network namespace: the sandbox has only its own
+            loopback. An :class:`lowlevel.egress.Egress` keeps that namespace and adds one way
+            out, an allowlisting HTTP proxy on the host (``HTTP_PROXY`` and friends set inside,
+            ``/etc/ssl`` bound; no DNS inside): see
+            :mod:`lowlevel.egress`. True keeps the host's whole network (``--share-net``: its
+            ``127.0.0.1`` services and abstract unix sockets included) and binds
+            ``/etc/resolv.conf``, ``/etc/hosts``, ``/etc/ssl`` and ``/etc/ca-certificates``
+            read-only.
         binds: extra :class:`Bind` mounts (a virtualenv, node_modules, a toolchain...).
         env: variables set on top of :data:`BASE_ENV` (mapping or sorted pairs).
         limits: resource limits (:class:`lowlevel.limits.Limits`).
@@ -253,7 +259,7 @@ class Policy:
         PolicyError: an invalid value (the message names the field).
     """
 
-    network: bool = False
+    network: bool | Egress = False
     binds: tuple[Bind, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     limits: Limits = field(default_factory=Limits)
@@ -269,6 +275,9 @@ class Policy:
     deterministic: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.network, (bool, Egress)):
+            raise PolicyError(f"Policy.network must be False, True (the host network) or a lowlevel.Egress "
+                              f"allowlist, got {self.network!r}")
         object.__setattr__(self, "env", _freeze_env(self.env))
         binds = tuple(self.binds)
         for b in binds:
@@ -280,6 +289,9 @@ class Policy:
         object.__setattr__(self, "binds", binds)
         if not isinstance(self.limits, Limits):
             raise PolicyError("Policy.limits must be a lowlevel.Limits")
+        if self.network is True and self.limits.net_bytes is not None:
+            raise PolicyError("Limits.net_bytes is enforced by the egress proxy, which network=True (the host "
+                              "network) bypasses: use network=Egress(allow=...) or drop net_bytes")
         if self.seccomp is None and not self.unsafe_no_seccomp:
             raise PolicyError("seccomp=None turns off the syscall filter; pass unsafe_no_seccomp=True "
                               "to confirm (never for untrusted code)")
@@ -316,7 +328,8 @@ class Policy:
 
     def environment(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         """Return the sandbox's environment: BASE_ENV, then (deterministic mode)
-        DETERMINISTIC_ENV, then ``env``, then ``extra``.
+        DETERMINISTIC_ENV, then (egress mode) the proxy variables of
+        :meth:`lowlevel.egress.Egress.environment`, then ``env``, then ``extra``.
 
         Raises:
             PolicyError: an invalid name or value in ``extra``.
@@ -324,6 +337,8 @@ class Policy:
         out = dict(BASE_ENV)
         if self.deterministic:
             out.update(DETERMINISTIC_ENV)
+        if isinstance(self.network, Egress):
+            out.update(self.network.environment())
         out.update(self.env)
         if extra:
             out.update(_freeze_env(extra))

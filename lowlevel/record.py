@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import workspace as _ws
+from .egress import egress_from_mapping
 from .errors import LowlevelError, WorkspaceError
 from .launcher import DEFAULT_TIMEOUT_S, host_facts
 from .launcher import run as _run
@@ -148,6 +149,8 @@ def policy_from_canonical(canon: Mapping[str, Any], *, profiles: Sequence[Any] =
             kwargs[name] = Limits(**limit_kwargs)
         elif name == "env":
             kwargs[name] = tuple((k, v) for k, v in value)
+        elif name == "network" and isinstance(value, Mapping):
+            kwargs[name] = egress_from_mapping(value)
         elif name == "seccomp":
             if value is None:
                 kwargs[name] = None
@@ -370,6 +373,8 @@ def execute_recorded(command: Sequence[str], *, policy: Policy | None = None,
                    and all(e["stored"] for e in before if e["kind"] == "file")},
         "notes": list(result.notes),
     }
+    if result.network is not None:
+        record["network"] = [dataclasses.asdict(a) for a in result.network]
     return result, record
 
 
@@ -545,8 +550,10 @@ def policy_loosening(policy: Policy, timeout_s: float | None = DEFAULT_TIMEOUT_S
     for b in policy.binds:
         flags = ["writable" if b.writable else "read-only"] + (["allow_sensitive"] if b.allow_sensitive else [])
         out.append(f"bind {b.source} -> {b.dest} ({', '.join(flags)}); default: no binds")
-    if policy.network:
+    if policy.network is True:
         out.append("network=True (the host network); default: no network")
+    elif policy.network:
+        out.append(f"network=Egress({policy.network.describe()}) (egress through the proxy); default: no network")
     if policy.seccomp is None:
         out.append("seccomp=None (no syscall filter); default: the default profile")
     elif policy.seccomp.log:

@@ -14,6 +14,7 @@ import signal
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .egress import NetworkAttempt
 from .errors import LowlevelError
 from .workspace import Changes
 
@@ -58,6 +59,9 @@ class Result:
         changes: files added, modified and deleted in the workspace.
         workspace: host path of the workspace.
         seccomp_denials: syscall names the filter denied (audit mode only), else None.
+        network: egress mode (``Policy(network=Egress(...))``) only, else None: every
+            connection attempt through the proxy, in order (:class:`lowlevel.egress.NetworkAttempt`:
+            method, host, port, address, allowed and why, bytes up and down, error).
         notes: human-readable notes on degraded behaviour (no cgroup, etc.).
         argv: the full bwrap argv used (for records and debugging).
     """
@@ -82,6 +86,7 @@ class Result:
     changes: Changes = field(default_factory=Changes)
     workspace: str = ""
     seccomp_denials: tuple[str, ...] | None = None
+    network: tuple[NetworkAttempt, ...] | None = None
     notes: tuple[str, ...] = ()
     argv: tuple[str, ...] = ()
 
@@ -117,6 +122,8 @@ class Result:
         d["signal"] = self.signal_name()
         if self.seccomp_denials is not None:
             d["seccomp_denials"] = list(self.seccomp_denials)
+        if self.network is not None:
+            d["network"] = [asdict(a) for a in self.network]
         return d
 
 

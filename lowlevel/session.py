@@ -19,7 +19,9 @@ Isolation between commands of one session (exactly):
         session's life); every namespace (mount, PID, network, IPC, UTS, user); the seccomp
         filter; the uid and gid; the session's cgroup, hence its ``memory_bytes``, ``pids``
         and ``cpu_quota`` limits and its CPU/memory accounting (a command that fills memory
-        can get another one OOM-killed); the environment given to bwrap (each command gets
+        can get another one OOM-killed); in egress mode the proxy, its ``net_bytes`` budget and
+        its report (each Result lists the attempts made while its command ran); the
+        environment given to bwrap (each command gets
         the Policy's environment plus its own ``env``, nothing else: the init passes an
         explicit environment to execve).
     Separate: each command runs in its own process group with its own stdin/stdout/stderr
@@ -195,6 +197,7 @@ class _Cmd:
         self.cancelled = False
         self.rlimit_names: tuple[str, ...] = ()
         self.before: Any = None
+        self.net_from = 0  # egress mode: index of the session's first proxy attempt during this command
 
     def outcome(self) -> Result:
         """The finished command's Result, or raise the error that ended it."""
@@ -390,6 +393,8 @@ class _Core:
         strings = cwd.encode() + b"\0" + b"".join(a.encode() + b"\0" for a in command) + envb
         cmd = _Cmd(0, command, self.policy, timeout, stream)
         cmd.rlimit_names = names
+        if self.run.egress is not None:
+            cmd.net_from = len(self.run.egress.listener.attempts)
         if track_changes if track_changes is not None else self.track_changes:
             cmd.before = _ws.snapshot(self.view())
         flags = 0
@@ -603,13 +608,20 @@ class _Core:
         if cmd.before is not None:
             changes = _ws.diff(cmd.before, _ws.snapshot(self.view()))
         enforced = cmd.rlimit_names + self.cgroup_enforced + (("seccomp",) if self.run.seccomp_loaded else ())
+        network, notes = None, self.notes
+        if self.run.egress is not None:
+            # Egress mode: the attempts the session made while this command ran (commands running
+            # at the same time share the sandbox's proxy, so each lists the others' too).
+            listener = self.run.egress.listener
+            network = listener.attempts_since(cmd.net_from)[0]
+            notes = notes + tuple(listener.notes())
         return Result(
             exit_code=exit_code, term_signal=term, timed_out=bool(flags & _EXITF_TIMED_OUT), killed_by=killed_by,
             stdout=out, stderr=err, stdout_truncated=out_t, stderr_truncated=err_t,
             stdout_dropped_bytes=out_d, stderr_dropped_bytes=err_d, wall_time_s=wall,
             cpu_user_s=utime_us / 1e6, cpu_system_s=stime_us / 1e6, peak_memory_bytes=None,
             max_rss_bytes=maxrss_kib * 1024, oom_kills=None, limits_enforced=enforced, changes=changes,
-            workspace=self.run.workspace, notes=self.notes, argv=tuple(cmd.argv))
+            workspace=self.run.workspace, notes=notes, argv=tuple(cmd.argv), network=network)
 
     def _oom_delta(self) -> bool:
         cg = self.run.cgroup
