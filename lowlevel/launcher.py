@@ -51,8 +51,9 @@ from typing import Any
 from . import limits as _limits
 from . import seccomp as _seccomp
 from . import sizedws as _sizedws
+from . import validate as _validate
 from . import workspace as _ws
-from .argv import NETWORK_ETC, Fds, HostFacts, build_argv, outer_argv, redact_env_values
+from .argv import NETWORK_ETC, Fds, HostFacts, build_argv, encode_args, outer_argv, redact_env_values
 from .errors import LaunchError, LowlevelError, PolicyError, UnsupportedError, WorkspaceError
 from .policy import WORKSPACE_DEST, Policy
 from .probe import bwrap_info, host_layout, require_pidfd
@@ -240,18 +241,7 @@ def _clamp_to_own_hard_limits(triples: Sequence[tuple[str, int, int]]) -> tuple[
 
 
 def _check_command(command: Sequence[str]) -> list[str]:
-    if isinstance(command, (str, bytes)) or not isinstance(command, Sequence) or not command:
-        raise PolicyError("command must be a non-empty list of strings, e.g. ['python3', 'main.py']")
-    out = []
-    for arg in command:
-        if not isinstance(arg, str):
-            raise PolicyError(f"command arguments must be str, got {type(arg).__name__}: {arg!r}")
-        if "\0" in arg:
-            raise PolicyError(f"command argument {arg!r} contains a NUL byte")
-        out.append(arg)
-    if not out[0]:
-        raise PolicyError("command[0] is empty: name the program to run, e.g. ['python3', 'main.py']")
-    return out
+    return _validate.command(command)
 
 
 #: Sandbox paths that exist but are never executable (synthesized by the launcher).
@@ -376,8 +366,21 @@ class Run:
                               f"timeout), got {timeout!r}")
         if stdin is not None and not isinstance(stdin, (bytes, bytearray, memoryview)):
             raise PolicyError("stdin must be bytes or None")
-        if not isinstance(cwd, str) or not cwd.startswith("/"):
-            raise PolicyError(f"cwd must be an absolute path inside the sandbox, got {cwd!r}")
+        # The policy edge (issue 10, item 1): every string bound for bwrap's argv is checked here,
+        # before anything is created (lowlevel.validate); argv.encode_args checks once more.
+        _validate.sandbox_path(cwd, "cwd")
+        if env is not None and not isinstance(env, Mapping):
+            raise PolicyError(f"env must be a mapping of str to str, got {type(env).__name__}")
+        if workspace is not None:
+            _validate.host_path(workspace, "workspace")
+        if workspace_base is not None:
+            _validate.host_path(workspace_base, "workspace_base")
+        if bwrap is not None:
+            _validate.host_path(bwrap, "bwrap")
+        if isinstance(inputs, (str, bytes, os.PathLike)):
+            raise PolicyError("inputs must be a list of paths, e.g. ['main.py'], not one path")
+        for i, item in enumerate(inputs):
+            _validate.host_path(item, f"inputs[{i}]")
         self.command = _check_command(command)
         self.policy = policy
         self.timeout = float(timeout) if timeout is not None else None
@@ -525,7 +528,7 @@ class Run:
 
         self.argv = build_argv(policy, self.facts, workspace=bind_source, fds=fds,
                                extra_env=self.env_extra or None, cwd=self.cwd)
-        args_fd = _memfd("lowlevel-args", b"".join(a.encode() + b"\0" for a in self.argv))
+        args_fd = _memfd("lowlevel-args", encode_args(self.argv))  # refuses a NUL: the last line
         self.fds.append(args_fd)
 
         json_r, json_w = os.pipe()

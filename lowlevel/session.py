@@ -90,7 +90,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from . import limits as _limits
+from . import validate as _validate
 from . import workspace as _ws
+from .argv import encode_args
 from .errors import LaunchError, PolicyError, SessionError, UnsupportedError
 from .launcher import (DEFAULT_TIMEOUT_S, SETUP_TIMEOUT_S, ExecError, Run, _Capture, _check_command,
                        classify_setup_failure)
@@ -165,7 +167,7 @@ def _rlimit_records(limits: Limits, cgroup: Any) -> tuple[tuple[str, ...], bytes
 
 
 def _env_block(env: Mapping[str, str]) -> tuple[int, bytes]:
-    return len(env), b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items())
+    return len(env), encode_args([f"{k}={v}" for k, v in env.items()])  # refuses a NUL: the last line
 
 
 class _Cmd:
@@ -371,15 +373,16 @@ class _Core:
             raise PolicyError(f"timeout must be a number of seconds > 0 or None, got {timeout!r}")
         if stdin is not None and not isinstance(stdin, (bytes, bytearray, memoryview)):
             raise PolicyError("stdin must be bytes or None")
-        if not isinstance(cwd, str) or not cwd.startswith("/") or "\0" in cwd:
-            raise PolicyError(f"cwd must be an absolute path inside the sandbox, got {cwd!r}")
+        _validate.sandbox_path(cwd, "cwd")
+        if env is not None and not isinstance(env, Mapping):
+            raise PolicyError(f"env must be a mapping of str to str, got {type(env).__name__}")
         if limits is not None and not isinstance(limits, Limits):
             raise PolicyError(f"limits must be a lowlevel.Limits or None, got {type(limits).__name__}")
         if self.failed is not None:
             raise self.failed
         envc, envb = self.env_default if env is None else _env_block(self.policy.environment(env))
         names, rlb = self.rlimit_default if limits is None else _rlimit_records(limits, self.run.cgroup)
-        strings = cwd.encode() + b"\0" + b"".join(a.encode() + b"\0" for a in command) + envb
+        strings = encode_args([cwd, *command]) + envb  # NUL-separated for the init: refuses a NUL
         cmd = _Cmd(0, command, self.policy, timeout, stream)
         cmd.rlimit_names = names
         if track_changes if track_changes is not None else self.track_changes:
