@@ -368,20 +368,8 @@ class Run:
             raise PolicyError("stdin must be bytes or None")
         # The policy edge (issue 10, item 1): every string bound for bwrap's argv is checked here,
         # before anything is created (lowlevel.validate); argv.encode_args checks once more.
-        _validate.sandbox_path(cwd, "cwd")
-        if env is not None and not isinstance(env, Mapping):
-            raise PolicyError(f"env must be a mapping of str to str, got {type(env).__name__}")
-        if workspace is not None:
-            _validate.host_path(workspace, "workspace")
-        if workspace_base is not None:
-            _validate.host_path(workspace_base, "workspace_base")
-        if bwrap is not None:
-            _validate.host_path(bwrap, "bwrap")
-        if isinstance(inputs, (str, bytes, os.PathLike)):
-            raise PolicyError("inputs must be a list of paths, e.g. ['main.py'], not one path")
-        for i, item in enumerate(inputs):
-            _validate.host_path(item, f"inputs[{i}]")
-        self.command = _check_command(command)
+        self.command = _validate.run_args(command=command, cwd=cwd, env=env, workspace=workspace,
+                                          workspace_base=workspace_base, inputs=inputs, bwrap=bwrap)
         self.policy = policy
         self.timeout = float(timeout) if timeout is not None else None
         self.stdin = bytes(stdin) if stdin is not None else None

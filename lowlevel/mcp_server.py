@@ -61,6 +61,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import validate as _validate
 from . import workspace as _ws
 from .errors import LowlevelError, PolicyError
 from .limits import Limits
@@ -136,6 +137,8 @@ class ServerConfig:
 def _clamp(name: str, asked: float | None, ceiling: float | None, clamped: list[str]) -> Any:
     if asked is None:
         return ceiling
+    if isinstance(asked, bool) or not isinstance(asked, (int, float)) or asked != asked:
+        raise PolicyError(f"{name} must be a number, got {asked!r:.40}")
     if asked <= 0:
         raise PolicyError(f"{name} must be > 0, got {asked!r}")
     if ceiling is not None and asked > ceiling:
@@ -153,14 +156,14 @@ class Tools:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.base = _ws.ensure_base(config.workspace_base)
+        self.base = _check_base(config.workspace_base)
         self.sessions: dict[str, Any] = {}
         self.session_policies: dict[str, Policy] = {}
         self.sessions_lock = threading.Lock()
 
     def _workspace(self, name: str, create: bool) -> str:
-        if not isinstance(name, str) or not _NAME.match(name):
-            raise PolicyError(f"workspace name {name!r}: use 1-64 letters, digits, '_', '.', '-'")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise PolicyError(f"workspace name {name!r:.80}: use 1-64 letters, digits, '_', '.', '-'")
         path = os.path.join(self.base, name)
         if create:
             try:
@@ -182,8 +185,10 @@ class Tools:
         if network and not cfg.network:
             raise PolicyError("refused: network access is disabled by the operator of this server")
         extra: list[Bind] = []
+        if not isinstance(binds, (list, tuple)):
+            raise PolicyError("binds must be a list of host paths")
         for path in binds:
-            real = os.path.realpath(path)
+            real = os.path.realpath(_validate.host_path(path, "binds[]"))
             if real not in cfg.allowed_binds:
                 raise PolicyError(f"refused: binding {path!r} is not allowed by the operator of this server")
             extra.append(Bind(real))
@@ -216,11 +221,12 @@ class Tools:
         from .launcher import run as _run
 
         clamped: list[str] = []
+        command = _validate.command(command)
+        stdin_bytes = _utf8(stdin, "stdin")
         policy, timeout = self._policy_and_timeout(network, binds, memory_bytes, cpu_s, pids, timeout_s, clamped)
         name = workspace or f"run-{secrets.token_hex(6)}"
         path = self._workspace(name, create=workspace is None)
-        result = _run(list(command), policy=policy, workspace=path, timeout=timeout,
-                      stdin=stdin.encode() if stdin is not None else None, env=env)
+        result = _run(command, policy=policy, workspace=path, timeout=timeout, stdin=stdin_bytes, env=env)
         return self._result(result, name, clamped)
 
     def run_in_session(self, session: str, command: list[str], *, timeout_s: float | None = None,
@@ -231,6 +237,10 @@ class Tools:
         from .session import Session
 
         clamped: list[str] = []
+        command = _validate.command(command)
+        stdin_bytes = _utf8(stdin, "stdin")
+        if not isinstance(session, str) or not _NAME.fullmatch(session):
+            raise PolicyError(f"session name {session!r:.80}: use 1-64 letters, digits, '_', '.', '-'")
         policy, timeout = self._policy_and_timeout(network, binds, memory_bytes, cpu_s, pids, timeout_s, clamped)
         with self.sessions_lock:
             sess = self.sessions.get(session)
@@ -248,8 +258,7 @@ class Tools:
             elif policy != self.session_policies[session] and (network or binds):
                 raise PolicyError(f"session {session!r} already runs with its own network/binds; "
                                   "close it to start it with others")
-        result = sess.run(list(command), timeout=timeout, stdin=stdin.encode() if stdin is not None else None,
-                          env=env, limits=policy.limits)
+        result = sess.run(command, timeout=timeout, stdin=stdin_bytes, env=env, limits=policy.limits)
         return self._result(result, session, clamped)
 
     def close_session(self, session: str) -> dict[str, Any]:
@@ -284,7 +293,14 @@ class Tools:
         return out
 
     def write_file(self, workspace: str, path: str, content: str, encoding: str = "utf-8") -> dict[str, Any]:
-        """Write a file into a named workspace (created if missing). ``encoding``: utf-8 or base64."""
+        """Write a file into a named workspace (created if missing). ``encoding``: utf-8 or base64.
+
+        Never writes through a symlink or a hard link the sandbox planted, and refuses a path
+        more than :data:`lowlevel.workspace.MAX_DEPTH` levels deep (see
+        :func:`lowlevel.workspace.write_file`).
+        """
+        _encoding(encoding)
+        _ws._split_rel(path)  # the path's own errors before the workspace is created
         data = _decode(content, encoding)
         if len(data) > self.config.max_file_bytes:
             raise PolicyError(f"refused: {len(data)} bytes > the operator's max_file_bytes "
@@ -293,7 +309,8 @@ class Tools:
         return {"workspace": workspace, "path": path, "bytes": len(data)}
 
     def read_file(self, workspace: str, path: str, encoding: str = "utf-8") -> dict[str, Any]:
-        """Read a workspace file (untrusted: no symlinks, size-capped)."""
+        """Read a workspace file (untrusted: no symlinks, size-capped). ``encoding``: utf-8 or base64."""
+        _encoding(encoding)
         data = _ws.read_file(self._workspace(workspace, create=False), path, self.config.max_file_bytes)
         content = base64.b64encode(data).decode() if encoding == "base64" else data.decode("utf-8", "replace")
         return {"workspace": workspace, "path": path, "bytes": len(data), "encoding": encoding, "content": content}
@@ -305,9 +322,46 @@ class Tools:
                 "entries": [{"path": e.path, "kind": e.kind, "size": e.size} for e in entries]}
 
 
+def _check_base(base: str) -> str:
+    """The operator's workspace base, refused by the rules for workspaces
+    (:func:`lowlevel.workspace.check_workspace_path`: not a system or home directory, nothing
+    inside ``/etc``, ``/usr``..., only trusted ancestors), then created (0711) if missing.
+    Every named workspace is a directory of it, so ``--workspace-base /etc`` would have made
+    ``read_file``/``list_files`` reach ``/etc/ssl``.
+
+    Raises:
+        PolicyError: a bad path. WorkspaceError: a refused one.
+    """
+    real = os.path.realpath(_validate.host_path(base, "workspace_base"))
+    _ws.check_workspace_path(real)
+    return _ws.ensure_base(real)
+
+
+def _encoding(encoding: str) -> str:
+    if encoding not in ("utf-8", "base64"):
+        raise PolicyError(f"encoding must be 'utf-8' or 'base64', got {encoding!r:.40}")
+    return encoding
+
+
+def _utf8(value: str | None, what: str) -> bytes | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise PolicyError(f"{what} must be a string, got {type(value).__name__}")
+    try:
+        return value.encode()
+    except UnicodeEncodeError as err:
+        raise PolicyError(f"{what} is not valid Unicode ({err.reason} at index {err.start}): "
+                          "send bytes with write_file(encoding='base64') instead") from None
+
+
 def _decode(content: str, encoding: str) -> bytes:
+    if not isinstance(content, str):
+        raise PolicyError(f"content must be a string, got {type(content).__name__}")
     if encoding == "utf-8":
-        return content.encode()
+        data = _utf8(content, "content")
+        assert data is not None
+        return data
     if encoding == "base64":
         try:
             return base64.b64decode(content, validate=True)

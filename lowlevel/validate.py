@@ -133,5 +133,38 @@ def command(value: Any) -> list[str]:
     return out
 
 
+_command = command  # run_args's parameter shadows the name
+
+
+def run_args(*, command: Any, cwd: Any, env: Any = None, workspace: Any = None, workspace_base: Any = None,
+             inputs: Any = (), bwrap: Any = None) -> list[str]:
+    """Check the arguments of :func:`lowlevel.run` that become paths or argv strings.
+
+    Called by :class:`lowlevel.launcher.Run` and by :func:`lowlevel.record.execute_recorded`
+    before anything is created. (The environment's names and values are checked by
+    :meth:`lowlevel.Policy.environment`.)
+
+    Returns:
+        The command as a list.
+    Raises:
+        PolicyError: the first bad value, named.
+    """
+    from collections.abc import Mapping
+
+    sandbox_path(cwd, "cwd")
+    if env is not None and not isinstance(env, Mapping):
+        raise PolicyError(f"env must be a mapping of str to str, got {type(env).__name__}")
+    if workspace is not None:
+        host_path(workspace, "workspace")
+    if workspace_base is not None:
+        host_path(workspace_base, "workspace_base")
+    if bwrap is not None:
+        host_path(bwrap, "bwrap")
+    if isinstance(inputs, (str, bytes, os.PathLike)) or not isinstance(inputs, (Sequence, tuple)):
+        raise PolicyError("inputs must be a list of paths, e.g. ['main.py'], not one path")
+    for i, item in enumerate(inputs):
+        host_path(item, f"inputs[{i}]")
+    return _command(command)
+
 __all__ = ["MAX_ARGS", "MAX_ARG_BYTES", "MAX_ENV", "MAX_PATH_BYTES", "command", "env_name", "host_path",
-           "sandbox_path", "text"]
+           "run_args", "sandbox_path", "text"]
