@@ -38,7 +38,7 @@ from .errors import LowlevelError
 from .launcher import ExecError, run
 from .limits import Limits
 from .policy import Bind, Policy
-from .report import RECORD_NOT_WRITTEN, json_safe
+from .report import RECORD_NOT_WRITTEN, WARNING_PREFIX, json_safe
 from .result import Result
 
 EXIT_TIMEOUT = 124
@@ -311,7 +311,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace, result: Result) -> int:
     for note in result.notes:
-        if note.startswith(RECORD_NOT_WRITTEN):
+        if note.startswith((RECORD_NOT_WRITTEN, WARNING_PREFIX)):
             print(f"lowlevel: {note}", file=sys.stderr)
     if args.json:
         with _reader_may_leave():

@@ -54,9 +54,10 @@ from . import sizedws as _sizedws
 from . import validate as _validate
 from . import workspace as _ws
 from .argv import NETWORK_ETC, Fds, HostFacts, build_argv, encode_args, outer_argv, redact_env_values
-from .errors import LaunchError, LowlevelError, PolicyError, UnsupportedError, WorkspaceError
+from .errors import BwrapNotFoundError, LaunchError, LowlevelError, PolicyError, UnsupportedError, WorkspaceError
 from .policy import WORKSPACE_DEST, Policy
 from .probe import bwrap_info, host_layout, require_pidfd
+from .report import WARNING_PREFIX
 from .result import Result, decode_exit
 
 log = logging.getLogger("lowlevel")
@@ -322,6 +323,14 @@ def precheck_exec(policy: Policy, workspace: str, command: Sequence[str], env: M
 
 
 _EXEC_FAIL = re.compile(rb"bwrap: execvp ([^\n]*): ([^\n]*)")
+#: native/lowlevel_exec.c's message when its execv of bwrap fails.
+_HELPER_EXEC_FAIL = re.compile(rb"lowlevel_exec: execv ([^\n]*): ([^\n]*)")
+#: bwrap messages that mean a resource limit of the caller, not a host restriction.
+_RESOURCE_HINTS = (b"Resource temporarily unavailable", b"Cannot allocate memory")
+#: What to do when a process cannot be created (EAGAIN from clone/fork/posix_spawn).
+PROCESS_LIMIT_HINT = ("the caller's process limit is reached (EAGAIN: RLIMIT_NPROC, `ulimit -u`, counts every "
+                      "process of your uid; or the pids.max of your cgroup, e.g. a systemd TasksMax). Raise it, or "
+                      "run fewer sandboxes at once")
 _USERNS_HINTS = (b"No permissions to create new namespace", b"setting up uid map", b"Creating new namespace failed",
                  b"unprivileged_userns_clone", b"user namespace")
 
@@ -334,7 +343,21 @@ def classify_setup_failure(stderr: bytes, argv: list[str], command: Sequence[str
         reason = m.group(2).decode("utf-8", "replace")
         code = errno.ENOENT if "No such file" in reason else errno.EACCES
         return ExecError(f"{command[0]}: {reason.lower()} in the sandbox", argv=argv, stderr=text, errno=code)
+    m = _HELPER_EXEC_FAIL.search(stderr)
+    if m:
+        # _lowlevel_exec dropped to the sandbox's host uid, then could not exec bwrap.
+        path, reason = (g.decode("utf-8", "replace") for g in m.groups())
+        return BwrapNotFoundError(f"cannot execute bwrap {path} as the sandbox's host uid (root callers drop to "
+                                  f"it before bwrap starts): {reason}. Install bwrap where every user can run "
+                                  "it (apt-get install bubblewrap puts it in /usr/bin)",
+                                  argv=argv, stderr=text, errno=errno.ENOENT if "No such" in reason
+                                  else errno.EACCES)
     bwrap_lines = b"\n".join(line for line in stderr.splitlines() if line.startswith(b"bwrap:"))
+    if any(h in bwrap_lines for h in _RESOURCE_HINTS):
+        # clone(2) fails with EAGAIN at the caller's RLIMIT_NPROC or its cgroup's pids.max, and
+        # bwrap says "Creating new namespace failed": not a user-namespace restriction.
+        return LaunchError(f"bwrap could not create the sandbox's processes: {PROCESS_LIMIT_HINT}. "
+                           f"bwrap said: {text}", argv=argv, stderr=text, errno=errno.EAGAIN)
     if any(h in bwrap_lines for h in _USERNS_HINTS):
         return LaunchError(
             "bwrap could not create a user namespace: the host restricts unprivileged user namespaces. "
@@ -342,8 +365,9 @@ def classify_setup_failure(stderr: bytes, argv: list[str], command: Sequence[str
             "`sysctl -w user.max_user_namespaces=15000`, or on Ubuntu >= 23.10 "
             "`sysctl -w kernel.apparmor_restrict_unprivileged_userns=0` or an AppArmor profile for bwrap. "
             f"bwrap said: {text}", argv=argv, stderr=text)
-    return LaunchError(f"sandbox setup failed: {text or 'bwrap exited without a message'}", argv=argv,
-                       stderr=text)
+    what = text or ("bwrap exited during setup (its stderr was not captured: in live mode its message, if any, "
+                    "is on your stderr above)")
+    return LaunchError(f"sandbox setup failed: {what}", argv=argv, stderr=text)
 
 
 class Run:
@@ -584,7 +608,8 @@ class Run:
             self.pid = os.posix_spawn(exe_argv[0], exe_argv, {}, file_actions=self.actions,
                                       setsigdef=_DEFAULT_SIGNALS, setsigmask=())
         except OSError as err:
-            raise LaunchError(f"cannot start {exe_argv[0]}: {err.strerror}", argv=exe_argv,
+            hint = f": {PROCESS_LIMIT_HINT}" if err.errno == errno.EAGAIN else ""
+            raise LaunchError(f"cannot start {exe_argv[0]}: {err.strerror}{hint}", argv=exe_argv,
                               errno=err.errno) from err
         self.pidfd = os.pidfd_open(self.pid)
         # Close the child's ends in the parent.
@@ -808,7 +833,15 @@ class Run:
             after = _ws.snapshot(self.workspace)
             changes = _ws.diff(self.before, after, same_inodes=False)
         else:
-            after = self.give_back_workspace() if self.handover is not None else _ws.snapshot(self.workspace)
+            try:
+                after = self.give_back_workspace() if self.handover is not None else _ws.snapshot(self.workspace)
+            except WorkspaceError as err:
+                # The program ran: its exit status and output are delivered, with the failure as a
+                # warning (the CLI prints it), never a bare OSError that loses them.
+                after = ({}, False)
+                self.notes.append(f"{WARNING_PREFIX}the workspace could not be checked and given back after the "
+                                  f"run ({err}): treat {self.workspace} as untrusted (ownership and setuid/setgid "
+                                  "bits may be left as the sandbox set them)")
             if self.handover is not None:
                 self.notes.extend(self.handover.notes)  # e.g. directories too deep to check, sealed
             changes = _ws.diff(self.before, after)

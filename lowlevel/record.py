@@ -684,7 +684,7 @@ def record_run(command: Sequence[str], *, record: str | os.PathLike[str], **kwar
         f.discard()
         reason = getattr(err, "strerror", None) or str(err) or type(err).__name__
         note = f"{RECORD_NOT_WRITTEN}{path}: {reason}"
-        log.warning("lowlevel: %s", note)
+        log.info("lowlevel: %s", note)  # the note is the report (the CLI prints it)
         result.notes = (*result.notes, note)
     return result
 

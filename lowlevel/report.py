@@ -34,6 +34,8 @@ from typing import Any
 #: Prefix of the note :func:`lowlevel.record.record_run` adds to ``Result.notes`` when the record
 #: could not be written after the run (the CLI prints that note as its one line).
 RECORD_NOT_WRITTEN = "record not written: "
+#: Prefix of a note in ``Result.notes`` that the caller must see (the CLI prints each on stderr).
+WARNING_PREFIX = "warning: "
 
 
 def _raw(text: str) -> bytes:
@@ -110,4 +112,5 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-__all__ = ["RECORD_NOT_WRITTEN", "bytes_fields", "display", "is_exact", "json_safe", "name_from_json", "name_to_json"]
+__all__ = ["RECORD_NOT_WRITTEN", "WARNING_PREFIX", "bytes_fields", "display", "is_exact", "json_safe",
+           "name_from_json", "name_to_json"]

@@ -304,6 +304,7 @@ class _Core:
             child.close()
             self.sock.close()
             self.run.close()
+            self.run.discard_workspace_if_unused()
             raise
         child.close()
         env = self.policy.environment()
@@ -334,8 +335,19 @@ class _Core:
                                   argv=r.full_argv)
             for fd, _ev in poller.poll(left * 1000):
                 if fd == self.sock.fileno():
-                    self._hello()
-                    return
+                    if self._hello():
+                        return
+                    # EOF before HELLO: the init never ran (bwrap, or the exec helper before it,
+                    # failed): say why, as run() does, not "the init exited".
+                    if r.wait_status is None and _readable_within(r.pidfd, 5.0):
+                        r.reap()
+                    while r.read_fd("err_r") or r.read_fd("out_r") or r.read_fd("json_r"):
+                        pass
+                    if r.wait_status is not None and not any("exit-code" in d for d in r._docs()):
+                        raise classify_setup_failure(r.err.value()[0], r.full_argv, r.command)
+                    raise LaunchError("the session init exited before saying hello"
+                                      + (f": {r.err.value()[0].decode('utf-8', 'replace').strip()}"
+                                         if r.err.value()[0].strip() else ""), argv=r.full_argv)
                 if fd == r.pidfd:
                     r.reap()
                     while r.read_fd("err_r") or r.read_fd("out_r") or r.read_fd("json_r"):
@@ -349,10 +361,13 @@ class _Core:
                 released = True
                 deadline = time.monotonic() + HELLO_TIMEOUT_S
 
-    def _hello(self) -> None:
+    def _hello(self) -> bool:
+        """Read the init's HELLO; False at EOF (the init never said it)."""
         data, anc, _flags, _addr = self.sock.recvmsg(64, socket.CMSG_SPACE(12))
+        if not data:
+            return False
         if len(data) < _SMALL.size:
-            raise LaunchError("the session init exited before saying hello", argv=self.run.full_argv)
+            raise LaunchError("the session init sent a short hello: reinstall lowlevel", argv=self.run.full_argv)
         mtype, version, _pid, _ = _SMALL.unpack_from(data)
         if mtype != _MSG_HELLO or version != _PROTO_VERSION:
             raise LaunchError(f"the session init speaks protocol {version} (type {mtype}), expected "
@@ -362,6 +377,7 @@ class _Core:
                 self.init_host_pid = struct.unpack("=iII", payload[:12])[0]
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 0)
         self.sock.setblocking(False)
+        return True
 
     # -- submit --------------------------------------------------------------------------
     def submit(self, argv: Sequence[str], *, stdin: bytes | None, timeout: float | None,
@@ -716,6 +732,14 @@ class _Core:
             self.sock.close()
         finally:
             self.run.close()
+
+
+def _readable_within(fd: int | None, timeout_s: float) -> bool:
+    if fd is None:
+        return False
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    return bool(p.poll(timeout_s * 1000))
 
 
 def _ms(seconds: float | None) -> int:

@@ -549,7 +549,11 @@ def create_workspace(inputs: Iterable[str | os.PathLike[str]] = (), base: str | 
         WorkspaceError: see :func:`ensure_base` and :func:`copy_inputs`.
     """
     parent = ensure_base(base or default_base())
-    path = tempfile.mkdtemp(prefix="run-", dir=parent)
+    try:
+        path = tempfile.mkdtemp(prefix="run-", dir=parent)
+    except OSError as err:
+        raise WorkspaceError(err.errno or errno.EIO, f"cannot create a workspace in {parent}: "
+                             f"{err.strerror or err}") from err
     try:
         copy_inputs(path, inputs)
     except BaseException:
@@ -710,6 +714,7 @@ def check_workspace_path(path: str, *, allow_sensitive: bool = False) -> None:
         WorkspaceError: (EPERM) the message says why and how to override.
     """
     check_trusted_ancestors(path)
+    check_writable_fs(path)
     if allow_sensitive:
         return
     reason = workspace_refusal(path)
@@ -718,6 +723,26 @@ def check_workspace_path(path: str, *, allow_sensitive: bool = False) -> None:
                              "read-write into the sandbox (and, for a root caller, handed to the sandbox's "
                              "uid for the run): use a dedicated project directory, or pass "
                              "allow_sensitive_workspace=True (CLI: --allow-sensitive) if you really mean it")
+
+
+def check_writable_fs(path: str) -> None:
+    """Refuse a workspace on a read-only file system, before anything runs.
+
+    The workspace is bound read-write and, for root callers, handed to the sandbox's uid and
+    back (chown), which a read-only mount refuses with EROFS; the program's writes would fail
+    too. Source: statvfs(3) ``ST_RDONLY``.
+
+    Raises:
+        WorkspaceError: (EROFS) the message names the mount's state and what to do.
+    """
+    try:
+        readonly = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError as err:
+        raise WorkspaceError(err.errno, f"cannot check workspace {path}: {err.strerror}") from err
+    if readonly:
+        raise WorkspaceError(errno.EROFS, f"workspace {path} is on a read-only file system: the sandbox needs a "
+                             "writable workspace. Copy the files in with --input (inputs=[...]), or bind the "
+                             "directory read-only with --ro (Bind(...)) and keep a fresh workspace")
 
 
 def check_trusted_ancestors(path: str) -> None:
@@ -894,8 +919,11 @@ def hand_over(root: str, *, sandbox_ids: tuple[int, int] | None, empty: bool = F
                      owners={}, pins={}, sandbox_uid=sandbox_ids[0] if sandbox_ids else None,
                      new_owner=(owner, st.st_gid if owner == st.st_uid else caller[1]))
         if sandbox_ids is not None:
-            os.fchown(rootfd, owner, sandbox_ids[1])
-            os.fchmod(rootfd, 0o770)
+            try:
+                os.fchown(rootfd, owner, sandbox_ids[1])
+                os.fchmod(rootfd, 0o770)
+            except OSError as err:
+                raise WorkspaceError(err.errno, f"cannot hand workspace {root} to the sandbox: {err.strerror}") from err
         if empty:
             return h
         try:
@@ -1043,8 +1071,13 @@ def give_back(h: Handover, *, limit: int = MAX_SNAPSHOT_ENTRIES) -> tuple[Snapsh
         walker.close()
         try:
             uid, gid, mode = h.root_ids
-            os.fchown(rootfd, uid, gid)
-            os.fchmod(rootfd, mode)
+            cur = os.fstat(rootfd)
+            if (cur.st_uid, cur.st_gid) != (uid, gid):
+                os.fchown(rootfd, uid, gid)
+            if stat.S_IMODE(cur.st_mode) != mode or (cur.st_uid, cur.st_gid) != (uid, gid):
+                os.fchmod(rootfd, mode)
+        except OSError as err:
+            raise WorkspaceError(err.errno, f"cannot give back workspace {h.root}: {err.strerror}") from err
         finally:
             os.close(rootfd)
             _close_pins(h)
@@ -1168,6 +1201,7 @@ def check_traversable(path: str, uid: int, gid: int) -> None:
 
 __all__ = ["ACL_XATTRS", "MAX_DEPTH", "MAX_PINNED", "SETID_BITS", "SYSTEM_DIRS", "SYSTEM_TREES", "Changes",
            "FileEntry", "Handover", "check_traversable", "check_trusted_ancestors", "check_workspace_path",
+           "check_writable_fs",
            "chown_tree", "copy_inputs", "create_workspace", "default_base", "diff", "ensure_base", "give_back",
            "hand_over", "list_files", "make_dir", "make_symlink", "read_file", "remove_workspace", "set_mode",
            "snapshot", "workspace_refusal", "write_file"]
