@@ -319,7 +319,7 @@ class _Core:
     def _start(self, child: socket.socket) -> None:
         r = self.run
         r.prepare()
-        r.spawn()
+        _spawn_from_lasting_thread(r.spawn)
         child.close()
         deadline = time.monotonic() + SETUP_TIMEOUT_S
         poller = select.poll()
@@ -732,6 +732,24 @@ class _Core:
             self.sock.close()
         finally:
             self.run.close()
+
+
+def _spawn_from_lasting_thread(spawn: Callable[[], None]) -> None:
+    """Call ``spawn`` (which starts bwrap) in a thread that lives as long as the process.
+
+    bwrap's ``--die-with-parent`` is ``PR_SET_PDEATHSIG``, and "the parent" is the *thread*
+    that created the child: a Session created in a worker thread died with that thread (and
+    ``alive`` still said True). A Session outlives its creator, so bwrap is spawned from the
+    process-wide executor of :mod:`lowlevel.aio`, whose threads are never shut down (see
+    :func:`lowlevel.aio._executor`); the main thread spawns itself (it lives as long as the
+    process). Source: prctl(2) PR_SET_PDEATHSIG; bwrap(1) --die-with-parent.
+    """
+    me = threading.current_thread()
+    if me is threading.main_thread() or me.name.startswith("lowlevel-aio"):
+        spawn()  # lives as long as the process already (and never wait on our own executor)
+        return
+    from .aio import _executor
+    _executor().submit(spawn).result()
 
 
 def _readable_within(fd: int | None, timeout_s: float) -> bool:
