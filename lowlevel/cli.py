@@ -397,6 +397,8 @@ def cmd_mcp(args: argparse.Namespace) -> int:
         serve(config)
     except ImportError as err:
         return _fail(f"{err}: install the MCP SDK with `pip install 'lowlevel[mcp]'`")
+    except LowlevelError as err:  # e.g. a refused --workspace-base
+        return _fail(f"mcp: {err}")
     return 0
 
 

@@ -8,7 +8,8 @@ Tools an agent client can call (each result a JSON object):
     ``pids``), each clamped to the operator's ceiling; ``network`` and ``binds`` are requests
     that are refused unless the operator allowed them. Result: ``exit_code``, ``term_signal``,
     ``killed_by``, ``timed_out``, ``stdout``/``stderr`` (UTF-8, truncated to the operator's
-    ``max_output_bytes`` with ``stdout_truncated``/``stderr_truncated``), ``wall_time_s``,
+    ``max_output_bytes`` with ``stdout_truncated``/``stderr_truncated``; ``stdout_b64``/
+    ``stderr_b64`` hold the exact bytes when they are not valid UTF-8), ``wall_time_s``,
     ``workspace`` (its name, for ``read_file``), ``clamped`` (what the operator's config cut).
 ``write_file``, ``read_file``, ``list_files``
     Workspace files, through :mod:`lowlevel.workspace`'s untrusted-output rules (no symlink
@@ -51,6 +52,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import errno
 import logging
 import os
 import re
@@ -63,9 +65,10 @@ from typing import Any
 
 from . import validate as _validate
 from . import workspace as _ws
-from .errors import LowlevelError, PolicyError
+from .errors import LowlevelError, PolicyError, WorkspaceError
 from .limits import Limits
 from .policy import Bind, Policy
+from .report import bytes_fields, display, json_safe
 from .result import Result
 
 log = logging.getLogger("lowlevel")
@@ -288,9 +291,13 @@ class Tools:
         }
         for stream, data, truncated in (("stdout", result.stdout, result.stdout_truncated),
                                         ("stderr", result.stderr, result.stderr_truncated)):
-            out[stream] = data[:cap].decode("utf-8", "replace")
+            cut = data[:cap]
+            if len(data) > cap:
+                cut = _whole_utf8(cut)
+            out[stream], out[f"{stream}_b64"] = bytes_fields(cut)
             out[f"{stream}_truncated"] = truncated or len(data) > cap
-        return out
+        safe: dict[str, Any] = json_safe(out)
+        return safe
 
     def write_file(self, workspace: str, path: str, content: str, encoding: str = "utf-8") -> dict[str, Any]:
         """Write a file into a named workspace (created if missing). ``encoding``: utf-8 or base64.
@@ -313,13 +320,29 @@ class Tools:
         _encoding(encoding)
         data = _ws.read_file(self._workspace(workspace, create=False), path, self.config.max_file_bytes)
         content = base64.b64encode(data).decode() if encoding == "base64" else data.decode("utf-8", "replace")
-        return {"workspace": workspace, "path": path, "bytes": len(data), "encoding": encoding, "content": content}
+        return {"workspace": workspace, "path": path, "bytes": len(data), "encoding": encoding, "content": content,
+                "exact": encoding == "base64" or bytes_fields(data)[1] is None}
 
     def list_files(self, workspace: str) -> dict[str, Any]:
-        """List a workspace's entries (no symlink followed)."""
+        """List a workspace's entries (no symlink followed). A name that is not valid UTF-8 is a
+        ``{"b64", "text"}`` object (:mod:`lowlevel.report`), so one odd name never breaks the list."""
         entries = _ws.list_files(self._workspace(workspace, create=False))
-        return {"workspace": workspace,
-                "entries": [{"path": e.path, "kind": e.kind, "size": e.size} for e in entries]}
+        listing: dict[str, Any] = json_safe({"workspace": workspace,
+                                             "entries": [{"path": e.path, "kind": e.kind, "size": e.size}
+                                                         for e in entries]})
+        return listing
+
+
+def _whole_utf8(data: bytes) -> bytes:
+    """``data`` without a UTF-8 sequence cut at its end (by a byte cap), so capped text stays text."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte < 0x80:
+            return data
+        if byte >= 0xC0:  # a lead byte: keep it only if its sequence is complete
+            need = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
+            return data if back >= need else data[:-back]
+    return data
 
 
 def _check_base(base: str) -> str:
@@ -333,8 +356,12 @@ def _check_base(base: str) -> str:
         PolicyError: a bad path. WorkspaceError: a refused one.
     """
     real = os.path.realpath(_validate.host_path(base, "workspace_base"))
-    _ws.check_workspace_path(real)
-    return _ws.ensure_base(real)
+    reason = _ws.workspace_refusal(real)
+    if reason:
+        raise WorkspaceError(errno.EPERM, f"refusing workspace base {real}: {reason}")
+    made = _ws.ensure_base(real)  # refuses a system or sticky directory before changing anything
+    _ws.check_workspace_path(made)  # trusted ancestors, a writable file system
+    return made
 
 
 def _encoding(encoding: str) -> str:
@@ -394,8 +421,9 @@ def build_server(config: ServerConfig, tools: Tools | None = None) -> Any:
         try:
             result: dict[str, Any] = await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
         except (LowlevelError, OSError) as err:
-            raise ToolError(str(err)) from err
-        return result
+            raise ToolError(display(str(err))) from err
+        safe: dict[str, Any] = json_safe(result)
+        return safe
 
     @server.tool()
     async def run(command: list[str], workspace: str | None = None, timeout_s: float | None = None,
