@@ -228,7 +228,9 @@ def _split_rel(relpath: str) -> list[str]:
     if size > MAX_REL_PATH_BYTES:
         raise WorkspaceError(errno.ENAMETOOLONG, f"workspace path is {size} bytes long; the limit is "
                              f"{MAX_REL_PATH_BYTES}")
-    parts = [p for p in relpath.replace("\\", "/").split("/") if p not in ("", ".")]
+    # A backslash is an ordinary character in a Linux name: "a\\b" is one name, never a/b (a
+    # record naming such a file must restore it as it was).
+    parts = [p for p in relpath.split("/") if p not in ("", ".")]
     if relpath.startswith("/") or any(p == ".." for p in parts) or not parts:
         raise WorkspaceError(errno.EINVAL, f"workspace path {relpath!r:.80} must be relative, without '..'")
     if len(parts) > MAX_DEPTH + 1:
