@@ -81,6 +81,8 @@ def test_json_and_record_are_lossless(identity: str, request: pytest.FixtureRequ
     assert {"b64": "/25hbWU=", "text": "\ufffdname"} in doc["changes"]["added"]
     assert "link" in doc["changes"]["added"]
     record = _strict(rec.read_bytes())
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(record, json.loads((REPO / "docs" / "record-schema.json").read_text()))
     entries = {json.dumps(e["path"], sort_keys=True): e for e in record["workspace"]["after"]}
     odd = entries[json.dumps({"b64": "/25hbWU=", "text": "\ufffdname"}, sort_keys=True)]
     assert odd["kind"] == "file" and odd["sha256"] is not None
