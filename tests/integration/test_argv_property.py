@@ -93,7 +93,7 @@ def shared() -> Iterator[Path]:
 
 # --- pure level: the argv of every validated request -----------------------------------------------
 
-@settings(max_examples=400, **SETTINGS)
+@settings(max_examples=200, **SETTINGS)
 @given(cwd=st.one_of(st.just(WORKSPACE_DEST), NASTY.map(lambda s: "/" + s)),
        env=st.dictionaries(ENV_NAMES, NASTY, max_size=3), args=st.lists(NASTY, max_size=3),
        dest=st.one_of(st.just(""), NASTY.map(lambda s: "/opt/" + s)), hostname=NASTY, policy_env=st.dictionaries(
@@ -157,7 +157,7 @@ def _workspace_with(shared: Path, subdir: str) -> Path:
     return ws
 
 
-@settings(max_examples=25, **SETTINGS)
+@settings(max_examples=12, **SETTINGS)
 @given(args=st.lists(VALIDISH, max_size=3), env=st.dictionaries(NAMES, VALIDISH, max_size=2), subdir=SUBDIR)
 def test_run_gives_the_program_exactly_its_argv_env_cwd(shared: Path, args: list[str], env: dict[str, str],
                                                          subdir: str) -> None:
@@ -182,7 +182,7 @@ def session(shared: Path) -> Iterator[Any]:
     s.close()
 
 
-@settings(max_examples=40, **SETTINGS)
+@settings(max_examples=20, **SETTINGS)
 @given(args=st.lists(VALIDISH, max_size=3), env=st.dictionaries(NAMES, VALIDISH, max_size=2), subdir=SUBDIR)
 def test_session_run_gives_the_program_exactly_its_argv_env_cwd(session: Any, args: list[str], env: dict[str, str],
                                                                  subdir: str) -> None:
@@ -206,7 +206,7 @@ def _main(argv: list[str]) -> tuple[int, str, str]:
     return rc, out.getvalue(), err.getvalue()
 
 
-@settings(max_examples=25, **SETTINGS)
+@settings(max_examples=12, **SETTINGS)
 @given(args=st.lists(st.one_of(VALIDISH, NASTY), max_size=3),
        env=st.dictionaries(st.one_of(NAMES, NAMES, NASTY), st.one_of(VALIDISH, VALIDISH, NASTY), max_size=2))
 def test_cli_json_argv_is_exactly_the_command(shared: Path, args: list[str], env: dict[str, str]) -> None:
@@ -248,7 +248,7 @@ def _encodable(text: str) -> bool:
     return True
 
 
-@settings(max_examples=25, **SETTINGS)
+@settings(max_examples=12, **SETTINGS)
 @given(args=st.lists(VALIDISH, max_size=3), env=st.dictionaries(NAMES, VALIDISH, max_size=2), stdin=NO_SURROGATES,
        nasty=NASTY)
 def test_mcp_run_gives_the_program_exactly_its_argv_env(shared: Path, args: list[str], env: dict[str, str],
@@ -279,7 +279,7 @@ def honest_record(shared: Path) -> dict[str, Any]:
     return json.loads(rec.read_text())
 
 
-@settings(max_examples=25, **SETTINGS)
+@settings(max_examples=12, **SETTINGS)
 @given(args=st.lists(st.one_of(VALIDISH, VALIDISH, NASTY), max_size=3),
        env=st.dictionaries(NAMES, st.one_of(VALIDISH, VALIDISH, NASTY), max_size=2), subdir=SUBDIR)
 def test_replayed_record_runs_exactly_its_fields(shared: Path, honest_record: dict[str, Any], args: list[str],

@@ -146,7 +146,7 @@ def _mutate(doc: Any, path: tuple[Any, ...], op: str, value: Any) -> Any:
     return doc
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                     HealthCheck.too_slow])
 @given(data=st.data())
 def test_malformed_records_never_traceback(honest: tuple[Path, dict[str, Any]], data: st.DataObject) -> None:
@@ -166,7 +166,7 @@ def test_malformed_records_never_traceback(honest: tuple[Path, dict[str, Any]], 
             assert err.count("\n") == 1, err
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(cut=st.integers(0, 4000), junk=st.binary(max_size=8))
 def test_truncated_or_garbled_record_files(honest: tuple[Path, dict[str, Any]], cut: int, junk: bytes) -> None:
     base, doc = honest
