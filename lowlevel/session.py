@@ -1415,6 +1415,7 @@ class Pool:
         Raises:
             WorkspaceError: an input is missing or unreadable. Others as :meth:`Session.run`.
         """
+        _validate.run_args(command=argv, cwd=cwd, env=env, inputs=inputs)  # before a sandbox is used up
         s = self._take()
         try:
             if inputs:

@@ -88,3 +88,16 @@ def test_argv_builder_refuses_nul_last_line() -> None:
     with pytest.raises(LaunchError, match="NUL"):
         _argv.encode_args(["--unshare-all", "--chdir", "/workspace\0--share-net"])
     assert _argv.encode_args(["--chdir", "/workspace"]) == b"--chdir\0/workspace\0"
+
+
+def test_arun_and_pool_refuse_nul(target: Path) -> None:
+    import asyncio
+    with pytest.raises(PolicyError, match="NUL"):
+        asyncio.run(lowlevel.arun(["sh", "-c", "touch /tmp/host/ESCAPED"], cwd=_escape(target)))
+    with lowlevel.Pool(size=1) as pool:
+        with pytest.raises(PolicyError, match="NUL"):
+            pool.run(["sh", "-c", "touch /tmp/host/ESCAPED"], cwd=_escape(target))
+        with pytest.raises(PolicyError, match="NUL"):
+            pool.run(["true"], inputs=[f"{target}\0x"])
+        assert pool.run(["true"]).exit_code == 0
+    assert not (target / "ESCAPED").exists()
