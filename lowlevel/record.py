@@ -22,10 +22,15 @@ The caller's own environment is never read into a record: ``environment`` is the
 per-run ``env``. Whatever a caller passes into the sandbox (an API token in ``env``) is in
 the sandbox and therefore in the record.
 
-Workspace content is untrusted: it is walked with :func:`lowlevel.workspace.list_files` and
-read with :func:`lowlevel.workspace.read_file` (no symlink followed, special files and
-multiply-linked files refused), files larger than :data:`MAX_HASH_BYTES` are listed with
-``sha256: null`` and a ``skipped`` reason.
+Workspace content is untrusted: it is walked without following a symlink and each file is
+opened relative to directory fds with ``O_NOFOLLOW`` (special files and multiply-linked files
+refused). Each walk is bounded (:class:`HashBudget`: total bytes and seconds); files larger
+than :data:`MAX_HASH_BYTES`, sparse files, and files past the budget are listed with
+``sha256: null`` and a ``skipped`` reason, and the record's notes count them.
+
+A record is untrusted input to :func:`replay`: :func:`validate_record` checks every field it
+uses first. Names that are not valid UTF-8 are written as ``{"b64", "text"}`` objects
+(:mod:`lowlevel.report`), so a record is always strict UTF-8 JSON and loses nothing.
 """
 
 from __future__ import annotations
