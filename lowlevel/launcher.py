@@ -325,8 +325,6 @@ def precheck_exec(policy: Policy, workspace: str, command: Sequence[str], env: M
 _EXEC_FAIL = re.compile(rb"bwrap: execvp ([^\n]*): ([^\n]*)")
 #: native/lowlevel_exec.c's message when its execv of bwrap fails.
 _HELPER_EXEC_FAIL = re.compile(rb"lowlevel_exec: execv ([^\n]*): ([^\n]*)")
-#: bwrap messages that mean a resource limit of the caller, not a host restriction.
-_RESOURCE_HINTS = (b"Resource temporarily unavailable", b"Cannot allocate memory")
 #: What to do when a process cannot be created (EAGAIN from clone/fork/posix_spawn).
 PROCESS_LIMIT_HINT = ("the caller's process limit is reached (EAGAIN: RLIMIT_NPROC, `ulimit -u`, counts every "
                       "process of your uid; or the pids.max of your cgroup, e.g. a systemd TasksMax). Raise it, or "
@@ -353,11 +351,15 @@ def classify_setup_failure(stderr: bytes, argv: list[str], command: Sequence[str
                                   argv=argv, stderr=text, errno=errno.ENOENT if "No such" in reason
                                   else errno.EACCES)
     bwrap_lines = b"\n".join(line for line in stderr.splitlines() if line.startswith(b"bwrap:"))
-    if any(h in bwrap_lines for h in _RESOURCE_HINTS):
+    if b"Resource temporarily unavailable" in bwrap_lines:
         # clone(2) fails with EAGAIN at the caller's RLIMIT_NPROC or its cgroup's pids.max, and
         # bwrap says "Creating new namespace failed": not a user-namespace restriction.
         return LaunchError(f"bwrap could not create the sandbox's processes: {PROCESS_LIMIT_HINT}. "
                            f"bwrap said: {text}", argv=argv, stderr=text, errno=errno.EAGAIN)
+    if b"Cannot allocate memory" in bwrap_lines:
+        return LaunchError("bwrap ran out of memory while creating the sandbox (ENOMEM: the caller's memory "
+                           f"limit or its cgroup's memory.max?). bwrap said: {text}", argv=argv, stderr=text,
+                           errno=errno.ENOMEM)
     if any(h in bwrap_lines for h in _USERNS_HINTS):
         return LaunchError(
             "bwrap could not create a user namespace: the host restricts unprivileged user namespaces. "
