@@ -273,6 +273,8 @@ class Policy:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "env", _freeze_env(self.env))
+        if isinstance(self.binds, (str, bytes, Bind)) or not hasattr(self.binds, "__iter__"):
+            raise PolicyError("Policy.binds must be a tuple of Bind objects")
         binds = tuple(self.binds)
         for b in binds:
             if not isinstance(b, Bind):
