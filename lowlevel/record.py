@@ -316,7 +316,10 @@ def _hash_file(root: str, rel: str, max_bytes: int, budget: HashBudget,
     Returns:
         ``(sha256 or None, size, data (when ``keep`` and hashed) or None, skipped reason or None)``.
     """
-    parts = _ws._split_rel(rel)
+    try:
+        parts = _ws._split_rel(rel)
+    except WorkspaceError as err:
+        return None, 0, None, str(err)
     try:
         dfd = _ws._open_parent(root, parts)
         try:
@@ -1000,15 +1003,17 @@ def _restore_inputs(rec: ParsedRecord, store: str, root: str, *, max_bytes: int 
         for e in entries:
             if e["kind"] == "dir":
                 _ws.make_dir(root, e["path"], 0o755)
-        cache: dict[str, bytes] = {}
+        cache: dict[str, bytes] = {}  # blobs named more than once, up to 64 MiB in all
+        cached = 0
         for e in entries:
             if e["kind"] == "file":
                 digest = e["sha256"]
                 data = cache.get(digest)
                 if data is None:
                     data = blob(digest, repr(display(e["path"])))
-                    if len(cache) < 64:
+                    if cached + len(data) <= 64 * 1024 * 1024:
                         cache[digest] = data
+                        cached += len(data)
                 _ws.write_file(root, e["path"], data)
                 _ws.set_mode(root, e["path"], e["mode"] & ~_ws.SETID_BITS)
             elif e["kind"] == "symlink" and e["link"] is not None:
