@@ -4,7 +4,8 @@ The test suite executes this script as an unprivileged user (runuser) to test th
 non-root path of bwrap with the same assertions as the root path. Spec keys:
 ``command``, ``timeout``, ``stdin_b64``, ``env``, ``network``, ``binds`` ([src, dest, writable]),
 ``limits`` (Limits kwargs), ``files`` ({name: base64} written into a fresh workspace),
-``workspace`` (an existing dir instead), ``cwd`` (inside the sandbox).
+``workspace`` (an existing dir instead), ``cwd`` (inside the sandbox), ``commit`` (True, False or
+"on_success").
 """
 
 import base64
@@ -32,7 +33,8 @@ def main() -> int:
     out: dict = {}
     try:
         result = lowlevel.run(spec["command"], policy=policy, workspace=workspace,
-                              timeout=spec.get("timeout", 60), stdin=stdin, cwd=spec.get("cwd", "/workspace"))
+                              timeout=spec.get("timeout", 60), stdin=stdin, cwd=spec.get("cwd", "/workspace"),
+                              commit=spec.get("commit", True))
     except lowlevel.LowlevelError as err:
         out = {"error": type(err).__name__, "message": str(err), "errno": getattr(err, "errno", None),
                "workspace": workspace}
