@@ -11,7 +11,10 @@ allocated) in milliseconds made the host hash N x S MiB of holes after the run (
   what ordinary hashing costs (bounded by the per-walk budget, 512 MiB / 10 s by default).
 
 and prints per case the median wall time of the whole call and ``record / baseline``.
-Usage: ``python bench/post_run.py [--files 200] [--mib 64] [--rounds 3] [--json FILE]``.
+By default the workspace is bound as it is (``LOWLEVEL_NO_OVERLAY=1``), so what is measured is
+the record's own post-run work; ``--overlay`` keeps the copy-on-write workspace, whose commit
+then adds its own cost (it copies each file back to the host).
+Usage: ``python bench/post_run.py [--files 200] [--mib 64] [--rounds 3] [--overlay] [--json FILE]``.
 Never asserts.
 """
 
@@ -38,8 +41,11 @@ def main() -> int:
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--dense-mib", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--overlay", action="store_true", help="keep the copy-on-write workspace (and its commit)")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args()
+    if not args.overlay:
+        os.environ["LOWLEVEL_NO_OVERLAY"] = "1"
     base = tempfile.mkdtemp(prefix="lowlevel-bench-post-run-")
     os.chmod(base, 0o711)
     sparse = ["sh", "-c", f"i=0; while [ $i -lt {args.files} ]; do truncate -s {args.mib}M f$i; i=$((i+1)); done"]
@@ -62,6 +68,7 @@ def main() -> int:
         shutil.rmtree(base, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in cases.items()}
     out: dict[str, Any] = {"files": args.files, "mib": args.mib, "dense_mib": args.dense_mib, "rounds": args.rounds,
+                           "overlay": args.overlay,
                            "median_s": med, "ratio_record_over_baseline": med["record"] / med["baseline"]}
     for k, v in med.items():
         print(f"{k:14s} median {v:8.3f} s")

@@ -1023,7 +1023,12 @@ class Run:
             notes=tuple(self.notes), argv=tuple(self.full_argv), seccomp_denials=denials,
         )
         if self.cow:
-            self.finish_cow(success=exit_code == 0 and killed_by is None, result=result)
+            try:
+                self.finish_cow(success=exit_code == 0 and killed_by is None, result=result)
+            except _overlay.CommitConflictError:
+                raise
+            except WorkspaceError as err:
+                self.notes.append(f"{WARNING_PREFIX}{err}")
             result.notes = tuple(self.notes)
         return result
 
@@ -1081,6 +1086,16 @@ class Run:
                     err.args = (err.args[0], f"{err.args[1]}; saving the run's changes failed too: {save_err}")
                 err.result = result
                 raise
+            except OSError as err:
+                # A read-only or full workspace: never a bare OSError (result() turns this into a
+                # warning that keeps the exit status); the run's changes are saved aside first.
+                why = f"cannot write the run's changes into the workspace: {err.strerror or err}"
+                try:
+                    saved = _overlay.save_upper(self.upper_fd, _conflict_dir(self.workspace_base))
+                    why += f"; they were saved to {saved}"
+                except (OSError, LowlevelError) as save_err:
+                    why += f"; saving them failed too: {save_err}"
+                raise WorkspaceError(err.errno or errno.EIO, why) from err
             self.notes.extend(report.notes)
         finally:
             os.close(self.upper_fd)
