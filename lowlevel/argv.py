@@ -13,10 +13,12 @@ place. Source: bwrap(1), "--remount-ro" and the ordering note.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .egress import EGRESS_ETC, Egress
+from .errors import LaunchError
 from .policy import WORKSPACE_DEST, Policy
 from .probe import BwrapInfo, HostLayout
 
@@ -191,6 +193,40 @@ def build_argv(policy: Policy, facts: HostFacts, *, workspace: str, fds: Fds,
             *dynamic_args(workspace=workspace, fds=fds, extra_env=extra_env, cwd=cwd, extra_mounts=extra_mounts)]
 
 
+def encode_args(argv: Sequence[str]) -> bytes:
+    """bwrap's ``--args`` memfd content: each element, then a NUL byte.
+
+    The last line against option injection (issue 10, item 1): every value was validated at
+    the policy edge (:mod:`lowlevel.validate`), and this refuses once more, right before the
+    bytes are written, any element that is not a str, holds a NUL (which would make bwrap read
+    two options where we meant one) or cannot be encoded. Fails closed: nothing is spawned.
+
+    Args:
+        argv: the options, as :func:`build_argv` returns them.
+    Returns:
+        ``b"opt\\0value\\0..."`` (strings encoded with :func:`os.fsencode`).
+    Raises:
+        LaunchError: an element would not arrive in bwrap as exactly one argument.
+    Source: bwrap(1) ``--args FD``.
+    """
+    out = bytearray()
+    for i, arg in enumerate(argv):
+        if not isinstance(arg, str):
+            raise LaunchError(f"refusing to launch: argument {i} is a {type(arg).__name__}, not a str",
+                              argv=[a for a in argv if isinstance(a, str)])
+        try:
+            data = os.fsencode(arg)
+        except UnicodeEncodeError:
+            raise LaunchError(f"refusing to launch: argument {i} {arg!r:.80} cannot be encoded",
+                              argv=redact_env_values(argv)) from None
+        if b"\0" in data:
+            raise LaunchError(f"refusing to launch: argument {i} {arg!r:.80} contains a NUL byte, which "
+                              "would split it into separate arguments", argv=redact_env_values(argv))
+        out += data
+        out += b"\0"
+    return bytes(out)
+
+
 def redact_env_values(argv: Sequence[str]) -> list[str]:
     """Copy of ``argv`` with the value after each ``--setenv NAME`` replaced by ``"***"``.
 
@@ -287,5 +323,6 @@ def anchor_argv(facts: HostFacts, helper: str, *, parent: int, report_fd: int | 
 
 
 __all__ = ["AnchorOverlay", "Fds", "HostFacts", "NETWORK_ETC", "anchor_argv", "build_argv", "dynamic_args",
+           "encode_args",
            "redact_env_values",
            "static_args"]

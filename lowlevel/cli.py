@@ -39,6 +39,7 @@ from .errors import LowlevelError, PolicyError
 from .launcher import ExecError, run
 from .limits import Limits
 from .policy import Bind, Policy
+from .report import RECORD_NOT_WRITTEN, WARNING_PREFIX, json_safe
 from .result import Result
 
 EXIT_TIMEOUT = 124
@@ -190,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("file", metavar="FILE", help="the record")
     r.add_argument("--json", action="store_true", help="print the differences and the new record as JSON")
     r.add_argument("--keep-workspace", action="store_true", help="keep the replay's workspace")
+    r.add_argument("--max-bytes", metavar="BYTES", type=parse_size, default=None,
+                   help="most bytes rebuilding the record's workspace may write (default 256M)")
     r.add_argument("--trust-record-policy", action="store_true",
                    help="replay even when the record's policy is looser than the default (binds, network, "
                    "seccomp off, higher limits); a record is untrusted input")
@@ -241,6 +244,28 @@ def _terminal_restored(active: bool) -> Iterator[None]:
                     termios.tcsetattr(fd, termios.TCSANOW, attrs)
                 except (OSError, termios.error):
                     pass
+
+
+def _silence_stdout() -> None:
+    """Point fd 1 at /dev/null after the reader of our stdout went away (``| head -1``), so the
+    interpreter's final flush does not print "Exception ignored ... BrokenPipeError".
+    Source: Python docs, "Note on SIGPIPE" (signal module)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
+@contextlib.contextmanager
+def _reader_may_leave() -> Iterator[None]:
+    """Write to stdout; if its reader is gone (EPIPE), drop the rest silently and go on, so the
+    exit status is still the program's."""
+    try:
+        yield
+    except BrokenPipeError:
+        _silence_stdout()
 
 
 def _fail(message: str, code: int = EXIT_FAILED) -> int:
@@ -320,8 +345,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
             result = run(command, policy=policy, workspace=workspace, inputs=inputs, timeout=args.timeout,
                          capture=capture, record=args.record, allow_sensitive_workspace=args.allow_sensitive)
         if args.record and not args.json:
-            sys.stdout.buffer.write(result.stdout)
-            sys.stdout.flush()
+            with _reader_may_leave():
+                sys.stdout.buffer.write(result.stdout)
+                sys.stdout.flush()
             sys.stderr.buffer.write(result.stderr)
             sys.stderr.flush()
         if created and not args.rm:
@@ -346,9 +372,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace, result: Result) -> int:
+    for note in result.notes:
+        if note.startswith((RECORD_NOT_WRITTEN, WARNING_PREFIX)):
+            print(f"lowlevel: {note}", file=sys.stderr)
     if args.json:
-        json.dump(result.to_json(), sys.stdout, indent=2, sort_keys=True)
-        sys.stdout.write("\n")
+        with _reader_may_leave():
+            json.dump(result.to_json(), sys.stdout, indent=2, sort_keys=True)
+            sys.stdout.write("\n")
+            sys.stdout.flush()
     if result.timed_out:
         if not args.json:
             print(f"lowlevel: timed out after {args.timeout:g} s; the sandbox was killed", file=sys.stderr)
@@ -388,15 +419,20 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from .record import replay
 
     try:
-        report = replay(args.file, keep_workspace=args.keep_workspace, trust_policy=args.trust_record_policy)
+        report = replay(args.file, keep_workspace=args.keep_workspace, trust_policy=args.trust_record_policy,
+                        **({"max_bytes": args.max_bytes} if args.max_bytes is not None else {}))
     except ExecError as err:
         return _fail(str(err))
     except (LowlevelError, OSError) as err:
         return _fail(str(err))
+    except Exception as err:  # noqa: BLE001 - a record is untrusted input: one line, never a traceback
+        return _fail(f"replay: cannot replay {args.file!r}: {type(err).__name__}: {err}")
     if args.json:
-        json.dump({"matched": report.matched, "differences": report.differences, "record": report.record},
-                  sys.stdout, indent=2, sort_keys=True)
-        sys.stdout.write("\n")
+        with _reader_may_leave():
+            json.dump(json_safe({"matched": report.matched, "differences": report.differences,
+                                 "record": report.record}), sys.stdout, indent=2, sort_keys=True)
+            sys.stdout.write("\n")
+            sys.stdout.flush()
     else:
         for line in report.differences:
             print(f"lowlevel: replay: {line}", file=sys.stderr)
@@ -430,6 +466,8 @@ def cmd_mcp(args: argparse.Namespace) -> int:
         serve(config)
     except ImportError as err:
         return _fail(f"{err}: install the MCP SDK with `pip install 'lowlevel[mcp]'`")
+    except LowlevelError as err:  # e.g. a refused --workspace-base
+        return _fail(f"mcp: {err}")
     return 0
 
 
@@ -495,6 +533,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_doctor(args)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        _silence_stdout()  # the reader of our stdout went away: no traceback
+        return 128 + signal.SIGPIPE
     except Terminated as err:
         print(f"lowlevel: {signal.Signals(err.signum).name}: the sandbox was killed and the workspace "
               "given back", file=sys.stderr)

@@ -10,7 +10,8 @@ Tools an agent client can call (each result a JSON object):
     narrows the operator's egress allowlist (``[egress]``; every pattern must lie within it,
     ``[]`` means no network). Result: ``exit_code``, ``term_signal``,
     ``killed_by``, ``timed_out``, ``stdout``/``stderr`` (UTF-8, truncated to the operator's
-    ``max_output_bytes`` with ``stdout_truncated``/``stderr_truncated``), ``wall_time_s``,
+    ``max_output_bytes`` with ``stdout_truncated``/``stderr_truncated``; ``stdout_b64``/
+    ``stderr_b64`` hold the exact bytes when they are not valid UTF-8), ``wall_time_s``,
     ``workspace`` (its name, for ``read_file``), ``clamped`` (what the operator's config cut),
     and in egress mode ``network`` (each connection attempt: host, port, address, allowed,
     reason, bytes up and down).
@@ -65,6 +66,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import errno
 import logging
 import os
 import re
@@ -75,11 +77,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import validate as _validate
 from . import workspace as _ws
 from .egress import Egress, egress_from_mapping
-from .errors import LowlevelError, PolicyError
+from .errors import LowlevelError, PolicyError, WorkspaceError
 from .limits import Limits
 from .policy import Bind, Policy
+from .report import bytes_fields, display, json_safe
 from .result import Result
 
 log = logging.getLogger("lowlevel")
@@ -166,6 +170,8 @@ class ServerConfig:
 def _clamp(name: str, asked: float | None, ceiling: float | None, clamped: list[str]) -> Any:
     if asked is None:
         return ceiling
+    if isinstance(asked, bool) or not isinstance(asked, (int, float)) or asked != asked:
+        raise PolicyError(f"{name} must be a number, got {asked!r:.40}")
     if asked <= 0:
         raise PolicyError(f"{name} must be > 0, got {asked!r}")
     if ceiling is not None and asked > ceiling:
@@ -183,14 +189,14 @@ class Tools:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.base = _ws.ensure_base(config.workspace_base)
+        self.base = _check_base(config.workspace_base)
         self.sessions: dict[str, Any] = {}
         self.session_policies: dict[str, Policy] = {}
         self.sessions_lock = threading.Lock()
 
     def _workspace(self, name: str, create: bool) -> str:
-        if not isinstance(name, str) or not _NAME.match(name):
-            raise PolicyError(f"workspace name {name!r}: use 1-64 letters, digits, '_', '.', '-'")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise PolicyError(f"workspace name {name!r:.80}: use 1-64 letters, digits, '_', '.', '-'")
         path = os.path.join(self.base, name)
         if create:
             try:
@@ -224,8 +230,10 @@ class Tools:
         elif allow_hosts and not network:
             raise PolicyError("refused: the operator of this server allows no network egress")
         extra: list[Bind] = []
+        if not isinstance(binds, (list, tuple)):
+            raise PolicyError("binds must be a list of host paths")
         for path in binds:
-            real = os.path.realpath(path)
+            real = os.path.realpath(_validate.host_path(path, "binds[]"))
             if real not in cfg.allowed_binds:
                 raise PolicyError(f"refused: binding {path!r} is not allowed by the operator of this server")
             extra.append(Bind(real))
@@ -258,12 +266,13 @@ class Tools:
         from .launcher import run as _run
 
         clamped: list[str] = []
+        command = _validate.command(command)
+        stdin_bytes = _utf8(stdin, "stdin")
         policy, timeout = self._policy_and_timeout(network, binds, memory_bytes, cpu_s, pids, timeout_s, clamped,
                                                    allow_hosts)
         name = workspace or f"run-{secrets.token_hex(6)}"
         path = self._workspace(name, create=workspace is None)
-        result = _run(list(command), policy=policy, workspace=path, timeout=timeout,
-                      stdin=stdin.encode() if stdin is not None else None, env=env)
+        result = _run(command, policy=policy, workspace=path, timeout=timeout, stdin=stdin_bytes, env=env)
         return self._result(result, name, clamped)
 
     def run_in_session(self, session: str, command: list[str], *, timeout_s: float | None = None,
@@ -274,6 +283,10 @@ class Tools:
         from .session import Session
 
         clamped: list[str] = []
+        command = _validate.command(command)
+        stdin_bytes = _utf8(stdin, "stdin")
+        if not isinstance(session, str) or not _NAME.fullmatch(session):
+            raise PolicyError(f"session name {session!r:.80}: use 1-64 letters, digits, '_', '.', '-'")
         policy, timeout = self._policy_and_timeout(network, binds, memory_bytes, cpu_s, pids, timeout_s, clamped,
                                                    allow_hosts)
         with self.sessions_lock:
@@ -292,8 +305,7 @@ class Tools:
             elif policy != self.session_policies[session] and (network or binds or allow_hosts is not None):
                 raise PolicyError(f"session {session!r} already runs with its own network/binds; "
                                   "close it to start it with others")
-        result = sess.run(list(command), timeout=timeout, stdin=stdin.encode() if stdin is not None else None,
-                          env=env, limits=policy.limits)
+        result = sess.run(command, timeout=timeout, stdin=stdin_bytes, env=env, limits=policy.limits)
         return self._result(result, session, clamped)
 
     def close_session(self, session: str) -> dict[str, Any]:
@@ -323,14 +335,25 @@ class Tools:
         }
         for stream, data, truncated in (("stdout", result.stdout, result.stdout_truncated),
                                         ("stderr", result.stderr, result.stderr_truncated)):
-            out[stream] = data[:cap].decode("utf-8", "replace")
+            cut = data[:cap]
+            if len(data) > cap:
+                cut = _whole_utf8(cut)
+            out[stream], out[f"{stream}_b64"] = bytes_fields(cut)
             out[f"{stream}_truncated"] = truncated or len(data) > cap
         if result.network is not None:
             out["network"] = [dataclasses.asdict(a) for a in result.network]
-        return out
+        safe: dict[str, Any] = json_safe(out)
+        return safe
 
     def write_file(self, workspace: str, path: str, content: str, encoding: str = "utf-8") -> dict[str, Any]:
-        """Write a file into a named workspace (created if missing). ``encoding``: utf-8 or base64."""
+        """Write a file into a named workspace (created if missing). ``encoding``: utf-8 or base64.
+
+        Never writes through a symlink or a hard link the sandbox planted, and refuses a path
+        more than :data:`lowlevel.workspace.MAX_DEPTH` levels deep (see
+        :func:`lowlevel.workspace.write_file`).
+        """
+        _encoding(encoding)
+        _ws._split_rel(path)  # the path's own errors before the workspace is created
         data = _decode(content, encoding)
         if len(data) > self.config.max_file_bytes:
             raise PolicyError(f"refused: {len(data)} bytes > the operator's max_file_bytes "
@@ -354,21 +377,79 @@ class Tools:
         return sess.workspace if sess is not None else self._workspace(name, create=False)
 
     def read_file(self, workspace: str, path: str, encoding: str = "utf-8") -> dict[str, Any]:
-        """Read a workspace file (untrusted: no symlinks, size-capped)."""
+        """Read a workspace file (untrusted: no symlinks, size-capped). ``encoding``: utf-8 or base64."""
+        _encoding(encoding)
         data = _ws.read_file(self._view(workspace), path, self.config.max_file_bytes)
         content = base64.b64encode(data).decode() if encoding == "base64" else data.decode("utf-8", "replace")
-        return {"workspace": workspace, "path": path, "bytes": len(data), "encoding": encoding, "content": content}
+        return {"workspace": workspace, "path": path, "bytes": len(data), "encoding": encoding, "content": content,
+                "exact": encoding == "base64" or bytes_fields(data)[1] is None}
 
     def list_files(self, workspace: str) -> dict[str, Any]:
-        """List a workspace's entries (no symlink followed)."""
+        """List a workspace's entries (no symlink followed). A name that is not valid UTF-8 is a
+        ``{"b64", "text"}`` object (:mod:`lowlevel.report`), so one odd name never breaks the list."""
         entries = _ws.list_files(self._view(workspace))
-        return {"workspace": workspace,
-                "entries": [{"path": e.path, "kind": e.kind, "size": e.size} for e in entries]}
+        listing: dict[str, Any] = json_safe({"workspace": workspace,
+                                             "entries": [{"path": e.path, "kind": e.kind, "size": e.size}
+                                                         for e in entries]})
+        return listing
+
+
+def _whole_utf8(data: bytes) -> bytes:
+    """``data`` without a UTF-8 sequence cut at its end (by a byte cap), so capped text stays text."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte < 0x80:
+            return data
+        if byte >= 0xC0:  # a lead byte: keep it only if its sequence is complete
+            need = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
+            return data if back >= need else data[:-back]
+    return data
+
+
+def _check_base(base: str) -> str:
+    """The operator's workspace base, refused by the rules for workspaces
+    (:func:`lowlevel.workspace.check_workspace_path`: not a system or home directory, nothing
+    inside ``/etc``, ``/usr``..., only trusted ancestors), then created (0711) if missing.
+    Every named workspace is a directory of it, so ``--workspace-base /etc`` would have made
+    ``read_file``/``list_files`` reach ``/etc/ssl``.
+
+    Raises:
+        PolicyError: a bad path. WorkspaceError: a refused one.
+    """
+    real = os.path.realpath(_validate.host_path(base, "workspace_base"))
+    reason = _ws.workspace_refusal(real)
+    if reason:
+        raise WorkspaceError(errno.EPERM, f"refusing workspace base {real}: {reason}")
+    made = _ws.ensure_base(real)  # refuses a system or sticky directory before changing anything
+    _ws.check_workspace_path(made)  # trusted ancestors, a writable file system
+    return made
+
+
+def _encoding(encoding: str) -> str:
+    if encoding not in ("utf-8", "base64"):
+        raise PolicyError(f"encoding must be 'utf-8' or 'base64', got {encoding!r:.40}")
+    return encoding
+
+
+def _utf8(value: str | None, what: str) -> bytes | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise PolicyError(f"{what} must be a string, got {type(value).__name__}")
+    try:
+        return value.encode()
+    except UnicodeEncodeError as err:
+        raise PolicyError(f"{what} is not valid Unicode ({err.reason} at index {err.start}): "
+                          "send bytes with write_file(encoding='base64') instead") from None
 
 
 def _decode(content: str, encoding: str) -> bytes:
+    if not isinstance(content, str):
+        raise PolicyError(f"content must be a string, got {type(content).__name__}")
     if encoding == "utf-8":
-        return content.encode()
+        data = _utf8(content, "content")
+        assert data is not None
+        return data
     if encoding == "base64":
         try:
             return base64.b64decode(content, validate=True)
@@ -402,8 +483,9 @@ def build_server(config: ServerConfig, tools: Tools | None = None) -> Any:
         try:
             result: dict[str, Any] = await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
         except (LowlevelError, OSError) as err:
-            raise ToolError(str(err)) from err
-        return result
+            raise ToolError(display(str(err))) from err
+        safe: dict[str, Any] = json_safe(result)
+        return safe
 
     @server.tool()
     async def run(command: list[str], workspace: str | None = None, timeout_s: float | None = None,

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from .egress import Egress
+from . import validate as _validate
 from .errors import PolicyError
 from .limits import Limits
 from .seccomp import DEFAULT_PROFILE, SeccompProfile
@@ -87,8 +88,6 @@ DETERMINISTIC_ENV: Mapping[str, str] = MappingProxyType({
 #: Deterministic mode: the uid/gid seen inside when ``sandbox_uid``/``sandbox_gid`` are None.
 DETERMINISTIC_UID = 1000
 DETERMINISTIC_GID = 1000
-
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def _home_dirs() -> set[str]:
@@ -173,14 +172,15 @@ class Bind:
     def __post_init__(self) -> None:
         if not isinstance(self.source, (str, os.PathLike)) or not str(self.source):
             raise PolicyError(f"Bind source must be a non-empty path, got {self.source!r}")
-        raw = os.fspath(self.source)
-        if "\0" in raw:
-            raise PolicyError("Bind source contains a NUL byte")
+        raw = _validate.host_path(self.source, "Bind source")
         real = os.path.realpath(raw)
         if not os.path.exists(real):
             raise PolicyError(f"Bind source {raw!r} does not exist on the host")
+        if not isinstance(self.dest, str):
+            raise PolicyError(f"Bind dest must be a str (an absolute path inside the sandbox), got {self.dest!r}")
         dest = self.dest or real
-        if not os.path.isabs(dest) or "\0" in dest:
+        _validate.text(dest, "Bind dest", max_bytes=_validate.MAX_PATH_BYTES - 1)
+        if not os.path.isabs(dest):
             raise PolicyError(f"Bind dest {dest!r} must be an absolute path inside the sandbox")
         if any(part == ".." for part in dest.split("/")):
             raise PolicyError(f"Bind dest {dest!r} must not contain '..'")
@@ -202,13 +202,20 @@ class Bind:
 
 
 def _freeze_env(env: Mapping[str, str] | tuple[tuple[str, str], ...] | None) -> tuple[tuple[str, str], ...]:
-    items = env.items() if isinstance(env, Mapping) else (env or ())
+    """Validated, sorted ``(name, value)`` pairs (:mod:`lowlevel.validate`: names without ``=`` or NUL,
+    values without NUL). Raises PolicyError."""
+    if env is not None and not isinstance(env, (Mapping, tuple, list)):
+        raise PolicyError(f"env must be a mapping of str to str, got {type(env).__name__}")
+    items = list(env.items()) if isinstance(env, Mapping) else list(env or ())
+    if len(items) > _validate.MAX_ENV:
+        raise PolicyError(f"env has {len(items)} variables; the limit is {_validate.MAX_ENV}")
     out: dict[str, str] = {}
-    for key, value in items:
-        if not isinstance(key, str) or not _ENV_NAME.match(key):
-            raise PolicyError(f"environment variable name {key!r} is invalid: use letters, digits and _")
-        if not isinstance(value, str) or "\0" in value:
-            raise PolicyError(f"environment variable {key} must be a str without NUL bytes")
+    for item in items:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise PolicyError(f"env items must be (name, value) pairs, got {item!r:.80}")
+        key, value = item
+        _validate.env_name(key)
+        _validate.text(value, f"environment variable {key}")
         out[key] = value
     return tuple(sorted(out.items()))
 
@@ -279,6 +286,8 @@ class Policy:
             raise PolicyError(f"Policy.network must be False, True (the host network) or a lowlevel.Egress "
                               f"allowlist, got {self.network!r}")
         object.__setattr__(self, "env", _freeze_env(self.env))
+        if isinstance(self.binds, (str, bytes, Bind)) or not hasattr(self.binds, "__iter__"):
+            raise PolicyError("Policy.binds must be a tuple of Bind objects")
         binds = tuple(self.binds)
         for b in binds:
             if not isinstance(b, Bind):
@@ -297,7 +306,7 @@ class Policy:
                               "to confirm (never for untrusted code)")
         if self.seccomp is not None and not isinstance(self.seccomp, SeccompProfile):
             raise PolicyError("Policy.seccomp must be a SeccompProfile or None")
-        if not re.match(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,62})$", self.hostname):
+        if not isinstance(self.hostname, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9-]{0,62}", self.hostname):
             raise PolicyError(f"hostname {self.hostname!r} is not a valid host name (letters, digits, -)")
         for name in ("host_uid", "host_gid"):
             value = getattr(self, name)

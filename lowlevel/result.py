@@ -16,6 +16,7 @@ from typing import Any
 
 from .egress import NetworkAttempt
 from .errors import LowlevelError
+from .report import bytes_fields, json_safe
 from .workspace import Changes
 
 #: Values of :attr:`Result.killed_by`.
@@ -111,10 +112,13 @@ class Result:
             return f"SIG{self.term_signal}"
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict: bytes decoded as UTF-8 with replacement, changes as lists."""
+        """A JSON-ready dict, lossless (:mod:`lowlevel.report`): ``stdout``/``stderr`` as text, with
+        ``stdout_b64``/``stderr_b64`` holding the exact bytes (base64) when they are not valid
+        UTF-8 (else None); names that are not valid UTF-8 (in ``changes``, ``notes``, ``argv``,
+        ``workspace``) as ``{"b64", "text"}`` objects; changes as lists."""
         d = asdict(self)
-        d["stdout"] = self.stdout.decode("utf-8", "replace")
-        d["stderr"] = self.stderr.decode("utf-8", "replace")
+        d["stdout"], d["stdout_b64"] = bytes_fields(self.stdout)
+        d["stderr"], d["stderr_b64"] = bytes_fields(self.stderr)
         d["changes"] = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self.changes).items()}
         d["limits_enforced"] = list(self.limits_enforced)
         d["notes"] = list(self.notes)
@@ -124,7 +128,8 @@ class Result:
             d["seccomp_denials"] = list(self.seccomp_denials)
         if self.network is not None:
             d["network"] = [asdict(a) for a in self.network]
-        return d
+        safe: dict[str, Any] = json_safe(d)
+        return safe
 
 
 def decode_exit(exit_code: int) -> int | None:

@@ -128,7 +128,7 @@ class Sandbox:
             env: dict[str, str] | None = None, network: bool = False,
             binds: list[tuple[str, str, bool]] | None = None, limits: dict[str, Any] | None = None,
             files: dict[str, bytes] | None = None, workspace: str | None = None,
-            commit: bool | str = True, egress: dict[str, Any] | None = None,
+            cwd: str = "/workspace", commit: bool | str = True, egress: dict[str, Any] | None = None,
             resolver: dict[str, Any] | None = None) -> Outcome:
         """``egress``: Egress kwargs (network by allowlist); ``resolver``: the egress tests'
         TEST-ONLY resolver override ({"answers": ..., "pretend_public": [...]},
@@ -153,7 +153,7 @@ class Sandbox:
                 override = override_resolver_for_tests(scripted, pretend_public=resolver.get("pretend_public", ()))
             try:
                 with override:
-                    r = lowlevel.run(command, policy=policy, workspace=ws, timeout=timeout, stdin=stdin,
+                    r = lowlevel.run(command, policy=policy, workspace=ws, timeout=timeout, stdin=stdin, cwd=cwd,
                                      commit=commit)
             except lowlevel.LowlevelError as err:
                 return Outcome(None, error=type(err).__name__, message=str(err),
@@ -164,7 +164,7 @@ class Sandbox:
             return Outcome(r.exit_code, r.stdout, r.stderr, r.timed_out, r.killed_by, r.term_signal, ws,
                            d["changes"], list(r.limits_enforced), list(r.notes), r.wall_time_s, raw=d)
         spec = {"command": command, "timeout": timeout, "env": env or {}, "network": network,
-                "binds": binds or [], "limits": limits or {}, "workspace": ws, "commit": commit,
+                "binds": binds or [], "limits": limits or {}, "workspace": ws, "cwd": cwd, "commit": commit,
                 "egress": egress, "resolver": resolver,
                 "files": {k: base64.b64encode(v).decode() for k, v in (files or {}).items()},
                 "stdin_b64": base64.b64encode(stdin).decode() if stdin is not None else None}

@@ -4,10 +4,10 @@ The test suite executes this script as an unprivileged user (runuser) to test th
 non-root path of bwrap with the same assertions as the root path. Spec keys:
 ``command``, ``timeout``, ``stdin_b64``, ``env``, ``network``, ``binds`` ([src, dest, writable]),
 ``limits`` (Limits kwargs), ``files`` ({name: base64} written into a fresh workspace),
-``workspace`` (an existing dir instead), ``commit`` (True, False or "on_success"), ``egress``
-(Egress kwargs: network by allowlist), ``resolver`` ({"answers": ..., "pretend_public": [...]}:
-the egress tests' TEST-ONLY resolver override, see scripted_resolver.py; the lookups made are
-returned as ``resolver_calls``).
+``workspace`` (an existing dir instead), ``cwd`` (inside the sandbox), ``commit`` (True, False or
+"on_success"), ``egress`` (Egress kwargs: network by allowlist), ``resolver`` ({"answers": ...,
+"pretend_public": [...]}: the egress tests' TEST-ONLY resolver override, see
+scripted_resolver.py; the lookups made are returned as ``resolver_calls``).
 """
 
 import base64
@@ -46,7 +46,8 @@ def main() -> int:
     try:
         with override:
             result = lowlevel.run(spec["command"], policy=policy, workspace=workspace,
-                                  timeout=spec.get("timeout", 60), stdin=stdin, commit=spec.get("commit", True))
+                                  timeout=spec.get("timeout", 60), stdin=stdin, cwd=spec.get("cwd", "/workspace"),
+                                  commit=spec.get("commit", True))
     except lowlevel.LowlevelError as err:
         out = {"error": type(err).__name__, "message": str(err), "errno": getattr(err, "errno", None),
                "workspace": workspace}
