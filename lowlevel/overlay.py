@@ -180,31 +180,37 @@ def _at(dirfd: int, name: str) -> str:
     return f"/proc/self/fd/{dirfd}/{name}"
 
 
-def _is_whiteout(st: os.stat_result, dirfd: int, name: str, prefix: str) -> bool:
-    """A 0/0 character device, or a zero-size regular file with ``<prefix>whiteout``.
+def _is_whiteout(st: os.stat_result, dirfd: int, name: str, prefix: str, xwhiteouts: bool) -> bool:
+    """A 0/0 character device, or (in a directory marked ``<prefix>opaque`` = ``"x"``, as the
+    kernel requires) a zero-size regular file with ``<prefix>whiteout``.
 
-    Also refuses a ``metacopy`` file (data elsewhere): regular files with no blocks are the
-    only candidates for both, so files with data cost no xattr read.
+    Also refuses a metacopy file (its data lives in the lower layer): a regular file with a
+    size but no blocks is the only candidate, so ordinary files cost no xattr read. An empty
+    metacopy file would be harmless (there is no data to miss).
     """
     mode = st.st_mode
     if stat.S_ISCHR(mode):
         return st.st_rdev == 0
-    if stat.S_ISREG(mode) and st.st_blocks == 0:
-        attrs = _listxattr(_at(dirfd, name))
-        if prefix + "metacopy" in attrs:
+    if not stat.S_ISREG(mode) or st.st_blocks:
+        return False
+    if st.st_size:
+        if prefix + "metacopy" in _listxattr(_at(dirfd, name)):
             raise WorkspaceError(errno.EOPNOTSUPP, f"upper entry {name!r} is a metacopy file (its data lives in "
                                  "the lower layer): mount the overlay with metacopy=off")
-        return st.st_size == 0 and prefix + "whiteout" in attrs
-    return False
+        return False
+    return xwhiteouts and prefix + "whiteout" in _listxattr(_at(dirfd, name))
 
 
-def _dir_flags(fd: int, rel: str, prefix: str) -> bool:
-    """Whether upper directory ``fd`` is opaque; refuse redirected directories."""
+def _dir_flags(fd: int, rel: str, prefix: str) -> tuple[bool, bool]:
+    """``(opaque, holds xattr whiteouts)`` of upper directory ``fd``; refuse redirected ones."""
     attrs = _listxattr(fd)
     if prefix + "redirect" in attrs:
         raise WorkspaceError(errno.EOPNOTSUPP, f"upper directory {rel!r} is a redirected (renamed) lower "
                              "directory: mount the overlay with redirect_dir=off (root) or nofollow (userxattr)")
-    return prefix + "opaque" in attrs and _getxattr(fd, prefix + "opaque") == b"y"
+    if prefix + "opaque" not in attrs:
+        return False, False
+    value = _getxattr(fd, prefix + "opaque")
+    return value == b"y", value == b"x"
 
 
 # --- the change report ---------------------------------------------------------------------
@@ -259,8 +265,8 @@ def read_changes(upper_fd: int, lower_fd: int, *, xattr_prefix: str,
     count = 0
     complete = True
     # Each frame: upper dir fd, lower dir fd (None: no lower dir at this path), relative path,
-    # names left (reversed), effectively opaque.
-    stack: list[tuple[int, int | None, str, list[str], bool]] = []
+    # names left (reversed), effectively opaque, holds xattr whiteouts.
+    stack: list[tuple[int, int | None, str, list[str], bool, bool]] = []
 
     def record(lst: list[str], rel: str) -> None:
         nonlocal count, complete
@@ -270,7 +276,7 @@ def read_changes(upper_fd: int, lower_fd: int, *, xattr_prefix: str,
         else:
             complete = False
 
-    def enter(ufd: int, lfd: int | None, rel: str, opaque: bool) -> None:
+    def enter(ufd: int, lfd: int | None, rel: str, opaque: bool, xwhiteouts: bool) -> None:
         try:
             names = os.listdir(ufd)
             if opaque and lfd is not None:
@@ -284,7 +290,7 @@ def read_changes(upper_fd: int, lower_fd: int, *, xattr_prefix: str,
                 os.close(lfd)
             raise
         names.reverse()
-        stack.append((ufd, lfd, rel, names, opaque))
+        stack.append((ufd, lfd, rel, names, opaque, xwhiteouts))
 
     try:
         try:
@@ -292,13 +298,20 @@ def read_changes(upper_fd: int, lower_fd: int, *, xattr_prefix: str,
         except OSError as err:
             raise WorkspaceError(err.errno, f"cannot open the upper directory: {err.strerror}") from err
         try:
-            lfd0: int | None = os.open(".", _DIR_FLAGS, dir_fd=lower_fd)
+            lfd0 = os.open(".", _DIR_FLAGS, dir_fd=lower_fd)
         except OSError as err:
             os.close(ufd0)
             raise WorkspaceError(err.errno, f"cannot open the workspace directory: {err.strerror}") from err
-        enter(ufd0, lfd0, "", False)
+        try:
+            # The root is never opaque (overlayfs merges the layer roots), but may hold xattr whiteouts.
+            root_x = _dir_flags(ufd0, ".", xattr_prefix)[1]
+        except BaseException:
+            os.close(ufd0)
+            os.close(lfd0)
+            raise
+        enter(ufd0, lfd0, "", False, root_x)
         while stack:
-            ufd, lfd, rel_dir, names, opaque = stack[-1]
+            ufd, lfd, rel_dir, names, opaque, xwhiteouts = stack[-1]
             if not names:
                 stack.pop()
                 os.close(ufd)
@@ -317,7 +330,7 @@ def read_changes(upper_fd: int, lower_fd: int, *, xattr_prefix: str,
             lst = _lstat(lfd, name) if lfd is not None else None
             mode = ust.st_mode
             if not stat.S_ISDIR(mode):
-                if _is_whiteout(ust, ufd, name, xattr_prefix):
+                if _is_whiteout(ust, ufd, name, xattr_prefix, xwhiteouts):
                     if lst is not None:
                         record(deleted, rel)
                 else:
@@ -332,7 +345,8 @@ def read_changes(upper_fd: int, lower_fd: int, *, xattr_prefix: str,
                 continue
             cfd = os.open(name, _DIR_FLAGS, dir_fd=ufd)
             try:
-                child_opaque = opaque or _dir_flags(cfd, rel, xattr_prefix)
+                is_opaque, child_x = _dir_flags(cfd, rel, xattr_prefix)
+                child_opaque = opaque or is_opaque
                 clfd = None
                 if lst is not None and stat.S_ISDIR(lst.st_mode):
                     try:
@@ -344,11 +358,11 @@ def read_changes(upper_fd: int, lower_fd: int, *, xattr_prefix: str,
             except BaseException:
                 os.close(cfd)
                 raise
-            enter(cfd, clfd, rel, child_opaque)
+            enter(cfd, clfd, rel, child_opaque, child_x)
     except OSError as err:
         raise WorkspaceError(err.errno or errno.EIO, f"cannot read the upper directory: {err}") from err
     finally:
-        for ufd, lfd, _, _, _ in stack:
+        for ufd, lfd, _, _, _, _ in stack:
             os.close(ufd)
             if lfd is not None:
                 os.close(lfd)
@@ -623,6 +637,7 @@ class _Frame:
     rel: str
     opaque: bool             # lower entries absent from the upper are deleted
     fresh: bool              # the target is new: no lower content, entries made under their final names
+    xwhiteouts: bool = False  # the upper dir is marked as holding xattr whiteouts
     names: list[str] = field(default_factory=list)  # upper names left, reversed
     gone: list[str] = field(default_factory=list)   # opaque: lower names to delete, reversed
     lst: os.stat_result | None = None   # the lower entry this directory replaces or updates
@@ -864,6 +879,7 @@ class _Applier:
             raise
         self.stack.append(_Frame(ufd, tfd, "", opaque=False, fresh=self.save))
         try:
+            self.stack[0].xwhiteouts = _dir_flags(ufd, ".", self.prefix)[1]
             self.stack[0].names = sorted(os.listdir(ufd), reverse=True)
             while self.stack:
                 frame = self.stack[-1]
@@ -918,7 +934,7 @@ class _Applier:
             return
         lst = _lstat(frame.tfd, name) if not frame.fresh and frame.tfd is not None else None
         mode = ust.st_mode
-        if _is_whiteout(ust, frame.ufd, name, self.prefix):
+        if _is_whiteout(ust, frame.ufd, name, self.prefix, frame.xwhiteouts):
             if self.save:
                 self.whiteouts.append(rel)
             elif lst is not None:
@@ -1133,7 +1149,7 @@ class _Applier:
             return
         cfd = os.open(name, _DIR_FLAGS, dir_fd=frame.ufd)
         try:
-            opaque_here = _dir_flags(cfd, rel, self.prefix)
+            opaque_here, xwhiteouts = _dir_flags(cfd, rel, self.prefix)
         except BaseException:
             os.close(cfd)
             raise
@@ -1143,6 +1159,8 @@ class _Applier:
             self.existing_dir(frame, name, rel, cfd, ust, lst, frame.opaque or opaque_here)
         else:
             self.new_dir(frame, name, rel, cfd, ust, lst)
+        if self.stack[-1].ufd == cfd:
+            self.stack[-1].xwhiteouts = xwhiteouts
 
     def existing_dir(self, frame: _Frame, name: str, rel: str, cfd: int, ust: os.stat_result,
                      lst: os.stat_result, opaque: bool) -> None:

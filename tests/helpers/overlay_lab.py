@@ -49,6 +49,7 @@ def _inner(base: str, options: str) -> int:
     subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
                     f"{options},lowerdir={base}/lower,upperdir={base}/upper,workdir={base}/work", merged],
                    check=True)
+    os.environ["LAB_BASE"] = base
     os.chdir(merged)
     if spec.get("sh"):
         subprocess.run(["sh", "-ec", spec["sh"]], check=True)
@@ -165,8 +166,15 @@ class Lab:
             if self.user:
                 os.chown(self.base / d, self.uid, self.gid)
 
-    def run(self, sh: str = "", py: str = "") -> None:
-        """Mount the overlay in a private mount namespace, run the ops in the merged dir, unmount."""
+    def run(self, sh: str = "", py: str = "", *, capture: bool = False) -> dict[str, Any] | None:
+        """Mount the overlay in a private mount namespace, run the ops in the merged dir, unmount.
+
+        ``capture``: also return :func:`tree_state` of the merged dir as the run left it (owners
+        as seen inside the namespace), the oracle for what a commit must produce.
+        """
+        if capture:
+            py += ("\nimport json, os\nfrom overlay_lab import tree_state\n"
+                   "json.dump(tree_state(os.getcwd()), open(os.path.join(os.environ['LAB_BASE'], 'merged.json'), 'w'))\n")
         inner = [sys.executable, str(HERE), "inner", str(self.base), self.options]
         if self.mode == "root":
             argv = [UNSHARE, "--mount", "--propagation", "private", *inner]
@@ -178,6 +186,12 @@ class Lab:
                               timeout=300, cwd="/")
         if proc.returncode != 0:
             raise AssertionError(f"overlay ops failed ({self.mode}): {proc.stderr.decode(errors='replace')[-3000:]}")
+        if not capture:
+            return None
+        with open(self.base / "merged.json") as f:
+            state: dict[str, Any] = json.load(f)
+        os.unlink(self.base / "merged.json")
+        return state
 
     def call(self, op: str, **kw: Any) -> Any:
         """``op`` (changes/commit/save/cleanup) on this lab, as the lab's identity. Returns the
@@ -197,6 +211,52 @@ class Lab:
 
     def remove(self) -> None:
         shutil.rmtree(self.base, ignore_errors=True)
+
+
+def make_scenario_lower(lower: Path) -> None:
+    """The lower tree :data:`SCENARIO_OPS` works on."""
+    files = {"a.txt": "a\n", "b.txt": "b\n", "c.txt": "c\n", "chmod.txt": "m", "setuid.bin": "#!/bin/sh\n",
+             "x.txt": "x", "dir1/x": "1", "dir1/y": "2", "tree/sub/deep/f": "f", "tree/g": "g",
+             "mvdir/p": "p", "mvdir/q/r": "r", "opq/o1": "o1", "opq/o2": "o2", "opq/od/x": "x", "f2d": "f",
+             "d2f/z": "z", "keep/k": "k"}
+    for rel, text in files.items():
+        (lower / rel).parent.mkdir(parents=True, exist_ok=True)
+        (lower / rel).write_text(text)
+    (lower / "dmode").mkdir()
+    os.chmod(lower / "setuid.bin", 0o755)
+    os.symlink("a.txt", lower / "link")
+
+
+#: What a run does in the merged dir (sh -e): every kind of change an overlay upper can hold.
+SCENARIO_OPS = """
+echo more >> a.txt
+rm b.txt
+mv c.txt c2.txt
+chmod 600 chmod.txt
+chmod u+s setuid.bin
+rm dir1/x
+rm -rf tree
+mv mvdir mvdir2
+rm -rf opq; mkdir opq; echo new-o1 > opq/o1; mkdir opq/od
+rm f2d; mkdir f2d; echo in > f2d/in
+rm -rf d2f; echo now-a-file > d2f
+rm link; ln -s b-gone link
+ln -s /etc/passwd newlink
+echo h > h1; ln h1 h2
+ln a.txt a.hard
+mkfifo fifo
+chmod 700 dmode
+echo n > new.txt; mkdir newdir; echo nn > newdir/n
+chmod o+w new.txt
+"""
+SCENARIO_PY = "import os\nos.setxattr('x.txt', 'user.k', b'v')\nos.setxattr('new.txt', 'user.n', b'1')\n"
+#: read_changes() of the scenario.
+SCENARIO_CHANGES = {
+    "added": ["a.hard", "c2.txt", "f2d/in", "fifo", "h1", "h2", "mvdir2", "mvdir2/p", "mvdir2/q", "mvdir2/q/r",
+              "new.txt", "newdir", "newdir/n", "newlink"],
+    "modified": ["a.txt", "chmod.txt", "d2f", "dmode", "f2d", "link", "opq/o1", "setuid.bin", "x.txt"],
+    "deleted": ["b.txt", "c.txt", "dir1/x", "mvdir", "opq/o2", "opq/od/x", "tree"],
+}
 
 
 def tree_state(root: Path, *, times: bool = True, ctime: bool = False) -> dict[str, tuple[Any, ...]]:
