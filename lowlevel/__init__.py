@@ -9,8 +9,8 @@ Quick start::
 See :func:`lowlevel.run`, :class:`lowlevel.Policy` and :class:`lowlevel.Result`.
 """
 
-from .errors import (BwrapNotFoundError, LaunchError, LowlevelError, PolicyError, SeccompError,
-                     SessionError, UnsupportedError, WorkspaceError)
+from .errors import (BwrapNotFoundError, CommitConflictError, LaunchError, LowlevelError, PolicyError,
+                     SeccompError, SessionError, UnsupportedError, WorkspaceError)
 from .launcher import ExecError, run
 from .limits import Limits
 from .policy import Bind, Policy
@@ -43,6 +43,7 @@ __all__ = [
     "Bind",
     "BwrapNotFoundError",
     "Changes",
+    "CommitConflictError",
     "DEFAULT_PROFILE",
     "ExecError",
     "LaunchError",

@@ -56,7 +56,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import WorkspaceError
+from .errors import CommitConflictError, WorkspaceError
 from .workspace import ACL_XATTRS, MAX_DEPTH, MAX_SNAPSHOT_ENTRIES, SETID_BITS, Changes
 
 #: The two xattr namespaces overlayfs keeps its metadata in: ``trusted.`` for mounts made by
@@ -80,39 +80,6 @@ _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
 _serial = itertools.count(1)
-
-
-class CommitConflictError(WorkspaceError):
-    """The user's directory changed on the host during the run where the commit would write.
-
-    Raised by :func:`commit` before it changes anything: every entry the commit would replace,
-    delete or chmod was checked first, and one or more had ``st_ctime_ns > since_ns``.
-
-    Attributes:
-        conflicts: the relative paths that changed on the host (sorted; ``str`` with
-            surrogateescape, see the module docstring).
-        saved_upper: where the run's changes were saved (:func:`save_upper`), or None. Set by
-            :meth:`with_saved_upper`.
-    Errno: EBUSY.
-    """
-
-    def __init__(self, conflicts: tuple[str, ...], message: str = "", saved_upper: str | None = None) -> None:
-        shown = ", ".join(repr(p) for p in conflicts[:10]) + (f" and {len(conflicts) - 10} more"
-                                                              if len(conflicts) > 10 else "")
-        message = message or (f"commit refused: {len(conflicts)} entr{'y' if len(conflicts) == 1 else 'ies'} of "
-                              f"the workspace changed on the host during the run ({shown}); nothing was changed"
-                              + (f"; the run's changes are saved in {saved_upper}" if saved_upper else
-                                 "; save the run's changes with lowlevel.overlay.save_upper() or discard them"))
-        super().__init__(errno.EBUSY, message)
-        self.conflicts = tuple(conflicts)
-        self.saved_upper = saved_upper
-
-    def with_saved_upper(self, path: str) -> CommitConflictError:
-        """The same error, saying the run's changes were saved at ``path`` (from :func:`save_upper`)."""
-        return CommitConflictError(self.conflicts, saved_upper=path)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.conflicts, str(self), self.saved_upper))
 
 
 @dataclass(frozen=True)
@@ -669,6 +636,7 @@ class _Applier:
         self.stack: list[_Frame] = []
         self.pending: list[tuple[int, str]] = []     # temporaries to remove if we stop now
         self.left_behind = False                     # a temporary could not be removed
+        self.held: list[int] = []                    # dir fds of popped frames with temporaries pending
         self.decisions: dict[str, str] = {}          # rel -> skip reason, decided by the dry pass
         self.stamps: dict[str, tuple[int, int]] = {}  # rel -> (st_ino, st_ctime_ns) seen by the dry pass
         self.ours: set[tuple[int, int]] = set()      # lower inodes this commit changed itself
@@ -826,7 +794,7 @@ class _Applier:
         assert frame.tfd is not None
         if frame.rel not in self.journaled:
             if self.journal_fd is None:
-                self.journal_name = f"{LEFTOVER_PREFIX}{os.getpid()}.journal"
+                self.journal_name = f"{LEFTOVER_PREFIX}{os.getpid()}.journal"  # named first: see finish()
                 self.journal_fd = os.open(self.journal_name, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW
                                           | os.O_CLOEXEC, 0o600, dir_fd=self.target_fd)
             os.write(self.journal_fd, os.fsencode(frame.rel) + b"\0")
@@ -892,10 +860,6 @@ class _Applier:
                         self.leave(frame)
                     finally:
                         self.pop()
-        except BaseException:
-            if not dry:
-                self.abort_cleanup()
-            raise
         finally:
             while self.stack:
                 self.pop()
@@ -907,12 +871,33 @@ class _Applier:
         frame = self.stack.pop()
         os.close(frame.ufd)
         if frame.tfd is not None:
-            # Temporaries of this directory not removed stay for cleanup_commit_leftovers.
-            left = [p for p in self.pending if p[0] == frame.tfd]
-            if left:
-                self.left_behind = True
-                self.pending = [p for p in self.pending if p[0] != frame.tfd]
-            os.close(frame.tfd)
+            if any(p[0] == frame.tfd for p in self.pending):
+                self.held.append(frame.tfd)  # finish() removes its temporaries, then closes it
+            else:
+                os.close(frame.tfd)
+
+    def finish(self, rootfd: int) -> None:
+        """After the apply pass, however it ended: remove the temporaries still registered
+        (all of them when it was interrupted), close what is held, remove the journal unless
+        something could not be removed. Retried until done if interrupted (KeyboardInterrupt)."""
+        while True:
+            try:
+                self.abort_cleanup()
+                while self.held:
+                    fd = self.held.pop()
+                    os.close(fd)
+                if self.journal_fd is not None:
+                    fd, self.journal_fd = self.journal_fd, None
+                    os.close(fd)
+                if self.journal_name and not self.left_behind:
+                    try:
+                        os.unlink(self.journal_name, dir_fd=rootfd)
+                    except FileNotFoundError:
+                        pass
+                    self.journal_name = ""
+                return
+            except KeyboardInterrupt:
+                continue
 
     def push(self, frame: _Frame, lower_names: list[str] | None) -> None:
         """Put ``frame`` (owning its fds from now on) on the stack and list its upper dir."""
@@ -962,7 +947,10 @@ class _Applier:
                 return
         is_dir = stat.S_ISDIR(lst.st_mode)
         if self.dry:
-            if self.touch(rel, lst) and (not is_dir or self.check_subtree(frame.tfd, name, rel)):
+            ok = self.touch(rel, lst)
+            if is_dir:  # checked even when the directory itself changed: name every conflict below
+                ok = self.check_subtree(frame.tfd, name, rel) and ok
+            if ok:
                 self.deleted.append(rel)
             return
         if not self.touch(rel, lst):
@@ -997,10 +985,10 @@ class _Applier:
         key = (ust.st_dev, ust.st_ino)
         if self.dry:
             if lst is not None:
-                if not self.touch(rel, lst):
-                    return
-                if stat.S_ISDIR(lst.st_mode) and frame.tfd is not None \
-                        and not self.check_subtree(frame.tfd, name, rel):
+                ok = self.touch(rel, lst)
+                if stat.S_ISDIR(lst.st_mode) and frame.tfd is not None:
+                    ok = self.check_subtree(frame.tfd, name, rel) and ok
+                if not ok:
                     return
             if not self.can_own(rel, owner):
                 return
@@ -1399,7 +1387,7 @@ def commit(upper_fd: int, lower_fd: int, *, xattr_prefix: str, since_ns: int,
         try:
             work.run(dry=False)
         finally:
-            _close_journal(work, lock)
+            work.finish(lock)
         return work.report()
     except OSError as err:
         if isinstance(err, WorkspaceError):
@@ -1407,23 +1395,6 @@ def commit(upper_fd: int, lower_fd: int, *, xattr_prefix: str, since_ns: int,
         raise WorkspaceError(err.errno or errno.EIO, f"commit stopped: {err}") from err
     finally:
         os.close(lock)
-
-
-def _close_journal(work: _Applier, rootfd: int) -> None:
-    if work.journal_fd is None:
-        return
-    os.close(work.journal_fd)
-    work.journal_fd = None
-    if work.pending or work.left_behind:
-        return  # something could not be removed: the journal lets a later cleanup find it
-    while True:
-        try:
-            os.unlink(work.journal_name, dir_fd=rootfd)
-            return
-        except FileNotFoundError:
-            return
-        except KeyboardInterrupt:
-            continue
 
 
 def save_upper(upper_fd: int, dest: str, *, xattr_prefix: str, owner: tuple[int, int] | None = None) -> str:
