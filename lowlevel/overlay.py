@@ -244,11 +244,17 @@ def read_changes(upper_fd: int, lower_fd: int, *, xattr_prefix: str,
             complete = False
 
     def enter(ufd: int, lfd: int | None, rel: str, opaque: bool, xwhiteouts: bool) -> None:
+        nonlocal complete
         try:
             names = os.listdir(ufd)
             if opaque and lfd is not None:
                 present = set(names)
-                for name in sorted(os.listdir(lfd)):
+                try:
+                    lower_names = sorted(os.listdir(lfd))
+                except PermissionError:
+                    lower_names = []
+                    complete = False  # someone else's unreadable directory: its old entries unknown
+                for name in lower_names:
                     if name not in present:
                         record(deleted, _join(rel, name))
         except BaseException:
@@ -326,6 +332,8 @@ def read_changes(upper_fd: int, lower_fd: int, *, xattr_prefix: str,
                 os.close(cfd)
                 raise
             enter(cfd, clfd, rel, child_opaque, child_x)
+    except WorkspaceError:
+        raise
     except OSError as err:
         raise WorkspaceError(err.errno or errno.EIO, f"cannot read the upper directory: {err}") from err
     finally:
@@ -1275,6 +1283,13 @@ class _Applier:
         return CommitReport(changes, self.copied, tuple(sorted(self.skipped)), tuple(self.notes))
 
 
+def _check_owner(owner: tuple[int, int] | None, what: str) -> None:
+    if owner is not None and os.geteuid() != 0:
+        if owner[0] != os.geteuid() or owner[1] not in set(os.getgroups()) | {os.getegid()}:
+            raise ValueError(f"{what} {owner} is not yours: a caller that is not root can give new entries "
+                             "only its own uid and one of its groups (pass None to keep yours)")
+
+
 def _lock(lower_fd: int) -> int:
     """An exclusive flock(2) on a new open file description of the user's directory: commits
     to one directory (from any process) run one after another."""
@@ -1364,13 +1379,14 @@ def commit(upper_fd: int, lower_fd: int, *, xattr_prefix: str, since_ns: int,
         ValueError: bad ``xattr_prefix`` or ``new_owner``.
     """
     _check_prefix(xattr_prefix)
-    if new_owner is not None and os.geteuid() != 0:
-        if new_owner[0] != os.geteuid() or new_owner[1] not in set(os.getgroups()) | {os.getegid()}:
-            raise ValueError(f"new_owner {new_owner} is not yours: a caller that is not root can give new entries "
-                             "only its own uid and one of its groups (pass None to keep yours)")
+    _check_owner(new_owner, "new_owner")
     lock = _lock(lower_fd)
     try:
-        cleanup_commit_leftovers(lock)
+        try:
+            cleanup_commit_leftovers(lock)
+            early: list[str] = []
+        except WorkspaceError as err:  # a dead commit's leftover we cannot remove: not this commit's problem
+            early = [f"commit: {err}"]
         work = _Applier(upper_fd, lock, prefix=xattr_prefix, since_ns=since_ns, new_owner=new_owner,
                         max_bytes=max_bytes, save=False)
         try:
@@ -1378,7 +1394,7 @@ def commit(upper_fd: int, lower_fd: int, *, xattr_prefix: str, since_ns: int,
         except OSError as err:
             if isinstance(err, WorkspaceError):
                 raise
-            raise WorkspaceError(err.errno or errno.EIO, f"cannot read the upper directory: {err}") from err
+            raise WorkspaceError(err.errno or errno.EIO, f"commit refused, nothing was changed: {err}") from err
         if work.conflicts:
             raise CommitConflictError(tuple(sorted(set(work.conflicts))))
         if max_bytes is not None and work.planned > max_bytes:
@@ -1388,6 +1404,7 @@ def commit(upper_fd: int, lower_fd: int, *, xattr_prefix: str, since_ns: int,
             work.run(dry=False)
         finally:
             work.finish(lock)
+        work.notes[:0] = early
         return work.report()
     except OSError as err:
         if isinstance(err, WorkspaceError):
@@ -1423,9 +1440,10 @@ def save_upper(upper_fd: int, dest: str, *, xattr_prefix: str, owner: tuple[int,
     Raises:
         WorkspaceError: ``dest`` is unusable, the upper cannot be read; the half-made copy is
             removed.
-        ValueError: bad ``xattr_prefix``.
+        ValueError: bad ``xattr_prefix`` or ``owner``.
     """
     _check_prefix(xattr_prefix)
+    _check_owner(owner, "owner")
     try:
         dfd = os.open(dest, _DIR_FLAGS)
     except OSError as err:

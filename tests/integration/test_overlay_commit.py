@@ -224,6 +224,20 @@ def test_unprivileged_commit_never_reowns(test_user, tmp_path: Path):
         lab.remove()
 
 
+def test_directory_the_run_made_writable_takes_new_entries(lab: Lab):
+    """A read-only lower directory the run made writable (chmod 755) and added to: its new mode
+    is set before its entries, so even a caller that is not root commits them."""
+    (lab.lower / "ro").mkdir()
+    (lab.lower / "ro" / "old").write_text("o")
+    os.chmod(lab.lower / "ro", 0o555)
+    lab.chown_all()
+    since = time.time_ns()
+    lab.run(sh="chmod 755 ro; echo n > ro/new; rm ro/old")
+    rep = lab.call("commit", since_ns=since, new_owner=None)
+    assert sorted(os.listdir(lab.lower / "ro")) == ["new"] and rep["skipped"] == []
+    assert os.stat(lab.lower / "ro").st_mode & 0o777 == 0o755 and rep["changes"]["modified"] == ["ro"]
+
+
 def test_kind_changes_keep_every_path_present(lab: Lab):
     """file -> dir, dir -> file, symlink -> dir, dir -> symlink: each swapped atomically
     (RENAME_EXCHANGE), the old tree removed, no leftover."""
@@ -377,7 +391,7 @@ def test_sigkill_at_random_instants_leaves_old_or_new(mode: str, tmp_path: Path,
     recognisable name and cleanup_commit_leftovers removes them."""
     if mode == "user":
         request.getfixturevalue("test_user")
-    counts = _interrupt_trials(mode, tmp_path, signal.SIGKILL, trials=250, budget_s=18)
+    counts = _interrupt_trials(mode, tmp_path, signal.SIGKILL, trials=250, budget_s=15)
     print(counts)
     assert counts["trials"] >= 20  # hundreds on an idle machine; the budget bounds the time under load
     assert counts["mixed"] > 0  # the kills did land inside the apply pass
@@ -390,7 +404,7 @@ def test_keyboard_interrupt_leaves_no_temporaries(mode: str, tmp_path: Path, req
     entry left at all, without any cleanup call."""
     if mode == "user":
         request.getfixturevalue("test_user")
-    counts = _interrupt_trials(mode, tmp_path, signal.SIGINT, trials=150, budget_s=10)
+    counts = _interrupt_trials(mode, tmp_path, signal.SIGINT, trials=150, budget_s=8)
     print(counts)
     assert counts["trials"] >= 20 and counts["leftovers"] == 0
     assert counts["mixed"] > 0
