@@ -46,11 +46,11 @@ OPTIONS = ("redirect_dir=off,metacopy=off,index=off" if ROOT else
            "userxattr,redirect_dir=nofollow,metacopy=off,index=off")
 
 
-def _inner(base: str, changed: str) -> int:
+def _inner(base: str, options: str, changed: str) -> int:
     """In the new mount namespace: mount, append to the listed files, exit (unmounts)."""
     merged = os.path.join(base, "merged")
     subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
-                    f"{OPTIONS},lowerdir={base}/lower,upperdir={base}/upper,workdir={base}/work", merged], check=True)
+                    f"{options},lowerdir={base}/lower,upperdir={base}/upper,workdir={base}/work", merged], check=True)
     for rel in changed.split(","):
         with open(os.path.join(merged, rel), "a") as f:
             f.write("changed\n")
@@ -74,7 +74,8 @@ def _build(base: str, files: int, changed: int) -> None:
     targets = [f"d{(k * step) % 100:03}/f{k // 100:05}.txt" for k in range(changed)]
     unshare = shutil.which("unshare") or "/usr/bin/unshare"
     ns = [unshare, "--mount", "--propagation", "private"] if ROOT else [unshare, "--user", "--map-root-user", "--mount"]
-    subprocess.run([*ns, sys.executable, os.path.abspath(__file__), "--inner", base, ",".join(targets)], check=True)
+    subprocess.run([*ns, sys.executable, os.path.abspath(__file__), "--inner", base, OPTIONS,
+                    ",".join(targets)], check=True)
 
 
 def _stats(name: str, samples: list[float]) -> dict[str, object]:
@@ -97,7 +98,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument("--dir", default=None, help="where to build the trees (default: a temp dir in /tmp)")
-    ap.add_argument("--inner", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--inner", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.inner:
         return _inner(*args.inner)
