@@ -131,7 +131,9 @@ def main() -> int:
         for fd in fds.values():
             os.close(fd)
     finally:
-        shutil.rmtree(base, ignore_errors=True)
+        # remove_workspace, not rmtree: overlayfs leaves work/work mode 000, which an
+        # unprivileged owner must chmod before removing
+        workspace.remove_workspace(base)
     results = [_stats(k, v) for k, v in samples.items()]
     p50 = {k: statistics.median(v) for k, v in samples.items()}
     ratios = {"read_changes_vs_snapshot": round(p50["read_changes"] / p50["snapshot"], 4),
