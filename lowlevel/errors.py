@@ -54,10 +54,15 @@ class CommitConflictError(WorkspaceError):
     Attributes:
         conflicts: the relative paths that changed on the host (sorted; ``str`` with
             surrogateescape, see the module docstring).
-        saved_upper: where the run's changes were saved (:func:`save_upper`), or None. Set by
-            :meth:`with_saved_upper` (after :func:`lowlevel.overlay.save_upper`).
-    Errno: EBUSY.
+        saved_upper: where the run's changes were saved (:func:`lowlevel.overlay.save_upper`),
+            or None. :meth:`with_saved_upper` gives a copy that says so in its message.
+        result: the run's :class:`lowlevel.Result` when a run's commit raised it (set by the
+            caller that has one), else None.
+    Errno: EBUSY. ``str(err)`` is ``err.args[1]``, so a caller may extend the message by
+    replacing ``err.args``.
     """
+
+    result: Any = None
 
     def __init__(self, conflicts: tuple[str, ...], message: str = "", saved_upper: str | None = None) -> None:
         shown = ", ".join(repr(p) for p in conflicts[:10]) + (f" and {len(conflicts) - 10} more"
@@ -69,6 +74,9 @@ class CommitConflictError(WorkspaceError):
         super().__init__(_errno.EBUSY, message)
         self.conflicts = tuple(conflicts)
         self.saved_upper = saved_upper
+
+    def __str__(self) -> str:
+        return str(self.args[1]) if len(self.args) > 1 else super().__str__()
 
     def with_saved_upper(self, path: str) -> CommitConflictError:
         """The same error, saying the run's changes were saved at ``path`` (from :func:`save_upper`)."""

@@ -1414,7 +1414,8 @@ def commit(upper_fd: int, lower_fd: int, *, xattr_prefix: str, since_ns: int,
         os.close(lock)
 
 
-def save_upper(upper_fd: int, dest: str, *, xattr_prefix: str, owner: tuple[int, int] | None = None) -> str:
+def save_upper(upper_fd: int, dest: str, *, xattr_prefix: str | None = None,
+               owner: tuple[int, int] | None = None) -> str:
     """Copy a run's upper directory aside (after a conflict), with the rules of :func:`commit`.
 
     Makes a new directory ``<dest>/lowlevel-upper-<pid>-<n>`` (mode 0700), holding:
@@ -1432,7 +1433,8 @@ def save_upper(upper_fd: int, dest: str, *, xattr_prefix: str, owner: tuple[int,
     Args:
         upper_fd: ``O_DIRECTORY`` fd on the upper directory (only read).
         dest: an existing host directory the caller trusts (its parents are not checked).
-        xattr_prefix: as for :func:`commit`.
+        xattr_prefix: as for :func:`commit`; None: as lowlevel mounts overlays, ``trusted.overlay.``
+            for root, ``user.overlay.`` otherwise.
         owner: ``(uid, gid)`` for everything made (root callers: the workspace's owner), or
             None for the caller's.
     Returns:
@@ -1442,6 +1444,8 @@ def save_upper(upper_fd: int, dest: str, *, xattr_prefix: str, owner: tuple[int,
             removed.
         ValueError: bad ``xattr_prefix`` or ``owner``.
     """
+    if xattr_prefix is None:
+        xattr_prefix = XATTR_PREFIXES[0] if os.geteuid() == 0 else XATTR_PREFIXES[1]
     _check_prefix(xattr_prefix)
     _check_owner(owner, "owner")
     try:
@@ -1490,6 +1494,32 @@ def save_upper(upper_fd: int, dest: str, *, xattr_prefix: str, owner: tuple[int,
     return os.path.join(dest, name)
 
 
+def clear_dir(fd: int) -> None:
+    """Remove everything inside directory ``fd`` (it stays, empty): e.g. a dropped upper layer.
+
+    Iterative and by fd like :func:`commit`'s removals: never follows a symlink, any depth,
+    directories of the caller's that block their removal are made ``u+rwx`` first.
+
+    Raises:
+        WorkspaceError: an entry could not be removed (the rest is still removed).
+    """
+    try:
+        dfd = os.open(".", _DIR_FLAGS, dir_fd=fd)
+    except OSError as err:
+        raise WorkspaceError(err.errno, f"cannot open the directory to clear it: {err.strerror}") from err
+    first: OSError | None = None
+    try:
+        for name in os.listdir(dfd):
+            try:
+                _remove_tree(dfd, name)
+            except OSError as err:
+                first = first or err
+    finally:
+        os.close(dfd)
+    if first is not None:
+        raise WorkspaceError(first.errno or errno.EIO, f"cannot clear the directory: {first}")
+
+
 def _write_list(dirfd: int, name: str, data: bytes, owner: tuple[int, int] | None) -> None:
     fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dirfd)
     try:
@@ -1512,5 +1542,5 @@ def iter_saved_list(path: str) -> Iterator[str]:
 
 
 __all__ = ["LEFTOVER_PREFIX", "MAX_LINKED", "SAVED_OPAQUE", "SAVED_SKIPPED", "SAVED_WHITEOUTS", "XATTR_PREFIXES",
-           "CommitConflictError", "CommitReport", "cleanup_commit_leftovers", "commit", "iter_saved_list",
-           "read_changes", "save_upper"]
+           "CommitConflictError", "CommitReport", "cleanup_commit_leftovers", "clear_dir", "commit",
+           "iter_saved_list", "read_changes", "save_upper"]

@@ -187,6 +187,8 @@ def test_conflict_error_type_and_saved_path(tmp_path: Path):
     import pickle
     again = pickle.loads(pickle.dumps(err2))
     assert again.conflicts == ("a", "b") and str(again) == str(err2)
+    err.args = (err.args[0], f"{err.args[1]}; saved to /x")  # how the launcher extends the message
+    assert str(err).endswith("; saved to /x") and err.result is None
 
 
 def test_byte_budget_refuses_before_changing(lab: Lab):

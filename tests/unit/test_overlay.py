@@ -331,6 +331,28 @@ def test_reserved_names_in_the_upper_are_not_committed(tmp_path: Path):
     assert rep.skipped[0][0] == f"{overlay.LEFTOVER_PREFIX}1-1" and "reserved" in rep.skipped[0][1]
 
 
+def test_clear_dir_empties_a_deep_tree_without_following_links(tmp_path: Path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("k")
+    up = tmp_path / "upper"
+    deep = up
+    for _ in range(MAX_DEPTH + 20):
+        deep = deep / "d"
+    os.makedirs(deep)
+    (deep / "f").write_text("f")
+    os.symlink(outside, up / "link")
+    (up / "ro").mkdir()
+    (up / "ro" / "x").write_text("x")
+    os.chmod(up / "ro", 0o500)
+    fd = os.open(up, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        overlay.clear_dir(fd)
+    finally:
+        os.close(fd)
+    assert os.listdir(up) == [] and os.listdir(outside) == ["keep"]
+
+
 def test_lab_error_is_reported(lab: Lab):
     with pytest.raises(LabError) as ei:
         lab.call("changes", prefix="bogus.")
