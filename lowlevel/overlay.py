@@ -52,6 +52,7 @@ import fcntl
 import itertools
 import os
 import stat
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -364,6 +365,74 @@ def _renameat2(dirfd: int, old: str, newdirfd: int, new: str, flags: int) -> Non
     if _libc(dirfd, os.fsencode(old), newdirfd, os.fsencode(new), flags) != 0:
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code), new)
+
+
+# --- statx btime and file handles (ctypes, glibc 2.28) ---------------------------------------
+
+_AT_SYMLINK_NOFOLLOW = 0x100
+_STATX_BTIME = 0x800
+_syscalls: dict[str, Any] = {}
+
+
+def _fn(name: str, argtypes: list[Any]) -> Any:
+    fn = _syscalls.get(name)
+    if fn is None:
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
+        fn.argtypes = argtypes
+        fn.restype = ctypes.c_int
+        _syscalls[name] = fn
+    return fn
+
+
+def _btime_ns(dirfd: int, name: str) -> int | None:
+    """Birth time of ``name`` (statx(2) ``stx_btime``, Linux 4.11; ext4, tmpfs, xfs, btrfs), or
+    None where the filesystem does not record it."""
+    try:
+        fn = _fn("statx", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p])
+    except AttributeError:
+        return None
+    buf = ctypes.create_string_buffer(256)  # struct statx
+    if fn(dirfd, os.fsencode(name), _AT_SYMLINK_NOFOLLOW, _STATX_BTIME, buf) != 0:
+        return None
+    mask, = struct.unpack_from("<I", buf, 0)
+    if not mask & _STATX_BTIME:
+        return None
+    sec, nsec = struct.unpack_from("<qI", buf, 80)  # stx_btime
+    return int(sec) * 1_000_000_000 + int(nsec)
+
+
+def _handle(dirfd: int, name: str) -> tuple[int, bytes] | None:
+    """``(handle_type, f_handle)`` of ``name`` (name_to_handle_at(2), no symlink followed)."""
+    try:
+        fn = _fn("name_to_handle_at", [ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p,
+                                       ctypes.POINTER(ctypes.c_int), ctypes.c_int])
+    except AttributeError:
+        return None
+    size = 128  # MAX_HANDLE_SZ
+    buf = ctypes.create_string_buffer(8 + size)  # struct file_handle
+    struct.pack_into("<I", buf, 0, size)
+    mount_id = ctypes.c_int()
+    if fn(dirfd, os.fsencode(name), buf, ctypes.byref(mount_id), 0) != 0:
+        return None
+    nbytes, htype = struct.unpack_from("<Ii", buf, 0)
+    return htype, buf.raw[8:8 + nbytes]
+
+
+def _copied_up_from(udirfd: int, uname: str, ldirfd: int, lname: str, prefix: str) -> bool:
+    """Whether upper entry ``uname`` is a copy-up of exactly the lower inode now at ``lname``.
+
+    Only ``trusted.overlay.origin`` holds the lower inode's file handle (``struct ovl_fb``:
+    version, magic 0xfb, len, flags, type, 16-byte uuid, then the handle; fs/overlayfs/
+    overlayfs.h); ``userxattr`` overlays store an empty origin, so they never qualify. A
+    renamed copy-up carries its old name's origin and does not match.
+    """
+    if prefix != XATTR_PREFIXES[0]:
+        return False
+    origin = _getxattr(_at(udirfd, uname), prefix + "origin")
+    if not origin or len(origin) < 21 or origin[1] != 0xFB or origin[2] != len(origin) or origin[3] & 0x4:
+        return False  # not an ovl_fb, or a handle of an upper inode (OVL_FH_FLAG_PATH_UPPER)
+    lower = _handle(ldirfd, lname)
+    return lower is not None and lower == (origin[4], origin[21:])
 
 
 # --- removing trees by fd ------------------------------------------------------------------
@@ -701,16 +770,18 @@ class _Applier:
     def changed_on_host(self, st: os.stat_result) -> bool:
         return self.since_ns is not None and st.st_ctime_ns > self.since_ns
 
-    def touch(self, rel: str, lst: os.stat_result) -> bool:
+    def touch(self, rel: str, lst: os.stat_result, copy: tuple[int, int, str] | None = None) -> bool:
         """An existing lower entry is about to be replaced, deleted or chmodded.
 
-        Dry pass: a ctime after ``since_ns`` is a conflict. Apply pass: the entry must be as
-        the dry pass saw it (same inode, same ctime) unless this commit changed it itself
+        Dry pass: a ctime after ``since_ns`` is a conflict, unless ``copy`` (upper dir fd,
+        lower dir fd, name) shows the run's entry is a copy-up of this very lower inode
+        taken after that change (see :func:`commit`). Apply pass: the entry must be as the
+        dry pass saw it (same inode, same ctime) unless this commit changed it itself
         (unlinking one name of a hard-linked file changes the other's ctime); else it
         changed on the host during the commit and is left alone (skipped).
         """
         if self.dry:
-            if self.changed_on_host(lst):
+            if self.changed_on_host(lst) and not (copy is not None and self.seen_by_run(lst, *copy)):
                 self.conflicts.append(rel)
                 return False
             self.stamps[rel] = (lst.st_ino, lst.st_ctime_ns)
@@ -719,6 +790,13 @@ class _Applier:
             return True
         self.skipped.append((rel, "changed on the host during the commit: left as the host made it"))
         return False
+
+    def seen_by_run(self, lst: os.stat_result, udirfd: int, ldirfd: int, name: str) -> bool:
+        """The run's copy of ``name`` was taken (copy-up) from this lower inode at or after its
+        last change: the host's change is in the run's version, nothing would be lost."""
+        btime = _btime_ns(udirfd, name)
+        return btime is not None and lst.st_ctime_ns <= btime and \
+            _copied_up_from(udirfd, name, ldirfd, name, self.prefix)
 
     def mine(self, st: os.stat_result | None) -> None:
         if st is not None:
@@ -993,8 +1071,9 @@ class _Applier:
         key = (ust.st_dev, ust.st_ino)
         if self.dry:
             if lst is not None:
-                ok = self.touch(rel, lst)
-                if stat.S_ISDIR(lst.st_mode) and frame.tfd is not None:
+                assert frame.tfd is not None
+                ok = self.touch(rel, lst, (frame.ufd, frame.tfd, name))
+                if stat.S_ISDIR(lst.st_mode):
                     ok = self.check_subtree(frame.tfd, name, rel) and ok
                 if not ok:
                     return
@@ -1170,7 +1249,7 @@ class _Applier:
         mode_key = rel + "\0mode"
         if chmod:
             if self.dry:
-                if not self.touch(rel, lst):
+                if not self.touch(rel, lst, (frame.ufd, frame.tfd, name)):
                     chmod = False
                 elif not self.root and lst.st_uid != self.euid:
                     self.decisions[mode_key] = f"owned by uid {lst.st_uid}: its mode cannot be changed"
@@ -1314,7 +1393,14 @@ def commit(upper_fd: int, lower_fd: int, *, xattr_prefix: str, since_ns: int,
     Conflicts: every lower entry the commit would replace, delete or chmod, and every entry
     below a lower directory it would delete or replace, must have ``st_ctime_ns <= since_ns``
     (unchanged on the host since the run started); otherwise :class:`CommitConflictError`
-    and nothing is changed. The window: ext4, tmpfs, xfs and btrfs stamp ctime from a coarse
+    and nothing is changed. One exception, for overlays mounted by root: an entry the run
+    copied up *after* the host changed it (``trusted.overlay.origin`` holds the lower
+    inode's file handle, it matches ``name_to_handle_at`` of the entry, and the lower ctime
+    is <= the upper entry's birth time, statx ``stx_btime``) is no conflict: the run worked
+    on the host's version (a file the host writes into a live Session's directory, then the
+    program edits). ``userxattr`` overlays record no handle (empty origin), and a deleted or
+    newly created entry proves nothing about what the run saw, so those keep the plain
+    rule. The window: ext4, tmpfs, xfs and btrfs stamp ctime from a coarse
     clock (one timer tick: 4 ms at ``CONFIG_HZ=250``; measured lag up to 2.2 ms here) unless
     the inode's ctime was read since its last change (multigrain timestamps, Linux 6.13+).
     A host change made in the first tick after ``since_ns`` may therefore carry a ctime <=

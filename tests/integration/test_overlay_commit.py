@@ -179,6 +179,50 @@ def test_conflicts_refuse_the_commit_and_change_nothing(lab: Lab, tmp_path: Path
     assert sorted(os.listdir(lo / "opq")) == [] and rep["changes"]["deleted"] == ["d", "opq/hostnew", "opq/o"]
 
 
+def test_host_change_the_run_copied_up_afterwards_is_no_conflict(lab: Lab):
+    """The host edits a file after since_ns, then the run edits the same file (its copy-up
+    holds the host's edit): with a root overlay the origin file handle and the copy-up's
+    birth time prove it, so the commit goes through and keeps both edits. A host edit after
+    the run's copy-up stays a conflict. userxattr overlays record no handle: plain rule."""
+    for name in ("seen.txt", "unseen.txt"):
+        (lab.lower / name).write_text(name + "\n")
+    lab.chown_all()
+    since = time.time_ns()
+    time.sleep(0.01)
+    with open(lab.lower / "seen.txt", "a") as f:
+        f.write("host\n")
+    time.sleep(0.01)  # a clock tick later: the copy-up's birth time is after the host's edit
+    lab.run(sh="echo run >> seen.txt")
+    if lab.mode != "root":
+        with pytest.raises(LabError) as ei:
+            lab.call("commit", since_ns=since, new_owner=None)
+        assert ei.value.conflicts == ("seen.txt",)
+        return
+    rep = lab.call("commit", since_ns=since, new_owner=None)
+    assert rep["changes"]["modified"] == ["seen.txt"]
+    assert (lab.lower / "seen.txt").read_text() == "seen.txt\nhost\nrun\n"
+    # control: the run copies up first, the host edits afterwards -> conflict
+    lab.reset_upper()
+    since = time.time_ns()
+    lab.run(sh="echo run >> unseen.txt")
+    time.sleep(0.01)
+    with open(lab.lower / "unseen.txt", "a") as f:
+        f.write("host\n")
+    with pytest.raises(LabError) as ei:
+        lab.call("commit", since_ns=since, new_owner=None)
+    assert ei.value.conflicts == ("unseen.txt",)
+    # control: a file the host replaced (new inode) after the run's copy-up -> conflict too
+    lab.reset_upper()
+    since = time.time_ns()
+    lab.run(sh="echo run >> seen.txt")
+    time.sleep(0.01)
+    (lab.lower / "seen.new").write_text("replaced")
+    os.rename(lab.lower / "seen.new", lab.lower / "seen.txt")
+    with pytest.raises(LabError) as ei:
+        lab.call("commit", since_ns=since, new_owner=None)
+    assert ei.value.conflicts == ("seen.txt",)
+
+
 def test_conflict_error_type_and_saved_path(tmp_path: Path):
     err = overlay.CommitConflictError(("a", "b"))
     assert isinstance(err, WorkspaceError) and err.errno == errno.EBUSY and "'a', 'b'" in str(err)
