@@ -713,6 +713,7 @@ class _Applier:
         self.stack: list[_Frame] = []
         self.pending: list[tuple[int, str]] = []     # temporaries to remove if we stop now
         self.left_behind = False                     # a temporary could not be removed
+        self.accept_seen = False                     # see commit(accept_seen_host_changes=)
         self.held: list[int] = []                    # dir fds of popped frames with temporaries pending
         self.decisions: dict[str, str] = {}          # rel -> skip reason, decided by the dry pass
         self.stamps: dict[str, tuple[int, int]] = {}  # rel -> (st_ino, st_ctime_ns) seen by the dry pass
@@ -781,7 +782,8 @@ class _Applier:
         changed on the host during the commit and is left alone (skipped).
         """
         if self.dry:
-            if self.changed_on_host(lst) and not (copy is not None and self.seen_by_run(lst, *copy)):
+            if self.changed_on_host(lst) and not (copy is not None and self.accept_seen
+                                                  and self.seen_by_run(lst, *copy)):
                 self.conflicts.append(rel)
                 return False
             self.stamps[rel] = (lst.st_ino, lst.st_ctime_ns)
@@ -1382,7 +1384,8 @@ def _lock(lower_fd: int) -> int:
 
 
 def commit(upper_fd: int, lower_fd: int, *, xattr_prefix: str, since_ns: int,
-           new_owner: tuple[int, int] | None, max_bytes: int | None = None) -> CommitReport:
+           new_owner: tuple[int, int] | None, max_bytes: int | None = None,
+           accept_seen_host_changes: bool = False) -> CommitReport:
     """Apply a run's upper directory to the user's directory, treating the upper as untrusted.
 
     Order: take an exclusive ``flock`` on the user's directory (commits to one directory are
@@ -1393,18 +1396,19 @@ def commit(upper_fd: int, lower_fd: int, *, xattr_prefix: str, since_ns: int,
     Conflicts: every lower entry the commit would replace, delete or chmod, and every entry
     below a lower directory it would delete or replace, must have ``st_ctime_ns <= since_ns``
     (unchanged on the host since the run started); otherwise :class:`CommitConflictError`
-    and nothing is changed. One exception, for overlays mounted by root: an entry the run
-    copied up *after* the host changed it (``trusted.overlay.origin`` holds the lower
-    inode's file handle, it matches ``name_to_handle_at`` of the entry, and the lower ctime
-    is <= the upper entry's birth time, statx ``stx_btime``) is no conflict: the run worked
-    on the host's version (a file the host writes into a live Session's directory, then the
-    program edits). ``userxattr`` overlays record no handle (empty origin), and a deleted or
-    newly created entry proves nothing about what the run saw, so those keep the plain
-    rule. The window: ext4, tmpfs, xfs and btrfs stamp ctime from a coarse
-    clock (one timer tick: 4 ms at ``CONFIG_HZ=250``; measured lag up to 2.2 ms here) unless
-    the inode's ctime was read since its last change (multigrain timestamps, Linux 6.13+).
-    A host change made in the first tick after ``since_ns`` may therefore carry a ctime <=
-    ``since_ns`` and go unnoticed; any later change is seen. Host changes during the commit
+    and nothing is changed. With ``accept_seen_host_changes=True``, for overlays mounted by
+    root, an entry the run copied up *after* the host changed it (``trusted.overlay.origin``
+    holds the lower inode's file handle, it matches ``name_to_handle_at`` of the entry, and
+    the lower ctime is <= the upper entry's birth time, statx ``stx_btime``) is no conflict:
+    the run worked on the host's version and nothing of the host's is lost (a file the host
+    writes into a live Session's directory, then the program edits). ``userxattr``
+    overlays record no handle (empty origin), and a deleted or newly created entry proves
+    nothing about what the run saw, so those keep the plain rule. The window: ext4, tmpfs,
+    xfs and btrfs stamp ctime from a coarse clock (one timer tick: 4 ms at ``CONFIG_HZ=250``;
+    measured lag up to 2.2 ms here) unless the inode's ctime was read since its last change
+    (multigrain timestamps, Linux 6.13+). A host change made in the first tick after
+    ``since_ns`` (or, with ``accept_seen_host_changes``, in the tick of the copy-up) may
+    therefore go unnoticed; any later change is seen. Host changes during the commit
     itself: each entry is re-checked just before it is written and left alone (``skipped``)
     if it changed; a change inside a lower directory after the dry pass checked it, and
     before the commit deletes that directory, is lost. A file the host deleted during the run
@@ -1454,6 +1458,8 @@ def commit(upper_fd: int, lower_fd: int, *, xattr_prefix: str, since_ns: int,
             groups.
         max_bytes: cap on the file content copied (bytes), None for none. Checked in the dry
             pass (WorkspaceError EFBIG, nothing changed) and enforced while copying.
+        accept_seen_host_changes: see Conflicts above (root overlays only; default off: any
+            host change after ``since_ns`` where the commit writes is a conflict).
     Returns:
         :class:`CommitReport`.
     Raises:
@@ -1475,6 +1481,7 @@ def commit(upper_fd: int, lower_fd: int, *, xattr_prefix: str, since_ns: int,
             early = [f"commit: {err}"]
         work = _Applier(upper_fd, lock, prefix=xattr_prefix, since_ns=since_ns, new_owner=new_owner,
                         max_bytes=max_bytes, save=False)
+        work.accept_seen = accept_seen_host_changes
         try:
             work.run(dry=True)
         except OSError as err:

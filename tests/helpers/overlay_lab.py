@@ -83,7 +83,8 @@ def call(req: dict[str, Any]) -> dict[str, Any]:
         elif op == "commit":
             owner = tuple(req["new_owner"]) if req.get("new_owner") else None
             out = overlay.commit(upper, lower, xattr_prefix=req["prefix"], since_ns=req["since_ns"],
-                                 new_owner=owner, max_bytes=req.get("max_bytes"))  # type: ignore[arg-type]
+                                 new_owner=owner, max_bytes=req.get("max_bytes"),  # type: ignore[arg-type]
+                                 accept_seen_host_changes=req.get("accept_seen", False))
         elif op == "save":
             out = {"path": overlay.save_upper(upper, req["dest"], xattr_prefix=req["prefix"])}
         elif op == "cleanup":

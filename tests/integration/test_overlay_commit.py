@@ -180,10 +180,11 @@ def test_conflicts_refuse_the_commit_and_change_nothing(lab: Lab, tmp_path: Path
 
 
 def test_host_change_the_run_copied_up_afterwards_is_no_conflict(lab: Lab):
-    """The host edits a file after since_ns, then the run edits the same file (its copy-up
-    holds the host's edit): with a root overlay the origin file handle and the copy-up's
-    birth time prove it, so the commit goes through and keeps both edits. A host edit after
-    the run's copy-up stays a conflict. userxattr overlays record no handle: plain rule."""
+    """accept_seen_host_changes=True: the host edits a file after since_ns, then the run edits
+    the same file (its copy-up holds the host's edit): with a root overlay the origin file
+    handle and the copy-up's birth time prove it, so the commit goes through and keeps both
+    edits. Without the flag it is a conflict; a host edit after the run's copy-up always is.
+    userxattr overlays record no handle: plain rule."""
     for name in ("seen.txt", "unseen.txt"):
         (lab.lower / name).write_text(name + "\n")
     lab.chown_all()
@@ -193,12 +194,15 @@ def test_host_change_the_run_copied_up_afterwards_is_no_conflict(lab: Lab):
         f.write("host\n")
     time.sleep(0.01)  # a clock tick later: the copy-up's birth time is after the host's edit
     lab.run(sh="echo run >> seen.txt")
+    with pytest.raises(LabError) as ei:
+        lab.call("commit", since_ns=since, new_owner=None)  # the plain rule (default)
+    assert ei.value.conflicts == ("seen.txt",)
     if lab.mode != "root":
         with pytest.raises(LabError) as ei:
-            lab.call("commit", since_ns=since, new_owner=None)
+            lab.call("commit", since_ns=since, new_owner=None, accept_seen=True)
         assert ei.value.conflicts == ("seen.txt",)
         return
-    rep = lab.call("commit", since_ns=since, new_owner=None)
+    rep = lab.call("commit", since_ns=since, new_owner=None, accept_seen=True)
     assert rep["changes"]["modified"] == ["seen.txt"]
     assert (lab.lower / "seen.txt").read_text() == "seen.txt\nhost\nrun\n"
     # control: the run copies up first, the host edits afterwards -> conflict
@@ -209,7 +213,7 @@ def test_host_change_the_run_copied_up_afterwards_is_no_conflict(lab: Lab):
     with open(lab.lower / "unseen.txt", "a") as f:
         f.write("host\n")
     with pytest.raises(LabError) as ei:
-        lab.call("commit", since_ns=since, new_owner=None)
+        lab.call("commit", since_ns=since, new_owner=None, accept_seen=True)
     assert ei.value.conflicts == ("unseen.txt",)
     # control: a file the host replaced (new inode) after the run's copy-up -> conflict too
     lab.reset_upper()
@@ -219,7 +223,7 @@ def test_host_change_the_run_copied_up_afterwards_is_no_conflict(lab: Lab):
     (lab.lower / "seen.new").write_text("replaced")
     os.rename(lab.lower / "seen.new", lab.lower / "seen.txt")
     with pytest.raises(LabError) as ei:
-        lab.call("commit", since_ns=since, new_owner=None)
+        lab.call("commit", since_ns=since, new_owner=None, accept_seen=True)
     assert ei.value.conflicts == ("seen.txt",)
 
 
