@@ -475,6 +475,9 @@ class Run:
         self.anchor_fds: dict[str, Any] = {}
         self.actions: list[tuple[Any, ...]] = []
         self.committed = False
+        #: A Session's long-lived workspace: a host change the sandbox copied up (saw) afterwards
+        #: is no conflict (lowlevel.overlay.commit); a run keeps the plain rule.
+        self.accept_seen_host_changes = False
 
     # -- 1. prepare ----------------------------------------------------------------------
     def _own(self, fd: int) -> int:
@@ -1094,10 +1097,12 @@ class Run:
             owner = (self.lower_stat.st_uid, self.lower_stat.st_gid) if root else None
             try:
                 report = _overlay.commit(self.upper_fd, self.lower_fd, xattr_prefix=self.xattr_prefix,
-                                         since_ns=self.since_ns, new_owner=owner)
+                                         since_ns=self.since_ns, new_owner=owner,
+                                         accept_seen_host_changes=self.accept_seen_host_changes)
             except _overlay.CommitConflictError as err:
                 try:
-                    saved = _overlay.save_upper(self.upper_fd, _conflict_dir(self.workspace_base))
+                    saved = _overlay.save_upper(self.upper_fd, _conflict_dir(self.workspace_base),
+                                                xattr_prefix=self.xattr_prefix, owner=owner)
                     err.saved_upper = saved
                     err.args = (err.args[0], f"{err.args[1]}; the run's changes were saved to {saved}")
                 except (OSError, LowlevelError) as save_err:

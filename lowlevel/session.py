@@ -293,6 +293,7 @@ class _Core:
                        timeout=None, capture=True, workspace_base=workspace_base, bwrap=bwrap,
                        extra_fds={_SOCK_FD: child.fileno(), _EXE_FD: _init_fd(exe)},
                        allow_sensitive_workspace=allow_sensitive_workspace, commit=commit)
+        self.run.accept_seen_host_changes = True
         self.cmds: dict[int, _Cmd] = {}
         self.fd_owner: dict[int, _Cmd] = {}
         self.next_id = 1
@@ -769,7 +770,7 @@ class _Core:
                 return changes
             owner = (r.lower_stat.st_uid, r.lower_stat.st_gid) if r.facts.caller_is_root and r.lower_stat else None
             report = _overlay.commit(r.upper_fd, r.lower_fd, xattr_prefix=r.xattr_prefix, since_ns=r.since_ns,
-                                     new_owner=owner)
+                                     new_owner=owner, accept_seen_host_changes=True)
             r.notes.extend(report.notes)
             r.reset_cow()
             return changes

@@ -57,12 +57,16 @@ class Changes:
             inode or kind.
         complete: False when the workspace held more than MAX_SNAPSHOT_ENTRIES entries and
             the report covers only part of it.
+        bytes_written: for a copy-on-write (overlay) run, the bytes the run's upper directory
+            allocates on its filesystem (sum of ``st_blocks * 512`` over its entries, each
+            inode once; see :func:`lowlevel.overlay.read_changes`); None when not measured.
     """
 
     added: tuple[str, ...] = ()
     modified: tuple[str, ...] = ()
     deleted: tuple[str, ...] = ()
     complete: bool = True
+    bytes_written: int | None = None
 
 
 Snapshot = dict[str, tuple[str, int, int, int, int]]
