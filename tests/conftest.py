@@ -127,14 +127,16 @@ class Sandbox:
     def run(self, command: list[str], *, timeout: float = 30, stdin: bytes | None = None,
             env: dict[str, str] | None = None, network: bool = False,
             binds: list[tuple[str, str, bool]] | None = None, limits: dict[str, Any] | None = None,
-            files: dict[str, bytes] | None = None, workspace: str | None = None) -> Outcome:
+            files: dict[str, bytes] | None = None, workspace: str | None = None,
+            policy_kw: dict[str, Any] | None = None) -> Outcome:
+        """``policy_kw``: more Policy keyword arguments (JSON values: ``compat_32bit``...)."""
         ws = workspace or self._mkdtemp()
         if self.user is None:
             for name, data in (files or {}).items():
                 Path(ws, name).write_bytes(data)
             policy = lowlevel.Policy(network=network, env=env or {},
                                      binds=tuple(lowlevel.Bind(s, d, writable=w) for s, d, w in binds or ()),
-                                     limits=lowlevel.Limits(**(limits or {})))
+                                     limits=lowlevel.Limits(**(limits or {})), **(policy_kw or {}))
             try:
                 r = lowlevel.run(command, policy=policy, workspace=ws, timeout=timeout, stdin=stdin)
             except lowlevel.LowlevelError as err:
@@ -144,7 +146,7 @@ class Sandbox:
             return Outcome(r.exit_code, r.stdout, r.stderr, r.timed_out, r.killed_by, r.term_signal, ws,
                            d["changes"], list(r.limits_enforced), list(r.notes), r.wall_time_s, raw=d)
         spec = {"command": command, "timeout": timeout, "env": env or {}, "network": network,
-                "binds": binds or [], "limits": limits or {}, "workspace": ws,
+                "binds": binds or [], "limits": limits or {}, "workspace": ws, "policy": policy_kw or {},
                 "files": {k: base64.b64encode(v).decode() for k, v in (files or {}).items()},
                 "stdin_b64": base64.b64encode(stdin).decode() if stdin is not None else None}
         proc = subprocess.run(

@@ -4,7 +4,7 @@ The test suite executes this script as an unprivileged user (runuser) to test th
 non-root path of bwrap with the same assertions as the root path. Spec keys:
 ``command``, ``timeout``, ``stdin_b64``, ``env``, ``network``, ``binds`` ([src, dest, writable]),
 ``limits`` (Limits kwargs), ``files`` ({name: base64} written into a fresh workspace),
-``workspace`` (an existing dir instead).
+``workspace`` (an existing dir instead), ``policy`` (more Policy kwargs).
 """
 
 import base64
@@ -21,7 +21,7 @@ def main() -> int:
     spec = json.load(sys.stdin)
     binds = tuple(lowlevel.Bind(s, d, writable=w) for s, d, w in spec.get("binds", []))
     policy = lowlevel.Policy(network=spec.get("network", False), binds=binds, env=spec.get("env", {}),
-                             limits=lowlevel.Limits(**spec.get("limits", {})))
+                             limits=lowlevel.Limits(**spec.get("limits", {})), **spec.get("policy", {}))
     workspace = spec.get("workspace")
     if workspace is None:
         workspace = tempfile.mkdtemp(prefix="lowlevel-test-ws-")
