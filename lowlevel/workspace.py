@@ -399,46 +399,72 @@ def ensure_base(base: str) -> str:
     return base
 
 
-def copy_inputs(root: str, inputs: Iterable[str | os.PathLike[str]]) -> list[str]:
-    """Copy files or directories into the workspace root, each under its base name.
+def copy_inputs(root: str, inputs: Iterable[str | os.PathLike[str] | tuple[str, str]]) -> list[str]:
+    """Copy files or directories into the workspace root, each under its base name, or at
+    the destination given with it.
+
+    Args:
+        root: the workspace.
+        inputs: each a host path (copied under its base name), or a ``(host path, dest)``
+            pair, ``dest`` relative to the workspace (``"data/a.csv"``; parents are created,
+            never through a symlink), so inputs keep their relative layout.
 
     Symlinks inside copied directories are copied as symlinks (not followed).
 
     Returns:
         The relative names created.
     Raises:
-        WorkspaceError: an input is missing, or two inputs share a base name, or it exists already.
+        WorkspaceError: an input is missing, or two inputs share a destination, or it exists
+            already, or ``dest`` is absolute or has ``..`` (EINVAL), or a symlink is in its way.
     """
     created: list[str] = []
     for item in inputs:
-        src = os.fspath(item)
-        name = os.path.basename(os.path.normpath(src))
+        if isinstance(item, tuple):
+            src, dest_rel = os.fspath(item[0]), item[1]
+            parts = _split_rel(dest_rel)
+            name = "/".join(parts)
+        else:
+            src = os.fspath(item)
+            name = os.path.basename(os.path.normpath(src))
+            parts = [name]
         if not os.path.lexists(src):
             raise WorkspaceError(errno.ENOENT, f"input {src!r} does not exist")
         if not name or name in ("..", "."):
             raise WorkspaceError(errno.EINVAL, f"input {src!r} has no usable base name")
-        dest = os.path.join(root, name)
-        if os.path.lexists(dest):
-            raise WorkspaceError(errno.EEXIST, f"input {src!r}: {name!r} already exists in the workspace "
-                                 "(two inputs with the same name?)")
         try:
-            if os.path.isdir(src) and not os.path.islink(src):
-                shutil.copytree(src, dest, symlinks=True)
-            else:
-                shutil.copy2(src, dest, follow_symlinks=True)
+            # The parent is opened component by component with O_NOFOLLOW and the copy goes
+            # through its pinned fd: a symlink in the workspace cannot send it elsewhere.
+            dfd = _open_parent(root, parts, create=True)
         except OSError as err:
-            raise WorkspaceError(err.errno or errno.EIO, f"cannot copy input {src!r}: {err}") from err
+            raise WorkspaceError(err.errno or errno.EIO, f"input {src!r}: cannot make {name!r} in the "
+                                 f"workspace: {err.strerror} (a symlink or file in the way?)") from err
+        try:
+            dest = f"/proc/self/fd/{dfd}/{parts[-1]}"
+            if os.path.lexists(dest):
+                raise WorkspaceError(errno.EEXIST, f"input {src!r}: {name!r} already exists in the workspace "
+                                     "(two inputs with the same name?)")
+            try:
+                if os.path.isdir(src) and not os.path.islink(src):
+                    shutil.copytree(src, dest, symlinks=True)
+                else:
+                    shutil.copy2(src, dest, follow_symlinks=True)
+            except OSError as err:
+                raise WorkspaceError(err.errno or errno.EIO, f"cannot copy input {src!r}: {err}") from err
+        finally:
+            os.close(dfd)
         created.append(name)
     return created
 
 
-def create_workspace(inputs: Iterable[str | os.PathLike[str]] = (), base: str | None = None) -> str:
+def create_workspace(inputs: Iterable[str | os.PathLike[str] | tuple[str, str]] = (),
+                     base: str | None = None) -> str:
     """Make a fresh per-run workspace under ``base`` and copy ``inputs`` into it.
 
     All or nothing: if a copy fails, the half-made workspace is removed.
 
     Args:
-        inputs: host files or directories, each copied under its base name.
+        inputs: host files or directories, each copied under its base name, or
+            ``(path, dest)`` pairs (see :func:`copy_inputs`).
         base: parent directory; default :func:`default_base`.
     Returns:
         The workspace's absolute host path (mode 0700).
