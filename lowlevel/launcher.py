@@ -621,6 +621,7 @@ class Run:
         self.cgroup = _limits.RunCgroup.create(policy.limits, f"run-{os.getpid()}-{id(self):x}")
         if self.cgroup is None:
             self.notes.append("no writable cgroup hierarchy: memory, pids and CPU bounded by rlimits only")
+        self.notes.extend(_limits.fallback_notes(policy.limits, self.cgroup))
 
         if self.facts.caller_is_root and not self.facts.cap_sys_resource:
             self.pre_exec_rlimits = _clamp_to_own_hard_limits(_limits.rlimits(policy.limits, self.cgroup))
