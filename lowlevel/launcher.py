@@ -265,6 +265,27 @@ def _check_stdio_fds(stdio_fds: Sequence[int | None] | None, *, stdin: bool,
     return fds[0], fds[1], fds[2]
 
 
+def _check_keep_workspace(keep_workspace: object, workspace: object) -> bool:
+    if not isinstance(keep_workspace, bool):
+        raise PolicyError(f"keep_workspace must be a bool, got {keep_workspace!r}")
+    if not keep_workspace and workspace is not None:
+        raise PolicyError("keep_workspace=False removes the fresh per-run workspace; it does not go with "
+                          "workspace= (lowlevel never deletes your directory)")
+    return keep_workspace
+
+
+def drop_fresh_workspace(result: Result, note: str = "workspace removed after the run "
+                         "(keep_workspace=False)") -> Result:
+    """Remove ``result.workspace`` (a fresh one: the caller checked) and say so in the notes;
+    a failure to remove is a note too, never an exception that would lose the Result."""
+    import dataclasses
+    try:
+        _ws.remove_workspace(result.workspace)
+    except (OSError, LowlevelError) as err:
+        note = f"keep_workspace=False: could not remove {result.workspace}: {err}"
+    return dataclasses.replace(result, notes=(*result.notes, note))
+
+
 def _check_command(command: Sequence[str]) -> list[str]:
     if isinstance(command, (str, bytes)) or not isinstance(command, Sequence) or not command:
         raise PolicyError("command must be a non-empty list of strings, e.g. ['python3', 'main.py']")
@@ -496,7 +517,7 @@ class Run:
                  env: Mapping[str, str] | None = None, capture: bool = True,
                  cwd: str = WORKSPACE_DEST, workspace_base: str | None = None, bwrap: str | None = None,
                  extra_fds: Mapping[int, int] | None = None, allow_sensitive_workspace: bool = False,
-                 stdio_fds: Sequence[int | None] | None = None) -> None:
+                 stdio_fds: Sequence[int | None] | None = None, keep_workspace: bool = True) -> None:
         if not isinstance(policy, Policy):
             raise PolicyError(f"policy must be a lowlevel.Policy, got {type(policy).__name__}")
         if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
@@ -508,6 +529,7 @@ class Run:
         if not isinstance(cwd, str) or not cwd.startswith("/"):
             raise PolicyError(f"cwd must be an absolute path inside the sandbox, got {cwd!r}")
         self.stdio_fds = _check_stdio_fds(stdio_fds, stdin=stdin is not None, capture=capture)
+        self.keep_workspace = _check_keep_workspace(keep_workspace, workspace)
         self.command = _check_command(command)
         self.policy = policy
         self.timeout = float(timeout) if timeout is not None else None
@@ -1011,6 +1033,20 @@ class Run:
         assert self.handover is not None
         return _ws.give_back(self.handover)
 
+    def finish_workspace(self, result: Result | None) -> Result | None:
+        """``keep_workspace=False``: remove the fresh workspace now that the Result is built
+        (or the run failed: ``result`` None). Returns the Result with a note saying so."""
+        if self.keep_workspace or not self.owns_workspace or not self.workspace:
+            return result
+        if result is not None:
+            return drop_fresh_workspace(result)
+        if os.path.lexists(self.workspace):
+            try:
+                _ws.remove_workspace(self.workspace)
+            except (OSError, LowlevelError) as err:
+                log.warning("lowlevel: keep_workspace=False: cannot remove %s: %s", self.workspace, err)
+        return None
+
     def discard_workspace_if_unused(self) -> None:
         """Remove a workspace this Run created when the program never started (setup failed)."""
         if self.owns_workspace and self.workspace and b'"exit-code"' not in self.json_buf \
@@ -1155,7 +1191,7 @@ def run(command: Sequence[str], *, policy: Policy | None = None, workspace: str 
         stdin: bytes | None = None, env: Mapping[str, str] | None = None, capture: bool = True,
         cwd: str = WORKSPACE_DEST, workspace_base: str | None = None,
         record: str | os.PathLike[str] | None = None, allow_sensitive_workspace: bool = False,
-        stdio_fds: Sequence[int | None] | None = None) -> Result:
+        stdio_fds: Sequence[int | None] | None = None, keep_workspace: bool = True) -> Result:
     """Run ``command`` in a fresh bwrap sandbox and wait for it.
 
     Args:
@@ -1193,6 +1229,11 @@ def run(command: Sequence[str], *, policy: Policy | None = None, workspace: str 
             discipline or lock it (``TIOCSETD``, ``TIOCEXCL``), one holding your log file can
             reopen it through ``/proc/self/fd`` and read it. stdout and stderr only with
             ``capture=False``; stdin not with ``stdin`` bytes.
+        keep_workspace: True (default) keeps a fresh workspace after the run (its path is
+            ``Result.workspace``). False removes it once the Result is built (``changes``
+            still lists what the run did; a note says it was removed), and on failure or
+            interruption too. Only for a fresh workspace: with ``workspace=`` it raises
+            PolicyError (lowlevel never deletes your directory).
     Returns:
         A :class:`Result`.
     Raises:
@@ -1209,22 +1250,29 @@ def run(command: Sequence[str], *, policy: Policy | None = None, workspace: str 
         if stdio_fds is not None and any(fd is not None for fd in stdio_fds):
             raise PolicyError("stdio_fds does not go with record: a record stores stdin as bytes and "
                               "the output it hashes; pass stdin= and capture the output")
+        _check_keep_workspace(keep_workspace, workspace)
         from .record import record_run
-        return record_run(command, record=record, policy=policy, workspace=workspace, inputs=inputs,
-                          timeout=timeout, stdin=stdin, env=env, capture=capture, cwd=cwd,
-                          workspace_base=workspace_base, allow_sensitive_workspace=allow_sensitive_workspace)
+        recorded = record_run(command, record=record, policy=policy, workspace=workspace, inputs=inputs,
+                              timeout=timeout, stdin=stdin, env=env, capture=capture, cwd=cwd,
+                              workspace_base=workspace_base, allow_sensitive_workspace=allow_sensitive_workspace)
+        return recorded if keep_workspace else drop_fresh_workspace(recorded)
     r = Run(command, policy=policy or Policy(), workspace=None if workspace is None else os.fspath(workspace),
             inputs=inputs, timeout=timeout, stdin=stdin, env=env, capture=capture, cwd=cwd,
-            workspace_base=workspace_base,
-            allow_sensitive_workspace=allow_sensitive_workspace, stdio_fds=stdio_fds)
+            workspace_base=workspace_base, allow_sensitive_workspace=allow_sensitive_workspace,
+            stdio_fds=stdio_fds, keep_workspace=keep_workspace)
     try:
-        return _drive_sync(r)
+        result = _drive_sync(r)
     except BaseException:
         r.close()
         r.discard_workspace_if_unused()
+        r.finish_workspace(None)
         raise
     finally:
         r.close()
+    out = r.finish_workspace(result)
+    assert out is not None
+    return out
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "ExecError", "Run", "classify_setup_failure", "host_facts", "precheck_exec", "run"]
+__all__ = ["DEFAULT_TIMEOUT_S", "ExecError", "Run", "classify_setup_failure", "drop_fresh_workspace", "host_facts",
+           "precheck_exec", "run"]
