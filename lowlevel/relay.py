@@ -53,12 +53,10 @@ import fcntl
 import os
 import select
 import signal
-import stat
 import struct
 import termios
 import threading
 import tty
-from collections.abc import Iterator
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -469,13 +467,6 @@ class StdioRelay:
             # die with the process.
 
 
-@contextlib.contextmanager
-def relayed(*, stdin: bool = True, output: bool = True) -> Iterator[StdioRelay]:
-    """``with relayed() as relay:`` -- a :class:`StdioRelay` on fds 0, 1 and 2."""
-    with StdioRelay(stdin=stdin, output=output) as relay:
-        yield relay
-
-
 def is_terminal_or_none(fd: int) -> bool:
     """True when ``fd`` is a terminal or not open (nothing to read from it without a user)."""
     if not _is_open(fd):
@@ -483,13 +474,4 @@ def is_terminal_or_none(fd: int) -> bool:
     return _isatty(fd)
 
 
-def is_regular_or_pipe(fd: int) -> bool:
-    """True when ``fd`` is a regular file, pipe or socket (data a caller piped in)."""
-    try:
-        mode = os.fstat(fd).st_mode
-    except OSError:
-        return False
-    return stat.S_ISREG(mode) or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
-
-
-__all__ = ["StdioRelay", "is_terminal_or_none", "relayed"]
+__all__ = ["StdioRelay", "is_terminal_or_none"]
