@@ -323,13 +323,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.rm and args.workspace is not None:
         raise UsageError("run: --rm removes the fresh per-run workspace; it does not go with "
                          "--workspace (lowlevel never deletes your directory)")
-    created: list[str] = []
+    created: list[str] = []  # the fresh workspace, while it exists
     try:
         return _cmd_run(args, command, created)
     except ExecError as err:
-        return _error(args, err, EXIT_NOTFOUND if err.errno == errno.ENOENT else EXIT_NOEXEC)
+        return _error(args, err, EXIT_NOTFOUND if err.errno == errno.ENOENT else EXIT_NOEXEC,
+                      workspace=created[0] if created else None)
     except LowlevelError as err:
-        return _error(args, err, EXIT_FAILED)
+        return _error(args, err, EXIT_FAILED, workspace=created[0] if created else None)
 
 
 def _remove(path: str) -> None:
@@ -397,10 +398,10 @@ def _cmd_run(args: argparse.Namespace, command: list[str], created: list[str]) -
                 # Nothing ran (a bad option, the command not found, setup failed): the
                 # fresh workspace holds only the inputs.
                 _remove(created[0])
+                created.clear()
             else:
                 # Maybe after the program ran (giving the workspace back failed...): keep it.
                 print(f"lowlevel: workspace {created[0]}", file=sys.stderr)
-        created.clear()
         raise
     try:
         return _report(args, result)

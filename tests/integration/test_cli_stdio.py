@@ -291,15 +291,22 @@ def test_interactive_pty_relay(who: pwd.struct_passwd | None, base: Path) -> Non
         run.close()
 
 
-@pytest.mark.parametrize("char,signum", [(b"\x03", signal.SIGINT), (b"\x1c", signal.SIGQUIT)], ids=["^C", "^\\"])
+@pytest.mark.parametrize("char,signum", [(b"\x03", signal.SIGINT), (b"\x1c", signal.SIGQUIT),
+                                         (None, signal.SIGTERM), (None, signal.SIGQUIT)],
+                         ids=["^C", "^\\", "kill-TERM", "kill-QUIT"])
 def test_interrupt_characters_kill_the_run_and_keep_the_workspace(who: pwd.struct_passwd | None, base: Path,
-                                                                  char: bytes, signum: int) -> None:
+                                                                  char: bytes | None, signum: int) -> None:
+    """^C and ^\\ typed on the terminal (raw mode: the relay raises them in the CLI), or the
+    signal sent: the run ends with the same notice, the workspace is kept, termios restored."""
     argv, env = cli_argv(who, "--", "sh", "-c", "echo partial > out.txt; echo READY; sleep 60")
     env["LOWLEVEL_WORKSPACE_BASE"] = str(base)
     run = PtyRun(argv, env)
     try:
         run.read_until(lambda b: b"READY" in b)
-        os.write(run.master, char)
+        if char is None:
+            run.proc.send_signal(signum)
+        else:
+            os.write(run.master, char)
         assert run.wait() == 128 + signum, run.out
         name = signal.Signals(signum).name
         line = next(line for line in run.out.decode().splitlines() if line.startswith(f"lowlevel: {name}"))
