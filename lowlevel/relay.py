@@ -36,8 +36,8 @@ while the run is live (output is not buffered until the end):
 The sandbox runs with ``--new-session`` (no controlling terminal) and bwrap is spawned with
 ``setsid``, so ``/dev/tty`` inside names no terminal at all.
 
-Limits: the relay reads ahead of the program (up to a pipe buffer, 64 KiB), so the caller's
-stdin offset moves further than the program read (as with ``ssh``); in raw mode ``^Z`` is
+Limits: the relay reads ahead of the program (up to a pipe buffer and one read, 128 KiB), so
+the caller's stdin offset moves further than the program read (as with ``ssh``); in raw mode ``^Z`` is
 passed to the program rather than stopping the caller; the program gets no SIGWINCH (it has
 no controlling terminal) but sees the new size with ``TIOCGWINSZ``.
 
@@ -60,7 +60,13 @@ import tty
 from types import FrameType, TracebackType
 from typing import Any
 
-_CHUNK = 65536
+_CHUNK = 1 << 20
+#: Read size on the caller's stdin: small, as what the relay reads ahead of the program is
+#: taken from a stdin the caller may share (see the module docstring).
+_IN_CHUNK = 65536
+#: Pipe buffer asked for (F_SETPIPE_SZ; capped by /proc/sys/fs/pipe-max-size, 1 MiB by
+#: default): fewer wake-ups of the relay thread per byte of output.
+_PIPE_BYTES = 1 << 20
 #: How much of the program's stderr the relay keeps (:attr:`StdioRelay.stderr_tail`), bytes.
 _TAIL = 4096
 #: termios local-mode bits that echo input; cleared on our pty when the caller's terminal
@@ -155,9 +161,12 @@ class StdioRelay:
         self.error: BaseException | None = None
 
     # -- setup -------------------------------------------------------------------------
-    def _pipe(self) -> tuple[int, int]:
+    def _pipe(self, size: int | None = None) -> tuple[int, int]:
         r, w = os.pipe()
         self._owned += [r, w]
+        if size is not None:
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, size)
         return r, w
 
     def __enter__(self) -> StdioRelay:
@@ -211,7 +220,7 @@ class StdioRelay:
                 if is_tty and self.pty:
                     child[i] = self._slave
                     continue
-                r, w = self._pipe()
+                r, w = self._pipe(_PIPE_BYTES)
                 child[i] = w
                 self._child_ends.append(w)
                 self._outs[r] = fd if _is_open(fd) else -1
@@ -336,7 +345,7 @@ class StdioRelay:
         input still open)."""
         assert self._in_src is not None
         try:
-            data = os.read(self._in_src, _CHUNK)
+            data = os.read(self._in_src, _IN_CHUNK)
         except BlockingIOError:
             return b"", True
         except OSError:

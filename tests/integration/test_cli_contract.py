@@ -170,6 +170,7 @@ def test_piped_stdin_reaches_the_program_in_every_mode(who: pwd.struct_passwd | 
     assert proc.returncode == 0, proc  # replay fed the same stdin: same output
 
 
+@pytest.mark.slow
 def test_record_stdin_over_64_mib_is_one_line(who: pwd.struct_passwd | None, base: Path, scratch: Path) -> None:
     record = scratch / "big.json"
     proc = cli(who, base, "run", "--record", str(record), "--", "true", stdin=b"x" * (64 * 1024 * 1024 + 1))
