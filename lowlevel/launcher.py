@@ -748,9 +748,10 @@ class Run:
         if self.timeout is not None:
             self.deadline = self.t0 + self.timeout
         try:
-            # setsid: bwrap (and its PID 1 inside) leave the caller's session, so no process
-            # of the sandbox has the caller's controlling terminal (/dev/tty), and a ^C on that
-            # terminal reaches only the caller, which kills the sandbox (issue 12 item 1).
+            # setsid: the host-side bwrap (and the exec helper) leave the caller's session too
+            # (bwrap's --new-session detaches only the sandbox's side), so no process lowlevel
+            # starts keeps the caller's controlling terminal, and a ^C or hangup there reaches
+            # only the caller, which then kills the sandbox in order (issue 12 item 1).
             self.pid = os.posix_spawn(exe_argv[0], exe_argv, {}, file_actions=self.actions,
                                       setsigdef=_DEFAULT_SIGNALS, setsigmask=(), setsid=True)
         except OSError as err:

@@ -268,7 +268,8 @@ def test_interactive_pty_relay(who: pwd.struct_passwd | None, base: Path) -> Non
     """stdin and stdout a terminal: the program gets a pty of ours with the caller's window
     size (and later changes of it), echo and line editing from its own line discipline, ^D
     as end of file; the caller's termios come back unchanged."""
-    script = ("stty size; tty; ls -l /proc/self/fd/0; echo READY; read line; echo got:$line; "
+    script = ("stty size; tty; ls -l /proc/self/fd/0; echo ttys=$(cat /proc/[0-9]*/stat | cut -d' ' -f7 | sort -u); "
+              "echo READY; read line; echo got:$line; "
               "while [ \"$(stty size)\" = '33 111' ]; do sleep 0.05; done; stty size; cat; echo eof-seen")
     argv, env = cli_argv(who, "--rm", "--", "sh", "-c", script)
     env["LOWLEVEL_WORKSPACE_BASE"] = str(base)
@@ -276,6 +277,7 @@ def test_interactive_pty_relay(who: pwd.struct_passwd | None, base: Path) -> Non
     try:
         run.read_until(lambda b: b"READY" in b)
         assert b"33 111" in run.out, run.out
+        assert b"ttys=0\r\n" in run.out, run.out  # no process inside has a controlling terminal
         os.write(run.master, b"hello\n")
         run.read_until(lambda b: b"got:hello" in b)
         assert b"hello\r\ngot:hello" in run.out, run.out   # echoed by the inner pty, then read
