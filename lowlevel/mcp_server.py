@@ -400,8 +400,15 @@ class Tools:
                 elif policy != self.session_policies[session] and (network or binds):
                     raise PolicyError(f"session {session!r} already runs with its own network/binds; "
                                       "close it to start it with others")
+                fixed = self.session_policies[session].limits
+            for name, asked in (("memory_bytes", memory_bytes), ("pids", pids)):
+                if asked is not None and getattr(policy.limits, name) != getattr(fixed, name):
+                    raise PolicyError(f"session {session!r} runs with {name}={getattr(fixed, name)}, fixed when "
+                                      "it started; close it to start it with another value")
+            # memory_bytes and pids are the session's; cpu_s applies per command.
+            limits = dataclasses.replace(fixed, cpu_s=policy.limits.cpu_s)
             result = sess.run(list(command), timeout=timeout, stdin=stdin.encode() if stdin is not None else None,
-                              env=env, cwd=inside, limits=policy.limits)
+                              env=env, cwd=inside, limits=limits)
         finally:
             self._leave(session)
         return self._result(result, session, clamped)

@@ -158,3 +158,15 @@ def test_unknown_tool_argument_is_an_error(base: Path) -> None:
                 assert out["stdout"] == "ok\n"
 
     anyio.run(main)
+
+
+def test_session_limits_are_fixed_at_start_and_later_calls_need_not_repeat_them(base: Path) -> None:
+    t = tools(base)
+    try:
+        assert t.run_in_session("s", ["true"], memory_bytes=256 << 20)["exit_code"] == 0
+        assert t.run_in_session("s", ["true"])["exit_code"] == 0                    # not asked: the session's
+        assert t.run_in_session("s", ["true"], memory_bytes=256 << 20, cpu_s=5)["exit_code"] == 0
+        with pytest.raises(PolicyError, match="fixed when it started"):
+            t.run_in_session("s", ["true"], memory_bytes=128 << 20)
+    finally:
+        t.close()
