@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import pwd
 import shutil
 import signal
@@ -30,6 +31,12 @@ from pathlib import Path
 import pytest
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(180)]
+
+
+def workspaces(base: Path) -> list[str]:
+    """The workspaces under ``base`` (lowlevel's own dot-entries there, such as the overlay
+    mount directory ``.mnt``, are not workspaces)."""
+    return sorted(n for n in os.listdir(base) if not n.startswith("."))
 
 REPO = Path(__file__).resolve().parents[2]
 SETPRIV = shutil.which("setpriv") or "/usr/bin/setpriv"
@@ -146,7 +153,7 @@ def test_json_prints_one_object_for_every_outcome(who: pwd.struct_passwd | None,
     assert proc.returncode == 124 and json.loads(proc.stdout)["timed_out"] is True
     proc = cli(who, base, "run", "--json", "--rm", "--", "sh", "-c", "exit 2")
     assert proc.returncode == 2 and json.loads(proc.stdout)["exit_code"] == 2
-    assert os.listdir(base) == []
+    assert workspaces(base) == []
 
 
 # --- stdin in every mode -----------------------------------------------------------------------
@@ -176,7 +183,7 @@ def test_record_stdin_over_64_mib_is_one_line(who: pwd.struct_passwd | None, bas
     proc = cli(who, base, "run", "--record", str(record), "--", "true", stdin=b"x" * (64 * 1024 * 1024 + 1))
     assert proc.returncode == 125
     assert "64" in one_line(proc.stderr) or "67108864" in one_line(proc.stderr)
-    assert not record.exists() and os.listdir(base) == []
+    assert not record.exists() and workspaces(base) == []
     # control: without --record the same stdin streams through (no bound)
     proc = cli(who, base, "run", "--rm", "--", "wc", "-c", stdin=b"x" * (64 * 1024 * 1024 + 1))
     assert proc.returncode == 0 and proc.stdout.split()[0] == b"67108865", proc
@@ -184,24 +191,37 @@ def test_record_stdin_over_64_mib_is_one_line(who: pwd.struct_passwd | None, bas
 
 # --- interruptions -------------------------------------------------------------------------------
 
+def running(marker: str) -> bool:
+    """A process runs ``sleep MARKER`` (the sandboxed program; not the caller, whose command
+    line holds the marker inside one shell argument)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read() == b"sleep\0" + marker.encode() + b"\0":
+                    return True
+        except OSError:
+            continue
+    return False
+
+
 @pytest.mark.parametrize("signum,json_mode", [
     (signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGHUP, False), (signal.SIGQUIT, False),
     (signal.SIGINT, True), (signal.SIGTERM, True),
 ], ids=["SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGINT-json", "SIGTERM-json"])
 def test_interrupt_keeps_the_fresh_workspace_and_says_where(who: pwd.struct_passwd | None, base: Path,
                                                             signum: int, json_mode: bool) -> None:
+    marker = f"60.{secrets.randbelow(10**6):06d}"  # names the program's sleep among the host's processes
     args = ["run", *(["--json"] if json_mode else []), "--", "sh", "-c",
-            "echo partial > out.txt; echo started >&2; sleep 60"]
+            f"echo partial > out.txt; echo started >&2; exec sleep {marker}"]
     cmd, env = argv_env(who, base, *args)
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env=env, cwd="/")
     try:
-        if json_mode:
+        if json_mode:  # output is captured: wait until the program sleeps (out.txt written)
             deadline = time.monotonic() + 60
-            while not any(Path(base, d, "out.txt").exists() for d in os.listdir(base)):
+            while not running(marker):
                 assert time.monotonic() < deadline and proc.poll() is None
                 time.sleep(0.05)
-            time.sleep(0.2)
         else:
             assert proc.stderr is not None and proc.stderr.readline() == b"started\n"
         proc.send_signal(signum)
@@ -231,7 +251,7 @@ def test_interrupt_with_rm_removes_the_workspace(who: pwd.struct_passwd | None, 
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "removed (--rm)" in one_line(err)
-    assert os.listdir(base) == []
+    assert workspaces(base) == []
 
 
 # --- small contract gaps -------------------------------------------------------------------------
@@ -254,7 +274,7 @@ def test_input_with_destination_and_cwd(who: pwd.struct_passwd | None, base: Pat
         proc = cli(who, base, "run", "--rm", "--input", f"{scratch / 'a.txt'}:{bad}", "--", "true")
         assert proc.returncode == 125, proc
         one_line(proc.stderr)
-    assert os.listdir(base) == []
+    assert workspaces(base) == []
 
 
 @pytest.fixture

@@ -29,6 +29,12 @@ from lowlevel.mcp_server import ServerConfig, Tools
 pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(120)]
 
 
+def workspaces(base: Path) -> list[str]:
+    """The workspaces under ``base`` (lowlevel's own dot-entries there, such as the overlay
+    mount directory ``.mnt``, are not workspaces)."""
+    return sorted(n for n in os.listdir(base) if not n.startswith("."))
+
+
 @pytest.fixture
 def base() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="lowlevel-mcp-life-"))
@@ -65,7 +71,7 @@ def test_unnamed_run_workspace_expires_after_its_ttl(base: Path) -> None:
     finally:
         t.close()
     assert not (base / "ws" / kept).exists()                  # gone with the server
-    assert sorted(os.listdir(base / "ws")) == ["mine"]
+    assert sorted(workspaces(base / "ws")) == ["mine"]
 
 
 def test_ttl_zero_removes_right_after_the_call(base: Path) -> None:
@@ -73,7 +79,7 @@ def test_ttl_zero_removes_right_after_the_call(base: Path) -> None:
     try:
         out = t.run(["sh", "-c", "echo hi; echo x > f"])
         assert out["workspace"] is None and out["stdout"] == "hi\n"
-        assert os.listdir(base / "ws") == []
+        assert workspaces(base / "ws") == []
     finally:
         t.close()
 
