@@ -63,7 +63,7 @@ def test_rm_on_failure_and_timeout(base: Path) -> None:
 def test_rm_refuses_a_given_workspace(base: Path, tmp_path: Path) -> None:
     (tmp_path / "keep").write_text("mine")
     proc = _cli(base, "--rm", "--workspace", str(tmp_path), "--", "true")
-    assert proc.returncode == 2 and b"--rm" in proc.stderr
+    assert proc.returncode == 125 and b"--rm" in proc.stderr
     assert (tmp_path / "keep").read_text() == "mine"
 
 
