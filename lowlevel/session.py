@@ -1634,6 +1634,8 @@ class Pool:
                     self._cond.notify_all()
                 if closing is not None:
                     closing.close()
+                    if self.template is None:
+                        _ws.remove_workspace(closing.directory)  # started as the pool closed: never used
 
     def _take(self) -> Session:
         with self._cond:
