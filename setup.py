@@ -19,6 +19,8 @@ EXECUTABLES = (
     # Landlock and reports the program's wait status (lowlevel/landlock.py). Freestanding where
     # native/lowlevel_sys.h has raw syscalls (NOLIBC_FLAGS), with libc elsewhere.
     (os.path.join("native", "lowlevel_guard.c"), os.path.join("lowlevel", "_lowlevel_guard")),
+    # The egress relay: inside the sandbox, 127.0.0.1:3128 -> the host proxy's unix socket.
+    (os.path.join("native", "lowlevel_relay.c"), os.path.join("lowlevel", "_lowlevel_relay")),
 )
 
 #: Executables first tried freestanding: no libc start-up (glibc's static one costs ~0.3 ms

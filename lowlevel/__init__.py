@@ -9,8 +9,9 @@ Quick start::
 See :func:`lowlevel.run`, :class:`lowlevel.Policy` and :class:`lowlevel.Result`.
 """
 
-from .errors import (BwrapNotFoundError, LaunchError, LowlevelError, PolicyError, SeccompError,
-                     SessionError, UnsupportedError, WorkspaceError)
+from .egress import Egress, NetworkAttempt
+from .errors import (BwrapNotFoundError, CommitConflictError, LaunchError, LowlevelError, PolicyError,
+                     SeccompError, SessionError, UnsupportedError, WorkspaceError)
 from .launcher import ExecError, run
 from .limits import Limits
 from .policy import Bind, Policy
@@ -43,11 +44,14 @@ __all__ = [
     "Bind",
     "BwrapNotFoundError",
     "Changes",
+    "CommitConflictError",
     "DEFAULT_PROFILE",
+    "Egress",
     "ExecError",
     "LaunchError",
     "Limits",
     "LowlevelError",
+    "NetworkAttempt",
     "Policy",
     "PolicyError",
     "Pool",

@@ -15,7 +15,8 @@ The rules (sandbox paths; built inside the sandbox by ``native/lowlevel_landlock
   nothing can be created there; ``/proc/sys`` is read-only);
 - list directories anywhere in the sandbox's tree (so ``ls /`` works), nothing else there;
 - the standard streams when they are files or terminals (so ``/dev/stdout`` reopens);
-- TCP (ABI >= 4): no bind; connect only with ``Policy(network=True)``;
+- TCP (ABI >= 4): no bind; connect to any port with ``Policy(network=True)``, to the egress
+  relay's port (``127.0.0.1:3128``) only with ``network=Egress(...)``, to none without network;
 - scopes (ABI >= 6): no connecting to abstract unix sockets made outside the sandbox's
   domain (the host's, with a shared network), no signals to processes outside it.
 
@@ -143,7 +144,11 @@ def _ruleset_args(policy: Policy, ro_dirs: tuple[str, ...], abi_max: int | None)
     for bind in policy.binds:
         if bind.dest not in omit:
             a.append(f"--ll-{'rw' if bind.writable else 'rx'}={bind.dest}")
-    a.append("--ll-net=connect" if policy.network else "--ll-net=none")
+    from .egress import PROXY_PORT, Egress
+    if isinstance(policy.network, Egress):
+        a.append(f"--ll-net=port:{PROXY_PORT}")  # the relay's port; the relay itself runs outside
+    else:
+        a.append("--ll-net=connect" if policy.network else "--ll-net=none")
     if abi_max is not None:
         a.append(f"--ll-abi-max={abi_max}")
     return tuple(a)

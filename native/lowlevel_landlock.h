@@ -11,7 +11,8 @@
  *   --ll-dev=PATH    read, write and ioctl existing device files beneath PATH (/dev, mounted read-only)
  *   --ll-proc=PATH   read and write existing files beneath PATH (/proc; /proc/sys is read-only)
  *   --ll-ls=PATH     list directories beneath PATH (only that: "/", so `ls /` works)
- *   --ll-net=MODE    TCP (ABI >= 4): none (no bind, no connect) | connect (connect only) | any
+ *   --ll-net=MODE    TCP (ABI >= 4): none (no bind, no connect) | connect (connect only) | any |
+ *                    port:N (no bind, connect to port N only: the egress proxy's relay)
  *   --ll-abi-max=N   use at most ABI N (tests of the fallbacks)
  *
  * Rights the running kernel does not know are dropped (best effort down to ABI 1, as in the
@@ -43,6 +44,7 @@
 
 #define LL_CREATE_RULESET_VERSION (1U << 0)
 #define LL_RULE_PATH_BENEATH 1
+#define LL_RULE_NET_PORT 2
 
 #define LL_FS_EXECUTE (1ULL << 0)
 #define LL_FS_WRITE_FILE (1ULL << 1)
@@ -72,15 +74,16 @@
 
 struct ll_ruleset_attr { uint64_t handled_access_fs, handled_access_net, scoped; };
 struct ll_path_beneath_attr { uint64_t allowed_access; int32_t parent_fd; } __attribute__((packed));
+struct ll_net_port_attr { uint64_t allowed_access, port; };
 
 enum { LL_OFF = 0, LL_ON = 1, LL_REQUIRE = 2 };
-enum { LL_NET_ANY = 0, LL_NET_CONNECT = 1, LL_NET_NONE = 2 };
+enum { LL_NET_ANY = 0, LL_NET_CONNECT = 1, LL_NET_NONE = 2, LL_NET_PORT = 3 };
 enum { LL_CLS_RX, LL_CLS_RW, LL_CLS_DEV, LL_CLS_PROC, LL_CLS_LS };
 
 #define LL_MAX_RULES 128
 
 struct ll_spec {
-    int mode, net, abi_max;
+    int mode, net, net_port, abi_max;
     unsigned nrules;
     struct { const char *path; int cls; } rules[LL_MAX_RULES];
 };
@@ -118,6 +121,13 @@ static int ll_parse_opt(struct ll_spec *s, const char *arg) {
     if (ll_strcmp(arg, "--ll-net=any") == 0) { s->net = LL_NET_ANY; return 1; }
     if (ll_strcmp(arg, "--ll-net=connect") == 0) { s->net = LL_NET_CONNECT; return 1; }
     if (ll_strcmp(arg, "--ll-net=none") == 0) { s->net = LL_NET_NONE; return 1; }
+    if (ll_strncmp(arg, "--ll-net=port:", 14) == 0) {
+        int v = ll_atoi(arg + 14);
+        if (v < 1 || v > 65535) return -1;
+        s->net = LL_NET_PORT;
+        s->net_port = v;
+        return 1;
+    }
     if (ll_strncmp(arg, "--ll-abi-max=", 13) == 0) {
         int v = ll_atoi(arg + 13);
         if (v < 1) return -1;
@@ -180,7 +190,7 @@ static int ll_build(const struct ll_spec *s, unsigned parts, int *abi_used) {
         if (abi >= 5) attr.handled_access_fs |= LL_FS_IOCTL_DEV;
     }
     if ((parts & LL_PART_NET) && abi >= 4 && s->net != LL_NET_ANY)
-        attr.handled_access_net = s->net == LL_NET_NONE ? (LL_NET_BIND_TCP | LL_NET_CONNECT_TCP) : LL_NET_BIND_TCP;
+        attr.handled_access_net = s->net == LL_NET_CONNECT ? LL_NET_BIND_TCP : (LL_NET_BIND_TCP | LL_NET_CONNECT_TCP);
     if ((parts & LL_PART_SCOPE) && abi >= 6) attr.scoped = LL_SCOPE_ABSTRACT_UNIX_SOCKET | LL_SCOPE_SIGNAL;
     if (!attr.handled_access_fs && !attr.handled_access_net && !attr.scoped) {
         *abi_used = abi;  /* nothing to restrict at this ABI */
@@ -190,6 +200,10 @@ static int ll_build(const struct ll_spec *s, unsigned parts, int *abi_used) {
     size_t size = abi >= 6 ? sizeof attr : abi >= 4 ? 2 * sizeof(uint64_t) : sizeof(uint64_t);
     int rs = (int)lsys3(__NR_landlock_create_ruleset, &attr, size, 0);
     if (rs < 0) { *abi_used = -1; return -1; }
+    if ((attr.handled_access_net & LL_NET_CONNECT_TCP) && s->net == LL_NET_PORT) {
+        struct ll_net_port_attr np = { LL_NET_CONNECT_TCP, (uint64_t)s->net_port };
+        if (lsys4(__NR_landlock_add_rule, rs, LL_RULE_NET_PORT, &np, 0) < 0) goto fail;
+    }
     for (unsigned i = 0; i < s->nrules && (parts & LL_PART_FS); i++) {
         int fd = (int)lsys4(__NR_openat, AT_FDCWD, s->rules[i].path, O_PATH | O_CLOEXEC, 0);
         if (fd < 0) continue;  /* missing or unreachable: the rule would only have granted access */

@@ -366,7 +366,7 @@ def test_bench_quick_json_schema(tmp_path):
     assert doc["schema"] == 1
     assert {"results", "ratios", "host", "one_time"} <= set(doc)
     names = {r["name"] for r in doc["results"]}
-    assert {"floor", "subprocess", "raw_bwrap", "run", "arun"} <= names  # later also session, pool
+    assert {"floor", "subprocess", "raw_bwrap", "run", "arun", "run_egress"} <= names  # later also session, pool
     assert {r["command"] for r in doc["results"]} == {"/usr/bin/true", "/usr/bin/python3 -c pass"}
     for r in doc["results"]:
         assert RESULT_KEYS <= set(r), r
@@ -381,5 +381,7 @@ def test_bench_quick_json_schema(tmp_path):
     assert {"run_bare", "run_no_landlock", "guard_floor", "session_no_landlock"} <= names
     assert isinstance(doc["ratios"]["guard_minus_floor_ms"], float)
     assert doc["one_time"]["seccomp_compiles_during_bench"] == 0
+    dl = doc["egress_download"]
+    assert dl["host_n"] >= 1 and dl["egress_n"] >= 1 and isinstance(dl["added_p50_ms"], float)
     for k in ("kernel", "bwrap", "python", "cpus"):
         assert doc["host"][k]

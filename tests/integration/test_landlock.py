@@ -87,7 +87,7 @@ ABSTRACT_CONNECT = ("import socket, sys\n"
 def test_host_abstract_socket_unreachable_with_shared_network(sandbox, abstract_server):
     # Control: with Landlock off, the shared network namespace reaches the host's socket.
     off = sandbox.run(["python3", "-c", ABSTRACT_CONNECT, abstract_server.name], network=True,
-                      policy={"landlock": False})
+                      policy_kw={"landlock": False})
     assert off.error is None, off.message
     assert off.out.strip() == "pong"
     assert abstract_server.accepted == 1
@@ -129,7 +129,7 @@ def test_writable_bind_left_out_of_landlock_cannot_be_touched(sandbox):
     _own(sandbox, str(existing))
     bind = [(str(host), "/opt/unlisted", True)]
     # Attack: the mount is writable (the first wall is wrong), Landlock does not list it.
-    on = sandbox.run(["sh", "-c", WRITE_PROBE], binds=bind, policy={"landlock_omit": ["/opt/unlisted"]})
+    on = sandbox.run(["sh", "-c", WRITE_PROBE], binds=bind, policy_kw={"landlock_omit": ["/opt/unlisted"]})
     assert on.error is None, on.message
     assert on.out == ""  # nothing written, no dir made, nothing read
     assert sorted(os.listdir(host)) == ["existing"]
@@ -170,7 +170,7 @@ def test_smuggled_host_directory_fd_cannot_create_files(sandbox):
     assert sorted(os.listdir(host)) == ["existing"]
     # (The fd itself keeps what it was opened with: getdents on it still lists the directory.)
     # Control: without Landlock the fd is a way out of the mount namespace.
-    off = sandbox.run(["python3", "-c", FD_PROBE], extra_dirs={20: str(host)}, policy={"landlock": False})
+    off = sandbox.run(["python3", "-c", FD_PROBE], extra_dirs={20: str(host)}, policy_kw={"landlock": False})
     assert "create ok" in off.out and "mkdir ok" in off.out and "read ok" in off.out, off.out
     assert {"smuggled", "smuggled-dir", "via-proc"} <= set(os.listdir(host))
 
@@ -194,13 +194,34 @@ CONNECT = ("import socket, sys\n"
 def test_tcp_bind_denied_connect_only_with_network(sandbox, server):
     on = sandbox.run(["python3", "-c", BIND])
     assert on.out.strip() == f"errno {errno.EACCES}"
-    off = sandbox.run(["python3", "-c", BIND], policy={"landlock": False})
+    off = sandbox.run(["python3", "-c", BIND], policy_kw={"landlock": False})
     assert off.out.strip() == "bound"
     # network=True: connect works (what the network is for), listening on the host's does not.
     net = sandbox.run(["python3", "-c", CONNECT, str(server.port)], network=True)
     assert net.out.strip() == "pong", net.err
     net_bind = sandbox.run(["python3", "-c", BIND], network=True)
     assert net_bind.out.strip() == f"errno {errno.EACCES}"
+
+
+EGRESS_PORTS = ("import socket\n"
+                "for port in (3128, 1):\n"
+                "    s = socket.socket()\n"
+                "    try:\n"
+                "        s.connect(('127.0.0.1', port)); print(port, 'connected')\n"
+                "    except OSError as e:\n"
+                "        print(port, 'errno', e.errno)\n")
+
+
+@needs_abi4
+def test_egress_mode_connects_to_the_proxy_port_only(sandbox):
+    # Egress: the relay (outside the ruleset) listens on 127.0.0.1:3128; the program may connect
+    # there and nowhere else (Landlock refuses before the kernel even looks for a listener).
+    on = sandbox.run(["python3", "-c", EGRESS_PORTS], egress={"allow": ["example.invalid"]})
+    assert on.error is None, on.message
+    assert on.out.split("\n")[:2] == ["3128 connected", f"1 errno {errno.EACCES}"], on.out
+    off = sandbox.run(["python3", "-c", EGRESS_PORTS], egress={"allow": ["example.invalid"]},
+                      policy_kw={"landlock": False})
+    assert off.out.split("\n")[:2] == ["3128 connected", f"1 errno {errno.ECONNREFUSED}"], off.out
 
 
 @needs_abi6
@@ -221,14 +242,14 @@ def test_bwraps_pid1_is_out_of_reach(sandbox):
              "kill -0 1 2>/dev/null && echo signal; true")
     on = sandbox.run(["sh", "-c", probe])
     assert on.out == "", on.out
-    off = sandbox.run(["sh", "-c", probe], policy={"landlock": False})
+    off = sandbox.run(["sh", "-c", probe], policy_kw={"landlock": False})
     assert off.out.split() == ["environ", "fds", "signal"]
 
 
 def test_guard_killed_without_landlock_reports_a_signal(sandbox):
     # Without Landlock the program can kill the guard (same uid): the run is over, the Result
     # says a signal ended it (the guard's death), with a note; no exit code is invented.
-    r = sandbox.run(["sh", "-c", "kill -KILL $PPID; sleep 5"], policy={"landlock": False})
+    r = sandbox.run(["sh", "-c", "kill -KILL $PPID; sleep 5"], policy_kw={"landlock": False})
     assert r.error is None, r.message
     assert (r.exit_code, r.term_signal, r.killed_by) == (137, 9, "signal")
     assert any("guard" in n for n in r.notes), r.notes
@@ -283,10 +304,10 @@ def test_result_reports_the_abi(sandbox):
     on = sandbox.run(["true"])
     assert on.raw["landlock_abi"] == ABI
     assert "landlock" in on.limits_enforced
-    off = sandbox.run(["true"], policy={"landlock": False})
+    off = sandbox.run(["true"], policy_kw={"landlock": False})
     assert off.raw["landlock_abi"] == 0
     assert "landlock" not in off.limits_enforced
-    req = sandbox.run(["true"], policy={"landlock": "require"})
+    req = sandbox.run(["true"], policy_kw={"landlock": "require"})
     assert req.exit_code == 0 and req.raw["landlock_abi"] == ABI
 
 
@@ -330,28 +351,29 @@ def tempfile_dir() -> str:
 
 @needs_landlock
 @ROOT_ONLY
-def test_cli_landlock_flag_and_stdout_reopen(tmp_path):
-    # capture=False: the program's stdout is a host file; reopening it through /dev/stdout (a
-    # magic link outside every rule) still works, thanks to the rule for the standard streams.
-    ws = tempfile_dir()
-    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
-    for f in (out, err):
-        f.touch(mode=0o666)
-        f.chmod(0o666)  # the sandbox's uid (65534) reopens them
-    os.chmod(tmp_path, 0o755)
-    with open(out, "wb") as o, open(err, "wb") as e:
-        rc = subprocess.run([sys.executable, "-m", "lowlevel", "run", "--workspace", ws, "--",
-                             "sh", "-c", "echo hi > /dev/stdout; echo oops >> /dev/stderr; exit 3"],
-                            stdout=o, stderr=e).returncode
-    assert rc == 3
-    assert out.read_text() == "hi\n"
-    assert "oops" in err.read_text()
+def test_cli_landlock_flag():
+    import json
     on = subprocess.run([sys.executable, "-m", "lowlevel", "run", "--json", "--", "true"], capture_output=True)
     off = subprocess.run([sys.executable, "-m", "lowlevel", "run", "--json", "--landlock", "off", "--", "true"],
                          capture_output=True)
-    import json
     assert json.loads(on.stdout)["landlock_abi"] == ABI
     assert json.loads(off.stdout)["landlock_abi"] == 0
+
+
+@needs_landlock
+@ROOT_ONLY
+def test_stdout_given_as_a_host_file_can_be_reopened(tmp_path):
+    # stdio_fds hands the program a host file as its stdout: reopening it through /dev/stdout (a
+    # magic link to a file outside every rule) still works, thanks to the rule the guard adds
+    # for the standard streams (a rule for that one inode, with the fd's own access mode).
+    os.chmod(tmp_path, 0o755)
+    out = tmp_path / "out.txt"
+    out.touch()
+    out.chmod(0o666)  # the sandbox's uid reopens it
+    with open(out, "wb") as f:
+        r = lowlevel.run(["sh", "-c", "echo hi > /dev/stdout"], capture=False, stdio_fds=(None, f.fileno(), None), workspace=tempfile_dir())
+    assert r.exit_code == 0
+    assert out.read_text() == "hi\n"
 
 
 @needs_landlock
