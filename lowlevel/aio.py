@@ -28,12 +28,13 @@ File descriptors, per run (Linux fds in this process; the loop's epoll fd is sha
       runs at a time): up to ~25 short-lived fds each (args, seccomp, passwd and group
       memfds, 5 pipes, and their copies moved above the child's fd numbers); closed before
       ``spawn`` returns;
-    - from spawn to reap, at most 6: bwrap pidfd, json-status read end, stdout and stderr
-      read ends (``capture=True``), stdin write end (``stdin`` bytes, until written), and
-      the block-fd write end (until the handshake) or, after it, the init pidfd;
-    - after the run: none. So ``n`` runs in flight hold at most ``6 * n + 25 *
+    - from spawn to reap, at most 7: bwrap pidfd, json-status read end, stdout and stderr
+      read ends (``capture=True``), stdin write end (``stdin`` bytes, until written), the
+      block-fd write end (until the handshake) or, after it, the init pidfd, and the read
+      end of the guard's report pipe (:mod:`lowlevel.landlock`);
+    - after the run: none. So ``n`` runs in flight hold at most ``7 * n + 25 *
       EXECUTOR_THREADS`` fds, and a :class:`Runner` with ``max_concurrency=64`` stays under
-      490 however many calls wait (the default ``RLIMIT_NOFILE`` soft limit is often 1024).
+      550 however many calls wait (the default ``RLIMIT_NOFILE`` soft limit is often 1024).
     Processes: bwrap and the sandbox's processes per running run; threads: the shared
     executor's ``EXECUTOR_THREADS``, whatever the number of runs.
 
@@ -428,7 +429,7 @@ async def arun(command: Sequence[str], *, policy: Policy | None = None,
             Result has ``timed_out=True``.
         limiter: an ``asyncio.Semaphore`` shared by the calls it should bound; the call
             waits for it before allocating anything (no fd, no process, no workspace).
-            None: no bound (each run in flight holds up to 6 fds; see the module docstring).
+            None: no bound (each run in flight holds up to 7 fds; see the module docstring).
     Returns:
         A :class:`~lowlevel.result.Result`.
     Raises:
@@ -466,7 +467,7 @@ class Runner:
     until their sandboxes are killed and reaped, so no sandbox outlives the block.
 
     Args:
-        max_concurrency: runs allowed at once, >= 1. Each holds at most 6 fds and its
+        max_concurrency: runs allowed at once, >= 1. Each holds at most 7 fds and its
             sandbox's processes; 2-4x the CPU count keeps the CPUs busy for short runs.
         policy, timeout, workspace_base, env, keep_workspace: defaults for :meth:`run` (a
             call's own arguments win). ``keep_workspace=False`` removes each call's fresh

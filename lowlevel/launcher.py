@@ -29,7 +29,7 @@ The life of one run (:class:`Run`), the same for the sync and the async drivers:
 
 Fds each run holds in the parent after the handshake: bwrap pidfd, sandbox-init pidfd,
 json-status read end, stdout and stderr read ends (capture mode), stdin write end (when
-stdin is bytes): at most 6.
+stdin is bytes), the guard's report pipe read end: at most 7.
 
 Sources: bwrap(1) --args, --json-status-fd, --block-fd, --seccomp, --die-with-parent;
 pidfd_open(2); pidfd_send_signal(2); posix_spawn(3); prlimit(2).

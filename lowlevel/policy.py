@@ -270,8 +270,9 @@ class Policy:
             1; none when the kernel lacks Landlock: ``Result.landlock_abi`` says which);
             ``"require"`` fails with UnsupportedError when the kernel lacks it; False applies
             none. Reads and execs only beneath the read-only mounts, writes only beneath
-            ``/workspace``, ``/tmp``, ``/dev/shm`` and writable binds, no TCP bind (and no TCP
-            connect without ``network``), no host abstract unix sockets, no signals out.
+            ``/workspace``, ``/tmp``, ``/dev/shm`` and writable binds, no TCP bind, TCP connect
+            only as ``network`` needs (any port with True, the proxy's port with an Egress,
+            none without), no host abstract unix sockets, no signals out (ABI >= 6).
         landlock_omit: testing aid: bind destinations left out of the Landlock rules (so a
             test can show Landlock holds where a mount is wrong). It only takes access away.
 
