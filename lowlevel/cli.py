@@ -379,7 +379,7 @@ def read_stdin_for_record(limit: int = MAX_RECORD_STDIN_BYTES, fd: int = 0) -> b
 
     if is_terminal_or_none(fd):
         return None
-    chunks: list[bytes] = []
+    chunks: list[bytes] = []  # an empty stdin is recorded as none: the program reads EOF either way
     total = 0
     while True:
         try:
@@ -393,7 +393,7 @@ def read_stdin_for_record(limit: int = MAX_RECORD_STDIN_BYTES, fd: int = 0) -> b
         if total > limit:
             raise UsageError(f"stdin is larger than {limit} bytes, the most --record stores: "
                              "put the data in a file and pass it with --input")
-    return b"".join(chunks)
+    return b"".join(chunks) or None
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -412,7 +412,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                          "--allow-host alone gives an allowlist")
     if args.net_bytes is not None and not _egress_requested(args):
         raise UsageError("run: --net-bytes is enforced by the egress proxy: use it with --allow-host")
-    if args.record and (args.discard or args.commit_on_success):
+    if args.record is not None and (args.discard or args.commit_on_success):
         raise UsageError("run: --record hashes the workspace after the run, so the run's changes are always "
                          "applied: drop --discard/--commit-on-success, or --record")
     if args.network == "bare":
@@ -440,7 +440,7 @@ def _cmd_run(args: argparse.Namespace, command: list[str], created: list[str]) -
     from .relay import StdioRelay, is_terminal_or_none
 
     stdin: bytes | None = None
-    if args.record:
+    if args.record is not None:
         stdin = read_stdin_for_record()
     result: Result | None = None
     try:
@@ -453,12 +453,12 @@ def _cmd_run(args: argparse.Namespace, command: list[str], created: list[str]) -
             inputs: list[Any] = []
         else:
             inputs = args.input
-        capture = args.json or bool(args.record)
+        capture = args.json or args.record is not None
         kw: dict[str, Any] = dict(policy=policy, workspace=workspace, inputs=inputs, timeout=args.timeout,
                                   capture=capture, cwd=args.cwd, allow_sensitive_workspace=args.allow_sensitive)
-        if not args.record:
+        if args.record is None:
             kw["commit"] = False if args.discard else "on_success" if args.commit_on_success else True
-        if args.record:
+        if args.record is not None:
             result = run(command, record=args.record, stdin=stdin, **kw)
         elif args.json and is_terminal_or_none(0):
             result = run(command, **kw)  # a terminal is not read with --json: /dev/null
@@ -475,7 +475,7 @@ def _cmd_run(args: argparse.Namespace, command: list[str], created: list[str]) -
                     raise classify_setup_failure(relay.stderr_tail.replace(b"\r\n", b"\n"), err.argv,
                                                  command) from None
                 relay.finish()
-        if args.record and not args.json:
+        if args.record is not None and not args.json:
             with _reader_may_leave():
                 sys.stdout.buffer.write(result.stdout)
                 sys.stdout.flush()
@@ -492,7 +492,8 @@ def _cmd_run(args: argparse.Namespace, command: list[str], created: list[str]) -
         raise Interrupted(signum, created[0] if created else None, bool(created and args.rm)) from None
     except BaseException as err:
         if created:
-            if isinstance(err, (PolicyError, UnsupportedError, UsageError, LaunchError)):
+            from .record import RecordError
+            if isinstance(err, (PolicyError, UnsupportedError, UsageError, LaunchError, RecordError)):
                 # Nothing ran (a bad option, the command not found, setup failed): the
                 # fresh workspace holds only the inputs.
                 _remove(created[0])
