@@ -273,6 +273,12 @@ def _host_path(policy: Policy, workspace: str, inside: str, etc_files: Sequence[
     for bind in policy.binds:
         if inside == bind.dest or inside.startswith(bind.dest.rstrip("/") + "/"):
             return bind.source + inside[len(bind.dest):]
+    if policy.rootfs is not None:
+        # The system is a tree on the host: resolve inside it (its symlinks are the sandbox's).
+        from .rootfs import resolve_in_root
+        dests = (WORKSPACE_DEST, "/tmp", *_OPAQUE, *(b.dest for b in policy.binds))
+        return resolve_in_root(policy.rootfs, inside, lambda v: any(
+            v == d or v.startswith(d.rstrip("/") + "/") for d in dests))
     for name in ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32"):
         if inside == name or inside.startswith(name + "/"):
             return inside
@@ -366,7 +372,7 @@ class Run:
     def __init__(self, command: Sequence[str], *, policy: Policy, workspace: str | None = None,
                  inputs: Sequence[str | os.PathLike[str]] = (), timeout: float | None = DEFAULT_TIMEOUT_S,
                  stdin: bytes | None = None, env: Mapping[str, str] | None = None, capture: bool = True,
-                 cwd: str = WORKSPACE_DEST, workspace_base: str | None = None, bwrap: str | None = None,
+                 cwd: str | None = None, workspace_base: str | None = None, bwrap: str | None = None,
                  extra_fds: Mapping[int, int] | None = None, allow_sensitive_workspace: bool = False) -> None:
         if not isinstance(policy, Policy):
             raise PolicyError(f"policy must be a lowlevel.Policy, got {type(policy).__name__}")
@@ -376,6 +382,8 @@ class Run:
                               f"timeout), got {timeout!r}")
         if stdin is not None and not isinstance(stdin, (bytes, bytearray, memoryview)):
             raise PolicyError("stdin must be bytes or None")
+        if cwd is None:
+            cwd = policy.workdir or WORKSPACE_DEST
         if not isinstance(cwd, str) or not cwd.startswith("/"):
             raise PolicyError(f"cwd must be an absolute path inside the sandbox, got {cwd!r}")
         self.command = _check_command(command)
@@ -1014,7 +1022,7 @@ def _drive_sync(r: Run) -> Result:
 def run(command: Sequence[str], *, policy: Policy | None = None, workspace: str | os.PathLike[str] | None = None,
         inputs: Sequence[str | os.PathLike[str]] = (), timeout: float | None = DEFAULT_TIMEOUT_S,
         stdin: bytes | None = None, env: Mapping[str, str] | None = None, capture: bool = True,
-        cwd: str = WORKSPACE_DEST, workspace_base: str | None = None,
+        cwd: str | None = None, workspace_base: str | None = None,
         record: str | os.PathLike[str] | None = None, allow_sensitive_workspace: bool = False) -> Result:
     """Run ``command`` in a fresh bwrap sandbox and wait for it.
 
@@ -1035,7 +1043,7 @@ def run(command: Sequence[str], *, policy: Policy | None = None, workspace: str 
         env: variables set inside on top of the Policy's.
         capture: True pipes stdout/stderr into the Result (capped per Policy); False lets the
             program use the caller's fds 0, 1, 2 (a terminal included).
-        cwd: working directory inside the sandbox.
+        cwd: working directory inside the sandbox (default ``policy.workdir``, else ``/workspace``).
         workspace_base: parent of fresh workspaces (default ``$LOWLEVEL_WORKSPACE_BASE`` or
             ``/tmp/lowlevel-<uid>``).
         record: write a run record (JSON, ``docs/record-schema.json``) to this path after the

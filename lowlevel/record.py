@@ -295,7 +295,7 @@ def execute_recorded(command: Sequence[str], *, policy: Policy | None = None,
                      workspace: str | os.PathLike[str] | None = None,
                      inputs: Sequence[str | os.PathLike[str]] = (), timeout: float | None = DEFAULT_TIMEOUT_S,
                      stdin: bytes | None = None, env: Mapping[str, str] | None = None, capture: bool = True,
-                     cwd: str = WORKSPACE_DEST, workspace_base: str | None = None,
+                     cwd: str | None = None, workspace_base: str | None = None,
                      store_dir: str | None = None,
                      allow_sensitive_workspace: bool = False) -> tuple[Result, dict[str, Any]]:
     """Run ``command`` like :func:`lowlevel.run` and build its record (not written).
@@ -309,6 +309,8 @@ def execute_recorded(command: Sequence[str], *, policy: Policy | None = None,
         Whatever :func:`lowlevel.run` raises; no record is made for a run that never started.
     """
     policy = policy or Policy()
+    if cwd is None:
+        cwd = policy.workdir or WORKSPACE_DEST
     created = None
     if workspace is None:
         ws = created = _ws.create_workspace(inputs, workspace_base)
