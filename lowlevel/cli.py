@@ -15,6 +15,10 @@ policy cannot run.
 the inputs to ``FILE.inputs/``; ``lowlevel replay FILE`` reruns it and exits 0 when the outputs
 match, 1 when they differ, 125 when it cannot replay.
 
+``lowlevel image import FILE`` / ``ls`` / ``rm REF`` / ``inspect REF`` manage images (OCI archives,
+OCI layout dirs, ``docker save`` archives: :mod:`lowlevel.image_cli`); ``lowlevel run --image REF``
+(or ``--rootfs DIR``) runs on one instead of the host's ``/usr``.
+
 ``lowlevel mcp [--config FILE.toml] [--workspace-base DIR] [--network/--no-network] ...`` serves
 the Model Context Protocol over stdio (see :mod:`lowlevel.mcp_server`).
 """
@@ -34,7 +38,7 @@ from types import FrameType
 from typing import Any
 
 from . import __version__
-from .errors import LowlevelError
+from .errors import LowlevelError, PolicyError
 from .launcher import ExecError, run
 from .limits import Limits
 from .policy import Bind, Policy
@@ -108,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lowlevel", description="Run untrusted programs in a bubblewrap "
                                      "sandbox with seccomp and resource limits.")
     parser.add_argument("--version", action="version", version=f"lowlevel {__version__}")
-    sub = parser.add_subparsers(dest="cmd", required=True, metavar="{run,doctor,replay,mcp}")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="{run,doctor,replay,mcp,image}")
 
     p = sub.add_parser("run", help="run a command in a fresh sandbox",
                        description="Run COMMAND in a fresh sandbox. Put -- before the command.")
@@ -147,6 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "SOURCE_DATE_EPOCH, PYTHONHASHSEED=0, fixed uid/gid, sorted env")
     p.add_argument("--record", metavar="FILE", help="write a run record (JSON) to FILE and copy the inputs "
                    "to FILE.inputs/ for `lowlevel replay`")
+    p.add_argument("--image", metavar="REF", help="run on an imported image (NAME[:TAG] or sha256:ID) instead of "
+                   "the host's /usr; without a COMMAND, its Entrypoint+Cmd (see `lowlevel image`)")
+    p.add_argument("--rootfs", metavar="DIR", help="run on this root filesystem tree instead of the host's /usr")
+    p.add_argument("--writable-root", action="store_true", help="a per-run writable layer over --image/--rootfs, "
+                   "discarded after the run")
+    p.add_argument("--image-store", metavar="DIR", help="image store for --image (default $LOWLEVEL_IMAGE_STORE)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARG...]")
 
     d = sub.add_parser("doctor", help="check what this host can do")
@@ -161,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--trust-record-policy", action="store_true",
                    help="replay even when the record's policy is looser than the default (binds, network, "
                    "seccomp off, higher limits); a record is untrusted input")
+    r.add_argument("--image-store", metavar="DIR", help="image store holding the record's image")
 
     m = sub.add_parser("mcp", help="serve the Model Context Protocol over stdio",
                        description="MCP tool server over stdio. The operator's settings (file and flags) bound "
@@ -178,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--pids", metavar="N", type=_positive_int, help="process ceiling")
     m.add_argument("--allow-bind", metavar="PATH", action="append", default=None,
                    help="host path clients may ask to bind read-only (repeatable)")
+    from .image_cli import add_image_parser
+    add_image_parser(sub)
     return parser
 
 
@@ -220,8 +233,11 @@ def _policy_from_args(args: argparse.Namespace) -> Policy:
         ("workspace_bytes", "workspace_size")) if getattr(args, attr) is not None}
     binds = [Bind(src, dest, writable=False, allow_sensitive=args.allow_sensitive) for src, dest in args.ro]
     binds += [Bind(src, dest, writable=True, allow_sensitive=args.allow_sensitive) for src, dest in args.rw]
+    if args.image and args.rootfs:
+        raise PolicyError("give --image or --rootfs, not both")
     return Policy(network=args.network, binds=tuple(binds), env=tuple(args.env), limits=Limits(**overrides),
-                  deterministic=args.deterministic)
+                  deterministic=args.deterministic, image=args.image, rootfs=args.rootfs,
+                  rootfs_writable=args.writable_root)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -238,6 +254,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
+    if args.image_store:
+        from .image_cli import use_store
+        use_store(args.image_store)
+    if not command and args.image:
+        # The image's Entrypoint + Cmd (an explicit COMMAND replaces both: explicit arguments win).
+        from .image import ImageStore
+        command = ImageStore().get(args.image).command()
     if not command:
         return _fail("no command given: write `lowlevel run [OPTIONS] -- COMMAND [ARG...]`", 2)
     if args.rm and args.workspace is not None:
@@ -320,6 +343,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
     """``lowlevel replay FILE``: 0 when the outputs match, 1 when they differ, 125 on failure."""
     from .record import replay
 
+    if args.image_store:
+        from .image_cli import use_store
+        use_store(args.image_store)
     try:
         report = replay(args.file, keep_workspace=args.keep_workspace, trust_policy=args.trust_record_policy)
     except ExecError as err:
@@ -423,6 +449,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return cmd_replay(args)
         if args.cmd == "mcp":
             return cmd_mcp(args)
+        if args.cmd == "image":
+            from .image_cli import cmd_image
+            return cmd_image(args)
         return cmd_doctor(args)
     except KeyboardInterrupt:
         return 130

@@ -108,6 +108,8 @@ def canonical_policy(policy: Policy) -> dict[str, Any]:
             out[f.name] = None if value is None else {
                 "name": value.name, "default_action": value.default_action, "log": value.log,
                 "rules_sha256": seccomp_rules_sha256(value)}
+        elif f.name == "rootfs" and policy.image is not None:
+            out[f.name] = None  # the image's tree: a path in this host's store; the image id pins it
         else:
             out[f.name] = _canon(value)
     return out
@@ -339,6 +341,8 @@ def execute_recorded(command: Sequence[str], *, policy: Policy | None = None,
     finished_at = _now()
     after, after_complete = hash_workspace(ws)
     facts = host_facts()
+    from .image import image_record
+    rootfs_doc = image_record(policy)
     record: dict[str, Any] = {
         "schema": SCHEMA_ID,
         "created_at": finished_at,
@@ -371,6 +375,7 @@ def execute_recorded(command: Sequence[str], *, policy: Policy | None = None,
                    "complete": bool(store_dir) and store.complete and before_complete
                    and all(e["stored"] for e in before if e["kind"] == "file")},
         "notes": list(result.notes),
+        "rootfs": rootfs_doc,
     }
     return result, record
 
@@ -530,6 +535,24 @@ def _restore_inputs(doc: Mapping[str, Any], store: str, root: str) -> bytes | No
     return blob(stdin["sha256"], "stdin") if stdin else None
 
 
+def _check_image_present(doc: Mapping[str, Any]) -> None:
+    """Refuse a record whose image is not in the store, saying how to get it back."""
+    image = (doc.get("rootfs") or {}).get("image") if isinstance(doc.get("rootfs"), Mapping) else None
+    if not isinstance(image, Mapping):
+        return
+    from .image import ImageStore
+    store = ImageStore()
+    image_id = str(image.get("id"))
+    try:
+        store.get(image_id)
+    except LowlevelError:
+        names = ", ".join(map(str, image.get("names") or ())) or "no name"
+        raise RecordError(f"refusing to replay: the record ran on image {image_id} ({names}, manifest "
+                          f"{image.get('manifest_digest')}), which is not in the image store {store.path}. Import "
+                          "the archive it came from (`lowlevel image import ARCHIVE`), or point --image-store "
+                          "($LOWLEVEL_IMAGE_STORE) at the store that has it") from None
+
+
 def policy_loosening(policy: Policy, timeout_s: float | None = DEFAULT_TIMEOUT_S, *,
                      profiles: Sequence[Any] = ()) -> list[str]:
     """Where ``policy`` (and the timeout) give a sandbox more than ``Policy()`` does; one line each.
@@ -549,6 +572,8 @@ def policy_loosening(policy: Policy, timeout_s: float | None = DEFAULT_TIMEOUT_S
         out.append(f"bind {b.source} -> {b.dest} ({', '.join(flags)}); default: no binds")
     if policy.network:
         out.append("network=True (the host network); default: no network")
+    if policy.rootfs is not None and policy.image is None:
+        out.append(f"rootfs {policy.rootfs} (a host directory shown to the sandbox); default: the host's /usr")
     if policy.seccomp is None:
         out.append("seccomp=None (no syscall filter); default: the default profile")
     elif policy.seccomp.log:
@@ -633,10 +658,16 @@ def replay(path: str | os.PathLike[str], *, workspace_base: str | None = None,
         Whatever :func:`lowlevel.run` raises.
     """
     doc = load_record(path)
+    _check_image_present(doc)
     try:
         policy = policy_from_canonical(doc["policy"], profiles=profiles)
     except (TypeError, ValueError, KeyError, AttributeError) as err:
         raise RecordError(f"refusing the record: its policy cannot be rebuilt: {err}") from err
+    from .image import check_record_rootfs
+    try:
+        check_record_rootfs(doc.get("rootfs"), policy)
+    except LowlevelError as err:
+        raise RecordError(f"refusing to replay: {err}") from err
     if policy_sha256(policy) != doc["policy_sha256"]:
         raise RecordError("the rebuilt policy does not hash to the recorded policy_sha256 "
                           "(a lowlevel version with different Policy fields?)")
