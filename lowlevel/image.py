@@ -55,6 +55,7 @@ import contextlib
 import dataclasses
 import datetime
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -703,17 +704,18 @@ class _Import:
             os.mkdir(os.path.join(staging, sub), 0o755)
 
     # -- sandboxed tools -------------------------------------------------------------------------
-    def _policy(self, binds: Sequence[Any] = ()) -> Policy:
+    def _policy(self, binds: Sequence[Any] = (), *, setid: bool = False) -> Policy:
         from .limits import Limits
         from .policy import Policy
-        return Policy(binds=tuple(binds), limits=Limits(
+        from .seccomp import DEFAULT_PROFILE
+        return Policy(binds=tuple(binds), seccomp=_unpack_profile() if setid else DEFAULT_PROFILE, limits=Limits(
             cpu_s=None, memory_bytes=self.limits.memory_bytes, pids=512, nofile=4096, tmp_size_bytes=64 * MiB,
             fsize_bytes=max(self.limits.max_bytes, 64 * MiB)))
 
     def _sandboxed(self, argv: Sequence[str], what: str, *, binds: Sequence[Any] = (), stdin: bytes | None = None,
-                   tick: Callable[[], None] | None = None) -> Result:
+                   tick: Callable[[], None] | None = None, setid: bool = False) -> Result:
         from .launcher import run
-        policy = self._policy(binds)
+        policy = self._policy(binds, setid=setid)
         env = {"TMPDIR": "/workspace/tmp", "HOME": "/workspace/home"}
         if tick is None or _in_event_loop():
             result = run(argv, policy=policy, workspace=self.staging, timeout=self.limits.timeout_s, env=env,
@@ -754,8 +756,8 @@ class _Import:
         return doc
 
     def _tool(self, argv: Sequence[str], what: str, *, binds: Sequence[Any] = (),
-              tick: Callable[[], None] | None = None) -> Result:
-        result = self._sandboxed(argv, what, binds=binds, tick=tick)
+              tick: Callable[[], None] | None = None, setid: bool = False) -> Result:
+        result = self._sandboxed(argv, what, binds=binds, tick=tick, setid=setid)
         if result.exit_code != 0:
             text = result.stderr.decode("utf-8", "replace").strip()
             lines = [ln.strip() for ln in text.splitlines() if ln.strip()][-3:]
@@ -918,7 +920,7 @@ class _Import:
         base_used = _fs_used(self.staging)
         self._report("unpack", 0, want_bytes, layers=len(layers))
         self._tool([str(self.tools["umoci"]), "--log=error", "raw", "unpack", "--rootless", "--image",
-                    "/workspace/layout:import", "/workspace/rootfs"], f"umoci unpacking {self.label}",
+                    "/workspace/layout:import", "/workspace/rootfs"], f"umoci unpacking {self.label}", setid=True,
                    tick=lambda: self._report("unpack", max(0, min(want_bytes, _fs_used(self.staging) - base_used)),
                                              want_bytes, layers=len(layers)))
         self._report("unpack", want_bytes, want_bytes, layers=len(layers))
@@ -1044,6 +1046,24 @@ class _Import:
         return ImageConfig(env=tuple(env), workdir=os.path.normpath(workdir) if workdir else None, user=user,
                            entrypoint=argv("Entrypoint"), cmd=argv("Cmd"),
                            architecture=str(config.get("architecture", "")), os=str(config.get("os", "")))
+
+
+@functools.lru_cache(maxsize=1)
+def _unpack_profile() -> Any:
+    """The default seccomp profile without its setuid/setgid rules, for umoci only.
+
+    umoci restores each file's mode as the layer has it, and a base image has setuid files
+    (``su``, ``passwd``, ``mount``): under the default profile its chmod fails with EPERM. The
+    bits it sets cannot help anyone: the import's directory is bound ``nosuid`` into umoci's
+    sandbox, sits in an unlistable directory of the store (mode 0711, random name), and the bits
+    are cleared on the host right after the unpack, before any sandbox sees the tree.
+    """
+    from dataclasses import replace
+
+    from .seccomp import DEFAULT_PROFILE, _setid_rules
+    setid = {r for r in _setid_rules() if r.syscall != "openat2"}
+    return replace(DEFAULT_PROFILE, name="default-unpack",
+                   rules=tuple(r for r in DEFAULT_PROFILE.rules if r not in setid))
 
 
 def _readable_by_others(path: str) -> bool:

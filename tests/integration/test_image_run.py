@@ -223,36 +223,34 @@ def test_writable_root_is_per_run(bb: lowlevel.Policy) -> None:
 
 # --- progress -----------------------------------------------------------------------------------
 
-def test_progress_only_on_a_terminal(who: Who, archives: dict[str, pathlib.Path]) -> None:
-    proc = who.cli("image", "import", str(archives["oci"]))
-    assert "\r" not in proc.stderr and "unpacking" not in proc.stderr
-    who.cli("image", "rm", "bbtest:1")
+def _on_a_tty(who: Who, *args: str) -> tuple[subprocess.CompletedProcess[str], str]:
+    """Run the CLI with stderr on a pseudo-terminal; return the process and what the terminal got."""
     master, slave = pty.openpty()
+    shown = b""
     try:
         if who.user is not None:
             os.chown(os.ttyname(slave), who.user.pw_uid, -1)
-        proc = who.cli("image", "import", str(archives["oci"]), stderr_tty=slave)
-        os.close(slave)
-        slave = -1
-        shown = b""
-        while select.select([master], [], [], 0.5)[0]:
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:
-                break
+        proc = who.cli(*args, stderr_tty=slave)
+        while select.select([master], [], [], 0.2)[0]:
+            chunk = os.read(master, 65536)
             if not chunk:
                 break
             shown += chunk
     finally:
-        if slave >= 0:
-            os.close(slave)
+        os.close(slave)
         os.close(master)
-    text = shown.decode()
-    assert "checking [" in text and "layer 1/1" in text and "unpacking [" in text and "MiB" in text
-    assert proc.stdout.startswith("imported bbtest:1")
+    return proc, shown.decode()
+
+
+def test_progress_only_on_a_terminal(who: Who, archives: dict[str, pathlib.Path]) -> None:
+    proc = who.cli("image", "import", str(archives["oci"]))
+    assert "\r" not in proc.stderr and "unpacking" not in proc.stderr
     who.cli("image", "rm", "bbtest:1")
-    quiet = who.cli("image", "import", "--quiet", str(archives["oci"]), stderr_tty=None)
-    assert quiet.stdout.startswith("sha256:") and quiet.stderr == ""
+    proc, text = _on_a_tty(who, "image", "import", str(archives["oci"]))
+    assert "checking [" in text and "layer 1/1" in text and "unpacking [" in text and "MiB" in text, text
+    assert proc.stdout.startswith("imported bbtest:1")
+    proc, text = _on_a_tty(who, "image", "import", "--quiet", str(archives["oci"]))
+    assert proc.stdout.startswith("sha256:") and text == ""
 
 
 # --- records and replay ---------------------------------------------------------------------------
