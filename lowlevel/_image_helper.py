@@ -57,21 +57,38 @@ class RefusedError(Exception):
 
 
 class _Meter(io.RawIOBase):
-    """Counts (and optionally hashes) the bytes read through it; refuses past ``cap``."""
+    """Counts (and optionally hashes) the bytes read through it; refuses past ``cap``.
 
-    def __init__(self, raw: BinaryIO, cap: int | None, what: str, hasher: Any = None) -> None:
+    With ``trailer``, the end of the stream is followed by zeros up to the next 512-byte block
+    and two more blocks (neither counted nor hashed): Go's archive/tar, which container tools
+    use to read layers, accepts a layer without its end-of-archive blocks or its last padding
+    (``umoci insert`` writes such layers), and Python's tarfile does not.
+    """
+
+    def __init__(self, raw: BinaryIO, cap: int | None, what: str, hasher: Any = None,
+                 trailer: bool = False) -> None:
         self.raw = raw
         self.cap = cap
         self.what = what
         self.hasher = hasher
         self.count = 0
+        self.trailer = trailer
+        self.padding: int | None = None
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, b: Any) -> int:
+        if self.padding is not None:
+            n = min(len(b), self.padding)
+            b[:n] = b"\0" * n
+            self.padding -= n
+            return n
         data = self.raw.read(len(b))
         n = len(data)
+        if not n and self.trailer:
+            self.padding = (-self.count) % 512 + 1024
+            return self.readinto(b)
         b[:n] = data
         self.count += n
         if self.hasher is not None:
@@ -128,7 +145,7 @@ def scan(spec: dict[str, Any]) -> dict[str, Any]:
             diff = hashlib.sha256()
             # Headers and padding take at most 3 blocks per entry on top of the content.
             cap = max_bytes - total + (max_entries - entries + 1) * 3 * 512 + (1 << 20)
-            plain = _Meter(stream, cap, what, diff)
+            plain = _Meter(stream, cap, what, diff, trailer=True)
             stats = {"entries": 0, "bytes": 0, "devices": 0, "setid": 0, "fifos": 0, "caps": 0}
             try:
                 with tarfile.open(fileobj=plain, mode="r|") as tar:

@@ -334,3 +334,31 @@ def test_doctor_reports_tools_and_store(monkeypatch: pytest.MonkeyPatch, tmp_pat
     assert checks["skopeo"]["ok"] == (shutil.which("skopeo") is not None)
     assert checks["umoci"]["ok"] == (shutil.which("umoci") is not None)
     assert str(tmp_path / "store") in checks["image store"]["detail"]
+
+
+def test_layer_without_end_blocks_imports_like_go_tar_reads_it(store: ImageStore, tmp_path: pathlib.Path) -> None:
+    """``umoci insert`` writes layers without the end-of-archive blocks or the last file's padding;
+    Go's archive/tar (umoci, containerd) reads them, and so must the import."""
+    imagekit.need_tools()
+    work = imagekit.public_tmpdir("short-")
+    try:
+        tar = imagekit.layer([{"name": "etc", "type": "dir"}, {"name": "etc/passwd", "data": b"root:x:0:0::/:/x\n"},
+                              {"name": "etc/group", "data": b"root:x:0:\n"}, {"name": "last.txt", "data": b"15 bytes here\n"}])
+        end = len(tar.rstrip(b"\0"))
+        short = tar[:end]
+        assert len(short) % 512 != 0
+        layout = imagekit.write_layout(work / "layout", [short])
+        img = store.import_archive(imagekit.oci_archive(layout, work / "short.tar"))
+        assert (pathlib.Path(img.rootfs) / "last.txt").read_bytes() == b"15 bytes here\n"
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def test_benchmark_task_example_runs() -> None:
+    imagekit.need_tools()
+    root = pathlib.Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, str(root / "examples" / "benchmark_task.py")], capture_output=True,
+                          text=True, timeout=200)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "PASS tab" in proc.stdout and "4. replay: outputs match" in proc.stdout
+    assert "without the image, replay refuses" in proc.stdout
