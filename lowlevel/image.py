@@ -60,6 +60,7 @@ import hashlib
 import json
 import logging
 import os
+import platform
 import re
 import shutil
 import stat
@@ -95,6 +96,9 @@ _NAME = re.compile(r"^[a-z0-9][a-z0-9._/:-]{0,254}$")
 _TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: uname -m -> the OCI/Go architecture name.
+_GOARCH = {"x86_64": "amd64", "aarch64": "arm64", "i686": "386", "i386": "386", "armv7l": "arm",
+           "ppc64le": "ppc64le", "s390x": "s390x", "riscv64": "riscv64"}
 _MAX_JSON = 4 * MiB
 _LAYER_TYPES = ("application/vnd.oci.image.layer.v1.tar", "application/vnd.oci.image.layer.v1.tar+gzip",
                 "application/vnd.oci.image.layer.nondistributable.v1.tar",
@@ -1039,6 +1043,11 @@ class _Import:
             self.notes.append(f"config {key} ignored (not a list of strings)")
             return ()
 
+        arch = str(config.get("architecture", ""))
+        host = _GOARCH.get(platform.machine(), platform.machine())
+        if arch and arch != host:
+            self.notes.append(f"the image is built for {arch}, this host is {host}: its programs will fail with "
+                              "'Exec format error' (unless binfmt_misc emulation is set up)")
         user = c.get("User") or ""
         if not isinstance(user, str) or "\0" in user:
             self.notes.append("config User ignored (not a string)")
