@@ -97,8 +97,9 @@ def who(request: pytest.FixtureRequest) -> Iterator[Who]:
 # --- import and run, both identities --------------------------------------------------------------
 
 def test_import_then_run_with_image_defaults(who: Who, archives: dict[str, pathlib.Path]) -> None:
-    out = who.cli("image", "import", str(archives["oci"])).stdout
-    assert "imported bbtest:1 sha256:" in out
+    proc = who.cli("image", "import", str(archives["oci"]))
+    assert "imported bbtest:1 sha256:" in proc.stdout
+    assert "\r" not in proc.stderr and "unpacking" not in proc.stderr  # not a terminal: no progress
     listing = who.cli("image", "ls").stdout.splitlines()
     assert listing[0].split() == ["NAME", "ID", "DIGEST", "LAYERS", "SIZE", "LAST", "USED", "IMPORTED"]
     assert listing[1].startswith("bbtest:1 ")
@@ -242,10 +243,8 @@ def _on_a_tty(who: Who, *args: str) -> tuple[subprocess.CompletedProcess[str], s
     return proc, shown.decode()
 
 
-def test_progress_only_on_a_terminal(who: Who, archives: dict[str, pathlib.Path]) -> None:
-    proc = who.cli("image", "import", str(archives["oci"]))
-    assert "\r" not in proc.stderr and "unpacking" not in proc.stderr
-    who.cli("image", "rm", "bbtest:1")
+def test_progress_on_a_terminal(who: Who, archives: dict[str, pathlib.Path]) -> None:
+    """A progress line on a terminal; none with --quiet (none off a terminal: the test above)."""
     proc, text = _on_a_tty(who, "image", "import", str(archives["oci"]))
     assert "checking [" in text and "layer 1/1" in text and "unpacking [" in text and "MiB" in text, text
     assert proc.stdout.startswith("imported bbtest:1")
