@@ -15,7 +15,6 @@ import pty
 import pwd
 import select
 import shutil
-import stat
 import subprocess
 import sys
 from collections.abc import Iterator
