@@ -979,7 +979,19 @@ class _Import:
         return store.get(image_id)
 
     def _read_layout(self, layout: str) -> tuple[str, dict[str, Any], tuple[Layer, ...]]:
-        """Read what skopeo wrote (bounded, digest-checked): (manifest digest, config, layers)."""
+        """Read what skopeo wrote (bounded, digest-checked): (manifest digest, config, layers).
+
+        skopeo ran on hostile input with write access to the layout: its directories are checked
+        to be real directories (no symlink to elsewhere on the host), every file is opened
+        ``O_NOFOLLOW``, bounded, and blobs must match their digest.
+        """
+        for sub in (layout, os.path.join(layout, "blobs"), os.path.join(layout, "blobs", "sha256")):
+            try:
+                real = stat.S_ISDIR(os.lstat(sub).st_mode)
+            except OSError:
+                real = False
+            if not real:
+                raise ImageError(f"refusing {self.label}: skopeo left no OCI layout ({sub} is not a directory)")
         index = _json(_read_bounded(os.path.join(layout, "index.json"), _MAX_JSON, "index.json"), "index.json")
         manifests = index.get("manifests") if isinstance(index, dict) else None
         if not isinstance(manifests, list) or len(manifests) != 1 or not isinstance(manifests[0], dict):

@@ -113,6 +113,10 @@ def test_import_then_run_with_image_defaults(who: Who, archives: dict[str, pathl
     assert "No such file" in lines[1]              # no host /usr: the image has none
     assert "Read-only file system" in lines[2]
     assert lines[3] == "no-host-python"
+    # --writable-root: the image's empty scratch dirs take writes for this run only; /bin stays read-only.
+    proc = who.cli("run", "--rm", "--image", "bbtest:1", "--writable-root", "--", "/bin/sh", "-c",
+                   "echo scratch > /var/tmp/a && cat /var/tmp/a; touch /bin/b 2>/dev/null || echo ro")
+    assert proc.stdout.split() == ["scratch", "ro"], proc.stderr
     # The store's tree: owned by the caller, no group/other write anywhere.
     image = json.loads(who.cli("image", "inspect", "bbtest:1").stdout)
     rootfs = pathlib.Path(image["rootfs"])
