@@ -364,3 +364,26 @@ def test_benchmark_task_example_runs() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "PASS tab" in proc.stdout and "4. replay: outputs match" in proc.stdout
     assert "without the image, replay refuses" in proc.stdout
+
+
+def test_setid_bits_and_devices_neutralised_for_both_callers(who: Who) -> None:
+    imagekit.need_tools()
+    work = imagekit.public_tmpdir("hostile-")
+    try:
+        archive = imagekit.hostile_archive(work, "mixed", [
+            {"name": "bin", "type": "dir"}, {"name": "bin/su", "data": b"#!/bin/sh\n", "mode": 0o4755},
+            {"name": "dev", "type": "dir"}, {"name": "dev/mem", "type": "char", "dev": (1, 1), "mode": 0o666},
+            {"name": "wide", "data": b"x", "mode": 0o666}])
+        proc = who.cli("image", "import", "--name", "mixed:1", str(archive))
+        assert "1 device node in the layers: dropped" in proc.stderr
+        img = json.loads(who.cli("image", "inspect", "mixed:1").stdout)
+        root = pathlib.Path(img["rootfs"])
+        assert oct((root / "bin" / "su").stat().st_mode & 0o7777) == oct(0o755)
+        assert oct((root / "wide").stat().st_mode & 0o7777) == oct(0o644)
+        assert not (root / "dev" / "mem").exists()
+        bad = who.cli("image", "import", str(imagekit.hostile_archive(work, "bad", [
+            {"name": "../../escape", "data": b"x"}])), check=False)
+        assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "'..' component" in bad.stderr
+        assert who.cli("image", "ls").stdout.count("\n") == 2  # header + mixed:1: nothing partial
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
