@@ -6,10 +6,11 @@ Quick start::
     result = lowlevel.run(["python3", "-c", "print(6 * 7)"])
     assert result.stdout == b"42\\n"
 
-See :func:`lowlevel.run`, :class:`lowlevel.Policy` and :class:`lowlevel.Result`.
+See :func:`lowlevel.run`, :class:`lowlevel.Policy` and :class:`lowlevel.Result`; images and root
+filesystems: :mod:`lowlevel.image`, :mod:`lowlevel.rootfs`.
 """
 
-from .errors import (BwrapNotFoundError, LaunchError, LowlevelError, PolicyError, SeccompError,
+from .errors import (BwrapNotFoundError, ImageError, LaunchError, LowlevelError, PolicyError, SeccompError,
                      SessionError, UnsupportedError, WorkspaceError)
 from .launcher import ExecError, run
 from .limits import Limits
@@ -45,6 +46,7 @@ __all__ = [
     "Changes",
     "DEFAULT_PROFILE",
     "ExecError",
+    "ImageError",
     "LaunchError",
     "Limits",
     "LowlevelError",
