@@ -1,7 +1,7 @@
 """Read hostile image archives and layers; runs *inside* a sandbox, never in the caller.
 
 :mod:`lowlevel.image` runs this file with the host's ``python3`` in a lowlevel sandbox (the
-caller's uid, or ``nobody`` for root callers; no network; memory bounded), because archives
+caller's uid, or a leased per-run uid for root callers; no network; memory bounded), because archives
 and layers are hostile input and Python's tarfile reads a PAX header wholly into memory.
 Standard library only; it imports nothing from lowlevel. Request on stdin (JSON, ``"mode"``
 picks the job), answer on stdout (JSON ``{"ok": true, ...}`` or ``{"ok": false, "error": MSG}``).

@@ -31,8 +31,8 @@ imported (a ``docker save`` archive gets a fresh OCI manifest, so its digest dif
 registry's); ``rootfs_sha256`` is :func:`lowlevel.rootfs.tree_sha256` of the unpacked tree.
 
 Images are untrusted input. The import runs every tool that reads the archive in a lowlevel
-sandbox (default Policy: no network, seccomp, limits; the caller's uid, or ``nobody`` for a root
-caller): skopeo (to an OCI layout, checking every blob's digest), this package's
+sandbox (default Policy: no network, seccomp, limits; the caller's uid, or for a root caller a
+per-run host uid leased for the whole import): skopeo (to an OCI layout, checking every blob's digest), this package's
 ``_image_helper.py`` (refuses absolute and ``..`` member names, hard links leaving the tree,
 unknown member types, more than ``max_entries`` entries or ``max_bytes`` of content, layers that
 do not match their ``diff_id``; finds device nodes) and ``umoci raw unpack --rootless``
@@ -425,7 +425,7 @@ class ImageStore:
         return os.path.join(self.images_dir, image_id.split(":", 1)[-1])
 
     def ensure(self) -> None:
-        """Create the store's directories (root: mode 0755, so the sandbox's ``nobody`` can reach
+        """Create the store's directories (root: mode 0755, so sandboxes' per-run uids can reach
         the trees; others: 0700) and check their owner and parents.
 
         Raises:
@@ -682,10 +682,13 @@ class ImageStore:
         self.ensure()
         self._clean_stale()
         staging = tempfile.mkdtemp(prefix=f"import-{os.getpid()}-", dir=self.tmp_dir)
+        job = None
         try:
             job = _Import(self, src, staging, wanted, ref, limits, progress, tools)
             return job.run()
         finally:
+            if job is not None:
+                job.close()
             _rmtree(staging)
 
 
@@ -704,15 +707,41 @@ class _Import:
         self.tools = tools
         self.notes: list[str] = []
         self.label = os.path.basename(src.rstrip("/")) or src
+        # The tools write only into ``out`` (bound read-write at /out: a plain bind, so a multi-GB
+        # unpack goes to disk, not to the copy-on-write workspace's memory-backed upper layer);
+        # their workspace is an empty directory nothing is written to.
+        self.out = os.path.join(staging, "out")
+        self.ws = os.path.join(staging, "ws")
+        self.lease: Any = None
+        os.mkdir(self.ws, 0o700)
+        os.mkdir(self.out, 0o700)
         for sub in ("in", "tmp", "home"):
-            os.mkdir(os.path.join(staging, sub), 0o755)
+            os.mkdir(os.path.join(self.out, sub), 0o700)
+        if os.geteuid() == 0:
+            # A root caller's tools run as a host uid leased for the whole import (no other sandbox
+            # gets it meanwhile), which owns ``out``; the import's directory is traversable
+            # (0711) but not listable, under the store's unlistable tmp/.
+            from .cow import UidLease
+            self.lease = UidLease.acquire()
+            for p in (self.out, *(os.path.join(self.out, sub) for sub in ("in", "tmp", "home"))):
+                os.chown(p, self.lease.uid, self.lease.uid)
+            os.chmod(staging, 0o711)
+
+    def close(self) -> None:
+        """Release the leased uid (root callers)."""
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
 
     # -- sandboxed tools -------------------------------------------------------------------------
     def _policy(self, binds: Sequence[Any] = (), *, setid: bool = False) -> Policy:
         from .limits import Limits
         from .policy import Policy
         from .seccomp import DEFAULT_PROFILE
-        return Policy(binds=tuple(binds), seccomp=_unpack_profile() if setid else DEFAULT_PROFILE, limits=Limits(
+        from .policy import Bind
+        ids: dict[str, Any] = {"host_uid": self.lease.uid, "host_gid": self.lease.uid} if self.lease else {}
+        return Policy(binds=(Bind(self.out, "/out", writable=True, allow_sensitive=True), *binds), **ids,
+                      seccomp=_unpack_profile() if setid else DEFAULT_PROFILE, limits=Limits(
             cpu_s=None, memory_bytes=self.limits.memory_bytes, pids=512, nofile=4096, tmp_size_bytes=64 * MiB,
             fsize_bytes=max(self.limits.max_bytes, 64 * MiB)))
 
@@ -720,9 +749,9 @@ class _Import:
                    tick: Callable[[], None] | None = None, setid: bool = False) -> Result:
         from .launcher import run
         policy = self._policy(binds, setid=setid)
-        env = {"TMPDIR": "/workspace/tmp", "HOME": "/workspace/home"}
+        env = {"TMPDIR": "/out/tmp", "HOME": "/out/home"}
         if tick is None or _in_event_loop():
-            result = run(argv, policy=policy, workspace=self.staging, timeout=self.limits.timeout_s, env=env,
+            result = run(argv, policy=policy, workspace=self.ws, timeout=self.limits.timeout_s, env=env,
                          stdin=stdin)
         else:
             import asyncio
@@ -730,7 +759,7 @@ class _Import:
             from .aio import arun
 
             async def main() -> Result:
-                task = asyncio.ensure_future(arun(argv, policy=policy, workspace=self.staging,
+                task = asyncio.ensure_future(arun(argv, policy=policy, workspace=self.ws,
                                                   timeout=self.limits.timeout_s, env=env, stdin=stdin))
                 while True:
                     done, _ = await asyncio.wait({task}, timeout=0.2)
@@ -780,7 +809,7 @@ class _Import:
         isdir = os.path.isdir(self.src)
         inside = "/in/layout" if isdir else "/in/archive"
         if os.geteuid() == 0 and not _readable_by_others(self.src):
-            dest = os.path.join(self.staging, inside.lstrip("/"))
+            dest = os.path.join(self.out, "in", os.path.basename(inside))
             try:
                 if isdir:
                     shutil.copytree(self.src, dest, symlinks=True)
@@ -788,7 +817,10 @@ class _Import:
                     shutil.copyfile(self.src, dest)
             except OSError as err:
                 raise ImageError(f"cannot copy {self.src} for the import: {err}") from err
-            return [], "/workspace" + inside
+            if self.lease is not None:
+                for p in [dest, *(os.path.join(d, f) for d, ds, fs in os.walk(dest) for f in ds + fs)]:
+                    os.lchown(p, self.lease.uid, self.lease.uid)
+            return [], "/out" + inside
         try:
             return [Bind(self.src, inside, allow_sensitive=True)], inside
         except PolicyError as err:
@@ -868,19 +900,18 @@ class _Import:
         copy_binds = binds
         if kind == "docker-archive" and doc.get("gzip"):
             # skopeo reads docker-archive uncompressed only.
-            self._helper({"mode": "gunzip", "path": inside, "dest": "/workspace/in/archive.tar",
+            self._helper({"mode": "gunzip", "path": inside, "dest": "/out/in/archive.tar",
                           "max_bytes": self.limits.max_bytes + 64 * MiB}, f"decompressing {self.label}", binds=binds)
-            inside, copy_binds = "/workspace/in/archive.tar", []
+            inside, copy_binds = "/out/in/archive.tar", []
         spec = f"{transport}:{inside}" + (f":{suffix}" if suffix else "")
-        layout = os.path.join(self.staging, "layout")
+        layout = os.path.join(self.out, "layout")
         self._report("copy", 0, source_bytes)
         factor = 2 if kind == "oci-archive" else 1  # skopeo extracts an oci-archive, then copies its blobs
-        self._tool([str(self.tools["skopeo"]), "--insecure-policy", "--tmpdir", "/workspace/tmp", "copy", "--quiet",
-                    spec, "oci:/workspace/layout:import"], f"skopeo copying {self.label}", binds=copy_binds,
-                   tick=lambda: self._report("copy", min(source_bytes, _tree_bytes(self.staging) // factor),
+        self._tool([str(self.tools["skopeo"]), "--insecure-policy", "--tmpdir", "/out/tmp", "copy", "--quiet",
+                    spec, "oci:/out/layout:import"], f"skopeo copying {self.label}", binds=copy_binds,
+                   tick=lambda: self._report("copy", min(source_bytes, _tree_bytes(self.out) // factor),
                                              source_bytes))
-        _rmtree(os.path.join(self.staging, "in"))
-        os.mkdir(os.path.join(self.staging, "in"), 0o755)
+        _rmtree(os.path.join(self.out, "in"))
         manifest_digest, config, layers = self._read_layout(layout)
         image_id = "sha256:" + hashlib.sha256(config["raw"]).hexdigest()
         names = [self.name] if self.name else recorded
@@ -891,7 +922,7 @@ class _Import:
             raise ImageError(f"refusing {self.label}: {len(layers)} layers, more than {self.limits.max_layers} "
                              "(ImportLimits.max_layers)")
         total_blob = sum(layer.size for layer in layers)
-        progress_file = os.path.join(self.staging, "tmp", "scan.progress")
+        progress_file = os.path.join(self.out, "tmp", "scan.progress")
 
         def scan_tick() -> None:
             try:
@@ -903,8 +934,8 @@ class _Import:
             self._report("scan", min(before + done, total_blob), total_blob, layer=index + 1, layers=len(layers))
 
         self._report("scan", 0, total_blob, layer=1, layers=len(layers))
-        summary = self._helper({"mode": "scan", "layout": "/workspace/layout", "max_bytes": self.limits.max_bytes,
-                                "max_entries": self.limits.max_entries, "progress": "/workspace/tmp/scan.progress",
+        summary = self._helper({"mode": "scan", "layout": "/out/layout", "max_bytes": self.limits.max_bytes,
+                                "max_entries": self.limits.max_entries, "progress": "/out/tmp/scan.progress",
                                 "layers": [{"digest": layer.digest, "media_type": layer.media_type,
                                             "size": layer.size, "diff_id": layer.diff_id} for layer in layers]},
                                f"checking the layers of {self.label}", tick=scan_tick)
@@ -912,7 +943,7 @@ class _Import:
         layers = tuple(dataclasses.replace(layer, entries=int(s["entries"]), bytes=int(s["bytes"]))
                        for layer, s in zip(layers, summary["layers"], strict=True))
         want_bytes, want_entries = int(summary["bytes"]), int(summary["entries"])
-        _check_space(self.staging, want_bytes, want_entries)
+        _check_space(self.out, want_bytes, want_entries)
         for key, what in (("setid", "setuid/setgid file"), ("caps", "file with capabilities (security.capability)"),
                           ("devices", "device node")):
             count = sum(int(s[key]) for s in summary["layers"])
@@ -920,12 +951,12 @@ class _Import:
                 self.notes.append(f"{count} {what}{'s' if count != 1 else ''} in the layers: "
                                   + {"setid": "bits cleared", "caps": "attribute removed",
                                      "devices": "dropped"}[key])
-        rootfs = os.path.join(self.staging, "rootfs")
-        base_used = _fs_used(self.staging)
+        rootfs = os.path.join(self.out, "rootfs")
+        base_used = _fs_used(self.out)
         self._report("unpack", 0, want_bytes, layers=len(layers))
         self._tool([str(self.tools["umoci"]), "--log=error", "raw", "unpack", "--rootless", "--image",
-                    "/workspace/layout:import", "/workspace/rootfs"], f"umoci unpacking {self.label}", setid=True,
-                   tick=lambda: self._report("unpack", max(0, min(want_bytes, _fs_used(self.staging) - base_used)),
+                    "/out/layout:import", "/out/rootfs"], f"umoci unpacking {self.label}", setid=True,
+                   tick=lambda: self._report("unpack", max(0, min(want_bytes, _fs_used(self.out) - base_used)),
                                              want_bytes, layers=len(layers)))
         self._report("unpack", want_bytes, want_bytes, layers=len(layers))
         _rmtree(layout)
@@ -943,8 +974,10 @@ class _Import:
                                                                    layers=len(layers)))
         except OSError as err:
             raise ImageError(f"cannot hash the unpacked tree of {self.label}: {err}") from err
-        for sub in ("tmp", "home", "in"):
-            _rmtree(os.path.join(self.staging, sub))
+        os.rename(rootfs, os.path.join(self.staging, "rootfs"))
+        rootfs = os.path.join(self.staging, "rootfs")
+        _rmtree(self.out)
+        _rmtree(self.ws)
         from . import __version__
         meta = {"schema": SCHEMA, "id": image_id, "manifest_digest": manifest_digest, "imported_at": _now(),
                 "source": {"kind": kind, "path": self.src, "ref": self.ref},
@@ -1075,9 +1108,10 @@ def _unpack_profile() -> Any:
 
     umoci restores each file's mode as the layer has it, and a base image has setuid files
     (``su``, ``passwd``, ``mount``): under the default profile its chmod fails with EPERM. The
-    bits it sets cannot help anyone: the import's directory is bound ``nosuid`` into umoci's
-    sandbox, sits in an unlistable directory of the store (mode 0711, random name), and the bits
-    are cleared on the host right after the unpack, before any sandbox sees the tree.
+    bits it sets cannot help anyone: the output directory is bound ``nosuid`` into umoci's
+    sandbox; on the host it is mode 0700, owned by the caller (unprivileged) or by the uid leased
+    to this import alone (root), inside an unlistable directory of the store; and the bits are
+    cleared on the host right after the unpack, before any sandbox sees the tree.
     """
     from dataclasses import replace
 
@@ -1088,9 +1122,9 @@ def _unpack_profile() -> Any:
 
 
 def _readable_by_others(path: str) -> bool:
-    """True when the sandbox of a root caller (``nobody``) can read ``path`` (file or tree)."""
+    """True when a root caller's sandbox (a per-run uid: "others") can read ``path`` (file or tree)."""
     from .rootfs import rootfs_unreachable
-    if rootfs_unreachable(os.path.dirname(path), 65534, 65534):
+    if rootfs_unreachable(os.path.dirname(path), -1, -1):
         return False
     if os.path.isfile(path):
         return bool(os.stat(path).st_mode & stat.S_IROTH)
@@ -1169,6 +1203,8 @@ def _neutralize(rootfs: str, devices: Sequence[str], *, fix_caps: bool) -> list[
     uid, gid = os.geteuid(), os.getegid()
     rootfd = os.open(rootfs, _DIR_FLAGS)
     try:
+        if uid == 0:
+            os.fchown(rootfd, uid, gid)  # made by the tools' leased uid
         for rel in devices:
             opened = _open_parent(rootfd, rel)
             if opened is None:
