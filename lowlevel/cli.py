@@ -184,9 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", metavar="PATH[:DEST]", action="append", default=[], type=_input_spec,
                    help="file or dir copied into the workspace before the run, under its base name or at "
                    "DEST (relative to the workspace) (repeatable)")
-    p.add_argument("--cwd", metavar="DIR", type=_cwd_spec, default=WORKSPACE_DEST,
+    p.add_argument("--cwd", metavar="DIR", type=_cwd_spec, default=None,
                    help="working directory inside the sandbox, absolute or relative to /workspace "
-                   "(default /workspace)")
+                   "(default /workspace, or the image's WorkingDir)")
     p.add_argument("--timeout", metavar="SECONDS", type=_positive_float, default=60.0,
                    help="wall-clock limit, seconds (default 60); exit 124 when it fires")
     p.add_argument("--network", nargs="?", const="bare", default=None, type=_network_mode, metavar="{none,host}",
