@@ -9,7 +9,9 @@ network is still fenced by the second.
 The rules (sandbox paths; built inside the sandbox by ``native/lowlevel_landlock.h``):
 
 - read files and execute beneath the read-only mounts: ``/usr``, the host's read-only
-  top-level dirs (``/lib64``... when not usr-merged), ``/etc``, read-only binds;
+  top-level dirs (``/lib64``... when not usr-merged), ``/etc``, read-only binds; with a
+  ``Policy.rootfs`` (or image), its top-level directories and files instead (every right in
+  the ones ``rootfs_writable`` makes writable);
 - every filesystem right beneath ``/workspace``, ``/tmp``, ``/dev/shm`` and writable binds;
 - read, write and ioctl existing files beneath ``/dev`` and ``/proc`` (both mounted so that
   nothing can be created there; ``/proc/sys`` is read-only);
@@ -119,28 +121,48 @@ def require_supported(policy: Policy) -> None:
                                "boot with lsm=...,landlock, or use Policy(landlock=True) for best effort")
 
 
-def ruleset_args(policy: Policy, ro_dirs: tuple[str, ...]) -> tuple[str, ...]:
+def ruleset_args(policy: Policy, ro_dirs: tuple[str, ...],
+                 bwrap_options: frozenset[str] = frozenset()) -> tuple[str, ...]:
     """The ``--ll...`` options of the guard and the init for ``policy`` (cached per Policy).
 
     Args:
-        policy: the sandbox description (``landlock``, ``binds``, ``network``, ``landlock_omit``).
+        policy: the sandbox description (``landlock``, ``binds``, ``network``, ``landlock_omit``,
+            ``rootfs``/``rootfs_writable``).
         ro_dirs: the host's read-only top-level dirs the base layout binds
-            (:attr:`lowlevel.probe.HostLayout.ro_dirs`).
+            (:attr:`lowlevel.probe.HostLayout.ro_dirs`); unused with a ``rootfs``.
+        bwrap_options: the installed bwrap's options (a writable rootfs is an overlay per
+            top-level directory where bwrap has ``--tmp-overlay``: those are then writable).
     Returns:
         options for ``native/lowlevel_landlock.h``; ``("--ll=off",)`` when Landlock is off.
     """
-    return _ruleset_args(policy, ro_dirs, _ABI_MAX)
+    return _ruleset_args(policy, ro_dirs, bwrap_options, _ABI_MAX)
+
+
+def _system_rules(policy: Policy, ro_dirs: tuple[str, ...], bwrap_options: frozenset[str]) -> list[str]:
+    """Read/exec rules for the sandbox's system: the host's ``/usr`` (+ read-only top-level dirs
+    and ``/etc``), or the top level of ``Policy.rootfs`` as :func:`lowlevel.rootfs.base_args`
+    mounts it (writable where ``rootfs_writable`` makes it so)."""
+    if policy.rootfs is None:
+        return ["--ll-rx=/usr", *(f"--ll-rx={d}" for d in ro_dirs), "--ll-rx=/etc"]
+    from .rootfs import rootfs_layout
+    layout = rootfs_layout(policy.rootfs)
+    overlay = policy.rootfs_writable and {"--tmp-overlay", "--overlay-src"} <= bwrap_options
+    out = [f"--ll-{'rw' if overlay else 'rx'}=/{name}" for name in layout.dirs]
+    out += [f"--ll-rx=/{name}" for name in layout.files]
+    if policy.rootfs_writable and not overlay:
+        out += [f"--ll-rw=/{rel}" for rel in layout.scratch_dirs]
+    return out
 
 
 @functools.lru_cache(maxsize=256)
-def _ruleset_args(policy: Policy, ro_dirs: tuple[str, ...], abi_max: int | None) -> tuple[str, ...]:
+def _ruleset_args(policy: Policy, ro_dirs: tuple[str, ...], bwrap_options: frozenset[str],
+                  abi_max: int | None) -> tuple[str, ...]:
     if policy.landlock is False:
         return ("--ll=off",)
     omit = set(policy.landlock_omit)
-    a = ["--ll=require" if policy.landlock == "require" else "--ll=on", "--ll-ls=/", "--ll-rx=/usr"]
-    a += [f"--ll-rx={d}" for d in ro_dirs]
-    a += ["--ll-rx=/etc", "--ll-proc=/proc", "--ll-dev=/dev", "--ll-rw=/dev/shm", "--ll-rw=/tmp",
-          f"--ll-rw={WORKSPACE_DEST}"]
+    a = ["--ll=require" if policy.landlock == "require" else "--ll=on", "--ll-ls=/"]
+    a += _system_rules(policy, ro_dirs, bwrap_options)
+    a += ["--ll-proc=/proc", "--ll-dev=/dev", "--ll-rw=/dev/shm", "--ll-rw=/tmp", f"--ll-rw={WORKSPACE_DEST}"]
     for bind in policy.binds:
         if bind.dest not in omit:
             a.append(f"--ll-{'rw' if bind.writable else 'rx'}={bind.dest}")

@@ -296,7 +296,8 @@ class _Core:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         # Landlock: the init restricts itself before its first command (lowlevel.landlock).
         argv = [f"/proc/self/fd/{_EXE_FD}", str(_SOCK_FD), str(_ms(idle_timeout)), str(_ms(total_timeout)),
-                str(_EXE_FD), *_landlock.ruleset_args(policy, host_facts(bwrap).layout.ro_dirs)]
+                str(_EXE_FD), *_landlock.ruleset_args(policy, host_facts(bwrap).layout.ro_dirs,
+                                                         host_facts(bwrap).bwrap.options)]
         self.landlock_abi = 0
         self.run = Run(argv, policy=self.sandbox_policy,
                        workspace=None if workspace is None else os.fspath(workspace), inputs=inputs,
@@ -405,7 +406,7 @@ class _Core:
 
     # -- submit --------------------------------------------------------------------------
     def submit(self, argv: Sequence[str], *, stdin: bytes | None, timeout: float | None,
-               env: Mapping[str, str] | None, cwd: str, limits: Limits | None, stream: bool,
+               env: Mapping[str, str] | None, cwd: str | None, limits: Limits | None, stream: bool,
                track_changes: bool | None = None) -> _Cmd:
         command = _check_command(argv)
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
@@ -413,6 +414,8 @@ class _Core:
             raise PolicyError(f"timeout must be a number of seconds > 0 or None, got {timeout!r}")
         if stdin is not None and not isinstance(stdin, (bytes, bytearray, memoryview)):
             raise PolicyError("stdin must be bytes or None")
+        if cwd is None:
+            cwd = self.policy.workdir or WORKSPACE_DEST
         _validate.sandbox_path(cwd, "cwd")
         if env is not None and not isinstance(env, Mapping):
             raise PolicyError(f"env must be a mapping of str to str, got {type(env).__name__}")
@@ -1111,7 +1114,7 @@ class Session:
                 pass
 
     def run(self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = DEFAULT_TIMEOUT_S,
-            env: Mapping[str, str] | None = None, cwd: str = WORKSPACE_DEST, limits: Limits | None = None,
+            env: Mapping[str, str] | None = None, cwd: str | None = None, limits: Limits | None = None,
             track_changes: bool | None = None) -> Result:
         """Run one command in the session and wait for it.
 
@@ -1156,7 +1159,7 @@ class Session:
         return cmd.result
 
     def start(self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None,
-              env: Mapping[str, str] | None = None, cwd: str = WORKSPACE_DEST,
+              env: Mapping[str, str] | None = None, cwd: str | None = None,
               limits: Limits | None = None) -> Process:
         """Start a background command and return its :class:`Process` handle at once.
 
@@ -1393,7 +1396,7 @@ class AsyncSession:
 
     async def run(self, argv: Sequence[str], *, stdin: bytes | None = None,
                   timeout: float | None = DEFAULT_TIMEOUT_S, env: Mapping[str, str] | None = None,
-                  cwd: str = WORKSPACE_DEST, limits: Limits | None = None,
+                  cwd: str | None = None, limits: Limits | None = None,
                   track_changes: bool | None = None) -> Result:
         """As :meth:`Session.run`. Cancelling the task SIGKILLs the command's tree."""
         await self._open()
@@ -1412,7 +1415,7 @@ class AsyncSession:
         return cmd.result
 
     async def start(self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None,
-                    env: Mapping[str, str] | None = None, cwd: str = WORKSPACE_DEST,
+                    env: Mapping[str, str] | None = None, cwd: str | None = None,
                     limits: Limits | None = None) -> AsyncProcess:
         """As :meth:`Session.start`."""
         await self._open()
@@ -1668,7 +1671,7 @@ class Pool:
 
     def run(self, argv: Sequence[str], *, inputs: Sequence[str | os.PathLike[str] | tuple[str, str]] = (),
             stdin: bytes | None = None, timeout: float | None = DEFAULT_TIMEOUT_S,
-            env: Mapping[str, str] | None = None, cwd: str = WORKSPACE_DEST,
+            env: Mapping[str, str] | None = None, cwd: str | None = None,
             limits: Limits | None = None) -> Result:
         """Run one command in a fresh sandbox taken from the pool (as :func:`lowlevel.run`).
 
@@ -1686,6 +1689,7 @@ class Pool:
         Raises:
             WorkspaceError: an input is missing or unreadable. Others as :meth:`Session.run`.
         """
+        cwd = cwd if cwd is not None else (self.policy.workdir or WORKSPACE_DEST)
         _validate.run_args(command=argv, cwd=cwd, env=env, inputs=inputs)  # before a sandbox is used up
         s = self._take()
         try:

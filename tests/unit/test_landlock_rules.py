@@ -93,3 +93,35 @@ def test_cli_landlock_flag() -> None:
     for flag, want in (("on", True), ("off", False), ("require", "require")):
         args = parser.parse_args(["run", "--landlock", flag, "--", "true"])
         assert cli._policy_from_args(args).landlock == want
+
+
+def test_rootfs_rules() -> None:
+    import shutil
+    import tempfile
+    from pathlib import Path
+    base = Path(tempfile.mkdtemp(prefix="ll-rootfs-", dir="/tmp"))  # world-traversable, as a rootfs must be
+    try:
+        _check_rootfs_rules(base)
+    finally:
+        shutil.rmtree(base)
+
+
+def _check_rootfs_rules(tmp_path) -> None:
+    root = tmp_path / "tree"
+    for d in ("usr/bin", "etc", "opt", "var/tmp", "lib"):
+        (root / d).mkdir(parents=True)
+    (root / "etc/passwd").write_text("root:x:0:0::/:/bin/sh\n")
+    (root / "etc/group").write_text("root:x:0:\n")
+    (root / "bin").symlink_to("usr/bin")
+    os.chmod(tmp_path, 0o755)
+    p = lowlevel.Policy(rootfs=str(root))
+    args = landlock.ruleset_args(p, ("/lib64",))
+    assert {"--ll-rx=/usr", "--ll-rx=/etc", "--ll-rx=/opt", "--ll-rx=/var", "--ll-rx=/lib"} <= set(args)
+    assert "--ll-rx=/lib64" not in args  # the host's layout does not apply
+    # Writable root on bwrap 0.8 (no --tmp-overlay): the empty scratch dirs are writable tmpfs.
+    w = landlock.ruleset_args(lowlevel.Policy(rootfs=str(root), rootfs_writable=True), ())
+    assert {"--ll-rw=/opt", "--ll-rw=/var/tmp"} <= set(w) and "--ll-rx=/usr" in w
+    # bwrap >= 0.9: every top-level directory is an overlay with a tmpfs upper.
+    o = landlock.ruleset_args(lowlevel.Policy(rootfs=str(root), rootfs_writable=True), (),
+                              frozenset({"--tmp-overlay", "--overlay-src"}))
+    assert "--ll-rw=/usr" in o and "--ll-rx=/usr" not in o
