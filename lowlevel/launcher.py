@@ -836,8 +836,8 @@ class Run:
             status_r, status_w = self._pipe()
             self.status_r = status_r
             mapping += [(_landlock.guard_fd(), exe_child), (status_w, exe_child + 1)]
-            self.guard_prefix = _landlock.guard_argv(
-                exe_child, exe_child + 1, _landlock.ruleset_args(policy, self.facts.layout.ro_dirs, self.facts.bwrap.options))
+            rules = _landlock.ruleset_args(policy, self.facts.layout.ro_dirs, self.facts.bwrap.options)
+            self.guard_prefix = _landlock.guard_argv(exe_child, exe_child + 1, rules)
         self.pass_fds = tuple(sorted(dst for _s, dst in mapping if dst > 2))
         # The anchor's own fds (never passed on to bwrap) go right above bwrap's.
         nxt = max(dst for _s, dst in mapping) + 1
