@@ -31,11 +31,14 @@ and npm answer with a copy). UDP is not covered by Landlock (ABI 7).
 Where it is applied:
 
 - fresh sandboxes (``run``, ``arun``, the CLI, MCP): bwrap execs the *guard*
-  (``native/lowlevel_guard.c``, through an fd: no bind mount) in place of the program. The
-  guard builds the ruleset, vforks, restricts the child and execs the program in it, then
-  reports the program's exact wait status over a pipe (so ``exit 152`` and death by SIGXCPU,
-  both 152 to bwrap, are told apart by fact) and exits with the same code. The guard stays
-  outside the program's domain: with ABI >= 6 the program cannot signal it.
+  (``native/lowlevel_guard.c``, through an fd: no bind mount) in place of the program, as the
+  PID 1 of the sandbox's PID namespace (``bwrap --as-pid-1``: the guard reaps orphans in place
+  of bwrap's reaper; behind the egress relay it is not PID 1). The guard builds the ruleset,
+  starts a child that restricts itself and execs the program, then reports the program's exact
+  wait status over a pipe (so ``exit 152`` and death by SIGXCPU, both 152 to bwrap, are told
+  apart by fact) and exits with the same code. The guard stays outside the program's domain:
+  with ABI >= 6 the program cannot signal it (and as PID 1 the kernel drops the program's
+  signals to it anyway).
 - sessions and pools: the session init (``native/lowlevel_init.c``) restricts itself once with
   the TCP rules and the scopes (a domain the commands share: they can still signal each other
   and reach each other's abstract sockets, as they share everything else); each command then

@@ -7,17 +7,21 @@
  *   2. reports START (the Landlock ABI the program will run under) to the host over a pipe,
  *      before the fork (the program could otherwise end the guard before it says so),
  *   3. starts a child (clone(CLONE_VM) on a stack of its own: no page tables copied, and the
- *      guard does not sleep until the exec as after vfork); the child resets every signal disposition and the mask, starts a new session
- *      (as bwrap --new-session did for the program), restricts itself with the ruleset and
- *      execs the program with execvp(3)'s rules (PATH search, EACCES remembered, ENOEXEC run
+ *      guard does not sleep until the exec as after vfork); the child restores the signal mask
+ *      bwrap gave (dispositions are never changed: the program gets exactly bwrap's), starts a
+ *      new session (as bwrap --new-session did for the program), restricts itself with the
+ *      ruleset and execs the program with execvp(3)'s rules (PATH search, EACCES remembered, ENOEXEC run
  *      by /bin/sh: the same as bwrap's own execvp); when that fails it reports FAIL (errno
  *      and stage) and exits 127 (not found) or 126,
  *   4. waits for the program, reports EXIT with its exact wait status, and exits with its
  *      code (128+N after death by signal N, as bwrap encodes it).
  *
- * The guard itself stays outside the program's Landlock domain, so with ABI >= 6 (the
- * signal scope) the program cannot signal it; without that it ignores every catchable
- * signal, and it is not dumpable (no /proc/PID/fd, so the report pipe is out of reach). Its
+ * In a plain run the guard is the PID 1 of the sandbox's PID namespace (bwrap --as-pid-1, in
+ * place of bwrap's reaper): it reaps orphans, and the kernel delivers no signal from inside the
+ * namespace to it (it installs no handler). Behind the egress relay it is not PID 1; then it
+ * stays outside the program's Landlock domain, so with ABI >= 6 (the signal scope) the program
+ * cannot signal it, and it blocks every catchable signal (one rt_sigprocmask: a `kill -TERM -1`
+ * cleanup does not end it). Either way it is not dumpable (no /proc/PID/fd, so the report pipe is out of reach). Its
  * wait status is the fact bwrap's exit code cannot carry: "exit 152" and "killed by SIGXCPU"
  * are the same 152 to bwrap.
  *
@@ -27,7 +31,8 @@
  *
  * Built freestanding on x86_64 and aarch64 (LOWLEVEL_NOLIBC, lowlevel_sys.h: no libc start-up,
  * ~0.3 ms less per sandbox), with libc elsewhere. No allocation; only syscalls the default
- * seccomp profile allows (clone, execve, wait4, prctl, setsid, rt_sigaction, landlock_*).
+ * seccomp profile allows (clone, execve, wait4, prctl, setsid, rt_sigprocmask, landlock_*). Every
+ * syscall also runs the sandbox's seccomp filter, so the guard makes few: ~45 in all.
  */
 #define _GNU_SOURCE
 #include "lowlevel_landlock.h"
@@ -45,15 +50,10 @@
 #define STAGE_FORK 3
 
 #define G_SIGCHLD 17
-#define G_SIG_DFL 0
-#define G_SIG_IGN 1
-#define G_NSIG 64
 #define G_SIG_SETMASK 2
 #define G_EINTR 4
 
 struct rec { uint32_t type, a, b, c; };
-/* The kernel's struct sigaction on x86_64 and aarch64 (both have SA_RESTORER). */
-struct ksigaction { unsigned long handler, flags, restorer, mask; };
 
 static int status_fd = -1;
 
@@ -70,13 +70,9 @@ static __attribute__((noreturn)) void leave(int code) {
     for (;;) lsys1(__NR_exit_group, code);
 }
 
-/* Catchable signals: ignored by the guard (kill(0, ...) from the program, a stray SIGTERM),
- * default again in the program. SIGKILL (9) and SIGSTOP (19) cannot be changed. */
-static void set_all_signals(unsigned long handler) {
-    struct ksigaction sa = { handler, 0, 0, 0 };
-    for (int s = 1; s <= G_NSIG; s++)
-        if (s != 9 && s != 19 && s != G_SIGCHLD) lsys4(__NR_rt_sigaction, s, &sa, 0, 8);
-}
+/* The signal mask bwrap gave us: the guard blocks everything else (SIGKILL and SIGSTOP cannot
+ * be) and the child restores this before exec. Written before the child exists, then read only. */
+static unsigned long bwrap_mask;
 
 /* execvp(3): glibc's rules (posix/execvpe.c), which bwrap's own exec followed. Returns errno. */
 static int exec_search(char **argv, char **envp) {
@@ -130,11 +126,7 @@ static int exec_search(char **argv, char **envp) {
 }
 
 static __attribute__((noreturn)) void child(char **argv, char **envp, int ruleset) {
-    set_all_signals(G_SIG_DFL);
-    struct ksigaction dfl = { G_SIG_DFL, 0, 0, 0 };
-    lsys4(__NR_rt_sigaction, G_SIGCHLD, &dfl, 0, 8);
-    unsigned long none = 0;
-    lsys4(__NR_rt_sigprocmask, G_SIG_SETMASK, &none, 0, 8);
+    lsys4(__NR_rt_sigprocmask, G_SIG_SETMASK, &bwrap_mask, 0, 8);
     lsys0(__NR_setsid);
     if (ruleset >= 0 && ll_restrict(ruleset) < 0) {
         report(REC_FAIL, (uint32_t)errno, STAGE_LANDLOCK);
@@ -231,7 +223,8 @@ static int guard_main(int argc, char **argv, char **envp) {
     if (status_fd >= 0 && lsys3(__NR_fcntl, status_fd, F_SETFD, FD_CLOEXEC) < 0) status_fd = -1;
     lsys5(__NR_prctl, PR_SET_NAME, "lowlevel-guard", 0, 0, 0);
     lsys5(__NR_prctl, PR_SET_DUMPABLE, 0, 0, 0, 0);
-    set_all_signals(G_SIG_IGN);
+    unsigned long all = ~0UL;
+    lsys4(__NR_rt_sigprocmask, G_SIG_SETMASK, &all, &bwrap_mask, 8);
 
     int abi = 0;
     int ruleset = ll_build(&spec, LL_PART_ALL, &abi);
@@ -251,9 +244,14 @@ static int guard_main(int argc, char **argv, char **envp) {
     if (ruleset >= 0) lsys6_ret(__NR_close, ruleset, 0, 0, 0, 0, 0);
     /* The program has its own copies; ours would keep a closed reader's pipe alive (no EPIPE). */
     for (long fd = 0; fd < 3; fd++) lsys6_ret(__NR_close, fd, 0, 0, 0, 0, 0);
+    /* As the PID 1 of the sandbox's PID namespace (bwrap --as-pid-1) orphans come to us too:
+     * reap them as they end, until the program itself does. */
     int st = 0;
-    for (long r; (r = lsys6_ret(__NR_wait4, pid, (long)&st, 0, 0, 0, 0)) < 0;)
-        if (r != -G_EINTR) return 125;
+    for (;;) {
+        long r = lsys6_ret(__NR_wait4, -1, (long)&st, 0, 0, 0, 0);
+        if (r == pid) break;
+        if (r < 0 && r != -G_EINTR) return 125;
+    }
     report(REC_EXIT, (uint32_t)st, 0);
     if ((st & 0x7f) != 0 && (st & 0x7f) != 0x7f) return 128 + (st & 0x7f);  /* WIFSIGNALED */
     return (st >> 8) & 0xff;                                                /* WEXITSTATUS */

@@ -208,9 +208,14 @@ static int ll_build(const struct ll_spec *s, unsigned parts, int *abi_used) {
         int fd = (int)lsys4(__NR_openat, AT_FDCWD, s->rules[i].path, O_PATH | O_CLOEXEC, 0);
         if (fd < 0) continue;  /* missing or unreachable: the rule would only have granted access */
         uint64_t rights = ll_class_rights(s->rules[i].cls) & attr.handled_access_fs;
-        if (ll_fd_type(fd) != 0040000) rights &= LL_FS_FILE;  /* not a directory */
         struct ll_path_beneath_attr pb = { rights, fd };
         long r = rights ? lsys4(__NR_landlock_add_rule, rs, LL_RULE_PATH_BENEATH, &pb, 0) : 0;
+        if (r < 0 && errno == EINVAL && (rights & ~LL_FS_FILE)) {
+            /* Not a directory (a bind of one file): only the rights that apply to a file. (No
+             * fstat first: every syscall here also runs the sandbox's seccomp filter.) */
+            pb.allowed_access = rights & LL_FS_FILE;
+            r = pb.allowed_access ? lsys4(__NR_landlock_add_rule, rs, LL_RULE_PATH_BENEATH, &pb, 0) : 0;
+        }
         int e = errno;
         lsys1(__NR_close, fd);
         if (r < 0) { errno = e; goto fail; }

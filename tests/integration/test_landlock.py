@@ -235,24 +235,30 @@ def test_program_cannot_signal_its_guard(sandbox):
 
 
 @needs_abi6
-def test_bwraps_pid1_is_out_of_reach(sandbox):
-    # bwrap's PID 1 runs as the program's uid: Landlock (outside the domain) keeps the program
-    # from signalling it or reading its /proc entries (ptrace access mode).
+def test_pid1_is_out_of_reach(sandbox):
+    # PID 1 runs as the program's uid: the guard in a plain run (not dumpable), bwrap's reaper
+    # behind the egress relay (dumpable). Landlock (PID 1 is outside the program's domain) keeps
+    # the program from signalling it or reading its /proc entries (ptrace access mode).
     probe = ("cat /proc/1/environ > /dev/null 2>&1 && echo environ; readlink /proc/1/fd/0 > /dev/null 2>&1 && echo fds; "
              "kill -0 1 2>/dev/null && echo signal; true")
-    on = sandbox.run(["sh", "-c", probe])
-    assert on.out == "", on.out
-    off = sandbox.run(["sh", "-c", probe], policy_kw={"landlock": False})
-    assert off.out.split() == ["environ", "fds", "signal"]
+    for kw, without in (({}, ["signal"]), ({"egress": {"allow": ["example.invalid"]}}, ["environ", "fds", "signal"])):
+        on = sandbox.run(["sh", "-c", probe], **kw)
+        assert on.error is None and on.out == "", (kw, on.out, on.message)
+        off = sandbox.run(["sh", "-c", probe], policy_kw={"landlock": False}, **kw)
+        assert off.out.split() == without, (kw, off.out)
 
 
-def test_guard_killed_without_landlock_reports_a_signal(sandbox):
-    # Without Landlock the program can kill the guard (same uid): the run is over, the Result
-    # says a signal ended it (the guard's death), with a note; no exit code is invented.
-    r = sandbox.run(["sh", "-c", "kill -KILL $PPID; sleep 5"], policy_kw={"landlock": False})
+def test_guard_is_pid1_and_survives_the_program_without_landlock(sandbox):
+    # In a plain run the guard is the sandbox's PID 1 (bwrap --as-pid-1): even without Landlock
+    # the kernel drops the program's signals to it, so the report always comes; and it reaps
+    # the orphans the program leaves (no zombie piles up during the run).
+    script = ("echo ppid=$PPID; kill -KILL $PPID; kill -TERM -1; "
+              "(sleep 0.1 &); sleep 0.5; ps -o stat= | grep -c Z; exit 7")
+    r = sandbox.run(["sh", "-c", script], policy_kw={"landlock": False})
     assert r.error is None, r.message
-    assert (r.exit_code, r.term_signal, r.killed_by) == (137, 9, "signal")
-    assert any("guard" in n for n in r.notes), r.notes
+    assert (r.exit_code, r.term_signal, r.killed_by) == (7, None, None), r
+    assert r.out.split() == ["ppid=1", "0"], r.out
+    assert not any("guard" in n for n in r.notes), r.notes
 
 
 # --- 5. exit status by fact (issue 10, section 5) ------------------------------------------------
