@@ -797,7 +797,7 @@ class Run:
         # Last line of defence: the --args memfd is NUL-separated, so a NUL inside a value would
         # split it into extra bwrap options. The policy edge refuses them already; encode_args
         # refuses again (LaunchError) right before the bytes are written.
-        if self.guard and self.egress is None:
+        if self.guard and self.egress is None and self.facts.bwrap.has("--as-pid-1"):
             # The guard is the PID 1 of the sandbox's PID namespace in place of bwrap's reaper
             # (it reaps orphans itself): one process less per run, and the kernel keeps the
             # program from signalling its PID 1 at all. (Egress: the relay comes first.)
