@@ -507,6 +507,8 @@ class SandboxActor:
         self.session_workspaces: dict[str, str] = {}
         self.runner: Any = None
         self.calls = 0
+        self.active = 0
+        self.peak_active = 0
         self.started = False
 
     def _base(self) -> str:
@@ -592,9 +594,14 @@ class SandboxActor:
         """One fresh-sandbox call (see :meth:`SandboxActorPool.submit`)."""
         if not self.started:
             raise ClusterError("this sandbox actor did not pass its start checks", "no_nodes")
-        policy = await self._policy(spec["policy_key"], spec["policy_box"])
-        return await self._run_fresh(spec["command"], policy, inputs, spec["stdin"], spec.get("timeout", _UNSET),
-                                     spec["env"], spec["cwd"])
+        self.active += 1
+        self.peak_active = max(self.peak_active, self.active)
+        try:
+            policy = await self._policy(spec["policy_key"], spec["policy_box"])
+            return await self._run_fresh(spec["command"], policy, inputs, spec["stdin"],
+                                         spec.get("timeout", _UNSET), spec["env"], spec["cwd"])
+        finally:
+            self.active -= 1
 
     # -- sessions --------------------------------------------------------------------------
     async def session_open(self, policy_key: str, policy_box: list[Any], inputs: bytes | None,
@@ -659,11 +666,18 @@ class SandboxActor:
 
     # -- lifecycle -------------------------------------------------------------------------
     async def stats(self) -> dict[str, Any]:
-        """Counters for tests and operators: calls, in-flight, sessions, policies, seccomp cache."""
+        """Counters for tests and operators.
+
+        ``calls`` served; ``in_flight`` calls in the actor now (running or waiting for a
+        Runner slot) and ``peak_in_flight`` the most at once; ``running`` sandboxes now;
+        ``sessions`` open; ``policies`` distinct Policies received; ``seccomp_cache_entries``
+        filters compiled in this process.
+        """
         from . import seccomp as _seccomp
         cache = getattr(_seccomp, "_cache", None)
-        return {"node_id": self.node_id, "pid": os.getpid(), "calls": self.calls,
-                "in_flight": self.runner.in_flight if self.runner is not None else 0,
+        return {"node_id": self.node_id, "pid": os.getpid(), "calls": self.calls, "in_flight": self.active,
+                "peak_in_flight": self.peak_active,
+                "running": self.runner.in_flight if self.runner is not None else 0,
                 "sessions": len(self.sessions), "policies": len(self.policies),
                 "seccomp_cache_entries": len(cache) if isinstance(cache, dict) else None}
 
@@ -723,7 +737,8 @@ class _Router:
 
     async def status(self) -> dict[str, Any]:
         return {"actors": [(s.key, s.node_id, s.alive, s.in_flight, s.capacity, s.dispatched)
-                           for s in self.slots.values()], "lost": dict(self.lost)}
+                           for s in self.slots.values()], "lost": dict(self.lost),
+                "router_node": ray.get_runtime_context().get_node_id()}
 
     async def close(self) -> None:
         cond = self._cond()
@@ -889,10 +904,13 @@ class SandboxActorPool:
         self._node_info: dict[str, NodeStatus] = {}
         self._sessions: set[RemoteSession] = set()
         self._closed = False
+        # The router lives and dies with the driver's node (hard affinity: Ray's soft affinity
+        # may place it elsewhere, and the driver would then lose every call in flight with a
+        # node it does not even use).
         driver_node = ray.get_runtime_context().get_node_id()
         self._router = ray.remote(_Router).options(
             num_cpus=0, max_concurrency=100_000, max_restarts=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=driver_node, soft=True),
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=driver_node, soft=False),
         ).remote(max_retries)
         self._actor_cls = ray.remote(SandboxActor)
         try:
