@@ -46,10 +46,11 @@ Faults (Ray's own fault-tolerance vocabulary):
       check, or a trial run with the Policy fails) is reported by :meth:`SandboxActorPool.nodes`
       and gets no calls.
 
-Policies are values: each distinct :class:`lowlevel.Policy` is put in the object store once
-per pool (``ray.put``, pickled unchanged) and fetched once per actor; the actor compiles its
-seccomp filter once (the per-process cache of :func:`lowlevel.seccomp.compile_bpf`), at start
-for the pool's Policy.
+Policies are values: each distinct :class:`lowlevel.Policy` is pickled (unchanged) to each
+actor once per pool, through the router, and calls name it by a short key (the default
+Policy pickles to ~19 KB and takes ~1 ms to unpickle: not a per-call cost); the actor compiles
+its seccomp filter once (the per-process cache of :func:`lowlevel.seccomp.compile_bpf`), at
+start for the pool's Policy.
 
 Sources: Ray docs "Actors", "AsyncIO / Concurrency for Actors", "Fault Tolerance: Actors"
 (``RayActorError``, ``max_restarts``/``max_task_retries``), "Scheduling"
@@ -59,6 +60,7 @@ Sources: Ray docs "Actors", "AsyncIO / Concurrency for Actors", "Fault Tolerance
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import errno
 import io
@@ -107,7 +109,7 @@ class ClusterError(LowlevelError):
     Attributes:
         reason: ``"node_lost"`` (the call's actor died more than ``max_retries`` times),
             ``"no_nodes"`` (no healthy sandbox actor is left), ``"closed"`` (the pool was
-            shut down), ``"start"`` (no node passed its start checks).
+            shut down), ``"start"`` (no node passed its start checks), ``"protocol"`` (a bug).
     """
 
     def __init__(self, message: str, reason: str) -> None:
@@ -483,9 +485,12 @@ def collect_outputs(root: str, paths: Iterable[str], max_bytes: int) -> tuple[di
 # ---------------------------------------------------------------------------------------------
 
 
+_RESULT_FIELDS = tuple(f.name for f in dataclasses.fields(Result))
+
+
 def _remote_result(result: Result, node_id: str, outputs: tuple[dict[str, bytes], int, list[str]]) -> RemoteResult:
     files, dropped, omitted = outputs
-    base = {f.name: getattr(result, f.name) for f in dataclasses.fields(Result)}
+    base = {name: getattr(result, name) for name in _RESULT_FIELDS}
     base["workspace"] = ""
     return RemoteResult(**base, node_id=node_id, files=files, files_truncated=bool(omitted),
                         files_dropped_bytes=dropped, files_omitted=tuple(omitted))
@@ -506,30 +511,43 @@ class SandboxActor:
         self.sessions: dict[str, Any] = {}
         self.session_workspaces: dict[str, str] = {}
         self.runner: Any = None
+        self.base: str | None = None
         self.calls = 0
         self.active = 0
         self.peak_active = 0
         self.started = False
 
-    def _base(self) -> str:
-        from . import workspace as _ws
-        return _ws.ensure_base(self.config.get("workspace_base") or _ws.default_base())
+    def _new_workspace(self) -> str:
+        """A fresh empty workspace (as :func:`lowlevel.workspace.create_workspace`, base checked once)."""
+        import tempfile
 
-    async def _policy(self, key: str, box: list[Any]) -> Policy:
+        from . import workspace as _ws
+        if self.base is None:
+            self.base = _ws.ensure_base(self.config.get("workspace_base") or _ws.default_base())
+        return tempfile.mkdtemp(prefix="run-", dir=self.base)
+
+    async def add_policy(self, key: str, policy: Policy) -> None:
+        """Register a Policy under ``key`` (sent once per actor) and compile its seccomp filter.
+
+        Later runs with the same profile hit the process's compile cache
+        (:func:`lowlevel.seccomp.compile_bpf`), so each actor compiles each profile once.
+        """
+        if key in self.policies:
+            return
+        if not isinstance(policy, Policy):
+            raise PolicyError(f"expected a lowlevel.Policy, got {type(policy).__name__}")
+        from . import seccomp as _seccomp
+        if policy.seccomp is not None:
+            await asyncio.to_thread(_seccomp.compile_bpf, policy.seccomp)
+        self.policies[key] = policy
+
+    def _policy(self, key: str) -> Policy:
         policy = self.policies.get(key)
         if policy is None:
-            policy = box[0]
-            if isinstance(policy, ray.ObjectRef):
-                policy = await policy
-            if not isinstance(policy, Policy):
-                raise PolicyError(f"expected a lowlevel.Policy, got {type(policy).__name__}")
-            from . import seccomp as _seccomp
-            if policy.seccomp is not None:  # compiled here once; later runs hit the process cache
-                await asyncio.to_thread(_seccomp.compile_bpf, policy.seccomp)
-            self.policies[key] = policy
+            raise ClusterError(f"policy {key} was never registered with this actor (a bug)", "protocol")
         return policy
 
-    async def start(self, policy_key: str, policy_box: list[Any]) -> dict[str, Any]:
+    async def start(self, policy_key: str, policy: Policy) -> dict[str, Any]:
         """Check the node (``lowlevel doctor`` + a trial run of the pool's Policy); start the Runner.
 
         Returns:
@@ -552,7 +570,8 @@ class SandboxActor:
             out["reason"] = "lowlevel doctor: " + "; ".join(failed)
             return out
         try:
-            policy = await self._policy(policy_key, policy_box)
+            await self.add_policy(policy_key, policy)
+            policy = self._policy(policy_key)
             self.runner = Runner(int(self.config["concurrency"]))
             probe = await self._run_fresh(list(PROBE_COMMAND), policy, None, None, 30.0, None, WORKSPACE_DEST)
         except Exception as err:  # noqa: BLE001 - reported, the node is not used
@@ -570,7 +589,7 @@ class SandboxActor:
                          timeout: Any, env: Mapping[str, str] | None, cwd: str) -> RemoteResult:
         from . import workspace as _ws
 
-        ws = _ws.create_workspace(base=self._base())
+        ws = self._new_workspace()
         try:
             if inputs:
                 await asyncio.to_thread(unpack_inputs, inputs, ws)
@@ -597,14 +616,14 @@ class SandboxActor:
         self.active += 1
         self.peak_active = max(self.peak_active, self.active)
         try:
-            policy = await self._policy(spec["policy_key"], spec["policy_box"])
+            policy = self._policy(spec["policy_key"])
             return await self._run_fresh(spec["command"], policy, inputs, spec["stdin"],
                                          spec.get("timeout", _UNSET), spec["env"], spec["cwd"])
         finally:
             self.active -= 1
 
     # -- sessions --------------------------------------------------------------------------
-    async def session_open(self, policy_key: str, policy_box: list[Any], inputs: bytes | None,
+    async def session_open(self, policy_key: str, inputs: bytes | None,
                            options: dict[str, Any]) -> str:
         """Start a session sandbox here; returns its id."""
         from . import workspace as _ws
@@ -612,8 +631,8 @@ class SandboxActor:
 
         if not self.started:
             raise ClusterError("this sandbox actor did not pass its start checks", "no_nodes")
-        policy = await self._policy(policy_key, policy_box)
-        ws = _ws.create_workspace(base=self._base())
+        policy = self._policy(policy_key)
+        ws = self._new_workspace()
         try:
             if inputs:
                 await asyncio.to_thread(unpack_inputs, inputs, ws)
@@ -714,74 +733,102 @@ _LOST = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
 
 class _Router:
     """Spreads fresh-sandbox calls over the live actors (least loaded first, at most
-    ``capacity`` in flight per actor) and re-runs the calls of an actor that died."""
+    ``capacity`` in flight per actor) and re-runs the calls of an actor that died.
+
+    Runs on one event loop (an async actor): slot bookkeeping needs no lock, only the
+    waiters for a free slot are parked on futures.
+    """
 
     def __init__(self, max_retries: int) -> None:
         self.max_retries = max_retries
         self.slots: dict[str, _Slot] = {}
+        self.policies: dict[str, Policy] = {}
         self.lost: dict[str, str] = {}
-        self.cond: asyncio.Condition | None = None
+        self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self.closed = False
 
-    def _cond(self) -> asyncio.Condition:
-        if self.cond is None:
-            self.cond = asyncio.Condition()
-        return self.cond
+    def _wake(self, everyone: bool = False) -> None:
+        while self.waiters:
+            fut = self.waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                if not everyone:
+                    return
 
     async def add(self, entries: list[tuple[str, Any, str, int]]) -> None:
-        cond = self._cond()
-        async with cond:
-            for key, handle, node_id, capacity in entries:
-                self.slots[key] = _Slot(key, handle, node_id, capacity)
-            cond.notify_all()
+        """Take new actors into rotation, after giving them every registered Policy."""
+        sent: set[str] = set()
+        while todo := [k for k in self.policies if k not in sent]:  # add_policy may run meanwhile
+            await asyncio.gather(*(handle.add_policy.remote(k, self.policies[k]) for _, handle, _, _ in entries
+                                   for k in todo), return_exceptions=True)
+            sent.update(todo)
+        for key, handle, node_id, capacity in entries:  # no await since the check: none missed
+            self.slots[key] = _Slot(key, handle, node_id, capacity)
+        self._wake(everyone=True)
+
+    async def add_policy(self, key: str, policy: Policy) -> None:
+        """Register a Policy with every live actor (once per Policy value per pool).
+
+        An actor that cannot take it (dead) is left to the next call to find out.
+        """
+        if key in self.policies:
+            return
+        self.policies[key] = policy
+        live = [s for s in self.slots.values() if s.alive]
+        await asyncio.gather(*(s.handle.add_policy.remote(key, policy) for s in live), return_exceptions=True)
 
     async def status(self) -> dict[str, Any]:
         return {"actors": [(s.key, s.node_id, s.alive, s.in_flight, s.capacity, s.dispatched)
                            for s in self.slots.values()], "lost": dict(self.lost),
-                "router_node": ray.get_runtime_context().get_node_id()}
+                "router_node": ray.get_runtime_context().get_node_id(), "router_pid": os.getpid()}
 
     async def close(self) -> None:
-        cond = self._cond()
-        async with cond:
-            self.closed = True
-            cond.notify_all()
+        self.closed = True
+        self._wake(everyone=True)
 
     async def _acquire(self) -> _Slot:
-        cond = self._cond()
-        async with cond:
-            while True:
-                if self.closed:
-                    raise ClusterError("the pool is shut down", "closed")
-                live = [s for s in self.slots.values() if s.alive]
-                if not live:
-                    raise ClusterError("no healthy sandbox actor is left in the pool"
-                                       + (f" (lost: {self.lost})" if self.lost else ""), "no_nodes")
-                free = [s for s in live if s.in_flight < s.capacity]
-                if free:
-                    slot = min(free, key=lambda s: (s.in_flight / s.capacity, s.dispatched))
-                    slot.in_flight += 1
-                    slot.dispatched += 1
-                    return slot
-                await cond.wait()
+        while True:
+            if self.closed:
+                raise ClusterError("the pool is shut down", "closed")
+            best: _Slot | None = None
+            any_live = False
+            for s in self.slots.values():
+                if not s.alive:
+                    continue
+                any_live = True
+                if s.in_flight < s.capacity and (best is None or (s.in_flight / s.capacity, s.dispatched)
+                                                 < (best.in_flight / best.capacity, best.dispatched)):
+                    best = s
+            if best is not None:
+                best.in_flight += 1
+                best.dispatched += 1
+                return best
+            if not any_live:
+                raise ClusterError("no healthy sandbox actor is left in the pool"
+                                   + (f" (lost: {self.lost})" if self.lost else ""), "no_nodes")
+            fut = asyncio.get_running_loop().create_future()
+            self.waiters.append(fut)
+            try:
+                await fut
+            except asyncio.CancelledError:
+                if fut.done() and not fut.cancelled():
+                    self._wake()  # pass the wake-up on: this waiter no longer wants the slot
+                raise
 
-    async def _release(self, slot: _Slot) -> None:
-        cond = self._cond()
-        async with cond:
-            slot.in_flight -= 1
-            cond.notify_all()
+    def _release(self, slot: _Slot) -> None:
+        slot.in_flight -= 1
+        self._wake()
 
-    async def _mark_lost(self, slot: _Slot, err: BaseException) -> None:
-        cond = self._cond()
-        async with cond:
-            if slot.alive:
-                slot.alive = False
-                self.lost[slot.node_id] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-                log.warning("lowlevel.ray: sandbox actor on node %s lost: %s", slot.node_id, err)
-                try:
-                    ray.kill(slot.handle, no_restart=True)
-                except Exception:  # noqa: BLE001 - already gone
-                    pass
-            cond.notify_all()
+    def _mark_lost(self, slot: _Slot, err: BaseException) -> None:
+        if slot.alive:
+            slot.alive = False
+            self.lost[slot.node_id] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            log.warning("lowlevel.ray: sandbox actor on node %s lost: %s", slot.node_id, err)
+            try:
+                ray.kill(slot.handle, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self._wake(everyone=True)
 
     async def submit(self, spec: dict[str, Any], inputs_box: list[Any]) -> RemoteResult:
         lost_nodes: list[str] = []
@@ -794,7 +841,7 @@ class _Router:
                 ray.cancel(ref)
                 raise
             except _LOST as err:
-                await self._mark_lost(slot, err)
+                self._mark_lost(slot, err)
                 lost_nodes.append(slot.node_id)
                 if len(lost_nodes) > self.max_retries:
                     raise ClusterError(f"the call's sandbox actor died {len(lost_nodes)} times (nodes "
@@ -806,7 +853,7 @@ class _Router:
                     raise cause from None
                 raise
             finally:
-                await self._release(slot)
+                self._release(slot)
             result.attempts = len(lost_nodes) + 1
             result.lost_nodes = tuple(lost_nodes)
             return result
@@ -899,7 +946,7 @@ class SandboxActorPool:
         self._actor_options = dict(actor_options or {})
         self._start_timeout = start_timeout
         self._only_nodes = set(nodes) if nodes is not None else None
-        self._policy_refs: dict[Policy, tuple[str, Any]] = {}
+        self._policy_keys: dict[Policy, str] = {}
         self._actors: dict[str, tuple[Any, str]] = {}      # key -> (handle, node_id)
         self._node_info: dict[str, NodeStatus] = {}
         self._sessions: set[RemoteSession] = set()
@@ -923,15 +970,19 @@ class SandboxActorPool:
             raise
 
     # -- membership --------------------------------------------------------------------------
-    def _policy_box(self, policy: Policy) -> tuple[str, list[Any]]:
-        hit = self._policy_refs.get(policy)
-        if hit is None:
-            if len(self._policy_refs) >= 1024:
-                self._policy_refs.clear()
-            ref = ray.put(policy)
-            hit = (ref.hex(), ref)
-            self._policy_refs[policy] = hit
-        return hit[0], [hit[1]]
+    def _policy_key(self, policy: Policy) -> str:
+        """The key calls carry instead of the Policy (19 KB pickled for the default one).
+
+        A new Policy value is registered once with the router, which hands it to every
+        actor before this returns (one blocking round trip per distinct Policy); a call
+        then names it by key, so the Policy is never pickled per call.
+        """
+        key = self._policy_keys.get(policy)
+        if key is None:
+            key = f"p{len(self._policy_keys)}"
+            ray.get(self._router.add_policy.remote(key, policy))
+            self._policy_keys[policy] = key
+        return key
 
     def refresh(self) -> list[NodeStatus]:
         """Start actors on alive nodes that have none yet (new nodes of an autoscaling cluster).
@@ -944,7 +995,7 @@ class SandboxActorPool:
         have = {node for _, node in self._actors.values()} | set(self._node_info)
         pending: list[tuple[str, Any, str, int, Any]] = []
         addresses: dict[str, str] = {}
-        key, box = self._policy_box(self.policy)
+        key = self._policy_key(self.policy)
         for node in ray.nodes():
             node_id = node["NodeID"]
             if not node.get("Alive") or node_id in have:
@@ -964,7 +1015,7 @@ class SandboxActorPool:
                        "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)}
             for i in range(count):
                 handle = self._actor_cls.options(**options).remote(config)
-                pending.append((f"{node_id}/{i}", handle, node_id, in_flight, handle.start.remote(key, box)))
+                pending.append((f"{node_id}/{i}", handle, node_id, in_flight, handle.start.remote(key, self.policy)))
         examined: dict[str, NodeStatus] = {}
         ready: list[tuple[str, Any, str, int]] = []
         deadline = time.monotonic() + self._start_timeout
@@ -1042,8 +1093,7 @@ class SandboxActorPool:
         if timeout is not _UNSET and timeout is not None and \
                 (not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0):
             raise PolicyError(f"timeout must be seconds > 0 or None, got {timeout!r}")
-        key, box = self._policy_box(policy)
-        spec: dict[str, Any] = {"command": _check_command(command), "policy_key": key, "policy_box": box,
+        spec: dict[str, Any] = {"command": _check_command(command), "policy_key": self._policy_key(policy),
                                 "stdin": bytes(stdin) if stdin is not None else None,
                                 "env": dict(env) if env else None, "cwd": cwd}
         if timeout is not _UNSET:
@@ -1261,12 +1311,12 @@ class SandboxActorPool:
         for s in self._sessions:
             load[s._actor_key] = load.get(s._actor_key, 0) + 1
         key, handle, node = min(candidates, key=lambda c: load.get(c[0], 0))
-        pkey, box = self._policy_box(policy)
+        pkey = self._policy_key(policy)
         packed = pack_inputs(inputs, max_bytes=self.max_input_bytes) if inputs is not None and \
             not isinstance(inputs, ray.ObjectRef) else inputs
         options = {"idle_timeout": idle_timeout, "total_timeout": total_timeout, "track_changes": track_changes}
         try:
-            sid = ray.get(handle.session_open.remote(pkey, box, packed, options))
+            sid = ray.get(handle.session_open.remote(pkey, packed, options))
         except ray.exceptions.RayActorError as err:
             raise SessionError(f"the session's node {node} was lost while it started: {err}", "node_lost") from None
         except ray.exceptions.RayError as err:
