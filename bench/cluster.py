@@ -8,8 +8,10 @@ node, then a second node), measures for ``/usr/bin/true``:
   (each fresh workspace removed after its call, as the actors do);
 - ``cluster``: the same calls through ``SandboxActorPool.map`` (one actor per node, each with
   ``concurrency=C``), with 1 node, then 2 nodes;
-- ``latency``: sequential calls (concurrency 1), alternating ``local`` (``await arun``) and
-  ``cluster`` (``pool.run``) call by call so machine drift hits both alike.
+- ``latency``: sequential calls (concurrency 1), alternating ``local`` (``await arun``),
+  ``cluster`` (``pool.run``) and ``ray_path`` (the same driver -> router -> actor -> router ->
+  driver round trip with no sandbox: what the Ray hops alone cost) call by call so machine
+  drift hits all alike.
 
 Throughput cases alternate too (local, cluster, local, cluster) over ``--rounds`` rounds;
 ``calls_per_s`` is calls over the wall time of the case's batches. On one machine both nodes
@@ -86,26 +88,33 @@ def cluster_batch(pool: Any, n: int) -> tuple[float, int]:
     return time.perf_counter() - t0, errors
 
 
-def latency(pool: Any, n: int) -> tuple[list[float], list[float]]:
-    """Sequential calls, alternating local and cluster; milliseconds each."""
+def latency(pool: Any, n: int) -> tuple[list[float], list[float], list[float]]:
+    """Sequential calls, alternating local, cluster and a sandbox-less ping over the same
+    Ray path (driver -> router -> actor and back); milliseconds each."""
+    import ray
+
     local_ms: list[float] = []
     cluster_ms: list[float] = []
+    ping_ms: list[float] = []
     loop = asyncio.new_event_loop()
     try:
         for i in range(n):
-            for which in ((0, 1) if i % 2 == 0 else (1, 0)):
+            for which in (0, 1, 2) if i % 2 == 0 else (2, 1, 0):
                 t0 = time.perf_counter()
                 if which == 0:
                     r = loop.run_until_complete(lowlevel.arun(COMMAND))
                     elapsed = time.perf_counter() - t0
                     remove_workspace(r.workspace)
                     local_ms.append(elapsed * 1e3)
-                else:
+                elif which == 1:
                     pool.run(COMMAND)
                     cluster_ms.append((time.perf_counter() - t0) * 1e3)
+                else:
+                    ray.get(pool._router.ping.remote())
+                    ping_ms.append((time.perf_counter() - t0) * 1e3)
     finally:
         loop.close()
-    return local_ms, cluster_ms
+    return local_ms, cluster_ms, ping_ms
 
 
 def host_info() -> dict[str, Any]:
@@ -174,8 +183,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                     "calls_per_s": round(cps, 2), "errors": errs[name],
                                     "driver": "Runner.run (asyncio)" if name == "local" else "SandboxActorPool.map"})
                 if count == 1 and n_lat:
-                    local_ms, cluster_ms = latency(pool, n_lat)
-                    for name, ms in (("latency_local", local_ms), ("latency_cluster", cluster_ms)):
+                    local_ms, cluster_ms, ping_ms = latency(pool, n_lat)
+                    for name, ms in (("latency_local", local_ms), ("latency_cluster", cluster_ms),
+                                     ("latency_ray_path", ping_ms)):
                         results.append({"name": name, "nodes": 1, "concurrency": 1, "n": len(ms),
                                         "p50_ms": round(percentile(ms, 50), 3), "p90_ms": round(percentile(ms, 90), 3),
                                         "p99_ms": round(percentile(ms, 99), 3),
@@ -183,6 +193,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     ratios["added_latency_p50_ms"] = round(percentile(cluster_ms, 50) - percentile(local_ms, 50), 3)
                     ratios["latency_cluster_vs_local_p50"] = round(percentile(cluster_ms, 50)
                                                                    / percentile(local_ms, 50), 3)
+                    ratios["ray_path_p50_ms"] = round(percentile(ping_ms, 50), 3)
         for count in (1, 2):
             ratios[f"cluster_vs_local_calls_per_s_{count}node{'s' if count > 1 else ''}"] = round(
                 calls_per_s[("cluster", count)] / calls_per_s[("local", count)], 3)

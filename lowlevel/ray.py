@@ -622,6 +622,10 @@ class SandboxActor:
         finally:
             self.active -= 1
 
+    async def ping(self) -> str:
+        """This actor's node id (no sandbox): measures the Ray path alone."""
+        return str(self.node_id)
+
     # -- sessions --------------------------------------------------------------------------
     async def session_open(self, policy_key: str, inputs: bytes | None,
                            options: dict[str, Any]) -> str:
@@ -829,6 +833,15 @@ class _Router:
             except Exception:  # noqa: BLE001 - already gone
                 pass
         self._wake(everyone=True)
+
+    async def ping(self) -> str:
+        """The path of a call without the sandbox (driver -> router -> actor and back): for the bench."""
+        slot = await self._acquire()
+        try:
+            node: str = await slot.handle.ping.remote()
+            return node
+        finally:
+            self._release(slot)
 
     async def submit(self, spec: dict[str, Any], inputs_box: list[Any]) -> RemoteResult:
         lost_nodes: list[str] = []

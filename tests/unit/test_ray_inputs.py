@@ -141,3 +141,17 @@ def test_collect_outputs_budget_kinds_and_untrusted_links(tmp_path: Path):
     assert files == {"a": b"1" * 10, "c": b"3" * 10, "d/e": b"e"}  # b (100 bytes) does not fit
     assert dropped == 100
     assert omitted == ["b", "gone", "hl", "ln", "via/e"]
+
+
+def test_errors_and_results_survive_pickling():
+    import pickle
+
+    from lowlevel.ray import ClusterError, RemoteResult
+    err = pickle.loads(pickle.dumps(ClusterError("gone", "node_lost")))
+    assert isinstance(err, ClusterError) and err.reason == "node_lost" and str(err) == "gone"
+    r = RemoteResult(exit_code=0, node_id="n1", attempts=2, lost_nodes=("n0",), files={"a": b"\xff"},
+                     files_omitted=("l",), files_truncated=True)
+    r2 = pickle.loads(pickle.dumps(r))
+    assert r2 == r and r2.retried and r2.file("a") == b"\xff" and r2.file(b"a") == b"\xff"
+    d = r.to_json()
+    assert d["files"] == {"a": 1} and d["lost_nodes"] == ["n0"] and d["retried"] is True
