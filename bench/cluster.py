@@ -13,6 +13,10 @@ node, then a second node), measures for ``/usr/bin/true``:
   driver round trip with no sandbox: what the Ray hops alone cost) call by call so machine
   drift hits all alike.
 
+The Ray workers (actors, hence their sandboxes) run at ``--worker-niceness`` (default 0, like
+the bench process; Ray's own default is 15, which on a machine shared with other work makes
+the cluster side slower for a reason that is not lowlevel's).
+
 Throughput cases alternate too (local, cluster, local, cluster) over ``--rounds`` rounds;
 ``calls_per_s`` is calls over the wall time of the case's batches. On one machine both nodes
 share the same CPUs: the ratios measure the cluster path's overhead, not scaling.
@@ -138,6 +142,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--rounds", type=int, help="rounds of the throughput cases (default 2; --quick 1)")
     ap.add_argument("--concurrency", type=int, default=4, help="sandboxes per node at once (default 4)")
     ap.add_argument("--latency-calls", type=int, help="sequential latency pairs (default 200; --quick 30)")
+    ap.add_argument("--worker-niceness", type=int, default=0,
+                    help="nice value of the Ray workers, hence of the actors and their sandboxes (Ray's own "
+                         "default is 15; default here 0, the driver's, so both sides compete for the CPUs alike)")
     args = ap.parse_args(argv)
     n = args.calls or (200 if args.quick else 1000)
     rounds = args.rounds or (1 if args.quick else 2)
@@ -153,7 +160,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     started = time.perf_counter()
     temp_dir = tempfile.mkdtemp(prefix="llray-bench-")
     node_args = {"num_cpus": 1, "object_store_memory": 100 << 20, "include_dashboard": False, "temp_dir": temp_dir}
-    cluster = Cluster(initialize_head=True, head_node_args=node_args)
+    cluster = Cluster(initialize_head=True, head_node_args={
+        **node_args, "_system_config": {"worker_niceness": args.worker_niceness}})
     results: list[dict[str, Any]] = []
     ratios: dict[str, float | None] = {}
     try:
@@ -206,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         subprocess.run(["rm", "-rf", temp_dir], check=False)
     doc = {"schema": SCHEMA, "results": results, "ratios": ratios, "targets": TARGETS, "host": host,
            "config": {"quick": args.quick, "calls": n, "rounds": rounds, "concurrency_per_node": c,
-                      "latency_calls": n_lat, "command": COMMAND,
+                      "latency_calls": n_lat, "command": COMMAND, "worker_niceness": args.worker_niceness,
                       "duration_s": round(time.perf_counter() - started, 1), "argv": sys.argv[1:]}}
     print(f"{'case':<16} {'nodes':>5} {'conc':>4} {'n':>6} {'calls/s':>9} {'p50 ms':>8} {'p90 ms':>8}")
     for r in results:

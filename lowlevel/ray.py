@@ -517,14 +517,17 @@ class SandboxActor:
         self.peak_active = 0
         self.started = False
 
-    def _new_workspace(self) -> str:
-        """A fresh empty workspace (as :func:`lowlevel.workspace.create_workspace`, base checked once)."""
-        import tempfile
-
+    def _base(self) -> str:
+        """The node's workspace base (checked once per actor)."""
         from . import workspace as _ws
         if self.base is None:
             self.base = _ws.ensure_base(self.config.get("workspace_base") or _ws.default_base())
-        return tempfile.mkdtemp(prefix="run-", dir=self.base)
+        return self.base
+
+    def _new_workspace(self) -> str:
+        """A fresh empty workspace (as :func:`lowlevel.workspace.create_workspace`)."""
+        import tempfile
+        return tempfile.mkdtemp(prefix="run-", dir=self._base())
 
     async def add_policy(self, key: str, policy: Policy) -> None:
         """Register a Policy under ``key`` (sent once per actor) and compile its seccomp filter.
@@ -589,23 +592,30 @@ class SandboxActor:
                          timeout: Any, env: Mapping[str, str] | None, cwd: str) -> RemoteResult:
         from . import workspace as _ws
 
-        ws = self._new_workspace()
+        kwargs: dict[str, Any] = {"policy": policy, "stdin": stdin, "env": env, "cwd": cwd}
+        if timeout is not _UNSET:
+            kwargs["timeout"] = timeout
+        ws: str | None = None
+        outputs: tuple[dict[str, bytes], int, list[str]] = ({}, 0, [])
         try:
             if inputs:
+                ws = self._new_workspace()
                 await asyncio.to_thread(unpack_inputs, inputs, ws)
-            kwargs: dict[str, Any] = {"policy": policy, "workspace": ws, "stdin": stdin, "env": env, "cwd": cwd}
-            if timeout is not _UNSET:
-                kwargs["timeout"] = timeout
+                kwargs["workspace"] = ws
+            else:
+                # lowlevel makes the fresh workspace itself: known empty, so no walk before the run
+                kwargs["workspace_base"] = self._base()
             result = await self.runner.run(command, **kwargs)
+            ws = result.workspace
             changed = result.changes.added + result.changes.modified
-            outputs: tuple[dict[str, bytes], int, list[str]] = ({}, 0, [])
             if changed:
                 outputs = await asyncio.to_thread(collect_outputs, ws, changed, int(self.config["max_output_bytes"]))
         finally:
-            if inputs:
-                await asyncio.to_thread(_ws.remove_workspace, ws)
-            else:
-                _ws.remove_workspace(ws)
+            if ws is not None:
+                if inputs or outputs[0]:
+                    await asyncio.to_thread(_ws.remove_workspace, ws)
+                else:
+                    _ws.remove_workspace(ws)
         self.calls += 1
         return _remote_result(result, self.node_id, outputs)
 
@@ -946,6 +956,9 @@ class SandboxActorPool:
                 raise PolicyError(f"{name} must be an int >= 1 or None, got {value!r}")
         if not isinstance(max_retries, int) or isinstance(max_retries, bool) or max_retries < 0:
             raise PolicyError(f"max_retries must be an int >= 0, got {max_retries!r}")
+        for name, value in (("max_input_bytes", max_input_bytes), ("max_output_bytes", max_output_bytes)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise PolicyError(f"{name} must be a byte count >= 0, got {value!r}")
         if cpus_per_actor is not None and not (isinstance(cpus_per_actor, (int, float)) and cpus_per_actor > 0):
             raise PolicyError(f"cpus_per_actor must be a number > 0 or None, got {cpus_per_actor!r}")
         self.policy = policy or Policy()
@@ -976,8 +989,8 @@ class SandboxActorPool:
         try:
             self.refresh()
             if not self._actors:
-                raise ClusterError("no node can run sandboxes for this pool: " + "; ".join(
-                    f"{s.node_id[:12]}: {s.reason}" for s in self._node_info.values()) or "no alive node", "start")
+                why = "; ".join(f"node {s.node_id[:12]}: {s.reason}" for s in self._node_info.values())
+                raise ClusterError("no node can run sandboxes for this pool: " + (why or "no alive node"), "start")
         except BaseException:
             self.shutdown()
             raise

@@ -111,6 +111,14 @@ def test_node_without_bwrap_is_reported_not_used(nodes, pool):
     assert {r.node_id for r in results} <= {nodes.head, nodes.good}
 
 
+@pytest.mark.slow
+def test_pool_with_no_usable_node_says_why(nodes):
+    with pytest.raises(ClusterError) as err:
+        SandboxActorPool(nodes=[nodes.no_bwrap], concurrency=1)
+    assert err.value.reason == "start"
+    assert nodes.no_bwrap[:12] in str(err.value) and "bwrap not found on PATH" in str(err.value)
+
+
 def test_calls_spread_across_nodes(nodes, pool):
     results = ray.get([pool.submit(["sh", "-c", "sleep 0.3"]) for _ in range(8)])
     assert all(r.ok for r in results)
