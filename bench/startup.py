@@ -133,13 +133,15 @@ def subprocess_call(cmd: list[str]) -> None:
 
 
 class RawBwrap:
-    """bwrap with lowlevel's exact argv for the default Policy, minus the handshake fds.
+    """bwrap with lowlevel's exact bwrap options for the default Policy, minus the anchor's work.
 
-    The argv comes from :meth:`lowlevel.launcher.Run.prepare` (its ``argv``: the bwrap options
-    it writes to the ``--args`` memfd) and :func:`lowlevel.argv.outer_argv` without rlimits;
-    ``--json-status-fd`` and ``--block-fd`` are dropped (no handshake). Each call makes the
-    same three memfds lowlevel makes (sealed seccomp BPF, /etc/passwd, /etc/group) and dup2s
-    them onto the same numbers.
+    The options come from :meth:`lowlevel.launcher.Run.prepare` (its ``argv``: what it writes to
+    the ``--args`` memfd) with ``--json-status-fd`` dropped and the copy-on-write workspace
+    replaced by a plain directory bound as it is. A root caller's bwrap still drops to an
+    unprivileged uid, through the anchor with nothing else to do (``--uid``/``--gid`` only:
+    no cgroup, no rlimits, no overlay; it still forks bwrap as PID 1 of a PID namespace). Each
+    call makes the same three memfds lowlevel makes (sealed seccomp BPF, /etc/passwd,
+    /etc/group) and dup2s them onto the same numbers.
     """
 
     def __init__(self, cmd: list[str]) -> None:
@@ -149,26 +151,25 @@ class RawBwrap:
             r.prepare()
             options = list(r.argv)
             self.workspace = r.workspace
+            ids = r.host_ids
+            facts = r.facts
         finally:
             r.close()
-        facts = r.facts
         if facts.caller_is_root:
-            # close() gave the workspace back (root:root 0700); raw bwrap runs as host_uid and
-            # reaches it through the group, as lowlevel's runs do (workspace.hand_over).
-            os.chown(self.workspace, -1, policy.host_gid)
-            os.chmod(self.workspace, 0o770)
-        for opt in ("--json-status-fd", "--block-fd"):
-            i = options.index(opt)
-            del options[i:i + 2]
-        helper = _launcher._exec_helper() if facts.caller_is_root else None
-        setpriv = _launcher._setpriv() if facts.caller_is_root and helper is None else None
-        outer = lowlevel.argv.outer_argv(facts, policy, setpriv, _launcher.ARGS_FD, cmd, exec_helper=helper)
+            os.chown(self.workspace, *ids)
+        i = options.index("--json-status-fd")
+        del options[i:i + 2]
+        i = next(j for j in range(len(options) - 2) if options[j] == "--bind" and options[j + 2] == "/workspace")
+        options[i + 1] = self.workspace
+        outer = [facts.bwrap.path, "--args", str(_launcher.ARGS_FD), "--", *cmd]
+        if facts.caller_is_root:
+            fds = _launcher.CHILD_FDS
+            outer = [_launcher._exec_helper(), f"--parent={os.getpid()}", f"--uid={ids[0]}", f"--gid={ids[1]}",
+                     f"--pass-fds={_launcher.ARGS_FD},{fds.seccomp},{fds.passwd},{fds.group}", "--", *outer]
         i = outer.index("--args")
         self.argv = [*outer[:i], *options, *outer[i + 2:]]
         self.bpf = _seccomp.compile_bpf(policy.seccomp)
-        uid = policy.host_uid if facts.caller_is_root else os.getuid()
-        gid = policy.host_gid if facts.caller_is_root else os.getgid()
-        self.passwd, self.group = _launcher._passwd_group(uid, gid)
+        self.passwd, self.group = _launcher._passwd_group(*ids)
         self.fds = _launcher.CHILD_FDS
 
     def spawn(self) -> int:

@@ -63,7 +63,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .errors import LaunchError
+from .errors import LaunchError, LowlevelError
 from .launcher import DEFAULT_TIMEOUT_S, SETUP_TIMEOUT_S, Run, classify_setup_failure
 from .policy import WORKSPACE_DEST, Policy
 from .result import Result
@@ -104,6 +104,7 @@ class _Supervision:
         self.timer: asyncio.TimerHandle | None = None
         self.wake: asyncio.Future[None] | None = None
         self.bwrap_exited = False
+        self.error: BaseException | None = None  # raised by the driver (a callback cannot raise)
 
     # -- registrations -------------------------------------------------------------------
     def add_reader(self, fd: int | None, callback: Callable[..., None], *args: Any) -> None:
@@ -142,7 +143,23 @@ class _Supervision:
             self.remove_reader(fd)
             self.r._close_fd(attr)
             self._wakeup()
-        elif attr == "json_r" and self.r.init_pid is not None:
+
+    def on_report(self) -> None:
+        """The anchor's report socket: READY (or EOF when its setup failed)."""
+        r = self.r
+        sock = r.report
+        if sock is None:
+            return
+        fd = sock.fileno()
+        try:
+            r.read_report()
+        except LowlevelError as err:
+            self.error = err
+            self.remove_reader(fd)
+            self._wakeup()
+            return
+        if r.ready or r.report is None:
+            self.remove_reader(fd)
             self._wakeup()
 
     def on_bwrap_exit(self) -> None:
@@ -281,16 +298,19 @@ async def _drive(r: Run, sup: _Supervision) -> Result:
     """The sync driver's steps (``launcher._drive_sync``), on loop callbacks."""
     abort = threading.Event()
     await _step(functools.partial(_start, r, abort), abort)
-    assert r.json_r is not None and r.pidfd is not None
-    # Handshake: wait for child-pid, or bwrap's exit (setup failure).
+    assert r.json_r is not None and r.pidfd is not None and r.report is not None
+    # Handshake: wait for the anchor's READY (bwrap's pidfd), or its exit (setup failed).
+    sup.add_reader(r.report.fileno(), sup.on_report)
     sup.add_reader(r.json_r, sup.on_pipe, "json_r")
     sup.add_reader(r.out_r, sup.on_pipe, "out_r")
     sup.add_reader(r.err_r, sup.on_pipe, "err_r")
     sup.add_reader(r.pidfd, sup.on_bwrap_exit)
     setup_deadline = time.monotonic() + SETUP_TIMEOUT_S
-    while r.init_pid is None:
+    while not r.ready:
+        if sup.error is not None:
+            raise sup.error
         if sup.bwrap_exited:
-            # bwrap exited before the handshake: setup failed.
+            # The anchor exited before READY: setup failed.
             sup.detach()
             r.reap_bwrap()
             while r.read_fd("err_r") or r.read_fd("out_r") or r.read_fd("json_r"):
@@ -300,9 +320,9 @@ async def _drive(r: Run, sup: _Supervision) -> Result:
         if left <= 0:
             r.kill(None, cgroup_kill=False)
             await sup.reap()
-            raise LaunchError(f"bwrap did not finish setting up within {SETUP_TIMEOUT_S:.0f} s", argv=r.full_argv)
+            raise LaunchError(f"the sandbox did not finish setting up within {SETUP_TIMEOUT_S:.0f} s",
+                              argv=r.full_argv)
         await sup.wait(left)
-    await _step(r.release)
     if r.stdin_w is not None and not r.feed_stdin():
         sup.writer = r.stdin_w
         sup.loop.add_writer(r.stdin_w, sup.on_stdin)
@@ -314,7 +334,7 @@ async def _drive(r: Run, sup: _Supervision) -> Result:
         sup.timer.cancel()
         sup.timer = None
     await sup.reap()
-    # bwrap is gone and the sandbox is dead: the pipes are at EOF or about to be.
+    # The anchor is gone and the sandbox is dead: the pipes are at EOF or about to be.
     while any(fd is not None for fd in (r.out_r, r.err_r, r.json_r, r.stdin_w)):
         if not await sup.wait(DRAIN_TIMEOUT_S):
             sup.detach()
@@ -324,28 +344,25 @@ async def _drive(r: Run, sup: _Supervision) -> Result:
                         r.read_fd(attr)
                     r._close_fd(attr)
             break
-    return r.result()
+    # Building the Result reads (and commits) the run's upper layer: file work, off the loop.
+    box: list[Result] = []
+    await _step(lambda: box.append(r.result()))
+    return box[0]
 
 
 def _adopt_init(r: Run, sup: _Supervision) -> None:
-    """Cancelled mid-handshake: take a pidfd for the sandbox's PID 1 if bwrap reported it.
+    """Cancelled mid-handshake: take bwrap's pidfd if the anchor already sent READY.
 
-    Then the kill and the wait cover the sandbox too, not bwrap alone. Safe while bwrap is
-    alive and unreaped: its child is blocked on the block fd and cannot be reaped by anyone
-    else (the same reasoning as :meth:`Run.release`). Before bwrap reports the child, the
-    child is covered by ``--die-with-parent`` alone.
+    Then the kill and the wait cover the whole sandbox, not the anchor alone. Before READY,
+    bwrap has not started (the anchor execs it only after sending READY), and the anchor's
+    death takes whatever it forked with it (parent-death signal, PID namespace).
     """
-    if r.init_pidfd is not None or r.json_r is None:
+    if r.ready or r.report is None:
         return
-    fd = r.json_r
-    if not r.read_fd("json_r", close=False):
+    fd = r.report.fileno()
+    r.read_report()
+    if r.ready or r.report is None:
         sup.remove_reader(fd)
-        r._close_fd("json_r")
-    if r.init_pid is not None:
-        try:
-            r.init_pidfd = os.pidfd_open(r.init_pid)
-        except OSError:
-            pass  # already gone
 
 
 async def _arun(r: Run) -> Result:

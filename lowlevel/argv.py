@@ -52,13 +52,14 @@ class Fds:
 
     Attributes:
         json_status: ``--json-status-fd`` (child-pid first, exit-code when the program ran).
-        block: ``--block-fd``: bwrap waits to read one byte before running the program.
+        block: ``--block-fd``, or None (the launcher uses none: limits are in force before bwrap
+            starts, and bwrap reads EOF on the block fd as "go").
         seccomp: ``--seccomp`` BPF memfd, or None for no filter.
         passwd, group: ``--ro-bind-data`` sources for /etc/passwd and /etc/group, or None.
     """
 
     json_status: int = 4
-    block: int | None = 5
+    block: int | None = None
     seccomp: int | None = 6
     passwd: int | None = 7
     group: int | None = 8
@@ -191,67 +192,88 @@ def redact_env_values(argv: Sequence[str]) -> list[str]:
     return out
 
 
-#: util-linux prlimit(1) option for each rlimit.
-PRLIMIT_OPTIONS = {"RLIMIT_CPU": "--cpu", "RLIMIT_AS": "--as", "RLIMIT_DATA": "--data",
-                   "RLIMIT_NPROC": "--nproc", "RLIMIT_FSIZE": "--fsize", "RLIMIT_NOFILE": "--nofile",
-                   "RLIMIT_CORE": "--core"}
-
-
 def _rlimit_value(value: int) -> str:
-    """An rlimit value as ``_lowlevel_exec`` and prlimit(1) spell it (``resource.RLIM_INFINITY`` is -1)."""
+    """An rlimit value as ``_lowlevel_exec`` spells it (``resource.RLIM_INFINITY`` is -1)."""
     return "unlimited" if value < 0 else str(value)
 
 
-def outer_argv(facts: HostFacts, policy: Policy, setpriv: str | None, args_fd: int,
-               command: Sequence[str], *, prlimit: str | None = None,
-               pre_exec_rlimits: Sequence[tuple[str, int, int]] = (),
-               exec_helper: str | None = None) -> list[str]:
-    """The argv actually exec'd: ``bwrap --args FD -- COMMAND...``, behind a uid drop for root.
+@dataclass(frozen=True)
+class AnchorOverlay:
+    """The copy-on-write workspace the anchor mounts (see ``native/lowlevel_exec.c``).
 
-    A root caller drops to ``policy.host_uid``/``host_gid`` with no supplementary groups
-    before bwrap runs, so bwrap maps the sandbox to that unprivileged uid instead of host uid
-    0 (with bwrap 0.8.0, host uid 0 inside can write /proc/sys). With ``pre_exec_rlimits``
-    (root without CAP_SYS_RESOURCE, which cannot prlimit(2) a process of another uid) the
-    rlimits are set before that, so they also bind bwrap, which is harmless (bwrap is small
-    and forks once), and are in force before the sandbox exists: still race-free.
+    Attributes:
+        mnt: host directory the run's tmpfs is mounted on, in the anchor's mount namespace;
+            bwrap binds ``<mnt>/ws`` at /workspace.
+        lower_fd: the workspace (an O_DIRECTORY fd number as the anchor sees it).
+        upper_bytes, upper_inodes: size bound of the upper tmpfs (bytes) and its inode bound.
+        lower_path: unprivileged callers: the workspace path, opened again by the anchor in
+            its mount namespace and checked to be ``lower_fd``'s directory; None for root.
+        idmap: root callers: ``(uid, gid)`` owning the workspace, mapped to the sandbox's ids
+            through an idmapped mount of the lower layer; None otherwise.
+    """
 
-    Two ways, same effect:
+    mnt: str
+    lower_fd: int
+    upper_bytes: int
+    upper_inodes: int
+    lower_path: str | None = None
+    idmap: tuple[int, int] | None = None
 
-    - ``exec_helper`` (``lowlevel/_lowlevel_exec``, static, built from
-      ``native/lowlevel_exec.c``): ``HELPER --rlimit=NAME=SOFT:HARD... --uid=U --gid=G --
-      bwrap ...``: one exec; it exits 125 without exec'ing when any call fails;
-    - otherwise ``prlimit --cpu=S:H ... -- setpriv --reuid=U --regid=G --clear-groups --
-      bwrap ...`` (util-linux): one or two extra execs of dynamic programs.
+
+def anchor_argv(facts: HostFacts, helper: str, *, parent: int, report_fd: int | None, cgroup_fds: Sequence[int],
+                rlimits: Sequence[tuple[str, int, int]], ids: tuple[int, int] | None,
+                overlay: AnchorOverlay | None, keep_fds: Sequence[int], pass_fds: Sequence[int],
+                args_fd: int | None, command: Sequence[str]) -> list[str]:
+    """The argv exec'd for every sandbox: ``_lowlevel_exec OPTIONS -- bwrap --args FD -- COMMAND...``.
+
+    The anchor (``native/lowlevel_exec.c``) dies with the caller (PR_SET_PDEATHSIG, checked),
+    joins the run's cgroups, mounts the copy-on-write workspace, makes bwrap PID 1 of a new
+    PID namespace (so everything of the sandbox dies with it), sets the rlimits and, for a root
+    caller, drops to ``ids`` before exec'ing bwrap: bwrap then maps the sandbox to that
+    unprivileged uid, never to host uid 0 (with bwrap 0.8.0, host uid 0 inside can write
+    /proc/sys). Unprivileged callers get ``--userns`` (a user namespace of their own ids, which
+    the PID and mount namespaces need). Pure: golden-list testable.
 
     Args:
         facts: host facts (``caller_is_root``, bwrap's path).
-        policy: gives ``host_uid``/``host_gid``.
-        setpriv: setpriv(1)'s path; needed for a root caller without ``exec_helper``.
-        args_fd: the fd bwrap reads its options from (``--args``).
+        helper: the anchor's path.
+        parent: the caller's PID (the anchor refuses to start when its parent is not it).
+        report_fd: the anchor's end of the SEQPACKET report socket, or None (probe).
+        cgroup_fds: ``cgroup.procs`` fds to join.
+        rlimits: ``(name, soft, hard)`` triples (``RLIMIT_*`` names, -1 for none).
+        ids: root callers: the sandbox's host ``(uid, gid)``; None for unprivileged callers.
+        overlay: the copy-on-write workspace, or None (the workspace is bound as it is).
+        keep_fds: fds the anchor holds and never passes on (the uid lease).
+        pass_fds: fd numbers bwrap must get; the anchor closes every other inherited fd.
+        args_fd: bwrap's ``--args`` fd, or None to exec ``command`` itself (probe).
         command: the program and its arguments inside.
-        prlimit: prlimit(1)'s path; needed for ``pre_exec_rlimits`` without ``exec_helper``.
-        pre_exec_rlimits: ``(name, soft, hard)`` triples (``RLIMIT_*`` names, -1 for none).
-        exec_helper: the helper's path, or None for the util-linux fallback.
 
-    Source: setpriv(1); prlimit(1); setrlimit(2); setresuid(2); bwrap(1) --uid.
+    Source: prctl(2) PR_SET_PDEATHSIG; pid_namespaces(7); setrlimit(2); setresuid(2);
+    user_namespaces(7); bwrap(1) --args.
     """
-    inner = [facts.bwrap.path, "--args", str(args_fd), "--", *command]
-    if not facts.caller_is_root:
-        return inner
-    if exec_helper is not None:
-        return [exec_helper,
-                *(f"--rlimit={name}={_rlimit_value(soft)}:{_rlimit_value(hard)}"
-                  for name, soft, hard in pre_exec_rlimits),
-                f"--uid={policy.host_uid}", f"--gid={policy.host_gid}", "--", *inner]
-    assert setpriv is not None
-    pre: list[str] = []
-    if pre_exec_rlimits:
-        assert prlimit is not None
-        pre = [prlimit, *(f"{PRLIMIT_OPTIONS[name]}={_rlimit_value(soft)}:{_rlimit_value(hard)}"
-                          for name, soft, hard in pre_exec_rlimits), "--"]
-    return [*pre, setpriv, f"--reuid={policy.host_uid}", f"--regid={policy.host_gid}", "--clear-groups",
-            "--", *inner]
+    a = [helper, f"--parent={parent}"]
+    if report_fd is not None:
+        a.append(f"--report-fd={report_fd}")
+    a += [f"--cgroup-fd={fd}" for fd in cgroup_fds]
+    a += [f"--rlimit={name}={_rlimit_value(soft)}:{_rlimit_value(hard)}" for name, soft, hard in rlimits]
+    if ids is not None:
+        a += [f"--uid={ids[0]}", f"--gid={ids[1]}"]
+    elif not facts.caller_is_root:
+        a.append("--userns")
+    if overlay is not None:
+        a += [f"--mnt={overlay.mnt}", f"--lower-fd={overlay.lower_fd}", f"--upper-bytes={overlay.upper_bytes}",
+              f"--upper-inodes={overlay.upper_inodes}"]
+        if overlay.lower_path is not None:
+            a.append(f"--lower-path={overlay.lower_path}")
+        if overlay.idmap is not None:
+            a.append(f"--idmap={overlay.idmap[0]}:{overlay.idmap[1]}")
+    a += [f"--keep-fd={fd}" for fd in keep_fds]
+    a.append("--pass-fds=" + ",".join(str(fd) for fd in pass_fds))
+    if args_fd is None:
+        return [*a, "--", *command]
+    return [*a, "--", facts.bwrap.path, "--args", str(args_fd), "--", *command]
 
 
-__all__ = ["Fds", "HostFacts", "NETWORK_ETC", "build_argv", "dynamic_args", "outer_argv", "redact_env_values",
+__all__ = ["AnchorOverlay", "Fds", "HostFacts", "NETWORK_ETC", "anchor_argv", "build_argv", "dynamic_args",
+           "redact_env_values",
            "static_args"]

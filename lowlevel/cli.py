@@ -138,8 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nofile", metavar="N", type=_positive_int, help="open files (RLIMIT_NOFILE), default 1024")
     p.add_argument("--tmp-size", metavar="BYTES", type=parse_size, help="size of /tmp tmpfs, default 256M")
     p.add_argument("--workspace-size", metavar="BYTES", type=parse_size,
-                   help="total bytes the run may keep in its workspace (a sized tmpfs copied back after "
-                   "the run; root only); default: no total, --fsize per file")
+                   help="total bytes the run may write into its workspace (the copy-on-write upper "
+                   "layer's tmpfs: ENOSPC inside beyond it), default 1G")
     p.add_argument("--json", action="store_true", help="capture output; print one JSON object with the Result")
     p.add_argument("--rm", action="store_true", help="remove the fresh per-run workspace after the run "
                    "(--json still lists its changes); not with --workspace")

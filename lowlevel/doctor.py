@@ -109,6 +109,56 @@ def seccomp_checks() -> list[dict[str, Any]]:
     return checks
 
 
+def workspace_checks(result_notes: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """The workspace model a run gets here, and (root) the per-run uid range.
+
+    Copy-on-write (an overlay the anchor mounts) or the hand-over fallback, with the reason;
+    for root callers, whether the per-run uid range (``LOWLEVEL_UID_RANGE``) collides with
+    accounts in /etc/passwd or ranges in /etc/subuid and /etc/subgid (another user's container
+    ids would then be handed to sandboxes).
+    """
+    from . import cow
+    from .errors import UnsupportedError
+
+    checks = []
+    fallback = next((n for n in result_notes if n.startswith("workspace handed over")), None)
+    if any(n.startswith("workspace: copy-on-write") for n in result_notes):
+        checks.append(_check("workspace", True, "copy-on-write overlay (lower: your directory; upper: a "
+                             f"{cow.DEFAULT_UPPER_BYTES >> 20} MiB tmpfs by default; commit or discard after the run)"))
+    elif fallback:
+        checks.append(_check("workspace", False, fallback + " (no total write bound; ownership handed over "
+                             "during runs)", "use Linux >= 5.19 (idmapped overlay layers), or unset "
+                             "LOWLEVEL_NO_OVERLAY"))
+    if os.geteuid() == 0:
+        try:
+            first, count = cow.uid_range()
+        except UnsupportedError as err:
+            checks.append(_check("uid range", False, str(err), err.fix or ""))
+            return checks
+        last = first + count - 1
+        clashes = []
+        try:
+            import pwd
+            clashes += [f"user {e.pw_name} ({e.pw_uid})" for e in pwd.getpwall() if first <= e.pw_uid <= last]
+        except OSError:
+            pass
+        for path in ("/etc/subuid", "/etc/subgid"):
+            try:
+                with open(path) as f:
+                    for line in f:
+                        parts = line.strip().split(":")
+                        if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
+                            lo, n = int(parts[1]), int(parts[2])
+                            if lo <= last and first <= lo + n - 1:
+                                clashes.append(f"{path} {parts[0]}:{lo}:{n}")
+            except OSError:
+                pass
+        checks.append(_check("uid range", not clashes, f"per-run sandbox uids {first}-{last} ({count} concurrent "
+                             "sandboxes)" + (": overlaps " + ", ".join(clashes[:5]) if clashes else ", free"),
+                             "set LOWLEVEL_UID_RANGE=FIRST-LAST to a range no account or subordinate id uses"))
+    return checks
+
+
 def diagnose() -> dict[str, Any]:
     """Probe the host and return the report (never raises for a missing capability).
 
@@ -161,6 +211,7 @@ def diagnose() -> dict[str, Any]:
             ok = result.exit_code == 7
             checks.append(_check("sandbox runs", ok, "a default-policy sandbox ran and exited 7" if ok else
                                  f"unexpected exit {result.exit_code}", required=True))
+            checks.extend(workspace_checks(result.notes))
             if result.workspace:
                 shutil.rmtree(result.workspace, ignore_errors=True)
         except LowlevelError as err:

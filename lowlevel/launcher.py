@@ -44,15 +44,17 @@ import re
 import select
 import shutil
 import signal
+import socket
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from . import cow as _cow
 from . import limits as _limits
+from . import overlay as _overlay
 from . import seccomp as _seccomp
-from . import sizedws as _sizedws
 from . import workspace as _ws
-from .argv import NETWORK_ETC, Fds, HostFacts, build_argv, outer_argv, redact_env_values
+from .argv import NETWORK_ETC, AnchorOverlay as _AnchorOverlay, Fds, HostFacts, anchor_argv, build_argv, redact_env_values
 from .errors import LaunchError, LowlevelError, PolicyError, UnsupportedError, WorkspaceError
 from .policy import WORKSPACE_DEST, Policy
 from .probe import bwrap_info, host_layout, require_pidfd
@@ -62,7 +64,7 @@ log = logging.getLogger("lowlevel")
 
 #: Fd numbers bwrap sees (the parent dup2s onto these in the spawn's file actions).
 ARGS_FD = 3
-CHILD_FDS = Fds(json_status=4, block=5, seccomp=6, passwd=7, group=8)
+CHILD_FDS = Fds(json_status=4, block=None, seccomp=6, passwd=7, group=8)
 
 #: Signals reset to their default action in bwrap (and so in the program): Python ignores
 #: SIGPIPE and SIGXFSZ, and an ignored disposition survives exec, which would turn a write past
@@ -109,38 +111,52 @@ def _has_cap(bit: int) -> bool:
     return False
 
 
-@functools.lru_cache(maxsize=None)
-def _prlimit_cmd() -> str:
-    path = shutil.which("prlimit") or ("/usr/bin/prlimit" if os.path.exists("/usr/bin/prlimit") else None)
-    if not path:
-        raise UnsupportedError("prlimit", "root without CAP_SYS_RESOURCE needs prlimit(1) to set rlimits",
-                               "install util-linux")
-    return path
-
-
-#: The exec helper (``native/lowlevel_exec.c``), built next to this module by setup.py.
+#: The anchor (``native/lowlevel_exec.c``), built next to this module by setup.py.
 EXEC_HELPER_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lowlevel_exec")
 
 
 @functools.lru_cache(maxsize=None)
-def _exec_helper() -> str | None:
-    """Path of the built ``_lowlevel_exec`` helper, or None (then setpriv/prlimit are used).
+def _exec_helper() -> str:
+    """Path of the built ``_lowlevel_exec`` anchor every sandbox starts under.
 
-    For root callers it replaces ``prlimit(1) ... -- setpriv(1) ... --`` (two execs of
-    dynamic programs, ~1.2 ms) with one exec of a static program (~0.3 ms); see
-    :func:`lowlevel.argv.outer_argv`.
+    Raises:
+        UnsupportedError: it is missing (a broken install: ``pip install`` builds it).
     """
     path = EXEC_HELPER_PATH
-    return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
-
-
-@functools.lru_cache(maxsize=None)
-def _setpriv() -> str:
-    path = shutil.which("setpriv") or ("/usr/bin/setpriv" if os.path.exists("/usr/bin/setpriv") else None)
-    if not path:
-        raise UnsupportedError("setpriv", "running as root needs setpriv(1) to drop to an unprivileged uid",
-                               "install util-linux")
+    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+        raise UnsupportedError("exec-helper", f"{path} is missing or not executable: lowlevel's anchor "
+                               "process is built at install time", "reinstall lowlevel (pip install lowlevel)")
     return path
+
+
+def _probe_cow(facts: HostFacts, workspace: str, base: str | None) -> _cow.CowSupport:
+    """Try the anchor's overlay on ``workspace`` once (it then execs /bin/true): does it work?"""
+    import subprocess
+    root = facts.caller_is_root
+    try:
+        fd = os.open(workspace, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as err:
+        return _cow.CowSupport(False, f"cannot open the workspace: {err.strerror}")
+    try:
+        st = os.fstat(fd)
+        mnt = _cow.mount_dir(base)
+        true = shutil.which("true", path="/usr/bin:/bin") or "/bin/true"
+        ov = _AnchorOverlay(mnt=mnt, lower_fd=fd, upper_bytes=1 << 20, upper_inodes=1024,
+                            lower_path=None if root else workspace,
+                            idmap=(st.st_uid, st.st_gid) if root else None)
+        argv = anchor_argv(facts, _exec_helper(), parent=os.getpid(), report_fd=None, cgroup_fds=(), rlimits=(),
+                           ids=(65534, 65534) if root else None, overlay=ov, keep_fds=(), pass_fds=(),
+                           args_fd=None, command=[true])
+        proc = subprocess.run(argv, pass_fds=(fd,), stdin=subprocess.DEVNULL, capture_output=True, timeout=30,
+                              env={})
+    except (OSError, LowlevelError, subprocess.SubprocessError) as err:
+        return _cow.CowSupport(False, str(err))
+    finally:
+        os.close(fd)
+    if proc.returncode == 0:
+        return _cow.CowSupport(True)
+    why = proc.stderr.decode("utf-8", "replace").strip().splitlines()
+    return _cow.CowSupport(False, (why[-1] if why else f"the overlay probe exited {proc.returncode}")[:300])
 
 
 class _Capture:
@@ -197,21 +213,6 @@ def _readable(fd: int, timeout_s: float) -> bool:
     p = select.poll()
     p.register(fd, select.POLLIN)
     return bool(p.poll(timeout_s * 1000))
-
-
-def _inheritable_fds(keep: set[int]) -> list[int]:
-    """Caller fds >= 3 that would survive exec (no FD_CLOEXEC), except ``keep``."""
-    out = []
-    for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
-        if fd < 3 or fd in keep:
-            continue
-        try:
-            if not fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC:
-                out.append(fd)
-        except OSError:
-            continue
-    return out
 
 
 def _passwd_group(uid: int, gid: int) -> tuple[bytes, bytes]:
@@ -367,7 +368,8 @@ class Run:
                  inputs: Sequence[str | os.PathLike[str]] = (), timeout: float | None = DEFAULT_TIMEOUT_S,
                  stdin: bytes | None = None, env: Mapping[str, str] | None = None, capture: bool = True,
                  cwd: str = WORKSPACE_DEST, workspace_base: str | None = None, bwrap: str | None = None,
-                 extra_fds: Mapping[int, int] | None = None, allow_sensitive_workspace: bool = False) -> None:
+                 extra_fds: Mapping[int, int] | None = None, allow_sensitive_workspace: bool = False,
+                 commit: bool | str = True) -> None:
         if not isinstance(policy, Policy):
             raise PolicyError(f"policy must be a lowlevel.Policy, got {type(policy).__name__}")
         if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
@@ -378,8 +380,11 @@ class Run:
             raise PolicyError("stdin must be bytes or None")
         if not isinstance(cwd, str) or not cwd.startswith("/"):
             raise PolicyError(f"cwd must be an absolute path inside the sandbox, got {cwd!r}")
+        if commit not in (True, False, "on_success"):
+            raise PolicyError(f"commit must be True, False or 'on_success', got {commit!r}")
         self.command = _check_command(command)
         self.policy = policy
+        self.commit = commit
         self.timeout = float(timeout) if timeout is not None else None
         self.stdin = bytes(stdin) if stdin is not None else None
         self.capture = capture
@@ -401,14 +406,12 @@ class Run:
         self.workspace = ""
         self.owns_workspace = False
         self.handover: _ws.Handover | None = None
-        self.sized: _sizedws.SizedWorkspace | None = None
         self.fds: list[int] = []
         self.pid: int | None = None
         self.pidfd: int | None = None
         self.init_pid: int | None = None
         self.init_pidfd: int | None = None
         self.json_r: int | None = None
-        self.block_w: int | None = None
         self.stdin_w: int | None = None
         self.out_r: int | None = None
         self.err_r: int | None = None
@@ -434,11 +437,54 @@ class Run:
         self.pre_exec_rlimits: tuple[tuple[str, int, int], ...] = ()
         self.seccomp_loaded = False
         self.audit: Any = None
+        # The anchor and the copy-on-write workspace.
+        self.lease: _cow.UidLease | None = None
+        self.host_ids: tuple[int, int] = (0, 0)
+        self.cow = False
+        self.lower_fd: int | None = None
+        self.lower_stat: os.stat_result | None = None
+        self.upper_fd: int | None = None
+        self.upper_bytes = 0
+        self.mnt = ""
+        self.cgroup_fds: list[int] = []
+        self.report: socket.socket | None = None
+        self.report_child: socket.socket | None = None
+        self.ready = False
+        self.since_ns = 0
+        self.pass_fds: tuple[int, ...] = ()
+        self.anchor_fds: dict[str, Any] = {}
+        self.actions: list[tuple[Any, ...]] = []
+        self.committed = False
 
     # -- 1. prepare ----------------------------------------------------------------------
+    def _own(self, fd: int) -> int:
+        """Record ``fd`` as ours (closed by :meth:`close`) the moment it exists."""
+        self.fds.append(fd)
+        return fd
+
+    def _pipe(self) -> tuple[int, int]:
+        r, w = os.pipe()
+        self._own(r)
+        self._own(w)
+        return r, w
+
     def prepare(self) -> None:
-        """Workspace, cgroup, seccomp and fds; everything that can fail before the spawn."""
-        policy = self.policy
+        """Workspace, ids, cgroup, seccomp and fds; everything that can fail before the spawn.
+
+        Raises:
+            LaunchError: a system call failed (fd exhaustion, memfd, pipe...): ``.errno`` says
+                which; every fd made so far is owned and closed by :meth:`close`.
+            and the errors of :func:`run`.
+        """
+        try:
+            self._prepare()
+        except LowlevelError:
+            raise
+        except OSError as err:
+            raise LaunchError(f"cannot prepare the sandbox: {err.strerror or err}"
+                              + (f" ({err.filename})" if err.filename else ""), errno=err.errno) from err
+
+    def _resolve_workspace(self) -> None:
         if self.workspace_arg is not None:
             ws = os.path.abspath(os.fspath(self.workspace_arg))
             if not os.path.exists(ws):
@@ -447,7 +493,10 @@ class Run:
             if not os.path.isdir(ws) or os.path.islink(ws):
                 raise WorkspaceError(errno.ENOTDIR, f"workspace {ws} is not a directory")
             self.workspace = os.path.realpath(ws)
-            _ws.check_workspace_path(self.workspace, allow_sensitive=self.allow_sensitive_workspace)
+            # Inputs are copied in by path: that needs parents nobody else can rename. Without
+            # inputs the workspace is opened once, by fd (_open_lower), and never walked again.
+            _ws.check_workspace_path(self.workspace, allow_sensitive=self.allow_sensitive_workspace,
+                                     check_ancestors=bool(self.inputs))
             if self.inputs:
                 _ws.copy_inputs(self.workspace, self.inputs)
         else:
@@ -458,44 +507,64 @@ class Run:
             except WorkspaceError:
                 shutil.rmtree(self.workspace, ignore_errors=True)
                 raise
-        fresh_empty = self.owns_workspace and not self.inputs
-        if self.facts.caller_is_root:
-            _ws.check_traversable(self.workspace, policy.host_uid, policy.host_gid)
+
+    def _open_lower(self) -> None:
+        """Open the workspace once, by fd; everything after the run goes through that fd.
+
+        The path was checked as a string; the fd is then checked to be that very directory
+        (``/proc/self/fd`` names what was opened), so a parent renamed in between cannot
+        swap another tree in. No later path walk: this is what lets a root caller use a
+        workspace below directories another user owns, or below 0700 ones.
+        """
+        fd = self._own(os.open(self.workspace, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC))
+        opened = os.readlink(f"/proc/self/fd/{fd}")
+        if opened != self.workspace:
+            raise WorkspaceError(errno.EAGAIN, f"workspace {self.workspace} moved while it was opened (now "
+                                 f"{opened!r}): a parent directory was renamed; run again")
+        self.lower_stat = os.fstat(fd)
+        self.fds.remove(fd)  # closed by close() itself, after the commit
+        self.lower_fd = fd
+
+    def _prepare(self) -> None:
+        policy = self.policy
+        root = self.facts.caller_is_root
+        self._resolve_workspace()
+        # The sandbox's host ids: a per-run uid for root callers (unless pinned), our own otherwise.
+        if root:
+            if policy.host_uid is None:
+                self.lease = _cow.UidLease.acquire()
+                self.host_ids = (self.lease.uid, self.lease.uid)
+            else:
+                self.host_ids = (policy.host_uid, policy.host_gid if policy.host_gid is not None
+                                 else policy.host_uid)
+        else:
+            self.host_ids = (os.getuid(), os.getgid())
+        support = _cow.cow_support(self.workspace, functools.partial(_probe_cow, self.facts, self.workspace,
+                                                                      self.workspace_base))
+        self.cow = support.ok
         precheck_exec(policy, self.workspace, self.command, self.environment, self.cwd,
                       self.facts.layout.etc_files)
-        # One walk: the change-report snapshot, the owners to give back, and (root callers) the
-        # tree given to the sandbox's uid with the root kept 0770 ours:host_gid; close() (or
-        # result()) gives it back and strips setuid/setgid bits (lowlevel.workspace.hand_over).
-        # A directory mkdtemp made a moment ago with nothing copied in is empty: no walk.
-        bind_source = self.workspace
-        if policy.limits.workspace_bytes is not None:
-            # Size-limited workspace: the sandbox writes into a sized tmpfs (nosuid, nodev) and
-            # never sees the real workspace, which needs no hand-over; copied back in result().
-            if not self.facts.caller_is_root:
-                raise UnsupportedError("workspace-size", "Limits.workspace_bytes needs a root caller "
-                                       "(lowlevel mounts a sized tmpfs for the workspace)",
-                                       "run as root, or leave workspace_bytes unset (RLIMIT_FSIZE bounds "
-                                       "each file)")
-            self.before = _ws.snapshot(self.workspace)
-            self.sized = _sizedws.SizedWorkspace.mount(
-                self.workspace, policy.limits.workspace_bytes, os.geteuid(), policy.host_gid,
-                entry_ids=(policy.host_uid, policy.host_gid))
-            bind_source = self.sized.path
-            self.notes.append(f"workspace on a {policy.limits.workspace_bytes}-byte tmpfs, copied back after the run")
+        if self.cow:
+            self._open_lower()
+            self.upper_bytes = policy.limits.workspace_bytes or _cow.DEFAULT_UPPER_BYTES
+            self.mnt = _cow.mount_dir(self.workspace_base)
+            bind_source = f"{self.mnt}/ws"
+            self.notes.append(f"workspace: copy-on-write overlay; the run's writes are bounded to "
+                              f"{self.upper_bytes} bytes")
         else:
-            self.handover = _ws.hand_over(
-                self.workspace, sandbox_ids=(policy.host_uid, policy.host_gid) if self.facts.caller_is_root
-                else None, empty=fresh_empty)
-            self.before = self.handover.before
+            bind_source = self._prepare_handover(support.reason)
 
         self.cgroup = _limits.RunCgroup.create(policy.limits, f"run-{os.getpid()}-{id(self):x}")
         if self.cgroup is None:
             self.notes.append("no writable cgroup hierarchy: memory, pids and CPU bounded by rlimits only")
-
-        if self.facts.caller_is_root and not self.facts.cap_sys_resource:
-            self.pre_exec_rlimits = _clamp_to_own_hard_limits(_limits.rlimits(policy.limits, self.cgroup))
-            how = "setrlimit in _lowlevel_exec" if _exec_helper() else "prlimit(1)"
-            self.notes.append(f"root without CAP_SYS_RESOURCE: rlimits set with {how} before bwrap starts")
+        else:
+            for path in self.cgroup.procs_files():
+                self.cgroup_fds.append(self._own(os.open(path, os.O_WRONLY | os.O_CLOEXEC)))
+        triples = _limits.rlimits(policy.limits, self.cgroup)
+        if not (root and self.facts.cap_sys_resource):
+            triples = _clamp_to_own_hard_limits(triples)
+        self.pre_exec_rlimits = triples
+        self.rlimits_applied = tuple(name for name, _s, _h in triples)
 
         if policy.seccomp is not None and policy.seccomp.log:
             # Audit mode: the kernel logs what the profile would deny; read back at the end.
@@ -507,39 +576,35 @@ class Run:
         fds = CHILD_FDS
         seccomp_fd = None
         if bpf:
-            seccomp_fd = _seccomp.bpf_memfd(bpf)
-            self.fds.append(seccomp_fd)
+            seccomp_fd = self._own(_seccomp.bpf_memfd(bpf))
             self.seccomp_loaded = True
         else:
-            fds = Fds(json_status=fds.json_status, block=fds.block, seccomp=None, passwd=fds.passwd,
-                      group=fds.group)
-        uid = policy.sandbox_uid if policy.sandbox_uid is not None else (
-            policy.host_uid if self.facts.caller_is_root else os.getuid())
-        gid = policy.sandbox_gid if policy.sandbox_gid is not None else (
-            policy.host_gid if self.facts.caller_is_root else os.getgid())
+            fds = Fds(json_status=fds.json_status, block=None, seccomp=None, passwd=fds.passwd, group=fds.group)
+        uid = policy.sandbox_uid if policy.sandbox_uid is not None else self.host_ids[0]
+        gid = policy.sandbox_gid if policy.sandbox_gid is not None else self.host_ids[1]
         passwd, group = _passwd_group(uid, gid)
-        passwd_fd = _memfd("lowlevel-passwd", passwd)
-        self.fds.append(passwd_fd)
-        group_fd = _memfd("lowlevel-group", group)
-        self.fds.append(group_fd)
+        passwd_fd = self._own(_memfd("lowlevel-passwd", passwd))
+        group_fd = self._own(_memfd("lowlevel-group", group))
 
         self.argv = build_argv(policy, self.facts, workspace=bind_source, fds=fds,
                                extra_env=self.env_extra or None, cwd=self.cwd)
-        args_fd = _memfd("lowlevel-args", b"".join(a.encode() + b"\0" for a in self.argv))
-        self.fds.append(args_fd)
+        if any("\0" in a for a in self.argv):
+            # Last line of defence: the --args memfd is NUL-separated, so a NUL inside a value
+            # would split it into extra bwrap options. The policy edge refuses them already.
+            raise LaunchError("refusing to start: a NUL byte reached bwrap's argv", argv=self.argv)
+        args_fd = self._own(_memfd("lowlevel-args", b"".join(a.encode() + b"\0" for a in self.argv)))
 
-        json_r, json_w = os.pipe()
-        self.fds += [json_r, json_w]
+        json_r, json_w = self._pipe()
         self.json_r = json_r
-        block_r, block_w = os.pipe()
-        self.fds += [block_r, block_w]
-        self.block_w = block_w
+        report, report_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self.report = report
+        self.report_child = report_child
+        report.setblocking(False)
 
         stdio: list[tuple[int, int]] = []
         devnull_stdin = False
         if self.stdin is not None:
-            in_r, in_w = os.pipe()
-            self.fds += [in_r, in_w]
+            in_r, in_w = self._pipe()
             self.stdin_w = in_w
             os.set_blocking(in_w, False)
             self.stdin_view = memoryview(self.stdin)
@@ -547,45 +612,95 @@ class Run:
         elif self.capture:
             devnull_stdin = True
         if self.capture:
-            out_r, out_w = os.pipe()
-            err_r, err_w = os.pipe()
-            self.fds += [out_r, out_w, err_r, err_w]
+            out_r, out_w = self._pipe()
+            err_r, err_w = self._pipe()
             self.out_r, self.err_r = out_r, err_r
             stdio += [(out_w, 1), (err_w, 2)]
-        mapping = stdio + [(args_fd, ARGS_FD), (json_w, fds.json_status), (block_r, fds.block or 0),
+        mapping = stdio + [(args_fd, ARGS_FD), (json_w, fds.json_status),
                            (passwd_fd, fds.passwd or 0), (group_fd, fds.group or 0)]
         if seccomp_fd is not None:
             mapping.append((seccomp_fd, fds.seccomp or 0))
         mapping += [(parent_fd, child_fd) for child_fd, parent_fd in sorted(self.extra_fds.items())]
+        self.pass_fds = tuple(sorted(dst for _s, dst in mapping if dst > 2))
+        # The anchor's own fds (never passed on to bwrap) go right above bwrap's.
+        nxt = max(dst for _s, dst in mapping) + 1
+        anchor_fds: dict[str, Any] = {}
+        for name, src in (("report", report_child.fileno()), ("lower", self.lower_fd),
+                          ("lease", self.lease.fd if self.lease is not None else None)):
+            if src is not None:
+                mapping.append((src, nxt))
+                anchor_fds[name] = nxt
+                nxt += 1
+        anchor_fds["cgroups"] = []
+        for src in self.cgroup_fds:
+            mapping.append((src, nxt))
+            anchor_fds["cgroups"].append(nxt)
+            nxt += 1
+        self.anchor_fds = anchor_fds
         # Move every source above all targets first, so no dup2 clobbers a later source, and
-        # no dup2 has src == dst (which would leave FD_CLOEXEC set).
-        threshold = max(dst for _s, dst in mapping) + 1
+        # no dup2 has src == dst (which would leave FD_CLOEXEC set). Every other fd of ours is
+        # O_CLOEXEC (PEP 446), and the anchor closes whatever else it inherited.
+        threshold = nxt
         actions: list[tuple[Any, ...]] = []
         if devnull_stdin:
             actions.append((os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0))
         for src, dst in mapping:
             if src < threshold:
-                src = fcntl.fcntl(src, fcntl.F_DUPFD_CLOEXEC, threshold)
-                self.fds.append(src)
+                src = self._own(fcntl.fcntl(src, fcntl.F_DUPFD_CLOEXEC, threshold))
             actions.append((os.POSIX_SPAWN_DUP2, src, dst))
-        keep = {dst for _s, dst in mapping} | {0, 1, 2}
-        for fd in _inheritable_fds(keep):
-            actions.append((os.POSIX_SPAWN_CLOSE, fd))
         self.actions = actions
-        self.block_r = block_r
         self.json_w = json_w
 
+    def _prepare_handover(self, why: str) -> str:
+        """The fallback where the overlay cannot work: hand the workspace over (or size it)."""
+        policy = self.policy
+        root = self.facts.caller_is_root
+        self.notes.append(f"workspace handed over, not copy-on-write: {why}")
+        if self.workspace_arg is not None:
+            _ws.check_trusted_ancestors(self.workspace)
+        if root:
+            _ws.check_traversable(self.workspace, *self.host_ids)
+        fresh_empty = self.owns_workspace and not self.inputs
+        # One walk: the change-report snapshot, the owners to give back, and (root callers) the
+        # tree given to the sandbox's uid with the root kept 0770 ours:host_gid; close() (or
+        # result()) gives it back and strips setuid/setgid bits (lowlevel.workspace.hand_over).
+        # A directory mkdtemp made a moment ago with nothing copied in is empty: no walk.
+        if policy.limits.workspace_bytes is not None:
+            raise UnsupportedError("workspace-size", "Limits.workspace_bytes bounds the copy-on-write overlay's "
+                                   f"upper layer, which is unavailable here ({why})",
+                                   "leave workspace_bytes unset (RLIMIT_FSIZE still bounds each file)")
+        self.handover = _ws.hand_over(self.workspace, sandbox_ids=self.host_ids if root else None,
+                                      empty=fresh_empty)
+        self.before = self.handover.before
+        return self.workspace
+
     # -- 2. spawn ------------------------------------------------------------------------
+    def anchor_argv(self) -> list[str]:
+        """The argv exec'd: ``_lowlevel_exec OPTIONS -- bwrap --args 3 -- COMMAND...``."""
+        ov: _AnchorOverlay | None = None
+        if self.cow:
+            ov = _AnchorOverlay(mnt=self.mnt, lower_fd=self.anchor_fds["lower"], upper_bytes=self.upper_bytes,
+                                upper_inodes=_cow.upper_inodes(self.upper_bytes),
+                                lower_path=None if self.facts.caller_is_root else self.workspace,
+                                idmap=(self.lower_stat.st_uid, self.lower_stat.st_gid)
+                                if self.facts.caller_is_root else None)
+        return anchor_argv(self.facts, _exec_helper(), parent=os.getpid(), report_fd=self.anchor_fds["report"],
+                           cgroup_fds=self.anchor_fds["cgroups"], rlimits=self.pre_exec_rlimits,
+                           ids=self.host_ids if self.facts.caller_is_root else None, overlay=ov,
+                           keep_fds=(self.anchor_fds["lease"],) if "lease" in self.anchor_fds else (),
+                           pass_fds=self.pass_fds, args_fd=ARGS_FD, command=self.command)
+
     def spawn(self) -> None:
-        """posix_spawn bwrap with an empty environment; open its pidfd."""
-        helper = _exec_helper() if self.facts.caller_is_root else None
-        setpriv = _setpriv() if self.facts.caller_is_root and helper is None else None
-        exe_argv = outer_argv(self.facts, self.policy, setpriv, ARGS_FD, self.command,
-                              prlimit=_prlimit_cmd() if self.pre_exec_rlimits and helper is None else None,
-                              pre_exec_rlimits=self.pre_exec_rlimits, exec_helper=helper)
+        """posix_spawn the anchor (which execs bwrap) with an empty environment; open its pidfd.
+
+        Raises:
+            LaunchError: the spawn or pidfd_open failed; nothing is left running.
+        """
+        exe_argv = self.anchor_argv()
         i = exe_argv.index("--args")
         self.full_argv = [*exe_argv[:i], *self.argv, *exe_argv[i + 2:]]
         log.debug("lowlevel: spawning %s", redact_env_values(self.full_argv))
+        self.since_ns = time.time_ns()
         self.t0 = time.monotonic()
         if self.timeout is not None:
             self.deadline = self.t0 + self.timeout
@@ -595,27 +710,95 @@ class Run:
         except OSError as err:
             raise LaunchError(f"cannot start {exe_argv[0]}: {err.strerror}", argv=exe_argv,
                               errno=err.errno) from err
-        self.pidfd = os.pidfd_open(self.pid)
+        try:
+            self.pidfd = os.pidfd_open(self.pid)
+        except OSError as err:
+            # Not reaped yet, so the PID is still this child: kill and reap it by PID.
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+            self.wait_status = -1
+            raise LaunchError(f"pidfd_open of the sandbox failed: {err.strerror}", errno=err.errno) from err
         # Close the child's ends in the parent.
-        keep = {self.json_r, self.block_w, self.out_r, self.err_r, self.stdin_w}
+        keep = {self.json_r, self.out_r, self.err_r, self.stdin_w, self.lower_fd}
         for fd in list(self.fds):
             if fd not in keep:
                 os.close(fd)
                 self.fds.remove(fd)
+        self.cgroup_fds.clear()
+        if self.lease is not None:
+            self.lease.release()  # the anchor holds the lease now, for as long as it lives
+        if self.report_child is not None:
+            self.report_child.close()
+            self.report_child = None
         for rfd in (self.out_r, self.err_r, self.json_r):
             if rfd is not None:
                 os.set_blocking(rfd, False)
 
     # -- 3. handshake --------------------------------------------------------------------
+    def read_report(self) -> bool:
+        """Read the anchor's READY (non-blocking); return True once the sandbox is ready.
+
+        READY carries bwrap's pidfd (the PID 1 of the run's PID namespace: readable once
+        every process of the sandbox is gone) and, with the overlay, the upper directory's fd.
+        EOF (the anchor died in its setup) closes the socket: its exit and stderr explain.
+        """
+        if self.ready or self.report is None:
+            return self.ready
+        try:
+            msg, fds, _flags, _addr = socket.recv_fds(self.report, 256, 4)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            msg, fds = b"", []
+        for fd in fds:
+            self._own(fd)
+        if not msg:
+            self.report.close()
+            self.report = None
+            for fd in fds:
+                os.close(fd)
+                self.fds.remove(fd)
+            return False
+        want = 2 if self.cow else 1
+        if not msg.startswith(b"READY") or len(fds) != want:
+            # No fds with READY: the kernel could not install them (MSG_CTRUNC: EMFILE). Without
+            # bwrap's pidfd the sandbox cannot be supervised: kill it (the anchor's death takes
+            # bwrap, which has not started yet, with it) and say why.
+            self.kill(None)
+            why = ("the sandbox's fds could not be received (too many open files?)" if msg.startswith(b"READY")
+                   else f"the anchor sent {msg[:80]!r}, expected READY: reinstall lowlevel")
+            raise LaunchError(why, argv=self.full_argv, errno=errno.EMFILE if msg.startswith(b"READY") else None)
+        self.init_pidfd = fds[0]
+        self.fds.remove(fds[0])
+        if len(fds) > 1:
+            self.upper_fd = fds[1]
+            self.fds.remove(fds[1])  # closed by finish_cow
+        self.ready = True
+        return True
+
     def feed_json(self, data: bytes) -> bool:
         """Feed json-status bytes; return True once the child-pid document has arrived."""
         self.json_buf += data
         if self.init_pid is None:
             doc = self._first_doc()
             if doc is not None and "child-pid" in doc:
-                self.init_pid = int(doc["child-pid"])
+                self.init_pid = int(doc["child-pid"])  # in bwrap's PID namespace, not ours
+                if self.audit is not None:
+                    self._attach_audit()
                 return True
         return False
+
+    def _attach_audit(self) -> None:
+        """Audit mode: attribute kernel records to the sandbox's PID namespace (bwrap's child)."""
+        assert self.audit is not None and self.init_pidfd is not None
+        try:
+            with open(f"/proc/self/fdinfo/{self.init_pidfd}") as f:
+                bwrap_pid = next(int(line.split()[1]) for line in f if line.startswith("Pid:"))
+            with open(f"/proc/{bwrap_pid}/task/{bwrap_pid}/children") as f:
+                child = int(f.read().split()[0])
+            self.audit.attach(child)
+        except (OSError, StopIteration, ValueError, IndexError) as err:
+            self.notes.append(f"seccomp audit: cannot find the sandbox's PID namespace ({err})")
 
     def _docs(self) -> list[dict[str, Any]]:
         docs = []
@@ -633,41 +816,6 @@ class Run:
             return None
         docs = self._docs()
         return docs[0] if docs else None
-
-    def release(self) -> None:
-        """Apply limits to the sandbox's PID 1, attach it to the cgroup, then let it run."""
-        assert self.init_pid is not None
-        try:
-            self.init_pidfd = os.pidfd_open(self.init_pid)
-        except OSError as err:
-            # It died during setup: bwrap will report why on stderr.
-            if err.errno != errno.ESRCH:
-                raise
-        died = self.init_pidfd is None
-        if self.init_pidfd is not None:
-            try:
-                if self.audit is not None:
-                    self.audit.attach(self.init_pid)
-                if self.cgroup is not None:
-                    self.cgroup.attach(self.init_pid)
-                if self.pre_exec_rlimits:
-                    self.rlimits_applied = tuple(name for name, _s, _h in self.pre_exec_rlimits)
-                else:
-                    self.rlimits_applied = _limits.apply_rlimits(self.init_pid, self.policy.limits,
-                                                                 self.cgroup)
-            except (OSError, LowlevelError):
-                if not _readable(self.init_pidfd, 0):
-                    raise  # alive and not limited: never release it (close() kills it)
-                died = True  # it died while setting up: bwrap's own message explains why
-        assert self.block_w is not None
-        if not died:
-            try:
-                os.write(self.block_w, b"1")
-            except BrokenPipeError:
-                pass
-        os.close(self.block_w)
-        self.fds.remove(self.block_w)
-        self.block_w = None
 
     # -- 4. supervise --------------------------------------------------------------------
     def feed_stdin(self, *, close: bool = True) -> bool:
@@ -759,16 +907,26 @@ class Run:
                 pass
 
     def reap(self) -> None:
-        """Reap bwrap (blocking: call once its pidfd is readable) and make sure the sandbox is gone."""
+        """Reap the anchor (blocking: call once its pidfd is readable) and make sure the sandbox is gone.
+
+        The anchor exits after bwrap, the PID 1 of the run's namespace, whose exit completes only
+        once every process of the namespace is gone (``zap_pid_ns_processes``); if the anchor
+        was killed instead, bwrap's parent-death signal takes the namespace down: wait for it.
+        """
         self.reap_bwrap()
         if self.init_pidfd is not None:
-            # --die-with-parent SIGKILLs the sandbox's PID 1 when bwrap exits; make sure.
             if not _readable(self.init_pidfd, 2.0):
                 try:
                     signal.pidfd_send_signal(self.init_pidfd, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
                 _readable(self.init_pidfd, 10.0)
+        elif self.cgroup is not None and self.pid is not None:
+            # Killed before READY: whatever the anchor forked is in the run's cgroup.
+            try:
+                self.cgroup.kill_all()
+            except Exception:  # noqa: BLE001 - best effort: the PID namespace dies with bwrap anyway
+                pass
 
     def reap_bwrap(self) -> None:
         """``os.wait4`` bwrap and record its status; blocks unless bwrap's pidfd is readable.
@@ -810,12 +968,9 @@ class Run:
         killed_by = self.killed_by or self._killed_by(exit_code, term, stats)
         out, out_t, out_d = self.out.value()
         errout, err_t, err_d = self.err.value()
-        # The sandbox is dead: give the workspace back now; the walk is also the "after" snapshot.
-        if self.sized is not None:
-            self.notes.extend(self.sized.finish())  # untrusted copy back into the workspace, then unmount
-            self.sized = None
-            after = _ws.snapshot(self.workspace)
-            changes = _ws.diff(self.before, after, same_inodes=False)
+        # The sandbox is dead: its writes are final.
+        if self.cow:
+            changes = self.read_changes()
         else:
             after = self.give_back_workspace() if self.handover is not None else _ws.snapshot(self.workspace)
             if self.handover is not None:
@@ -829,7 +984,7 @@ class Run:
         if self.audit is not None:
             denials = tuple(self.audit.finish())
             self.audit = None
-        return Result(
+        result = Result(
             exit_code=exit_code, term_signal=term, timed_out=self.timed_out, killed_by=killed_by,
             stdout=out, stderr=errout, stdout_truncated=out_t, stderr_truncated=err_t,
             stdout_dropped_bytes=out_d, stderr_dropped_bytes=err_d,
@@ -841,6 +996,103 @@ class Run:
             limits_enforced=enforced, changes=changes, workspace=self.workspace,
             notes=tuple(self.notes), argv=tuple(self.full_argv), seccomp_denials=denials,
         )
+        if self.cow:
+            self.finish_cow(success=exit_code == 0 and killed_by is None, result=result)
+            result.notes = tuple(self.notes)
+        return result
+
+    # -- copy-on-write workspace ---------------------------------------------------------
+    @property
+    def xattr_prefix(self) -> str:
+        """Where overlayfs keeps its xattrs in the upper: ``trusted.`` (root) or ``user.`` (userxattr)."""
+        return "trusted.overlay." if self.facts.caller_is_root else "user.overlay."
+
+    def read_changes(self) -> _ws.Changes:
+        """What the run changed so far, from the upper directory (O(changed entries)).
+
+        Raises:
+            WorkspaceError: the upper or lower directory could not be read (``.errno``).
+        """
+        if self.upper_fd is None or self.lower_fd is None:
+            return _ws.Changes()
+        try:
+            return _overlay.read_changes(self.upper_fd, self.lower_fd, xattr_prefix=self.xattr_prefix)
+        except LowlevelError:
+            raise
+        except OSError as err:
+            raise WorkspaceError(err.errno, f"cannot read the run's changes: {err.strerror}") from err
+
+    def finish_cow(self, *, success: bool, result: Result | None = None) -> None:
+        """Commit or discard the run's upper layer (``commit``), once; then release it.
+
+        Raises:
+            CommitConflictError: entries the run changed were also changed on the host during
+                the run: nothing was applied, the upper layer was saved to the path the error
+                gives, and ``.result`` holds the run's Result.
+            WorkspaceError: the commit failed part-way (each entry is old or new, never lost).
+        """
+        if self.committed or self.upper_fd is None or self.lower_fd is None:
+            return
+        self.committed = True
+        do = self.commit is True or (self.commit == "on_success" and success)
+        try:
+            if not do:
+                self.notes.append("changes discarded: the workspace is as it was before the run"
+                                  + ("" if self.commit is False else " (commit='on_success' and the run failed)"))
+                return
+            root = self.facts.caller_is_root
+            assert self.lower_stat is not None
+            owner = (self.lower_stat.st_uid, self.lower_stat.st_gid) if root else None
+            try:
+                report = _overlay.commit(self.upper_fd, self.lower_fd, xattr_prefix=self.xattr_prefix,
+                                         since_ns=self.since_ns, new_owner=owner)
+            except _overlay.CommitConflictError as err:
+                try:
+                    saved = _overlay.save_upper(self.upper_fd, _conflict_dir(self.workspace_base))
+                    err.saved_upper = saved
+                    err.args = (err.args[0], f"{err.args[1]}; the run's changes were saved to {saved}")
+                except (OSError, LowlevelError) as save_err:
+                    err.args = (err.args[0], f"{err.args[1]}; saving the run's changes failed too: {save_err}")
+                err.result = result
+                raise
+            self.notes.extend(report.notes)
+        finally:
+            os.close(self.upper_fd)
+            self.upper_fd = None
+
+    def reset_cow(self, timeout_s: float = 10.0) -> None:
+        """Drop the upper layer of a live sandbox (a Session): /workspace is the lower tree again.
+
+        The anchor stacks a fresh overlay on the workspace (the mount propagates into the
+        sandbox); the old upper's content is removed here to free its share of the bound.
+
+        Raises:
+            LaunchError: the anchor refused or did not answer within ``timeout_s``.
+        """
+        if self.report is None or not self.cow:
+            raise LaunchError("this sandbox has no copy-on-write workspace to reset")
+        self.report.setblocking(True)
+        self.report.settimeout(timeout_s)
+        try:
+            self.report.send(b"RESET")
+            msg, fds, _flags, _addr = socket.recv_fds(self.report, 4096, 2)
+        except OSError as err:
+            raise LaunchError(f"resetting the workspace failed: {err}", errno=getattr(err, "errno", None)) from err
+        finally:
+            self.report.setblocking(False)
+        if not msg.startswith(b"RESET_OK") or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise LaunchError("resetting the workspace failed: "
+                              + msg.decode("utf-8", "replace").removeprefix("RESET_ERR ").strip())
+        old, self.upper_fd = self.upper_fd, self._own(fds[0])
+        self.fds.remove(self.upper_fd)
+        self.since_ns = time.time_ns()
+        if old is not None:
+            try:
+                _overlay.clear_dir(old)
+            finally:
+                os.close(old)
 
     def _killed_by(self, exit_code: int, term: int | None, stats: _limits.CgroupStats | None) -> str | None:
         """Why the run died when the supervisor did not kill it: the cgroup's OOM kill
@@ -879,7 +1131,8 @@ class Run:
             shutil.rmtree(self.workspace, ignore_errors=True)
 
     def close(self) -> None:
-        """Kill anything left, reap, remove the cgroup, close every fd. Idempotent."""
+        """Kill anything left, reap, commit (``commit=True``) or drop the upper layer, remove
+        the cgroup, close every fd. Idempotent."""
         if self.closed:
             return
         self.closed = True
@@ -905,13 +1158,23 @@ class Run:
                 if fd is not None:
                     os.close(fd)
                     setattr(self, attr, None)
-            self.json_r = self.block_w = self.stdin_w = self.out_r = self.err_r = None
-            if self.sized is not None:
+            self.json_r = self.stdin_w = self.out_r = self.err_r = None
+            if self.upper_fd is not None:
+                # Interrupted before result() (an exception, a signal): what the program wrote is
+                # kept as commit=True promises; otherwise it is dropped with the upper layer.
                 try:
-                    self.sized.discard()
-                except OSError as err:
-                    log.warning("lowlevel: cannot unmount the sized workspace: %s", err)
-                self.sized = None
+                    self.finish_cow(success=False)
+                except LowlevelError as err:
+                    log.warning("lowlevel: %s", err)
+            for sock in (self.report, self.report_child):
+                if sock is not None:
+                    sock.close()
+            self.report = self.report_child = None
+            if self.lower_fd is not None:
+                os.close(self.lower_fd)
+                self.lower_fd = None
+            if self.lease is not None:
+                self.lease.release()
             if self.handover is not None and not self.handover.done:
                 try:
                     self.give_back_workspace()
@@ -924,6 +1187,13 @@ class Run:
                     log.warning("lowlevel: cannot remove cgroup: %s", err)
 
 
+def _conflict_dir(base: str | None) -> str:
+    """A fresh directory (ours, 0700) to save a run's upper layer into after a commit conflict."""
+    import tempfile
+    root = _ws.ensure_base(base or _ws.default_base())
+    return tempfile.mkdtemp(prefix="conflict-", dir=root)
+
+
 def _remaining(deadline: float | None, cap: float | None = None) -> float | None:
     if deadline is None:
         return cap
@@ -934,41 +1204,39 @@ def _remaining(deadline: float | None, cap: float | None = None) -> float | None
 def _drive_sync(r: Run) -> Result:
     r.prepare()
     r.spawn()
-    # Handshake: wait for child-pid, or bwrap's exit (setup failure).
+    # Handshake: wait for the anchor's READY (bwrap's pidfd), or the anchor's exit (setup failed).
     setup_deadline = time.monotonic() + SETUP_TIMEOUT_S
     poller = select.poll()
-    assert r.json_r is not None and r.pidfd is not None
-    poller.register(r.json_r, select.POLLIN)
+    assert r.report is not None and r.pidfd is not None and r.json_r is not None
+    poller.register(r.report.fileno(), select.POLLIN)
     poller.register(r.pidfd, select.POLLIN)
-    for fd in (r.out_r, r.err_r):
+    for fd in (r.out_r, r.err_r, r.json_r):
         if fd is not None:
             poller.register(fd, select.POLLIN)
-    released = False
-    while not released:
+    while not r.ready:
         left = setup_deadline - time.monotonic()
         if left <= 0:
             r.kill(None)
             r.reap()
-            raise LaunchError(f"bwrap did not finish setting up within {SETUP_TIMEOUT_S:.0f} s", argv=r.full_argv)
+            raise LaunchError(f"the sandbox did not finish setting up within {SETUP_TIMEOUT_S:.0f} s",
+                              argv=r.full_argv)
         for fd, _ev in poller.poll(left * 1000):
-            if fd == r.json_r:
-                if not r.read_fd("json_r"):
+            if r.report is not None and fd == r.report.fileno():
+                if not r.read_report() and r.report is None:
                     poller.unregister(fd)
-            elif fd == r.out_r:
-                if not r.read_fd("out_r"):
+                if r.ready:
                     poller.unregister(fd)
-            elif fd == r.err_r:
-                if not r.read_fd("err_r"):
-                    poller.unregister(fd)
+                    break
             elif fd == r.pidfd:
-                # bwrap exited before the handshake: setup failed.
+                # The anchor exited before READY: setup failed.
                 r.reap()
                 while r.read_fd("err_r") or r.read_fd("out_r") or r.read_fd("json_r"):
                     pass
                 raise classify_setup_failure(r.err.value()[0], r.full_argv, r.command)
-        if r.init_pid is not None:
-            r.release()
-            released = True
+            else:
+                attr = "out_r" if fd == r.out_r else "err_r" if fd == r.err_r else "json_r"
+                if not r.read_fd(attr):
+                    poller.unregister(fd)
     if r.stdin_w is not None and not r.feed_stdin():
         poller.register(r.stdin_w, select.POLLOUT)
     bwrap_done = False
@@ -1015,7 +1283,8 @@ def run(command: Sequence[str], *, policy: Policy | None = None, workspace: str 
         inputs: Sequence[str | os.PathLike[str]] = (), timeout: float | None = DEFAULT_TIMEOUT_S,
         stdin: bytes | None = None, env: Mapping[str, str] | None = None, capture: bool = True,
         cwd: str = WORKSPACE_DEST, workspace_base: str | None = None,
-        record: str | os.PathLike[str] | None = None, allow_sensitive_workspace: bool = False) -> Result:
+        record: str | os.PathLike[str] | None = None, allow_sensitive_workspace: bool = False,
+        commit: bool | str = True) -> Result:
     """Run ``command`` in a fresh bwrap sandbox and wait for it.
 
     Args:
@@ -1041,8 +1310,14 @@ def run(command: Sequence[str], *, policy: Policy | None = None, workspace: str 
         record: write a run record (JSON, ``docs/record-schema.json``) to this path after the
             run, and copy the inputs to ``<record>.inputs/`` for ``lowlevel replay``; see
             :func:`lowlevel.record.record_run`.
-        allow_sensitive_workspace: accept a ``workspace`` that would be refused. It is bound
-            read-write and, for a root caller, handed to the sandbox's uid for the run.
+        allow_sensitive_workspace: accept a ``workspace`` that would be refused.
+        commit: what happens to the run's changes (the workspace is the read-only lower layer
+            of a copy-on-write overlay; the run writes into a bounded upper layer): True
+            (default) applies them to the workspace after the run, whatever its outcome
+            (timeout and limit kills included: what the program wrote is kept, as with a plain
+            directory); ``"on_success"`` only when it exited 0 and was not killed; False
+            discards them (the workspace is left bit-identical). ``Result.changes`` reports
+            them either way.
     Returns:
         A :class:`Result`.
     Raises:
@@ -1062,8 +1337,7 @@ def run(command: Sequence[str], *, policy: Policy | None = None, workspace: str 
                           workspace_base=workspace_base, allow_sensitive_workspace=allow_sensitive_workspace)
     r = Run(command, policy=policy or Policy(), workspace=None if workspace is None else os.fspath(workspace),
             inputs=inputs, timeout=timeout, stdin=stdin, env=env, capture=capture, cwd=cwd,
-            workspace_base=workspace_base,
-            allow_sensitive_workspace=allow_sensitive_workspace)
+            workspace_base=workspace_base, allow_sensitive_workspace=allow_sensitive_workspace, commit=commit)
     try:
         return _drive_sync(r)
     except BaseException:

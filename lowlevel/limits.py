@@ -121,10 +121,11 @@ class Limits:
             ``cpu.cfs_quota_us`` over a 100 ms period. Throttles, never kills.
         tmp_size_bytes: size of the ``/tmp`` tmpfs (bwrap ``--size``, bwrap >= 0.5.0); used by the
             launcher, not here.
-        workspace_bytes: total bytes the run may keep in its workspace, or None (only
-            ``fsize_bytes`` per file). Set, the run's ``/workspace`` is a tmpfs of this size
-            that lowlevel mounts on the host and copies back safely after the run
-            (:mod:`lowlevel.sizedws`); needs a root caller (mount), else UnsupportedError.
+        workspace_bytes: total bytes a run (or a Session, in all) may write into its workspace:
+            the size of the tmpfs holding the copy-on-write overlay's upper layer (ENOSPC
+            inside beyond it; the host's disk is never used). None: the default,
+            :data:`lowlevel.cow.DEFAULT_UPPER_BYTES` (1 GiB). Where the overlay is unavailable
+            (the hand-over fallback) a value raises UnsupportedError.
         require: limits that must be enforced by the kernel, else :class:`UnsupportedError`
             before anything runs. Names: ``"memory"``, ``"pids"``, ``"cpu"`` (the cgroup limits
             of ``memory_bytes``, ``pids``, ``cpu_quota``) and ``"cgroup"`` (any per-run
@@ -871,6 +872,13 @@ class RunCgroup:
             except OSError as err:
                 raise LaunchError(f"write {pid} to {target} failed: {err.strerror}",
                                   errno=err.errno) from err
+
+    def procs_files(self) -> list[str]:
+        """The ``cgroup.procs`` of the run's directory in every hierarchy: the anchor joins each
+        (writes ``"0"``, its own PID, to an fd the launcher opens), so every process of the
+        sandbox is born inside. Opened by the caller: on cgroup v2 the write permission is
+        checked against the opener's credentials (cgroup-v2.rst, "Delegation Containment")."""
+        return [os.path.join(node.path, "cgroup.procs") for node in self.nodes]
 
     def pids(self) -> list[int]:
         """PIDs (host namespace) of the processes in the run, from every ``cgroup.procs``."""

@@ -289,18 +289,33 @@ class Tools:
         if len(data) > self.config.max_file_bytes:
             raise PolicyError(f"refused: {len(data)} bytes > the operator's max_file_bytes "
                               f"{self.config.max_file_bytes}")
-        _ws.write_file(self._workspace(workspace, create=True), path, data)
+        sess = self._live_session(workspace)
+        if sess is not None:
+            # Into the session's live view (its copy-on-write workspace), owned as its sandbox.
+            uid, gid = sess.host_ids if os.geteuid() == 0 else (None, None)
+            _ws.write_file(sess.workspace, path, data, uid=uid, gid=gid)
+        else:
+            _ws.write_file(self._workspace(workspace, create=True), path, data)
         return {"workspace": workspace, "path": path, "bytes": len(data)}
+
+    def _live_session(self, name: str) -> Any:
+        """The live session of that name, whose workspace is its live view, or None."""
+        sess = self.sessions.get(name)
+        return sess if sess is not None and sess.alive else None
+
+    def _view(self, name: str) -> str:
+        sess = self._live_session(name)
+        return sess.workspace if sess is not None else self._workspace(name, create=False)
 
     def read_file(self, workspace: str, path: str, encoding: str = "utf-8") -> dict[str, Any]:
         """Read a workspace file (untrusted: no symlinks, size-capped)."""
-        data = _ws.read_file(self._workspace(workspace, create=False), path, self.config.max_file_bytes)
+        data = _ws.read_file(self._view(workspace), path, self.config.max_file_bytes)
         content = base64.b64encode(data).decode() if encoding == "base64" else data.decode("utf-8", "replace")
         return {"workspace": workspace, "path": path, "bytes": len(data), "encoding": encoding, "content": content}
 
     def list_files(self, workspace: str) -> dict[str, Any]:
         """List a workspace's entries (no symlink followed)."""
-        entries = _ws.list_files(self._workspace(workspace, create=False))
+        entries = _ws.list_files(self._view(workspace))
         return {"workspace": workspace,
                 "entries": [{"path": e.path, "kind": e.kind, "size": e.size} for e in entries]}
 

@@ -228,10 +228,14 @@ class Policy:
         unsafe_no_seccomp: allow ``seccomp=None``. Never set this for untrusted code.
         hostname: the sandbox's hostname (``--hostname``, needs the UTS namespace).
         host_uid, host_gid: when the caller is root, the unprivileged host ids the sandbox
-            runs as (default 65534, ``nobody``/``nogroup``). With bwrap 0.8.0 a sandbox
-            whose uid maps to host uid 0 can write sysctls under ``/proc/sys`` such as
-            ``kernel.core_pattern``, which is host root; so root callers never keep uid 0.
-            Ignored for non-root callers (bwrap maps the caller's own uid).
+            runs as. None (default): each live sandbox gets a uid (and the gid of the same
+            number) of its own from a range (:data:`lowlevel.cow.DEFAULT_UID_RANGE`,
+            ``LOWLEVEL_UID_RANGE``), so per-uid kernel budgets (inotify and fanotify
+            instances, RLIMIT_NPROC, keyrings) are per run. An int pins it (``host_gid``
+            defaults to the same number). With bwrap 0.8.0 a sandbox whose uid maps to host
+            uid 0 can write sysctls under ``/proc/sys`` such as ``kernel.core_pattern``, which
+            is host root; so root callers never keep uid 0. Ignored for non-root callers
+            (bwrap maps the caller's own uid).
         sandbox_uid, sandbox_gid: the ids seen inside (``--uid``/``--gid``); None keeps
             the host ids.
         stdout_limit_bytes, stderr_limit_bytes: capture caps; the rest is dropped with head
@@ -256,8 +260,8 @@ class Policy:
     seccomp: SeccompProfile | None = DEFAULT_PROFILE
     unsafe_no_seccomp: bool = False
     hostname: str = "sandbox"
-    host_uid: int = 65534
-    host_gid: int = 65534
+    host_uid: int | None = None
+    host_gid: int | None = None
     sandbox_uid: int | None = None
     sandbox_gid: int | None = None
     stdout_limit_bytes: int = 16 * 1024 * 1024
@@ -285,9 +289,14 @@ class Policy:
             raise PolicyError(f"hostname {self.hostname!r} is not a valid host name (letters, digits, -)")
         for name in ("host_uid", "host_gid"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or not 0 < value < 2**32 - 1:
-                raise PolicyError(f"Policy.{name} must be a non-zero uid/gid, got {value!r}: "
-                                  "the sandbox never runs as host root")
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 0 < value < 2**32 - 1):
+                raise PolicyError(f"Policy.{name} must be None (a per-run uid) or a non-zero uid/gid, got "
+                                  f"{value!r}: the sandbox never runs as host root")
+        if self.host_gid is not None and self.host_uid is None:
+            raise PolicyError("Policy.host_gid needs host_uid: pin both, or neither (per-run ids)")
+        if self.host_uid is not None and self.host_gid is None:
+            object.__setattr__(self, "host_gid", self.host_uid)
         for name in ("sandbox_uid", "sandbox_gid"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)

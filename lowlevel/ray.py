@@ -650,7 +650,9 @@ class SandboxActor:
         try:
             if inputs:
                 await asyncio.to_thread(unpack_inputs, inputs, ws)
-            session = await AsyncSession.create(policy, workspace=ws, **options)
+            # commit=False: the changes stay in the session's copy-on-write upper layer (read through
+            # its live view) and the directory is removed at close, so applying them is wasted work.
+            session = await AsyncSession.create(policy, workspace=ws, commit=False, **options)
         except BaseException:
             await asyncio.to_thread(_ws.remove_workspace, ws)
             raise
@@ -676,7 +678,7 @@ class SandboxActor:
         changed = result.changes.added + result.changes.modified
         outputs: tuple[dict[str, bytes], int, list[str]] = ({}, 0, [])
         if changed:
-            outputs = await asyncio.to_thread(collect_outputs, self.session_workspaces[sid], changed,
+            outputs = await asyncio.to_thread(collect_outputs, session.workspace, changed,
                                               int(self.config["max_output_bytes"]))
         self.calls += 1
         return _remote_result(result, self.node_id, outputs)
@@ -684,8 +686,8 @@ class SandboxActor:
     async def session_read(self, sid: str, relpath: str, max_bytes: int) -> bytes:
         """Read one regular file of session ``sid``'s workspace (untrusted: no symlink followed)."""
         from . import workspace as _ws
-        self._session(sid)
-        return await asyncio.to_thread(_ws.read_file, self.session_workspaces[sid], relpath, max_bytes)
+        session = self._session(sid)
+        return await asyncio.to_thread(_ws.read_file, session.workspace, relpath, max_bytes)
 
     async def session_close(self, sid: str) -> None:
         """Close session ``sid`` and remove its workspace; idempotent."""

@@ -90,6 +90,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from . import limits as _limits
+from . import overlay as _overlay
 from . import workspace as _ws
 from .errors import LaunchError, PolicyError, SessionError, UnsupportedError
 from .launcher import (DEFAULT_TIMEOUT_S, SETUP_TIMEOUT_S, ExecError, Run, _Capture, _check_command,
@@ -261,7 +262,8 @@ class _Core:
     def __init__(self, policy: Policy | None, *, workspace: str | os.PathLike[str] | None,
                  inputs: Sequence[str | os.PathLike[str]], idle_timeout: float | None,
                  total_timeout: float | None, workspace_base: str | None, bwrap: str | None,
-                 track_changes: bool, allow_sensitive_workspace: bool = False) -> None:
+                 track_changes: bool, allow_sensitive_workspace: bool = False,
+                 commit: bool | str = True) -> None:
         policy = policy or Policy()
         if not isinstance(policy, Policy):
             raise PolicyError(f"policy must be a lowlevel.Policy, got {type(policy).__name__}")
@@ -285,7 +287,7 @@ class _Core:
                        workspace=None if workspace is None else os.fspath(workspace), inputs=inputs,
                        timeout=None, capture=True, workspace_base=workspace_base, bwrap=bwrap,
                        extra_fds={_SOCK_FD: child.fileno(), _EXE_FD: _init_fd(exe)},
-                       allow_sensitive_workspace=allow_sensitive_workspace)
+                       allow_sensitive_workspace=allow_sensitive_workspace, commit=commit)
         self.cmds: dict[int, _Cmd] = {}
         self.fd_owner: dict[int, _Cmd] = {}
         self.next_id = 1
@@ -320,18 +322,28 @@ class _Core:
         child.close()
         deadline = time.monotonic() + SETUP_TIMEOUT_S
         poller = select.poll()
-        assert r.json_r is not None and r.pidfd is not None
-        for fd in (r.json_r, r.pidfd, r.out_r, r.err_r, self.sock.fileno()):
+        assert r.json_r is not None and r.pidfd is not None and r.report is not None
+        report_fd = r.report.fileno()
+        for fd in (r.json_r, r.pidfd, r.out_r, r.err_r, self.sock.fileno(), report_fd):
             if fd is not None:
                 poller.register(fd, select.POLLIN)
-        released = False
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise LaunchError(f"the session sandbox did not start within {SETUP_TIMEOUT_S:.0f} s",
                                   argv=r.full_argv)
             for fd, _ev in poller.poll(left * 1000):
+                if fd == report_fd:
+                    was_ready = r.ready
+                    r.read_report()
+                    if r.ready or r.report is None:
+                        poller.unregister(fd)
+                    if r.ready and not was_ready:
+                        deadline = time.monotonic() + HELLO_TIMEOUT_S
+                    continue
                 if fd == self.sock.fileno():
+                    if not r.ready:
+                        r.read_report()  # READY is sent before bwrap starts: it is there
                     self._hello()
                     return
                 if fd == r.pidfd:
@@ -342,10 +354,6 @@ class _Core:
                 attr = "json_r" if fd == r.json_r else "out_r" if fd == r.out_r else "err_r"
                 if not r.read_fd(attr):
                     poller.unregister(fd)
-            if not released and r.init_pid is not None:
-                r.release()
-                released = True
-                deadline = time.monotonic() + HELLO_TIMEOUT_S
 
     def _hello(self) -> None:
         data, anc, _flags, _addr = self.sock.recvmsg(64, socket.CMSG_SPACE(12))
@@ -383,7 +391,7 @@ class _Core:
         cmd = _Cmd(0, command, self.policy, timeout, stream)
         cmd.rlimit_names = names
         if track_changes if track_changes is not None else self.track_changes:
-            cmd.before = _ws.snapshot(self.run.workspace)
+            cmd.before = _ws.snapshot(self.view())
         flags = 0
         send_fds: list[int] = []
         close_after: list[int] = []
@@ -593,7 +601,7 @@ class _Core:
         err, err_t, err_d = cmd.err.value()
         changes = _ws.Changes()
         if cmd.before is not None:
-            changes = _ws.diff(cmd.before, _ws.snapshot(self.run.workspace))
+            changes = _ws.diff(cmd.before, _ws.snapshot(self.view()))
         enforced = cmd.rlimit_names + self.cgroup_enforced + (("seccomp",) if self.run.seccomp_loaded else ())
         return Result(
             exit_code=exit_code, term_signal=term, timed_out=bool(flags & _EXITF_TIMED_OUT), killed_by=killed_by,
@@ -694,6 +702,46 @@ class _Core:
             self.run.kill(None)
         except Exception:  # noqa: BLE001
             pass
+
+    # -- the workspace ------------------------------------------------------------------
+    def view(self) -> str:
+        """The live workspace as the commands see it (``/proc/PID/root/workspace`` of the init),
+        or the host directory once the session is over (or without the overlay)."""
+        r = self.run
+        if r.cow and not self.closed and self.failed is None and self.init_host_pid is not None:
+            return f"/proc/{self.init_host_pid}/root{WORKSPACE_DEST}"
+        return r.workspace
+
+    def _need_cow(self, what: str) -> None:
+        if not self.run.cow:
+            raise UnsupportedError("overlay", f"Session.{what}() needs the copy-on-write workspace, which this "
+                                   f"host cannot provide: {'; '.join(self.run.notes)}")
+        if self.closed or self.failed is not None:
+            raise self.failed or SessionError("the session is closed", "closed")
+
+    def diff(self) -> _ws.Changes:
+        self._need_cow("diff")
+        with self.lock:
+            return self.run.read_changes()
+
+    def reset(self) -> None:
+        self._need_cow("reset")
+        with self.lock:
+            self.run.reset_cow()
+
+    def commit(self) -> _ws.Changes:
+        self._need_cow("commit")
+        with self.lock:
+            r = self.run
+            changes = r.read_changes()
+            if r.upper_fd is None or r.lower_fd is None:
+                return changes
+            owner = (r.lower_stat.st_uid, r.lower_stat.st_gid) if r.facts.caller_is_root and r.lower_stat else None
+            report = _overlay.commit(r.upper_fd, r.lower_fd, xattr_prefix=r.xattr_prefix, since_ns=r.since_ns,
+                                     new_owner=owner)
+            r.notes.extend(report.notes)
+            r.reset_cow()
+            return changes
 
     def close(self) -> None:
         """Kill the sandbox and everything in it, reap bwrap, remove the cgroup. Idempotent."""
@@ -811,6 +859,10 @@ class Session:
         track_changes: fill ``Result.changes`` for each command (a snapshot of the workspace
             before and after: costs a directory walk per command, so off by default).
         bwrap: an explicit bwrap path.
+        commit: what :meth:`close` does with the session's changes (the workspace is the lower
+            layer of a copy-on-write overlay; the commands write into a bounded upper layer):
+            True (default) applies them to the directory, False drops them. :meth:`commit`,
+            :meth:`reset` and :meth:`diff` act on them while the session lives.
     Raises:
         PolicyError, WorkspaceError, LaunchError, UnsupportedError: as :func:`lowlevel.run`,
             for the sandbox's start; UnsupportedError(feature="session-init") when the init
@@ -824,18 +876,69 @@ class Session:
                  inputs: Sequence[str | os.PathLike[str]] = (), idle_timeout: float | None = None,
                  total_timeout: float | None = None, workspace_base: str | None = None,
                  track_changes: bool = False, bwrap: str | None = None,
-                 allow_sensitive_workspace: bool = False) -> None:
+                 allow_sensitive_workspace: bool = False, commit: bool | str = True) -> None:
         self._core = _Core(policy, workspace=workspace, inputs=inputs, idle_timeout=idle_timeout,
                            total_timeout=total_timeout, workspace_base=workspace_base, bwrap=bwrap,
-                           track_changes=track_changes, allow_sensitive_workspace=allow_sensitive_workspace)
+                           track_changes=track_changes, allow_sensitive_workspace=allow_sensitive_workspace,
+                           commit=commit)
         self._io_lock = threading.Lock()
         self._cond = threading.Condition(threading.Lock())
         self._handles: list[Process] = []
 
     @property
     def workspace(self) -> str:
-        """Host path of the session's workspace."""
+        """The workspace as the commands see it, for host-side reads and writes.
+
+        While the session lives (copy-on-write overlay): ``/proc/PID/root/workspace`` of its
+        init, the merged view, valid only until :meth:`close` (a root caller writing there
+        creates files owned by root: pass ``uid``/``gid`` = :attr:`host_ids` to
+        :func:`lowlevel.workspace.write_file`). Once closed, or without the overlay: the host
+        directory (:attr:`directory`). Treat what you read as untrusted output
+        (:func:`lowlevel.workspace.read_file`).
+        """
+        return self._core.view()
+
+    @property
+    def directory(self) -> str:
+        """Host path of the directory the session works on (the overlay's lower layer)."""
         return self._core.run.workspace
+
+    @property
+    def host_ids(self) -> tuple[int, int]:
+        """``(uid, gid)`` the sandbox runs as on the host (a root caller's per-run ids)."""
+        return self._core.run.host_ids
+
+    def diff(self) -> _ws.Changes:
+        """What the session's commands changed so far (from the upper layer: O(changes)).
+
+        Raises:
+            UnsupportedError: no copy-on-write workspace on this host (see ``notes``).
+            SessionError: the session is over.
+        """
+        return self._core.diff()
+
+    def reset(self) -> None:
+        """Drop every change: ``/workspace`` is the directory as it is on the host again.
+
+        A fresh overlay is stacked on the workspace (the mount propagates into the
+        sandbox); commands started later see it. A process already running with its cwd in
+        ``/workspace`` keeps the old view until it changes directory.
+
+        Raises:
+            UnsupportedError, SessionError: as :meth:`diff`; LaunchError: the anchor refused.
+        """
+        self._core.reset()
+
+    def commit(self) -> _ws.Changes:
+        """Apply the changes so far to the directory, then :meth:`reset` (so the view is the
+        directory, now holding them). Returns what was applied.
+
+        Raises:
+            lowlevel.overlay.CommitConflictError: an entry was changed on the host since the
+                session started (or since the last commit/reset); nothing was applied.
+            UnsupportedError, SessionError, LaunchError: as :meth:`reset`.
+        """
+        return self._core.commit()
 
     @property
     def alive(self) -> bool:
@@ -1079,7 +1182,7 @@ class AsyncSession:
             return
         policy, kwargs = self._args
         kwargs = {"workspace": None, "inputs": (), "idle_timeout": None, "total_timeout": None,
-                  "workspace_base": None, "bwrap": None, "track_changes": False, **kwargs}
+                  "workspace_base": None, "bwrap": None, "track_changes": False, "commit": True, **kwargs}
         self._core = await asyncio.to_thread(_Core, policy, **kwargs)
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._core.sock.fileno(), self._on_sock)
@@ -1094,8 +1197,36 @@ class AsyncSession:
 
     @property
     def workspace(self) -> str:
+        """As :attr:`Session.workspace`."""
+        assert self._core is not None
+        return self._core.view()
+
+    @property
+    def directory(self) -> str:
+        """As :attr:`Session.directory`."""
         assert self._core is not None
         return self._core.run.workspace
+
+    @property
+    def host_ids(self) -> tuple[int, int]:
+        """As :attr:`Session.host_ids`."""
+        assert self._core is not None
+        return self._core.run.host_ids
+
+    async def diff(self) -> _ws.Changes:
+        """As :meth:`Session.diff`."""
+        assert self._core is not None
+        return await asyncio.to_thread(self._core.diff)
+
+    async def reset(self) -> None:
+        """As :meth:`Session.reset`."""
+        assert self._core is not None
+        await asyncio.to_thread(self._core.reset)
+
+    async def commit(self) -> _ws.Changes:
+        """As :meth:`Session.commit`."""
+        assert self._core is not None
+        return await asyncio.to_thread(self._core.commit)
 
     @property
     def alive(self) -> bool:
@@ -1253,22 +1384,34 @@ class Pool:
     nothing is shared between calls. A background thread starts replacements and tears used
     sandboxes down.
 
+    With the copy-on-write workspace, a call's Result is final when :meth:`run` returns: its
+    changes are in ``Result.changes`` and (without a template) committed to its workspace.
+
     Args:
         policy: as for :func:`lowlevel.run`.
         size: how many sandboxes to keep ready (>= 1).
         workspace_base, bwrap: as for :class:`Session`.
-        track_changes: fill ``Result.changes`` (default True, as ``run``: a fresh workspace is small).
+        track_changes: fill ``Result.changes`` where the overlay is unavailable (a snapshot walk
+            of the fresh workspace; with the overlay the changes come from its upper layer).
+        template: a directory every call starts from: each sandbox gets a fresh copy-on-write
+            overlay over it (nothing is copied; the directory is never written: calls' changes
+            are reported and discarded). Needs the overlay (UnsupportedError otherwise).
     Raises:
         PolicyError: a bad argument. The first sandbox's start errors surface on the first call.
     """
 
     def __init__(self, policy: Policy | None = None, *, size: int = 2, workspace_base: str | None = None,
-                 bwrap: str | None = None, track_changes: bool = True) -> None:
+                 bwrap: str | None = None, track_changes: bool = True,
+                 template: str | os.PathLike[str] | None = None) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise PolicyError(f"Pool size must be an int >= 1, got {size!r}")
         self.policy = policy or Policy()
         self.size = size
-        self._kwargs = {"workspace_base": workspace_base, "bwrap": bwrap, "track_changes": track_changes}
+        self.template = None if template is None else os.fspath(template)
+        self._kwargs: dict[str, Any] = {"workspace_base": workspace_base, "bwrap": bwrap,
+                                        "track_changes": track_changes}
+        if self.template is not None:
+            self._kwargs.update(workspace=self.template, commit=False, track_changes=False)
         self._ready: collections.deque[Session] = collections.deque()
         self._retired: collections.deque[Session] = collections.deque()
         self._starting = 0
@@ -1288,7 +1431,11 @@ class Pool:
         self.close()
 
     def _new(self) -> Session:
-        s = Session(self.policy, **self._kwargs)  # type: ignore[arg-type]
+        s = Session(self.policy, **self._kwargs)
+        if self.template is not None and not s._core.run.cow:
+            s.close()
+            raise UnsupportedError("overlay", "Pool(template=...) needs the copy-on-write workspace: "
+                                   + "; ".join(s._core.run.notes))
         try:
             # Warm the path once (the init's first message, allocations, shepherd fork, a
             # failed execve) so the caller's command is not the first through it.
@@ -1372,12 +1519,28 @@ class Pool:
         """
         s = self._take()
         try:
-            if inputs:
+            if inputs and self.template is not None:
+                # Into this call's view (its upper layer), owned as its sandbox.
                 names = _ws.copy_inputs(s.workspace, inputs)
                 if s._core.run.facts.caller_is_root:
                     for name in names:
-                        _ws.chown_tree(os.path.join(s.workspace, name), self.policy.host_uid, self.policy.host_gid)
-            return s.run(argv, stdin=stdin, timeout=timeout, env=env, cwd=cwd, limits=limits)
+                        _ws.chown_tree(os.path.join(s.workspace, name), *s.host_ids)
+            elif inputs:
+                # Into the directory itself (the overlay's lower layer: this sandbox's fresh,
+                # still unvisited workspace), so they are inputs, not changes; the idmapped lower
+                # gives them to the sandbox's uid without a chown.
+                names = _ws.copy_inputs(s.directory, inputs)
+                if s._core.run.facts.caller_is_root and not s._core.run.cow:
+                    for name in names:
+                        _ws.chown_tree(os.path.join(s.directory, name), *s.host_ids)
+            result = s.run(argv, stdin=stdin, timeout=timeout, env=env, cwd=cwd, limits=limits,
+                           track_changes=False if s._core.run.cow else None)
+            if self.template is not None:
+                result.changes = s.diff()  # reported; the template is never written
+            elif s._core.run.cow:
+                # The Result is final when it is returned: the call's changes are in its workspace.
+                result.changes = s.commit()
+            return result
         finally:
             with self._cond:
                 self._retired.append(s)
@@ -1396,9 +1559,12 @@ class Pool:
             self._cond.notify_all()
         self._thread.join()
         while self._ready or self._retired:
+            unused = bool(self._ready)
             s = (self._ready or self._retired).popleft()
             try:
                 s.close()
+                if unused and self.template is None:
+                    _ws.remove_workspace(s.directory)  # started in advance, never used: nothing to keep
             except Exception as err:  # noqa: BLE001
                 log.warning("lowlevel: pool teardown failed: %s", err)
 

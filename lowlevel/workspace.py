@@ -215,14 +215,19 @@ def _split_rel(relpath: str) -> list[str]:
     return parts
 
 
-def _open_parent(root: str, parts: Sequence[str], create: bool = False) -> int:
-    """Open the directory holding parts[-1], component by component with O_NOFOLLOW."""
+def _open_parent(root: str, parts: Sequence[str], create: bool = False,
+                 owner: tuple[int, int] | None = None) -> int:
+    """Open the directory holding parts[-1], component by component with O_NOFOLLOW.
+
+    ``create`` makes missing directories (given to ``owner`` when set)."""
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         for part in parts[:-1]:
             if create:
                 try:
                     os.mkdir(part, 0o755, dir_fd=fd)
+                    if owner is not None:
+                        os.chown(part, *owner, dir_fd=fd, follow_symlinks=False)
                 except FileExistsError:
                     pass
             nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
@@ -276,12 +281,16 @@ def read_file(root: str, relpath: str, max_bytes: int = DEFAULT_READ_LIMIT) -> b
 def write_file(root: str, relpath: str, data: bytes, *, uid: int | None = None, gid: int | None = None) -> None:
     """Write ``data`` to a workspace file, creating parent dirs, never through a symlink.
 
+    ``uid``/``gid``: owner of the file and of the directories made for it (a root caller
+    writing into a live session's workspace passes :attr:`lowlevel.Session.host_ids`).
+
     Raises:
         WorkspaceError: invalid path, a symlink or non-regular file in the way.
     """
     parts = _split_rel(relpath)
     try:
-        dfd = _open_parent(root, parts, create=True)
+        dfd = _open_parent(root, parts, create=True,
+                           owner=(uid, gid if gid is not None else uid) if uid is not None else None)
         try:
             fd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
                          | os.O_NONBLOCK, 0o644, dir_fd=dfd)
@@ -596,17 +605,20 @@ def workspace_refusal(path: str) -> str | None:
     return None
 
 
-def check_workspace_path(path: str, *, allow_sensitive: bool = False) -> None:
+def check_workspace_path(path: str, *, allow_sensitive: bool = False, check_ancestors: bool = True) -> None:
     """Refuse a workspace :func:`workspace_refusal` flags, before anything touches it.
 
     Args:
         path: absolute and resolved (``os.path.realpath``).
         allow_sensitive: skip the check (API ``allow_sensitive_workspace=True``, CLI
             ``--allow-sensitive``).
+        check_ancestors: also :func:`check_trusted_ancestors` (whenever the workspace will be
+            reached by path again; a copy-on-write run opens it once, by fd).
     Raises:
         WorkspaceError: (EPERM) the message says why and how to override.
     """
-    check_trusted_ancestors(path)
+    if check_ancestors:
+        check_trusted_ancestors(path)
     if allow_sensitive:
         return
     reason = workspace_refusal(path)

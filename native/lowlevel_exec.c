@@ -1,45 +1,114 @@
-/* lowlevel_exec: set rlimits, drop to an unprivileged uid/gid, exec bwrap. One exec, not two.
+/* lowlevel_exec: the anchor between the caller and bwrap. Every sandbox runs below one.
  *
- * A root caller must not hand bwrap host uid 0 (bwrap 0.8.0 maps it into the sandbox, where
- * it can write /proc/sys), and a root caller without CAP_SYS_RESOURCE cannot prlimit(2) a
- * process of another uid, so its rlimits must be in force before bwrap starts. The portable
- * way is `prlimit --cpu=S:H ... -- setpriv --reuid=U --regid=G --clear-groups -- bwrap ...`:
- * two extra execs of dynamically linked programs. This static helper does the same in one:
+ *     _lowlevel_exec --parent=PID [OPTIONS] -- /abs/path/bwrap ARGS...
  *
- *     _lowlevel_exec [--rlimit=NAME=SOFT:HARD]... [--uid=U --gid=G] -- /abs/path/bwrap ARGS...
+ * What it guarantees (issue: "a program never runs without its supervisor"):
  *
- *   1. setrlimit(2) each NAME (RLIMIT_CPU, RLIMIT_AS, RLIMIT_DATA, RLIMIT_NPROC,
- *      RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_CORE) to SOFT:HARD (decimal, or "unlimited");
- *   2. with --uid/--gid: setgroups(0, NULL), setresgid(G, G, G), setresuid(U, U, U), in
- *      that order (groups and gid need the privilege the uid change gives up), then check
- *      with getresuid/getresgid/getgroups that the ids really are U and G and no
- *      supplementary group is left, and that setuid(0) fails (U != 0);
- *   3. execv(2) the absolute path that follows "--", with the rest as its argv.
+ *   1. It dies with the caller at any instant: PR_SET_PDEATHSIG(SIGKILL), then it checks that
+ *      its parent is still PID (the caller may have died before the prctl). The parent-death
+ *      signal is re-armed after every credential change, which clears it (prctl(2)).
+ *   2. Everything of the sandbox dies with it: bwrap runs as PID 1 of a PID namespace the
+ *      anchor creates; bwrap has its own PR_SET_PDEATHSIG (armed by the anchor's child before
+ *      exec, and --die-with-parent), and when the PID 1 of a namespace dies the kernel kills
+ *      every process in it and in the namespaces below (pid_namespaces(7)). So no instant
+ *      exists at which the caller's death leaves a process of the sandbox alive, including
+ *      bwrap's child blocked in its setup (which --die-with-parent alone does not cover).
+ *   3. Limits are in force before any process of the sandbox exists: the anchor joins the
+ *      run's cgroups (writes "0" to each cgroup.procs fd it is given) and its child sets the
+ *      rlimits before exec'ing bwrap. No --block-fd handshake: nothing can let the program
+ *      start early (bwrap reads EOF on --block-fd as "go").
+ *   4. The caller gets, over a SOCK_SEQPACKET socket (--report-fd), a READY message carrying
+ *      (SCM_RIGHTS) a pidfd of bwrap (PID 1 of the namespace: readable only once every process
+ *      of the sandbox is gone) and, with an overlay, an fd on the run's upper directory. bwrap
+ *      is exec'd only after READY is sent.
  *
- * Fails closed: a bad argument or any failing call prints one line naming the call and its
- * arguments to stderr and exits 125 without exec'ing anything, so the program never runs
- * with root ids or without its limits. An execv failure exits 127. Both exit before bwrap
- * writes its json-status, so the launcher reports a setup failure with this stderr.
+ * Copy-on-write workspace (--mnt): in a private mount namespace (propagation to the host cut
+ * with MS_REC|MS_PRIVATE), a sized tmpfs is mounted on --mnt (an existing empty directory;
+ * the mount exists only in this namespace) holding:
+ *      upper/  work/   the overlay's upper and work directories (the run's writes: bounded)
+ *      lower/  (root callers) an idmapped clone of the workspace: open_tree(OPEN_TREE_CLONE)
+ *              of --lower-fd, mount_setattr(MOUNT_ATTR_IDMAP | RDONLY | NOSUID | NODEV) with
+ *              a user namespace mapping the workspace's owner to the sandbox's uid/gid
+ *              (--idmap), move_mount here. The user's files never change owner or mode.
+ *      ws/     the overlay: lowerdir=lower (or /proc/self/fd/N for unprivileged callers, in
+ *              their own user namespace, with "userxattr"), redirect_dir=off, metacopy=off,
+ *              index=off, xino=off, nosuid, nodev. bwrap binds MNT/ws at /workspace.
+ * ws/ is made MS_SHARED so that a reset (a new overlay stacked on it, RESET below) propagates
+ * into bwrap's copy at /workspace.
+ * Sources: overlayfs.rst (upper/lower/whiteout, userxattr since 5.11, idmapped layers since
+ * 5.19), mount_setattr(2), open_tree(2), move_mount(2), shared-subtree.rst, tmpfs(5).
  *
- * The uid change clears the permitted, effective and ambient capability sets (no
- * SECBIT_KEEP_CAPS here): bwrap then starts as an ordinary user, exactly as under setpriv.
- * Sources: setrlimit(2), setgroups(2), setresuid(2), capabilities(7) "Effect of user ID
- * changes on capabilities", setpriv(1), prlimit(1); CERT POS36-C/POS37-C (drop order, verify).
+ * Options:
+ *   --parent=PID          required: the caller's PID (the anchor checks getppid() == PID)
+ *   --cgroup-fd=N         an O_WRONLY cgroup.procs fd: the anchor joins it ("0"); repeatable
+ *   --rlimit=NAME=S:H     setrlimit(2) in the child before bwrap (S, H decimal or "unlimited")
+ *   --uid=U --gid=G       (root callers) bwrap runs as U/G: setgroups(0), setresgid,
+ *                         setresuid, verified; the anchor itself stays root, in its own
+ *                         namespaces, reachable only through --report-fd
+ *   --userns              (unprivileged callers) first unshare a user namespace mapping the
+ *                         caller's uid/gid to themselves (needed for the PID and mount ones)
+ *   --report-fd=N         the SOCK_SEQPACKET socket to the caller (READY, RESET, RESET_OK)
+ *   --keep-fd=N           an fd the anchor holds for its life and never passes on (a lease)
+ *   --pass-fds=A,B,...    the fds bwrap gets (besides 0-2); every other inherited fd is closed
+ *                         first thing (close_range(2)): a leaked directory fd is a way out of
+ *                         any mount namespace, and posix_spawn cannot close fds above the
+ *                         caller's RLIMIT_NOFILE
+ *   --mnt=PATH --lower-fd=N --upper-bytes=B --upper-inodes=I [--idmap=OUID:OGID]
+ *   [--lower-path=PATH]   the copy-on-write workspace above; with --userns, --lower-path is
+ *                         opened again in the new mount namespace and must be the same
+ *                         directory (st_dev, st_ino) as --lower-fd
+ *
+ * Messages on --report-fd (text, one per record):
+ *   anchor -> caller  "READY <flags>" + SCM_RIGHTS [bwrap pidfd, upper fd (overlay only)]
+ *   caller -> anchor  "RESET"   stack a fresh overlay (new upper) on ws/; previous stacked
+ *                               one unmounted first (propagates into the sandbox)
+ *   anchor -> caller  "RESET_OK" + SCM_RIGHTS [new upper fd], or "RESET_ERR <message>"
+ *
+ * Fails closed: any failing call before bwrap's exec prints one line naming the call to stderr
+ * and exits 125 (the child: 125 too, or 127 when execv fails); nothing of the sandbox starts.
+ * Afterwards the anchor waits for bwrap and exits with its status (128+N for signal N).
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <grp.h>
 #include <limits.h>
+#include <poll.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/types.h>
+#include <sys/uio.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #define EXIT_SETUP 125
 #define EXIT_EXEC 127
 #define MAX_RLIMITS 16
+#define MAX_FDS 16
+
+#ifndef MOUNT_ATTR_IDMAP
+#define MOUNT_ATTR_IDMAP 0x00100000
+#endif
+#ifndef OPEN_TREE_CLONE
+#define OPEN_TREE_CLONE 1
+#endif
+#ifndef MOVE_MOUNT_F_EMPTY_PATH
+#define MOVE_MOUNT_F_EMPTY_PATH 0x00000004
+#endif
+
+struct ll_mount_attr {
+    uint64_t attr_set, attr_clr, propagation, userns_fd;
+};
 
 static const struct {
     const char *name;
@@ -54,7 +123,15 @@ static void die(const char *what, const char *arg) {
     int err = errno;
     fprintf(stderr, "lowlevel_exec: %s%s%s%s%s\n", what, arg ? " " : "", arg ? arg : "", err ? ": " : "",
             err ? strerror(err) : "");
-    exit(EXIT_SETUP);
+    _exit(EXIT_SETUP);
+}
+
+static void dief(const char *fmt, const char *a, const char *b) {
+    char buf[PATH_MAX + 256];
+    int err = errno;
+    snprintf(buf, sizeof buf, fmt, a ? a : "", b ? b : "");
+    errno = err;
+    die(buf, NULL);
 }
 
 /* Decimal digits only (no sign, no spaces), or "unlimited". */
@@ -74,18 +151,302 @@ static int parse_limit(const char *s, rlim_t *out) {
     return 0;
 }
 
-/* Decimal id, 0 <= id < (uid_t)-1 (-1 means "unchanged" to setresuid). */
-static int parse_id(const char *s, unsigned int *out) {
+/* Decimal number 0 <= v <= max. */
+static int parse_num(const char *s, unsigned long long max, unsigned long long *out) {
     if (*s < '0' || *s > '9')
         return -1;
     errno = 0;
     char *end;
-    unsigned long v = strtoul(s, &end, 10);
-    if (errno || *end || v >= (unsigned long)(uid_t)-1)
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno || *end || v > max)
         return -1;
-    *out = (unsigned int)v;
+    *out = v;
     return 0;
 }
+
+static unsigned int need_id(const char *opt, const char *s) {
+    unsigned long long v;
+    /* (uid_t)-1 means "unchanged" to setresuid: refused. */
+    if (parse_num(s, (unsigned long long)(uid_t)-2, &v))
+        die("bad option", opt);
+    return (unsigned int)v;
+}
+
+static int need_fd(const char *opt, const char *s) {
+    unsigned long long v;
+    if (parse_num(s, INT_MAX, &v) || v < 3)
+        die("bad option", opt);
+    if (fcntl((int)v, F_GETFD) < 0)
+        die("fd not open", opt);
+    return (int)v;
+}
+
+static int cmp_int(const void *a, const void *b) {
+    int x = *(const int *)a, y = *(const int *)b;
+    return (x > y) - (x < y);
+}
+
+/* Close every fd >= 3 that is not in keep[0..n) (sorted in place). */
+static void close_others(int *keep, int n) {
+    qsort(keep, n, sizeof *keep, cmp_int);
+    unsigned int lo = 3;
+    for (int k = 0; k <= n; k++) {
+        unsigned int hi = k < n ? (unsigned int)keep[k] : ~0U;
+        if (k < n && keep[k] < 3)
+            continue;
+        if (hi > lo) {
+            if (syscall(SYS_close_range, lo, hi - 1, 0) != 0) {
+                /* close_range(2) is Linux 5.9+: close one by one up to a sane bound. */
+                unsigned int top = hi - 1 < 65536 ? hi - 1 : 65535;
+                for (unsigned int fd = lo; fd <= top; fd++)
+                    close((int)fd);
+            }
+        }
+        if (k < n)
+            lo = (unsigned int)keep[k] + 1;
+    }
+}
+
+static void write_file(const char *path, const char *data) {
+    int fd = open(path, O_WRONLY | O_CLOEXEC);
+    if (fd < 0)
+        die("open", path);
+    ssize_t n = write(fd, data, strlen(data));
+    if (n != (ssize_t)strlen(data))
+        dief("write %s: \"%s\"", path, data);
+    close(fd);
+}
+
+static void arm_pdeathsig(pid_t parent) {
+    if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0)
+        die("prctl", "(PR_SET_PDEATHSIG, SIGKILL)");
+    if (parent > 0 && getppid() != parent) {
+        errno = 0;
+        die("the caller exited before the sandbox started", NULL);
+    }
+}
+
+/* Send a text message with up to two fds. */
+static int send_msg(int sock, const char *text, const int *fds, int nfds) {
+    struct iovec iov = {.iov_base = (void *)text, .iov_len = strlen(text)};
+    union {
+        char buf[CMSG_SPACE(sizeof(int) * 4)];
+        struct cmsghdr align;
+    } u;
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
+    if (nfds > 0) {
+        memset(&u, 0, sizeof u);
+        msg.msg_control = u.buf;
+        msg.msg_controllen = CMSG_SPACE(sizeof(int) * nfds);
+        struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int) * nfds);
+        memcpy(CMSG_DATA(c), fds, sizeof(int) * nfds);
+    }
+    ssize_t n;
+    do
+        n = sendmsg(sock, &msg, MSG_NOSIGNAL);
+    while (n < 0 && errno == EINTR);
+    return n < 0 ? -1 : 0;
+}
+
+/* ---- copy-on-write workspace ------------------------------------------------------------ */
+
+struct overlay {
+    const char *mnt;   /* host dir the tmpfs is mounted on (in our mount namespace) */
+    int lower_fd;      /* the workspace (O_PATH or O_DIRECTORY) */
+    unsigned long long bytes, inodes;
+    int idmap;         /* root callers: map owner -> uid/gid */
+    unsigned int owner_uid, owner_gid, uid, gid;
+    int userxattr;     /* unprivileged: "userxattr" overlay */
+    int generation;    /* upper.N / work.N of the current overlay */
+    int tree_fd;       /* root callers: a detached clone of the workspace's mount (open_tree) */
+    const char *lower_path; /* unprivileged callers: the workspace's path, opened again in the
+                             * new mount namespace (overlay refuses a lower of another one) */
+    int stacked;       /* a reset overlay sits on top of the first one */
+};
+
+static void path_in(char *out, size_t size, const struct overlay *o, const char *name) {
+    if ((size_t)snprintf(out, size, "%s/%s", o->mnt, name) >= size) {
+        errno = ENAMETOOLONG;
+        die("path too long", o->mnt);
+    }
+}
+
+/* Errors of the overlay steps: setup dies with them; a RESET reports them to the caller. */
+static char ov_error[6 * PATH_MAX];
+
+static int fail(const char *what, const char *arg) {
+    int err = errno;
+    snprintf(ov_error, sizeof ov_error, "%s%s%s%s%s", what, arg ? " " : "", arg ? arg : "", err ? ": " : "",
+             err ? strerror(err) : "");
+    errno = err;
+    return -1;
+}
+
+/* A user namespace whose maps are "OUID UID 1" / "OGID GID 1", for MOUNT_ATTR_IDMAP: made by a
+ * short-lived child that unshares CLONE_NEWUSER and waits while we write its maps. */
+static int idmap_userns(const struct overlay *o) {
+    int up[2], down[2];
+    if (pipe2(up, O_CLOEXEC) != 0 || pipe2(down, O_CLOEXEC) != 0)
+        die("pipe2", NULL);
+    pid_t child = fork();
+    if (child < 0)
+        die("fork", "(idmap user namespace)");
+    if (child == 0) {
+        char b = 0;
+        close(up[0]);
+        close(down[1]);
+        if (unshare(CLONE_NEWUSER) != 0)
+            _exit(1);
+        if (write(up[1], &b, 1) != 1)
+            _exit(1);
+        while (read(down[0], &b, 1) < 0 && errno == EINTR) /* EOF: the parent is done */
+            ;
+        _exit(0);
+    }
+    close(up[1]);
+    close(down[0]);
+    char path[64], map[64], b;
+    ssize_t n;
+    do
+        n = read(up[0], &b, 1);
+    while (n < 0 && errno == EINTR);
+    if (n != 1) {
+        errno = EPERM;
+        die("unshare(CLONE_NEWUSER) for the idmapped workspace failed", NULL);
+    }
+    snprintf(path, sizeof path, "/proc/%d/uid_map", (int)child);
+    snprintf(map, sizeof map, "%u %u 1\n", o->owner_uid, o->uid);
+    write_file(path, map);
+    snprintf(path, sizeof path, "/proc/%d/gid_map", (int)child);
+    snprintf(map, sizeof map, "%u %u 1\n", o->owner_gid, o->gid);
+    write_file(path, map);
+    snprintf(path, sizeof path, "/proc/%d/ns/user", (int)child);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        die("open", path);
+    close(down[1]);
+    close(up[0]);
+    int st;
+    while (waitpid(child, &st, 0) < 0 && errno == EINTR)
+        ;
+    return fd;
+}
+
+static int mount_overlay(struct overlay *o, int generation) {
+    char upper[PATH_MAX], work[PATH_MAX], lower[PATH_MAX], ws[PATH_MAX], opts[4 * PATH_MAX], name[32];
+    struct stat st;
+    snprintf(name, sizeof name, "upper.%d", generation);
+    path_in(upper, sizeof upper, o, name);
+    snprintf(name, sizeof name, "work.%d", generation);
+    path_in(work, sizeof work, o, name);
+    path_in(ws, sizeof ws, o, "ws");
+    if (o->idmap)
+        path_in(lower, sizeof lower, o, "lower");
+    else
+        snprintf(lower, sizeof lower, "/proc/self/fd/%d", o->lower_fd);
+    /* The merged root takes the upper root's owner and mode: give it the lower root's. */
+    if (fstat(o->lower_fd, &st) != 0)
+        return fail("fstat", "(workspace)");
+    if (mkdir(upper, 0700) != 0 || mkdir(work, 0700) != 0)
+        return fail("mkdir", upper);
+    if (o->idmap) {
+        uid_t u = st.st_uid == o->owner_uid ? o->uid : (uid_t)65534;
+        gid_t g = st.st_gid == o->owner_gid ? o->gid : (gid_t)65534;
+        if (chown(upper, u, g) != 0)
+            return fail("chown", upper);
+    }
+    if (chmod(upper, st.st_mode & 01777) != 0)
+        return fail("chmod", upper);
+    int n = snprintf(opts, sizeof opts,
+                     "lowerdir=%s,upperdir=%s,workdir=%s,redirect_dir=nofollow,metacopy=off,index=off,xino=off%s",
+                     lower, upper, work, o->userxattr ? ",userxattr" : "");
+    if (n < 0 || (size_t)n >= sizeof opts) {
+        errno = ENAMETOOLONG;
+        return fail("overlay options too long", NULL);
+    }
+    if (mount("overlay", ws, "overlay", MS_NOSUID | MS_NODEV, opts) != 0) {
+        int err = errno;
+        snprintf(ov_error, sizeof ov_error, "mount overlay on %.*s (%.*s): %s", PATH_MAX, ws, PATH_MAX, opts,
+                 strerror(err));
+        errno = err;
+        return -1;
+    }
+    if (generation == 0 && mount(NULL, ws, NULL, MS_SHARED, NULL) != 0)
+        return fail("make shared", ws);
+    o->generation = generation;
+    return 0;
+}
+
+static int open_upper(const struct overlay *o) {
+    char upper[PATH_MAX], name[32];
+    snprintf(name, sizeof name, "upper.%d", o->generation);
+    path_in(upper, sizeof upper, o, name);
+    int fd = open(upper, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0)
+        return fail("open", upper);
+    return fd;
+}
+
+static void setup_overlay(struct overlay *o) {
+    char path[PATH_MAX], opts[128];
+    if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) != 0)
+        die("mount", "(/, MS_REC|MS_PRIVATE)");
+    snprintf(opts, sizeof opts, "size=%llu,nr_inodes=%llu,mode=0755", o->bytes, o->inodes);
+    if (mount("lowlevel-upper", o->mnt, "tmpfs", MS_NOSUID | MS_NODEV, opts) != 0)
+        dief("mount tmpfs on %s (%s)", o->mnt, opts);
+    path_in(path, sizeof path, o, "ws");
+    if (mkdir(path, 0755) != 0)
+        die("mkdir", path);
+    if (o->idmap) {
+        path_in(path, sizeof path, o, "lower");
+        if (mkdir(path, 0755) != 0)
+            die("mkdir", path);
+        int userns = idmap_userns(o), tree = o->tree_fd;
+        struct ll_mount_attr attr = {
+            .attr_set = MOUNT_ATTR_IDMAP | MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV,
+            .userns_fd = (uint64_t)userns};
+        if (syscall(SYS_mount_setattr, tree, "", AT_EMPTY_PATH, &attr, sizeof attr) != 0)
+            die("mount_setattr", "(workspace, MOUNT_ATTR_IDMAP): the workspace's filesystem may not support "
+                "idmapped mounts");
+        if (syscall(SYS_move_mount, tree, "", AT_FDCWD, path, MOVE_MOUNT_F_EMPTY_PATH) != 0)
+            die("move_mount", path);
+        close(tree);
+        close(userns);
+    }
+    if (mount_overlay(o, 0) != 0) {
+        errno = 0;
+        die(ov_error, NULL);
+    }
+}
+
+/* RESET: unmount the stacked overlay (if any), stack a fresh one on the first. The first one
+ * stays below: bwrap's /workspace is a copy of it, so only mounts on top of it propagate. */
+static void reset_overlay(struct overlay *o, int sock) {
+    char ws[PATH_MAX], msg[sizeof ov_error + 16];
+    path_in(ws, sizeof ws, o, "ws");
+    int fd = -1;
+    if (o->stacked && umount2(ws, MNT_DETACH) != 0) {
+        fail("umount2", ws);
+    } else {
+        o->stacked = 0;
+        if (mount_overlay(o, o->generation + 1) == 0) {
+            o->stacked = 1;
+            fd = open_upper(o);
+        }
+    }
+    if (fd >= 0) {
+        send_msg(sock, "RESET_OK", &fd, 1);
+        close(fd);
+        return;
+    }
+    snprintf(msg, sizeof msg, "RESET_ERR %s", ov_error);
+    send_msg(sock, msg, NULL, 0);
+}
+
+/* ---- main --------------------------------------------------------------------------------- */
 
 int main(int argc, char **argv) {
     struct {
@@ -93,8 +454,12 @@ int main(int argc, char **argv) {
         struct rlimit value;
         const char *arg;
     } limits[MAX_RLIMITS];
-    int nlimits = 0, have_uid = 0, have_gid = 0, i;
+    int nlimits = 0, have_uid = 0, have_gid = 0, userns = 0, report_fd = -1, i;
+    int cgroup_fds[MAX_FDS], ncgroup = 0, keep_fds[MAX_FDS], nkeep = 0, pass[4 * MAX_FDS], npass = 0;
     unsigned int uid = 0, gid = 0;
+    pid_t parent = 0;
+    struct overlay ov = {.lower_fd = -1, .tree_fd = -1};
+    int have_overlay = 0;
 
     for (i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -128,13 +493,72 @@ int main(int argc, char **argv) {
                 die("bad option", a);
             nlimits++;
         } else if (strncmp(a, "--uid=", 6) == 0) {
-            if (have_uid || parse_id(a + 6, &uid))
+            if (have_uid)
                 die("bad option", a);
+            uid = need_id(a, a + 6);
             have_uid = 1;
         } else if (strncmp(a, "--gid=", 6) == 0) {
-            if (have_gid || parse_id(a + 6, &gid))
+            if (have_gid)
                 die("bad option", a);
+            gid = need_id(a, a + 6);
             have_gid = 1;
+        } else if (strncmp(a, "--parent=", 9) == 0) {
+            unsigned long long v;
+            if (parse_num(a + 9, INT_MAX, &v) || v == 0)
+                die("bad option", a);
+            parent = (pid_t)v;
+        } else if (strncmp(a, "--cgroup-fd=", 12) == 0) {
+            if (ncgroup == MAX_FDS)
+                die("too many options", a);
+            cgroup_fds[ncgroup++] = need_fd(a, a + 12);
+        } else if (strncmp(a, "--keep-fd=", 10) == 0) {
+            if (nkeep == MAX_FDS)
+                die("too many options", a);
+            keep_fds[nkeep++] = need_fd(a, a + 10);
+        } else if (strncmp(a, "--pass-fds=", 11) == 0) {
+            const char *p = a + 11;
+            while (*p) {
+                char num[16];
+                size_t n = strcspn(p, ",");
+                unsigned long long v;
+                if (n == 0 || n >= sizeof num || npass == 4 * MAX_FDS)
+                    die("bad option", a);
+                memcpy(num, p, n);
+                num[n] = 0;
+                if (parse_num(num, INT_MAX, &v))
+                    die("bad option", a);
+                pass[npass++] = (int)v;
+                p += n + (p[n] == ',');
+            }
+        } else if (strncmp(a, "--report-fd=", 12) == 0) {
+            report_fd = need_fd(a, a + 12);
+        } else if (strcmp(a, "--userns") == 0) {
+            userns = 1;
+        } else if (strncmp(a, "--mnt=", 6) == 0) {
+            ov.mnt = a + 6;
+            if (ov.mnt[0] != '/' || strlen(ov.mnt) > PATH_MAX - 64 || strchr(ov.mnt, ',') || strchr(ov.mnt, ':'))
+                die("bad option (absolute path without ',' or ':')", a);
+            have_overlay = 1;
+        } else if (strncmp(a, "--lower-fd=", 11) == 0) {
+            ov.lower_fd = need_fd(a, a + 11);
+        } else if (strncmp(a, "--lower-path=", 13) == 0) {
+            ov.lower_path = a + 13;
+            if (ov.lower_path[0] != '/')
+                die("bad option (absolute path)", a);
+        } else if (strncmp(a, "--upper-bytes=", 14) == 0) {
+            if (parse_num(a + 14, (unsigned long long)1 << 50, &ov.bytes) || ov.bytes < 4096)
+                die("bad option", a);
+        } else if (strncmp(a, "--upper-inodes=", 15) == 0) {
+            if (parse_num(a + 15, (unsigned long long)1 << 32, &ov.inodes) || ov.inodes < 16)
+                die("bad option", a);
+        } else if (strncmp(a, "--idmap=", 8) == 0) {
+            char *colon = strchr(a + 8, ':');
+            if (!colon)
+                die("bad option", a);
+            *colon = 0;
+            ov.owner_uid = need_id(a, a + 8);
+            ov.owner_gid = need_id(a, colon + 1);
+            ov.idmap = 1;
         } else {
             die("unknown option", a);
         }
@@ -142,39 +566,219 @@ int main(int argc, char **argv) {
     errno = 0;
     if (have_uid != have_gid)
         die("--uid and --gid go together", NULL);
+    if (parent == 0)
+        die("--parent=PID is required", NULL);
     if (i >= argc || argv[i][0] != '/')
-        die("usage: _lowlevel_exec [--rlimit=NAME=SOFT:HARD]... [--uid=U --gid=G] -- /ABS/PATH ARGS...", NULL);
+        die("usage: _lowlevel_exec --parent=PID [OPTIONS] -- /ABS/PATH ARGS...", NULL);
+    if (have_overlay && (ov.lower_fd < 0 || !ov.bytes || !ov.inodes))
+        die("--mnt needs --lower-fd, --upper-bytes and --upper-inodes", NULL);
+    if (ov.idmap && (!have_uid || !have_overlay))
+        die("--idmap needs --uid/--gid and --mnt", NULL);
+    if (have_uid && userns)
+        die("--uid and --userns are exclusive (root callers need no user namespace)", NULL);
 
-    for (int k = 0; k < nlimits; k++)
-        if (setrlimit(limits[k].resource, &limits[k].value) != 0)
-            die("setrlimit", limits[k].arg);
-
-    if (have_uid) {
-        char ids[64];
-        uid_t ru, eu, su;
-        gid_t rg, eg, sg;
-        snprintf(ids, sizeof ids, "(%u, %u, %u)", gid, gid, gid);
-        if (setgroups(0, NULL) != 0)
-            die("setgroups", "(0, NULL)");
-        if (setresgid(gid, gid, gid) != 0)
-            die("setresgid", ids);
-        snprintf(ids, sizeof ids, "(%u, %u, %u)", uid, uid, uid);
-        if (setresuid(uid, uid, uid) != 0)
-            die("setresuid", ids);
-        errno = 0;
-        if (getresuid(&ru, &eu, &su) != 0 || ru != uid || eu != uid || su != uid)
-            die("getresuid: ids not dropped", ids);
-        if (getresgid(&rg, &eg, &sg) != 0 || rg != gid || eg != gid || sg != gid)
-            die("getresgid: ids not dropped", NULL);
-        if (getgroups(0, NULL) != 0)
-            die("getgroups: supplementary groups left", NULL);
-        if (uid != 0 && setuid(0) != -1) {
-            errno = 0;
-            die("setuid(0) succeeded after the drop", NULL);
-        }
+    /* 1. Die with the caller. */
+    arm_pdeathsig(parent);
+    /* Our own fds never reach bwrap. */
+    int own[3 * MAX_FDS + 2], nown = 0;
+    for (int k = 0; k < ncgroup; k++)
+        own[nown++] = cgroup_fds[k];
+    for (int k = 0; k < nkeep; k++)
+        own[nown++] = keep_fds[k];
+    if (report_fd >= 0)
+        own[nown++] = report_fd;
+    if (ov.lower_fd >= 0)
+        own[nown++] = ov.lower_fd;
+    for (int k = 0; k < nown; k++)
+        if (fcntl(own[k], F_SETFD, FD_CLOEXEC) != 0)
+            die("fcntl", "(F_SETFD, FD_CLOEXEC)");
+    {
+        int keep[6 * MAX_FDS + 4], nk = 0;
+        for (int k = 0; k < nown; k++)
+            keep[nk++] = own[k];
+        for (int k = 0; k < npass; k++)
+            keep[nk++] = pass[k];
+        close_others(keep, nk);
     }
 
-    execv(argv[i], &argv[i]);
-    fprintf(stderr, "lowlevel_exec: execv %s: %s\n", argv[i], strerror(errno));
-    return EXIT_EXEC;
+    /* 2. Join the run's cgroups: every process of the sandbox is born in them. */
+    for (int k = 0; k < ncgroup; k++) {
+        if (write(cgroup_fds[k], "0", 1) != 1)
+            die("join cgroup: write(\"0\") to cgroup.procs", NULL);
+        close(cgroup_fds[k]);
+    }
+
+    /* 3. Namespaces: user (unprivileged callers), mount (overlay), then PID. */
+    if (userns) {
+        char map[64];
+        uid_t ruid = getuid();
+        gid_t rgid = getgid();
+        if (unshare(CLONE_NEWUSER | (have_overlay ? CLONE_NEWNS : 0)) != 0)
+            die("unshare", "(CLONE_NEWUSER): the host restricts unprivileged user namespaces");
+        write_file("/proc/self/setgroups", "deny");
+        snprintf(map, sizeof map, "%u %u 1\n", (unsigned)ruid, (unsigned)ruid);
+        write_file("/proc/self/uid_map", map);
+        snprintf(map, sizeof map, "%u %u 1\n", (unsigned)rgid, (unsigned)rgid);
+        write_file("/proc/self/gid_map", map);
+        arm_pdeathsig(parent);
+        ov.userxattr = 1;
+    } else if (have_overlay) {
+        /* Clone the workspace's mount while it is still in our mount namespace (open_tree
+         * refuses a mount of another namespace); it moves into the new one, idmapped. */
+        if (ov.idmap) {
+            ov.tree_fd = (int)syscall(SYS_open_tree, ov.lower_fd, "", OPEN_TREE_CLONE | AT_EMPTY_PATH | O_CLOEXEC);
+            if (ov.tree_fd < 0)
+                die("open_tree", "(workspace, OPEN_TREE_CLONE)");
+        }
+        if (unshare(CLONE_NEWNS) != 0)
+            die("unshare", "(CLONE_NEWNS)");
+    }
+    if (have_overlay && ov.lower_path) {
+        /* Same directory as the caller's fd, or refuse: a parent renamed meanwhile must not
+         * swap in another tree. */
+        struct stat a, b;
+        int fd = open(ov.lower_path, O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+        if (fd < 0)
+            die("open", ov.lower_path);
+        if (fstat(fd, &a) != 0 || fstat(ov.lower_fd, &b) != 0)
+            die("fstat", "(workspace)");
+        if (a.st_dev != b.st_dev || a.st_ino != b.st_ino) {
+            errno = 0;
+            die("the workspace changed while the sandbox was set up (a parent directory was renamed?):",
+                ov.lower_path);
+        }
+        close(ov.lower_fd);
+        ov.lower_fd = fd;
+    }
+    if (have_overlay) {
+        if (ov.idmap) {
+            ov.uid = uid;
+            ov.gid = gid;
+        }
+        setup_overlay(&ov);
+    }
+    if (unshare(CLONE_NEWPID) != 0)
+        die("unshare", "(CLONE_NEWPID)");
+
+    /* 4. The child: PID 1 of the new namespace, then bwrap. It waits for "go" (EOF: the anchor
+     * died, so it exits) so that bwrap starts only once the caller holds its pidfd. */
+    int go[2];
+    if (pipe2(go, O_CLOEXEC) != 0)
+        die("pipe2", NULL);
+    pid_t child = fork();
+    if (child < 0)
+        die("fork", "(the sandbox's PID 1)");
+    if (child == 0) {
+        char b;
+        close(go[1]);
+        if (report_fd >= 0)
+            close(report_fd);
+        if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0)
+            die("prctl", "(PR_SET_PDEATHSIG, SIGKILL)");
+        ssize_t n;
+        do
+            n = read(go[0], &b, 1);
+        while (n < 0 && errno == EINTR);
+        if (n != 1)
+            _exit(EXIT_SETUP); /* the anchor is gone */
+        for (int k = 0; k < nlimits; k++)
+            if (setrlimit(limits[k].resource, &limits[k].value) != 0)
+                die("setrlimit", limits[k].arg);
+        if (have_uid) {
+            char ids[64];
+            uid_t ru, eu, su;
+            gid_t rg, eg, sg;
+            snprintf(ids, sizeof ids, "(%u, %u, %u)", gid, gid, gid);
+            if (setgroups(0, NULL) != 0)
+                die("setgroups", "(0, NULL)");
+            if (setresgid(gid, gid, gid) != 0)
+                die("setresgid", ids);
+            snprintf(ids, sizeof ids, "(%u, %u, %u)", uid, uid, uid);
+            if (setresuid(uid, uid, uid) != 0)
+                die("setresuid", ids);
+            errno = 0;
+            if (getresuid(&ru, &eu, &su) != 0 || ru != uid || eu != uid || su != uid)
+                die("getresuid: ids not dropped", ids);
+            if (getresgid(&rg, &eg, &sg) != 0 || rg != gid || eg != gid || sg != gid)
+                die("getresgid: ids not dropped", NULL);
+            if (getgroups(0, NULL) != 0)
+                die("getgroups: supplementary groups left", NULL);
+            if (uid != 0 && setuid(0) != -1) {
+                errno = 0;
+                die("setuid(0) succeeded after the drop", NULL);
+            }
+            /* The uid change cleared the parent-death signal: arm it again, then make sure the
+             * anchor did not die in between (its end of "go" would be closed: POLLHUP). */
+            if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0)
+                die("prctl", "(PR_SET_PDEATHSIG, SIGKILL)");
+            struct pollfd p = {.fd = go[0], .events = POLLIN};
+            if (poll(&p, 1, 0) > 0 && (p.revents & (POLLHUP | POLLERR)))
+                _exit(EXIT_SETUP);
+        }
+        close(go[0]);
+        execv(argv[i], &argv[i]);
+        fprintf(stderr, "lowlevel_exec: execv %s: %s\n", argv[i], strerror(errno));
+        _exit(EXIT_EXEC);
+    }
+    close(go[0]);
+
+    /* 5. READY: the caller gets bwrap's pidfd (and the upper dir) before bwrap starts. */
+    int pidfd = (int)syscall(SYS_pidfd_open, child, 0);
+    if (pidfd < 0) {
+        kill(child, SIGKILL);
+        die("pidfd_open", "(bwrap)");
+    }
+    if (report_fd >= 0) {
+        int fds[2] = {pidfd, -1}, nfds = 1;
+        if (have_overlay) {
+            fds[1] = open_upper(&ov);
+            nfds = 2;
+        }
+        if (send_msg(report_fd, have_overlay ? "READY overlay" : "READY", fds, nfds) != 0) {
+            kill(child, SIGKILL);
+            die("sendmsg", "(READY)");
+        }
+        if (nfds == 2)
+            close(fds[1]);
+    }
+    if (write(go[1], "g", 1) != 1) {
+        kill(child, SIGKILL);
+        die("write", "(go)");
+    }
+
+    /* 6. Wait for bwrap; serve RESET requests meanwhile. */
+    for (;;) {
+        struct pollfd p[2] = {{.fd = pidfd, .events = POLLIN}, {.fd = report_fd, .events = POLLIN}};
+        int np = (report_fd >= 0 && have_overlay) ? 2 : 1;
+        if (poll(p, np, -1) < 0) {
+            if (errno == EINTR)
+                continue;
+            die("poll", NULL);
+        }
+        if (p[0].revents)
+            break;
+        if (np == 2 && p[1].revents) {
+            char buf[64];
+            ssize_t n = recv(report_fd, buf, sizeof buf - 1, MSG_DONTWAIT);
+            if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
+                close(report_fd); /* the caller closed its end: nothing more to serve */
+                report_fd = -1;
+                continue;
+            }
+            if (n > 0) {
+                buf[n] = 0;
+                if (strcmp(buf, "RESET") == 0)
+                    reset_overlay(&ov, report_fd);
+                else
+                    send_msg(report_fd, "RESET_ERR unknown request", NULL, 0);
+            }
+        }
+    }
+    int status;
+    while (waitpid(child, &status, 0) < 0)
+        if (errno != EINTR)
+            die("waitpid", NULL);
+    if (WIFEXITED(status))
+        return WEXITSTATUS(status);
+    return 128 + WTERMSIG(status);
 }

@@ -127,7 +127,8 @@ class Sandbox:
     def run(self, command: list[str], *, timeout: float = 30, stdin: bytes | None = None,
             env: dict[str, str] | None = None, network: bool = False,
             binds: list[tuple[str, str, bool]] | None = None, limits: dict[str, Any] | None = None,
-            files: dict[str, bytes] | None = None, workspace: str | None = None) -> Outcome:
+            files: dict[str, bytes] | None = None, workspace: str | None = None,
+            commit: bool | str = True) -> Outcome:
         ws = workspace or self._mkdtemp()
         if self.user is None:
             for name, data in (files or {}).items():
@@ -136,7 +137,7 @@ class Sandbox:
                                      binds=tuple(lowlevel.Bind(s, d, writable=w) for s, d, w in binds or ()),
                                      limits=lowlevel.Limits(**(limits or {})))
             try:
-                r = lowlevel.run(command, policy=policy, workspace=ws, timeout=timeout, stdin=stdin)
+                r = lowlevel.run(command, policy=policy, workspace=ws, timeout=timeout, stdin=stdin, commit=commit)
             except lowlevel.LowlevelError as err:
                 return Outcome(None, error=type(err).__name__, message=str(err),
                                errno=getattr(err, "errno", None), workspace=ws)
@@ -144,7 +145,7 @@ class Sandbox:
             return Outcome(r.exit_code, r.stdout, r.stderr, r.timed_out, r.killed_by, r.term_signal, ws,
                            d["changes"], list(r.limits_enforced), list(r.notes), r.wall_time_s, raw=d)
         spec = {"command": command, "timeout": timeout, "env": env or {}, "network": network,
-                "binds": binds or [], "limits": limits or {}, "workspace": ws,
+                "binds": binds or [], "limits": limits or {}, "workspace": ws, "commit": commit,
                 "files": {k: base64.b64encode(v).decode() for k, v in (files or {}).items()},
                 "stdin_b64": base64.b64encode(stdin).decode() if stdin is not None else None}
         proc = subprocess.run(
@@ -152,7 +153,8 @@ class Sandbox:
             input=json.dumps(spec).encode(), capture_output=True, timeout=timeout + 60,
             env={"PATH": "/usr/bin:/bin", "HOME": self.user.pw_dir, "LANG": "C.UTF-8",
                  # fake secrets planted by tests travel to the caller, as a real caller's would
-                 **{k: v for k, v in os.environ.items() if k.startswith("LOWLEVEL_FAKE_")}}, cwd="/")
+                 **{k: v for k, v in os.environ.items()
+                    if k.startswith("LOWLEVEL_FAKE_") or k == "LOWLEVEL_NO_OVERLAY"}}, cwd="/")
         if proc.returncode != 0:
             raise AssertionError(f"run_as.py failed as {self.user.pw_name}: {proc.stderr.decode()[-2000:]}")
         d = json.loads(proc.stdout)
@@ -207,6 +209,15 @@ class LoopbackServer:
 
     def close(self) -> None:
         self.sock.close()
+
+
+@pytest.fixture
+def handover_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run with the fallback workspace model (hand-over, no copy-on-write overlay), in-process and
+    for the unprivileged identity's subprocess alike; root's sandboxes as uid 65534 (a range of
+    one uid, as lowlevel 0.1 did), which these tests check by number."""
+    monkeypatch.setenv("LOWLEVEL_NO_OVERLAY", "1")
+    monkeypatch.setenv("LOWLEVEL_UID_RANGE", "65534-65534")
 
 
 @pytest.fixture

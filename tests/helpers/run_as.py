@@ -4,7 +4,7 @@ The test suite executes this script as an unprivileged user (runuser) to test th
 non-root path of bwrap with the same assertions as the root path. Spec keys:
 ``command``, ``timeout``, ``stdin_b64``, ``env``, ``network``, ``binds`` ([src, dest, writable]),
 ``limits`` (Limits kwargs), ``files`` ({name: base64} written into a fresh workspace),
-``workspace`` (an existing dir instead).
+``workspace`` (an existing dir instead), ``commit`` (True, False or "on_success").
 """
 
 import base64
@@ -32,7 +32,7 @@ def main() -> int:
     out: dict = {}
     try:
         result = lowlevel.run(spec["command"], policy=policy, workspace=workspace,
-                              timeout=spec.get("timeout", 60), stdin=stdin)
+                              timeout=spec.get("timeout", 60), stdin=stdin, commit=spec.get("commit", True))
     except lowlevel.LowlevelError as err:
         out = {"error": type(err).__name__, "message": str(err), "errno": getattr(err, "errno", None),
                "workspace": workspace}

@@ -188,9 +188,9 @@ def test_cancellation_kills_and_reaps():
     assert _fds() == fds_before
 
 
-@pytest.mark.parametrize("step", ["spawn", "release"])
+@pytest.mark.parametrize("step", ["prepare", "spawn"])
 def test_cancel_during_executor_step_kills_and_reaps(monkeypatch, step):
-    """A cancel while a pool thread runs spawn (or release) waits for the step, then kills and reaps."""
+    """A cancel while a pool thread runs prepare (or spawn) waits for the step, then kills and reaps."""
     from lowlevel.launcher import Run
 
     marker = f"{random.randint(1000, 9999)}.{(os.getpid() + 2) % 10000:04d}"

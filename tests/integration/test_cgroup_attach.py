@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import threading
+import time
 
 import pytest
 
@@ -41,19 +43,29 @@ def _hierarchies() -> dict[str, str]:
 
 
 def _check(stdout: bytes, keys: dict[str, str]) -> None:
+    # bwrap unshares the cgroup namespace after the anchor joined the run's cgroups, so inside,
+    # the run's cgroup is the namespace's root: "/" in every hierarchy the run uses. (A
+    # process attached later would see a path outside its namespace root: "/..".)
     seen = _limits.parse_proc_cgroup(stdout.decode())
-    prefix = f"run-{os.getpid()}-"
     for key in keys:
-        path = seen[key]
-        assert path.startswith("/") and not path.startswith("/..")
-        assert os.path.basename(path).startswith(prefix), (key, path, stdout)
+        assert seen[key] == "/", (key, seen[key], stdout)
+
+
+def _run_dirs(keys: dict[str, str]) -> list[str]:
+    support = _limits.detect_cgroups()
+    out = []
+    for controller in keys:
+        h = support.hierarchy_for(controller or "memory") if controller else support.v2
+        if h is not None and h.base is not None:
+            out += [os.path.join(h.base, d) for d in os.listdir(h.base) if d.startswith(f"run-{os.getpid()}-")]
+    return out
 
 
 @pytest.mark.parametrize("driver", ["run", "arun"])
 def test_first_instruction_runs_in_the_run_cgroup(driver: str):
     keys = _hierarchies()
     assert "memory" in keys or "" in keys
-    for _ in range(20):  # the attach races nothing, but a regression may be intermittent
+    for _ in range(20):  # the join races nothing, but a regression may be intermittent
         if driver == "run":
             r = lowlevel.run(["cat", "/proc/self/cgroup"])
         else:
@@ -61,6 +73,35 @@ def test_first_instruction_runs_in_the_run_cgroup(driver: str):
         shutil.rmtree(r.workspace, ignore_errors=True)
         assert r.exit_code == 0, r.stderr
         _check(r.stdout, keys)
+
+
+def test_every_process_of_the_sandbox_is_in_the_run_cgroup():
+    """Seen from the host while a run lives: the anchor, bwrap and the program, all inside."""
+    keys = _hierarchies()
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (lowlevel.run(["sleep", "2"]), done.set()))
+    t.start()
+    try:
+        procs: set[int] = set()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and len(procs) < 4:
+            for d in _run_dirs(keys):
+                try:
+                    with open(os.path.join(d, "cgroup.procs")) as f:
+                        procs |= {int(x) for x in f.read().split()}
+                except OSError:
+                    pass
+            time.sleep(0.05)
+        names = set()
+        for pid in procs:
+            try:
+                with open(f"/proc/{pid}/comm") as f:
+                    names.add(f.read().strip())
+            except OSError:
+                pass
+        assert {"_lowlevel_exec", "bwrap", "sleep"} <= names, names
+    finally:
+        t.join()
 
 
 def test_control_the_caller_is_not_in_a_run_cgroup():

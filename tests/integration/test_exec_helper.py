@@ -1,8 +1,11 @@
-"""native/lowlevel_exec.c (``lowlevel/_lowlevel_exec``): rlimits, uid/gid/groups drop, exec; fails closed.
+"""native/lowlevel_exec.c (``lowlevel/_lowlevel_exec``, the anchor): rlimits, uid/gid/groups
+drop, exec; fails closed.
 
 Every failure must exit 125 without exec'ing the target: the target here writes a marker
 file, so "it did not run" is checked by the file's absence, not by the exit code alone.
-The launcher's forced fallback (setpriv/prlimit, helper absent) is tested at the end.
+The anchor refuses to run without ``--parent=PID`` naming its real parent; a shell that forks
+it (``sh -c 'HELPER --parent=$$ ...'``) is that parent here. Supervision (the caller's death
+at any instant) is tested in test_supervision.py.
 """
 
 from __future__ import annotations
@@ -50,7 +53,10 @@ def marker() -> Iterator[Path]:
 
 
 def _helper(args: list[str], marker: Path, *, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*prefix, HELPER, *args, "--", "/usr/bin/python3", "-c", PROBE, str(marker)],
+    # sh forks the anchor (no exec), so $$ is its parent.
+    script = " ".join([HELPER, "--parent=$$", *(f"'{a}'" for a in args), "--", "/usr/bin/python3", "-c",
+                       '"$0"', '"$1"']) + "; exit $?"
+    return subprocess.run([*prefix, "/bin/sh", "-c", script, PROBE, str(marker)],
                           capture_output=True, text=True, timeout=30)
 
 
@@ -108,7 +114,8 @@ def test_refuses_to_exec_when_setgroups_fails_unprivileged(marker: Path, request
         user = request.getfixturevalue("test_user")  # conftest: the unprivileged account
         prefix = (shutil.which("runuser") or "/usr/sbin/runuser", "-u", user.pw_name, "--")
     proc = _helper(["--uid=0", "--gid=0"], marker, prefix=prefix)
-    assert proc.returncode == 125 and "setgroups" in proc.stderr
+    # Without privilege the PID namespace cannot be made either: that fails first.
+    assert proc.returncode == 125 and ("setgroups" in proc.stderr or "CLONE_NEWPID" in proc.stderr), proc.stderr
     assert not marker.exists()
 
 
@@ -126,6 +133,10 @@ def test_refuses_to_exec_when_setgroups_fails_unprivileged(marker: Path, request
     ["--rlimit=RLIMIT_CPU=1"],
     ["--rlimit=RLIMIT_CPU=1:18446744073709551616"],   # overflows
     ["--setuid=0"],                                   # unknown option
+    ["--uid=65534", "--gid=65534", "--userns"],       # exclusive
+    ["--pass-fds=3,x"],
+    ["--idmap=0:0"],                                  # needs --uid/--gid and --mnt
+    ["--mnt=relative", "--lower-fd=0"],
 ])
 def test_bad_arguments_exit_125_without_exec(marker: Path, args: list[str]):
     proc = _helper(args, marker)
@@ -136,33 +147,44 @@ def test_bad_arguments_exit_125_without_exec(marker: Path, args: list[str]):
 
 @needs_helper
 def test_relative_target_and_missing_target():
-    proc = subprocess.run([HELPER, "--", "python3", "-c", "pass"], capture_output=True, text=True)
+    def anchor(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["/bin/sh", "-c", f"{HELPER} --parent=$$ --userns {' '.join(args)}; exit $?"]
+                              if not ROOT else ["/bin/sh", "-c", f"{HELPER} --parent=$$ {' '.join(args)}; exit $?"],
+                              capture_output=True, text=True)
+    proc = anchor("--", "python3", "-c", "pass")
     assert proc.returncode == 125 and "usage" in proc.stderr
-    proc = subprocess.run([HELPER, "--", "/nonexistent/bwrap"], capture_output=True, text=True)
+    proc = anchor("--", "/nonexistent/bwrap")
     assert proc.returncode == 127 and "execv /nonexistent/bwrap: No such file or directory" in proc.stderr
 
 
-# -- the launcher: helper and forced fallback give the same sandbox ----------------------------
+@needs_helper
+def test_refuses_to_start_when_the_parent_is_not_the_caller(marker: Path):
+    """--parent names the caller; a different parent (the caller already died) means: do nothing."""
+    proc = subprocess.run([HELPER, "--parent=1", "--", "/usr/bin/python3", "-c", PROBE, str(marker)],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 125 and "the caller exited" in proc.stderr
+    assert not marker.exists()
+
+
+# -- the launcher ---------------------------------------------------------------------------
 
 SCRIPT = "id -u; id -g; id -G; ulimit -n; ulimit -c; grep CapEff /proc/self/status"
 
 
 @pytest.mark.bwrap
-@pytest.mark.root
-def test_launcher_uses_helper_and_fallback_agrees(monkeypatch: pytest.MonkeyPatch):
-    if launcher._exec_helper() is None:
-        pytest.skip("helper not built")
-    fast = lowlevel.run(["sh", "-c", SCRIPT])
-    assert fast.argv[0] == HELPER
-    monkeypatch.setattr(launcher, "_exec_helper", lambda: None)
-    slow = lowlevel.run(["sh", "-c", SCRIPT])
-    assert os.path.basename(slow.argv[0]) in ("setpriv", "prlimit")
-    for r in (fast, slow):
-        shutil.rmtree(r.workspace, ignore_errors=True)
-    assert fast.exit_code == slow.exit_code == 0, (fast.stderr, slow.stderr)
-    assert fast.stdout == slow.stdout
-    assert fast.limits_enforced == slow.limits_enforced
-    assert b"CapEff:\t0000000000000000" in fast.stdout
+def test_launcher_always_goes_through_the_anchor(monkeypatch: pytest.MonkeyPatch):
+    r = lowlevel.run(["sh", "-c", SCRIPT])
+    shutil.rmtree(r.workspace, ignore_errors=True)
+    assert r.argv[0] == HELPER and r.exit_code == 0, r.stderr
+    assert b"CapEff:\t0000000000000000" in r.stdout
+    out = r.stdout.decode().split()
+    assert out[0] != "0" and out[-3] == "0"  # not root inside; no core dumps (ulimit -c)
+
+    def missing() -> str:
+        raise lowlevel.UnsupportedError("exec-helper", "missing", "reinstall lowlevel")
+    monkeypatch.setattr(launcher, "_exec_helper", missing)
+    with pytest.raises(lowlevel.UnsupportedError):
+        lowlevel.run(["true"])
 
 
 @pytest.mark.bwrap

@@ -1,4 +1,4 @@
-"""A workspace below a directory another user controls is refused before anything is touched.
+"""(The fallback workspace model: LOWLEVEL_NO_OVERLAY, see the handover_model fixture.) A workspace below a directory another user controls is refused before anything is touched.
 
 The attack (red team, round 2): root runs lowlevel on /home/alice/x/proj; during the run alice
 renames x and puts a symlink to a root-owned directory in its place; after the run lowlevel
@@ -18,7 +18,7 @@ import pytest
 
 import lowlevel
 
-pytestmark = [pytest.mark.bwrap, pytest.mark.root]
+pytestmark = [pytest.mark.bwrap, pytest.mark.root, pytest.mark.usefixtures("handover_model")]
 
 
 @pytest.fixture

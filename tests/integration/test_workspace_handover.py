@@ -1,4 +1,4 @@
-"""Red-team findings on the host side of workspaces: setuid leftovers and lossy ownership.
+"""(The fallback workspace model: LOWLEVEL_NO_OVERLAY, see the handover_model fixture.) Red-team findings on the host side of workspaces: setuid leftovers and lossy ownership.
 
 Each attack runs with ``seccomp=None`` so the syscall filter (which denies setuid chmods since
 77929fd) does not hide the host side: these tests show that the hand-over and give-back in
@@ -28,7 +28,7 @@ import lowlevel.workspace
 from lowlevel import WorkspaceError
 from lowlevel.workspace import give_back, hand_over
 
-pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(120), pytest.mark.usefixtures("handover_model")]
 
 REPO = Path(__file__).resolve().parents[2]
 RUNUSER = shutil.which("runuser") or "/usr/sbin/runuser"
@@ -193,7 +193,8 @@ def test_unprivileged_caller_setuid_leftovers_stripped(test_user: pwd.struct_pas
     """Sandbox uid == caller uid: nothing changes hands; stripping after the run is the defense."""
     proc = subprocess.run([RUNUSER, "-u", test_user.pw_name, "--", sys.executable, "-c", USER_SCRIPT, ATTACK],
                           capture_output=True, cwd="/", timeout=60,
-                          env={"PATH": "/usr/bin:/bin", "HOME": test_user.pw_dir, "PYTHONPATH": str(REPO)})
+                          env={"PATH": "/usr/bin:/bin", "HOME": test_user.pw_dir, "PYTHONPATH": str(REPO),
+                               "LOWLEVEL_NO_OVERLAY": "1"})
     assert proc.returncode == 0, proc.stderr.decode()[-2000:]
     d = json.loads(proc.stdout)
     assert d["exit"] == 0, d["stderr"]

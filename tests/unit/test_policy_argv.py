@@ -9,7 +9,7 @@ import tempfile
 import pytest
 
 import lowlevel
-from lowlevel.argv import Fds, HostFacts, build_argv, outer_argv, static_args
+from lowlevel.argv import AnchorOverlay, Fds, HostFacts, anchor_argv, build_argv, static_args
 from lowlevel.cli import parse_size
 from lowlevel.policy import Bind, Policy, sensitive_reason
 from lowlevel.probe import BwrapInfo, HostLayout
@@ -37,7 +37,7 @@ def test_golden_default_argv():
         "--proc", "/proc", "--dev", "/dev", "--size", "1048576", "--tmpfs", "/tmp",
         "--size", "1048576", "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
         "--bind", "/srv/ws", "/workspace", "--ro-bind-data", "7", "/etc/passwd", "--ro-bind-data", "8", "/etc/group",
-        "--remount-ro", "/", "--chdir", "/workspace", "--json-status-fd", "4", "--block-fd", "5", "--seccomp", "6",
+        "--remount-ro", "/", "--chdir", "/workspace", "--json-status-fd", "4", "--seccomp", "6",
     ]
 
 
@@ -81,30 +81,42 @@ def test_env_user_values_on_top_and_validated():
             Policy(env=bad)
 
 
-def test_root_caller_goes_through_the_exec_helper():
+def test_every_caller_goes_through_the_anchor():
     facts = HostFacts(bwrap=INFO, layout=MERGED, caller_is_root=True)
     helper = "/site/lowlevel/_lowlevel_exec"
-    argv = outer_argv(facts, Policy(), None, 3, ["true"], exec_helper=helper)
-    assert argv == [helper, "--uid=65534", "--gid=65534", "--", "/usr/bin/bwrap", "--args", "3", "--", "true"]
-    argv = outer_argv(facts, Policy(), None, 3, ["true"], exec_helper=helper,
-                      pre_exec_rlimits=[("RLIMIT_CPU", 5, 6), ("RLIMIT_AS", -1, -1), ("RLIMIT_CORE", 0, 0)])
-    assert argv == [helper, "--rlimit=RLIMIT_CPU=5:6", "--rlimit=RLIMIT_AS=unlimited:unlimited",
-                    "--rlimit=RLIMIT_CORE=0:0", "--uid=65534", "--gid=65534", "--",
+    common = dict(parent=42, report_fd=12, cgroup_fds=(), rlimits=(), overlay=None, keep_fds=(), pass_fds=(3, 4),
+                  args_fd=3, command=["true"])
+    argv = anchor_argv(facts, helper, ids=(70000, 70001), **common)
+    assert argv == [helper, "--parent=42", "--report-fd=12", "--uid=70000", "--gid=70001", "--pass-fds=3,4", "--",
                     "/usr/bin/bwrap", "--args", "3", "--", "true"]
-    # Not root: bwrap directly, helper or not (rlimits are prlimit(2) calls at the handshake).
-    assert outer_argv(FACTS, Policy(), None, 3, ["ls"], exec_helper=helper) == \
-        ["/usr/bin/bwrap", "--args", "3", "--", "ls"]
+    argv = anchor_argv(facts, helper, ids=(70000, 70000), **{
+        **common, "rlimits": [("RLIMIT_CPU", 5, 6), ("RLIMIT_AS", -1, -1), ("RLIMIT_CORE", 0, 0)],
+        "cgroup_fds": (13, 14), "keep_fds": (15,)})
+    assert argv == [helper, "--parent=42", "--report-fd=12", "--cgroup-fd=13", "--cgroup-fd=14",
+                    "--rlimit=RLIMIT_CPU=5:6", "--rlimit=RLIMIT_AS=unlimited:unlimited", "--rlimit=RLIMIT_CORE=0:0",
+                    "--uid=70000", "--gid=70000", "--keep-fd=15", "--pass-fds=3,4", "--",
+                    "/usr/bin/bwrap", "--args", "3", "--", "true"]
+    # Not root: a user namespace of the caller's own ids, no uid change.
+    assert anchor_argv(FACTS, helper, ids=None, **common) == \
+        [helper, "--parent=42", "--report-fd=12", "--userns", "--pass-fds=3,4", "--",
+         "/usr/bin/bwrap", "--args", "3", "--", "true"]
 
 
-def test_root_caller_without_the_helper_goes_through_setpriv():
-    facts = HostFacts(bwrap=INFO, layout=MERGED, caller_is_root=True)
-    argv = outer_argv(facts, Policy(), "/usr/bin/setpriv", 3, ["true"])
-    assert argv == ["/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--",
-                    "/usr/bin/bwrap", "--args", "3", "--", "true"]
-    argv = outer_argv(facts, Policy(), "/usr/bin/setpriv", 3, ["true"], prlimit="/usr/bin/prlimit",
-                      pre_exec_rlimits=[("RLIMIT_CPU", 5, 6)])
-    assert argv[:3] == ["/usr/bin/prlimit", "--cpu=5:6", "--"]
-    assert outer_argv(FACTS, Policy(), None, 3, ["ls", "-l"]) == ["/usr/bin/bwrap", "--args", "3", "--", "ls", "-l"]
+def test_anchor_overlay_options():
+    helper = "/site/lowlevel/_lowlevel_exec"
+    root = HostFacts(bwrap=INFO, layout=MERGED, caller_is_root=True)
+    ov = AnchorOverlay(mnt="/run/lowlevel/mnt", lower_fd=16, upper_bytes=1 << 30, upper_inodes=1 << 20,
+                       idmap=(0, 0))
+    argv = anchor_argv(root, helper, parent=1, report_fd=12, cgroup_fds=(), rlimits=(), ids=(7, 7), overlay=ov,
+                       keep_fds=(), pass_fds=(), args_fd=None, command=["/bin/true"])
+    assert argv == [helper, "--parent=1", "--report-fd=12", "--uid=7", "--gid=7", "--mnt=/run/lowlevel/mnt",
+                    "--lower-fd=16", f"--upper-bytes={1 << 30}", f"--upper-inodes={1 << 20}", "--idmap=0:0",
+                    "--pass-fds=", "--", "/bin/true"]
+    ov = AnchorOverlay(mnt="/tmp/lowlevel-1000/.mnt", lower_fd=16, upper_bytes=4096, upper_inodes=1024,
+                       lower_path="/home/u/proj")
+    argv = anchor_argv(FACTS, helper, parent=1, report_fd=None, cgroup_fds=(), rlimits=(), ids=None, overlay=ov,
+                       keep_fds=(), pass_fds=(), args_fd=3, command=["ls"])
+    assert "--userns" in argv and "--lower-path=/home/u/proj" in argv and not any("idmap" in a for a in argv)
 
 
 def test_policy_is_hashable_and_static_args_cached():

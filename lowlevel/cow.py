@@ -1,0 +1,237 @@
+"""The mount side of copy-on-write workspaces, and per-run host uids for root callers.
+
+A run's workspace is the lower layer of an overlayfs that the anchor (``native/lowlevel_exec.c``)
+mounts in a private mount namespace before bwrap starts; the run's writes land in an upper
+directory on a sized tmpfs (so a run's disk use is bounded by default), and the caller reads
+them after the run through an fd the anchor hands over (:mod:`lowlevel.overlay` turns them into
+a change report and applies or discards them). The user's directory is never written during
+the run and never changes owner or mode.
+
+This module holds what the launcher needs to set that up:
+
+- :func:`cow_support`: can this host (kernel, filesystem of the workspace, caller) run the
+  overlay, cached per filesystem; otherwise the launcher falls back to handing the workspace
+  over (:func:`lowlevel.workspace.hand_over`) and says so in ``Result.notes``;
+- :func:`mount_dir`: the empty directory the anchor mounts the run's tmpfs on (each run's
+  mount exists only in its own mount namespace, so every run shares it);
+- :class:`UidLease`: a host uid/gid of its own for each live sandbox of a root caller, from a
+  range (:data:`DEFAULT_UID_RANGE`), held with an open-file-description lock for as long as
+  the anchor lives.
+
+Sources: overlayfs.rst (userxattr: Linux 5.11; idmapped layers: 5.19), mount_setattr(2)
+(MOUNT_ATTR_IDMAP: 5.12; tmpfs: 6.3), tmpfs(5) (user xattrs: 6.6), fcntl(2) "Open file
+description locks" (F_OFD_SETLK: 3.15); systemd's UIDS-GIDS.md for the uid range.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import functools
+import os
+import stat
+import struct
+import threading
+from dataclasses import dataclass
+
+from .errors import UnsupportedError, WorkspaceError
+
+#: Default bound on a run's writes (the upper tmpfs), bytes: ``Limits.workspace_bytes`` when
+#: unset. Above it, writes inside fail with ENOSPC and the host disk is untouched.
+DEFAULT_UPPER_BYTES = 1 << 30
+#: Where root callers' runs mount their tmpfs (in their own mount namespaces): it must be
+#: traversable by every per-run uid, so its parent is 0711.
+ROOT_STATE_DIR = "/run/lowlevel"
+
+#: Per-run host uids of root callers: ``(first, count)``. 0x70000000 starts just above the
+#: range systemd hands to containers (524288-1879048191) and below 2^31; override with
+#: ``LOWLEVEL_UID_RANGE=FIRST-LAST`` (inclusive). `lowlevel doctor` checks it against
+#: ``/etc/passwd`` and ``/etc/subuid``/``/etc/subgid``. Source: systemd UIDS-GIDS.md.
+DEFAULT_UID_RANGE = (0x70000000, 65536)
+
+_F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
+
+
+def upper_inodes(size: int) -> int:
+    """Inode bound of an upper tmpfs of ``size`` bytes: empty files and dirs cost host disk too."""
+    return max(1024, size // 1024)
+
+
+def uid_range() -> tuple[int, int]:
+    """``(first, count)`` of the per-run uid range (``LOWLEVEL_UID_RANGE`` or the default).
+
+    Raises:
+        UnsupportedError: the variable is malformed or names ids 0 or past 2^32-2.
+    """
+    spec = os.environ.get("LOWLEVEL_UID_RANGE")
+    if not spec:
+        return DEFAULT_UID_RANGE
+    try:
+        first_s, last_s = spec.split("-")
+        first, last = int(first_s), int(last_s)
+    except ValueError:
+        first = last = -1
+    if not 0 < first <= last < 2**32 - 1:
+        raise UnsupportedError("uid-range", f"LOWLEVEL_UID_RANGE={spec!r} is not FIRST-LAST with "
+                               "0 < FIRST <= LAST < 4294967295", "e.g. LOWLEVEL_UID_RANGE=1879048192-1879113727")
+    return first, last - first + 1
+
+
+class UidLease:
+    """One host uid (and the gid of the same number) leased to one live sandbox.
+
+    Held by an open-file-description lock (``F_OFD_SETLK``) on byte ``uid - first`` of
+    ``/run/lowlevel/uids.lock``; the fd is handed to the anchor (``--keep-fd``), so the lease
+    lasts exactly as long as the anchor and therefore the sandbox, whoever dies first. A uid is
+    never given to two live sandboxes at once; a released uid owns nothing on the host (the
+    upper tmpfs is gone, committed files get the workspace owner), so it is reused.
+
+    Attributes:
+        uid: the leased id (used as uid and gid).
+        fd: the locked fd (O_CLOEXEC; the launcher dup2s it into the anchor).
+
+    Raises:
+        UnsupportedError: every uid of the range is leased (too many concurrent sandboxes: widen
+            ``LOWLEVEL_UID_RANGE``).
+        OSError: the lock file cannot be opened.
+    """
+
+    _next = 0
+    _lock = threading.Lock()
+
+    def __init__(self, uid: int, fd: int) -> None:
+        self.uid = uid
+        self.fd = fd
+
+    @classmethod
+    def acquire(cls) -> "UidLease":
+        first, count = uid_range()
+        state = ensure_root_state_dir()
+        path = os.path.join(state, "uids.lock")
+        # An OSError here (EMFILE...) propagates: the launcher reports it as a LaunchError.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        with cls._lock:
+            start = cls._next
+            cls._next = (cls._next + 1) % count
+        try:
+            for k in range(count):
+                i = (start + k) % count
+                # struct flock: l_type, l_whence, l_start, l_len, l_pid (0 for OFD locks).
+                lock = struct.pack("hh4xqqi4x", fcntl.F_WRLCK, os.SEEK_SET, i, 1, 0)
+                try:
+                    fcntl.fcntl(fd, _F_OFD_SETLK, lock)
+                except OSError as err:
+                    if err.errno in (errno.EAGAIN, errno.EACCES):
+                        continue
+                    raise
+                with cls._lock:
+                    cls._next = (i + 1) % count
+                return cls(first + i, fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+        raise UnsupportedError("uid-range", f"all {count} per-run uids of {first}-{first + count - 1} are "
+                               "leased to live sandboxes", "widen LOWLEVEL_UID_RANGE, or pin Policy(host_uid=...)")
+
+    def release(self) -> None:
+        """Close our fd (the anchor's copy keeps the lock until it exits). Idempotent."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def ensure_root_state_dir() -> str:
+    """Create ``/run/lowlevel`` (0711, root's) and its ``mnt`` (0755); return the state dir.
+
+    Raises:
+        WorkspaceError: it exists but is a symlink, not a directory, or not root's.
+    """
+    for path, mode in ((ROOT_STATE_DIR, 0o711), (os.path.join(ROOT_STATE_DIR, "mnt"), 0o755)):
+        try:
+            os.mkdir(path, mode)
+        except FileExistsError:
+            pass
+        except OSError as err:
+            raise WorkspaceError(err.errno, f"cannot create {path}: {err.strerror}") from err
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or stat.S_IMODE(st.st_mode) & 0o022:
+            raise WorkspaceError(errno.EPERM, f"{path} must be a directory owned by root, not writable by others; "
+                                 "remove it and run again")
+        if stat.S_IMODE(st.st_mode) != mode:
+            os.chmod(path, mode)
+    return ROOT_STATE_DIR
+
+
+def mount_dir(base: str | None = None) -> str:
+    """The empty directory runs mount their upper tmpfs on (in their own mount namespaces).
+
+    Root callers: ``/run/lowlevel/mnt``. Others: ``<workspace base>/.mnt`` (the base is the
+    caller's own 0711 ``/tmp/lowlevel-<uid>``), created when missing.
+
+    Raises:
+        WorkspaceError: the directory cannot be made or is not ours.
+    """
+    if os.geteuid() == 0:
+        return os.path.join(ensure_root_state_dir(), "mnt")
+    from .workspace import default_base, ensure_base
+    root = ensure_base(base or default_base())
+    path = os.path.join(root, ".mnt")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as err:
+        raise WorkspaceError(err.errno, f"cannot create {path}: {err.strerror}") from err
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise WorkspaceError(errno.EPERM, f"{path} is not a directory of ours: remove it and run again")
+    return path
+
+
+@dataclass(frozen=True)
+class CowSupport:
+    """Whether a copy-on-write workspace works here, and why not.
+
+    Attributes:
+        ok: the overlay can be used for workspaces on this filesystem by this caller.
+        reason: why not (one line, for ``Result.notes`` and ``lowlevel doctor``), else "".
+    """
+
+    ok: bool
+    reason: str = ""
+
+
+_cow_cache: dict[tuple[int, int], CowSupport] = {}
+_cow_lock = threading.Lock()
+
+
+def cow_support(workspace: str, probe: "functools.partial[CowSupport] | None" = None) -> CowSupport:
+    """Can runs on ``workspace``'s filesystem use the overlay? Cached per (st_dev, euid).
+
+    ``LOWLEVEL_NO_OVERLAY`` (any non-empty value) turns it off: workspaces are then handed
+    over to the sandbox as in lowlevel 0.1 (:func:`lowlevel.workspace.hand_over`). Decided by a real probe (``probe``: the launcher's trial run of the anchor with an overlay
+    on this directory, which exits at once), once per filesystem and process.
+    """
+    if os.environ.get("LOWLEVEL_NO_OVERLAY"):
+        return CowSupport(False, "copy-on-write workspace turned off (LOWLEVEL_NO_OVERLAY is set)")
+    try:
+        dev = os.stat(workspace).st_dev
+    except OSError:
+        return CowSupport(False, "workspace not reachable")
+    key = (dev, os.geteuid())
+    with _cow_lock:
+        found = _cow_cache.get(key)
+    if found is not None:
+        return found
+    if probe is None:
+        result = CowSupport(True)
+    else:
+        result = probe()
+    with _cow_lock:
+        _cow_cache[key] = result
+    return result
+
+
+__all__ = ["CowSupport", "DEFAULT_UID_RANGE", "DEFAULT_UPPER_BYTES", "ROOT_STATE_DIR", "UidLease", "cow_support",
+           "ensure_root_state_dir", "mount_dir", "uid_range", "upper_inodes"]

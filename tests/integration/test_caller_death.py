@@ -1,0 +1,153 @@
+"""The caller dies at a random instant: nothing of the sandbox survives, nothing leaks, no data is lost.
+
+A fork server (a Python process with lowlevel imported, as root or as the unprivileged test
+user) forks one caller per trial; the caller starts a run (sync ``run`` or ``arun``) of a
+program that would live for minutes, and the test SIGKILLs (or SIGTERMs) the caller after a
+random delay between 0 and 80 ms: before the spawn, during the anchor's setup, right after
+READY, while bwrap sets up, or while the program runs. Then, for every trial:
+
+- no process of the run is left (the anchor, bwrap, the program: each carries the trial's
+  marker on its command line), within 2 s;
+- no per-run cgroup of the dead caller is left once the next :func:`detect_cgroups` swept it;
+- no overlay or tmpfs of lowlevel is mounted in the host's mount namespace;
+- the workspace (a tree with files and owners of its own) is bit-identical: every entry's
+  content, mode, owner and mtime (the run's writes went to its upper layer, which died with
+  the anchor uncommitted).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from lowlevel import limits as _limits
+
+pytestmark = [pytest.mark.bwrap, pytest.mark.slow, pytest.mark.timeout(600)]
+
+SERVER = r"""
+import asyncio, os, signal, sys
+import lowlevel
+from lowlevel.aio import arun
+ws, marker_prefix = sys.argv[1], sys.argv[2]
+lowlevel.run(["true"], workspace=ws, commit=False)  # warm: probes, seccomp compile
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # dead callers are reaped at once (their cgroups then swept)
+for line in sys.stdin:
+    trial, mode = line.split()
+    pid = os.fork()
+    if pid == 0:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        cmd = ["sh", "-c", "echo written > f-$1; mkdir -p d/e; echo x >> a; sleep 300", f"{marker_prefix}-{trial}"]
+        try:
+            if mode == "async":
+                asyncio.run(arun(cmd, workspace=ws, timeout=600))
+            else:
+                lowlevel.run(cmd, workspace=ws, timeout=600)
+        finally:
+            os._exit(0)
+    print(pid, flush=True)
+"""
+
+
+def _tree_state(root: str) -> dict[str, tuple[int, int, int, int, str]]:
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = os.path.join(dirpath, name)
+            st = os.lstat(p)
+            digest = hashlib.sha256(Path(p).read_bytes()).hexdigest() if os.path.isfile(p) else ""
+            out[os.path.relpath(p, root)] = (st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns, digest)
+    return out
+
+
+def _procs_with(marker: str) -> list[int]:
+    found = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        found.append(int(d))
+            except OSError:
+                pass
+    return found
+
+
+def _host_mounts() -> str:
+    with open("/proc/self/mountinfo") as f:
+        return f.read()
+
+
+@pytest.mark.parametrize("identity", ["root", "user"])
+def test_caller_killed_at_random_instants(identity: str, request: pytest.FixtureRequest):
+    if identity == "root" and os.geteuid() != 0:
+        pytest.skip("needs root")
+    prefix: list[str] = []
+    owner = (os.getuid(), os.getgid())
+    if identity == "user":
+        if os.geteuid() == 0:
+            user = request.getfixturevalue("test_user")
+            prefix = [shutil.which("runuser") or "/usr/sbin/runuser", "-u", user.pw_name, "--"]
+            owner = (user.pw_uid, user.pw_gid)
+    ws = tempfile.mkdtemp(prefix="ws-death-", dir="/tmp")
+    Path(ws, "a").write_text("original\n")
+    Path(ws, "sub").mkdir()
+    Path(ws, "sub", "b").write_bytes(os.urandom(4096))
+    for p in (ws, f"{ws}/a", f"{ws}/sub", f"{ws}/sub/b"):
+        os.chown(p, *owner) if os.geteuid() == 0 else None
+    os.chmod(ws, 0o755)
+    before = _tree_state(ws)
+    mounts_before = _host_mounts().count("lowlevel-upper")
+    marker = f"lowlevel-death-{os.getpid()}-{time.time_ns()}"
+    server = subprocess.Popen([*prefix, sys.executable, "-c", SERVER, ws, marker], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, cwd="/")
+    rng = random.Random(1234)
+    trials = 100
+    callers: list[int] = []
+    live_at_kill = 0
+    try:
+        for trial in range(trials):
+            mode = "async" if trial % 2 else "sync"
+            assert server.stdin is not None and server.stdout is not None
+            server.stdin.write(f"{trial} {mode}\n")
+            server.stdin.flush()
+            pid = int(server.stdout.readline())
+            callers.append(pid)
+            time.sleep(rng.uniform(0, 0.08))
+            sig = signal.SIGKILL if trial % 4 != 3 else signal.SIGTERM
+            os.kill(pid, sig)
+            if _procs_with(f"{marker}-{trial}"):
+                live_at_kill += 1
+            deadline = time.monotonic() + 5
+            left = _procs_with(f"{marker}-{trial}")
+            while left and time.monotonic() < deadline:
+                time.sleep(0.02)
+                left = _procs_with(f"{marker}-{trial}")
+            assert not left, f"trial {trial} ({mode}, {sig.name}): survivors {left}"
+    finally:
+        server.kill()
+        server.wait()
+        for stream in (server.stdin, server.stdout):
+            if stream is not None:
+                stream.close()
+    # Not vacuous: many kills hit a run whose anchor, bwrap or program existed.
+    assert live_at_kill >= trials // 10, live_at_kill
+    # Every dead caller's cgroups are swept by the next detection; none is left.
+    time.sleep(0.2)
+    support = _limits.detect_cgroups(refresh=True)
+    for h in support.hierarchies:
+        if h.base and os.path.isdir(h.base):
+            left = [d for d in os.listdir(h.base) if any(d.startswith(f"run-{pid}-") for pid in callers)]
+            assert not left, f"cgroups of dead callers left in {h.base}: {left}"
+    assert _host_mounts().count("lowlevel-upper") == mounts_before, "an upper tmpfs leaked into the host"
+    assert _tree_state(ws) == before, "the workspace changed"
+    shutil.rmtree(ws)
