@@ -210,7 +210,8 @@ def cow_support(workspace: str, probe: "functools.partial[CowSupport] | None" = 
     """Can runs on ``workspace``'s filesystem use the overlay? Cached per (st_dev, euid).
 
     ``LOWLEVEL_NO_OVERLAY`` (any non-empty value) turns it off: workspaces are then handed
-    over to the sandbox as in lowlevel 0.1 (:func:`lowlevel.workspace.hand_over`). Decided by a real probe (``probe``: the launcher's trial run of the anchor with an overlay
+    over to the sandbox as in lowlevel 0.1 (:func:`lowlevel.workspace.hand_over`). Decided
+    by a real probe (``probe``: the launcher's trial run of the anchor with an overlay
     on this directory, which exits at once), once per filesystem and process.
     """
     if os.environ.get("LOWLEVEL_NO_OVERLAY"):

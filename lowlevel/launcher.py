@@ -54,7 +54,8 @@ from . import limits as _limits
 from . import overlay as _overlay
 from . import seccomp as _seccomp
 from . import workspace as _ws
-from .argv import NETWORK_ETC, AnchorOverlay as _AnchorOverlay, Fds, HostFacts, anchor_argv, build_argv, redact_env_values
+from .argv import NETWORK_ETC, Fds, HostFacts, anchor_argv, build_argv, redact_env_values
+from .argv import AnchorOverlay as _AnchorOverlay
 from .errors import LaunchError, LowlevelError, PolicyError, UnsupportedError, WorkspaceError
 from .policy import WORKSPACE_DEST, Policy
 from .probe import bwrap_info, host_layout, require_pidfd
@@ -679,6 +680,7 @@ class Run:
         """The argv exec'd: ``_lowlevel_exec OPTIONS -- bwrap --args 3 -- COMMAND...``."""
         ov: _AnchorOverlay | None = None
         if self.cow:
+            assert self.lower_stat is not None
             ov = _AnchorOverlay(mnt=self.mnt, lower_fd=self.anchor_fds["lower"], upper_bytes=self.upper_bytes,
                                 upper_inodes=_cow.upper_inodes(self.upper_bytes),
                                 lower_path=None if self.facts.caller_is_root else self.workspace,

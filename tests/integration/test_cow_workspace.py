@@ -175,8 +175,8 @@ def test_concurrent_root_sandboxes_have_their_own_host_uid(tmp_path: Path):
     """Per-uid kernel budgets are per run: one sandbox exhausting inotify instances (EMFILE at
     fs.inotify.max_user_instances) does not starve another. Control: with one pinned uid it does."""
     limit = int(Path("/proc/sys/fs/inotify/max_user_instances").read_text())
-    hog = ("import ctypes, time; libc = ctypes.CDLL(None); fds = [libc.inotify_init1(0) for _ in range({n})]; "
-           "print(sum(f >= 0 for f in fds), flush=True); time.sleep(3)").format(n=limit + 8)
+    hog = (f"import ctypes, time; libc = ctypes.CDLL(None); fds = [libc.inotify_init1(0) for _ in range({limit + 8})]; "
+           "print(sum(f >= 0 for f in fds), flush=True); time.sleep(3)")
     probe = "import ctypes, time; time.sleep(1); print(ctypes.CDLL(None).inotify_init1(0))"
 
     def pair(policy: lowlevel.Policy) -> tuple[lowlevel.Result, lowlevel.Result]:
