@@ -14,6 +14,8 @@ EXECUTABLES = (
     # The exec helper for root callers: setrlimit, drop uid/gid/groups, execv bwrap (one exec
     # instead of prlimit(1) + setpriv(1)); the launcher falls back to those when it is missing.
     (os.path.join("native", "lowlevel_exec.c"), os.path.join("lowlevel", "_lowlevel_exec")),
+    # The egress relay: inside the sandbox, 127.0.0.1:3128 -> the host proxy's unix socket.
+    (os.path.join("native", "lowlevel_relay.c"), os.path.join("lowlevel", "_lowlevel_relay")),
 )
 
 

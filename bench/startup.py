@@ -13,6 +13,9 @@ order, so machine drift hits all cases alike), for ``/usr/bin/true`` and
   ``--json-status-fd``/``--block-fd`` handshake, no rlimits, no cgroup, no capture. Driven
   synchronously (concurrency 1) and from asyncio (pidfd readers) at each concurrency;
 - ``run``: ``lowlevel.run`` with the default Policy (seccomp, rlimits, cgroup, handshake);
+- ``run_egress``: ``lowlevel.run`` with ``Policy(network=Egress(allow=("bench.invalid",)))``: a
+  fresh sandbox whose egress proxy (host listener, relay inside on 127.0.0.1:3128) is ready
+  before the program starts;
 - ``arun``: ``lowlevel.arun`` at each concurrency, bounded by a semaphore;
 - ``session``: ``Session.run`` in one long-lived session (sync, concurrency 1) and
   ``AsyncSession.run`` at each concurrency: the cost of a command once the sandbox exists;
@@ -22,6 +25,14 @@ order, so machine drift hits all cases alike), for ``/usr/bin/true`` and
 
 ``--soak N`` (default 10000, ``--quick`` 1000) also runs N sequential ``/usr/bin/true`` in one
 session and records fds, processes and memory before and after (``session_soak``).
+
+``egress_download`` (``--download-rounds``, 0 skips): a 1 MiB download (``curl -o /dev/null``)
+from a server on host loopback, from inside one Session with the host network
+(``--network=host``, ``curl http://127.0.0.1:PORT/``) and one with egress (the same URL through
+the proxy, allowed by ``allow_cidrs=("127.0.0.1/32",)``: no resolver override), interleaved; the
+difference of the p50s is what the proxy adds, and the proxy thread's and the relay's CPU per
+call (``/proc/.../schedstat``) what it costs whatever the load. ``egress_cpu``: CPU per
+``lowlevel.run`` (ours + reaped children), default Policy vs egress.
 
 Latency of a call runs from its start (for concurrent cases: from taking a slot) to its
 end; ``calls_per_s`` is calls divided by the wall time the case's batches took.
@@ -222,6 +233,16 @@ def _sweep_workspaces() -> None:
         shutil.rmtree(_WORKSPACES.pop(), ignore_errors=True)
 
 
+EGRESS_POLICY = lowlevel.Policy(network=lowlevel.Egress(allow=("bench.invalid",)))
+
+
+def run_egress_call(cmd: list[str]) -> None:
+    r = lowlevel.run(cmd, policy=EGRESS_POLICY)
+    _WORKSPACES.append(r.workspace)
+    if r.exit_code != 0:
+        raise RuntimeError(f"lowlevel.run (egress) exited {r.exit_code}: {r.stderr!r}")
+
+
 def run_call(cmd: list[str]) -> None:
     r = lowlevel.run(cmd)
     _WORKSPACES.append(r.workspace)
@@ -278,6 +299,133 @@ async def async_round(case: Case, calls: int) -> None:
     _sweep_workspaces()
     if case.settle is not None:
         case.settle()
+
+
+# --- egress download ----------------------------------------------------------------------------
+
+_SERVER = """
+import http.server, sys
+body = b"x" * int(sys.argv[1])
+class H(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+s = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+print(s.server_address[1], flush=True)
+s.serve_forever()
+"""
+
+
+def egress_download(rounds: int, per_round: int, size: int = 1 << 20) -> dict[str, Any]:
+    """1 MiB from a host-loopback server: host network vs egress proxy, in two Sessions, interleaved.
+
+    The server is another process (as a real upstream is), so it does not share this
+    process's GIL with the proxy thread.
+    """
+    import tempfile
+
+    server = subprocess.Popen([sys.executable, "-c", _SERVER, str(size)], stdout=subprocess.PIPE)
+    assert server.stdout is not None
+    port = int(server.stdout.readline())
+    url = f"http://127.0.0.1:{port}/1m"
+    cmd = ["curl", "-sS", "--fail", "-o", "/dev/null", url]
+    no_bypass = {"NO_PROXY": "", "no_proxy": ""}  # send the loopback URL through the proxy
+    policies = {"host": lowlevel.Policy(network=True),
+                "egress": lowlevel.Policy(network=lowlevel.Egress(allow_cidrs=("127.0.0.1/32",),
+                                                                   allow_ports=(port,)))}
+    samples: dict[str, list[float]] = {k: [] for k in policies}
+    sessions = {}
+    dirs = []
+    try:
+        for name, policy in policies.items():
+            d = tempfile.mkdtemp(prefix="bench-dl-", dir="/tmp")
+            os.chmod(d, 0o755)
+            dirs.append(d)
+            sessions[name] = lowlevel.Session(policy, workspace=d)
+        for s in sessions.values():  # warm-up
+            for _ in range(3):
+                s.run(cmd, env=no_bypass).check()
+        # CPU the proxy path adds per download (load-independent, unlike latency): the proxy
+        # thread's and the relay's run time from /proc/.../schedstat (ns), over the egress calls.
+        from lowlevel import egress_proxy as _ep
+        assert _ep._thread is not None
+        cpu_files = [f"/proc/self/task/{_ep._thread.thread.native_id}/schedstat"]
+        init_pid = sessions["egress"]._core.init_host_pid
+        with open(f"/proc/{init_pid}/stat") as f:
+            cpu_files.append(f"/proc/{int(f.read().rsplit(')', 1)[1].split()[1])}/schedstat")  # the relay
+        cpu_ns = [0, 0]
+        for rnd in range(rounds):
+            order = list(sessions.items())
+            if rnd % 2:
+                order.reverse()
+            for name, s in order:
+                before = [_schedstat(f) for f in cpu_files] if name == "egress" else []
+                for _ in range(per_round):
+                    t = time.perf_counter_ns()
+                    r = s.run(cmd, env=no_bypass)
+                    dt = (time.perf_counter_ns() - t) / 1e6
+                    if r.exit_code == 0:
+                        samples[name].append(dt)
+                    else:
+                        print(f"  egress_download {name}: curl exited {r.exit_code}: {r.stderr!r}", file=sys.stderr)
+                for i, b in enumerate(before):
+                    cpu_ns[i] += _schedstat(cpu_files[i]) - b
+    finally:
+        for s in sessions.values():
+            s.close()
+        server.kill()
+        server.wait()
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+    out: dict[str, Any] = {"bytes": size, "command": " ".join(cmd)}
+    for name, vals in samples.items():
+        vals.sort()
+        out[f"{name}_n"] = len(vals)
+        out[f"{name}_p50_ms"] = round(percentile(vals, 50), 3)
+        out[f"{name}_p90_ms"] = round(percentile(vals, 90), 3)
+    out["added_p50_ms"] = round(out["egress_p50_ms"] - out["host_p50_ms"], 3)
+    n = max(1, out["egress_n"])
+    out["proxy_cpu_ms_per_call"] = round(cpu_ns[0] / n / 1e6, 3)
+    out["relay_cpu_ms_per_call"] = round(cpu_ns[1] / n / 1e6, 3)
+    return out
+
+
+def _schedstat(path: str) -> int:
+    """Run time of a task so far (ns), the first field of /proc/.../schedstat."""
+    with open(path) as f:
+        return int(f.read().split()[0])
+
+
+def egress_cpu(calls: int) -> dict[str, Any]:
+    """CPU per ``lowlevel.run(["/usr/bin/true"])`` (ours + reaped children, ms), default Policy vs
+    egress, interleaved: what the egress path costs independently of the host's load."""
+    import resource
+
+    def cpu() -> float:
+        s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+
+    policies = {"run": lowlevel.Policy(), "run_egress": EGRESS_POLICY}
+    per: dict[str, list[float]] = {k: [] for k in policies}
+    for i in range(calls):
+        for name in (list(policies) if i % 2 else list(policies)[::-1]):
+            c0 = cpu()
+            r = lowlevel.run(["/usr/bin/true"], policy=policies[name])
+            per[name].append((cpu() - c0) * 1000)
+            _WORKSPACES.append(r.workspace)
+        if i % 50 == 49:
+            _sweep_workspaces()
+    _sweep_workspaces()
+    out: dict[str, Any] = {"calls": calls}
+    for name, vals in per.items():
+        out[f"{name}_cpu_ms_mean"] = round(sum(vals) / len(vals), 3)
+    out["run_egress_vs_run_cpu"] = round(out["run_egress_cpu_ms_mean"] / out["run_cpu_ms_mean"], 3)
+    return out
 
 
 # --- session and pool -----------------------------------------------------------------------
@@ -452,7 +600,8 @@ def ratios(results: list[dict[str, Any]], command: str) -> dict[str, float | Non
            "run_vs_pool": div(p50["run"], _p50(get("pool", 1, "sync"))),
            "run_vs_session_c8": div(_p50(get("arun", 8, "asyncio")), _p50(get("session", 8, "asyncio"))),
            "run_vs_pool_c8": div(_p50(get("arun", 8, "asyncio")), _p50(get("pool", 8, "asyncio"))),
-           "run_p99_vs_p50": div(run["p99_ms"] if run else None, p50["run"])}
+           "run_p99_vs_p50": div(run["p99_ms"] if run else None, p50["run"]),
+           "run_egress_vs_run": div(_p50(get("run_egress", 1, "sync")), p50["run"])}
     for c in CONCURRENCY:
         a, rb = get("arun", c, "asyncio"), get("raw_bwrap", c, "asyncio")
         if a and rb:
@@ -472,6 +621,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="profile lowlevel.run with pyinstrument and exit")
     ap.add_argument("--soak", type=int, help="sequential session commands for session_soak (default 10000, "
                     "--quick 1000, 0: skip)")
+    ap.add_argument("--download-rounds", type=int, help="rounds of egress_download (default 10, --quick 3, 0: skip)")
     args = ap.parse_args(argv)
     conc = tuple(int(c) for c in args.concurrency.split(",") if c)
     rounds = args.rounds or (3 if args.quick else 10)
@@ -496,7 +646,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         cases += [Case("floor", label, 1, "sync", lambda c=cmd: floor_call(c)),
                   Case("subprocess", label, 1, "sync", lambda c=cmd: subprocess_call(c)),
                   Case("raw_bwrap", label, 1, "sync", raw.call),
-                  Case("run", label, 1, "sync", lambda c=cmd: run_call(c))]
+                  Case("run", label, 1, "sync", lambda c=cmd: run_call(c)),
+                  Case("run_egress", label, 1, "sync", lambda c=cmd: run_egress_call(c))]
         cases.append(Case("session", label, 1, "sync", lambda c=cmd: sess.session_call(c)))
         pool1 = Case("pool", label, 1, "sync", lambda c=cmd: sess.pool_call(2, c))
         pool1.before = lambda: sess.wait_full(sess.pool(2))
@@ -538,12 +689,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     once["seccomp_compiles_during_bench"] = len(_seccomp._cache) - compiles_before
     soak_n = args.soak if args.soak is not None else (1000 if args.quick else 10000)
     soak = session_soak(soak_n) if soak_n else None
+    dl_rounds = args.download_rounds if args.download_rounds is not None else rounds
+    download = egress_download(dl_rounds, per_round) if dl_rounds else None
+    egress_cpu_doc = egress_cpu(rounds * per_round) if dl_rounds else None
 
     results = [c.summary() for c in cases]
     doc = {"schema": SCHEMA, "results": results,
            "ratios": ratios(results, "/usr/bin/true"),
            "ratios_by_command": {label: ratios(results, label) for label in commands},
-           "one_time": once, "host": host, "session_soak": soak,
+           "one_time": once, "host": host, "session_soak": soak, "egress_download": download,
+           "egress_cpu": egress_cpu_doc,
            "config": {"quick": args.quick, "rounds": rounds, "per_round": per_round, "concurrency": list(conc),
                       "commands": commands, "duration_s": round(time.monotonic() - t_start, 2),
                       "argv": sys.argv}}
@@ -575,6 +730,10 @@ def print_table(doc: dict[str, Any]) -> None:
         print(f"  {k:<36} {v}")
     if doc.get("session_soak"):
         print(f"session soak: {doc['session_soak']}")
+    if doc.get("egress_download"):
+        print(f"egress download: {doc['egress_download']}")
+    if doc.get("egress_cpu"):
+        print(f"egress cpu: {doc['egress_cpu']}")
 
 
 def profile(n: int) -> int:

@@ -9,6 +9,7 @@ Quick start::
 See :func:`lowlevel.run`, :class:`lowlevel.Policy` and :class:`lowlevel.Result`.
 """
 
+from .egress import Egress, NetworkAttempt
 from .errors import (BwrapNotFoundError, LaunchError, LowlevelError, PolicyError, SeccompError,
                      SessionError, UnsupportedError, WorkspaceError)
 from .launcher import ExecError, run
@@ -44,10 +45,12 @@ __all__ = [
     "BwrapNotFoundError",
     "Changes",
     "DEFAULT_PROFILE",
+    "Egress",
     "ExecError",
     "LaunchError",
     "Limits",
     "LowlevelError",
+    "NetworkAttempt",
     "Policy",
     "PolicyError",
     "Pool",

@@ -13,13 +13,17 @@ place. Source: bwrap(1), "--remount-ro" and the ordering note.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from .egress import EGRESS_ETC, Egress
+from .errors import LaunchError
 from .policy import WORKSPACE_DEST, Policy
 from .probe import BwrapInfo, HostLayout
 
-#: /etc entries bound only with ``network=True``: name resolution and TLS trust.
+#: /etc entries bound only with ``network=True``: name resolution and TLS trust (egress mode
+#: binds only the TLS ones, :data:`lowlevel.egress.EGRESS_ETC`).
 NETWORK_ETC = ("/etc/resolv.conf", "/etc/hosts", "/etc/ssl", "/etc/ca-certificates",
                "/etc/gai.conf", "/etc/host.conf")
 
@@ -77,7 +81,7 @@ def static_args(policy: Policy, facts: HostFacts) -> tuple[str, ...]:
     """
     a: list[str] = []
     a += ["--unshare-all"]
-    if policy.network:
+    if policy.network is True:
         a += ["--share-net"]
     # --unshare-user explicitly: --unshare-all only *tries* it, and --disable-userns needs it.
     a += ["--unshare-user"]
@@ -100,9 +104,14 @@ def static_args(policy: Policy, facts: HostFacts) -> tuple[str, ...]:
         a += ["--ro-bind", path, path]
     for path in facts.layout.etc_files:
         a += ["--ro-bind", path, path]
-    if policy.network:
+    if policy.network is True:
         for source, dest in facts.network_etc:
             a += ["--ro-bind", source, dest]
+    elif isinstance(policy.network, Egress):
+        # Egress: TLS trust only; no resolv.conf or hosts (there is no DNS inside).
+        for source, dest in facts.network_etc:
+            if dest in EGRESS_ETC:
+                a += ["--ro-bind", source, dest]
     a += ["--proc", "/proc", "--dev", "/dev"]
     tmp_size = policy.limits.tmp_size_bytes
     if tmp_size is not None and facts.bwrap.has("--size"):
@@ -128,12 +137,15 @@ def dynamic_args(
     extra_env: Mapping[str, str] | None = None,
     cwd: str = WORKSPACE_DEST,
     clearenv: bool = False,
+    extra_mounts: Sequence[str] = (),
 ) -> list[str]:
     """The per-run part of bwrap's argv.
 
     Args:
         workspace: host path of the run's workspace, bound read-write at ``/workspace``.
         fds: fd numbers bwrap will see.
+        extra_mounts: bwrap mount options placed before ``--remount-ro /`` (the egress
+            proxy's socket and CA bundle: :class:`lowlevel.egress_proxy.EgressRun`).
         extra_env: variables set on top of the Policy's environment.
         cwd: the working directory inside (default ``/workspace``).
         clearenv: emit ``--clearenv`` before ``extra_env`` (bwrap applies it where it stands),
@@ -144,6 +156,7 @@ def dynamic_args(
         a += ["--ro-bind-data", str(fds.passwd), "/etc/passwd"]
     if fds.group is not None:
         a += ["--ro-bind-data", str(fds.group), "/etc/group"]
+    a += extra_mounts
     a += ["--remount-ro", "/", "--chdir", cwd]
     if clearenv:
         a += ["--clearenv"]
@@ -159,7 +172,8 @@ def dynamic_args(
 
 
 def build_argv(policy: Policy, facts: HostFacts, *, workspace: str, fds: Fds,
-               extra_env: Mapping[str, str] | None = None, cwd: str = WORKSPACE_DEST) -> list[str]:
+               extra_env: Mapping[str, str] | None = None, cwd: str = WORKSPACE_DEST,
+               extra_mounts: Sequence[str] = ()) -> list[str]:
     """bwrap's options (without ``bwrap`` itself or the command), static then dynamic part.
 
     Returns:
@@ -174,9 +188,43 @@ def build_argv(policy: Policy, facts: HostFacts, *, workspace: str, fds: Fds,
     if policy.deterministic and extra_env:
         return [*static_args(policy, facts),
                 *dynamic_args(workspace=workspace, fds=fds, extra_env=policy.environment(extra_env), cwd=cwd,
-                              clearenv=True)]
+                              clearenv=True, extra_mounts=extra_mounts)]
     return [*static_args(policy, facts),
-            *dynamic_args(workspace=workspace, fds=fds, extra_env=extra_env, cwd=cwd)]
+            *dynamic_args(workspace=workspace, fds=fds, extra_env=extra_env, cwd=cwd, extra_mounts=extra_mounts)]
+
+
+def encode_args(argv: Sequence[str]) -> bytes:
+    """bwrap's ``--args`` memfd content: each element, then a NUL byte.
+
+    The last line against option injection (issue 10, item 1): every value was validated at
+    the policy edge (:mod:`lowlevel.validate`), and this refuses once more, right before the
+    bytes are written, any element that is not a str, holds a NUL (which would make bwrap read
+    two options where we meant one) or cannot be encoded. Fails closed: nothing is spawned.
+
+    Args:
+        argv: the options, as :func:`build_argv` returns them.
+    Returns:
+        ``b"opt\\0value\\0..."`` (strings encoded with :func:`os.fsencode`).
+    Raises:
+        LaunchError: an element would not arrive in bwrap as exactly one argument.
+    Source: bwrap(1) ``--args FD``.
+    """
+    out = bytearray()
+    for i, arg in enumerate(argv):
+        if not isinstance(arg, str):
+            raise LaunchError(f"refusing to launch: argument {i} is a {type(arg).__name__}, not a str",
+                              argv=[a for a in argv if isinstance(a, str)])
+        try:
+            data = os.fsencode(arg)
+        except UnicodeEncodeError:
+            raise LaunchError(f"refusing to launch: argument {i} {arg!r:.80} cannot be encoded",
+                              argv=redact_env_values(argv)) from None
+        if b"\0" in data:
+            raise LaunchError(f"refusing to launch: argument {i} {arg!r:.80} contains a NUL byte, which "
+                              "would split it into separate arguments", argv=redact_env_values(argv))
+        out += data
+        out += b"\0"
+    return bytes(out)
 
 
 def redact_env_values(argv: Sequence[str]) -> list[str]:
@@ -275,5 +323,6 @@ def anchor_argv(facts: HostFacts, helper: str, *, parent: int, report_fd: int | 
 
 
 __all__ = ["AnchorOverlay", "Fds", "HostFacts", "NETWORK_ETC", "anchor_argv", "build_argv", "dynamic_args",
+           "encode_args",
            "redact_env_values",
            "static_args"]

@@ -34,10 +34,12 @@ from types import FrameType
 from typing import Any
 
 from . import __version__
-from .errors import LowlevelError
+from .egress import DEFAULT_PORTS, Egress
+from .errors import LowlevelError, PolicyError
 from .launcher import ExecError, run
 from .limits import Limits
 from .policy import Bind, Policy
+from .report import RECORD_NOT_WRITTEN, WARNING_PREFIX, json_safe
 from .result import Result
 
 EXIT_TIMEOUT = 124
@@ -88,6 +90,20 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _network_mode(text: str) -> str:
+    """``none`` or ``host``; ``bare`` is the value argparse passes (through this) for a bare --network."""
+    if text not in ("none", "host", "bare"):
+        raise argparse.ArgumentTypeError(f"invalid network mode {text!r}: use --network=none, --network=host, "
+                                         "or --allow-host PATTERN for an allowlist (put -- before the command)")
+    return text
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r}: use a number from 1 to 65535")
+    return int(text)
+
+
 def _env_pair(text: str) -> tuple[str, str]:
     if "=" not in text:
         raise argparse.ArgumentTypeError(f"invalid --env {text!r}: use KEY=VALUE")
@@ -118,7 +134,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="file or dir copied into the workspace before the run (repeatable)")
     p.add_argument("--timeout", metavar="SECONDS", type=_positive_float, default=60.0,
                    help="wall-clock limit, seconds (default 60); exit 124 when it fires")
-    p.add_argument("--network", action="store_true", help="keep the host network (default: none)")
+    p.add_argument("--network", nargs="?", const="bare", default=None, type=_network_mode, metavar="{none,host}",
+                   help="none (default): the sandbox's own loopback only; host: the host's whole network "
+                   "(its 127.0.0.1 services, cloud metadata and abstract unix sockets included). A bare "
+                   "--network means host and prints a warning. For an allowlist use --allow-host")
+    p.add_argument("--allow-host", metavar="PATTERN", action="append", default=[],
+                   help="egress by allowlist: let the sandbox reach this host through lowlevel's HTTP proxy "
+                   "(exact name, *.suffix, or *; repeatable; HTTP_PROXY/HTTPS_PROXY are set inside, no DNS). "
+                   "Names resolving to loopback/private/link-local addresses and IP literals are refused")
+    p.add_argument("--deny-host", metavar="PATTERN", action="append", default=[],
+                   help="egress: refuse this host pattern even when --allow-host matches (repeatable)")
+    p.add_argument("--allow-cidr", metavar="CIDR", action="append", default=[],
+                   help="egress: also allow addresses in this network, private ones included (repeatable)")
+    p.add_argument("--allow-port", metavar="PORT", action="append", default=[], type=_port,
+                   help="egress: allow this port besides 80 and 443 (repeatable)")
+    p.add_argument("--ca-cert", metavar="FILE.pem", action="append", default=[],
+                   help="egress: CA certificate(s) the sandbox trusts besides the system's (repeatable)")
+    p.add_argument("--net-bytes", metavar="BYTES", type=parse_size,
+                   help="egress: bytes the run may move through the proxy, both ways; past it connections are cut")
     p.add_argument("--ro", metavar="PATH[:DEST]", action="append", default=[], type=_bind_spec,
                    help="extra read-only bind (repeatable)")
     p.add_argument("--rw", metavar="PATH[:DEST]", action="append", default=[], type=_bind_spec,
@@ -158,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("file", metavar="FILE", help="the record")
     r.add_argument("--json", action="store_true", help="print the differences and the new record as JSON")
     r.add_argument("--keep-workspace", action="store_true", help="keep the replay's workspace")
+    r.add_argument("--max-bytes", metavar="BYTES", type=parse_size, default=None,
+                   help="most bytes rebuilding the record's workspace may write (default 256M)")
     r.add_argument("--trust-record-policy", action="store_true",
                    help="replay even when the record's policy is looser than the default (binds, network, "
                    "seccomp off, higher limits); a record is untrusted input")
@@ -168,7 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--config", metavar="FILE.toml", help="operator config (see lowlevel.mcp_server)")
     m.add_argument("--workspace-base", metavar="DIR", help="directory of the workspaces")
     m.add_argument("--network", action=argparse.BooleanOptionalAction, default=None,
-                   help="let clients request network access (default: --no-network)")
+                   help="let clients request the host's whole network (default: --no-network)")
+    m.add_argument("--allow-host", metavar="PATTERN", action="append", default=None,
+                   help="egress allowlist for every run (repeatable; config [egress] allow); clients may "
+                   "narrow it with allow_hosts, never widen it")
     m.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
                    help="deterministic mode for every run")
     m.add_argument("--max-timeout", metavar="SECONDS", type=_positive_float, help="ceiling for timeout_s")
@@ -208,6 +246,28 @@ def _terminal_restored(active: bool) -> Iterator[None]:
                     pass
 
 
+def _silence_stdout() -> None:
+    """Point fd 1 at /dev/null after the reader of our stdout went away (``| head -1``), so the
+    interpreter's final flush does not print "Exception ignored ... BrokenPipeError".
+    Source: Python docs, "Note on SIGPIPE" (signal module)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
+@contextlib.contextmanager
+def _reader_may_leave() -> Iterator[None]:
+    """Write to stdout; if its reader is gone (EPIPE), drop the rest silently and go on, so the
+    exit status is still the program's."""
+    try:
+        yield
+    except BrokenPipeError:
+        _silence_stdout()
+
+
 def _fail(message: str, code: int = EXIT_FAILED) -> int:
     print(f"lowlevel: {message}", file=sys.stderr)
     return code
@@ -220,8 +280,26 @@ def _policy_from_args(args: argparse.Namespace) -> Policy:
         ("workspace_bytes", "workspace_size")) if getattr(args, attr) is not None}
     binds = [Bind(src, dest, writable=False, allow_sensitive=args.allow_sensitive) for src, dest in args.ro]
     binds += [Bind(src, dest, writable=True, allow_sensitive=args.allow_sensitive) for src, dest in args.rw]
-    return Policy(network=args.network, binds=tuple(binds), env=tuple(args.env), limits=Limits(**overrides),
+    if args.net_bytes is not None:
+        overrides["net_bytes"] = args.net_bytes
+    network: bool | Egress = args.network in ("host", "bare")
+    if _egress_requested(args):
+        pem = ""
+        for path in args.ca_cert:
+            try:
+                with open(path, encoding="ascii") as f:
+                    pem += f.read().rstrip("\n") + "\n"
+            except (OSError, UnicodeDecodeError) as err:
+                raise PolicyError(f"--ca-cert {path}: cannot read it: {err}") from None
+        network = Egress(allow=tuple(args.allow_host), deny=tuple(args.deny_host),
+                         allow_cidrs=tuple(args.allow_cidr), allow_ports=DEFAULT_PORTS + tuple(args.allow_port),
+                         extra_ca_pem=pem)
+    return Policy(network=network, binds=tuple(binds), env=tuple(args.env), limits=Limits(**overrides),
                   deterministic=args.deterministic)
+
+
+def _egress_requested(args: argparse.Namespace) -> bool:
+    return bool(args.allow_host or args.deny_host or args.allow_cidr or args.allow_port or args.ca_cert)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -243,6 +321,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.rm and args.workspace is not None:
         return _fail("--rm removes the fresh per-run workspace; it does not go with --workspace "
                      "(lowlevel never deletes your directory)", 2)
+    if args.network in ("host", "bare", "none") and _egress_requested(args):
+        return _fail(f"--network={'host' if args.network == 'bare' else args.network} and --allow-host "
+                     "(or --deny-host/--allow-cidr/--allow-port/--ca-cert) contradict each other: "
+                     "--allow-host alone gives an allowlist", 2)
+    if args.net_bytes is not None and not _egress_requested(args):
+        return _fail("--net-bytes is enforced by the egress proxy: use it with --allow-host", 2)
+    if args.network == "bare":
+        print("lowlevel: warning: --network gives the sandbox the host's whole network (127.0.0.1 services, "
+              "cloud metadata); say --network=host to confirm, or use --allow-host HOST", file=sys.stderr)
     created = None
     try:
         policy = _policy_from_args(args)
@@ -258,8 +345,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
             result = run(command, policy=policy, workspace=workspace, inputs=inputs, timeout=args.timeout,
                          capture=capture, record=args.record, allow_sensitive_workspace=args.allow_sensitive)
         if args.record and not args.json:
-            sys.stdout.buffer.write(result.stdout)
-            sys.stdout.flush()
+            with _reader_may_leave():
+                sys.stdout.buffer.write(result.stdout)
+                sys.stdout.flush()
             sys.stderr.buffer.write(result.stderr)
             sys.stderr.flush()
         if created and not args.rm:
@@ -284,13 +372,23 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace, result: Result) -> int:
+    for note in result.notes:
+        if note.startswith((RECORD_NOT_WRITTEN, WARNING_PREFIX)):
+            print(f"lowlevel: {note}", file=sys.stderr)
     if args.json:
-        json.dump(result.to_json(), sys.stdout, indent=2, sort_keys=True)
-        sys.stdout.write("\n")
+        with _reader_may_leave():
+            json.dump(result.to_json(), sys.stdout, indent=2, sort_keys=True)
+            sys.stdout.write("\n")
+            sys.stdout.flush()
     if result.timed_out:
         if not args.json:
             print(f"lowlevel: timed out after {args.timeout:g} s; the sandbox was killed", file=sys.stderr)
         return EXIT_TIMEOUT
+    if result.network and not args.json:
+        from .egress_proxy import describe_attempt
+        for attempt in result.network:
+            if not attempt.allowed or attempt.error:
+                print(f"lowlevel: egress: {describe_attempt(attempt)}", file=sys.stderr)
     if result.killed_by and not args.json:
         print(f"lowlevel: killed by {result.killed_by}"
               + (f" ({result.signal_name()})" if result.term_signal else ""), file=sys.stderr)
@@ -321,15 +419,20 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from .record import replay
 
     try:
-        report = replay(args.file, keep_workspace=args.keep_workspace, trust_policy=args.trust_record_policy)
+        report = replay(args.file, keep_workspace=args.keep_workspace, trust_policy=args.trust_record_policy,
+                        **({"max_bytes": args.max_bytes} if args.max_bytes is not None else {}))
     except ExecError as err:
         return _fail(str(err))
     except (LowlevelError, OSError) as err:
         return _fail(str(err))
+    except Exception as err:  # noqa: BLE001 - a record is untrusted input: one line, never a traceback
+        return _fail(f"replay: cannot replay {args.file!r}: {type(err).__name__}: {err}")
     if args.json:
-        json.dump({"matched": report.matched, "differences": report.differences, "record": report.record},
-                  sys.stdout, indent=2, sort_keys=True)
-        sys.stdout.write("\n")
+        with _reader_may_leave():
+            json.dump(json_safe({"matched": report.matched, "differences": report.differences,
+                                 "record": report.record}), sys.stdout, indent=2, sort_keys=True)
+            sys.stdout.write("\n")
+            sys.stdout.flush()
     else:
         for line in report.differences:
             print(f"lowlevel: replay: {line}", file=sys.stderr)
@@ -347,6 +450,8 @@ def cmd_mcp(args: argparse.Namespace) -> int:
                       ("max_output_bytes", "max_output_bytes"), ("allowed_binds", "allow_bind")):
         if getattr(args, attr) is not None:
             overrides[key] = getattr(args, attr)
+    if args.allow_host is not None:
+        overrides["egress"] = {"allow": args.allow_host}
     try:
         config = ServerConfig.from_toml(args.config, **overrides) if args.config else \
             ServerConfig.from_mapping(overrides)
@@ -361,6 +466,8 @@ def cmd_mcp(args: argparse.Namespace) -> int:
         serve(config)
     except ImportError as err:
         return _fail(f"{err}: install the MCP SDK with `pip install 'lowlevel[mcp]'`")
+    except LowlevelError as err:  # e.g. a refused --workspace-base
+        return _fail(f"mcp: {err}")
     return 0
 
 
@@ -426,6 +533,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_doctor(args)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        _silence_stdout()  # the reader of our stdout went away: no traceback
+        return 128 + signal.SIGPIPE
     except Terminated as err:
         print(f"lowlevel: {signal.Signals(err.signum).name}: the sandbox was killed and the workspace "
               "given back", file=sys.stderr)

@@ -80,7 +80,7 @@ def uid_range() -> tuple[int, int]:
 class UidLease:
     """One host uid (and the gid of the same number) leased to one live sandbox.
 
-    Held by an open-file-description lock (``F_OFD_SETLK``) on byte ``uid - first`` of
+    Held by an open-file-description lock (``F_OFD_SETLK``) on byte ``uid`` of
     ``/run/lowlevel/uids.lock``; the fd is handed to the anchor (``--keep-fd``), so the lease
     lasts exactly as long as the anchor and therefore the sandbox, whoever dies first. A uid is
     never given to two live sandboxes at once; a released uid owns nothing on the host (the
@@ -116,8 +116,9 @@ class UidLease:
         try:
             for k in range(count):
                 i = (start + k) % count
-                # struct flock: l_type, l_whence, l_start, l_len, l_pid (0 for OFD locks).
-                lock = struct.pack("hh4xqqi4x", fcntl.F_WRLCK, os.SEEK_SET, i, 1, 0)
+                # struct flock: l_type, l_whence, l_start, l_len, l_pid (0 for OFD locks). The
+                # byte is the uid itself, so ranges configured differently never collide.
+                lock = struct.pack("hh4xqqi4x", fcntl.F_WRLCK, os.SEEK_SET, first + i, 1, 0)
                 try:
                     fcntl.fcntl(fd, _F_OFD_SETLK, lock)
                 except OSError as err:

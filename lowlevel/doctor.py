@@ -162,10 +162,10 @@ def workspace_checks(result_notes: tuple[str, ...] = ()) -> list[dict[str, Any]]
 def diagnose() -> dict[str, Any]:
     """Probe the host and return the report (never raises for a missing capability).
 
-    bwrap is looked up on ``PATH`` strictly (``shutil.which``): :func:`lowlevel.probe.bwrap_info`
-    falls back to ``/usr/bin/bwrap``, which would hide a PATH that other tools (and other
-    Python environments) also rely on, so a bwrap found only through the fallback is reported
-    as a failure with the fix, and the sandbox test run is not attempted.
+    bwrap is found the way :func:`lowlevel.run` finds it (:func:`lowlevel.probe.bwrap_info`:
+    ``PATH``, then ``/usr/bin/bwrap``), so the verdict is what ``run`` will do: a bwrap found
+    only through the fallback passes the required check, and a separate, not required, check
+    says it is not on ``PATH`` (other tools may need it there), with the fix.
     """
     import shutil
 
@@ -176,16 +176,20 @@ def diagnose() -> dict[str, Any]:
     checks.append(_check("kernel", True, f"{platform.system()} {platform.release()} {platform.machine()}"))
     info = None
     on_path = shutil.which("bwrap")
-    if on_path is None:
-        fallback = "/usr/bin/bwrap" if os.access("/usr/bin/bwrap", os.X_OK) else None
+    fallback = "/usr/bin/bwrap" if os.access("/usr/bin/bwrap", os.X_OK) else None
+    if on_path is None and fallback is None:
         checks.append(_check("bwrap", False, "bwrap not found on PATH=" + repr(os.environ.get("PATH", ""))
-                             + (f" (only the fallback {fallback} exists)" if fallback else ""),
+                             + " nor at /usr/bin/bwrap",
                              "apt-get install bubblewrap, or put its directory on PATH", required=True))
     else:
+        if on_path is None:
+            checks.append(_check("bwrap on PATH", False, "bwrap is not on PATH=" + repr(os.environ.get("PATH", ""))
+                                 + f"; lowlevel uses the fallback {fallback}",
+                                 "put /usr/bin on PATH if other tools need bwrap"))
         try:
-            info = probe.bwrap_info(on_path)
-            checks.append(_check("bwrap", True, f"{info.path} version {'.'.join(map(str, info.version))}",
-                                 required=True))
+            info = probe.bwrap_info(on_path or fallback)
+            checks.append(_check("bwrap", True, f"{info.path} version {'.'.join(map(str, info.version))}"
+                                 + ("" if on_path else " (fallback: not on PATH)"), required=True))
             checks.append(_check("bwrap setuid", not info.setuid,
                                  "setuid root" if info.setuid else "not setuid (user namespaces)",
                                  "prefer a non-setuid bwrap with unprivileged user namespaces"))
@@ -202,6 +206,11 @@ def diagnose() -> dict[str, Any]:
     checks.append(_check("pidfd", probe.pidfd_supported(), "pidfd_open(2) works" if probe.pidfd_supported()
                          else "pidfd_open(2) missing", "use Linux >= 5.3", required=True))
     checks.append(userns_check())
+    from .egress_proxy import RELAY_PATH
+    relay_ok = os.access(RELAY_PATH, os.X_OK)
+    checks.append(_check("egress relay", relay_ok, f"{RELAY_PATH} is built (Policy(network=Egress(...)), --allow-host)"
+                         if relay_ok else f"{RELAY_PATH} is missing: egress allowlists cannot run",
+                         "reinstall lowlevel (pip install .) with gcc present"))
     checks.extend(seccomp_checks())
     checks.extend(cgroup_checks())
     if info is not None:

@@ -53,12 +53,15 @@ from . import cow as _cow
 from . import limits as _limits
 from . import overlay as _overlay
 from . import seccomp as _seccomp
+from . import validate as _validate
 from . import workspace as _ws
-from .argv import NETWORK_ETC, Fds, HostFacts, anchor_argv, build_argv, redact_env_values
+from .argv import NETWORK_ETC, Fds, HostFacts, anchor_argv, build_argv, encode_args, redact_env_values
 from .argv import AnchorOverlay as _AnchorOverlay
-from .errors import LaunchError, LowlevelError, PolicyError, UnsupportedError, WorkspaceError
+from .egress import Egress
+from .errors import BwrapNotFoundError, LaunchError, LowlevelError, PolicyError, UnsupportedError, WorkspaceError
 from .policy import WORKSPACE_DEST, Policy
 from .probe import bwrap_info, host_layout, require_pidfd
+from .report import WARNING_PREFIX
 from .result import Result, decode_exit
 
 log = logging.getLogger("lowlevel")
@@ -242,18 +245,7 @@ def _clamp_to_own_hard_limits(triples: Sequence[tuple[str, int, int]]) -> tuple[
 
 
 def _check_command(command: Sequence[str]) -> list[str]:
-    if isinstance(command, (str, bytes)) or not isinstance(command, Sequence) or not command:
-        raise PolicyError("command must be a non-empty list of strings, e.g. ['python3', 'main.py']")
-    out = []
-    for arg in command:
-        if not isinstance(arg, str):
-            raise PolicyError(f"command arguments must be str, got {type(arg).__name__}: {arg!r}")
-        if "\0" in arg:
-            raise PolicyError(f"command argument {arg!r} contains a NUL byte")
-        out.append(arg)
-    if not out[0]:
-        raise PolicyError("command[0] is empty: name the program to run, e.g. ['python3', 'main.py']")
-    return out
+    return _validate.command(command)
 
 
 #: Sandbox paths that exist but are never executable (synthesized by the launcher).
@@ -334,6 +326,12 @@ def precheck_exec(policy: Policy, workspace: str, command: Sequence[str], env: M
 
 
 _EXEC_FAIL = re.compile(rb"bwrap: execvp ([^\n]*): ([^\n]*)")
+#: native/lowlevel_exec.c's message when its execv of bwrap fails.
+_HELPER_EXEC_FAIL = re.compile(rb"lowlevel_exec: execv ([^\n]*): ([^\n]*)")
+#: What to do when a process cannot be created (EAGAIN from clone/fork/posix_spawn).
+PROCESS_LIMIT_HINT = ("the caller's process limit is reached (EAGAIN: RLIMIT_NPROC, `ulimit -u`, counts every "
+                      "process of your uid; or the pids.max of your cgroup, e.g. a systemd TasksMax). Raise it, or "
+                      "run fewer sandboxes at once")
 _USERNS_HINTS = (b"No permissions to create new namespace", b"setting up uid map", b"Creating new namespace failed",
                  b"unprivileged_userns_clone", b"user namespace")
 
@@ -346,7 +344,25 @@ def classify_setup_failure(stderr: bytes, argv: list[str], command: Sequence[str
         reason = m.group(2).decode("utf-8", "replace")
         code = errno.ENOENT if "No such file" in reason else errno.EACCES
         return ExecError(f"{command[0]}: {reason.lower()} in the sandbox", argv=argv, stderr=text, errno=code)
+    m = _HELPER_EXEC_FAIL.search(stderr)
+    if m:
+        # _lowlevel_exec dropped to the sandbox's host uid, then could not exec bwrap.
+        path, reason = (g.decode("utf-8", "replace") for g in m.groups())
+        return BwrapNotFoundError(f"cannot execute bwrap {path} as the sandbox's host uid (root callers drop to "
+                                  f"it before bwrap starts): {reason}. Install bwrap where every user can run "
+                                  "it (apt-get install bubblewrap puts it in /usr/bin)",
+                                  argv=argv, stderr=text, errno=errno.ENOENT if "No such" in reason
+                                  else errno.EACCES)
     bwrap_lines = b"\n".join(line for line in stderr.splitlines() if line.startswith(b"bwrap:"))
+    if b"Resource temporarily unavailable" in bwrap_lines:
+        # clone(2) fails with EAGAIN at the caller's RLIMIT_NPROC or its cgroup's pids.max, and
+        # bwrap says "Creating new namespace failed": not a user-namespace restriction.
+        return LaunchError(f"bwrap could not create the sandbox's processes: {PROCESS_LIMIT_HINT}. "
+                           f"bwrap said: {text}", argv=argv, stderr=text, errno=errno.EAGAIN)
+    if b"Cannot allocate memory" in bwrap_lines:
+        return LaunchError("bwrap ran out of memory while creating the sandbox (ENOMEM: the caller's memory "
+                           f"limit or its cgroup's memory.max?). bwrap said: {text}", argv=argv, stderr=text,
+                           errno=errno.ENOMEM)
     if any(h in bwrap_lines for h in _USERNS_HINTS):
         return LaunchError(
             "bwrap could not create a user namespace: the host restricts unprivileged user namespaces. "
@@ -354,8 +370,9 @@ def classify_setup_failure(stderr: bytes, argv: list[str], command: Sequence[str
             "`sysctl -w user.max_user_namespaces=15000`, or on Ubuntu >= 23.10 "
             "`sysctl -w kernel.apparmor_restrict_unprivileged_userns=0` or an AppArmor profile for bwrap. "
             f"bwrap said: {text}", argv=argv, stderr=text)
-    return LaunchError(f"sandbox setup failed: {text or 'bwrap exited without a message'}", argv=argv,
-                       stderr=text)
+    what = text or ("bwrap exited during setup (its stderr was not captured: in live mode its message, if any, "
+                    "is on your stderr above)")
+    return LaunchError(f"sandbox setup failed: {what}", argv=argv, stderr=text)
 
 
 class Run:
@@ -379,11 +396,12 @@ class Run:
                               f"timeout), got {timeout!r}")
         if stdin is not None and not isinstance(stdin, (bytes, bytearray, memoryview)):
             raise PolicyError("stdin must be bytes or None")
-        if not isinstance(cwd, str) or not cwd.startswith("/"):
-            raise PolicyError(f"cwd must be an absolute path inside the sandbox, got {cwd!r}")
         if commit not in (True, False, "on_success"):
             raise PolicyError(f"commit must be True, False or 'on_success', got {commit!r}")
-        self.command = _check_command(command)
+        # The policy edge (issue 10, item 1): every string bound for bwrap's argv is checked here,
+        # before anything is created (lowlevel.validate); argv.encode_args checks once more.
+        self.command = _validate.run_args(command=command, cwd=cwd, env=env, workspace=workspace,
+                                          workspace_base=workspace_base, inputs=inputs, bwrap=bwrap)
         self.policy = policy
         self.commit = commit
         self.timeout = float(timeout) if timeout is not None else None
@@ -438,6 +456,7 @@ class Run:
         self.pre_exec_rlimits: tuple[tuple[str, int, int], ...] = ()
         self.seccomp_loaded = False
         self.audit: Any = None
+        self.egress: Any = None  # lowlevel.egress_proxy.EgressRun in egress mode
         # The anchor and the copy-on-write workspace.
         self.lease: _cow.UidLease | None = None
         self.host_ids: tuple[int, int] = (0, 0)
@@ -497,7 +516,7 @@ class Run:
             # Inputs are copied in by path: that needs parents nobody else can rename. Without
             # inputs the workspace is opened once, by fd (_open_lower), and never walked again.
             _ws.check_workspace_path(self.workspace, allow_sensitive=self.allow_sensitive_workspace,
-                                     check_ancestors=bool(self.inputs))
+                                     check_ancestors=bool(self.inputs), writable=self.commit is not False)
             if self.inputs:
                 _ws.copy_inputs(self.workspace, self.inputs)
         else:
@@ -587,13 +606,21 @@ class Run:
         passwd_fd = self._own(_memfd("lowlevel-passwd", passwd))
         group_fd = self._own(_memfd("lowlevel-group", group))
 
+        if isinstance(policy.network, Egress):
+            # The host-side proxy and the relay that runs first inside (lowlevel/egress_proxy.py).
+            from .egress_proxy import EgressRun
+            self.egress = EgressRun.open(policy.network, policy.limits.net_bytes,
+                                         caller_is_root=self.facts.caller_is_root, host_gid=self.host_ids[1])
+            self.extra_fds.update(self.egress.child_fds)
+            for fd in self.egress.owned_fds:
+                self._own(fd)  # closed after the spawn, like ours
         self.argv = build_argv(policy, self.facts, workspace=bind_source, fds=fds,
-                               extra_env=self.env_extra or None, cwd=self.cwd)
-        if any("\0" in a for a in self.argv):
-            # Last line of defence: the --args memfd is NUL-separated, so a NUL inside a value
-            # would split it into extra bwrap options. The policy edge refuses them already.
-            raise LaunchError("refusing to start: a NUL byte reached bwrap's argv", argv=self.argv)
-        args_fd = self._own(_memfd("lowlevel-args", b"".join(a.encode() + b"\0" for a in self.argv)))
+                               extra_env=self.env_extra or None, cwd=self.cwd,
+                               extra_mounts=self.egress.mounts if self.egress is not None else ())
+        # Last line of defence: the --args memfd is NUL-separated, so a NUL inside a value would
+        # split it into extra bwrap options. The policy edge refuses them already; encode_args
+        # refuses again (LaunchError) right before the bytes are written.
+        args_fd = self._own(_memfd("lowlevel-args", encode_args(self.argv)))
 
         json_r, json_w = self._pipe()
         self.json_r = json_r
@@ -690,7 +717,8 @@ class Run:
                            cgroup_fds=self.anchor_fds["cgroups"], rlimits=self.pre_exec_rlimits,
                            ids=self.host_ids if self.facts.caller_is_root else None, overlay=ov,
                            keep_fds=(self.anchor_fds["lease"],) if "lease" in self.anchor_fds else (),
-                           pass_fds=self.pass_fds, args_fd=ARGS_FD, command=self.command)
+                           pass_fds=self.pass_fds, args_fd=ARGS_FD,
+                           command=self.egress.wrap(self.command) if self.egress is not None else self.command)
 
     def spawn(self) -> None:
         """posix_spawn the anchor (which execs bwrap) with an empty environment; open its pidfd.
@@ -710,7 +738,8 @@ class Run:
             self.pid = os.posix_spawn(exe_argv[0], exe_argv, {}, file_actions=self.actions,
                                       setsigdef=_DEFAULT_SIGNALS, setsigmask=())
         except OSError as err:
-            raise LaunchError(f"cannot start {exe_argv[0]}: {err.strerror}", argv=exe_argv,
+            hint = f": {PROCESS_LIMIT_HINT}" if err.errno == errno.EAGAIN else ""
+            raise LaunchError(f"cannot start {exe_argv[0]}: {err.strerror}{hint}", argv=exe_argv,
                               errno=err.errno) from err
         try:
             self.pidfd = os.pidfd_open(self.pid)
@@ -974,7 +1003,15 @@ class Run:
         if self.cow:
             changes = self.read_changes()
         else:
-            after = self.give_back_workspace() if self.handover is not None else _ws.snapshot(self.workspace)
+            try:
+                after = self.give_back_workspace() if self.handover is not None else _ws.snapshot(self.workspace)
+            except WorkspaceError as err:
+                # The program ran: its exit status and output are delivered, with the failure as a
+                # warning (the CLI prints it), never a bare OSError that loses them.
+                after = ({}, False)
+                self.notes.append(f"{WARNING_PREFIX}the workspace could not be checked and given back after the "
+                                  f"run ({err}): treat {self.workspace} as untrusted (ownership and setuid/setgid "
+                                  "bits may be left as the sandbox set them)")
             if self.handover is not None:
                 self.notes.extend(self.handover.notes)  # e.g. directories too deep to check, sealed
             changes = _ws.diff(self.before, after)
@@ -986,6 +1023,11 @@ class Run:
         if self.audit is not None:
             denials = tuple(self.audit.finish())
             self.audit = None
+        network = None
+        if self.egress is not None:
+            network, egress_notes, egress_enforced = self.egress.finish()
+            self.notes.extend(egress_notes)
+            enforced += egress_enforced
         result = Result(
             exit_code=exit_code, term_signal=term, timed_out=self.timed_out, killed_by=killed_by,
             stdout=out, stderr=errout, stdout_truncated=out_t, stderr_truncated=err_t,
@@ -996,10 +1038,15 @@ class Run:
             max_rss_bytes=(self.rusage.ru_maxrss * 1024) if self.rusage is not None else None,
             oom_kills=stats.oom_kills if stats else None,
             limits_enforced=enforced, changes=changes, workspace=self.workspace,
-            notes=tuple(self.notes), argv=tuple(self.full_argv), seccomp_denials=denials,
+            notes=tuple(self.notes), argv=tuple(self.full_argv), seccomp_denials=denials, network=network,
         )
         if self.cow:
-            self.finish_cow(success=exit_code == 0 and killed_by is None, result=result)
+            try:
+                self.finish_cow(success=exit_code == 0 and killed_by is None, result=result)
+            except _overlay.CommitConflictError:
+                raise
+            except WorkspaceError as err:
+                self.notes.append(f"{WARNING_PREFIX}{err}")
             result.notes = tuple(self.notes)
         return result
 
@@ -1057,6 +1104,16 @@ class Run:
                     err.args = (err.args[0], f"{err.args[1]}; saving the run's changes failed too: {save_err}")
                 err.result = result
                 raise
+            except OSError as err:
+                # A read-only or full workspace: never a bare OSError (result() turns this into a
+                # warning that keeps the exit status); the run's changes are saved aside first.
+                why = f"cannot write the run's changes into the workspace: {err.strerror or err}"
+                try:
+                    saved = _overlay.save_upper(self.upper_fd, _conflict_dir(self.workspace_base))
+                    why += f"; they were saved to {saved}"
+                except (OSError, LowlevelError) as save_err:
+                    why += f"; saving them failed too: {save_err}"
+                raise WorkspaceError(err.errno or errno.EIO, why) from err
             self.notes.extend(report.notes)
         finally:
             os.close(self.upper_fd)
@@ -1149,6 +1206,8 @@ class Run:
             if self.audit is not None:
                 self.audit.close()
                 self.audit = None
+            if self.egress is not None:
+                self.egress.close()
             for fd in self.fds:
                 try:
                     os.close(fd)

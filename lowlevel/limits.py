@@ -126,6 +126,11 @@ class Limits:
             inside beyond it; the host's disk is never used). None: the default,
             :data:`lowlevel.cow.DEFAULT_UPPER_BYTES` (1 GiB). Where the overlay is unavailable
             (the hand-over fallback) a value raises UnsupportedError.
+        net_bytes: egress mode only (``Policy(network=Egress(...))``): payload bytes the run may
+            move through the egress proxy, both directions and every connection together, or
+            None. The connection that crosses it is cut after exactly this many bytes, the
+            others are closed, later requests get 403; :attr:`lowlevel.Result.network` marks the
+            cut connection ``error="net_bytes"``. Enforced by the host proxy, not the kernel.
         require: limits that must be enforced by the kernel, else :class:`UnsupportedError`
             before anything runs. Names: ``"memory"``, ``"pids"``, ``"cpu"`` (the cgroup limits
             of ``memory_bytes``, ``pids``, ``cpu_quota``) and ``"cgroup"`` (any per-run
@@ -145,6 +150,7 @@ class Limits:
     cpu_quota: float | None = None
     tmp_size_bytes: int | None = 256 * MiB
     workspace_bytes: int | None = None
+    net_bytes: int | None = None
     require: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -159,6 +165,7 @@ class Limits:
         _check_seconds("cpu_quota", self.cpu_quota, minimum=0.01, unit="cores")
         _check_int("tmp_size_bytes", self.tmp_size_bytes, minimum=4 * KiB)
         _check_int("workspace_bytes", self.workspace_bytes, minimum=64 * KiB)
+        _check_int("net_bytes", self.net_bytes, minimum=1)
         require = self.require
         if isinstance(require, str) or not isinstance(require, (tuple, list)):
             raise PolicyError(f"Limits.require must be a tuple of names from {REQUIRABLE}, "

@@ -5,11 +5,16 @@ Tools an agent client can call (each result a JSON object):
 ``run``
     Run a command in a fresh sandbox (or in a named workspace the client filled with
     ``write_file``). Arguments carry ``timeout_s`` and limits (``memory_bytes``, ``cpu_s``,
-    ``pids``), each clamped to the operator's ceiling; ``network`` and ``binds`` are requests
-    that are refused unless the operator allowed them. Result: ``exit_code``, ``term_signal``,
+    ``pids``), each clamped to the operator's ceiling; ``network`` (the host network) and
+    ``binds`` are requests that are refused unless the operator allowed them; ``allow_hosts``
+    narrows the operator's egress allowlist (``[egress]``; every pattern must lie within it,
+    ``[]`` means no network). Result: ``exit_code``, ``term_signal``,
     ``killed_by``, ``timed_out``, ``stdout``/``stderr`` (UTF-8, truncated to the operator's
-    ``max_output_bytes`` with ``stdout_truncated``/``stderr_truncated``), ``wall_time_s``,
-    ``workspace`` (its name, for ``read_file``), ``clamped`` (what the operator's config cut).
+    ``max_output_bytes`` with ``stdout_truncated``/``stderr_truncated``; ``stdout_b64``/
+    ``stderr_b64`` hold the exact bytes when they are not valid UTF-8), ``wall_time_s``,
+    ``workspace`` (its name, for ``read_file``), ``clamped`` (what the operator's config cut),
+    and in egress mode ``network`` (each connection attempt: host, port, address, allowed,
+    reason, bytes up and down).
 ``write_file``, ``read_file``, ``list_files``
     Workspace files, through :mod:`lowlevel.workspace`'s untrusted-output rules (no symlink
     followed, no ``..``, special and hard-linked files refused) and the operator's
@@ -28,7 +33,7 @@ a client can narrow the policy (shorter timeout, smaller limits) but never widen
 TOML keys (all optional)::
 
     workspace_base = "/var/lib/lowlevel-mcp"   # where named and per-run workspaces live
-    network = false           # may a client ask for network? (off by default)
+    network = false           # may a client ask for the host's whole network? (off by default)
     deterministic = false     # Policy(deterministic=True) for every run
     default_timeout_s = 30.0  # when the client gives none
     max_timeout_s = 120.0     # ceiling for timeout_s
@@ -42,6 +47,16 @@ TOML keys (all optional)::
     source = "/opt/venv"
     dest = "/opt/venv"
     writable = false
+    [egress]                  # network by allowlist for every run (lowlevel.Egress); a client
+    allow = ["pypi.org", "files.pythonhosted.org"]   # may narrow it (allow_hosts), never widen it
+    deny = []
+    allow_cidrs = []
+    allow_ports = [80, 443]
+    extra_ca_file = "/etc/company-ca.pem"            # optional: CA certificates trusted inside
+
+With ``[egress]``, every run and session gets the allowlist unless the client narrows it;
+``[limits] net_bytes`` caps the bytes each run moves through the proxy. ``lowlevel mcp
+--allow-host PATTERN`` (repeatable) sets ``[egress] allow`` from the command line.
 
 Source: Model Context Protocol specification (tools/list, tools/call, ``isError`` results);
 the ``mcp`` Python SDK (``MCPServer``, formerly ``FastMCP``).
@@ -51,6 +66,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import errno
 import logging
 import os
 import re
@@ -61,10 +77,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import validate as _validate
 from . import workspace as _ws
-from .errors import LowlevelError, PolicyError
+from .egress import Egress, egress_from_mapping
+from .errors import LowlevelError, PolicyError, WorkspaceError
 from .limits import Limits
 from .policy import Bind, Policy
+from .report import bytes_fields, display, json_safe
 from .result import Result
 
 log = logging.getLogger("lowlevel")
@@ -78,7 +97,9 @@ class ServerConfig:
 
     Attributes:
         workspace_base: host directory holding the workspaces (one subdirectory per name).
-        network: clients may request network access (``--share-net``); off by default.
+        network: clients may request the host's whole network (``--share-net``); off by default.
+        egress: the allowlist every run gets (:class:`lowlevel.Egress`), or None (no network
+            unless ``network`` allows the host's); a client may narrow it, never widen it.
         deterministic: every run uses ``Policy(deterministic=True)``.
         limits: the ceiling and the default for each limit.
         binds: binds every run gets.
@@ -91,6 +112,7 @@ class ServerConfig:
 
     workspace_base: str = field(default_factory=lambda: os.path.join(_ws.default_base(), "mcp"))
     network: bool = False
+    egress: Egress | None = None
     deterministic: bool = False
     limits: Limits = field(default_factory=Limits)
     binds: tuple[Bind, ...] = ()
@@ -111,6 +133,8 @@ class ServerConfig:
         """
         with open(path, "rb") as f:
             data = tomllib.load(f)
+        if isinstance(data.get("egress"), Mapping) and isinstance(overrides.get("egress"), Mapping):
+            overrides = {**overrides, "egress": {**data["egress"], **overrides["egress"]}}
         return cls.from_mapping({**data, **overrides})
 
     @classmethod
@@ -130,12 +154,24 @@ class ServerConfig:
             kwargs["binds"] = tuple(b if isinstance(b, Bind) else Bind(**b) for b in kwargs["binds"])
         if "allowed_binds" in kwargs:
             kwargs["allowed_binds"] = tuple(os.path.realpath(p) for p in kwargs["allowed_binds"])
+        if isinstance(kwargs.get("egress"), Mapping):
+            spec = dict(kwargs["egress"])
+            ca_file = spec.pop("extra_ca_file", None)
+            if ca_file is not None:
+                try:
+                    with open(ca_file, encoding="ascii") as f:
+                        spec["extra_ca_pem"] = f.read()
+                except (OSError, UnicodeDecodeError) as err:
+                    raise PolicyError(f"mcp config [egress] extra_ca_file {ca_file!r}: {err}") from None
+            kwargs["egress"] = egress_from_mapping(spec)
         return cls(**kwargs)
 
 
 def _clamp(name: str, asked: float | None, ceiling: float | None, clamped: list[str]) -> Any:
     if asked is None:
         return ceiling
+    if isinstance(asked, bool) or not isinstance(asked, (int, float)) or asked != asked:
+        raise PolicyError(f"{name} must be a number, got {asked!r:.40}")
     if asked <= 0:
         raise PolicyError(f"{name} must be > 0, got {asked!r}")
     if ceiling is not None and asked > ceiling:
@@ -153,14 +189,14 @@ class Tools:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.base = _ws.ensure_base(config.workspace_base)
+        self.base = _check_base(config.workspace_base)
         self.sessions: dict[str, Any] = {}
         self.session_policies: dict[str, Policy] = {}
         self.sessions_lock = threading.Lock()
 
     def _workspace(self, name: str, create: bool) -> str:
-        if not isinstance(name, str) or not _NAME.match(name):
-            raise PolicyError(f"workspace name {name!r}: use 1-64 letters, digits, '_', '.', '-'")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise PolicyError(f"workspace name {name!r:.80}: use 1-64 letters, digits, '_', '.', '-'")
         path = os.path.join(self.base, name)
         if create:
             try:
@@ -172,18 +208,32 @@ class Tools:
         return path
 
     def policy_for(self, *, network: bool, binds: list[str], memory_bytes: int | None, cpu_s: float | None,
-                   pids: int | None, clamped: list[str]) -> Policy:
+                   pids: int | None, clamped: list[str], allow_hosts: list[str] | None = None) -> Policy:
         """The Policy of one request: the operator's, narrowed by the request.
 
+        Args:
+            allow_hosts: None keeps the operator's egress allowlist (if any); a list narrows it
+                to those patterns (each within the operator's); ``[]`` means no network.
         Raises:
-            PolicyError: the request asks for network or a bind the operator did not allow.
+            PolicyError: the request asks for the host network, a host outside the operator's
+                allowlist, or a bind the operator did not allow.
         """
         cfg = self.config
         if network and not cfg.network:
-            raise PolicyError("refused: network access is disabled by the operator of this server")
+            raise PolicyError("refused: the host network is disabled by the operator of this server"
+                              + (f"; egress is allowed to {list(cfg.egress.allow)} (ask with allow_hosts)"
+                                 if cfg.egress is not None else ""))
+        net: bool | Egress = bool(network)
+        if not network and cfg.egress is not None:
+            net = cfg.egress if allow_hosts is None else (
+                cfg.egress.narrow(allow=allow_hosts) if allow_hosts else False)
+        elif allow_hosts and not network:
+            raise PolicyError("refused: the operator of this server allows no network egress")
         extra: list[Bind] = []
+        if not isinstance(binds, (list, tuple)):
+            raise PolicyError("binds must be a list of host paths")
         for path in binds:
-            real = os.path.realpath(path)
+            real = os.path.realpath(_validate.host_path(path, "binds[]"))
             if real not in cfg.allowed_binds:
                 raise PolicyError(f"refused: binding {path!r} is not allowed by the operator of this server")
             extra.append(Bind(real))
@@ -194,16 +244,16 @@ class Tools:
             cpu_s=_clamp("cpu_s", cpu_s, lim.cpu_s, clamped),
             pids=_clamp("pids", pids, lim.pids, clamped),
         )
-        return Policy(network=bool(network), binds=cfg.binds + tuple(extra), limits=new_limits,
+        return Policy(network=net, binds=cfg.binds + tuple(extra), limits=new_limits,
                       deterministic=cfg.deterministic)
 
     def _policy_and_timeout(self, network: bool, binds: list[str] | None, memory_bytes: int | None,
                             cpu_s: float | None, pids: int | None, timeout_s: float | None,
-                            clamped: list[str]) -> tuple[Policy, float]:
+                            clamped: list[str], allow_hosts: list[str] | None = None) -> tuple[Policy, float]:
         """The request's Policy and timeout, both bounded by the operator's config (what was
         cut is appended to ``clamped``)."""
         policy = self.policy_for(network=network, binds=list(binds or ()), memory_bytes=memory_bytes,
-                                 cpu_s=cpu_s, pids=pids, clamped=clamped)
+                                 cpu_s=cpu_s, pids=pids, clamped=clamped, allow_hosts=allow_hosts)
         timeout = _clamp("timeout_s", timeout_s if timeout_s is not None else self.config.default_timeout_s,
                          self.config.max_timeout_s, clamped)
         return policy, timeout
@@ -211,27 +261,34 @@ class Tools:
     def run(self, command: list[str], *, workspace: str | None = None, timeout_s: float | None = None,
             memory_bytes: int | None = None, cpu_s: float | None = None, pids: int | None = None,
             network: bool = False, binds: list[str] | None = None, stdin: str | None = None,
-            env: dict[str, str] | None = None) -> dict[str, Any]:
+            env: dict[str, str] | None = None, allow_hosts: list[str] | None = None) -> dict[str, Any]:
         """Run ``command`` in a fresh sandbox; see the module docstring for the result."""
         from .launcher import run as _run
 
         clamped: list[str] = []
-        policy, timeout = self._policy_and_timeout(network, binds, memory_bytes, cpu_s, pids, timeout_s, clamped)
+        command = _validate.command(command)
+        stdin_bytes = _utf8(stdin, "stdin")
+        policy, timeout = self._policy_and_timeout(network, binds, memory_bytes, cpu_s, pids, timeout_s, clamped,
+                                                   allow_hosts)
         name = workspace or f"run-{secrets.token_hex(6)}"
         path = self._workspace(name, create=workspace is None)
-        result = _run(list(command), policy=policy, workspace=path, timeout=timeout,
-                      stdin=stdin.encode() if stdin is not None else None, env=env)
+        result = _run(command, policy=policy, workspace=path, timeout=timeout, stdin=stdin_bytes, env=env)
         return self._result(result, name, clamped)
 
     def run_in_session(self, session: str, command: list[str], *, timeout_s: float | None = None,
                        memory_bytes: int | None = None, cpu_s: float | None = None, pids: int | None = None,
                        network: bool = False, binds: list[str] | None = None, stdin: str | None = None,
-                       env: dict[str, str] | None = None) -> dict[str, Any]:
+                       env: dict[str, str] | None = None, allow_hosts: list[str] | None = None) -> dict[str, Any]:
         """Run ``command`` in the named session, starting it on first use."""
         from .session import Session
 
         clamped: list[str] = []
-        policy, timeout = self._policy_and_timeout(network, binds, memory_bytes, cpu_s, pids, timeout_s, clamped)
+        command = _validate.command(command)
+        stdin_bytes = _utf8(stdin, "stdin")
+        if not isinstance(session, str) or not _NAME.fullmatch(session):
+            raise PolicyError(f"session name {session!r:.80}: use 1-64 letters, digits, '_', '.', '-'")
+        policy, timeout = self._policy_and_timeout(network, binds, memory_bytes, cpu_s, pids, timeout_s, clamped,
+                                                   allow_hosts)
         with self.sessions_lock:
             sess = self.sessions.get(session)
             if sess is not None and not sess.alive:
@@ -245,11 +302,10 @@ class Tools:
                 sess = Session(policy, workspace=self._workspace(session, create=True))
                 self.sessions[session] = sess
                 self.session_policies[session] = policy
-            elif policy != self.session_policies[session] and (network or binds):
+            elif policy != self.session_policies[session] and (network or binds or allow_hosts is not None):
                 raise PolicyError(f"session {session!r} already runs with its own network/binds; "
                                   "close it to start it with others")
-        result = sess.run(list(command), timeout=timeout, stdin=stdin.encode() if stdin is not None else None,
-                          env=env, limits=policy.limits)
+        result = sess.run(command, timeout=timeout, stdin=stdin_bytes, env=env, limits=policy.limits)
         return self._result(result, session, clamped)
 
     def close_session(self, session: str) -> dict[str, Any]:
@@ -279,12 +335,25 @@ class Tools:
         }
         for stream, data, truncated in (("stdout", result.stdout, result.stdout_truncated),
                                         ("stderr", result.stderr, result.stderr_truncated)):
-            out[stream] = data[:cap].decode("utf-8", "replace")
+            cut = data[:cap]
+            if len(data) > cap:
+                cut = _whole_utf8(cut)
+            out[stream], out[f"{stream}_b64"] = bytes_fields(cut)
             out[f"{stream}_truncated"] = truncated or len(data) > cap
-        return out
+        if result.network is not None:
+            out["network"] = [dataclasses.asdict(a) for a in result.network]
+        safe: dict[str, Any] = json_safe(out)
+        return safe
 
     def write_file(self, workspace: str, path: str, content: str, encoding: str = "utf-8") -> dict[str, Any]:
-        """Write a file into a named workspace (created if missing). ``encoding``: utf-8 or base64."""
+        """Write a file into a named workspace (created if missing). ``encoding``: utf-8 or base64.
+
+        Never writes through a symlink or a hard link the sandbox planted, and refuses a path
+        more than :data:`lowlevel.workspace.MAX_DEPTH` levels deep (see
+        :func:`lowlevel.workspace.write_file`).
+        """
+        _encoding(encoding)
+        _ws._split_rel(path)  # the path's own errors before the workspace is created
         data = _decode(content, encoding)
         if len(data) > self.config.max_file_bytes:
             raise PolicyError(f"refused: {len(data)} bytes > the operator's max_file_bytes "
@@ -308,21 +377,79 @@ class Tools:
         return sess.workspace if sess is not None else self._workspace(name, create=False)
 
     def read_file(self, workspace: str, path: str, encoding: str = "utf-8") -> dict[str, Any]:
-        """Read a workspace file (untrusted: no symlinks, size-capped)."""
+        """Read a workspace file (untrusted: no symlinks, size-capped). ``encoding``: utf-8 or base64."""
+        _encoding(encoding)
         data = _ws.read_file(self._view(workspace), path, self.config.max_file_bytes)
         content = base64.b64encode(data).decode() if encoding == "base64" else data.decode("utf-8", "replace")
-        return {"workspace": workspace, "path": path, "bytes": len(data), "encoding": encoding, "content": content}
+        return {"workspace": workspace, "path": path, "bytes": len(data), "encoding": encoding, "content": content,
+                "exact": encoding == "base64" or bytes_fields(data)[1] is None}
 
     def list_files(self, workspace: str) -> dict[str, Any]:
-        """List a workspace's entries (no symlink followed)."""
+        """List a workspace's entries (no symlink followed). A name that is not valid UTF-8 is a
+        ``{"b64", "text"}`` object (:mod:`lowlevel.report`), so one odd name never breaks the list."""
         entries = _ws.list_files(self._view(workspace))
-        return {"workspace": workspace,
-                "entries": [{"path": e.path, "kind": e.kind, "size": e.size} for e in entries]}
+        listing: dict[str, Any] = json_safe({"workspace": workspace,
+                                             "entries": [{"path": e.path, "kind": e.kind, "size": e.size}
+                                                         for e in entries]})
+        return listing
+
+
+def _whole_utf8(data: bytes) -> bytes:
+    """``data`` without a UTF-8 sequence cut at its end (by a byte cap), so capped text stays text."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte < 0x80:
+            return data
+        if byte >= 0xC0:  # a lead byte: keep it only if its sequence is complete
+            need = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
+            return data if back >= need else data[:-back]
+    return data
+
+
+def _check_base(base: str) -> str:
+    """The operator's workspace base, refused by the rules for workspaces
+    (:func:`lowlevel.workspace.check_workspace_path`: not a system or home directory, nothing
+    inside ``/etc``, ``/usr``..., only trusted ancestors), then created (0711) if missing.
+    Every named workspace is a directory of it, so ``--workspace-base /etc`` would have made
+    ``read_file``/``list_files`` reach ``/etc/ssl``.
+
+    Raises:
+        PolicyError: a bad path. WorkspaceError: a refused one.
+    """
+    real = os.path.realpath(_validate.host_path(base, "workspace_base"))
+    reason = _ws.workspace_refusal(real)
+    if reason:
+        raise WorkspaceError(errno.EPERM, f"refusing workspace base {real}: {reason}")
+    made = _ws.ensure_base(real)  # refuses a system or sticky directory before changing anything
+    _ws.check_workspace_path(made)  # trusted ancestors, a writable file system
+    return made
+
+
+def _encoding(encoding: str) -> str:
+    if encoding not in ("utf-8", "base64"):
+        raise PolicyError(f"encoding must be 'utf-8' or 'base64', got {encoding!r:.40}")
+    return encoding
+
+
+def _utf8(value: str | None, what: str) -> bytes | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise PolicyError(f"{what} must be a string, got {type(value).__name__}")
+    try:
+        return value.encode()
+    except UnicodeEncodeError as err:
+        raise PolicyError(f"{what} is not valid Unicode ({err.reason} at index {err.start}): "
+                          "send bytes with write_file(encoding='base64') instead") from None
 
 
 def _decode(content: str, encoding: str) -> bytes:
+    if not isinstance(content, str):
+        raise PolicyError(f"content must be a string, got {type(content).__name__}")
     if encoding == "utf-8":
-        return content.encode()
+        data = _utf8(content, "content")
+        assert data is not None
+        return data
     if encoding == "base64":
         try:
             return base64.b64decode(content, validate=True)
@@ -348,48 +475,54 @@ def build_server(config: ServerConfig, tools: Tools | None = None) -> Any:
 
     tools = tools or Tools(config)
     server = _Server("lowlevel", instructions=(
-        "Run commands in a bubblewrap sandbox (no network unless the operator allows it). "
+        "Run commands in a bubblewrap sandbox (no network unless the operator allows it; with an "
+        "operator allowlist, HTTP(S) to allowed hosts goes through a proxy: see each result's 'network'). "
         "Use write_file to put files in a named workspace, run with workspace=NAME, then read_file."))
 
     async def call(fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         try:
             result: dict[str, Any] = await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
         except (LowlevelError, OSError) as err:
-            raise ToolError(str(err)) from err
-        return result
+            raise ToolError(display(str(err))) from err
+        safe: dict[str, Any] = json_safe(result)
+        return safe
 
     @server.tool()
     async def run(command: list[str], workspace: str | None = None, timeout_s: float | None = None,
                   memory_bytes: int | None = None, cpu_s: float | None = None, pids: int | None = None,
                   network: bool = False, binds: list[str] | None = None, stdin: str | None = None,
-                  env: dict[str, str] | None = None) -> dict[str, Any]:
+                  env: dict[str, str] | None = None, allow_hosts: list[str] | None = None) -> dict[str, Any]:
         """Run a command (argv list, e.g. ["python3", "main.py"]) in a fresh sandbox.
 
         workspace: name of a workspace filled with write_file (default: a fresh empty one; its
         name is returned). timeout_s, memory_bytes, cpu_s, pids: limits, clamped to the
-        operator's ceilings (what was cut is listed in "clamped"). network, binds: requests the
-        operator may refuse. Returns exit_code, term_signal, killed_by, timed_out, stdout,
-        stderr (truncated, with stdout_truncated/stderr_truncated), wall_time_s, workspace.
+        operator's ceilings (what was cut is listed in "clamped"). network (the host network),
+        binds: requests the operator may refuse. allow_hosts: narrow the operator's egress
+        allowlist to these host patterns ([] for no network); programs reach allowed hosts
+        through HTTP_PROXY/HTTPS_PROXY. Returns exit_code, term_signal, killed_by, timed_out,
+        stdout, stderr (truncated, with stdout_truncated/stderr_truncated), wall_time_s,
+        workspace, and with egress "network" (each connection attempt and why it was allowed
+        or refused).
         """
         return await call(tools.run, command, workspace=workspace, timeout_s=timeout_s,
                           memory_bytes=memory_bytes, cpu_s=cpu_s, pids=pids, network=network,
-                          binds=binds, stdin=stdin, env=env)
+                          binds=binds, stdin=stdin, env=env, allow_hosts=allow_hosts)
 
     @server.tool()
     async def run_in_session(session: str, command: list[str], timeout_s: float | None = None,
                              memory_bytes: int | None = None, cpu_s: float | None = None, pids: int | None = None,
                              network: bool = False, binds: list[str] | None = None, stdin: str | None = None,
-                             env: dict[str, str] | None = None) -> dict[str, Any]:
+                             env: dict[str, str] | None = None, allow_hosts: list[str] | None = None) -> dict[str, Any]:
         """Run a command in the named long-lived sandbox, starting it on first use.
 
         The session's workspace is the workspace of the same name (write_file/read_file reach
-        it); files and processes persist between commands. network, binds, memory_bytes and
-        pids are fixed when the session starts; timeout_s and cpu_s apply per command, clamped
+        it); files and processes persist between commands. network, allow_hosts, binds,
+        memory_bytes and pids are fixed when the session starts; timeout_s and cpu_s apply per command, clamped
         to the operator's ceilings. Returns the same fields as run.
         """
         return await call(tools.run_in_session, session, command, timeout_s=timeout_s,
                           memory_bytes=memory_bytes, cpu_s=cpu_s, pids=pids, network=network, binds=binds,
-                          stdin=stdin, env=env)
+                          stdin=stdin, env=env, allow_hosts=allow_hosts)
 
     @server.tool()
     async def close_session(session: str) -> dict[str, Any]:
@@ -418,8 +551,9 @@ def serve(config: ServerConfig) -> None:
     """Serve MCP over stdio until the client closes stdin."""
     tools = Tools(config)
     server = build_server(config, tools)
-    log.debug("lowlevel: mcp server on stdio, workspace base %s, network %s", config.workspace_base,
-              "allowed" if config.network else "off")
+    log.debug("lowlevel: mcp server on stdio, workspace base %s, host network %s, egress %s",
+              config.workspace_base, "allowed" if config.network else "off",
+              config.egress.describe() if config.egress is not None else "off")
     try:
         server.run("stdio")
     finally:

@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from .egress import Egress
+from . import validate as _validate
 from .errors import PolicyError
 from .limits import Limits
 from .seccomp import DEFAULT_PROFILE, SeccompProfile
@@ -86,8 +88,6 @@ DETERMINISTIC_ENV: Mapping[str, str] = MappingProxyType({
 #: Deterministic mode: the uid/gid seen inside when ``sandbox_uid``/``sandbox_gid`` are None.
 DETERMINISTIC_UID = 1000
 DETERMINISTIC_GID = 1000
-
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def _home_dirs() -> set[str]:
@@ -172,14 +172,15 @@ class Bind:
     def __post_init__(self) -> None:
         if not isinstance(self.source, (str, os.PathLike)) or not str(self.source):
             raise PolicyError(f"Bind source must be a non-empty path, got {self.source!r}")
-        raw = os.fspath(self.source)
-        if "\0" in raw:
-            raise PolicyError("Bind source contains a NUL byte")
+        raw = _validate.host_path(self.source, "Bind source")
         real = os.path.realpath(raw)
         if not os.path.exists(real):
             raise PolicyError(f"Bind source {raw!r} does not exist on the host")
+        if not isinstance(self.dest, str):
+            raise PolicyError(f"Bind dest must be a str (an absolute path inside the sandbox), got {self.dest!r}")
         dest = self.dest or real
-        if not os.path.isabs(dest) or "\0" in dest:
+        _validate.text(dest, "Bind dest", max_bytes=_validate.MAX_PATH_BYTES - 1)
+        if not os.path.isabs(dest):
             raise PolicyError(f"Bind dest {dest!r} must be an absolute path inside the sandbox")
         if any(part == ".." for part in dest.split("/")):
             raise PolicyError(f"Bind dest {dest!r} must not contain '..'")
@@ -201,13 +202,20 @@ class Bind:
 
 
 def _freeze_env(env: Mapping[str, str] | tuple[tuple[str, str], ...] | None) -> tuple[tuple[str, str], ...]:
-    items = env.items() if isinstance(env, Mapping) else (env or ())
+    """Validated, sorted ``(name, value)`` pairs (:mod:`lowlevel.validate`: names without ``=`` or NUL,
+    values without NUL). Raises PolicyError."""
+    if env is not None and not isinstance(env, (Mapping, tuple, list)):
+        raise PolicyError(f"env must be a mapping of str to str, got {type(env).__name__}")
+    items = list(env.items()) if isinstance(env, Mapping) else list(env or ())
+    if len(items) > _validate.MAX_ENV:
+        raise PolicyError(f"env has {len(items)} variables; the limit is {_validate.MAX_ENV}")
     out: dict[str, str] = {}
-    for key, value in items:
-        if not isinstance(key, str) or not _ENV_NAME.match(key):
-            raise PolicyError(f"environment variable name {key!r} is invalid: use letters, digits and _")
-        if not isinstance(value, str) or "\0" in value:
-            raise PolicyError(f"environment variable {key} must be a str without NUL bytes")
+    for item in items:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise PolicyError(f"env items must be (name, value) pairs, got {item!r:.80}")
+        key, value = item
+        _validate.env_name(key)
+        _validate.text(value, f"environment variable {key}")
         out[key] = value
     return tuple(sorted(out.items()))
 
@@ -217,9 +225,14 @@ class Policy:
     """What a sandbox sees and may do. Immutable and hashable; validated on construction.
 
     Attributes:
-        network: False (default) unshares the network namespace: only a down loopback.
-            True keeps the host network (``--share-net``) and binds ``/etc/resolv.conf``,
-            ``/etc/hosts``, ``/etc/ssl`` and ``/etc/ca-certificates`` read-only.
+        network: False (default) unshares the network namespace: the sandbox has only its own
+            loopback. An :class:`lowlevel.egress.Egress` keeps that namespace and adds one way
+            out, an allowlisting HTTP proxy on the host (``HTTP_PROXY`` and friends set inside,
+            ``/etc/ssl`` bound; no DNS inside): see
+            :mod:`lowlevel.egress`. True keeps the host's whole network (``--share-net``: its
+            ``127.0.0.1`` services and abstract unix sockets included) and binds
+            ``/etc/resolv.conf``, ``/etc/hosts``, ``/etc/ssl`` and ``/etc/ca-certificates``
+            read-only.
         binds: extra :class:`Bind` mounts (a virtualenv, node_modules, a toolchain...).
         env: variables set on top of :data:`BASE_ENV` (mapping or sorted pairs).
         limits: resource limits (:class:`lowlevel.limits.Limits`).
@@ -253,7 +266,7 @@ class Policy:
         PolicyError: an invalid value (the message names the field).
     """
 
-    network: bool = False
+    network: bool | Egress = False
     binds: tuple[Bind, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     limits: Limits = field(default_factory=Limits)
@@ -269,7 +282,12 @@ class Policy:
     deterministic: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.network, (bool, Egress)):
+            raise PolicyError(f"Policy.network must be False, True (the host network) or a lowlevel.Egress "
+                              f"allowlist, got {self.network!r}")
         object.__setattr__(self, "env", _freeze_env(self.env))
+        if isinstance(self.binds, (str, bytes, Bind)) or not hasattr(self.binds, "__iter__"):
+            raise PolicyError("Policy.binds must be a tuple of Bind objects")
         binds = tuple(self.binds)
         for b in binds:
             if not isinstance(b, Bind):
@@ -280,12 +298,15 @@ class Policy:
         object.__setattr__(self, "binds", binds)
         if not isinstance(self.limits, Limits):
             raise PolicyError("Policy.limits must be a lowlevel.Limits")
+        if self.network is True and self.limits.net_bytes is not None:
+            raise PolicyError("Limits.net_bytes is enforced by the egress proxy, which network=True (the host "
+                              "network) bypasses: use network=Egress(allow=...) or drop net_bytes")
         if self.seccomp is None and not self.unsafe_no_seccomp:
             raise PolicyError("seccomp=None turns off the syscall filter; pass unsafe_no_seccomp=True "
                               "to confirm (never for untrusted code)")
         if self.seccomp is not None and not isinstance(self.seccomp, SeccompProfile):
             raise PolicyError("Policy.seccomp must be a SeccompProfile or None")
-        if not re.match(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,62})$", self.hostname):
+        if not isinstance(self.hostname, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9-]{0,62}", self.hostname):
             raise PolicyError(f"hostname {self.hostname!r} is not a valid host name (letters, digits, -)")
         for name in ("host_uid", "host_gid"):
             value = getattr(self, name)
@@ -316,7 +337,8 @@ class Policy:
 
     def environment(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         """Return the sandbox's environment: BASE_ENV, then (deterministic mode)
-        DETERMINISTIC_ENV, then ``env``, then ``extra``.
+        DETERMINISTIC_ENV, then (egress mode) the proxy variables of
+        :meth:`lowlevel.egress.Egress.environment`, then ``env``, then ``extra``.
 
         Raises:
             PolicyError: an invalid name or value in ``extra``.
@@ -324,6 +346,8 @@ class Policy:
         out = dict(BASE_ENV)
         if self.deterministic:
             out.update(DETERMINISTIC_ENV)
+        if isinstance(self.network, Egress):
+            out.update(self.network.environment())
         out.update(self.env)
         if extra:
             out.update(_freeze_env(extra))

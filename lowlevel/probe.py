@@ -12,6 +12,7 @@ Source: bwrap(1); bubblewrap NEWS for the version each option arrived in.
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import re
@@ -20,7 +21,7 @@ import stat
 import subprocess
 from dataclasses import dataclass
 
-from .errors import BwrapNotFoundError, UnsupportedError
+from .errors import BwrapNotFoundError, LaunchError, UnsupportedError
 
 #: Top-level directories that usr-merged hosts make symlinks into /usr.
 MERGED_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
@@ -75,6 +76,10 @@ def bwrap_info(path: str | None = None) -> BwrapInfo:
         out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=10, env={})
         helptext = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=10, env={})
     except OSError as err:
+        if err.errno == errno.EAGAIN:
+            raise LaunchError(f"cannot start {exe} --version: {err.strerror}: the caller's process limit is reached "
+                              "(RLIMIT_NPROC, `ulimit -u`, or the cgroup's pids.max). Raise it, or run fewer "
+                              "sandboxes at once", argv=[exe], errno=err.errno) from err
         raise BwrapNotFoundError(f"cannot execute {exe}: {err.strerror}", argv=[exe],
                                  errno=err.errno) from err
     m = re.search(r"(\d+)\.(\d+)(?:\.(\d+))?", out.stdout + out.stderr)

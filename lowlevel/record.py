@@ -22,16 +22,22 @@ The caller's own environment is never read into a record: ``environment`` is the
 per-run ``env``. Whatever a caller passes into the sandbox (an API token in ``env``) is in
 the sandbox and therefore in the record.
 
-Workspace content is untrusted: it is walked with :func:`lowlevel.workspace.list_files` and
-read with :func:`lowlevel.workspace.read_file` (no symlink followed, special files and
-multiply-linked files refused), files larger than :data:`MAX_HASH_BYTES` are listed with
-``sha256: null`` and a ``skipped`` reason.
+Workspace content is untrusted: it is walked without following a symlink and each file is
+opened relative to directory fds with ``O_NOFOLLOW`` (special files and multiply-linked files
+refused). Each walk is bounded (:class:`HashBudget`: total bytes and seconds); files larger
+than :data:`MAX_HASH_BYTES`, sparse files, and files past the budget are listed with
+``sha256: null`` and a ``skipped`` reason, and the record's notes count them.
+
+A record is untrusted input to :func:`replay`: :func:`validate_record` checks every field it
+uses first. Names that are not valid UTF-8 are written as ``{"b64", "text"}`` objects
+(:mod:`lowlevel.report`), so a record is always strict UTF-8 JSON and loses nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import errno
 import hashlib
 import json
 import logging
@@ -45,13 +51,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import validate as _validate
 from . import workspace as _ws
-from .errors import LowlevelError, WorkspaceError
+from .argv import build_argv
+from .egress import egress_from_mapping
+from .errors import LowlevelError, PolicyError, WorkspaceError
 from .launcher import DEFAULT_TIMEOUT_S, host_facts
 from .launcher import run as _run
 from .limits import Limits
 from .policy import WORKSPACE_DEST, Bind, Policy
-from .result import Result
+from .report import RECORD_NOT_WRITTEN, display, json_safe, name_from_json
+from .result import KILLED_BY, Result
 
 log = logging.getLogger("lowlevel")
 
@@ -85,7 +95,7 @@ def _canon(value: Any) -> Any:
 
 
 def _dumps(value: Any) -> bytes:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    return json.dumps(json_safe(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def seccomp_rules_sha256(profile: Any) -> str:
@@ -135,6 +145,9 @@ def policy_from_canonical(canon: Mapping[str, Any], *, profiles: Sequence[Any] =
         RecordError: an unknown field, or a seccomp profile not among ``profiles``.
         PolicyError: the rebuilt Policy is invalid here (a bind source missing on this host).
     """
+    canon = _decode_names(canon)
+    if not isinstance(canon, Mapping):
+        raise RecordError("the record's policy is not an object")
     names = {f.name for f in dataclasses.fields(Policy)}
     unknown = set(canon) - names
     if unknown:
@@ -148,6 +161,8 @@ def policy_from_canonical(canon: Mapping[str, Any], *, profiles: Sequence[Any] =
             kwargs[name] = Limits(**limit_kwargs)
         elif name == "env":
             kwargs[name] = tuple((k, v) for k, v in value)
+        elif name == "network" and isinstance(value, Mapping):
+            kwargs[name] = egress_from_mapping(value)
         elif name == "seccomp":
             if value is None:
                 kwargs[name] = None
@@ -160,6 +175,18 @@ def policy_from_canonical(canon: Mapping[str, Any], *, profiles: Sequence[Any] =
         else:
             kwargs[name] = tuple(value) if isinstance(value, list) else value
     return Policy(**kwargs)
+
+
+def _decode_names(value: Any) -> Any:
+    """Turn every ``{"b64", "text"}`` name object (:mod:`lowlevel.report`) in a JSON value back
+    into the str it stands for."""
+    if isinstance(value, Mapping):
+        if set(value) == {"b64", "text"}:
+            return name_from_json(value)
+        return {k: _decode_names(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_decode_names(v) for v in value]
+    return value
 
 
 # --- host facts ---------------------------------------------------------------------------
@@ -192,7 +219,65 @@ def _seccomp_doc(policy: Policy) -> dict[str, Any] | None:
             "profile_sha256": fn(policy.seccomp) if fn is not None else None}
 
 
-# --- workspace hashing --------------------------------------------------------------------
+# --- workspace hashing ---------------------------------------------------------------------
+
+#: Total bytes one walk of :func:`hash_workspace` reads (every file's apparent size counts).
+HASH_BUDGET_BYTES = 512 * 1024 * 1024
+#: Wall-clock seconds one walk of :func:`hash_workspace` may spend reading and hashing.
+HASH_BUDGET_S = 10.0
+#: A file with more bytes in holes than this is not hashed (reading holes costs time, not disk).
+MAX_HOLE_BYTES = 1024 * 1024
+_CHUNK = 1024 * 1024
+
+
+@dataclass
+class HashBudget:
+    """What one :func:`hash_workspace` walk may spend: bytes read and wall-clock seconds.
+
+    A program can make a 64 MiB file with no data in it (``truncate -s 64M``) in microseconds;
+    reading it back costs the host 64 MiB of zeros to hash. So after a run the walk is bounded
+    in total (not only per file), sparse files are found by their allocated blocks
+    (``st_blocks``) and confirmed with ``SEEK_DATA``/``SEEK_HOLE`` (a compressed file system
+    also reports few blocks), and every file left out is listed with its reason.
+
+    Attributes:
+        max_bytes: total bytes to read (apparent sizes, holes included).
+        max_seconds: seconds from the first file.
+        used_bytes: bytes read so far.
+        skipped_budget, skipped_sparse: files not hashed because the budget was spent, or
+            because they are mostly holes.
+    Source: lseek(2) SEEK_DATA/SEEK_HOLE; stat(2) st_blocks (512-byte units).
+    """
+
+    max_bytes: int = HASH_BUDGET_BYTES
+    max_seconds: float = HASH_BUDGET_S
+    used_bytes: int = 0
+    skipped_budget: int = 0
+    skipped_sparse: int = 0
+    t0: float | None = None
+
+    def expired(self) -> bool:
+        """True once ``max_seconds`` have passed since the first file."""
+        if self.t0 is None:
+            self.t0 = time.monotonic()
+        return time.monotonic() - self.t0 > self.max_seconds
+
+    def reason(self) -> str:
+        """Why a file was left out for the budget (for an entry's ``skipped``)."""
+        return (f"post-run hash budget spent ({self.max_bytes} bytes or {self.max_seconds:g} s per walk): "
+                "not hashed")
+
+    def note(self, when: str) -> str | None:
+        """One line for the record's notes, or None when nothing was left out."""
+        parts = []
+        if self.skipped_budget:
+            parts.append(f"{self.skipped_budget} file(s) not hashed: the hash budget of {self.max_bytes} bytes / "
+                         f"{self.max_seconds:g} s was spent")
+        if self.skipped_sparse:
+            parts.append(f"{self.skipped_sparse} sparse file(s) not hashed (more than {MAX_HOLE_BYTES} bytes of "
+                         "holes)")
+        return f"record: workspace {when} the run: " + "; ".join(parts) if parts else None
+
 
 def _readlink(root: str, relpath: str) -> str | None:
     """Read a symlink's text without following any symlink on the way (openat per component)."""
@@ -210,6 +295,81 @@ def _readlink(root: str, relpath: str) -> str | None:
         os.close(fd)
 
 
+def _data_bytes(fd: int, size: int) -> int | None:
+    """Bytes of ``fd`` in data extents (``SEEK_DATA``/``SEEK_HOLE``), or None when the file
+    system cannot say or the file has too many extents to count (then it counts as dense)."""
+    pos = total = 0
+    for _ in range(4096):
+        try:
+            start = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError as err:
+            return total if err.errno == errno.ENXIO else None
+        end = os.lseek(fd, start, os.SEEK_HOLE)
+        total += end - start
+        pos = end
+        if pos >= size:
+            return total
+    return None
+
+
+def _hash_file(root: str, rel: str, max_bytes: int, budget: HashBudget,
+               keep: bool) -> tuple[str | None, int, bytes | None, str | None]:
+    """Hash one workspace file as untrusted content (no symlink followed, one hard link only).
+
+    Returns:
+        ``(sha256 or None, size, data (when ``keep`` and hashed) or None, skipped reason or None)``.
+    """
+    try:
+        parts = _ws._split_rel(rel)
+    except WorkspaceError as err:
+        return None, 0, None, str(err)
+    try:
+        dfd = _ws._open_parent(root, parts)
+        try:
+            fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY,
+                         dir_fd=dfd)
+        finally:
+            os.close(dfd)
+    except OSError as err:
+        return None, 0, None, f"cannot open: {err.strerror}"
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        st = os.fstat(fd)
+        size = st.st_size
+        if not stat.S_ISREG(st.st_mode):
+            return None, size, None, "not a regular file"
+        if st.st_nlink > 1:
+            return None, size, None, f"it has {st.st_nlink} hard links"
+        if size > max_bytes:
+            return None, size, None, f"larger than {max_bytes} bytes"
+        if st.st_blocks * 512 + MAX_HOLE_BYTES < size:
+            data_bytes = _data_bytes(fd, size)
+            if data_bytes is not None and size - data_bytes > MAX_HOLE_BYTES:
+                budget.skipped_sparse += 1
+                return None, size, None, (f"sparse file: {size} bytes apparent, {data_bytes} in data extents "
+                                          f"({st.st_blocks * 512} allocated): holes are not hashed")
+        if budget.used_bytes + size > budget.max_bytes or budget.expired():
+            budget.skipped_budget += 1
+            return None, size, None, budget.reason()
+        h = hashlib.sha256()
+        chunks: list[bytes] = []
+        got = 0
+        while True:
+            chunk = f.read(_CHUNK)
+            if not chunk:
+                break
+            got += len(chunk)
+            budget.used_bytes += len(chunk)
+            if got > max_bytes:
+                return None, got, None, f"larger than {max_bytes} bytes"
+            h.update(chunk)
+            if keep:
+                chunks.append(chunk)
+            if budget.expired():
+                budget.skipped_budget += 1
+                return None, got, None, budget.reason()
+        return h.hexdigest(), got, b"".join(chunks) if keep else None, None
+
+
 @dataclass
 class _Store:
     """The input store of one record being written: ``dir`` (created lazily) and bytes used."""
@@ -219,58 +379,76 @@ class _Store:
     complete: bool = True
 
     def put(self, digest: str, data: bytes) -> bool:
+        """Copy ``data`` in as ``<dir>/<digest>`` unless over MAX_STORE_BYTES.
+
+        Raises:
+            RecordError: the store cannot be written (ENOSPC...); no temp file is left.
+        """
         if self.dir is None:
             return False
         if self.used + len(data) > MAX_STORE_BYTES:
             self.complete = False
             return False
-        os.makedirs(self.dir, 0o700, exist_ok=True)
         path = os.path.join(self.dir, digest)
-        if not os.path.exists(path):
-            tmp = f"{path}.tmp{os.getpid()}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-            self.used += len(data)
+        tmp = f"{path}.tmp{os.getpid()}"
+        try:
+            os.makedirs(self.dir, 0o700, exist_ok=True)
+            if not os.path.exists(path):
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                try:
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view):]
+                finally:
+                    os.close(fd)
+                os.replace(tmp, path)
+                self.used += len(data)
+        except OSError as err:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise RecordError(f"cannot write the input store {self.dir}: {err.strerror or err}") from err
         return True
 
 
-def hash_workspace(root: str, store: _Store | None = None,
-                   max_bytes: int = MAX_HASH_BYTES) -> tuple[list[dict[str, Any]], bool]:
-    """List every entry of ``root`` with the SHA-256 of each regular file.
+def hash_workspace(root: str, store: _Store | None = None, max_bytes: int = MAX_HASH_BYTES,
+                   budget: HashBudget | None = None) -> tuple[list[dict[str, Any]], bool]:
+    """List every entry of ``root`` with the SHA-256 of each regular file, within a budget.
 
     Args:
         root: host path of a workspace (untrusted content).
         store: when given, regular files are also copied into it (the input store).
         max_bytes: files larger than this are listed with ``sha256: None`` and ``skipped``.
+        budget: the walk's total :class:`HashBudget` (default: a fresh one with
+            :data:`HASH_BUDGET_BYTES` and :data:`HASH_BUDGET_S`); files beyond it, and sparse
+            files, are listed with ``sha256: None`` and the reason in ``skipped``.
     Returns:
         ``(entries, complete)``: entries sorted by path, each ``{"path", "kind", "size",
-        "mode", "sha256", "link", "stored", "skipped"}``; ``complete`` is False when the walk
-        stopped at :data:`lowlevel.workspace.MAX_SNAPSHOT_ENTRIES`.
+        "mode", "sha256", "link", "stored", "skipped"}`` (``path`` and ``link`` as Python
+        strs: :func:`lowlevel.report.json_safe` makes them JSON); ``complete`` is False when
+        the walk stopped at :data:`lowlevel.workspace.MAX_SNAPSHOT_ENTRIES`.
     Raises:
-        WorkspaceError: root is missing or unreadable.
+        WorkspaceError: root is missing or unreadable. RecordError: the store cannot be written.
     """
-    entries = _ws.list_files(root)
-    complete = len(entries) < _ws.MAX_SNAPSHOT_ENTRIES
+    budget = budget if budget is not None else HashBudget()
+    walked, _ = _ws._walk(root)
+    complete = len(walked) < _ws.MAX_SNAPSHOT_ENTRIES
     out: list[dict[str, Any]] = []
-    for e in entries:
-        doc: dict[str, Any] = {"path": e.path, "kind": e.kind, "size": e.size, "mode": e.mode,
+    for rel, st in sorted(walked, key=lambda e: e[0]):
+        kind = _ws._kind(st.st_mode)
+        doc: dict[str, Any] = {"path": rel, "kind": kind, "size": st.st_size, "mode": stat.S_IMODE(st.st_mode),
                                "sha256": None, "link": None, "stored": False, "skipped": None}
-        if e.kind == "file":
-            if e.size > max_bytes:
-                doc["skipped"] = f"larger than {max_bytes} bytes"
-            else:
-                try:
-                    data = _ws.read_file(root, e.path, max_bytes)
-                except WorkspaceError as err:
-                    doc["skipped"] = str(err)
-                else:
-                    doc["sha256"] = hashlib.sha256(data).hexdigest()
-                    doc["size"] = len(data)
-                    if store is not None:
-                        doc["stored"] = store.put(doc["sha256"], data)
-        elif e.kind == "symlink":
-            doc["link"] = _readlink(root, e.path)
+        if kind == "file":
+            digest, size, data, skipped = _hash_file(root, rel, max_bytes, budget, keep=store is not None)
+            doc["skipped"] = skipped
+            if digest is not None:
+                doc["sha256"] = digest
+                doc["size"] = size
+                if store is not None and data is not None:
+                    doc["stored"] = store.put(digest, data)
+        elif kind == "symlink":
+            doc["link"] = _readlink(root, rel)
         out.append(doc)
     return out, complete
 
@@ -297,18 +475,32 @@ def execute_recorded(command: Sequence[str], *, policy: Policy | None = None,
                      stdin: bytes | None = None, env: Mapping[str, str] | None = None, capture: bool = True,
                      cwd: str = WORKSPACE_DEST, workspace_base: str | None = None,
                      store_dir: str | None = None,
-                     allow_sensitive_workspace: bool = False) -> tuple[Result, dict[str, Any]]:
+                     allow_sensitive_workspace: bool = False,
+                     hash_budget: tuple[int, float] = (HASH_BUDGET_BYTES, HASH_BUDGET_S)
+                     ) -> tuple[Result, dict[str, Any]]:
     """Run ``command`` like :func:`lowlevel.run` and build its record (not written).
 
     Same arguments as :func:`lowlevel.run`, plus ``store_dir``: where to copy the inputs for
-    replay (None: hash only; the record then cannot be replayed).
+    replay (None: hash only; the record then cannot be replayed), and ``hash_budget``:
+    ``(bytes, seconds)`` for each of the two workspace walks (before and after the run; see
+    :class:`HashBudget`).
 
     Returns:
-        ``(result, record)``; the record is a JSON-ready dict.
+        ``(result, record)``; the record is a JSON-ready dict in its JSON form (names that are
+        not valid UTF-8 as ``{"b64", "text"}`` objects: :mod:`lowlevel.report`).
     Raises:
-        Whatever :func:`lowlevel.run` raises; no record is made for a run that never started.
+        Whatever :func:`lowlevel.run` raises (PolicyError for a bad argument, before anything
+        is created); RecordError when the input store cannot be written. No record is made for
+        a run that never started.
     """
+    from . import validate as _validate
+
     policy = policy or Policy()
+    if not isinstance(policy, Policy):
+        raise PolicyError(f"policy must be a lowlevel.Policy, got {type(policy).__name__}")
+    command = _validate.run_args(command=command, cwd=cwd, env=env, workspace=workspace,
+                                 workspace_base=workspace_base, inputs=inputs)
+    environment = policy.environment(env)
     created = None
     if workspace is None:
         ws = created = _ws.create_workspace(inputs, workspace_base)
@@ -320,13 +512,13 @@ def execute_recorded(command: Sequence[str], *, policy: Policy | None = None,
     try:
         store = _Store(store_dir)
         t_hash = time.monotonic()
-        before, before_complete = hash_workspace(ws, store)
+        budget_before = HashBudget(*hash_budget)
+        before, before_complete = hash_workspace(ws, store, budget=budget_before)
         stdin_doc = None
         if stdin is not None:
             digest = hashlib.sha256(stdin).hexdigest()
             stdin_doc = {"sha256": digest, "bytes": len(stdin), "stored": store.put(digest, bytes(stdin))}
         hash_before_s = time.monotonic() - t_hash
-        environment = policy.environment(env)
         started_at = _now()
         result = _run(command, policy=policy, workspace=ws, timeout=timeout, stdin=stdin, env=env,
                       capture=capture, cwd=cwd, allow_sensitive_workspace=allow_sensitive_workspace)
@@ -335,7 +527,13 @@ def execute_recorded(command: Sequence[str], *, policy: Policy | None = None,
             shutil.rmtree(created, ignore_errors=True)
         raise
     finished_at = _now()
-    after, after_complete = hash_workspace(ws)
+    budget_after = HashBudget(*hash_budget)
+    try:
+        after, after_complete = hash_workspace(ws, budget=budget_after)
+    except LowlevelError as err:
+        after, after_complete = [], False
+        result.notes = (*result.notes, f"record: cannot hash the workspace after the run: {err}")
+    budget_notes = [n for n in (budget_before.note("before"), budget_after.note("after")) if n]
     facts = host_facts()
     record: dict[str, Any] = {
         "schema": SCHEMA_ID,
@@ -368,22 +566,99 @@ def execute_recorded(command: Sequence[str], *, policy: Policy | None = None,
         "inputs": {"store": os.path.basename(store_dir) if store_dir else None,
                    "complete": bool(store_dir) and store.complete and before_complete
                    and all(e["stored"] for e in before if e["kind"] == "file")},
-        "notes": list(result.notes),
+        "notes": list(result.notes) + budget_notes,
     }
-    return result, record
+    if result.network is not None:
+        record["network"] = [dataclasses.asdict(a) for a in result.network]
+    if budget_notes:
+        result.notes = (*result.notes, *budget_notes)
+    safe: dict[str, Any] = json_safe(record)
+    return result, safe
+
+
+def check_record_path(path: str | os.PathLike[str]) -> str:
+    """Refuse a record path that cannot be written, before anything runs.
+
+    Args:
+        path: where the record goes.
+    Returns:
+        The absolute path.
+    Raises:
+        PolicyError: empty, a NUL... RecordError: an existing directory (or other non-file),
+            a missing parent directory, an input store name (``<path>.inputs``) taken by
+            something else than a directory.
+    """
+    from . import validate as _validate
+
+    raw = _validate.host_path(path, "record")
+    full = os.path.abspath(raw)
+    parent = os.path.dirname(full)
+    if os.path.isdir(full):
+        raise RecordError(f"cannot write the record {full}: it is a directory; name a file, e.g. {full}/run.json")
+    if os.path.islink(full) or (os.path.lexists(full) and not os.path.isfile(full)):
+        raise RecordError(f"cannot write the record {full}: it exists and is not a regular file")
+    if not os.path.isdir(parent):
+        raise RecordError(f"cannot write the record {full}: the directory {parent} does not exist")
+    store = full + STORE_SUFFIX
+    if os.path.lexists(store) and (os.path.islink(store) or not os.path.isdir(store)):
+        raise RecordError(f"cannot write the record {full}: its input store {store} exists and is not a directory")
+    return full
+
+
+class _RecordFile:
+    """The record's temp file, made before the run (so an unwritable place fails first) and
+    renamed into place after it; :meth:`discard` removes it on every failure."""
+
+    def __init__(self, path: str) -> None:
+        import tempfile
+
+        self.path = path
+        try:
+            fd, self.tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".tmp", dir=os.path.dirname(path))
+        except OSError as err:
+            raise RecordError(f"cannot write the record {path}: {err.strerror or err}") from err
+        self.fd: int | None = fd  # mode 0600: a record holds the environment, which may carry tokens
+
+    def commit(self, record: Mapping[str, Any]) -> None:
+        """Write ``record`` and rename it into place. Raises OSError (the temp file stays: discard it)."""
+        assert self.fd is not None
+        data = (json.dumps(json_safe(record), indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode()
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd, view):]
+        os.fsync(self.fd)
+        os.close(self.fd)
+        self.fd = None
+        os.replace(self.tmp, self.path)
+
+    def discard(self) -> None:
+        """Close and remove the temp file (idempotent, never raises)."""
+        if self.fd is not None:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = None
+        try:
+            os.unlink(self.tmp)
+        except OSError:
+            pass
 
 
 def write_record(path: str | os.PathLike[str], record: Mapping[str, Any]) -> None:
-    """Write ``record`` as indented, key-sorted JSON to ``path`` (atomically: temp file + rename; mode 0600)."""
-    path = os.path.abspath(os.fspath(path))
-    tmp = f"{path}.tmp{os.getpid()}"
-    # 0600: a record holds the environment inside the sandbox, which may carry tokens the
-    # caller passed in on purpose.
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(record, f, indent=2, sort_keys=True, ensure_ascii=False)
-        f.write("\n")
-    os.replace(tmp, path)
+    """Write ``record`` as indented, key-sorted UTF-8 JSON to ``path`` atomically (temp file in the
+    same directory + rename; mode 0600: a record holds the environment inside the sandbox).
+
+    Raises:
+        RecordError: the path is refused (:func:`check_record_path`) or the write failed (ENOSPC,
+            EROFS...); the temp file is removed either way.
+    """
+    f = _RecordFile(check_record_path(path))
+    try:
+        f.commit(record)
+    except (OSError, ValueError) as err:
+        f.discard()
+        raise RecordError(f"cannot write the record {f.path}: {getattr(err, 'strerror', None) or err}") from err
 
 
 def record_run(command: Sequence[str], *, record: str | os.PathLike[str], **kwargs: Any) -> Result:
@@ -392,18 +667,38 @@ def record_run(command: Sequence[str], *, record: str | os.PathLike[str], **kwar
     The inputs (every regular file in the workspace before the run, and stdin) are copied
     into ``<record>.inputs/`` for :func:`replay`. ``lowlevel.run(..., record=PATH)`` calls this.
 
+    The path is checked, and the record's temp file created, before the run: a missing
+    directory, a directory, ``""`` or an unwritable place fail with RecordError before anything
+    runs. Once the program ran, writing the record never raises: on failure (a full disk...)
+    the temp file is removed and ``Result.notes`` gets one line starting with
+    :data:`RECORD_NOT_WRITTEN`; the output and the exit status are in the Result as always.
+
     Args:
         command: as for :func:`lowlevel.run`.
         record: path of the JSON record to write (replaced if it exists).
-        **kwargs: the other keyword arguments of :func:`lowlevel.run`.
+        **kwargs: the other keyword arguments of :func:`lowlevel.run` (and ``hash_budget``,
+            see :func:`execute_recorded`).
     Returns:
         The run's :class:`Result`.
     Raises:
-        Whatever :func:`lowlevel.run` raises; OSError when the record cannot be written.
+        Whatever :func:`lowlevel.run` raises; RecordError (before the run) for an unusable path
+        or input store.
     """
-    path = os.fspath(record)
-    result, doc = execute_recorded(command, store_dir=store_dir_for(path), **kwargs)
-    write_record(path, doc)
+    path = check_record_path(record)
+    f = _RecordFile(path)
+    try:
+        result, doc = execute_recorded(command, store_dir=store_dir_for(path), **kwargs)
+    except BaseException:
+        f.discard()
+        raise
+    try:
+        f.commit(doc)
+    except Exception as err:  # noqa: BLE001 - after the run: never raise, report in notes
+        f.discard()
+        reason = getattr(err, "strerror", None) or str(err) or type(err).__name__
+        note = f"{RECORD_NOT_WRITTEN}{path}: {reason}"
+        log.info("lowlevel: %s", note)  # the note is the report (the CLI prints it)
+        result.notes = (*result.notes, note)
     return result
 
 
@@ -427,96 +722,304 @@ class ReplayReport:
     record: dict[str, Any] = field(default_factory=dict)
 
 
+#: Largest record file :func:`load_record` reads (bytes).
+MAX_RECORD_BYTES = 256 * 1024 * 1024
+#: Default cap on the bytes a replay writes into its workspace (every copy of a file counts).
+MAX_REPLAY_BYTES = 256 * 1024 * 1024
+#: Default cap on the entries a replay creates (files, directories, symlinks).
+MAX_REPLAY_ENTRIES = _ws.MAX_SNAPSHOT_ENTRIES
+
+
 def load_record(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a record and check its ``schema``.
+    """Read a record (at most :data:`MAX_RECORD_BYTES`) and check its ``schema``.
+
+    The rest is checked by :func:`validate_record`.
 
     Raises:
-        RecordError: not JSON, or not a ``lowlevel-run-record/1`` document.
+        RecordError: unreadable, a device, too large, not JSON (or nested too deep), or not a
+            ``lowlevel-run-record/1`` document.
     """
+    name = os.fspath(path)
     try:
-        with open(os.fspath(path), encoding="utf-8") as f:
-            doc = json.load(f)
-    except (OSError, ValueError) as err:
-        raise RecordError(f"cannot read record {os.fspath(path)!r}: {err}") from err
+        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not (stat.S_ISREG(st.st_mode) or stat.S_ISFIFO(st.st_mode)):
+                raise RecordError(f"cannot read record {name!r}: not a regular file")
+            os.set_blocking(f.fileno(), True)
+            data = f.read(MAX_RECORD_BYTES + 1)
+    except OSError as err:
+        raise RecordError(f"cannot read record {name!r}: {err.strerror or err}") from err
+    if len(data) > MAX_RECORD_BYTES:
+        raise RecordError(f"cannot read record {name!r}: larger than {MAX_RECORD_BYTES} bytes")
+    try:
+        doc = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+    except (ValueError, RecursionError) as err:
+        what = "nested too deep" if isinstance(err, RecursionError) else str(err)
+        raise RecordError(f"cannot read record {name!r}: not valid JSON ({what})") from None
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA_ID:
-        raise RecordError(f"{os.fspath(path)!r} is not a {SCHEMA_ID} record")
+        raise RecordError(f"{name!r} is not a {SCHEMA_ID} record")
     return doc
 
 
-_DIGEST = re.compile(r"^[0-9a-f]{64}$")
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+_DIGEST = re.compile(r"[0-9a-f]{64}")
 _KINDS = ("file", "dir", "symlink", "other")
 
 
-def _check_entries(entries: Any) -> list[Mapping[str, Any]]:
-    """Validate a record's ``workspace.before`` (untrusted input) before anything is created.
+def _bad(where: str, what: str) -> RecordError:
+    return RecordError(f"refusing the record: {where} {what}")
 
-    Raises:
-        RecordError: not a list of entries, or an entry with an absolute path, a ``..``
-            component, an unknown kind, a mode outside 0..0o7777, a malformed SHA-256 or
-            symlink text.
+
+def _get(obj: Any, key: str, where: str) -> Any:
+    if not isinstance(obj, Mapping):
+        raise _bad(where or "the record", "is not an object")
+    if key not in obj:
+        raise _bad(f"{where}.{key}" if where else key, "is missing")
+    return obj[key]
+
+
+def _int(value: Any, where: str, lo: int = 0, hi: int | None = None) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo or (hi is not None and value > hi):
+        raise _bad(where, f"must be an integer in [{lo}, {hi if hi is not None else 'inf'}], got {value!r:.60}")
+    return value
+
+
+def _bool(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise _bad(where, f"must be true or false, got {value!r:.60}")
+    return value
+
+
+def _digest(value: Any, where: str, nullable: bool = False) -> str | None:
+    if value is None and nullable:
+        return None
+    if not isinstance(value, str) or not _DIGEST.fullmatch(value):
+        raise _bad(where, f"must be a SHA-256 in lowercase hex, got {value!r:.80}")
+    return value
+
+
+def _name(value: Any, where: str) -> str:
+    try:
+        return name_from_json(value)
+    except ValueError as err:
+        raise _bad(where, str(err)) from None
+
+
+def _checked(fn: Any, where: str, *args: Any, **kwargs: Any) -> Any:
+    """Call a :mod:`lowlevel.validate` check, turning its PolicyError into RecordError."""
+    try:
+        return fn(*args, **kwargs)
+    except PolicyError as err:
+        raise _bad(where, f"is refused: {err}") from None
+
+
+@dataclass
+class ParsedRecord:
+    """The fields :func:`replay` uses, checked and decoded (names as Python strs).
+
+    Attributes:
+        command, cwd, env, timeout_s: the run's arguments.
+        stdin_sha256: the stdin blob's digest, or None.
+        policy: the canonical policy object (rebuilt by :func:`policy_from_canonical`).
+        policy_sha256: its recorded hash.
+        store: the input store's name next to the record, or None.
+        before: the workspace before the run: dicts with decoded ``path`` and ``link``.
+        before_complete: the listing is complete.
     """
-    if not isinstance(entries, list):
-        raise RecordError("the record's workspace.before is not a list")
+
+    command: list[str]
+    cwd: str
+    env: dict[str, str]
+    timeout_s: float | None
+    stdin_sha256: str | None
+    policy: Mapping[str, Any]
+    policy_sha256: str
+    store: str | None
+    before: list[dict[str, Any]]
+    before_complete: bool
+
+
+def _entries(value: Any, where: str, limit: int) -> list[dict[str, Any]]:
+    """Check a workspace listing (``before`` or ``after``): paths relative without ``..`` and
+    at most MAX_DEPTH + 1 levels, kinds, modes 0..0o7777, sizes, digests, symlink texts."""
+    if not isinstance(value, list):
+        raise _bad(where, "is not a list")
+    if len(value) > limit:
+        raise _bad(where, f"has {len(value)} entries; the limit is {limit}")
     out = []
-    for e in entries:
-        if not isinstance(e, Mapping) or not isinstance(e.get("path"), str):
-            raise RecordError(f"bad workspace entry in the record: {e!r}")
+    for i, e in enumerate(value):
+        at = f"{where}[{i}]"
+        path = _name(_get(e, "path", at), f"{at}.path")
         try:
-            _ws._split_rel(e["path"])
+            _ws._split_rel(path)
         except WorkspaceError as err:
-            raise RecordError(f"refusing the record: {err}") from err
-        if e.get("kind") not in _KINDS:
-            raise RecordError(f"refusing the record: entry {e['path']!r} has kind {e.get('kind')!r}")
-        mode = e.get("mode")
-        if not isinstance(mode, int) or isinstance(mode, bool) or not 0 <= mode <= 0o7777:
-            raise RecordError(f"refusing the record: entry {e['path']!r} has mode {mode!r}")
-        if e["kind"] == "file" and e.get("sha256") is not None and not _DIGEST.match(str(e["sha256"])):
-            raise RecordError(f"refusing the record: entry {e['path']!r} has sha256 {e['sha256']!r}")
-        if e["kind"] == "symlink" and e.get("link") is not None and (
-                not isinstance(e["link"], str) or "\0" in e["link"]):
-            raise RecordError(f"refusing the record: symlink {e['path']!r} has target {e['link']!r}")
-        out.append(e)
+            raise _bad(f"{at}.path", f"is refused: {err}") from None
+        kind = _get(e, "kind", at)
+        if kind not in _KINDS:
+            raise _bad(f"{at}.kind", f"must be one of {_KINDS}, got {kind!r:.40}")
+        mode = _int(_get(e, "mode", at), f"{at}.mode", 0, 0o7777)
+        size = _int(_get(e, "size", at), f"{at}.size")
+        digest = _digest(_get(e, "sha256", at), f"{at}.sha256", nullable=True)
+        link_raw = _get(e, "link", at)
+        link = None
+        if link_raw is not None:
+            link = _name(link_raw, f"{at}.link")
+            _checked(_validate.text, f"{at}.link", link, "symlink target", max_bytes=_validate.MAX_PATH_BYTES - 1,
+                     empty=False)
+        stored = _bool(_get(e, "stored", at), f"{at}.stored")
+        skipped = _get(e, "skipped", at)
+        if skipped is not None and not isinstance(skipped, str):
+            raise _bad(f"{at}.skipped", "must be a string or null")
+        out.append({"path": path, "kind": kind, "mode": mode, "size": size, "sha256": digest, "link": link,
+                    "stored": stored, "skipped": skipped})
     return out
 
 
-def _restore_inputs(doc: Mapping[str, Any], store: str, root: str) -> bytes | None:
+def validate_record(doc: Any) -> ParsedRecord:
+    """Check every field a replay and :func:`compare` use against ``docs/record-schema.json``
+    (types, ranges, NUL bytes, lengths, paths) before anything is created, and decode names.
+
+    A record is untrusted input: a field it cannot hold is refused here with one line naming
+    the field, never a traceback later. Strings bound for bwrap's argv or the workspace (the
+    command, cwd, env, symlink targets, paths) get the same checks as the API's
+    (:mod:`lowlevel.validate`), so a NUL never gets further.
+
+    Raises:
+        RecordError: the first bad field.
+    """
+    if not isinstance(doc, Mapping) or doc.get("schema") != SCHEMA_ID:
+        raise RecordError(f"not a {SCHEMA_ID} record")
+    cmd_raw = _get(doc, "command", "")
+    if not isinstance(cmd_raw, list):
+        raise _bad("command", "is not a list")
+    if len(cmd_raw) > _validate.MAX_ARGS:
+        raise _bad("command", f"has {len(cmd_raw)} arguments; the limit is {_validate.MAX_ARGS}")
+    command = _checked(_validate.command, "command", [_name(a, f"command[{i}]") for i, a in enumerate(cmd_raw)])
+    cwd = _checked(_validate.sandbox_path, "cwd", _name(_get(doc, "cwd", ""), "cwd"), "cwd")
+    env_raw = _get(doc, "env", "")
+    env: dict[str, str] = {}
+    if env_raw is not None:
+        if not isinstance(env_raw, Mapping):
+            raise _bad("env", "is not an object")
+        if len(env_raw) > _validate.MAX_ENV:
+            raise _bad("env", f"has {len(env_raw)} variables; the limit is {_validate.MAX_ENV}")
+        for key, value in env_raw.items():
+            _checked(_validate.env_name, "env", key)
+            env[key] = _checked(_validate.text, f"env[{key!r}]", _name(value, f"env[{key!r}]"), f"env[{key!r}]")
+    stdin_raw = _get(doc, "stdin", "")
+    stdin_sha = None
+    if stdin_raw is not None:
+        stdin_sha = _digest(_get(stdin_raw, "sha256", "stdin"), "stdin.sha256")
+        _int(_get(stdin_raw, "bytes", "stdin"), "stdin.bytes")
+    timeout_s = _get(doc, "timeout_s", "")
+    if timeout_s is not None and (not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool)
+                                  or not 0 < timeout_s < 2**31):
+        raise _bad("timeout_s", f"must be a number of seconds in (0, 2**31) or null, got {timeout_s!r:.40}")
+    policy = _get(doc, "policy", "")
+    if not isinstance(policy, Mapping):
+        raise _bad("policy", "is not an object")
+    digest = _digest(_get(doc, "policy_sha256", ""), "policy_sha256")
+    assert digest is not None
+    inputs = _get(doc, "inputs", "")
+    store = _get(inputs, "store", "inputs")
+    if store is not None and (not isinstance(store, str) or not store or "/" in store or store in (".", "..")
+                              or "\0" in store or len(store) > 255):
+        raise _bad("inputs.store", f"must be a name next to the record, got {store!r:.80}")
+    ws = _get(doc, "workspace", "")
+    before = _entries(_get(ws, "before", "workspace"), "workspace.before", MAX_REPLAY_ENTRIES)
+    before_complete = _bool(_get(ws, "before_complete", "workspace"), "workspace.before_complete")
+    _entries(_get(ws, "after", "workspace"), "workspace.after", _ws.MAX_SNAPSHOT_ENTRIES)
+    _bool(_get(ws, "after_complete", "workspace"), "workspace.after_complete")
+    ex = _get(doc, "exit", "")
+    _int(_get(ex, "exit_code", "exit"), "exit.exit_code", 0, 255)
+    killed_by = _get(ex, "killed_by", "exit")
+    if killed_by is not None and killed_by not in KILLED_BY:
+        raise _bad("exit.killed_by", f"must be null or one of {KILLED_BY}, got {killed_by!r:.40}")
+    _bool(_get(ex, "timed_out", "exit"), "exit.timed_out")
+    out = _get(doc, "output", "")
+    _bool(_get(out, "captured", "output"), "output.captured")
+    for stream in ("stdout", "stderr"):
+        doc_s = _get(out, stream, "output")
+        _digest(_get(doc_s, "sha256", f"output.{stream}"), f"output.{stream}.sha256")
+        _int(_get(doc_s, "bytes", f"output.{stream}"), f"output.{stream}.bytes")
+    return ParsedRecord(command=command, cwd=cwd, env=env, timeout_s=timeout_s, stdin_sha256=stdin_sha,
+                        policy=policy, policy_sha256=digest, store=store, before=before,
+                        before_complete=before_complete)
+
+
+def _restore_inputs(rec: ParsedRecord, store: str, root: str, *, max_bytes: int = MAX_REPLAY_BYTES,
+                    max_entries: int = MAX_REPLAY_ENTRIES) -> bytes | None:
     """Recreate the workspace as it was before the recorded run; return stdin (or None).
 
-    The record is untrusted: every path is checked (relative, no ``..``) before anything is
-    made, and everything is made relative to directory fds without following a symlink
+    The record is untrusted: every path was checked (:func:`validate_record`: relative, no
+    ``..``), the total the replay would write (every copy of a blob counts) and the number of
+    entries are bounded before anything is made (:data:`MAX_REPLAY_BYTES`,
+    :data:`MAX_REPLAY_ENTRIES`: a record naming one 1 MiB blob 300 times would write 300 MiB),
+    and everything is made relative to directory fds without following a symlink
     (:func:`lowlevel.workspace.make_dir`, ``make_symlink``, ``write_file``, ``set_mode``), so
     nothing outside ``root`` is created or changed. Setuid/setgid bits are never recreated.
     """
-    ws = doc["workspace"]
-    if not ws["before_complete"]:
+    if not rec.before_complete:
         raise RecordError("the record's workspace listing is incomplete (too many entries): cannot replay")
-    entries = _check_entries(ws["before"])
-    stdin = doc.get("stdin")
-    if stdin is not None and (not isinstance(stdin, Mapping) or not _DIGEST.match(str(stdin.get("sha256")))):
-        raise RecordError(f"refusing the record: bad stdin entry {stdin!r}")
+    entries = rec.before
+    if len(entries) > max_entries:
+        raise RecordError(f"refusing to replay: the record lists {len(entries)} workspace entries; the limit is "
+                          f"{max_entries}")
 
-    def blob(digest: str, what: str) -> bytes:
+    def open_blob(digest: str, what: str) -> Any:
         try:
             fd = os.open(os.path.join(store, digest), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-            with os.fdopen(fd, "rb") as f:
-                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                    raise RecordError(f"input {what} in the store {store} is not a regular file")
-                data = f.read(MAX_HASH_BYTES + 1)
         except OSError as err:
-            raise RecordError(f"input {what} (sha256 {digest}) is missing from the store {store}: {err}") from err
+            raise RecordError(f"input {what} (sha256 {digest}) is missing from the store {store}: "
+                              f"{err.strerror}") from err
+        f = os.fdopen(fd, "rb")
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            f.close()
+            raise RecordError(f"input {what} in the store {store} is not a regular file")
+        return f
+
+    def blob(digest: str, what: str) -> bytes:
+        with open_blob(digest, what) as f:
+            data: bytes = f.read(MAX_HASH_BYTES + 1)
         if hashlib.sha256(data).hexdigest() != digest:
             raise RecordError(f"input {what} in the store {store} does not match its sha256")
         return data
 
+    sizes: dict[str, int] = {}
+    total = 0
+    for e in entries:
+        if e["kind"] != "file":
+            continue
+        if e["sha256"] is None:
+            raise RecordError(f"input {display(e['path'])!r} was not hashed ({e['skipped']}): cannot replay")
+        if e["sha256"] not in sizes:
+            with open_blob(e["sha256"], repr(display(e["path"]))) as f:
+                sizes[e["sha256"]] = os.fstat(f.fileno()).st_size
+        total += sizes[e["sha256"]]
+        if total > max_bytes:
+            raise RecordError(f"refusing to replay: rebuilding the record's workspace would write more than "
+                              f"{max_bytes} bytes (files are counted once per copy); pass max_bytes= "
+                              "(CLI: --max-bytes) if you trust the record")
     try:
         for e in entries:
             if e["kind"] == "dir":
                 _ws.make_dir(root, e["path"], 0o755)
+        cache: dict[str, bytes] = {}  # blobs named more than once, up to 64 MiB in all
+        cached = 0
         for e in entries:
             if e["kind"] == "file":
-                if e["sha256"] is None:
-                    raise RecordError(f"input {e['path']!r} was not hashed ({e['skipped']}): cannot replay")
-                _ws.write_file(root, e["path"], blob(e["sha256"], repr(e["path"])))
+                digest = e["sha256"]
+                data = cache.get(digest)
+                if data is None:
+                    data = blob(digest, repr(display(e["path"])))
+                    if cached + len(data) <= 64 * 1024 * 1024:
+                        cache[digest] = data
+                        cached += len(data)
+                _ws.write_file(root, e["path"], data)
                 _ws.set_mode(root, e["path"], e["mode"] & ~_ws.SETID_BITS)
             elif e["kind"] == "symlink" and e["link"] is not None:
                 _ws.make_symlink(root, e["path"], e["link"])
@@ -525,7 +1028,7 @@ def _restore_inputs(doc: Mapping[str, Any], store: str, root: str) -> bytes | No
                 _ws.set_mode(root, e["path"], e["mode"] & ~_ws.SETID_BITS)
     except WorkspaceError as err:
         raise RecordError(f"cannot rebuild the record's workspace: {err}") from err
-    return blob(stdin["sha256"], "stdin") if stdin else None
+    return blob(rec.stdin_sha256, "stdin") if rec.stdin_sha256 else None
 
 
 def policy_loosening(policy: Policy, timeout_s: float | None = DEFAULT_TIMEOUT_S, *,
@@ -545,8 +1048,10 @@ def policy_loosening(policy: Policy, timeout_s: float | None = DEFAULT_TIMEOUT_S
     for b in policy.binds:
         flags = ["writable" if b.writable else "read-only"] + (["allow_sensitive"] if b.allow_sensitive else [])
         out.append(f"bind {b.source} -> {b.dest} ({', '.join(flags)}); default: no binds")
-    if policy.network:
+    if policy.network is True:
         out.append("network=True (the host network); default: no network")
+    elif policy.network:
+        out.append(f"network=Egress({policy.network.describe()}) (egress through the proxy); default: no network")
     if policy.seccomp is None:
         out.append("seccomp=None (no syscall filter); default: the default profile")
     elif policy.seccomp.log:
@@ -574,12 +1079,78 @@ def policy_loosening(policy: Policy, timeout_s: float | None = DEFAULT_TIMEOUT_S
     return out
 
 
+#: Arity of each bwrap option :func:`lowlevel.argv.build_argv` emits (for :func:`argv_loosening`).
+_BWRAP_ARITY = {"--bind": 2, "--ro-bind": 2, "--ro-bind-data": 2, "--symlink": 2, "--setenv": 2, "--chdir": 1,
+                "--hostname": 1, "--uid": 1, "--gid": 1, "--tmpfs": 1, "--size": 1, "--proc": 1, "--dev": 1,
+                "--remount-ro": 1, "--json-status-fd": 1, "--block-fd": 1, "--seccomp": 1, "--cap-drop": 1}
+
+
+def _as_bwrap_reads(argv: Sequence[str]) -> list[tuple[str, ...]]:
+    """The options bwrap would read from ``argv`` written NUL-separated (without refusing a NUL,
+    as :func:`lowlevel.argv.encode_args` does), grouped with their arguments."""
+    raw = b"\0".join(os.fsencode(a) if _is_encodable(a) else a.encode("utf-8", "surrogatepass") for a in argv)
+    tokens = [os.fsdecode(t) for t in raw.split(b"\0")]
+    out: list[tuple[str, ...]] = []
+    i = 0
+    while i < len(tokens):
+        n = _BWRAP_ARITY.get(tokens[i], 0)
+        out.append(tuple(tokens[i:i + 1 + n]))
+        i += 1 + n
+    return out
+
+
+def _is_encodable(text: str) -> bool:
+    try:
+        os.fsencode(text)
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def argv_loosening(policy: Policy, *, cwd: str, env: Mapping[str, str] | None) -> list[str]:
+    """What a record's cwd and env would add to bwrap's argv beyond its policy; one line each.
+
+    Builds the options bwrap would read (:func:`lowlevel.argv.build_argv`, NUL-split the way
+    bwrap splits ``--args``) with the record's cwd and env, and with ``/workspace`` and no env,
+    and lists every option of the first that the second lacks, ignoring only ``--chdir``,
+    ``--setenv`` and ``--clearenv`` themselves (they act inside the sandbox). The command is
+    not in ``--args`` (it follows ``--`` on the real argv, where a NUL cannot split it).
+    :func:`validate_record` already refuses a NUL in these fields; this is the second line, in
+    :func:`replay`'s looser-policy check, so whatever a crafted field smuggles shows up there.
+    """
+    from .launcher import CHILD_FDS
+
+    facts = host_facts()
+
+    def options(cwd_: str, env_: Mapping[str, str] | None) -> list[tuple[str, ...]]:
+        argv = build_argv(policy, facts, workspace="/.lowlevel-replay-workspace", fds=CHILD_FDS,
+                          extra_env=dict(env_) if env_ else None, cwd=cwd_)
+        return [t for t in _as_bwrap_reads(argv) if t[0] not in ("--chdir", "--setenv", "--clearenv")]
+
+    mine = options(cwd, env)
+    ref = list(options(WORKSPACE_DEST, None))
+    out = []
+    for opt in mine:
+        if opt in ref:
+            ref.remove(opt)
+        else:
+            out.append(f"bwrap would read the extra option {' '.join(display(t) for t in opt)!r} from the record's "
+                       "cwd or env")
+    return out
+
+
 def _entry_key(e: Mapping[str, Any]) -> tuple[Any, ...]:
-    return (e["kind"], e["mode"], e["sha256"] if e["kind"] == "file" else None, e["link"])
+    link = e["link"]
+    return (e["kind"], e["mode"], e["sha256"] if e["kind"] == "file" else None,
+            name_from_json(link) if link is not None else None)
 
 
 def compare(original: Mapping[str, Any], replayed: Mapping[str, Any]) -> list[str]:
-    """Differences between two records' outcomes (exit, killed_by, output, workspace after)."""
+    """Differences between two records' outcomes (exit, killed_by, output, workspace after).
+
+    Both records in their JSON form (names as strings or ``{"b64", "text"}`` objects), the
+    original checked by :func:`validate_record`.
+    """
     diffs: list[str] = []
     for key in ("exit_code", "killed_by", "timed_out"):
         a, b = original["exit"][key], replayed["exit"][key]
@@ -591,27 +1162,30 @@ def compare(original: Mapping[str, Any], replayed: Mapping[str, Any]) -> list[st
             if a["sha256"] != b["sha256"]:
                 diffs.append(f"{stream}: recorded {a['bytes']} bytes sha256 {a['sha256'][:12]}, "
                              f"replayed {b['bytes']} bytes sha256 {b['sha256'][:12]}")
-    before = {e["path"]: e for e in original["workspace"]["after"]}
-    after = {e["path"]: e for e in replayed["workspace"]["after"]}
+    before = {name_from_json(e["path"]): e for e in original["workspace"]["after"]}
+    after = {name_from_json(e["path"]): e for e in replayed["workspace"]["after"]}
     for p in sorted(set(before) | set(after)):
+        shown = display(p)
         if p not in after:
-            diffs.append(f"workspace: {p} missing after replay")
+            diffs.append(f"workspace: {shown} missing after replay")
         elif p not in before:
-            diffs.append(f"workspace: {p} appeared only in the replay")
+            diffs.append(f"workspace: {shown} appeared only in the replay")
         elif _entry_key(before[p]) != _entry_key(after[p]):
             a, b = before[p], after[p]
             what = [k for k in ("kind", "mode", "sha256", "link") if a[k] != b[k]]
-            diffs.append(f"workspace: {p} differs ({', '.join(what)})")
+            diffs.append(f"workspace: {shown} differs ({', '.join(what)})")
     return diffs
 
 
 def replay(path: str | os.PathLike[str], *, workspace_base: str | None = None,
-           profiles: Sequence[Any] = (), keep_workspace: bool = False, trust_policy: bool = False) -> ReplayReport:
+           profiles: Sequence[Any] = (), keep_workspace: bool = False, trust_policy: bool = False,
+           max_bytes: int = MAX_REPLAY_BYTES, max_entries: int = MAX_REPLAY_ENTRIES) -> ReplayReport:
     """Rerun a recorded run with the same policy, command, environment and inputs.
 
-    The workspace is rebuilt from the record's input store in a fresh directory; the run
-    uses the recorded Policy (checked against ``policy_sha256``), command, cwd, per-run env,
-    stdin and timeout, and always captures output.
+    The record is checked field by field first (:func:`validate_record`), the workspace is
+    rebuilt from the record's input store in a fresh directory (bounded: ``max_bytes``,
+    ``max_entries``); the run uses the recorded Policy (checked against ``policy_sha256``),
+    command, cwd, per-run env, stdin and timeout, and always captures output.
 
     Args:
         path: the record file; its store ``<path>.inputs/`` must sit next to it.
@@ -620,56 +1194,62 @@ def replay(path: str | os.PathLike[str], *, workspace_base: str | None = None,
         keep_workspace: keep the replay's workspace (its path is ``report.result.workspace``).
         trust_policy: run even when the record's policy is looser than ``Policy()`` (see
             :func:`policy_loosening`: binds, network, seccomp off or in log mode, other host
-            ids, higher limits). A record is untrusted input: without this, such a record is
-            refused and the message lists each difference. CLI: ``--trust-record-policy``.
+            ids, higher limits; and :func:`argv_loosening`: options the record's cwd or env
+            would add to bwrap's argv). A record is untrusted input: without this, such a
+            record is refused and the message lists each difference. CLI:
+            ``--trust-record-policy``. A malformed field (a NUL, a wrong type) is refused
+            whatever this says.
+        max_bytes: most bytes rebuilding the workspace may write (every copy of a stored file
+            counts); default :data:`MAX_REPLAY_BYTES`. CLI: ``--max-bytes``.
+        max_entries: most entries it may create; default :data:`MAX_REPLAY_ENTRIES`.
     Returns:
         A :class:`ReplayReport`.
     Raises:
-        RecordError: bad record (a workspace path that is absolute or has ``..``...), missing
-            inputs, a policy that does not hash the same here, or a looser policy without
-            ``trust_policy``.
+        RecordError: bad record (any field: see :func:`validate_record`), missing inputs, a
+            policy that does not hash the same here, a looser policy without ``trust_policy``,
+            or a workspace over ``max_bytes``/``max_entries``.
         Whatever :func:`lowlevel.run` raises.
     """
     doc = load_record(path)
+    rec = validate_record(doc)
     try:
-        policy = policy_from_canonical(doc["policy"], profiles=profiles)
-    except (TypeError, ValueError, KeyError, AttributeError) as err:
+        policy = policy_from_canonical(rec.policy, profiles=profiles)
+    except (TypeError, ValueError, KeyError, AttributeError, RecursionError) as err:
         raise RecordError(f"refusing the record: its policy cannot be rebuilt: {err}") from err
-    if policy_sha256(policy) != doc["policy_sha256"]:
+    except LowlevelError as err:
+        raise RecordError(f"refusing the record: its policy cannot be rebuilt: {err}") from err
+    if policy_sha256(policy) != rec.policy_sha256:
         raise RecordError("the rebuilt policy does not hash to the recorded policy_sha256 "
                           "(a lowlevel version with different Policy fields?)")
-    timeout_s = doc["timeout_s"]
-    if timeout_s is not None and (not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool)):
-        raise RecordError(f"refusing the record: timeout_s is {timeout_s!r}")
     if not trust_policy:
-        loose = policy_loosening(policy, timeout_s, profiles=profiles)
+        loose = policy_loosening(policy, rec.timeout_s, profiles=profiles)
+        loose += argv_loosening(policy, cwd=rec.cwd, env=rec.env)
         if loose:
             raise RecordError("refusing to replay: the record's policy is looser than the default:\n  "
                               + "\n  ".join(loose) + "\nA record is untrusted input. If you trust it, pass "
                               "trust_policy=True (CLI: --trust-record-policy)")
-    store_name = doc["inputs"]["store"]
-    if not store_name:
+    if not rec.store:
         raise RecordError("the record has no input store: it was written without inputs and cannot be replayed")
-    if not isinstance(store_name, str) or "/" in store_name or store_name in (".", "..") or "\0" in store_name:
-        raise RecordError(f"refusing the record: its input store {store_name!r} is not a name next to the record")
-    store = os.path.join(os.path.dirname(os.path.abspath(os.fspath(path))), store_name)
+    store = os.path.join(os.path.dirname(os.path.abspath(os.fspath(path))), rec.store)
     root = _ws.create_workspace((), workspace_base)
     try:
-        stdin = _restore_inputs(doc, store, root)
-        result, new = execute_recorded(doc["command"], policy=policy, workspace=root, timeout=doc["timeout_s"],
-                                       stdin=stdin, env=doc["env"] or None, cwd=doc["cwd"])
+        stdin = _restore_inputs(rec, store, root, max_bytes=max_bytes, max_entries=max_entries)
+        result, new = execute_recorded(rec.command, policy=policy, workspace=root, timeout=rec.timeout_s,
+                                       stdin=stdin, env=rec.env or None, cwd=rec.cwd)
     except BaseException:
         shutil.rmtree(root, ignore_errors=True)
         raise
     if not keep_workspace:
         shutil.rmtree(root, ignore_errors=True)
     diffs = compare(doc, new)
-    if doc["policy"].get("deterministic") is False and diffs:
+    if rec.policy.get("deterministic") is False and diffs:
         diffs.append("note: the recorded run was not in deterministic mode (Policy(deterministic=True))")
     return ReplayReport(matched=not diffs, differences=diffs, result=result, record=new)
 
 
-__all__ = ["MAX_HASH_BYTES", "MAX_STORE_BYTES", "RecordError", "ReplayReport", "SCHEMA_ID", "canonical_policy",
-           "compare", "execute_recorded", "hash_workspace", "load_record", "policy_from_canonical",
-           "policy_loosening", "policy_sha256", "record_run", "replay", "seccomp_rules_sha256", "store_dir_for",
-           "write_record"]
+__all__ = ["HASH_BUDGET_BYTES", "HASH_BUDGET_S", "MAX_HASH_BYTES", "MAX_HOLE_BYTES", "MAX_RECORD_BYTES",
+           "MAX_REPLAY_BYTES", "MAX_REPLAY_ENTRIES", "MAX_STORE_BYTES", "RECORD_NOT_WRITTEN", "HashBudget",
+           "ParsedRecord", "RecordError", "ReplayReport", "SCHEMA_ID", "argv_loosening", "canonical_policy",
+           "check_record_path", "compare", "execute_recorded", "hash_workspace", "load_record",
+           "policy_from_canonical", "policy_loosening", "policy_sha256", "record_run", "replay",
+           "seccomp_rules_sha256", "store_dir_for", "validate_record", "write_record"]

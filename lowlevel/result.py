@@ -14,7 +14,9 @@ import signal
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .egress import NetworkAttempt
 from .errors import LowlevelError
+from .report import bytes_fields, json_safe
 from .workspace import Changes
 
 #: Values of :attr:`Result.killed_by`.
@@ -58,6 +60,9 @@ class Result:
         changes: files added, modified and deleted in the workspace.
         workspace: host path of the workspace.
         seccomp_denials: syscall names the filter denied (audit mode only), else None.
+        network: egress mode (``Policy(network=Egress(...))``) only, else None: every
+            connection attempt through the proxy, in order (:class:`lowlevel.egress.NetworkAttempt`:
+            method, host, port, address, allowed and why, bytes up and down, error).
         notes: human-readable notes on degraded behaviour (no cgroup, etc.).
         argv: the full bwrap argv used (for records and debugging).
     """
@@ -82,6 +87,7 @@ class Result:
     changes: Changes = field(default_factory=Changes)
     workspace: str = ""
     seccomp_denials: tuple[str, ...] | None = None
+    network: tuple[NetworkAttempt, ...] | None = None
     notes: tuple[str, ...] = ()
     argv: tuple[str, ...] = ()
 
@@ -106,10 +112,13 @@ class Result:
             return f"SIG{self.term_signal}"
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict: bytes decoded as UTF-8 with replacement, changes as lists."""
+        """A JSON-ready dict, lossless (:mod:`lowlevel.report`): ``stdout``/``stderr`` as text, with
+        ``stdout_b64``/``stderr_b64`` holding the exact bytes (base64) when they are not valid
+        UTF-8 (else None); names that are not valid UTF-8 (in ``changes``, ``notes``, ``argv``,
+        ``workspace``) as ``{"b64", "text"}`` objects; changes as lists."""
         d = asdict(self)
-        d["stdout"] = self.stdout.decode("utf-8", "replace")
-        d["stderr"] = self.stderr.decode("utf-8", "replace")
+        d["stdout"], d["stdout_b64"] = bytes_fields(self.stdout)
+        d["stderr"], d["stderr_b64"] = bytes_fields(self.stderr)
         d["changes"] = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self.changes).items()}
         d["limits_enforced"] = list(self.limits_enforced)
         d["notes"] = list(self.notes)
@@ -117,7 +126,10 @@ class Result:
         d["signal"] = self.signal_name()
         if self.seccomp_denials is not None:
             d["seccomp_denials"] = list(self.seccomp_denials)
-        return d
+        if self.network is not None:
+            d["network"] = [asdict(a) for a in self.network]
+        safe: dict[str, Any] = json_safe(d)
+        return safe
 
 
 def decode_exit(exit_code: int) -> int | None:

@@ -19,7 +19,9 @@ Isolation between commands of one session (exactly):
         session's life); every namespace (mount, PID, network, IPC, UTS, user); the seccomp
         filter; the uid and gid; the session's cgroup, hence its ``memory_bytes``, ``pids``
         and ``cpu_quota`` limits and its CPU/memory accounting (a command that fills memory
-        can get another one OOM-killed); the environment given to bwrap (each command gets
+        can get another one OOM-killed); in egress mode the proxy, its ``net_bytes`` budget and
+        its report (each Result lists the attempts made while its command ran); the
+        environment given to bwrap (each command gets
         the Policy's environment plus its own ``env``, nothing else: the init passes an
         explicit environment to execve).
     Separate: each command runs in its own process group with its own stdin/stdout/stderr
@@ -91,7 +93,9 @@ from typing import Any
 
 from . import limits as _limits
 from . import overlay as _overlay
+from . import validate as _validate
 from . import workspace as _ws
+from .argv import encode_args
 from .errors import LaunchError, PolicyError, SessionError, UnsupportedError
 from .launcher import (DEFAULT_TIMEOUT_S, SETUP_TIMEOUT_S, ExecError, Run, _Capture, _check_command,
                        classify_setup_failure)
@@ -166,7 +170,7 @@ def _rlimit_records(limits: Limits, cgroup: Any) -> tuple[tuple[str, ...], bytes
 
 
 def _env_block(env: Mapping[str, str]) -> tuple[int, bytes]:
-    return len(env), b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items())
+    return len(env), encode_args([f"{k}={v}" for k, v in env.items()])  # refuses a NUL: the last line
 
 
 class _Cmd:
@@ -195,6 +199,7 @@ class _Cmd:
         self.cancelled = False
         self.rlimit_names: tuple[str, ...] = ()
         self.before: Any = None
+        self.net_from = 0  # egress mode: index of the session's first proxy attempt during this command
 
     def outcome(self) -> Result:
         """The finished command's Result, or raise the error that ended it."""
@@ -304,6 +309,7 @@ class _Core:
             child.close()
             self.sock.close()
             self.run.close()
+            self.run.discard_workspace_if_unused()
             raise
         child.close()
         env = self.policy.environment()
@@ -318,7 +324,7 @@ class _Core:
     def _start(self, child: socket.socket) -> None:
         r = self.run
         r.prepare()
-        r.spawn()
+        _spawn_from_lasting_thread(r.spawn)
         child.close()
         deadline = time.monotonic() + SETUP_TIMEOUT_S
         poller = select.poll()
@@ -344,8 +350,19 @@ class _Core:
                 if fd == self.sock.fileno():
                     if not r.ready:
                         r.read_report()  # READY is sent before bwrap starts: it is there
-                    self._hello()
-                    return
+                    if self._hello():
+                        return
+                    # EOF before HELLO: the init never ran (bwrap, or the anchor before it,
+                    # failed): say why, as run() does, not "the init exited".
+                    if r.wait_status is None and _readable_within(r.pidfd, 5.0):
+                        r.reap()
+                    while r.read_fd("err_r") or r.read_fd("out_r") or r.read_fd("json_r"):
+                        pass
+                    if r.wait_status is not None and not any("exit-code" in d for d in r._docs()):
+                        raise classify_setup_failure(r.err.value()[0], r.full_argv, r.command)
+                    raise LaunchError("the session init exited before saying hello"
+                                      + (f": {r.err.value()[0].decode('utf-8', 'replace').strip()}"
+                                         if r.err.value()[0].strip() else ""), argv=r.full_argv)
                 if fd == r.pidfd:
                     r.reap()
                     while r.read_fd("err_r") or r.read_fd("out_r") or r.read_fd("json_r"):
@@ -355,10 +372,13 @@ class _Core:
                 if not r.read_fd(attr):
                     poller.unregister(fd)
 
-    def _hello(self) -> None:
+    def _hello(self) -> bool:
+        """Read the init's HELLO; False at EOF (the init never said it)."""
         data, anc, _flags, _addr = self.sock.recvmsg(64, socket.CMSG_SPACE(12))
+        if not data:
+            return False
         if len(data) < _SMALL.size:
-            raise LaunchError("the session init exited before saying hello", argv=self.run.full_argv)
+            raise LaunchError("the session init sent a short hello: reinstall lowlevel", argv=self.run.full_argv)
         mtype, version, _pid, _ = _SMALL.unpack_from(data)
         if mtype != _MSG_HELLO or version != _PROTO_VERSION:
             raise LaunchError(f"the session init speaks protocol {version} (type {mtype}), expected "
@@ -368,6 +388,7 @@ class _Core:
                 self.init_host_pid = struct.unpack("=iII", payload[:12])[0]
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 0)
         self.sock.setblocking(False)
+        return True
 
     # -- submit --------------------------------------------------------------------------
     def submit(self, argv: Sequence[str], *, stdin: bytes | None, timeout: float | None,
@@ -379,17 +400,20 @@ class _Core:
             raise PolicyError(f"timeout must be a number of seconds > 0 or None, got {timeout!r}")
         if stdin is not None and not isinstance(stdin, (bytes, bytearray, memoryview)):
             raise PolicyError("stdin must be bytes or None")
-        if not isinstance(cwd, str) or not cwd.startswith("/") or "\0" in cwd:
-            raise PolicyError(f"cwd must be an absolute path inside the sandbox, got {cwd!r}")
+        _validate.sandbox_path(cwd, "cwd")
+        if env is not None and not isinstance(env, Mapping):
+            raise PolicyError(f"env must be a mapping of str to str, got {type(env).__name__}")
         if limits is not None and not isinstance(limits, Limits):
             raise PolicyError(f"limits must be a lowlevel.Limits or None, got {type(limits).__name__}")
         if self.failed is not None:
             raise self.failed
         envc, envb = self.env_default if env is None else _env_block(self.policy.environment(env))
         names, rlb = self.rlimit_default if limits is None else _rlimit_records(limits, self.run.cgroup)
-        strings = cwd.encode() + b"\0" + b"".join(a.encode() + b"\0" for a in command) + envb
+        strings = encode_args([cwd, *command]) + envb  # NUL-separated for the init: refuses a NUL
         cmd = _Cmd(0, command, self.policy, timeout, stream)
         cmd.rlimit_names = names
+        if self.run.egress is not None:
+            cmd.net_from = len(self.run.egress.listener.attempts)
         if track_changes if track_changes is not None else self.track_changes:
             cmd.before = _ws.snapshot(self.view())
         flags = 0
@@ -603,13 +627,20 @@ class _Core:
         if cmd.before is not None:
             changes = _ws.diff(cmd.before, _ws.snapshot(self.view()))
         enforced = cmd.rlimit_names + self.cgroup_enforced + (("seccomp",) if self.run.seccomp_loaded else ())
+        network, notes = None, self.notes
+        if self.run.egress is not None:
+            # Egress mode: the attempts the session made while this command ran (commands running
+            # at the same time share the sandbox's proxy, so each lists the others' too).
+            listener = self.run.egress.listener
+            network = listener.attempts_since(cmd.net_from)[0]
+            notes = notes + tuple(listener.notes())
         return Result(
             exit_code=exit_code, term_signal=term, timed_out=bool(flags & _EXITF_TIMED_OUT), killed_by=killed_by,
             stdout=out, stderr=err, stdout_truncated=out_t, stderr_truncated=err_t,
             stdout_dropped_bytes=out_d, stderr_dropped_bytes=err_d, wall_time_s=wall,
             cpu_user_s=utime_us / 1e6, cpu_system_s=stime_us / 1e6, peak_memory_bytes=None,
             max_rss_bytes=maxrss_kib * 1024, oom_kills=None, limits_enforced=enforced, changes=changes,
-            workspace=self.run.workspace, notes=self.notes, argv=tuple(cmd.argv))
+            workspace=self.run.workspace, notes=notes, argv=tuple(cmd.argv), network=network)
 
     def _oom_delta(self) -> bool:
         cg = self.run.cgroup
@@ -761,6 +792,32 @@ class _Core:
             self.sock.close()
         finally:
             self.run.close()
+
+
+def _spawn_from_lasting_thread(spawn: Callable[[], None]) -> None:
+    """Call ``spawn`` (which starts bwrap) in a thread that lives as long as the process.
+
+    bwrap's ``--die-with-parent`` is ``PR_SET_PDEATHSIG``, and "the parent" is the *thread*
+    that created the child: a Session created in a worker thread died with that thread (and
+    ``alive`` still said True). A Session outlives its creator, so bwrap is spawned from the
+    process-wide executor of :mod:`lowlevel.aio`, whose threads are never shut down (see
+    :func:`lowlevel.aio._executor`); the main thread spawns itself (it lives as long as the
+    process). Source: prctl(2) PR_SET_PDEATHSIG; bwrap(1) --die-with-parent.
+    """
+    me = threading.current_thread()
+    if me is threading.main_thread() or me.name.startswith("lowlevel-aio"):
+        spawn()  # lives as long as the process already (and never wait on our own executor)
+        return
+    from .aio import _executor
+    _executor().submit(spawn).result()
+
+
+def _readable_within(fd: int | None, timeout_s: float) -> bool:
+    if fd is None:
+        return False
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    return bool(p.poll(timeout_s * 1000))
 
 
 def _ms(seconds: float | None) -> int:
@@ -1517,6 +1574,7 @@ class Pool:
         Raises:
             WorkspaceError: an input is missing or unreadable. Others as :meth:`Session.run`.
         """
+        _validate.run_args(command=argv, cwd=cwd, env=env, inputs=inputs)  # before a sandbox is used up
         s = self._take()
         try:
             if inputs and self.template is not None:

@@ -206,12 +206,38 @@ def list_files(root: str) -> list[FileEntry]:
             for rel, st in sorted(entries, key=lambda e: e[0])]
 
 
+#: Longest workspace path :func:`read_file`, :func:`write_file` and friends take (bytes, PATH_MAX).
+MAX_REL_PATH_BYTES = 4095
+
+
 def _split_rel(relpath: str) -> list[str]:
+    """Split a caller's relative workspace path into components.
+
+    Raises:
+        WorkspaceError: (EINVAL) not a non-empty str, a NUL, absolute, a ``..`` component,
+            longer than PATH_MAX or a component longer than NAME_MAX, or (ELOOP) more than
+            MAX_DEPTH + 1 components: the walks do not enter deeper directories, so a
+            deeper file could be made but never listed, checked or given back.
+    """
     if not isinstance(relpath, str) or not relpath or "\0" in relpath:
-        raise WorkspaceError(errno.EINVAL, f"invalid workspace path {relpath!r}")
-    parts = [p for p in relpath.replace("\\", "/").split("/") if p not in ("", ".")]
+        raise WorkspaceError(errno.EINVAL, f"invalid workspace path {relpath!r:.80}")
+    try:
+        size = len(os.fsencode(relpath))
+    except UnicodeEncodeError:
+        raise WorkspaceError(errno.EINVAL, f"invalid workspace path {relpath!r:.80}: cannot be encoded") from None
+    if size > MAX_REL_PATH_BYTES:
+        raise WorkspaceError(errno.ENAMETOOLONG, f"workspace path is {size} bytes long; the limit is "
+                             f"{MAX_REL_PATH_BYTES}")
+    # A backslash is an ordinary character in a Linux name: "a\\b" is one name, never a/b (a
+    # record naming such a file must restore it as it was).
+    parts = [p for p in relpath.split("/") if p not in ("", ".")]
     if relpath.startswith("/") or any(p == ".." for p in parts) or not parts:
-        raise WorkspaceError(errno.EINVAL, f"workspace path {relpath!r} must be relative, without '..'")
+        raise WorkspaceError(errno.EINVAL, f"workspace path {relpath!r:.80} must be relative, without '..'")
+    if len(parts) > MAX_DEPTH + 1:
+        raise WorkspaceError(errno.ELOOP, f"workspace path has {len(parts)} components; the limit is "
+                             f"{MAX_DEPTH + 1} (directories deeper than {MAX_DEPTH} levels are never walked)")
+    if any(len(os.fsencode(p)) > 255 for p in parts):
+        raise WorkspaceError(errno.ENAMETOOLONG, "a workspace path component is longer than 255 bytes (NAME_MAX)")
     return parts
 
 
@@ -279,31 +305,54 @@ def read_file(root: str, relpath: str, max_bytes: int = DEFAULT_READ_LIMIT) -> b
 
 
 def write_file(root: str, relpath: str, data: bytes, *, uid: int | None = None, gid: int | None = None) -> None:
-    """Write ``data`` to a workspace file, creating parent dirs, never through a symlink.
+    """Write ``data`` to a workspace file, creating parent dirs, never through a symlink or a
+    hard link.
+
+    The file is opened without ``O_TRUNC`` and checked first: a symlink anywhere on the path
+    (``O_NOFOLLOW`` per component), a special file, or a regular file with more than one hard
+    link (a name the sandbox may have linked to another file) is refused before one byte
+    changes.
 
     ``uid``/``gid``: owner of the file and of the directories made for it (a root caller
     writing into a live session's workspace passes :attr:`lowlevel.Session.host_ids`).
 
     Raises:
-        WorkspaceError: invalid path, a symlink or non-regular file in the way.
+        WorkspaceError: invalid path (see :func:`read_file`; more than MAX_DEPTH + 1 levels:
+            ELOOP), a symlink in the way (ELOOP/ENOTDIR), a non-regular file (EINVAL), a file
+            with several hard links (EMLINK), or the write failed (ENOSPC...).
     """
     parts = _split_rel(relpath)
     try:
         dfd = _open_parent(root, parts, create=True,
                            owner=(uid, gid if gid is not None else uid) if uid is not None else None)
         try:
-            fd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
-                         | os.O_NONBLOCK, 0o644, dir_fd=dfd)
+            fd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                         0o644, dir_fd=dfd)
         finally:
             os.close(dfd)
     except OSError as err:
+        if err.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise WorkspaceError(err.errno, f"refusing to write {relpath!r}: a symlink is in the way "
+                                 "(workspace content is untrusted)") from err
         raise WorkspaceError(err.errno, f"cannot write {relpath!r} in workspace: {err.strerror}") from err
-    with os.fdopen(fd, "wb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise WorkspaceError(errno.EINVAL, f"refusing {relpath!r}: not a regular file")
-        f.write(data)
-        if uid is not None:
-            os.fchown(f.fileno(), uid, gid if gid is not None else -1)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise WorkspaceError(errno.EINVAL, f"refusing {relpath!r}: not a regular file")
+            if st.st_nlink > 1:
+                raise WorkspaceError(errno.EMLINK, f"refusing to write {relpath!r}: it has {st.st_nlink} hard "
+                                     "links, so the write would change the other names too")
+            os.ftruncate(f.fileno(), 0)
+            f.write(data)
+            f.flush()
+            if uid is not None:
+                os.fchown(f.fileno(), uid, gid if gid is not None else -1)
+    except WorkspaceError:
+        raise
+    except OSError as err:
+        raise WorkspaceError(err.errno or errno.EIO, f"cannot write {relpath!r} in workspace: "
+                             f"{err.strerror or err}") from err
 
 
 def make_dir(root: str, relpath: str, mode: int = 0o755) -> None:
@@ -392,7 +441,16 @@ def ensure_base(base: str) -> str:
         WorkspaceError: base exists but is a symlink, not a directory, or owned by someone else
             (a squatted ``/tmp/lowlevel-<uid>``).
     """
+    if not isinstance(base, str) or not base or "\0" in base:
+        raise WorkspaceError(errno.EINVAL, f"invalid workspace base {base!r}")
     base = os.path.abspath(base)
+    for sysdir in SYSTEM_DIRS:
+        if _inside(sysdir, os.path.realpath(base)):
+            # Never chmod (below) or fill a system or shared directory: `workspace_base="/tmp"` as
+            # root made /tmp mode 0711.
+            raise WorkspaceError(errno.EPERM, f"refusing workspace base {base}: it "
+                                 f"{'is' if sysdir == os.path.realpath(base) else 'contains'} the system directory "
+                                 f"{sysdir}. Use a dedicated directory, e.g. {os.path.join(sysdir, 'lowlevel')}")
     try:
         os.makedirs(base, 0o711, exist_ok=True)
         st = os.lstat(base)
@@ -403,6 +461,9 @@ def ensure_base(base: str) -> str:
     if st.st_uid != os.getuid():
         raise WorkspaceError(errno.EPERM, f"workspace base {base} is owned by uid {st.st_uid}, not by us "
                              f"({os.getuid()}); remove it or set LOWLEVEL_WORKSPACE_BASE")
+    if st.st_mode & stat.S_ISVTX:
+        raise WorkspaceError(errno.EPERM, f"refusing workspace base {base}: it is a shared sticky directory "
+                             "(like /tmp); use a dedicated directory inside it")
     if stat.S_IMODE(st.st_mode) & 0o022:
         os.chmod(base, 0o711)
     return base
@@ -421,6 +482,8 @@ def copy_inputs(root: str, inputs: Iterable[str | os.PathLike[str]]) -> list[str
     created: list[str] = []
     for item in inputs:
         src = os.fspath(item)
+        if not isinstance(src, str) or "\0" in src:
+            raise WorkspaceError(errno.EINVAL, f"invalid input path {src!r:.80}")
         name = os.path.basename(os.path.normpath(src))
         if not os.path.lexists(src):
             raise WorkspaceError(errno.ENOENT, f"input {src!r} does not exist")
@@ -431,14 +494,56 @@ def copy_inputs(root: str, inputs: Iterable[str | os.PathLike[str]]) -> list[str
             raise WorkspaceError(errno.EEXIST, f"input {src!r}: {name!r} already exists in the workspace "
                                  "(two inputs with the same name?)")
         try:
+            st = os.stat(src)
+        except OSError as err:
+            raise WorkspaceError(err.errno or errno.EIO, f"cannot copy input {src!r}: {err.strerror}") from err
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+            raise WorkspaceError(errno.EINVAL, f"input {src!r} is a {_file_type(st.st_mode)}, not a regular file "
+                                 "or a directory: copy its content into a file first")
+        try:
             if os.path.isdir(src) and not os.path.islink(src):
-                shutil.copytree(src, dest, symlinks=True)
+                shutil.copytree(src, dest, symlinks=True, copy_function=_copy_regular)
             else:
-                shutil.copy2(src, dest, follow_symlinks=True)
+                _copy_regular(src, dest)
+        except shutil.Error as err:
+            errs = err.args[0] if err.args and isinstance(err.args[0], list) else []
+            detail = f"{errs[0][2]}" + (f" (and {len(errs) - 1} more)" if len(errs) > 1 else "") if errs else err
+            raise WorkspaceError(errno.EIO, f"cannot copy input {src!r}: {detail}") from err
+        except WorkspaceError:
+            raise
         except OSError as err:
             raise WorkspaceError(err.errno or errno.EIO, f"cannot copy input {src!r}: {err}") from err
         created.append(name)
     return created
+
+
+def _file_type(mode: int) -> str:
+    for test, name in ((stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+                       (stat.S_ISFIFO, "named pipe (FIFO)"), (stat.S_ISSOCK, "socket"),
+                       (stat.S_ISLNK, "symlink"), (stat.S_ISDIR, "directory")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def _copy_regular(src: str, dst: str) -> str:
+    """Copy one regular file (content, mode, times) following a symlink at ``src``, refusing
+    anything else: a device (``/dev/zero`` never ends), a FIFO (blocks forever), a socket.
+    Opened ``O_NONBLOCK`` and checked with fstat, so a file swapped for a FIFO cannot hang us."""
+    try:
+        fd = os.open(src, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as err:
+        raise WorkspaceError(err.errno or errno.EIO, f"cannot copy input {src!r}: {err.strerror}") from err
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise WorkspaceError(errno.EINVAL, f"input {src!r} is a {_file_type(st.st_mode)}, not a regular file: "
+                                 "refusing to copy it")
+        os.set_blocking(f.fileno(), True)
+        with open(dst, "xb") as out:
+            shutil.copyfileobj(f, out, 1 << 20)
+    shutil.copystat(src, dst)
+    return dst
 
 
 def create_workspace(inputs: Iterable[str | os.PathLike[str]] = (), base: str | None = None) -> str:
@@ -455,7 +560,11 @@ def create_workspace(inputs: Iterable[str | os.PathLike[str]] = (), base: str | 
         WorkspaceError: see :func:`ensure_base` and :func:`copy_inputs`.
     """
     parent = ensure_base(base or default_base())
-    path = tempfile.mkdtemp(prefix="run-", dir=parent)
+    try:
+        path = tempfile.mkdtemp(prefix="run-", dir=parent)
+    except OSError as err:
+        raise WorkspaceError(err.errno or errno.EIO, f"cannot create a workspace in {parent}: "
+                             f"{err.strerror or err}") from err
     try:
         copy_inputs(path, inputs)
     except BaseException:
@@ -605,7 +714,8 @@ def workspace_refusal(path: str) -> str | None:
     return None
 
 
-def check_workspace_path(path: str, *, allow_sensitive: bool = False, check_ancestors: bool = True) -> None:
+def check_workspace_path(path: str, *, allow_sensitive: bool = False, check_ancestors: bool = True,
+                         writable: bool = True) -> None:
     """Refuse a workspace :func:`workspace_refusal` flags, before anything touches it.
 
     Args:
@@ -614,11 +724,15 @@ def check_workspace_path(path: str, *, allow_sensitive: bool = False, check_ance
             ``--allow-sensitive``).
         check_ancestors: also :func:`check_trusted_ancestors` (whenever the workspace will be
             reached by path again; a copy-on-write run opens it once, by fd).
+        writable: also :func:`check_writable_fs` (whenever the run's changes will be written
+            into it: a read-only workspace is fine for a copy-on-write run that commits nothing).
     Raises:
         WorkspaceError: (EPERM) the message says why and how to override.
     """
     if check_ancestors:
         check_trusted_ancestors(path)
+    if writable:
+        check_writable_fs(path)
     if allow_sensitive:
         return
     reason = workspace_refusal(path)
@@ -627,6 +741,26 @@ def check_workspace_path(path: str, *, allow_sensitive: bool = False, check_ance
                              "read-write into the sandbox (and, for a root caller, handed to the sandbox's "
                              "uid for the run): use a dedicated project directory, or pass "
                              "allow_sensitive_workspace=True (CLI: --allow-sensitive) if you really mean it")
+
+
+def check_writable_fs(path: str) -> None:
+    """Refuse a workspace on a read-only file system, before anything runs.
+
+    The workspace is bound read-write and, for root callers, handed to the sandbox's uid and
+    back (chown), which a read-only mount refuses with EROFS; the program's writes would fail
+    too. Source: statvfs(3) ``ST_RDONLY``.
+
+    Raises:
+        WorkspaceError: (EROFS) the message names the mount's state and what to do.
+    """
+    try:
+        readonly = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError as err:
+        raise WorkspaceError(err.errno, f"cannot check workspace {path}: {err.strerror}") from err
+    if readonly:
+        raise WorkspaceError(errno.EROFS, f"workspace {path} is on a read-only file system: the sandbox needs a "
+                             "writable workspace. Copy the files in with --input (inputs=[...]), or bind the "
+                             "directory read-only with --ro (Bind(...)) and keep a fresh workspace")
 
 
 def check_trusted_ancestors(path: str) -> None:
@@ -803,8 +937,11 @@ def hand_over(root: str, *, sandbox_ids: tuple[int, int] | None, empty: bool = F
                      owners={}, pins={}, sandbox_uid=sandbox_ids[0] if sandbox_ids else None,
                      new_owner=(owner, st.st_gid if owner == st.st_uid else caller[1]))
         if sandbox_ids is not None:
-            os.fchown(rootfd, owner, sandbox_ids[1])
-            os.fchmod(rootfd, 0o770)
+            try:
+                os.fchown(rootfd, owner, sandbox_ids[1])
+                os.fchmod(rootfd, 0o770)
+            except OSError as err:
+                raise WorkspaceError(err.errno, f"cannot hand workspace {root} to the sandbox: {err.strerror}") from err
         if empty:
             return h
         try:
@@ -952,8 +1089,13 @@ def give_back(h: Handover, *, limit: int = MAX_SNAPSHOT_ENTRIES) -> tuple[Snapsh
         walker.close()
         try:
             uid, gid, mode = h.root_ids
-            os.fchown(rootfd, uid, gid)
-            os.fchmod(rootfd, mode)
+            cur = os.fstat(rootfd)
+            if (cur.st_uid, cur.st_gid) != (uid, gid):
+                os.fchown(rootfd, uid, gid)
+            if stat.S_IMODE(cur.st_mode) != mode or (cur.st_uid, cur.st_gid) != (uid, gid):
+                os.fchmod(rootfd, mode)
+        except OSError as err:
+            raise WorkspaceError(err.errno, f"cannot give back workspace {h.root}: {err.strerror}") from err
         finally:
             os.close(rootfd)
             _close_pins(h)
@@ -1077,6 +1219,7 @@ def check_traversable(path: str, uid: int, gid: int) -> None:
 
 __all__ = ["ACL_XATTRS", "MAX_DEPTH", "MAX_PINNED", "SETID_BITS", "SYSTEM_DIRS", "SYSTEM_TREES", "Changes",
            "FileEntry", "Handover", "check_traversable", "check_trusted_ancestors", "check_workspace_path",
+           "check_writable_fs",
            "chown_tree", "copy_inputs", "create_workspace", "default_base", "diff", "ensure_base", "give_back",
            "hand_over", "list_files", "make_dir", "make_symlink", "read_file", "remove_workspace", "set_mode",
            "snapshot", "workspace_refusal", "write_file"]

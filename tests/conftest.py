@@ -128,24 +128,44 @@ class Sandbox:
             env: dict[str, str] | None = None, network: bool = False,
             binds: list[tuple[str, str, bool]] | None = None, limits: dict[str, Any] | None = None,
             files: dict[str, bytes] | None = None, workspace: str | None = None,
-            commit: bool | str = True) -> Outcome:
+            cwd: str = "/workspace", commit: bool | str = True, egress: dict[str, Any] | None = None,
+            resolver: dict[str, Any] | None = None) -> Outcome:
+        """``egress``: Egress kwargs (network by allowlist); ``resolver``: the egress tests'
+        TEST-ONLY resolver override ({"answers": ..., "pretend_public": [...]},
+        tests/helpers/scripted_resolver.py); its lookups land in ``raw["resolver_calls"]``."""
         ws = workspace or self._mkdtemp()
         if self.user is None:
             for name, data in (files or {}).items():
                 Path(ws, name).write_bytes(data)
-            policy = lowlevel.Policy(network=network, env=env or {},
+            policy = lowlevel.Policy(network=lowlevel.Egress(**egress) if egress is not None else network,
+                                     env=env or {},
                                      binds=tuple(lowlevel.Bind(s, d, writable=w) for s, d, w in binds or ()),
                                      limits=lowlevel.Limits(**(limits or {})))
+            import contextlib
+            scripted = None
+            override: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+            if resolver is not None:
+                sys.path.insert(0, str(HERE / "helpers"))
+                from scripted_resolver import ScriptedResolver
+
+                from lowlevel.egress_proxy import override_resolver_for_tests
+                scripted = ScriptedResolver(resolver["answers"])
+                override = override_resolver_for_tests(scripted, pretend_public=resolver.get("pretend_public", ()))
             try:
-                r = lowlevel.run(command, policy=policy, workspace=ws, timeout=timeout, stdin=stdin, commit=commit)
+                with override:
+                    r = lowlevel.run(command, policy=policy, workspace=ws, timeout=timeout, stdin=stdin, cwd=cwd,
+                                     commit=commit)
             except lowlevel.LowlevelError as err:
                 return Outcome(None, error=type(err).__name__, message=str(err),
                                errno=getattr(err, "errno", None), workspace=ws)
             d = r.to_json()
+            if scripted is not None:
+                d["resolver_calls"] = scripted.calls
             return Outcome(r.exit_code, r.stdout, r.stderr, r.timed_out, r.killed_by, r.term_signal, ws,
                            d["changes"], list(r.limits_enforced), list(r.notes), r.wall_time_s, raw=d)
         spec = {"command": command, "timeout": timeout, "env": env or {}, "network": network,
-                "binds": binds or [], "limits": limits or {}, "workspace": ws, "commit": commit,
+                "binds": binds or [], "limits": limits or {}, "workspace": ws, "cwd": cwd, "commit": commit,
+                "egress": egress, "resolver": resolver,
                 "files": {k: base64.b64encode(v).decode() for k, v in (files or {}).items()},
                 "stdin_b64": base64.b64encode(stdin).decode() if stdin is not None else None}
         proc = subprocess.run(

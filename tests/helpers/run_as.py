@@ -4,10 +4,14 @@ The test suite executes this script as an unprivileged user (runuser) to test th
 non-root path of bwrap with the same assertions as the root path. Spec keys:
 ``command``, ``timeout``, ``stdin_b64``, ``env``, ``network``, ``binds`` ([src, dest, writable]),
 ``limits`` (Limits kwargs), ``files`` ({name: base64} written into a fresh workspace),
-``workspace`` (an existing dir instead), ``commit`` (True, False or "on_success").
+``workspace`` (an existing dir instead), ``cwd`` (inside the sandbox), ``commit`` (True, False or
+"on_success"), ``egress`` (Egress kwargs: network by allowlist), ``resolver`` ({"answers": ...,
+"pretend_public": [...]}: the egress tests' TEST-ONLY resolver override, see
+scripted_resolver.py; the lookups made are returned as ``resolver_calls``).
 """
 
 import base64
+import contextlib
 import json
 import os
 import sys
@@ -20,8 +24,17 @@ from lowlevel.workspace import write_file
 def main() -> int:
     spec = json.load(sys.stdin)
     binds = tuple(lowlevel.Bind(s, d, writable=w) for s, d, w in spec.get("binds", []))
-    policy = lowlevel.Policy(network=spec.get("network", False), binds=binds, env=spec.get("env", {}),
+    network = lowlevel.Egress(**spec["egress"]) if spec.get("egress") is not None else spec.get("network", False)
+    policy = lowlevel.Policy(network=network, binds=binds, env=spec.get("env", {}),
                              limits=lowlevel.Limits(**spec.get("limits", {})))
+    resolver = None
+    override: contextlib.AbstractContextManager = contextlib.nullcontext()
+    if spec.get("resolver") is not None:
+        from scripted_resolver import ScriptedResolver
+
+        from lowlevel.egress_proxy import override_resolver_for_tests
+        resolver = ScriptedResolver(spec["resolver"]["answers"])
+        override = override_resolver_for_tests(resolver, pretend_public=spec["resolver"].get("pretend_public", ()))
     workspace = spec.get("workspace")
     if workspace is None:
         workspace = tempfile.mkdtemp(prefix="lowlevel-test-ws-")
@@ -31,8 +44,10 @@ def main() -> int:
     stdin = base64.b64decode(spec["stdin_b64"]) if spec.get("stdin_b64") is not None else None
     out: dict = {}
     try:
-        result = lowlevel.run(spec["command"], policy=policy, workspace=workspace,
-                              timeout=spec.get("timeout", 60), stdin=stdin, commit=spec.get("commit", True))
+        with override:
+            result = lowlevel.run(spec["command"], policy=policy, workspace=workspace,
+                                  timeout=spec.get("timeout", 60), stdin=stdin, cwd=spec.get("cwd", "/workspace"),
+                                  commit=spec.get("commit", True))
     except lowlevel.LowlevelError as err:
         out = {"error": type(err).__name__, "message": str(err), "errno": getattr(err, "errno", None),
                "workspace": workspace}
@@ -40,6 +55,8 @@ def main() -> int:
         out = result.to_json()
         out["stdout_b64"] = base64.b64encode(result.stdout).decode()
         out["stderr_b64"] = base64.b64encode(result.stderr).decode()
+    if resolver is not None:
+        out["resolver_calls"] = resolver.calls
     json.dump(out, sys.stdout)
     return 0
 

@@ -366,7 +366,7 @@ def test_bench_quick_json_schema(tmp_path):
     assert doc["schema"] == 1
     assert {"results", "ratios", "host", "one_time"} <= set(doc)
     names = {r["name"] for r in doc["results"]}
-    assert {"floor", "subprocess", "raw_bwrap", "run", "arun"} <= names  # later also session, pool
+    assert {"floor", "subprocess", "raw_bwrap", "run", "arun", "run_egress"} <= names  # later also session, pool
     assert {r["command"] for r in doc["results"]} == {"/usr/bin/true", "/usr/bin/python3 -c pass"}
     for r in doc["results"]:
         assert RESULT_KEYS <= set(r), r
@@ -379,5 +379,7 @@ def test_bench_quick_json_schema(tmp_path):
     for k in ("run_vs_raw_bwrap", "raw_bwrap_vs_floor"):
         assert isinstance(doc["ratios"][k], float) and doc["ratios"][k] > 0
     assert doc["one_time"]["seccomp_compiles_during_bench"] == 0
+    dl = doc["egress_download"]
+    assert dl["host_n"] >= 1 and dl["egress_n"] >= 1 and isinstance(dl["added_p50_ms"], float)
     for k in ("kernel", "bwrap", "python", "cpus"):
         assert doc["host"][k]

@@ -87,3 +87,11 @@ def test_snapshot_diff_and_listing(tmp_path):
     assert changes.added == ("lnk", "new") and changes.modified == ("change",) and changes.deleted == ("gone",)
     kinds = {e.path: e.kind for e in list_files(str(tmp_path))}
     assert kinds == {"keep": "file", "change": "file", "new": "file", "lnk": "symlink"}
+
+
+def test_backslash_is_part_of_a_name(tmp_path):
+    """A Linux name may hold a backslash: writing "a\\b" makes that one file, not a/b (issue 12
+    item 4: records must restore names exactly)."""
+    write_file(str(tmp_path), "a\\b", b"x")
+    assert os.listdir(tmp_path) == ["a\\b"]
+    assert read_file(str(tmp_path), "a\\b") == b"x"
