@@ -1,9 +1,10 @@
 """lowlevel.ray on a real multi-node Ray cluster started on this machine.
 
 One module-scoped ``ray.cluster_utils.Cluster``: a head node and two workers, each with its
-own resources label, 1 CPU and an 80 MiB object store. The second worker is started with a
-PATH that has no bubblewrap (what a node without the package looks like to the actor's
-``lowlevel doctor``): the pool must report it and never use it. The node-failure test (the
+own resources label, 1 CPU and an 80 MiB object store. The second worker is started with
+``LOWLEVEL_WORKSPACE_BASE`` pointing into ``/proc`` (a node whose sandboxes cannot get a
+workspace: the actor's ``lowlevel doctor`` fails its "sandbox runs" check there): the pool
+must report it and never use it. The node-failure test (the
 last one using the cluster) kills the good worker's raylet mid-batch.
 
 Health checks are tightened (GCS notices a dead raylet in ~2 s instead of ~30 s) only to
@@ -45,8 +46,8 @@ ALL_BYTES = bytes(range(256))
 
 
 class Nodes:
-    def __init__(self, cluster: Cluster, head: str, good: str, no_bwrap: str) -> None:
-        self.cluster, self.head, self.good, self.no_bwrap = cluster, head, good, no_bwrap
+    def __init__(self, cluster: Cluster, head: str, good: str, broken: str) -> None:
+        self.cluster, self.head, self.good, self.broken = cluster, head, good, broken
 
 
 def _node_id(node) -> str:
@@ -63,9 +64,9 @@ def nodes():
         "_system_config": FAST_HEALTH})
     try:
         good = cluster.add_node(**NODE, resources={"good": 1})
-        # A node whose processes find no bwrap on PATH (env_vars: the raylet's environment,
-        # inherited by its workers): what a node without bubblewrap looks like to the actor.
-        bad = cluster.add_node(**NODE, resources={"no_bwrap": 1}, env_vars={"PATH": "/nonexistent"})
+        # A node where no sandbox can run (env_vars: the raylet's environment, inherited by its
+        # workers): its workspace base cannot be created.
+        bad = cluster.add_node(**NODE, resources={"broken": 1}, env_vars={"LOWLEVEL_WORKSPACE_BASE": "/proc/nope"})
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False)
         yield Nodes(cluster, _node_id(cluster.head_node), _node_id(good), _node_id(bad))
@@ -100,12 +101,12 @@ def _sandbox_children(pid: int) -> list[str]:
     return out
 
 
-def test_node_without_bwrap_is_reported_not_used(nodes, pool):
+def test_node_that_cannot_run_sandboxes_is_reported_not_used(nodes, pool):
     status = {s.node_id: s for s in pool.nodes()}
     assert status[nodes.head].ok and status[nodes.good].ok
-    bad = status[nodes.no_bwrap]
+    bad = status[nodes.broken]
     assert not bad.ok and bad.actors == 0
-    assert "bwrap" in bad.reason and "PATH" in bad.reason
+    assert "sandbox runs" in bad.reason and "cannot create workspace base /proc/nope" in bad.reason
     assert bad.doctor is not None and bad.doctor["ok"] is False
     results = ray.get([pool.submit(["true"]) for _ in range(12)])
     assert {r.node_id for r in results} <= {nodes.head, nodes.good}
@@ -114,9 +115,9 @@ def test_node_without_bwrap_is_reported_not_used(nodes, pool):
 @pytest.mark.slow
 def test_pool_with_no_usable_node_says_why(nodes):
     with pytest.raises(ClusterError) as err:
-        SandboxActorPool(nodes=[nodes.no_bwrap], concurrency=1)
+        SandboxActorPool(nodes=[nodes.broken], concurrency=1)
     assert err.value.reason == "start"
-    assert nodes.no_bwrap[:12] in str(err.value) and "bwrap not found on PATH" in str(err.value)
+    assert nodes.broken[:12] in str(err.value) and "cannot create workspace base" in str(err.value)
 
 
 def test_calls_spread_across_nodes(nodes, pool):
@@ -291,7 +292,7 @@ def test_session_is_pinned_to_one_node(nodes, pool):
     with pool.open_session(node_id=nodes.good) as s2:
         assert s2.node_id == nodes.good and s2.run(["true"]).node_id == nodes.good
     with pytest.raises(ClusterError):
-        pool.open_session(node_id=nodes.no_bwrap)
+        pool.open_session(node_id=nodes.broken)
 
 
 @pytest.mark.slow
