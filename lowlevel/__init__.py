@@ -10,8 +10,8 @@ See :func:`lowlevel.run`, :class:`lowlevel.Policy` and :class:`lowlevel.Result`.
 """
 
 from .egress import Egress, NetworkAttempt
-from .errors import (BwrapNotFoundError, LaunchError, LowlevelError, PolicyError, SeccompError,
-                     SessionError, UnsupportedError, WorkspaceError)
+from .errors import (BwrapNotFoundError, CommitConflictError, LaunchError, LowlevelError, PolicyError,
+                     SeccompError, SessionError, UnsupportedError, WorkspaceError)
 from .launcher import ExecError, run
 from .limits import Limits
 from .policy import Bind, Policy
@@ -44,6 +44,7 @@ __all__ = [
     "Bind",
     "BwrapNotFoundError",
     "Changes",
+    "CommitConflictError",
     "DEFAULT_PROFILE",
     "Egress",
     "ExecError",

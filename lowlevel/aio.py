@@ -367,6 +367,20 @@ def _adopt_init(r: Run, sup: _Supervision) -> None:
 
 async def _arun(r: Run) -> Result:
     loop = asyncio.get_running_loop()
+    try:
+        result: Result | None = await _arun_kept(r, loop)
+    except BaseException:
+        if not r.keep_workspace and r.owns_workspace:
+            # keep_workspace=False: gone on failure and cancellation too (off the loop: a big tree).
+            await asyncio.shield(loop.run_in_executor(_executor(), r.finish_workspace, None))
+        raise
+    if not r.keep_workspace:
+        result = await loop.run_in_executor(_executor(), r.finish_workspace, result)
+    assert result is not None
+    return result
+
+
+async def _arun_kept(r: Run, loop: asyncio.AbstractEventLoop) -> Result:
     sup = _Supervision(loop, r)
     try:
         return await _drive(r, sup)
@@ -397,7 +411,7 @@ async def arun(command: Sequence[str], *, policy: Policy | None = None,
                timeout: float | None = DEFAULT_TIMEOUT_S, stdin: bytes | None = None,
                env: Mapping[str, str] | None = None, capture: bool = True, cwd: str = WORKSPACE_DEST,
                workspace_base: str | None = None, limiter: asyncio.Semaphore | None = None,
-               allow_sensitive_workspace: bool = False) -> Result:
+               allow_sensitive_workspace: bool = False, keep_workspace: bool = True) -> Result:
     """Run ``command`` in a fresh bwrap sandbox without blocking the event loop.
 
     The same run, arguments and :class:`~lowlevel.result.Result` as :func:`lowlevel.run`
@@ -407,9 +421,11 @@ async def arun(command: Sequence[str], *, policy: Policy | None = None,
     Args:
         command: program and arguments as seen inside, e.g. ``["python3", "main.py"]``.
         policy: the sandbox description; default ``Policy()``.
-        workspace, inputs, timeout, stdin, env, capture, cwd, workspace_base, allow_sensitive_workspace: as
-            :func:`lowlevel.run`. ``timeout`` (seconds, None for none) counts from the spawn;
-            on expiry the sandbox is SIGKILLed and the Result has ``timed_out=True``.
+        workspace, inputs, timeout, stdin, env, capture, cwd, workspace_base, allow_sensitive_workspace,
+            keep_workspace: as :func:`lowlevel.run` (``keep_workspace=False`` removes the fresh
+            workspace in the shared executor once the Result is built). ``timeout`` (seconds,
+            None for none) counts from the spawn; on expiry the sandbox is SIGKILLed and the
+            Result has ``timed_out=True``.
         limiter: an ``asyncio.Semaphore`` shared by the calls it should bound; the call
             waits for it before allocating anything (no fd, no process, no workspace).
             None: no bound (each run in flight holds up to 6 fds; see the module docstring).
@@ -428,7 +444,8 @@ async def arun(command: Sequence[str], *, policy: Policy | None = None,
         return Run(command, policy=policy or Policy(),
                    workspace=None if workspace is None else os.fspath(workspace), inputs=inputs,
                    timeout=timeout, stdin=stdin, env=env, capture=capture, cwd=cwd,
-                   workspace_base=workspace_base, allow_sensitive_workspace=allow_sensitive_workspace)
+                   workspace_base=workspace_base, allow_sensitive_workspace=allow_sensitive_workspace,
+                   keep_workspace=keep_workspace)
 
     if limiter is None:
         return await _arun(make())
@@ -451,20 +468,21 @@ class Runner:
     Args:
         max_concurrency: runs allowed at once, >= 1. Each holds at most 6 fds and its
             sandbox's processes; 2-4x the CPU count keeps the CPUs busy for short runs.
-        policy, timeout, workspace_base, env: defaults for :meth:`run` (a call's own
-            arguments win).
+        policy, timeout, workspace_base, env, keep_workspace: defaults for :meth:`run` (a
+            call's own arguments win). ``keep_workspace=False`` removes each call's fresh
+            workspace once its Result is built (see :func:`lowlevel.run`).
     Raises:
         ValueError: ``max_concurrency`` is not an int >= 1.
     """
 
     def __init__(self, max_concurrency: int, *, policy: Policy | None = None,
                  timeout: float | None = DEFAULT_TIMEOUT_S, workspace_base: str | None = None,
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, keep_workspace: bool = True) -> None:
         if not isinstance(max_concurrency, int) or isinstance(max_concurrency, bool) or max_concurrency < 1:
             raise ValueError(f"max_concurrency must be an int >= 1, got {max_concurrency!r}")
         self.max_concurrency = max_concurrency
         self.defaults: dict[str, Any] = {"policy": policy, "timeout": timeout, "workspace_base": workspace_base,
-                                         "env": env}
+                                         "env": env, "keep_workspace": keep_workspace}
         self._limiter = asyncio.Semaphore(max_concurrency)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False

@@ -1,12 +1,22 @@
 """The ``lowlevel`` command line.
 
 ``lowlevel run [OPTIONS] -- COMMAND [ARG...]`` runs COMMAND in a fresh sandbox. By default the
-program's output streams live to the terminal (inherited stdio, like ``timeout(1)`` or
-``bwrap``); ``--json`` captures it and prints one JSON object with the Result.
+program's output streams live to the terminal; ``--json`` captures it and prints one JSON
+object with the Result. The program never gets the caller's own stdin, stdout or stderr:
+they are pipes of ours, or a pty of ours when the caller's side is a terminal, relayed live
+(:mod:`lowlevel.relay`). Stdin that is not a terminal is passed on in every mode: streamed
+live, or with ``--record`` read first (at most :data:`MAX_RECORD_STDIN_BYTES`) so the record
+stores it and ``replay`` feeds it again.
 
 Exit status (as ``timeout(1)`` does): the program's own status; 124 when the timeout killed
-it; 125 when lowlevel itself failed (bad option value, bad workspace, sandbox setup); 126 when
-the command is not executable; 127 when it is not found; 128+N when signal N killed it.
+it; 125 when lowlevel itself failed (a usage error or bad option value, bad workspace,
+sandbox setup), always with one line on stderr; 126 when the command is not executable; 127
+when it is not found; 128+N when signal N killed it, or when signal N (SIGINT, SIGTERM,
+SIGHUP, SIGQUIT) interrupted lowlevel, which then killed the sandbox. With ``--json`` every
+outcome prints exactly one JSON object on stdout: the Result, or, when there is none, an
+error object ``{"error": TYPE, "message": LINE, "exit_status": N, "errno": E | null,
+"workspace": PATH | null}`` (TYPE is the exception's name, ``UsageError`` or ``Interrupted``;
+an interruption adds ``"signal": "SIGINT"``).
 
 ``lowlevel doctor [--json]`` reports what the host can do and exits non-zero when the default
 policy cannot run.
@@ -31,14 +41,14 @@ import signal
 import sys
 from collections.abc import Iterator, Sequence
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 from . import __version__
 from .egress import DEFAULT_PORTS, Egress
-from .errors import LowlevelError, PolicyError
-from .launcher import ExecError, run
+from .errors import LaunchError, LowlevelError, PolicyError, UnsupportedError
+from .launcher import ExecError, classify_setup_failure, run
 from .limits import Limits
-from .policy import Bind, Policy
+from .policy import WORKSPACE_DEST, Bind, Policy
 from .report import RECORD_NOT_WRITTEN, WARNING_PREFIX, json_safe
 from .result import Result
 
@@ -46,6 +56,23 @@ EXIT_TIMEOUT = 124
 EXIT_FAILED = 125
 EXIT_NOEXEC = 126
 EXIT_NOTFOUND = 127
+
+#: The most stdin ``--record`` reads (and stores in the record), bytes.
+MAX_RECORD_STDIN_BYTES = 64 * 1024 * 1024
+
+
+class UsageError(Exception):
+    """A bad command line: one line on stderr and exit 125 (argparse would exit 2, which
+    cannot be told from a program's own exit 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with lowlevel's exit status: a usage error raises :class:`UsageError`."""
+
+    def error(self, message: str) -> NoReturn:
+        text = " ".join(message.split())
+        where = self.prog.partition(" ")[2]
+        raise UsageError(f"{where + ': ' if where else ''}{text} (see `{self.prog} --help`)")
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?[bB])?\s*$")
 _UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
@@ -119,9 +146,29 @@ def _bind_spec(text: str) -> tuple[str, str]:
     return text, ""
 
 
+def _input_spec(text: str) -> str | tuple[str, str]:
+    """``SRC`` (copied under its base name) or ``SRC:DEST`` (DEST relative to the workspace)."""
+    if ":" in text:
+        src, dest = text.split(":", 1)
+        if not src or not dest:
+            raise argparse.ArgumentTypeError(f"invalid --input {text!r}: use PATH or PATH:DEST")
+        return src, dest
+    return text
+
+
+def _cwd_spec(text: str) -> str:
+    """``--cwd``: absolute inside the sandbox, or relative to /workspace."""
+    if not text or "\0" in text:
+        raise argparse.ArgumentTypeError(f"invalid --cwd {text!r}")
+    path = text if text.startswith("/") else f"{WORKSPACE_DEST}/{text}"
+    if any(part == ".." for part in path.split("/")):
+        raise argparse.ArgumentTypeError(f"invalid --cwd {text!r}: no '..'")
+    return os.path.normpath(path)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser for ``lowlevel`` (exposed for docs and tests)."""
-    parser = argparse.ArgumentParser(prog="lowlevel", description="Run untrusted programs in a bubblewrap "
+    parser = _Parser(prog="lowlevel", description="Run untrusted programs in a bubblewrap "
                                      "sandbox with seccomp and resource limits.")
     parser.add_argument("--version", action="version", version=f"lowlevel {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="{run,doctor,replay,mcp}")
@@ -130,8 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run COMMAND in a fresh sandbox. Put -- before the command.")
     p.add_argument("--workspace", metavar="DIR", help="existing host dir bound read-write at /workspace "
                    "(default: a fresh per-run dir, its path printed to stderr)")
-    p.add_argument("--input", metavar="PATH", action="append", default=[],
-                   help="file or dir copied into the workspace before the run (repeatable)")
+    p.add_argument("--input", metavar="PATH[:DEST]", action="append", default=[], type=_input_spec,
+                   help="file or dir copied into the workspace before the run, under its base name or at "
+                   "DEST (relative to the workspace) (repeatable)")
+    p.add_argument("--cwd", metavar="DIR", type=_cwd_spec, default=WORKSPACE_DEST,
+                   help="working directory inside the sandbox, absolute or relative to /workspace "
+                   "(default /workspace)")
     p.add_argument("--timeout", metavar="SECONDS", type=_positive_float, default=60.0,
                    help="wall-clock limit, seconds (default 60); exit 124 when it fires")
     p.add_argument("--network", nargs="?", const="bare", default=None, type=_network_mode, metavar="{none,host}",
@@ -173,6 +224,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workspace-size", metavar="BYTES", type=parse_size,
                    help="total bytes the run may write into its workspace (the copy-on-write upper "
                    "layer's tmpfs: ENOSPC inside beyond it), default 1G")
+    keep = p.add_mutually_exclusive_group()
+    keep.add_argument("--discard", action="store_true", help="drop the run's changes: the workspace stays "
+                      "exactly as it was (they are still listed with --json)")
+    keep.add_argument("--commit-on-success", action="store_true", help="apply the run's changes to the "
+                      "workspace only if the program exited 0 and was not killed (default: always)")
     p.add_argument("--json", action="store_true", help="capture output; print one JSON object with the Result")
     p.add_argument("--rm", action="store_true", help="remove the fresh per-run workspace after the run "
                    "(--json still lists its changes); not with --workspace")
@@ -219,33 +275,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-@contextlib.contextmanager
-def _terminal_restored(active: bool) -> Iterator[None]:
-    """Save the terminal's settings (termios) on stdin/stdout/stderr and put them back after the
-    run: a sandboxed program sharing the caller's tty can turn off echo or switch to raw mode
-    and die before restoring it. No-op when not a terminal or not streaming."""
-    saved: list[tuple[int, list[Any]]] = []
-    if active:
-        import termios
-        for fd in (0, 1, 2):
-            try:
-                if os.isatty(fd):
-                    saved.append((fd, termios.tcgetattr(fd)))
-                    break
-            except (OSError, termios.error):
-                continue
-    try:
-        yield
-    finally:
-        if saved:
-            import termios
-            for fd, attrs in saved:
-                try:
-                    termios.tcsetattr(fd, termios.TCSANOW, attrs)
-                except (OSError, termios.error):
-                    pass
-
-
 def _silence_stdout() -> None:
     """Point fd 1 at /dev/null after the reader of our stdout went away (``| head -1``), so the
     interpreter's final flush does not print "Exception ignored ... BrokenPipeError".
@@ -270,6 +299,33 @@ def _reader_may_leave() -> Iterator[None]:
 
 def _fail(message: str, code: int = EXIT_FAILED) -> int:
     print(f"lowlevel: {message}", file=sys.stderr)
+    return code
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def error_object(kind: str, message: str, exit_status: int, *, err_no: int | None = None,
+                 workspace: str | None = None, **extra: Any) -> dict[str, Any]:
+    """The ``--json`` object for an outcome without a Result (see the module docstring)."""
+    return {"error": kind, "message": _one_line(message), "exit_status": exit_status, "errno": err_no,
+            "workspace": workspace, **extra}
+
+
+def _print_json(doc: dict[str, Any]) -> None:
+    json.dump(doc, sys.stdout, indent=2, sort_keys=True)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+
+
+def _error(args: argparse.Namespace | None, err: BaseException, code: int, *, workspace: str | None = None) -> int:
+    """Report one of lowlevel's own errors: one line on stderr, and the error object with --json."""
+    message = _one_line(str(err))
+    print(f"lowlevel: {message}", file=sys.stderr)
+    if args is not None and getattr(args, "json", False):
+        _print_json(error_object(type(err).__name__, message, code, err_no=getattr(err, "errno", None),
+                                 workspace=workspace))
     return code
 
 
@@ -302,48 +358,123 @@ def _egress_requested(args: argparse.Namespace) -> bool:
     return bool(args.allow_host or args.deny_host or args.allow_cidr or args.allow_port or args.ca_cert)
 
 
+class Interrupted(BaseException):
+    """SIGINT, SIGTERM, SIGHUP or SIGQUIT ended ``lowlevel run``; carries what main() reports."""
+
+    def __init__(self, signum: int, workspace: str | None, removed: bool) -> None:
+        super().__init__(signum)
+        self.signum = signum
+        self.workspace = workspace
+        self.removed = removed
+
+
+def read_stdin_for_record(limit: int = MAX_RECORD_STDIN_BYTES, fd: int = 0) -> bytes | None:
+    """Stdin for ``--record``: all of it (at most ``limit`` bytes), or None for a terminal or
+    a closed fd (the program then gets ``/dev/null``).
+
+    Raises:
+        UsageError: more than ``limit`` bytes.
+    """
+    from .relay import is_terminal_or_none
+
+    if is_terminal_or_none(fd):
+        return None
+    chunks: list[bytes] = []
+    total = 0
+    while True:
+        try:
+            data = os.read(fd, min(1 << 20, limit + 1 - total))
+        except InterruptedError:
+            continue
+        if not data:
+            break
+        chunks.append(data)
+        total += len(data)
+        if total > limit:
+            raise UsageError(f"stdin is larger than {limit} bytes, the most --record stores: "
+                             "put the data in a file and pass it with --input")
+    return b"".join(chunks)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """``lowlevel run``: returns the exit status to use."""
-    try:
-        return _cmd_run(args)
-    except ExecError as err:
-        return _fail(str(err), EXIT_NOTFOUND if err.errno == errno.ENOENT else EXIT_NOEXEC)
-    except LowlevelError as err:
-        return _fail(str(err))
-
-
-def _cmd_run(args: argparse.Namespace) -> int:
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
     if not command:
-        return _fail("no command given: write `lowlevel run [OPTIONS] -- COMMAND [ARG...]`", 2)
+        raise UsageError("run: no command given: write `lowlevel run [OPTIONS] -- COMMAND [ARG...]`")
     if args.rm and args.workspace is not None:
-        return _fail("--rm removes the fresh per-run workspace; it does not go with --workspace "
-                     "(lowlevel never deletes your directory)", 2)
+        raise UsageError("run: --rm removes the fresh per-run workspace; it does not go with "
+                         "--workspace (lowlevel never deletes your directory)")
     if args.network in ("host", "bare", "none") and _egress_requested(args):
-        return _fail(f"--network={'host' if args.network == 'bare' else args.network} and --allow-host "
-                     "(or --deny-host/--allow-cidr/--allow-port/--ca-cert) contradict each other: "
-                     "--allow-host alone gives an allowlist", 2)
+        raise UsageError(f"run: --network={'host' if args.network == 'bare' else args.network} and --allow-host "
+                         "(or --deny-host/--allow-cidr/--allow-port/--ca-cert) contradict each other: "
+                         "--allow-host alone gives an allowlist")
     if args.net_bytes is not None and not _egress_requested(args):
-        return _fail("--net-bytes is enforced by the egress proxy: use it with --allow-host", 2)
+        raise UsageError("run: --net-bytes is enforced by the egress proxy: use it with --allow-host")
+    if args.record and (args.discard or args.commit_on_success):
+        raise UsageError("run: --record hashes the workspace after the run, so the run's changes are always "
+                         "applied: drop --discard/--commit-on-success, or --record")
     if args.network == "bare":
         print("lowlevel: warning: --network gives the sandbox the host's whole network (127.0.0.1 services, "
               "cloud metadata); say --network=host to confirm, or use --allow-host HOST", file=sys.stderr)
-    created = None
+    created: list[str] = []  # the fresh workspace, while it exists
+    try:
+        return _cmd_run(args, command, created)
+    except ExecError as err:
+        return _error(args, err, EXIT_NOTFOUND if err.errno == errno.ENOENT else EXIT_NOEXEC,
+                      workspace=created[0] if created else None)
+    except LowlevelError as err:
+        return _error(args, err, EXIT_FAILED, workspace=created[0] if created else None)
+
+
+def _remove(path: str) -> None:
+    from .workspace import remove_workspace
+    try:
+        remove_workspace(path)
+    except LowlevelError as err:
+        print(f"lowlevel: --rm: {err}", file=sys.stderr)
+
+
+def _cmd_run(args: argparse.Namespace, command: list[str], created: list[str]) -> int:
+    from .relay import StdioRelay, is_terminal_or_none
+
+    stdin: bytes | None = None
+    if args.record:
+        stdin = read_stdin_for_record()
+    result: Result | None = None
     try:
         policy = _policy_from_args(args)
         workspace = args.workspace
         if workspace is None:
             from .workspace import create_workspace
-            workspace = created = create_workspace(args.input)
-            inputs: list[str] = []
+            workspace = create_workspace(args.input)
+            created.append(workspace)
+            inputs: list[Any] = []
         else:
             inputs = args.input
         capture = args.json or bool(args.record)
-        with _terminal_restored(not capture):
-            result = run(command, policy=policy, workspace=workspace, inputs=inputs, timeout=args.timeout,
-                         capture=capture, record=args.record, allow_sensitive_workspace=args.allow_sensitive)
+        kw: dict[str, Any] = dict(policy=policy, workspace=workspace, inputs=inputs, timeout=args.timeout,
+                                  capture=capture, cwd=args.cwd, allow_sensitive_workspace=args.allow_sensitive)
+        if not args.record:
+            kw["commit"] = False if args.discard else "on_success" if args.commit_on_success else True
+        if args.record:
+            result = run(command, record=args.record, stdin=stdin, **kw)
+        elif args.json and is_terminal_or_none(0):
+            result = run(command, **kw)  # a terminal is not read with --json: /dev/null
+        else:
+            with StdioRelay(stdin=True, output=not capture) as relay:
+                try:
+                    result = run(command, stdio_fds=relay.child_fds, **kw)
+                except LaunchError as err:
+                    relay.finish()
+                    if isinstance(err, ExecError) or err.stderr or not relay.stderr_tail:
+                        raise
+                    # bwrap's own message (an execvp failure: a missing ELF interpreter...)
+                    # went through the relay, not into the Result.
+                    raise classify_setup_failure(relay.stderr_tail.replace(b"\r\n", b"\n"), err.argv,
+                                                 command) from None
+                relay.finish()
         if args.record and not args.json:
             with _reader_may_leave():
                 sys.stdout.buffer.write(result.stdout)
@@ -351,24 +482,30 @@ def _cmd_run(args: argparse.Namespace) -> int:
             sys.stderr.buffer.write(result.stderr)
             sys.stderr.flush()
         if created and not args.rm:
-            print(f"lowlevel: workspace {created}", file=sys.stderr)
-    except BaseException:
+            print(f"lowlevel: workspace {created[0]}", file=sys.stderr)
+    except (KeyboardInterrupt, Terminated) as err:
+        # The program may have written into its workspace: keep it (as after a normal end)
+        # unless --rm asked for it to go.
+        signum = err.signum if isinstance(err, Terminated) else signal.SIGINT
+        if created and args.rm:
+            _remove(created[0])
+        raise Interrupted(signum, created[0] if created else None, bool(created and args.rm)) from None
+    except BaseException as err:
         if created:
-            from .workspace import remove_workspace
-            try:
-                remove_workspace(created)
-            except LowlevelError:
-                pass
+            if isinstance(err, (PolicyError, UnsupportedError, UsageError, LaunchError)):
+                # Nothing ran (a bad option, the command not found, setup failed): the
+                # fresh workspace holds only the inputs.
+                _remove(created[0])
+                created.clear()
+            else:
+                # Maybe after the program ran (giving the workspace back failed...): keep it.
+                print(f"lowlevel: workspace {created[0]}", file=sys.stderr)
         raise
     try:
         return _report(args, result)
     finally:
         if created and args.rm:
-            from .workspace import remove_workspace
-            try:
-                remove_workspace(created)
-            except LowlevelError as err:
-                print(f"lowlevel: --rm: {err}", file=sys.stderr)
+            _remove(created[0])
 
 
 def _report(args: argparse.Namespace, result: Result) -> int:
@@ -377,9 +514,7 @@ def _report(args: argparse.Namespace, result: Result) -> int:
             print(f"lowlevel: {note}", file=sys.stderr)
     if args.json:
         with _reader_may_leave():
-            json.dump(result.to_json(), sys.stdout, indent=2, sort_keys=True)
-            sys.stdout.write("\n")
-            sys.stdout.flush()
+            _print_json(result.to_json())
     if result.timed_out:
         if not args.json:
             print(f"lowlevel: timed out after {args.timeout:g} s; the sandbox was killed", file=sys.stderr)
@@ -421,12 +556,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
     try:
         report = replay(args.file, keep_workspace=args.keep_workspace, trust_policy=args.trust_record_policy,
                         **({"max_bytes": args.max_bytes} if args.max_bytes is not None else {}))
-    except ExecError as err:
-        return _fail(str(err))
     except (LowlevelError, OSError) as err:
-        return _fail(str(err))
+        return _error(args, err, EXIT_FAILED)
     except Exception as err:  # noqa: BLE001 - a record is untrusted input: one line, never a traceback
-        return _fail(f"replay: cannot replay {args.file!r}: {type(err).__name__}: {err}")
+        return _error(args, RuntimeError(f"replay: cannot replay {args.file!r}: {type(err).__name__}: {err}"),
+                      EXIT_FAILED)
     if args.json:
         with _reader_may_leave():
             json.dump(json_safe({"matched": report.matched, "differences": report.differences,
@@ -472,7 +606,7 @@ def cmd_mcp(args: argparse.Namespace) -> int:
 
 
 class Terminated(BaseException):
-    """SIGTERM or SIGHUP arrived during ``run`` or ``replay``.
+    """SIGTERM, SIGHUP or SIGQUIT arrived during ``run`` or ``replay``.
 
     Raised from the signal handler, like KeyboardInterrupt for SIGINT, so every ``finally``
     runs before the CLI exits 128+N: the sandbox is killed and reaped and the workspace given
@@ -485,13 +619,15 @@ class Terminated(BaseException):
         self.signum = signum
 
 
-#: Signals turned into :class:`Terminated`; SIGINT is KeyboardInterrupt already.
-SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+#: Signals turned into :class:`Terminated`; SIGINT is KeyboardInterrupt already. SIGQUIT
+#: (``^\``) too: its default action would dump core and skip the cleanup (the sandbox left to
+#: ``--die-with-parent``, the workspace not given back, the terminal not restored).
+SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
 @contextlib.contextmanager
 def clean_shutdown() -> Iterator[None]:
-    """Turn SIGTERM and SIGHUP into :class:`Terminated` while the block runs; restore after.
+    """Turn SIGTERM, SIGHUP and SIGQUIT into :class:`Terminated` while the block runs; restore after.
 
     The first signal raises; later ones are ignored, so a second SIGTERM cannot cut the
     cleanup short. A signal the caller ignores (``nohup`` ignores SIGHUP) stays ignored.
@@ -517,11 +653,19 @@ def clean_shutdown() -> Iterator[None]:
             signal.signal(signum, previous)  # type: ignore[arg-type]
 
 
+def _wants_json(argv: Sequence[str]) -> bool:
+    """``--json`` among the options (before ``--``), for errors found before parsing ends."""
+    head = list(argv[:list(argv).index("--")] if "--" in argv else argv)
+    return "--json" in head
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``lowlevel`` console script. Returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args: argparse.Namespace | None = None
     try:
+        args = parser.parse_args(argv)
         if args.cmd == "run":
             with clean_shutdown():
                 return cmd_run(args)
@@ -531,15 +675,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "mcp":
             return cmd_mcp(args)
         return cmd_doctor(args)
-    except KeyboardInterrupt:
-        return 130
+    except UsageError as err:
+        return _error(args if args is not None else argparse.Namespace(json=_wants_json(argv)), err, EXIT_FAILED)
     except BrokenPipeError:
         _silence_stdout()  # the reader of our stdout went away: no traceback
         return 128 + signal.SIGPIPE
-    except Terminated as err:
-        print(f"lowlevel: {signal.Signals(err.signum).name}: the sandbox was killed and the workspace "
-              "given back", file=sys.stderr)
-        return 128 + err.signum
+    except (KeyboardInterrupt, Terminated, Interrupted) as err:
+        signum = err.signum if isinstance(err, (Terminated, Interrupted)) else signal.SIGINT
+        name = signal.Signals(signum).name
+        workspace = err.workspace if isinstance(err, Interrupted) else None
+        message = f"{name}: the sandbox was killed"
+        if workspace is not None:
+            message += (f"; workspace {workspace} removed (--rm)" if err.removed  # type: ignore[union-attr]
+                        else f" and the workspace given back: {workspace}")
+        else:
+            message += " and the workspace given back"
+        print(f"lowlevel: {message}", file=sys.stderr)
+        if args is not None and getattr(args, "json", False):
+            _print_json(error_object("Interrupted", message, 128 + signum, workspace=workspace, signal=name))
+        return 128 + signum
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -100,7 +100,12 @@ def seccomp_checks() -> list[dict[str, Any]]:
         version = seccomp._backend().version()
         checks.append(_check("libseccomp", True, "version " + ".".join(map(str, version))))
         bpf = seccomp.compile_bpf(seccomp.DEFAULT_PROFILE)
-        checks.append(_check("seccomp", True, f"default profile compiles to {len(bpf) // 8} BPF instructions",
+        arches = [seccomp.ARCH_NAMES.get(a, hex(a)) for a in seccomp.filter_arches()]
+        compat = [seccomp.ARCH_NAMES.get(a, hex(a)) for a in seccomp.COMPAT_ARCHES.get(seccomp.filter_arches()[0], ())]
+        checks.append(_check("seccomp", True, f"default profile compiles to {len(bpf) // 8} BPF instructions; "
+                             f"syscalls admitted from {', '.join(arches)}"
+                             + (f"; the 32-bit compat entry point ({', '.join(compat)}, e.g. int 0x80) kills the "
+                                "process, as x32 does (Policy(compat_32bit=True) admits it)" if compat else ""),
                              required=True))
     except Exception as err:  # noqa: BLE001 - doctor reports, never crashes
         checks.append(_check("seccomp", False, f"{type(err).__name__}: {err}",

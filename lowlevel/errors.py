@@ -5,6 +5,7 @@
     LowlevelError                  base, never raised itself
     ├── PolicyError(ValueError)    rejected before anything runs; the message says what to change
     ├── WorkspaceError(LowlevelError, OSError)  workspace missing, not a directory, unsafe entry
+    │   └── CommitConflictError    a copy-on-write commit found host changes (EBUSY); ``.conflicts``
     ├── UnsupportedError           host lacks a feature (bwrap, userns, cgroup, option); ``.feature``
     ├── SeccompError               building the seccomp filter failed; ``.operation``, ``.errno``
     ├── LaunchError(OSError)       bwrap could not start or set up the sandbox; ``.argv``, ``.stderr``
@@ -19,6 +20,7 @@ The program exiting non-zero, dying on a signal, hitting a limit or a seccomp de
 
 from __future__ import annotations
 
+import errno as _errno
 from typing import Any
 
 
@@ -41,6 +43,47 @@ class WorkspaceError(LowlevelError, OSError):
 
     def __str__(self) -> str:
         return str(self.strerror) if self.strerror else super().__str__()
+
+
+class CommitConflictError(WorkspaceError):
+    """The user's directory changed on the host during the run where the commit would write.
+
+    Raised by :func:`lowlevel.overlay.commit` before it changes anything: every entry the commit would replace,
+    delete or chmod was checked first, and one or more had ``st_ctime_ns > since_ns``.
+
+    Attributes:
+        conflicts: the relative paths that changed on the host (sorted; ``str`` with
+            surrogateescape, see the module docstring).
+        saved_upper: where the run's changes were saved (:func:`lowlevel.overlay.save_upper`),
+            or None. :meth:`with_saved_upper` gives a copy that says so in its message.
+        result: the run's :class:`lowlevel.Result` when a run's commit raised it (set by the
+            caller that has one), else None.
+    Errno: EBUSY. ``str(err)`` is ``err.args[1]``, so a caller may extend the message by
+    replacing ``err.args``.
+    """
+
+    result: Any = None
+
+    def __init__(self, conflicts: tuple[str, ...], message: str = "", saved_upper: str | None = None) -> None:
+        shown = ", ".join(repr(p) for p in conflicts[:10]) + (f" and {len(conflicts) - 10} more"
+                                                              if len(conflicts) > 10 else "")
+        message = message or (f"commit refused: {len(conflicts)} entr{'y' if len(conflicts) == 1 else 'ies'} of "
+                              f"the workspace changed on the host during the run ({shown}); nothing was changed"
+                              + (f"; the run's changes are saved in {saved_upper}" if saved_upper else
+                                 "; save the run's changes with lowlevel.overlay.save_upper() or discard them"))
+        super().__init__(_errno.EBUSY, message)
+        self.conflicts = tuple(conflicts)
+        self.saved_upper = saved_upper
+
+    def __str__(self) -> str:
+        return str(self.args[1]) if len(self.args) > 1 else super().__str__()
+
+    def with_saved_upper(self, path: str) -> CommitConflictError:
+        """The same error, saying the run's changes were saved at ``path`` (from :func:`save_upper`)."""
+        return CommitConflictError(self.conflicts, saved_upper=path)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.conflicts, str(self), self.saved_upper))
 
 
 class UnsupportedError(LowlevelError):
@@ -136,6 +179,7 @@ def _rebuild_launch_error(cls: type[LaunchError], message: str, argv: list[str],
 
 __all__ = [
     "BwrapNotFoundError",
+    "CommitConflictError",
     "LaunchError",
     "LowlevelError",
     "PolicyError",

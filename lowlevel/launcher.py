@@ -45,6 +45,7 @@ import select
 import shutil
 import signal
 import socket
+import stat
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -244,6 +245,52 @@ def _clamp_to_own_hard_limits(triples: Sequence[tuple[str, int, int]]) -> tuple[
     return tuple(out)
 
 
+def _check_stdio_fds(stdio_fds: Sequence[int | None] | None, *, stdin: bool,
+                     capture: bool) -> tuple[int | None, int | None, int | None]:
+    """Validate ``run(stdio_fds=...)``: three open fds (or None each) for the program's 0, 1, 2."""
+    if stdio_fds is None:
+        return (None, None, None)
+    fds = tuple(stdio_fds)
+    if len(fds) != 3:
+        raise PolicyError(f"stdio_fds must be (stdin_fd, stdout_fd, stderr_fd), got {stdio_fds!r}")
+    for i, fd in enumerate(fds):
+        if fd is None:
+            continue
+        if not isinstance(fd, int) or isinstance(fd, bool) or fd < 0:
+            raise PolicyError(f"stdio_fds[{i}] must be an open fd number or None, got {fd!r}")
+        try:
+            os.fstat(fd)
+        except OSError as err:
+            raise PolicyError(f"stdio_fds[{i}]: fd {fd} is not open ({err.strerror})") from None
+    if fds[0] is not None and stdin:
+        raise PolicyError("pass stdin bytes or stdio_fds[0], not both")
+    if capture and (fds[1] is not None or fds[2] is not None):
+        raise PolicyError("capture=True pipes stdout and stderr into the Result: pass stdio_fds[1] "
+                          "and stdio_fds[2] only with capture=False")
+    return fds[0], fds[1], fds[2]
+
+
+def _check_keep_workspace(keep_workspace: object, workspace: object) -> bool:
+    if not isinstance(keep_workspace, bool):
+        raise PolicyError(f"keep_workspace must be a bool, got {keep_workspace!r}")
+    if not keep_workspace and workspace is not None:
+        raise PolicyError("keep_workspace=False removes the fresh per-run workspace; it does not go with "
+                          "workspace= (lowlevel never deletes your directory)")
+    return keep_workspace
+
+
+def drop_fresh_workspace(result: Result, note: str = "workspace removed after the run "
+                         "(keep_workspace=False)") -> Result:
+    """Remove ``result.workspace`` (a fresh one: the caller checked) and say so in the notes;
+    a failure to remove is a note too, never an exception that would lose the Result."""
+    import dataclasses
+    try:
+        _ws.remove_workspace(result.workspace)
+    except (OSError, LowlevelError) as err:
+        note = f"keep_workspace=False: could not remove {result.workspace}: {err}"
+    return dataclasses.replace(result, notes=(*result.notes, note))
+
+
 def _check_command(command: Sequence[str]) -> list[str]:
     return _validate.command(command)
 
@@ -278,6 +325,85 @@ def _host_path(policy: Policy, workspace: str, inside: str, etc_files: Sequence[
     return ""
 
 
+def _mount_ancestor(policy: Policy, inside: str, etc_files: Sequence[str]) -> bool:
+    """True when ``inside`` is a directory bwrap makes to hold a mount point (``/opt`` for a
+    bind at ``/opt/venv``): it exists in the sandbox though nothing backs it."""
+    dests = [b.dest for b in policy.binds] + [WORKSPACE_DEST, "/etc", *etc_files]
+    return inside == "/" or any(d.startswith(inside.rstrip("/") + "/") for d in dests)
+
+
+def _resolve_inside(policy: Policy, workspace: str, inside: str,
+                    etc_files: Sequence[str]) -> tuple[str | None, str, str | None]:
+    """Follow ``inside`` the way the sandbox's kernel would, one component at a time, reading
+    each symlink on the host path that backs it.
+
+    Returns ``(host, path, link)``: ``host`` is the host path backing the resolved sandbox
+    ``path``, ``""`` when that path does not exist inside (``link``: the symlink whose target
+    is missing, if one was followed), or None when we cannot know (``/proc``, too many links).
+    """
+    todo = [p for p in inside.split("/") if p]
+    cur = "/"
+    hops = 0
+    link: str | None = None
+    while todo:
+        part = todo.pop(0)
+        if part == ".":
+            continue
+        if part == "..":
+            cur = os.path.dirname(cur.rstrip("/")) or "/"
+            continue
+        nxt = os.path.join(cur, part)
+        host = _host_path(policy, workspace, nxt, etc_files)
+        if host is None:
+            return None, nxt, link
+        if host == "":
+            if todo and _mount_ancestor(policy, nxt, etc_files):
+                cur = nxt
+                continue
+            return "", nxt, link
+        try:
+            st = os.lstat(host)
+        except OSError:
+            return "", nxt, link
+        if stat.S_ISLNK(st.st_mode):
+            hops += 1
+            if hops > 40:
+                return None, nxt, link
+            target = os.readlink(host)
+            link = f"{nxt} -> {target}"
+            if target.startswith("/"):
+                cur = "/"
+            todo = [p for p in target.split("/") if p] + todo
+            continue
+        cur = nxt
+    return _host_path(policy, workspace, cur, etc_files), cur, link
+
+
+def _shebang(host: str) -> str | None:
+    """The absolute interpreter path of a ``#!`` script at ``host``, or None."""
+    try:
+        fd = os.open(host, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        head = os.read(fd, 256)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if not head.startswith(b"#!"):
+        return None
+    words = head[2:].split(b"\n", 1)[0].split()
+    if not words or not words[0].startswith(b"/"):
+        return None
+    try:
+        return words[0].decode()
+    except UnicodeDecodeError:
+        return None
+
+
 def precheck_exec(policy: Policy, workspace: str, command: Sequence[str], env: Mapping[str, str],
                   cwd: str = WORKSPACE_DEST, etc_files: Sequence[str] = ()) -> None:
     """Fail fast with ExecError when the command surely does not exist or is not executable.
@@ -285,26 +411,37 @@ def precheck_exec(policy: Policy, workspace: str, command: Sequence[str], env: M
     The sandbox's filesystem is known before it starts (``/usr`` and friends, the workspace,
     the binds, a few ``/etc`` entries, an empty ``/tmp``), so "not found" and "not executable"
     are decided here, in capture and in inherited-stdio mode alike, before paying for a
-    sandbox. Paths under ``/proc`` and ``/dev`` are left to bwrap's own execvp, whose failure
-    is decoded after the run.
+    sandbox. Symlinks are followed as the sandbox sees them, so a virtualenv's ``bin/python``
+    pointing at an interpreter outside every bind (a pyenv build under ``/root``) is "not
+    found", with a hint naming the unreachable target; a ``#!`` script's interpreter is
+    checked the same way (up to 4 levels, the kernel's ``BINPRM_MAX_RECURSION``). Paths under
+    ``/proc`` and ``/dev`` are left to bwrap's own execvp, whose failure is decoded after the
+    run.
     """
-    prog = command[0]
+    _precheck(policy, workspace, command[0], command, env, cwd, etc_files, depth=0)
+
+
+def _precheck(policy: Policy, workspace: str, prog: str, command: Sequence[str], env: Mapping[str, str],
+              cwd: str, etc_files: Sequence[str], depth: int) -> None:
     if "/" in prog:
         candidates = [prog if prog.startswith("/") else os.path.join(cwd, prog)]
     else:
         candidates = [os.path.join(d, prog) for d in env.get("PATH", "").split(":") if d.startswith("/")]
     unknown = False
     not_exec = False
+    dangling: str | None = None
     for cand in candidates:
         norm = os.path.normpath(cand)
         if norm in _SYNTHESIZED:
             not_exec = True
             continue
-        host = _host_path(policy, workspace, cand, etc_files)
+        host, _inside, link = _resolve_inside(policy, workspace, norm, etc_files)
         if host is None:
             unknown = True
             continue
         if host == "":
+            if link is not None and dangling is None:
+                dangling = link
             continue
         if "/" not in prog and host.startswith(workspace):
             unknown = True  # PATH entries inside the workspace: leave it to execvp
@@ -314,6 +451,13 @@ def precheck_exec(policy: Policy, workspace: str, command: Sequence[str], env: M
             continue
         if os.path.isfile(host):
             if os.stat(host).st_mode & 0o111:
+                interp = _shebang(host) if depth < 4 else None
+                if interp is not None:
+                    try:
+                        _precheck(policy, workspace, interp, command, env, cwd, etc_files, depth + 1)
+                    except ExecError as err:
+                        raise ExecError(f"{prog}: its interpreter (#!{interp}) cannot run in the sandbox: "
+                                        f"{err}", argv=list(command), errno=err.errno) from None
                 return
             not_exec = True
     if unknown or not candidates:
@@ -321,6 +465,10 @@ def precheck_exec(policy: Policy, workspace: str, command: Sequence[str], env: M
     if not_exec:
         raise ExecError(f"{prog}: permission denied (not an executable file)", argv=list(command),
                         errno=errno.EACCES)
+    if dangling is not None:
+        raise ExecError(f"{prog}: not found in the sandbox: the symlink {dangling} points outside what the "
+                        "sandbox sees (bind the target's directory read-only with --ro / Bind, or make the "
+                        "virtualenv with --copies)", argv=list(command), errno=errno.ENOENT)
     raise ExecError(f"{prog}: command not found in the sandbox (PATH={env.get('PATH', '')})",
                     argv=list(command), errno=errno.ENOENT)
 
@@ -383,10 +531,12 @@ class Run:
     """
 
     def __init__(self, command: Sequence[str], *, policy: Policy, workspace: str | None = None,
-                 inputs: Sequence[str | os.PathLike[str]] = (), timeout: float | None = DEFAULT_TIMEOUT_S,
-                 stdin: bytes | None = None, env: Mapping[str, str] | None = None, capture: bool = True,
+                 inputs: Sequence[str | os.PathLike[str] | tuple[str, str]] = (),
+                 timeout: float | None = DEFAULT_TIMEOUT_S, stdin: bytes | None = None,
+                 env: Mapping[str, str] | None = None, capture: bool = True,
                  cwd: str = WORKSPACE_DEST, workspace_base: str | None = None, bwrap: str | None = None,
                  extra_fds: Mapping[int, int] | None = None, allow_sensitive_workspace: bool = False,
+                 stdio_fds: Sequence[int | None] | None = None, keep_workspace: bool = True,
                  commit: bool | str = True) -> None:
         if not isinstance(policy, Policy):
             raise PolicyError(f"policy must be a lowlevel.Policy, got {type(policy).__name__}")
@@ -396,6 +546,8 @@ class Run:
                               f"timeout), got {timeout!r}")
         if stdin is not None and not isinstance(stdin, (bytes, bytearray, memoryview)):
             raise PolicyError("stdin must be bytes or None")
+        self.stdio_fds = _check_stdio_fds(stdio_fds, stdin=stdin is not None, capture=capture)
+        self.keep_workspace = _check_keep_workspace(keep_workspace, workspace)
         if commit not in (True, False, "on_success"):
             raise PolicyError(f"commit must be True, False or 'on_success', got {commit!r}")
         # The policy edge (issue 10, item 1): every string bound for bwrap's argv is checked here,
@@ -475,6 +627,9 @@ class Run:
         self.anchor_fds: dict[str, Any] = {}
         self.actions: list[tuple[Any, ...]] = []
         self.committed = False
+        #: A Session's long-lived workspace: a host change the sandbox copied up (saw) afterwards
+        #: is no conflict (lowlevel.overlay.commit); a run keeps the plain rule.
+        self.accept_seen_host_changes = False
 
     # -- 1. prepare ----------------------------------------------------------------------
     def _own(self, fd: int) -> int:
@@ -585,6 +740,7 @@ class Run:
             triples = _clamp_to_own_hard_limits(triples)
         self.pre_exec_rlimits = triples
         self.rlimits_applied = tuple(name for name, _s, _h in triples)
+        self.notes.extend(_limits.fallback_notes(policy.limits, self.cgroup))
 
         if policy.seccomp is not None and policy.seccomp.log:
             # Audit mode: the kernel logs what the profile would deny; read back at the end.
@@ -592,7 +748,8 @@ class Run:
                 self.audit = _seccomp.DenialAudit()
             except UnsupportedError as err:
                 self.notes.append(f"seccomp audit unavailable: {err}")
-        bpf = _seccomp.compile_bpf(policy.seccomp) if policy.seccomp is not None else None
+        bpf = _seccomp.compile_bpf(policy.seccomp, compat_32bit=policy.compat_32bit) \
+            if policy.seccomp is not None else None
         fds = CHILD_FDS
         seccomp_fd = None
         if bpf:
@@ -637,6 +794,8 @@ class Run:
             os.set_blocking(in_w, False)
             self.stdin_view = memoryview(self.stdin)
             stdio.append((in_r, 0))
+        elif self.stdio_fds[0] is not None:
+            stdio.append((self.stdio_fds[0], 0))
         elif self.capture:
             devnull_stdin = True
         if self.capture:
@@ -644,6 +803,8 @@ class Run:
             err_r, err_w = self._pipe()
             self.out_r, self.err_r = out_r, err_r
             stdio += [(out_w, 1), (err_w, 2)]
+        else:
+            stdio += [(fd, i) for i, fd in enumerate(self.stdio_fds) if i and fd is not None]
         mapping = stdio + [(args_fd, ARGS_FD), (json_w, fds.json_status),
                            (passwd_fd, fds.passwd or 0), (group_fd, fds.group or 0)]
         if seccomp_fd is not None:
@@ -735,8 +896,12 @@ class Run:
         if self.timeout is not None:
             self.deadline = self.t0 + self.timeout
         try:
+            # setsid: the host-side bwrap (and the exec helper) leave the caller's session too
+            # (bwrap's --new-session detaches only the sandbox's side), so no process lowlevel
+            # starts keeps the caller's controlling terminal, and a ^C or hangup there reaches
+            # only the caller, which then kills the sandbox in order (issue 12 item 1).
             self.pid = os.posix_spawn(exe_argv[0], exe_argv, {}, file_actions=self.actions,
-                                      setsigdef=_DEFAULT_SIGNALS, setsigmask=())
+                                      setsigdef=_DEFAULT_SIGNALS, setsigmask=(), setsid=True)
         except OSError as err:
             hint = f": {PROCESS_LIMIT_HINT}" if err.errno == errno.EAGAIN else ""
             raise LaunchError(f"cannot start {exe_argv[0]}: {err.strerror}{hint}", argv=exe_argv,
@@ -1094,10 +1259,12 @@ class Run:
             owner = (self.lower_stat.st_uid, self.lower_stat.st_gid) if root else None
             try:
                 report = _overlay.commit(self.upper_fd, self.lower_fd, xattr_prefix=self.xattr_prefix,
-                                         since_ns=self.since_ns, new_owner=owner)
+                                         since_ns=self.since_ns, new_owner=owner,
+                                         accept_seen_host_changes=self.accept_seen_host_changes)
             except _overlay.CommitConflictError as err:
                 try:
-                    saved = _overlay.save_upper(self.upper_fd, _conflict_dir(self.workspace_base))
+                    saved = _overlay.save_upper(self.upper_fd, _conflict_dir(self.workspace_base),
+                                                xattr_prefix=self.xattr_prefix, owner=owner)
                     err.saved_upper = saved
                     err.args = (err.args[0], f"{err.args[1]}; the run's changes were saved to {saved}")
                 except (OSError, LowlevelError) as save_err:
@@ -1182,6 +1349,20 @@ class Run:
         """
         assert self.handover is not None
         return _ws.give_back(self.handover)
+
+    def finish_workspace(self, result: Result | None) -> Result | None:
+        """``keep_workspace=False``: remove the fresh workspace now that the Result is built
+        (or the run failed: ``result`` None). Returns the Result with a note saying so."""
+        if self.keep_workspace or not self.owns_workspace or not self.workspace:
+            return result
+        if result is not None:
+            return drop_fresh_workspace(result)
+        if os.path.lexists(self.workspace):
+            try:
+                _ws.remove_workspace(self.workspace)
+            except (OSError, LowlevelError) as err:
+                log.warning("lowlevel: keep_workspace=False: cannot remove %s: %s", self.workspace, err)
+        return None
 
     def discard_workspace_if_unused(self) -> None:
         """Remove a workspace this Run created when the program never started (setup failed)."""
@@ -1341,10 +1522,11 @@ def _drive_sync(r: Run) -> Result:
 
 
 def run(command: Sequence[str], *, policy: Policy | None = None, workspace: str | os.PathLike[str] | None = None,
-        inputs: Sequence[str | os.PathLike[str]] = (), timeout: float | None = DEFAULT_TIMEOUT_S,
+        inputs: Sequence[str | os.PathLike[str] | tuple[str, str]] = (), timeout: float | None = DEFAULT_TIMEOUT_S,
         stdin: bytes | None = None, env: Mapping[str, str] | None = None, capture: bool = True,
         cwd: str = WORKSPACE_DEST, workspace_base: str | None = None,
         record: str | os.PathLike[str] | None = None, allow_sensitive_workspace: bool = False,
+        stdio_fds: Sequence[int | None] | None = None, keep_workspace: bool = True,
         commit: bool | str = True) -> Result:
     """Run ``command`` in a fresh bwrap sandbox and wait for it.
 
@@ -1357,7 +1539,9 @@ def run(command: Sequence[str], *, policy: Policy | None = None, workspace: str 
             is ``Result.workspace``). ``/``, system directories (``/etc``, ``/usr``, ``/var``,
             ``/tmp`` itself...), home directories and credential locations are refused
             (:func:`lowlevel.workspace.workspace_refusal`).
-        inputs: host files or directories copied into the workspace before the run.
+        inputs: host files or directories copied into the workspace before the run, each
+            under its base name, or ``(host path, dest)`` pairs with ``dest`` relative to the
+            workspace (:func:`lowlevel.workspace.copy_inputs`).
         timeout: wall-clock limit in seconds (None: no limit); on expiry the whole sandbox is
             SIGKILLed and the Result has ``timed_out=True``, ``killed_by="timeout"``.
         stdin: bytes fed to the program's stdin, or None for ``/dev/null`` (capture mode) or
@@ -1379,6 +1563,19 @@ def run(command: Sequence[str], *, policy: Policy | None = None, workspace: str 
             directory); ``"on_success"`` only when it exited 0 and was not killed; False
             discards them (the workspace is left bit-identical). ``Result.changes`` reports
             them either way.
+        stdio_fds: ``(stdin_fd, stdout_fd, stderr_fd)``, open fds of the caller given to the
+            program as its fds 0, 1 and 2 (None for one keeps the default above); the caller
+            keeps ownership and closes them. Pass pipes or a pty of your own
+            (:class:`lowlevel.relay.StdioRelay` does for the CLI) so the program never holds
+            your own terminal or files: a program holding your terminal can change its line
+            discipline or lock it (``TIOCSETD``, ``TIOCEXCL``), one holding your log file can
+            reopen it through ``/proc/self/fd`` and read it. stdout and stderr only with
+            ``capture=False``; stdin not with ``stdin`` bytes.
+        keep_workspace: True (default) keeps a fresh workspace after the run (its path is
+            ``Result.workspace``). False removes it once the Result is built (``changes``
+            still lists what the run did; a note says it was removed), and on failure or
+            interruption too. Only for a fresh workspace: with ``workspace=`` it raises
+            PolicyError (lowlevel never deletes your directory).
     Returns:
         A :class:`Result`.
     Raises:
@@ -1392,21 +1589,32 @@ def run(command: Sequence[str], *, policy: Policy | None = None, workspace: str 
         UnsupportedError: the host cannot enforce a limit the Policy requires.
     """
     if record is not None:
+        if stdio_fds is not None and any(fd is not None for fd in stdio_fds):
+            raise PolicyError("stdio_fds does not go with record: a record stores stdin as bytes and "
+                              "the output it hashes; pass stdin= and capture the output")
+        _check_keep_workspace(keep_workspace, workspace)
         from .record import record_run
-        return record_run(command, record=record, policy=policy, workspace=workspace, inputs=inputs,
-                          timeout=timeout, stdin=stdin, env=env, capture=capture, cwd=cwd,
-                          workspace_base=workspace_base, allow_sensitive_workspace=allow_sensitive_workspace)
+        recorded = record_run(command, record=record, policy=policy, workspace=workspace, inputs=inputs,
+                              timeout=timeout, stdin=stdin, env=env, capture=capture, cwd=cwd,
+                              workspace_base=workspace_base, allow_sensitive_workspace=allow_sensitive_workspace)
+        return recorded if keep_workspace else drop_fresh_workspace(recorded)
     r = Run(command, policy=policy or Policy(), workspace=None if workspace is None else os.fspath(workspace),
             inputs=inputs, timeout=timeout, stdin=stdin, env=env, capture=capture, cwd=cwd,
-            workspace_base=workspace_base, allow_sensitive_workspace=allow_sensitive_workspace, commit=commit)
+            workspace_base=workspace_base, allow_sensitive_workspace=allow_sensitive_workspace,
+            stdio_fds=stdio_fds, keep_workspace=keep_workspace, commit=commit)
     try:
-        return _drive_sync(r)
+        result = _drive_sync(r)
     except BaseException:
         r.close()
         r.discard_workspace_if_unused()
+        r.finish_workspace(None)
         raise
     finally:
         r.close()
+    out = r.finish_workspace(result)
+    assert out is not None
+    return out
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "ExecError", "Run", "classify_setup_failure", "host_facts", "precheck_exec", "run"]
+__all__ = ["DEFAULT_TIMEOUT_S", "ExecError", "Run", "classify_setup_failure", "drop_fresh_workspace", "host_facts",
+           "precheck_exec", "run"]

@@ -12,9 +12,14 @@ Tools an agent client can call (each result a JSON object):
     ``killed_by``, ``timed_out``, ``stdout``/``stderr`` (UTF-8, truncated to the operator's
     ``max_output_bytes`` with ``stdout_truncated``/``stderr_truncated``; ``stdout_b64``/
     ``stderr_b64`` hold the exact bytes when they are not valid UTF-8), ``wall_time_s``,
-    ``workspace`` (its name, for ``read_file``), ``clamped`` (what the operator's config cut),
-    and in egress mode ``network`` (each connection attempt: host, port, address, allowed,
-    reason, bytes up and down).
+    ``workspace`` (its name, for ``read_file``), ``clamped`` (what the client asked for and
+    the operator's config cut), and in egress mode ``network`` (each connection attempt: host,
+    port, address, allowed, reason, bytes up and down). ``cwd`` is the working directory
+    (absolute, or relative to ``/workspace``). A run without ``workspace`` gets a fresh one named
+    ``run-<hex>``, kept ``run_workspace_ttl_s`` seconds after the call for ``read_file`` (each use
+    restarts the clock), then removed; all of them go when the server exits; with a TTL of 0 it
+    is removed right after the call and the result's ``workspace`` is null. Names starting
+    ``run-`` are the server's: a client cannot create one.
 ``write_file``, ``read_file``, ``list_files``
     Workspace files, through :mod:`lowlevel.workspace`'s untrusted-output rules (no symlink
     followed, no ``..``, special and hard-linked files refused) and the operator's
@@ -25,7 +30,12 @@ Tools an agent client can call (each result a JSON object):
     on first use with the operator's policy narrowed by that first request (``network``,
     ``binds``, ``memory_bytes``, ``pids`` are fixed for the session's life; ``timeout_s`` and
     ``cpu_s`` apply per command). Its workspace is the workspace of the same name, so
-    ``write_file``/``read_file`` reach it. At most ``max_sessions`` live at once.
+    ``write_file``/``read_file`` reach it. At most ``max_sessions`` live at once; a session
+    with no command for ``session_idle_ttl_s`` seconds is closed (its slot freed, its
+    workspace kept).
+
+A tool call with an argument the tool does not take is an error (``isError``), never
+silently ignored; the published input schemas say ``additionalProperties: false``.
 
 Configuration comes from the operator only (TOML file and CLI flags), never from a request:
 a client can narrow the policy (shorter timeout, smaller limits) but never widen it.
@@ -40,6 +50,8 @@ TOML keys (all optional)::
     max_output_bytes = 65536  # per stream, in tool results
     max_file_bytes = 1048576  # read_file / write_file cap
     max_sessions = 8          # named sessions alive at once
+    session_idle_ttl_s = 1800.0   # a session idle this long is closed, freeing its slot
+    run_workspace_ttl_s = 3600.0  # unnamed run workspaces kept this long after use (0: not kept)
     allowed_binds = ["/opt/data"]  # host paths a client may ask to bind read-only
     [limits]                  # ceilings (and defaults) for memory_bytes, cpu_s, pids, ...
     memory_bytes = 536870912
@@ -67,11 +79,13 @@ from __future__ import annotations
 import base64
 import dataclasses
 import errno
+import inspect
 import logging
 import os
 import re
 import secrets
 import threading
+import time
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -82,13 +96,15 @@ from . import workspace as _ws
 from .egress import Egress, egress_from_mapping
 from .errors import LowlevelError, PolicyError, WorkspaceError
 from .limits import Limits
-from .policy import Bind, Policy
+from .policy import WORKSPACE_DEST, Bind, Policy
 from .report import bytes_fields, display, json_safe
 from .result import Result
 
 log = logging.getLogger("lowlevel")
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+#: Prefix of the server's own workspaces (runs without a workspace name).
+RUN_PREFIX = "run-"
 
 
 @dataclass(frozen=True)
@@ -108,6 +124,10 @@ class ServerConfig:
         max_output_bytes: per stream, in results (bytes).
         max_file_bytes: cap for read_file/write_file (bytes).
         max_sessions: named sessions alive at once.
+        session_idle_ttl_s: seconds without a command after which a session is closed and
+            its ``max_sessions`` slot freed (> 0; the session's init enforces it too).
+        run_workspace_ttl_s: seconds an unnamed run's workspace is kept after its last use
+            (>= 0; 0 removes it right after the call).
     """
 
     workspace_base: str = field(default_factory=lambda: os.path.join(_ws.default_base(), "mcp"))
@@ -122,6 +142,15 @@ class ServerConfig:
     max_output_bytes: int = 64 * 1024
     max_file_bytes: int = 1024 * 1024
     max_sessions: int = 8
+    session_idle_ttl_s: float = 1800.0
+    run_workspace_ttl_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        for name, minimum in (("session_idle_ttl_s", 0.0), ("run_workspace_ttl_s", -1.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not minimum < value < 1e9:
+                raise PolicyError(f"mcp config {name} must be a number of seconds "
+                                  f"{'> 0' if minimum == 0 else '>= 0'}, got {value!r}")
 
     @classmethod
     def from_toml(cls, path: str, **overrides: Any) -> ServerConfig:
@@ -193,11 +222,94 @@ class Tools:
         self.sessions: dict[str, Any] = {}
         self.session_policies: dict[str, Policy] = {}
         self.sessions_lock = threading.Lock()
+        # Lifetimes (monotonic seconds): unnamed run workspaces expire, idle sessions close.
+        self.run_expiry: dict[str, float] = {}
+        self.session_last_used: dict[str, float] = {}
+        self.busy: dict[str, int] = {}     # workspace/session name -> calls in flight
+        self.life_lock = threading.Lock()
+        self._sweep_stale_runs()
+        self._stop = threading.Event()
+        self._sweeper = threading.Thread(target=self._sweep_loop, name="lowlevel-mcp-sweeper", daemon=True)
+        self._sweeper.start()
+
+    # -- lifetimes ---------------------------------------------------------------------------
+    def _sweep_stale_runs(self) -> None:
+        """Remove ``run-*`` workspaces an earlier server left (last changed over a TTL ago)."""
+        cutoff = time.time() - self.config.run_workspace_ttl_s
+        try:
+            names = os.listdir(self.base)
+        except OSError:
+            return
+        for name in names:
+            path = os.path.join(self.base, name)
+            try:
+                if name.startswith(RUN_PREFIX) and not os.path.islink(path) and os.lstat(path).st_mtime < cutoff:
+                    _ws.remove_workspace(path)
+            except (OSError, LowlevelError) as err:
+                log.warning("lowlevel: mcp: cannot remove stale workspace %s: %s", path, err)
+
+    def _sweep_loop(self) -> None:
+        interval = max(0.2, min(60.0, self.config.session_idle_ttl_s / 4, self.config.run_workspace_ttl_s / 4 or 60.0))
+        while not self._stop.wait(interval):
+            try:
+                self.sweep()
+            except Exception as err:  # noqa: BLE001 - the sweeper must not die
+                log.warning("lowlevel: mcp: sweep failed: %s", err)
+
+    def _enter(self, name: str) -> None:
+        with self.life_lock:
+            self.busy[name] = self.busy.get(name, 0) + 1
+
+    def _leave(self, name: str) -> None:
+        now = time.monotonic()
+        with self.life_lock:
+            self.busy[name] -= 1
+            if not self.busy[name]:
+                del self.busy[name]
+            if name in self.run_expiry:
+                self.run_expiry[name] = now + self.config.run_workspace_ttl_s
+            if name in self.session_last_used:
+                self.session_last_used[name] = now
+
+    def sweep(self, now: float | None = None) -> None:
+        """Remove expired unnamed run workspaces and close sessions idle past their TTL (or
+        already ended), freeing their ``max_sessions`` slots. Called by a background thread
+        and before a new session is counted against ``max_sessions``."""
+        now = time.monotonic() if now is None else now
+        with self.life_lock:
+            expired = [n for n, t in self.run_expiry.items() if t <= now and n not in self.busy]
+            for n in expired:
+                del self.run_expiry[n]
+            idle = [n for n, t in self.session_last_used.items()
+                    if n not in self.busy and t + self.config.session_idle_ttl_s <= now]
+        for name in expired:
+            try:
+                _ws.remove_workspace(os.path.join(self.base, name))
+            except (OSError, LowlevelError) as err:
+                log.warning("lowlevel: mcp: cannot remove workspace %s: %s", name, err)
+        with self.sessions_lock:
+            for name, sess in list(self.sessions.items()):
+                if name in idle or not sess.alive:
+                    with self.life_lock:
+                        if name in self.busy:
+                            continue
+                        self.session_last_used.pop(name, None)
+                    del self.sessions[name]
+                    self.session_policies.pop(name, None)
+                    try:
+                        sess.close()
+                    except Exception as err:  # noqa: BLE001
+                        log.warning("lowlevel: mcp: closing idle session %s: %s", name, err)
 
     def _workspace(self, name: str, create: bool) -> str:
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise PolicyError(f"workspace name {name!r:.80}: use 1-64 letters, digits, '_', '.', '-'")
         path = os.path.join(self.base, name)
+        if create and name.startswith(RUN_PREFIX) and name not in self.run_expiry:
+            if not os.path.isdir(path):
+                raise PolicyError(f"workspace name {name!r}: names starting {RUN_PREFIX!r} are the server's "
+                                  "(runs without a workspace); choose another name")
+            create = False
         if create:
             try:
                 os.mkdir(path, 0o700)
@@ -254,14 +366,18 @@ class Tools:
         cut is appended to ``clamped``)."""
         policy = self.policy_for(network=network, binds=list(binds or ()), memory_bytes=memory_bytes,
                                  cpu_s=cpu_s, pids=pids, clamped=clamped, allow_hosts=allow_hosts)
-        timeout = _clamp("timeout_s", timeout_s if timeout_s is not None else self.config.default_timeout_s,
-                         self.config.max_timeout_s, clamped)
+        if timeout_s is None:
+            # Only what the client asked for and was cut goes to ``clamped``.
+            timeout = min(self.config.default_timeout_s, self.config.max_timeout_s)
+        else:
+            timeout = _clamp("timeout_s", timeout_s, self.config.max_timeout_s, clamped)
         return policy, timeout
 
     def run(self, command: list[str], *, workspace: str | None = None, timeout_s: float | None = None,
             memory_bytes: int | None = None, cpu_s: float | None = None, pids: int | None = None,
             network: bool = False, binds: list[str] | None = None, stdin: str | None = None,
-            env: dict[str, str] | None = None, allow_hosts: list[str] | None = None) -> dict[str, Any]:
+            env: dict[str, str] | None = None, cwd: str | None = None,
+            allow_hosts: list[str] | None = None) -> dict[str, Any]:
         """Run ``command`` in a fresh sandbox; see the module docstring for the result."""
         from .launcher import run as _run
 
@@ -270,15 +386,42 @@ class Tools:
         stdin_bytes = _utf8(stdin, "stdin")
         policy, timeout = self._policy_and_timeout(network, binds, memory_bytes, cpu_s, pids, timeout_s, clamped,
                                                    allow_hosts)
-        name = workspace or f"run-{secrets.token_hex(6)}"
-        path = self._workspace(name, create=workspace is None)
-        result = _run(command, policy=policy, workspace=path, timeout=timeout, stdin=stdin_bytes, env=env)
+        inside = _cwd(cwd)
+        name = workspace or f"{RUN_PREFIX}{secrets.token_hex(6)}"
+        if workspace is None:
+            with self.life_lock:
+                self.run_expiry[name] = float("inf")  # not swept while the call runs
+        self._enter(name)
+        try:
+            path = self._workspace(name, create=workspace is None)
+            result = _run(command, policy=policy, workspace=path, timeout=timeout, stdin=stdin_bytes, env=env,
+                          cwd=inside)
+        except BaseException:
+            if workspace is None:
+                self._drop_run_workspace(name)
+            raise
+        finally:
+            self._leave(name)
+        if workspace is None and self.config.run_workspace_ttl_s == 0:
+            self._drop_run_workspace(name)
+            return self._result(result, None, clamped)
         return self._result(result, name, clamped)
+
+    def _drop_run_workspace(self, name: str) -> None:
+        with self.life_lock:
+            self.run_expiry.pop(name, None)
+        path = os.path.join(self.base, name)
+        if os.path.lexists(path):
+            try:
+                _ws.remove_workspace(path)
+            except (OSError, LowlevelError) as err:
+                log.warning("lowlevel: mcp: cannot remove workspace %s: %s", name, err)
 
     def run_in_session(self, session: str, command: list[str], *, timeout_s: float | None = None,
                        memory_bytes: int | None = None, cpu_s: float | None = None, pids: int | None = None,
                        network: bool = False, binds: list[str] | None = None, stdin: str | None = None,
-                       env: dict[str, str] | None = None, allow_hosts: list[str] | None = None) -> dict[str, Any]:
+                       env: dict[str, str] | None = None, cwd: str | None = None,
+                       allow_hosts: list[str] | None = None) -> dict[str, Any]:
         """Run ``command`` in the named session, starting it on first use."""
         from .session import Session
 
@@ -289,23 +432,43 @@ class Tools:
             raise PolicyError(f"session name {session!r:.80}: use 1-64 letters, digits, '_', '.', '-'")
         policy, timeout = self._policy_and_timeout(network, binds, memory_bytes, cpu_s, pids, timeout_s, clamped,
                                                    allow_hosts)
-        with self.sessions_lock:
-            sess = self.sessions.get(session)
-            if sess is not None and not sess.alive:
-                sess.close()
-                del self.sessions[session]
-                sess = None
-            if sess is None:
-                if len(self.sessions) >= self.config.max_sessions:
-                    raise PolicyError(f"refused: {len(self.sessions)} sessions are open, the operator's "
-                                      f"max_sessions; close one with close_session")
-                sess = Session(policy, workspace=self._workspace(session, create=True))
-                self.sessions[session] = sess
-                self.session_policies[session] = policy
-            elif policy != self.session_policies[session] and (network or binds or allow_hosts is not None):
-                raise PolicyError(f"session {session!r} already runs with its own network/binds; "
-                                  "close it to start it with others")
-        result = sess.run(command, timeout=timeout, stdin=stdin_bytes, env=env, limits=policy.limits)
+        inside = _cwd(cwd)
+        self._enter(session)
+        try:
+            with self.sessions_lock:
+                sess = self.sessions.get(session)
+                if sess is not None and not sess.alive:
+                    sess.close()
+                    del self.sessions[session]
+                    sess = None
+            if sess is None and len(self.sessions) >= self.config.max_sessions:
+                self.sweep()  # idle or ended sessions free their slots first
+            with self.sessions_lock:
+                sess = self.sessions.get(session)
+                if sess is None:
+                    if len(self.sessions) >= self.config.max_sessions:
+                        raise PolicyError(f"refused: {len(self.sessions)} sessions are open, the operator's "
+                                          f"max_sessions; close one with close_session (idle sessions close "
+                                          f"after {self.config.session_idle_ttl_s:g} s)")
+                    sess = Session(policy, workspace=self._workspace(session, create=True),
+                                   idle_timeout=self.config.session_idle_ttl_s)
+                    self.sessions[session] = sess
+                    self.session_policies[session] = policy
+                    with self.life_lock:
+                        self.session_last_used[session] = time.monotonic()
+                elif policy != self.session_policies[session] and (network or binds or allow_hosts is not None):
+                    raise PolicyError(f"session {session!r} already runs with its own network/binds; "
+                                      "close it to start it with others")
+                fixed = self.session_policies[session].limits
+            for name, asked in (("memory_bytes", memory_bytes), ("pids", pids)):
+                if asked is not None and getattr(policy.limits, name) != getattr(fixed, name):
+                    raise PolicyError(f"session {session!r} runs with {name}={getattr(fixed, name)}, fixed when "
+                                      "it started; close it to start it with another value")
+            # memory_bytes and pids are the session's; cpu_s applies per command.
+            limits = dataclasses.replace(fixed, cpu_s=policy.limits.cpu_s)
+            result = sess.run(command, timeout=timeout, stdin=stdin_bytes, env=env, cwd=inside, limits=limits)
+        finally:
+            self._leave(session)
         return self._result(result, session, clamped)
 
     def close_session(self, session: str) -> dict[str, Any]:
@@ -313,20 +476,27 @@ class Tools:
         with self.sessions_lock:
             sess = self.sessions.pop(session, None)
             self.session_policies.pop(session, None)
+        with self.life_lock:
+            self.session_last_used.pop(session, None)
         if sess is None:
             raise PolicyError(f"no open session named {session!r}")
         sess.close()
         return {"session": session, "closed": True}
 
     def close(self) -> None:
-        """Close every session."""
+        """Close every session and remove every unnamed run workspace (nobody can read them now)."""
+        self._stop.set()
         with self.sessions_lock:
             sessions = list(self.sessions.values())
             self.sessions.clear()
         for sess in sessions:
             sess.close()
+        with self.life_lock:
+            names = list(self.run_expiry)
+        for name in names:
+            self._drop_run_workspace(name)
 
-    def _result(self, result: Result, name: str, clamped: list[str]) -> dict[str, Any]:
+    def _result(self, result: Result, name: str | None, clamped: list[str]) -> dict[str, Any]:
         cap = self.config.max_output_bytes
         out: dict[str, Any] = {
             "exit_code": result.exit_code, "term_signal": result.term_signal, "signal": result.signal_name(),
@@ -443,6 +613,16 @@ def _utf8(value: str | None, what: str) -> bytes | None:
                           "send bytes with write_file(encoding='base64') instead") from None
 
 
+def _cwd(cwd: str | None) -> str:
+    """A request's ``cwd``: absolute inside the sandbox, or relative to ``/workspace``."""
+    if cwd is None:
+        return WORKSPACE_DEST
+    if not isinstance(cwd, str) or not cwd or "\0" in cwd or any(p == ".." for p in cwd.split("/")):
+        raise PolicyError(f"cwd {cwd!r}: give a directory inside the sandbox (absolute, or relative to "
+                          "/workspace), without '..'")
+    return os.path.normpath(cwd if cwd.startswith("/") else f"{WORKSPACE_DEST}/{cwd}")
+
+
 def _decode(content: str, encoding: str) -> bytes:
     if not isinstance(content, str):
         raise PolicyError(f"content must be a string, got {type(content).__name__}")
@@ -491,38 +671,42 @@ def build_server(config: ServerConfig, tools: Tools | None = None) -> Any:
     async def run(command: list[str], workspace: str | None = None, timeout_s: float | None = None,
                   memory_bytes: int | None = None, cpu_s: float | None = None, pids: int | None = None,
                   network: bool = False, binds: list[str] | None = None, stdin: str | None = None,
-                  env: dict[str, str] | None = None, allow_hosts: list[str] | None = None) -> dict[str, Any]:
+                  env: dict[str, str] | None = None, cwd: str | None = None,
+                  allow_hosts: list[str] | None = None) -> dict[str, Any]:
         """Run a command (argv list, e.g. ["python3", "main.py"]) in a fresh sandbox.
 
         workspace: name of a workspace filled with write_file (default: a fresh empty one; its
-        name is returned). timeout_s, memory_bytes, cpu_s, pids: limits, clamped to the
-        operator's ceilings (what was cut is listed in "clamped"). network (the host network),
-        binds: requests the operator may refuse. allow_hosts: narrow the operator's egress
-        allowlist to these host patterns ([] for no network); programs reach allowed hosts
-        through HTTP_PROXY/HTTPS_PROXY. Returns exit_code, term_signal, killed_by, timed_out,
-        stdout, stderr (truncated, with stdout_truncated/stderr_truncated), wall_time_s,
-        workspace, and with egress "network" (each connection attempt and why it was allowed
-        or refused).
+        name is returned, and it is removed a while after the call). cwd: working directory
+        (absolute, or relative to /workspace). timeout_s, memory_bytes, cpu_s, pids: limits,
+        clamped to the operator's ceilings (what was cut is listed in "clamped"). network (the
+        host network), binds: requests the operator may refuse. allow_hosts: narrow the
+        operator's egress allowlist to these host patterns ([] for no network); programs reach
+        allowed hosts through HTTP_PROXY/HTTPS_PROXY. Returns exit_code, term_signal, killed_by,
+        timed_out, stdout, stderr (truncated, with stdout_truncated/stderr_truncated),
+        wall_time_s, workspace, and with egress "network" (each connection attempt and why it
+        was allowed or refused).
         """
         return await call(tools.run, command, workspace=workspace, timeout_s=timeout_s,
                           memory_bytes=memory_bytes, cpu_s=cpu_s, pids=pids, network=network,
-                          binds=binds, stdin=stdin, env=env, allow_hosts=allow_hosts)
+                          binds=binds, stdin=stdin, env=env, cwd=cwd, allow_hosts=allow_hosts)
 
     @server.tool()
     async def run_in_session(session: str, command: list[str], timeout_s: float | None = None,
                              memory_bytes: int | None = None, cpu_s: float | None = None, pids: int | None = None,
                              network: bool = False, binds: list[str] | None = None, stdin: str | None = None,
-                             env: dict[str, str] | None = None, allow_hosts: list[str] | None = None) -> dict[str, Any]:
+                             env: dict[str, str] | None = None, cwd: str | None = None,
+                             allow_hosts: list[str] | None = None) -> dict[str, Any]:
         """Run a command in the named long-lived sandbox, starting it on first use.
 
         The session's workspace is the workspace of the same name (write_file/read_file reach
         it); files and processes persist between commands. network, allow_hosts, binds,
-        memory_bytes and pids are fixed when the session starts; timeout_s and cpu_s apply per command, clamped
-        to the operator's ceilings. Returns the same fields as run.
+        memory_bytes and pids are fixed when the session starts; timeout_s and cpu_s apply per
+        command, clamped to the operator's ceilings; cwd as for run. A session idle for the
+        operator's session_idle_ttl_s is closed. Returns the same fields as run.
         """
         return await call(tools.run_in_session, session, command, timeout_s=timeout_s,
                           memory_bytes=memory_bytes, cpu_s=cpu_s, pids=pids, network=network, binds=binds,
-                          stdin=stdin, env=env, allow_hosts=allow_hosts)
+                          stdin=stdin, env=env, cwd=cwd, allow_hosts=allow_hosts)
 
     @server.tool()
     async def close_session(session: str) -> dict[str, Any]:
@@ -544,7 +728,34 @@ def build_server(config: ServerConfig, tools: Tools | None = None) -> Any:
         """List the entries of a workspace (path, kind, size)."""
         return await call(tools.list_files, workspace)
 
+    _strict_arguments(server, ToolError, {
+        "run": run, "run_in_session": run_in_session, "close_session": close_session, "write_file": write_file,
+        "read_file": read_file, "list_files": list_files})
     return server
+
+
+def _strict_arguments(server: Any, tool_error: type[Exception], fns: Mapping[str, Any]) -> None:
+    """Make an unknown tool argument an error: the SDK's argument models ignore extra keys,
+    which would run a request the client believes limited (``timeout`` for ``timeout_s``)
+    without its limit. Checked in front of the tool manager (``call_tool``, the same in
+    mcp 1.x and 2.x), and said in each published schema (``additionalProperties: false``)."""
+    known = {name: set(inspect.signature(fn).parameters) for name, fn in fns.items()}
+    manager = getattr(server, "_tool_manager", None)
+    target = manager if manager is not None and hasattr(manager, "call_tool") else server
+    inner = target.call_tool
+
+    async def call_tool(name: str, arguments: dict[str, Any] | None, *args: Any, **kwargs: Any) -> Any:
+        unknown = sorted(set(arguments or {}) - known.get(name, set(arguments or {})))
+        if unknown:
+            raise tool_error(f"tool {name!r} takes no argument {', '.join(map(repr, unknown))}; its arguments: "
+                             f"{', '.join(sorted(known[name]))}")
+        return await inner(name, arguments, *args, **kwargs)
+
+    target.call_tool = call_tool
+    for tool in (manager.list_tools() if manager is not None and hasattr(manager, "list_tools") else ()):
+        params = getattr(tool, "parameters", None)
+        if isinstance(params, dict) and tool.name in known:
+            params["additionalProperties"] = False
 
 
 def serve(config: ServerConfig) -> None:

@@ -261,6 +261,10 @@ class Policy:
             (``/dev/urandom``, ``getrandom(2)``), ASLR, CPU speed or core count, scheduling
             order of threads and processes, inode numbers and mtimes, or the kernel and
             library versions of the host; see docs/records.md.
+        compat_32bit: admit the 32-bit compat syscall entry point (i386 ``int 0x80`` on
+            x86_64) with the same seccomp rules, for 32-bit binaries. False (default): a
+            process making a compat syscall is killed (SIGSYS, ``killed_by="signal"``), as for
+            x32; see :mod:`lowlevel.seccomp`. Ignored with ``seccomp=None``.
 
     Raises:
         PolicyError: an invalid value (the message names the field).
@@ -280,6 +284,7 @@ class Policy:
     stdout_limit_bytes: int = 16 * 1024 * 1024
     stderr_limit_bytes: int = 16 * 1024 * 1024
     deterministic: bool = False
+    compat_32bit: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.network, (bool, Egress)):
@@ -329,6 +334,8 @@ class Policy:
                 raise PolicyError(f"Policy.{name} must be a byte count >= 0, got {value!r}")
         if not isinstance(self.deterministic, bool):
             raise PolicyError(f"Policy.deterministic must be a bool, got {self.deterministic!r}")
+        if not isinstance(self.compat_32bit, bool):
+            raise PolicyError(f"Policy.compat_32bit must be a bool, got {self.compat_32bit!r}")
         if self.deterministic:
             if self.sandbox_uid is None:
                 object.__setattr__(self, "sandbox_uid", DETERMINISTIC_UID)

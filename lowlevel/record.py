@@ -213,9 +213,10 @@ def _seccomp_doc(policy: Policy) -> dict[str, Any] | None:
         return None
     from . import seccomp as _seccomp
     fn = getattr(_seccomp, "profile_sha256", None)
-    bpf = _seccomp.compile_bpf(policy.seccomp)
+    bpf = _seccomp.compile_bpf(policy.seccomp, compat_32bit=policy.compat_32bit)
+    arches = [_seccomp.ARCH_NAMES.get(a, hex(a)) for a in _seccomp.filter_arches(compat_32bit=policy.compat_32bit)]
     return {"profile": policy.seccomp.name, "rules_sha256": seccomp_rules_sha256(policy.seccomp),
-            "bpf_sha256": hashlib.sha256(bpf).hexdigest(), "bpf_bytes": len(bpf),
+            "bpf_sha256": hashlib.sha256(bpf).hexdigest(), "bpf_bytes": len(bpf), "arches": arches,
             "profile_sha256": fn(policy.seccomp) if fn is not None else None}
 
 
@@ -1059,6 +1060,8 @@ def policy_loosening(policy: Policy, timeout_s: float | None = DEFAULT_TIMEOUT_S
                    "logged); default: the default profile")
     elif policy.seccomp != DEFAULT_PROFILE and all(policy.seccomp != p for p in profiles):
         out.append(f"seccomp profile {policy.seccomp.name!r} instead of the default")
+    if policy.compat_32bit and policy.seccomp is not None:
+        out.append("compat_32bit=True (the i386 int 0x80 entry point is open); default: killed")
     for name in ("host_uid", "host_gid"):
         if getattr(policy, name) != getattr(default, name):
             out.append(f"{name}={getattr(policy, name)} (the sandbox runs as that host id); "

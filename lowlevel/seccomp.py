@@ -15,15 +15,22 @@ Glossary (libseccomp's words):
 - **default action**: what happens to a syscall no rule matches (here: ALLOW, a deny-list).
 - **bad-arch action**: what happens to a call from an arch the filter does not list.
 
-How the arches are covered (issue 3, item 3). The filter lists the native arch and its
-32-bit compat arch (x86_64 + ``x86``; aarch64 + ``arm``) with the same rules, so 32-bit
-binaries (``gcc -m32`` output, old toolchains) keep working and meet the same walls; Docker's
-default profile and flatpak's multiarch filter do the same. x32 is *not* listed, so an x32
-call (bit 30 set) takes the bad-arch action, ``SCMP_ACT_KILL_PROCESS``: libseccomp's x86_64
-code jumps there for any ``nr >= 0x40000000`` (except -1). We kill x32 instead of filtering
-it because no distribution ships x32 user space (Debian's kernel does not even build
-``CONFIG_X86_X32_ABI``), while its table carries aliases (numbers 512-547) a deny-list could
-miss; a dead ABI costs nothing to close. Any other arch a CPU could report is also killed.
+How the arches are covered (issue 3, item 3; issue 12, item 8). By default the filter lists
+only the native arch: a call through the 32-bit compat entry point (i386 ``int 0x80`` or
+``sysenter`` on x86_64, AArch32 on aarch64) takes the bad-arch action,
+``SCMP_ACT_KILL_PROCESS``, like x32. Agent code is 64-bit, and the compat syscall paths are
+separate kernel code with bugs of their own (CVE-2010-3081 ``compat_alloc_user_space``,
+CVE-2010-3301 and CVE-2007-4573 the IA32 syscall table entry); closing an entry point nobody
+uses removes them, and every rule of the table then has one ABI to hold on. With
+``compile_bpf(profile, compat_32bit=True)`` (``Policy(compat_32bit=True)``) the compat arch
+(x86_64 + ``x86``; aarch64 + ``arm``) is listed with the same rules, so 32-bit binaries
+(``gcc -m32`` output, old toolchains) run and meet the same walls, as Docker's default profile
+and flatpak's multiarch filter do. x32 is never listed, so an x32 call (bit 30 set) takes the
+bad-arch action: libseccomp's x86_64 code jumps there for any ``nr >= 0x40000000`` (except
+-1). We kill x32 instead of filtering it because no distribution ships x32 user space
+(Debian's kernel does not even build ``CONFIG_X86_X32_ABI``), while its table carries aliases
+(numbers 512-547) a deny-list could miss; a dead ABI costs nothing to close. Any other arch a
+CPU could report is also killed.
 
 What the filter can't see: arguments in memory (``clone3``'s flags, i386 ``socketcall``'s
 socket family), io_uring operations (they never pass through seccomp), syscalls added to
@@ -35,7 +42,8 @@ Public API::
         .with_extra_deny(*syscalls) -> SeccompProfile
         .with_log() -> SeccompProfile
     DEFAULT_PROFILE
-    compile_bpf(profile) -> bytes          cached per (profile, native arch, libseccomp version)
+    compile_bpf(profile, compat_32bit=False) -> bytes
+                                           cached per (profile, arches, libseccomp version)
     bpf_memfd(bpf) -> int                  sealed memfd, offset 0, O_CLOEXEC; caller closes
     DenialAudit                            opt-in report of what a log-mode run tripped
 
@@ -103,8 +111,9 @@ SCMP_ARCH_AARCH64 = 0xC00000B7
 ARCH_NAMES = {SCMP_ARCH_X86: "x86", SCMP_ARCH_X86_64: "x86_64", SCMP_ARCH_X32: "x32",
               SCMP_ARCH_ARM: "arm", SCMP_ARCH_AARCH64: "aarch64"}
 
-#: Native arch -> the compat arches that get the same rules. Everything else (x32 included)
-#: takes the bad-arch action. See the module docstring.
+#: Native arch -> the compat arches that get the same rules with ``compat_32bit=True``.
+#: Everything else (x32 included, and these without the flag) takes the bad-arch action. See
+#: the module docstring.
 COMPAT_ARCHES = {SCMP_ARCH_X86_64: (SCMP_ARCH_X86,), SCMP_ARCH_AARCH64: (SCMP_ARCH_ARM,)}
 
 #: Action for a call from an arch the filter does not list (x32, anything unexpected).
@@ -256,6 +265,7 @@ _EAFNOSUPPORT = SCMP_ACT_ERRNO(errno.EAFNOSUPPORT)
 
 TIOCSTI = 0x5412
 TIOCLINUX = 0x541C
+TIOCSETD = 0x5423
 CLONE_NEWUSER = 0x10000000
 #: personality(2) values Docker's default profile allows: PER_LINUX, PER_LINUX32, UNAME26,
 #: PER_LINUX32|UNAME26, and 0xffffffff (query the current persona).
@@ -376,6 +386,14 @@ _DEFAULT_RULES: tuple[Rule, ...] = (
     _deny("ioctl", "TIOCLINUX copy/paste on a virtual console has TIOCSTI's effect.",
           "CVE-2023-28100 (flatpak); same as flatpak",
           args=(Arg(1, SCMP_CMP_MASKED_EQ, 0xFFFFFFFF, TIOCLINUX),)),
+    _deny("ioctl", "TIOCSETD sets a tty's line discipline: it loads and runs rarely used kernel code "
+          "(n_hdlc, n_gsm...; with dev.tty.ldisc_autoload=1 any unprivileged process can make the kernel "
+          "load the module) that has given local root more than once; and on a terminal shared with "
+          "the caller it leaves that terminal swallowing input after the run (termios cannot undo it). "
+          "No tool we run needs it. Low 32 bits compared, as TIOCSTI.",
+          "CVE-2017-2636 (n_hdlc), CVE-2023-6546 (n_gsm); Linux 5.1 dev.tty.ldisc_autoload; "
+          "tty_ioctl(4); flatpak and Docker have no rule",
+          args=(Arg(1, SCMP_CMP_MASKED_EQ, 0xFFFFFFFF, TIOCSETD),)),
     # Nested namespaces: a new user namespace hands back every capability bwrap dropped.
     _deny("clone", "CLONE_NEWUSER: a nested user namespace regains full capabilities inside it "
           "and opens kernel code paths reachable only as (namespaced) root. Other CLONE_NEW* "
@@ -669,11 +687,14 @@ _cache_lock = threading.Lock()
 _cache: dict[tuple[Any, ...], bytes] = {}
 
 
-def compile_bpf(profile: SeccompProfile) -> bytes:
+def compile_bpf(profile: SeccompProfile, *, compat_32bit: bool = False) -> bytes:
     """Compile ``profile`` to BPF for this machine's arches, once per distinct profile.
 
     Args:
         profile: the rule table.
+        compat_32bit: also admit the native arch's 32-bit compat ABI (:data:`COMPAT_ARCHES`:
+            i386 ``int 0x80`` on x86_64) with the same rules. False (the default) kills a
+            process at its first compat syscall (``SCMP_ACT_KILL_PROCESS``, SIGSYS).
     Returns:
         The program as bytes: a whole, non-zero number of 8-byte ``struct sock_filter``,
         ready for ``bwrap --seccomp``. Cached per (profile, native arch, libseccomp
@@ -691,12 +712,12 @@ def compile_bpf(profile: SeccompProfile) -> bytes:
     b = _backend()
     _warn_fallback()
     native = b.native_arch()
-    key = (profile, native, b.version(), type(b).__name__)
+    arches = filter_arches(native, compat_32bit)
+    key = (profile, arches, b.version(), type(b).__name__)
     with _cache_lock:
         hit = _cache.get(key)
     if hit is not None:
         return hit
-    arches = (native,) + COMPAT_ARCHES.get(native, ())
     rules = []
     for action, name, args in profile.effective_rules():
         rules.append((action, b.resolve(name), args))
@@ -708,6 +729,14 @@ def compile_bpf(profile: SeccompProfile) -> bytes:
     with _cache_lock:
         _cache.setdefault(key, bpf)
     return bpf
+
+
+def filter_arches(native: int | None = None, compat_32bit: bool = False) -> tuple[int, ...]:
+    """The arches a filter lists (``SCMP_ARCH_*``): the native one, plus its compat arch when
+    ``compat_32bit``. ``native`` defaults to this machine's."""
+    if native is None:
+        native = _backend().native_arch()
+    return (native,) + (COMPAT_ARCHES.get(native, ()) if compat_32bit else ())
 
 
 _SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
@@ -930,5 +959,5 @@ __all__ = [
     "DenialAudit", "Rule", "SCMP_ACT_ALLOW", "SCMP_ACT_ERRNO", "SCMP_ACT_KILL_PROCESS",
     "SCMP_ACT_KILL_THREAD", "SCMP_ACT_LOG", "SCMP_ACT_TRAP", "SCMP_CMP_EQ", "SCMP_CMP_GE",
     "SCMP_CMP_GT", "SCMP_CMP_LE", "SCMP_CMP_LT", "SCMP_CMP_MASKED_EQ", "SCMP_CMP_NE",
-    "SeccompProfile", "bpf_memfd", "compile_bpf", "syscall_name",
+    "SeccompProfile", "bpf_memfd", "compile_bpf", "filter_arches", "syscall_name",
 ]

@@ -200,6 +200,11 @@ class _Cmd:
         self.rlimit_names: tuple[str, ...] = ()
         self.before: Any = None
         self.net_from = 0  # egress mode: index of the session's first proxy attempt during this command
+        self.notes: tuple[str, ...] = ()
+        # The session cgroup's (oom_kills, pids.max hits) when the command started, and
+        # whether it ever ran alongside another command (then a count may be the other's).
+        self.cg_before: tuple[int | None, int | None] = (None, None)
+        self.alone = True
 
     def outcome(self) -> Result:
         """The finished command's Result, or raise the error that ended it."""
@@ -293,6 +298,7 @@ class _Core:
                        timeout=None, capture=True, workspace_base=workspace_base, bwrap=bwrap,
                        extra_fds={_SOCK_FD: child.fileno(), _EXE_FD: _init_fd(exe)},
                        allow_sensitive_workspace=allow_sensitive_workspace, commit=commit)
+        self.run.accept_seen_host_changes = True
         self.cmds: dict[int, _Cmd] = {}
         self.fd_owner: dict[int, _Cmd] = {}
         self.next_id = 1
@@ -302,7 +308,8 @@ class _Core:
         self.lock = threading.Lock()  # command table and socket sends
         self.fds_version = 0
         self.last_state_check = 0.0
-        self.oom_seen = 0
+        #: The limits the session's cgroup enforces now (Pool.run rewrites them per call).
+        self.cgroup_limits = policy.limits
         try:
             self._start(child)
         except BaseException:
@@ -316,7 +323,6 @@ class _Core:
         self.env_default = _env_block(env)
         self.rlimit_default = _rlimit_records(policy.limits, self.run.cgroup)
         enforced = getattr(self.run.cgroup, "enforced", ()) if self.run.cgroup is not None else ()
-        self.cgroup_enforced = tuple(f"cgroup:{c}" for c in enforced)
         self.notes = tuple(self.run.notes) + (
             ("cgroup limits and accounting are shared by every command of the session",) if enforced else ())
 
@@ -407,6 +413,7 @@ class _Core:
             raise PolicyError(f"limits must be a lowlevel.Limits or None, got {type(limits).__name__}")
         if self.failed is not None:
             raise self.failed
+        call_notes = self.check_call_limits(limits) if limits is not None else ()
         envc, envb = self.env_default if env is None else _env_block(self.policy.environment(env))
         names, rlb = self.rlimit_default if limits is None else _rlimit_records(limits, self.run.cgroup)
         strings = encode_args([cwd, *command]) + envb  # NUL-separated for the init: refuses a NUL
@@ -414,6 +421,7 @@ class _Core:
         cmd.rlimit_names = names
         if self.run.egress is not None:
             cmd.net_from = len(self.run.egress.listener.attempts)
+        cmd.notes = call_notes
         if track_changes if track_changes is not None else self.track_changes:
             cmd.before = _ws.snapshot(self.view())
         flags = 0
@@ -456,6 +464,12 @@ class _Core:
                     body = b""
                 header = _SPAWN_HDR.pack(_MSG_SPAWN, cmd.id, flags, len(rlb) // _RLIM.size, timeout_ms,
                                          len(command), envc)
+                if self.cmds:
+                    cmd.alone = False
+                    for other in self.cmds.values():
+                        other.alone = False
+                if self.run.cgroup is not None:
+                    cmd.cg_before = self._cg_counts()
                 self.cmds[cmd.id] = cmd
                 for fd in cmd.fds():
                     self.fd_owner[fd] = cmd
@@ -474,6 +488,76 @@ class _Core:
             for fd in close_after:
                 os.close(fd)
         return cmd
+
+    def check_call_limits(self, limits: Limits) -> tuple[str, ...]:
+        """Refuse per-command limits the session cannot enforce for one command; return notes.
+
+        rlimits (``cpu_s``, ``fsize_bytes``, ``nofile``, ``core_bytes``,
+        ``address_space_bytes``, and the ``RLIMIT_DATA``/``RLIMIT_NPROC`` fallbacks of
+        ``memory_bytes``/``pids`` where no cgroup enforces them) are set per command. The
+        cgroup's limits (``memory_bytes``, ``pids``, ``cpu_quota`` where its cgroup enforces
+        them) bound the whole session, and ``tmp_size_bytes``/``workspace_bytes`` were fixed
+        when it started: a command asking for other values gets a PolicyError (never a limit
+        silently not applied). :meth:`Pool.run` rewrites its sandbox's cgroup for the call
+        first (each call has a sandbox of its own), so there they apply.
+
+        Raises:
+            PolicyError: a value the session cannot apply to one command (the message says
+                what to do).
+            UnsupportedError: ``limits.require`` names a limit this session does not enforce.
+        """
+        cg = self.run.cgroup
+        enforced = frozenset(cg.enforced) if cg is not None else frozenset()
+        current = self.cgroup_limits
+        for name, controller, cgfile in (("memory_bytes", "memory", "memory.max"), ("pids", "pids", "pids.max"),
+                                         ("cpu_quota", "cpu", "cpu.max")):
+            if controller in enforced and getattr(limits, name) != getattr(current, name):
+                raise PolicyError(
+                    f"per-command limits.{name}={getattr(limits, name)!r} cannot be enforced in a Session: its "
+                    f"cgroup ({cgfile}) bounds all its commands together, at {getattr(current, name)!r}. Set it "
+                    "on the Session's Policy, or use Pool.run or lowlevel.run for a per-call limit "
+                    "(dataclasses.replace(session_policy.limits, ...) keeps the session's values)")
+        for name in ("tmp_size_bytes", "workspace_bytes"):
+            if getattr(limits, name) != getattr(self.policy.limits, name):
+                raise PolicyError(f"per-command limits.{name}={getattr(limits, name)!r} cannot apply: the "
+                                  "session's mounts were made at its start with "
+                                  f"{getattr(self.policy.limits, name)!r}; set it on the Session's or Pool's Policy")
+        for name in limits.require:
+            ok = cg is not None if name == "cgroup" else name in enforced
+            if not ok:
+                raise UnsupportedError(f"cgroup:{name}", f"limits.require has {name!r} but this session's "
+                                       f"cgroup does not enforce it (enforced: {sorted(enforced) or 'none'})")
+        if limits == self.policy.limits:
+            return ()
+        return tuple(n for n in _limits.fallback_notes(limits, cg) if n not in self.notes)
+
+    def set_cgroup_limits(self, limits: Limits) -> None:
+        """Rewrite the session cgroup's memory, pids and CPU limits (:meth:`Pool.run`, whose
+        sandbox serves one call). Controllers the cgroup does not enforce keep their rlimit
+        fallback, applied per command.
+
+        Raises:
+            LaunchError: the cgroup refused a value (``EBUSY``: memory in use above it).
+        """
+        cg = self.run.cgroup
+        if cg is None or limits == self.cgroup_limits:
+            return
+        try:
+            cg.update_limits(limits)
+        except OSError as err:
+            raise LaunchError(f"cannot set the pool sandbox's cgroup limits for this call: {err}",
+                              errno=err.errno) from err
+        self.cgroup_limits = limits
+
+    def _cg_counts(self) -> tuple[int | None, int | None]:
+        cg = self.run.cgroup
+        if cg is None:
+            return None, None
+        try:
+            counts: tuple[int | None, int | None] = cg.event_counts()
+        except OSError:
+            return None, None
+        return counts
 
     def _send(self, parts: list[bytes], fds: list[int]) -> None:
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))] if fds else []
@@ -609,16 +693,27 @@ class _Core:
             exit_code = os.WEXITSTATUS(status)
         killed_by = None
         cpu = (utime_us + stime_us) / 1e6
+        # The cgroup's counters over the command's life, judged as lowlevel.run judges a run:
+        # any OOM kill means "memory", a fork refused at pids.max with a failed exit "pids".
+        # A command that shared the session with others is charged only if it failed too.
+        oom_kills = pids_hits = None
+        if self.run.cgroup is not None:
+            (oom0, hits0), (oom1, hits1) = cmd.cg_before, self._cg_counts()
+            oom_kills = None if oom1 is None else oom1 - (oom0 or 0)
+            pids_hits = None if hits1 is None else hits1 - (hits0 or 0)
+        failed = exit_code != 0
         if flags & _EXITF_TIMED_OUT:
             killed_by = "timeout"
         elif flags & _EXITF_CANCELLED or cmd.cancelled:
             killed_by = "cancelled"
+        elif oom_kills and (cmd.alone or failed):
+            killed_by = "memory"
+        elif pids_hits and failed:
+            killed_by = "pids"
         elif term == signal.SIGXCPU or (term == signal.SIGKILL and "RLIMIT_CPU" in cmd.rlimit_names
                                         and self.policy.limits.cpu_s is not None
                                         and cpu >= self.policy.limits.cpu_s):
             killed_by = "cpu"
-        elif term == signal.SIGKILL and self._oom_delta():
-            killed_by = "memory"
         elif term is not None:
             killed_by = "signal"
         out, out_t, out_d = cmd.out.value()
@@ -626,8 +721,9 @@ class _Core:
         changes = _ws.Changes()
         if cmd.before is not None:
             changes = _ws.diff(cmd.before, _ws.snapshot(self.view()))
-        enforced = cmd.rlimit_names + self.cgroup_enforced + (("seccomp",) if self.run.seccomp_loaded else ())
-        network, notes = None, self.notes
+        cgroup_enforced = tuple(f"cgroup:{c}" for c in self.run.cgroup.enforced) if self.run.cgroup else ()
+        enforced = cmd.rlimit_names + cgroup_enforced + (("seccomp",) if self.run.seccomp_loaded else ())
+        network, notes = None, self.notes + cmd.notes
         if self.run.egress is not None:
             # Egress mode: the attempts the session made while this command ran (commands running
             # at the same time share the sandbox's proxy, so each lists the others' too).
@@ -639,19 +735,8 @@ class _Core:
             stdout=out, stderr=err, stdout_truncated=out_t, stderr_truncated=err_t,
             stdout_dropped_bytes=out_d, stderr_dropped_bytes=err_d, wall_time_s=wall,
             cpu_user_s=utime_us / 1e6, cpu_system_s=stime_us / 1e6, peak_memory_bytes=None,
-            max_rss_bytes=maxrss_kib * 1024, oom_kills=None, limits_enforced=enforced, changes=changes,
+            max_rss_bytes=maxrss_kib * 1024, oom_kills=oom_kills, limits_enforced=enforced, changes=changes,
             workspace=self.run.workspace, notes=notes, argv=tuple(cmd.argv), network=network)
-
-    def _oom_delta(self) -> bool:
-        cg = self.run.cgroup
-        if cg is None:
-            return False
-        try:
-            kills = getattr(cg.stats(), "oom_kills", 0) or 0
-        except Exception:  # noqa: BLE001 - accounting is best effort
-            return False
-        seen, self.oom_seen = self.oom_seen, kills
-        return kills > seen
 
     # -- health and failure --------------------------------------------------------------
     def check_health(self, now: float) -> None:
@@ -769,7 +854,7 @@ class _Core:
                 return changes
             owner = (r.lower_stat.st_uid, r.lower_stat.st_gid) if r.facts.caller_is_root and r.lower_stat else None
             report = _overlay.commit(r.upper_fd, r.lower_fd, xattr_prefix=r.xattr_prefix, since_ns=r.since_ns,
-                                     new_owner=owner)
+                                     new_owner=owner, accept_seen_host_changes=True)
             r.notes.extend(report.notes)
             r.reset_cow()
             return changes
@@ -1028,15 +1113,23 @@ class Session:
                 ``timed_out=True``, ``killed_by="timeout"``; the session stays usable.
             env: variables set on top of the Policy's environment (nothing else is inherited).
             cwd: working directory inside the sandbox.
-            limits: per-command rlimits (default: the Policy's); values above the session's
-                hard limits are lowered to them. Cgroup limits stay session-wide.
+            limits: per-command limits (default: the Policy's). rlimits apply to this
+                command (values above the session's hard limits are lowered to them). The
+                cgroup's limits (``memory_bytes``, ``pids``, ``cpu_quota`` where the session's
+                cgroup enforces them) bound the session as a whole and ``tmp_size_bytes``/
+                ``workspace_bytes`` were fixed at its start: other values there raise
+                PolicyError (see :meth:`_Core.check_call_limits`); use :class:`Pool` or
+                :func:`lowlevel.run` for a per-call memory limit.
             track_changes: override the session's ``track_changes`` for this command.
         Returns:
             A :class:`Result`. ``cpu_user_s``/``cpu_system_s``/``max_rss_bytes`` are the
-            command tree's (rusage); ``peak_memory_bytes`` and ``oom_kills`` are None (the
-            cgroup is the session's); ``argv`` is the command's.
+            command tree's (rusage); ``peak_memory_bytes`` is None (the cgroup is the
+            session's); ``oom_kills`` counts the session cgroup's OOM kills while the command
+            ran, and ``killed_by`` is ``"memory"`` when there was one (as :func:`lowlevel.run`
+            says; with other commands running at the same time only if this one failed too);
+            ``argv`` is the command's.
         Raises:
-            PolicyError: a bad argument.
+            PolicyError: a bad argument, or a per-command limit the session cannot enforce.
             ExecError: the command was not found (ENOENT) or is not executable (EACCES).
             LaunchError: chdir to ``cwd`` or an rlimit failed (``.errno``).
             SessionError: the session is closed or ended (see the module docstring).
@@ -1541,6 +1634,8 @@ class Pool:
                     self._cond.notify_all()
                 if closing is not None:
                     closing.close()
+                    if self.template is None:
+                        _ws.remove_workspace(closing.directory)  # started as the pool closed: never used
 
     def _take(self) -> Session:
         with self._cond:
@@ -1562,14 +1657,22 @@ class Pool:
             raise err
         return self._new()
 
-    def run(self, argv: Sequence[str], *, inputs: Sequence[str | os.PathLike[str]] = (),
+    def run(self, argv: Sequence[str], *, inputs: Sequence[str | os.PathLike[str] | tuple[str, str]] = (),
             stdin: bytes | None = None, timeout: float | None = DEFAULT_TIMEOUT_S,
             env: Mapping[str, str] | None = None, cwd: str = WORKSPACE_DEST,
             limits: Limits | None = None) -> Result:
         """Run one command in a fresh sandbox taken from the pool (as :func:`lowlevel.run`).
 
         Args:
-            inputs: host files or directories copied into the sandbox's empty workspace first.
+            inputs: host files or directories copied into the sandbox's empty workspace first
+                (paths, or ``(path, dest)`` pairs as for :func:`lowlevel.run`).
+            limits: this call's limits (default: the Pool's Policy's). The sandbox serves
+                this call alone, so its cgroup's ``memory_bytes``, ``pids`` and ``cpu_quota``
+                are rewritten to these values first and apply exactly as in
+                :func:`lowlevel.run` (where no cgroup enforces them, the rlimit fallbacks
+                apply per process, at most the Pool's values); ``tmp_size_bytes`` and
+                ``workspace_bytes`` were fixed when the sandbox started and must equal the
+                Pool's (else PolicyError).
             Others: as :meth:`Session.run`.
         Raises:
             WorkspaceError: an input is missing or unreadable. Others as :meth:`Session.run`.
@@ -1577,11 +1680,13 @@ class Pool:
         _validate.run_args(command=argv, cwd=cwd, env=env, inputs=inputs)  # before a sandbox is used up
         s = self._take()
         try:
+            if limits is not None:
+                s._core.set_cgroup_limits(limits)
             if inputs and self.template is not None:
                 # Into this call's view (its upper layer), owned as its sandbox.
                 names = _ws.copy_inputs(s.workspace, inputs)
                 if s._core.run.facts.caller_is_root:
-                    for name in names:
+                    for name in dict.fromkeys(n.split("/")[0] for n in names):
                         _ws.chown_tree(os.path.join(s.workspace, name), *s.host_ids)
             elif inputs:
                 # Into the directory itself (the overlay's lower layer: this sandbox's fresh,
@@ -1589,7 +1694,7 @@ class Pool:
                 # gives them to the sandbox's uid without a chown.
                 names = _ws.copy_inputs(s.directory, inputs)
                 if s._core.run.facts.caller_is_root and not s._core.run.cow:
-                    for name in names:
+                    for name in dict.fromkeys(n.split("/")[0] for n in names):
                         _ws.chown_tree(os.path.join(s.directory, name), *s.host_ids)
             result = s.run(argv, stdin=stdin, timeout=timeout, env=env, cwd=cwd, limits=limits,
                            track_changes=False if s._core.run.cow else None)

@@ -57,12 +57,16 @@ class Changes:
             inode or kind.
         complete: False when the workspace held more than MAX_SNAPSHOT_ENTRIES entries and
             the report covers only part of it.
+        bytes_written: for a copy-on-write (overlay) run, the bytes the run's upper directory
+            allocates on its filesystem (sum of ``st_blocks * 512`` over its entries, each
+            inode once; see :func:`lowlevel.overlay.read_changes`); None when not measured.
     """
 
     added: tuple[str, ...] = ()
     modified: tuple[str, ...] = ()
     deleted: tuple[str, ...] = ()
     complete: bool = True
+    bytes_written: int | None = None
 
 
 Snapshot = dict[str, tuple[str, int, int, int, int]]
@@ -469,30 +473,43 @@ def ensure_base(base: str) -> str:
     return base
 
 
-def copy_inputs(root: str, inputs: Iterable[str | os.PathLike[str]]) -> list[str]:
-    """Copy files or directories into the workspace root, each under its base name.
+def copy_inputs(root: str, inputs: Iterable[str | os.PathLike[str] | tuple[str, str]]) -> list[str]:
+    """Copy files or directories into the workspace root, each under its base name, or at
+    the destination given with it.
 
-    Symlinks inside copied directories are copied as symlinks (not followed).
+    Args:
+        root: the workspace.
+        inputs: each a host path (copied under its base name), or a ``(host path, dest)``
+            pair, ``dest`` relative to the workspace (``"data/a.csv"``; parents are created,
+            never through a symlink), so inputs keep their relative layout.
+
+    Symlinks inside copied directories are copied as symlinks (not followed). Only regular
+    files and directories are copied: a device (``/dev/zero`` never ends), a FIFO or a socket
+    is refused.
 
     Returns:
         The relative names created.
     Raises:
-        WorkspaceError: an input is missing, or two inputs share a base name, or it exists already.
+        WorkspaceError: an input is missing or not a regular file or directory, or two inputs
+            share a destination, or it exists already, or ``dest`` is absolute or has ``..``
+            (EINVAL), or a symlink is in its way.
     """
     created: list[str] = []
     for item in inputs:
-        src = os.fspath(item)
+        if isinstance(item, tuple):
+            src, dest_rel = os.fspath(item[0]), item[1]
+            parts = _split_rel(dest_rel)
+            name = "/".join(parts)
+        else:
+            src = os.fspath(item)
+            name = os.path.basename(os.path.normpath(src)) if isinstance(src, str) else ""
+            parts = [name]
         if not isinstance(src, str) or "\0" in src:
             raise WorkspaceError(errno.EINVAL, f"invalid input path {src!r:.80}")
-        name = os.path.basename(os.path.normpath(src))
         if not os.path.lexists(src):
             raise WorkspaceError(errno.ENOENT, f"input {src!r} does not exist")
         if not name or name in ("..", "."):
             raise WorkspaceError(errno.EINVAL, f"input {src!r} has no usable base name")
-        dest = os.path.join(root, name)
-        if os.path.lexists(dest):
-            raise WorkspaceError(errno.EEXIST, f"input {src!r}: {name!r} already exists in the workspace "
-                                 "(two inputs with the same name?)")
         try:
             st = os.stat(src)
         except OSError as err:
@@ -501,18 +518,32 @@ def copy_inputs(root: str, inputs: Iterable[str | os.PathLike[str]]) -> list[str
             raise WorkspaceError(errno.EINVAL, f"input {src!r} is a {_file_type(st.st_mode)}, not a regular file "
                                  "or a directory: copy its content into a file first")
         try:
-            if os.path.isdir(src) and not os.path.islink(src):
-                shutil.copytree(src, dest, symlinks=True, copy_function=_copy_regular)
-            else:
-                _copy_regular(src, dest)
-        except shutil.Error as err:
-            errs = err.args[0] if err.args and isinstance(err.args[0], list) else []
-            detail = f"{errs[0][2]}" + (f" (and {len(errs) - 1} more)" if len(errs) > 1 else "") if errs else err
-            raise WorkspaceError(errno.EIO, f"cannot copy input {src!r}: {detail}") from err
-        except WorkspaceError:
-            raise
+            # The parent is opened component by component with O_NOFOLLOW and the copy goes
+            # through its pinned fd: a symlink in the workspace cannot send it elsewhere.
+            dfd = _open_parent(root, parts, create=True)
         except OSError as err:
-            raise WorkspaceError(err.errno or errno.EIO, f"cannot copy input {src!r}: {err}") from err
+            raise WorkspaceError(err.errno or errno.EIO, f"input {src!r}: cannot make {name!r} in the "
+                                 f"workspace: {err.strerror} (a symlink or file in the way?)") from err
+        try:
+            dest = f"/proc/self/fd/{dfd}/{parts[-1]}"
+            if os.path.lexists(dest):
+                raise WorkspaceError(errno.EEXIST, f"input {src!r}: {name!r} already exists in the workspace "
+                                     "(two inputs with the same name?)")
+            try:
+                if stat.S_ISDIR(st.st_mode) and not os.path.islink(src):
+                    shutil.copytree(src, dest, symlinks=True, copy_function=_copy_regular)
+                else:
+                    _copy_regular(src, dest)
+            except shutil.Error as err:
+                errs = err.args[0] if err.args and isinstance(err.args[0], list) else []
+                detail = f"{errs[0][2]}" + (f" (and {len(errs) - 1} more)" if len(errs) > 1 else "") if errs else err
+                raise WorkspaceError(errno.EIO, f"cannot copy input {src!r}: {detail}") from err
+            except WorkspaceError:
+                raise
+            except OSError as err:
+                raise WorkspaceError(err.errno or errno.EIO, f"cannot copy input {src!r}: {err}") from err
+        finally:
+            os.close(dfd)
         created.append(name)
     return created
 
@@ -546,13 +577,15 @@ def _copy_regular(src: str, dst: str) -> str:
     return dst
 
 
-def create_workspace(inputs: Iterable[str | os.PathLike[str]] = (), base: str | None = None) -> str:
+def create_workspace(inputs: Iterable[str | os.PathLike[str] | tuple[str, str]] = (),
+                     base: str | None = None) -> str:
     """Make a fresh per-run workspace under ``base`` and copy ``inputs`` into it.
 
     All or nothing: if a copy fails, the half-made workspace is removed.
 
     Args:
-        inputs: host files or directories, each copied under its base name.
+        inputs: host files or directories, each copied under its base name, or
+            ``(path, dest)`` pairs (see :func:`copy_inputs`).
         base: parent directory; default :func:`default_base`.
     Returns:
         The workspace's absolute host path (mode 0700).

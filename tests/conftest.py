@@ -129,10 +129,11 @@ class Sandbox:
             binds: list[tuple[str, str, bool]] | None = None, limits: dict[str, Any] | None = None,
             files: dict[str, bytes] | None = None, workspace: str | None = None,
             cwd: str = "/workspace", commit: bool | str = True, egress: dict[str, Any] | None = None,
-            resolver: dict[str, Any] | None = None) -> Outcome:
+            resolver: dict[str, Any] | None = None, policy_kw: dict[str, Any] | None = None) -> Outcome:
         """``egress``: Egress kwargs (network by allowlist); ``resolver``: the egress tests'
         TEST-ONLY resolver override ({"answers": ..., "pretend_public": [...]},
-        tests/helpers/scripted_resolver.py); its lookups land in ``raw["resolver_calls"]``."""
+        tests/helpers/scripted_resolver.py); its lookups land in ``raw["resolver_calls"]``;
+        ``policy_kw``: more Policy keyword arguments (JSON values: ``compat_32bit``...)."""
         ws = workspace or self._mkdtemp()
         if self.user is None:
             for name, data in (files or {}).items():
@@ -140,7 +141,7 @@ class Sandbox:
             policy = lowlevel.Policy(network=lowlevel.Egress(**egress) if egress is not None else network,
                                      env=env or {},
                                      binds=tuple(lowlevel.Bind(s, d, writable=w) for s, d, w in binds or ()),
-                                     limits=lowlevel.Limits(**(limits or {})))
+                                     limits=lowlevel.Limits(**(limits or {})), **(policy_kw or {}))
             import contextlib
             scripted = None
             override: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
@@ -165,7 +166,7 @@ class Sandbox:
                            d["changes"], list(r.limits_enforced), list(r.notes), r.wall_time_s, raw=d)
         spec = {"command": command, "timeout": timeout, "env": env or {}, "network": network,
                 "binds": binds or [], "limits": limits or {}, "workspace": ws, "cwd": cwd, "commit": commit,
-                "egress": egress, "resolver": resolver,
+                "egress": egress, "resolver": resolver, "policy": policy_kw or {},
                 "files": {k: base64.b64encode(v).decode() for k, v in (files or {}).items()},
                 "stdin_b64": base64.b64encode(stdin).decode() if stdin is not None else None}
         proc = subprocess.run(

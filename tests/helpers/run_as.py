@@ -7,7 +7,8 @@ non-root path of bwrap with the same assertions as the root path. Spec keys:
 ``workspace`` (an existing dir instead), ``cwd`` (inside the sandbox), ``commit`` (True, False or
 "on_success"), ``egress`` (Egress kwargs: network by allowlist), ``resolver`` ({"answers": ...,
 "pretend_public": [...]}: the egress tests' TEST-ONLY resolver override, see
-scripted_resolver.py; the lookups made are returned as ``resolver_calls``).
+scripted_resolver.py; the lookups made are returned as ``resolver_calls``), ``policy`` (more
+Policy kwargs).
 """
 
 import base64
@@ -26,7 +27,7 @@ def main() -> int:
     binds = tuple(lowlevel.Bind(s, d, writable=w) for s, d, w in spec.get("binds", []))
     network = lowlevel.Egress(**spec["egress"]) if spec.get("egress") is not None else spec.get("network", False)
     policy = lowlevel.Policy(network=network, binds=binds, env=spec.get("env", {}),
-                             limits=lowlevel.Limits(**spec.get("limits", {})))
+                             limits=lowlevel.Limits(**spec.get("limits", {})), **spec.get("policy", {}))
     resolver = None
     override: contextlib.AbstractContextManager = contextlib.nullcontext()
     if spec.get("resolver") is not None:

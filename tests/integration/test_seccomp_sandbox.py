@@ -85,9 +85,11 @@ def probe_workspace(sandbox, probes: Path) -> str:  # type: ignore[no-untyped-de
     return str(ws)
 
 
-def default_run(sandbox, probes: Path, argv: list[str], stdin: bytes | None = None):  # type: ignore[no-untyped-def]
+def default_run(sandbox, probes: Path, argv: list[str], stdin: bytes | None = None,  # type: ignore[no-untyped-def]
+                compat_32bit: bool = False):
     """Run ``argv`` with the default Policy (default profile) as the fixture's identity."""
-    return sandbox.run(argv, workspace=probe_workspace(sandbox, probes), stdin=stdin, timeout=60)
+    return sandbox.run(argv, workspace=probe_workspace(sandbox, probes), stdin=stdin, timeout=60,
+                       policy_kw={"compat_32bit": True} if compat_32bit else None)
 
 
 @pytest.fixture
@@ -102,12 +104,12 @@ def workspace(probes: Path) -> Iterator[str]:
 
 
 def run_in_sandbox(argv: list[str], workspace: str, profile: SeccompProfile | None = DEFAULT_PROFILE,
-            timeout: float = 60, stdin: bytes | None = None) -> lowlevel.Result:
+                   timeout: float = 60, stdin: bytes | None = None, compat_32bit: bool = False) -> lowlevel.Result:
     """Run ``argv`` in a default-policy sandbox with ``profile`` (None: no filter)."""
     if profile is None:
         policy = Policy(seccomp=None, unsafe_no_seccomp=True)
     else:
-        policy = Policy(seccomp=profile)
+        policy = Policy(seccomp=profile, compat_32bit=compat_32bit)
     return lowlevel.run(argv, policy=policy, workspace=workspace, timeout=timeout, stdin=stdin)
 
 
@@ -178,6 +180,8 @@ DENIED: list[tuple[str, tuple[int, ...]]] = [
     ("ioctl", (-1, 0x5412)),                      # TIOCSTI
     ("ioctl", (-1, HIGH | 0x5412)),
     ("ioctl", (-1, 0x541C)),                      # TIOCLINUX
+    ("ioctl", (-1, 0x5423)),                      # TIOCSETD
+    ("ioctl", (-1, HIGH | 0x5423)),
     ("personality", (0x0040000,)),                # ADDR_NO_RANDOMIZE
     ("personality", (HIGH | 0x0040000,)),
     ("socket", (40, 1)),                          # AF_VSOCK
@@ -242,15 +246,16 @@ def test_denied_calls_fail_inside_and_work_outside(abi: str, workspace: str, pro
                                                    sandbox) -> None:  # type: ignore[no-untyped-def]
     argv, rows = probe_argv(abi, DENIED + ALLOWED)
     n_denied = sum(1 for r in rows if r in DENIED)
+    compat = abi == "32"  # the i386 entry point is killed unless the Policy admits it
 
-    res = run_in_sandbox(argv, workspace, MARKED)
+    res = run_in_sandbox(argv, workspace, MARKED, compat_32bit=compat)
     assert res.term_signal is None, res
     for name, args, ret, err in parse(res.stdout, rows)[:n_denied]:
         assert (ret, err) == (-1, MARK), f"{name}{args}: our rule did not fire ({ret}, {errno.errorcode.get(err)})"
     for name, args, ret, err in parse(res.stdout, rows)[n_denied:]:
         assert err != MARK, f"{name}{args} is allowed but was denied"
 
-    res = default_run(sandbox, probes, argv)
+    res = default_run(sandbox, probes, argv, compat_32bit=compat)
     for name, args, ret, err in parse(res.stdout, rows)[:n_denied]:
         assert (ret, err) == (-1, expected(name)), f"{name}{args}: got {errno.errorcode.get(err)}"
 
@@ -259,6 +264,23 @@ def test_denied_calls_fail_inside_and_work_outside(abi: str, workspace: str, pro
     out = subprocess.run([str(probes / "try_syscall")] + argv[1:], capture_output=True, timeout=60).stdout
     for name, args, ret, err in parse(out, safe):
         assert err not in (MARK, errno.EPERM), f"control: the host itself blocks {name}{args}"
+
+
+@pytest.mark.parametrize("name", ["getpid", "ptrace"])
+def test_i386_int80_is_killed_unless_compat_32bit(name: str, probes: Path, sandbox) -> None:  # type: ignore[no-untyped-def]
+    """Issue 12 item 8: an ``int 0x80`` from x86_64 code (tests/helpers/try_syscall.c) dies
+    with SIGSYS under the default Policy, before its first compat syscall does anything."""
+    argv = ["./try_syscall", "32", str(number("32", name))] + ["0"] * 6
+    res = default_run(sandbox, probes, argv)
+    assert res.term_signal == signal.SIGSYS and res.killed_by == "signal" and res.stdout == b"", res
+    # control: Policy(compat_32bit=True) admits it, and the rules hold there (ptrace: EPERM)
+    res = default_run(sandbox, probes, argv, compat_32bit=True)
+    assert res.term_signal is None and len(res.stdout.split()) == 2, res
+    if name == "ptrace":
+        assert res.stdout.split()[1] == str(errno.EPERM).encode(), res
+    # control: outside any sandbox the kernel answers the call
+    out = subprocess.run([str(probes / "try_syscall")] + argv[1:], capture_output=True)
+    assert out.returncode != -signal.SIGSYS and len(out.stdout.split()) == 2, out
 
 
 @pytest.mark.parametrize("name", ["getpid", "ptrace", "unshare"])
@@ -299,7 +321,8 @@ def _bwrap_on_pty(argv: list[str], probes: Path, profile: SeccompProfile | None)
             os.close(fd)
 
 
-@pytest.mark.parametrize("request_", [0x5412, HIGH | 0x5412, 0x541C], ids=["TIOCSTI", "TIOCSTI-high", "TIOCLINUX"])
+@pytest.mark.parametrize("request_", [0x5412, HIGH | 0x5412, 0x541C, 0x5423, HIGH | 0x5423],
+                         ids=["TIOCSTI", "TIOCSTI-high", "TIOCLINUX", "TIOCSETD", "TIOCSETD-high"])
 def test_tty_injection_blocked_on_a_real_pty(request_: int, probes: Path) -> None:
     argv = ["/probe/try_syscall", "64", str(number("64", "ioctl")), "0", str(request_), "&c", "0", "0", "0"]
     rc, out = _bwrap_on_pty(argv, probes, MARKED)

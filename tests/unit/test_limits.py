@@ -636,3 +636,62 @@ def test_v2_container_namespace_root_alone_moves_us_and_enables_controllers(kern
     h = L._detect(mountinfo, "0::/\n", euid=0, pid=4242, delegate=_no_delegate).v2
     assert h is not None and h.controllers == {"memory", "pids"}
     assert L._read_ints(os.path.join(ns_root, "supervisor", "cgroup.procs")) == [4242]
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-call limits of a pre-started sandbox (Pool) and a command's counters (Session)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_v2_update_limits_rewrites_and_removes(kernel: FakeKernel, v2_support: L.CgroupSupport) -> None:
+    cg = L.RunCgroup.create(Limits(memory_bytes=1024 * MiB, pids=256), "u1", support=v2_support)
+    assert cg is not None and cg.enforced == ("memory", "pids")
+    # v2: one directory with every controller, so a cpu limit can be added for the call
+    assert cg.update_limits(Limits(memory_bytes=64 * MiB, pids=None, cpu_quota=1.0)) == ("memory", "cpu")
+    assert _file(cg, "memory", "memory.max") == str(64 * MiB)
+    assert _file(cg, "pids", "pids.max") == "max"
+    assert _file(cg, "cpu", "cpu.max") == "100000 100000"
+    assert L.rlimits(Limits(memory_bytes=64 * MiB, pids=9), cg)[1:3] == (("RLIMIT_NPROC", 9, 9),
+                                                                        ("RLIMIT_FSIZE", 1 << 30, 1 << 30))
+    assert cg.update_limits(Limits(memory_bytes=None)) == ("pids",)
+    assert _file(cg, "memory", "memory.max") == "max"
+    assert _file(cg, "cpu", "cpu.max") == "max 100000"
+    cg.remove()
+
+
+def test_v1_update_limits_keeps_memsw_above_the_limit(kernel: FakeKernel) -> None:
+    mem = kernel.v1_root("memory")
+    support = L._detect(_mountinfo((mem, "cgroup", "rw,memory")), "5:memory:/\n", euid=0, pid=1,
+                        delegate=_no_delegate)
+    cg = L.RunCgroup.create(Limits(memory_bytes=256 * MiB), "u2", support=support)
+    assert cg is not None
+    kernel.writes.clear()
+    cg.update_limits(Limits(memory_bytes=64 * MiB))   # lowering: limit first, then memsw
+    assert [w[0].rsplit("/", 1)[1] for w in kernel.writes] == ["memory.limit_in_bytes",
+                                                                "memory.memsw.limit_in_bytes"]
+    kernel.writes.clear()
+    cg.update_limits(Limits(memory_bytes=512 * MiB))  # raising: memsw first
+    assert [w[0].rsplit("/", 1)[1] for w in kernel.writes] == ["memory.memsw.limit_in_bytes",
+                                                                "memory.limit_in_bytes"]
+    assert _file(cg, "memory", "memory.limit_in_bytes") == str(512 * MiB)
+    cg.remove()
+
+
+def test_event_counts(kernel: FakeKernel, v2_support: L.CgroupSupport) -> None:
+    cg = L.RunCgroup.create(Limits(), "u3", support=v2_support)
+    assert cg is not None and cg.event_counts() == (0, 0)
+    with open(os.path.join(cg.nodes[0].path, "memory.events"), "w") as f:
+        f.write("max 4\noom 2\noom_kill 2\n")
+    assert cg.event_counts() == (2, 0)
+    cg.remove()
+
+
+def test_fallback_notes_say_what_bounds_each_limit(kernel: FakeKernel, v2_support: L.CgroupSupport) -> None:
+    notes = L.fallback_notes(Limits(cpu_quota=0.5), None)
+    assert notes == (L.MEMORY_FALLBACK_NOTE, L.PIDS_FALLBACK_NOTE, L.CPU_QUOTA_FALLBACK_NOTE)
+    for words in ("RLIMIT_DATA", "MAP_SHARED", "memfd", "/dev/shm", "require=('memory',)", "RLIMIT_AS"):
+        assert words in L.MEMORY_FALLBACK_NOTE
+    assert L.fallback_notes(Limits(memory_bytes=None, pids=None), None) == ()
+    cg = L.RunCgroup.create(Limits(), "u4", support=v2_support)
+    assert L.fallback_notes(Limits(), cg) == ()
+    cg.remove()  # type: ignore[union-attr]

@@ -98,6 +98,15 @@ def nr(arch: int, name: str) -> int:
 
 @pytest.fixture(scope="module")
 def bpf() -> bytes:
+    """The default profile with the i386 entry point admitted (``compat_32bit=True``), so the
+    rule decisions can be checked on both ABIs; the default filter kills i386 calls
+    (test_i386_is_killed_unless_compat_32bit)."""
+    return seccomp.compile_bpf(DEFAULT_PROFILE, compat_32bit=True)
+
+
+@pytest.fixture(scope="module")
+def bpf64() -> bytes:
+    """The default profile as runs get it: native arch only."""
     return seccomp.compile_bpf(DEFAULT_PROFILE)
 
 
@@ -112,6 +121,9 @@ HIGH = 0xDEADBEEF00000000
       and r.syscall not in ("vm86", "vm86old", "umount", "stime")],
     ("ioctl", (0, 0x5412), EPERM),                       # TIOCSTI
     ("ioctl", (0, 0x541C), EPERM),                       # TIOCLINUX
+    ("ioctl", (0, 0x5423), EPERM),                       # TIOCSETD
+    ("ioctl", (0, 0x5424), SCMP_ACT_ALLOW),              # TIOCGETD
+    ("ioctl", (0, 0x540C), SCMP_ACT_ALLOW),              # TIOCEXCL (harmless on a pty of our own)
     ("ioctl", (0, 0x5401), SCMP_ACT_ALLOW),              # TCGETS
     ("ioctl", (0, 0x5412 | 0x10000), SCMP_ACT_ALLOW),    # near miss
     ("clone", (0x10000000 | 0x11,), EPERM),              # CLONE_NEWUSER|SIGCHLD
@@ -151,6 +163,7 @@ def test_default_profile_decisions(bpf: bytes, arch: int, name: str, args: tuple
 @pytest.mark.parametrize("name,args,action", [
     ("ioctl", (0, HIGH | 0x5412), EPERM),           # CVE-2019-10063: high bits must not slip past
     ("ioctl", (0, HIGH | 0x541C), EPERM),
+    ("ioctl", (0, HIGH | 0x5423), EPERM),           # TIOCSETD
     ("ioctl", (0, HIGH | 0x5401), SCMP_ACT_ALLOW),
     ("clone", (HIGH | 0x10000011,), EPERM),
     ("personality", (HIGH | 0,), SCMP_ACT_ALLOW),   # the kernel takes an unsigned int
@@ -168,6 +181,16 @@ def test_i386_only_and_socketcall(bpf: bytes) -> None:
     # the family of socketcall(SYS_SOCKET, args*) is in memory: libseccomp denies it whole
     assert simulate(bpf, SCMP_ARCH_X86, nr(SCMP_ARCH_X86, "socketcall"), (1,)) == EAFNOSUPPORT
     assert simulate(bpf, SCMP_ARCH_X86, nr(SCMP_ARCH_X86, "socketcall"), (3,)) == SCMP_ACT_ALLOW
+
+
+@pytest.mark.parametrize("name", ["getpid", "ptrace", "write", "exit_group"])
+def test_i386_is_killed_unless_compat_32bit(bpf64: bytes, bpf: bytes, name: str) -> None:
+    assert simulate(bpf64, SCMP_ARCH_X86, nr(SCMP_ARCH_X86, name)) == SCMP_ACT_KILL_PROCESS
+    assert simulate(bpf64, SCMP_ARCH_X86_64, nr(SCMP_ARCH_X86_64, name)) != SCMP_ACT_KILL_PROCESS
+    # control: with compat_32bit the same call meets the rules
+    assert simulate(bpf, SCMP_ARCH_X86, nr(SCMP_ARCH_X86, name)) != SCMP_ACT_KILL_PROCESS
+    assert seccomp.filter_arches(SCMP_ARCH_X86_64) == (SCMP_ARCH_X86_64,)
+    assert seccomp.filter_arches(SCMP_ARCH_X86_64, True) == (SCMP_ARCH_X86_64, SCMP_ARCH_X86)
 
 
 @pytest.mark.parametrize("name", ["getpid", "ptrace", "write"])
@@ -189,10 +212,11 @@ def test_log_mode_turns_denials_into_log() -> None:
 
 # --- the oracle: pyseccomp builds the same table independently -----------------------------------
 
-def pyseccomp_export(profile: SeccompProfile) -> bytes:
+def pyseccomp_export(profile: SeccompProfile, compat_32bit: bool) -> bytes:
     f = pyseccomp.SyscallFilter(profile.effective_default_action())
     f.set_attr(pyseccomp.Attr.ACT_BADARCH, pyseccomp.KILL_PROCESS)
-    f.add_arch(pyseccomp.Arch.X86)
+    if compat_32bit:
+        f.add_arch(pyseccomp.Arch.X86)
     for action, name, args in profile.effective_rules():
         f.add_rule(action, name, *(pyseccomp.Arg(a.index, a.op, a.datum_a, a.datum_b) for a in args))
     fd = os.memfd_create("oracle", os.MFD_CLOEXEC)
@@ -206,9 +230,10 @@ def pyseccomp_export(profile: SeccompProfile) -> bytes:
 @pytest.mark.parametrize("profile", [DEFAULT_PROFILE, CUSTOM, DEFAULT_PROFILE.with_log(),
                                      DEFAULT_PROFILE.with_extra_deny("getpid", "ioctl")],
                          ids=["default", "custom", "default+log", "default+deny"])
-def test_native_export_equals_pyseccomp(profile: SeccompProfile) -> None:
+@pytest.mark.parametrize("compat_32bit", [False, True], ids=["x86_64", "x86_64+i386"])
+def test_native_export_equals_pyseccomp(profile: SeccompProfile, compat_32bit: bool) -> None:
     assert seccomp._native is not None, "build the extension: python native/build_seccomp.py"
-    assert seccomp.compile_bpf(profile) == pyseccomp_export(profile)
+    assert seccomp.compile_bpf(profile, compat_32bit=compat_32bit) == pyseccomp_export(profile, compat_32bit)
 
 
 def test_forced_fallback_warns_and_matches(monkeypatch: pytest.MonkeyPatch) -> None:

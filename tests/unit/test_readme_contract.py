@@ -1,0 +1,40 @@
+"""The README stays true to the CLI and the MCP config (issue 12 item 10): every option of
+``lowlevel run`` is in its usage block, every MCP config key in its TOML example, and the
+exit-status paragraph names the statuses :mod:`lowlevel.cli` uses."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+from lowlevel import cli
+from lowlevel.mcp_server import ServerConfig
+
+README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+
+
+def test_every_run_option_is_in_the_usage_block() -> None:
+    usage = README[README.index("lowlevel run [--workspace"):README.index("lowlevel replay FILE")]
+    parser = cli.build_parser()
+    run = next(a for a in parser._subparsers._group_actions[0].choices.values()  # type: ignore[union-attr]
+               if a.prog.endswith(" run"))
+    options = {s for a in run._actions for s in a.option_strings if s.startswith("--") and s != "--help"}
+    missing = sorted(o for o in options if not re.search(re.escape(o) + r"\b", usage))
+    assert missing == []
+
+
+def test_every_mcp_config_key_is_documented() -> None:
+    toml = README[README.index("```toml"):]
+    toml = toml[:toml.index("```", 3)]
+    missing = [f.name for f in dataclasses.fields(ServerConfig) if f.name + " =" not in toml
+               and f"[{f.name}]" not in toml and f"[[{f.name}]]" not in toml]
+    assert missing == []
+
+
+def test_exit_status_paragraph() -> None:
+    para = README[README.index("Exit status, as `timeout(1)`"):]
+    para = " ".join(para[:para.index("\n\n")].split())
+    for code in (cli.EXIT_TIMEOUT, cli.EXIT_FAILED, cli.EXIT_NOEXEC, cli.EXIT_NOTFOUND):
+        assert f"**{code}**" in para
+    assert "usage error" in para and "one JSON object" in para
