@@ -19,6 +19,9 @@ order, so machine drift hits all cases alike), for ``/usr/bin/true`` and
 - ``arun``: ``lowlevel.arun`` at each concurrency, bounded by a semaphore;
 - ``session``: ``Session.run`` in one long-lived session (sync, concurrency 1) and
   ``AsyncSession.run`` at each concurrency: the cost of a command once the sandbox exists;
+- ``image``, ``image_session``: ``lowlevel.run`` and ``Session.run`` of ``/usr/bin/true`` on an
+  imported image holding the host's ``/usr/bin/true`` and its libraries (``Policy(image=...)``),
+  imported once before the rounds (``one_time``: import, first and second run);
 - ``pool``: ``Pool.run`` (a fresh pre-started sandbox per call; sync, concurrency 1, calls
   spaced so the pool is full and idle when each call starts: the untimed wait is the refill)
   and ``Pool.arun`` at each concurrency (unspaced: sustained throughput, refill-bound).
@@ -486,6 +489,139 @@ class SessionCases:
             loop.run_until_complete(self.asession.close())
 
 
+# --- images ---------------------------------------------------------------------------------
+
+def _true_tree(dest: str) -> None:
+    """The host's /usr/bin/true with its loader and libraries, laid out as on the host (usr-merged
+    symlinks kept), plus /etc/passwd, /etc/group and /etc/ld.so.cache: the same program as ``run``."""
+    out = subprocess.run(["ldd", "/usr/bin/true"], capture_output=True, text=True, check=True).stdout
+    paths = ["/usr/bin/true", "/etc/ld.so.cache"]
+    for line in out.splitlines():
+        parts = line.split()
+        path = parts[2] if "=>" in parts and len(parts) > 2 else parts[0]
+        if path.startswith("/"):
+            paths.append(path)
+    for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+        if os.path.islink("/" + name):
+            os.symlink(os.readlink("/" + name), os.path.join(dest, name))
+    for path in paths:
+        # Where the path lands once the tree's top-level symlinks are followed, and its real file.
+        top, _, rest = path.lstrip("/").partition("/")
+        first = os.path.join(dest, os.readlink("/" + top) if os.path.islink("/" + top) else top, rest)
+        for target in {first, os.path.join(dest, os.path.realpath(path).lstrip("/"))}:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            if not os.path.exists(target):
+                shutil.copy2(os.path.realpath(path), target)
+    for name, text in (("passwd", "root:x:0:0:root:/root:/usr/sbin/nologin\n"), ("group", "root:x:0:\n")):
+        with open(os.path.join(dest, "etc", name), "w") as f:
+            f.write(text)
+
+
+def _oci_layout(tree: str, dest: str) -> None:
+    """Write an OCI image layout at ``dest`` with ``tree`` as its one (gzip) layer."""
+    import gzip
+    import hashlib
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name in sorted(os.listdir(tree)):
+            tar.add(os.path.join(tree, name), arcname=name)
+    layer = buf.getvalue()
+    os.makedirs(os.path.join(dest, "blobs", "sha256"))
+
+    def put(data: bytes) -> dict[str, Any]:
+        digest = hashlib.sha256(data).hexdigest()
+        with open(os.path.join(dest, "blobs", "sha256", digest), "wb") as f:
+            f.write(data)
+        return {"digest": "sha256:" + digest, "size": len(data)}
+
+    config = json.dumps({"architecture": "amd64", "os": "linux", "config": {"Env": ["PATH=/usr/bin:/bin"]},
+                         "rootfs": {"type": "layers",
+                                    "diff_ids": ["sha256:" + hashlib.sha256(layer).hexdigest()]}}).encode()
+    manifest = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                           "config": {"mediaType": "application/vnd.oci.image.config.v1+json", **put(config)},
+                           "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip",
+                                       **put(gzip.compress(layer, compresslevel=1))}]}).encode()
+    index = {"schemaVersion": 2, "manifests": [{"mediaType": "application/vnd.oci.image.manifest.v1+json",
+                                                "annotations": {"org.opencontainers.image.ref.name": "bench:1"},
+                                                **put(manifest)}]}
+    with open(os.path.join(dest, "index.json"), "w") as f:
+        json.dump(index, f)
+    with open(os.path.join(dest, "oci-layout"), "w") as f:
+        f.write('{"imageLayoutVersion": "1.0.0"}')
+
+
+class ImageCases:
+    """``image`` and ``image_session``: the same ``/usr/bin/true`` on an imported image.
+
+    The image (host's true + libraries, see :func:`_true_tree`) is imported into a temp store
+    before the rounds; ``one_time`` gets the import time and the first and second
+    ``lowlevel.run`` on it (the first after a fresh import must cost no unpacking).
+    """
+
+    COMMAND = "/usr/bin/true"
+
+    def __init__(self) -> None:
+        from lowlevel import image as _image
+        self.skipped: str | None = None
+        self.dir = ""
+        self.session: Any = None
+        self.times: dict[str, float] = {}
+        missing = [t for t in ("skopeo", "umoci") if _image.find_tool(t) is None]
+        if missing:
+            self.skipped = f"needs {' and '.join(missing)} (apt-get install {' '.join(missing)})"
+            return
+        import tempfile
+        self.dir = tempfile.mkdtemp(prefix="lowlevel-bench-image-", dir="/tmp")
+        os.chmod(self.dir, 0o755)
+        tree = os.path.join(self.dir, "tree")
+        os.makedirs(os.path.join(tree, "etc"))
+        _true_tree(tree)
+        _oci_layout(tree, os.path.join(self.dir, "layout"))
+        subprocess.run(["chmod", "-R", "o+rX", self.dir], check=True)
+        store = os.path.join(self.dir, "store")
+        os.mkdir(store, 0o755)
+        os.environ[_image.STORE_ENV] = store
+        t = time.perf_counter_ns()
+        _image.ImageStore(store).import_archive(os.path.join(self.dir, "layout"), name="bench-true:1")
+        self.times["image_import_ms"] = (time.perf_counter_ns() - t) / 1e6
+        t = time.perf_counter_ns()
+        self.policy = lowlevel.Policy(image="bench-true:1")
+        self.times["image_policy_ms"] = (time.perf_counter_ns() - t) / 1e6
+        for key in ("image_first_run_ms", "image_second_run_ms"):
+            t = time.perf_counter_ns()
+            self.call()
+            self.times[key] = (time.perf_counter_ns() - t) / 1e6
+        _sweep_workspaces()
+        self.session = lowlevel.Session(policy=self.policy)
+
+    def call(self) -> None:
+        r = lowlevel.run([self.COMMAND], policy=self.policy)
+        _WORKSPACES.append(r.workspace)
+        if r.exit_code != 0:
+            raise RuntimeError(f"lowlevel.run on the image exited {r.exit_code}: {r.stderr!r}")
+
+    def session_call(self) -> None:
+        r = self.session.run([self.COMMAND])
+        if r.exit_code != 0:
+            raise RuntimeError(f"Session.run on the image exited {r.exit_code}: {r.stderr!r}")
+
+    def cases(self) -> list[Case]:
+        out = [Case("image", self.COMMAND, 1, "sync", self.call),
+               Case("image_session", self.COMMAND, 1, "sync", self.session_call)]
+        for c in out:
+            c.skipped = self.skipped
+        return out
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
 def session_soak(n: int) -> dict[str, Any]:
     """N sequential ``/usr/bin/true`` in one session: fds, processes and memory before/after."""
     from lowlevel import session as _session
@@ -601,7 +737,9 @@ def ratios(results: list[dict[str, Any]], command: str) -> dict[str, float | Non
            "run_vs_session_c8": div(_p50(get("arun", 8, "asyncio")), _p50(get("session", 8, "asyncio"))),
            "run_vs_pool_c8": div(_p50(get("arun", 8, "asyncio")), _p50(get("pool", 8, "asyncio"))),
            "run_p99_vs_p50": div(run["p99_ms"] if run else None, p50["run"]),
-           "run_egress_vs_run": div(_p50(get("run_egress", 1, "sync")), p50["run"])}
+           "run_egress_vs_run": div(_p50(get("run_egress", 1, "sync")), p50["run"]),
+           "image_vs_run": div(_p50(get("image", 1, "sync")), p50["run"]),
+           "image_session_vs_session": div(_p50(get("image_session", 1, "sync")), _p50(get("session", 1, "sync")))}
     for c in CONCURRENCY:
         a, rb = get("arun", c, "asyncio"), get("raw_bwrap", c, "asyncio")
         if a and rb:
@@ -634,11 +772,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     t_start = time.monotonic()
     once = one_time_costs()
     host = host_info()
+    # Before the count: the import compiles its own profile (the default minus the setid rules).
+    images = ImageCases() if ImageCases.COMMAND in commands else None
     compiles_before = len(_seccomp._cache)
 
     cases: list[Case] = []
     raws: list[RawBwrap] = []
     sess = SessionCases()
+    if images is not None:
+        once.update({k: round(v, 3) for k, v in images.times.items()})
+        if "image_first_run_ms" in images.times:
+            once["image_first_vs_second_run"] = round(images.times["image_first_run_ms"]
+                                                      / images.times["image_second_run_ms"], 3)
+        cases += images.cases()
     for label in commands:
         cmd = COMMANDS[label]
         raw = RawBwrap(cmd)
@@ -666,6 +812,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # Warm-up: every case a few calls, discarded.
         for case in cases:
+            if case.skipped:
+                continue
             if case.driver == "sync":
                 sync_round(case, 3)
             else:
@@ -675,6 +823,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for rnd in range(rounds):
             k = rnd % len(cases)
             for case in cases[k:] + cases[:k]:
+                if case.skipped:
+                    continue
                 if case.driver == "sync":
                     sync_round(case, per_round)
                 else:
@@ -683,6 +833,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"round {rnd + 1}/{rounds} done ({time.monotonic() - t_start:.1f} s)", file=sys.stderr)
     finally:
         sess.close(loop)
+        if images is not None:
+            images.close()
         loop.close()
         for raw in raws:
             raw.close()

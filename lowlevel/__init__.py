@@ -6,11 +6,12 @@ Quick start::
     result = lowlevel.run(["python3", "-c", "print(6 * 7)"])
     assert result.stdout == b"42\\n"
 
-See :func:`lowlevel.run`, :class:`lowlevel.Policy` and :class:`lowlevel.Result`.
+See :func:`lowlevel.run`, :class:`lowlevel.Policy` and :class:`lowlevel.Result`; images and root
+filesystems: :mod:`lowlevel.image`, :mod:`lowlevel.rootfs`.
 """
 
 from .egress import Egress, NetworkAttempt
-from .errors import (BwrapNotFoundError, CommitConflictError, LaunchError, LowlevelError, PolicyError,
+from .errors import (BwrapNotFoundError, CommitConflictError, ImageError, LaunchError, LowlevelError, PolicyError,
                      SeccompError, SessionError, UnsupportedError, WorkspaceError)
 from .launcher import ExecError, run
 from .limits import Limits
@@ -48,6 +49,7 @@ __all__ = [
     "DEFAULT_PROFILE",
     "Egress",
     "ExecError",
+    "ImageError",
     "LaunchError",
     "Limits",
     "LowlevelError",

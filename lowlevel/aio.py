@@ -65,7 +65,7 @@ from typing import Any
 
 from .errors import LaunchError, LowlevelError
 from .launcher import DEFAULT_TIMEOUT_S, SETUP_TIMEOUT_S, Run, classify_setup_failure
-from .policy import WORKSPACE_DEST, Policy
+from .policy import Policy
 from .result import Result
 
 #: How long the supervisor waits for the output pipes to reach EOF after the sandbox is
@@ -409,7 +409,7 @@ async def _arun_kept(r: Run, loop: asyncio.AbstractEventLoop) -> Result:
 async def arun(command: Sequence[str], *, policy: Policy | None = None,
                workspace: str | os.PathLike[str] | None = None, inputs: Sequence[str | os.PathLike[str]] = (),
                timeout: float | None = DEFAULT_TIMEOUT_S, stdin: bytes | None = None,
-               env: Mapping[str, str] | None = None, capture: bool = True, cwd: str = WORKSPACE_DEST,
+               env: Mapping[str, str] | None = None, capture: bool = True, cwd: str | None = None,
                workspace_base: str | None = None, limiter: asyncio.Semaphore | None = None,
                allow_sensitive_workspace: bool = False, keep_workspace: bool = True) -> Result:
     """Run ``command`` in a fresh bwrap sandbox without blocking the event loop.

@@ -96,22 +96,31 @@ def static_args(policy: Policy, facts: HostFacts) -> tuple[str, ...]:
         a += ["--uid", str(policy.sandbox_uid)]
     if policy.sandbox_gid is not None:
         a += ["--gid", str(policy.sandbox_gid)]
-    # Read-only base: /usr, then the usr-merge symlinks or read-only top-level dirs.
-    a += ["--ro-bind", "/usr", "/usr"]
-    for target, name in facts.layout.symlinks:
-        a += ["--symlink", target, name]
-    for path in facts.layout.ro_dirs:
-        a += ["--ro-bind", path, path]
-    for path in facts.layout.etc_files:
-        a += ["--ro-bind", path, path]
-    if policy.network is True:
-        for source, dest in facts.network_etc:
-            a += ["--ro-bind", source, dest]
-    elif isinstance(policy.network, Egress):
-        # Egress: TLS trust only; no resolv.conf or hosts (there is no DNS inside).
-        for source, dest in facts.network_etc:
-            if dest in EGRESS_ETC:
+    if policy.rootfs is not None:
+        # A root filesystem tree instead of the host's system (lowlevel.rootfs; its layout is read
+        # once per process and tree: the only I/O here). Egress mode binds no host network /etc
+        # over the tree's (there is no DNS inside; the tree has its own TLS trust store).
+        from .rootfs import base_args, rootfs_layout
+        a += base_args(rootfs_layout(policy.rootfs), writable=policy.rootfs_writable,
+                       bwrap_options=facts.bwrap.options, network=policy.network is True,
+                       network_sources=facts.network_etc, tmp_size=policy.limits.tmp_size_bytes)
+    else:
+        # Read-only base: /usr, then the usr-merge symlinks or read-only top-level dirs.
+        a += ["--ro-bind", "/usr", "/usr"]
+        for target, name in facts.layout.symlinks:
+            a += ["--symlink", target, name]
+        for path in facts.layout.ro_dirs:
+            a += ["--ro-bind", path, path]
+        for path in facts.layout.etc_files:
+            a += ["--ro-bind", path, path]
+        if policy.network is True:
+            for source, dest in facts.network_etc:
                 a += ["--ro-bind", source, dest]
+        elif isinstance(policy.network, Egress):
+            # Egress: TLS trust only; no resolv.conf or hosts (there is no DNS inside).
+            for source, dest in facts.network_etc:
+                if dest in EGRESS_ETC:
+                    a += ["--ro-bind", source, dest]
     a += ["--proc", "/proc", "--dev", "/dev"]
     tmp_size = policy.limits.tmp_size_bytes
     if tmp_size is not None and facts.bwrap.has("--size"):

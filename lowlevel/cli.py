@@ -25,6 +25,10 @@ policy cannot run.
 the inputs to ``FILE.inputs/``; ``lowlevel replay FILE`` reruns it and exits 0 when the outputs
 match, 1 when they differ, 125 when it cannot replay.
 
+``lowlevel image import FILE`` / ``ls`` / ``rm REF`` / ``inspect REF`` manage images (OCI archives,
+OCI layout dirs, ``docker save`` archives: :mod:`lowlevel.image_cli`); ``lowlevel run --image REF``
+(or ``--rootfs DIR``) runs on one instead of the host's ``/usr``.
+
 ``lowlevel mcp [--config FILE.toml] [--workspace-base DIR] [--network/--no-network] ...`` serves
 the Model Context Protocol over stdio (see :mod:`lowlevel.mcp_server`).
 """
@@ -171,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lowlevel", description="Run untrusted programs in a bubblewrap "
                                      "sandbox with seccomp and resource limits.")
     parser.add_argument("--version", action="version", version=f"lowlevel {__version__}")
-    sub = parser.add_subparsers(dest="cmd", required=True, metavar="{run,doctor,replay,mcp}")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="{run,doctor,replay,mcp,image}")
 
     p = sub.add_parser("run", help="run a command in a fresh sandbox",
                        description="Run COMMAND in a fresh sandbox. Put -- before the command.")
@@ -236,6 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "SOURCE_DATE_EPOCH, PYTHONHASHSEED=0, fixed uid/gid, sorted env")
     p.add_argument("--record", metavar="FILE", help="write a run record (JSON) to FILE and copy the inputs "
                    "to FILE.inputs/ for `lowlevel replay`")
+    p.add_argument("--image", metavar="REF", help="run on an imported image (NAME[:TAG] or sha256:ID) instead of "
+                   "the host's /usr; without a COMMAND, its Entrypoint+Cmd (see `lowlevel image`)")
+    p.add_argument("--rootfs", metavar="DIR", help="run on this root filesystem tree instead of the host's /usr")
+    p.add_argument("--writable-root", action="store_true", help="a per-run writable layer over --image/--rootfs, "
+                   "discarded after the run")
+    p.add_argument("--image-store", metavar="DIR", help="image store for --image (default $LOWLEVEL_IMAGE_STORE)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARG...]")
 
     d = sub.add_parser("doctor", help="check what this host can do")
@@ -252,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--trust-record-policy", action="store_true",
                    help="replay even when the record's policy is looser than the default (binds, network, "
                    "seccomp off, higher limits); a record is untrusted input")
+    r.add_argument("--image-store", metavar="DIR", help="image store holding the record's image")
 
     m = sub.add_parser("mcp", help="serve the Model Context Protocol over stdio",
                        description="MCP tool server over stdio. The operator's settings (file and flags) bound "
@@ -272,6 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--pids", metavar="N", type=_positive_int, help="process ceiling")
     m.add_argument("--allow-bind", metavar="PATH", action="append", default=None,
                    help="host path clients may ask to bind read-only (repeatable)")
+    from .image_cli import add_image_parser
+    add_image_parser(sub)
     return parser
 
 
@@ -350,8 +363,11 @@ def _policy_from_args(args: argparse.Namespace) -> Policy:
         network = Egress(allow=tuple(args.allow_host), deny=tuple(args.deny_host),
                          allow_cidrs=tuple(args.allow_cidr), allow_ports=DEFAULT_PORTS + tuple(args.allow_port),
                          extra_ca_pem=pem)
+    if args.image and args.rootfs:
+        raise PolicyError("give --image or --rootfs, not both")
     return Policy(network=network, binds=tuple(binds), env=tuple(args.env), limits=Limits(**overrides),
-                  deterministic=args.deterministic)
+                  deterministic=args.deterministic, image=args.image, rootfs=args.rootfs,
+                  rootfs_writable=args.writable_root)
 
 
 def _egress_requested(args: argparse.Namespace) -> bool:
@@ -379,7 +395,7 @@ def read_stdin_for_record(limit: int = MAX_RECORD_STDIN_BYTES, fd: int = 0) -> b
 
     if is_terminal_or_none(fd):
         return None
-    chunks: list[bytes] = []
+    chunks: list[bytes] = []  # an empty stdin is recorded as none: the program reads EOF either way
     total = 0
     while True:
         try:
@@ -393,7 +409,7 @@ def read_stdin_for_record(limit: int = MAX_RECORD_STDIN_BYTES, fd: int = 0) -> b
         if total > limit:
             raise UsageError(f"stdin is larger than {limit} bytes, the most --record stores: "
                              "put the data in a file and pass it with --input")
-    return b"".join(chunks)
+    return b"".join(chunks) or None
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -401,6 +417,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
+    if args.image_store:
+        from .image_cli import use_store
+        use_store(args.image_store)
+    if not command and args.image:
+        # The image's Entrypoint + Cmd (an explicit COMMAND replaces both: explicit arguments win).
+        from .image import ImageStore
+        command = ImageStore().get(args.image).command()
     if not command:
         raise UsageError("run: no command given: write `lowlevel run [OPTIONS] -- COMMAND [ARG...]`")
     if args.rm and args.workspace is not None:
@@ -412,7 +435,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                          "--allow-host alone gives an allowlist")
     if args.net_bytes is not None and not _egress_requested(args):
         raise UsageError("run: --net-bytes is enforced by the egress proxy: use it with --allow-host")
-    if args.record and (args.discard or args.commit_on_success):
+    if args.record is not None and (args.discard or args.commit_on_success):
         raise UsageError("run: --record hashes the workspace after the run, so the run's changes are always "
                          "applied: drop --discard/--commit-on-success, or --record")
     if args.network == "bare":
@@ -440,7 +463,7 @@ def _cmd_run(args: argparse.Namespace, command: list[str], created: list[str]) -
     from .relay import StdioRelay, is_terminal_or_none
 
     stdin: bytes | None = None
-    if args.record:
+    if args.record is not None:
         stdin = read_stdin_for_record()
     result: Result | None = None
     try:
@@ -453,12 +476,12 @@ def _cmd_run(args: argparse.Namespace, command: list[str], created: list[str]) -
             inputs: list[Any] = []
         else:
             inputs = args.input
-        capture = args.json or bool(args.record)
+        capture = args.json or args.record is not None
         kw: dict[str, Any] = dict(policy=policy, workspace=workspace, inputs=inputs, timeout=args.timeout,
                                   capture=capture, cwd=args.cwd, allow_sensitive_workspace=args.allow_sensitive)
-        if not args.record:
+        if args.record is None:
             kw["commit"] = False if args.discard else "on_success" if args.commit_on_success else True
-        if args.record:
+        if args.record is not None:
             result = run(command, record=args.record, stdin=stdin, **kw)
         elif args.json and is_terminal_or_none(0):
             result = run(command, **kw)  # a terminal is not read with --json: /dev/null
@@ -475,7 +498,7 @@ def _cmd_run(args: argparse.Namespace, command: list[str], created: list[str]) -
                     raise classify_setup_failure(relay.stderr_tail.replace(b"\r\n", b"\n"), err.argv,
                                                  command) from None
                 relay.finish()
-        if args.record and not args.json:
+        if args.record is not None and not args.json:
             with _reader_may_leave():
                 sys.stdout.buffer.write(result.stdout)
                 sys.stdout.flush()
@@ -492,7 +515,8 @@ def _cmd_run(args: argparse.Namespace, command: list[str], created: list[str]) -
         raise Interrupted(signum, created[0] if created else None, bool(created and args.rm)) from None
     except BaseException as err:
         if created:
-            if isinstance(err, (PolicyError, UnsupportedError, UsageError, LaunchError)):
+            from .record import RecordError
+            if isinstance(err, (PolicyError, UnsupportedError, UsageError, LaunchError, RecordError)):
                 # Nothing ran (a bad option, the command not found, setup failed): the
                 # fresh workspace holds only the inputs.
                 _remove(created[0])
@@ -553,6 +577,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
     """``lowlevel replay FILE``: 0 when the outputs match, 1 when they differ, 125 on failure."""
     from .record import replay
 
+    if args.image_store:
+        from .image_cli import use_store
+        use_store(args.image_store)
     try:
         report = replay(args.file, keep_workspace=args.keep_workspace, trust_policy=args.trust_record_policy,
                         **({"max_bytes": args.max_bytes} if args.max_bytes is not None else {}))
@@ -674,6 +701,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return cmd_replay(args)
         if args.cmd == "mcp":
             return cmd_mcp(args)
+        if args.cmd == "image":
+            from .image_cli import cmd_image
+            return cmd_image(args)
         return cmd_doctor(args)
     except UsageError as err:
         return _error(args if args is not None else argparse.Namespace(json=_wants_json(argv)), err, EXIT_FAILED)

@@ -114,6 +114,16 @@ def seccomp_checks() -> list[dict[str, Any]]:
     return checks
 
 
+def image_checks() -> list[dict[str, Any]]:
+    """skopeo and umoci (``lowlevel image import`` needs both; not required to run) and the image
+    store's location (:func:`lowlevel.image.doctor_checks`)."""
+    try:
+        from .image import doctor_checks
+        return doctor_checks()
+    except Exception as err:  # noqa: BLE001 - doctor reports, never crashes
+        return [_check("images", False, f"{type(err).__name__}: {err}")]
+
+
 def workspace_checks(result_notes: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """The workspace model a run gets here, and (root) the per-run uid range.
 
@@ -236,6 +246,7 @@ def diagnose() -> dict[str, Any]:
     else:
         checks.append(_check("sandbox runs", False, "not attempted: no usable bwrap", "fix bwrap first",
                              required=True))
+    checks.extend(image_checks())
     checks.append(_check("uid", True, f"running as uid {os.getuid()}"
                          + (" (sandbox drops to an unprivileged uid)" if os.getuid() == 0 else "")))
     ok = all(c["ok"] for c in checks if c["required"])

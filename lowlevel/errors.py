@@ -12,6 +12,7 @@
     │   ├── BwrapNotFoundError     no bwrap executable on PATH
     │   └── ExecError              the command is missing (ENOENT) or not executable (EACCES)
     ├── SessionError               a Session ended or broke; ``.reason``
+    ├── ImageError                 an image cannot be imported, found or removed (lowlevel.image)
     └── RunFailedError             raised only by ``Result.check()``; ``.result``
 
 The program exiting non-zero, dying on a signal, hitting a limit or a seccomp denial is
@@ -172,6 +173,12 @@ class SessionError(LowlevelError):
         return (type(self), (str(self), self.reason))
 
 
+class ImageError(LowlevelError):
+    """An image cannot be imported (bad or hostile archive, bound exceeded, tool missing), found
+    or removed. The message names the archive or reference and what to do; a failed import
+    leaves nothing in the store."""
+
+
 def _rebuild_launch_error(cls: type[LaunchError], message: str, argv: list[str], stderr: str,
                           errno: int | None) -> LaunchError:
     return cls(message, argv=argv, stderr=stderr, errno=errno)
@@ -180,6 +187,7 @@ def _rebuild_launch_error(cls: type[LaunchError], message: str, argv: list[str],
 __all__ = [
     "BwrapNotFoundError",
     "CommitConflictError",
+    "ImageError",
     "LaunchError",
     "LowlevelError",
     "PolicyError",

@@ -314,6 +314,12 @@ def _host_path(policy: Policy, workspace: str, inside: str, etc_files: Sequence[
     for bind in policy.binds:
         if inside == bind.dest or inside.startswith(bind.dest.rstrip("/") + "/"):
             return bind.source + inside[len(bind.dest):]
+    if policy.rootfs is not None:
+        # The system is a tree on the host: resolve inside it (its symlinks are the sandbox's).
+        from .rootfs import resolve_in_root
+        dests = (WORKSPACE_DEST, "/tmp", *_OPAQUE, *(b.dest for b in policy.binds))
+        return resolve_in_root(policy.rootfs, inside, lambda v: any(
+            v == d or v.startswith(d.rstrip("/") + "/") for d in dests))
     for name in ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32"):
         if inside == name or inside.startswith(name + "/"):
             return inside
@@ -534,7 +540,7 @@ class Run:
                  inputs: Sequence[str | os.PathLike[str] | tuple[str, str]] = (),
                  timeout: float | None = DEFAULT_TIMEOUT_S, stdin: bytes | None = None,
                  env: Mapping[str, str] | None = None, capture: bool = True,
-                 cwd: str = WORKSPACE_DEST, workspace_base: str | None = None, bwrap: str | None = None,
+                 cwd: str | None = None, workspace_base: str | None = None, bwrap: str | None = None,
                  extra_fds: Mapping[int, int] | None = None, allow_sensitive_workspace: bool = False,
                  stdio_fds: Sequence[int | None] | None = None, keep_workspace: bool = True,
                  commit: bool | str = True) -> None:
@@ -546,6 +552,8 @@ class Run:
                               f"timeout), got {timeout!r}")
         if stdin is not None and not isinstance(stdin, (bytes, bytearray, memoryview)):
             raise PolicyError("stdin must be bytes or None")
+        if cwd is None:
+            cwd = policy.workdir or WORKSPACE_DEST
         self.stdio_fds = _check_stdio_fds(stdio_fds, stdin=stdin is not None, capture=capture)
         self.keep_workspace = _check_keep_workspace(keep_workspace, workspace)
         if commit not in (True, False, "on_success"):
@@ -1524,7 +1532,7 @@ def _drive_sync(r: Run) -> Result:
 def run(command: Sequence[str], *, policy: Policy | None = None, workspace: str | os.PathLike[str] | None = None,
         inputs: Sequence[str | os.PathLike[str] | tuple[str, str]] = (), timeout: float | None = DEFAULT_TIMEOUT_S,
         stdin: bytes | None = None, env: Mapping[str, str] | None = None, capture: bool = True,
-        cwd: str = WORKSPACE_DEST, workspace_base: str | None = None,
+        cwd: str | None = None, workspace_base: str | None = None,
         record: str | os.PathLike[str] | None = None, allow_sensitive_workspace: bool = False,
         stdio_fds: Sequence[int | None] | None = None, keep_workspace: bool = True,
         commit: bool | str = True) -> Result:
@@ -1549,7 +1557,7 @@ def run(command: Sequence[str], *, policy: Policy | None = None, workspace: str 
         env: variables set inside on top of the Policy's.
         capture: True pipes stdout/stderr into the Result (capped per Policy); False lets the
             program use the caller's fds 0, 1, 2 (a terminal included).
-        cwd: working directory inside the sandbox.
+        cwd: working directory inside the sandbox (default ``policy.workdir``, else ``/workspace``).
         workspace_base: parent of fresh workspaces (default ``$LOWLEVEL_WORKSPACE_BASE`` or
             ``/tmp/lowlevel-<uid>``).
         record: write a run record (JSON, ``docs/record-schema.json``) to this path after the

@@ -265,6 +265,23 @@ class Policy:
             x86_64) with the same seccomp rules, for 32-bit binaries. False (default): a
             process making a compat syscall is killed (SIGSYS, ``killed_by="signal"``), as for
             x32; see :mod:`lowlevel.seccomp`. Ignored with ``seccomp=None``.
+        rootfs: host directory tree (an unpacked image, an mmdebstrap/debootstrap output) that
+            replaces the host's ``/usr``, ``/bin``, ``/lib*`` and ``/etc`` as the sandbox's
+            read-only system; ``/proc``, ``/dev``, ``/tmp`` and ``/workspace`` stay the sandbox's
+            own. It must hold regular files ``etc/passwd`` and ``etc/group`` (synthesized ones are
+            mounted over them). None (default): the host's system. See :mod:`lowlevel.rootfs`.
+        rootfs_writable: a per-run writable layer over ``rootfs``, discarded after the run
+            (bwrap >= 0.9: a tmpfs overlay per top-level directory; bwrap 0.8: sized tmpfs over the
+            tree's empty scratch directories only, see :mod:`lowlevel.rootfs`).
+        image: an imported image (``"name:tag"``, ``"sha256:<id>"`` or a unique id prefix of at
+            least 12 hex digits) from the image store (:mod:`lowlevel.image`,
+            ``$LOWLEVEL_IMAGE_STORE``). Resolved when the Policy is built: ``image`` becomes
+            ``"sha256:<id>"`` (a Policy pins the image, re-tagging later does not change it),
+            ``rootfs`` its tree, and the image config's ``Env`` (under ``env``), ``User`` (unless
+            ``sandbox_uid``/``sandbox_gid`` are set; an empty ``User`` is uid 0, as in Docker) and
+            ``WorkingDir`` (unless ``workdir`` is set) become this Policy's defaults.
+        workdir: default working directory inside for :func:`lowlevel.run` when its ``cwd`` is
+            not given; None: ``/workspace``.
 
     Raises:
         PolicyError: an invalid value (the message names the field).
@@ -285,6 +302,10 @@ class Policy:
     stderr_limit_bytes: int = 16 * 1024 * 1024
     deterministic: bool = False
     compat_32bit: bool = False
+    rootfs: str | None = None
+    rootfs_writable: bool = False
+    image: str | None = None
+    workdir: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.network, (bool, Egress)):
@@ -332,6 +353,7 @@ class Policy:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise PolicyError(f"Policy.{name} must be a byte count >= 0, got {value!r}")
+        self._check_rootfs()
         if not isinstance(self.deterministic, bool):
             raise PolicyError(f"Policy.deterministic must be a bool, got {self.deterministic!r}")
         if not isinstance(self.compat_32bit, bool):
@@ -341,6 +363,34 @@ class Policy:
                 object.__setattr__(self, "sandbox_uid", DETERMINISTIC_UID)
             if self.sandbox_gid is None:
                 object.__setattr__(self, "sandbox_gid", DETERMINISTIC_GID)
+
+    def _check_rootfs(self) -> None:
+        """Resolve ``image`` and validate ``rootfs``, ``rootfs_writable`` and ``workdir``."""
+        if self.image is not None:
+            from .image import apply_image  # the store is read only for Policies that name an image
+            apply_image(self)
+        if self.rootfs is not None:
+            from .rootfs import check_rootfs
+            object.__setattr__(self, "rootfs", check_rootfs(self.rootfs))
+            if os.geteuid() == 0:
+                from .rootfs import rootfs_unreachable
+                # Per-run uids (host_uid None) are nobody's: they reach what "others" may.
+                uid = self.host_uid if self.host_uid is not None else -1
+                gid = self.host_gid if self.host_gid is not None else -1
+                why = rootfs_unreachable(self.rootfs, uid, gid)
+                if why:
+                    who = f"host uid {uid}" if uid >= 0 else "per-run host uids"
+                    raise PolicyError(f"Policy.rootfs {self.rootfs} is not reachable by the sandbox's {who} "
+                                      f"(bwrap mounts it as that user): {why}. Put it under world-traversable "
+                                      "directories (chmod o+x)")
+        if not isinstance(self.rootfs_writable, bool):
+            raise PolicyError(f"Policy.rootfs_writable must be a bool, got {self.rootfs_writable!r}")
+        if self.rootfs_writable and self.rootfs is None:
+            raise PolicyError("Policy.rootfs_writable=True needs a rootfs or an image")
+        if self.workdir is not None:
+            if not isinstance(self.workdir, str) or not self.workdir.startswith("/") or "\0" in self.workdir:
+                raise PolicyError(f"Policy.workdir must be an absolute path inside the sandbox, got {self.workdir!r}")
+            object.__setattr__(self, "workdir", os.path.normpath(self.workdir))
 
     def environment(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         """Return the sandbox's environment: BASE_ENV, then (deterministic mode)

@@ -118,6 +118,8 @@ def canonical_policy(policy: Policy) -> dict[str, Any]:
             out[f.name] = None if value is None else {
                 "name": value.name, "default_action": value.default_action, "log": value.log,
                 "rules_sha256": seccomp_rules_sha256(value)}
+        elif f.name == "rootfs" and policy.image is not None:
+            out[f.name] = None  # the image's tree: a path in this host's store; the image id pins it
         else:
             out[f.name] = _canon(value)
     return out
@@ -474,7 +476,7 @@ def execute_recorded(command: Sequence[str], *, policy: Policy | None = None,
                      workspace: str | os.PathLike[str] | None = None,
                      inputs: Sequence[str | os.PathLike[str]] = (), timeout: float | None = DEFAULT_TIMEOUT_S,
                      stdin: bytes | None = None, env: Mapping[str, str] | None = None, capture: bool = True,
-                     cwd: str = WORKSPACE_DEST, workspace_base: str | None = None,
+                     cwd: str | None = None, workspace_base: str | None = None,
                      store_dir: str | None = None,
                      allow_sensitive_workspace: bool = False,
                      hash_budget: tuple[int, float] = (HASH_BUDGET_BYTES, HASH_BUDGET_S)
@@ -499,6 +501,8 @@ def execute_recorded(command: Sequence[str], *, policy: Policy | None = None,
     policy = policy or Policy()
     if not isinstance(policy, Policy):
         raise PolicyError(f"policy must be a lowlevel.Policy, got {type(policy).__name__}")
+    if cwd is None:
+        cwd = policy.workdir or WORKSPACE_DEST
     command = _validate.run_args(command=command, cwd=cwd, env=env, workspace=workspace,
                                  workspace_base=workspace_base, inputs=inputs)
     environment = policy.environment(env)
@@ -536,6 +540,8 @@ def execute_recorded(command: Sequence[str], *, policy: Policy | None = None,
         result.notes = (*result.notes, f"record: cannot hash the workspace after the run: {err}")
     budget_notes = [n for n in (budget_before.note("before"), budget_after.note("after")) if n]
     facts = host_facts()
+    from .image import image_record
+    rootfs_doc = image_record(policy)
     record: dict[str, Any] = {
         "schema": SCHEMA_ID,
         "created_at": finished_at,
@@ -568,6 +574,7 @@ def execute_recorded(command: Sequence[str], *, policy: Policy | None = None,
                    "complete": bool(store_dir) and store.complete and before_complete
                    and all(e["stored"] for e in before if e["kind"] == "file")},
         "notes": list(result.notes) + budget_notes,
+        "rootfs": rootfs_doc,
     }
     if result.network is not None:
         record["network"] = [dataclasses.asdict(a) for a in result.network]
@@ -1032,6 +1039,24 @@ def _restore_inputs(rec: ParsedRecord, store: str, root: str, *, max_bytes: int 
     return blob(rec.stdin_sha256, "stdin") if rec.stdin_sha256 else None
 
 
+def _check_image_present(doc: Mapping[str, Any]) -> None:
+    """Refuse a record whose image is not in the store, saying how to get it back."""
+    image = (doc.get("rootfs") or {}).get("image") if isinstance(doc.get("rootfs"), Mapping) else None
+    if not isinstance(image, Mapping):
+        return
+    from .image import ImageStore
+    store = ImageStore()
+    image_id = str(image.get("id"))
+    try:
+        store.get(image_id)
+    except LowlevelError:
+        names = ", ".join(map(str, image.get("names") or ())) or "no name"
+        raise RecordError(f"refusing to replay: the record ran on image {image_id} ({names}, manifest "
+                          f"{image.get('manifest_digest')}), which is not in the image store {store.path}. Import "
+                          "the archive it came from (`lowlevel image import ARCHIVE`), or point --image-store "
+                          "($LOWLEVEL_IMAGE_STORE) at the store that has it") from None
+
+
 def policy_loosening(policy: Policy, timeout_s: float | None = DEFAULT_TIMEOUT_S, *,
                      profiles: Sequence[Any] = ()) -> list[str]:
     """Where ``policy`` (and the timeout) give a sandbox more than ``Policy()`` does; one line each.
@@ -1053,6 +1078,8 @@ def policy_loosening(policy: Policy, timeout_s: float | None = DEFAULT_TIMEOUT_S
         out.append("network=True (the host network); default: no network")
     elif policy.network:
         out.append(f"network=Egress({policy.network.describe()}) (egress through the proxy); default: no network")
+    if policy.rootfs is not None and policy.image is None:
+        out.append(f"rootfs {policy.rootfs} (a host directory shown to the sandbox); default: the host's /usr")
     if policy.seccomp is None:
         out.append("seccomp=None (no syscall filter); default: the default profile")
     elif policy.seccomp.log:
@@ -1215,12 +1242,18 @@ def replay(path: str | os.PathLike[str], *, workspace_base: str | None = None,
     """
     doc = load_record(path)
     rec = validate_record(doc)
+    _check_image_present(doc)
     try:
         policy = policy_from_canonical(rec.policy, profiles=profiles)
     except (TypeError, ValueError, KeyError, AttributeError, RecursionError) as err:
         raise RecordError(f"refusing the record: its policy cannot be rebuilt: {err}") from err
     except LowlevelError as err:
         raise RecordError(f"refusing the record: its policy cannot be rebuilt: {err}") from err
+    from .image import check_record_rootfs
+    try:
+        check_record_rootfs(doc.get("rootfs"), policy)
+    except LowlevelError as err:
+        raise RecordError(f"refusing to replay: {err}") from err
     if policy_sha256(policy) != rec.policy_sha256:
         raise RecordError("the rebuilt policy does not hash to the recorded policy_sha256 "
                           "(a lowlevel version with different Policy fields?)")

@@ -398,7 +398,7 @@ class _Core:
 
     # -- submit --------------------------------------------------------------------------
     def submit(self, argv: Sequence[str], *, stdin: bytes | None, timeout: float | None,
-               env: Mapping[str, str] | None, cwd: str, limits: Limits | None, stream: bool,
+               env: Mapping[str, str] | None, cwd: str | None, limits: Limits | None, stream: bool,
                track_changes: bool | None = None) -> _Cmd:
         command = _check_command(argv)
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
@@ -406,6 +406,8 @@ class _Core:
             raise PolicyError(f"timeout must be a number of seconds > 0 or None, got {timeout!r}")
         if stdin is not None and not isinstance(stdin, (bytes, bytearray, memoryview)):
             raise PolicyError("stdin must be bytes or None")
+        if cwd is None:
+            cwd = self.policy.workdir or WORKSPACE_DEST
         _validate.sandbox_path(cwd, "cwd")
         if env is not None and not isinstance(env, Mapping):
             raise PolicyError(f"env must be a mapping of str to str, got {type(env).__name__}")
@@ -1102,7 +1104,7 @@ class Session:
                 pass
 
     def run(self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = DEFAULT_TIMEOUT_S,
-            env: Mapping[str, str] | None = None, cwd: str = WORKSPACE_DEST, limits: Limits | None = None,
+            env: Mapping[str, str] | None = None, cwd: str | None = None, limits: Limits | None = None,
             track_changes: bool | None = None) -> Result:
         """Run one command in the session and wait for it.
 
@@ -1147,7 +1149,7 @@ class Session:
         return cmd.result
 
     def start(self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None,
-              env: Mapping[str, str] | None = None, cwd: str = WORKSPACE_DEST,
+              env: Mapping[str, str] | None = None, cwd: str | None = None,
               limits: Limits | None = None) -> Process:
         """Start a background command and return its :class:`Process` handle at once.
 
@@ -1384,7 +1386,7 @@ class AsyncSession:
 
     async def run(self, argv: Sequence[str], *, stdin: bytes | None = None,
                   timeout: float | None = DEFAULT_TIMEOUT_S, env: Mapping[str, str] | None = None,
-                  cwd: str = WORKSPACE_DEST, limits: Limits | None = None,
+                  cwd: str | None = None, limits: Limits | None = None,
                   track_changes: bool | None = None) -> Result:
         """As :meth:`Session.run`. Cancelling the task SIGKILLs the command's tree."""
         await self._open()
@@ -1403,7 +1405,7 @@ class AsyncSession:
         return cmd.result
 
     async def start(self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None,
-                    env: Mapping[str, str] | None = None, cwd: str = WORKSPACE_DEST,
+                    env: Mapping[str, str] | None = None, cwd: str | None = None,
                     limits: Limits | None = None) -> AsyncProcess:
         """As :meth:`Session.start`."""
         await self._open()
@@ -1659,7 +1661,7 @@ class Pool:
 
     def run(self, argv: Sequence[str], *, inputs: Sequence[str | os.PathLike[str] | tuple[str, str]] = (),
             stdin: bytes | None = None, timeout: float | None = DEFAULT_TIMEOUT_S,
-            env: Mapping[str, str] | None = None, cwd: str = WORKSPACE_DEST,
+            env: Mapping[str, str] | None = None, cwd: str | None = None,
             limits: Limits | None = None) -> Result:
         """Run one command in a fresh sandbox taken from the pool (as :func:`lowlevel.run`).
 

@@ -370,7 +370,7 @@ def test_cli_allow_host_json_and_network_warnings(origin, scripted, capsys):
     assert main(["run", "--workspace", _ws(), "--network=host", "--json", "--", "true"]) == 0
     assert "warning" not in capsys.readouterr().err
     # --allow-host with the host network is a contradiction.
-    assert main(["run", "--network=host", "--allow-host", "x.test", "--", "true"]) == 2
+    assert main(["run", "--network=host", "--allow-host", "x.test", "--", "true"]) == 125  # a usage error: lowlevel's own errors exit 125
 
 
 def test_record_lists_network_and_replays_policy(origin, scripted, tmp_path):

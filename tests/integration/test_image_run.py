@@ -1,0 +1,389 @@
+"""Images and root filesystems: import (OCI archive, layout dir, docker save), run, defaults, ls/rm,
+progress, writable root, records and replay; as root and as an unprivileged user.
+
+The test image is built here with umoci from a busybox-static tree (no network); every store is
+a temp dir.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pathlib
+import pty
+import pwd
+import select
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import imagekit
+import pytest
+
+import lowlevel
+from lowlevel.image import STORE_ENV, ImageStore
+from lowlevel.record import RecordError, replay
+
+pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(240),
+              pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")]
+
+RUNUSER = shutil.which("runuser") or "/usr/sbin/runuser"
+IS_ROOT = os.geteuid() == 0
+
+
+@pytest.fixture(scope="module")
+def archives() -> Iterator[dict[str, pathlib.Path]]:
+    imagekit.need_tools()
+    work = imagekit.public_tmpdir("bbimage-")
+    try:
+        yield imagekit.busybox_image(work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.fixture
+def store(monkeypatch: pytest.MonkeyPatch) -> Iterator[ImageStore]:
+    """A temp store, the default of this process's Policies."""
+    path = imagekit.public_tmpdir("imgstore-")
+    monkeypatch.setenv(STORE_ENV, str(path))
+    try:
+        yield ImageStore(path)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def bb(store: ImageStore, archives: dict[str, pathlib.Path]) -> lowlevel.Policy:
+    store.import_archive(archives["oci"])
+    return lowlevel.Policy(image="bbtest:1")
+
+
+class Who:
+    """Runs the ``lowlevel`` CLI as root (in a subprocess) or as the unprivileged test user."""
+
+    def __init__(self, identity: str, user: pwd.struct_passwd | None) -> None:
+        self.identity = identity
+        self.user = user
+        self.store = imagekit.user_store(user)
+
+    def cli(self, *args: str, check: bool = True, stderr_tty: int | None = None) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "lowlevel", *args]
+        home = self.user.pw_dir if self.user else os.path.expanduser("~")
+        if self.user is not None:
+            argv = [RUNUSER, "-u", self.user.pw_name, "--", *argv]
+        env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "HOME": home, "LANG": "C.UTF-8",
+               STORE_ENV: str(self.store)}
+        proc = subprocess.run(argv, capture_output=stderr_tty is None, stdout=subprocess.PIPE if stderr_tty else None,
+                              stderr=stderr_tty, text=True, timeout=200, env=env, cwd="/")
+        if check and proc.returncode != 0:
+            raise AssertionError(f"{args} exited {proc.returncode}: {proc.stderr}")
+        return proc
+
+
+@pytest.fixture(params=["root", "user"] if IS_ROOT else ["self"])
+def who(request: pytest.FixtureRequest) -> Iterator[Who]:
+    user = request.getfixturevalue("test_user") if request.param == "user" else None
+    w = Who(request.param, user)
+    try:
+        yield w
+    finally:
+        shutil.rmtree(w.store, ignore_errors=True)
+
+
+# --- import and run, both identities --------------------------------------------------------------
+
+def test_import_then_run_with_image_defaults(who: Who, archives: dict[str, pathlib.Path]) -> None:
+    proc = who.cli("image", "import", str(archives["oci"]))
+    assert "imported bbtest:1 sha256:" in proc.stdout
+    assert "\r" not in proc.stderr and "unpacking" not in proc.stderr  # not a terminal: no progress
+    listing = who.cli("image", "ls").stdout.splitlines()
+    assert listing[0].split() == ["NAME", "ID", "DIGEST", "LAYERS", "SIZE", "LAST", "USED", "IMPORTED"]
+    assert listing[1].startswith("bbtest:1 ")
+    # No command: the image's Cmd (cat /app/hello.txt), in its WorkingDir, with its Env.
+    proc = who.cli("run", "--rm", "--image", "bbtest:1")
+    assert proc.stdout == "hello from the image\n"
+    proc = who.cli("run", "--rm", "--image", "bbtest:1", "--env", "SHADOWED=cli", "--",
+                   "/bin/sh", "-c", "echo $GREETING $SHADOWED $(pwd) $(id -u):$(id -g); ls /usr 2>&1; "
+                   "touch /bin/x 2>&1; test -e /usr/bin/python3 || echo no-host-python")
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "from-image cli /app 0:0"  # image Env; explicit env wins; WorkingDir; User "" = root
+    assert "No such file" in lines[1]              # no host /usr: the image has none
+    assert "Read-only file system" in lines[2]
+    assert lines[3] == "no-host-python"
+    # --writable-root: the image's empty scratch dirs take writes for this run only; /bin stays read-only.
+    proc = who.cli("run", "--rm", "--image", "bbtest:1", "--writable-root", "--", "/bin/sh", "-c",
+                   "echo scratch > /var/tmp/a && cat /var/tmp/a; touch /bin/b 2>/dev/null || echo ro")
+    assert proc.stdout.split() == ["scratch", "ro"], proc.stderr
+    # The store's tree: owned by the caller, no group/other write anywhere.
+    image = json.loads(who.cli("image", "inspect", "bbtest:1").stdout)
+    rootfs = pathlib.Path(image["rootfs"])
+    uid = who.user.pw_uid if who.user else os.getuid()
+    for p in [rootfs, *rootfs.rglob("*")]:
+        st = p.lstat()
+        assert st.st_uid == uid, p
+        if not p.is_symlink():
+            assert not st.st_mode & 0o022, p
+    # rm: the name, then the image and its tree.
+    assert who.cli("image", "rm", "bbtest:1").stdout.split() == ["untagged:", "bbtest:1", "deleted:", image["id"]]
+    assert not rootfs.exists()
+    assert who.cli("image", "ls").stdout.splitlines()[1:] == []
+    assert who.cli("run", "--image", "bbtest:1", "--", "/bin/true", check=False).returncode == 125
+
+
+def test_all_formats_import_and_the_same_image_unpacks_once(store: ImageStore,
+                                                             archives: dict[str, pathlib.Path]) -> None:
+    a = store.import_archive(archives["oci"])
+    b = store.import_archive(archives["layout"], name="from-layout")
+    assert b.id == a.id and set(b.names) == {"bbtest:1", "from-layout:latest"}
+    d1 = store.import_archive(archives["docker"])
+    d2 = store.import_archive(archives["docker_gz"], name="gz:1")
+    # docker save holds no manifest blob: skopeo writes a fresh one, and a docker config (other id).
+    assert d1.id == d2.id and d1.rootfs_sha256 == a.rootfs_sha256
+    ino = os.stat(a.rootfs).st_ino
+    again = store.import_archive(archives["oci"])
+    assert again.id == a.id and os.stat(again.rootfs).st_ino == ino and again.imported_at == a.imported_at
+    assert os.listdir(store.tmp_dir) == []
+    assert sorted(i.id for i in store.list_images()) == sorted({a.id, d1.id})
+
+
+def test_image_user_and_explicit_ids(store: ImageStore) -> None:
+    imagekit.need_tools()
+    work = imagekit.public_tmpdir("bbuser-")
+    try:
+        arch = imagekit.busybox_image(work, name="bbuser", user="app")
+        store.import_archive(arch["oci"])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    r = lowlevel.run(["/bin/sh", "-c", "id -u; id -g"], policy=lowlevel.Policy(image="bbuser:1"))
+    assert r.stdout == b"1234\n2345\n"
+    r = lowlevel.run(["/bin/sh", "-c", "id -u; id -g"],
+                     policy=lowlevel.Policy(image="bbuser:1", sandbox_uid=7, sandbox_gid=8))
+    assert r.stdout == b"7\n8\n"
+
+
+def test_policy_pins_the_image_and_replace_is_stable(bb: lowlevel.Policy, store: ImageStore) -> None:
+    import dataclasses
+    img = store.get("bbtest:1")
+    assert bb.image == img.id and bb.rootfs == img.rootfs and bb.workdir == "/app"
+    assert dataclasses.replace(bb, network=True).rootfs == img.rootfs
+    assert lowlevel.Policy(image=img.id[:19]) == bb == lowlevel.Policy(image=img.short_id)
+    with pytest.raises(lowlevel.PolicyError, match="no image 'nothere:1' in the store .*lowlevel image import"):
+        lowlevel.Policy(image="nothere:1")
+    with pytest.raises(lowlevel.PolicyError, match="not both"):
+        lowlevel.Policy(image="bbtest:1", rootfs="/tmp")
+
+
+def test_exec_precheck_resolves_inside_the_image(bb: lowlevel.Policy, store: ImageStore) -> None:
+    with pytest.raises(lowlevel.ExecError) as err:
+        lowlevel.run(["python3", "-c", "pass"], policy=bb)  # the host has python3, the image does not
+    assert err.value.errno == errno.ENOENT
+    with pytest.raises(lowlevel.ExecError) as err:
+        lowlevel.run(["/app/hello.txt"], policy=bb)
+    assert err.value.errno == errno.EACCES
+    # /bin/sh -> busybox is a symlink resolved inside the tree, not on the host.
+    assert lowlevel.run(["sh", "-c", "exit 3"], policy=bb).exit_code == 3
+
+
+def test_session_on_an_image(bb: lowlevel.Policy) -> None:
+    with lowlevel.Session(policy=bb) as s:
+        assert s.run(["cat", "hello.txt"]).stdout == b"hello from the image\n"
+        assert s.run(["pwd"], cwd="/workspace").stdout == b"/workspace\n"
+
+
+def test_rootfs_directory_without_an_image(tmp_path: pathlib.Path) -> None:
+    imagekit.need_tools()
+    tree = imagekit.busybox_tree(imagekit.public_tmpdir("bbtree-") / "root")
+    tree.parent.chmod(0o755)
+    try:
+        r = lowlevel.run(["/bin/sh", "-c", "cat /app/hello.txt; ls /"], policy=lowlevel.Policy(rootfs=str(tree)))
+        assert r.exit_code == 0 and r.stdout.startswith(b"hello from the image\n")
+        assert b"workspace" in r.stdout and b"usr" not in r.stdout.split()
+        os.unlink(tree / "etc" / "group")
+        with pytest.raises(lowlevel.PolicyError, match="no regular file etc/group.*touch"):
+            lowlevel.Policy(rootfs=str(tree))
+    finally:
+        shutil.rmtree(tree.parent, ignore_errors=True)
+    with pytest.raises(lowlevel.PolicyError, match="host's root directory"):
+        lowlevel.Policy(rootfs="/")
+    with pytest.raises(lowlevel.PolicyError, match="needs a rootfs or an image"):
+        lowlevel.Policy(rootfs_writable=True)
+
+
+def test_writable_root_is_per_run(bb: lowlevel.Policy) -> None:
+    import dataclasses
+    policy = dataclasses.replace(bb, rootfs_writable=True)
+    script = "echo x > /var/tmp/a && echo y > /home/b && cat /var/tmp/a /home/b; touch /bin/c 2>&1"
+    r = lowlevel.run(["/bin/sh", "-c", script], policy=policy)
+    assert r.stdout.splitlines()[:2] == [b"x", b"y"] and b"Read-only" in r.stdout
+    r = lowlevel.run(["/bin/sh", "-c", "ls -A /var/tmp /home"], policy=policy)
+    assert b"a" not in r.stdout.split() and b"b" not in r.stdout.split()  # discarded after the run
+    assert "--tmpfs" in r.argv and "/var/tmp" in r.argv
+    r = lowlevel.run(["/bin/sh", "-c", "echo x > /var/tmp/a"], policy=bb)
+    assert r.exit_code != 0  # without it, read-only
+
+
+# --- progress -----------------------------------------------------------------------------------
+
+def _on_a_tty(who: Who, *args: str) -> tuple[subprocess.CompletedProcess[str], str]:
+    """Run the CLI with stderr on a pseudo-terminal; return the process and what the terminal got."""
+    master, slave = pty.openpty()
+    shown = b""
+    try:
+        if who.user is not None:
+            os.chown(os.ttyname(slave), who.user.pw_uid, -1)
+        proc = who.cli(*args, stderr_tty=slave)
+        while select.select([master], [], [], 0.2)[0]:
+            chunk = os.read(master, 65536)
+            if not chunk:
+                break
+            shown += chunk
+    finally:
+        os.close(slave)
+        os.close(master)
+    return proc, shown.decode()
+
+
+def test_progress_on_a_terminal(who: Who, archives: dict[str, pathlib.Path]) -> None:
+    """A progress line on a terminal; none with --quiet (none off a terminal: the test above)."""
+    proc, text = _on_a_tty(who, "image", "import", str(archives["oci"]))
+    assert "checking [" in text and "layer 1/1" in text and "unpacking [" in text and "MiB" in text, text
+    assert proc.stdout.startswith("imported bbtest:1")
+    proc, text = _on_a_tty(who, "image", "import", "--quiet", str(archives["oci"]))
+    assert proc.stdout.startswith("sha256:") and text == ""
+
+
+# --- records and replay ---------------------------------------------------------------------------
+
+def test_record_names_the_image_and_replay_checks_it(bb: lowlevel.Policy, store: ImageStore,
+                                                     tmp_path: pathlib.Path) -> None:
+    rec = tmp_path / "run.json"
+    ws = imagekit.public_tmpdir("ws-")
+    try:
+        r = lowlevel.run(["/bin/sh", "-c", "cat /app/hello.txt > out.txt"], policy=bb, workspace=ws, cwd="/workspace",
+                         record=rec)
+        assert r.exit_code == 0
+    finally:
+        shutil.rmtree(ws, ignore_errors=True)
+    doc = json.loads(rec.read_text())
+    img = store.get("bbtest:1")
+    assert doc["rootfs"] == {"path": img.rootfs, "sha256": img.rootfs_sha256,
+                             "image": {"id": img.id, "manifest_digest": img.manifest_digest, "names": ["bbtest:1"]}}
+    assert doc["policy"]["image"] == img.id and doc["policy"]["rootfs"] is None
+    assert replay(rec).matched
+    # The tree changed since the record (another lowlevel, or damage): refused, with the fix.
+    meta = pathlib.Path(store.image_dir(img.id)) / "image.json"
+    saved = meta.read_text()
+    meta.write_text(saved.replace(img.rootfs_sha256, "0" * 64))
+    with pytest.raises(RecordError, match=f"unpacks to {'0' * 64}.*lowlevel image rm {img.id}"):
+        replay(rec)
+    meta.write_text(saved)
+    # The image is gone: refused, naming it and how to get it back.
+    store.remove(img.id)
+    with pytest.raises(RecordError, match=f"ran on image {img.id} \\(bbtest:1.*not in the image store.*image import"):
+        replay(rec)
+
+
+def test_record_of_a_bare_rootfs_checks_its_hash(tmp_path: pathlib.Path) -> None:
+    imagekit.need_tools()
+    base = imagekit.public_tmpdir("bbtree-")
+    tree = imagekit.busybox_tree(base / "root")
+    rec = tmp_path / "run.json"
+    try:
+        lowlevel.run(["/bin/true"], policy=lowlevel.Policy(rootfs=str(tree)), record=rec)
+        doc = json.loads(rec.read_text())
+        assert doc["rootfs"]["image"] is None and len(doc["rootfs"]["sha256"]) == 64
+        with pytest.raises(RecordError, match="(?s)looser than the default.*rootfs /tmp"):
+            replay(rec)  # a record naming a host directory is untrusted
+        assert replay(rec, trust_policy=True).matched
+        (tree / "app" / "hello.txt").write_text("changed\n")
+        with pytest.raises(RecordError, match="now hashes to"):
+            replay(rec, trust_policy=True)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+# --- store and doctor --------------------------------------------------------------------------
+
+def test_store_refuses_unsafe_locations_and_bad_names(tmp_path: pathlib.Path, archives: dict[str, Any]) -> None:
+    shared = imagekit.public_tmpdir("shared-")
+    try:
+        shared.chmod(0o777)
+        with pytest.raises(lowlevel.LowlevelError, match="not writable by others"):
+            ImageStore(shared).import_archive(archives["oci"])
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+    st = ImageStore(imagekit.public_tmpdir("imgstore-"))
+    try:
+        with pytest.raises(lowlevel.LowlevelError, match="invalid image name"):
+            st.import_archive(archives["oci"], name="Bad Name")
+        with pytest.raises(lowlevel.LowlevelError, match="no such file"):
+            st.import_archive(tmp_path / "missing.tar")
+        (tmp_path / "junk.tar").write_bytes(b"not a tar at all" * 100)
+        with pytest.raises(lowlevel.LowlevelError, match="refusing junk.tar: it is not a readable tar"):
+            st.import_archive(tmp_path / "junk.tar")
+        assert os.listdir(st.images_dir) == [] and os.listdir(st.tmp_dir) == []
+    finally:
+        shutil.rmtree(st.path, ignore_errors=True)
+
+
+def test_doctor_reports_tools_and_store(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
+    from lowlevel.image import doctor_checks
+    monkeypatch.setenv(STORE_ENV, str(tmp_path / "store"))
+    checks = {c["name"]: c for c in doctor_checks()}
+    assert checks["skopeo"]["ok"] == (shutil.which("skopeo") is not None)
+    assert checks["umoci"]["ok"] == (shutil.which("umoci") is not None)
+    assert str(tmp_path / "store") in checks["image store"]["detail"]
+
+
+def test_layer_without_end_blocks_imports_like_go_tar_reads_it(store: ImageStore, tmp_path: pathlib.Path) -> None:
+    """``umoci insert`` writes layers without the end-of-archive blocks or the last file's padding;
+    Go's archive/tar (umoci, containerd) reads them, and so must the import."""
+    imagekit.need_tools()
+    work = imagekit.public_tmpdir("short-")
+    try:
+        tar = imagekit.layer([{"name": "etc", "type": "dir"}, {"name": "etc/passwd", "data": b"root:x:0:0::/:/x\n"},
+                              {"name": "etc/group", "data": b"root:x:0:\n"}, {"name": "last.txt", "data": b"15 bytes here\n"}])
+        end = len(tar.rstrip(b"\0"))
+        short = tar[:end]
+        assert len(short) % 512 != 0
+        layout = imagekit.write_layout(work / "layout", [short])
+        img = store.import_archive(imagekit.oci_archive(layout, work / "short.tar"))
+        assert (pathlib.Path(img.rootfs) / "last.txt").read_bytes() == b"15 bytes here\n"
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def test_benchmark_task_example_runs() -> None:
+    imagekit.need_tools()
+    root = pathlib.Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, str(root / "examples" / "benchmark_task.py")], capture_output=True,
+                          text=True, timeout=200)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "PASS tab" in proc.stdout and "4. replay: outputs match" in proc.stdout
+    assert "without the image, replay refuses" in proc.stdout
+
+
+def test_setid_bits_and_devices_neutralised_for_both_callers(who: Who) -> None:
+    imagekit.need_tools()
+    work = imagekit.public_tmpdir("hostile-")
+    try:
+        archive = imagekit.hostile_archive(work, "mixed", [
+            {"name": "bin", "type": "dir"}, {"name": "bin/su", "data": b"#!/bin/sh\n", "mode": 0o4755},
+            {"name": "dev", "type": "dir"}, {"name": "dev/mem", "type": "char", "dev": (1, 1), "mode": 0o666},
+            {"name": "wide", "data": b"x", "mode": 0o666}])
+        proc = who.cli("image", "import", "--name", "mixed:1", str(archive))
+        assert "1 device node in the layers: dropped" in proc.stderr
+        img = json.loads(who.cli("image", "inspect", "mixed:1").stdout)
+        root = pathlib.Path(img["rootfs"])
+        assert oct((root / "bin" / "su").stat().st_mode & 0o7777) == oct(0o755)
+        assert oct((root / "wide").stat().st_mode & 0o7777) == oct(0o644)
+        assert not (root / "dev" / "mem").exists()
+        bad = who.cli("image", "import", str(imagekit.hostile_archive(work, "bad", [
+            {"name": "../../escape", "data": b"x"}])), check=False)
+        assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "'..' component" in bad.stderr
+        assert who.cli("image", "ls").stdout.count("\n") == 2  # header + mixed:1: nothing partial
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

@@ -1,0 +1,155 @@
+"""Root filesystem trees: argv (golden), path resolution inside the tree, the tree hash, names."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+
+import lowlevel
+from lowlevel.argv import Fds, HostFacts, build_argv
+from lowlevel.image import ImageError, normalize_name
+from lowlevel.probe import BwrapInfo, HostLayout
+from lowlevel.rootfs import resolve_in_root, rootfs_layout, tree_sha256, writable_root_mounts
+
+INFO = BwrapInfo(path="/usr/bin/bwrap", version=(0, 8, 0), setuid=False,
+                 options=frozenset({"--disable-userns", "--size", "--json-status-fd", "--block-fd", "--args"}))
+INFO_09 = BwrapInfo(path="/usr/bin/bwrap", version=(0, 9, 0), setuid=False,
+                    options=INFO.options | {"--overlay-src", "--tmp-overlay", "--ro-overlay", "--overlay"})
+LAYOUT = HostLayout(symlinks=(("usr/bin", "/bin"),), ro_dirs=(), etc_files=("/etc/ld.so.cache",))
+
+
+def facts(info: BwrapInfo = INFO) -> HostFacts:
+    return HostFacts(bwrap=info, layout=LAYOUT, caller_is_root=False,
+                     network_etc=(("/run/resolv.conf", "/etc/resolv.conf"), ("/etc/hosts", "/etc/hosts"),
+                                  ("/etc/ssl", "/etc/ssl")))
+
+
+@pytest.fixture
+def tree() -> Iterator[pathlib.Path]:
+    """A merged-usr tree: usr/{bin,lib}, bin -> usr/bin, etc with passwd/group/hosts, empty var/tmp
+    and home, a file at the top, and entries the sandbox provides itself (proc, tmp, workspace)."""
+    base = pathlib.Path(tempfile.mkdtemp(prefix="rootfs-", dir="/tmp"))
+    base.chmod(0o755)
+    root = base / "root"
+    for d in ("usr/bin", "usr/lib", "etc", "var/tmp", "home", "opt/tool", "proc", "tmp", "workspace"):
+        (root / d).mkdir(parents=True)
+    os.symlink("usr/bin", root / "bin")
+    os.symlink("/usr/lib", root / "lib")
+    for f in ("etc/passwd", "etc/group", "etc/hosts"):
+        (root / f).write_text("")
+    (root / "usr/bin/tool").write_text("#!/bin/sh\n")
+    (root / "usr/bin/tool").chmod(0o755)
+    os.symlink("/usr/bin/tool", root / "usr/bin/alias")
+    os.symlink("../../etc/passwd", root / "usr/lib/up")
+    os.symlink("/proc/self/exe", root / "usr/bin/viaproc")
+    (root / ".dockerenv").write_text("")
+    try:
+        yield root
+    finally:
+        import shutil
+        shutil.rmtree(base)
+
+
+def test_layout_skips_what_the_sandbox_provides(tree: pathlib.Path) -> None:
+    layout = rootfs_layout(str(tree))
+    assert layout.dirs == ("etc", "home", "opt", "usr", "var")
+    assert layout.files == (".dockerenv",)
+    assert layout.symlinks == (("usr/bin", "/bin"), ("/usr/lib", "/lib"))
+    assert layout.network_etc == ("etc/hosts",)  # no etc/resolv.conf in the tree: nothing to mount over
+    assert layout.scratch_dirs == ("home", "var/tmp")
+
+
+def test_golden_rootfs_argv(tree: pathlib.Path) -> None:
+    p = lowlevel.Policy(rootfs=str(tree), network=True, limits=lowlevel.Limits(tmp_size_bytes=4096))
+    argv = build_argv(p, facts(), workspace="/srv/ws", fds=Fds())
+    start = argv.index("--hostname") + 2
+    end = argv.index("--proc")
+    r = str(tree)
+    assert argv[start:end] == [
+        "--ro-bind", f"{r}/etc", "/etc", "--ro-bind", f"{r}/home", "/home", "--ro-bind", f"{r}/opt", "/opt",
+        "--ro-bind", f"{r}/usr", "/usr", "--ro-bind", f"{r}/var", "/var",
+        "--ro-bind", f"{r}/.dockerenv", "/.dockerenv",
+        "--symlink", "usr/bin", "/bin", "--symlink", "/usr/lib", "/lib",
+        "--ro-bind", "/etc/hosts", "/etc/hosts",  # host resolution over the tree's own (network=True)
+    ]
+    assert "/etc/ld.so.cache" not in argv and "/etc/ssl" not in argv  # nothing of the host's system
+    assert argv[argv.index("--proc"):argv.index("--proc") + 4] == ["--proc", "/proc", "--dev", "/dev"]
+    assert ["--bind", "/srv/ws", "/workspace"] == argv[argv.index("/srv/ws") - 1:argv.index("/srv/ws") + 2]
+
+
+def test_writable_root_fallback_and_overlay(tree: pathlib.Path) -> None:
+    p = lowlevel.Policy(rootfs=str(tree), rootfs_writable=True, limits=lowlevel.Limits(tmp_size_bytes=8192))
+    old = build_argv(p, facts(), workspace="/w", fds=Fds())
+    assert "--tmp-overlay" not in old
+    i, j = old.index("--symlink"), old.index("--proc")
+    assert old[i + 6:j] == ["--size", "8192", "--tmpfs", "/home", "--size", "8192", "--tmpfs", "/var/tmp"]
+    new = build_argv(p, facts(INFO_09), workspace="/w", fds=Fds())
+    r = str(tree)
+    assert ["--overlay-src", f"{r}/usr", "--tmp-overlay", "/usr"] == new[new.index(f"{r}/usr") - 1:
+                                                                         new.index(f"{r}/usr") + 3]
+    assert "--tmpfs" not in new[:new.index("--proc")]
+    hook = writable_root_mounts(rootfs_layout(str(tree)))
+    assert [(m.lower, m.dest) for m in hook][:2] == [(f"{r}/etc", "/etc"), (f"{r}/home", "/home")]
+
+
+def test_resolve_in_root(tree: pathlib.Path) -> None:
+    r = str(tree)
+    never = lambda v: False  # noqa: E731
+    assert resolve_in_root(r, "/bin/tool", never) == f"{r}/usr/bin/tool"
+    assert resolve_in_root(r, "/usr/bin/alias", never) == f"{r}/usr/bin/tool"  # absolute link, inside the tree
+    assert resolve_in_root(r, "/lib/up", never) == f"{r}/etc/passwd"
+    assert resolve_in_root(r, "/../../../etc/passwd", never) == f"{r}/etc/passwd"  # '..' stops at the root
+    assert resolve_in_root(r, "/usr/bin/missing", never) == ""
+    assert resolve_in_root(r, "/etc/passwd/x", never) == ""
+    assert resolve_in_root(r, "/usr/bin/viaproc", lambda v: v.startswith("/proc")) is None
+    os.symlink("loop", tree / "loop")
+    assert resolve_in_root(r, "/loop", never) is None
+
+
+def test_policy_rootfs_validation(tree: pathlib.Path) -> None:
+    p = lowlevel.Policy(rootfs=str(tree) + "/")
+    assert p.rootfs == str(tree)
+    with pytest.raises(lowlevel.PolicyError, match="absolute host path"):
+        lowlevel.Policy(rootfs="relative/dir")
+    with pytest.raises(lowlevel.PolicyError, match="not a directory"):
+        lowlevel.Policy(rootfs=str(tree / "etc" / "passwd"))
+    with pytest.raises(lowlevel.PolicyError, match="workdir must be an absolute path"):
+        lowlevel.Policy(workdir="app")
+    assert lowlevel.Policy(workdir="/app/").workdir == "/app"
+
+
+def test_tree_hash_covers_content_modes_and_links(tree: pathlib.Path) -> None:
+    a = tree_sha256(str(tree))
+    assert a.entries > 10 and a == tree_sha256(str(tree))
+    (tree / "usr/bin/tool").write_text("#!/bin/sh\necho\n")
+    b = tree_sha256(str(tree))
+    assert b.sha256 != a.sha256
+    (tree / "usr/bin/tool").chmod(0o700)
+    c = tree_sha256(str(tree))
+    assert c.sha256 != b.sha256
+    os.unlink(tree / "usr/bin/alias")
+    os.symlink("/elsewhere", tree / "usr/bin/alias")
+    assert tree_sha256(str(tree)).sha256 != c.sha256
+    os.utime(tree / "usr/bin/tool", (0, 0))  # times do not count
+    d = tree_sha256(str(tree))
+    os.utime(tree / "usr/bin/tool", (1e9, 1e9))
+    assert tree_sha256(str(tree)) == d
+
+
+@pytest.mark.parametrize("name,want", [
+    ("busybox", "busybox:latest"), ("docker.io/library/python:3.12", "python:3.12"),
+    ("ghcr.io/org/tool:v1", "ghcr.io/org/tool:v1"), ("localhost:5000/x", "localhost:5000/x:latest"),
+    ("x:1@sha256:" + "a" * 64, "x:1"),
+])
+def test_normalize_name(name: str, want: str) -> None:
+    assert normalize_name(name) == want
+
+
+@pytest.mark.parametrize("name", ["", "Upper", "a b", "../x", "x:", "sha256:abc", "x:" + "t" * 200])
+def test_bad_names(name: str) -> None:
+    with pytest.raises(ImageError):
+        normalize_name(name)
