@@ -1679,6 +1679,7 @@ class Pool:
         Raises:
             WorkspaceError: an input is missing or unreadable. Others as :meth:`Session.run`.
         """
+        cwd = cwd if cwd is not None else (self.policy.workdir or WORKSPACE_DEST)
         _validate.run_args(command=argv, cwd=cwd, env=env, inputs=inputs)  # before a sandbox is used up
         s = self._take()
         try:
