@@ -82,7 +82,7 @@ except ImportError as _err:  # pragma: no cover - exercised only without the ext
 
 from .errors import LowlevelError, PolicyError, SessionError, WorkspaceError
 from .limits import Limits
-from .policy import WORKSPACE_DEST, Policy
+from .policy import Policy
 from .result import Result
 
 log = logging.getLogger("lowlevel.ray")
@@ -576,7 +576,7 @@ class SandboxActor:
             await self.add_policy(policy_key, policy)
             policy = self._policy(policy_key)
             self.runner = Runner(int(self.config["concurrency"]))
-            probe = await self._run_fresh(list(PROBE_COMMAND), policy, None, None, 30.0, None, WORKSPACE_DEST)
+            probe = await self._run_fresh(list(PROBE_COMMAND), policy, None, None, 30.0, None, None)
         except Exception as err:  # noqa: BLE001 - reported, the node is not used
             out["reason"] = f"trial run with the pool's Policy failed: {type(err).__name__}: {err}"
             return out
@@ -589,7 +589,7 @@ class SandboxActor:
         return out
 
     async def _run_fresh(self, command: list[str], policy: Policy, inputs: bytes | None, stdin: bytes | None,
-                         timeout: Any, env: Mapping[str, str] | None, cwd: str) -> RemoteResult:
+                         timeout: Any, env: Mapping[str, str] | None, cwd: str | None) -> RemoteResult:
         from . import workspace as _ws
 
         kwargs: dict[str, Any] = {"policy": policy, "stdin": stdin, "env": env, "cwd": cwd}
@@ -1104,7 +1104,7 @@ class SandboxActorPool:
 
     # -- calls -------------------------------------------------------------------------------
     def _spec(self, command: Sequence[str], policy: Policy | None, limits: Limits | None, stdin: bytes | None,
-              timeout: Any, env: Mapping[str, str] | None, cwd: str) -> dict[str, Any]:
+              timeout: Any, env: Mapping[str, str] | None, cwd: str | None) -> dict[str, Any]:
         if self._closed:
             raise ClusterError("the pool is shut down", "closed")
         if policy is not None and not isinstance(policy, Policy):
@@ -1147,7 +1147,7 @@ class SandboxActorPool:
 
     def submit(self, command: Sequence[str], *, policy: Policy | None = None, inputs: Any = None,
                stdin: bytes | None = None, timeout: float | None = _UNSET, limits: Limits | None = None,
-               env: Mapping[str, str] | None = None, cwd: str = WORKSPACE_DEST) -> Any:
+               env: Mapping[str, str] | None = None, cwd: str | None = None) -> Any:
         """Run ``command`` in a fresh sandbox on some node; return ``ObjectRef[RemoteResult]`` at once.
 
         ``ray.get(ref)`` (or ``await ref`` in asyncio) gives the :class:`RemoteResult`, or
@@ -1164,7 +1164,7 @@ class SandboxActorPool:
             timeout: wall-clock seconds, as :func:`lowlevel.run` (default its default);
                 a timed-out call is a Result (``timed_out=True``), never re-run.
             limits: this call's :class:`lowlevel.Limits` (replaces the Policy's).
-            env, cwd: as :func:`lowlevel.run`.
+            env, cwd: as :func:`lowlevel.run` (``cwd`` None: the Policy's working directory).
         Raises (at once, nothing sent):
             PolicyError: a bad argument, inputs over ``max_input_bytes``.
             WorkspaceError: a host path in ``inputs`` is missing.
@@ -1415,7 +1415,7 @@ class RemoteSession:
         self._closed = False
 
     def _spec(self, command: Sequence[str], stdin: bytes | None, timeout: Any, env: Mapping[str, str] | None,
-              cwd: str, limits: Limits | None, track_changes: bool | None) -> dict[str, Any]:
+              cwd: str | None, limits: Limits | None, track_changes: bool | None) -> dict[str, Any]:
         if self._closed:
             raise SessionError("the session is closed", "closed")
         if stdin is not None and not isinstance(stdin, (bytes, bytearray)):
@@ -1435,7 +1435,7 @@ class RemoteSession:
         return SessionError(f"the session's node {self.node_id} was lost: {type(err).__name__}", "node_lost")
 
     def submit(self, command: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = _UNSET,
-               env: Mapping[str, str] | None = None, cwd: str = WORKSPACE_DEST, limits: Limits | None = None,
+               env: Mapping[str, str] | None = None, cwd: str | None = None, limits: Limits | None = None,
                track_changes: bool | None = None) -> Any:
         """Send one command; return ``ObjectRef[RemoteResult]`` (Ray's errors unconverted: prefer :meth:`run`)."""
         return self._handle.session_run.remote(self._sid, self._spec(command, stdin, timeout, env, cwd, limits,
