@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lowlevel", description="Run untrusted programs in a bubblewrap "
                                      "sandbox with seccomp and resource limits.")
     parser.add_argument("--version", action="version", version=f"lowlevel {__version__}")
-    sub = parser.add_subparsers(dest="cmd", required=True, metavar="{run,doctor,replay,mcp,image}")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="{run,doctor,cleanup,replay,mcp,image}")
 
     p = sub.add_parser("run", help="run a command in a fresh sandbox",
                        description="Run COMMAND in a fresh sandbox. Put -- before the command.")
@@ -250,6 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Landlock, the second wall (default on: best effort; require: fail without it)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARG...]")
 
+    c = sub.add_parser("cleanup", help="remove what interrupted runs left (stale cgroups, egress sockets, "
+                       "commit temporaries); never a workspace")
+    c.add_argument("--workspace", metavar="DIR", action="append", default=[],
+                   help="also remove interrupted commits' temporaries in DIR (repeatable)")
+    c.add_argument("--dry-run", action="store_true", help="list, remove nothing")
+    c.add_argument("--json", action="store_true", help="print one JSON object")
     d = sub.add_parser("doctor", help="check what this host can do")
     d.add_argument("--json", action="store_true", help="print a JSON report")
 
@@ -557,6 +563,34 @@ def _report(args: argparse.Namespace, result: Result) -> int:
     return result.exit_code
 
 
+def cmd_cleanup(args: argparse.Namespace) -> int:
+    """``lowlevel cleanup``: exit 0 when nothing is left, 1 when something stayed."""
+    from .cleanup import clean, find_leftovers
+
+    workspaces = tuple(os.path.abspath(w) for w in args.workspace)
+    from .cleanup import Leftover
+    found: list[Leftover] = []
+    removed: list[Leftover] = []
+    problems: list[str] = []
+    if args.dry_run:
+        found = find_leftovers(workspaces)
+    else:
+        removed, problems = clean(workspaces)
+    if args.json:
+        _print_json({"found": [vars(x) for x in found], "removed": [vars(x) for x in removed],
+                     "problems": problems})
+    else:
+        for x in found:
+            print(f"{x.kind:7} {x.path}: {x.detail}")
+        for x in removed:
+            print(f"removed {x.kind:7} {x.path}")
+        for line in problems:
+            print(f"left    {line}", file=sys.stderr)
+        if not (found or removed or problems):
+            print("nothing left over")
+    return 1 if problems else 0
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     """``lowlevel doctor``: report host capabilities; non-zero when the default policy cannot run."""
     from .doctor import diagnose
@@ -707,6 +741,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "image":
             from .image_cli import cmd_image
             return cmd_image(args)
+        if args.cmd == "cleanup":
+            return cmd_cleanup(args)
         return cmd_doctor(args)
     except UsageError as err:
         return _error(args if args is not None else argparse.Namespace(json=_wants_json(argv)), err, EXIT_FAILED)

@@ -191,6 +191,18 @@ def workspace_checks(result_notes: tuple[str, ...] = ()) -> list[dict[str, Any]]
     return checks
 
 
+def leftovers_check() -> dict[str, Any]:
+    """What interrupted runs left here (:mod:`lowlevel.cleanup`); ``lowlevel cleanup`` removes it."""
+    from .cleanup import find_leftovers
+
+    found = find_leftovers()
+    kinds: dict[str, int] = {}
+    for x in found:
+        kinds[x.kind] = kinds.get(x.kind, 0) + 1
+    detail = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) or "none"
+    return _check("leftovers", not found, f"left by interrupted runs: {detail}", "lowlevel cleanup")
+
+
 def diagnose() -> dict[str, Any]:
     """Probe the host and return the report (never raises for a missing capability).
 
@@ -254,6 +266,7 @@ def diagnose() -> dict[str, Any]:
             checks.append(_check("sandbox runs", ok, "a default-policy sandbox ran and exited 7" if ok else
                                  f"unexpected exit {result.exit_code}", required=True))
             checks.extend(workspace_checks(result.notes))
+            checks.append(leftovers_check())
             if result.workspace:
                 shutil.rmtree(result.workspace, ignore_errors=True)
         except LowlevelError as err:

@@ -1,0 +1,233 @@
+#!/usr/bin/env python3
+"""What does running through a Ray cluster cost per call? (``lowlevel.ray.SandboxActorPool``)
+
+On one machine, with a real Ray cluster started here (``ray.cluster_utils.Cluster``: a head
+node, then a second node), measures for ``/usr/bin/true``:
+
+- ``local``: ``lowlevel.Runner(max_concurrency=C x nodes)`` driving ``arun`` in this process
+  (each fresh workspace removed after its call, as the actors do);
+- ``cluster``: the same calls through ``SandboxActorPool.map`` (one actor per node, each with
+  ``concurrency=C``), with 1 node, then 2 nodes;
+- ``latency``: sequential calls (concurrency 1), alternating ``local`` (``await arun``),
+  ``cluster`` (``pool.run``) and ``ray_path`` (the same driver -> router -> actor -> router ->
+  driver round trip with no sandbox: what the Ray hops alone cost) call by call so machine
+  drift hits all alike.
+
+The Ray workers (actors, hence their sandboxes) run at ``--worker-niceness`` (default 0, like
+the bench process; Ray's own default is 15, which on a machine shared with other work makes
+the cluster side slower for a reason that is not lowlevel's).
+
+Throughput cases alternate too (local, cluster, local, cluster) over ``--rounds`` rounds;
+``calls_per_s`` is calls over the wall time of the case's batches. On one machine both nodes
+share the same CPUs: the ratios measure the cluster path's overhead, not scaling.
+
+Usage: ``python bench/cluster.py [--quick] [--json FILE] [--calls N] [--concurrency C]``.
+Never asserts. JSON schema: bench/README.md ("cluster.py").
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import lowlevel  # noqa: E402
+from lowlevel.workspace import remove_workspace  # noqa: E402
+
+SCHEMA = 1
+COMMAND = ["/usr/bin/true"]
+TARGETS = {"cluster_vs_local_calls_per_s": 0.8, "added_latency_p50_ms": 3.0}
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (``q`` in 0..100)."""
+    s = sorted(values)
+    if not s:
+        return float("nan")
+    k = (len(s) - 1) * q / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+async def _local_batch(n: int, concurrency: int) -> tuple[float, int]:
+    runner = lowlevel.Runner(concurrency)
+    errors = 0
+
+    async def one() -> None:
+        nonlocal errors
+        try:
+            r = await runner.run(COMMAND)
+        except lowlevel.LowlevelError:
+            errors += 1
+            return
+        remove_workspace(r.workspace)
+        if r.exit_code != 0:
+            errors += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one() for _ in range(n)))
+    return time.perf_counter() - t0, errors
+
+
+def local_batch(n: int, concurrency: int) -> tuple[float, int]:
+    return asyncio.run(_local_batch(n, concurrency))
+
+
+def cluster_batch(pool: Any, n: int) -> tuple[float, int]:
+    errors = 0
+    t0 = time.perf_counter()
+    for r in pool.map([COMMAND] * n, ordered=False, return_exceptions=True):
+        if isinstance(r, BaseException) or r.exit_code != 0:
+            errors += 1
+    return time.perf_counter() - t0, errors
+
+
+def latency(pool: Any, n: int) -> tuple[list[float], list[float], list[float]]:
+    """Sequential calls, alternating local, cluster and a sandbox-less ping over the same
+    Ray path (driver -> router -> actor and back); milliseconds each."""
+    import ray
+
+    local_ms: list[float] = []
+    cluster_ms: list[float] = []
+    ping_ms: list[float] = []
+    loop = asyncio.new_event_loop()
+    try:
+        for i in range(n):
+            for which in (0, 1, 2) if i % 2 == 0 else (2, 1, 0):
+                t0 = time.perf_counter()
+                if which == 0:
+                    r = loop.run_until_complete(lowlevel.arun(COMMAND))
+                    elapsed = time.perf_counter() - t0
+                    remove_workspace(r.workspace)
+                    local_ms.append(elapsed * 1e3)
+                elif which == 1:
+                    pool.run(COMMAND)
+                    cluster_ms.append((time.perf_counter() - t0) * 1e3)
+                else:
+                    ray.get(pool._router.ping.remote())
+                    ping_ms.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        loop.close()
+    return local_ms, cluster_ms, ping_ms
+
+
+def host_info() -> dict[str, Any]:
+    import ray
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except OSError:
+        commit = ""
+    return {"kernel": platform.release(), "python": platform.python_version(), "cpus": os.cpu_count(),
+            "ray": ray.__version__, "lowlevel": lowlevel.__version__, "caller_is_root": os.geteuid() == 0,
+            "load_avg_before": os.getloadavg()[0], "commit": commit, "date": time.strftime("%Y-%m-%d")}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="200 calls per case, 1 round, 30 latency pairs")
+    ap.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
+    ap.add_argument("--calls", type=int, help="calls per throughput case and round (default 1000)")
+    ap.add_argument("--rounds", type=int, help="rounds of the throughput cases (default 2; --quick 1)")
+    ap.add_argument("--concurrency", type=int, default=4, help="sandboxes per node at once (default 4)")
+    ap.add_argument("--latency-calls", type=int, help="sequential latency pairs (default 200; --quick 30)")
+    ap.add_argument("--worker-niceness", type=int, default=0,
+                    help="nice value of the Ray workers, hence of the actors and their sandboxes (Ray's own "
+                         "default is 15; default here 0, the driver's, so both sides compete for the CPUs alike)")
+    args = ap.parse_args(argv)
+    n = args.calls or (200 if args.quick else 1000)
+    rounds = args.rounds or (1 if args.quick else 2)
+    n_lat = args.latency_calls if args.latency_calls is not None else (30 if args.quick else 200)
+    c = args.concurrency
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from lowlevel.ray import SandboxActorPool
+
+    host = host_info()
+    started = time.perf_counter()
+    temp_dir = tempfile.mkdtemp(prefix="llray-bench-")
+    node_args = {"num_cpus": 1, "object_store_memory": 100 << 20, "include_dashboard": False, "temp_dir": temp_dir}
+    cluster = Cluster(initialize_head=True, head_node_args={
+        **node_args, "_system_config": {"worker_niceness": args.worker_niceness}})
+    results: list[dict[str, Any]] = []
+    ratios: dict[str, float | None] = {}
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+        head = ray.get_runtime_context().get_node_id()
+        nodes = [head]
+        calls_per_s: dict[tuple[str, int], float] = {}
+        for count in (1, 2):
+            if count == 2:
+                cluster.add_node(**{k: v for k, v in node_args.items() if k not in ("include_dashboard", "temp_dir")})
+                cluster.wait_for_nodes()
+                nodes = [nd["NodeID"] for nd in ray.nodes() if nd["Alive"]]
+            with SandboxActorPool(nodes=nodes, concurrency=c, max_in_flight=2 * c) as pool:
+                cluster_batch(pool, 4 * c * count)  # warm-up: actors, policy, first runs
+                local_batch(4 * c * count, c * count)
+                wall = {"local": 0.0, "cluster": 0.0}
+                errs = {"local": 0, "cluster": 0}
+                for r in range(rounds):
+                    for name in (("local", "cluster") if r % 2 == 0 else ("cluster", "local")):
+                        w, e = local_batch(n, c * count) if name == "local" else cluster_batch(pool, n)
+                        wall[name] += w
+                        errs[name] += e
+                for name in ("local", "cluster"):
+                    cps = n * rounds / wall[name]
+                    calls_per_s[(name, count)] = cps
+                    results.append({"name": name, "nodes": count, "concurrency": c * count, "n": n * rounds,
+                                    "calls_per_s": round(cps, 2), "errors": errs[name],
+                                    "driver": "Runner.run (asyncio)" if name == "local" else "SandboxActorPool.map"})
+                if count == 1 and n_lat:
+                    local_ms, cluster_ms, ping_ms = latency(pool, n_lat)
+                    for name, ms in (("latency_local", local_ms), ("latency_cluster", cluster_ms),
+                                     ("latency_ray_path", ping_ms)):
+                        results.append({"name": name, "nodes": 1, "concurrency": 1, "n": len(ms),
+                                        "p50_ms": round(percentile(ms, 50), 3), "p90_ms": round(percentile(ms, 90), 3),
+                                        "p99_ms": round(percentile(ms, 99), 3),
+                                        "samples_ms": [round(x, 3) for x in ms]})
+                    ratios["added_latency_p50_ms"] = round(percentile(cluster_ms, 50) - percentile(local_ms, 50), 3)
+                    ratios["latency_cluster_vs_local_p50"] = round(percentile(cluster_ms, 50)
+                                                                   / percentile(local_ms, 50), 3)
+                    ratios["ray_path_p50_ms"] = round(percentile(ping_ms, 50), 3)
+        for count in (1, 2):
+            ratios[f"cluster_vs_local_calls_per_s_{count}node{'s' if count > 1 else ''}"] = round(
+                calls_per_s[("cluster", count)] / calls_per_s[("local", count)], 3)
+        ratios["cluster_vs_local_calls_per_s"] = ratios["cluster_vs_local_calls_per_s_1node"]
+        ratios["cluster_2nodes_vs_1node_calls_per_s"] = round(
+            calls_per_s[("cluster", 2)] / calls_per_s[("cluster", 1)], 3)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        subprocess.run(["rm", "-rf", temp_dir], check=False)
+    doc = {"schema": SCHEMA, "results": results, "ratios": ratios, "targets": TARGETS, "host": host,
+           "config": {"quick": args.quick, "calls": n, "rounds": rounds, "concurrency_per_node": c,
+                      "latency_calls": n_lat, "command": COMMAND, "worker_niceness": args.worker_niceness,
+                      "duration_s": round(time.perf_counter() - started, 1), "argv": sys.argv[1:]}}
+    print(f"{'case':<16} {'nodes':>5} {'conc':>4} {'n':>6} {'calls/s':>9} {'p50 ms':>8} {'p90 ms':>8}")
+    for r in results:
+        cps = f"{r['calls_per_s']:.1f}" if "calls_per_s" in r else "-"
+        print(f"{r['name']:<16} {r['nodes']:>5} {r['concurrency']:>4} {r['n']:>6} {cps:>9} "
+              f"{r.get('p50_ms', '-'):>8} {r.get('p90_ms', '-'):>8}")
+    for k, v in ratios.items():
+        print(f"{k}: {v}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    return doc
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""Find and remove what interrupted runs can leave behind (``lowlevel cleanup``, ``doctor``).
+
+A run killed at any instant leaves no process (the anchor's PID namespace) and no mount in the
+host's mount namespace (the overlay and its tmpfs live in the anchor's own). What can remain:
+
+- ``cgroup``: a per-run cgroup directory of a caller that died (``run-<pid>-...``); the next
+  :func:`lowlevel.limits.detect_cgroups` in any process removes the empty ones of dead pids;
+- ``commit``: temporaries of a commit killed mid-way (``.lowlevel-commit-<pid>-<n>`` and its
+  journal) in a workspace; the next commit into that workspace removes them
+  (:func:`lowlevel.overlay.cleanup_commit_leftovers`), or ``lowlevel cleanup --workspace DIR``;
+- ``egress``: the unix-socket directory of an egress-mode run (``lowlevel-egress-*`` in
+  ``/dev/shm`` or ``/tmp``) whose proxy is gone;
+- ``mount``: a mount of lowlevel's in the host namespace (only the hand-over model of lowlevel
+  0.1's sized workspaces made one: ``.sized-*``): listed; root can unmount it.
+
+Fresh workspaces (``run-*`` under the workspace base) and saved conflict directories hold the
+user's data: they are never removed here.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+from dataclasses import dataclass
+
+from . import limits as _limits
+from .errors import LowlevelError
+
+_EGRESS_PREFIX = "lowlevel-egress-"
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """One thing an interrupted run left.
+
+    Attributes:
+        kind: ``"cgroup"``, ``"commit"``, ``"egress"`` or ``"mount"``.
+        path: where it is.
+        detail: why it counts as left over (one line).
+    """
+
+    kind: str
+    path: str
+    detail: str
+
+
+def _stale_cgroups() -> list[Leftover]:
+    out: list[Leftover] = []
+    try:
+        support = _limits.detect_cgroups()
+    except OSError:
+        return out
+    for h in support.hierarchies:
+        if not h.base or not os.path.isdir(h.base):
+            continue
+        for name in os.listdir(h.base):
+            m = _limits._RUN_NAME.match(name)
+            if m and not os.path.exists(f"/proc/{m.group(1)}"):
+                out.append(Leftover("cgroup", os.path.join(h.base, name), f"its creator (pid {m.group(1)}) is gone"))
+    return out
+
+
+def _stale_egress_dirs() -> list[Leftover]:
+    out: list[Leftover] = []
+    for base in ("/dev/shm", "/tmp"):
+        try:
+            names = [n for n in os.listdir(base) if n.startswith(_EGRESS_PREFIX)]
+        except OSError:
+            continue
+        for name in names:
+            d = os.path.join(base, name)
+            try:
+                st = os.lstat(d)
+            except OSError:
+                continue
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            socks = []
+            try:
+                socks = [os.path.join(d, n) for n in os.listdir(d)]
+            except OSError:
+                continue
+            alive = False
+            for path in socks:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    s.settimeout(0.2)
+                    s.connect(path)
+                    alive = True
+                except OSError:
+                    pass
+                finally:
+                    s.close()
+            if not alive:
+                out.append(Leftover("egress", d, "no proxy listens on its socket"))
+    return out
+
+
+def _host_mounts() -> list[Leftover]:
+    out: list[Leftover] = []
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                target = fields[4] if len(fields) > 4 else ""
+                if "lowlevel-upper" in line or "/.sized-" in target:
+                    out.append(Leftover("mount", target, "a lowlevel mount in the host's mount namespace"))
+    except OSError:
+        pass
+    return out
+
+
+def _commit_leftovers(workspace: str) -> list[Leftover]:
+    from .overlay import LEFTOVER_PREFIX
+    try:
+        names = os.listdir(workspace)
+    except OSError:
+        return []
+    return [Leftover("commit", os.path.join(workspace, n), "temporary of an interrupted commit")
+            for n in names if n.startswith(LEFTOVER_PREFIX)]
+
+
+def _fresh_workspaces(base: str | None) -> list[str]:
+    from .workspace import default_base
+    root = base or default_base()
+    try:
+        return [os.path.join(root, n) for n in os.listdir(root) if n.startswith("run-")]
+    except OSError:
+        return []
+
+
+def find_leftovers(workspaces: tuple[str, ...] = (), base: str | None = None) -> list[Leftover]:
+    """Everything interrupted runs left that this caller can see (see the module docstring).
+
+    Args:
+        workspaces: directories to check for commit temporaries, on top of the fresh
+            workspaces under ``base`` (default: ``$LOWLEVEL_WORKSPACE_BASE`` or
+            ``/tmp/lowlevel-<uid>``).
+    Returns:
+        The leftovers, cgroups first. Never raises for an unreadable place (skipped).
+    """
+    found = _stale_cgroups() + _stale_egress_dirs() + _host_mounts()
+    for ws in (*workspaces, *_fresh_workspaces(base)):
+        found += _commit_leftovers(ws)
+    return found
+
+
+def clean(workspaces: tuple[str, ...] = (), base: str | None = None) -> tuple[list[Leftover], list[str]]:
+    """Remove what :func:`find_leftovers` finds, where it is safe.
+
+    Returns:
+        ``(removed, problems)``: what went, and one line for each thing that stayed (a
+        populated cgroup, a mount without the privilege to unmount it...).
+    """
+    removed: list[Leftover] = []
+    problems: list[str] = []
+    before = _stale_cgroups()
+    _limits.detect_cgroups(refresh=True)  # sweeps the empty run cgroups of dead pids
+    for item in before:
+        if os.path.exists(item.path):
+            problems.append(f"{item.path}: still there (processes left in it?)")
+        else:
+            removed.append(item)
+    for item in _stale_egress_dirs():
+        try:
+            for name in os.listdir(item.path):
+                os.unlink(os.path.join(item.path, name))
+            os.rmdir(item.path)
+            removed.append(item)
+        except OSError as err:
+            problems.append(f"{item.path}: {err.strerror}")
+    for item in _host_mounts():
+        if os.geteuid() != 0:
+            problems.append(f"{item.path}: mounted; unmount it as root (umount -l)")
+            continue
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.umount2(item.path.encode(), 2) == 0:  # MNT_DETACH
+            removed.append(item)
+        else:
+            problems.append(f"{item.path}: umount failed: {os.strerror(ctypes.get_errno())}")
+    from .overlay import cleanup_commit_leftovers
+    for ws in (*workspaces, *_fresh_workspaces(base)):
+        left = _commit_leftovers(ws)
+        if not left:
+            continue
+        try:
+            fd = os.open(ws, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as err:
+            problems.append(f"{ws}: {err.strerror}")
+            continue
+        try:
+            gone = set(cleanup_commit_leftovers(fd))
+        except LowlevelError as err:
+            problems.append(f"{ws}: {err}")
+            gone = set()
+        finally:
+            os.close(fd)
+        for item in left:
+            if os.path.basename(item.path) in gone or not os.path.lexists(item.path):
+                removed.append(item)
+            else:
+                problems.append(f"{item.path}: its commit is still running (or its pid was reused)")
+    return removed, problems
+
+
+__all__ = ["Leftover", "clean", "find_leftovers"]
