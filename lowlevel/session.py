@@ -294,7 +294,8 @@ class _Core:
         exe = init_path()
         self.sock, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-        # Landlock: the init restricts itself before its first command (lowlevel.landlock).
+        # Landlock (lowlevel.landlock): the init takes the TCP rules and scopes before its first
+        # command; each command restricts itself with the filesystem rules.
         argv = [f"/proc/self/fd/{_EXE_FD}", str(_SOCK_FD), str(_ms(idle_timeout)), str(_ms(total_timeout)),
                 str(_EXE_FD), *_landlock.ruleset_args(policy, host_facts(bwrap).layout.ro_dirs,
                                                          host_facts(bwrap).bwrap.options)]
