@@ -209,22 +209,67 @@ class RawBwrap:
             raise RuntimeError(f"raw bwrap exited with status {status:#x}: {self.argv}")
 
     async def acall(self) -> None:
-        loop = asyncio.get_running_loop()
-        pid = self.spawn()
-        pidfd = os.pidfd_open(pid)
-        fut = loop.create_future()
-        loop.add_reader(pidfd, lambda: fut.done() or fut.set_result(None))
-        try:
-            await fut
-        finally:
-            loop.remove_reader(pidfd)
-            os.close(pidfd)
-        _, status = os.waitpid(pid, 0)
-        if status:
-            raise RuntimeError(f"raw bwrap exited with status {status:#x}")
+        await _await_pid(self.spawn(), "raw bwrap")
 
     def close(self) -> None:
         shutil.rmtree(self.workspace, ignore_errors=True)
+
+
+class SeedBwrap:
+    """The seed recipe: what a user hand-rolls from bwrap's README, with nothing of lowlevel.
+
+    ``bwrap --ro-bind /usr /usr`` + the usr-merge symlinks, ``--proc /proc --dev /dev --tmpfs
+    /tmp``, one ``--bind`` of a directory at ``/workspace`` (``--chdir`` there), ``--unshare-all
+    --new-session --die-with-parent --clearenv --cap-drop ALL``: no seccomp, no limits, no
+    cgroup, no uid drop (a root caller's bwrap runs as root), no capture (output to /dev/null).
+    The yardstick of issue 16: the safety lowlevel adds should be nearly free against it.
+    """
+
+    def __init__(self, cmd: list[str]) -> None:
+        import tempfile
+        self.workspace = tempfile.mkdtemp(prefix="lowlevel-bench-seed-", dir="/tmp")
+        layout = _launcher.host_facts().layout
+        base = ["--ro-bind", "/usr", "/usr"]
+        for target, name in layout.symlinks:
+            base += ["--symlink", target, name]
+        for d in layout.ro_dirs:
+            base += ["--ro-bind", d, d]
+        self.argv = [_launcher.host_facts().bwrap.path, *base, "--proc", "/proc", "--dev", "/dev",
+                     "--tmpfs", "/tmp", "--bind", self.workspace, "/workspace", "--chdir", "/workspace",
+                     "--unshare-all", "--new-session", "--die-with-parent", "--clearenv",
+                     "--setenv", "PATH", "/usr/bin:/bin", "--cap-drop", "ALL", "--", *cmd]
+
+    def spawn(self) -> int:
+        return os.posix_spawn(self.argv[0], self.argv, {}, file_actions=[
+            (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+            (os.POSIX_SPAWN_DUP2, _DEVNULL_W, 1), (os.POSIX_SPAWN_DUP2, _DEVNULL_W, 2)])
+
+    def call(self) -> None:
+        _, status = os.waitpid(self.spawn(), 0)
+        if status:
+            raise RuntimeError(f"seed bwrap exited with status {status:#x}: {self.argv}")
+
+    async def acall(self) -> None:
+        await _await_pid(self.spawn(), "seed bwrap")
+
+    def close(self) -> None:
+        shutil.rmtree(self.workspace, ignore_errors=True)
+
+
+async def _await_pid(pid: int, what: str) -> None:
+    """Wait for ``pid`` from asyncio (a pidfd reader), reap it, raise on a non-zero status."""
+    loop = asyncio.get_running_loop()
+    pidfd = os.pidfd_open(pid)
+    fut = loop.create_future()
+    loop.add_reader(pidfd, lambda: fut.done() or fut.set_result(None))
+    try:
+        await fut
+    finally:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+    _, status = os.waitpid(pid, 0)
+    if status:
+        raise RuntimeError(f"{what} exited with status {status:#x}")
 
 
 #: Fresh workspaces lowlevel kept (Result.workspace); removed between rounds, untimed.
@@ -850,10 +895,15 @@ def ratios(results: list[dict[str, Any]], command: str) -> dict[str, float | Non
             "run_no_landlock_minus_run_ms": minus(nol, bare),
             "guard_minus_floor_ms": minus(_p50(get("guard_floor", 1, "sync")), p50["floor"]),
             "session_landlock_minus_session_ms": minus(sess, sess_nol)}
+    # The seed recipe (issue 16): what a user hand-rolls; targets run <= 1.5x, arun c8 >= 0.7x.
+    seed = _p50(get("seed_bwrap", 1, "sync"))
+    out |= {"run_vs_seed_bwrap": div(p50["run"], seed), "raw_bwrap_vs_seed_bwrap": div(p50["raw"], seed)}
     for c in CONCURRENCY:
-        a, rb = get("arun", c, "asyncio"), get("raw_bwrap", c, "asyncio")
+        a, rb, sb = get("arun", c, "asyncio"), get("raw_bwrap", c, "asyncio"), get("seed_bwrap", c, "asyncio")
         if a and rb:
             out[f"arun_vs_raw_bwrap_calls_per_s_c{c}"] = div(a["calls_per_s"], rb["calls_per_s"])
+        if a and sb:
+            out[f"arun_vs_seed_bwrap_calls_per_s_c{c}"] = div(a["calls_per_s"], sb["calls_per_s"])
     return out
 
 
@@ -889,7 +939,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     compiles_before = len(_seccomp._cache)
 
     cases: list[Case] = []
-    raws: list[RawBwrap] = []
+    raws: list[RawBwrap | SeedBwrap] = []
     guards: list[GuardFloor] = []
     sess = SessionCases()
     if images is not None:
@@ -902,8 +952,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         cmd = COMMANDS[label]
         raw = RawBwrap(cmd)
         raws.append(raw)
+        seed = SeedBwrap(cmd)
+        raws.append(seed)
         cases += [Case("floor", label, 1, "sync", lambda c=cmd: floor_call(c)),
                   Case("subprocess", label, 1, "sync", lambda c=cmd: subprocess_call(c)),
+                  Case("seed_bwrap", label, 1, "sync", seed.call),
                   Case("raw_bwrap", label, 1, "sync", raw.call),
                   Case("run", label, 1, "sync", lambda c=cmd: run_call(c)),
                   Case("run_egress", label, 1, "sync", lambda c=cmd: run_egress_call(c))]
@@ -919,6 +972,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cases.append(pool1)
         for c in conc:
             cases.append(Case("raw_bwrap", label, c, "asyncio", raw.acall))
+            cases.append(Case("seed_bwrap", label, c, "asyncio", seed.acall))
             cases.append(Case("arun", label, c, "asyncio", lambda c_=cmd: arun_call(c_)))
             cases.append(Case("session", label, c, "asyncio", lambda c_=cmd: sess.asession_call(c_)))
             if c in (1, 8):

@@ -280,7 +280,7 @@ class AnchorOverlay:
 def anchor_argv(facts: HostFacts, helper: str, *, parent: int, report_fd: int | None, cgroup_fds: Sequence[int],
                 rlimits: Sequence[tuple[str, int, int]], ids: tuple[int, int] | None,
                 overlay: AnchorOverlay | None, keep_fds: Sequence[int], pass_fds: Sequence[int],
-                args_fd: int | None, command: Sequence[str]) -> list[str]:
+                args_fd: int | None, command: Sequence[str], cgroup_dir_fd: int | None = None) -> list[str]:
     """The argv exec'd for every sandbox: ``_lowlevel_exec OPTIONS -- bwrap --args FD -- COMMAND...``.
 
     The anchor (``native/lowlevel_exec.c``) dies with the caller (PR_SET_PDEATHSIG, checked),
@@ -296,7 +296,9 @@ def anchor_argv(facts: HostFacts, helper: str, *, parent: int, report_fd: int | 
         helper: the anchor's path.
         parent: the caller's PID (the anchor refuses to start when its parent is not it).
         report_fd: the anchor's end of the SEQPACKET report socket, or None (probe).
-        cgroup_fds: ``cgroup.procs`` fds to join.
+        cgroup_fds: cgroup v1 ``tasks`` fds the anchor joins (writes ``"0"``).
+        cgroup_dir_fd: the run's cgroup v2 directory: bwrap is created in it
+            (``clone3(CLONE_INTO_CGROUP)``), or None.
         rlimits: ``(name, soft, hard)`` triples (``RLIMIT_*`` names, -1 for none).
         ids: root callers: the sandbox's host ``(uid, gid)``; None for unprivileged callers.
         overlay: the copy-on-write workspace, or None (the workspace is bound as it is).
@@ -312,6 +314,8 @@ def anchor_argv(facts: HostFacts, helper: str, *, parent: int, report_fd: int | 
     if report_fd is not None:
         a.append(f"--report-fd={report_fd}")
     a += [f"--cgroup-fd={fd}" for fd in cgroup_fds]
+    if cgroup_dir_fd is not None:
+        a.append(f"--cgroup-dir-fd={cgroup_dir_fd}")
     a += [f"--rlimit={name}={_rlimit_value(soft)}:{_rlimit_value(hard)}" for name, soft, hard in rlimits]
     if ids is not None:
         a += [f"--uid={ids[0]}", f"--gid={ids[1]}"]

@@ -631,6 +631,7 @@ class Run:
         self.upper_bytes = 0
         self.mnt = ""
         self.cgroup_fds: list[int] = []
+        self.cgroup_dir_fd: int | None = None
         self.report: socket.socket | None = None
         self.report_child: socket.socket | None = None
         self.ready = False
@@ -753,8 +754,11 @@ class Run:
         if self.cgroup is None:
             self.notes.append("no writable cgroup hierarchy: memory, pids and CPU bounded by rlimits only")
         else:
-            for path in self.cgroup.procs_files():
+            tasks, v2_dir = self.cgroup.join_targets()
+            for path in tasks:
                 self.cgroup_fds.append(self._own(os.open(path, os.O_WRONLY | os.O_CLOEXEC)))
+            if v2_dir is not None:
+                self.cgroup_dir_fd = self._own(os.open(v2_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
         triples = _limits.rlimits(policy.limits, self.cgroup)
         if not (root and self.facts.cap_sys_resource):
             triples = _clamp_to_own_hard_limits(triples)
@@ -858,6 +862,10 @@ class Run:
             mapping.append((src, nxt))
             anchor_fds["cgroups"].append(nxt)
             nxt += 1
+        if self.cgroup_dir_fd is not None:
+            mapping.append((self.cgroup_dir_fd, nxt))
+            anchor_fds["cgroup_dir"] = nxt
+            nxt += 1
         self.anchor_fds = anchor_fds
         # Move every source above all targets first, so no dup2 clobbers a later source, and
         # no dup2 has src == dst (which would leave FD_CLOEXEC set). Every other fd of ours is
@@ -908,7 +916,8 @@ class Run:
                                 idmap=(self.lower_stat.st_uid, self.lower_stat.st_gid)
                                 if self.facts.caller_is_root else None)
         return anchor_argv(self.facts, _exec_helper(), parent=os.getpid(), report_fd=self.anchor_fds["report"],
-                           cgroup_fds=self.anchor_fds["cgroups"], rlimits=self.pre_exec_rlimits,
+                           cgroup_fds=self.anchor_fds["cgroups"], cgroup_dir_fd=self.anchor_fds.get("cgroup_dir"),
+                           rlimits=self.pre_exec_rlimits,
                            ids=self.host_ids if self.facts.caller_is_root else None, overlay=ov,
                            keep_fds=(self.anchor_fds["lease"],) if "lease" in self.anchor_fds else (),
                            pass_fds=self.pass_fds, args_fd=ARGS_FD, command=self._inner_command())
@@ -959,6 +968,7 @@ class Run:
                 os.close(fd)
                 self.fds.remove(fd)
         self.cgroup_fds.clear()
+        self.cgroup_dir_fd = None
         if self.lease is not None:
             self.lease.release()  # the anchor holds the lease now, for as long as it lives
         if self.report_child is not None:

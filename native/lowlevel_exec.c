@@ -14,9 +14,15 @@
  *      exists at which the caller's death leaves a process of the sandbox alive, including
  *      bwrap's child blocked in its setup (which --die-with-parent alone does not cover).
  *   3. Limits are in force before any process of the sandbox exists: the anchor joins the
- *      run's cgroups (writes "0" to each cgroup.procs fd it is given) and its child sets the
- *      rlimits before exec'ing bwrap. No --block-fd handshake: nothing can let the program
+ *      run's cgroup v1 hierarchies (writes "0" to each fd it is given: the "tasks" file), bwrap
+ *      is born in the run's cgroup v2 (clone3(CLONE_INTO_CGROUP)), and the anchor's child sets
+ *      the rlimits before exec'ing bwrap. No --block-fd handshake: nothing can let the program
  *      start early (bwrap reads EOF on --block-fd as "go").
+ *      Why "tasks" and CLONE_INTO_CGROUP, never a write to cgroup.procs: moving a whole process
+ *      takes cgroup_threadgroup_rwsem for writing, whose rcu_sync_enter() waits for a full RCU
+ *      grace period (measured 8.7 ms p50 here, bench/README.md); a thread moving itself (v1
+ *      "tasks", pid 0) skips that lock, and a process born in its cgroup is never moved
+ *      (kernel/cgroup/cgroup.c cgroup_procs_write_start, cgroup_css_set_fork; clone(2)).
  *   4. The caller gets, over a SOCK_SEQPACKET socket (--report-fd), a READY message carrying
  *      (SCM_RIGHTS) a pidfd of bwrap (PID 1 of the namespace: readable only once every process
  *      of the sandbox is gone) and, with an overlay, an fd on the run's upper directory. bwrap
@@ -40,7 +46,11 @@
  *
  * Options:
  *   --parent=PID          required: the caller's PID (the anchor checks getppid() == PID)
- *   --cgroup-fd=N         an O_WRONLY cgroup.procs fd: the anchor joins it ("0"); repeatable
+ *   --cgroup-fd=N         an O_WRONLY cgroup v1 "tasks" (or cgroup.procs) fd: the anchor joins
+ *                         it (writes "0": itself, single-threaded); repeatable
+ *   --cgroup-dir-fd=N     an O_DIRECTORY fd of the run's cgroup v2 directory: bwrap is created
+ *                         in it with clone3(CLONE_INTO_CGROUP) (Linux 5.7); where clone3 lacks
+ *                         it, the child writes "0" to its cgroup.procs before anything else
  *   --rlimit=NAME=S:H     setrlimit(2) in the child before bwrap (S, H decimal or "unlimited")
  *   --uid=U --gid=G       (root callers) bwrap runs as U/G: setgroups(0), setresgid,
  *                         setresuid, verified; the anchor itself stays root, in its own
@@ -105,6 +115,40 @@
 #ifndef MOVE_MOUNT_F_EMPTY_PATH
 #define MOVE_MOUNT_F_EMPTY_PATH 0x00000004
 #endif
+#ifndef CLONE_INTO_CGROUP
+#define CLONE_INTO_CGROUP 0x200000000ULL
+#endif
+#ifndef SYS_clone3
+#define SYS_clone3 435
+#endif
+
+/* struct clone_args up to .cgroup (CLONE_ARGS_SIZE_VER2, Linux 5.7). */
+struct ll_clone_args {
+    uint64_t flags, pidfd, child_tid, parent_tid, exit_signal, stack, stack_size, tls, set_tid, set_tid_size, cgroup;
+};
+
+/* fork(), into the cgroup v2 directory cg_dir when it is >= 0. The child of a raw clone3 runs
+ * only async-signal-safe code before its exec (as after fork). Returns -1 with errno; sets
+ * *joined when the kernel placed the child in cg_dir (else the child must join itself). */
+static pid_t fork_into(int cg_dir, int *joined) {
+    *joined = 0;
+    if (cg_dir >= 0) {
+        struct ll_clone_args args;
+        memset(&args, 0, sizeof args);
+        args.flags = CLONE_INTO_CGROUP;
+        args.exit_signal = SIGCHLD;
+        args.cgroup = (uint64_t)cg_dir;
+        long pid = syscall(SYS_clone3, &args, sizeof args);
+        if (pid >= 0) {
+            *joined = 1;
+            return (pid_t)pid;
+        }
+        /* Older kernels: no clone3 (ENOSYS), or a struct it does not know (E2BIG/EINVAL). */
+        if (errno != ENOSYS && errno != E2BIG && errno != EINVAL)
+            return -1;
+    }
+    return fork();
+}
 
 struct ll_mount_attr {
     uint64_t attr_set, attr_clr, propagation, userns_fd;
@@ -456,6 +500,7 @@ int main(int argc, char **argv) {
     } limits[MAX_RLIMITS];
     int nlimits = 0, have_uid = 0, have_gid = 0, userns = 0, report_fd = -1, i;
     int cgroup_fds[MAX_FDS], ncgroup = 0, keep_fds[MAX_FDS], nkeep = 0, pass[4 * MAX_FDS], npass = 0;
+    int cgroup_dir = -1;
     unsigned int uid = 0, gid = 0;
     pid_t parent = 0;
     struct overlay ov = {.lower_fd = -1, .tree_fd = -1};
@@ -511,6 +556,10 @@ int main(int argc, char **argv) {
             if (ncgroup == MAX_FDS)
                 die("too many options", a);
             cgroup_fds[ncgroup++] = need_fd(a, a + 12);
+        } else if (strncmp(a, "--cgroup-dir-fd=", 16) == 0) {
+            if (cgroup_dir >= 0)
+                die("bad option (given twice)", a);
+            cgroup_dir = need_fd(a, a + 16);
         } else if (strncmp(a, "--keep-fd=", 10) == 0) {
             if (nkeep == MAX_FDS)
                 die("too many options", a);
@@ -580,7 +629,7 @@ int main(int argc, char **argv) {
     /* 1. Die with the caller. */
     arm_pdeathsig(parent);
     /* Our own fds never reach bwrap. */
-    int own[3 * MAX_FDS + 2], nown = 0;
+    int own[3 * MAX_FDS + 3], nown = 0;
     for (int k = 0; k < ncgroup; k++)
         own[nown++] = cgroup_fds[k];
     for (int k = 0; k < nkeep; k++)
@@ -589,6 +638,8 @@ int main(int argc, char **argv) {
         own[nown++] = report_fd;
     if (ov.lower_fd >= 0)
         own[nown++] = ov.lower_fd;
+    if (cgroup_dir >= 0)
+        own[nown++] = cgroup_dir;
     for (int k = 0; k < nown; k++)
         if (fcntl(own[k], F_SETFD, FD_CLOEXEC) != 0)
             die("fcntl", "(F_SETFD, FD_CLOEXEC)");
@@ -601,10 +652,11 @@ int main(int argc, char **argv) {
         close_others(keep, nk);
     }
 
-    /* 2. Join the run's cgroups: every process of the sandbox is born in them. */
+    /* 2. Join the run's cgroup v1 hierarchies (a thread moving itself: no global lock, see 3.
+     * above): every process of the sandbox is born in them. The v2 one: at the fork, step 4. */
     for (int k = 0; k < ncgroup; k++) {
         if (write(cgroup_fds[k], "0", 1) != 1)
-            die("join cgroup: write(\"0\") to cgroup.procs", NULL);
+            die("join cgroup: write(\"0\") to its tasks file", NULL);
         close(cgroup_fds[k]);
     }
 
@@ -665,12 +717,20 @@ int main(int argc, char **argv) {
     int go[2];
     if (pipe2(go, O_CLOEXEC) != 0)
         die("pipe2", NULL);
-    pid_t child = fork();
+    int in_cgroup = 0;
+    pid_t child = fork_into(cgroup_dir, &in_cgroup);
     if (child < 0)
-        die("fork", "(the sandbox's PID 1)");
+        die("clone3/fork", "(the sandbox's PID 1)");
     if (child == 0) {
         char b;
         close(go[1]);
+        if (cgroup_dir >= 0 && !in_cgroup) {
+            /* No CLONE_INTO_CGROUP: join the v2 cgroup before anything else (a migration). */
+            int fd = openat(cgroup_dir, "cgroup.procs", O_WRONLY | O_CLOEXEC);
+            if (fd < 0 || write(fd, "0", 1) != 1)
+                die("join cgroup: write(\"0\") to cgroup.procs", NULL);
+            close(fd);
+        }
         if (report_fd >= 0)
             close(report_fd);
         if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0)
@@ -721,6 +781,8 @@ int main(int argc, char **argv) {
         _exit(EXIT_EXEC);
     }
     close(go[0]);
+    if (cgroup_dir >= 0)
+        close(cgroup_dir);
 
     /* 5. READY: the caller gets bwrap's pidfd (and the upper dir) before bwrap starts. */
     int pidfd = (int)syscall(SYS_pidfd_open, child, 0);

@@ -137,6 +137,7 @@ def test_refuses_to_exec_when_setgroups_fails_unprivileged(marker: Path, request
     ["--pass-fds=3,x"],
     ["--idmap=0:0"],                                  # needs --uid/--gid and --mnt
     ["--mnt=relative", "--lower-fd=0"],
+    ["--cgroup-dir-fd=2"],                            # fds 0-2 are never ours
 ])
 def test_bad_arguments_exit_125_without_exec(marker: Path, args: list[str]):
     proc = _helper(args, marker)
@@ -199,3 +200,75 @@ def test_launcher_reports_a_failing_helper_as_setup_failure(monkeypatch: pytest.
     with pytest.raises(lowlevel.LaunchError) as info:
         lowlevel.run(["true"])
     assert "setresuid" in str(info.value)
+
+
+# -- joining the run's cgroups ------------------------------------------------------------------
+
+#: Records the target's own /proc/self/cgroup and its parent's (the anchor's).
+CGROUP_PROBE = """
+import sys
+ppid = open('/proc/self/stat').read().rsplit(')', 1)[1].split()[1]  # host /proc: the anchor's host PID
+open(sys.argv[1], 'w').write(repr({'self': open('/proc/self/cgroup').read(),
+                                   'anchor': open(f'/proc/{ppid}/cgroup').read()}))
+"""
+
+
+def _seccomp_enosys(nr: int) -> None:
+    """preexec_fn: a seccomp filter making syscall ``nr`` fail with ENOSYS (an older kernel)."""
+    import ctypes
+    import struct
+    ld, jeq, ret = 0x20, 0x15, 0x06  # BPF_LD|BPF_W|BPF_ABS, BPF_JMP|BPF_JEQ|BPF_K, BPF_RET|BPF_K
+    allow, enosys = 0x7FFF0000, 0x00050000 | 38
+    prog = [(ld, 0, 0, 4), (jeq, 0, 3, 0xC000003E), (ld, 0, 0, 0), (jeq, 0, 1, nr), (ret, 0, 0, enosys),
+            (ret, 0, 0, allow)]
+    buf = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *i) for i in prog))
+    fprog = struct.pack("HxxxxxxP", len(prog), ctypes.addressof(buf))
+    libc = ctypes.CDLL(None, use_errno=True)
+    fp = ctypes.create_string_buffer(fprog)
+    if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.prctl(22, 2, fp, 0, 0) != 0:  # NO_NEW_PRIVS, SET_SECCOMP
+        raise OSError(ctypes.get_errno(), "seccomp")
+
+
+@needs_helper
+@pytest.mark.root
+@pytest.mark.parametrize("clone3", ["clone_into_cgroup", "enosys"])
+def test_cgroup_join_v1_tasks_and_v2_born_inside(marker: Path, clone3: str):
+    """v1: the anchor writes "0" to each tasks fd (it moves itself); v2: bwrap's stand-in is
+    born in the run's v2 directory (clone3 CLONE_INTO_CGROUP), the anchor stays out of it.
+    Where clone3 fails with ENOSYS (an old kernel), the child joins the v2 directory itself."""
+    from lowlevel import limits as _limits
+    support = _limits.detect_cgroups()
+    v1 = support.hierarchy_for("pids") or support.hierarchy_for("memory")
+    v2 = support.v2
+    if v1 is None or v1.version != 1 or v2 is None or v2.base is None:
+        pytest.skip("needs a writable cgroup v1 hierarchy and a writable v2 one (a hybrid host)")
+    name = f"{os.getpid()}-exec-test-{clone3}"
+    dirs = [os.path.join(v1.base or "", name), os.path.join(v2.base, name)]
+    for d in dirs:
+        os.mkdir(d)
+    tasks = os.open(os.path.join(dirs[0], "tasks"), os.O_WRONLY | os.O_CLOEXEC)
+    v2_dir = os.open(dirs[1], os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        script = (f"{HELPER} --parent=$$ --cgroup-fd={tasks} --cgroup-dir-fd={v2_dir} --uid=65534 --gid=65534 "
+                  f"-- /usr/bin/python3 -c \"$0\" \"$1\"; exit $?")
+        proc = subprocess.run(["/bin/sh", "-c", script, CGROUP_PROBE, str(marker)], capture_output=True, text=True,
+                              timeout=30, pass_fds=(tasks, v2_dir),
+                              preexec_fn=(lambda: _seccomp_enosys(435)) if clone3 == "enosys" else None)
+        assert proc.returncode == 0, proc.stderr
+        seen = {k: _limits.parse_proc_cgroup(v) for k, v in eval(marker.read_text()).items()}  # noqa: S307
+        v1_key = next(k for k in seen["self"] if k and set(k.split(",")) & v1.controllers)
+        rel = [d[len(h.mount):] for d, h in zip(dirs, (v1, v2))]
+        assert seen["self"][v1_key] == rel[0] and seen["anchor"][v1_key] == rel[0]
+        assert seen["self"][""] == rel[1]
+        assert seen["anchor"][""] != rel[1]  # never moved on v2: the child was born there
+    finally:
+        os.close(tasks)
+        os.close(v2_dir)
+        for d in dirs:
+            for _ in range(100):
+                try:
+                    os.rmdir(d)
+                    break
+                except OSError:
+                    import time
+                    time.sleep(0.01)

@@ -91,8 +91,8 @@ def test_every_caller_goes_through_the_anchor():
                     "/usr/bin/bwrap", "--args", "3", "--", "true"]
     argv = anchor_argv(facts, helper, ids=(70000, 70000), **{
         **common, "rlimits": [("RLIMIT_CPU", 5, 6), ("RLIMIT_AS", -1, -1), ("RLIMIT_CORE", 0, 0)],
-        "cgroup_fds": (13, 14), "keep_fds": (15,)})
-    assert argv == [helper, "--parent=42", "--report-fd=12", "--cgroup-fd=13", "--cgroup-fd=14",
+        "cgroup_fds": (13, 14), "cgroup_dir_fd": 16, "keep_fds": (15,)})
+    assert argv == [helper, "--parent=42", "--report-fd=12", "--cgroup-fd=13", "--cgroup-fd=14", "--cgroup-dir-fd=16",
                     "--rlimit=RLIMIT_CPU=5:6", "--rlimit=RLIMIT_AS=unlimited:unlimited", "--rlimit=RLIMIT_CORE=0:0",
                     "--uid=70000", "--gid=70000", "--keep-fd=15", "--pass-fds=3,4", "--",
                     "/usr/bin/bwrap", "--args", "3", "--", "true"]
