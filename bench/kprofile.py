@@ -60,17 +60,19 @@ _SCHED_FRAMES = re.compile(r"^(__schedule|schedule|schedule_idle|schedule_timeou
 
 # --- driving (runs under perf) ------------------------------------------------------------------
 
-def drive(calls: int, modes: list[str], out: str) -> None:
+def drive(calls: int, modes: list[str], out: str, src: str | None = None) -> None:
     """Run the calls; write ``[{mode, t0, t1, pid}]`` (CLOCK_MONOTONIC ns) to ``out``."""
+    if src:
+        sys.path.insert(0, src)  # another checkout's lowlevel (built in place): a before/after
     import lowlevel
-    import startup  # bench/startup.py: the same seed and raw cases
+    import startup  # bench/startup.py: the same seed and raw cases (its lowlevel is the one above)
 
     cmd = ["/usr/bin/true"]
     seed, raw = startup.SeedBwrap(cmd), startup.RawBwrap(cmd)
 
     def run_call() -> None:
         r = lowlevel.run(cmd)
-        shutil.rmtree(r.workspace, ignore_errors=True)
+        workspaces.append(r.workspace)
 
     def run_no_overlay() -> None:
         os.environ["LOWLEVEL_NO_OVERLAY"] = "1"
@@ -79,6 +81,7 @@ def drive(calls: int, modes: list[str], out: str) -> None:
         finally:
             del os.environ["LOWLEVEL_NO_OVERLAY"]
 
+    workspaces: list[str] = []
     fns = {"seed": seed.call, "raw": raw.call, "run": run_call, "run_no_overlay": run_no_overlay}
     for m in modes:  # warm-up, unrecorded windows
         for _ in range(3):
@@ -91,7 +94,12 @@ def drive(calls: int, modes: list[str], out: str) -> None:
             fns[m]()
             t1 = time.monotonic_ns()
             windows.append({"mode": m, "t0": t0, "t1": t1})
-            time.sleep(0.002)  # let deferred kernel work of this call finish before the next
+            # Outside the window (which ends 2 ms after t1, for exit tails): the workspace's
+            # removal, then a pause so deferred kernel work of this call ends before the next.
+            time.sleep(0.003)
+            while workspaces:
+                shutil.rmtree(workspaces.pop(), ignore_errors=True)
+            time.sleep(0.002)
     seed.close()
     raw.close()
     with open(out, "w") as f:
@@ -323,11 +331,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {MODES}")
     ap.add_argument("--out", help="keep perf.data and the windows here (default: a temp dir, removed)")
     ap.add_argument("--json", help="write the per-mode figures as JSON")
+    ap.add_argument("--src", help="import lowlevel from this checkout (built in place) instead of this one")
     ap.add_argument("--drive", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     if args.drive:
-        drive(args.calls, modes, args.drive)
+        drive(args.calls, modes, args.drive, args.src)
         return 0
     if shutil.which("perf") is None:
         print("needs perf (apt-get install linux-perf) and root", file=sys.stderr)
@@ -342,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, PYTHONPATH=HERE)
     cmd = ["perf", "record", "-q", "-k", "mono", "-m", "16M", "-o", data, *events, "-a", "--",
            sys.executable, os.path.abspath(__file__), "--drive", wfile, "--calls", str(args.calls),
-           "--modes", ",".join(modes)]
+           "--modes", ",".join(modes), *(["--src", os.path.abspath(args.src)] if args.src else [])]
     subprocess.run(cmd, check=True, env=env)
     with open(wfile) as f:
         w = json.load(f)

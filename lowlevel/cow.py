@@ -150,12 +150,15 @@ def ensure_root_state_dir() -> str:
     """
     for path, mode in ((ROOT_STATE_DIR, 0o711), (os.path.join(ROOT_STATE_DIR, "mnt"), 0o755)):
         try:
-            os.mkdir(path, mode)
-        except FileExistsError:
-            pass
-        except OSError as err:
-            raise WorkspaceError(err.errno, f"cannot create {path}: {err.strerror}") from err
-        st = os.lstat(path)
+            st = os.lstat(path)  # the common case, once per run: it exists (no failing mkdir)
+        except FileNotFoundError:
+            try:
+                os.mkdir(path, mode)
+            except FileExistsError:
+                pass
+            except OSError as err:
+                raise WorkspaceError(err.errno, f"cannot create {path}: {err.strerror}") from err
+            st = os.lstat(path)
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or stat.S_IMODE(st.st_mode) & 0o022:
             raise WorkspaceError(errno.EPERM, f"{path} must be a directory owned by root, not writable by others; "
                                  "remove it and run again")

@@ -448,12 +448,13 @@ def ensure_base(base: str) -> str:
     if not isinstance(base, str) or not base or "\0" in base:
         raise WorkspaceError(errno.EINVAL, f"invalid workspace base {base!r}")
     base = os.path.abspath(base)
+    real = os.path.realpath(base)
     for sysdir in SYSTEM_DIRS:
-        if _inside(sysdir, os.path.realpath(base)):
+        if _inside(sysdir, real):
             # Never chmod (below) or fill a system or shared directory: `workspace_base="/tmp"` as
             # root made /tmp mode 0711.
             raise WorkspaceError(errno.EPERM, f"refusing workspace base {base}: it "
-                                 f"{'is' if sysdir == os.path.realpath(base) else 'contains'} the system directory "
+                                 f"{'is' if sysdir == real else 'contains'} the system directory "
                                  f"{sysdir}. Use a dedicated directory, e.g. {os.path.join(sysdir, 'lowlevel')}")
     try:
         os.makedirs(base, 0o711, exist_ok=True)

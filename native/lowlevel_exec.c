@@ -330,37 +330,31 @@ static int fail(const char *what, const char *arg) {
 }
 
 /* A user namespace whose maps are "OUID UID 1" / "OGID GID 1", for MOUNT_ATTR_IDMAP: made by a
- * short-lived child that unshares CLONE_NEWUSER and waits while we write its maps. */
+ * child cloned straight into a new user namespace (clone(CLONE_NEWUSER)), sharing our memory
+ * (CLONE_VM: no page tables to copy) and running nothing but pause() on a stack of its own. The
+ * namespace exists when clone returns, so we write its maps at once (no handshake: one process
+ * hand-off less, ~1 ms on a busy host), open /proc/CHILD/ns/user, then kill and reap it. Its
+ * parent-death signal covers our death in between. Source: clone(2), user_namespaces(7). */
+static char idmap_stack[16384] __attribute__((aligned(64)));
+static pid_t idmap_parent;
+
+static int idmap_child(void *arg) {
+    (void)arg;
+    /* Only raw system calls: we share the anchor's memory (and glibc's errno) while it runs. */
+    syscall(SYS_prctl, PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
+    if (syscall(SYS_getppid) != idmap_parent)
+        syscall(SYS_exit, 1);
+    for (;;)
+        syscall(SYS_pause);
+    return 0;
+}
+
 static int idmap_userns(const struct overlay *o) {
-    int up[2], down[2];
-    if (pipe2(up, O_CLOEXEC) != 0 || pipe2(down, O_CLOEXEC) != 0)
-        die("pipe2", NULL);
-    pid_t child = fork();
+    idmap_parent = getpid();
+    pid_t child = clone(idmap_child, idmap_stack + sizeof idmap_stack, CLONE_VM | CLONE_NEWUSER | SIGCHLD, NULL);
     if (child < 0)
-        die("fork", "(idmap user namespace)");
-    if (child == 0) {
-        char b = 0;
-        close(up[0]);
-        close(down[1]);
-        if (unshare(CLONE_NEWUSER) != 0)
-            _exit(1);
-        if (write(up[1], &b, 1) != 1)
-            _exit(1);
-        while (read(down[0], &b, 1) < 0 && errno == EINTR) /* EOF: the parent is done */
-            ;
-        _exit(0);
-    }
-    close(up[1]);
-    close(down[0]);
-    char path[64], map[64], b;
-    ssize_t n;
-    do
-        n = read(up[0], &b, 1);
-    while (n < 0 && errno == EINTR);
-    if (n != 1) {
-        errno = EPERM;
-        die("unshare(CLONE_NEWUSER) for the idmapped workspace failed", NULL);
-    }
+        die("clone", "(CLONE_NEWUSER, for the idmapped workspace)");
+    char path[64], map[64];
     snprintf(path, sizeof path, "/proc/%d/uid_map", (int)child);
     snprintf(map, sizeof map, "%u %u 1\n", o->owner_uid, o->uid);
     write_file(path, map);
@@ -371,8 +365,7 @@ static int idmap_userns(const struct overlay *o) {
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0)
         die("open", path);
-    close(down[1]);
-    close(up[0]);
+    kill(child, SIGKILL);
     int st;
     while (waitpid(child, &st, 0) < 0 && errno == EINTR)
         ;
