@@ -163,9 +163,27 @@ class _Supervision:
             self.remove_reader(fd)
             self._wakeup()
 
+    def on_exit_report(self) -> None:
+        """After READY: the anchor's EXIT (bwrap reaped: the sandbox is gone)."""
+        r = self.r
+        sock = r.report
+        if sock is None:
+            return
+        fd = sock.fileno()
+        if r.read_exit() or r.report is None:
+            self.remove_reader(fd)
+            if r.exit_reported and r.pidfd is not None:
+                self.remove_reader(r.pidfd)
+                self.bwrap_exited = True
+            self._wakeup()
+
     def on_bwrap_exit(self) -> None:
         assert self.r.pidfd is not None
         self.remove_reader(self.r.pidfd)
+        if self.r.report is not None:
+            self.remove_reader(self.r.report.fileno())
+            if self.r.ready:
+                self.r.read_exit()  # sent before it exited: bwrap's own status and rusage
         self.bwrap_exited = True
         self._wakeup()
 
@@ -327,6 +345,8 @@ async def _drive(r: Run, sup: _Supervision) -> Result:
     if r.stdin_w is not None and not r.feed_stdin():
         sup.writer = r.stdin_w
         sup.loop.add_writer(r.stdin_w, sup.on_stdin)
+    if r.report is not None:
+        sup.add_reader(r.report.fileno(), sup.on_exit_report)
     if r.deadline is not None:
         sup.timer = sup.loop.call_later(max(0.0, r.deadline - time.monotonic()), sup.on_deadline)
     while not sup.bwrap_exited:
@@ -345,9 +365,13 @@ async def _drive(r: Run, sup: _Supervision) -> Result:
                         r.read_fd(attr)
                     r._close_fd(attr)
             break
-    # Building the Result reads (and commits) the run's upper layer: file work, off the loop.
+    # Building the Result reads (and commits) the run's upper layer: file work, off the loop,
+    # while the anchor tears down its mount namespace; then reap it without blocking the loop.
     box: list[Result] = []
     await _step(lambda: box.append(r.result()))
+    if r.pidfd is not None and not r.anchor_reaped:
+        await sup.readable(r.pidfd, INIT_KILL_TIMEOUT_S + INIT_EXIT_TIMEOUT_S)
+        r.reap_anchor(block=False)
     return box[0]
 
 

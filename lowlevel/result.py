@@ -56,7 +56,8 @@ class Result:
             os.wait4 cannot see them).
         peak_memory_bytes: the cgroup's peak memory (``memory.peak`` /
             ``memory.max_usage_in_bytes``), or None.
-        max_rss_bytes: bwrap's own max RSS from os.wait4 (bytes), a floor, not the program's.
+        max_rss_bytes: the largest max RSS of bwrap and the processes it waited for (the
+            program's included), from bwrap's ``wait4`` rusage (``ru_maxrss``), bytes.
         oom_kills: OOM kills counted in the cgroup, or None.
         limits_enforced: what actually applied, e.g. ``("RLIMIT_CPU", "cgroup:memory", ...)``.
         changes: files added, modified and deleted in the workspace.

@@ -73,6 +73,9 @@
  *   caller -> anchor  "RESET"   stack a fresh overlay (new upper) on ws/; previous stacked
  *                               one unmounted first (propagates into the sandbox)
  *   anchor -> caller  "RESET_OK" + SCM_RIGHTS [new upper fd], or "RESET_ERR <message>"
+ *   anchor -> caller  "EXIT <wait status> <maxrss>" once bwrap is reaped (the sandbox is gone),
+ *                     before the anchor's own exit: bwrap's wait(2) status, the largest
+ *                     ru_maxrss (KiB) of bwrap and what it waited for
  *
  * Fails closed: any failing call before bwrap's exec prints one line naming the call to stderr
  * and exits 125 (the child: 125 too, or 127 when execv fails); nothing of the sandbox starts.
@@ -800,6 +803,21 @@ int main(int argc, char **argv) {
         kill(child, SIGKILL);
         die("write", "(go)");
     }
+    /* bwrap has its own copies now: drop ours, so the caller's pipes reach EOF as soon as the
+     * sandbox is gone, not when we are (our exit tears down the mount namespace: the overlay
+     * and the tmpfs, two expedited RCU grace periods). stdio goes to /dev/null. */
+    for (int k = 0; k < npass; k++)
+        if (pass[k] > 2)
+            close(pass[k]);
+    {
+        int null = open("/dev/null", O_RDWR | O_CLOEXEC);
+        if (null >= 0) {
+            dup2(null, 0);
+            dup2(null, 1);
+            dup2(null, 2);
+            close(null);
+        }
+    }
 
     /* 6. Wait for bwrap; serve RESET requests meanwhile. */
     for (;;) {
@@ -830,9 +848,18 @@ int main(int argc, char **argv) {
         }
     }
     int status;
-    while (waitpid(child, &status, 0) < 0)
+    struct rusage ru;
+    while (wait4(child, &status, 0, &ru) < 0)
         if (errno != EINTR)
-            die("waitpid", NULL);
+            die("wait4", NULL);
+    /* EXIT: bwrap's wait status and the largest RSS of the sandbox's processes (KiB: bwrap's
+     * rusage covers every descendant it waited for), before our own teardown, which the caller
+     * need not wait for to build its Result. */
+    if (report_fd >= 0) {
+        char msg[96];
+        snprintf(msg, sizeof msg, "EXIT %d %ld", status, (long)ru.ru_maxrss);
+        send_msg(report_fd, msg, NULL, 0);
+    }
     if (WIFEXITED(status))
         return WEXITSTATUS(status);
     return 128 + WTERMSIG(status);
