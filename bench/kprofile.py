@@ -331,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {MODES}")
     ap.add_argument("--out", help="keep perf.data and the windows here (default: a temp dir, removed)")
     ap.add_argument("--json", help="write the per-mode figures as JSON")
+    ap.add_argument("--no-syscalls", action="store_true",
+                    help="leave out the syscall tracepoints (much less overhead: timelines closer to the truth)")
     ap.add_argument("--src", help="import lowlevel from this checkout (built in place) instead of this one")
     ap.add_argument("--drive", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -345,8 +347,10 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(out, exist_ok=True)
     data, wfile = os.path.join(out, "perf.data"), os.path.join(out, "windows.json")
     events = ["-e", "sched:sched_switch/call-graph=fp/"]
-    for ev in ("sched:sched_process_fork", "sched:sched_process_exec", "sched:sched_process_exit",
-               "raw_syscalls:sys_enter", "raw_syscalls:sys_exit"):
+    tracepoints = ["sched:sched_process_fork", "sched:sched_process_exec", "sched:sched_process_exit"]
+    if not args.no_syscalls:
+        tracepoints += ["raw_syscalls:sys_enter", "raw_syscalls:sys_exit"]
+    for ev in tracepoints:
         events += ["-e", f"{ev}/call-graph=no/"]
     env = dict(os.environ, PYTHONPATH=HERE)
     cmd = ["perf", "record", "-q", "-k", "mono", "-m", "16M", "-o", data, *events, "-a", "--",

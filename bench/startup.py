@@ -794,6 +794,50 @@ def guard_cpu(n: int) -> dict[str, Any]:
     return out
 
 
+def cli_startup(n: int) -> dict[str, Any]:
+    """The whole ``lowlevel`` process, paired with the interpreter's own start (issue 16).
+
+    Alternates ``lowlevel run --rm -- /usr/bin/true`` (the console script next to this
+    interpreter, else ``python -m lowlevel``) and ``python -c pass`` (the same interpreter,
+    so both pay its ``site`` start-up, an editable install's import hook included), ``n``
+    pairs after 3 warm-up pairs that let Python write its bytecode caches. Wall time from
+    ``posix_spawn`` to ``waitpid``, and CPU (``os.wait4`` rusage: the process and every child
+    it waited for: the anchor, bwrap, the program).
+    """
+    exe = os.path.join(os.path.dirname(sys.executable), "lowlevel")
+    cli = [exe] if os.access(exe, os.X_OK) else [sys.executable, "-m", "lowlevel"]
+    cases = {"cli": [*cli, "run", "--rm", "--", "/usr/bin/true"], "python_startup": [sys.executable, "-c", "pass"]}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    wall: dict[str, list[float]] = {k: [] for k in cases}
+    cpu: dict[str, list[float]] = {k: [] for k in cases}
+    errors = 0
+    for i in range(n + 3):
+        for name in (list(cases) if i % 2 else list(cases)[::-1]):
+            argv = cases[name]
+            t = time.perf_counter_ns()
+            pid = os.posix_spawn(argv[0], argv, env, file_actions=[
+                (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                (os.POSIX_SPAWN_DUP2, _DEVNULL_W, 1), (os.POSIX_SPAWN_DUP2, _DEVNULL_W, 2)])
+            _, status, ru = os.wait4(pid, 0)
+            dt = (time.perf_counter_ns() - t) / 1e6
+            if status:
+                errors += 1
+                continue
+            if i >= 3:
+                wall[name].append(dt)
+                cpu[name].append((ru.ru_utime + ru.ru_stime) * 1e3)
+    out: dict[str, Any] = {"command": " ".join(cases["cli"]), "n": len(wall["cli"]), "errors": errors}
+    for name in cases:
+        w = sorted(wall[name])
+        out[f"{name}_p50_ms"] = round(percentile(w, 50), 3)
+        out[f"{name}_p90_ms"] = round(percentile(w, 90), 3)
+        out[f"{name}_cpu_ms_mean"] = round(sum(cpu[name]) / max(1, len(cpu[name])), 3)
+        out[f"{name}_samples_ms"] = [round(x, 3) for x in wall[name]]
+    out["cli_vs_python_startup"] = round(out["cli_p50_ms"] / out["python_startup_p50_ms"], 3) \
+        if out["python_startup_p50_ms"] else None
+    return out
+
+
 def one_time_costs() -> dict[str, Any]:
     """First call of the process (probes, seccomp compile, imports), then each part alone."""
     out: dict[str, Any] = {"import_lowlevel_ms": round(IMPORT_MS, 3)}

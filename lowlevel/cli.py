@@ -170,13 +170,34 @@ def _cwd_spec(text: str) -> str:
     return os.path.normpath(path)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argparse parser for ``lowlevel`` (exposed for docs and tests)."""
+#: The subcommands, in the order ``lowlevel --help`` lists them.
+COMMANDS = ("run", "doctor", "cleanup", "replay", "mcp", "image")
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The argparse parser for ``lowlevel`` (exposed for docs and tests).
+
+    Args:
+        only: build just this subcommand's parser (what :func:`main` does once it knows the
+            command: the others, ``image`` above all, cost ~10-40 ms of imports and argparse
+            set-up at every CLI start); None builds them all (``lowlevel --help``, an unknown
+            command, docs).
+    """
     parser = _Parser(prog="lowlevel", description="Run untrusted programs in a bubblewrap "
                                      "sandbox with seccomp and resource limits.")
     parser.add_argument("--version", action="version", version=f"lowlevel {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="{run,doctor,cleanup,replay,mcp,image}")
+    if only in (None, "run"):
+        _add_run(sub)
+    if only in (None, "cleanup", "doctor", "replay", "mcp"):
+        _add_others(sub, only)
+    if only in (None, "image"):
+        from .image_cli import add_image_parser
+        add_image_parser(sub)
+    return parser
 
+
+def _add_run(sub: Any) -> None:
     p = sub.add_parser("run", help="run a command in a fresh sandbox",
                        description="Run COMMAND in a fresh sandbox. Put -- before the command.")
     p.add_argument("--workspace", metavar="DIR", help="existing host dir bound read-write at /workspace "
@@ -250,15 +271,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Landlock, the second wall (default on: best effort; require: fail without it)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARG...]")
 
+
+def _add_others(sub: Any, only: str | None) -> None:
+    if only in (None, "cleanup"):
+        _add_cleanup(sub)
+    if only in (None, "doctor"):
+        d = sub.add_parser("doctor", help="check what this host can do")
+        d.add_argument("--json", action="store_true", help="print a JSON report")
+    if only in (None, "replay"):
+        _add_replay(sub)
+    if only in (None, "mcp"):
+        _add_mcp(sub)
+
+
+def _add_cleanup(sub: Any) -> None:
     c = sub.add_parser("cleanup", help="remove what interrupted runs left (stale cgroups, egress sockets, "
                        "commit temporaries); never a workspace")
     c.add_argument("--workspace", metavar="DIR", action="append", default=[],
                    help="also remove interrupted commits' temporaries in DIR (repeatable)")
     c.add_argument("--dry-run", action="store_true", help="list, remove nothing")
     c.add_argument("--json", action="store_true", help="print one JSON object")
-    d = sub.add_parser("doctor", help="check what this host can do")
-    d.add_argument("--json", action="store_true", help="print a JSON report")
 
+
+def _add_replay(sub: Any) -> None:
     r = sub.add_parser("replay", help="rerun a recorded run and compare its outputs",
                        description="Rerun the run recorded in FILE (written by `lowlevel run --record FILE`) "
                        "with the same policy and inputs. Exit 0: outputs match; 1: they differ; 125: cannot replay.")
@@ -272,6 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "seccomp off, higher limits); a record is untrusted input")
     r.add_argument("--image-store", metavar="DIR", help="image store holding the record's image")
 
+
+def _add_mcp(sub: Any) -> None:
     m = sub.add_parser("mcp", help="serve the Model Context Protocol over stdio",
                        description="MCP tool server over stdio. The operator's settings (file and flags) bound "
                        "every request: clients can narrow limits, never widen them.")
@@ -291,9 +328,6 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--pids", metavar="N", type=_positive_int, help="process ceiling")
     m.add_argument("--allow-bind", metavar="PATH", action="append", default=None,
                    help="host path clients may ask to bind read-only (repeatable)")
-    from .image_cli import add_image_parser
-    add_image_parser(sub)
-    return parser
 
 
 def _silence_stdout() -> None:
@@ -726,7 +760,9 @@ def _wants_json(argv: Sequence[str]) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``lowlevel`` console script. Returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    # Only the named subcommand's parser (the others cost imports and set-up); all of them for
+    # --help, --version or a name argparse must refuse with the list of choices.
+    parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
     args: argparse.Namespace | None = None
     try:
         args = parser.parse_args(argv)

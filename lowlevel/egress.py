@@ -51,11 +51,14 @@ DNS rebinding: Jackson et al., "Protecting Browsers from DNS Rebinding Attacks" 
 
 from __future__ import annotations
 
-import ipaddress
 import re
 import socket
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported where used: ~1 ms that a run without egress (nearly all) never pays
+    import ipaddress
 
 from .errors import PolicyError
 
@@ -124,6 +127,7 @@ def ip_literal(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | Non
     IPv4 form ``inet_aton(3)`` takes (``127.1``, ``2130706433``, ``0x7f.0.0.1``), because
     ``getaddrinfo`` would turn those into addresses too.
     """
+    import ipaddress
     try:
         return ipaddress.ip_address(host)
     except ValueError:
@@ -137,12 +141,10 @@ def ip_literal(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | Non
 
 
 def _nat64(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
-    if ip in _NAT64:
+    import ipaddress
+    if ip in ipaddress.ip_network("64:ff9b::/96"):  # NAT64's well-known prefix (RFC 6052)
         return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
     return None
-
-
-_NAT64 = ipaddress.ip_network("64:ff9b::/96")
 
 
 def address_kind(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
@@ -151,6 +153,7 @@ def address_kind(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | Non
     IPv4 addresses carried in IPv6 ones (mapped ``::ffff:0:0/96``, 6to4 ``2002::/16``, NAT64
     ``64:ff9b::/96``) are judged as that IPv4 address.
     """
+    import ipaddress
     if isinstance(ip, ipaddress.IPv6Address):
         for inner in (ip.ipv4_mapped, ip.sixtofour, _nat64(ip)):
             if inner is not None:
@@ -315,6 +318,7 @@ class Egress:
     extra_ca_pem: str = ""
 
     def __post_init__(self) -> None:
+        import ipaddress
         for name in ("allow", "deny"):
             patterns = _tuple_of_str(getattr(self, name), name)
             object.__setattr__(self, name, tuple(sorted({_pattern(p, name) for p in patterns})))
@@ -346,9 +350,11 @@ class Egress:
 
     # -- networks ---------------------------------------------------------------------------
     def _networks(self) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+        import ipaddress
         return [ipaddress.ip_network(c) for c in self.allow_cidrs]
 
     def _in_cidrs(self, ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
+        import ipaddress
         candidates = [ip]
         if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
             candidates.append(ip.ipv4_mapped)
@@ -403,6 +409,7 @@ class Egress:
             A :class:`Decision` whose ``address`` is the first answer (allowed) or the first
             refused one.
         """
+        import ipaddress
         if not addresses:
             return Decision(False, f"{name!r} did not resolve to any address", name)
         for text in addresses:
@@ -447,6 +454,7 @@ class Egress:
         Raises:
             PolicyError: a request reaching beyond this policy (the message names the entry).
         """
+        import ipaddress
         narrowed_allow = self.allow
         if allow is not None:
             asked = Egress(allow=tuple(allow)).allow

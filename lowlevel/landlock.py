@@ -52,7 +52,6 @@ landlock_create_ruleset(2), landlock_add_rule(2), landlock_restrict_self(2).
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import functools
 import os
@@ -86,6 +85,7 @@ def kernel_abi() -> int:
     fails with ENOSYS or EOPNOTSUPP). Cached per process.
     Source: landlock_create_ruleset(2), ``LANDLOCK_CREATE_RULESET_VERSION``.
     """
+    import ctypes
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         v = libc.syscall(ctypes.c_long(_SYS_LANDLOCK_CREATE_RULESET), None, ctypes.c_size_t(0),

@@ -41,14 +41,13 @@ import errno
 import fcntl
 import functools
 import json
-import logging
 import os
 import re
 import select
-import shutil
 import signal
 import socket
 import stat
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -69,7 +68,21 @@ from .probe import bwrap_info, host_layout, require_pidfd
 from .report import WARNING_PREFIX
 from .result import Result, decode_exit
 
-log = logging.getLogger("lowlevel")
+class _Log:
+    """``logging.getLogger("lowlevel")``, imported on first use (logging costs ~2 ms to import,
+    and a run logs only on errors); ``debug`` is a no-op unless the application set logging up."""
+
+    def debug(self, msg: str, *args: Any) -> None:
+        logging = sys.modules.get("logging")
+        if logging is not None and logging.getLogger("lowlevel").isEnabledFor(logging.DEBUG):
+            logging.getLogger("lowlevel").debug(msg, *(a() if callable(a) else a for a in args))
+
+    def warning(self, msg: str, *args: Any) -> None:
+        import logging
+        logging.getLogger("lowlevel").warning(msg, *args)
+
+
+log = _Log()
 
 #: Fd numbers bwrap sees (the parent dup2s onto these in the spawn's file actions).
 ARGS_FD = 3
@@ -139,6 +152,24 @@ def _exec_helper() -> str:
 
 
 def _probe_cow(facts: HostFacts, workspace: str, base: str | None) -> _cow.CowSupport:
+    """:func:`_probe_cow_now`, or its answer for this filesystem from :mod:`lowlevel.hostcache`
+    (keyed by the filesystem's ``st_dev``, the euid, the mount directory and the anchor file)."""
+    from . import hostcache
+    try:
+        dev = os.stat(workspace).st_dev
+        mnt = _cow.mount_dir(base)
+    except (OSError, LowlevelError):
+        return _probe_cow_now(facts, workspace, base)
+    key = [dev, os.geteuid(), mnt, hostcache.file_key(EXEC_HELPER_PATH)]
+    got = hostcache.get("host", f"cow:{dev}:{mnt}", key)
+    if isinstance(got, dict) and isinstance(got.get("ok"), bool):
+        return _cow.CowSupport(got["ok"], str(got.get("reason", "")))
+    support = _probe_cow_now(facts, workspace, base)
+    hostcache.put("host", f"cow:{dev}:{mnt}", key, {"ok": support.ok, "reason": support.reason})
+    return support
+
+
+def _probe_cow_now(facts: HostFacts, workspace: str, base: str | None) -> _cow.CowSupport:
     """Try the anchor's overlay on ``workspace`` once (it then execs /bin/true): does it work?"""
     import subprocess
     root = facts.caller_is_root
@@ -149,6 +180,7 @@ def _probe_cow(facts: HostFacts, workspace: str, base: str | None) -> _cow.CowSu
     try:
         st = os.fstat(fd)
         mnt = _cow.mount_dir(base)
+        import shutil
         true = shutil.which("true", path="/usr/bin:/bin") or "/bin/true"
         ov = _AnchorOverlay(mnt=mnt, lower_fd=fd, upper_bytes=1 << 20, upper_inodes=1024,
                             lower_path=None if root else workspace,
@@ -495,7 +527,20 @@ _USERNS_HINTS = (b"No permissions to create new namespace", b"setting up uid map
 
 
 def classify_setup_failure(stderr: bytes, argv: list[str], command: Sequence[str]) -> LaunchError:
-    """Turn bwrap's stderr after a run that never exec'd into the most specific exception."""
+    """Turn bwrap's stderr after a run that never exec'd into the most specific exception.
+
+    A failure other than "command not found/not executable" also drops the cached host facts
+    (:func:`lowlevel.hostcache.forget`): they may be what changed (a sysctl, a new bwrap), so
+    the next run probes again.
+    """
+    err = _classify_setup_failure(stderr, argv, command)
+    if not isinstance(err, ExecError):
+        from . import hostcache
+        hostcache.forget("host")
+    return err
+
+
+def _classify_setup_failure(stderr: bytes, argv: list[str], command: Sequence[str]) -> LaunchError:
     text = stderr.decode("utf-8", "replace").strip()
     m = _EXEC_FAIL.search(stderr)
     if m:
@@ -512,6 +557,11 @@ def classify_setup_failure(stderr: bytes, argv: list[str], command: Sequence[str
                                   argv=argv, stderr=text, errno=errno.ENOENT if "No such" in reason
                                   else errno.EACCES)
     bwrap_lines = b"\n".join(line for line in stderr.splitlines() if line.startswith(b"bwrap:"))
+    anchor_lines = b"\n".join(line for line in stderr.splitlines() if line.startswith(b"lowlevel_exec:"))
+    if b"Resource temporarily unavailable" in anchor_lines:
+        # The anchor's own fork/clone (the sandbox's PID 1, the idmap helper) hit the limit.
+        return LaunchError(f"the sandbox's processes could not be created: {PROCESS_LIMIT_HINT}. lowlevel_exec "
+                           f"said: {text}", argv=argv, stderr=text, errno=errno.EAGAIN)
     if b"Resource temporarily unavailable" in bwrap_lines:
         # clone(2) fails with EAGAIN at the caller's RLIMIT_NPROC or its cgroup's pids.max, and
         # bwrap says "Creating new namespace failed": not a user-namespace restriction.
@@ -704,6 +754,7 @@ class Run:
             try:
                 _ws.check_trusted_ancestors(self.workspace)
             except WorkspaceError:
+                import shutil
                 shutil.rmtree(self.workspace, ignore_errors=True)
                 raise
 
@@ -941,7 +992,7 @@ class Run:
         exe_argv = self.anchor_argv()
         i = exe_argv.index("--args")
         self.full_argv = [*exe_argv[:i], *self.argv, *exe_argv[i + 2:]]
-        log.debug("lowlevel: spawning %s", redact_env_values(self.full_argv))
+        log.debug("lowlevel: spawning %s", lambda: redact_env_values(self.full_argv))
         self.since_ns = time.time_ns()
         self.t0 = time.monotonic()
         if self.timeout is not None:
@@ -1365,8 +1416,9 @@ class Run:
             return UnsupportedError("landlock", "Policy(landlock='require') but Landlock is not available "
                                     "inside the sandbox", "use Policy(landlock=True) for best effort")
         stage = _landlock.STAGES.get(rep.fail_stage or 0, str(rep.fail_stage))
-        return LaunchError(f"the sandbox's guard could not start {self.command[0]!r}: {stage}: {os.strerror(code)}",
-                           argv=self.full_argv, stderr=text, errno=code)
+        hint = f" ({PROCESS_LIMIT_HINT})" if code == errno.EAGAIN else ""
+        return LaunchError(f"the sandbox's guard could not start {self.command[0]!r}: {stage}: {os.strerror(code)}"
+                           f"{hint}", argv=self.full_argv, stderr=text, errno=code)
 
     # -- copy-on-write workspace ---------------------------------------------------------
     @property
@@ -1522,6 +1574,7 @@ class Run:
         rep = self.guard_report
         never_ran = b'"exit-code"' not in self.json_buf or (rep is not None and rep.fail_stage is not None)
         if self.owns_workspace and self.workspace and never_ran and not self.killed_by:
+            import shutil
             shutil.rmtree(self.workspace, ignore_errors=True)
 
     def close(self) -> None:

@@ -45,15 +45,16 @@ import math
 import os
 import re
 import resource
-import secrets
-import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported where used: subprocess costs ~1 ms at every import of lowlevel
+    import subprocess
 
 from .errors import LaunchError, PolicyError, UnsupportedError
 
@@ -573,11 +574,13 @@ def _systemd_delegate(mount: str, user: bool) -> tuple[str, int] | None:
     even by SIGKILL. ``--collect`` then lets systemd remove the scope and its subtree.
     """
     global _holder
+    import shutil
+    import subprocess
     exe = shutil.which("systemd-run")
     if exe is None or not os.path.isdir(_SYSTEMD_BOOTED):
         return None
     argv = [exe, *(["--user"] if user else []), "--scope", "--quiet", "--collect",
-            "-p", "Delegate=yes", f"--unit=lowlevel-{os.getpid()}-{secrets.token_hex(4)}",
+            "-p", "Delegate=yes", f"--unit=lowlevel-{os.getpid()}-{os.urandom(4).hex()}",
             "--", sys.executable, "-c", _HOLDER]
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -611,6 +614,7 @@ def _systemd_delegate(mount: str, user: bool) -> tuple[str, int] | None:
 
 
 def _stop_holder(proc: subprocess.Popen[bytes]) -> None:
+    import subprocess
     if proc.stdin is not None and not proc.stdin.closed:
         proc.stdin.close()
     try:
@@ -813,7 +817,7 @@ class RunCgroup:
         support = detect_cgroups() if support is None else support
         enforcement_plan(limits, support)  # raises for an unmet require
         if name is None:
-            name = f"{os.getpid()}-{next(_counter)}-{secrets.token_hex(3)}"
+            name = f"{os.getpid()}-{next(_counter)}-{os.urandom(3).hex()}"
         elif not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name) or name in (".", ".."):
             raise ValueError(f"RunCgroup name must match [A-Za-z0-9_.-]{{1,64}}, got {name!r}")
         if not support.usable:

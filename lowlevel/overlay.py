@@ -46,7 +46,6 @@ O(entries in the upper), never O(the user's directory).
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import itertools
@@ -356,6 +355,7 @@ def _renameat2(dirfd: int, old: str, newdirfd: int, new: str, flags: int) -> Non
     Raises OSError (EINVAL where the filesystem does not support the flag).
     """
     global _libc
+    import ctypes  # here: ctypes costs ~1 ms to import, and only a commit with renames needs it
     if _libc is None:
         lib = ctypes.CDLL(None, use_errno=True)
         fn = lib.renameat2
@@ -375,6 +375,7 @@ _syscalls: dict[str, Any] = {}
 
 
 def _fn(name: str, argtypes: list[Any]) -> Any:
+    import ctypes
     fn = _syscalls.get(name)
     if fn is None:
         fn = getattr(ctypes.CDLL(None, use_errno=True), name)
@@ -387,6 +388,7 @@ def _fn(name: str, argtypes: list[Any]) -> Any:
 def _btime_ns(dirfd: int, name: str) -> int | None:
     """Birth time of ``name`` (statx(2) ``stx_btime``, Linux 4.11; ext4, tmpfs, xfs, btrfs), or
     None where the filesystem does not record it."""
+    import ctypes
     try:
         fn = _fn("statx", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p])
     except AttributeError:
@@ -403,6 +405,7 @@ def _btime_ns(dirfd: int, name: str) -> int | None:
 
 def _handle(dirfd: int, name: str) -> tuple[int, bytes] | None:
     """``(handle_type, f_handle)`` of ``name`` (name_to_handle_at(2), no symlink followed)."""
+    import ctypes
     try:
         fn = _fn("name_to_handle_at", [ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p,
                                        ctypes.POINTER(ctypes.c_int), ctypes.c_int])

@@ -16,9 +16,7 @@ import errno
 import functools
 import os
 import re
-import shutil
 import stat
-import subprocess
 from dataclasses import dataclass
 
 from .errors import BwrapNotFoundError, LaunchError, UnsupportedError
@@ -53,9 +51,21 @@ class BwrapInfo:
         return self.has("--disable-userns") and not self.setuid
 
 
+def _which(name: str) -> str | None:
+    """:func:`shutil.which` for a bare name on ``$PATH`` (default ``os.defpath``), without
+    importing shutil (which imports bz2, lzma and zlib: ~1 ms at each CLI start)."""
+    for d in os.environ.get("PATH", os.defpath).split(os.pathsep):
+        cand = os.path.join(d or ".", name)
+        if os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def bwrap_info(path: str | None = None) -> BwrapInfo:
-    """Find bwrap and read its version and options (once per process and path).
+    """Find bwrap and read its version and options (once per process and path; across
+    processes from :mod:`lowlevel.hostcache`, keyed by the executable's path, mtime, size,
+    inode and mode, so an upgraded bwrap is probed again).
 
     Args:
         path: an explicit bwrap path, or None to search ``PATH`` (then ``/usr/bin/bwrap``).
@@ -65,13 +75,26 @@ def bwrap_info(path: str | None = None) -> BwrapInfo:
         BwrapNotFoundError: no bwrap executable (install the ``bubblewrap`` package).
         UnsupportedError: bwrap exists but its version could not be read.
     """
-    exe = path or shutil.which("bwrap") or ("/usr/bin/bwrap" if os.access("/usr/bin/bwrap", os.X_OK) else None)
+    exe = path or _which("bwrap") or ("/usr/bin/bwrap" if os.access("/usr/bin/bwrap", os.X_OK) else None)
     if not exe or not os.access(exe, os.X_OK):
         raise BwrapNotFoundError(
             "bwrap (bubblewrap) not found on PATH: install it, e.g. `apt-get install bubblewrap`",
             argv=["bwrap"],
         )
     exe = os.path.realpath(exe)
+    from . import hostcache
+    key = hostcache.file_key(exe)
+    cached = hostcache.get("host", f"bwrap:{exe}", key) if key is not None else None
+    if isinstance(cached, dict) and key is not None:
+        try:
+            v = [int(x) for x in cached["version"]]
+            opts = frozenset(str(o) for o in cached["options"])
+            if len(v) == 3:
+                return BwrapInfo(path=exe, version=(v[0], v[1], v[2]), setuid=bool(key[4] & stat.S_ISUID),
+                                 options=opts)
+        except (KeyError, TypeError, ValueError):
+            pass
+    import subprocess
     try:
         out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=10, env={})
         helptext = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=10, env={})
@@ -88,6 +111,8 @@ def bwrap_info(path: str | None = None) -> BwrapInfo:
     version = (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))
     options = frozenset(re.findall(r"^\s+(--[a-z0-9-]+)", helptext.stdout + helptext.stderr, re.M))
     st = os.stat(exe)
+    if key is not None and hostcache.file_key(exe) == key:
+        hostcache.put("host", f"bwrap:{exe}", key, {"version": list(version), "options": sorted(options)})
     return BwrapInfo(path=exe, version=version, setuid=bool(st.st_mode & stat.S_ISUID), options=options)
 
 

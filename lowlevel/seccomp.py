@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import os
 import stat
 import re
@@ -68,10 +69,30 @@ from typing import Any
 
 from .errors import PolicyError, SeccompError, UnsupportedError
 
-try:  # the CFFI extension built from native/ (pip install . compiles it)
-    from . import _native
-except ImportError:  # pragma: no cover - depends on the build
-    _native = None
+#: ``_native`` (the CFFI extension built from native/) is loaded on first use, not at import:
+#: loading it and libseccomp costs ~3 ms that a process whose filter comes from the disk cache
+#: (:mod:`lowlevel.hostcache`; the CLI, once per command) never pays. Read it with
+#: :func:`_native_module`; ``seccomp._native`` (tests set it to None) goes through
+#: :func:`__getattr__`.
+_NOT_LOADED: Any = object()
+
+
+def _native_module() -> Any:
+    """The ``lowlevel._native`` extension, or None when it is not built (pyseccomp then)."""
+    m = globals().get("_native", _NOT_LOADED)
+    if m is _NOT_LOADED:
+        try:
+            from . import _native as loaded
+        except ImportError:  # pragma: no cover - depends on the build
+            loaded = None
+        globals()["_native"] = m = loaded
+    return m
+
+
+def __getattr__(name: str) -> Any:
+    if name == "_native":
+        return _native_module()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # --- actions, comparisons, arches (libseccomp's values, checked against the library in tests) ---
 
@@ -637,13 +658,14 @@ def _backend() -> Any:
     Raises:
         UnsupportedError: neither ``lowlevel._native`` nor ``pyseccomp`` (libseccomp) loads.
     """
-    key = "native" if _native is not None else "pyseccomp"
+    native = _native_module()
+    key = "native" if native is not None else "pyseccomp"
     with _backend_lock:
         b = _backends.get(key)
         if b is not None:
             return b
-        if _native is not None:
-            b = _NativeBackend(_native)
+        if native is not None:
+            b = _NativeBackend(native)
         else:
             try:
                 import pyseccomp
@@ -656,17 +678,28 @@ def _backend() -> Any:
         return b
 
 
-def _warn_fallback() -> None:
-    if _native is None:
+def _warn_fallback() -> bool:
+    """Warn (True) when the extension is known to be missing: every compile_bpf call warns."""
+    if globals().get("_native", _NOT_LOADED) is None:
         warnings.warn("lowlevel._native is not built; compiling the seccomp filter with pyseccomp "
                       "(ctypes). Install libseccomp-dev and reinstall lowlevel to build it.",
                       RuntimeWarning, stacklevel=3)
+        return True
+    return False
+
+
+#: While the built-in tables are constructed at import, names are checked for their shape only:
+#: asking libseccomp means loading it (~3 ms at every import). The tables are checked against
+#: libseccomp by the test suite, and compile_bpf refuses a name it cannot resolve.
+_TRUST_NAMES = True
 
 
 def _check_syscall_name(name: str) -> None:
     """Raise PolicyError unless libseccomp knows ``name`` (on some arch)."""
     if not isinstance(name, str) or not re.fullmatch(r"[a-z_][a-z0-9_]*", name):
         raise PolicyError(f"syscall name {name!r}: pass a man-2 name such as 'ptrace'")
+    if _TRUST_NAMES:
+        return
     try:
         b = _backend()
     except UnsupportedError:  # checked again, loudly, by compile_bpf
@@ -679,12 +712,16 @@ def _check_syscall_name(name: str) -> None:
 #: The profile every run uses unless its Policy says otherwise (built here, after the
 #: backends, because construction validates names against libseccomp).
 DEFAULT_PROFILE = SeccompProfile("default", _DEFAULT_RULES)
+_TRUST_NAMES = False  # every profile built after import: names checked against libseccomp
 
 
 # --- compile + hand over ---------------------------------------------------------------------
 
 _cache_lock = threading.Lock()
+#: Filters this process compiled with libseccomp, by (profile, arches, version, backend).
 _cache: dict[tuple[Any, ...], bytes] = {}
+#: Every filter this process handed out (compiled or from the disk cache), by (profile, compat).
+_filters: dict[tuple[Any, bool], bytes] = {}
 
 
 def compile_bpf(profile: SeccompProfile, *, compat_32bit: bool = False) -> bytes:
@@ -709,8 +746,28 @@ def compile_bpf(profile: SeccompProfile, *, compat_32bit: bool = False) -> bytes
     """
     if not isinstance(profile, SeccompProfile):
         raise TypeError(f"compile_bpf: pass a SeccompProfile, got {type(profile).__name__}")
+    warned = _warn_fallback()
+    quick = (profile, bool(compat_32bit))
+    with _cache_lock:
+        hit = _filters.get(quick)
+    if hit is not None:
+        return hit
+    disk = _disk_lookup(profile, compat_32bit)
+    if disk is not None:
+        with _cache_lock:
+            _filters.setdefault(quick, disk)
+        return disk
+    bpf = _compile(profile, compat_32bit)
+    if not warned:
+        _warn_fallback()  # the first compile found the extension missing
+    with _cache_lock:
+        _filters.setdefault(quick, bpf)
+    _disk_store(profile, compat_32bit, bpf)
+    return bpf
+
+
+def _compile(profile: SeccompProfile, compat_32bit: bool) -> bytes:
     b = _backend()
-    _warn_fallback()
     native = b.native_arch()
     arches = filter_arches(native, compat_32bit)
     key = (profile, arches, b.version(), type(b).__name__)
@@ -720,7 +777,11 @@ def compile_bpf(profile: SeccompProfile, *, compat_32bit: bool = False) -> bytes
         return hit
     rules = []
     for action, name, args in profile.effective_rules():
-        rules.append((action, b.resolve(name), args))
+        nr = b.resolve(name)
+        if nr == -1:  # __NR_SCMP_ERROR: a built-in table names a syscall this libseccomp lacks
+            raise PolicyError(f"unknown syscall {name!r} in seccomp profile {profile.name!r}: libseccomp "
+                              f"{'.'.join(map(str, b.version()))} does not know it (upgrade libseccomp)")
+        rules.append((action, nr, args))
     bpf: bytes = b.build(profile.effective_default_action(), arches, rules)
     if not bpf or len(bpf) % 8:
         raise SeccompError("seccomp_export_bpf", errno.EINVAL,
@@ -729,6 +790,75 @@ def compile_bpf(profile: SeccompProfile, *, compat_32bit: bool = False) -> bytes
     with _cache_lock:
         _cache.setdefault(key, bpf)
     return bpf
+
+
+def _profile_key(profile: SeccompProfile, compat_32bit: bool) -> str:
+    """What the filter is made of, as text: the disk cache's key (prose left out)."""
+    rules = [[action, name, [[a.index, a.op, a.datum_a, a.datum_b] for a in args]]
+             for action, name, args in profile.effective_rules()]
+    return json.dumps([profile.effective_default_action(), rules, bool(compat_32bit)], separators=(",", ":"))
+
+
+def _native_files() -> list[Any] | None:
+    """Disk-cache key of the compiler: the extension's file (no libseccomp load needed)."""
+    from .hostcache import file_key
+    pkg = os.path.dirname(os.path.abspath(__file__))
+    try:
+        names = sorted(n for n in os.listdir(pkg) if n.startswith("_native") and n.endswith(".so"))
+    except OSError:
+        return None
+    return [file_key(os.path.join(pkg, n)) for n in names] or None
+
+
+def _libseccomp_file() -> list[Any] | None:
+    """libseccomp's file as this process mapped it (the backend is loaded), for the key."""
+    from .hostcache import file_key
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rstrip("\n").split(None, 5)[-1]
+                if "/libseccomp.so" in path:
+                    return file_key(path)
+    except OSError:
+        pass
+    return None
+
+
+def _disk_lookup(profile: SeccompProfile, compat_32bit: bool) -> bytes | None:
+    """The filter from :mod:`lowlevel.hostcache`, when the same extension and libseccomp made it."""
+    if globals().get("_native", _NOT_LOADED) is None:
+        return None  # pyseccomp (forced or not built): compile
+    from . import hostcache
+    if not hostcache.enabled():
+        return None
+    text = _profile_key(profile, compat_32bit)
+    ext = _native_files()
+    if ext is None:
+        return None
+    got = hostcache.get("seccomp", hostcache.entry_name(text), [text, ext])
+    if not isinstance(got, dict) or not isinstance(got.get("bpf"), str):
+        return None
+    lib = got.get("libseccomp")
+    if lib is None or hostcache.file_key(lib[0]) != lib:
+        return None  # libseccomp changed (an upgrade): compile again
+    try:
+        bpf = bytes.fromhex(got["bpf"])
+    except ValueError:
+        return None
+    return bpf if bpf and len(bpf) % 8 == 0 else None
+
+
+def _disk_store(profile: SeccompProfile, compat_32bit: bool, bpf: bytes) -> None:
+    if globals().get("_native", _NOT_LOADED) is None:
+        return
+    from . import hostcache
+    if not hostcache.enabled():
+        return
+    ext, lib = _native_files(), _libseccomp_file()
+    if ext is None or lib is None:
+        return
+    text = _profile_key(profile, compat_32bit)
+    hostcache.put("seccomp", hostcache.entry_name(text), [text, ext], {"bpf": bpf.hex(), "libseccomp": lib})
 
 
 def filter_arches(native: int | None = None, compat_32bit: bool = False) -> tuple[int, ...]:

@@ -13,11 +13,9 @@ and files with more than one hard link, and cap sizes and entry counts.
 from __future__ import annotations
 
 import errno
-import logging
 import os
-import shutil
 import stat
-import tempfile
+import sys
 from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -431,8 +429,22 @@ def set_mode(root: str, relpath: str, mode: int) -> None:
 def default_base() -> str:
     """The default parent of per-run workspaces: ``$LOWLEVEL_WORKSPACE_BASE`` or
     ``<tmpdir>/lowlevel-<uid>``."""
-    return os.environ.get("LOWLEVEL_WORKSPACE_BASE") or os.path.join(tempfile.gettempdir(),
+    return os.environ.get("LOWLEVEL_WORKSPACE_BASE") or os.path.join(_tempdir(),
                                                                      f"lowlevel-{os.getuid()}")
+
+
+def _tempdir() -> str:
+    """:func:`tempfile.gettempdir` without importing tempfile (~1.5 ms with its dependencies) or
+    writing a probe file into ``/tmp`` at each process start: ``$TMPDIR``, ``$TEMP``, ``$TMP``,
+    then ``/tmp``, ``/var/tmp``, ``/usr/tmp``, the first that is a directory we may write; the
+    current directory else. An application that set ``tempfile.tempdir`` gets that."""
+    tf = sys.modules.get("tempfile")
+    if tf is not None and getattr(tf, "tempdir", None):
+        return str(tf.gettempdir())
+    for d in [os.environ.get(v) for v in ("TMPDIR", "TEMP", "TMP")] + ["/tmp", "/var/tmp", "/usr/tmp"]:
+        if d and os.path.isdir(d) and os.access(d, os.W_OK | os.X_OK):
+            return os.path.abspath(d)
+    return os.getcwd()
 
 
 def ensure_base(base: str) -> str:
@@ -532,16 +544,19 @@ def copy_inputs(root: str, inputs: Iterable[str | os.PathLike[str] | tuple[str, 
                                      "(two inputs with the same name?)")
             try:
                 if stat.S_ISDIR(st.st_mode) and not os.path.islink(src):
+                    import shutil
                     shutil.copytree(src, dest, symlinks=True, copy_function=_copy_regular)
                 else:
                     _copy_regular(src, dest)
-            except shutil.Error as err:
-                errs = err.args[0] if err.args and isinstance(err.args[0], list) else []
-                detail = f"{errs[0][2]}" + (f" (and {len(errs) - 1} more)" if len(errs) > 1 else "") if errs else err
-                raise WorkspaceError(errno.EIO, f"cannot copy input {src!r}: {detail}") from err
             except WorkspaceError:
                 raise
             except OSError as err:
+                sh = sys.modules.get("shutil")  # imported above when copytree ran
+                if sh is not None and isinstance(err, sh.Error):
+                    errs = err.args[0] if err.args and isinstance(err.args[0], list) else []
+                    detail = f"{errs[0][2]}" + (f" (and {len(errs) - 1} more)" if len(errs) > 1 else "") \
+                        if errs else err
+                    raise WorkspaceError(errno.EIO, f"cannot copy input {src!r}: {detail}") from err
                 raise WorkspaceError(err.errno or errno.EIO, f"cannot copy input {src!r}: {err}") from err
         finally:
             os.close(dfd)
@@ -573,6 +588,7 @@ def _copy_regular(src: str, dst: str) -> str:
                                  "refusing to copy it")
         os.set_blocking(f.fileno(), True)
         with open(dst, "xb") as out:
+            import shutil
             shutil.copyfileobj(f, out, 1 << 20)
     shutil.copystat(src, dst)
     return dst
@@ -595,16 +611,30 @@ def create_workspace(inputs: Iterable[str | os.PathLike[str] | tuple[str, str]] 
     """
     parent = ensure_base(base or default_base())
     try:
-        path = tempfile.mkdtemp(prefix="run-", dir=parent)
+        path = _mkdtemp(parent, "run-")
     except OSError as err:
         raise WorkspaceError(err.errno or errno.EIO, f"cannot create a workspace in {parent}: "
                              f"{err.strerror or err}") from err
     try:
         copy_inputs(path, inputs)
     except BaseException:
+        import shutil
         shutil.rmtree(path, ignore_errors=True)
         raise
     return path
+
+
+def _mkdtemp(parent: str, prefix: str) -> str:
+    """:func:`tempfile.mkdtemp` (mode 0700, a fresh random name, never an existing entry)
+    without importing tempfile."""
+    for _ in range(100):
+        path = os.path.join(parent, prefix + os.urandom(6).hex())
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            continue
+        return os.path.abspath(path)
+    raise FileExistsError(errno.EEXIST, "no usable temporary directory name found", parent)
 
 
 def remove_workspace(root: str) -> None:
@@ -657,6 +687,7 @@ def remove_workspace(root: str) -> None:
         pass  # rmtree below reports what is left
     finally:
         os.close(rootfd)
+    import shutil
     try:
         shutil.rmtree(root)
     except FileNotFoundError:
@@ -1141,6 +1172,7 @@ def give_back(h: Handover, *, limit: int = MAX_SNAPSHOT_ENTRIES) -> tuple[Snapsh
             raise WorkspaceError(first.errno or errno.EIO, message)
         # The sandbox ran as our uid: our own directories were made listable above, so this is
         # someone else's directory (one the caller could not list before the run either).
+        import logging
         logging.getLogger("lowlevel").warning("lowlevel: %s", message)
         complete = False
     if deep:

@@ -30,6 +30,17 @@ import pytest
 
 import lowlevel
 
+# The suite's host-facts cache (lowlevel.hostcache) is its own, not the machine's: the tests
+# compile many odd seccomp profiles and fake probes. Subprocesses inherit it; an unprivileged
+# test user finds it not theirs and runs without a cache.
+if "LOWLEVEL_CACHE_DIR" not in os.environ:
+    import atexit
+    import tempfile
+
+    _cache = tempfile.mkdtemp(prefix="lowlevel-test-cache-")
+    os.environ["LOWLEVEL_CACHE_DIR"] = _cache
+    atexit.register(shutil.rmtree, _cache, True)
+
 HERE = Path(__file__).resolve().parent
 RUN_AS = HERE / "helpers" / "run_as.py"
 TEST_USER = "lowlevel-test"

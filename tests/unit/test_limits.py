@@ -590,7 +590,7 @@ def test_systemd_delegate_reads_the_scope_and_stops_the_holder(tmp_path, monkeyp
     fake.write_text(f"#!/bin/sh\necho \"$@\" > {args_file}\nprintf '0::/user.slice/lowlevel-1.scope\\n.\\n'\n"
                     "exec cat >/dev/null\n")
     fake.chmod(0o755)
-    monkeypatch.setattr(L.shutil, "which", lambda name: str(fake) if name == "systemd-run" else None)
+    monkeypatch.setattr(shutil, "which", lambda name: str(fake) if name == "systemd-run" else None)
     monkeypatch.setattr(L, "_SYSTEMD_BOOTED", str(tmp_path))
     monkeypatch.setattr(L, "_holder", None)
     got = L._systemd_delegate(str(mount), True)
@@ -607,7 +607,7 @@ def test_systemd_delegate_reads_the_scope_and_stops_the_holder(tmp_path, monkeyp
 
 
 def test_systemd_delegate_without_systemd(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(L.shutil, "which", lambda name: None)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
     assert L._systemd_delegate("/sys/fs/cgroup", True) is None
 
 
