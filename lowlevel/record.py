@@ -1113,7 +1113,8 @@ def policy_loosening(policy: Policy, timeout_s: float | None = DEFAULT_TIMEOUT_S
 
 
 #: Arity of each bwrap option :func:`lowlevel.argv.build_argv` emits (for :func:`argv_loosening`).
-_BWRAP_ARITY = {"--bind": 2, "--ro-bind": 2, "--ro-bind-data": 2, "--symlink": 2, "--setenv": 2, "--chdir": 1,
+_BWRAP_ARITY = {"--bind": 2, "--ro-bind": 2, "--ro-bind-data": 2, "--file": 2, "--perms": 1, "--symlink": 2,
+                "--setenv": 2, "--chdir": 1,
                 "--hostname": 1, "--uid": 1, "--gid": 1, "--tmpfs": 1, "--size": 1, "--proc": 1, "--dev": 1,
                 "--remount-ro": 1, "--json-status-fd": 1, "--block-fd": 1, "--seccomp": 1, "--cap-drop": 1}
 

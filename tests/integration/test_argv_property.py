@@ -70,7 +70,8 @@ def _bwrap_reads(argv: list[str]) -> list[str]:
 
 
 def _options(argv: list[str]) -> list[tuple[str, ...]]:
-    arity = {"--bind": 2, "--ro-bind": 2, "--ro-bind-data": 2, "--symlink": 2, "--setenv": 2, "--chdir": 1,
+    arity = {"--bind": 2, "--ro-bind": 2, "--ro-bind-data": 2, "--file": 2, "--perms": 1, "--symlink": 2,
+             "--setenv": 2, "--chdir": 1,
              "--hostname": 1, "--uid": 1, "--gid": 1, "--tmpfs": 1, "--size": 1, "--proc": 1, "--dev": 1,
              "--remount-ro": 1, "--json-status-fd": 1, "--block-fd": 1, "--seccomp": 1, "--cap-drop": 1}
     out, i = [], 0

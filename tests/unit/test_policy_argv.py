@@ -41,6 +41,19 @@ def test_golden_default_argv():
     ]
 
 
+def test_passwd_and_group_are_files_of_the_read_only_root_where_bwrap_can():
+    """bwrap >= 0.5 (--perms, --file): the synthesized files are written into the root tmpfs,
+    which the final --remount-ro / makes read-only (no bind mount each: ~0.3 ms per sandbox)."""
+    facts = HostFacts(bwrap=BwrapInfo("/usr/bin/bwrap", (0, 8, 0), False, INFO.options | {"--perms", "--file"}),
+                      layout=MERGED, caller_is_root=False)
+    argv = build_argv(Policy(), facts, workspace="/srv/ws", fds=Fds())
+    i = argv.index("/srv/ws") + 1
+    assert argv[i + 1:i + 11] == ["--perms", "0644", "--file", "7", "/etc/passwd",
+                                  "--perms", "0644", "--file", "8", "/etc/group"]
+    assert argv[i + 11:i + 13] == ["--remount-ro", "/"]
+    assert "--ro-bind-data" not in argv
+
+
 def test_exactly_one_writable_bind_by_default():
     argv = build_argv(Policy(), FACTS, workspace="/srv/ws", fds=Fds())
     writable = [argv[i + 1:i + 3] for i, a in enumerate(argv) if a == "--bind"]
