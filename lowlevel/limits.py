@@ -638,10 +638,26 @@ def _sweep(base: str) -> None:
     for name in names:
         m = _RUN_NAME.match(name)
         if m and int(m.group(1)) != os.getpid() and not os.path.exists(f"/proc/{m.group(1)}"):
+            _rmtree_empty(os.path.join(base, name))
+
+
+def _rmtree_empty(path: str) -> None:
+    """rmdir(2) ``path`` and its child cgroups, deepest first; populated ones stay.
+
+    A cgroup directory holds only kernel files besides its children, so rmdir needs no unlink;
+    a child still holding a task refuses (EBUSY), and so does every ancestor: left for its
+    sandbox to die (--die-with-parent) and the next sweep.
+    """
+    for parent, dirs, _files in os.walk(path, topdown=False):
+        for d in dirs:
             try:
-                _rmdir(os.path.join(base, name))
+                _rmdir(os.path.join(parent, d))
             except OSError:
-                pass  # still populated: left for its sandbox to die (--die-with-parent)
+                pass
+    try:
+        _rmdir(path)
+    except OSError:
+        pass
 
 
 # --------------------------------------------------------------------------------------------
