@@ -52,6 +52,19 @@ DEFAULT_UID_RANGE = (0x70000000, 65536)
 _F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
 
 
+def commit_budget(upper_bytes: int) -> int:
+    """Cap on the file content a commit (or a save after a conflict) writes to the host, bytes.
+
+    The upper layer holds at most ``upper_bytes`` of data, and a commit copies files hole for
+    hole, so an honest run commits at most that much; hard-linked files the commit cannot keep
+    as links (past :data:`lowlevel.overlay.MAX_LINKED` inodes, or a link over an existing name)
+    are copied once per name, hence the factor 2. A hostile run that links one file over
+    thousands of names would otherwise write (names x size) to the host disk from a bounded
+    upper; past this cap the commit is refused (nothing applied, a warning says so).
+    """
+    return 2 * upper_bytes
+
+
 def upper_inodes(size: int) -> int:
     """Inode bound of an upper tmpfs of ``size`` bytes: empty files and dirs cost host disk too."""
     return max(1024, size // 1024)
@@ -235,5 +248,6 @@ def cow_support(workspace: str, probe: "functools.partial[CowSupport] | None" = 
     return result
 
 
-__all__ = ["CowSupport", "DEFAULT_UID_RANGE", "DEFAULT_UPPER_BYTES", "ROOT_STATE_DIR", "UidLease", "cow_support",
+__all__ = ["CowSupport", "DEFAULT_UID_RANGE", "DEFAULT_UPPER_BYTES", "ROOT_STATE_DIR", "UidLease", "commit_budget",
+           "cow_support",
            "ensure_root_state_dir", "mount_dir", "uid_range", "upper_inodes"]

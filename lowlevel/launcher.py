@@ -1345,11 +1345,13 @@ class Run:
             try:
                 report = _overlay.commit(self.upper_fd, self.lower_fd, xattr_prefix=self.xattr_prefix,
                                          since_ns=self.since_ns, new_owner=owner,
+                                         max_bytes=_cow.commit_budget(self.upper_bytes),
                                          accept_seen_host_changes=self.accept_seen_host_changes)
             except _overlay.CommitConflictError as err:
                 try:
                     saved = _overlay.save_upper(self.upper_fd, _conflict_dir(self.workspace_base),
-                                                xattr_prefix=self.xattr_prefix, owner=owner)
+                                                xattr_prefix=self.xattr_prefix, owner=owner,
+                                                max_bytes=_cow.commit_budget(self.upper_bytes))
                     err.saved_upper = saved
                     err.args = (err.args[0], f"{err.args[1]}; the run's changes were saved to {saved}")
                 except (OSError, LowlevelError) as save_err:
@@ -1361,7 +1363,8 @@ class Run:
                 # warning that keeps the exit status); the run's changes are saved aside first.
                 why = f"cannot write the run's changes into the workspace: {err.strerror or err}"
                 try:
-                    saved = _overlay.save_upper(self.upper_fd, _conflict_dir(self.workspace_base))
+                    saved = _overlay.save_upper(self.upper_fd, _conflict_dir(self.workspace_base),
+                                                max_bytes=_cow.commit_budget(self.upper_bytes))
                     why += f"; they were saved to {saved}"
                 except (OSError, LowlevelError) as save_err:
                     why += f"; saving them failed too: {save_err}"

@@ -1082,11 +1082,13 @@ class _Applier:
             if not self.can_own(rel, owner):
                 return
             if stat.S_ISREG(ust.st_mode):
+                # As the apply pass will do: data extents only (holes stay holes), and one copy
+                # per name except for the first MAX_LINKED hard-linked new inodes, linked.
                 linked = ust.st_nlink > 1 and lst is None
                 if not (linked and key in self.link_keys):
-                    self.planned += ust.st_size
-                if linked:
-                    self.link_keys.add(key)
+                    self.planned += min(ust.st_size, ust.st_blocks * 512)
+                    if linked and len(self.link_keys) < MAX_LINKED:
+                        self.link_keys.add(key)
             (self.modified if lst is not None else self.added).append(rel)
             return
         assert frame.tfd is not None
@@ -1137,7 +1139,7 @@ class _Applier:
             dst = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                           dir_fd=tfd)
             try:
-                self.copy_data(src, dst, name)
+                self.copy_data(src, dst, name, sst.st_size)
                 self.copy_xattrs(src, dst)
                 if lst is not None and not frame.fresh and not stat.S_ISLNK(lst.st_mode):
                     acl = _getxattr(_at(tfd, name), ACL_XATTRS[0])
@@ -1160,26 +1162,60 @@ class _Applier:
         finally:
             os.close(src)
 
-    def copy_data(self, src: int, dst: int, name: str) -> None:
-        while True:
-            room = 1 << 20
+    def copy_data(self, src: int, dst: int, name: str, size: int) -> None:
+        """Copy the first ``size`` bytes of ``src`` (its size when opened: a file that grows
+        meanwhile, in a live Session, is not followed) into ``dst``, hole for hole.
+
+        Only data extents are read and written (``lseek`` ``SEEK_DATA``/``SEEK_HOLE``, Linux
+        3.1; tmpfs and ext4 support them): a sparse upper file (``truncate -s 1T``, which costs
+        the upper nothing) stays sparse, so the host disk pays what the upper paid, never its
+        apparent size. Data bytes count against ``max_bytes`` (EFBIG past it).
+        """
+        pos = 0
+        while pos < size:
+            try:
+                start = os.lseek(src, pos, os.SEEK_DATA)
+                end = os.lseek(src, start, os.SEEK_HOLE)
+            except OSError as err:
+                if err.errno == errno.ENXIO:
+                    break  # only a hole from pos to EOF
+                if err.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                    raise
+                start, end = pos, size  # no SEEK_DATA on this filesystem: all data
+            if start >= size:
+                break
+            end = min(end, size)
+            if not self.copy_range(src, dst, start, end, name):
+                break  # the file shrank meanwhile
+            pos = end
+        os.ftruncate(dst, min(size, os.fstat(src).st_size))
+
+    def copy_range(self, src: int, dst: int, start: int, end: int, name: str) -> bool:
+        """Copy bytes ``[start, end)`` of ``src`` to the same offsets of ``dst``; False at an
+        early EOF."""
+        os.lseek(dst, start, os.SEEK_SET)
+        pos = start
+        while pos < end:
+            room = min(1 << 20, end - pos)
             if self.max_bytes is not None:
                 room = max(1, min(room, self.max_bytes - self.copied + 1))
             try:
-                n = os.sendfile(dst, src, None, room)
+                n = os.sendfile(dst, src, pos, room)
             except OSError as err:
                 if err.errno not in (errno.EINVAL, errno.ENOSYS):
                     raise
-                data = os.read(src, room)
+                data = os.pread(src, room, pos)
                 n = len(data)
                 view = memoryview(data)
                 while view:
                     view = view[os.write(dst, view):]
             if n == 0:
-                return
+                return False
+            pos += n
             self.copied += n
             if self.max_bytes is not None and self.copied > self.max_bytes:
                 raise OSError(errno.EFBIG, f"byte budget of {self.max_bytes} exceeded", name)
+        return True
 
     def copy_xattrs(self, src: int, dst: int) -> None:
         """``user.*`` xattrs of the upper entry, except ``user.overlay.*`` (overlayfs's own, or
@@ -1416,7 +1452,8 @@ def commit(upper_fd: int, lower_fd: int, *, xattr_prefix: str, since_ns: int,
 
     Applying, per upper entry (paths as in :func:`read_changes`):
 
-    - file: content copied (``sendfile``) into ``.lowlevel-commit-<pid>-<n>`` in the target
+    - file: content copied (``sendfile``, data extents only: holes stay holes) into
+      ``.lowlevel-commit-<pid>-<n>`` in the target
       directory, then ``rename(2)`` over the old name (``renameat2(RENAME_NOREPLACE)`` for a
       new name, ``RENAME_EXCHANGE`` when a directory is on either side, the old one then
       removed): every path is old or new at every instant, never missing. A replaced file's
@@ -1456,8 +1493,13 @@ def commit(upper_fd: int, lower_fd: int, *, xattr_prefix: str, since_ns: int,
         new_owner: ``(uid, gid)`` for new entries (root callers: the workspace root's owner);
             None keeps the caller's. A caller that is not root may name only its own uid and
             groups.
-        max_bytes: cap on the file content copied (bytes), None for none. Checked in the dry
-            pass (WorkspaceError EFBIG, nothing changed) and enforced while copying.
+        max_bytes: cap on the file content written into the user's directory (bytes), None
+            for none. Checked in the dry pass (WorkspaceError EFBIG, nothing changed) and
+            enforced while copying. Files are copied hole for hole (``SEEK_DATA``/``SEEK_HOLE``):
+            a sparse file costs its data, not its apparent size. Without a cap, a hostile upper
+            can still multiply its data on the host disk: one file hard-linked over many
+            existing names is copied once per name (the launcher passes
+            :func:`lowlevel.cow.commit_budget`).
         accept_seen_host_changes: see Conflicts above (root overlays only; default off: any
             host change after ``since_ns`` where the commit writes is a conflict).
     Returns:
@@ -1508,7 +1550,7 @@ def commit(upper_fd: int, lower_fd: int, *, xattr_prefix: str, since_ns: int,
 
 
 def save_upper(upper_fd: int, dest: str, *, xattr_prefix: str | None = None,
-               owner: tuple[int, int] | None = None) -> str:
+               owner: tuple[int, int] | None = None, max_bytes: int | None = None) -> str:
     """Copy a run's upper directory aside (after a conflict), with the rules of :func:`commit`.
 
     Makes a new directory ``<dest>/lowlevel-upper-<pid>-<n>`` (mode 0700), holding:
@@ -1530,6 +1572,9 @@ def save_upper(upper_fd: int, dest: str, *, xattr_prefix: str | None = None,
             for root, ``user.overlay.`` otherwise.
         owner: ``(uid, gid)`` for everything made (root callers: the workspace's owner), or
             None for the caller's.
+        max_bytes: cap on the file content written (bytes; sparse files are copied sparse,
+            and only their data counts), None for none; past it WorkspaceError EFBIG and the
+            half-made copy is removed.
     Returns:
         The path of the new directory.
     Raises:
@@ -1561,7 +1606,7 @@ def save_upper(upper_fd: int, dest: str, *, xattr_prefix: str | None = None,
                 tfd = os.open("tree", _DIR_FLAGS, dir_fd=pfd)
                 try:
                     work = _Applier(upper_fd, tfd, prefix=xattr_prefix, since_ns=None, new_owner=owner,
-                                    max_bytes=None, save=True)
+                                    max_bytes=max_bytes, save=True)
                     work.run(dry=False)
                     if owner is not None:
                         os.fchown(tfd, *owner)

@@ -93,6 +93,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from . import cow as _cow
 from . import landlock as _landlock
 from . import limits as _limits
 from . import overlay as _overlay
@@ -867,7 +868,8 @@ class _Core:
                 return changes
             owner = (r.lower_stat.st_uid, r.lower_stat.st_gid) if r.facts.caller_is_root and r.lower_stat else None
             report = _overlay.commit(r.upper_fd, r.lower_fd, xattr_prefix=r.xattr_prefix, since_ns=r.since_ns,
-                                     new_owner=owner, accept_seen_host_changes=True)
+                                     new_owner=owner, max_bytes=_cow.commit_budget(r.upper_bytes),
+                                     accept_seen_host_changes=True)
             r.notes.extend(report.notes)
             r.reset_cow()
             return changes
