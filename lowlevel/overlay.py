@@ -81,6 +81,8 @@ _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
 _serial = itertools.count(1)
+_MOUNT_POINT = ("a mount point in the workspace (the sandbox saw the directory below it): never written, deleted "
+                "or listed through")
 
 
 @dataclass(frozen=True)
@@ -324,11 +326,11 @@ def read_changes(upper_fd: int, lower_fd: int, *, xattr_prefix: str,
                 clfd = None
                 if lst is not None and stat.S_ISDIR(lst.st_mode):
                     try:
-                        clfd = os.open(name, _DIR_FLAGS, dir_fd=lfd)
+                        clfd = _open_dir_here(lfd, name)
                     except OSError as err:
-                        if err.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EACCES):
+                        if err.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EACCES, errno.EXDEV):
                             raise
-                        complete = False  # changed meanwhile, or unreadable: not compared below
+                        complete = False  # changed meanwhile, unreadable or a mount point: not compared
             except BaseException:
                 os.close(cfd)
                 raise
@@ -399,6 +401,51 @@ def _btime_ns(dirfd: int, name: str) -> int | None:
         return None
     sec, nsec = struct.unpack_from("<qI", buf, 80)  # stx_btime
     return int(sec) * 1_000_000_000 + int(nsec)
+
+
+_AT_EMPTY_PATH = 0x1000
+_STATX_MNT_ID = 0x1000
+
+
+def _mount_key(fd: int) -> tuple[str, int]:
+    """Which mount ``fd`` is on: ``("mnt", id)`` (statx ``stx_mnt_id``, Linux 5.8), else
+    ``("dev", st_dev)`` (a different filesystem only: a bind mount of the same one looks alike)."""
+    try:
+        fn = _fn("statx", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p])
+    except AttributeError:
+        fn = None
+    if fn is not None:
+        buf = ctypes.create_string_buffer(256)  # struct statx
+        if fn(fd, b"", _AT_EMPTY_PATH | _AT_SYMLINK_NOFOLLOW, _STATX_MNT_ID, buf) == 0:
+            mask, = struct.unpack_from("<I", buf, 0)
+            if mask & _STATX_MNT_ID:
+                mnt_id, = struct.unpack_from("<Q", buf, 144)  # stx_mnt_id
+                return "mnt", int(mnt_id)
+    return "dev", os.fstat(fd).st_dev
+
+
+def _crosses_mount(parent_fd: int, child_fd: int) -> bool:
+    """True when directory ``child_fd``, opened below ``parent_fd``, is the root of another mount.
+
+    The copy-on-write lower layer never includes the workspace's submounts (overlayfs lower
+    layers and ``open_tree`` without ``AT_RECURSIVE`` stop at them): the sandbox saw the
+    directory *below* a mount point, so nothing it did is about what is mounted there, and the
+    host side of a commit must never write, delete or list through one.
+    """
+    return _mount_key(parent_fd) != _mount_key(child_fd)
+
+
+def _open_dir_here(dirfd: int, name: str) -> int:
+    """``openat(dirfd, name, O_DIRECTORY|O_NOFOLLOW)`` that refuses (OSError EXDEV) a directory
+    on another mount than ``dirfd``'s (a mount point in the user's directory)."""
+    fd = os.open(name, _DIR_FLAGS, dir_fd=dirfd)
+    try:
+        if _crosses_mount(dirfd, fd):
+            raise OSError(errno.EXDEV, "a mount point: lowlevel never works through one", name)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _handle(dirfd: int, name: str) -> tuple[int, bytes] | None:
@@ -513,10 +560,10 @@ def _unlink_nondir(dirfd: int, name: str) -> bool:
 def _open_listing(dirfd: int, name: str) -> tuple[int, list[str]]:
     """Open directory ``name`` (no symlink) and list it; our own unreadable ones are made u+rwx."""
     try:
-        fd = os.open(name, _DIR_FLAGS, dir_fd=dirfd)
+        fd = _open_dir_here(dirfd, name)
     except PermissionError:
         _make_ours_writable(dirfd, name)
-        fd = os.open(name, _DIR_FLAGS, dir_fd=dirfd)
+        fd = _open_dir_here(dirfd, name)
     try:
         return fd, os.listdir(fd)
     except PermissionError:
@@ -537,7 +584,7 @@ def _make_ours_writable(dirfd: int, name: str) -> None:
     fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dirfd)
     try:
         st = os.fstat(fd)
-        if os.geteuid() == 0 or st.st_uid != os.geteuid():
+        if os.geteuid() == 0 or st.st_uid != os.geteuid() or _crosses_mount(dirfd, fd):
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), name)
         # fchmod refuses O_PATH fds; chmod through the magic link reaches exactly this inode.
         os.chmod(f"/proc/self/fd/{fd}", stat.S_IMODE(st.st_mode) | stat.S_IRWXU)
@@ -825,10 +872,12 @@ class _Applier:
         unchanged since the run started (else a conflict), no deeper than MAX_DEPTH, and
         (callers that are not root) removable without touching others' entries."""
         try:
-            fd = os.open(name, _DIR_FLAGS, dir_fd=dirfd)
+            fd = _open_dir_here(dirfd, name)
         except OSError as err:
             if err.errno in (errno.ENOTDIR, errno.ELOOP, errno.ENOENT):
                 self.conflicts.append(rel)  # swapped on the host since the stat
+            elif err.errno == errno.EXDEV:
+                self.skip(rel, _MOUNT_POINT)
             else:
                 self.skip(rel, f"cannot list it to delete it: {err.strerror}")
             return False
@@ -859,7 +908,13 @@ class _Applier:
                 if len(stack) > MAX_DEPTH:
                     self.skip(rel, f"more than {MAX_DEPTH} levels deep: not checked, so not deleted")
                     return False
-                cfd = os.open(child, _DIR_FLAGS, dir_fd=dfd)
+                try:
+                    cfd = _open_dir_here(dfd, child)
+                except OSError as err:
+                    if err.errno != errno.EXDEV:
+                        raise
+                    self.skip(rel, f"{crel!r} below it is {_MOUNT_POINT}")
+                    return False
                 try:
                     cnames = sorted(os.listdir(cfd), reverse=True)
                 except BaseException:
@@ -1300,11 +1355,13 @@ class _Applier:
             elif not self.touch(rel, lst):
                 chmod = False
         try:
-            tfd = os.open(name, _DIR_FLAGS, dir_fd=frame.tfd)
+            tfd = _open_dir_here(frame.tfd, name)
         except OSError as err:
             os.close(cfd)
             if self.dry and err.errno in (errno.ENOTDIR, errno.ELOOP, errno.ENOENT):
                 self.conflicts.append(rel)  # swapped on the host since the stat
+            elif err.errno == errno.EXDEV:
+                self.skip(rel, _MOUNT_POINT)
             else:
                 self.skip(rel, f"cannot open it: {err.strerror}")
             return
@@ -1397,7 +1454,15 @@ class _Applier:
     def report(self) -> CommitReport:
         changes = Changes(tuple(sorted(self.added)), tuple(sorted(self.modified)), tuple(sorted(self.deleted)),
                           True, self.allocated)
-        return CommitReport(changes, self.copied, tuple(sorted(self.skipped)), tuple(self.notes))
+        skipped = tuple(sorted(self.skipped))
+        notes = list(self.notes)
+        if skipped:
+            # The change report (read_changes) lists what the run did; say what did not land.
+            shown = "; ".join(f"{p!r}: {why}" for p, why in skipped[:5])
+            more = f"; and {len(skipped) - 5} more" if len(skipped) > 5 else ""
+            notes.append(f"commit: {len(skipped)} entr{'y' if len(skipped) == 1 else 'ies'} of the run not "
+                         f"applied ({shown}{more})")
+        return CommitReport(changes, self.copied, skipped, tuple(notes))
 
 
 def _check_owner(owner: tuple[int, int] | None, what: str) -> None:
