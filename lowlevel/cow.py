@@ -66,8 +66,9 @@ def commit_budget(upper_bytes: int) -> int:
 
 
 def upper_inodes(size: int) -> int:
-    """Inode bound of an upper tmpfs of ``size`` bytes: empty files and dirs cost host disk too."""
-    return max(1024, size // 1024)
+    """Inode bound of an upper tmpfs of ``size`` bytes: empty files and dirs cost host disk too
+    (at most 2^32, the anchor's ceiling for ``nr_inodes``)."""
+    return min(max(1024, size // 1024), 1 << 32)
 
 
 def uid_range() -> tuple[int, int]:
