@@ -1458,7 +1458,8 @@ class _Applier:
         notes = list(self.notes)
         if skipped:
             # The change report (read_changes) lists what the run did; say what did not land.
-            shown = "; ".join(f"{p!r}: {why}" for p, why in skipped[:5])
+            shown = "; ".join(f"{(p if len(p) <= 120 else p[:60] + '...' + p[-57:])!r}: {why}"
+                              for p, why in skipped[:5])
             more = f"; and {len(skipped) - 5} more" if len(skipped) > 5 else ""
             notes.append(f"commit: {len(skipped)} entr{'y' if len(skipped) == 1 else 'ies'} of the run not "
                          f"applied ({shown}{more})")
