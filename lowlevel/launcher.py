@@ -1405,6 +1405,11 @@ class Run:
         if old is not None:
             try:
                 _overlay.clear_dir(old)
+            except WorkspaceError as err:
+                # A command started before the reset can keep writing into the old layer (its cwd
+                # is there) while it is cleared: the reset stands; what it writes there is in no
+                # later diff or commit, and goes with the sandbox.
+                log.info("lowlevel: the dropped upper layer is still being written to: %s", err)
             finally:
                 os.close(old)
 
