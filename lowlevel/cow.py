@@ -29,6 +29,7 @@ import errno
 import fcntl
 import functools
 import os
+import re
 import stat
 import struct
 import threading
@@ -217,6 +218,26 @@ class CowSupport:
     reason: str = ""
 
 
+def submounts(path: str) -> list[str]:
+    """Mount points strictly below ``path`` (absolute, resolved) in our mount namespace, from
+    ``/proc/self/mountinfo`` (field 5, octal escapes undone; proc(5)). Empty when unreadable."""
+    prefix = path.rstrip("/") + "/"
+    found: list[str] = []
+    try:
+        with open("/proc/self/mountinfo", "rb") as f:
+            for line in f:
+                fields = line.split(b" ")
+                if len(fields) < 5:
+                    continue
+                point = re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), fields[4])
+                text = os.fsdecode(point)
+                if text.startswith(prefix):
+                    found.append(text)
+    except OSError:
+        return []
+    return found
+
+
 _cow_cache: dict[tuple[int, int], CowSupport] = {}
 _cow_lock = threading.Lock()
 
@@ -235,6 +256,14 @@ def cow_support(workspace: str, probe: "functools.partial[CowSupport] | None" = 
         dev = os.stat(workspace).st_dev
     except OSError:
         return CowSupport(False, "workspace not reachable")
+    if os.geteuid() != 0:
+        # Per workspace, never cached: one directory holding a mount point must neither make
+        # every workspace of its filesystem fall back, nor get the cached "yes" and fail.
+        below = submounts(workspace)
+        if below:
+            return CowSupport(False, f"the workspace holds mount points ({', '.join(below[:3])}"
+                              f"{', ...' if len(below) > 3 else ''}): overlayfs refuses a lower layer with "
+                              "submounts in an unprivileged caller's user namespace (they are locked)")
     key = (dev, os.geteuid())
     with _cow_lock:
         found = _cow_cache.get(key)
@@ -250,5 +279,5 @@ def cow_support(workspace: str, probe: "functools.partial[CowSupport] | None" = 
 
 
 __all__ = ["CowSupport", "DEFAULT_UID_RANGE", "DEFAULT_UPPER_BYTES", "ROOT_STATE_DIR", "UidLease", "commit_budget",
-           "cow_support",
+           "cow_support", "submounts",
            "ensure_root_state_dir", "mount_dir", "uid_range", "upper_inodes"]

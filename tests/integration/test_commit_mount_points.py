@@ -112,3 +112,43 @@ def test_commit_does_not_cross_mount_points(mounts: _Mounts) -> None:
     finally:
         mounts.undo()
         shutil.rmtree(base, ignore_errors=True)
+
+
+CACHE_PROBE = """
+import json, sys, lowlevel
+out = []
+for ws in sys.argv[1:]:
+    try:
+        r = lowlevel.run(["true"], workspace=ws)
+        out.append("cow" if any("copy-on-write overlay" in n for n in r.notes) else "handover")
+    except lowlevel.LowlevelError as err:
+        out.append(f"{type(err).__name__}: {err}")
+print(json.dumps(out))
+"""
+
+
+def test_unprivileged_workspace_with_a_mount_point_does_not_decide_for_the_filesystem(test_user, mounts) -> None:
+    """An unprivileged caller's overlay refuses a lower holding mount points (they are locked in
+    its user namespace), and the answer was cached per filesystem: run first on such a
+    workspace, every later workspace of that filesystem lost the overlay (and its write bound)
+    for the process's life; run first on a plain one, the workspace with a mount point failed
+    with "sandbox setup failed: lowlevel_exec: mount overlay ... Invalid argument"."""
+    import json
+    import sys
+    runuser = shutil.which("runuser") or "/usr/sbin/runuser"
+    base = tempfile.mkdtemp(prefix="rt-mnt-", dir="/tmp")
+    try:
+        os.chmod(base, 0o755)
+        plain, holder, target = (os.path.join(base, n) for n in ("plain", "holder", "target"))
+        for d in (plain, holder, f"{holder}/m", target):
+            os.makedirs(d)
+            os.chown(d, test_user.pw_uid, test_user.pw_gid)
+        mounts.bind(target, f"{holder}/m")
+        for order, want in (((holder, plain), ["handover", "cow"]), ((plain, holder), ["cow", "handover"])):
+            proc = subprocess.run([runuser, "-u", test_user.pw_name, "--", sys.executable, "-c", CACHE_PROBE, *order],
+                                  capture_output=True, text=True, cwd="/", timeout=120)
+            assert proc.returncode == 0, proc.stderr[-2000:]
+            assert json.loads(proc.stdout) == want, proc.stdout
+    finally:
+        mounts.undo()
+        shutil.rmtree(base, ignore_errors=True)
