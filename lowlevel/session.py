@@ -1712,6 +1712,9 @@ class Pool:
                 if s._core.run.facts.caller_is_root and not s._core.run.cow:
                     for name in dict.fromkeys(n.split("/")[0] for n in names):
                         _ws.chown_tree(os.path.join(s.directory, name), *s.host_ids)
+                # The call starts from here: its commit must not take the inputs for host changes
+                # made during the run (a program that edits or deletes an input got a conflict).
+                s._core.run.since_ns = time.time_ns()
             result = s.run(argv, stdin=stdin, timeout=timeout, env=env, cwd=cwd, limits=limits,
                            track_changes=False if s._core.run.cow else None)
             if self.template is not None:
