@@ -40,6 +40,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import functools
+import itertools
 import json
 import logging
 import os
@@ -81,6 +82,9 @@ CHILD_FDS = Fds(json_status=4, block=None, seccomp=6, passwd=7, group=8)
 #: others (SIGINT in a daemon). Source: posix_spawnattr_setsigdefault(3), signal(7).
 _DEFAULT_SIGNALS = tuple(s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)
                          and s < signal.SIGRTMIN)
+
+#: Serial numbers of this process's run cgroups (``run-<pid>-<hex serial>``).
+_CGROUP_SERIAL = itertools.count(1)
 
 #: Default wall-clock timeout for a run, seconds.
 DEFAULT_TIMEOUT_S = 60.0
@@ -749,7 +753,9 @@ class Run:
         else:
             bind_source = self._prepare_handover(support.reason)
 
-        self.cgroup = _limits.RunCgroup.create(policy.limits, f"run-{os.getpid()}-{id(self):x}")
+        # A serial, not id(self): a cgroup an interrupted run left behind must not collide with a
+        # later Run object that CPython put at the same address (EEXIST, LaunchError).
+        self.cgroup = _limits.RunCgroup.create(policy.limits, f"run-{os.getpid()}-{next(_CGROUP_SERIAL):x}")
         if self.cgroup is None:
             self.notes.append("no writable cgroup hierarchy: memory, pids and CPU bounded by rlimits only")
         else:
