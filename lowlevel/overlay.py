@@ -1599,7 +1599,8 @@ def commit(upper_fd: int, lower_fd: int, *, xattr_prefix: str, since_ns: int,
         if work.conflicts:
             raise CommitConflictError(tuple(sorted(set(work.conflicts))))
         if max_bytes is not None and work.planned > max_bytes:
-            raise WorkspaceError(errno.EFBIG, f"commit refused: the run wrote {work.planned} bytes of file content, "
+            raise WorkspaceError(errno.EFBIG, f"commit refused: it would write {work.planned} bytes of file content "
+                                 "(a file with several names is copied once per name it cannot keep as a hard link), "
                                  f"more than the {max_bytes}-byte budget; nothing was changed")
         try:
             work.run(dry=False)
