@@ -324,7 +324,7 @@ def read_changes(upper_fd: int, lower_fd: int, *, xattr_prefix: str,
                 is_opaque, child_x = _dir_flags(cfd, rel, xattr_prefix)
                 child_opaque = opaque or is_opaque
                 clfd = None
-                if lst is not None and stat.S_ISDIR(lst.st_mode):
+                if lst is not None and lfd is not None and stat.S_ISDIR(lst.st_mode):
                     try:
                         clfd = _open_dir_here(lfd, name)
                     except OSError as err:
