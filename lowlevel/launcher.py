@@ -43,6 +43,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import functools
+import itertools
 import json
 import logging
 import os
@@ -84,6 +85,9 @@ CHILD_FDS = Fds(json_status=4, block=None, seccomp=6, passwd=7, group=8)
 #: others (SIGINT in a daemon). Source: posix_spawnattr_setsigdefault(3), signal(7).
 _DEFAULT_SIGNALS = tuple(s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)
                          and s < signal.SIGRTMIN)
+
+#: Serial numbers of this process's run cgroups (``run-<pid>-<hex serial>``).
+_CGROUP_SERIAL = itertools.count(1)
 
 #: Default wall-clock timeout for a run, seconds.
 DEFAULT_TIMEOUT_S = 60.0
@@ -752,7 +756,9 @@ class Run:
         else:
             bind_source = self._prepare_handover(support.reason)
 
-        self.cgroup = _limits.RunCgroup.create(policy.limits, f"run-{os.getpid()}-{id(self):x}")
+        # A serial, not id(self): a cgroup an interrupted run left behind must not collide with a
+        # later Run object that CPython put at the same address (EEXIST, LaunchError).
+        self.cgroup = _limits.RunCgroup.create(policy.limits, f"run-{os.getpid()}-{next(_CGROUP_SERIAL):x}")
         if self.cgroup is None:
             self.notes.append("no writable cgroup hierarchy: memory, pids and CPU bounded by rlimits only")
         else:
@@ -1348,11 +1354,13 @@ class Run:
             try:
                 report = _overlay.commit(self.upper_fd, self.lower_fd, xattr_prefix=self.xattr_prefix,
                                          since_ns=self.since_ns, new_owner=owner,
+                                         max_bytes=_cow.commit_budget(self.upper_bytes),
                                          accept_seen_host_changes=self.accept_seen_host_changes)
             except _overlay.CommitConflictError as err:
                 try:
                     saved = _overlay.save_upper(self.upper_fd, _conflict_dir(self.workspace_base),
-                                                xattr_prefix=self.xattr_prefix, owner=owner)
+                                                xattr_prefix=self.xattr_prefix, owner=owner,
+                                                max_bytes=_cow.commit_budget(self.upper_bytes))
                     err.saved_upper = saved
                     err.args = (err.args[0], f"{err.args[1]}; the run's changes were saved to {saved}")
                 except (OSError, LowlevelError) as save_err:
@@ -1364,7 +1372,8 @@ class Run:
                 # warning that keeps the exit status); the run's changes are saved aside first.
                 why = f"cannot write the run's changes into the workspace: {err.strerror or err}"
                 try:
-                    saved = _overlay.save_upper(self.upper_fd, _conflict_dir(self.workspace_base))
+                    saved = _overlay.save_upper(self.upper_fd, _conflict_dir(self.workspace_base),
+                                                max_bytes=_cow.commit_budget(self.upper_bytes))
                     why += f"; they were saved to {saved}"
                 except (OSError, LowlevelError) as save_err:
                     why += f"; saving them failed too: {save_err}"
@@ -1405,6 +1414,11 @@ class Run:
         if old is not None:
             try:
                 _overlay.clear_dir(old)
+            except WorkspaceError as err:
+                # A command started before the reset can keep writing into the old layer (its cwd
+                # is there) while it is cleared: the reset stands; what it writes there is in no
+                # later diff or commit, and goes with the sandbox.
+                log.info("lowlevel: the dropped upper layer is still being written to: %s", err)
             finally:
                 os.close(old)
 

@@ -164,7 +164,8 @@ class Limits:
         _check_int("core_bytes", self.core_bytes, minimum=0, optional=False)
         _check_seconds("cpu_quota", self.cpu_quota, minimum=0.01, unit="cores")
         _check_int("tmp_size_bytes", self.tmp_size_bytes, minimum=4 * KiB)
-        _check_int("workspace_bytes", self.workspace_bytes, minimum=64 * KiB)
+        # The anchor sizes the upper tmpfs with at most 2^50 bytes (native/lowlevel_exec.c).
+        _check_int("workspace_bytes", self.workspace_bytes, minimum=64 * KiB, maximum=1 << 50)
         _check_int("net_bytes", self.net_bytes, minimum=1)
         require = self.require
         if isinstance(require, str) or not isinstance(require, (tuple, list)):
@@ -181,13 +182,13 @@ class Limits:
         object.__setattr__(self, "require", tuple(dict.fromkeys(require)))
 
 
-def _check_int(name: str, value: object, *, minimum: int, optional: bool = True) -> None:
+def _check_int(name: str, value: object, *, minimum: int, optional: bool = True, maximum: int = _INT_MAX) -> None:
     if value is None and optional:
         return
     if isinstance(value, bool) or not isinstance(value, int):
         raise PolicyError(f"Limits.{name} must be an int{' or None' if optional else ''}, got {value!r}")
-    if not minimum <= value <= _INT_MAX:
-        raise PolicyError(f"Limits.{name} must be between {minimum} and {_INT_MAX}, got {value}")
+    if not minimum <= value <= maximum:
+        raise PolicyError(f"Limits.{name} must be between {minimum} and {maximum}, got {value}")
 
 
 def _check_seconds(name: str, value: object, *, minimum: float, unit: str = "seconds") -> None:
