@@ -453,7 +453,7 @@ async def arun(command: Sequence[str], *, policy: Policy | None = None,
             Result has ``timed_out=True``.
         limiter: an ``asyncio.Semaphore`` shared by the calls it should bound; the call
             waits for it before allocating anything (no fd, no process, no workspace).
-            None: no bound (each run in flight holds up to 7 fds; see the module docstring).
+            None: no bound (each run in flight holds up to 10 fds; see the module docstring).
     Returns:
         A :class:`~lowlevel.result.Result`.
     Raises:
@@ -491,7 +491,7 @@ class Runner:
     until their sandboxes are killed and reaped, so no sandbox outlives the block.
 
     Args:
-        max_concurrency: runs allowed at once, >= 1. Each holds at most 7 fds and its
+        max_concurrency: runs allowed at once, >= 1. Each holds at most 10 fds and its
             sandbox's processes; 2-4x the CPU count keeps the CPUs busy for short runs.
         policy, timeout, workspace_base, env, keep_workspace: defaults for :meth:`run` (a
             call's own arguments win). ``keep_workspace=False`` removes each call's fresh

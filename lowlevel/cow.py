@@ -29,6 +29,7 @@ import errno
 import fcntl
 import functools
 import os
+import re
 import stat
 import struct
 import threading
@@ -52,9 +53,23 @@ DEFAULT_UID_RANGE = (0x70000000, 65536)
 _F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
 
 
+def commit_budget(upper_bytes: int) -> int:
+    """Cap on the file content a commit (or a save after a conflict) writes to the host, bytes.
+
+    The upper layer holds at most ``upper_bytes`` of data, and a commit copies files hole for
+    hole, so an honest run commits at most that much; hard-linked files the commit cannot keep
+    as links (past :data:`lowlevel.overlay.MAX_LINKED` inodes, or a link over an existing name)
+    are copied once per name, hence the factor 2. A hostile run that links one file over
+    thousands of names would otherwise write (names x size) to the host disk from a bounded
+    upper; past this cap the commit is refused (nothing applied, a warning says so).
+    """
+    return 2 * upper_bytes
+
+
 def upper_inodes(size: int) -> int:
-    """Inode bound of an upper tmpfs of ``size`` bytes: empty files and dirs cost host disk too."""
-    return max(1024, size // 1024)
+    """Inode bound of an upper tmpfs of ``size`` bytes: empty files and dirs cost host disk too
+    (at most 2^32, the anchor's ceiling for ``nr_inodes``)."""
+    return min(max(1024, size // 1024), 1 << 32)
 
 
 def uid_range() -> tuple[int, int]:
@@ -206,6 +221,26 @@ class CowSupport:
     reason: str = ""
 
 
+def submounts(path: str) -> list[str]:
+    """Mount points strictly below ``path`` (absolute, resolved) in our mount namespace, from
+    ``/proc/self/mountinfo`` (field 5, octal escapes undone; proc(5)). Empty when unreadable."""
+    prefix = path.rstrip("/") + "/"
+    found: list[str] = []
+    try:
+        with open("/proc/self/mountinfo", "rb") as f:
+            for line in f:
+                fields = line.split(b" ")
+                if len(fields) < 5:
+                    continue
+                point = re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), fields[4])
+                text = os.fsdecode(point)
+                if text.startswith(prefix):
+                    found.append(text)
+    except OSError:
+        return []
+    return found
+
+
 _cow_cache: dict[tuple[int, int], CowSupport] = {}
 _cow_lock = threading.Lock()
 
@@ -224,6 +259,14 @@ def cow_support(workspace: str, probe: "functools.partial[CowSupport] | None" = 
         dev = os.stat(workspace).st_dev
     except OSError:
         return CowSupport(False, "workspace not reachable")
+    if os.geteuid() != 0:
+        # Per workspace, never cached: one directory holding a mount point must neither make
+        # every workspace of its filesystem fall back, nor get the cached "yes" and fail.
+        below = submounts(workspace)
+        if below:
+            return CowSupport(False, f"the workspace holds mount points ({', '.join(below[:3])}"
+                              f"{', ...' if len(below) > 3 else ''}): overlayfs refuses a lower layer with "
+                              "submounts in an unprivileged caller's user namespace (they are locked)")
     key = (dev, os.geteuid())
     with _cow_lock:
         found = _cow_cache.get(key)
@@ -238,5 +281,6 @@ def cow_support(workspace: str, probe: "functools.partial[CowSupport] | None" = 
     return result
 
 
-__all__ = ["CowSupport", "DEFAULT_UID_RANGE", "DEFAULT_UPPER_BYTES", "ROOT_STATE_DIR", "UidLease", "cow_support",
+__all__ = ["CowSupport", "DEFAULT_UID_RANGE", "DEFAULT_UPPER_BYTES", "ROOT_STATE_DIR", "UidLease", "commit_budget",
+           "cow_support", "submounts",
            "ensure_root_state_dir", "mount_dir", "uid_range", "upper_inodes"]

@@ -1,38 +1,41 @@
-"""Start bwrap with os.posix_spawn, hand it exactly the fds it needs, and supervise it.
+"""Start a sandbox under lowlevel's anchor with os.posix_spawn, and supervise it.
 
 The life of one run (:class:`Run`), the same for the sync and the async drivers:
 
-1. ``prepare``: everything that can fail or allocate happens before the spawn: the Policy's
-   static argv (cached), the workspace, the seccomp BPF (compiled once per profile), the
-   cgroup, and the fds: an ``--args`` memfd (so a long policy never hits E2BIG), the
-   ``--json-status-fd`` and ``--block-fd`` pipes, the ``--seccomp`` memfd, the
-   ``/etc/passwd``/``/etc/group`` memfds and the stdio pipes.
-2. ``spawn``: ``os.posix_spawn`` of bwrap (behind ``_lowlevel_exec``, or else ``setpriv``,
-   for root callers: :func:`lowlevel.argv.outer_argv`) with an empty environment (bwrap's
-   PID 1 inside keeps the environment it was started with, and ``/proc/1/environ`` is
-   readable from the sandbox). The file actions dup2 our fds onto
-   fixed numbers and close every *inheritable* fd the caller has (a leaked directory fd is a
-   path out of any mount namespace); everything Python opens is O_CLOEXEC already (PEP 446).
+1. ``prepare``: everything that can fail or allocate happens before the spawn, and every fd
+   is owned the moment it exists: the workspace (opened once, by fd), the run's host ids (a
+   per-run uid lease for root callers, :class:`lowlevel.cow.UidLease`), the cgroup and an
+   O_WRONLY fd on each of its ``cgroup.procs``, the rlimits, the seccomp BPF (compiled once
+   per profile), the Policy's static argv (cached) and the fds: an ``--args`` memfd (so a
+   long policy never hits E2BIG), the ``--json-status-fd`` pipe, the ``--seccomp`` memfd, the
+   ``/etc/passwd``/``/etc/group`` memfds, the stdio pipes and the anchor's report socket.
+2. ``spawn``: ``os.posix_spawn`` of the anchor (``native/lowlevel_exec.c``: see
+   :func:`lowlevel.argv.anchor_argv`) with an empty environment (bwrap's PID 1 keeps the
+   environment it was started with, and ``/proc/1/environ`` is readable from the sandbox). The
+   file actions dup2 our fds onto fixed numbers; the anchor closes every other inherited fd (a
+   leaked directory fd is a path out of any mount namespace). The anchor dies with us (checked
+   ``PR_SET_PDEATHSIG``), joins the cgroups, mounts the copy-on-write workspace in a private
+   mount namespace, and runs bwrap as PID 1 of a new PID namespace with the rlimits set.
    The program itself is behind the guard (:mod:`lowlevel.landlock`): bwrap execs
    ``/proc/self/fd/N`` (the static ``_lowlevel_guard``), which applies the Policy's Landlock
    ruleset to the program and reports its exact wait status on a pipe read in ``result``.
-3. handshake: bwrap writes ``{"child-pid": N}`` to the json-status fd, then its child waits
-   on the block fd. We open a pidfd for N (race-free: it cannot be reaped while blocked),
-   apply rlimits with prlimit, attach N to the run's cgroup, and only then write the byte
-   that lets the program exec. Not one instruction of the program runs unlimited.
-4. supervise: poll the bwrap pidfd, the output pipes and the deadline; at the deadline
-   ``pidfd_send_signal(SIGKILL)`` the sandbox's PID 1, which makes the kernel kill the whole
-   PID namespace (a double-forked ``setsid`` daemon included).
-5. finish: reap bwrap with ``os.wait4``, wait until the sandbox PID 1's pidfd reports exit
-   (a PID 1 exits only after every process of its namespace is gone: ``zap_pid_ns_processes``),
-   read cgroup figures, remove the cgroup, and build the :class:`Result`.
+3. handshake: the anchor sends READY with bwrap's pidfd (and the overlay's upper directory)
+   before bwrap starts. Limits are in force before any process of the sandbox exists: no
+   ``--block-fd`` (bwrap reads EOF on it as "go").
+4. supervise: poll the anchor's pidfd, the output pipes and the deadline; at the deadline
+   ``pidfd_send_signal(SIGKILL)`` bwrap, the PID 1 of the run's namespace, which makes the
+   kernel kill every process of it (a double-forked ``setsid`` daemon included).
+5. finish: reap the anchor with ``os.wait4``, wait until bwrap's pidfd reports exit (a PID 1
+   exits only after every process of its namespace is gone: ``zap_pid_ns_processes``), read
+   cgroup figures, build the :class:`Result`, read the upper layer's changes and commit or
+   discard them (:mod:`lowlevel.overlay`), remove the cgroup.
 
-Fds each run holds in the parent after the handshake: bwrap pidfd, sandbox-init pidfd,
-json-status read end, stdout and stderr read ends (capture mode), stdin write end (when
-stdin is bytes), the guard's report pipe read end: at most 7.
+Fds each run holds in the parent after the handshake: the anchor's pidfd, bwrap's pidfd, the
+report socket, the upper directory and the workspace, json-status read end, stdout and stderr
+read ends (capture mode), stdin write end (when stdin is bytes), the guard's report pipe.
 
-Sources: bwrap(1) --args, --json-status-fd, --block-fd, --seccomp, --die-with-parent;
-pidfd_open(2); pidfd_send_signal(2); posix_spawn(3); prlimit(2).
+Sources: bwrap(1) --args, --json-status-fd, --seccomp, --die-with-parent; pidfd_open(2);
+pidfd_send_signal(2); posix_spawn(3); prctl(2) PR_SET_PDEATHSIG; pid_namespaces(7).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import functools
+import itertools
 import json
 import os
 import re
@@ -94,6 +98,9 @@ CHILD_FDS = Fds(json_status=4, block=None, seccomp=6, passwd=7, group=8)
 #: others (SIGINT in a daemon). Source: posix_spawnattr_setsigdefault(3), signal(7).
 _DEFAULT_SIGNALS = tuple(s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)
                          and s < signal.SIGRTMIN)
+
+#: Serial numbers of this process's run cgroups (``run-<pid>-<hex serial>``).
+_CGROUP_SERIAL = itertools.count(1)
 
 #: Default wall-clock timeout for a run, seconds.
 DEFAULT_TIMEOUT_S = 60.0
@@ -805,7 +812,9 @@ class Run:
         else:
             bind_source = self._prepare_handover(support.reason)
 
-        self.cgroup = _limits.RunCgroup.create(policy.limits, f"run-{os.getpid()}-{id(self):x}")
+        # A serial, not id(self): a cgroup an interrupted run left behind must not collide with a
+        # later Run object that CPython put at the same address (EEXIST, LaunchError).
+        self.cgroup = _limits.RunCgroup.create(policy.limits, f"run-{os.getpid()}-{next(_CGROUP_SERIAL):x}")
         if self.cgroup is None:
             self.notes.append("no writable cgroup hierarchy: memory, pids and CPU bounded by rlimits only")
         else:
@@ -1465,11 +1474,13 @@ class Run:
             try:
                 report = _overlay.commit(self.upper_fd, self.lower_fd, xattr_prefix=self.xattr_prefix,
                                          since_ns=self.since_ns, new_owner=owner,
+                                         max_bytes=_cow.commit_budget(self.upper_bytes),
                                          accept_seen_host_changes=self.accept_seen_host_changes)
             except _overlay.CommitConflictError as err:
                 try:
                     saved = _overlay.save_upper(self.upper_fd, _conflict_dir(self.workspace_base),
-                                                xattr_prefix=self.xattr_prefix, owner=owner)
+                                                xattr_prefix=self.xattr_prefix, owner=owner,
+                                                max_bytes=_cow.commit_budget(self.upper_bytes))
                     err.saved_upper = saved
                     err.args = (err.args[0], f"{err.args[1]}; the run's changes were saved to {saved}")
                 except (OSError, LowlevelError) as save_err:
@@ -1481,7 +1492,8 @@ class Run:
                 # warning that keeps the exit status); the run's changes are saved aside first.
                 why = f"cannot write the run's changes into the workspace: {err.strerror or err}"
                 try:
-                    saved = _overlay.save_upper(self.upper_fd, _conflict_dir(self.workspace_base))
+                    saved = _overlay.save_upper(self.upper_fd, _conflict_dir(self.workspace_base),
+                                                max_bytes=_cow.commit_budget(self.upper_bytes))
                     why += f"; they were saved to {saved}"
                 except (OSError, LowlevelError) as save_err:
                     why += f"; saving them failed too: {save_err}"
@@ -1522,6 +1534,11 @@ class Run:
         if old is not None:
             try:
                 _overlay.clear_dir(old)
+            except WorkspaceError as err:
+                # A command started before the reset can keep writing into the old layer (its cwd
+                # is there) while it is cleared: the reset stands; what it writes there is in no
+                # later diff or commit, and goes with the sandbox.
+                log.info("lowlevel: the dropped upper layer is still being written to: %s", err)
             finally:
                 os.close(old)
 

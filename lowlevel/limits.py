@@ -165,7 +165,8 @@ class Limits:
         _check_int("core_bytes", self.core_bytes, minimum=0, optional=False)
         _check_seconds("cpu_quota", self.cpu_quota, minimum=0.01, unit="cores")
         _check_int("tmp_size_bytes", self.tmp_size_bytes, minimum=4 * KiB)
-        _check_int("workspace_bytes", self.workspace_bytes, minimum=64 * KiB)
+        # The anchor sizes the upper tmpfs with at most 2^50 bytes (native/lowlevel_exec.c).
+        _check_int("workspace_bytes", self.workspace_bytes, minimum=64 * KiB, maximum=1 << 50)
         _check_int("net_bytes", self.net_bytes, minimum=1)
         require = self.require
         if isinstance(require, str) or not isinstance(require, (tuple, list)):
@@ -182,13 +183,13 @@ class Limits:
         object.__setattr__(self, "require", tuple(dict.fromkeys(require)))
 
 
-def _check_int(name: str, value: object, *, minimum: int, optional: bool = True) -> None:
+def _check_int(name: str, value: object, *, minimum: int, optional: bool = True, maximum: int = _INT_MAX) -> None:
     if value is None and optional:
         return
     if isinstance(value, bool) or not isinstance(value, int):
         raise PolicyError(f"Limits.{name} must be an int{' or None' if optional else ''}, got {value!r}")
-    if not minimum <= value <= _INT_MAX:
-        raise PolicyError(f"Limits.{name} must be between {minimum} and {_INT_MAX}, got {value}")
+    if not minimum <= value <= maximum:
+        raise PolicyError(f"Limits.{name} must be between {minimum} and {maximum}, got {value}")
 
 
 def _check_seconds(name: str, value: object, *, minimum: float, unit: str = "seconds") -> None:
@@ -642,10 +643,26 @@ def _sweep(base: str) -> None:
     for name in names:
         m = _RUN_NAME.match(name)
         if m and int(m.group(1)) != os.getpid() and not os.path.exists(f"/proc/{m.group(1)}"):
+            _rmtree_empty(os.path.join(base, name))
+
+
+def _rmtree_empty(path: str) -> None:
+    """rmdir(2) ``path`` and its child cgroups, deepest first; populated ones stay.
+
+    A cgroup directory holds only kernel files besides its children, so rmdir needs no unlink;
+    a child still holding a task refuses (EBUSY), and so does every ancestor: left for its
+    sandbox to die (--die-with-parent) and the next sweep.
+    """
+    for parent, dirs, _files in os.walk(path, topdown=False):
+        for d in dirs:
             try:
-                _rmdir(os.path.join(base, name))
+                _rmdir(os.path.join(parent, d))
             except OSError:
-                pass  # still populated: left for its sandbox to die (--die-with-parent)
+                pass
+    try:
+        _rmdir(path)
+    except OSError:
+        pass
 
 
 # --------------------------------------------------------------------------------------------

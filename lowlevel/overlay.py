@@ -80,6 +80,8 @@ _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
 _serial = itertools.count(1)
+_MOUNT_POINT = ("a mount point in the workspace (the sandbox saw the directory below it): never written, deleted "
+                "or listed through")
 
 
 @dataclass(frozen=True)
@@ -321,13 +323,13 @@ def read_changes(upper_fd: int, lower_fd: int, *, xattr_prefix: str,
                 is_opaque, child_x = _dir_flags(cfd, rel, xattr_prefix)
                 child_opaque = opaque or is_opaque
                 clfd = None
-                if lst is not None and stat.S_ISDIR(lst.st_mode):
+                if lst is not None and lfd is not None and stat.S_ISDIR(lst.st_mode):
                     try:
-                        clfd = os.open(name, _DIR_FLAGS, dir_fd=lfd)
+                        clfd = _open_dir_here(lfd, name)
                     except OSError as err:
-                        if err.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EACCES):
+                        if err.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EACCES, errno.EXDEV):
                             raise
-                        complete = False  # changed meanwhile, or unreadable: not compared below
+                        complete = False  # changed meanwhile, unreadable or a mount point: not compared
             except BaseException:
                 os.close(cfd)
                 raise
@@ -401,6 +403,51 @@ def _btime_ns(dirfd: int, name: str) -> int | None:
         return None
     sec, nsec = struct.unpack_from("<qI", buf, 80)  # stx_btime
     return int(sec) * 1_000_000_000 + int(nsec)
+
+
+_AT_EMPTY_PATH = 0x1000
+_STATX_MNT_ID = 0x1000
+
+
+def _mount_key(fd: int) -> tuple[str, int]:
+    """Which mount ``fd`` is on: ``("mnt", id)`` (statx ``stx_mnt_id``, Linux 5.8), else
+    ``("dev", st_dev)`` (a different filesystem only: a bind mount of the same one looks alike)."""
+    try:
+        fn = _fn("statx", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p])
+    except AttributeError:
+        fn = None
+    if fn is not None:
+        buf = ctypes.create_string_buffer(256)  # struct statx
+        if fn(fd, b"", _AT_EMPTY_PATH | _AT_SYMLINK_NOFOLLOW, _STATX_MNT_ID, buf) == 0:
+            mask, = struct.unpack_from("<I", buf, 0)
+            if mask & _STATX_MNT_ID:
+                mnt_id, = struct.unpack_from("<Q", buf, 144)  # stx_mnt_id
+                return "mnt", int(mnt_id)
+    return "dev", os.fstat(fd).st_dev
+
+
+def _crosses_mount(parent_fd: int, child_fd: int) -> bool:
+    """True when directory ``child_fd``, opened below ``parent_fd``, is the root of another mount.
+
+    The copy-on-write lower layer never includes the workspace's submounts (overlayfs lower
+    layers and ``open_tree`` without ``AT_RECURSIVE`` stop at them): the sandbox saw the
+    directory *below* a mount point, so nothing it did is about what is mounted there, and the
+    host side of a commit must never write, delete or list through one.
+    """
+    return _mount_key(parent_fd) != _mount_key(child_fd)
+
+
+def _open_dir_here(dirfd: int, name: str) -> int:
+    """``openat(dirfd, name, O_DIRECTORY|O_NOFOLLOW)`` that refuses (OSError EXDEV) a directory
+    on another mount than ``dirfd``'s (a mount point in the user's directory)."""
+    fd = os.open(name, _DIR_FLAGS, dir_fd=dirfd)
+    try:
+        if _crosses_mount(dirfd, fd):
+            raise OSError(errno.EXDEV, "a mount point: lowlevel never works through one", name)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _handle(dirfd: int, name: str) -> tuple[int, bytes] | None:
@@ -516,10 +563,10 @@ def _unlink_nondir(dirfd: int, name: str) -> bool:
 def _open_listing(dirfd: int, name: str) -> tuple[int, list[str]]:
     """Open directory ``name`` (no symlink) and list it; our own unreadable ones are made u+rwx."""
     try:
-        fd = os.open(name, _DIR_FLAGS, dir_fd=dirfd)
+        fd = _open_dir_here(dirfd, name)
     except PermissionError:
         _make_ours_writable(dirfd, name)
-        fd = os.open(name, _DIR_FLAGS, dir_fd=dirfd)
+        fd = _open_dir_here(dirfd, name)
     try:
         return fd, os.listdir(fd)
     except PermissionError:
@@ -540,7 +587,7 @@ def _make_ours_writable(dirfd: int, name: str) -> None:
     fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dirfd)
     try:
         st = os.fstat(fd)
-        if os.geteuid() == 0 or st.st_uid != os.geteuid():
+        if os.geteuid() == 0 or st.st_uid != os.geteuid() or _crosses_mount(dirfd, fd):
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), name)
         # fchmod refuses O_PATH fds; chmod through the magic link reaches exactly this inode.
         os.chmod(f"/proc/self/fd/{fd}", stat.S_IMODE(st.st_mode) | stat.S_IRWXU)
@@ -828,10 +875,12 @@ class _Applier:
         unchanged since the run started (else a conflict), no deeper than MAX_DEPTH, and
         (callers that are not root) removable without touching others' entries."""
         try:
-            fd = os.open(name, _DIR_FLAGS, dir_fd=dirfd)
+            fd = _open_dir_here(dirfd, name)
         except OSError as err:
             if err.errno in (errno.ENOTDIR, errno.ELOOP, errno.ENOENT):
                 self.conflicts.append(rel)  # swapped on the host since the stat
+            elif err.errno == errno.EXDEV:
+                self.skip(rel, _MOUNT_POINT)
             else:
                 self.skip(rel, f"cannot list it to delete it: {err.strerror}")
             return False
@@ -862,7 +911,13 @@ class _Applier:
                 if len(stack) > MAX_DEPTH:
                     self.skip(rel, f"more than {MAX_DEPTH} levels deep: not checked, so not deleted")
                     return False
-                cfd = os.open(child, _DIR_FLAGS, dir_fd=dfd)
+                try:
+                    cfd = _open_dir_here(dfd, child)
+                except OSError as err:
+                    if err.errno != errno.EXDEV:
+                        raise
+                    self.skip(rel, f"{crel!r} below it is {_MOUNT_POINT}")
+                    return False
                 try:
                     cnames = sorted(os.listdir(cfd), reverse=True)
                 except BaseException:
@@ -1085,11 +1140,13 @@ class _Applier:
             if not self.can_own(rel, owner):
                 return
             if stat.S_ISREG(ust.st_mode):
+                # As the apply pass will do: data extents only (holes stay holes), and one copy
+                # per name except for the first MAX_LINKED hard-linked new inodes, linked.
                 linked = ust.st_nlink > 1 and lst is None
                 if not (linked and key in self.link_keys):
-                    self.planned += ust.st_size
-                if linked:
-                    self.link_keys.add(key)
+                    self.planned += min(ust.st_size, ust.st_blocks * 512)
+                    if linked and len(self.link_keys) < MAX_LINKED:
+                        self.link_keys.add(key)
             (self.modified if lst is not None else self.added).append(rel)
             return
         assert frame.tfd is not None
@@ -1140,7 +1197,7 @@ class _Applier:
             dst = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                           dir_fd=tfd)
             try:
-                self.copy_data(src, dst, name)
+                self.copy_data(src, dst, name, sst.st_size)
                 self.copy_xattrs(src, dst)
                 if lst is not None and not frame.fresh and not stat.S_ISLNK(lst.st_mode):
                     acl = _getxattr(_at(tfd, name), ACL_XATTRS[0])
@@ -1163,26 +1220,60 @@ class _Applier:
         finally:
             os.close(src)
 
-    def copy_data(self, src: int, dst: int, name: str) -> None:
-        while True:
-            room = 1 << 20
+    def copy_data(self, src: int, dst: int, name: str, size: int) -> None:
+        """Copy the first ``size`` bytes of ``src`` (its size when opened: a file that grows
+        meanwhile, in a live Session, is not followed) into ``dst``, hole for hole.
+
+        Only data extents are read and written (``lseek`` ``SEEK_DATA``/``SEEK_HOLE``, Linux
+        3.1; tmpfs and ext4 support them): a sparse upper file (``truncate -s 1T``, which costs
+        the upper nothing) stays sparse, so the host disk pays what the upper paid, never its
+        apparent size. Data bytes count against ``max_bytes`` (EFBIG past it).
+        """
+        pos = 0
+        while pos < size:
+            try:
+                start = os.lseek(src, pos, os.SEEK_DATA)
+                end = os.lseek(src, start, os.SEEK_HOLE)
+            except OSError as err:
+                if err.errno == errno.ENXIO:
+                    break  # only a hole from pos to EOF
+                if err.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                    raise
+                start, end = pos, size  # no SEEK_DATA on this filesystem: all data
+            if start >= size:
+                break
+            end = min(end, size)
+            if not self.copy_range(src, dst, start, end, name):
+                break  # the file shrank meanwhile
+            pos = end
+        os.ftruncate(dst, min(size, os.fstat(src).st_size))
+
+    def copy_range(self, src: int, dst: int, start: int, end: int, name: str) -> bool:
+        """Copy bytes ``[start, end)`` of ``src`` to the same offsets of ``dst``; False at an
+        early EOF."""
+        os.lseek(dst, start, os.SEEK_SET)
+        pos = start
+        while pos < end:
+            room = min(1 << 20, end - pos)
             if self.max_bytes is not None:
                 room = max(1, min(room, self.max_bytes - self.copied + 1))
             try:
-                n = os.sendfile(dst, src, None, room)
+                n = os.sendfile(dst, src, pos, room)
             except OSError as err:
                 if err.errno not in (errno.EINVAL, errno.ENOSYS):
                     raise
-                data = os.read(src, room)
+                data = os.pread(src, room, pos)
                 n = len(data)
                 view = memoryview(data)
                 while view:
                     view = view[os.write(dst, view):]
             if n == 0:
-                return
+                return False
+            pos += n
             self.copied += n
             if self.max_bytes is not None and self.copied > self.max_bytes:
                 raise OSError(errno.EFBIG, f"byte budget of {self.max_bytes} exceeded", name)
+        return True
 
     def copy_xattrs(self, src: int, dst: int) -> None:
         """``user.*`` xattrs of the upper entry, except ``user.overlay.*`` (overlayfs's own, or
@@ -1267,11 +1358,13 @@ class _Applier:
             elif not self.touch(rel, lst):
                 chmod = False
         try:
-            tfd = os.open(name, _DIR_FLAGS, dir_fd=frame.tfd)
+            tfd = _open_dir_here(frame.tfd, name)
         except OSError as err:
             os.close(cfd)
             if self.dry and err.errno in (errno.ENOTDIR, errno.ELOOP, errno.ENOENT):
                 self.conflicts.append(rel)  # swapped on the host since the stat
+            elif err.errno == errno.EXDEV:
+                self.skip(rel, _MOUNT_POINT)
             else:
                 self.skip(rel, f"cannot open it: {err.strerror}")
             return
@@ -1364,7 +1457,16 @@ class _Applier:
     def report(self) -> CommitReport:
         changes = Changes(tuple(sorted(self.added)), tuple(sorted(self.modified)), tuple(sorted(self.deleted)),
                           True, self.allocated)
-        return CommitReport(changes, self.copied, tuple(sorted(self.skipped)), tuple(self.notes))
+        skipped = tuple(sorted(self.skipped))
+        notes = list(self.notes)
+        if skipped:
+            # The change report (read_changes) lists what the run did; say what did not land.
+            shown = "; ".join(f"{(p if len(p) <= 120 else p[:60] + '...' + p[-57:])!r}: {why}"
+                              for p, why in skipped[:5])
+            more = f"; and {len(skipped) - 5} more" if len(skipped) > 5 else ""
+            notes.append(f"commit: {len(skipped)} entr{'y' if len(skipped) == 1 else 'ies'} of the run not "
+                         f"applied ({shown}{more})")
+        return CommitReport(changes, self.copied, skipped, tuple(notes))
 
 
 def _check_owner(owner: tuple[int, int] | None, what: str) -> None:
@@ -1419,7 +1521,8 @@ def commit(upper_fd: int, lower_fd: int, *, xattr_prefix: str, since_ns: int,
 
     Applying, per upper entry (paths as in :func:`read_changes`):
 
-    - file: content copied (``sendfile``) into ``.lowlevel-commit-<pid>-<n>`` in the target
+    - file: content copied (``sendfile``, data extents only: holes stay holes) into
+      ``.lowlevel-commit-<pid>-<n>`` in the target
       directory, then ``rename(2)`` over the old name (``renameat2(RENAME_NOREPLACE)`` for a
       new name, ``RENAME_EXCHANGE`` when a directory is on either side, the old one then
       removed): every path is old or new at every instant, never missing. A replaced file's
@@ -1459,8 +1562,13 @@ def commit(upper_fd: int, lower_fd: int, *, xattr_prefix: str, since_ns: int,
         new_owner: ``(uid, gid)`` for new entries (root callers: the workspace root's owner);
             None keeps the caller's. A caller that is not root may name only its own uid and
             groups.
-        max_bytes: cap on the file content copied (bytes), None for none. Checked in the dry
-            pass (WorkspaceError EFBIG, nothing changed) and enforced while copying.
+        max_bytes: cap on the file content written into the user's directory (bytes), None
+            for none. Checked in the dry pass (WorkspaceError EFBIG, nothing changed) and
+            enforced while copying. Files are copied hole for hole (``SEEK_DATA``/``SEEK_HOLE``):
+            a sparse file costs its data, not its apparent size. Without a cap, a hostile upper
+            can still multiply its data on the host disk: one file hard-linked over many
+            existing names is copied once per name (the launcher passes
+            :func:`lowlevel.cow.commit_budget`).
         accept_seen_host_changes: see Conflicts above (root overlays only; default off: any
             host change after ``since_ns`` where the commit writes is a conflict).
     Returns:
@@ -1494,7 +1602,8 @@ def commit(upper_fd: int, lower_fd: int, *, xattr_prefix: str, since_ns: int,
         if work.conflicts:
             raise CommitConflictError(tuple(sorted(set(work.conflicts))))
         if max_bytes is not None and work.planned > max_bytes:
-            raise WorkspaceError(errno.EFBIG, f"commit refused: the run wrote {work.planned} bytes of file content, "
+            raise WorkspaceError(errno.EFBIG, f"commit refused: it would write {work.planned} bytes of file content "
+                                 "(a file with several names is copied once per name it cannot keep as a hard link), "
                                  f"more than the {max_bytes}-byte budget; nothing was changed")
         try:
             work.run(dry=False)
@@ -1511,7 +1620,7 @@ def commit(upper_fd: int, lower_fd: int, *, xattr_prefix: str, since_ns: int,
 
 
 def save_upper(upper_fd: int, dest: str, *, xattr_prefix: str | None = None,
-               owner: tuple[int, int] | None = None) -> str:
+               owner: tuple[int, int] | None = None, max_bytes: int | None = None) -> str:
     """Copy a run's upper directory aside (after a conflict), with the rules of :func:`commit`.
 
     Makes a new directory ``<dest>/lowlevel-upper-<pid>-<n>`` (mode 0700), holding:
@@ -1533,6 +1642,9 @@ def save_upper(upper_fd: int, dest: str, *, xattr_prefix: str | None = None,
             for root, ``user.overlay.`` otherwise.
         owner: ``(uid, gid)`` for everything made (root callers: the workspace's owner), or
             None for the caller's.
+        max_bytes: cap on the file content written (bytes; sparse files are copied sparse,
+            and only their data counts), None for none; past it WorkspaceError EFBIG and the
+            half-made copy is removed.
     Returns:
         The path of the new directory.
     Raises:
@@ -1564,7 +1676,7 @@ def save_upper(upper_fd: int, dest: str, *, xattr_prefix: str | None = None,
                 tfd = os.open("tree", _DIR_FLAGS, dir_fd=pfd)
                 try:
                     work = _Applier(upper_fd, tfd, prefix=xattr_prefix, since_ns=None, new_owner=owner,
-                                    max_bytes=None, save=True)
+                                    max_bytes=max_bytes, save=True)
                     work.run(dry=False)
                     if owner is not None:
                         os.fchown(tfd, *owner)

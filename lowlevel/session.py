@@ -93,6 +93,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from . import cow as _cow
 from . import landlock as _landlock
 from . import limits as _limits
 from . import overlay as _overlay
@@ -867,7 +868,8 @@ class _Core:
                 return changes
             owner = (r.lower_stat.st_uid, r.lower_stat.st_gid) if r.facts.caller_is_root and r.lower_stat else None
             report = _overlay.commit(r.upper_fd, r.lower_fd, xattr_prefix=r.xattr_prefix, since_ns=r.since_ns,
-                                     new_owner=owner, accept_seen_host_changes=True)
+                                     new_owner=owner, max_bytes=_cow.commit_budget(r.upper_bytes),
+                                     accept_seen_host_changes=True)
             r.notes.extend(report.notes)
             r.reset_cow()
             return changes
@@ -1710,6 +1712,9 @@ class Pool:
                 if s._core.run.facts.caller_is_root and not s._core.run.cow:
                     for name in dict.fromkeys(n.split("/")[0] for n in names):
                         _ws.chown_tree(os.path.join(s.directory, name), *s.host_ids)
+                # The call starts from here: its commit must not take the inputs for host changes
+                # made during the run (a program that edits or deletes an input got a conflict).
+                s._core.run.since_ns = time.time_ns()
             result = s.run(argv, stdin=stdin, timeout=timeout, env=env, cwd=cwd, limits=limits,
                            track_changes=False if s._core.run.cow else None)
             if self.template is not None:

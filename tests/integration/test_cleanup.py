@@ -43,6 +43,7 @@ def test_leftovers_of_a_dead_caller_are_found_and_removed(tmp_path: Path):
         if h.base:
             cg = Path(h.base) / f"run-{dead}-deadbeef"
             cg.mkdir()
+            (cg / "child" / "grandchild").mkdir(parents=True)  # nested cgroups go deepest first
             break
     found = {(x.kind, x.path) for x in find_leftovers((str(ws),))}
     assert ("egress", str(d)) in found
@@ -54,14 +55,17 @@ def test_leftovers_of_a_dead_caller_are_found_and_removed(tmp_path: Path):
     check = next(c for c in json.loads(doctor.stdout)["checks"] if c["name"] == "leftovers")
     assert not check["ok"] and "egress" in check["detail"]
     removed, problems = clean((str(ws),))
-    assert not problems, problems
+    # Only what this test made: a machine shared with other callers may hold their leftovers.
+    mine = [p for p in problems if str(d) in p or str(ws) in p or (cg is not None and str(cg) in p)]
+    assert not mine, problems
     assert not d.exists() and not (ws / f".lowlevel-commit-{dead}-1").exists()
     assert (ws / "mine.txt").read_text() == "user data"  # never the user's files
     if cg is not None:
         assert not cg.exists()
     p = subprocess.run([sys.executable, "-m", "lowlevel", "cleanup", "--workspace", str(ws)], capture_output=True,
                        text=True)
-    assert p.returncode == 0 and "nothing left over" in p.stdout, (p.stdout, p.stderr)
+    out = p.stdout + p.stderr
+    assert str(d) not in out and str(ws) not in out and (cg is None or str(cg) not in out), out
 
 
 def test_a_live_egress_socket_is_not_a_leftover():

@@ -109,6 +109,12 @@ def _our_cgroups() -> list[str]:
     return found
 
 
+def _ours_in_tmp() -> set[str]:
+    """Entries of /tmp lowlevel could make: its own prefix and tempfile's default one (other
+    jobs on a shared machine, pip's unpack dirs..., are not ours to count)."""
+    return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith(("lowlevel", "tmp"))}
+
+
 @pytest.mark.slow
 def test_thousand_runs_leave_nothing_behind():
     ws = _ws()
@@ -116,7 +122,7 @@ def test_thousand_runs_leave_nothing_behind():
     os.chmod(base, 0o755)
     lowlevel.run(["true"], workspace=ws)  # warm-up: probes, seccomp compile, cgroup base dirs
     fds_before = sorted(os.listdir("/proc/self/fd"))
-    tmp_before = set(os.listdir(tempfile.gettempdir()))
+    tmp_before = _ours_in_tmp()
     for i in range(1000):
         if i % 250 == 0:
             # a few error paths too: they must not leak either
@@ -129,9 +135,25 @@ def test_thousand_runs_leave_nothing_behind():
     assert sorted(os.listdir("/proc/self/fd")) == fds_before, "fds leaked (pidfds, pipes or memfds)"
     assert _children() == [], "zombie or live children left"
     assert _our_cgroups() == [], "stray per-run cgroups left"
-    assert set(os.listdir(tempfile.gettempdir())) == tmp_before, "temp files or dirs left"
+    assert _ours_in_tmp() == tmp_before, "temp files or dirs left"
     assert not any("memfd:" in os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
                    if os.path.exists(f"/proc/self/fd/{fd}"))
+    # No mount of lowlevel's in the host's mount namespace (the overlay and its tmpfs live in each
+    # run's own), and no per-run uid still leased: every byte of the lease file is free again.
+    with open("/proc/self/mountinfo") as f:
+        assert "lowlevel-upper" not in f.read()
+    if os.geteuid() == 0:
+        import fcntl
+        import struct
+        from lowlevel.cow import ROOT_STATE_DIR, uid_range
+        first, count = uid_range()
+        fd = os.open(os.path.join(ROOT_STATE_DIR, "uids.lock"), os.O_RDWR | os.O_CLOEXEC)
+        try:
+            probe = struct.pack("hh4xqqi4x", fcntl.F_WRLCK, os.SEEK_SET, first, count, 0)
+            got = fcntl.fcntl(fd, getattr(fcntl, "F_OFD_GETLK", 36), probe)
+            assert struct.unpack("hh4xqqi4x", got)[0] == fcntl.F_UNLCK, "a per-run uid is still leased"
+        finally:
+            os.close(fd)
 
 
 def test_inherited_fd_above_the_soft_nofile_limit_is_closed_not_fatal(tmp_path):

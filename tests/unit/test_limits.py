@@ -695,3 +695,18 @@ def test_fallback_notes_say_what_bounds_each_limit(kernel: FakeKernel, v2_suppor
     cg = L.RunCgroup.create(Limits(), "u4", support=v2_support)
     assert L.fallback_notes(Limits(), cg) == ()
     cg.remove()  # type: ignore[union-attr]
+
+
+def test_workspace_bytes_above_what_the_anchor_takes_is_a_policy_error() -> None:
+    """The anchor mounts the upper tmpfs with at most 2^50 bytes: a larger value used to pass
+    Limits and fail at setup with "lowlevel_exec: bad option --upper-bytes=..."."""
+    assert Limits(workspace_bytes=1 << 50).workspace_bytes == 1 << 50
+    with pytest.raises(PolicyError, match="workspace_bytes must be between 65536 and 1125899906842624"):
+        Limits(workspace_bytes=(1 << 50) + 1)
+
+
+def test_upper_inodes_stay_within_the_anchors_ceiling() -> None:
+    """5 TiB used to give nr_inodes=5242880000, which the anchor refuses (> 2^32)."""
+    from lowlevel.cow import upper_inodes
+    assert upper_inodes(64 * KiB) == 1024
+    assert upper_inodes(5000 * GiB) == 1 << 32
