@@ -798,21 +798,25 @@ def cli_startup(n: int) -> dict[str, Any]:
     """The whole ``lowlevel`` process, paired with the interpreter's own start (issue 16).
 
     Alternates ``lowlevel run --rm -- /usr/bin/true`` (the console script next to this
-    interpreter, else ``python -m lowlevel``) and ``python -c pass`` (the same interpreter,
-    so both pay its ``site`` start-up, an editable install's import hook included), ``n``
-    pairs after 3 warm-up pairs that let Python write its bytecode caches. Wall time from
+    interpreter, else ``python -m lowlevel``), ``python -c pass`` (the same interpreter,
+    so both pay its ``site`` start-up, an editable install's import hook included) and
+    ``python -c 'import lowlevel.cli'`` (``cli_import``: start-up plus the CLI's imports; the
+    rest of ``cli`` is the command's own work), ``n`` rounds (order rotated) after 3 warm-up
+    rounds that let Python write its bytecode caches. Wall time from
     ``posix_spawn`` to ``waitpid``, and CPU (``os.wait4`` rusage: the process and every child
     it waited for: the anchor, bwrap, the program).
     """
     exe = os.path.join(os.path.dirname(sys.executable), "lowlevel")
     cli = [exe] if os.access(exe, os.X_OK) else [sys.executable, "-m", "lowlevel"]
-    cases = {"cli": [*cli, "run", "--rm", "--", "/usr/bin/true"], "python_startup": [sys.executable, "-c", "pass"]}
+    cases = {"cli": [*cli, "run", "--rm", "--", "/usr/bin/true"], "python_startup": [sys.executable, "-c", "pass"],
+             "cli_import": [sys.executable, "-c", "import lowlevel.cli"]}
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     wall: dict[str, list[float]] = {k: [] for k in cases}
     cpu: dict[str, list[float]] = {k: [] for k in cases}
     errors = 0
     for i in range(n + 3):
-        for name in (list(cases) if i % 2 else list(cases)[::-1]):
+        names = list(cases)
+        for name in names[i % len(names):] + names[:i % len(names)]:
             argv = cases[name]
             t = time.perf_counter_ns()
             pid = os.posix_spawn(argv[0], argv, env, file_actions=[
@@ -966,6 +970,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--only", metavar="NAMES", help="comma-separated case names to run (e.g. run,run_bare for "
                     "a focused A/B); default: all")
     ap.add_argument("--download-rounds", type=int, help="rounds of egress_download (default 10, --quick 3, 0: skip)")
+    ap.add_argument("--cli", type=int, help="pairs of the cli case (whole-process `lowlevel run --rm -- "
+                    "/usr/bin/true` against `python -c pass`; default 100, --quick 5, 0: skip)")
     args = ap.parse_args(argv)
     conc = tuple(int(c) for c in args.concurrency.split(",") if c)
     rounds = args.rounds or (3 if args.quick else 10)
@@ -976,6 +982,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return profile(per_round * rounds)
 
     t_start = time.monotonic()
+    load_before = os.getloadavg()
     once = one_time_costs()
     host = host_info()
     # Before the count: the import compiles its own profile (the default minus the setid rules).
@@ -1070,13 +1077,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     dl_rounds = args.download_rounds if args.download_rounds is not None else rounds
     download = egress_download(dl_rounds, per_round) if dl_rounds else None
     egress_cpu_doc = egress_cpu(rounds * per_round) if dl_rounds else None
+    cli_n = args.cli if args.cli is not None else (5 if args.quick else 100)
+    cli_doc = cli_startup(cli_n) if cli_n else None
+    host["loadavg_before"] = [round(x, 2) for x in load_before]
+    host["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
 
     results = [c.summary() for c in cases]
+    top = ratios(results, "/usr/bin/true")
+    top["cli_vs_python_startup"] = cli_doc["cli_vs_python_startup"] if cli_doc else None
     doc = {"schema": SCHEMA, "results": results,
-           "ratios": ratios(results, "/usr/bin/true"),
+           "ratios": top,
            "ratios_by_command": {label: ratios(results, label) for label in commands},
            "one_time": once, "host": host, "session_soak": soak, "egress_download": download,
-           "egress_cpu": egress_cpu_doc, "guard_cpu": gcpu, "sandbox_cpu_ms": sandbox_cpu,
+           "egress_cpu": egress_cpu_doc, "guard_cpu": gcpu, "cli": cli_doc, "sandbox_cpu_ms": sandbox_cpu,
            "config": {"quick": args.quick, "rounds": rounds, "per_round": per_round, "concurrency": list(conc),
                       "commands": commands, "duration_s": round(time.monotonic() - t_start, 2),
                       "argv": sys.argv}}
@@ -1114,6 +1127,9 @@ def print_table(doc: dict[str, Any]) -> None:
         print(f"egress download: {doc['egress_download']}")
     if doc.get("egress_cpu"):
         print(f"egress cpu: {doc['egress_cpu']}")
+    if doc.get("cli"):
+        print("cli: " + ", ".join(f"{k} {v}" for k, v in doc["cli"].items() if not k.endswith("_samples_ms")))
+    print(f"load average before {h['loadavg_before']}, after {h['loadavg_after']}")
 
 
 def profile(n: int) -> int:
