@@ -388,3 +388,18 @@ def test_bench_quick_json_schema(tmp_path):
     assert dl["host_n"] >= 1 and dl["egress_n"] >= 1 and isinstance(dl["added_p50_ms"], float)
     for k in ("kernel", "bwrap", "python", "cpus"):
         assert doc["host"][k]
+    assert len(doc["host"]["loadavg_before"]) == 3 and len(doc["host"]["loadavg_after"]) == 3
+    cli = doc["cli"]  # whole processes: lowlevel run --rm, python -c pass, python -c 'import lowlevel.cli'
+    assert cli["errors"] == 0 and cli["n"] >= 1
+    for k in ("cli", "python_startup", "cli_import"):
+        assert len(cli[f"{k}_samples_ms"]) == cli["n"] and cli[f"{k}_p50_ms"] > 0
+    assert doc["ratios"]["cli_vs_python_startup"] == cli["cli_vs_python_startup"] > 1
+    try:
+        import matplotlib  # noqa: F401  (the bench extra; CI installs only the test extra)
+    except ImportError:
+        return
+    svg = tmp_path / "bench.svg"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "plot.py"), str(out), "-o", str(svg)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert svg.read_text().lstrip().startswith("<?xml") and "<svg" in svg.read_text()
