@@ -45,6 +45,15 @@ _CLI = (("cli", "lowlevel run --rm -- /usr/bin/true", "tab:red"),
         ("python_startup", "python -c pass", "black"))
 
 
+def _log_time_axis(ax: Any) -> None:
+    """Log x axis labelled in plain milliseconds (1, 2, 5, 10, ...), minor ticks unlabelled."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
 def _cdf(ax: Any, samples: list[float], label: str, color: str | None, bold: bool) -> None:
     xs = sorted(samples)
     n = len(xs)
@@ -60,7 +69,7 @@ def _latency_panel(ax: Any, results: list[dict[str, Any]], command: str) -> None
     rows.sort(key=lambda r: rank.get(r["name"], len(rank)))
     for r in rows:
         _cdf(ax, r["samples_ms"], f"{r['name']} (p50 {r['p50_ms']:.2f})", _color(r["name"]), r["name"] in _MAIN)
-    ax.set_xscale("log")
+    _log_time_axis(ax)
     ax.set_ylim(0, 1.01)
     ax.set_xlabel("latency per call, ms (log)")
     ax.set_ylabel("fraction of calls")
@@ -78,7 +87,7 @@ def _cli_panel(ax: Any, cli: dict[str, Any] | None) -> None:
         samples = cli.get(f"{key}_samples_ms")
         if samples:
             _cdf(ax, samples, f"{label} (p50 {cli[f'{key}_p50_ms']:.1f})", color, key == "cli")
-    ax.set_xscale("log")
+    _log_time_axis(ax)
     ax.set_ylim(0, 1.01)
     ax.set_xlabel("whole process, ms (log)")
     ax.set_ylabel("fraction of calls")
@@ -97,9 +106,10 @@ def _throughput_panel(ax: Any, results: list[dict[str, Any]], command: str) -> N
         pts.sort()
         ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", label=name, color=_color(name),
                 linewidth=2.0 if name in _MAIN else 1.0)
-    from matplotlib.ticker import ScalarFormatter
     ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_formatter(ScalarFormatter())
+    conc = sorted({c for pts in series.values() for c, _ in pts})
+    ax.set_xticks(conc, [str(c) for c in conc])
+    ax.minorticks_off()
     ax.set_yscale("log")
     ax.set_xlabel("concurrent callers (asyncio)")
     ax.set_ylabel("calls/s (log)")
@@ -112,6 +122,7 @@ def plot(doc: dict[str, Any], out: str) -> None:
     """Write the figure of startup.py JSON ``doc`` to ``out`` (format from its extension)."""
     import matplotlib
     matplotlib.use("Agg")
+    matplotlib.rcParams["svg.fonttype"] = "none"  # text as text: a smaller SVG, searchable labels
     import matplotlib.pyplot as plt
 
     results = doc["results"]
