@@ -81,6 +81,11 @@ class _Log:
         if logging is not None and logging.getLogger("lowlevel").isEnabledFor(logging.DEBUG):
             logging.getLogger("lowlevel").debug(msg, *(a() if callable(a) else a for a in args))
 
+    def info(self, msg: str, *args: Any) -> None:
+        logging = sys.modules.get("logging")
+        if logging is not None and logging.getLogger("lowlevel").isEnabledFor(logging.INFO):
+            logging.getLogger("lowlevel").info(msg, *args)
+
     def warning(self, msg: str, *args: Any) -> None:
         import logging
         logging.getLogger("lowlevel").warning(msg, *args)

@@ -412,6 +412,7 @@ _STATX_MNT_ID = 0x1000
 def _mount_key(fd: int) -> tuple[str, int]:
     """Which mount ``fd`` is on: ``("mnt", id)`` (statx ``stx_mnt_id``, Linux 5.8), else
     ``("dev", st_dev)`` (a different filesystem only: a bind mount of the same one looks alike)."""
+    import ctypes
     try:
         fn = _fn("statx", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p])
     except AttributeError:
