@@ -46,6 +46,7 @@ O(entries in the upper), never O(the user's directory).
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import itertools
@@ -357,7 +358,6 @@ def _renameat2(dirfd: int, old: str, newdirfd: int, new: str, flags: int) -> Non
     Raises OSError (EINVAL where the filesystem does not support the flag).
     """
     global _libc
-    import ctypes  # here: ctypes costs ~1 ms to import, and only a commit with renames needs it
     if _libc is None:
         lib = ctypes.CDLL(None, use_errno=True)
         fn = lib.renameat2
@@ -377,7 +377,6 @@ _syscalls: dict[str, Any] = {}
 
 
 def _fn(name: str, argtypes: list[Any]) -> Any:
-    import ctypes
     fn = _syscalls.get(name)
     if fn is None:
         fn = getattr(ctypes.CDLL(None, use_errno=True), name)
@@ -390,7 +389,6 @@ def _fn(name: str, argtypes: list[Any]) -> Any:
 def _btime_ns(dirfd: int, name: str) -> int | None:
     """Birth time of ``name`` (statx(2) ``stx_btime``, Linux 4.11; ext4, tmpfs, xfs, btrfs), or
     None where the filesystem does not record it."""
-    import ctypes
     try:
         fn = _fn("statx", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p])
     except AttributeError:
@@ -412,7 +410,6 @@ _STATX_MNT_ID = 0x1000
 def _mount_key(fd: int) -> tuple[str, int]:
     """Which mount ``fd`` is on: ``("mnt", id)`` (statx ``stx_mnt_id``, Linux 5.8), else
     ``("dev", st_dev)`` (a different filesystem only: a bind mount of the same one looks alike)."""
-    import ctypes
     try:
         fn = _fn("statx", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p])
     except AttributeError:
@@ -453,7 +450,6 @@ def _open_dir_here(dirfd: int, name: str) -> int:
 
 def _handle(dirfd: int, name: str) -> tuple[int, bytes] | None:
     """``(handle_type, f_handle)`` of ``name`` (name_to_handle_at(2), no symlink followed)."""
-    import ctypes
     try:
         fn = _fn("name_to_handle_at", [ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p,
                                        ctypes.POINTER(ctypes.c_int), ctypes.c_int])
