@@ -37,10 +37,16 @@ difference of the p50s is what the proxy adds, and the proxy thread's and the re
 call (``/proc/.../schedstat``) what it costs whatever the load. ``egress_cpu``: CPU per
 ``lowlevel.run`` (ours + reaped children), default Policy vs egress.
 
+``cli`` (``--cli N``, default 100, ``--quick`` 5, 0 skips; after the rounds): whole processes,
+rotated: ``lowlevel run --rm -- /usr/bin/true`` (the venv's console script), ``python -c pass``
+and ``python -c 'import lowlevel.cli'`` (same interpreter), with ``ratios.cli_vs_python_startup``.
+``host.loadavg_before``/``loadavg_after``: how busy the machine was.
+
 Latency of a call runs from its start (for concurrent cases: from taking a slot) to its
 end; ``calls_per_s`` is calls divided by the wall time the case's batches took.
 
-Usage: ``python bench/startup.py [--quick] [--json FILE] [--profile]``. Never asserts.
+Usage: ``python bench/startup.py [--quick] [--json FILE] [--cli N] [--profile]``; draw the JSON
+with ``python bench/plot.py FILE.json``. Never asserts.
 The JSON schema is documented in bench/README.md (``schema`` = 1).
 """
 
