@@ -45,13 +45,15 @@ import fcntl
 import functools
 import itertools
 import json
+import logging
 import os
 import re
 import select
+import shutil
 import signal
 import socket
 import stat
-import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -73,22 +75,22 @@ from .report import WARNING_PREFIX
 from .result import Result, decode_exit
 
 class _Log:
-    """``logging.getLogger("lowlevel")``, imported on first use (logging costs ~2 ms to import,
-    and a run logs only on errors); ``debug`` is a no-op unless the application set logging up."""
+    """``logging.getLogger("lowlevel")``; ``debug`` takes callables as arguments, called only when
+    DEBUG is enabled (the argv's redaction costs nothing otherwise). ``logging`` is imported with
+    this module, not on first use: a warning on an error path must not need an import (a file to
+    open) when the error is the process's fd limit."""
+
+    _logger = logging.getLogger("lowlevel")
 
     def debug(self, msg: str, *args: Any) -> None:
-        logging = sys.modules.get("logging")
-        if logging is not None and logging.getLogger("lowlevel").isEnabledFor(logging.DEBUG):
-            logging.getLogger("lowlevel").debug(msg, *(a() if callable(a) else a for a in args))
+        if self._logger.isEnabledFor(logging.DEBUG):
+            self._logger.debug(msg, *(a() if callable(a) else a for a in args))
 
     def info(self, msg: str, *args: Any) -> None:
-        logging = sys.modules.get("logging")
-        if logging is not None and logging.getLogger("lowlevel").isEnabledFor(logging.INFO):
-            logging.getLogger("lowlevel").info(msg, *args)
+        self._logger.info(msg, *args)
 
     def warning(self, msg: str, *args: Any) -> None:
-        import logging
-        logging.getLogger("lowlevel").warning(msg, *args)
+        self._logger.warning(msg, *args)
 
 
 log = _Log()
@@ -192,7 +194,6 @@ def _probe_cow_now(facts: HostFacts, workspace: str, base: str | None) -> _cow.C
     try:
         st = os.fstat(fd)
         mnt = _cow.mount_dir(base)
-        import shutil
         true = shutil.which("true", path="/usr/bin:/bin") or "/bin/true"
         ov = _AnchorOverlay(mnt=mnt, lower_fd=fd, upper_bytes=1 << 20, upper_inodes=1024,
                             lower_path=None if root else workspace,
@@ -766,7 +767,6 @@ class Run:
             try:
                 _ws.check_trusted_ancestors(self.workspace)
             except WorkspaceError:
-                import shutil
                 shutil.rmtree(self.workspace, ignore_errors=True)
                 raise
 
@@ -1596,7 +1596,6 @@ class Run:
         rep = self.guard_report
         never_ran = b'"exit-code"' not in self.json_buf or (rep is not None and rep.fail_stage is not None)
         if self.owns_workspace and self.workspace and never_ran and not self.killed_by:
-            import shutil
             shutil.rmtree(self.workspace, ignore_errors=True)
 
     def close(self) -> None:
@@ -1671,7 +1670,6 @@ class _ExitUsage:
 
 def _conflict_dir(base: str | None) -> str:
     """A fresh directory (ours, 0700) to save a run's upper layer into after a commit conflict."""
-    import tempfile
     root = _ws.ensure_base(base or _ws.default_base())
     return tempfile.mkdtemp(prefix="conflict-", dir=root)
 

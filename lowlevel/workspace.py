@@ -13,7 +13,9 @@ and files with more than one hard link, and cap sizes and entry counts.
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import shutil
 import stat
 import sys
 from collections.abc import Callable, Generator, Iterable, Sequence
@@ -544,7 +546,6 @@ def copy_inputs(root: str, inputs: Iterable[str | os.PathLike[str] | tuple[str, 
                                      "(two inputs with the same name?)")
             try:
                 if stat.S_ISDIR(st.st_mode) and not os.path.islink(src):
-                    import shutil
                     shutil.copytree(src, dest, symlinks=True, copy_function=_copy_regular)
                 else:
                     _copy_regular(src, dest)
@@ -588,7 +589,6 @@ def _copy_regular(src: str, dst: str) -> str:
                                  "refusing to copy it")
         os.set_blocking(f.fileno(), True)
         with open(dst, "xb") as out:
-            import shutil
             shutil.copyfileobj(f, out, 1 << 20)
     shutil.copystat(src, dst)
     return dst
@@ -618,7 +618,6 @@ def create_workspace(inputs: Iterable[str | os.PathLike[str] | tuple[str, str]] 
     try:
         copy_inputs(path, inputs)
     except BaseException:
-        import shutil
         shutil.rmtree(path, ignore_errors=True)
         raise
     return path
@@ -687,7 +686,6 @@ def remove_workspace(root: str) -> None:
         pass  # rmtree below reports what is left
     finally:
         os.close(rootfd)
-    import shutil
     try:
         shutil.rmtree(root)
     except FileNotFoundError:
@@ -1172,7 +1170,6 @@ def give_back(h: Handover, *, limit: int = MAX_SNAPSHOT_ENTRIES) -> tuple[Snapsh
             raise WorkspaceError(first.errno or errno.EIO, message)
         # The sandbox ran as our uid: our own directories were made listable above, so this is
         # someone else's directory (one the caller could not list before the run either).
-        import logging
         logging.getLogger("lowlevel").warning("lowlevel: %s", message)
         complete = False
     if deep:
