@@ -58,6 +58,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from . import cow as _cow
+from ._interrupts import deferred_interrupts
 from . import landlock as _landlock
 from . import limits as _limits
 from . import overlay as _overlay
@@ -678,7 +679,11 @@ class Run:
             and the errors of :func:`run`.
         """
         try:
-            self._prepare()
+            self._resolve_workspace()  # may copy inputs: interruptible
+            # The rest makes fds, a uid lease, a cgroup: each recorded as it is made
+            # (lowlevel._interrupts); ~1 ms.
+            with deferred_interrupts():
+                self._prepare()
         except LowlevelError:
             raise
         except OSError as err:
@@ -729,7 +734,6 @@ class Run:
     def _prepare(self) -> None:
         policy = self.policy
         root = self.facts.caller_is_root
-        self._resolve_workspace()
         # The sandbox's host ids: a per-run uid for root callers (unless pinned), our own otherwise.
         if root:
             if policy.host_uid is None:
@@ -931,9 +935,16 @@ class Run:
     def spawn(self) -> None:
         """posix_spawn the anchor (which execs bwrap) with an empty environment; open its pidfd.
 
+        A signal handler's exception (KeyboardInterrupt) is held back until the anchor's PID
+        and pidfd are recorded (lowlevel._interrupts), so :meth:`close` can always kill it.
+
         Raises:
             LaunchError: the spawn or pidfd_open failed; nothing is left running.
         """
+        with deferred_interrupts():
+            self._spawn()
+
+    def _spawn(self) -> None:
         exe_argv = self.anchor_argv()
         i = exe_argv.index("--args")
         self.full_argv = [*exe_argv[:i], *self.argv, *exe_argv[i + 2:]]
@@ -987,14 +998,15 @@ class Run:
         """
         if self.ready or self.report is None:
             return self.ready
-        try:
-            msg, fds, _flags, _addr = socket.recv_fds(self.report, 256, 4)
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError:
-            msg, fds = b"", []
-        for fd in fds:
-            self._own(fd)
+        with deferred_interrupts():  # the fds are ours before any KeyboardInterrupt
+            try:
+                msg, fds, _flags, _addr = socket.recv_fds(self.report, 256, 4)
+            except (BlockingIOError, InterruptedError):
+                return False
+            except OSError:
+                msg, fds = b"", []
+            for fd in fds:
+                self._own(fd)
         if not msg:
             self.report.close()
             self.report = None
@@ -1396,20 +1408,22 @@ class Run:
             raise LaunchError("this sandbox has no copy-on-write workspace to reset")
         self.report.setblocking(True)
         self.report.settimeout(timeout_s)
-        try:
-            self.report.send(b"RESET")
-            msg, fds, _flags, _addr = socket.recv_fds(self.report, 4096, 2)
-        except OSError as err:
-            raise LaunchError(f"resetting the workspace failed: {err}", errno=getattr(err, "errno", None)) from err
-        finally:
-            self.report.setblocking(False)
-        if not msg.startswith(b"RESET_OK") or len(fds) != 1:
-            for fd in fds:
-                os.close(fd)
-            raise LaunchError("resetting the workspace failed: "
-                              + msg.decode("utf-8", "replace").removeprefix("RESET_ERR ").strip())
-        old, self.upper_fd = self.upper_fd, self._own(fds[0])
-        self.fds.remove(self.upper_fd)
+        with deferred_interrupts():  # the new upper's fd is ours before any KeyboardInterrupt
+            try:
+                self.report.send(b"RESET")
+                msg, fds, _flags, _addr = socket.recv_fds(self.report, 4096, 2)
+            except OSError as err:
+                raise LaunchError(f"resetting the workspace failed: {err}",
+                                  errno=getattr(err, "errno", None)) from err
+            finally:
+                self.report.setblocking(False)
+            if not msg.startswith(b"RESET_OK") or len(fds) != 1:
+                for fd in fds:
+                    os.close(fd)
+                raise LaunchError("resetting the workspace failed: "
+                                  + msg.decode("utf-8", "replace").removeprefix("RESET_ERR ").strip())
+            old, self.upper_fd = self.upper_fd, self._own(fds[0])
+            self.fds.remove(self.upper_fd)
         self.since_ns = time.time_ns()
         if old is not None:
             try:

@@ -94,6 +94,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from . import cow as _cow
+from ._interrupts import deferred_interrupts
 from . import landlock as _landlock
 from . import limits as _limits
 from . import overlay as _overlay
@@ -439,66 +440,69 @@ class _Core:
         flags = 0
         send_fds: list[int] = []
         close_after: list[int] = []
-        try:
-            if stdin is not None:
-                in_r, in_w = os.pipe()
-                close_after.append(in_r)
-                cmd.stdin_w = in_w
-                os.set_blocking(in_w, False)
-                cmd.stdin_view = memoryview(bytes(stdin))
-                # Fill the pipe now, before the fd is visible to the thread moving I/O (two
-                # writers on one pipe would interleave); the rest goes on POLLOUT.
-                cmd.feed_stdin()
-                send_fds.append(in_r)
-                flags |= _SPAWN_STDIN_PIPE
-            out_r, out_w = os.pipe()
-            cmd.out_r = out_r
-            close_after.append(out_w)
-            err_r, err_w = os.pipe()
-            cmd.err_r = err_r
-            close_after.append(err_w)
-            send_fds += [out_w, err_w]
-            os.set_blocking(out_r, False)
-            os.set_blocking(err_r, False)
-            body = rlb + strings
-            timeout_ms = -1 if timeout is None else max(1, round(timeout * 1000))
-            with self.lock:
-                if self.failed is not None:
-                    raise self.failed
-                cmd.id = self.next_id
-                self.next_id += 1
-                if len(body) > _MAX_INLINE:
-                    from .launcher import _memfd
-                    mfd = _memfd("lowlevel-spawn", body)
-                    close_after.append(mfd)
-                    send_fds.append(mfd)
-                    flags |= _SPAWN_BODY_MEMFD
-                    body = b""
-                header = _SPAWN_HDR.pack(_MSG_SPAWN, cmd.id, flags, len(rlb) // _RLIM.size, timeout_ms,
-                                         len(command), envc)
-                if self.cmds:
-                    cmd.alone = False
-                    for other in self.cmds.values():
-                        other.alone = False
-                if self.run.cgroup is not None:
-                    cmd.cg_before = self._cg_counts()
-                self.cmds[cmd.id] = cmd
-                for fd in cmd.fds():
-                    self.fd_owner[fd] = cmd
-                self.fds_version += 1
-                try:
-                    self._send([header, body], send_fds)
-                except BaseException:
-                    self.cmds.pop(cmd.id, None)
+        # Every fd below is recorded before a signal handler's exception can fire
+        # (lowlevel._interrupts): a ^C between os.pipe() and its owner leaked the pair.
+        with deferred_interrupts():
+            try:
+                if stdin is not None:
+                    in_r, in_w = os.pipe()
+                    close_after.append(in_r)
+                    cmd.stdin_w = in_w
+                    os.set_blocking(in_w, False)
+                    cmd.stdin_view = memoryview(bytes(stdin))
+                    # Fill the pipe now, before the fd is visible to the thread moving I/O (two
+                    # writers on one pipe would interleave); the rest goes on POLLOUT.
+                    cmd.feed_stdin()
+                    send_fds.append(in_r)
+                    flags |= _SPAWN_STDIN_PIPE
+                out_r, out_w = os.pipe()
+                cmd.out_r = out_r
+                close_after.append(out_w)
+                err_r, err_w = os.pipe()
+                cmd.err_r = err_r
+                close_after.append(err_w)
+                send_fds += [out_w, err_w]
+                os.set_blocking(out_r, False)
+                os.set_blocking(err_r, False)
+                body = rlb + strings
+                timeout_ms = -1 if timeout is None else max(1, round(timeout * 1000))
+                with self.lock:
+                    if self.failed is not None:
+                        raise self.failed
+                    cmd.id = self.next_id
+                    self.next_id += 1
+                    if len(body) > _MAX_INLINE:
+                        from .launcher import _memfd
+                        mfd = _memfd("lowlevel-spawn", body)
+                        close_after.append(mfd)
+                        send_fds.append(mfd)
+                        flags |= _SPAWN_BODY_MEMFD
+                        body = b""
+                    header = _SPAWN_HDR.pack(_MSG_SPAWN, cmd.id, flags, len(rlb) // _RLIM.size, timeout_ms,
+                                             len(command), envc)
+                    if self.cmds:
+                        cmd.alone = False
+                        for other in self.cmds.values():
+                            other.alone = False
+                    if self.run.cgroup is not None:
+                        cmd.cg_before = self._cg_counts()
+                    self.cmds[cmd.id] = cmd
                     for fd in cmd.fds():
-                        self.fd_owner.pop(fd, None)
-                    raise
-        except BaseException:
-            cmd.close_fds()
-            raise
-        finally:
-            for fd in close_after:
-                os.close(fd)
+                        self.fd_owner[fd] = cmd
+                    self.fds_version += 1
+                    try:
+                        self._send([header, body], send_fds)
+                    except BaseException:
+                        self.cmds.pop(cmd.id, None)
+                        for fd in cmd.fds():
+                            self.fd_owner.pop(fd, None)
+                        raise
+            except BaseException:
+                cmd.close_fds()
+                raise
+            finally:
+                for fd in close_after:
+                    os.close(fd)
         return cmd
 
     def check_call_limits(self, limits: Limits) -> tuple[str, ...]:
