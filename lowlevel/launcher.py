@@ -972,6 +972,8 @@ class Run:
             os.waitpid(self.pid, 0)
             self.wait_status = -1
             raise LaunchError(f"pidfd_open of the sandbox failed: {err.strerror}", errno=err.errno) from err
+        if self.handover is not None and self.handover.journal is not None:
+            self.handover.journal.record_process("anchor", self.pid)  # lowlevel.handover_journal
         # Close the child's ends in the parent.
         keep = {self.json_r, self.out_r, self.err_r, self.stdin_w, self.lower_fd, self.status_r}
         for fd in list(self.fds):
@@ -1025,6 +1027,13 @@ class Run:
             raise LaunchError(why, argv=self.full_argv, errno=errno.EMFILE if msg.startswith(b"READY") else None)
         self.init_pidfd = fds[0]
         self.fds.remove(fds[0])
+        if self.handover is not None and self.handover.journal is not None:
+            try:
+                with open(f"/proc/self/fdinfo/{self.init_pidfd}") as f:
+                    bwrap_pid = next(int(line.split()[1]) for line in f if line.startswith("Pid:"))
+                self.handover.journal.record_process("bwrap", bwrap_pid)
+            except (OSError, StopIteration, ValueError):
+                pass  # recovery then waits for the sandbox uid's processes instead
         if len(fds) > 1:
             self.upper_fd = fds[1]
             self.fds.remove(fds[1])  # closed by finish_cow
