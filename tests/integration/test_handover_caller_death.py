@@ -83,3 +83,21 @@ def test_killed_root_caller_in_handover_mode_leaves_owners_restorable(repair: st
         assert after["new.txt"][:2] == (4242, 4242) and not after["new.txt"][2] & 0o6000
     finally:
         shutil.rmtree(ws, ignore_errors=True)
+
+
+def test_a_malformed_journal_is_reported_not_fatal() -> None:
+    from lowlevel import handover_journal as journal
+    from lowlevel.cow import ensure_root_state_dir
+    ensure_root_state_dir()
+    os.makedirs(journal.JOURNAL_DIR, mode=0o700, exist_ok=True)
+    p = subprocess.Popen(["true"])
+    p.wait()
+    path = os.path.join(journal.JOURNAL_DIR, f"{p.pid}-999")
+    Path(path).write_bytes(b"H 1 garbage\n\xff")
+    try:
+        done, problems = journal.recover()
+        assert path not in done and any(path in x and "unreadable" in x for x in problems), problems
+        out = subprocess.run([sys.executable, "-m", "lowlevel", "cleanup"], capture_output=True, text=True)
+        assert "Traceback" not in out.stderr and path in out.stdout + out.stderr
+    finally:
+        os.unlink(path)
