@@ -634,6 +634,7 @@ class Run:
         self.host_ids: tuple[int, int] = (0, 0)
         self.cow = False
         self.lower_fd: int | None = None
+        self.root_fd: int | None = None  # rootfs_writable over the anchor's overlay: the tree
         self.lower_stat: os.stat_result | None = None
         self.upper_fd: int | None = None
         self.upper_bytes = 0
@@ -750,6 +751,7 @@ class Run:
         precheck_exec(policy, self.workspace, self.command, self.environment, self.cwd,
                       self.facts.layout.etc_files)
         _landlock.require_supported(policy)
+        rootfs_overlay: str | None = None
         if self.cow:
             self._open_lower()
             self.upper_bytes = policy.limits.workspace_bytes or _cow.DEFAULT_UPPER_BYTES
@@ -757,6 +759,13 @@ class Run:
             bind_source = f"{self.mnt}/ws"
             self.notes.append(f"workspace: copy-on-write overlay; the run's writes are bounded to "
                               f"{self.upper_bytes} bytes")
+            if policy.rootfs is not None and policy.rootfs_writable:
+                # The anchor overlays the whole tree too (lowlevel.rootfs, "Writable root").
+                self.root_fd = self._own(os.open(policy.rootfs, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW
+                                                 | os.O_CLOEXEC))
+                rootfs_overlay = f"{self.mnt}/root"
+                self.notes.append("root filesystem: copy-on-write overlay, discarded after the run (its writes "
+                                  "count in the same bound)")
         else:
             bind_source = self._prepare_handover(support.reason)
 
@@ -806,7 +815,8 @@ class Run:
                 self._own(fd)  # closed after the spawn, like ours
         self.argv = build_argv(policy, self.facts, workspace=bind_source, fds=fds,
                                extra_env=self.env_extra or None, cwd=self.cwd,
-                               extra_mounts=self.egress.mounts if self.egress is not None else ())
+                               extra_mounts=self.egress.mounts if self.egress is not None else (),
+                               rootfs_overlay=rootfs_overlay)
         # Last line of defence: the --args memfd is NUL-separated, so a NUL inside a value would
         # split it into extra bwrap options. The policy edge refuses them already; encode_args
         # refuses again (LaunchError) right before the bytes are written.
@@ -860,7 +870,7 @@ class Run:
         # The anchor's own fds (never passed on to bwrap) go right above bwrap's.
         nxt = max(dst for _s, dst in mapping) + 1
         anchor_fds: dict[str, Any] = {}
-        for name, src in (("report", report_child.fileno()), ("lower", self.lower_fd),
+        for name, src in (("report", report_child.fileno()), ("lower", self.lower_fd), ("root", self.root_fd),
                           ("lease", self.lease.fd if self.lease is not None else None)):
             if src is not None:
                 mapping.append((src, nxt))
@@ -919,7 +929,10 @@ class Run:
                                 upper_inodes=_cow.upper_inodes(self.upper_bytes),
                                 lower_path=None if self.facts.caller_is_root else self.workspace,
                                 idmap=(self.lower_stat.st_uid, self.lower_stat.st_gid)
-                                if self.facts.caller_is_root else None)
+                                if self.facts.caller_is_root else None,
+                                root_lower_fd=self.anchor_fds.get("root"),
+                                root_lower_path=None if self.facts.caller_is_root or self.root_fd is None
+                                else self.policy.rootfs)
         return anchor_argv(self.facts, _exec_helper(), parent=os.getpid(), report_fd=self.anchor_fds["report"],
                            cgroup_fds=self.anchor_fds["cgroups"], rlimits=self.pre_exec_rlimits,
                            ids=self.host_ids if self.facts.caller_is_root else None, overlay=ov,
