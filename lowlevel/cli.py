@@ -432,7 +432,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not command and args.image:
         # The image's Entrypoint + Cmd (an explicit COMMAND replaces both: explicit arguments win).
         from .image import ImageStore
-        command = ImageStore().get(args.image).command()
+        try:
+            command = ImageStore().get(args.image).command()
+        except LowlevelError as err:  # no such image, or no Entrypoint/Cmd: one line, exit 125
+            return _error(args, err, EXIT_FAILED)
     if not command:
         raise UsageError("run: no command given: write `lowlevel run [OPTIONS] -- COMMAND [ARG...]`")
     if args.rm and args.workspace is not None:

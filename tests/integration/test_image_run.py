@@ -138,6 +138,19 @@ def test_import_then_run_with_image_defaults(who: Who, archives: dict[str, pathl
     assert who.cli("run", "--image", "bbtest:1", "--", "/bin/true", check=False).returncode == 125
 
 
+def test_run_image_without_command_fails_in_one_line(who: Who) -> None:
+    """``run --image REF`` with no COMMAND takes the image's Entrypoint+Cmd: a missing image is
+    one line and exit 125 (the same as with a command), never a traceback; --json gives the error object."""
+    for json_flag in ((), ("--json",)):
+        proc = who.cli("run", *json_flag, "--rm", "--image", "nosuch:1", check=False)
+        assert proc.returncode == 125, proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert proc.stderr.splitlines() == [proc.stderr.strip()] and "no image 'nosuch:1'" in proc.stderr
+        if json_flag:
+            err = json.loads(proc.stdout)
+            assert (err["error"], err["exit_status"]) == ("ImageError", 125)
+
+
 def test_all_formats_import_and_the_same_image_unpacks_once(store: ImageStore,
                                                              archives: dict[str, pathlib.Path]) -> None:
     a = store.import_archive(archives["oci"])
