@@ -358,11 +358,14 @@ def _resolve_inside(policy: Policy, workspace: str, inside: str,
     Returns ``(host, path, link)``: ``host`` is the host path backing the resolved sandbox
     ``path``, ``""`` when that path does not exist inside (``link``: the symlink whose target
     is missing, if one was followed), or None when we cannot know (``/proc``, too many links).
+    ``link`` is set only when the missing component came from that symlink's target: a missing
+    ``/bin/cmd`` through ``/bin -> usr/bin`` is a missing file, not a dangling link.
     """
     todo = [p for p in inside.split("/") if p]
     cur = "/"
     hops = 0
     link: str | None = None
+    rest = 0  # components of the path after the last symlink followed (the ones not from its target)
     while todo:
         part = todo.pop(0)
         if part == ".":
@@ -378,17 +381,18 @@ def _resolve_inside(policy: Policy, workspace: str, inside: str,
             if todo and _mount_ancestor(policy, nxt, etc_files):
                 cur = nxt
                 continue
-            return "", nxt, link
+            return "", nxt, link if len(todo) >= rest else None
         try:
             st = os.lstat(host)
         except OSError:
-            return "", nxt, link
+            return "", nxt, link if len(todo) >= rest else None
         if stat.S_ISLNK(st.st_mode):
             hops += 1
             if hops > 40:
                 return None, nxt, link
             target = os.readlink(host)
             link = f"{nxt} -> {target}"
+            rest = len(todo)
             if target.startswith("/"):
                 cur = "/"
             todo = [p for p in target.split("/") if p] + todo

@@ -384,6 +384,20 @@ def test_cli_exec_failures_exit_126_127_without_json(prog, code):
     assert "Traceback" not in p.stderr and p.stderr.count("\n") == 1
 
 
+def test_not_found_hint_blames_only_a_dangling_symlink(sandbox):
+    """A missing command reached through ``/bin -> usr/bin`` (PATH's last entry) is "command not
+    found", not "the symlink /bin -> usr/bin points outside"; a link whose own target is missing
+    (a virtualenv's python linked to an interpreter the sandbox lacks) is named."""
+    r = sandbox.run(["lowlevel-no-such-cmd"])
+    assert (r.error, r.errno) == ("ExecError", 2), r.message
+    assert "command not found in the sandbox" in r.message and "symlink" not in r.message
+    ws = sandbox.workspace()
+    os.symlink("/opt/lowlevel-test-nowhere/bin/python3", ws / "python")
+    r = sandbox.run(["./python", "-V"], workspace=str(ws))
+    assert (r.error, r.errno) == ("ExecError", 2), r.message
+    assert "the symlink /workspace/python -> /opt/lowlevel-test-nowhere/bin/python3 points outside" in r.message
+
+
 @pytest.mark.parametrize("args", [["--timeout", "inf"], ["--timeout", "1e300"], ["--fsize", "0"],
                                   ["--tmp-size", "1.5"], ["--memory", "12Q"]])
 def test_cli_bad_values_one_line_no_traceback(args):
