@@ -533,6 +533,12 @@ def classify_setup_failure(stderr: bytes, argv: list[str], command: Sequence[str
         return LaunchError("bwrap ran out of memory while creating the sandbox (ENOMEM: the caller's memory "
                            f"limit or its cgroup's memory.max?). bwrap said: {text}", argv=argv, stderr=text,
                            errno=errno.ENOMEM)
+    if b"Can't find source path" in bwrap_lines and b"Permission denied" in bwrap_lines:
+        # bwrap opens bind sources as the sandbox's host uid: a root caller's per-run uid.
+        return LaunchError("the sandbox's host uid cannot reach a bind source (a root caller's sandbox runs as "
+                           "an unprivileged per-run uid, and bwrap opens binds as that uid): make the source "
+                           "readable and every directory above it traversable by others (chmod o+x). "
+                           f"bwrap said: {text}", argv=argv, stderr=text, errno=errno.EACCES)
     if any(h in bwrap_lines for h in _USERNS_HINTS):
         return LaunchError(
             "bwrap could not create a user namespace: the host restricts unprivileged user namespaces. "

@@ -5,6 +5,7 @@ Every test taking the ``sandbox`` fixture runs as root and as an unprivileged us
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import socket
@@ -396,6 +397,24 @@ def test_not_found_hint_blames_only_a_dangling_symlink(sandbox):
     r = sandbox.run(["./python", "-V"], workspace=str(ws))
     assert (r.error, r.errno) == ("ExecError", 2), r.message
     assert "the symlink /workspace/python -> /opt/lowlevel-test-nowhere/bin/python3 points outside" in r.message
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="root callers only: their sandbox runs as a per-run uid")
+def test_bind_source_the_sandbox_uid_cannot_reach_says_what_to_do(tmp_path):
+    """A root caller binds a directory below a 0700 parent: bwrap, already the per-run uid,
+    cannot open it. The error says why and what to do (not only bwrap's "Can't find source path")."""
+    private = Path(tempfile.mkdtemp(prefix="bindsrc-", dir="/tmp"))  # 0700, owned by root
+    try:
+        (private / "data").mkdir()
+        policy = lowlevel.Policy(binds=(lowlevel.Bind(str(private / "data")),))
+        with pytest.raises(lowlevel.LaunchError) as err:
+            lowlevel.run(["true"], policy=policy, workspace=_ws())
+        assert err.value.errno == errno.EACCES
+        assert "traversable by others" in str(err.value) and "Can't find source path" in str(err.value)
+        os.chmod(private, 0o711)  # control: traversable, the same bind works
+        assert lowlevel.run(["ls", str(private / "data")], policy=policy, workspace=_ws()).exit_code == 0
+    finally:
+        shutil.rmtree(private)
 
 
 @pytest.mark.parametrize("args", [["--timeout", "inf"], ["--timeout", "1e300"], ["--fsize", "0"],
