@@ -948,6 +948,7 @@ class Process:
 
     @property
     def pid(self) -> int | None:
+        """The command's PID inside the sandbox's PID namespace, None until it started."""
         return self._cmd.pid
 
     def poll(self) -> Result | None:
@@ -1277,7 +1278,14 @@ class Session:
 
 
 class AsyncProcess:
-    """Async twin of :class:`Process` (from :meth:`AsyncSession.start`)."""
+    """Async twin of :class:`Process` (from :meth:`AsyncSession.start`).
+
+    Attributes:
+        argv: the command as given (tuple of str).
+        pid: its PID inside the sandbox (int), None until the init reports it started.
+    :meth:`wait` and :meth:`read` are coroutines; :meth:`poll`, :meth:`send_signal` and
+    :meth:`kill` do not block. Results and errors as :class:`Process`.
+    """
 
     def __init__(self, session: "AsyncSession", cmd: _Cmd) -> None:
         self._session = session
@@ -1286,6 +1294,7 @@ class AsyncProcess:
 
     @property
     def pid(self) -> int | None:
+        """The command's PID inside the sandbox's PID namespace, None until it started."""
         return self._cmd.pid
 
     def poll(self) -> Result | None:
@@ -1341,7 +1350,14 @@ class AsyncSession:
 
     @classmethod
     async def create(cls, policy: Policy | None = None, **kwargs: Any) -> "AsyncSession":
-        """Start the sandbox and return the session."""
+        """Start the sandbox and return the session.
+
+        Args:
+            policy, kwargs: as :class:`Session` (``workspace``, ``inputs``, ``idle_timeout``
+                and ``total_timeout`` in seconds, ``commit``...).
+        Raises:
+            PolicyError, WorkspaceError, LaunchError, UnsupportedError: as :class:`Session`.
+        """
         self = cls(policy, **kwargs)
         await self._open()
         return self
@@ -1399,6 +1415,7 @@ class AsyncSession:
 
     @property
     def alive(self) -> bool:
+        """False before the start, and once the session was closed or ended (as :attr:`Session.alive`)."""
         return self._core is not None and self._core.failed is None
 
     async def run(self, argv: Sequence[str], *, stdin: bytes | None = None,
@@ -1733,7 +1750,7 @@ class Pool:
                 self._cond.notify_all()
 
     async def arun(self, argv: Sequence[str], **kwargs: Any) -> Result:
-        """:meth:`run` in a worker thread, for asyncio callers."""
+        """:meth:`run` in a worker thread, for asyncio callers: same arguments, Result and errors."""
         return await asyncio.to_thread(self.run, argv, **kwargs)
 
     def close(self) -> None:
