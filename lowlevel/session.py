@@ -57,7 +57,7 @@ removes the session's cgroup.
 How the init gets in: the host opens the installed ``lowlevel/_lowlevel_init`` (static, mode
 0755) once per process and passes the fd to bwrap, which execs ``/proc/self/fd/10``; the init
 closes that fd first thing. No bind mount, nothing added to the sandbox's file tree, and the
-package's host path need not be reachable by the sandbox's uid (65534 for root callers).
+package's host path need not be reachable by the sandbox's uid (a per-run uid for root callers).
 
 Protocol (``SOCK_SEQPACKET`` socketpair; one record per message; native byte order; layouts in
 ``native/lowlevel_init.c``):
