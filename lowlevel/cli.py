@@ -245,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rootfs", metavar="DIR", help="run on this root filesystem tree instead of the host's /usr")
     p.add_argument("--writable-root", action="store_true", help="a per-run writable layer over --image/--rootfs, "
                    "discarded after the run")
-    p.add_argument("--image-store", metavar="DIR", help="image store for --image (default $LOWLEVEL_IMAGE_STORE)")
+    p.add_argument("--image-store", metavar="DIR", help="image store for --image (default $LOWLEVEL_IMAGE_STORE, "
+                   "else /var/lib/lowlevel/images for root, ~/.local/share/lowlevel/images otherwise)")
     p.add_argument("--landlock", choices=("on", "off", "require"), default="on",
                    help="Landlock, the second wall (default on: best effort; require: fail without it)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARG...]")
