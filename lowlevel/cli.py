@@ -629,6 +629,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     except Exception as err:  # noqa: BLE001 - a record is untrusted input: one line, never a traceback
         return _error(args, RuntimeError(f"replay: cannot replay {args.file!r}: {type(err).__name__}: {err}"),
                       EXIT_FAILED)
+    if args.keep_workspace and report.result is not None and report.result.workspace:
+        print(f"lowlevel: workspace {report.result.workspace}", file=sys.stderr)  # as `run` says where it is
     if args.json:
         with _reader_may_leave():
             json.dump(json_safe({"matched": report.matched, "differences": report.differences,
