@@ -669,7 +669,7 @@ def cmd_mcp(args: argparse.Namespace) -> int:
     try:
         serve(config)
     except ImportError as err:
-        return _fail(f"{err}: install the MCP SDK with `pip install 'lowlevel[mcp]'`")
+        return _fail(f"{err}: install the MCP SDK with `pip install '.[mcp]'` in the lowlevel checkout")
     except LowlevelError as err:  # e.g. a refused --workspace-base
         return _fail(f"mcp: {err}")
     return 0
