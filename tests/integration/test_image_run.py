@@ -151,6 +151,18 @@ def test_run_image_without_command_fails_in_one_line(who: Who) -> None:
             assert (err["error"], err["exit_status"]) == ("ImageError", 125)
 
 
+def test_short_id_prefix_is_refused_with_the_rule(bb: lowlevel.Policy, store: ImageStore) -> None:
+    """``image rm``/``inspect``/``Policy(image=)`` take an id prefix of 12+ hex digits (what ``image ls``
+    shows); a shorter one says so instead of only "no image"."""
+    short_id = store.get("bbtest:1").id[7:19]
+    assert store.get(short_id).id.startswith("sha256:" + short_id)
+    with pytest.raises(lowlevel.ImageError, match="at least 12 hex digits"):
+        store.get(short_id[:4])
+    with pytest.raises(lowlevel.ImageError) as err:
+        store.get("nosuch:1")
+    assert "hex digits" not in str(err.value)
+
+
 def test_all_formats_import_and_the_same_image_unpacks_once(store: ImageStore,
                                                              archives: dict[str, pathlib.Path]) -> None:
     a = store.import_archive(archives["oci"])
