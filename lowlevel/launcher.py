@@ -142,7 +142,8 @@ def _exec_helper() -> str:
     path = EXEC_HELPER_PATH
     if not (os.path.isfile(path) and os.access(path, os.X_OK)):
         raise UnsupportedError("exec-helper", f"{path} is missing or not executable: lowlevel's anchor "
-                               "process is built at install time", "reinstall lowlevel (pip install lowlevel)")
+                               "process is built at install time",
+                               "reinstall lowlevel (pip install . from its checkout)")
     return path
 
 

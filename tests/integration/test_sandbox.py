@@ -489,3 +489,30 @@ def test_session_workspace_checks_match_run():
     ws = _ws()
     with lowlevel.Session(workspace=ws, allow_sensitive_workspace=True) as s:
         assert s.run(["sh", "-c", "echo ok > f; cat f"]).stdout == b"ok\n"
+
+
+@pytest.mark.root
+def test_a_real_accounts_uid_is_never_leased(monkeypatch):
+    """LOWLEVEL_UID_RANGE over /etc/passwd: the account's uid is skipped (a sandbox running as a
+    real user's uid would own that user's files); a range of accounts only is refused."""
+    import pwd
+    acct = pwd.getpwnam("nobody").pw_uid
+    free = next(u for u in range(acct + 1, acct + 100) if not _has_account(u))
+    monkeypatch.setenv("LOWLEVEL_UID_RANGE", f"{acct}-{free}")
+    uids = set()
+    for _ in range(3):
+        r = lowlevel.run(["true"], workspace=_ws())
+        uids.add(int(next(a for a in r.argv if a.startswith("--uid=")).split("=")[1]))
+    assert acct not in uids and uids <= set(range(acct + 1, free + 1)), uids
+    monkeypatch.setenv("LOWLEVEL_UID_RANGE", f"{acct}-{acct}")
+    with pytest.raises(lowlevel.UnsupportedError, match="accounts in /etc/passwd"):
+        lowlevel.run(["true"], workspace=_ws())
+
+
+def _has_account(uid: int) -> bool:
+    import pwd
+    try:
+        pwd.getpwuid(uid)
+        return True
+    except KeyError:
+        return False
