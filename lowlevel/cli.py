@@ -252,12 +252,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARG...]")
 
     c = sub.add_parser("cleanup", help="remove what interrupted runs left (stale cgroups, egress sockets, "
-                       "commit temporaries); never a workspace")
+                       "commit temporaries); never a workspace",
+                       description="Remove what interrupted runs left on this host: per-run cgroups of dead "
+                       "callers, egress socket directories whose proxy is gone, temporaries of commits killed "
+                       "mid-way, workspaces a killed root caller left handed over (fallback without overlay). "
+                       "Never a workspace's content. Exit 0: nothing left; 1: something stayed (listed).")
     c.add_argument("--workspace", metavar="DIR", action="append", default=[],
                    help="also remove interrupted commits' temporaries in DIR (repeatable)")
     c.add_argument("--dry-run", action="store_true", help="list, remove nothing")
     c.add_argument("--json", action="store_true", help="print one JSON object")
-    d = sub.add_parser("doctor", help="check what this host can do")
+    d = sub.add_parser("doctor", help="check what this host can do",
+                       description="Check what this host can do for lowlevel: bwrap, user namespaces, seccomp, "
+                       "Landlock, pidfds, cgroups, the workspace model and uid range, images, leftovers of "
+                       "interrupted runs. Exit 0 when every required check passes.")
     d.add_argument("--json", action="store_true", help="print a JSON report")
 
     r = sub.add_parser("replay", help="rerun a recorded run and compare its outputs",
