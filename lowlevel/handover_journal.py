@@ -193,11 +193,17 @@ def _uid_runs_a_process(uid: int) -> bool:
 def pending(root: str | None = None) -> list[str]:
     """Journals of dead callers (of workspace ``root`` only, if given), oldest first."""
     try:
-        names = sorted(os.listdir(JOURNAL_DIR), key=lambda n: os.stat(os.path.join(JOURNAL_DIR, n)).st_mtime_ns)
+        listed = os.listdir(JOURNAL_DIR)
     except OSError:
         return []
+    stamped = []
+    for name in listed:
+        try:
+            stamped.append((os.stat(os.path.join(JOURNAL_DIR, name)).st_mtime_ns, name))
+        except OSError:
+            continue  # removed meanwhile (its run gave the workspace back)
     out = []
-    for name in names:
+    for _mtime, name in sorted(stamped):
         pid = name.split("-", 1)[0]
         if not pid.isdigit() or int(pid) == os.getpid() or os.path.exists(f"/proc/{pid}"):
             continue
@@ -212,6 +218,13 @@ def pending(root: str | None = None) -> list[str]:
                 continue
         out.append(path)
     return out
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass  # another cleanup took it meanwhile (giving back twice is harmless: same record)
 
 
 def recover(root: str | None = None) -> tuple[list[str], list[str]]:
@@ -239,14 +252,14 @@ def recover(root: str | None = None) -> tuple[list[str], list[str]]:
             continue
         h.notes = []
         if not os.path.isdir(h.root):
-            os.unlink(path)  # the workspace is gone: nothing to give back
+            _unlink(path)  # the workspace is gone: nothing to give back
             continue
         try:
             give_back(h)
         except WorkspaceError as err:
             problems.append(f"{h.root}: {err}")
             continue
-        os.unlink(path)
+        _unlink(path)
         done.append(h.root)
     return done, problems
 
