@@ -70,12 +70,14 @@ class Fds:
 
 
 @functools.lru_cache(maxsize=256)
-def static_args(policy: Policy, facts: HostFacts) -> tuple[str, ...]:
+def static_args(policy: Policy, facts: HostFacts, rootfs_overlay: str | None = None) -> tuple[str, ...]:
     """The per-Policy part of bwrap's argv (cached; treat the tuple as read-only).
 
     Args:
         policy: the sandbox description.
         facts: host facts from the probes.
+        rootfs_overlay: ``rootfs_writable`` with the anchor's overlay of the tree: its merged
+            directory (``<mnt>/root``), whose top-level directories are bound read-write.
     Returns:
         bwrap options, without the program name, fds, workspace or command.
     """
@@ -103,7 +105,8 @@ def static_args(policy: Policy, facts: HostFacts) -> tuple[str, ...]:
         from .rootfs import base_args, rootfs_layout
         a += base_args(rootfs_layout(policy.rootfs), writable=policy.rootfs_writable,
                        bwrap_options=facts.bwrap.options, network=policy.network is True,
-                       network_sources=facts.network_etc, tmp_size=policy.limits.tmp_size_bytes)
+                       network_sources=facts.network_etc, tmp_size=policy.limits.tmp_size_bytes,
+                       anchor_overlay=rootfs_overlay)
     else:
         # Read-only base: /usr, then the usr-merge symlinks or read-only top-level dirs.
         a += ["--ro-bind", "/usr", "/usr"]
@@ -188,8 +191,10 @@ def dynamic_args(
 
 def build_argv(policy: Policy, facts: HostFacts, *, workspace: str, fds: Fds,
                extra_env: Mapping[str, str] | None = None, cwd: str = WORKSPACE_DEST,
-               extra_mounts: Sequence[str] = ()) -> list[str]:
+               extra_mounts: Sequence[str] = (), rootfs_overlay: str | None = None) -> list[str]:
     """bwrap's options (without ``bwrap`` itself or the command), static then dynamic part.
+
+    ``rootfs_overlay``: see :func:`static_args`.
 
     Returns:
         ``list[str]``; the launcher passes it through ``--args FD`` so no policy is too long
@@ -204,10 +209,10 @@ def build_argv(policy: Policy, facts: HostFacts, *, workspace: str, fds: Fds,
     # /etc/group can be plain files of it (bwrap >= 0.5 has --perms).
     as_file = policy.rootfs is None and facts.bwrap.has("--perms") and facts.bwrap.has("--file")
     if policy.deterministic and extra_env:
-        return [*static_args(policy, facts),
+        return [*static_args(policy, facts, rootfs_overlay),
                 *dynamic_args(workspace=workspace, fds=fds, extra_env=policy.environment(extra_env), cwd=cwd,
                               clearenv=True, extra_mounts=extra_mounts, passwd_as_file=as_file)]
-    return [*static_args(policy, facts),
+    return [*static_args(policy, facts, rootfs_overlay),
             *dynamic_args(workspace=workspace, fds=fds, extra_env=extra_env, cwd=cwd, extra_mounts=extra_mounts,
                           passwd_as_file=as_file)]
 
@@ -277,6 +282,10 @@ class AnchorOverlay:
             its mount namespace and checked to be ``lower_fd``'s directory; None for root.
         idmap: root callers: ``(uid, gid)`` owning the workspace, mapped to the sandbox's ids
             through an idmapped mount of the lower layer; None otherwise.
+        root_lower_fd: ``Policy.rootfs_writable``: the root filesystem tree (an O_PATH
+            directory fd as the anchor sees it), overlaid at ``<mnt>/root``; None otherwise.
+        root_lower_path: unprivileged callers: the tree's path, opened again by the anchor in
+            its mount namespace and checked to be ``root_lower_fd``'s directory.
     """
 
     mnt: str
@@ -285,6 +294,8 @@ class AnchorOverlay:
     upper_inodes: int
     lower_path: str | None = None
     idmap: tuple[int, int] | None = None
+    root_lower_fd: int | None = None
+    root_lower_path: str | None = None
 
 
 def anchor_argv(facts: HostFacts, helper: str, *, parent: int, report_fd: int | None, cgroup_fds: Sequence[int],
@@ -338,6 +349,10 @@ def anchor_argv(facts: HostFacts, helper: str, *, parent: int, report_fd: int | 
             a.append(f"--lower-path={overlay.lower_path}")
         if overlay.idmap is not None:
             a.append(f"--idmap={overlay.idmap[0]}:{overlay.idmap[1]}")
+        if overlay.root_lower_fd is not None:
+            a.append(f"--root-lower-fd={overlay.root_lower_fd}")
+            if overlay.root_lower_path is not None:
+                a.append(f"--root-lower-path={overlay.root_lower_path}")
     a += [f"--keep-fd={fd}" for fd in keep_fds]
     a.append("--pass-fds=" + ",".join(str(fd) for fd in pass_fds))
     if args_fd is None:

@@ -10,6 +10,9 @@ host's mount namespace (the overlay and its tmpfs live in the anchor's own). Wha
   (:func:`lowlevel.overlay.cleanup_commit_leftovers`), or ``lowlevel cleanup --workspace DIR``;
 - ``egress``: the unix-socket directory of an egress-mode run (``lowlevel-egress-*`` in
   ``/dev/shm`` or ``/tmp``) whose proxy is gone;
+- ``handover``: the journal of a root caller that died mid-run in the hand-over fallback (no
+  overlay): its workspace is still owned by the sandbox's per-run uid. The next hand-over of that
+  workspace, or ``lowlevel cleanup``, gives it back (:mod:`lowlevel.handover_journal`);
 - ``mount``: a mount of lowlevel's in the host namespace (only the hand-over model of lowlevel
   0.1's sized workspaces made one: ``.sized-*``): listed; root can unmount it.
 
@@ -111,6 +114,19 @@ def _host_mounts() -> list[Leftover]:
     return out
 
 
+def _handovers() -> list[Leftover]:
+    from . import handover_journal as _journal
+    out = []
+    for path in _journal.pending():
+        try:
+            _pid, h = _journal.load(path)
+            what = f"workspace {h.root} still handed to the sandbox's uid {h.sandbox_uid} (its caller died)"
+        except (OSError, ValueError, UnicodeDecodeError):
+            what = "an unreadable hand-over journal"
+        out.append(Leftover("handover", path, what))
+    return out
+
+
 def _commit_leftovers(workspace: str) -> list[Leftover]:
     from .overlay import LEFTOVER_PREFIX
     try:
@@ -140,7 +156,7 @@ def find_leftovers(workspaces: tuple[str, ...] = (), base: str | None = None) ->
     Returns:
         The leftovers, cgroups first. Never raises for an unreadable place (skipped).
     """
-    found = _stale_cgroups() + _stale_egress_dirs() + _host_mounts()
+    found = _stale_cgroups() + _stale_egress_dirs() + _host_mounts() + _handovers()
     for ws in (*workspaces, *_fresh_workspaces(base)):
         found += _commit_leftovers(ws)
     return found
@@ -180,6 +196,12 @@ def clean(workspaces: tuple[str, ...] = (), base: str | None = None) -> tuple[li
             removed.append(item)
         else:
             problems.append(f"{item.path}: umount failed: {os.strerror(ctypes.get_errno())}")
+    # Workspaces a dead root caller left handed over (the fallback without overlay).
+    from . import handover_journal as _journal
+    before_handovers = _handovers()
+    _restored, handover_problems = _journal.recover()
+    problems += handover_problems
+    removed += [item for item in before_handovers if not os.path.exists(item.path)]
     from .overlay import cleanup_commit_leftovers
     for ws in (*workspaces, *_fresh_workspaces(base)):
         left = _commit_leftovers(ws)

@@ -266,7 +266,8 @@ def _add_run(sub: Any) -> None:
     p.add_argument("--rootfs", metavar="DIR", help="run on this root filesystem tree instead of the host's /usr")
     p.add_argument("--writable-root", action="store_true", help="a per-run writable layer over --image/--rootfs, "
                    "discarded after the run")
-    p.add_argument("--image-store", metavar="DIR", help="image store for --image (default $LOWLEVEL_IMAGE_STORE)")
+    p.add_argument("--image-store", metavar="DIR", help="image store for --image (default $LOWLEVEL_IMAGE_STORE, "
+                   "else /var/lib/lowlevel/images for root, ~/.local/share/lowlevel/images otherwise)")
     p.add_argument("--landlock", choices=("on", "off", "require"), default="on",
                    help="Landlock, the second wall (default on: best effort; require: fail without it)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARG...]")
@@ -276,7 +277,10 @@ def _add_others(sub: Any, only: str | None) -> None:
     if only in (None, "cleanup"):
         _add_cleanup(sub)
     if only in (None, "doctor"):
-        d = sub.add_parser("doctor", help="check what this host can do")
+        d = sub.add_parser("doctor", help="check what this host can do",
+                           description="Check what this host can do for lowlevel: bwrap, user namespaces, "
+                           "seccomp, Landlock, pidfds, cgroups, the workspace model and uid range, images, "
+                           "leftovers of interrupted runs. Exit 0 when every required check passes.")
         d.add_argument("--json", action="store_true", help="print a JSON report")
     if only in (None, "replay"):
         _add_replay(sub)
@@ -286,7 +290,11 @@ def _add_others(sub: Any, only: str | None) -> None:
 
 def _add_cleanup(sub: Any) -> None:
     c = sub.add_parser("cleanup", help="remove what interrupted runs left (stale cgroups, egress sockets, "
-                       "commit temporaries); never a workspace")
+                       "commit temporaries); never a workspace",
+                       description="Remove what interrupted runs left on this host: per-run cgroups of dead "
+                       "callers, egress socket directories whose proxy is gone, temporaries of commits killed "
+                       "mid-way, workspaces a killed root caller left handed over (fallback without overlay). "
+                       "Never a workspace's content. Exit 0: nothing left; 1: something stayed (listed).")
     c.add_argument("--workspace", metavar="DIR", action="append", default=[],
                    help="also remove interrupted commits' temporaries in DIR (repeatable)")
     c.add_argument("--dry-run", action="store_true", help="list, remove nothing")
@@ -466,7 +474,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not command and args.image:
         # The image's Entrypoint + Cmd (an explicit COMMAND replaces both: explicit arguments win).
         from .image import ImageStore
-        command = ImageStore().get(args.image).command()
+        try:
+            command = ImageStore().get(args.image).command()
+        except LowlevelError as err:  # no such image, or no Entrypoint/Cmd: one line, exit 125
+            return _error(args, err, EXIT_FAILED)
     if not command:
         raise UsageError("run: no command given: write `lowlevel run [OPTIONS] -- COMMAND [ARG...]`")
     if args.rm and args.workspace is not None:
@@ -659,6 +670,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     except Exception as err:  # noqa: BLE001 - a record is untrusted input: one line, never a traceback
         return _error(args, RuntimeError(f"replay: cannot replay {args.file!r}: {type(err).__name__}: {err}"),
                       EXIT_FAILED)
+    if args.keep_workspace and report.result is not None and report.result.workspace:
+        print(f"lowlevel: workspace {report.result.workspace}", file=sys.stderr)  # as `run` says where it is
     if args.json:
         with _reader_may_leave():
             json.dump(json_safe({"matched": report.matched, "differences": report.differences,
@@ -697,7 +710,7 @@ def cmd_mcp(args: argparse.Namespace) -> int:
     try:
         serve(config)
     except ImportError as err:
-        return _fail(f"{err}: install the MCP SDK with `pip install 'lowlevel[mcp]'`")
+        return _fail(f"{err}: install the MCP SDK with `pip install '.[mcp]'` in the lowlevel checkout")
     except LowlevelError as err:  # e.g. a refused --workspace-base
         return _fail(f"mcp: {err}")
     return 0

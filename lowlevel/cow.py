@@ -92,14 +92,41 @@ def uid_range() -> tuple[int, int]:
     return first, last - first + 1
 
 
+_accounts_cache: tuple[tuple[int, int], frozenset[int]] | None = None
+
+
+def account_uids(first: int, count: int) -> frozenset[int]:
+    """The uids of ``first .. first+count-1`` that /etc/passwd gives an account (cached per
+    /etc/passwd mtime and size): never leased, so a sandbox never runs as a real user's uid."""
+    global _accounts_cache
+    try:
+        st = os.stat("/etc/passwd")
+        stamp = (st.st_mtime_ns, st.st_size)
+    except OSError:
+        return frozenset()
+    if _accounts_cache is None or _accounts_cache[0] != stamp:
+        uids = set()
+        try:
+            with open("/etc/passwd", "rb") as f:
+                for line in f:
+                    parts = line.split(b":")
+                    if len(parts) > 2 and parts[2].isdigit():
+                        uids.add(int(parts[2]))
+        except OSError:
+            pass
+        _accounts_cache = (stamp, frozenset(uids))
+    return frozenset(u for u in _accounts_cache[1] if first <= u < first + count)
+
+
 class UidLease:
     """One host uid (and the gid of the same number) leased to one live sandbox.
 
     Held by an open-file-description lock (``F_OFD_SETLK``) on byte ``uid`` of
     ``/run/lowlevel/uids.lock``; the fd is handed to the anchor (``--keep-fd``), so the lease
     lasts exactly as long as the anchor and therefore the sandbox, whoever dies first. A uid is
-    never given to two live sandboxes at once; a released uid owns nothing on the host (the
-    upper tmpfs is gone, committed files get the workspace owner), so it is reused.
+    never given to two live sandboxes at once, nor at all when /etc/passwd gives it an account
+    (:func:`account_uids`); a released uid owns nothing on the host (the upper tmpfs is gone,
+    committed files get the workspace owner), so it is reused.
 
     Attributes:
         uid: the leased id (used as uid and gid).
@@ -124,6 +151,7 @@ class UidLease:
         state = ensure_root_state_dir()
         path = os.path.join(state, "uids.lock")
         # An OSError here (EMFILE...) propagates: the launcher reports it as a LaunchError.
+        taken = account_uids(first, count)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         with cls._lock:
             start = cls._next
@@ -131,6 +159,8 @@ class UidLease:
         try:
             for k in range(count):
                 i = (start + k) % count
+                if first + i in taken:
+                    continue  # a real account's uid (LOWLEVEL_UID_RANGE over /etc/passwd)
                 # struct flock: l_type, l_whence, l_start, l_len, l_pid (0 for OFD locks). The
                 # byte is the uid itself, so ranges configured differently never collide.
                 lock = struct.pack("hh4xqqi4x", fcntl.F_WRLCK, os.SEEK_SET, first + i, 1, 0)
@@ -147,8 +177,10 @@ class UidLease:
             os.close(fd)
             raise
         os.close(fd)
+        accounts = f" ({len(taken)} of them accounts in /etc/passwd, never used)" if taken else ""
         raise UnsupportedError("uid-range", f"all {count} per-run uids of {first}-{first + count - 1} are "
-                               "leased to live sandboxes", "widen LOWLEVEL_UID_RANGE, or pin Policy(host_uid=...)")
+                               f"leased to live sandboxes{accounts}",
+                               "widen LOWLEVEL_UID_RANGE (to ids no account uses), or pin Policy(host_uid=...)")
 
     def release(self) -> None:
         """Close our fd (the anchor's copy keeps the lock until it exits). Idempotent."""

@@ -569,8 +569,9 @@ class ImageStore:
                     found = h
                     break
         if found is None:
-            raise ImageError(f"no image {ref!r} in the store {self.path}: import it with `lowlevel image import "
-                             f"ARCHIVE` (see `lowlevel image ls`; another store? set ${STORE_ENV})")
+            short = " (an id prefix needs at least 12 hex digits)" if re.fullmatch(r"[0-9a-f]{1,11}", hexref) else ""
+            raise ImageError(f"no image {ref!r} in the store {self.path}{short}: import it with `lowlevel image "
+                             f"import ARCHIVE` (see `lowlevel image ls`; another store? set ${STORE_ENV})")
         img = self._load(found, names)
         if img is None:
             raise ImageError(f"image {ref!r} in the store {self.path} is damaged: remove it (`lowlevel image rm "

@@ -109,7 +109,7 @@ def add_image_parser(sub: Any) -> None:
     store_opt(p)
     p = isub.add_parser("rm", help="remove names or images")
     p.add_argument("refs", metavar="REF", nargs="+", help="NAME[:TAG] (untag; the image goes with its last name) "
-                   "or sha256:ID / ID prefix (the image and all its names)")
+                   "or sha256:ID / ID prefix of 12+ hex digits (the image and all its names)")
     store_opt(p)
     p = isub.add_parser("inspect", help="print one image as JSON")
     p.add_argument("ref", metavar="REF")

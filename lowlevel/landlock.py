@@ -149,10 +149,13 @@ def _system_rules(policy: Policy, ro_dirs: tuple[str, ...], bwrap_options: froze
         return ["--ll-rx=/usr", *(f"--ll-rx={d}" for d in ro_dirs), "--ll-rx=/etc"]
     from .rootfs import rootfs_layout
     layout = rootfs_layout(policy.rootfs)
-    overlay = policy.rootfs_writable and {"--tmp-overlay", "--overlay-src"} <= bwrap_options
-    out = [f"--ll-{'rw' if overlay else 'rx'}=/{name}" for name in layout.dirs]
+    # A writable root is an overlay of each top-level directory where the anchor's overlay
+    # works (or bwrap >= 0.9's --tmp-overlay), else tmpfs scratch dirs: the mounts decide what
+    # is writable (an rw rule on a read-only mount grants nothing), so both are rw here.
+    writable = policy.rootfs_writable
+    out = [f"--ll-{'rw' if writable else 'rx'}=/{name}" for name in layout.dirs]
     out += [f"--ll-rx=/{name}" for name in layout.files]
-    if policy.rootfs_writable and not overlay:
+    if writable:
         out += [f"--ll-rw=/{rel}" for rel in layout.scratch_dirs]
     return out
 

@@ -59,6 +59,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from . import cow as _cow
+from ._interrupts import deferred_interrupts
 from . import landlock as _landlock
 from . import limits as _limits
 from . import overlay as _overlay
@@ -161,7 +162,8 @@ def _exec_helper() -> str:
     path = EXEC_HELPER_PATH
     if not (os.path.isfile(path) and os.access(path, os.X_OK)):
         raise UnsupportedError("exec-helper", f"{path} is missing or not executable: lowlevel's anchor "
-                               "process is built at install time", "reinstall lowlevel (pip install lowlevel)")
+                               "process is built at install time",
+                               "reinstall lowlevel (pip install . from its checkout)")
     return path
 
 
@@ -395,11 +397,14 @@ def _resolve_inside(policy: Policy, workspace: str, inside: str,
     Returns ``(host, path, link)``: ``host`` is the host path backing the resolved sandbox
     ``path``, ``""`` when that path does not exist inside (``link``: the symlink whose target
     is missing, if one was followed), or None when we cannot know (``/proc``, too many links).
+    ``link`` is set only when the missing component came from that symlink's target: a missing
+    ``/bin/cmd`` through ``/bin -> usr/bin`` is a missing file, not a dangling link.
     """
     todo = [p for p in inside.split("/") if p]
     cur = "/"
     hops = 0
     link: str | None = None
+    rest = 0  # components of the path after the last symlink followed (the ones not from its target)
     while todo:
         part = todo.pop(0)
         if part == ".":
@@ -415,17 +420,18 @@ def _resolve_inside(policy: Policy, workspace: str, inside: str,
             if todo and _mount_ancestor(policy, nxt, etc_files):
                 cur = nxt
                 continue
-            return "", nxt, link
+            return "", nxt, link if len(todo) >= rest else None
         try:
             st = os.lstat(host)
         except OSError:
-            return "", nxt, link
+            return "", nxt, link if len(todo) >= rest else None
         if stat.S_ISLNK(st.st_mode):
             hops += 1
             if hops > 40:
                 return None, nxt, link
             target = os.readlink(host)
             link = f"{nxt} -> {target}"
+            rest = len(todo)
             if target.startswith("/"):
                 cur = "/"
             todo = [p for p in target.split("/") if p] + todo
@@ -584,6 +590,12 @@ def _classify_setup_failure(stderr: bytes, argv: list[str], command: Sequence[st
         return LaunchError("bwrap ran out of memory while creating the sandbox (ENOMEM: the caller's memory "
                            f"limit or its cgroup's memory.max?). bwrap said: {text}", argv=argv, stderr=text,
                            errno=errno.ENOMEM)
+    if b"Can't find source path" in bwrap_lines and b"Permission denied" in bwrap_lines:
+        # bwrap opens bind sources as the sandbox's host uid: a root caller's per-run uid.
+        return LaunchError("the sandbox's host uid cannot reach a bind source (a root caller's sandbox runs as "
+                           "an unprivileged per-run uid, and bwrap opens binds as that uid): make the source "
+                           "readable and every directory above it traversable by others (chmod o+x). "
+                           f"bwrap said: {text}", argv=argv, stderr=text, errno=errno.EACCES)
     if any(h in bwrap_lines for h in _USERNS_HINTS):
         return LaunchError(
             "bwrap could not create a user namespace: the host restricts unprivileged user namespaces. "
@@ -693,6 +705,7 @@ class Run:
         self.host_ids: tuple[int, int] = (0, 0)
         self.cow = False
         self.lower_fd: int | None = None
+        self.root_fd: int | None = None  # rootfs_writable over the anchor's overlay: the tree
         self.lower_stat: os.stat_result | None = None
         self.upper_fd: int | None = None
         self.upper_bytes = 0
@@ -739,7 +752,11 @@ class Run:
             and the errors of :func:`run`.
         """
         try:
-            self._prepare()
+            self._resolve_workspace()  # may copy inputs: interruptible
+            # The rest makes fds, a uid lease, a cgroup: each recorded as it is made
+            # (lowlevel._interrupts); ~1 ms.
+            with deferred_interrupts():
+                self._prepare()
         except LowlevelError:
             raise
         except OSError as err:
@@ -790,7 +807,6 @@ class Run:
     def _prepare(self) -> None:
         policy = self.policy
         root = self.facts.caller_is_root
-        self._resolve_workspace()
         # The sandbox's host ids: a per-run uid for root callers (unless pinned), our own otherwise.
         if root:
             if policy.host_uid is None:
@@ -807,6 +823,7 @@ class Run:
         precheck_exec(policy, self.workspace, self.command, self.environment, self.cwd,
                       self.facts.layout.etc_files)
         _landlock.require_supported(policy)
+        rootfs_overlay: str | None = None
         if self.cow:
             self._open_lower()
             self.upper_bytes = policy.limits.workspace_bytes or _cow.DEFAULT_UPPER_BYTES
@@ -814,6 +831,13 @@ class Run:
             bind_source = f"{self.mnt}/ws"
             self.notes.append(f"workspace: copy-on-write overlay; the run's writes are bounded to "
                               f"{self.upper_bytes} bytes")
+            if policy.rootfs is not None and policy.rootfs_writable:
+                # The anchor overlays the whole tree too (lowlevel.rootfs, "Writable root").
+                self.root_fd = self._own(os.open(policy.rootfs, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW
+                                                 | os.O_CLOEXEC))
+                rootfs_overlay = f"{self.mnt}/root"
+                self.notes.append("root filesystem: copy-on-write overlay, discarded after the run (its writes "
+                                  "count in the same bound)")
         else:
             bind_source = self._prepare_handover(support.reason)
 
@@ -866,7 +890,8 @@ class Run:
                 self._own(fd)  # closed after the spawn, like ours
         self.argv = build_argv(policy, self.facts, workspace=bind_source, fds=fds,
                                extra_env=self.env_extra or None, cwd=self.cwd,
-                               extra_mounts=self.egress.mounts if self.egress is not None else ())
+                               extra_mounts=self.egress.mounts if self.egress is not None else (),
+                               rootfs_overlay=rootfs_overlay)
         # Last line of defence: the --args memfd is NUL-separated, so a NUL inside a value would
         # split it into extra bwrap options. The policy edge refuses them already; encode_args
         # refuses again (LaunchError) right before the bytes are written.
@@ -920,7 +945,7 @@ class Run:
         # The anchor's own fds (never passed on to bwrap) go right above bwrap's.
         nxt = max(dst for _s, dst in mapping) + 1
         anchor_fds: dict[str, Any] = {}
-        for name, src in (("report", report_child.fileno()), ("lower", self.lower_fd),
+        for name, src in (("report", report_child.fileno()), ("lower", self.lower_fd), ("root", self.root_fd),
                           ("lease", self.lease.fd if self.lease is not None else None)):
             if src is not None:
                 mapping.append((src, nxt))
@@ -983,7 +1008,10 @@ class Run:
                                 upper_inodes=_cow.upper_inodes(self.upper_bytes),
                                 lower_path=None if self.facts.caller_is_root else self.workspace,
                                 idmap=(self.lower_stat.st_uid, self.lower_stat.st_gid)
-                                if self.facts.caller_is_root else None)
+                                if self.facts.caller_is_root else None,
+                                root_lower_fd=self.anchor_fds.get("root"),
+                                root_lower_path=None if self.facts.caller_is_root or self.root_fd is None
+                                else self.policy.rootfs)
         return anchor_argv(self.facts, _exec_helper(), parent=os.getpid(), report_fd=self.anchor_fds["report"],
                            cgroup_fds=self.anchor_fds["cgroups"], cgroup_dir_fd=self.anchor_fds.get("cgroup_dir"),
                            rlimits=self.pre_exec_rlimits,
@@ -1000,9 +1028,16 @@ class Run:
     def spawn(self) -> None:
         """posix_spawn the anchor (which execs bwrap) with an empty environment; open its pidfd.
 
+        A signal handler's exception (KeyboardInterrupt) is held back until the anchor's PID
+        and pidfd are recorded (lowlevel._interrupts), so :meth:`close` can always kill it.
+
         Raises:
             LaunchError: the spawn or pidfd_open failed; nothing is left running.
         """
+        with deferred_interrupts():
+            self._spawn()
+
+    def _spawn(self) -> None:
         exe_argv = self.anchor_argv()
         i = exe_argv.index("--args")
         self.full_argv = [*exe_argv[:i], *self.argv, *exe_argv[i + 2:]]
@@ -1030,6 +1065,8 @@ class Run:
             os.waitpid(self.pid, 0)
             self.wait_status = -1
             raise LaunchError(f"pidfd_open of the sandbox failed: {err.strerror}", errno=err.errno) from err
+        if self.handover is not None and self.handover.journal is not None:
+            self.handover.journal.record_process("anchor", self.pid)  # lowlevel.handover_journal
         # Close the child's ends in the parent.
         keep = {self.json_r, self.out_r, self.err_r, self.stdin_w, self.lower_fd, self.status_r}
         for fd in list(self.fds):
@@ -1057,14 +1094,15 @@ class Run:
         """
         if self.ready or self.report is None:
             return self.ready
-        try:
-            msg, fds, _flags, _addr = socket.recv_fds(self.report, 256, 4)
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError:
-            msg, fds = b"", []
-        for fd in fds:
-            self._own(fd)
+        with deferred_interrupts():  # the fds are ours before any KeyboardInterrupt
+            try:
+                msg, fds, _flags, _addr = socket.recv_fds(self.report, 256, 4)
+            except (BlockingIOError, InterruptedError):
+                return False
+            except OSError:
+                msg, fds = b"", []
+            for fd in fds:
+                self._own(fd)
         if not msg:
             self.report.close()
             self.report = None
@@ -1083,6 +1121,13 @@ class Run:
             raise LaunchError(why, argv=self.full_argv, errno=errno.EMFILE if msg.startswith(b"READY") else None)
         self.init_pidfd = fds[0]
         self.fds.remove(fds[0])
+        if self.handover is not None and self.handover.journal is not None:
+            try:
+                with open(f"/proc/self/fdinfo/{self.init_pidfd}") as f:
+                    bwrap_pid = next(int(line.split()[1]) for line in f if line.startswith("Pid:"))
+                self.handover.journal.record_process("bwrap", bwrap_pid)
+            except (OSError, StopIteration, ValueError):
+                pass  # recovery then waits for the sandbox uid's processes instead
         if len(fds) > 1:
             self.upper_fd = fds[1]
             self.fds.remove(fds[1])  # closed by finish_cow
@@ -1521,20 +1566,22 @@ class Run:
             raise LaunchError("this sandbox has no copy-on-write workspace to reset")
         self.report.setblocking(True)
         self.report.settimeout(timeout_s)
-        try:
-            self.report.send(b"RESET")
-            msg, fds, _flags, _addr = socket.recv_fds(self.report, 4096, 2)
-        except OSError as err:
-            raise LaunchError(f"resetting the workspace failed: {err}", errno=getattr(err, "errno", None)) from err
-        finally:
-            self.report.setblocking(False)
-        if not msg.startswith(b"RESET_OK") or len(fds) != 1:
-            for fd in fds:
-                os.close(fd)
-            raise LaunchError("resetting the workspace failed: "
-                              + msg.decode("utf-8", "replace").removeprefix("RESET_ERR ").strip())
-        old, self.upper_fd = self.upper_fd, self._own(fds[0])
-        self.fds.remove(self.upper_fd)
+        with deferred_interrupts():  # the new upper's fd is ours before any KeyboardInterrupt
+            try:
+                self.report.send(b"RESET")
+                msg, fds, _flags, _addr = socket.recv_fds(self.report, 4096, 2)
+            except OSError as err:
+                raise LaunchError(f"resetting the workspace failed: {err}",
+                                  errno=getattr(err, "errno", None)) from err
+            finally:
+                self.report.setblocking(False)
+            if not msg.startswith(b"RESET_OK") or len(fds) != 1:
+                for fd in fds:
+                    os.close(fd)
+                raise LaunchError("resetting the workspace failed: "
+                                  + msg.decode("utf-8", "replace").removeprefix("RESET_ERR ").strip())
+            old, self.upper_fd = self.upper_fd, self._own(fds[0])
+            self.fds.remove(self.upper_fd)
         self.since_ns = time.time_ns()
         if old is not None:
             try:

@@ -642,7 +642,7 @@ def build_server(config: ServerConfig, tools: Tools | None = None) -> Any:
     """The MCP server object (``mcp.server.mcpserver.MCPServer``, or ``FastMCP`` on mcp 1.x).
 
     Raises:
-        ImportError: the ``mcp`` package is missing (``pip install 'lowlevel[mcp]'``).
+        ImportError: the ``mcp`` package is missing (``pip install '.[mcp]'`` in the lowlevel checkout).
     """
     import anyio.to_thread
 

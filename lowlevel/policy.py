@@ -270,9 +270,11 @@ class Policy:
             read-only system; ``/proc``, ``/dev``, ``/tmp`` and ``/workspace`` stay the sandbox's
             own. It must hold regular files ``etc/passwd`` and ``etc/group`` (synthesized ones are
             mounted over them). None (default): the host's system. See :mod:`lowlevel.rootfs`.
-        rootfs_writable: a per-run writable layer over ``rootfs``, discarded after the run
-            (bwrap >= 0.9: a tmpfs overlay per top-level directory; bwrap 0.8: sized tmpfs over the
-            tree's empty scratch directories only, see :mod:`lowlevel.rootfs`).
+        rootfs_writable: a per-run writable layer over ``rootfs``, discarded after the run: the
+            anchor's overlay of the whole tree wherever the copy-on-write workspace works (its
+            writes count in ``Limits.workspace_bytes``; a Session's ``reset()`` resets only the
+            workspace), else bwrap >= 0.9's tmpfs overlays, else sized tmpfs over the tree's
+            empty scratch directories only; see :mod:`lowlevel.rootfs`.
         image: an imported image (``"name:tag"``, ``"sha256:<id>"`` or a unique id prefix of at
             least 12 hex digits) from the image store (:mod:`lowlevel.image`,
             ``$LOWLEVEL_IMAGE_STORE``). Resolved when the Policy is built: ``image`` becomes

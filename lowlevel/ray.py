@@ -1,4 +1,4 @@
-"""Run sandboxed calls across a Ray cluster: :class:`SandboxActorPool` (``pip install 'lowlevel[ray]'``).
+"""Run sandboxed calls across a Ray cluster: :class:`SandboxActorPool` (``pip install '.[ray]'`` in the checkout).
 
 In Ray's terms (``ray.util.ActorPool``): a pool of actors, one per node (or one per
 ``cpus_per_actor`` CPUs), each holding a :class:`lowlevel.Runner` with bounded concurrency, and
@@ -78,7 +78,7 @@ try:
     import ray.exceptions
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 except ImportError as _err:  # pragma: no cover - exercised only without the extra
-    raise ImportError("lowlevel.ray needs Ray: pip install 'lowlevel[ray]'") from _err
+    raise ImportError("lowlevel.ray needs Ray: pip install '.[ray]' in the lowlevel checkout") from _err
 
 from .errors import LowlevelError, PolicyError, SessionError, WorkspaceError
 from .limits import Limits

@@ -1266,7 +1266,7 @@ def replay(path: str | os.PathLike[str], *, workspace_base: str | None = None,
         loose += argv_loosening(policy, cwd=rec.cwd, env=rec.env)
         if loose:
             raise RecordError("refusing to replay: the record's policy is looser than the default:\n  "
-                              + "\n  ".join(loose) + "\nA record is untrusted input. If you trust it, pass "
+                              + ";\n  ".join(loose) + ".\nA record is untrusted input. If you trust it, pass "
                               "trust_policy=True (CLI: --trust-record-policy)")
     if not rec.store:
         raise RecordError("the record has no input store: it was written without inputs and cannot be replayed")

@@ -13,14 +13,20 @@ destination) and cannot in a read-only tree.
 Writable root (``Policy(rootfs_writable=True)``): a per-run writable layer, discarded after the
 run, by the first of:
 
-1. bwrap >= 0.9.0 (``--overlay-src``/``--tmp-overlay`` in ``bwrap --help``): each top-level
-   directory becomes an overlay whose upper layer is a tmpfs bwrap makes and drops (writes are
-   charged to the run's memory cgroup). Feature-detected; Debian 12 ships bwrap 0.8.0.
-2. otherwise (the fallback used today on bwrap 0.8): a sized tmpfs (``--size`` =
-   ``Limits.tmp_size_bytes``) over each *empty* scratch directory of the tree
-   (:data:`SCRATCH_DIRS`: ``/var/tmp``, ``/run``, ``/home``...). Writing to ``/usr`` or ``/etc``
-   still fails with EROFS: installing packages into system paths needs (1) or the exec helper's
-   overlay (:func:`writable_root_mounts` says what it must mount).
+1. the anchor's overlay (wherever the copy-on-write workspace works: ``native/lowlevel_exec.c``
+   ``--root-lower-fd``): one overlay of the whole tree at ``<mnt>/root`` in the anchor's private
+   mount namespace, its upper layer on the run's tmpfs (bounded by ``Limits.workspace_bytes``
+   together with the workspace's writes), for root callers over an idmapped clone of the tree
+   mapping its owner to the sandbox's host ids (so an image's root-owned ``/usr`` is the
+   sandbox's to write: ``pip install`` into system paths works); each top-level directory is
+   bound read-write from it (``--bind <mnt>/root/usr /usr``).
+2. bwrap >= 0.9.0 (``--overlay-src``/``--tmp-overlay`` in ``bwrap --help``): each top-level
+   directory becomes an overlay whose upper layer is a tmpfs bwrap makes and drops.
+   Feature-detected; Debian 12 ships bwrap 0.8.0.
+3. otherwise (no overlay at all: ``LOWLEVEL_NO_OVERLAY=1``, old kernels): a sized tmpfs
+   (``--size`` = ``Limits.tmp_size_bytes``) over each *empty* scratch directory of the tree
+   (:data:`SCRATCH_DIRS`: ``/var/tmp``, ``/run``, ``/home``...); writing to ``/usr`` or ``/etc``
+   fails with EROFS.
 
 Source: bwrap(1) (``--ro-bind``, ``--symlink``, ``--tmpfs``, ``--size``; ``--overlay-src``,
 ``--tmp-overlay`` since bubblewrap 0.9.0, NEWS); overlayfs.rst in the kernel docs.
@@ -171,7 +177,8 @@ def rootfs_layout(path: str) -> RootfsLayout:
 
 
 def base_args(layout: RootfsLayout, *, writable: bool, bwrap_options: frozenset[str], network: bool,
-              network_sources: Sequence[tuple[str, str]], tmp_size: int | None) -> list[str]:
+              network_sources: Sequence[tuple[str, str]], tmp_size: int | None,
+              anchor_overlay: str | None = None) -> list[str]:
     """bwrap options mounting the tree as the sandbox's system (see the module docstring).
 
     Args:
@@ -181,14 +188,20 @@ def base_args(layout: RootfsLayout, *, writable: bool, bwrap_options: frozenset[
         network: ``Policy.network``: bind the host's ``resolv.conf``/``hosts`` over the tree's.
         network_sources: ``(host source, sandbox dest)`` pairs of the host's network /etc files.
         tmp_size: ``--size`` of each fallback scratch tmpfs, bytes (None: unsized).
+        anchor_overlay: with ``writable``, the merged directory of the anchor's overlay of the
+            tree (``<mnt>/root``, see ``native/lowlevel_exec.c``): each top-level directory is
+            bound read-write from it, in place of bwrap's ``--tmp-overlay`` or the fallback.
     Returns:
         The options, in mount order.
     """
     a: list[str] = []
-    overlay = writable and "--tmp-overlay" in bwrap_options and "--overlay-src" in bwrap_options
+    anchor = writable and anchor_overlay is not None
+    overlay = writable and not anchor and "--tmp-overlay" in bwrap_options and "--overlay-src" in bwrap_options
     for name in layout.dirs:
         src = os.path.join(layout.path, name)
-        if overlay:
+        if anchor:
+            a += ["--bind", f"{anchor_overlay}/{name}", "/" + name]
+        elif overlay:
             a += ["--overlay-src", src, "--tmp-overlay", "/" + name]
         else:
             a += ["--ro-bind", src, "/" + name]
@@ -196,7 +209,7 @@ def base_args(layout: RootfsLayout, *, writable: bool, bwrap_options: frozenset[
         a += ["--ro-bind", os.path.join(layout.path, name), "/" + name]
     for target, name in layout.symlinks:
         a += ["--symlink", target, name]
-    if writable and not overlay:
+    if writable and not overlay and not anchor:
         for rel in layout.scratch_dirs:
             if tmp_size is not None and "--size" in bwrap_options:
                 a += ["--size", str(tmp_size)]
@@ -207,33 +220,6 @@ def base_args(layout: RootfsLayout, *, writable: bool, bwrap_options: frozenset[
             if dest in wanted:
                 a += ["--ro-bind", source, dest]
     return a
-
-
-@dataclass(frozen=True)
-class OverlayMount:
-    """One overlay the exec helper mounts for ``rootfs_writable`` (hook, not wired yet).
-
-    Attributes:
-        lower: host directory, the read-only lower layer (``lowerdir=``).
-        dest: where the merged tree appears inside the sandbox (bind it there instead of the
-            ``--ro-bind`` of :func:`base_args`).
-    """
-
-    lower: str
-    dest: str
-
-
-def writable_root_mounts(layout: RootfsLayout) -> tuple[OverlayMount, ...]:
-    """What a writable root needs mounted, for the native exec helper's overlay machinery.
-
-    One overlay per top-level directory: ``lowerdir=<lower>``, ``upperdir``/``workdir`` on the
-    run's sized tmpfs (one filesystem), discarded with the run; the merged directory is then
-    bound read-write at ``dest``. Root callers need an idmapped lower (the store is root-owned,
-    the sandbox runs as ``Policy.host_uid``) for writes into existing directories to pass
-    permission checks; unprivileged callers own their store and mount with ``userxattr``.
-    Source: /work/shared/notes/overlay-workspace.md (checked on this kernel); overlayfs.rst.
-    """
-    return tuple(OverlayMount(lower=os.path.join(layout.path, name), dest="/" + name) for name in layout.dirs)
 
 
 # --- paths inside the tree -------------------------------------------------------------------
@@ -437,6 +423,6 @@ def rootfs_unreachable(path: str, uid: int, gid: int) -> str | None:
         cur = os.path.dirname(cur)
 
 
-__all__ = ["MAX_SYMLINKS", "NETWORK_ETC", "OverlayMount", "REQUIRED_FILES", "RESERVED_TOP", "RootfsLayout",
+__all__ = ["MAX_SYMLINKS", "NETWORK_ETC", "REQUIRED_FILES", "RESERVED_TOP", "RootfsLayout",
            "SCRATCH_DIRS", "TreeDigest", "base_args", "check_rootfs", "resolve_in_root", "rootfs_layout",
-           "rootfs_unreachable", "tree_sha256", "walk", "writable_root_mounts"]
+           "rootfs_unreachable", "tree_sha256", "walk"]

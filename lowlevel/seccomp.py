@@ -273,6 +273,7 @@ class SeccompProfile:
         return tuple(out)
 
     def effective_default_action(self) -> int:
+        """The default action as compiled (an ``SCMP_ACT_*`` int): ``SCMP_ACT_LOG`` in log mode unless it allows."""
         if self.log and self.default_action != SCMP_ACT_ALLOW:
             return SCMP_ACT_LOG
         return self.default_action

@@ -57,7 +57,7 @@ removes the session's cgroup.
 How the init gets in: the host opens the installed ``lowlevel/_lowlevel_init`` (static, mode
 0755) once per process and passes the fd to bwrap, which execs ``/proc/self/fd/10``; the init
 closes that fd first thing. No bind mount, nothing added to the sandbox's file tree, and the
-package's host path need not be reachable by the sandbox's uid (65534 for root callers).
+package's host path need not be reachable by the sandbox's uid (a per-run uid for root callers).
 
 Protocol (``SOCK_SEQPACKET`` socketpair; one record per message; native byte order; layouts in
 ``native/lowlevel_init.c``):
@@ -94,6 +94,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from . import cow as _cow
+from ._interrupts import deferred_interrupts
 from . import landlock as _landlock
 from . import limits as _limits
 from . import overlay as _overlay
@@ -439,66 +440,69 @@ class _Core:
         flags = 0
         send_fds: list[int] = []
         close_after: list[int] = []
-        try:
-            if stdin is not None:
-                in_r, in_w = os.pipe()
-                close_after.append(in_r)
-                cmd.stdin_w = in_w
-                os.set_blocking(in_w, False)
-                cmd.stdin_view = memoryview(bytes(stdin))
-                # Fill the pipe now, before the fd is visible to the thread moving I/O (two
-                # writers on one pipe would interleave); the rest goes on POLLOUT.
-                cmd.feed_stdin()
-                send_fds.append(in_r)
-                flags |= _SPAWN_STDIN_PIPE
-            out_r, out_w = os.pipe()
-            cmd.out_r = out_r
-            close_after.append(out_w)
-            err_r, err_w = os.pipe()
-            cmd.err_r = err_r
-            close_after.append(err_w)
-            send_fds += [out_w, err_w]
-            os.set_blocking(out_r, False)
-            os.set_blocking(err_r, False)
-            body = rlb + strings
-            timeout_ms = -1 if timeout is None else max(1, round(timeout * 1000))
-            with self.lock:
-                if self.failed is not None:
-                    raise self.failed
-                cmd.id = self.next_id
-                self.next_id += 1
-                if len(body) > _MAX_INLINE:
-                    from .launcher import _memfd
-                    mfd = _memfd("lowlevel-spawn", body)
-                    close_after.append(mfd)
-                    send_fds.append(mfd)
-                    flags |= _SPAWN_BODY_MEMFD
-                    body = b""
-                header = _SPAWN_HDR.pack(_MSG_SPAWN, cmd.id, flags, len(rlb) // _RLIM.size, timeout_ms,
-                                         len(command), envc)
-                if self.cmds:
-                    cmd.alone = False
-                    for other in self.cmds.values():
-                        other.alone = False
-                if self.run.cgroup is not None:
-                    cmd.cg_before = self._cg_counts()
-                self.cmds[cmd.id] = cmd
-                for fd in cmd.fds():
-                    self.fd_owner[fd] = cmd
-                self.fds_version += 1
-                try:
-                    self._send([header, body], send_fds)
-                except BaseException:
-                    self.cmds.pop(cmd.id, None)
+        # Every fd below is recorded before a signal handler's exception can fire
+        # (lowlevel._interrupts): a ^C between os.pipe() and its owner leaked the pair.
+        with deferred_interrupts():
+            try:
+                if stdin is not None:
+                    in_r, in_w = os.pipe()
+                    close_after.append(in_r)
+                    cmd.stdin_w = in_w
+                    os.set_blocking(in_w, False)
+                    cmd.stdin_view = memoryview(bytes(stdin))
+                    # Fill the pipe now, before the fd is visible to the thread moving I/O (two
+                    # writers on one pipe would interleave); the rest goes on POLLOUT.
+                    cmd.feed_stdin()
+                    send_fds.append(in_r)
+                    flags |= _SPAWN_STDIN_PIPE
+                out_r, out_w = os.pipe()
+                cmd.out_r = out_r
+                close_after.append(out_w)
+                err_r, err_w = os.pipe()
+                cmd.err_r = err_r
+                close_after.append(err_w)
+                send_fds += [out_w, err_w]
+                os.set_blocking(out_r, False)
+                os.set_blocking(err_r, False)
+                body = rlb + strings
+                timeout_ms = -1 if timeout is None else max(1, round(timeout * 1000))
+                with self.lock:
+                    if self.failed is not None:
+                        raise self.failed
+                    cmd.id = self.next_id
+                    self.next_id += 1
+                    if len(body) > _MAX_INLINE:
+                        from .launcher import _memfd
+                        mfd = _memfd("lowlevel-spawn", body)
+                        close_after.append(mfd)
+                        send_fds.append(mfd)
+                        flags |= _SPAWN_BODY_MEMFD
+                        body = b""
+                    header = _SPAWN_HDR.pack(_MSG_SPAWN, cmd.id, flags, len(rlb) // _RLIM.size, timeout_ms,
+                                             len(command), envc)
+                    if self.cmds:
+                        cmd.alone = False
+                        for other in self.cmds.values():
+                            other.alone = False
+                    if self.run.cgroup is not None:
+                        cmd.cg_before = self._cg_counts()
+                    self.cmds[cmd.id] = cmd
                     for fd in cmd.fds():
-                        self.fd_owner.pop(fd, None)
-                    raise
-        except BaseException:
-            cmd.close_fds()
-            raise
-        finally:
-            for fd in close_after:
-                os.close(fd)
+                        self.fd_owner[fd] = cmd
+                    self.fds_version += 1
+                    try:
+                        self._send([header, body], send_fds)
+                    except BaseException:
+                        self.cmds.pop(cmd.id, None)
+                        for fd in cmd.fds():
+                            self.fd_owner.pop(fd, None)
+                        raise
+            except BaseException:
+                cmd.close_fds()
+                raise
+            finally:
+                for fd in close_after:
+                    os.close(fd)
         return cmd
 
     def check_call_limits(self, limits: Limits) -> tuple[str, ...]:
@@ -944,6 +948,7 @@ class Process:
 
     @property
     def pid(self) -> int | None:
+        """The command's PID inside the sandbox's PID namespace, None until it started."""
         return self._cmd.pid
 
     def poll(self) -> Result | None:
@@ -1273,7 +1278,14 @@ class Session:
 
 
 class AsyncProcess:
-    """Async twin of :class:`Process` (from :meth:`AsyncSession.start`)."""
+    """Async twin of :class:`Process` (from :meth:`AsyncSession.start`).
+
+    Attributes:
+        argv: the command as given (tuple of str).
+        pid: its PID inside the sandbox (int), None until the init reports it started.
+    :meth:`wait` and :meth:`read` are coroutines; :meth:`poll`, :meth:`send_signal` and
+    :meth:`kill` do not block. Results and errors as :class:`Process`.
+    """
 
     def __init__(self, session: "AsyncSession", cmd: _Cmd) -> None:
         self._session = session
@@ -1282,6 +1294,7 @@ class AsyncProcess:
 
     @property
     def pid(self) -> int | None:
+        """The command's PID inside the sandbox's PID namespace, None until it started."""
         return self._cmd.pid
 
     def poll(self) -> Result | None:
@@ -1337,7 +1350,14 @@ class AsyncSession:
 
     @classmethod
     async def create(cls, policy: Policy | None = None, **kwargs: Any) -> "AsyncSession":
-        """Start the sandbox and return the session."""
+        """Start the sandbox and return the session.
+
+        Args:
+            policy, kwargs: as :class:`Session` (``workspace``, ``inputs``, ``idle_timeout``
+                and ``total_timeout`` in seconds, ``commit``...).
+        Raises:
+            PolicyError, WorkspaceError, LaunchError, UnsupportedError: as :class:`Session`.
+        """
         self = cls(policy, **kwargs)
         await self._open()
         return self
@@ -1395,6 +1415,7 @@ class AsyncSession:
 
     @property
     def alive(self) -> bool:
+        """False before the start, and once the session was closed or ended (as :attr:`Session.alive`)."""
         return self._core is not None and self._core.failed is None
 
     async def run(self, argv: Sequence[str], *, stdin: bytes | None = None,
@@ -1729,7 +1750,7 @@ class Pool:
                 self._cond.notify_all()
 
     async def arun(self, argv: Sequence[str], **kwargs: Any) -> Result:
-        """:meth:`run` in a worker thread, for asyncio callers."""
+        """:meth:`run` in a worker thread, for asyncio callers: same arguments, Result and errors."""
         return await asyncio.to_thread(self.run, argv, **kwargs)
 
     def close(self) -> None:

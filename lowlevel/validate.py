@@ -163,7 +163,13 @@ def run_args(*, command: Any, cwd: Any, env: Any = None, workspace: Any = None, 
     if isinstance(inputs, (str, bytes, os.PathLike)) or not isinstance(inputs, (Sequence, tuple)):
         raise PolicyError("inputs must be a list of paths, e.g. ['main.py'], not one path")
     for i, item in enumerate(inputs):
-        host_path(item, f"inputs[{i}]")
+        if isinstance(item, tuple):  # (host path, dest relative to the workspace)
+            if len(item) != 2:
+                raise PolicyError(f"inputs[{i}] must be a path or a (path, dest) pair, got {item!r:.80}")
+            host_path(item[0], f"inputs[{i}][0]")
+            text(item[1], f"inputs[{i}][1]", max_bytes=MAX_PATH_BYTES - 1, empty=False)
+        else:
+            host_path(item, f"inputs[{i}]")
     return _command(command)
 
 __all__ = ["MAX_ARGS", "MAX_ARG_BYTES", "MAX_ENV", "MAX_PATH_BYTES", "command", "env_name", "host_path",

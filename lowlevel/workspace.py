@@ -20,6 +20,7 @@ import stat
 import sys
 from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from .errors import WorkspaceError
 
@@ -888,6 +889,8 @@ class Handover:
             through a ``MAP_SHARED`` mapping keeps the bits) and loses them.
         notes: what :func:`give_back` could not do exactly (for ``Result.notes``).
         done: True once :func:`give_back` ran.
+        journal: root callers: the on-disk record of this hand-over
+            (:class:`lowlevel.handover_journal.Journal`), removed once given back.
     """
 
     root: str
@@ -901,6 +904,7 @@ class Handover:
     stamps: dict[tuple[int, int], tuple[int, int, int]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     done: bool = False
+    journal: Any = None
 
 
 #: The xattrs holding POSIX ACLs. The sandbox may set them on what it owns during the run
@@ -991,6 +995,14 @@ def hand_over(root: str, *, sandbox_ids: tuple[int, int] | None, empty: bool = F
         WorkspaceError: the workspace cannot be walked, or (root callers) has more than
             ``limit`` entries (E2BIG): nothing is left changed.
     """
+    if sandbox_ids is not None:
+        # A root caller killed mid-run (no give_back) left this workspace handed over: give it
+        # back first, or its damaged owners would be recorded as the originals.
+        from . import handover_journal as _journal
+        _done, problems = _journal.recover(root)
+        if problems:
+            raise WorkspaceError(errno.EBUSY, f"workspace {root} is still handed to an earlier run's sandbox: "
+                                 f"{problems[0]}")
     rootfd = _open_root(root)
     try:
         st = os.fstat(rootfd)
@@ -1000,10 +1012,18 @@ def hand_over(root: str, *, sandbox_ids: tuple[int, int] | None, empty: bool = F
                      owners={}, pins={}, sandbox_uid=sandbox_ids[0] if sandbox_ids else None,
                      new_owner=(owner, st.st_gid if owner == st.st_uid else caller[1]))
         if sandbox_ids is not None:
+            # Journal ours before the first chown (lowlevel.handover_journal).
+            from . import handover_journal as _journal
+            try:
+                h.journal = _journal.Journal.create(h)
+            except OSError as err:
+                raise WorkspaceError(err.errno, f"cannot journal the hand-over of {root}: "
+                                     f"{err.strerror or err}") from err
             try:
                 os.fchown(rootfd, owner, sandbox_ids[1])
                 os.fchmod(rootfd, 0o770)
             except OSError as err:
+                h.journal.remove()
                 raise WorkspaceError(err.errno, f"cannot hand workspace {root} to the sandbox: {err.strerror}") from err
         if empty:
             return h
@@ -1040,6 +1060,8 @@ def _hand_over_walk(h: Handover, rootfd: int, sandbox_ids: tuple[int, int] | Non
             setid_file = bool(mode & SETID_BITS) and not stat.S_ISDIR(mode)
             if setid_file:
                 h.stamps[key] = (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                if h.journal is not None:
+                    h.journal.record_stamp(key, h.stamps[key])
             if sandbox_ids is not None:
                 if setid_file or (stat.S_ISREG(mode) and st.st_nlink > 1):
                     continue
@@ -1047,6 +1069,8 @@ def _hand_over_walk(h: Handover, rootfd: int, sandbox_ids: tuple[int, int] | Non
                     acls = _read_acls(dirfd, name)
                     if acls:
                         h.acls[key] = acls
+                        h.journal.record_acls(key, acls)
+                h.journal.record_entry(key, st.st_uid, st.st_gid, mode)  # on disk before the chown
                 if (st.st_uid, st.st_gid) != sandbox_ids:
                     os.chown(name, *sandbox_ids, dir_fd=dirfd, follow_symlinks=False)
             elif setid_file and len(h.pins) < MAX_PINNED and key not in h.pins:
@@ -1162,6 +1186,10 @@ def give_back(h: Handover, *, limit: int = MAX_SNAPSHOT_ENTRIES) -> tuple[Snapsh
         finally:
             os.close(rootfd)
             _close_pins(h)
+            if h.journal is not None:
+                h.journal.close()  # kept on failure: `lowlevel cleanup` retries once we are gone
+    if h.journal is not None and not (unlisted and h.sandbox_uid is not None):
+        h.journal.remove()
     if unlisted:
         first = unlisted[0]
         message = (f"cannot list {first.filename} in workspace {h.root} after the run ({first.strerror}): "

@@ -64,6 +64,9 @@
  *                         any mount namespace, and posix_spawn cannot close fds above the
  *                         caller's RLIMIT_NOFILE
  *   --mnt=PATH --lower-fd=N --upper-bytes=B --upper-inodes=I [--idmap=OUID:OGID]
+ *   [--root-lower-fd=N [--root-lower-path=PATH]]  Policy.rootfs_writable: a second overlay at
+ *                         <mnt>/root over that tree (idmapped for root callers; re-opened by
+ *                         path and checked with --userns), its upper on the same tmpfs
  *   [--lower-path=PATH]   the copy-on-write workspace above; with --userns, --lower-path is
  *                         opened again in the new mount namespace and must be the same
  *                         directory (st_dev, st_ino) as --lower-fd
@@ -312,6 +315,9 @@ struct overlay {
     const char *lower_path; /* unprivileged callers: the workspace's path, opened again in the
                              * new mount namespace (overlay refuses a lower of another one) */
     int stacked;       /* a reset overlay sits on top of the first one */
+    int root_fd;       /* --root-lower-fd: a root filesystem tree made writable per run, or -1 */
+    const char *root_path; /* unprivileged callers: its path, opened again in the new namespace */
+    int root_tree;     /* root callers: a detached clone of root_fd's mount (open_tree), or -1 */
 };
 
 static void path_in(char *out, size_t size, const struct overlay *o, const char *name) {
@@ -430,6 +436,53 @@ static int open_upper(const struct overlay *o) {
     return fd;
 }
 
+/* Policy.rootfs_writable: a second overlay, <mnt>/root, whose lower layer is the root
+ * filesystem tree (read-only; for root callers an idmapped clone mapping the tree's owner to
+ * the sandbox's ids, so the image's root-owned system is the sandbox's to write) and whose
+ * upper layer is root-upper/ on the run's tmpfs (the same size bound as the workspace's:
+ * discarded with the mount namespace). bwrap binds its top-level directories. */
+static void setup_root_overlay(struct overlay *o) {
+    char lower[PATH_MAX], upper[PATH_MAX], work[PATH_MAX], root[PATH_MAX], opts[4 * PATH_MAX];
+    path_in(upper, sizeof upper, o, "root-upper");
+    path_in(work, sizeof work, o, "root-work");
+    path_in(root, sizeof root, o, "root");
+    if (mkdir(upper, 0755) != 0 || mkdir(work, 0700) != 0 || mkdir(root, 0755) != 0)
+        die("mkdir", upper);
+    if (o->root_tree >= 0) {
+        struct stat st;
+        if (fstat(o->root_fd, &st) != 0)
+            die("fstat", "(rootfs)");
+        struct overlay map = *o;
+        map.owner_uid = st.st_uid;
+        map.owner_gid = st.st_gid;
+        path_in(lower, sizeof lower, o, "root-lower");
+        if (mkdir(lower, 0755) != 0)
+            die("mkdir", lower);
+        int userns = idmap_userns(&map);
+        struct ll_mount_attr attr = {
+            .attr_set = MOUNT_ATTR_IDMAP | MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV,
+            .userns_fd = (uint64_t)userns};
+        if (syscall(SYS_mount_setattr, o->root_tree, "", AT_EMPTY_PATH, &attr, sizeof attr) != 0)
+            die("mount_setattr", "(rootfs, MOUNT_ATTR_IDMAP): its filesystem may not support idmapped mounts");
+        if (syscall(SYS_move_mount, o->root_tree, "", AT_FDCWD, lower, MOVE_MOUNT_F_EMPTY_PATH) != 0)
+            die("move_mount", lower);
+        close(o->root_tree);
+        o->root_tree = -1;
+        close(userns);
+    } else {
+        snprintf(lower, sizeof lower, "/proc/self/fd/%d", o->root_fd);
+    }
+    int n = snprintf(opts, sizeof opts,
+                     "lowerdir=%s,upperdir=%s,workdir=%s,redirect_dir=nofollow,metacopy=off,index=off,xino=off%s",
+                     lower, upper, work, o->userxattr ? ",userxattr" : "");
+    if (n < 0 || (size_t)n >= sizeof opts) {
+        errno = ENAMETOOLONG;
+        die("overlay options too long", NULL);
+    }
+    if (mount("overlay", root, "overlay", MS_NOSUID | MS_NODEV, opts) != 0)
+        dief("mount overlay on %s (%s)", root, opts);
+}
+
 static void setup_overlay(struct overlay *o) {
     char path[PATH_MAX], opts[128];
     if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) != 0)
@@ -460,6 +513,8 @@ static void setup_overlay(struct overlay *o) {
         errno = 0;
         die(ov_error, NULL);
     }
+    if (o->root_fd >= 0)
+        setup_root_overlay(o);
 }
 
 /* RESET: unmount the stacked overlay (if any), stack a fresh one on the first. The first one
@@ -499,7 +554,7 @@ int main(int argc, char **argv) {
     int cgroup_dir = -1;
     unsigned int uid = 0, gid = 0;
     pid_t parent = 0;
-    struct overlay ov = {.lower_fd = -1, .tree_fd = -1};
+    struct overlay ov = {.lower_fd = -1, .tree_fd = -1, .root_fd = -1, .root_tree = -1};
     int have_overlay = 0;
 
     for (i = 1; i < argc; i++) {
@@ -590,6 +645,12 @@ int main(int argc, char **argv) {
             ov.lower_path = a + 13;
             if (ov.lower_path[0] != '/')
                 die("bad option (absolute path)", a);
+        } else if (strncmp(a, "--root-lower-fd=", 16) == 0) {
+            ov.root_fd = need_fd(a, a + 16);
+        } else if (strncmp(a, "--root-lower-path=", 18) == 0) {
+            ov.root_path = a + 18;
+            if (ov.root_path[0] != '/')
+                die("bad option (absolute path)", a);
         } else if (strncmp(a, "--upper-bytes=", 14) == 0) {
             if (parse_num(a + 14, (unsigned long long)1 << 50, &ov.bytes) || ov.bytes < 4096)
                 die("bad option", a);
@@ -621,6 +682,8 @@ int main(int argc, char **argv) {
         die("--idmap needs --uid/--gid and --mnt", NULL);
     if (have_uid && userns)
         die("--uid and --userns are exclusive (root callers need no user namespace)", NULL);
+    if (ov.root_fd >= 0 && (!have_overlay || (userns ? !ov.root_path : !have_uid)))
+        die("--root-lower-fd needs --mnt, and --root-lower-path (with --userns) or --uid/--gid", NULL);
 
     /* 1. Die with the caller. */
     arm_pdeathsig(parent);
@@ -636,6 +699,8 @@ int main(int argc, char **argv) {
         own[nown++] = ov.lower_fd;
     if (cgroup_dir >= 0)
         own[nown++] = cgroup_dir;
+    if (ov.root_fd >= 0)
+        own[nown++] = ov.root_fd;
     for (int k = 0; k < nown; k++)
         if (fcntl(own[k], F_SETFD, FD_CLOEXEC) != 0)
             die("fcntl", "(F_SETFD, FD_CLOEXEC)");
@@ -678,6 +743,11 @@ int main(int argc, char **argv) {
             if (ov.tree_fd < 0)
                 die("open_tree", "(workspace, OPEN_TREE_CLONE)");
         }
+        if (ov.root_fd >= 0) {
+            ov.root_tree = (int)syscall(SYS_open_tree, ov.root_fd, "", OPEN_TREE_CLONE | AT_EMPTY_PATH | O_CLOEXEC);
+            if (ov.root_tree < 0)
+                die("open_tree", "(rootfs, OPEN_TREE_CLONE)");
+        }
         if (unshare(CLONE_NEWNS) != 0)
             die("unshare", "(CLONE_NEWNS)");
     }
@@ -698,8 +768,22 @@ int main(int argc, char **argv) {
         close(ov.lower_fd);
         ov.lower_fd = fd;
     }
+    if (ov.root_fd >= 0 && ov.root_path) {
+        struct stat a, b;
+        int fd = open(ov.root_path, O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+        if (fd < 0)
+            die("open", ov.root_path);
+        if (fstat(fd, &a) != 0 || fstat(ov.root_fd, &b) != 0)
+            die("fstat", "(rootfs)");
+        if (a.st_dev != b.st_dev || a.st_ino != b.st_ino) {
+            errno = 0;
+            die("the root filesystem tree changed while the sandbox was set up:", ov.root_path);
+        }
+        close(ov.root_fd);
+        ov.root_fd = fd;
+    }
     if (have_overlay) {
-        if (ov.idmap) {
+        if (have_uid) {
             ov.uid = uid;
             ov.gid = gid;
         }

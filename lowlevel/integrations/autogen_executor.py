@@ -61,7 +61,7 @@ try:
     from typing import Self
 except ImportError as _err:  # pragma: no cover - exercised only without the extra
     raise ImportError("lowlevel.integrations.autogen_executor needs autogen-core: "
-                      "pip install 'lowlevel[autogen]'") from _err
+                      "pip install '.[autogen]' in the lowlevel checkout") from _err
 
 import lowlevel.workspace
 from lowlevel import ExecError, LowlevelError, Policy, Result, SessionError, UnsupportedError

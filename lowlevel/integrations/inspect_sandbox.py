@@ -67,7 +67,8 @@ try:
     from inspect_ai.util._sandbox.environment import SandboxUnavailableError, SandboxUserUnsupportedError
     from pydantic import BaseModel, ConfigDict
 except ImportError as _err:  # pragma: no cover - exercised only without the extra
-    raise ImportError("lowlevel.integrations.inspect_sandbox needs Inspect: pip install 'lowlevel[inspect]'") from _err
+    raise ImportError("lowlevel.integrations.inspect_sandbox needs Inspect: "
+                      "pip install '.[inspect]' in the lowlevel checkout") from _err
 
 import lowlevel
 import lowlevel.workspace

@@ -36,7 +36,7 @@ try:
     from pydantic import BaseModel, ConfigDict, Field, SkipValidation
 except ImportError as _err:  # pragma: no cover - exercised only without the extra
     raise ImportError("lowlevel.integrations.langchain_tool needs langchain-core: "
-                      "pip install 'lowlevel[langchain]'") from _err
+                      "pip install '.[langchain]' in the lowlevel checkout") from _err
 
 import lowlevel
 import lowlevel.workspace

@@ -56,7 +56,7 @@ try:
     from smolagents.utils import truncate_content
 except ImportError as _err:  # pragma: no cover - exercised only without the extra
     raise ImportError("lowlevel.integrations.smolagents_executor needs smolagents: "
-                      "pip install 'lowlevel[smolagents]'") from _err
+                      "pip install '.[smolagents]' in the lowlevel checkout") from _err
 
 import lowlevel.workspace
 from lowlevel import LowlevelError, Policy, SessionError

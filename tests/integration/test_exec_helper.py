@@ -138,6 +138,8 @@ def test_refuses_to_exec_when_setgroups_fails_unprivileged(marker: Path, request
     ["--idmap=0:0"],                                  # needs --uid/--gid and --mnt
     ["--mnt=relative", "--lower-fd=0"],
     ["--cgroup-dir-fd=2"],                            # fds 0-2 are never ours
+    ["--root-lower-fd=0"],                            # needs --mnt and ids (or --userns + path)
+    ["--root-lower-path=relative"],
 ])
 def test_bad_arguments_exit_125_without_exec(marker: Path, args: list[str]):
     proc = _helper(args, marker)

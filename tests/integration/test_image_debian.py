@@ -63,10 +63,15 @@ def test_debian_minimal_as_image_and_as_rootfs(monkeypatch: pytest.MonkeyPatch) 
             # The same tree as a bare rootfs (no image): python3 runs there too.
             r = lowlevel.run(["python3", "-c", PYTHON], policy=lowlevel.Policy(rootfs=img.rootfs))
             assert r.exit_code == 0 and r.stdout.startswith(b"3 /usr/bin/python3")
-            # With a writable root, the scratch dirs take writes; /usr stays the image's.
-            r = lowlevel.run(["/bin/sh", "-c", "echo hi > /var/tmp/x && cat /var/tmp/x; touch /usr/x 2>&1"],
-                             policy=lowlevel.Policy(image=f"debian:{SUITE}", rootfs_writable=True))
-            assert r.stdout.startswith(b"hi\n") and b"Read-only" in r.stdout
+            # With a writable root, system paths take writes for the run (what apt/pip do: a new
+            # module under /usr/lib/python3 imports), discarded after it.
+            script = ("echo hi > /var/tmp/x && cat /var/tmp/x; mkdir -p /usr/lib/python3/dist-packages && "
+                      "echo 'v = 42' > /usr/lib/python3/dist-packages/llmod.py && python3 -c 'import llmod; print(llmod.v)'")
+            policy = lowlevel.Policy(image=f"debian:{SUITE}", rootfs_writable=True)
+            r = lowlevel.run(["/bin/sh", "-c", script], policy=policy)
+            assert r.stdout == b"hi\n42\n", r
+            r = lowlevel.run(["/bin/sh", "-c", "ls /usr/lib/python3/dist-packages/llmod.py 2>&1"], policy=policy)
+            assert b"No such file" in r.stdout
         finally:
             shutil.rmtree(store_dir, ignore_errors=True)
     finally:

@@ -113,10 +113,15 @@ def test_import_then_run_with_image_defaults(who: Who, archives: dict[str, pathl
     assert "No such file" in lines[1]              # no host /usr: the image has none
     assert "Read-only file system" in lines[2]
     assert lines[3] == "no-host-python"
-    # --writable-root: the image's empty scratch dirs take writes for this run only; /bin stays read-only.
+    # --writable-root: the whole tree takes writes (the anchor's overlay, /bin included, files the
+    # image's root owns too), for this run only; the store's tree is untouched.
     proc = who.cli("run", "--rm", "--image", "bbtest:1", "--writable-root", "--", "/bin/sh", "-c",
-                   "echo scratch > /var/tmp/a && cat /var/tmp/a; touch /bin/b 2>/dev/null || echo ro")
-    assert proc.stdout.split() == ["scratch", "ro"], proc.stderr
+                   "echo scratch > /var/tmp/a && cat /var/tmp/a; touch /bin/b && echo rw; "
+                   "echo changed >> /app/hello.txt && tail -1 /app/hello.txt")
+    assert proc.stdout.split() == ["scratch", "rw", "changed"], proc.stderr
+    proc = who.cli("run", "--rm", "--image", "bbtest:1", "--writable-root", "--", "/bin/sh", "-c",
+                   "ls /bin/b 2>/dev/null || echo gone; cat /app/hello.txt")
+    assert proc.stdout == "gone\nhello from the image\n", proc.stderr
     # The store's tree: owned by the caller, no group/other write anywhere.
     image = json.loads(who.cli("image", "inspect", "bbtest:1").stdout)
     rootfs = pathlib.Path(image["rootfs"])
@@ -131,6 +136,31 @@ def test_import_then_run_with_image_defaults(who: Who, archives: dict[str, pathl
     assert not rootfs.exists()
     assert who.cli("image", "ls").stdout.splitlines()[1:] == []
     assert who.cli("run", "--image", "bbtest:1", "--", "/bin/true", check=False).returncode == 125
+
+
+def test_run_image_without_command_fails_in_one_line(who: Who) -> None:
+    """``run --image REF`` with no COMMAND takes the image's Entrypoint+Cmd: a missing image is
+    one line and exit 125 (the same as with a command), never a traceback; --json gives the error object."""
+    for json_flag in ((), ("--json",)):
+        proc = who.cli("run", *json_flag, "--rm", "--image", "nosuch:1", check=False)
+        assert proc.returncode == 125, proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert proc.stderr.splitlines() == [proc.stderr.strip()] and "no image 'nosuch:1'" in proc.stderr
+        if json_flag:
+            err = json.loads(proc.stdout)
+            assert (err["error"], err["exit_status"]) == ("ImageError", 125)
+
+
+def test_short_id_prefix_is_refused_with_the_rule(bb: lowlevel.Policy, store: ImageStore) -> None:
+    """``image rm``/``inspect``/``Policy(image=)`` take an id prefix of 12+ hex digits (what ``image ls``
+    shows); a shorter one says so instead of only "no image"."""
+    short_id = store.get("bbtest:1").id[7:19]
+    assert store.get(short_id).id.startswith("sha256:" + short_id)
+    with pytest.raises(lowlevel.ImageError, match="at least 12 hex digits"):
+        store.get(short_id[:4])
+    with pytest.raises(lowlevel.ImageError) as err:
+        store.get("nosuch:1")
+    assert "hex digits" not in str(err.value)
 
 
 def test_all_formats_import_and_the_same_image_unpacks_once(store: ImageStore,
@@ -213,16 +243,48 @@ def test_rootfs_directory_without_an_image(tmp_path: pathlib.Path) -> None:
 
 
 def test_writable_root_is_per_run(bb: lowlevel.Policy) -> None:
+    """rootfs_writable: the anchor overlays the whole tree (system paths included), the run's
+    writes are discarded after it, and the image's own tree never changes."""
     import dataclasses
+    policy = dataclasses.replace(bb, rootfs_writable=True)
+    assert policy.rootfs is not None
+    before = sorted(os.listdir(os.path.join(policy.rootfs, "bin")))
+    script = ("echo x > /var/tmp/a && echo y > /home/b && cat /var/tmp/a /home/b; touch /bin/c && echo made c; "
+              "cp /bin/busybox /etc/x && echo copied")
+    r = lowlevel.run(["/bin/sh", "-c", script], policy=policy)
+    assert r.stdout.splitlines() == [b"x", b"y", b"made c", b"copied"], r
+    assert any("root filesystem: copy-on-write overlay" in n for n in r.notes)
+    r = lowlevel.run(["/bin/sh", "-c", "ls -A /var/tmp /home /etc; ls /bin"], policy=policy)
+    out = r.stdout.split()
+    assert b"a" not in out and b"b" not in out and b"x" not in out and b"c" not in out  # discarded
+    assert sorted(os.listdir(os.path.join(policy.rootfs, "bin"))) == before  # the image is untouched
+    assert not os.path.exists(os.path.join(policy.rootfs, "etc", "x"))
+    r = lowlevel.run(["/bin/sh", "-c", "echo x > /var/tmp/a"], policy=bb)
+    assert r.exit_code != 0  # without it, read-only
+    # A Session keeps its root's writes for its life (Landlock included), like its workspace's.
+    with lowlevel.Session(policy=policy) as s:
+        assert s.run(["/bin/sh", "-c", "touch /bin/s && echo ok"]).stdout == b"ok\n"
+        assert s.run(["/bin/sh", "-c", "ls /bin/s"]).exit_code == 0
+    assert not os.path.exists(os.path.join(policy.rootfs, "bin", "s"))
+
+
+def test_writable_root_is_bounded_by_workspace_bytes(bb: lowlevel.Policy) -> None:
+    import dataclasses
+    policy = dataclasses.replace(bb, rootfs_writable=True, limits=lowlevel.Limits(workspace_bytes=1 << 20))
+    r = lowlevel.run(["/bin/sh", "-c", "dd if=/dev/zero of=/bin/big bs=64k count=64 2>&1; echo rc=$?"],
+                     policy=policy)
+    assert b"No space left" in r.stdout and b"rc=0" not in r.stdout, r.stdout
+
+
+def test_writable_root_fallback_without_overlay(bb: lowlevel.Policy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No overlay (LOWLEVEL_NO_OVERLAY=1): the empty scratch dirs are tmpfs, /bin stays read-only."""
+    import dataclasses
+    monkeypatch.setenv("LOWLEVEL_NO_OVERLAY", "1")
     policy = dataclasses.replace(bb, rootfs_writable=True)
     script = "echo x > /var/tmp/a && echo y > /home/b && cat /var/tmp/a /home/b; touch /bin/c 2>&1"
     r = lowlevel.run(["/bin/sh", "-c", script], policy=policy)
     assert r.stdout.splitlines()[:2] == [b"x", b"y"] and b"Read-only" in r.stdout
-    r = lowlevel.run(["/bin/sh", "-c", "ls -A /var/tmp /home"], policy=policy)
-    assert b"a" not in r.stdout.split() and b"b" not in r.stdout.split()  # discarded after the run
     assert "--tmpfs" in r.argv and "/var/tmp" in r.argv
-    r = lowlevel.run(["/bin/sh", "-c", "echo x > /var/tmp/a"], policy=bb)
-    assert r.exit_code != 0  # without it, read-only
 
 
 # --- progress -----------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ Every test taking the ``sandbox`` fixture runs as root and as an unprivileged us
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import socket
@@ -285,6 +286,9 @@ def test_inherited_fd_not_open_inside():
 
 
 def test_no_fd_leak_after_runs(tmp_path):
+    # One run first: the process opens the guard executable once and keeps that fd for every
+    # later run (bwrap execs it through /proc/self/fd/N); run alone, this test saw it as a leak.
+    lowlevel.run(["true"], workspace=_ws())
     before = sorted(os.listdir("/proc/self/fd"))
     for _ in range(20):
         lowlevel.run(["true"], workspace=_ws())
@@ -384,6 +388,38 @@ def test_cli_exec_failures_exit_126_127_without_json(prog, code):
     assert "Traceback" not in p.stderr and p.stderr.count("\n") == 1
 
 
+def test_not_found_hint_blames_only_a_dangling_symlink(sandbox):
+    """A missing command reached through ``/bin -> usr/bin`` (PATH's last entry) is "command not
+    found", not "the symlink /bin -> usr/bin points outside"; a link whose own target is missing
+    (a virtualenv's python linked to an interpreter the sandbox lacks) is named."""
+    r = sandbox.run(["lowlevel-no-such-cmd"])
+    assert (r.error, r.errno) == ("ExecError", 2), r.message
+    assert "command not found in the sandbox" in r.message and "symlink" not in r.message
+    ws = sandbox.workspace()
+    os.symlink("/opt/lowlevel-test-nowhere/bin/python3", ws / "python")
+    r = sandbox.run(["./python", "-V"], workspace=str(ws))
+    assert (r.error, r.errno) == ("ExecError", 2), r.message
+    assert "the symlink /workspace/python -> /opt/lowlevel-test-nowhere/bin/python3 points outside" in r.message
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="root callers only: their sandbox runs as a per-run uid")
+def test_bind_source_the_sandbox_uid_cannot_reach_says_what_to_do(tmp_path):
+    """A root caller binds a directory below a 0700 parent: bwrap, already the per-run uid,
+    cannot open it. The error says why and what to do (not only bwrap's "Can't find source path")."""
+    private = Path(tempfile.mkdtemp(prefix="bindsrc-", dir="/tmp"))  # 0700, owned by root
+    try:
+        (private / "data").mkdir()
+        policy = lowlevel.Policy(binds=(lowlevel.Bind(str(private / "data")),))
+        with pytest.raises(lowlevel.LaunchError) as err:
+            lowlevel.run(["true"], policy=policy, workspace=_ws())
+        assert err.value.errno == errno.EACCES
+        assert "traversable by others" in str(err.value) and "Can't find source path" in str(err.value)
+        os.chmod(private, 0o711)  # control: traversable, the same bind works
+        assert lowlevel.run(["ls", str(private / "data")], policy=policy, workspace=_ws()).exit_code == 0
+    finally:
+        shutil.rmtree(private)
+
+
 @pytest.mark.parametrize("args", [["--timeout", "inf"], ["--timeout", "1e300"], ["--fsize", "0"],
                                   ["--tmp-size", "1.5"], ["--memory", "12Q"]])
 def test_cli_bad_values_one_line_no_traceback(args):
@@ -453,3 +489,30 @@ def test_session_workspace_checks_match_run():
     ws = _ws()
     with lowlevel.Session(workspace=ws, allow_sensitive_workspace=True) as s:
         assert s.run(["sh", "-c", "echo ok > f; cat f"]).stdout == b"ok\n"
+
+
+@pytest.mark.root
+def test_a_real_accounts_uid_is_never_leased(monkeypatch):
+    """LOWLEVEL_UID_RANGE over /etc/passwd: the account's uid is skipped (a sandbox running as a
+    real user's uid would own that user's files); a range of accounts only is refused."""
+    import pwd
+    acct = pwd.getpwnam("nobody").pw_uid
+    free = next(u for u in range(acct + 1, acct + 100) if not _has_account(u))
+    monkeypatch.setenv("LOWLEVEL_UID_RANGE", f"{acct}-{free}")
+    uids = set()
+    for _ in range(3):
+        r = lowlevel.run(["true"], workspace=_ws())
+        uids.add(int(next(a for a in r.argv if a.startswith("--uid=")).split("=")[1]))
+    assert acct not in uids and uids <= set(range(acct + 1, free + 1)), uids
+    monkeypatch.setenv("LOWLEVEL_UID_RANGE", f"{acct}-{acct}")
+    with pytest.raises(lowlevel.UnsupportedError, match="accounts in /etc/passwd"):
+        lowlevel.run(["true"], workspace=_ws())
+
+
+def _has_account(uid: int) -> bool:
+    import pwd
+    try:
+        pwd.getpwuid(uid)
+        return True
+    except KeyError:
+        return False

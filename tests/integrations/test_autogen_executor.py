@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("autogen_core", reason="the AutoGen extra is not installed (pip install 'lowlevel[autogen]')")
+pytest.importorskip("autogen_core", reason="the AutoGen extra is not installed (pip install '.[autogen]' in the lowlevel checkout)")
 
 from attack_probes import PlantedSecret, blocked_lines as _blocked, loopback_attack, run_on_host  # noqa: E402
 from autogen_core import CancellationToken  # noqa: E402

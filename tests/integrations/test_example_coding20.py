@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("inspect_ai", reason="the Inspect extra is not installed (pip install 'lowlevel[inspect]')")
+pytest.importorskip("inspect_ai", reason="the Inspect extra is not installed (pip install '.[inspect]' in the lowlevel checkout)")
 
 from attack_probes import PlantedSecret  # noqa: E402
 

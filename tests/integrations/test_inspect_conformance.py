@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-pytest.importorskip("inspect_ai", reason="the Inspect extra is not installed (pip install 'lowlevel[inspect]')")
+pytest.importorskip("inspect_ai", reason="the Inspect extra is not installed (pip install '.[inspect]' in the lowlevel checkout)")
 
 from inspect_ai.util._sandbox.self_check import *  # noqa: F403,E402  (the checks are the tests)
 

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 for _module in ("inspect_ai", "autogen_core", "smolagents", "langchain_core"):
-    pytest.importorskip(_module, reason="needs every framework extra (pip install 'lowlevel[integrations]')")
+    pytest.importorskip(_module, reason="needs every framework extra (pip install '.[integrations]' in the lowlevel checkout)")
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.root, pytest.mark.timeout(300)]
 HELPER = Path(__file__).resolve().parents[1] / "helpers" / "integrations_as_user.py"

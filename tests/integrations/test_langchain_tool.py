@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("langchain_core", reason="the LangChain extra is not installed (pip install 'lowlevel[langchain]')")
+pytest.importorskip("langchain_core", reason="the LangChain extra is not installed (pip install '.[langchain]' in the lowlevel checkout)")
 
 from attack_probes import PlantedSecret, loopback_attack, run_on_host  # noqa: E402
 from attack_probes import blocked_lines as _blocked  # noqa: E402

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("smolagents", reason="the smolagents extra is not installed (pip install 'lowlevel[smolagents]')")
+pytest.importorskip("smolagents", reason="the smolagents extra is not installed (pip install '.[smolagents]' in the lowlevel checkout)")
 
 from attack_probes import PlantedSecret, blocked_lines as _blocked, loopback_attack, run_on_host  # noqa: E402
 from smolagents import CodeAgent, Tool  # noqa: E402

@@ -118,9 +118,10 @@ def _check_rootfs_rules(tmp_path) -> None:
     args = landlock.ruleset_args(p, ("/lib64",))
     assert {"--ll-rx=/usr", "--ll-rx=/etc", "--ll-rx=/opt", "--ll-rx=/var", "--ll-rx=/lib"} <= set(args)
     assert "--ll-rx=/lib64" not in args  # the host's layout does not apply
-    # Writable root on bwrap 0.8 (no --tmp-overlay): the empty scratch dirs are writable tmpfs.
+    # Writable root: the anchor's overlay of each top-level directory, or the fallback's
+    # scratch tmpfs dirs; the mounts decide, Landlock allows writes to both.
     w = landlock.ruleset_args(lowlevel.Policy(rootfs=str(root), rootfs_writable=True), ())
-    assert {"--ll-rw=/opt", "--ll-rw=/var/tmp"} <= set(w) and "--ll-rx=/usr" in w
+    assert {"--ll-rw=/opt", "--ll-rw=/var/tmp", "--ll-rw=/usr"} <= set(w) and "--ll-rx=/usr" not in w
     # bwrap >= 0.9: every top-level directory is an overlay with a tmpfs upper.
     o = landlock.ruleset_args(lowlevel.Policy(rootfs=str(root), rootfs_writable=True), (),
                               frozenset({"--tmp-overlay", "--overlay-src"}))

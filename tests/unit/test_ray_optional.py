@@ -63,4 +63,4 @@ def test_lowlevel_ray_without_ray_says_how_to_install():
                    "except ImportError as err:\n"
                    "    print('ERR', err)\n")
     assert proc.returncode == 0, proc.stderr
-    assert "ERR lowlevel.ray needs Ray: pip install 'lowlevel[ray]'" in proc.stdout
+    assert "ERR lowlevel.ray needs Ray: pip install '.[ray]' in the lowlevel checkout" in proc.stdout

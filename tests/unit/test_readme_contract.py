@@ -24,6 +24,29 @@ def test_every_run_option_is_in_the_usage_block() -> None:
     assert missing == []
 
 
+def test_every_subcommand_option_is_in_the_usage_block() -> None:
+    """``replay``, ``image *``, ``doctor``, ``cleanup`` and ``mcp``: each option in the block
+    under "## Command line" (it missed ``cleanup`` and ``image import --max-bytes``)."""
+    block = README[README.index("## Command line"):]
+    block = block[block.index("```"):]
+    block = block[:block.index("```", 3)]
+    top = cli.build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    missing = []
+    for name, sub in top.items():
+        subs = [(name, sub)]
+        if name == "image":
+            subs = [(f"image {n}", p) for n, p in
+                    sub._subparsers._group_actions[0].choices.items()]  # type: ignore[union-attr]
+        for label, parser in subs:
+            if f"lowlevel {label}" not in block and f"| {label.split()[-1]} " not in block:
+                missing.append(f"lowlevel {label}")
+            if name == "run":
+                continue  # test_every_run_option_is_in_the_usage_block
+            options = {s for a in parser._actions for s in a.option_strings if s.startswith("--") and s != "--help"}
+            missing += [f"lowlevel {label} {o}" for o in sorted(options) if not re.search(re.escape(o) + r"\b", block)]
+    assert missing == []
+
+
 def test_every_mcp_config_key_is_documented() -> None:
     toml = README[README.index("```toml"):]
     toml = toml[:toml.index("```", 3)]

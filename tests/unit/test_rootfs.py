@@ -13,7 +13,7 @@ import lowlevel
 from lowlevel.argv import Fds, HostFacts, build_argv
 from lowlevel.image import ImageError, normalize_name
 from lowlevel.probe import BwrapInfo, HostLayout
-from lowlevel.rootfs import resolve_in_root, rootfs_layout, tree_sha256, writable_root_mounts
+from lowlevel.rootfs import resolve_in_root, rootfs_layout, tree_sha256
 
 INFO = BwrapInfo(path="/usr/bin/bwrap", version=(0, 8, 0), setuid=False,
                  options=frozenset({"--disable-userns", "--size", "--json-status-fd", "--block-fd", "--args"}))
@@ -92,8 +92,12 @@ def test_writable_root_fallback_and_overlay(tree: pathlib.Path) -> None:
     assert ["--overlay-src", f"{r}/usr", "--tmp-overlay", "/usr"] == new[new.index(f"{r}/usr") - 1:
                                                                          new.index(f"{r}/usr") + 3]
     assert "--tmpfs" not in new[:new.index("--proc")]
-    hook = writable_root_mounts(rootfs_layout(str(tree)))
-    assert [(m.lower, m.dest) for m in hook][:2] == [(f"{r}/etc", "/etc"), (f"{r}/home", "/home")]
+    # The anchor's overlay (wherever the copy-on-write workspace works) comes first: each
+    # top-level directory bound read-write from the merged tree.
+    anchored = build_argv(p, facts(INFO_09), workspace="/w", fds=Fds(), rootfs_overlay="/run/lowlevel/mnt/root")
+    assert ["--bind", "/run/lowlevel/mnt/root/usr", "/usr"] == anchored[anchored.index("/run/lowlevel/mnt/root/usr") - 1:
+                                                                          anchored.index("/run/lowlevel/mnt/root/usr") + 2]
+    assert "--tmp-overlay" not in anchored and "--tmpfs" not in anchored[:anchored.index("--proc")]
 
 
 def test_resolve_in_root(tree: pathlib.Path) -> None:

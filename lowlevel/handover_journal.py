@@ -1,0 +1,267 @@
+"""On-disk journal of a hand-over, so a root caller's death never leaves the workspace given away.
+
+The hand-over fallback (no copy-on-write overlay: ``LOWLEVEL_NO_OVERLAY=1``, or a kernel or
+filesystem without idmapped/user-namespace overlays) gives a root caller's workspace entries to
+the sandbox's per-run uid for the run and back after it, from an in-memory record
+(:class:`lowlevel.workspace.Handover`). A caller SIGKILLed in between left every entry owned by
+a uid that a later, unrelated sandbox is leased again, and the root 0770 with its group.
+
+Now :func:`lowlevel.workspace.hand_over` writes the record here as it goes: one line per entry
+*before* that entry is chowned (a ``write(2)`` each, unbuffered: a killed process loses
+nothing it wrote), so the journal always covers every entry changed. :func:`recover` (run by
+``lowlevel cleanup`` and by the next hand-over of the same workspace) rebuilds the record of
+each journal whose caller is gone and whose recorded anchor and bwrap are gone too, gives the
+workspace back with :func:`lowlevel.workspace.give_back` (same rules as after a normal run:
+owners, modes, setuid/setgid bits, ACLs), and removes the journal.
+
+Where: ``/run/lowlevel/handover/<pid>-<serial>`` (root's, 0700; a tmpfs on most systems, so a
+reboot forgets journals, but a reboot also ends every sandbox, and the workspace then keeps the
+per-run uid: ``lowlevel cleanup`` cannot know it either; documented). Only root callers change
+owners, so only they journal.
+
+Format (text, one record per line, fields separated by one space; paths as hex of their bytes):
+``H 1 <caller pid> <root hex> <root uid> <root gid> <root mode> <sandbox uid> <new uid> <new gid>``
+first, then ``E <dev> <ino> <uid> <gid> <st_mode>``, ``A <dev> <ino> <xattr name> <value hex>``
+``S <dev> <ino> <size> <mtime_ns> <ctime_ns>`` and ``P anchor|bwrap <pid> <starttime>`` (as
+soon as each exists) lines.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import os
+import stat
+from typing import TYPE_CHECKING
+
+from . import cow as _cow
+
+if TYPE_CHECKING:
+    from .workspace import Handover
+
+#: Where journals live (root callers only).
+JOURNAL_DIR = os.path.join(_cow.ROOT_STATE_DIR, "handover")
+_serial = itertools.count(1)
+
+
+class Journal:
+    """An open journal file; every ``record_*`` call is one ``write(2)``."""
+
+    __slots__ = ("fd", "path")
+
+    def __init__(self, fd: int, path: str) -> None:
+        self.fd = fd
+        self.path = path
+
+    @classmethod
+    def create(cls, h: Handover) -> Journal:
+        """Start the journal of ``h`` (its header written). Raises OSError (then nothing was made)."""
+        _cow.ensure_root_state_dir()
+        try:
+            os.mkdir(JOURNAL_DIR, 0o700)
+        except FileExistsError:
+            pass
+        st = os.lstat(JOURNAL_DIR)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or stat.S_IMODE(st.st_mode) & 0o077:
+            raise OSError(errno.EPERM, f"{JOURNAL_DIR} must be a directory of root's, mode 0700: remove it")
+        path = os.path.join(JOURNAL_DIR, f"{os.getpid()}-{next(_serial)}")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        j = cls(fd, path)
+        try:
+            uid, gid, mode = h.root_ids
+            j._write(f"H 1 {os.getpid()} {os.fsencode(h.root).hex()} {uid} {gid} {mode} {h.sandbox_uid} "
+                     f"{h.new_owner[0]} {h.new_owner[1]}")
+        except BaseException:
+            j.remove()
+            raise
+        return j
+
+    def _write(self, line: str) -> None:
+        data = (line + "\n").encode()
+        if os.write(self.fd, data) != len(data):
+            raise OSError(errno.ENOSPC, f"short write to {self.path}")
+
+    def record_entry(self, key: tuple[int, int], uid: int, gid: int, mode: int) -> None:
+        self._write(f"E {key[0]} {key[1]} {uid} {gid} {mode}")
+
+    def record_acls(self, key: tuple[int, int], acls: dict[str, bytes]) -> None:
+        for name, value in acls.items():
+            self._write(f"A {key[0]} {key[1]} {name} {value.hex()}")
+
+    def record_stamp(self, key: tuple[int, int], stamp: tuple[int, int, int]) -> None:
+        self._write(f"S {key[0]} {key[1]} {stamp[0]} {stamp[1]} {stamp[2]}")
+
+    def record_process(self, kind: str, pid: int) -> None:
+        """Record a process whose life means the sandbox may still run: ``kind`` is
+        ``"anchor"`` (after the spawn) or ``"bwrap"`` (after READY)."""
+        start = _start_time(pid)
+        if start is not None:
+            self._write(f"P {kind} {pid} {start}")
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def remove(self) -> None:
+        """Close and delete (the workspace was given back). Idempotent."""
+        self.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def _start_time(pid: int) -> int | None:
+    """``starttime`` (field 22 of /proc/PID/stat, clock ticks since boot) of a live, non-zombie
+    process, else None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == b"Z" else int(fields[19])
+
+
+def load(path: str) -> tuple[int, Handover]:
+    """Rebuild ``(caller pid, Handover)`` from a journal. Raises ValueError if it is malformed."""
+    from .workspace import Handover
+    with open(path, "rb") as f:
+        lines = f.read().decode("ascii").splitlines()
+    if not lines or not lines[0].startswith("H 1 "):
+        raise ValueError(f"{path}: not a lowlevel hand-over journal")
+    _h, _v, pid, root_hex, ruid, rgid, rmode, suid, nuid, ngid = lines[0].split(" ")
+    h = Handover(root=os.fsdecode(bytes.fromhex(root_hex)), before=({}, True),
+                 root_ids=(int(ruid), int(rgid), int(rmode)), owners={}, pins={},
+                 sandbox_uid=None if suid == "None" else int(suid), new_owner=(int(nuid), int(ngid)))
+    processes: list[str] = []
+    for line in lines[1:]:
+        rec = line.split(" ")
+        if rec[0] == "P":
+            processes.append(f"process {rec[1]} {int(rec[2])} {int(rec[3])}")
+            continue
+        key = (int(rec[1]), int(rec[2]))
+        if rec[0] == "E":
+            h.owners[key] = (int(rec[3]), int(rec[4]), int(rec[5]))
+        elif rec[0] == "A":
+            h.acls.setdefault(key, {})[rec[3]] = bytes.fromhex(rec[4])
+        elif rec[0] == "S":
+            h.stamps[key] = (int(rec[3]), int(rec[4]), int(rec[5]))
+        else:
+            raise ValueError(f"{path}: unknown record {rec[0]!r}")
+    h.notes = processes  # read back by _sandbox_alive
+    return int(pid), h
+
+
+def _sandbox_alive(h: Handover) -> str | None:
+    """What says the run's sandbox may still run, else None.
+
+    bwrap is PID 1 of the run's PID namespace: its exit completes only once every process of
+    the namespace is gone (pid_namespaces(7)), so a dead bwrap (or a zombie) means a dead
+    sandbox. Without bwrap's record (the caller died between the anchor's READY and recording
+    it) but with a dead anchor, bwrap was SIGKILLed by its parent-death signal and may take a
+    moment: any process of the sandbox's uid counts as alive then."""
+    kinds = set()
+    for note in h.notes:
+        if note.startswith("process "):
+            _word, kind, pid, start = note.split(" ")
+            kinds.add(kind)
+            if _start_time(int(pid)) == int(start):
+                return f"its {kind} (pid {pid}) still runs"
+    if "bwrap" not in kinds and h.sandbox_uid is not None and _uid_runs_a_process(h.sandbox_uid):
+        return f"a process of its uid {h.sandbox_uid} still runs"
+    return None
+
+
+def _uid_runs_a_process(uid: int) -> bool:
+    want = str(uid).encode()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/status", "rb") as f:
+                for line in f:
+                    if line.startswith(b"Uid:"):
+                        if want in line.split()[1:]:
+                            return True
+                        break
+        except OSError:
+            continue
+    return False
+
+
+def pending(root: str | None = None) -> list[str]:
+    """Journals of dead callers (of workspace ``root`` only, if given), oldest first."""
+    try:
+        listed = os.listdir(JOURNAL_DIR)
+    except OSError:
+        return []
+    stamped = []
+    for name in listed:
+        try:
+            stamped.append((os.stat(os.path.join(JOURNAL_DIR, name)).st_mtime_ns, name))
+        except OSError:
+            continue  # removed meanwhile (its run gave the workspace back)
+    out = []
+    for _mtime, name in sorted(stamped):
+        pid = name.split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid() or os.path.exists(f"/proc/{pid}"):
+            continue
+        path = os.path.join(JOURNAL_DIR, name)
+        if root is not None:
+            try:
+                with open(path, "rb") as f:
+                    head = f.readline().decode("ascii").split(" ")
+                if len(head) < 4 or os.fsdecode(bytes.fromhex(head[3])) != root:
+                    continue
+            except (OSError, ValueError):
+                continue
+        out.append(path)
+    return out
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass  # another cleanup took it meanwhile (giving back twice is harmless: same record)
+
+
+def recover(root: str | None = None) -> tuple[list[str], list[str]]:
+    """Give back every workspace a dead root caller left handed over (see the module docstring).
+
+    Args:
+        root: only this workspace (resolved path), or every journal's.
+    Returns:
+        ``(given back, problems)``: workspace paths restored, and one line for each journal
+        that stayed (its sandbox still runs, a walk failed).
+    """
+    from .errors import WorkspaceError
+    from .workspace import give_back
+    done: list[str] = []
+    problems: list[str] = []
+    for path in pending(root):
+        try:
+            _pid, h = load(path)
+        except (OSError, ValueError, UnicodeDecodeError) as err:
+            problems.append(f"{path}: unreadable journal ({err}); remove it by hand")
+            continue
+        alive = _sandbox_alive(h)
+        if alive is not None:
+            problems.append(f"{h.root}: not given back yet, {alive}; try again in a moment")
+            continue
+        h.notes = []
+        if not os.path.isdir(h.root):
+            _unlink(path)  # the workspace is gone: nothing to give back
+            continue
+        try:
+            give_back(h)
+        except WorkspaceError as err:
+            problems.append(f"{h.root}: {err}")
+            continue
+        _unlink(path)
+        done.append(h.root)
+    return done, problems
+
+
+__all__ = ["JOURNAL_DIR", "Journal", "load", "pending", "recover"]
