@@ -22,8 +22,9 @@ owners, so only they journal.
 Format (text, one record per line, fields separated by one space; paths as hex of their bytes):
 ``H 1 <caller pid> <root hex> <root uid> <root gid> <root mode> <sandbox uid> <new uid> <new gid>``
 first, then ``E <dev> <ino> <uid> <gid> <st_mode>``, ``A <dev> <ino> <xattr name> <value hex>``
-``S <dev> <ino> <size> <mtime_ns> <ctime_ns>`` and ``P anchor|bwrap <pid> <starttime>`` (as
-soon as each exists) lines.
+``S <dev> <ino> <size> <mtime_ns> <ctime_ns>`` and ``P caller|anchor|bwrap <pid> <starttime>`` (as
+soon as each exists; the caller's right after the header, so a reused caller pid is recognised)
+lines.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class Journal:
             uid, gid, mode = h.root_ids
             j._write(f"H 1 {os.getpid()} {os.fsencode(h.root).hex()} {uid} {gid} {mode} {h.sandbox_uid} "
                      f"{h.new_owner[0]} {h.new_owner[1]}")
+            j.record_process("caller", os.getpid())  # a reused pid is then told from us
         except BaseException:
             j.remove()
             raise
@@ -205,9 +207,10 @@ def pending(root: str | None = None) -> list[str]:
     out = []
     for _mtime, name in sorted(stamped):
         pid = name.split("-", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid() or os.path.exists(f"/proc/{pid}"):
-            continue
         path = os.path.join(JOURNAL_DIR, name)
+        if not pid.isdigit() or int(pid) == os.getpid() or (os.path.exists(f"/proc/{pid}")
+                                                              and not _caller_pid_reused(path, int(pid))):
+            continue
         if root is not None:
             try:
                 with open(path, "rb") as f:
@@ -218,6 +221,22 @@ def pending(root: str | None = None) -> list[str]:
                 continue
         out.append(path)
     return out
+
+
+def _caller_pid_reused(path: str, pid: int) -> bool:
+    """Whether the live process ``pid`` is not the journal's caller (its ``P caller`` start time
+    differs): the caller died and its pid went to another process, which must not keep the
+    workspace handed over (the next hand-over would record the sandbox's owners as the originals)."""
+    try:
+        with open(path, "rb") as f:
+            f.readline()
+            rec = f.readline().decode("ascii").split()
+    except (OSError, UnicodeDecodeError):
+        return False
+    if len(rec) != 4 or rec[:3] != ["P", "caller", str(pid)] or not rec[3].isdigit():
+        return False  # a journal of an older version, or the caller died before writing it
+    start = _start_time(pid)
+    return start is not None and start != int(rec[3])
 
 
 def _unlink(path: str) -> None:

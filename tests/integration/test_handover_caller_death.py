@@ -101,3 +101,58 @@ def test_a_malformed_journal_is_reported_not_fatal() -> None:
         assert "Traceback" not in out.stderr and path in out.stdout + out.stderr
     finally:
         os.unlink(path)
+
+
+def test_a_reused_caller_pid_does_not_keep_the_workspace_handed_over() -> None:
+    """The dead caller's pid now belongs to another process (pid reuse, simulated by moving the
+    journal to a live process's pid): cleanup tells it from the caller by its start time and
+    gives the workspace back (it was skipped for as long as that process lived, and the next
+    run recorded the sandbox's owners as the originals)."""
+    from lowlevel import handover_journal as journal
+    ws = tempfile.mkdtemp(prefix="rt-handover-reuse-", dir="/tmp")
+    env = {**os.environ, "LOWLEVEL_NO_OVERLAY": "1"}
+    other = None
+    try:
+        Path(ws, "f").write_text("hi\n")
+        for p in (ws, f"{ws}/f"):
+            os.chown(p, 4242, 4242)
+        os.chmod(ws, 0o755)
+        before = _owners(ws)
+        caller = subprocess.Popen([sys.executable, "-c", CALLER, ws], env=env)
+        deadline = time.monotonic() + 30
+        while not os.path.exists(f"{ws}/new.txt") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+        caller.send_signal(signal.SIGKILL)
+        caller.wait()
+        mine = [n for n in os.listdir(journal.JOURNAL_DIR) if n.startswith(f"{caller.pid}-")]
+        assert len(mine) == 1, mine
+        time.sleep(0.05)  # the other process starts at a later clock tick than the caller
+        other = subprocess.Popen(["sleep", "60"])
+        old = os.path.join(journal.JOURNAL_DIR, mine[0])
+        text = Path(old).read_text()
+        lines = text.splitlines(keepends=True)
+        for i, line in enumerate(lines):
+            rec = line.split(" ")
+            if rec[0] == "H" or (rec[0] == "P" and rec[1] == "caller"):
+                rec[2] = str(other.pid)  # both records give the pid third
+                lines[i] = " ".join(rec)
+        new = os.path.join(journal.JOURNAL_DIR, f"{other.pid}-{mine[0].split('-', 1)[1]}")
+        Path(new).write_text("".join(lines))
+        os.chmod(new, 0o600)
+        os.unlink(old)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            subprocess.run([sys.executable, "-m", "lowlevel", "cleanup", "--workspace", ws], env=env,
+                           capture_output=True, check=False)
+            if _owners(ws)["f"][:2] == (4242, 4242):
+                break
+            time.sleep(0.2)
+        after = _owners(ws)
+        assert {k: v for k, v in after.items() if k != "new.txt"} == before
+        assert other.poll() is None  # control: the pid is live, and still was not taken for the caller
+    finally:
+        if other is not None:
+            other.kill()
+            other.wait()
+        shutil.rmtree(ws, ignore_errors=True)
