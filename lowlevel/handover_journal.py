@@ -55,8 +55,10 @@ class Journal:
         self.path = path
 
     @classmethod
-    def create(cls, h: Handover) -> Journal:
-        """Start the journal of ``h`` (its header written). Raises OSError (then nothing was made)."""
+    def create(cls, h: Handover, root_key: tuple[int, int] | None = None) -> Journal:
+        """Start the journal of ``h`` (its header written; ``root_key``: the workspace root's
+        ``(st_dev, st_ino)``, checked before a recovery touches the path). Raises OSError (then
+        nothing was made)."""
         _cow.ensure_root_state_dir()
         try:
             os.mkdir(JOURNAL_DIR, 0o700)
@@ -73,6 +75,8 @@ class Journal:
             j._write(f"H 1 {os.getpid()} {os.fsencode(h.root).hex()} {uid} {gid} {mode} {h.sandbox_uid} "
                      f"{h.new_owner[0]} {h.new_owner[1]}")
             j.record_process("caller", os.getpid())  # a reused pid is then told from us
+            if root_key is not None:
+                j._write(f"R {root_key[0]} {root_key[1]}")
         except BaseException:
             j.remove()
             raise
@@ -141,6 +145,9 @@ def load(path: str) -> tuple[int, Handover]:
         rec = line.split(" ")
         if rec[0] == "P":
             processes.append(f"process {rec[1]} {int(rec[2])} {int(rec[3])}")
+            continue
+        if rec[0] == "R":
+            processes.append(f"root {int(rec[1])} {int(rec[2])}")
             continue
         key = (int(rec[1]), int(rec[2]))
         if rec[0] == "E":
@@ -256,7 +263,7 @@ def recover(root: str | None = None) -> tuple[list[str], list[str]]:
         that stayed (its sandbox still runs, a walk failed).
     """
     from .errors import WorkspaceError
-    from .workspace import give_back
+    from .workspace import check_trusted_ancestors, give_back
     done: list[str] = []
     problems: list[str] = []
     for path in pending(root):
@@ -269,9 +276,22 @@ def recover(root: str | None = None) -> tuple[list[str], list[str]]:
         if alive is not None:
             problems.append(f"{h.root}: not given back yet, {alive}; try again in a moment")
             continue
+        root_key = next((tuple(int(x) for x in n.split(" ")[1:]) for n in h.notes if n.startswith("root ")), None)
         h.notes = []
-        if not os.path.isdir(h.root):
-            _unlink(path)  # the workspace is gone: nothing to give back
+        try:
+            st = os.lstat(h.root)
+        except OSError:
+            st = None
+        if st is None or not stat.S_ISDIR(st.st_mode) or (root_key is not None
+                                                          and (st.st_dev, st.st_ino) != root_key):
+            # The workspace is gone, or the path is now another directory or a symlink (replaced
+            # meanwhile): what was handed over is not there, so nothing is given back through it.
+            _unlink(path)
+            continue
+        try:
+            check_trusted_ancestors(h.root)  # as at the run: no ancestor another user could swap
+        except WorkspaceError as err:
+            problems.append(f"{h.root}: not given back: {err}")
             continue
         try:
             give_back(h)

@@ -985,7 +985,7 @@ def hand_over(root: str, *, sandbox_ids: tuple[int, int] | None, empty: bool = F
             # Journal ours before the first chown (lowlevel.handover_journal).
             from . import handover_journal as _journal
             try:
-                h.journal = _journal.Journal.create(h)
+                h.journal = _journal.Journal.create(h, (st.st_dev, st.st_ino))
             except OSError as err:
                 raise WorkspaceError(err.errno, f"cannot journal the hand-over of {root}: "
                                      f"{err.strerror or err}") from err

@@ -156,3 +156,45 @@ def test_a_reused_caller_pid_does_not_keep_the_workspace_handed_over() -> None:
             other.kill()
             other.wait()
         shutil.rmtree(ws, ignore_errors=True)
+
+
+def test_a_journal_never_chowns_a_directory_swapped_in_at_the_workspace_path() -> None:
+    """After the caller's death the workspace's parent is moved away and replaced by a symlink
+    to another tree with a directory of the workspace's name: cleanup leaves that directory (and
+    what is in it) as it is (it gave it the journaled owner and mode, through the symlink)."""
+    top = tempfile.mkdtemp(prefix="rt-handover-swap-", dir="/tmp")
+    parent, ws = os.path.join(top, "p"), os.path.join(top, "p", "ws")
+    victim = os.path.join(top, "victim", "ws")
+    env = {**os.environ, "LOWLEVEL_NO_OVERLAY": "1"}
+    try:
+        os.chmod(top, 0o755)
+        os.makedirs(ws)
+        os.makedirs(victim)
+        Path(ws, "f").write_text("hi\n")
+        for p in (ws, f"{ws}/f"):
+            os.chown(p, 4242, 4242)
+        os.chmod(ws, 0o755)
+        Path(victim, "secret").write_text("x")
+        for p in (victim, f"{victim}/secret"):
+            os.chown(p, 5555, 5555)
+        os.chmod(victim, 0o700)
+        victim_before = _owners(victim)
+        caller = subprocess.Popen([sys.executable, "-c", CALLER, ws], env=env)
+        deadline = time.monotonic() + 30
+        while not os.path.exists(f"{ws}/new.txt") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+        assert _owners(ws)["f"][:2] != (4242, 4242)  # handed over while it runs
+        caller.send_signal(signal.SIGKILL)
+        caller.wait()
+        os.rename(parent, parent + ".moved")
+        os.symlink(os.path.dirname(victim), parent)
+        for _ in range(3):
+            out = subprocess.run([sys.executable, "-m", "lowlevel", "cleanup"], env=env, capture_output=True,
+                                 text=True, check=False)
+            assert "Traceback" not in out.stderr, out.stderr
+            time.sleep(0.2)
+        assert _owners(victim) == victim_before
+        # Control: the same cleanup gives a workspace back where it was handed over (the first test).
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
