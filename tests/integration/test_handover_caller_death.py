@@ -11,6 +11,7 @@ journaled on disk before each chown (:mod:`lowlevel.handover_journal`).
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -198,3 +199,38 @@ def test_a_journal_never_chowns_a_directory_swapped_in_at_the_workspace_path() -
         # Control: the same cleanup gives a workspace back where it was handed over (the first test).
     finally:
         shutil.rmtree(top, ignore_errors=True)
+
+
+def test_two_live_runs_never_hand_over_one_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second run on a workspace while the first has it handed over is refused (EBUSY): it
+    recorded the first sandbox's owners as the originals and gave them back after, leaving the
+    workspace owned by a per-run uid for good. Control: one after the other, both run."""
+    import threading
+
+    import lowlevel
+    monkeypatch.setenv("LOWLEVEL_NO_OVERLAY", "1")
+    ws = tempfile.mkdtemp(prefix="rt-handover-two-", dir="/tmp")
+    try:
+        Path(ws, "f").write_text("hi\n")
+        os.mkdir(os.path.join(ws, "d"))
+        for p in (ws, f"{ws}/f", f"{ws}/d"):
+            os.chown(p, 4242, 4242)
+        os.chmod(ws, 0o755)
+        before = _owners(ws)
+        first: list[object] = []
+        t = threading.Thread(target=lambda: first.append(lowlevel.run(
+            ["sh", "-c", "touch started; sleep 2"], workspace=ws, timeout=60)))
+        t.start()
+        deadline = time.monotonic() + 30
+        while not os.path.exists(f"{ws}/started") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(lowlevel.WorkspaceError, match="handed to another live run") as info:
+            lowlevel.run(["true"], workspace=ws)
+        assert info.value.errno == errno.EBUSY
+        t.join()
+        os.unlink(f"{ws}/started")
+        assert _owners(ws) == before
+        assert lowlevel.run(["true"], workspace=ws).exit_code == 0  # control: in turn, it runs
+        assert _owners(ws) == before
+    finally:
+        shutil.rmtree(ws, ignore_errors=True)
