@@ -182,7 +182,7 @@ def layout_holds(layout: RootfsLayout, dir_fd: int | None = None) -> bool:
     :func:`rootfs_layout` is cached per process, and bwrap follows symlinks in a bind source:
     a top-level directory of the layout replaced since by a symlink (``home -> /srv``) would
     bind that host directory into the sandbox (read-write with ``rootfs_writable``). Each
-    directory, file, symlink and scratch directory of the layout is checked with ``lstat``,
+    directory, file (bind sources), symlink and scratch directory of the layout is checked with ``lstat``,
     relative to ``dir_fd`` (the O_PATH fd the anchor overlays) when given, else to the path.
 
     Returns:
@@ -202,7 +202,7 @@ def layout_holds(layout: RootfsLayout, dir_fd: int | None = None) -> bool:
 
     if not all(is_dir(name) for name in layout.dirs):
         return False
-    for name in (*layout.files, *layout.network_etc):
+    for name in layout.files:  # (network_etc are destinations, resolved inside the tree by bwrap)
         mode = kind(name)
         if mode is None or not stat.S_ISREG(mode):
             return False
