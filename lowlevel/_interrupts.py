@@ -56,19 +56,39 @@ class deferred_interrupts:  # noqa: N801 (used as a context manager, like contex
                     signal.signal(sig, self._record)
                     self.saved[sig] = handler
         except BaseException:
-            self._restore()
+            self.__exit__(None, None, None)  # an original handler raised: hand over what we held
             raise
         return self
 
-    def _restore(self) -> None:
-        for sig, handler in self.saved.items():
-            signal.signal(sig, handler)
+    def _restore(self) -> BaseException | None:
+        """Put every original handler back, even if one of them (already back) raises meanwhile:
+        a KeyboardInterrupt between two ``signal.signal`` calls left the later signals recorded
+        into this finished block forever (a SIGTERM then never reached its handler). Returns
+        the first exception raised meanwhile."""
+        items = list(self.saved.items())
         self.saved.clear()
+        first: BaseException | None = None
+        while items:
+            try:
+                while items:
+                    sig, handler = items[-1]
+                    signal.signal(sig, handler)
+                    items.pop()
+            except BaseException as err:  # noqa: BLE001 (raised by our caller once all are back)
+                first = err if first is None else first
+        return first
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         originals = dict(self.saved)
-        self._restore()
+        raised = self._restore()
         pending, self.pending = self.pending, []
-        for signum, frame in pending:
-            originals[signum](signum, frame)
+        for i, (signum, frame) in enumerate(pending):
+            try:
+                originals[signum](signum, frame)
+            except BaseException:
+                for later, _frame in pending[i + 1:]:
+                    signal.raise_signal(later)  # their own handlers run them next, none is lost
+                raise
+        if raised is not None:
+            raise raised

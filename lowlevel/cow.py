@@ -92,30 +92,36 @@ def uid_range() -> tuple[int, int]:
     return first, last - first + 1
 
 
-_accounts_cache: tuple[tuple[int, int], frozenset[int]] | None = None
+_accounts_cache: dict[str, tuple[tuple[int, int], frozenset[int]]] = {}
 
 
-def account_uids(first: int, count: int) -> frozenset[int]:
-    """The uids of ``first .. first+count-1`` that /etc/passwd gives an account (cached per
-    /etc/passwd mtime and size): never leased, so a sandbox never runs as a real user's uid."""
-    global _accounts_cache
+def _ids_in(path: str) -> frozenset[int]:
+    """The ids (third field) of ``/etc/passwd`` or ``/etc/group`` (cached per mtime and size)."""
     try:
-        st = os.stat("/etc/passwd")
+        st = os.stat(path)
         stamp = (st.st_mtime_ns, st.st_size)
     except OSError:
         return frozenset()
-    if _accounts_cache is None or _accounts_cache[0] != stamp:
-        uids = set()
+    cached = _accounts_cache.get(path)
+    if cached is None or cached[0] != stamp:
+        ids = set()
         try:
-            with open("/etc/passwd", "rb") as f:
+            with open(path, "rb") as f:
                 for line in f:
                     parts = line.split(b":")
                     if len(parts) > 2 and parts[2].isdigit():
-                        uids.add(int(parts[2]))
+                        ids.add(int(parts[2]))
         except OSError:
             pass
-        _accounts_cache = (stamp, frozenset(uids))
-    return frozenset(u for u in _accounts_cache[1] if first <= u < first + count)
+        cached = _accounts_cache[path] = (stamp, frozenset(ids))
+    return cached[1]
+
+
+def account_uids(first: int, count: int) -> frozenset[int]:
+    """The ids of ``first .. first+count-1`` that /etc/passwd gives an account or /etc/group a
+    group: never leased, so a sandbox never runs as a real user's uid, nor (the lease is its
+    gid too) with a real group's gid (``utmp``, ``shadow``... would grant their files)."""
+    return frozenset(u for u in _ids_in("/etc/passwd") | _ids_in("/etc/group") if first <= u < first + count)
 
 
 class UidLease:
@@ -125,7 +131,7 @@ class UidLease:
     ``/run/lowlevel/uids.lock``; the fd is handed to the anchor (``--keep-fd``), so the lease
     lasts exactly as long as the anchor and therefore the sandbox, whoever dies first. A uid is
     never given to two live sandboxes at once, nor at all when /etc/passwd gives it an account
-    (:func:`account_uids`); a released uid owns nothing on the host (the upper tmpfs is gone,
+    or /etc/group a group (:func:`account_uids`); a released uid owns nothing on the host (the upper tmpfs is gone,
     committed files get the workspace owner), so it is reused.
 
     Attributes:
@@ -160,7 +166,7 @@ class UidLease:
             for k in range(count):
                 i = (start + k) % count
                 if first + i in taken:
-                    continue  # a real account's uid (LOWLEVEL_UID_RANGE over /etc/passwd)
+                    continue  # a real account's uid or group's gid (LOWLEVEL_UID_RANGE over them)
                 # struct flock: l_type, l_whence, l_start, l_len, l_pid (0 for OFD locks). The
                 # byte is the uid itself, so ranges configured differently never collide.
                 lock = struct.pack("hh4xqqi4x", fcntl.F_WRLCK, os.SEEK_SET, first + i, 1, 0)
@@ -177,7 +183,8 @@ class UidLease:
             os.close(fd)
             raise
         os.close(fd)
-        accounts = f" ({len(taken)} of them accounts in /etc/passwd, never used)" if taken else ""
+        accounts = (f" ({len(taken)} of them accounts in /etc/passwd or groups in /etc/group, never used)"
+                    if taken else "")
         raise UnsupportedError("uid-range", f"all {count} per-run uids of {first}-{first + count - 1} are "
                                f"leased to live sandboxes{accounts}",
                                "widen LOWLEVEL_UID_RANGE (to ids no account uses), or pin Policy(host_uid=...)")

@@ -146,7 +146,7 @@ def workspace_checks(result_notes: tuple[str, ...] = ()) -> list[dict[str, Any]]
 
     Copy-on-write (an overlay the anchor mounts) or the hand-over fallback, with the reason;
     for root callers, whether the per-run uid range (``LOWLEVEL_UID_RANGE``) collides with
-    accounts in /etc/passwd or ranges in /etc/subuid and /etc/subgid (another user's container
+    accounts in /etc/passwd, groups in /etc/group or ranges in /etc/subuid and /etc/subgid (another user's container
     ids would then be handed to sandboxes).
     """
     from . import cow
@@ -172,6 +172,8 @@ def workspace_checks(result_notes: tuple[str, ...] = ()) -> list[dict[str, Any]]
         try:
             import pwd
             clashes += [f"user {e.pw_name} ({e.pw_uid})" for e in pwd.getpwall() if first <= e.pw_uid <= last]
+            import grp  # the lease is the sandbox's gid too
+            clashes += [f"group {g.gr_name} ({g.gr_gid})" for g in grp.getgrall() if first <= g.gr_gid <= last]
         except OSError:
             pass
         for path in ("/etc/subuid", "/etc/subgid"):

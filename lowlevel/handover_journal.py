@@ -22,8 +22,9 @@ owners, so only they journal.
 Format (text, one record per line, fields separated by one space; paths as hex of their bytes):
 ``H 1 <caller pid> <root hex> <root uid> <root gid> <root mode> <sandbox uid> <new uid> <new gid>``
 first, then ``E <dev> <ino> <uid> <gid> <st_mode>``, ``A <dev> <ino> <xattr name> <value hex>``
-``S <dev> <ino> <size> <mtime_ns> <ctime_ns>`` and ``P anchor|bwrap <pid> <starttime>`` (as
-soon as each exists) lines.
+``S <dev> <ino> <size> <mtime_ns> <ctime_ns>`` and ``P caller|anchor|bwrap <pid> <starttime>`` (as
+soon as each exists; the caller's right after the header, so a reused caller pid is recognised)
+lines.
 """
 
 from __future__ import annotations
@@ -54,8 +55,10 @@ class Journal:
         self.path = path
 
     @classmethod
-    def create(cls, h: Handover) -> Journal:
-        """Start the journal of ``h`` (its header written). Raises OSError (then nothing was made)."""
+    def create(cls, h: Handover, root_key: tuple[int, int] | None = None) -> Journal:
+        """Start the journal of ``h`` (its header written; ``root_key``: the workspace root's
+        ``(st_dev, st_ino)``, checked before a recovery touches the path). Raises OSError (then
+        nothing was made)."""
         _cow.ensure_root_state_dir()
         try:
             os.mkdir(JOURNAL_DIR, 0o700)
@@ -71,6 +74,9 @@ class Journal:
             uid, gid, mode = h.root_ids
             j._write(f"H 1 {os.getpid()} {os.fsencode(h.root).hex()} {uid} {gid} {mode} {h.sandbox_uid} "
                      f"{h.new_owner[0]} {h.new_owner[1]}")
+            j.record_process("caller", os.getpid())  # a reused pid is then told from us
+            if root_key is not None:
+                j._write(f"R {root_key[0]} {root_key[1]}")
         except BaseException:
             j.remove()
             raise
@@ -140,6 +146,9 @@ def load(path: str) -> tuple[int, Handover]:
         if rec[0] == "P":
             processes.append(f"process {rec[1]} {int(rec[2])} {int(rec[3])}")
             continue
+        if rec[0] == "R":
+            processes.append(f"root {int(rec[1])} {int(rec[2])}")
+            continue
         key = (int(rec[1]), int(rec[2]))
         if rec[0] == "E":
             h.owners[key] = (int(rec[3]), int(rec[4]), int(rec[5]))
@@ -205,9 +214,10 @@ def pending(root: str | None = None) -> list[str]:
     out = []
     for _mtime, name in sorted(stamped):
         pid = name.split("-", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid() or os.path.exists(f"/proc/{pid}"):
-            continue
         path = os.path.join(JOURNAL_DIR, name)
+        if not pid.isdigit() or int(pid) == os.getpid() or (os.path.exists(f"/proc/{pid}")
+                                                              and not _caller_pid_reused(path, int(pid))):
+            continue
         if root is not None:
             try:
                 with open(path, "rb") as f:
@@ -218,6 +228,22 @@ def pending(root: str | None = None) -> list[str]:
                 continue
         out.append(path)
     return out
+
+
+def _caller_pid_reused(path: str, pid: int) -> bool:
+    """Whether the live process ``pid`` is not the journal's caller (its ``P caller`` start time
+    differs): the caller died and its pid went to another process, which must not keep the
+    workspace handed over (the next hand-over would record the sandbox's owners as the originals)."""
+    try:
+        with open(path, "rb") as f:
+            f.readline()
+            rec = f.readline().decode("ascii").split()
+    except (OSError, UnicodeDecodeError):
+        return False
+    if len(rec) != 4 or rec[:3] != ["P", "caller", str(pid)] or not rec[3].isdigit():
+        return False  # a journal of an older version, or the caller died before writing it
+    start = _start_time(pid)
+    return start is not None and start != int(rec[3])
 
 
 def _unlink(path: str) -> None:
@@ -237,7 +263,7 @@ def recover(root: str | None = None) -> tuple[list[str], list[str]]:
         that stayed (its sandbox still runs, a walk failed).
     """
     from .errors import WorkspaceError
-    from .workspace import give_back
+    from .workspace import check_trusted_ancestors, give_back
     done: list[str] = []
     problems: list[str] = []
     for path in pending(root):
@@ -250,9 +276,22 @@ def recover(root: str | None = None) -> tuple[list[str], list[str]]:
         if alive is not None:
             problems.append(f"{h.root}: not given back yet, {alive}; try again in a moment")
             continue
+        root_key = next((tuple(int(x) for x in n.split(" ")[1:]) for n in h.notes if n.startswith("root ")), None)
         h.notes = []
-        if not os.path.isdir(h.root):
-            _unlink(path)  # the workspace is gone: nothing to give back
+        try:
+            st = os.lstat(h.root)
+        except OSError:
+            st = None
+        if st is None or not stat.S_ISDIR(st.st_mode) or (root_key is not None
+                                                          and (st.st_dev, st.st_ino) != root_key):
+            # The workspace is gone, or the path is now another directory or a symlink (replaced
+            # meanwhile): what was handed over is not there, so nothing is given back through it.
+            _unlink(path)
+            continue
+        try:
+            check_trusted_ancestors(h.root)  # as at the run: no ancestor another user could swap
+        except WorkspaceError as err:
+            problems.append(f"{h.root}: not given back: {err}")
             continue
         try:
             give_back(h)

@@ -804,6 +804,20 @@ class Run:
         self.fds.remove(fd)  # closed by close() itself, after the commit
         self.lower_fd = fd
 
+    def _check_rootfs_layout(self, path: str) -> None:
+        """The argv's (cached) layout of the tree must still be the tree's, the one the anchor
+        overlays included (:func:`lowlevel.rootfs.layout_holds`): a directory swapped for a
+        symlink since would make bwrap bind the symlink's host target. Re-read once if not."""
+        from .argv import static_args
+        from .rootfs import layout_holds, rootfs_layout
+        if layout_holds(rootfs_layout(path), self.root_fd):
+            return
+        rootfs_layout.cache_clear()
+        static_args.cache_clear()
+        if not layout_holds(rootfs_layout(path), self.root_fd):
+            raise LaunchError(f"Policy.rootfs {path!r} changed while the sandbox was set up (a top-level entry was "
+                              "replaced); run again, and keep the tree unchanged while it is in use")
+
     def _prepare(self) -> None:
         policy = self.policy
         root = self.facts.caller_is_root
@@ -888,6 +902,8 @@ class Run:
             self.extra_fds.update(self.egress.child_fds)
             for fd in self.egress.owned_fds:
                 self._own(fd)  # closed after the spawn, like ours
+        if policy.rootfs is not None:
+            self._check_rootfs_layout(policy.rootfs)
         self.argv = build_argv(policy, self.facts, workspace=bind_source, fds=fds,
                                extra_env=self.env_extra or None, cwd=self.cwd,
                                extra_mounts=self.egress.mounts if self.egress is not None else (),

@@ -176,6 +176,53 @@ def rootfs_layout(path: str) -> RootfsLayout:
                         network_etc=network, scratch_dirs=scratch)
 
 
+def layout_holds(layout: RootfsLayout, dir_fd: int | None = None) -> bool:
+    """Whether the tree still has the shape ``layout`` recorded (checked once per run).
+
+    :func:`rootfs_layout` is cached per process, and bwrap follows symlinks in a bind source:
+    a top-level directory of the layout replaced since by a symlink (``home -> /srv``) would
+    bind that host directory into the sandbox (read-write with ``rootfs_writable``). Each
+    directory, file (bind sources), symlink and scratch directory of the layout is checked with ``lstat``,
+    relative to ``dir_fd`` (the O_PATH fd the anchor overlays) when given, else to the path.
+
+    Returns:
+        False if any entry is missing or of another type (or a symlink with another target).
+    """
+    def kind(rel: str) -> int | None:
+        try:
+            if dir_fd is not None:
+                return os.stat(rel, dir_fd=dir_fd, follow_symlinks=False).st_mode
+            return os.lstat(os.path.join(layout.path, rel)).st_mode
+        except OSError:
+            return None
+
+    def is_dir(rel: str) -> bool:
+        mode = kind(rel)
+        return mode is not None and stat.S_ISDIR(mode)
+
+    if not all(is_dir(name) for name in layout.dirs):
+        return False
+    for name in layout.files:  # (network_etc are destinations, resolved inside the tree by bwrap)
+        mode = kind(name)
+        if mode is None or not stat.S_ISREG(mode):
+            return False
+    for rel in layout.scratch_dirs:
+        parts = rel.split("/")
+        if not all(is_dir("/".join(parts[:i + 1])) for i in range(len(parts))):
+            return False
+    for target, dest in layout.symlinks:
+        try:
+            if dir_fd is not None:
+                now = os.readlink(dest.lstrip("/"), dir_fd=dir_fd)
+            else:
+                now = os.readlink(os.path.join(layout.path, dest.lstrip("/")))
+        except OSError:
+            return False
+        if now != target:
+            return False
+    return True
+
+
 def base_args(layout: RootfsLayout, *, writable: bool, bwrap_options: frozenset[str], network: bool,
               network_sources: Sequence[tuple[str, str]], tmp_size: int | None,
               anchor_overlay: str | None = None) -> list[str]:
@@ -424,5 +471,5 @@ def rootfs_unreachable(path: str, uid: int, gid: int) -> str | None:
 
 
 __all__ = ["MAX_SYMLINKS", "NETWORK_ETC", "REQUIRED_FILES", "RESERVED_TOP", "RootfsLayout",
-           "SCRATCH_DIRS", "TreeDigest", "base_args", "check_rootfs", "resolve_in_root", "rootfs_layout",
-           "rootfs_unreachable", "tree_sha256", "walk"]
+           "SCRATCH_DIRS", "TreeDigest", "base_args", "check_rootfs", "layout_holds", "resolve_in_root",
+           "rootfs_layout", "rootfs_unreachable", "tree_sha256", "walk"]

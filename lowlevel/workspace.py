@@ -891,6 +891,9 @@ class Handover:
         done: True once :func:`give_back` ran.
         journal: root callers: the on-disk record of this hand-over
             (:class:`lowlevel.handover_journal.Journal`), removed once given back.
+        lock_fd: root callers: a ``flock(LOCK_EX)`` on the root directory, held until given
+            back (closed with the pins): a second hand-over of the same workspace meanwhile
+            would record the first sandbox's owners as the originals and give them back.
     """
 
     root: str
@@ -905,6 +908,7 @@ class Handover:
     notes: list[str] = field(default_factory=list)
     done: bool = False
     journal: Any = None
+    lock_fd: int = -1
 
 
 #: The xattrs holding POSIX ACLs. The sandbox may set them on what it owns during the run
@@ -1005,18 +1009,20 @@ def hand_over(root: str, *, sandbox_ids: tuple[int, int] | None, empty: bool = F
                                  f"{problems[0]}")
     rootfd = _open_root(root)
     try:
+        lock_fd = -1 if sandbox_ids is None else _lock_handover(rootfd, root)
         st = os.fstat(rootfd)
         caller = (os.getuid(), os.getgid())
         owner = st.st_uid if sandbox_ids is None or st.st_uid != sandbox_ids[0] else caller[0]
         h = Handover(root=root, before=({}, True), root_ids=(st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)),
                      owners={}, pins={}, sandbox_uid=sandbox_ids[0] if sandbox_ids else None,
-                     new_owner=(owner, st.st_gid if owner == st.st_uid else caller[1]))
+                     new_owner=(owner, st.st_gid if owner == st.st_uid else caller[1]), lock_fd=lock_fd)
         if sandbox_ids is not None:
             # Journal ours before the first chown (lowlevel.handover_journal).
             from . import handover_journal as _journal
             try:
-                h.journal = _journal.Journal.create(h)
+                h.journal = _journal.Journal.create(h, (st.st_dev, st.st_ino))
             except OSError as err:
+                _close_pins(h)
                 raise WorkspaceError(err.errno, f"cannot journal the hand-over of {root}: "
                                      f"{err.strerror or err}") from err
             try:
@@ -1024,6 +1030,7 @@ def hand_over(root: str, *, sandbox_ids: tuple[int, int] | None, empty: bool = F
                 os.fchmod(rootfd, 0o770)
             except OSError as err:
                 h.journal.remove()
+                _close_pins(h)
                 raise WorkspaceError(err.errno, f"cannot hand workspace {root} to the sandbox: {err.strerror}") from err
         if empty:
             return h
@@ -1227,6 +1234,30 @@ def _close_pins(h: Handover) -> None:
     for fd in h.pins.values():
         os.close(fd)
     h.pins.clear()
+    if h.lock_fd >= 0:
+        os.close(h.lock_fd)  # the workspace may be handed over again
+        h.lock_fd = -1
+
+
+def _lock_handover(rootfd: int, root: str) -> int:
+    """``flock(LOCK_EX | LOCK_NB)`` on the workspace root for one hand-over; return the fd.
+
+    Raises:
+        WorkspaceError: (EBUSY) another live run has it handed over.
+    """
+    import fcntl
+    fd = os.dup(rootfd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        os.close(fd)
+        if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise WorkspaceError(errno.EBUSY, f"workspace {root} is handed to another live run's sandbox (no "
+                                 "copy-on-write overlay here): run one at a time on it, or give each run its "
+                                 "own workspace") from err
+        raise WorkspaceError(err.errno, f"cannot lock workspace {root}: {err.strerror}") from err
+    os.set_inheritable(fd, False)
+    return fd
 
 
 def _give_back_entry(h: Handover, name: str, dirfd: int, st: os.stat_result) -> int:

@@ -255,10 +255,22 @@ class LoopbackServer:
 @pytest.fixture
 def handover_model(monkeypatch: pytest.MonkeyPatch) -> None:
     """Run with the fallback workspace model (hand-over, no copy-on-write overlay), in-process and
-    for the unprivileged identity's subprocess alike; root's sandboxes as uid 65534 (a range of
-    one uid, as lowlevel 0.1 did), which these tests check by number."""
+    for the unprivileged identity's subprocess alike; root's sandboxes as one uid (a range of
+    one, :data:`HANDOVER_UID`), which these tests check by number. (It was 65534, nobody's: an
+    account's uid is never leased.)"""
     monkeypatch.setenv("LOWLEVEL_NO_OVERLAY", "1")
-    monkeypatch.setenv("LOWLEVEL_UID_RANGE", "65534-65534")
+    monkeypatch.setenv("LOWLEVEL_UID_RANGE", f"{HANDOVER_UID}-{HANDOVER_UID}")
+
+
+def _free_id() -> int:
+    from lowlevel.cow import DEFAULT_UID_RANGE, account_uids
+    first, count = DEFAULT_UID_RANGE
+    taken = account_uids(first, count)
+    return next(u for u in range(first + count - 1, first, -1) if u not in taken)
+
+
+#: The per-run uid (and gid) of the handover_model fixture's sandboxes: no account's or group's.
+HANDOVER_UID = _free_id()
 
 
 @pytest.fixture

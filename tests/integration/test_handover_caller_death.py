@@ -11,6 +11,7 @@ journaled on disk before each chown (:mod:`lowlevel.handover_journal`).
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -101,3 +102,135 @@ def test_a_malformed_journal_is_reported_not_fatal() -> None:
         assert "Traceback" not in out.stderr and path in out.stdout + out.stderr
     finally:
         os.unlink(path)
+
+
+def test_a_reused_caller_pid_does_not_keep_the_workspace_handed_over() -> None:
+    """The dead caller's pid now belongs to another process (pid reuse, simulated by moving the
+    journal to a live process's pid): cleanup tells it from the caller by its start time and
+    gives the workspace back (it was skipped for as long as that process lived, and the next
+    run recorded the sandbox's owners as the originals)."""
+    from lowlevel import handover_journal as journal
+    ws = tempfile.mkdtemp(prefix="rt-handover-reuse-", dir="/tmp")
+    env = {**os.environ, "LOWLEVEL_NO_OVERLAY": "1"}
+    other = None
+    try:
+        Path(ws, "f").write_text("hi\n")
+        for p in (ws, f"{ws}/f"):
+            os.chown(p, 4242, 4242)
+        os.chmod(ws, 0o755)
+        before = _owners(ws)
+        caller = subprocess.Popen([sys.executable, "-c", CALLER, ws], env=env)
+        deadline = time.monotonic() + 30
+        while not os.path.exists(f"{ws}/new.txt") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+        caller.send_signal(signal.SIGKILL)
+        caller.wait()
+        mine = [n for n in os.listdir(journal.JOURNAL_DIR) if n.startswith(f"{caller.pid}-")]
+        assert len(mine) == 1, mine
+        time.sleep(0.05)  # the other process starts at a later clock tick than the caller
+        other = subprocess.Popen(["sleep", "60"])
+        old = os.path.join(journal.JOURNAL_DIR, mine[0])
+        text = Path(old).read_text()
+        lines = text.splitlines(keepends=True)
+        for i, line in enumerate(lines):
+            rec = line.split(" ")
+            if rec[0] == "H" or (rec[0] == "P" and rec[1] == "caller"):
+                rec[2] = str(other.pid)  # both records give the pid third
+                lines[i] = " ".join(rec)
+        new = os.path.join(journal.JOURNAL_DIR, f"{other.pid}-{mine[0].split('-', 1)[1]}")
+        Path(new).write_text("".join(lines))
+        os.chmod(new, 0o600)
+        os.unlink(old)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            subprocess.run([sys.executable, "-m", "lowlevel", "cleanup", "--workspace", ws], env=env,
+                           capture_output=True, check=False)
+            if _owners(ws)["f"][:2] == (4242, 4242):
+                break
+            time.sleep(0.2)
+        after = _owners(ws)
+        assert {k: v for k, v in after.items() if k != "new.txt"} == before
+        assert other.poll() is None  # control: the pid is live, and still was not taken for the caller
+    finally:
+        if other is not None:
+            other.kill()
+            other.wait()
+        shutil.rmtree(ws, ignore_errors=True)
+
+
+def test_a_journal_never_chowns_a_directory_swapped_in_at_the_workspace_path() -> None:
+    """After the caller's death the workspace's parent is moved away and replaced by a symlink
+    to another tree with a directory of the workspace's name: cleanup leaves that directory (and
+    what is in it) as it is (it gave it the journaled owner and mode, through the symlink)."""
+    top = tempfile.mkdtemp(prefix="rt-handover-swap-", dir="/tmp")
+    parent, ws = os.path.join(top, "p"), os.path.join(top, "p", "ws")
+    victim = os.path.join(top, "victim", "ws")
+    env = {**os.environ, "LOWLEVEL_NO_OVERLAY": "1"}
+    try:
+        os.chmod(top, 0o755)
+        os.makedirs(ws)
+        os.makedirs(victim)
+        Path(ws, "f").write_text("hi\n")
+        for p in (ws, f"{ws}/f"):
+            os.chown(p, 4242, 4242)
+        os.chmod(ws, 0o755)
+        Path(victim, "secret").write_text("x")
+        for p in (victim, f"{victim}/secret"):
+            os.chown(p, 5555, 5555)
+        os.chmod(victim, 0o700)
+        victim_before = _owners(victim)
+        caller = subprocess.Popen([sys.executable, "-c", CALLER, ws], env=env)
+        deadline = time.monotonic() + 30
+        while not os.path.exists(f"{ws}/new.txt") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+        assert _owners(ws)["f"][:2] != (4242, 4242)  # handed over while it runs
+        caller.send_signal(signal.SIGKILL)
+        caller.wait()
+        os.rename(parent, parent + ".moved")
+        os.symlink(os.path.dirname(victim), parent)
+        for _ in range(3):
+            out = subprocess.run([sys.executable, "-m", "lowlevel", "cleanup"], env=env, capture_output=True,
+                                 text=True, check=False)
+            assert "Traceback" not in out.stderr, out.stderr
+            time.sleep(0.2)
+        assert _owners(victim) == victim_before
+        # Control: the same cleanup gives a workspace back where it was handed over (the first test).
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def test_two_live_runs_never_hand_over_one_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second run on a workspace while the first has it handed over is refused (EBUSY): it
+    recorded the first sandbox's owners as the originals and gave them back after, leaving the
+    workspace owned by a per-run uid for good. Control: one after the other, both run."""
+    import threading
+
+    import lowlevel
+    monkeypatch.setenv("LOWLEVEL_NO_OVERLAY", "1")
+    ws = tempfile.mkdtemp(prefix="rt-handover-two-", dir="/tmp")
+    try:
+        Path(ws, "f").write_text("hi\n")
+        os.mkdir(os.path.join(ws, "d"))
+        for p in (ws, f"{ws}/f", f"{ws}/d"):
+            os.chown(p, 4242, 4242)
+        os.chmod(ws, 0o755)
+        before = _owners(ws)
+        first: list[object] = []
+        t = threading.Thread(target=lambda: first.append(lowlevel.run(
+            ["sh", "-c", "touch started; sleep 2"], workspace=ws, timeout=60)))
+        t.start()
+        deadline = time.monotonic() + 30
+        while not os.path.exists(f"{ws}/started") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(lowlevel.WorkspaceError, match="handed to another live run") as info:
+            lowlevel.run(["true"], workspace=ws)
+        assert info.value.errno == errno.EBUSY
+        t.join()
+        os.unlink(f"{ws}/started")
+        assert _owners(ws) == before
+        assert lowlevel.run(["true"], workspace=ws).exit_code == 0  # control: in turn, it runs
+        assert _owners(ws) == before
+    finally:
+        shutil.rmtree(ws, ignore_errors=True)

@@ -268,6 +268,35 @@ def test_writable_root_is_per_run(bb: lowlevel.Policy) -> None:
     assert not os.path.exists(os.path.join(policy.rootfs, "bin", "s"))
 
 
+def test_rootfs_dir_swapped_for_symlink_binds_no_host_dir(bb: lowlevel.Policy) -> None:
+    """A top-level directory of the tree replaced by a symlink to a host directory after a run
+    (the layout is cached per process) is not bound from the host: writable or not, the sandbox
+    sees the symlink, never the host directory behind it (was bound read-write with a writable
+    root: the sandbox wrote into the host directory)."""
+    assert bb.rootfs is not None
+    base = imagekit.public_tmpdir("swaptree-")
+    try:
+        tree, host = base / "tree", base / "hostdir"
+        shutil.copytree(bb.rootfs, tree, symlinks=True)
+        host.mkdir()
+        host.chmod(0o777)  # the sandbox's uid could write there if it were bound
+        for writable in (False, True):  # caches the layout with home/ a directory
+            r = lowlevel.run(["/bin/sh", "-c", "ls -d /home"], policy=lowlevel.Policy(rootfs=str(tree),
+                                                                                   rootfs_writable=writable))
+            assert r.exit_code == 0, r
+        shutil.rmtree(tree / "home")
+        (tree / "home").symlink_to(host)
+        for writable in (False, True):
+            policy = lowlevel.Policy(rootfs=str(tree), rootfs_writable=writable)
+            r = lowlevel.run(["/bin/sh", "-c", f"echo x > /home/probe{int(writable)}; echo rc=$?"], policy=policy)
+            assert b"rc=0" not in r.stdout, r
+        assert list(host.iterdir()) == []
+        (host / "control").write_text("x")  # control: the directory itself takes writes
+        assert (host / "control").exists()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def test_writable_root_is_bounded_by_workspace_bytes(bb: lowlevel.Policy) -> None:
     import dataclasses
     policy = dataclasses.replace(bb, rootfs_writable=True, limits=lowlevel.Limits(workspace_bytes=1 << 20))

@@ -516,3 +516,33 @@ def _has_account(uid: int) -> bool:
         return True
     except KeyError:
         return False
+
+
+@pytest.mark.root
+def test_a_real_groups_gid_is_never_leased(monkeypatch):
+    """The per-run uid is the sandbox's gid too: a gid /etc/group gives a group (and no account
+    uses as a uid) is skipped, or the sandbox would get that group's access (a 0640 file of
+    group utmp, shadow...). Control: a leased id outside every group cannot read it."""
+    import grp
+    import pwd
+    accounts = {e.pw_uid for e in pwd.getpwall()}
+    gid = next((g.gr_gid for g in grp.getgrall() if g.gr_gid not in accounts and g.gr_gid > 0), None)
+    if gid is None:
+        pytest.skip("no group here without an account of the same id")
+    data = tempfile.mkdtemp(prefix="rt-gid-", dir="/tmp")
+    try:
+        os.chmod(data, 0o755)
+        with open(os.path.join(data, "f"), "w") as f:
+            f.write("group secret\n")
+        os.chown(os.path.join(data, "f"), 0, gid)
+        os.chmod(os.path.join(data, "f"), 0o640)
+        policy = lowlevel.Policy(binds=(lowlevel.Bind(data, "/data"),))
+        monkeypatch.setenv("LOWLEVEL_UID_RANGE", f"{gid}-{gid}")
+        with pytest.raises(lowlevel.UnsupportedError, match="groups in /etc/group"):
+            lowlevel.run(["cat", "/data/f"], policy=policy, workspace=_ws())
+        free = next(u for u in range(2_000_000_000, 2_000_000_100) if u not in accounts)
+        monkeypatch.setenv("LOWLEVEL_UID_RANGE", f"{free}-{free}")
+        r = lowlevel.run(["sh", "-c", "id -g; cat /data/f"], policy=policy, workspace=_ws())
+        assert r.stdout == f"{free}\n".encode() and r.exit_code != 0, r  # control: no group, no access
+    finally:
+        shutil.rmtree(data, ignore_errors=True)

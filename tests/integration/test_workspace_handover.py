@@ -49,6 +49,11 @@ def _setid_entries(root: str) -> list[str]:
     return out
 
 
+def _sandbox_uid() -> int:
+    """The per-run uid the handover_model fixture gives root's sandboxes (a range of one)."""
+    return int(os.environ["LOWLEVEL_UID_RANGE"].split("-")[0])
+
+
 def _ids(path: str | Path) -> tuple[int, int, int]:
     st = os.lstat(path)
     return st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)
@@ -99,9 +104,9 @@ def test_setuid_copy_unreachable_while_live_and_stripped_after_timeout(test_user
         assert os.path.exists(Path(ws, "ready"))
         # Control: the setuid copy exists right now, owned by the sandbox's uid.
         st = os.lstat(Path(ws, "py3"))
-        assert st.st_mode & stat.S_ISUID and st.st_uid == 65534
-        # The root is never the sandbox's: ours, group nogroup, 0770.
-        assert _ids(ws) == (0, 65534, 0o770)
+        assert st.st_mode & stat.S_ISUID and st.st_uid == _sandbox_uid()
+        # The root is never the sandbox's: ours, the sandbox's group, 0770.
+        assert _ids(ws) == (0, _sandbox_uid(), 0o770)
         probe = subprocess.run([RUNUSER, "-u", test_user.pw_name, "--", os.path.join(ws, "py3"), "-c",
                                 "import os; print(os.geteuid())"], capture_output=True, cwd="/")
         assert probe.returncode != 0 and b"Permission denied" in probe.stderr, probe
@@ -243,10 +248,10 @@ def test_cli_signal_mid_run_restores_ownership(tmpdir_0755: Path, test_user: pwd
                              "sleep", "30"], cwd=str(REPO), stderr=subprocess.PIPE)
     try:
         for _ in range(500):
-            if _ids(tmpdir_0755 / "a.txt")[0] == 65534:
+            if _ids(tmpdir_0755 / "a.txt")[0] == _sandbox_uid():
                 break
             time.sleep(0.01)
-        assert _ids(tmpdir_0755 / "a.txt")[0] == 65534  # control: handed over, run live
+        assert _ids(tmpdir_0755 / "a.txt")[0] == _sandbox_uid()  # control: handed over, run live
         time.sleep(0.2)
         proc.send_signal(getattr(signal, signame))
         _, err = proc.communicate(timeout=20)
