@@ -129,12 +129,42 @@ def check_rootfs(path: str) -> str:
     reason = sensitive_reason(real)
     if reason:
         raise PolicyError(f"refusing Policy.rootfs {raw!r}: {reason}")
+    _check_trusted_tree(raw, real)
     for rel in REQUIRED_FILES:
         if not _is_regular(_inside(real, rel)):
             raise PolicyError(f"Policy.rootfs {raw!r} has no regular file {rel}: lowlevel mounts a synthesized "
                               f"/{rel} over it and bwrap cannot create it in a read-only tree. Create an empty "
                               f"one (touch {os.path.join(real, rel)})")
     return real
+
+
+def _check_trusted_tree(raw: str, real: str) -> None:
+    """Refuse a tree another user could change under a starting sandbox.
+
+    Its top-level entries are bound by path (``--ro-bind TREE/usr /usr``; a writable root binds
+    them from the anchor's overlay of the tree): whoever may write the tree's directory could
+    swap ``usr`` for a symlink to a host directory between lowlevel's check of the layout
+    (:func:`layout_holds`) and bwrap's mount, and the sandbox would see (or, with a writable
+    root, write) that directory. So the tree must be owned by root or the caller and writable
+    by no one else, and so must each ancestor (sticky ones, like ``/tmp``, excepted).
+    """
+    trusted = {0, os.geteuid()}
+    cur = real
+    while True:
+        try:
+            st = os.lstat(cur)
+        except OSError as err:
+            raise PolicyError(f"cannot check {cur} of Policy.rootfs {raw!r}: {err.strerror}") from err
+        mode = st.st_mode
+        others_write = mode & (stat.S_IWGRP | stat.S_IWOTH) and (cur == real or not mode & stat.S_ISVTX)
+        if st.st_uid not in trusted or not stat.S_ISDIR(mode) or others_write:
+            raise PolicyError(f"refusing Policy.rootfs {raw!r}: {cur} (owner uid {st.st_uid}, mode "
+                              f"{stat.S_IMODE(mode):04o}) could be changed by another user while a sandbox starts "
+                              "(a top-level directory swapped for a symlink to a host directory). Keep the tree in "
+                              "directories owned by root or by you and not writable by others (chmod go-w)")
+        if cur == "/":
+            return
+        cur = os.path.dirname(cur)
 
 
 @functools.lru_cache(maxsize=64)

@@ -157,3 +157,20 @@ def test_normalize_name(name: str, want: str) -> None:
 def test_bad_names(name: str) -> None:
     with pytest.raises(ImageError):
         normalize_name(name)
+
+
+def test_a_tree_another_user_could_change_is_refused(tree: pathlib.Path) -> None:
+    """Whoever may write the tree (or a non-sticky ancestor) could swap its ``usr`` for a symlink
+    to a host directory between lowlevel's layout check and bwrap's bind: refused."""
+    lowlevel.Policy(rootfs=str(tree))  # control: owned by us, 0755 all the way up
+    for victim, mode in ((tree, 0o777), (tree, 0o775), (tree.parent, 0o777)):
+        old = victim.stat().st_mode & 0o7777
+        victim.chmod(mode)
+        try:
+            with pytest.raises(lowlevel.PolicyError, match="could be changed by another user"):
+                lowlevel.Policy(rootfs=str(tree))
+        finally:
+            victim.chmod(old)
+    tree.parent.chmod(0o1777)  # a sticky ancestor (like /tmp) is fine
+    lowlevel.Policy(rootfs=str(tree))
+    tree.parent.chmod(0o755)
