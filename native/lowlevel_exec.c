@@ -381,6 +381,37 @@ static int idmap_userns(const struct overlay *o) {
     return fd;
 }
 
+/* The overlay's mount options (ours for every layer we mount): 0, or -1 with ENAMETOOLONG. */
+static int overlay_options(char *opts, size_t size, const char *lower, const char *upper, const char *work,
+                           int userxattr) {
+    int n = snprintf(opts, size,
+                     "lowerdir=%s,upperdir=%s,workdir=%s,redirect_dir=nofollow,metacopy=off,index=off,xino=off%s",
+                     lower, upper, work, userxattr ? ",userxattr" : "");
+    if (n < 0 || (size_t)n >= size) {
+        errno = ENAMETOOLONG;
+        return -1;
+    }
+    return 0;
+}
+
+/* Move the detached mount ``tree`` (open_tree clone) to ``dest`` (made here), read-only,
+ * nosuid, nodev and idmapped by ``map``'s "OWNER -> uid/gid" user namespace. ``what`` names
+ * it in errors. Closes ``tree``. */
+static void mount_idmapped(int tree, const struct overlay *map, const char *dest, const char *what) {
+    if (mkdir(dest, 0755) != 0)
+        die("mkdir", dest);
+    int userns = idmap_userns(map);
+    struct ll_mount_attr attr = {
+        .attr_set = MOUNT_ATTR_IDMAP | MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV,
+        .userns_fd = (uint64_t)userns};
+    if (syscall(SYS_mount_setattr, tree, "", AT_EMPTY_PATH, &attr, sizeof attr) != 0)
+        dief("mount_setattr (%s, MOUNT_ATTR_IDMAP): %s", what, "its filesystem may not support idmapped mounts");
+    if (syscall(SYS_move_mount, tree, "", AT_FDCWD, dest, MOVE_MOUNT_F_EMPTY_PATH) != 0)
+        die("move_mount", dest);
+    close(tree);
+    close(userns);
+}
+
 static int mount_overlay(struct overlay *o, int generation) {
     char upper[PATH_MAX], work[PATH_MAX], lower[PATH_MAX], ws[PATH_MAX], opts[4 * PATH_MAX], name[32];
     struct stat st;
@@ -406,13 +437,8 @@ static int mount_overlay(struct overlay *o, int generation) {
     }
     if (chmod(upper, st.st_mode & 01777) != 0)
         return fail("chmod", upper);
-    int n = snprintf(opts, sizeof opts,
-                     "lowerdir=%s,upperdir=%s,workdir=%s,redirect_dir=nofollow,metacopy=off,index=off,xino=off%s",
-                     lower, upper, work, o->userxattr ? ",userxattr" : "");
-    if (n < 0 || (size_t)n >= sizeof opts) {
-        errno = ENAMETOOLONG;
+    if (overlay_options(opts, sizeof opts, lower, upper, work, o->userxattr) != 0)
         return fail("overlay options too long", NULL);
-    }
     if (mount("overlay", ws, "overlay", MS_NOSUID | MS_NODEV, opts) != 0) {
         int err = errno;
         snprintf(ov_error, sizeof ov_error, "mount overlay on %.*s (%.*s): %s", PATH_MAX, ws, PATH_MAX, opts,
@@ -436,6 +462,24 @@ static int open_upper(const struct overlay *o) {
     return fd;
 }
 
+/* Open ``path`` again (in our new mount namespace: overlay refuses a lower of another one) and
+ * check it is ``fd``'s directory (st_dev, st_ino), or die with ``changed``: a parent renamed
+ * meanwhile must not swap in another tree. Closes ``fd``; returns the new fd. */
+static int reopen_same(const char *path, int fd, const char *changed) {
+    struct stat a, b;
+    int nfd = open(path, O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (nfd < 0)
+        die("open", path);
+    if (fstat(nfd, &a) != 0 || fstat(fd, &b) != 0)
+        die("fstat", path);
+    if (a.st_dev != b.st_dev || a.st_ino != b.st_ino) {
+        errno = 0;
+        die(changed, path);
+    }
+    close(fd);
+    return nfd;
+}
+
 /* Policy.rootfs_writable: a second overlay, <mnt>/root, whose lower layer is the root
  * filesystem tree (read-only; for root callers an idmapped clone mapping the tree's owner to
  * the sandbox's ids, so the image's root-owned system is the sandbox's to write) and whose
@@ -456,29 +500,13 @@ static void setup_root_overlay(struct overlay *o) {
         map.owner_uid = st.st_uid;
         map.owner_gid = st.st_gid;
         path_in(lower, sizeof lower, o, "root-lower");
-        if (mkdir(lower, 0755) != 0)
-            die("mkdir", lower);
-        int userns = idmap_userns(&map);
-        struct ll_mount_attr attr = {
-            .attr_set = MOUNT_ATTR_IDMAP | MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV,
-            .userns_fd = (uint64_t)userns};
-        if (syscall(SYS_mount_setattr, o->root_tree, "", AT_EMPTY_PATH, &attr, sizeof attr) != 0)
-            die("mount_setattr", "(rootfs, MOUNT_ATTR_IDMAP): its filesystem may not support idmapped mounts");
-        if (syscall(SYS_move_mount, o->root_tree, "", AT_FDCWD, lower, MOVE_MOUNT_F_EMPTY_PATH) != 0)
-            die("move_mount", lower);
-        close(o->root_tree);
+        mount_idmapped(o->root_tree, &map, lower, "rootfs");
         o->root_tree = -1;
-        close(userns);
     } else {
         snprintf(lower, sizeof lower, "/proc/self/fd/%d", o->root_fd);
     }
-    int n = snprintf(opts, sizeof opts,
-                     "lowerdir=%s,upperdir=%s,workdir=%s,redirect_dir=nofollow,metacopy=off,index=off,xino=off%s",
-                     lower, upper, work, o->userxattr ? ",userxattr" : "");
-    if (n < 0 || (size_t)n >= sizeof opts) {
-        errno = ENAMETOOLONG;
+    if (overlay_options(opts, sizeof opts, lower, upper, work, o->userxattr) != 0)
         die("overlay options too long", NULL);
-    }
     if (mount("overlay", root, "overlay", MS_NOSUID | MS_NODEV, opts) != 0)
         dief("mount overlay on %s (%s)", root, opts);
 }
@@ -495,19 +523,8 @@ static void setup_overlay(struct overlay *o) {
         die("mkdir", path);
     if (o->idmap) {
         path_in(path, sizeof path, o, "lower");
-        if (mkdir(path, 0755) != 0)
-            die("mkdir", path);
-        int userns = idmap_userns(o), tree = o->tree_fd;
-        struct ll_mount_attr attr = {
-            .attr_set = MOUNT_ATTR_IDMAP | MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV,
-            .userns_fd = (uint64_t)userns};
-        if (syscall(SYS_mount_setattr, tree, "", AT_EMPTY_PATH, &attr, sizeof attr) != 0)
-            die("mount_setattr", "(workspace, MOUNT_ATTR_IDMAP): the workspace's filesystem may not support "
-                "idmapped mounts");
-        if (syscall(SYS_move_mount, tree, "", AT_FDCWD, path, MOVE_MOUNT_F_EMPTY_PATH) != 0)
-            die("move_mount", path);
-        close(tree);
-        close(userns);
+        mount_idmapped(o->tree_fd, o, path, "workspace");
+        o->tree_fd = -1;
     }
     if (mount_overlay(o, 0) != 0) {
         errno = 0;
@@ -751,37 +768,12 @@ int main(int argc, char **argv) {
         if (unshare(CLONE_NEWNS) != 0)
             die("unshare", "(CLONE_NEWNS)");
     }
-    if (have_overlay && ov.lower_path) {
-        /* Same directory as the caller's fd, or refuse: a parent renamed meanwhile must not
-         * swap in another tree. */
-        struct stat a, b;
-        int fd = open(ov.lower_path, O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-        if (fd < 0)
-            die("open", ov.lower_path);
-        if (fstat(fd, &a) != 0 || fstat(ov.lower_fd, &b) != 0)
-            die("fstat", "(workspace)");
-        if (a.st_dev != b.st_dev || a.st_ino != b.st_ino) {
-            errno = 0;
-            die("the workspace changed while the sandbox was set up (a parent directory was renamed?):",
-                ov.lower_path);
-        }
-        close(ov.lower_fd);
-        ov.lower_fd = fd;
-    }
-    if (ov.root_fd >= 0 && ov.root_path) {
-        struct stat a, b;
-        int fd = open(ov.root_path, O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-        if (fd < 0)
-            die("open", ov.root_path);
-        if (fstat(fd, &a) != 0 || fstat(ov.root_fd, &b) != 0)
-            die("fstat", "(rootfs)");
-        if (a.st_dev != b.st_dev || a.st_ino != b.st_ino) {
-            errno = 0;
-            die("the root filesystem tree changed while the sandbox was set up:", ov.root_path);
-        }
-        close(ov.root_fd);
-        ov.root_fd = fd;
-    }
+    if (have_overlay && ov.lower_path)
+        ov.lower_fd = reopen_same(ov.lower_path, ov.lower_fd,
+                                  "the workspace changed while the sandbox was set up (a parent directory was renamed?):");
+    if (ov.root_fd >= 0 && ov.root_path)
+        ov.root_fd = reopen_same(ov.root_path, ov.root_fd,
+                                 "the root filesystem tree changed while the sandbox was set up:");
     if (have_overlay) {
         if (have_uid) {
             ov.uid = uid;
