@@ -46,6 +46,18 @@ def _owners(root: str) -> dict[str, tuple[int, int, int]]:
     return out
 
 
+def _killed_mid_run(ws: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """Start CALLER on ``ws``, SIGKILL it once its program has written new.txt; return it (reaped)."""
+    caller = subprocess.Popen([sys.executable, "-c", CALLER, ws], env=env)
+    deadline = time.monotonic() + 30
+    while not os.path.exists(f"{ws}/new.txt") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)
+    caller.send_signal(signal.SIGKILL)
+    caller.wait()
+    return caller
+
+
 @pytest.mark.parametrize("repair", ["cleanup", "next run"])
 def test_killed_root_caller_in_handover_mode_leaves_owners_restorable(repair: str) -> None:
     ws = tempfile.mkdtemp(prefix="rt-handover-", dir="/tmp")
@@ -57,14 +69,8 @@ def test_killed_root_caller_in_handover_mode_leaves_owners_restorable(repair: st
             os.chown(p, 4242, 4242)
         os.chmod(ws, 0o755)
         before = _owners(ws)
-        caller = subprocess.Popen([sys.executable, "-c", CALLER, ws], env=env)
-        deadline = time.monotonic() + 30
-        while not os.path.exists(f"{ws}/new.txt") and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.2)
-        assert _owners(ws)["f"][:2] != (4242, 4242)  # handed over while it runs
-        caller.send_signal(signal.SIGKILL)
-        caller.wait()
+        caller = _killed_mid_run(ws, env)
+        assert _owners(ws)["f"][:2] != (4242, 4242)  # it was handed over when the caller died
         assert caller.returncode == -signal.SIGKILL
         listed = subprocess.run([sys.executable, "-m", "lowlevel", "doctor", "--json"], env=env,
                                 capture_output=True, text=True)
@@ -119,13 +125,7 @@ def test_a_reused_caller_pid_does_not_keep_the_workspace_handed_over() -> None:
             os.chown(p, 4242, 4242)
         os.chmod(ws, 0o755)
         before = _owners(ws)
-        caller = subprocess.Popen([sys.executable, "-c", CALLER, ws], env=env)
-        deadline = time.monotonic() + 30
-        while not os.path.exists(f"{ws}/new.txt") and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.2)
-        caller.send_signal(signal.SIGKILL)
-        caller.wait()
+        caller = _killed_mid_run(ws, env)
         mine = [n for n in os.listdir(journal.JOURNAL_DIR) if n.startswith(f"{caller.pid}-")]
         assert len(mine) == 1, mine
         time.sleep(0.05)  # the other process starts at a later clock tick than the caller
@@ -180,14 +180,8 @@ def test_a_journal_never_chowns_a_directory_swapped_in_at_the_workspace_path() -
             os.chown(p, 5555, 5555)
         os.chmod(victim, 0o700)
         victim_before = _owners(victim)
-        caller = subprocess.Popen([sys.executable, "-c", CALLER, ws], env=env)
-        deadline = time.monotonic() + 30
-        while not os.path.exists(f"{ws}/new.txt") and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.2)
-        assert _owners(ws)["f"][:2] != (4242, 4242)  # handed over while it runs
-        caller.send_signal(signal.SIGKILL)
-        caller.wait()
+        _killed_mid_run(ws, env)
+        assert _owners(ws)["f"][:2] != (4242, 4242)  # it was handed over when the caller died
         os.rename(parent, parent + ".moved")
         os.symlink(os.path.dirname(victim), parent)
         for _ in range(3):
