@@ -80,6 +80,7 @@ try:
 except ImportError as _err:  # pragma: no cover - exercised only without the extra
     raise ImportError("lowlevel.ray needs Ray: pip install '.[ray]' in the lowlevel checkout") from _err
 
+from . import workspace as _ws
 from .errors import LowlevelError, PolicyError, SessionError, WorkspaceError
 from .limits import Limits
 from .policy import Policy
@@ -299,25 +300,6 @@ def pack_inputs(inputs: Any, *, max_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> byt
     return data
 
 
-def _open_dir(rootfd: int, parts: Sequence[str], create: bool) -> int:
-    """Open directory ``parts`` below ``rootfd`` component by component, never through a symlink."""
-    fd = os.dup(rootfd)
-    try:
-        for part in parts:
-            if create:
-                try:
-                    os.mkdir(part, 0o755, dir_fd=fd)
-                except FileExistsError:
-                    pass
-            nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            os.close(fd)
-            fd = nfd
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
 def unpack_inputs(data: bytes, root: str) -> list[str]:
     """Unpack a :func:`pack_inputs` archive into the (empty, caller-owned) directory ``root``.
 
@@ -353,7 +335,7 @@ def unpack_inputs(data: bytes, root: str) -> list[str]:
                 mode = member.mode & 0o777
                 try:
                     if member.isdir():
-                        dfd = _open_dir(rootfd, parts, create=True)
+                        dfd = _ws.open_dir_at(rootfd, parts, create=True)
                         try:
                             os.chmod(dfd, mode | 0o700)
                         finally:
@@ -364,7 +346,7 @@ def unpack_inputs(data: bytes, root: str) -> list[str]:
                             raise WorkspaceError(errno.EINVAL, f"refusing input member {rel!r}: sparse file")
                         src = tar.extractfile(member)
                         assert src is not None
-                        dfd = _open_dir(rootfd, parts[:-1], create=True)
+                        dfd = _ws.open_dir_at(rootfd, parts[:-1], create=True)
                         try:
                             fd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                                          | os.O_CLOEXEC, mode, dir_fd=dfd)
@@ -381,7 +363,7 @@ def unpack_inputs(data: bytes, root: str) -> list[str]:
                     elif member.issym():
                         if not member.linkname or "\0" in member.linkname:
                             raise WorkspaceError(errno.EINVAL, f"refusing input member {rel!r}: empty symlink")
-                        dfd = _open_dir(rootfd, parts[:-1], create=True)
+                        dfd = _ws.open_dir_at(rootfd, parts[:-1], create=True)
                         try:
                             os.symlink(member.linkname, parts[-1], dir_fd=dfd)
                         finally:
@@ -397,7 +379,7 @@ def unpack_inputs(data: bytes, root: str) -> list[str]:
                     raise WorkspaceError(err.errno or errno.EIO, f"cannot unpack input {rel!r}: {why}") from err
                 created.append(rel)
         for parts, mtime in reversed(dir_times):
-            dfd = _open_dir(rootfd, parts, create=False)
+            dfd = _ws.open_dir_at(rootfd, parts, create=False)
             try:
                 os.utime(dfd, (mtime, mtime))
             finally:
@@ -437,7 +419,7 @@ def collect_outputs(root: str, paths: Iterable[str], max_bytes: int) -> tuple[di
         for rel in sorted(set(paths)):
             parts = rel.split("/")
             try:
-                dfd = _open_dir(rootfd, parts[:-1], create=False)
+                dfd = _ws.open_dir_at(rootfd, parts[:-1], create=False)
             except OSError:
                 omitted.append(rel)
                 continue
@@ -519,7 +501,6 @@ class SandboxActor:
 
     def _base(self) -> str:
         """The node's workspace base (checked once per actor)."""
-        from . import workspace as _ws
         if self.base is None:
             self.base = _ws.ensure_base(self.config.get("workspace_base") or _ws.default_base())
         return self.base
@@ -590,7 +571,6 @@ class SandboxActor:
 
     async def _run_fresh(self, command: list[str], policy: Policy, inputs: bytes | None, stdin: bytes | None,
                          timeout: Any, env: Mapping[str, str] | None, cwd: str | None) -> RemoteResult:
-        from . import workspace as _ws
 
         kwargs: dict[str, Any] = {"policy": policy, "stdin": stdin, "env": env, "cwd": cwd}
         if timeout is not _UNSET:
@@ -640,7 +620,6 @@ class SandboxActor:
     async def session_open(self, policy_key: str, inputs: bytes | None,
                            options: dict[str, Any]) -> str:
         """Start a session sandbox here; returns its id."""
-        from . import workspace as _ws
         from .session import AsyncSession
 
         if not self.started:
@@ -685,13 +664,11 @@ class SandboxActor:
 
     async def session_read(self, sid: str, relpath: str, max_bytes: int) -> bytes:
         """Read one regular file of session ``sid``'s workspace (untrusted: no symlink followed)."""
-        from . import workspace as _ws
         session = self._session(sid)
         return await asyncio.to_thread(_ws.read_file, session.workspace, relpath, max_bytes)
 
     async def session_close(self, sid: str) -> None:
         """Close session ``sid`` and remove its workspace; idempotent."""
-        from . import workspace as _ws
         session = self.sessions.pop(sid, None)
         ws = self.session_workspaces.pop(sid, None)
         if session is not None:

@@ -251,9 +251,21 @@ def _open_parent(root: str, parts: Sequence[str], create: bool = False,
     """Open the directory holding parts[-1], component by component with O_NOFOLLOW.
 
     ``create`` makes missing directories (given to ``owner`` when set)."""
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    rootfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        for part in parts[:-1]:
+        return open_dir_at(rootfd, parts[:-1], create=create, owner=owner)
+    finally:
+        os.close(rootfd)
+
+
+def open_dir_at(dirfd: int, parts: Sequence[str], *, create: bool = False,
+                owner: tuple[int, int] | None = None) -> int:
+    """Open directory ``parts`` below ``dirfd`` component by component, never through a symlink
+    (O_NOFOLLOW each); ``create`` makes missing ones (given to ``owner`` when set). Returns a new
+    fd (``dirfd`` stays open). Raises OSError (nothing left open)."""
+    fd = os.dup(dirfd)
+    try:
+        for part in parts:
             if create:
                 try:
                     os.mkdir(part, 0o755, dir_fd=fd)
