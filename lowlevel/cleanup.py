@@ -119,7 +119,7 @@ def _handovers() -> list[Leftover]:
     out = []
     for path in _journal.pending():
         try:
-            _pid, h = _journal.load(path)
+            h = _journal.load(path).handover
             what = f"workspace {h.root} still handed to the sandbox's uid {h.sandbox_uid} (its caller died)"
         except (OSError, ValueError, UnicodeDecodeError):
             what = "an unreadable hand-over journal"

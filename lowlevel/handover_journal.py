@@ -33,6 +33,7 @@ import errno
 import itertools
 import os
 import stat
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from . import cow as _cow
@@ -129,8 +130,25 @@ def _start_time(pid: int) -> int | None:
     return None if fields[0] == b"Z" else int(fields[19])
 
 
-def load(path: str) -> tuple[int, Handover]:
-    """Rebuild ``(caller pid, Handover)`` from a journal. Raises ValueError if it is malformed."""
+@dataclass
+class Entry:
+    """A journal read back by :func:`load`.
+
+    Attributes:
+        caller_pid: the process that handed the workspace over.
+        handover: the record :func:`lowlevel.workspace.give_back` needs (no pins).
+        processes: ``(kind, pid, starttime)`` of the caller, the anchor and bwrap, as recorded.
+        root_key: ``(st_dev, st_ino)`` of the workspace root when handed over (None: not recorded).
+    """
+
+    caller_pid: int
+    handover: Handover
+    processes: list[tuple[str, int, int]] = field(default_factory=list)
+    root_key: tuple[int, int] | None = None
+
+
+def load(path: str) -> Entry:
+    """Read a journal back. Raises ValueError if it is malformed."""
     from .workspace import Handover
     with open(path, "rb") as f:
         lines = f.read().decode("ascii").splitlines()
@@ -140,14 +158,14 @@ def load(path: str) -> tuple[int, Handover]:
     h = Handover(root=os.fsdecode(bytes.fromhex(root_hex)), before=({}, True),
                  root_ids=(int(ruid), int(rgid), int(rmode)), owners={}, pins={},
                  sandbox_uid=None if suid == "None" else int(suid), new_owner=(int(nuid), int(ngid)))
-    processes: list[str] = []
+    entry = Entry(int(pid), h)
     for line in lines[1:]:
         rec = line.split(" ")
         if rec[0] == "P":
-            processes.append(f"process {rec[1]} {int(rec[2])} {int(rec[3])}")
+            entry.processes.append((rec[1], int(rec[2]), int(rec[3])))
             continue
         if rec[0] == "R":
-            processes.append(f"root {int(rec[1])} {int(rec[2])}")
+            entry.root_key = (int(rec[1]), int(rec[2]))
             continue
         key = (int(rec[1]), int(rec[2]))
         if rec[0] == "E":
@@ -158,11 +176,10 @@ def load(path: str) -> tuple[int, Handover]:
             h.stamps[key] = (int(rec[3]), int(rec[4]), int(rec[5]))
         else:
             raise ValueError(f"{path}: unknown record {rec[0]!r}")
-    h.notes = processes  # read back by _sandbox_alive
-    return int(pid), h
+    return entry
 
 
-def _sandbox_alive(h: Handover) -> str | None:
+def _sandbox_alive(entry: Entry) -> str | None:
     """What says the run's sandbox may still run, else None.
 
     bwrap is PID 1 of the run's PID namespace: its exit completes only once every process of
@@ -170,15 +187,13 @@ def _sandbox_alive(h: Handover) -> str | None:
     sandbox. Without bwrap's record (the caller died between the anchor's READY and recording
     it) but with a dead anchor, bwrap was SIGKILLed by its parent-death signal and may take a
     moment: any process of the sandbox's uid counts as alive then."""
-    kinds = set()
-    for note in h.notes:
-        if note.startswith("process "):
-            _word, kind, pid, start = note.split(" ")
-            kinds.add(kind)
-            if _start_time(int(pid)) == int(start):
-                return f"its {kind} (pid {pid}) still runs"
-    if "bwrap" not in kinds and h.sandbox_uid is not None and _uid_runs_a_process(h.sandbox_uid):
-        return f"a process of its uid {h.sandbox_uid} still runs"
+    for kind, pid, start in entry.processes:
+        if _start_time(pid) == start:
+            return f"its {kind} (pid {pid}) still runs"
+    uid = entry.handover.sandbox_uid
+    if all(kind != "bwrap" for kind, _pid, _start in entry.processes) and uid is not None \
+            and _uid_runs_a_process(uid):
+        return f"a process of its uid {uid} still runs"
     return None
 
 
@@ -268,16 +283,15 @@ def recover(root: str | None = None) -> tuple[list[str], list[str]]:
     problems: list[str] = []
     for path in pending(root):
         try:
-            _pid, h = load(path)
+            entry = load(path)
         except (OSError, ValueError, UnicodeDecodeError) as err:
             problems.append(f"{path}: unreadable journal ({err}); remove it by hand")
             continue
-        alive = _sandbox_alive(h)
+        h, root_key = entry.handover, entry.root_key
+        alive = _sandbox_alive(entry)
         if alive is not None:
             problems.append(f"{h.root}: not given back yet, {alive}; try again in a moment")
             continue
-        root_key = next((tuple(int(x) for x in n.split(" ")[1:]) for n in h.notes if n.startswith("root ")), None)
-        h.notes = []
         try:
             st = os.lstat(h.root)
         except OSError:
@@ -303,4 +317,4 @@ def recover(root: str | None = None) -> tuple[list[str], list[str]]:
     return done, problems
 
 
-__all__ = ["JOURNAL_DIR", "Journal", "load", "pending", "recover"]
+__all__ = ["JOURNAL_DIR", "Entry", "Journal", "load", "pending", "recover"]
