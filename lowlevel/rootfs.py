@@ -148,23 +148,17 @@ def _check_trusted_tree(raw: str, real: str) -> None:
     root, write) that directory. So the tree must be owned by root or the caller and writable
     by no one else, and so must each ancestor (sticky ones, like ``/tmp``, excepted).
     """
-    trusted = {0, os.geteuid()}
-    cur = real
-    while True:
-        try:
-            st = os.lstat(cur)
-        except OSError as err:
-            raise PolicyError(f"cannot check {cur} of Policy.rootfs {raw!r}: {err.strerror}") from err
-        mode = st.st_mode
-        others_write = mode & (stat.S_IWGRP | stat.S_IWOTH) and (cur == real or not mode & stat.S_ISVTX)
-        if st.st_uid not in trusted or not stat.S_ISDIR(mode) or others_write:
-            raise PolicyError(f"refusing Policy.rootfs {raw!r}: {cur} (owner uid {st.st_uid}, mode "
-                              f"{stat.S_IMODE(mode):04o}) could be changed by another user while a sandbox starts "
-                              "(a top-level directory swapped for a symlink to a host directory). Keep the tree in "
-                              "directories owned by root or by you and not writable by others (chmod go-w)")
-        if cur == "/":
-            return
-        cur = os.path.dirname(cur)
+    from .workspace import first_untrusted_dir
+    try:
+        found = first_untrusted_dir(real, include_self=True)
+    except OSError as err:
+        raise PolicyError(f"cannot check {err.filename} of Policy.rootfs {raw!r}: {err.strerror}") from err
+    if found is not None:
+        cur, st = found
+        raise PolicyError(f"refusing Policy.rootfs {raw!r}: {cur} (owner uid {st.st_uid}, mode "
+                          f"{stat.S_IMODE(st.st_mode):04o}) could be changed by another user while a sandbox starts "
+                          "(a top-level directory swapped for a symlink to a host directory). Keep the tree in "
+                          "directories owned by root or by you and not writable by others (chmod go-w)")
 
 
 @functools.lru_cache(maxsize=64)

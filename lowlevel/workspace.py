@@ -855,24 +855,42 @@ def check_trusted_ancestors(path: str) -> None:
     Raises:
         WorkspaceError: (EPERM) names the ancestor, its owner and mode, and the fix.
     """
+    try:
+        found = first_untrusted_dir(path)
+    except OSError as err:
+        raise WorkspaceError(err.errno, f"cannot check {err.filename} above workspace {path}: {err.strerror}") from err
+    if found is not None:
+        cur, st = found
+        raise WorkspaceError(errno.EPERM, f"refusing workspace {path}: {cur} (owner uid {st.st_uid}, mode "
+                             f"{stat.S_IMODE(st.st_mode):04o}) could be renamed or replaced by another user during "
+                             "the run, redirecting what lowlevel does to the workspace afterwards. Use a "
+                             "workspace below directories owned by root or by you and not writable by others"
+                             + (" (or run lowlevel as that user)" if os.geteuid() == 0 else ""))
+
+
+def first_untrusted_dir(path: str, *, include_self: bool = False) -> tuple[str, os.stat_result] | None:
+    """The first directory another user could rename, replace or fill, from ``path``'s parent
+    (``path`` itself first with ``include_self``) up to ``/``, with its lstat; None if none.
+
+    Untrusted: not a directory, owned by neither root nor the caller, or writable by group or
+    others, which a sticky bit excuses on an ancestor (``/tmp``: others cannot rename entries
+    they do not own) but not on ``path`` itself (anyone could still add or swap its entries).
+
+    Raises:
+        OSError: an lstat failed (``filename`` names the directory).
+    """
     trusted = {0, os.geteuid()}
-    cur = os.path.dirname(path.rstrip("/")) or "/"
+    path = path.rstrip("/") or "/"
+    cur = path if include_self else os.path.dirname(path) or "/"
     while True:
-        try:
-            st = os.lstat(cur)
-        except OSError as err:
-            raise WorkspaceError(err.errno, f"cannot check {cur} above workspace {path}: {err.strerror}") from err
+        st = os.lstat(cur)
         mode = st.st_mode
-        owner_ok = st.st_uid in trusted and stat.S_ISDIR(mode)
-        writable_by_others = mode & (stat.S_IWGRP | stat.S_IWOTH) and not mode & stat.S_ISVTX
-        if not owner_ok or writable_by_others:
-            raise WorkspaceError(errno.EPERM, f"refusing workspace {path}: {cur} (owner uid {st.st_uid}, mode "
-                                 f"{stat.S_IMODE(mode):04o}) could be renamed or replaced by another user during "
-                                 "the run, redirecting what lowlevel does to the workspace afterwards. Use a "
-                                 "workspace below directories owned by root or by you and not writable by others"
-                                 + (" (or run lowlevel as that user)" if os.geteuid() == 0 else ""))
+        itself = include_self and cur == path
+        others_write = mode & (stat.S_IWGRP | stat.S_IWOTH) and (itself or not mode & stat.S_ISVTX)
+        if st.st_uid not in trusted or not stat.S_ISDIR(mode) or others_write:
+            return cur, st
         if cur == "/":
-            return
+            return None
         cur = os.path.dirname(cur)
 
 
