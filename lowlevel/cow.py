@@ -157,7 +157,8 @@ class UidLease:
         state = ensure_root_state_dir()
         path = os.path.join(state, "uids.lock")
         # An OSError here (EMFILE...) propagates: the launcher reports it as a LaunchError.
-        taken = account_uids(first, count)
+        from .handover_journal import journaled_uids
+        taken = account_uids(first, count) | journaled_uids()
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         with cls._lock:
             start = cls._next
@@ -166,7 +167,7 @@ class UidLease:
             for k in range(count):
                 i = (start + k) % count
                 if first + i in taken:
-                    continue  # a real account's uid or group's gid (LOWLEVEL_UID_RANGE over them)
+                    continue  # an account's uid or group's gid, or a hand-over journal's sandbox uid
                 # struct flock: l_type, l_whence, l_start, l_len, l_pid (0 for OFD locks). The
                 # byte is the uid itself, so ranges configured differently never collide.
                 lock = struct.pack("hh4xqqi4x", fcntl.F_WRLCK, os.SEEK_SET, first + i, 1, 0)

@@ -245,6 +245,27 @@ def pending(root: str | None = None) -> list[str]:
     return out
 
 
+def journaled_uids() -> frozenset[int]:
+    """The sandbox uids named by the journals here (live runs' and dead callers' not yet given
+    back). :class:`lowlevel.cow.UidLease` never leases them: a dead caller's workspace is still
+    owned by its uid until recovered, and another sandbox running as that uid would own (and
+    could reach) its files meanwhile, and keep its recovery waiting."""
+    try:
+        names = os.listdir(JOURNAL_DIR)
+    except OSError:
+        return frozenset()
+    uids = set()
+    for name in names:
+        try:
+            with open(os.path.join(JOURNAL_DIR, name), "rb") as f:
+                head = f.readline().split(b" ")
+        except OSError:
+            continue
+        if len(head) > 7 and head[:2] == [b"H", b"1"] and head[7].isdigit():
+            uids.add(int(head[7]))
+    return frozenset(uids)
+
+
 def _caller_pid_reused(path: str, pid: int) -> bool:
     """Whether the live process ``pid`` is not the journal's caller (its ``P caller`` start time
     differs): the caller died and its pid went to another process, which must not keep the
@@ -317,4 +338,4 @@ def recover(root: str | None = None) -> tuple[list[str], list[str]]:
     return done, problems
 
 
-__all__ = ["JOURNAL_DIR", "Entry", "Journal", "load", "pending", "recover"]
+__all__ = ["JOURNAL_DIR", "Entry", "Journal", "journaled_uids", "load", "pending", "recover"]

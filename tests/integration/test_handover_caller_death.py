@@ -228,3 +228,31 @@ def test_two_live_runs_never_hand_over_one_workspace(monkeypatch: pytest.MonkeyP
         assert _owners(ws) == before
     finally:
         shutil.rmtree(ws, ignore_errors=True)
+
+
+def test_a_journaled_uid_is_not_leased_until_given_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A caller killed between READY and recording bwrap leaves its workspace owned by its uid;
+    leasing that uid to the next sandbox (the lowest free one) made that sandbox own the dead
+    run's files and kept the recovery waiting for as long as uids were busy (found by killing
+    callers at random instants). Journaled uids are skipped; the control lease takes them."""
+    from lowlevel import handover_journal as journal
+    from lowlevel.cow import UidLease, ensure_root_state_dir
+    first = 1879048192 + 60000  # two ids of the default range no other test leases
+    monkeypatch.setenv("LOWLEVEL_UID_RANGE", f"{first}-{first + 1}")
+    ensure_root_state_dir()
+    os.makedirs(journal.JOURNAL_DIR, mode=0o700, exist_ok=True)
+    p = subprocess.Popen(["true"])
+    p.wait()
+    path = os.path.join(journal.JOURNAL_DIR, f"{p.pid}-998")
+    Path(path).write_text(f"H 1 {p.pid} {os.fsencode('/nonexistent-ws').hex()} 0 0 493 {first} 0 0\n")
+    try:
+        for _ in range(3):
+            lease = UidLease.acquire()
+            assert lease.uid == first + 1
+            lease.release()
+    finally:
+        os.unlink(path)
+    leases = [UidLease.acquire() for _ in range(2)]  # control: without the journal, both ids go
+    assert sorted(lease.uid for lease in leases) == [first, first + 1]
+    for lease in leases:
+        lease.release()
