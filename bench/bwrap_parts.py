@@ -13,7 +13,8 @@ command line to the previous one:
 | ``seed`` | the seed recipe |
 | ``userns`` | ``--unshare-user --disable-userns`` |
 | ``env`` | the Policy's ``--setenv``s and ``--hostname`` |
-| ``etc`` | the seven ``/etc`` read-only binds (``probe.ETC_ENTRIES``) |
+| ``etc`` | the seven ``/etc`` entries (``probe.ETC_ENTRIES``) as lowlevel gives them |
+|  | (``argv.etc_plan``: files copied, a symlink, two binds; ``--etc-as-binds``: seven binds) |
 | ``tmpfs`` | ``--size`` on ``/tmp``, a sized ``/dev/shm`` tmpfs, ``--remount-ro /dev`` |
 | ``passwd`` | the synthesized ``/etc/passwd`` and ``/etc/group`` (two memfds), as files of the |
 |  | root tmpfs (``--perms 0644 --file``; ``--passwd-as-bind``: ``--ro-bind-data``, as before) |
@@ -49,6 +50,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 import lowlevel  # noqa: E402
+from lowlevel import argv as _argv  # noqa: E402
 from lowlevel import landlock as _landlock  # noqa: E402
 from lowlevel import launcher as _launcher  # noqa: E402
 from lowlevel import seccomp as _seccomp  # noqa: E402
@@ -68,7 +70,7 @@ def _high(fd: int) -> int:
 
 
 class Ladder:
-    def __init__(self, cmd: list[str], passwd_as_bind: bool = False) -> None:
+    def __init__(self, cmd: list[str], passwd_as_bind: bool = False, etc_as_binds: bool = False) -> None:
         self.cmd = cmd
         self.facts = _launcher.host_facts()
         self.ws = tempfile.mkdtemp(prefix="lowlevel-bench-parts-", dir="/tmp")
@@ -86,9 +88,20 @@ class Ladder:
             base += ["--symlink", target, name]
         for d in layout.ro_dirs:
             base += ["--ro-bind", d, d]
+        # As lowlevel writes them (argv.etc_plan): small files copied into the root tmpfs from an
+        # fd, /etc/localtime as a symlink, directories bound; --etc-as-binds: all seven bound.
         etc: list[str] = []
-        for p in layout.etc_files:
-            etc += ["--ro-bind", p, p]
+        self.etc_fds: list[tuple[int, bytes]] = []
+        for kind, p, arg in _argv.etc_plan(layout.etc_files):
+            if kind == "file" and not etc_as_binds:
+                child = _argv.ETC_COPY_FD + len(self.etc_fds)
+                with open(p, "rb") as f:
+                    self.etc_fds.append((child, f.read()))
+                etc += ["--perms", "0644", "--file", str(child), p]
+            elif kind == "symlink" and not etc_as_binds:
+                etc += ["--symlink", arg, p]
+            else:
+                etc += ["--ro-bind", p, p]
         size = str(policy.limits.tmp_size_bytes)
         self.parts: dict[str, list[str]] = {
             "userns": ["--unshare-user", "--disable-userns"],
@@ -116,8 +129,10 @@ class Ladder:
             opts += self.parts["userns"]
         opts += ["--setenv", "PATH", "/usr/bin:/bin"] if upto < STEPS.index("env") else self.parts["env"]
         mounts = [*self.base]
+        fds: list[tuple[int, bytes]] = []
         if upto >= STEPS.index("etc"):
             mounts += self.parts["etc"]
+            fds += self.etc_fds
         mounts += ["--proc", "/proc", "--dev", "/dev"]
         if upto >= STEPS.index("tmpfs"):
             mounts += ["--size", self.size, "--tmpfs", "/tmp", "--size", self.size, "--tmpfs", "/dev/shm",
@@ -126,7 +141,6 @@ class Ladder:
             mounts += ["--tmpfs", "/tmp"]
         overlay = upto >= STEPS.index("overlay")
         mounts += ["--bind", f"{self.mnt}/ws" if overlay else self.ws, "/workspace"]
-        fds: list[tuple[int, bytes]] = []
         if upto >= STEPS.index("passwd"):
             mounts += self.parts["passwd"]
             fds += [(7, self.passwd), (8, self.group)]
@@ -306,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=200, help="calls per step (default 200)")
     ap.add_argument("--json", help="write the figures as JSON")
     ap.add_argument("--passwd-as-bind", action="store_true", help="the passwd step as --ro-bind-data (the old form)")
+    ap.add_argument("--etc-as-binds", action="store_true", help="the etc step as seven read-only binds (the old form)")
     args = ap.parse_args(argv)
     if os.geteuid() != 0:
         print("run as root (the seed recipe is root's bwrap)", file=sys.stderr)
@@ -318,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     ladder: Ladder | None = None
     acct: CpuAcct | None = None
     try:
-        ladder = Ladder(["/usr/bin/true"], passwd_as_bind=args.passwd_as_bind)
+        ladder = Ladder(["/usr/bin/true"], passwd_as_bind=args.passwd_as_bind, etc_as_binds=args.etc_as_binds)
         acct = CpuAcct()
         for s in STEPS:  # warm-up
             ladder.call(s)

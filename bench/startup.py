@@ -70,6 +70,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 _T_IMPORT = time.perf_counter_ns()
 import lowlevel  # noqa: E402
+from lowlevel import argv as _argv  # noqa: E402
 from lowlevel import launcher as _launcher  # noqa: E402
 from lowlevel import seccomp as _seccomp  # noqa: E402
 
@@ -133,7 +134,7 @@ class Case:
 _DEVNULL_W = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
 
 
-def _high(fd: int, low: int = 16) -> int:
+def _high(fd: int, low: int = 64) -> int:
     """Move ``fd`` to a number >= ``low`` (so no dup2 in the file actions clobbers a source)."""
     if fd >= low:
         return fd
@@ -184,29 +185,32 @@ class RawBwrap:
         outer = [facts.bwrap.path, "--args", str(_launcher.ARGS_FD), "--", *cmd]
         if facts.caller_is_root:
             fds = _launcher.CHILD_FDS
+            etc = "".join(f",{_argv.ETC_COPY_FD + i}" for i in range(len(_argv.etc_copies(policy, facts))))
             outer = [_launcher._exec_helper(), f"--parent={os.getpid()}", f"--uid={ids[0]}", f"--gid={ids[1]}",
-                     f"--pass-fds={_launcher.ARGS_FD},{fds.seccomp},{fds.passwd},{fds.group}", "--", *outer]
+                     f"--pass-fds={_launcher.ARGS_FD},{fds.seccomp},{fds.passwd},{fds.group}{etc}", "--", *outer]
         i = outer.index("--args")
         self.argv = [*outer[:i], *options, *outer[i + 2:]]
         self.bpf = _seccomp.compile_bpf(policy.seccomp)
         self.passwd, self.group = _launcher._passwd_group(*ids)
         self.fds = _launcher.CHILD_FDS
+        self.etc_copies = _argv.etc_copies(policy, facts)
 
     def spawn(self) -> int:
         """posix_spawn one raw bwrap; return its pid (the caller waits)."""
         sfd = _high(_seccomp.bpf_memfd(self.bpf))
         pfd = _high(_launcher._memfd("passwd", self.passwd))
         gfd = _high(_launcher._memfd("group", self.group))
+        efds = [_high(_launcher._open_etc_copy(path)) for path in self.etc_copies]
         try:
             return os.posix_spawn(self.argv[0], self.argv, {}, file_actions=[
                 (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
                 (os.POSIX_SPAWN_DUP2, _DEVNULL_W, 1), (os.POSIX_SPAWN_DUP2, _DEVNULL_W, 2),
                 (os.POSIX_SPAWN_DUP2, sfd, self.fds.seccomp), (os.POSIX_SPAWN_DUP2, pfd, self.fds.passwd),
-                (os.POSIX_SPAWN_DUP2, gfd, self.fds.group)])
+                (os.POSIX_SPAWN_DUP2, gfd, self.fds.group),
+                *((os.POSIX_SPAWN_DUP2, fd, _argv.ETC_COPY_FD + i) for i, fd in enumerate(efds))])
         finally:
-            os.close(sfd)
-            os.close(pfd)
-            os.close(gfd)
+            for fd in (sfd, pfd, gfd, *efds):
+                os.close(fd)
 
     def call(self) -> None:
         pid = self.spawn()

@@ -20,6 +20,7 @@ Source: the ``signal`` module documentation ("Execution of Python signal handler
 
 from __future__ import annotations
 
+import _signal  # type: ignore[import-not-found]  # the C module behind signal (no stub)
 import signal
 import threading
 from types import FrameType, TracebackType
@@ -28,6 +29,7 @@ from typing import Any
 #: Signals whose Python handlers are held back (SIG_DFL and SIG_IGN ones are left alone).
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGALRM,
            signal.SIGUSR1, signal.SIGUSR2)
+_SIGNAL_NUMBERS = tuple(int(sig) for sig in SIGNALS)
 
 
 class deferred_interrupts:  # noqa: N801 (used as a context manager, like contextlib's)
@@ -50,10 +52,12 @@ class deferred_interrupts:  # noqa: N801 (used as a context manager, like contex
         if threading.current_thread() is not threading.main_thread():
             return self
         try:
-            for sig in SIGNALS:
-                handler = signal.getsignal(sig)
+            # _signal: the signal module's functions without their enum conversions (~27 enum
+            # constructions per run, a tenth of a millisecond), same semantics.
+            for sig in _SIGNAL_NUMBERS:
+                handler = _signal.getsignal(sig)
                 if callable(handler):
-                    signal.signal(sig, self._record)
+                    _signal.signal(sig, self._record)
                     self.saved[sig] = handler
         except BaseException:
             self.__exit__(None, None, None)  # an original handler raised: hand over what we held
@@ -72,7 +76,7 @@ class deferred_interrupts:  # noqa: N801 (used as a context manager, like contex
             try:
                 while items:
                     sig, handler = items[-1]
-                    signal.signal(sig, handler)
+                    _signal.signal(sig, handler)
                     items.pop()
             except BaseException as err:  # noqa: BLE001 (raised by our caller once all are back)
                 first = err if first is None else first

@@ -66,12 +66,13 @@ from . import overlay as _overlay
 from . import seccomp as _seccomp
 from . import validate as _validate
 from . import workspace as _ws
-from .argv import NETWORK_ETC, Fds, HostFacts, anchor_argv, build_argv, encode_args, redact_env_values
+from .argv import (ETC_COPY_FD, NETWORK_ETC, Fds, HostFacts, anchor_argv, build_argv, encode_args, etc_copies,
+                   redact_env_values)
 from .argv import AnchorOverlay as _AnchorOverlay
 from .egress import Egress
 from .errors import BwrapNotFoundError, LaunchError, LowlevelError, PolicyError, UnsupportedError, WorkspaceError
 from .policy import WORKSPACE_DEST, Policy
-from .probe import bwrap_info, host_layout, require_pidfd
+from .probe import ETC_ENTRIES, bwrap_info, host_layout, require_pidfd
 from .report import WARNING_PREFIX
 from .result import Result, decode_exit
 
@@ -258,6 +259,23 @@ def _memfd(name: str, data: bytes) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _open_etc_copy(path: str) -> int:
+    """Open a host ``/etc`` file that bwrap copies into the sandbox (:func:`lowlevel.argv.etc_plan`).
+
+    ``O_NOFOLLOW``: the plan saw a regular file; one replaced by a symlink since is refused,
+    not followed.
+
+    Raises:
+        LaunchError: the file cannot be opened (removed, or replaced by a symlink).
+    """
+    try:
+        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as err:
+        raise LaunchError(f"cannot open the host's {path} to copy it into the sandbox: {err.strerror} (it was a "
+                          "regular file when this process first looked; run again in a new process if it "
+                          "changed kind on purpose)", errno=err.errno) from err
 
 
 def _readable(fd: int, timeout_s: float) -> bool:
@@ -653,9 +671,11 @@ class Run:
         self.inputs = list(inputs)
         # {fd number inside: parent fd}; the parent keeps ownership of its fds.
         self.extra_fds = dict(extra_fds or {})
+        etc_copy_fds = range(ETC_COPY_FD, ETC_COPY_FD + len(ETC_ENTRIES))
         for child_fd in self.extra_fds:
-            if child_fd < 9:
-                raise PolicyError(f"extra_fds: child fd {child_fd} is reserved (use 9 or above)")
+            if child_fd < 9 or child_fd in etc_copy_fds:
+                raise PolicyError(f"extra_fds: child fd {child_fd} is reserved (use 9 to {ETC_COPY_FD - 1}, or "
+                                  f"{etc_copy_fds.stop} and above)")
         self.inputs = list(inputs)
         self.workspace_arg = workspace
         self.workspace_base = workspace_base
@@ -893,6 +913,7 @@ class Run:
         passwd, group = _passwd_group(uid, gid)
         passwd_fd = self._own(_memfd("lowlevel-passwd", passwd))
         group_fd = self._own(_memfd("lowlevel-group", group))
+        etc_fds = [self._own(_open_etc_copy(path)) for path in etc_copies(policy, self.facts)]
 
         if isinstance(policy.network, Egress):
             # The host-side proxy and the relay that runs first inside (lowlevel/egress_proxy.py).
@@ -946,6 +967,7 @@ class Run:
             stdio += [(fd, i) for i, fd in enumerate(self.stdio_fds) if i and fd is not None]
         mapping = stdio + [(args_fd, ARGS_FD), (json_w, fds.json_status),
                            (passwd_fd, fds.passwd or 0), (group_fd, fds.group or 0)]
+        mapping += [(fd, ETC_COPY_FD + i) for i, fd in enumerate(etc_fds)]
         if seccomp_fd is not None:
             mapping.append((seccomp_fd, fds.seccomp or 0))
         mapping += [(parent_fd, child_fd) for child_fd, parent_fd in sorted(self.extra_fds.items())]

@@ -1269,8 +1269,16 @@ def _write(path: str, text: str) -> None:
 
 
 def _read(path: str) -> str:
-    with open(path, encoding="ascii", errors="replace") as f:
-        return f.read()
+    # os.open/os.read, not open(): no buffered text wrapper for a file of a few bytes (a run
+    # reads about eight of them).
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    return b"".join(chunks).decode("ascii", "replace")
 
 
 def _read_words(path: str) -> set[str]:
