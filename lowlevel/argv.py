@@ -82,11 +82,20 @@ ETC_COPY_MAX_BYTES = 1 << 20
 def etc_plan(etc_files: tuple[str, ...]) -> tuple[tuple[str, str, str], ...]:
     """How each host ``/etc`` entry reaches the sandbox: ``(kind, path, arg)`` per entry.
 
-    - ``("file", path, "")``: a regular file of at most :data:`ETC_COPY_MAX_BYTES`, copied
-      into the sandbox's root tmpfs (``--perms 0644 --file FD path``; the launcher opens the
-      host file for each run, so the copy is the file as it is at the start of the run);
-    - ``("symlink", path, target)``: a symlink (``/etc/localtime``) whose target resolves
-      inside ``/usr``, which the sandbox has read-only: the same symlink (``--symlink``);
+    - ``("file", path, "")``: a regular file of at most :data:`ETC_COPY_MAX_BYTES` that
+      every user may read (``S_IROTH``), copied into the sandbox's root tmpfs (``--perms 0644
+      --file FD path``; the launcher opens the host file for each run, so the copy is the file
+      as it is at the start of the run). A file others cannot read stays a bind: the copy is
+      read by the caller (root: any file) and is 0644 inside, so it would hand the sandbox's
+      uid what the host's permissions refuse it (and an unprivileged caller could not open
+      it at all, failing every run where the bind gave an unreadable file);
+    - ``("symlink", path, target)``: a symlink (``/etc/localtime``) whose target, read as the
+      sandbox reads it, walks only ``/usr`` (which the sandbox has read-only, the host's):
+      an absolute target, or a relative one that only climbs out of the link's directory
+      (``../usr/share/zoneinfo/...``, as systemd writes it) before entering ``/usr``, and that
+      resolves where the host's link does. The same symlink (``--symlink``). A target that
+      passes through another host path (``zoneinfo/UTC`` via a host ``/etc/zoneinfo``
+      symlink) would dangle inside: it stays a bind;
     - ``("bind", path, path)``: anything else (directories such as ``/etc/alternatives``),
       a read-only bind as before.
 
@@ -95,8 +104,9 @@ def etc_plan(etc_files: tuple[str, ...]) -> tuple[tuple[str, str, str], ...]:
     these small files into the root tmpfs (bench/README.md, "/etc as copies"). The root tmpfs
     is remounted read-only at the end (``--remount-ro /``), so a copy is exactly as read-only
     as the bind, and the sandbox sees five host mounts fewer. The kind of each entry is read
-    once per process (cached); a file that became something else is refused at the next run
-    by the launcher (its open of the path fails), never silently bound.
+    once per process (cached); a file that became something else (a symlink, directory, FIFO,
+    device, a file over the size bound or no longer readable by others) is refused at the next
+    run by the launcher (:func:`etc_copy_refusal` on what it opened), never silently bound.
 
     Args:
         etc_files: :attr:`lowlevel.probe.HostLayout.etc_files`, absolute paths.
@@ -111,13 +121,51 @@ def etc_plan(etc_files: tuple[str, ...]) -> tuple[tuple[str, str, str], ...]:
         except OSError:
             plan.append(("bind", path, path))
             continue
-        if stat.S_ISREG(st.st_mode) and st.st_size <= ETC_COPY_MAX_BYTES:
+        if etc_copy_refusal(st) is None:
             plan.append(("file", path, ""))
-        elif stat.S_ISLNK(st.st_mode) and os.path.realpath(path).startswith("/usr/"):
-            plan.append(("symlink", path, os.readlink(path)))
+        elif stat.S_ISLNK(st.st_mode) and (target := _usr_link_target(path)) is not None:
+            plan.append(("symlink", path, target))
         else:
             plan.append(("bind", path, path))
     return tuple(plan)
+
+
+def etc_copy_refusal(st: os.stat_result) -> str | None:
+    """Why a host ``/etc`` entry with this ``stat`` cannot be copied into the sandbox, or None.
+
+    A copy (:func:`etc_plan`) must be a regular file (not a FIFO or device bwrap would read
+    from, nor a directory), of at most :data:`ETC_COPY_MAX_BYTES` (the copy lives in the
+    sandbox's root tmpfs, in memory, once per run), readable by every user (``S_IROTH``: the
+    copy is 0644 inside, readable by the sandbox's uid, whatever the host file allowed).
+    """
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_size > ETC_COPY_MAX_BYTES:
+        return f"larger than {ETC_COPY_MAX_BYTES} bytes"
+    if not st.st_mode & stat.S_IROTH:
+        return f"not readable by every user (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def _usr_link_target(path: str) -> str | None:
+    """The target of the symlink ``path`` when the sandbox, which has the host's ``/usr`` and
+    bwrap's own directories above ``path``, resolves it to the same file inside ``/usr``."""
+    target = os.readlink(path)
+    parts = [p for p in target.split("/") if p not in ("", ".")]
+    ups = 0
+    while ups < len(parts) and parts[ups] == "..":
+        ups += 1
+    # Only leading "..": they climb bwrap's directories (the link's parents), which exist
+    # inside; a ".." later, or a first component other than "usr", would walk host paths.
+    if ".." in parts[ups:]:
+        return None
+    lexical = os.path.normpath(os.path.join("/" if target.startswith("/") else os.path.dirname(path), target))
+    if not lexical.startswith("/usr/"):
+        return None
+    real = os.path.realpath(path)
+    if not real.startswith("/usr/") or os.path.realpath(lexical) != real:
+        return None
+    return target
 
 
 def etc_copies(policy: Policy, facts: HostFacts) -> tuple[str, ...]:

@@ -67,7 +67,7 @@ from . import seccomp as _seccomp
 from . import validate as _validate
 from . import workspace as _ws
 from .argv import (ETC_COPY_FD, NETWORK_ETC, Fds, HostFacts, anchor_argv, build_argv, encode_args, etc_copies,
-                   redact_env_values)
+                   etc_copy_refusal, redact_env_values)
 from .argv import AnchorOverlay as _AnchorOverlay
 from .egress import Egress
 from .errors import BwrapNotFoundError, LaunchError, LowlevelError, PolicyError, UnsupportedError, WorkspaceError
@@ -265,17 +265,34 @@ def _open_etc_copy(path: str) -> int:
     """Open a host ``/etc`` file that bwrap copies into the sandbox (:func:`lowlevel.argv.etc_plan`).
 
     ``O_NOFOLLOW``: the plan saw a regular file; one replaced by a symlink since is refused,
-    not followed.
+    not followed. What was opened is checked again (:func:`lowlevel.argv.etc_copy_refusal`,
+    one ``fstat``): the plan is made once per process, and a file that became a FIFO, a
+    device, a directory, a file over the size bound or one others may no longer read must not
+    be copied (bwrap would read a FIFO or ``/dev/zero`` into the root tmpfs, and the copy is
+    0644 inside whatever the host file's mode).
 
     Raises:
-        LaunchError: the file cannot be opened (removed, or replaced by a symlink).
+        LaunchError: the file cannot be opened (removed, replaced by a symlink, no fd left),
+            or is no longer one the plan may copy.
     """
     try:
-        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as err:
-        raise LaunchError(f"cannot open the host's {path} to copy it into the sandbox: {err.strerror} (it was a "
-                          "regular file when this process first looked; run again in a new process if it "
-                          "changed kind on purpose)", errno=err.errno) from err
+        hint = (" (it was a regular file when this process first looked; run again in a new process if it "
+                "changed kind on purpose)") if err.errno in (errno.ELOOP, errno.ENOENT, errno.ENOTDIR) else ""
+        raise LaunchError(f"cannot open the host's {path} to copy it into the sandbox: {err.strerror}{hint}",
+                          errno=err.errno) from err
+    try:
+        why = etc_copy_refusal(os.fstat(fd))
+    except BaseException:
+        os.close(fd)
+        raise
+    if why is not None:
+        os.close(fd)
+        raise LaunchError(f"refusing to copy the host's {path} into the sandbox: {why} now (it was a small regular "
+                          "file every user may read when this process first looked; run again in a new process "
+                          "if it changed on purpose)")
+    return fd
 
 
 def _readable(fd: int, timeout_s: float) -> bool:

@@ -10,7 +10,13 @@ read-only), and no host mount for them in the sandbox's mount table.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
 
 import pytest
 
@@ -105,3 +111,101 @@ def test_extra_fds_cannot_take_the_etc_copies_numbers() -> None:
     finally:
         os.close(r)
         os.close(w)
+
+
+# What the caller's bwrap would not show the sandbox through a bind, a copy must not show either.
+# The etc entries below are temp files under /var/tmp (inside the sandbox /tmp is a tmpfs mounted
+# over them); this host's /etc is never touched: the child process replaces its own host facts.
+_LAYOUT_CHILD = r"""
+import dataclasses, json, sys
+import lowlevel
+from lowlevel import launcher
+extra = tuple(sys.argv[1:])
+facts = launcher.host_facts()
+fake = dataclasses.replace(facts, layout=dataclasses.replace(facts.layout,
+                                                             etc_files=facts.layout.etc_files + extra))
+launcher.host_facts = lambda bwrap=None: fake
+# Landlock off: the wall under test is the file's mode (Landlock would refuse /var/tmp anyway).
+try:
+    r = lowlevel.run(["/bin/sh", "-c", "for f in \"$@\"; do cat \"$f\" || echo unreadable; done", "sh", *extra],
+                     policy=lowlevel.Policy(landlock=False))
+    print(json.dumps({"exit": r.exit_code, "out": r.stdout.decode(), "err": r.stderr.decode()}))
+except lowlevel.LowlevelError as err:
+    print(json.dumps({"error": f"{type(err).__name__}: {err}"}))
+"""
+
+
+def _identities() -> list[str]:
+    return ["root", "user"] if os.geteuid() == 0 else ["self"]
+
+
+@pytest.mark.parametrize("identity", _identities())
+def test_a_host_file_others_cannot_read_stays_unreadable_inside(request: pytest.FixtureRequest, identity: str) -> None:
+    argv = [sys.executable, "-c", _LAYOUT_CHILD]
+    if identity == "user":
+        user = request.getfixturevalue("test_user")
+        argv = [shutil.which("runuser") or "/usr/sbin/runuser", "-u", user.pw_name, "--", *argv]
+    d = tempfile.mkdtemp(prefix="lowlevel-etc-mode-", dir="/var/tmp")
+    try:
+        os.chmod(d, 0o755)
+        secret, public = os.path.join(d, "secret.conf"), os.path.join(d, "public.conf")
+        for path, text, mode in ((secret, "not for the sandbox\n", 0o600), (public, "for everyone\n", 0o644)):
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+            os.chmod(path, mode)
+        env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": os.path.dirname(os.path.dirname(lowlevel.__file__))}
+        proc = subprocess.run([*argv, secret, public], capture_output=True, text=True, timeout=120, env=env, cwd="/")
+        assert proc.returncode == 0, proc.stderr
+        got = json.loads(proc.stdout.splitlines()[-1])
+        # The run happens (an unprivileged caller cannot open the file: no copy to fail on) ...
+        assert "error" not in got, got
+        assert got["exit"] == 0, got
+        # ... the attack (reading the 0600 host file) fails, the control (the 0644 one) works.
+        assert "not for the sandbox" not in got["out"], got
+        assert got["out"] == "unreadable\nfor everyone\n", got
+        # How: what others cannot read stays a bind (a copy would be 0644 inside).
+        plan = {p: kind for kind, p, _a in _argv.etc_plan((secret, public))}
+        assert plan == {secret: "bind", public: "file"}, plan
+    finally:
+        shutil.rmtree(d)
+
+
+def test_open_etc_copy_refuses_what_the_plan_would_not_copy(tmp_path: pathlib.Path) -> None:
+    fifo = tmp_path / "fifo.conf"
+    os.mkfifo(fifo)
+    directory = tmp_path / "dir.conf"
+    directory.mkdir()
+    big = tmp_path / "big.conf"
+    big.write_bytes(b"\0" * (_argv.ETC_COPY_MAX_BYTES + 1))
+    private = tmp_path / "private.conf"
+    private.write_text("root only")
+    private.chmod(0o600)
+    # The attacks: files a cached plan saw as small, readable, regular, that are no more.
+    for path, why in ((fifo, "not a regular file"), (directory, "not a regular file"),
+                      (big, "larger than"), (private, "not readable by every user")):
+        with pytest.raises(LaunchError, match=f"refusing to copy .*{path.name}.*{why}"):
+            _open_etc_copy(str(path))
+    # Control: a small file every user may read opens.
+    ok = tmp_path / "ok.conf"
+    ok.write_text("fine")
+    ok.chmod(0o644)
+    os.close(_open_etc_copy(str(ok)))
+
+
+def test_a_symlink_through_a_host_path_stays_a_bind(tmp_path: pathlib.Path) -> None:
+    # /etc/localtime -> zoneinfo/UTC with a host /etc/zoneinfo -> /usr/share/zoneinfo: resolves into
+    # /usr on the host, but inside the sandbox there is no zoneinfo next to it: the same symlink
+    # would dangle. Here with /usr/bin/env in place of the zone file.
+    (tmp_path / "bin").symlink_to("/usr/bin")
+    through = tmp_path / "through"
+    through.symlink_to("bin/env")
+    # Controls: absolute, and relative climbing out of the link's directory (systemd's form).
+    absolute = tmp_path / "absolute"
+    absolute.symlink_to("/usr/bin/env")
+    climbing = tmp_path / "climbing"
+    climbing.symlink_to("../" * len(tmp_path.parts) + "usr/bin/env")
+    late_dots = tmp_path / "late_dots"
+    late_dots.symlink_to("/usr/bin/../bin/env")
+    plan = _argv.etc_plan(tuple(str(p) for p in (through, absolute, climbing, late_dots)))
+    assert [kind for kind, _p, _a in plan] == ["bind", "symlink", "symlink", "bind"], plan
+    assert plan[2][2] == os.readlink(climbing)  # the link's own text (a zone name stays readable)
