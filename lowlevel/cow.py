@@ -124,6 +124,65 @@ def account_uids(first: int, count: int) -> frozenset[int]:
     return frozenset(u for u in _ids_in("/etc/passwd") | _ids_in("/etc/group") if first <= u < first + count)
 
 
+#: Where NSS is configured (nsswitch.conf(5)); a module attribute so tests can point it elsewhere.
+NSSWITCH_PATH = "/etc/nsswitch.conf"
+#: NSS sources whose ids :func:`account_uids` already knows (``files``: /etc/passwd and
+#: /etc/group) or that keep below the per-run range (``systemd``: dynamic users 61184-65519 and
+#: container ids up to 1879048191, systemd UIDS-GIDS.md). Any other source (``sss``, ``ldap``,
+#: ``winbind``, ``nis``, ``compat``...) can name an account anywhere, in the per-run range too:
+#: sssd's default id mapping hands out 200000-2000200000 (sssd-ldap(5) ``ldap_idmap_range_*``).
+LOCAL_NSS_SOURCES = frozenset({"files", "systemd"})
+
+_nss_cache: dict[str, tuple[tuple[int, int], bool]] = {}
+
+
+def nss_beyond_files(path: str | None = None) -> bool:
+    """Whether NSS takes users or groups from a source other than :data:`LOCAL_NSS_SOURCES`.
+
+    Reads the ``passwd:`` and ``group:`` lines of ``nsswitch.conf`` (cached per mtime and
+    size; ``[STATUS=action]`` items are not sources). No file: glibc's default (``files``),
+    so False. When True, :class:`UidLease` asks NSS about each uid before leasing it.
+    """
+    path = path or NSSWITCH_PATH
+    try:
+        st = os.stat(path)
+        stamp = (st.st_mtime_ns, st.st_size)
+    except OSError:
+        return False
+    cached = _nss_cache.get(path)
+    if cached is not None and cached[0] == stamp:
+        return cached[1]
+    beyond = False
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, sep, rest = line.split("#", 1)[0].partition(":")
+                if sep and key.strip() in ("passwd", "group"):
+                    sources = {w for w in rest.split() if not w.startswith("[")}
+                    beyond = beyond or bool(sources - LOCAL_NSS_SOURCES)
+    except OSError:
+        return False
+    _nss_cache[path] = (stamp, beyond)
+    return beyond
+
+
+def nss_knows_id(uid: int) -> bool:
+    """Whether NSS (``getpwuid(3)``, ``getgrgid(3)``: LDAP, sssd, winbind...) names ``uid`` as a
+    user's uid or a group's gid. An NSS error other than "not found" counts as known (fail
+    safe: that id is skipped, not handed to a sandbox)."""
+    import grp
+    import pwd
+    for lookup in (pwd.getpwuid, grp.getgrgid):
+        try:
+            lookup(uid)
+        except KeyError:
+            continue
+        except OSError:
+            return True
+        return True
+    return False
+
+
 class UidLease:
     """One host uid (and the gid of the same number) leased to one live sandbox.
 
@@ -131,8 +190,10 @@ class UidLease:
     ``/run/lowlevel/uids.lock``; the fd is handed to the anchor (``--keep-fd``), so the lease
     lasts exactly as long as the anchor and therefore the sandbox, whoever dies first. A uid is
     never given to two live sandboxes at once, nor at all when /etc/passwd gives it an account
-    or /etc/group a group (:func:`account_uids`); a released uid owns nothing on the host (the upper tmpfs is gone,
-    committed files get the workspace owner), so it is reused.
+    or /etc/group a group (:func:`account_uids`), nor, where NSS has other sources (LDAP,
+    sssd...: :func:`nss_beyond_files`), when NSS names it (:func:`nss_knows_id`, asked for each
+    candidate: a directory's users have no list to read); a released uid owns nothing on the
+    host (the upper tmpfs is gone, committed files get the workspace owner), so it is reused.
 
     Attributes:
         uid: the leased id (used as uid and gid).
@@ -159,6 +220,8 @@ class UidLease:
         # An OSError here (EMFILE...) propagates: the launcher reports it as a LaunchError.
         from .handover_journal import journaled_uids
         taken = account_uids(first, count) | journaled_uids()
+        ask_nss = nss_beyond_files()
+        nss_known = 0
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         with cls._lock:
             start = cls._next
@@ -168,6 +231,9 @@ class UidLease:
                 i = (start + k) % count
                 if first + i in taken:
                     continue  # an account's uid or group's gid, or a hand-over journal's sandbox uid
+                if ask_nss and nss_knows_id(first + i):
+                    nss_known += 1
+                    continue  # a directory user's uid or group's gid (sssd, LDAP...)
                 # struct flock: l_type, l_whence, l_start, l_len, l_pid (0 for OFD locks). The
                 # byte is the uid itself, so ranges configured differently never collide.
                 lock = struct.pack("hh4xqqi4x", fcntl.F_WRLCK, os.SEEK_SET, first + i, 1, 0)
@@ -186,6 +252,8 @@ class UidLease:
         os.close(fd)
         accounts = (f" ({len(taken)} of them accounts in /etc/passwd or groups in /etc/group, never used)"
                     if taken else "")
+        if nss_known:
+            accounts += f" ({nss_known} of them ids NSS names, never used)"
         raise UnsupportedError("uid-range", f"all {count} per-run uids of {first}-{first + count - 1} are "
                                f"leased to live sandboxes{accounts}",
                                "widen LOWLEVEL_UID_RANGE (to ids no account uses), or pin Policy(host_uid=...)")

@@ -190,6 +190,13 @@ def workspace_checks(result_notes: tuple[str, ...] = ()) -> list[dict[str, Any]]
         checks.append(_check("uid range", not clashes, f"per-run sandbox uids {first}-{last} ({count} concurrent "
                              "sandboxes)" + (": overlaps " + ", ".join(clashes[:5]) if clashes else ", free"),
                              "set LOWLEVEL_UID_RANGE=FIRST-LAST to a range no account or subordinate id uses"))
+        if cow.nss_beyond_files():
+            # A directory (sssd, LDAP, winbind) cannot be listed here: each candidate is asked at lease time.
+            checks.append(_check("uid range (NSS)", True, f"{cow.NSSWITCH_PATH} takes users or groups from sources "
+                                 "beyond files: each per-run uid is looked up (getpwuid/getgrgid) before it is "
+                                 "leased and skipped when the directory names it (one lookup per run)",
+                                 "prefer a LOWLEVEL_UID_RANGE your directory never hands out: sssd's default id "
+                                 "mapping spans 200000-2000200000, which holds the default range"))
     return checks
 
 
