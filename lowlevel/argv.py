@@ -417,6 +417,11 @@ class AnchorOverlay:
             directory fd as the anchor sees it), overlaid at ``<mnt>/root``; None otherwise.
         root_lower_path: unprivileged callers: the tree's path, opened again by the anchor in
             its mount namespace and checked to be ``root_lower_fd``'s directory.
+        empty_lower: the workspace is one the launcher just created, empty, for a one-shot
+            run: the anchor's lower layer is an empty directory of the run's tmpfs instead of
+            the workspace (no idmapped clone: ~0.35 ms of CPU less per run); ``lower_fd`` is
+            still the workspace (the merged root's owner and mode; the commit's target).
+            Never for a Session (its RESET needs the real lower).
     """
 
     mnt: str
@@ -427,6 +432,7 @@ class AnchorOverlay:
     idmap: tuple[int, int] | None = None
     root_lower_fd: int | None = None
     root_lower_path: str | None = None
+    empty_lower: bool = False
 
 
 def anchor_argv(facts: HostFacts, helper: str, *, parent: int, report_fd: int | None, cgroup_fds: Sequence[int],
@@ -480,6 +486,8 @@ def anchor_argv(facts: HostFacts, helper: str, *, parent: int, report_fd: int | 
             a.append(f"--lower-path={overlay.lower_path}")
         if overlay.idmap is not None:
             a.append(f"--idmap={overlay.idmap[0]}:{overlay.idmap[1]}")
+        if overlay.empty_lower:
+            a.append("--empty-lower")
         if overlay.root_lower_fd is not None:
             a.append(f"--root-lower-fd={overlay.root_lower_fd}")
             if overlay.root_lower_path is not None:

@@ -647,7 +647,10 @@ class Run:
     """One sandboxed run, driven by :func:`run` (sync) or :func:`lowlevel.aio.arun` (async).
 
     Not thread-safe; one driver per Run. Always ends with :meth:`close` (idempotent), which
-    kills whatever is left and closes every fd.
+    kills whatever is left and closes every fd. The keyword arguments are :func:`run`'s, plus
+    ``extra_fds`` (``{fd inside: fd here}``), ``guard`` (False: bwrap execs the command, no
+    Landlock guard) and ``one_shot`` (False for a Session's sandbox, whose workspace is reset
+    and committed while it lives: a fresh workspace then keeps its real lower layer).
     """
 
     def __init__(self, command: Sequence[str], *, policy: Policy, workspace: str | None = None,
@@ -657,7 +660,7 @@ class Run:
                  cwd: str | None = None, workspace_base: str | None = None, bwrap: str | None = None,
                  extra_fds: Mapping[int, int] | None = None, allow_sensitive_workspace: bool = False,
                  stdio_fds: Sequence[int | None] | None = None, keep_workspace: bool = True,
-                 commit: bool | str = True, guard: bool = True) -> None:
+                 commit: bool | str = True, guard: bool = True, one_shot: bool = True) -> None:
         if not isinstance(policy, Policy):
             raise PolicyError(f"policy must be a lowlevel.Policy, got {type(policy).__name__}")
         if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
@@ -697,6 +700,7 @@ class Run:
         self.workspace_arg = workspace
         self.workspace_base = workspace_base
         self.allow_sensitive_workspace = allow_sensitive_workspace
+        self.one_shot = one_shot
         # State filled as the run goes.
         self.workspace = ""
         self.owns_workspace = False
@@ -1066,7 +1070,9 @@ class Run:
                                 if self.facts.caller_is_root else None,
                                 root_lower_fd=self.anchor_fds.get("root"),
                                 root_lower_path=None if self.facts.caller_is_root or self.root_fd is None
-                                else self.policy.rootfs)
+                                else self.policy.rootfs,
+                                # A workspace we made a moment ago, nothing copied in: empty.
+                                empty_lower=self.one_shot and self.owns_workspace and not self.inputs)
         return anchor_argv(self.facts, _exec_helper(), parent=os.getpid(), report_fd=self.anchor_fds["report"],
                            cgroup_fds=self.anchor_fds["cgroups"], cgroup_dir_fd=self.anchor_fds.get("cgroup_dir"),
                            rlimits=self.pre_exec_rlimits,

@@ -306,7 +306,8 @@ class _Core:
                        workspace=None if workspace is None else os.fspath(workspace), inputs=inputs,
                        timeout=None, capture=True, workspace_base=workspace_base, bwrap=bwrap,
                        extra_fds={_SOCK_FD: child.fileno(), _EXE_FD: _init_fd(exe)},
-                       allow_sensitive_workspace=allow_sensitive_workspace, commit=commit, guard=False)
+                       allow_sensitive_workspace=allow_sensitive_workspace, commit=commit, guard=False,
+                       one_shot=False)
         self.run.accept_seen_host_changes = True
         self.cmds: dict[int, _Cmd] = {}
         self.fd_owner: dict[int, _Cmd] = {}
@@ -1084,7 +1085,9 @@ class Session:
 
         A fresh overlay is stacked on the workspace (the mount propagates into the
         sandbox); commands started later see it. A process already running with its cwd in
-        ``/workspace`` keeps the old view until it changes directory.
+        ``/workspace`` keeps the old view until it changes directory. With
+        ``Policy.rootfs_writable`` the root filesystem's writable layer is the session's for its
+        whole life: ``reset()`` leaves it (a new Session starts from the tree again).
 
         Raises:
             UnsupportedError, SessionError: as :meth:`diff`; LaunchError: the anchor refused.

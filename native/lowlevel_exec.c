@@ -36,6 +36,7 @@
  *              of --lower-fd, mount_setattr(MOUNT_ATTR_IDMAP | RDONLY | NOSUID | NODEV) with
  *              a user namespace mapping the workspace's owner to the sandbox's uid/gid
  *              (--idmap), move_mount here. The user's files never change owner or mode.
+ *              With --empty-lower (a fresh, empty workspace): an empty directory instead.
  *      ws/     the overlay: lowerdir=lower (or /proc/self/fd/N for unprivileged callers, in
  *              their own user namespace, with "userxattr"), redirect_dir=off, metacopy=off,
  *              index=off, xino=off, nosuid, nodev. bwrap binds MNT/ws at /workspace.
@@ -70,6 +71,10 @@
  *   [--lower-path=PATH]   the copy-on-write workspace above; with --userns, --lower-path is
  *                         opened again in the new mount namespace and must be the same
  *                         directory (st_dev, st_ino) as --lower-fd
+ *   [--empty-lower]       the workspace is fresh and empty (a one-shot run): the lower layer
+ *                         is an empty directory of the tmpfs, no idmapped clone (--lower-fd is
+ *                         still the workspace: the merged root takes its owner and mode, and
+ *                         the caller commits into it); RESET is refused
  *
  * Messages on --report-fd (text, one per record):
  *   anchor -> caller  "READY <flags>" + SCM_RIGHTS [bwrap pidfd, upper fd (overlay only)]
@@ -318,6 +323,7 @@ struct overlay {
     int root_fd;       /* --root-lower-fd: a root filesystem tree made writable per run, or -1 */
     const char *root_path; /* unprivileged callers: its path, opened again in the new namespace */
     int root_tree;     /* root callers: a detached clone of root_fd's mount (open_tree), or -1 */
+    int empty_lower;   /* --empty-lower: the lower layer is an empty directory of the tmpfs */
 };
 
 static void path_in(char *out, size_t size, const struct overlay *o, const char *name) {
@@ -420,7 +426,7 @@ static int mount_overlay(struct overlay *o, int generation) {
     snprintf(name, sizeof name, "work.%d", generation);
     path_in(work, sizeof work, o, name);
     path_in(ws, sizeof ws, o, "ws");
-    if (o->idmap)
+    if (o->idmap || o->empty_lower)
         path_in(lower, sizeof lower, o, "lower");
     else
         snprintf(lower, sizeof lower, "/proc/self/fd/%d", o->lower_fd);
@@ -521,7 +527,13 @@ static void setup_overlay(struct overlay *o) {
     path_in(path, sizeof path, o, "ws");
     if (mkdir(path, 0755) != 0)
         die("mkdir", path);
-    if (o->idmap) {
+    if (o->empty_lower) {
+        /* A fresh, empty workspace: an empty directory shows the same (nothing), without the
+         * idmapped clone's user namespace and mount calls (~0.35 ms of CPU per run). */
+        path_in(path, sizeof path, o, "lower");
+        if (mkdir(path, 0755) != 0)
+            die("mkdir", path);
+    } else if (o->idmap) {
         path_in(path, sizeof path, o, "lower");
         mount_idmapped(o->tree_fd, o, path, "workspace");
         o->tree_fd = -1;
@@ -649,6 +661,8 @@ int main(int argc, char **argv) {
             }
         } else if (strncmp(a, "--report-fd=", 12) == 0) {
             report_fd = need_fd(a, a + 12);
+        } else if (strcmp(a, "--empty-lower") == 0) {
+            ov.empty_lower = 1;
         } else if (strcmp(a, "--userns") == 0) {
             userns = 1;
         } else if (strncmp(a, "--mnt=", 6) == 0) {
@@ -697,6 +711,8 @@ int main(int argc, char **argv) {
         die("--mnt needs --lower-fd, --upper-bytes and --upper-inodes", NULL);
     if (ov.idmap && (!have_uid || !have_overlay))
         die("--idmap needs --uid/--gid and --mnt", NULL);
+    if (ov.empty_lower && !have_overlay)
+        die("--empty-lower needs --mnt", NULL);
     if (have_uid && userns)
         die("--uid and --userns are exclusive (root callers need no user namespace)", NULL);
     if (ov.root_fd >= 0 && (!have_overlay || (userns ? !ov.root_path : !have_uid)))
@@ -755,7 +771,7 @@ int main(int argc, char **argv) {
     } else if (have_overlay) {
         /* Clone the workspace's mount while it is still in our mount namespace (open_tree
          * refuses a mount of another namespace); it moves into the new one, idmapped. */
-        if (ov.idmap) {
+        if (ov.idmap && !ov.empty_lower) {
             ov.tree_fd = (int)syscall(SYS_open_tree, ov.lower_fd, "", OPEN_TREE_CLONE | AT_EMPTY_PATH | O_CLOEXEC);
             if (ov.tree_fd < 0)
                 die("open_tree", "(workspace, OPEN_TREE_CLONE)");
@@ -916,7 +932,10 @@ int main(int argc, char **argv) {
             }
             if (n > 0) {
                 buf[n] = 0;
-                if (strcmp(buf, "RESET") == 0)
+                if (strcmp(buf, "RESET") == 0 && ov.empty_lower)
+                    /* The empty lower stands for the workspace as it was at the start only. */
+                    send_msg(report_fd, "RESET_ERR not with --empty-lower (a one-shot run)", NULL, 0);
+                else if (strcmp(buf, "RESET") == 0)
                     reset_overlay(&ov, report_fd);
                 else
                     send_msg(report_fd, "RESET_ERR unknown request", NULL, 0);
