@@ -24,7 +24,8 @@ command line to the previous one:
 | ``anchor`` | ``_lowlevel_exec`` in front (PID namespace, parent-death signal), no uid change |
 | ``uid_drop`` | ``--uid/--gid``: bwrap runs as a per-run unprivileged uid = ``raw_bwrap`` |
 | ``overlay`` | the copy-on-write workspace: the anchor's private mount namespace, sized tmpfs, |
-|  | idmapped lower, overlay bound at ``/workspace`` |
+|  | an empty lower (a fresh workspace; ``--idmapped-lower``: an idmapped clone of it, the |
+|  | form a given workspace gets), overlay bound at ``/workspace`` |
 | ``guard`` | the guard (``_lowlevel_guard``: Landlock rules, exact wait status) execs the program |
 
 Interleaved (every round runs every step once, the order rotated); per step: wall p50 and
@@ -70,7 +71,9 @@ def _high(fd: int) -> int:
 
 
 class Ladder:
-    def __init__(self, cmd: list[str], passwd_as_bind: bool = False, etc_as_binds: bool = False) -> None:
+    def __init__(self, cmd: list[str], passwd_as_bind: bool = False, etc_as_binds: bool = False,
+                 idmapped_lower: bool = False) -> None:
+        self.idmapped_lower = idmapped_lower
         self.cmd = cmd
         self.facts = _launcher.host_facts()
         self.ws = tempfile.mkdtemp(prefix="lowlevel-bench-parts-", dir="/tmp")
@@ -165,6 +168,8 @@ class Ladder:
                 st = os.stat(self.ws)
                 pre += [f"--mnt={self.mnt}", "--lower-fd=11", f"--upper-bytes={1 << 30}",
                         f"--upper-inodes={1 << 20}", f"--idmap={st.st_uid}:{st.st_gid}"]
+                if not self.idmapped_lower:
+                    pre.append("--empty-lower")  # a fresh, empty workspace, as lowlevel.run's default
                 fds.append((11, b""))  # the workspace's directory fd (opened in call())
             if keep:
                 pre.append(f"--pass-fds={','.join(map(str, keep))}")
@@ -321,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the figures as JSON")
     ap.add_argument("--passwd-as-bind", action="store_true", help="the passwd step as --ro-bind-data (the old form)")
     ap.add_argument("--etc-as-binds", action="store_true", help="the etc step as seven read-only binds (the old form)")
+    ap.add_argument("--idmapped-lower", action="store_true",
+                    help="the overlay step over an idmapped clone of the workspace (a given workspace's form)")
     args = ap.parse_args(argv)
     if os.geteuid() != 0:
         print("run as root (the seed recipe is root's bwrap)", file=sys.stderr)
@@ -333,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     ladder: Ladder | None = None
     acct: CpuAcct | None = None
     try:
-        ladder = Ladder(["/usr/bin/true"], passwd_as_bind=args.passwd_as_bind, etc_as_binds=args.etc_as_binds)
+        ladder = Ladder(["/usr/bin/true"], passwd_as_bind=args.passwd_as_bind, etc_as_binds=args.etc_as_binds,
+                        idmapped_lower=args.idmapped_lower)
         acct = CpuAcct()
         for s in STEPS:  # warm-up
             ladder.call(s)
