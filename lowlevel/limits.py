@@ -1269,15 +1269,15 @@ def _write(path: str, text: str) -> None:
 
 
 def _read(path: str) -> str:
-    # os.open/os.read, not open(): no buffered text wrapper for a file of a few bytes (a run
-    # reads about eight of them).
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
+    # An unbuffered binary open() (no text wrapper for a file of a few bytes: a run reads about
+    # eight of them), not a bare os.open: the FileIO owns the fd (O_CLOEXEC) from the instant
+    # the C call returns, so a signal handler's exception (^C's KeyboardInterrupt) raised before
+    # the ``with`` is entered drops its last reference, which closes it; os.open's int was
+    # lost (one fd per run interrupted while its cgroup's figures were read).
+    with open(path, "rb", buffering=0) as f:
         chunks = []
-        while chunk := os.read(fd, 65536):
+        while chunk := f.read(65536):
             chunks.append(chunk)
-    finally:
-        os.close(fd)
     return b"".join(chunks).decode("ascii", "replace")
 
 
