@@ -77,6 +77,15 @@ SAVED_SKIPPED = "skipped"
 MAX_LINKED = 256
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: Why an entry the run made unreadable to its owner is not committed (an unprivileged caller
+#: is that owner, without CAP_DAC_OVERRIDE; a root caller's commit copies it as it is).
+_UNREADABLE = "unreadable in the run's upper layer (mode {:04o}, set by the run): not committed"
+
+
+class _UnreadableUpperError(OSError):
+    """An upper entry the caller may not read (see :data:`_UNREADABLE`)."""
+
+
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
@@ -218,8 +227,9 @@ def read_changes(upper_fd: int, lower_fd: int, *, xattr_prefix: str,
             no more paths and ``complete`` is False.
     Returns:
         :class:`lowlevel.workspace.Changes` with sorted ``added``/``modified``/``deleted``,
-        ``complete`` (False past ``limit`` or MAX_DEPTH levels: deeper directories are
-        reported but not entered), and ``bytes_written``: bytes allocated in the upper
+        ``complete`` (False past ``limit`` or MAX_DEPTH levels, or when the run made a
+        directory unreadable to an unprivileged caller: such directories are reported but not
+        entered), and ``bytes_written``: bytes allocated in the upper
         (``st_blocks * 512`` of every entry below the root, each inode once).
     Raises:
         ValueError: unknown ``xattr_prefix``, or ``trusted.overlay.`` without root.
@@ -319,7 +329,13 @@ def read_changes(upper_fd: int, lower_fd: int, *, xattr_prefix: str,
             if len(stack) > MAX_DEPTH:
                 complete = False
                 continue
-            cfd = os.open(name, _DIR_FLAGS, dir_fd=ufd)
+            try:
+                cfd = os.open(name, _DIR_FLAGS, dir_fd=ufd)
+            except PermissionError:
+                # The run made it unreadable to its owner (chmod 000), and an unprivileged
+                # caller is that owner without CAP_DAC_OVERRIDE: reported, not entered.
+                complete = False
+                continue
             try:
                 is_opaque, child_x = _dir_flags(cfd, rel, xattr_prefix)
                 child_opaque = opaque or is_opaque
@@ -1155,7 +1171,9 @@ class _Applier:
             if not frame.fresh:
                 self.place(frame.tfd, target, name, lst)
         except OSError as err:
-            self.skipped.append((rel, f"cannot write it: {err.strerror}"))
+            unreadable = isinstance(err, _UnreadableUpperError)
+            self.skipped.append((rel, _UNREADABLE.format(stat.S_IMODE(ust.st_mode)) if unreadable
+                                 else f"cannot write it: {err.strerror}"))
             if not frame.fresh:
                 self.remove_temp(frame.tfd, target)
             return
@@ -1186,7 +1204,10 @@ class _Applier:
                 return
             except OSError:
                 pass  # the first name was not placed after all, or EMLINK: copy instead
-        src = os.open(name, _READ_FLAGS, dir_fd=frame.ufd)
+        try:
+            src = os.open(name, _READ_FLAGS, dir_fd=frame.ufd)
+        except PermissionError as err:
+            raise _UnreadableUpperError(err.errno, err.strerror, name) from None
         try:
             sst = os.fstat(src)
             if (sst.st_dev, sst.st_ino) != key or not stat.S_ISREG(sst.st_mode):
@@ -1315,7 +1336,14 @@ class _Applier:
         if len(self.stack) > MAX_DEPTH:
             self.skip(rel, f"more than {MAX_DEPTH} levels deep: not committed")
             return
-        cfd = os.open(name, _DIR_FLAGS, dir_fd=frame.ufd)
+        try:
+            cfd = os.open(name, _DIR_FLAGS, dir_fd=frame.ufd)
+        except PermissionError:
+            # Made unreadable by the run itself (chmod 000, a 0300 directory): an unprivileged
+            # caller owns it but has no CAP_DAC_OVERRIDE to list it. Its content cannot be
+            # known, so the directory is not committed (a root caller's commit copies it).
+            self.skip(rel, _UNREADABLE.format(stat.S_IMODE(ust.st_mode)))
+            return
         try:
             opaque_here, xwhiteouts = _dir_flags(cfd, rel, self.prefix)
         except BaseException:

@@ -280,3 +280,26 @@ def test_pool_close_leaves_no_prestarted_workspaces(tmp_path: Path):
             time.sleep(0.05)
     left = sorted(p.name for p in base.iterdir() if p.name.startswith("run-"))
     assert left == [Path(r.workspace).name], left  # the used one is kept, the pre-started ones are gone
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["fresh", "given"])
+def test_a_run_that_makes_its_own_output_unreadable_still_returns(sandbox, given: bool):
+    """A program that leaves a directory (and a file) unreadable to their owner: the caller's
+    run still returns a Result and commits the rest. An unprivileged caller is that owner
+    without CAP_DAC_OVERRIDE: those entries are skipped with a note (it raised WorkspaceError,
+    "cannot read the upper directory", and left a conflict directory); a root caller copies
+    them as they are (the control)."""
+    ws = sandbox.workspace() if given else None
+    out = sandbox.run(["sh", "-c", "mkdir d && echo x > d/f && chmod 000 d && echo y > g && chmod 000 g "
+                                   "&& echo ok > fine"], workspace=None if ws is None else str(ws))
+    assert out.exit_code == 0, (out.err, out.message)
+    root = Path(out.workspace)
+    assert (root / "fine").read_text() == "ok\n"
+    assert not [p for p in root.iterdir() if p.name.startswith(("conflict", ".lowlevel-commit"))]
+    if sandbox.identity == "root":
+        assert stat.S_IMODE(os.lstat(root / "d").st_mode) == 0 and stat.S_IMODE(os.lstat(root / "g").st_mode) == 0
+        assert (root / "d" / "f").read_text() == "x\n"  # root reads through mode 000
+    else:
+        assert not (root / "d").exists() and not (root / "g").exists()
+        note = next(n for n in out.notes if n.startswith("commit:"))
+        assert "'d': unreadable in the run's upper layer (mode 0000" in note and "'g': unreadable" in note
