@@ -14,10 +14,14 @@ host's mount namespace (the overlay and its tmpfs live in the anchor's own). Wha
   overlay): its workspace is still owned by the sandbox's per-run uid. The next hand-over of that
   workspace, or ``lowlevel cleanup``, gives it back (:mod:`lowlevel.handover_journal`);
 - ``mount``: a mount of lowlevel's in the host namespace (only the hand-over model of lowlevel
-  0.1's sized workspaces made one: ``.sized-*``): listed; root can unmount it.
+  0.1's sized workspaces made one: ``.sized-*``): listed; root can unmount it;
+- ``workspace``: a fresh workspace its caller was to remove after the run (the CLI's ``--rm``,
+  ``keep_workspace=False``: named ``rm-<pid>-<start time>-*`` under the workspace base) when
+  that caller is gone (its PID no longer runs the process that started then): removed. The
+  caller is assumed to have run in this PID namespace, like every PID check here.
 
-Fresh workspaces (``run-*`` under the workspace base) and saved conflict directories hold the
-user's data: they are never removed here.
+Other fresh workspaces (``run-*`` under the workspace base) and saved conflict directories hold
+the user's data: they are never removed here.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ class Leftover:
     """One thing an interrupted run left.
 
     Attributes:
-        kind: ``"cgroup"``, ``"commit"``, ``"egress"`` or ``"mount"``.
+        kind: ``"cgroup"``, ``"commit"``, ``"egress"``, ``"handover"``, ``"mount"`` or
+            ``"workspace"``.
         path: where it is.
         detail: why it counts as left over (one line).
     """
@@ -138,12 +143,24 @@ def _commit_leftovers(workspace: str) -> list[Leftover]:
 
 
 def _fresh_workspaces(base: str | None) -> list[str]:
-    from .workspace import default_base
+    from .workspace import DISPOSABLE_PREFIX, default_base
     root = base or default_base()
     try:
-        return [os.path.join(root, n) for n in os.listdir(root) if n.startswith("run-")]
+        return [os.path.join(root, n) for n in os.listdir(root) if n.startswith(("run-", DISPOSABLE_PREFIX))]
     except OSError:
         return []
+
+
+def _disposable_workspaces(base: str | None) -> list[Leftover]:
+    """Disposable workspaces (``--rm``, ``keep_workspace=False``) whose creator is gone."""
+    from .workspace import creator_alive, disposable_owner
+    out = []
+    for path in _fresh_workspaces(base):
+        owner = disposable_owner(os.path.basename(path))
+        if owner is not None and not creator_alive(*owner):
+            out.append(Leftover("workspace", path, f"a fresh workspace to be removed after its run (--rm, "
+                                f"keep_workspace=False) whose caller (pid {owner[0]}) is gone"))
+    return out
 
 
 def find_leftovers(workspaces: tuple[str, ...] = (), base: str | None = None) -> list[Leftover]:
@@ -157,9 +174,12 @@ def find_leftovers(workspaces: tuple[str, ...] = (), base: str | None = None) ->
         The leftovers, cgroups first. Never raises for an unreadable place (skipped).
     """
     found = _stale_cgroups() + _stale_egress_dirs() + _host_mounts() + _handovers()
+    disposable = _disposable_workspaces(base)
+    gone = {item.path for item in disposable}
     for ws in (*workspaces, *_fresh_workspaces(base)):
-        found += _commit_leftovers(ws)
-    return found
+        if ws not in gone:  # removed whole, temporaries included
+            found += _commit_leftovers(ws)
+    return found + disposable
 
 
 def clean(workspaces: tuple[str, ...] = (), base: str | None = None) -> tuple[list[Leftover], list[str]]:
@@ -202,6 +222,13 @@ def clean(workspaces: tuple[str, ...] = (), base: str | None = None) -> tuple[li
     _restored, handover_problems = _journal.recover()
     problems += handover_problems
     removed += [item for item in before_handovers if not os.path.exists(item.path)]
+    from .workspace import remove_workspace
+    for item in _disposable_workspaces(base):
+        try:
+            remove_workspace(item.path)
+            removed.append(item)
+        except LowlevelError as err:
+            problems.append(f"{item.path}: {err}")
     from .overlay import cleanup_commit_leftovers
     for ws in (*workspaces, *_fresh_workspaces(base)):
         left = _commit_leftovers(ws)

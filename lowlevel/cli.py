@@ -525,7 +525,7 @@ def _cmd_run(args: argparse.Namespace, command: list[str], created: list[str]) -
         workspace = args.workspace
         if workspace is None:
             from .workspace import create_workspace
-            workspace = create_workspace(args.input)
+            workspace = create_workspace(args.input, disposable=args.rm)
             created.append(workspace)
             inputs: list[Any] = []
         else:

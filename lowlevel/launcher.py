@@ -820,7 +820,7 @@ class Run:
             if self.inputs:
                 _ws.copy_inputs(self.workspace, self.inputs)
         else:
-            self.workspace = _ws.create_workspace(self.inputs, self.workspace_base)
+            self.workspace = _ws.create_workspace(self.inputs, self.workspace_base, disposable=not self.keep_workspace)
             self.owns_workspace = True
             try:
                 _ws.check_trusted_ancestors(self.workspace)

@@ -607,8 +607,39 @@ def _copy_regular(src: str, dst: str) -> str:
     return dst
 
 
+#: Name prefix of a fresh workspace its creator removes after the run (the CLI's ``--rm``,
+#: ``keep_workspace=False``): ``rm-<pid>-<start time>-``, so that ``lowlevel cleanup`` can
+#: remove the ones whose creator died before it could (:func:`disposable_owner`).
+DISPOSABLE_PREFIX = "rm-"
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time (``/proc/PID/stat`` field 22, clock ticks after boot), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+        return int(data[data.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def disposable_owner(name: str) -> tuple[int, int] | None:
+    """``(pid, start time)`` of the process that made the disposable workspace ``name``
+    (a base name starting with :data:`DISPOSABLE_PREFIX`), or None for any other name."""
+    parts = name[len(DISPOSABLE_PREFIX):].split("-") if name.startswith(DISPOSABLE_PREFIX) else []
+    if len(parts) < 3 or not parts[0].isdigit() or not parts[1].isdigit():
+        return None
+    return int(parts[0]), int(parts[1])
+
+
+def creator_alive(pid: int, start_time: int) -> bool:
+    """Whether the process ``pid`` that started at ``start_time`` still runs (a reused PID is
+    another process: not alive). Assumes the creator ran in this PID namespace."""
+    return _start_time(pid) == start_time
+
+
 def create_workspace(inputs: Iterable[str | os.PathLike[str] | tuple[str, str]] = (),
-                     base: str | None = None) -> str:
+                     base: str | None = None, *, disposable: bool = False) -> str:
     """Make a fresh per-run workspace under ``base`` and copy ``inputs`` into it.
 
     All or nothing: if a copy fails, the half-made workspace is removed.
@@ -617,14 +648,21 @@ def create_workspace(inputs: Iterable[str | os.PathLike[str] | tuple[str, str]] 
         inputs: host files or directories, each copied under its base name, or
             ``(path, dest)`` pairs (see :func:`copy_inputs`).
         base: parent directory; default :func:`default_base`.
+        disposable: the caller removes it after the run (``--rm``, ``keep_workspace=False``):
+            named ``rm-<pid>-<start time>-...`` (:data:`DISPOSABLE_PREFIX`) instead of
+            ``run-...``, so that ``lowlevel cleanup`` removes it if the caller dies first.
     Returns:
         The workspace's absolute host path (mode 0700).
     Raises:
         WorkspaceError: see :func:`ensure_base` and :func:`copy_inputs`.
     """
     parent = ensure_base(base or default_base())
+    prefix = "run-"
+    if disposable:
+        started = _start_time(os.getpid())
+        prefix = f"{DISPOSABLE_PREFIX}{os.getpid()}-{started}-" if started is not None else prefix
     try:
-        path = _mkdtemp(parent, "run-")
+        path = _mkdtemp(parent, prefix)
     except OSError as err:
         raise WorkspaceError(err.errno or errno.EIO, f"cannot create a workspace in {parent}: "
                              f"{err.strerror or err}") from err

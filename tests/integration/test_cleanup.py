@@ -79,3 +79,72 @@ def test_a_live_egress_socket_is_not_a_leftover():
         s.close()
         os.unlink(d / "proxy.sock")
         os.rmdir(d)
+
+
+def _wait_for(base: Path, prefix: str, timeout: float = 20.0) -> Path:
+    import time
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [p for p in base.iterdir() if p.name.startswith(prefix)]
+        if found:
+            return found[0]
+        time.sleep(0.02)
+    raise AssertionError(f"no {prefix}* workspace appeared in {base}")
+
+
+@pytest.mark.bwrap
+def test_the_rm_workspace_of_a_killed_cli_is_removed_by_cleanup():
+    """``lowlevel run --rm`` killed mid-run (an agent harness's own timeout) cannot remove its
+    fresh workspace: ``lowlevel cleanup`` does, once its caller is gone; a live caller's and a
+    kept (``run-*``) workspace stay."""
+    import signal
+    import time
+    base = Path(tempfile.mkdtemp(prefix="ll-rm-base-", dir="/tmp"))
+    os.chmod(base, 0o755)
+    env = dict(os.environ, LOWLEVEL_WORKSPACE_BASE=str(base))
+    cli = [sys.executable, "-m", "lowlevel", "run"]
+    quiet = dict(env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    killed = subprocess.Popen([*cli, "--rm", "--", "sleep", "60"], **quiet)  # type: ignore[call-overload]
+    kept = subprocess.Popen([*cli, "--", "sleep", "60"], **quiet)  # type: ignore[call-overload]
+    live = subprocess.Popen([*cli, "--rm", "--", "sleep", "60"], **quiet)  # type: ignore[call-overload]
+    try:
+        doomed = _wait_for(base, f"rm-{killed.pid}-")
+        _wait_for(base, f"rm-{live.pid}-")
+        time.sleep(0.5)  # the sandboxes are up
+        for proc in (killed, kept):
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        left = {(x.kind, x.path) for x in find_leftovers(base=str(base))}
+        assert ("workspace", str(doomed)) in left
+        assert not [p for kind, p in left if kind == "workspace" and p != str(doomed)]  # not live's, not run-*
+        removed, problems = clean(base=str(base))
+        assert not problems, problems
+        assert str(doomed) in {x.path for x in removed} and not doomed.exists()
+        names = sorted(p.name.split("-")[0] for p in base.iterdir())
+        assert names == ["rm", "run"], names  # the live caller's and the kept one
+    finally:
+        for proc in (killed, kept, live):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        subprocess.run(["rm", "-rf", str(base)], check=False)
+
+
+@pytest.mark.bwrap
+def test_keep_workspace_false_names_its_workspace_disposable():
+    from lowlevel import Policy
+    from lowlevel.launcher import Run
+    from lowlevel.workspace import creator_alive, disposable_owner
+    for keep, prefix in ((False, "rm-"), (True, "run-")):
+        r = Run(["/usr/bin/true"], policy=Policy(), keep_workspace=keep)
+        try:
+            r.prepare()
+            name = os.path.basename(r.workspace)
+            assert name.startswith(prefix), name
+            if not keep:
+                owner = disposable_owner(name)
+                assert owner is not None and owner[0] == os.getpid() and creator_alive(*owner)
+                assert not creator_alive(owner[0], owner[1] + 1)  # another process with that pid: gone
+        finally:
+            r.close()
+            r.discard_workspace_if_unused()
