@@ -1762,7 +1762,11 @@ class Run:
                     log.warning("lowlevel: %s", err)
             if self.cgroup is not None:
                 try:
-                    self.cgroup.remove()
+                    # A ^C (KeyboardInterrupt) arriving mid-removal is held until the cgroup is
+                    # gone (remove() is bounded: ~2 s at worst): raised there, it left the run's
+                    # cgroup directories behind for as long as this process lives.
+                    with deferred_interrupts():
+                        self.cgroup.remove()
                 except Exception as err:  # noqa: BLE001
                     log.warning("lowlevel: cannot remove cgroup: %s", err)
 

@@ -182,3 +182,15 @@ def test_run_interrupted_while_its_cgroup_figures_are_read(ws: str) -> None:
         assert state["sent"], nth
         leaked = {fd: what for fd, what in _fds().items() if fd not in before}
         assert not leaked, (nth, leaked)
+        # The removal of the run's cgroup reads cgroup.procs too: a ^C there left the
+        # directories for the life of this process (and failed later tests' hygiene checks).
+        assert not _run_cgroups_of(os.getpid()), (nth, _run_cgroups_of(os.getpid()))
+
+
+def _run_cgroups_of(pid: int) -> list[str]:
+    from lowlevel import limits
+    left = []
+    for h in limits.detect_cgroups().hierarchies:
+        if h.base is not None and os.path.isdir(h.base):
+            left += [os.path.join(h.base, e) for e in os.listdir(h.base) if e.startswith(f"run-{pid}-")]
+    return left
