@@ -55,13 +55,23 @@ def _children() -> list[str]:
 def _sigint_when_returning(target: Any, nth: int = 1) -> Iterator[dict[str, int]]:
     """SIGINT this process as the ``nth`` call of ``target`` (a builtin or a Python function)
     returns."""
-    state = {"calls": 0, "sent": 0}
     code = getattr(target, "__code__", None)
 
+    def hit(frame: FrameType, event: str, arg: Any) -> bool:
+        return (event == "c_return" and arg is target) or (event == "return" and code is not None
+                                                           and frame.f_code is code)
+    with _sigint_at(hit, nth) as state:
+        yield state
+
+
+@contextmanager
+def _sigint_at(hit: Any, nth: int) -> Iterator[dict[str, int]]:
+    """Count the profiler events ``hit(frame, event, arg)`` accepts; with ``nth`` > 0, SIGINT
+    this process at the ``nth`` of them."""
+    state = {"calls": 0, "sent": 0}
+
     def profile(frame: FrameType, event: str, arg: Any) -> None:
-        hit = (event == "c_return" and arg is target) or (
-            event == "return" and code is not None and frame.f_code is code)
-        if hit and not state["sent"]:
+        if not state["sent"] and hit(frame, event, arg):
             state["calls"] += 1
             if state["calls"] == nth:
                 state["sent"] = 1
@@ -144,21 +154,10 @@ def test_control_an_undeferred_pipe_is_lost() -> None:
 def _sigint_at_open_in(code: Any, nth: int) -> Iterator[dict[str, int]]:
     """Count the files ``code`` (a function's code) opens (``os.open`` or ``open``); with
     ``nth`` > 0, SIGINT this process as the ``nth`` of those calls returns."""
-    state = {"calls": 0, "sent": 0}
     opens = (os.open, open)
-
-    def profile(frame: FrameType, event: str, arg: Any) -> None:
-        if event == "c_return" and frame.f_code is code and any(arg is o for o in opens) and not state["sent"]:
-            state["calls"] += 1
-            if state["calls"] == nth:
-                state["sent"] = 1
-                signal.raise_signal(signal.SIGINT)
-
-    sys.setprofile(profile)
-    try:
+    with _sigint_at(lambda frame, event, arg: event == "c_return" and frame.f_code is code
+                    and any(arg is o for o in opens), nth) as state:
         yield state
-    finally:
-        sys.setprofile(None)
 
 
 # The interrupted open's file object is closed by its last reference going: Python says so
