@@ -82,6 +82,22 @@ def _procs_with(marker: str) -> list[int]:
     return found
 
 
+def _describe(pids: list[int]) -> list[str]:
+    """``pid state comm ppid`` of each (from /proc/PID/stat), to tell a stuck exit (D, Z) from a
+    process that kept running (S, R) when a trial fails."""
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                data = f.read().decode(errors="replace")
+            comm = data[data.index("(") + 1:data.rindex(")")]
+            state, ppid = data[data.rindex(")") + 2:].split()[:2]
+            out.append(f"{pid} {state} {comm} ppid={ppid}")
+        except (OSError, ValueError):
+            out.append(f"{pid} (gone)")
+    return out
+
+
 def _host_mounts() -> str:
     with open("/proc/self/mountinfo") as f:
         return f.read()
@@ -132,7 +148,7 @@ def test_caller_killed_at_random_instants(identity: str, request: pytest.Fixture
             while left and time.monotonic() < deadline:
                 time.sleep(0.02)
                 left = _procs_with(f"{marker}-{trial}")
-            assert not left, f"trial {trial} ({mode}, {sig.name}): survivors {left}"
+            assert not left, f"trial {trial} ({mode}, {sig.name}): survivors {_describe(left)}"
     finally:
         server.kill()
         server.wait()
