@@ -101,7 +101,7 @@ def etc_plan(etc_files: tuple[str, ...]) -> tuple[tuple[str, str, str], ...]:
 
     Why: every bind mount costs bwrap a mount (and its read-only remount) in the new mount
     namespace: about 0.1 ms each on the development VM, against ~0.03 ms to write a copy of
-    these small files into the root tmpfs (bench/README.md, "/etc as copies"). The root tmpfs
+    these small files into the root tmpfs (bench/README.md, "What changed, second pass"). The root tmpfs
     is remounted read-only at the end (``--remount-ro /``), so a copy is exactly as read-only
     as the bind, and the sandbox sees five host mounts fewer. The kind of each entry is read
     once per process (cached); a file that became something else (a symlink, directory, FIFO,

@@ -28,7 +28,9 @@ from __future__ import annotations
 import errno
 import fcntl
 import functools
+import grp
 import os
+import pwd
 import re
 import stat
 import struct
@@ -170,8 +172,6 @@ def nss_knows_id(uid: int) -> bool:
     """Whether NSS (``getpwuid(3)``, ``getgrgid(3)``: LDAP, sssd, winbind...) names ``uid`` as a
     user's uid or a group's gid. An NSS error other than "not found" counts as known (fail
     safe: that id is skipped, not handed to a sandbox)."""
-    import grp
-    import pwd
     for lookup in (pwd.getpwuid, grp.getgrgid):
         try:
             lookup(uid)
