@@ -35,7 +35,9 @@ import re
 import stat
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from .errors import UnsupportedError, WorkspaceError
 
@@ -94,29 +96,37 @@ def uid_range() -> tuple[int, int]:
     return first, last - first + 1
 
 
-_accounts_cache: dict[str, tuple[tuple[int, int], frozenset[int]]] = {}
+_T = TypeVar("_T")
+_parsed_cache: dict[tuple[str, Callable[[bytes], Any]], tuple[tuple[int, int], Any]] = {}
+
+
+def _parsed_file(path: str, parse: Callable[[bytes], _T], missing: _T) -> _T:
+    """``parse(content of path)``, cached per path and parser until the file's mtime or size
+    changes; ``missing`` when the file cannot be read (not cached: read again next time)."""
+    try:
+        st = os.stat(path)
+        stamp = (st.st_mtime_ns, st.st_size)
+        cached = _parsed_cache.get((path, parse))
+        if cached is not None and cached[0] == stamp:
+            value: _T = cached[1]
+            return value
+        with open(path, "rb") as f:
+            value = parse(f.read())
+    except OSError:
+        return missing
+    _parsed_cache[(path, parse)] = (stamp, value)
+    return value
+
+
+def _third_fields(data: bytes) -> frozenset[int]:
+    """The numeric third fields of a passwd/group file: its uids or gids."""
+    return frozenset(int(parts[2]) for parts in (line.split(b":") for line in data.splitlines())
+                     if len(parts) > 2 and parts[2].isdigit())
 
 
 def _ids_in(path: str) -> frozenset[int]:
     """The ids (third field) of ``/etc/passwd`` or ``/etc/group`` (cached per mtime and size)."""
-    try:
-        st = os.stat(path)
-        stamp = (st.st_mtime_ns, st.st_size)
-    except OSError:
-        return frozenset()
-    cached = _accounts_cache.get(path)
-    if cached is None or cached[0] != stamp:
-        ids = set()
-        try:
-            with open(path, "rb") as f:
-                for line in f:
-                    parts = line.split(b":")
-                    if len(parts) > 2 and parts[2].isdigit():
-                        ids.add(int(parts[2]))
-        except OSError:
-            pass
-        cached = _accounts_cache[path] = (stamp, frozenset(ids))
-    return cached[1]
+    return _parsed_file(path, _third_fields, frozenset())
 
 
 def account_uids(first: int, count: int) -> frozenset[int]:
@@ -135,9 +145,6 @@ NSSWITCH_PATH = "/etc/nsswitch.conf"
 #: sssd's default id mapping hands out 200000-2000200000 (sssd-ldap(5) ``ldap_idmap_range_*``).
 LOCAL_NSS_SOURCES = frozenset({"files", "systemd"})
 
-_nss_cache: dict[str, tuple[tuple[int, int], bool]] = {}
-
-
 def nss_beyond_files(path: str | None = None) -> bool:
     """Whether NSS takes users or groups from a source other than :data:`LOCAL_NSS_SOURCES`.
 
@@ -145,27 +152,17 @@ def nss_beyond_files(path: str | None = None) -> bool:
     size; ``[STATUS=action]`` items are not sources). No file: glibc's default (``files``),
     so False. When True, :class:`UidLease` asks NSS about each uid before leasing it.
     """
-    path = path or NSSWITCH_PATH
-    try:
-        st = os.stat(path)
-        stamp = (st.st_mtime_ns, st.st_size)
-    except OSError:
-        return False
-    cached = _nss_cache.get(path)
-    if cached is not None and cached[0] == stamp:
-        return cached[1]
-    beyond = False
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                key, sep, rest = line.split("#", 1)[0].partition(":")
-                if sep and key.strip() in ("passwd", "group"):
-                    sources = {w for w in rest.split() if not w.startswith("[")}
-                    beyond = beyond or bool(sources - LOCAL_NSS_SOURCES)
-    except OSError:
-        return False
-    _nss_cache[path] = (stamp, beyond)
-    return beyond
+    return _parsed_file(path or NSSWITCH_PATH, _nss_beyond_files, False)
+
+
+def _nss_beyond_files(data: bytes) -> bool:
+    for line in data.decode("utf-8", "replace").splitlines():
+        key, sep, rest = line.split("#", 1)[0].partition(":")
+        if sep and key.strip() in ("passwd", "group"):
+            sources = {w for w in rest.split() if not w.startswith("[")}  # "[NOTFOUND=return]": an action
+            if sources - LOCAL_NSS_SOURCES:
+                return True
+    return False
 
 
 def nss_knows_id(uid: int) -> bool:
