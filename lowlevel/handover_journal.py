@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from . import cow as _cow
+from .workspace import process_start_time
 
 if TYPE_CHECKING:
     from .workspace import Handover
@@ -101,7 +102,7 @@ class Journal:
     def record_process(self, kind: str, pid: int) -> None:
         """Record a process whose life means the sandbox may still run: ``kind`` is
         ``"anchor"`` (after the spawn) or ``"bwrap"`` (after READY)."""
-        start = _start_time(pid)
+        start = process_start_time(pid)
         if start is not None:
             self._write(f"P {kind} {pid} {start}")
 
@@ -117,17 +118,6 @@ class Journal:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
-
-
-def _start_time(pid: int) -> int | None:
-    """``starttime`` (field 22 of /proc/PID/stat, clock ticks since boot) of a live, non-zombie
-    process, else None."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] == b"Z" else int(fields[19])
 
 
 @dataclass
@@ -188,7 +178,7 @@ def _sandbox_alive(entry: Entry) -> str | None:
     it) but with a dead anchor, bwrap was SIGKILLed by its parent-death signal and may take a
     moment: any process of the sandbox's uid counts as alive then."""
     for kind, pid, start in entry.processes:
-        if _start_time(pid) == start:
+        if process_start_time(pid) == start:
             return f"its {kind} (pid {pid}) still runs"
     uid = entry.handover.sandbox_uid
     if all(kind != "bwrap" for kind, _pid, _start in entry.processes) and uid is not None \
@@ -278,7 +268,7 @@ def _caller_pid_reused(path: str, pid: int) -> bool:
         return False
     if len(rec) != 4 or rec[:3] != ["P", "caller", str(pid)] or not rec[3].isdigit():
         return False  # a journal of an older version, or the caller died before writing it
-    start = _start_time(pid)
+    start = process_start_time(pid)
     return start is not None and start != int(rec[3])
 
 

@@ -613,14 +613,15 @@ def _copy_regular(src: str, dst: str) -> str:
 DISPOSABLE_PREFIX = "rm-"
 
 
-def _start_time(pid: int) -> int | None:
-    """The process's start time (``/proc/PID/stat`` field 22, clock ticks after boot), or None."""
+def process_start_time(pid: int) -> int | None:
+    """``starttime`` (field 22 of /proc/PID/stat, clock ticks since boot) of a live, non-zombie
+    process, else None. With the PID, it names one process: a reused PID has another."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-        return int(data[data.rindex(b")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
         return None
+    return None if fields[0] == b"Z" else int(fields[19])
 
 
 def disposable_owner(name: str) -> tuple[int, int] | None:
@@ -635,7 +636,7 @@ def disposable_owner(name: str) -> tuple[int, int] | None:
 def creator_alive(pid: int, start_time: int) -> bool:
     """Whether the process ``pid`` that started at ``start_time`` still runs (a reused PID is
     another process: not alive). Assumes the creator ran in this PID namespace."""
-    return _start_time(pid) == start_time
+    return process_start_time(pid) == start_time
 
 
 def create_workspace(inputs: Iterable[str | os.PathLike[str] | tuple[str, str]] = (),
@@ -659,7 +660,7 @@ def create_workspace(inputs: Iterable[str | os.PathLike[str] | tuple[str, str]] 
     parent = ensure_base(base or default_base())
     prefix = "run-"
     if disposable:
-        started = _start_time(os.getpid())
+        started = process_start_time(os.getpid())
         prefix = f"{DISPOSABLE_PREFIX}{os.getpid()}-{started}-" if started is not None else prefix
     try:
         path = _mkdtemp(parent, prefix)
