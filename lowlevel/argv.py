@@ -227,18 +227,17 @@ def static_args(policy: Policy, facts: HostFacts, rootfs_overlay: str | None = N
             a += ["--symlink", target, name]
         for path in facts.layout.ro_dirs:
             a += ["--ro-bind", path, path]
-        if _etc_as_files(policy, facts):
-            copied = 0
-            for kind, path, arg in etc_plan(facts.layout.etc_files):
-                if kind == "file":
-                    a += ["--perms", "0644", "--file", str(ETC_COPY_FD + copied), path]
-                    copied += 1
-                elif kind == "symlink":
-                    a += ["--symlink", arg, path]
-                else:
-                    a += ["--ro-bind", path, path]
-        else:
-            for path in facts.layout.etc_files:
+        # Without bwrap's --perms/--file every entry is a bind.
+        plan = (etc_plan(facts.layout.etc_files) if _etc_as_files(policy, facts)
+                else tuple(("bind", path, path) for path in facts.layout.etc_files))
+        copied = 0
+        for kind, path, arg in plan:
+            if kind == "file":
+                a += ["--perms", "0644", "--file", str(ETC_COPY_FD + copied), path]
+                copied += 1
+            elif kind == "symlink":
+                a += ["--symlink", arg, path]
+            else:
                 a += ["--ro-bind", path, path]
         if policy.network is True:
             for source, dest in facts.network_etc:
