@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -92,15 +93,23 @@ def test_killed_root_caller_in_handover_mode_leaves_owners_restorable(repair: st
         shutil.rmtree(ws, ignore_errors=True)
 
 
-def test_a_malformed_journal_is_reported_not_fatal() -> None:
+def _dead_callers_journal(serial: int, content: Callable[[int], bytes]) -> str:
+    """Write ``content(pid)`` as the hand-over journal of a caller (``pid``) that has exited;
+    return its path."""
     from lowlevel import handover_journal as journal
     from lowlevel.cow import ensure_root_state_dir
     ensure_root_state_dir()
     os.makedirs(journal.JOURNAL_DIR, mode=0o700, exist_ok=True)
     p = subprocess.Popen(["true"])
     p.wait()
-    path = os.path.join(journal.JOURNAL_DIR, f"{p.pid}-999")
-    Path(path).write_bytes(b"H 1 garbage\n\xff")
+    path = os.path.join(journal.JOURNAL_DIR, f"{p.pid}-{serial}")
+    Path(path).write_bytes(content(p.pid))
+    return path
+
+
+def test_a_malformed_journal_is_reported_not_fatal() -> None:
+    from lowlevel import handover_journal as journal
+    path = _dead_callers_journal(999, lambda _pid: b"H 1 garbage\n\xff")
     try:
         done, problems = journal.recover()
         assert path not in done and any(path in x and "unreadable" in x for x in problems), problems
@@ -235,16 +244,11 @@ def test_a_journaled_uid_is_not_leased_until_given_back(monkeypatch: pytest.Monk
     leasing that uid to the next sandbox (the lowest free one) made that sandbox own the dead
     run's files and kept the recovery waiting for as long as uids were busy (found by killing
     callers at random instants). Journaled uids are skipped; the control lease takes them."""
-    from lowlevel import handover_journal as journal
-    from lowlevel.cow import UidLease, ensure_root_state_dir
+    from lowlevel.cow import UidLease
     first = 1879048192 + 60000  # two ids of the default range no other test leases
     monkeypatch.setenv("LOWLEVEL_UID_RANGE", f"{first}-{first + 1}")
-    ensure_root_state_dir()
-    os.makedirs(journal.JOURNAL_DIR, mode=0o700, exist_ok=True)
-    p = subprocess.Popen(["true"])
-    p.wait()
-    path = os.path.join(journal.JOURNAL_DIR, f"{p.pid}-998")
-    Path(path).write_text(f"H 1 {p.pid} {os.fsencode('/nonexistent-ws').hex()} 0 0 493 {first} 0 0\n")
+    path = _dead_callers_journal(
+        998, lambda pid: f"H 1 {pid} {os.fsencode('/nonexistent-ws').hex()} 0 0 493 {first} 0 0\n".encode())
     try:
         for _ in range(3):
             lease = UidLease.acquire()
