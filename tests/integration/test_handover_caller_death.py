@@ -59,16 +59,22 @@ def _killed_mid_run(ws: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
     return caller
 
 
+def _fill(ws: str, subdir: bool = False) -> None:
+    """A file ``f`` (and a directory ``d``) in ``ws``, all owned by 4242:4242, ``ws`` 0755."""
+    Path(ws, "f").write_text("hi\n")
+    if subdir:
+        os.mkdir(os.path.join(ws, "d"))
+    for p in (ws, f"{ws}/f", *([f"{ws}/d"] if subdir else [])):
+        os.chown(p, 4242, 4242)
+    os.chmod(ws, 0o755)
+
+
 @pytest.mark.parametrize("repair", ["cleanup", "next run"])
 def test_killed_root_caller_in_handover_mode_leaves_owners_restorable(repair: str) -> None:
     ws = tempfile.mkdtemp(prefix="rt-handover-", dir="/tmp")
     env = {**os.environ, "LOWLEVEL_NO_OVERLAY": "1"}
     try:
-        Path(ws, "f").write_text("hi\n")
-        os.mkdir(os.path.join(ws, "d"))
-        for p in (ws, f"{ws}/f", f"{ws}/d"):
-            os.chown(p, 4242, 4242)
-        os.chmod(ws, 0o755)
+        _fill(ws, subdir=True)
         before = _owners(ws)
         caller = _killed_mid_run(ws, env)
         assert _owners(ws)["f"][:2] != (4242, 4242)  # it was handed over when the caller died
@@ -129,10 +135,7 @@ def test_a_reused_caller_pid_does_not_keep_the_workspace_handed_over() -> None:
     env = {**os.environ, "LOWLEVEL_NO_OVERLAY": "1"}
     other = None
     try:
-        Path(ws, "f").write_text("hi\n")
-        for p in (ws, f"{ws}/f"):
-            os.chown(p, 4242, 4242)
-        os.chmod(ws, 0o755)
+        _fill(ws)
         before = _owners(ws)
         caller = _killed_mid_run(ws, env)
         mine = [n for n in os.listdir(journal.JOURNAL_DIR) if n.startswith(f"{caller.pid}-")]
@@ -180,10 +183,7 @@ def test_a_journal_never_chowns_a_directory_swapped_in_at_the_workspace_path() -
         os.chmod(top, 0o755)
         os.makedirs(ws)
         os.makedirs(victim)
-        Path(ws, "f").write_text("hi\n")
-        for p in (ws, f"{ws}/f"):
-            os.chown(p, 4242, 4242)
-        os.chmod(ws, 0o755)
+        _fill(ws)
         Path(victim, "secret").write_text("x")
         for p in (victim, f"{victim}/secret"):
             os.chown(p, 5555, 5555)
@@ -214,11 +214,7 @@ def test_two_live_runs_never_hand_over_one_workspace(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("LOWLEVEL_NO_OVERLAY", "1")
     ws = tempfile.mkdtemp(prefix="rt-handover-two-", dir="/tmp")
     try:
-        Path(ws, "f").write_text("hi\n")
-        os.mkdir(os.path.join(ws, "d"))
-        for p in (ws, f"{ws}/f", f"{ws}/d"):
-            os.chown(p, 4242, 4242)
-        os.chmod(ws, 0o755)
+        _fill(ws, subdir=True)
         before = _owners(ws)
         first: list[object] = []
         t = threading.Thread(target=lambda: first.append(lowlevel.run(
