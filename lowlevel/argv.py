@@ -270,7 +270,6 @@ def dynamic_args(
     workspace: str,
     fds: Fds,
     extra_env: Mapping[str, str] | None = None,
-    cwd: str = WORKSPACE_DEST,
     clearenv: bool = False,
     extra_mounts: Sequence[str] = (),
     passwd_as_file: bool = False,
@@ -283,7 +282,6 @@ def dynamic_args(
         extra_mounts: bwrap mount options placed before ``--remount-ro /`` (the egress
             proxy's socket and CA bundle: :class:`lowlevel.egress_proxy.EgressRun`).
         extra_env: variables set on top of the Policy's environment.
-        cwd: the working directory inside (default ``/workspace``).
         clearenv: emit ``--clearenv`` before ``extra_env`` (bwrap applies it where it stands),
             so ``extra_env`` is then the whole environment, set in sorted order.
         passwd_as_file: write /etc/passwd and /etc/group as files of the sandbox's root tmpfs
@@ -298,7 +296,11 @@ def dynamic_args(
             continue
         a += ["--perms", "0644", "--file", str(fd), dest] if passwd_as_file else ["--ro-bind-data", str(fd), dest]
     a += extra_mounts
-    a += ["--remount-ro", "/", "--chdir", cwd]
+    # ``--chdir /``, never the run's cwd: bwrap 0.8.0 changes directory while it still holds an
+    # O_PATH fd of the host's /proc, so a cwd through /proc/self/fd/N started the program in the
+    # host's tree (CVE-2024-21626 class). The guard or the session init changes to the cwd once
+    # bwrap has closed its fds, and checks it with getcwd(2) (lowlevel.validate.sandbox_cwd).
+    a += ["--remount-ro", "/", "--chdir", "/"]
     if clearenv:
         a += ["--clearenv"]
     if extra_env:
@@ -313,7 +315,7 @@ def dynamic_args(
 
 
 def build_argv(policy: Policy, facts: HostFacts, *, workspace: str, fds: Fds,
-               extra_env: Mapping[str, str] | None = None, cwd: str = WORKSPACE_DEST,
+               extra_env: Mapping[str, str] | None = None,
                extra_mounts: Sequence[str] = (), rootfs_overlay: str | None = None) -> list[str]:
     """bwrap's options (without ``bwrap`` itself or the command), static then dynamic part.
 
@@ -333,10 +335,10 @@ def build_argv(policy: Policy, facts: HostFacts, *, workspace: str, fds: Fds,
     as_file = _etc_as_files(policy, facts)
     if policy.deterministic and extra_env:
         return [*static_args(policy, facts, rootfs_overlay),
-                *dynamic_args(workspace=workspace, fds=fds, extra_env=policy.environment(extra_env), cwd=cwd,
+                *dynamic_args(workspace=workspace, fds=fds, extra_env=policy.environment(extra_env),
                               clearenv=True, extra_mounts=extra_mounts, passwd_as_file=as_file)]
     return [*static_args(policy, facts, rootfs_overlay),
-            *dynamic_args(workspace=workspace, fds=fds, extra_env=extra_env, cwd=cwd, extra_mounts=extra_mounts,
+            *dynamic_args(workspace=workspace, fds=fds, extra_env=extra_env, extra_mounts=extra_mounts,
                           passwd_as_file=as_file)]
 
 

@@ -162,12 +162,14 @@ def _input_spec(text: str) -> str | tuple[str, str]:
 
 def _cwd_spec(text: str) -> str:
     """``--cwd``: absolute inside the sandbox, or relative to /workspace."""
+    from .validate import sandbox_cwd
+
     if not text or "\0" in text:
         raise argparse.ArgumentTypeError(f"invalid --cwd {text!r}")
-    path = text if text.startswith("/") else f"{WORKSPACE_DEST}/{text}"
-    if any(part == ".." for part in path.split("/")):
-        raise argparse.ArgumentTypeError(f"invalid --cwd {text!r}: no '..'")
-    return os.path.normpath(path)
+    try:
+        return sandbox_cwd(text if text.startswith("/") else f"{WORKSPACE_DEST}/{text}", "--cwd")
+    except PolicyError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 #: The subcommands, in the order ``lowlevel --help`` lists them.
@@ -545,7 +547,8 @@ def _cmd_run(args: argparse.Namespace, command: list[str], created: list[str]) -
                     result = run(command, stdio_fds=relay.child_fds, **kw)
                 except LaunchError as err:
                     relay.finish()
-                    if isinstance(err, ExecError) or err.stderr or not relay.stderr_tail:
+                    # A failure the guard reported (errno set: a cwd, Landlock) is already specific.
+                    if isinstance(err, ExecError) or err.stderr or err.errno is not None or not relay.stderr_tail:
                         raise
                     # bwrap's own message (an execvp failure: a missing ELF interpreter...)
                     # went through the relay, not into the Result.

@@ -69,6 +69,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from . import validate as _validate
 from .errors import ImageError, LowlevelError, PolicyError
 
 if TYPE_CHECKING:
@@ -1076,9 +1077,12 @@ class _Import:
                     continue
             self.notes.append(f"config Env entry {str(item)[:80]!r} ignored (not NAME=VALUE)")
         workdir = c.get("WorkingDir") or None
-        if workdir is not None and (not isinstance(workdir, str) or not workdir.startswith("/") or "\0" in workdir):
-            self.notes.append(f"config WorkingDir {str(workdir)[:80]!r} ignored (not an absolute path)")
-            workdir = None
+        if workdir is not None:
+            try:  # the rules of a run's cwd: never under /proc, /sys or /dev (CVE-2024-21626 class)
+                workdir = _validate.sandbox_cwd(workdir, "config WorkingDir")
+            except PolicyError as err:
+                self.notes.append(f"config WorkingDir ignored: {err}")
+                workdir = None
 
         def argv(key: str) -> tuple[str, ...]:
             value = c.get(key)

@@ -67,8 +67,9 @@ GUARD_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lowlevel
 #: Records the guard writes on its status fd (16 bytes each, native byte order).
 _REC = struct.Struct("=IIII")
 REC_START, REC_EXIT, REC_FAIL = 1, 2, 3
-STAGE_LANDLOCK, STAGE_EXEC, STAGE_FORK = 1, 2, 3
-STAGES = {STAGE_LANDLOCK: "landlock", STAGE_EXEC: "execve", STAGE_FORK: "vfork"}
+STAGE_LANDLOCK, STAGE_EXEC, STAGE_FORK, STAGE_CHDIR, STAGE_CWD = 1, 2, 3, 4, 5
+STAGES = {STAGE_LANDLOCK: "landlock", STAGE_EXEC: "execve", STAGE_FORK: "vfork", STAGE_CHDIR: "chdir",
+          STAGE_CWD: "working directory outside the sandbox"}
 
 #: Tests only: cap the ABI the guard and the init use (to exercise the fallbacks). None: no cap.
 _ABI_MAX: int | None = None
@@ -198,9 +199,16 @@ def guard_fd() -> int:
                                "reinstall lowlevel (pip install .) with a C compiler present") from err
 
 
-def guard_argv(exe_fd: int, status_fd: int, ll_args: tuple[str, ...]) -> list[str]:
-    """The guard's argv as bwrap execs it, before ``--`` and the program."""
-    return [f"/proc/self/fd/{exe_fd}", f"--fd={exe_fd}", f"--status={status_fd}", *ll_args, "--"]
+def guard_argv(exe_fd: int, status_fd: int, ll_args: tuple[str, ...], *, cwd: str) -> list[str]:
+    """The guard's argv as bwrap execs it, before ``--`` and the program.
+
+    ``cwd`` (validated by :func:`lowlevel.validate.sandbox_cwd`) is the program's working
+    directory: the guard changes to it itself, after bwrap has closed its fds (bwrap gets
+    ``--chdir /``), refuses one whose ``getcwd(2)`` is outside the sandbox's root (reported as
+    :data:`STAGE_CWD`) and sets ``PWD`` to it (CVE-2024-21626 class; runc 1.1.12 checks the
+    same way).
+    """
+    return [f"/proc/self/fd/{exe_fd}", f"--fd={exe_fd}", f"--status={status_fd}", f"--cwd={cwd}", *ll_args, "--"]
 
 
 @dataclass

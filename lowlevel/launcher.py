@@ -684,7 +684,7 @@ class Run:
         self.timeout = float(timeout) if timeout is not None else None
         self.stdin = bytes(stdin) if stdin is not None else None
         self.capture = capture
-        self.cwd = cwd
+        self.cwd = _validate.sandbox_cwd(cwd)  # checked by run_args; normalized here
         self.env_extra = dict(env or {})
         self.environment = policy.environment(self.env_extra)
         self.facts = host_facts(bwrap)
@@ -947,7 +947,7 @@ class Run:
         if policy.rootfs is not None:
             self._check_rootfs_layout(policy.rootfs)
         self.argv = build_argv(policy, self.facts, workspace=bind_source, fds=fds,
-                               extra_env=self.env_extra or None, cwd=self.cwd,
+                               extra_env=self.env_extra or None,
                                extra_mounts=self.egress.mounts if self.egress is not None else (),
                                rootfs_overlay=rootfs_overlay)
         # Last line of defence: the --args memfd is NUL-separated, so a NUL inside a value would
@@ -999,7 +999,7 @@ class Run:
             self.status_r = status_r
             mapping += [(_landlock.guard_fd(), exe_child), (status_w, exe_child + 1)]
             rules = _landlock.ruleset_args(policy, self.facts.layout.ro_dirs, self.facts.bwrap.options)
-            self.guard_prefix = _landlock.guard_argv(exe_child, exe_child + 1, rules)
+            self.guard_prefix = _landlock.guard_argv(exe_child, exe_child + 1, rules, cwd=self.cwd)
         self.pass_fds = tuple(sorted(dst for _s, dst in mapping if dst > 2))
         # The anchor's own fds (never passed on to bwrap) go right above bwrap's.
         nxt = max(dst for _s, dst in mapping) + 1
@@ -1532,6 +1532,15 @@ class Run:
         if rep.fail_stage == _landlock.STAGE_EXEC:
             return ExecError(f"{self.command[0]}: {os.strerror(code).lower()} in the sandbox", argv=self.full_argv,
                              stderr=text, errno=code)
+        if rep.fail_stage == _landlock.STAGE_CWD:
+            return LaunchError(f"the working directory {self.cwd!r} resolves outside the sandbox (through a magic "
+                               "link such as /proc/self/fd/N, or a symlink to one: CVE-2024-21626 class); refused "
+                               "before the program ran: use a directory of the sandbox's own tree, e.g. /workspace",
+                               argv=self.full_argv, stderr=text, errno=code)
+        if rep.fail_stage == _landlock.STAGE_CHDIR:
+            return LaunchError(f"cannot change to the working directory {self.cwd!r} in the sandbox: "
+                               f"{os.strerror(code)}; create it (e.g. under /workspace) or pass another cwd",
+                               argv=self.full_argv, stderr=text, errno=code)
         if rep.fail_stage == _landlock.STAGE_LANDLOCK and code in (errno.EOPNOTSUPP, errno.ENOSYS):
             return UnsupportedError("landlock", "Policy(landlock='require') but Landlock is not available "
                                     "inside the sandbox", "use Policy(landlock=True) for best effort")

@@ -617,10 +617,10 @@ def _cwd(cwd: str | None) -> str:
     """A request's ``cwd``: absolute inside the sandbox, or relative to ``/workspace``."""
     if cwd is None:
         return WORKSPACE_DEST
-    if not isinstance(cwd, str) or not cwd or "\0" in cwd or any(p == ".." for p in cwd.split("/")):
+    if not isinstance(cwd, str) or not cwd:
         raise PolicyError(f"cwd {cwd!r}: give a directory inside the sandbox (absolute, or relative to "
                           "/workspace), without '..'")
-    return os.path.normpath(cwd if cwd.startswith("/") else f"{WORKSPACE_DEST}/{cwd}")
+    return _validate.sandbox_cwd(cwd if cwd.startswith("/") else f"{WORKSPACE_DEST}/{cwd}", "cwd")
 
 
 def _decode(content: str, encoding: str) -> bytes:

@@ -409,9 +409,8 @@ class Policy:
         if self.rootfs_writable and self.rootfs is None:
             raise PolicyError("Policy.rootfs_writable=True needs a rootfs or an image")
         if self.workdir is not None:
-            if not isinstance(self.workdir, str) or not self.workdir.startswith("/") or "\0" in self.workdir:
-                raise PolicyError(f"Policy.workdir must be an absolute path inside the sandbox, got {self.workdir!r}")
-            object.__setattr__(self, "workdir", os.path.normpath(self.workdir))
+            # An image's WorkingDir lands here too: the same rules as a run's cwd (CVE-2024-21626 class).
+            object.__setattr__(self, "workdir", _validate.sandbox_cwd(self.workdir, "Policy.workdir"))
 
     def environment(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         """Return the sandbox's environment: BASE_ENV, then (deterministic mode)

@@ -908,7 +908,7 @@ def validate_record(doc: Any) -> ParsedRecord:
     if len(cmd_raw) > _validate.MAX_ARGS:
         raise _bad("command", f"has {len(cmd_raw)} arguments; the limit is {_validate.MAX_ARGS}")
     command = _checked(_validate.command, "command", [_name(a, f"command[{i}]") for i, a in enumerate(cmd_raw)])
-    cwd = _checked(_validate.sandbox_path, "cwd", _name(_get(doc, "cwd", ""), "cwd"), "cwd")
+    cwd = _checked(_validate.sandbox_cwd, "cwd", _name(_get(doc, "cwd", ""), "cwd"), "cwd")
     env_raw = _get(doc, "env", "")
     env: dict[str, str] = {}
     if env_raw is not None:
@@ -1141,13 +1141,14 @@ def _is_encodable(text: str) -> bool:
     return True
 
 
-def argv_loosening(policy: Policy, *, cwd: str, env: Mapping[str, str] | None) -> list[str]:
-    """What a record's cwd and env would add to bwrap's argv beyond its policy; one line each.
+def argv_loosening(policy: Policy, *, env: Mapping[str, str] | None) -> list[str]:
+    """What a record's env would add to bwrap's argv beyond its policy; one line each.
 
     Builds the options bwrap would read (:func:`lowlevel.argv.build_argv`, NUL-split the way
-    bwrap splits ``--args``) with the record's cwd and env, and with ``/workspace`` and no env,
-    and lists every option of the first that the second lacks, ignoring only ``--chdir``,
-    ``--setenv`` and ``--clearenv`` themselves (they act inside the sandbox). The command is
+    bwrap splits ``--args``) with the record's env, and with no env, and lists every option of
+    the first that the second lacks, ignoring only ``--chdir``, ``--setenv`` and ``--clearenv``
+    themselves (they act inside the sandbox). The record's cwd never reaches bwrap's argv
+    (bwrap gets ``--chdir /``; the guard changes directory: :func:`lowlevel.validate.sandbox_cwd`) The command is
     not in ``--args`` (it follows ``--`` on the real argv, where a NUL cannot split it).
     :func:`validate_record` already refuses a NUL in these fields; this is the second line, in
     :func:`replay`'s looser-policy check, so whatever a crafted field smuggles shows up there.
@@ -1156,13 +1157,13 @@ def argv_loosening(policy: Policy, *, cwd: str, env: Mapping[str, str] | None) -
 
     facts = host_facts()
 
-    def options(cwd_: str, env_: Mapping[str, str] | None) -> list[tuple[str, ...]]:
+    def options(env_: Mapping[str, str] | None) -> list[tuple[str, ...]]:
         argv = build_argv(policy, facts, workspace="/.lowlevel-replay-workspace", fds=CHILD_FDS,
-                          extra_env=dict(env_) if env_ else None, cwd=cwd_)
+                          extra_env=dict(env_) if env_ else None)
         return [t for t in _as_bwrap_reads(argv) if t[0] not in ("--chdir", "--setenv", "--clearenv")]
 
-    mine = options(cwd, env)
-    ref = list(options(WORKSPACE_DEST, None))
+    mine = options(env)
+    ref = list(options(None))
     out = []
     for opt in mine:
         if opt in ref:
@@ -1263,7 +1264,7 @@ def replay(path: str | os.PathLike[str], *, workspace_base: str | None = None,
                           "(a lowlevel version with different Policy fields?)")
     if not trust_policy:
         loose = policy_loosening(policy, rec.timeout_s, profiles=profiles)
-        loose += argv_loosening(policy, cwd=rec.cwd, env=rec.env)
+        loose += argv_loosening(policy, env=rec.env)
         if loose:
             raise RecordError("refusing to replay: the record's policy is looser than the default:\n  "
                               + ";\n  ".join(loose) + ".\nA record is untrusted input. If you trust it, pass "

@@ -130,7 +130,8 @@ _SPAWN_STDIN_PIPE, _SPAWN_BODY_MEMFD = 1, 2
 _SIGNAL_TREE = 1
 _EXIT_WAIT_STATUS, _EXIT_SETUP_FAILED, _EXIT_SPAWN_FAILED, _EXIT_SHEPHERD_DIED = 0, 1, 2, 3
 _EXITF_TIMED_OUT, _EXITF_CANCELLED = 1, 2
-_STAGES = {1: "chdir", 2: "setrlimit", 3: "execve", 4: "stdio", 5: "landlock"}
+_STAGES = {1: "chdir", 2: "setrlimit", 3: "execve", 4: "stdio", 5: "landlock",
+           6: "working directory outside the sandbox"}
 _BYE_REASONS = {1: "idle_timeout", 2: "total_timeout"}
 _SPAWN_HDR = struct.Struct("=IIIIqII")
 _RLIM = struct.Struct("=IIQQ")
@@ -420,7 +421,7 @@ class _Core:
             raise PolicyError("stdin must be bytes or None")
         if cwd is None:
             cwd = self.policy.workdir or WORKSPACE_DEST
-        _validate.sandbox_path(cwd, "cwd")
+        cwd = _validate.sandbox_cwd(cwd, "cwd")
         if env is not None and not isinstance(env, Mapping):
             raise PolicyError(f"env must be a mapping of str to str, got {type(env).__name__}")
         if limits is not None and not isinstance(limits, Limits):
@@ -684,7 +685,12 @@ class _Core:
         if kind == _EXIT_SETUP_FAILED:
             stage_name = _STAGES.get(stage, str(stage))
             msg = os.strerror(status)
-            if stage_name == "execve":
+            if stage == 6:  # STAGE_CWD
+                cmd.error = LaunchError(f"the working directory of {cmd.argv[0]!r} resolves outside the sandbox "
+                                        "(through a magic link such as /proc/self/fd/N, or a symlink to one: "
+                                        "CVE-2024-21626 class); refused before it ran: use a directory of the "
+                                        "sandbox's own tree, e.g. /workspace", argv=list(cmd.argv), errno=status)
+            elif stage_name == "execve":
                 cmd.error = ExecError(f"{cmd.argv[0]}: {msg.lower()} in the sandbox", argv=list(cmd.argv),
                                       errno=status)
             else:

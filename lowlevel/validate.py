@@ -88,6 +88,47 @@ def sandbox_path(value: Any, what: str) -> str:
     return str(value)
 
 
+#: Sandbox trees a working directory may never lie in: the kernel's own, where a path component
+#: can be a magic link to an open file of bwrap's (``/proc/self/fd/N``, ``/dev/fd/N`` ->
+#: ``/proc/self/fd/N``, ``/proc/self/cwd``). bwrap 0.8.0 holds an ``O_PATH`` fd of the *host's*
+#: ``/proc`` while it runs ``--chdir``, so ``cwd="/proc/self/fd/3"`` started the program in the
+#: host's ``/proc`` with ``..`` the host's ``/``: the class of runc's CVE-2024-21626 ("leaky
+#: vessels", GHSA-xr7r-f8xq-vfvv). ``/dev/shm`` is a tmpfs of the sandbox's own and allowed.
+CWD_FORBIDDEN = ("/proc", "/sys", "/dev")
+CWD_ALLOWED = ("/dev/shm",)
+
+
+def sandbox_cwd(value: Any, what: str = "cwd") -> str:
+    """A working directory inside the sandbox: :func:`sandbox_path`, no ``..`` component, and
+    not beneath :data:`CWD_FORBIDDEN` (``/dev/shm`` excepted).
+
+    This is the first of two walls against a working directory that leads out of the
+    sandbox (CVE-2024-21626 class): lowlevel never passes the cwd to bwrap's ``--chdir`` (bwrap
+    gets ``--chdir /``); the guard (``native/lowlevel_guard.c``) and the session init change
+    directory themselves once bwrap has closed its fds, and check with ``getcwd(2)`` that the
+    result is inside the sandbox's root before anything runs (a symlink in the workspace that
+    points at ``/proc/self/fd/N`` passes this lexical check and is stopped there).
+
+    Returns:
+        The path, normalized (``//`` and ``.`` components collapsed).
+    Raises:
+        PolicyError: as :func:`sandbox_path`; a ``..`` component; a path under ``/proc``,
+            ``/sys`` or ``/dev``.
+    """
+    path = sandbox_path(value, what)
+    if ".." in path.split("/"):
+        raise PolicyError(f"{what} {_show(path)} must not contain '..': name the directory itself, "
+                          "e.g. /workspace/src")
+    norm = "/" + "/".join(p for p in path.split("/") if p and p != ".")
+    for top in CWD_FORBIDDEN:
+        if (norm == top or norm.startswith(top + "/")) and not any(
+                norm == ok or norm.startswith(ok + "/") for ok in CWD_ALLOWED):
+            raise PolicyError(f"{what} {_show(path)} is under {top}, where a path can lead out of the sandbox "
+                              "through a magic link such as /proc/self/fd/N (CVE-2024-21626); use a directory "
+                              "of the sandbox's own tree, e.g. /workspace or /tmp")
+    return norm
+
+
 def host_path(value: Any, what: str) -> str:
     """A host path given by the caller (workspace, input, bind source, record): a ``str`` or
     ``os.PathLike`` of str, :func:`text` rules, PATH_MAX, not empty.
@@ -151,7 +192,7 @@ def run_args(*, command: Any, cwd: Any, env: Any = None, workspace: Any = None, 
     """
     from collections.abc import Mapping
 
-    sandbox_path(cwd, "cwd")
+    sandbox_cwd(cwd, "cwd")
     if env is not None and not isinstance(env, Mapping):
         raise PolicyError(f"env must be a mapping of str to str, got {type(env).__name__}")
     if workspace is not None:
@@ -172,5 +213,5 @@ def run_args(*, command: Any, cwd: Any, env: Any = None, workspace: Any = None, 
             host_path(item, f"inputs[{i}]")
     return _command(command)
 
-__all__ = ["MAX_ARGS", "MAX_ARG_BYTES", "MAX_ENV", "MAX_PATH_BYTES", "command", "env_name", "host_path",
-           "run_args", "sandbox_path", "text"]
+__all__ = ["CWD_ALLOWED", "CWD_FORBIDDEN", "MAX_ARGS", "MAX_ARG_BYTES", "MAX_ENV", "MAX_PATH_BYTES", "command",
+           "env_name", "host_path", "run_args", "sandbox_cwd", "sandbox_path", "text"]

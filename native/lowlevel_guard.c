@@ -25,7 +25,14 @@
  * wait status is the fact bwrap's exit code cannot carry: "exit 152" and "killed by SIGXCPU"
  * are the same 152 to bwrap.
  *
- * Usage: lowlevel_guard [--fd=EXE_FD] [--status=FD] [--ll...] -- PROGRAM [ARG...]
+ * The working directory: bwrap is given ``--chdir /`` and the guard changes to ``--cwd`` itself,
+ * after bwrap closed its fds (bwrap 0.8.0 runs ``--chdir`` while it holds an O_PATH fd of the
+ * host's /proc: a cwd of /proc/self/fd/N was the host's /proc, CVE-2024-21626 class), checks
+ * with getcwd(2) that it is inside the sandbox's root (ll_chdir_inside), and sets PWD to it in
+ * place of bwrap's "PWD=/". Either failure is reported (STAGE_CHDIR, STAGE_CWD) before any
+ * program runs.
+ *
+ * Usage: lowlevel_guard [--fd=EXE_FD] [--status=FD] [--cwd=DIR] [--ll...] -- PROGRAM [ARG...]
  * Exit: the program's code; 127/126 when its exec failed; 125 when the guard could not set
  * up (bad usage, Landlock failed).
  *
@@ -48,6 +55,8 @@
 #define STAGE_LANDLOCK 1
 #define STAGE_EXEC 2
 #define STAGE_FORK 3
+#define STAGE_CHDIR 4 /* chdir(--cwd) failed */
+#define STAGE_CWD 5   /* --cwd resolved outside the sandbox's root (ll_chdir_inside) */
 
 #define G_SIGCHLD 17
 #define G_SIG_SETMASK 2
@@ -203,10 +212,12 @@ static int guard_main(int argc, char **argv, char **envp) {
     memset(&spec, 0, sizeof spec);
     spec.mode = LL_OFF;
     int exe_fd = -1, i;
+    const char *cwd = 0;
     for (i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (ll_strcmp(a, "--") == 0) { i++; break; }
         if (ll_strncmp(a, "--fd=", 5) == 0) exe_fd = ll_atoi(a + 5);
+        else if (ll_strncmp(a, "--cwd=", 6) == 0) cwd = a + 6;
         else if (ll_strncmp(a, "--status=", 9) == 0) status_fd = ll_atoi(a + 9);
         else if (ll_parse_opt(&spec, a) != 1) {
             put(2, "lowlevel-guard: bad option ");
@@ -216,7 +227,7 @@ static int guard_main(int argc, char **argv, char **envp) {
         }
     }
     if (i >= argc) {
-        put(2, "usage: lowlevel_guard [--fd=EXE_FD] [--status=FD] [--ll...] -- PROGRAM [ARG...]\n");
+        put(2, "usage: lowlevel_guard [--fd=EXE_FD] [--status=FD] [--cwd=DIR] [--ll...] -- PROGRAM [ARG...]\n");
         return 125;
     }
     if (exe_fd >= 0) lsys1(__NR_close, exe_fd);  /* the fd our binary was exec'd through */
@@ -225,6 +236,24 @@ static int guard_main(int argc, char **argv, char **envp) {
     lsys5(__NR_prctl, PR_SET_DUMPABLE, 0, 0, 0, 0);
     unsigned long all = ~0UL;
     lsys4(__NR_rt_sigprocmask, G_SIG_SETMASK, &all, &bwrap_mask, 8);
+
+    if (cwd) {
+        /* "PWD=" + the directory, replacing bwrap's entry in place (the order of environ stays). */
+        static char pwd[4 + 4096 + 1];
+        int r = ll_chdir_inside(cwd, pwd + 4, sizeof pwd - 4);
+        if (r) {
+            /* The host words the error (it knows the caller's cwd): nothing on the program's stderr. */
+            report(REC_FAIL, (uint32_t)errno, r == LL_CWD_CHDIR ? STAGE_CHDIR : STAGE_CWD);
+            return 125;
+        }
+        size_t n = ll_strlen(cwd);
+        if (n < sizeof pwd - 4) {
+            memcpy(pwd, "PWD=", 4);
+            memcpy(pwd + 4, cwd, n + 1);
+            for (char **e = envp; *e; e++)
+                if (ll_strncmp(*e, "PWD=", 4) == 0) { *e = pwd; break; }
+        }
+    }
 
     int abi = 0;
     int ruleset = ll_build(&spec, LL_PART_ALL, &abi);

@@ -39,6 +39,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdint.h>
@@ -93,6 +94,7 @@
 #define STAGE_EXEC 3
 #define STAGE_STDIO 4
 #define STAGE_LANDLOCK 5
+#define STAGE_CWD 6 /* the cwd resolved outside the sandbox's root (ll_chdir_inside: CVE-2024-21626 class) */
 
 /* MSG_BYE reasons */
 #define BYE_IDLE 1
@@ -333,7 +335,13 @@ static __attribute__((noinline)) pid_t spawn_command(const struct cmd *c, int *v
             }
             if (setrlimit((int)c->rl[i].resource, &want) < 0) { child_errno = errno; child_stage = STAGE_RLIMIT; _exit(127); }
         }
-        if (chdir(c->cwd) < 0) { child_errno = errno; child_stage = STAGE_CHDIR; _exit(127); }
+        char cwd_buf[PATH_MAX];
+        int cwd_r = ll_chdir_inside(c->cwd, cwd_buf, sizeof cwd_buf);
+        if (cwd_r) {
+            child_errno = errno;
+            child_stage = cwd_r == LL_CWD_CHDIR ? STAGE_CHDIR : STAGE_CWD;
+            _exit(127);
+        }
         if (cmd_ll_fd >= 0 && ll_restrict(cmd_ll_fd) < 0) { child_errno = errno; child_stage = STAGE_LANDLOCK; _exit(127); }
         sigprocmask(SIG_SETMASK, &none, NULL);
         exec_search(c->argv[0], c->argv, c->envp);

@@ -131,6 +131,23 @@ static int ll_atoi(const char *s) {
     return (int)v;
 }
 
+/* chdir(2) to ``path``, then prove with getcwd(2) that the new working directory lies inside
+ * this process's root. A directory reached through a magic link to an open file of another
+ * mount tree (``/proc/self/fd/N`` naming an fd of the host's ``/proc`` that bwrap held:
+ * CVE-2024-21626, "leaky vessels") is outside it, and the kernel's getcwd then fails with
+ * ENOENT or returns a path prefixed "(unreachable)" (d_path(9), fs/d_path.c). runc 1.1.12 checks
+ * its cwd the same way. ``buf`` (``size`` bytes) receives the path.
+ * Returns 0; LL_CWD_CHDIR (errno from chdir); LL_CWD_OUTSIDE (errno ENOENT or EPERM). */
+#define LL_CWD_CHDIR 1
+#define LL_CWD_OUTSIDE 2
+static int ll_chdir_inside(const char *path, char *buf, size_t size) {
+    if (lsys1(__NR_chdir, path) < 0) return LL_CWD_CHDIR;
+    long n = lsys2(__NR_getcwd, buf, size);
+    if (n < 0) { if (errno != ENOENT) errno = EPERM; return LL_CWD_OUTSIDE; }
+    if (n < 2 || buf[0] != '/') { errno = EPERM; return LL_CWD_OUTSIDE; }
+    return 0;
+}
+
 /* The file type bits (S_IFMT) of an open fd, or -1. statx: one layout on every architecture. */
 static long ll_fd_type(int fd) {
     struct statx stx;

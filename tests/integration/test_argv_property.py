@@ -8,7 +8,8 @@ runs with exactly the intended argv:
 
 - pure level (many examples): :func:`lowlevel.argv.build_argv` of the validated request, written
   the way the launcher writes the ``--args`` memfd (:func:`lowlevel.argv.encode_args`) and split
-  the way bwrap splits it, gives back the same list, with the cwd after ``--chdir``, each
+  the way bwrap splits it, gives back the same list, with ``--chdir /`` (the cwd goes to the
+  guard as ``--cwd=DIR``, never to bwrap: issue 22 item 1), each
   variable as ``--setenv NAME VALUE``, each bind as ``--(ro-)bind SRC DEST``, and no option the
   default Policy does not have;
 - real level (fewer examples, the real sandbox): the program inside reports the argv, the
@@ -34,7 +35,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lowlevel
-from lowlevel import cli
+from lowlevel import cli, validate
 from lowlevel.argv import build_argv, encode_args
 from lowlevel.errors import PolicyError
 from lowlevel.launcher import CHILD_FDS, Run, host_facts
@@ -107,10 +108,11 @@ def test_argv_is_exactly_the_intended_one(shared: Path, cwd: str, env: dict[str,
         r = Run(["true", *args], policy=policy, cwd=cwd, env=env, workspace=str(shared))
     except PolicyError:
         return
-    argv = build_argv(policy, host_facts(), workspace=str(shared), fds=CHILD_FDS, extra_env=env or None, cwd=cwd)
+    argv = build_argv(policy, host_facts(), workspace=str(shared), fds=CHILD_FDS, extra_env=env or None)
     assert _bwrap_reads(argv) == argv  # every element arrives as exactly one argument
     opts = _options(argv)
-    assert ("--chdir", cwd) in opts
+    assert [o for o in opts if o[0] == "--chdir"] == [("--chdir", "/")]
+    assert r.cwd == validate.sandbox_cwd(cwd)
     for k, v in {**policy_env, **env}.items():
         assert ("--setenv", k, v) in opts
     bind = policy.binds[0]
@@ -118,7 +120,7 @@ def test_argv_is_exactly_the_intended_one(shared: Path, cwd: str, env: dict[str,
     assert ("--ro-bind", src, bind.dest) in opts
     assert ("--hostname", hostname or "h") in opts
     ref = _options(build_argv(Policy(binds=(Bind(src, dest),), hostname=hostname or "h"), host_facts(),
-                              workspace=str(shared), fds=CHILD_FDS, cwd=WORKSPACE_DEST))
+                              workspace=str(shared), fds=CHILD_FDS))
     extra = [o for o in opts if o[0] not in ("--chdir", "--setenv", "--clearenv") and o not in ref]
     assert extra == [], extra
     assert r.command == ["true", *args]
@@ -169,8 +171,11 @@ def test_run_gives_the_program_exactly_its_argv_env_cwd(shared: Path, args: list
         assert r.exit_code == 0, r.stderr
         _expect(json.loads(r.stdout), args, env, cwd)
         _ends_with_command(list(r.argv), [PY, "-c", PROG, *args])
-        opts = _options(list(r.argv[:-len(args) - 4]))
-        assert ("--chdir", cwd) in opts
+        argv = list(r.argv)
+        guard = next(i for i in range(len(argv) - 2) if argv[i] == "--" and argv[i + 1].startswith("/proc/self/fd/")
+                     and argv[i + 2].startswith("--fd="))  # bwrap's "--", then the guard's argv
+        opts = _options(argv[:guard])
+        assert ("--chdir", "/") in opts and f"--cwd={cwd}" in r.argv
         assert all(("--setenv", k, v) in opts for k, v in env.items())
     finally:
         shutil.rmtree(ws, ignore_errors=True)

@@ -202,3 +202,15 @@ def test_unknown_member_type(store: ImageStore, work: pathlib.Path) -> None:
         tar.addfile(ti)
     layout = imagekit.write_layout(work / "v-layout", [buf.getvalue()])
     _refused(store, imagekit.oci_archive(layout, work / "v.tar"), "tar type b'V'")
+
+
+def test_image_working_dir_that_escapes_is_dropped_with_a_note(store: ImageStore, work: pathlib.Path) -> None:
+    """Issue 22 item 1: an image's ``WorkingDir`` is a cwd from a hostile file: under /proc (bwrap's
+    fd of the host's /proc, CVE-2024-21626 class) it is dropped with a note; control: /app is kept."""
+    bad = store.import_archive(imagekit.hostile_archive(work, "wdproc", [{"name": "app", "type": "dir"}],
+                                                        config={"WorkingDir": "/proc/self/fd/3"}))
+    assert bad.config.workdir is None
+    assert any("WorkingDir ignored" in n and "CVE-2024-21626" in n for n in bad.notes), bad.notes
+    good = store.import_archive(imagekit.hostile_archive(work, "wdapp", [{"name": "app", "type": "dir"}],
+                                                         config={"WorkingDir": "/app"}), name="wdapp:1")
+    assert good.config.workdir == "/app"

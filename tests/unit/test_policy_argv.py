@@ -37,7 +37,7 @@ def test_golden_default_argv():
         "--proc", "/proc", "--dev", "/dev", "--size", "1048576", "--tmpfs", "/tmp",
         "--size", "1048576", "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
         "--bind", "/srv/ws", "/workspace", "--ro-bind-data", "7", "/etc/passwd", "--ro-bind-data", "8", "/etc/group",
-        "--remount-ro", "/", "--chdir", "/workspace", "--json-status-fd", "4", "--seccomp", "6",
+        "--remount-ro", "/", "--chdir", "/", "--json-status-fd", "4", "--seccomp", "6",
     ]
 
 

@@ -36,7 +36,7 @@ def test_constants_match():
     defines = _defines()
     assert {k: defines.get(k) for k in MIRRORED} == MIRRORED
     stages = {"chdir": "STAGE_CHDIR", "setrlimit": "STAGE_RLIMIT", "execve": "STAGE_EXEC", "stdio": "STAGE_STDIO",
-              "landlock": "STAGE_LANDLOCK"}
+              "landlock": "STAGE_LANDLOCK", "working directory outside the sandbox": "STAGE_CWD"}
     assert {defines[stages[v]]: v for v in S._STAGES.values()} == S._STAGES
     assert {defines[f"BYE_{v.split('_')[0].upper()}"]: v for v in S._BYE_REASONS.values()} == S._BYE_REASONS
     max_msg = re.search(r"^#define MAX_MSG \((\d+) \* 1024\)", SOURCE.read_text(), re.M)

@@ -1,0 +1,195 @@
+"""Issue 22 item 1: a working directory that leads out of the sandbox (CVE-2024-21626 class).
+
+bwrap 0.8.0 holds an ``O_PATH`` fd of the host's ``/proc`` (fd 3) while it runs ``--chdir``, so
+``--chdir /proc/self/fd/3`` starts the program in the host's ``/proc`` (``..`` is the host's
+``/``): runc's "leaky vessels" (``process.cwd=/proc/self/fd/N``). Two walls, each with its
+attack and a control:
+
+1. the request edge (:func:`lowlevel.validate.sandbox_cwd`): no cwd under ``/proc``, ``/sys``
+   or ``/dev`` (``/dev/shm`` excepted), no ``..``, through every source of a cwd (``run``,
+   ``arun``, ``Session``, the CLI, MCP, a record, ``Policy.workdir``, an image's ``WorkingDir``);
+2. the guard and the session init: bwrap only ever gets ``--chdir /``; the directory change
+   happens inside, after bwrap closed its fds, and ``getcwd(2)`` must be inside the sandbox's
+   root, which stops a cwd that passes the edge but resolves elsewhere (a symlink in the
+   workspace pointing at an fd of a host directory).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import lowlevel
+from lowlevel import validate
+
+pytestmark = pytest.mark.bwrap
+
+ESCAPES = ["/proc/self/fd/3", "/dev/fd/3", "/proc/1/cwd", "/proc/self/root/../..", "/sys/kernel",
+           "/workspace/../proc/self/fd/3", "//proc/self/fd/3", "/./proc/self/fd/3", "/dev", "/proc"]
+MINIMAL_BWRAP = ["--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib",
+                 "--symlink", "usr/lib64", "/lib64", "--proc", "/proc", "--dev", "/dev", "--unshare-all",
+                 "--die-with-parent"]
+
+
+@pytest.fixture
+def marker(tmp_path: Path) -> str:
+    """A directory on the host's /tmp whose name the sandbox cannot know but by escaping."""
+    d = Path("/tmp") / f"lowlevel-escape-marker-{os.getpid()}-{tmp_path.name}"
+    d.mkdir()
+    yield d.name
+    shutil.rmtree(d, ignore_errors=True)
+
+
+# --- the control: bwrap itself follows a cwd through its own fd of the host's /proc ---------------
+
+@pytest.mark.parametrize("as_user", [False, True], ids=["root", "user"])
+def test_control_raw_bwrap_chdir_through_its_proc_fd_reaches_the_host(marker: str, as_user: bool,
+                                                                         test_user: object) -> None:
+    """Without lowlevel: ``bwrap --chdir /proc/self/fd/3`` lists the host's /tmp (the attack works)."""
+    cmd = ["bwrap", *MINIMAL_BWRAP, "--chdir", "/proc/self/fd/3", "--", "/usr/bin/sh", "-c", "ls ../tmp"]
+    if as_user:
+        cmd = ["runuser", "-u", "lowlevel-test", "--", *cmd]
+    out = subprocess.run(cmd, capture_output=True, timeout=30)
+    assert marker.encode() in out.stdout, out
+
+
+def test_bwrap_is_only_ever_given_chdir_slash() -> None:
+    """The second wall's premise: the run's cwd never reaches bwrap's ``--chdir``."""
+    r = lowlevel.run(["true"], cwd="/tmp", keep_workspace=False)
+    argv = list(r.argv)
+    chdirs = [argv[i + 1] for i, a in enumerate(argv) if a == "--chdir"]
+    assert chdirs == ["/"], chdirs
+    assert "--cwd=/tmp" in argv
+
+
+# --- wall 1: the request edge, every source of a cwd ----------------------------------------------
+
+@pytest.mark.parametrize("cwd", ESCAPES)
+def test_validate_refuses_cwds_under_kernel_trees(cwd: str) -> None:
+    with pytest.raises(lowlevel.PolicyError) as err:
+        validate.sandbox_cwd(cwd)
+    assert "CVE-2024-21626" in str(err.value) or "'..'" in str(err.value)
+
+
+@pytest.mark.parametrize("cwd,norm", [("/workspace", "/workspace"), ("/workspace/./src//", "/workspace/src"),
+                                      ("/dev/shm", "/dev/shm"), ("/dev/shm/x", "/dev/shm/x"), ("/tmp", "/tmp"),
+                                      ("/", "/"), ("/procfs", "/procfs"), ("/devices", "/devices")])
+def test_validate_keeps_sandbox_directories(cwd: str, norm: str) -> None:
+    assert validate.sandbox_cwd(cwd) == norm
+
+
+def test_every_entry_point_refuses_an_escaping_cwd(marker: str) -> None:
+    """run, arun, Session.run, Policy.workdir, a record, MCP: each a PolicyError/RecordError."""
+    from lowlevel import mcp_server, record
+    for cwd in ("/proc/self/fd/3", "/dev/fd/3", "/workspace/../proc/self/fd/3"):
+        with pytest.raises(lowlevel.PolicyError):
+            lowlevel.run(["ls", ".."], cwd=cwd, keep_workspace=False)
+        with pytest.raises(lowlevel.PolicyError):
+            asyncio.run(lowlevel.arun(["ls", ".."], cwd=cwd, keep_workspace=False))
+        with pytest.raises(lowlevel.PolicyError):
+            lowlevel.Policy(workdir=cwd)
+        with pytest.raises(lowlevel.PolicyError):
+            mcp_server._cwd(cwd)
+    with lowlevel.Session(lowlevel.Policy()) as s:
+        with pytest.raises(lowlevel.PolicyError):
+            s.run(["ls", ".."], cwd="/proc/self/fd/3")
+        assert s.run(["pwd"], cwd="/tmp").stdout == b"/tmp\n"
+    doc = {"cwd": "/proc/self/fd/3"}
+    with pytest.raises(record.RecordError) as err:
+        record._checked(validate.sandbox_cwd, "cwd", doc["cwd"], "cwd")
+    assert "cwd" in str(err.value)
+
+
+def test_cli_refuses_an_escaping_cwd(marker: str, tmp_path: Path) -> None:
+    """``lowlevel run --cwd /proc/self/fd/3``: exit 125, one line, and the host's /tmp never listed."""
+    out = subprocess.run([sys.executable, "-m", "lowlevel", "run", "--rm", "--landlock", "off", "--cwd",
+                          "/proc/self/fd/3", "--", "sh", "-c", "ls ../tmp"], capture_output=True, timeout=60,
+                         cwd=tmp_path)
+    assert out.returncode == 125
+    assert marker.encode() not in out.stdout
+    assert b"Traceback" not in out.stderr and b"CVE-2024-21626" in out.stderr, out.stderr
+
+
+# --- wall 2: the guard and the init check where the cwd resolved -------------------------------
+
+def _evil_workspace(sandbox: object, target: str) -> str:
+    ws = sandbox.workspace()  # type: ignore[attr-defined]
+    link = os.path.join(ws, "evil")
+    os.symlink(target, link)
+    if sandbox.user is not None:  # type: ignore[attr-defined]
+        os.lchown(link, sandbox.user.pw_uid, sandbox.user.pw_gid)  # type: ignore[attr-defined]
+    return str(ws)
+
+
+@pytest.fixture
+def host_secret_dir(tmp_path: Path) -> str:
+    d = Path("/tmp") / f"lowlevel-escape-secret-{os.getpid()}-{tmp_path.name}"
+    d.mkdir(mode=0o755)
+    (d / "secret").write_text("host secret\n")
+    os.chmod(d / "secret", 0o644)
+    yield str(d)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_control_an_fd_of_a_host_directory_is_a_way_out(sandbox: object, host_secret_dir: str) -> None:
+    """Control: a host directory's fd reaching the sandbox (a harness leak) can be entered by
+    ``cd /proc/self/fd/N`` without Landlock: what the guard's getcwd check must stop as a cwd."""
+    ws = sandbox.workspace()  # type: ignore[attr-defined]
+    out = sandbox.run(["sh", "-c", "cd /proc/self/fd/20 && cat secret"], workspace=str(ws),  # type: ignore[attr-defined]
+                      extra_dirs={20: host_secret_dir}, policy_kw={"landlock": False}, commit=False)
+    assert out.exit_code == 0 and out.stdout == b"host secret\n", out
+
+
+@pytest.mark.parametrize("landlock", [False, True], ids=["landlock-off", "landlock-on"])
+def test_a_cwd_symlink_to_a_host_fd_is_refused_by_the_guard(sandbox: object, host_secret_dir: str,
+                                                             landlock: bool) -> None:
+    """Attack: ``cwd=/workspace/evil`` (passes the edge), ``evil -> /proc/self/fd/20``, fd 20 a
+    host directory: the guard's getcwd check refuses before the program runs."""
+    ws = _evil_workspace(sandbox, "/proc/self/fd/20")
+    out = sandbox.run(["sh", "-c", "cat secret; echo RAN"], workspace=ws, cwd="/workspace/evil",  # type: ignore[attr-defined]
+                      extra_dirs={20: host_secret_dir}, policy_kw={"landlock": landlock}, commit=False)
+    assert out.error == "LaunchError", out
+    assert "outside the sandbox" in out.message and "CVE-2024-21626" in out.message
+    assert b"host secret" not in out.stdout and b"RAN" not in out.stdout
+
+
+def test_a_cwd_symlink_to_proc_fd_3_is_refused(sandbox: object, marker: str) -> None:
+    """Attack: ``evil -> /proc/self/fd/3`` in the workspace (what bwrap held): never the host's /proc."""
+    ws = _evil_workspace(sandbox, "/proc/self/fd/3")
+    out = sandbox.run(["sh", "-c", "ls ../tmp; echo RAN"], workspace=ws, cwd="/workspace/evil",  # type: ignore[attr-defined]
+                      policy_kw={"landlock": False}, commit=False)
+    assert out.error == "LaunchError", out
+    assert marker.encode() not in out.stdout
+
+
+def test_the_program_gets_its_cwd_and_pwd(sandbox: object) -> None:
+    """The guard's chdir and PWD match what bwrap's --chdir used to give."""
+    ws = sandbox.workspace()  # type: ignore[attr-defined]
+    os.makedirs(os.path.join(ws, "sub"))
+    if sandbox.user is not None:  # type: ignore[attr-defined]
+        os.chown(os.path.join(ws, "sub"), sandbox.user.pw_uid, sandbox.user.pw_gid)  # type: ignore[attr-defined]
+    for cwd in ("/workspace", "/workspace/sub", "/tmp", "/dev/shm", "/"):
+        out = sandbox.run(["sh", "-c", 'pwd; echo "$PWD"'], workspace=str(ws), cwd=cwd)  # type: ignore[attr-defined]
+        assert out.exit_code == 0 and out.out == f"{cwd}\n{cwd}\n", (cwd, out)
+    out = sandbox.run(["true"], workspace=str(ws), cwd="/workspace/missing")  # type: ignore[attr-defined]
+    assert out.error == "LaunchError" and "cannot change to the working directory" in out.message
+
+
+def test_session_init_checks_its_commands_cwd(tmp_path: Path) -> None:
+    """The session init changes directory per command with the same getcwd check."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    os.chmod(ws, 0o755)
+    with lowlevel.Session(lowlevel.Policy(), workspace=str(ws)) as s:
+        s.run(["ln", "-s", "/proc/self/fd/0", "/workspace/fd0"])
+        with pytest.raises(lowlevel.LaunchError):
+            s.run(["pwd"], cwd="/workspace/fd0")
+        assert s.run(["sh", "-c", "pwd"], cwd="/workspace").stdout == b"/workspace\n"
+    assert json.dumps(validate.CWD_FORBIDDEN)
