@@ -342,6 +342,43 @@ def build_argv(policy: Policy, facts: HostFacts, *, workspace: str, fds: Fds,
                           passwd_as_file=as_file)]
 
 
+#: The arguments each bwrap option takes (bwrap(1), 0.8.0 and later: ``--overlay-src``,
+#: ``--tmp-overlay``); an option not listed takes none.
+BWRAP_ARITY = {"--args": 1, "--userns": 1, "--userns2": 1, "--pidns": 1, "--uid": 1, "--gid": 1, "--hostname": 1,
+               "--chdir": 1, "--setenv": 2, "--unsetenv": 1, "--lock-file": 1, "--sync-fd": 1,
+               "--bind": 2, "--bind-try": 2, "--dev-bind": 2, "--dev-bind-try": 2, "--ro-bind": 2,
+               "--ro-bind-try": 2, "--bind-fd": 2, "--ro-bind-fd": 2, "--remount-ro": 1, "--exec-label": 1,
+               "--file-label": 1, "--proc": 1, "--dev": 1, "--tmpfs": 1, "--mqueue": 1, "--dir": 1, "--file": 2,
+               "--bind-data": 2, "--ro-bind-data": 2, "--symlink": 2, "--seccomp": 1, "--add-seccomp-fd": 1,
+               "--block-fd": 1, "--userns-block-fd": 1, "--info-fd": 1, "--json-status-fd": 1, "--cap-add": 1,
+               "--cap-drop": 1, "--perms": 1, "--size": 1, "--chmod": 2, "--overlay-src": 1, "--tmp-overlay": 1,
+               "--ro-overlay": 1, "--overlay": 3}
+
+#: Options whose last argument is a path in the new root that bwrap creates, mounts on or
+#: changes while it sets up (before it drops its fds of the host).
+_DEST_OPTIONS = frozenset({"--bind", "--bind-try", "--dev-bind", "--dev-bind-try", "--ro-bind", "--ro-bind-try",
+                           "--bind-fd", "--ro-bind-fd", "--remount-ro", "--proc", "--dev", "--tmpfs", "--mqueue",
+                           "--dir", "--file", "--bind-data", "--ro-bind-data", "--symlink", "--chmod",
+                           "--tmp-overlay", "--ro-overlay", "--overlay", "--lock-file"})
+
+
+def setup_paths(argv: Sequence[str]) -> list[tuple[str, str]]:
+    """``(option, path inside)`` for each option of bwrap's ``argv`` (options only, as
+    :func:`build_argv` returns them) that makes bwrap create, mount on or change a path of the new
+    root during setup. bwrap resolves those paths before ``pivot_root`` into the sandbox, while
+    the host's tree is its ``/oldroot`` and it holds an fd of the host's ``/proc``: a path through
+    a symlink there reaches the host (issue 22 item 1; :func:`lowlevel.rootfs.symlink_on_the_way`)."""
+    out: list[tuple[str, str]] = []
+    i = 0
+    while i < len(argv):
+        opt = argv[i]
+        n = BWRAP_ARITY.get(opt, 0)
+        if opt in _DEST_OPTIONS and i + n < len(argv):
+            out.append((opt, argv[i + n]))
+        i += 1 + n
+    return out
+
+
 def encode_args(argv: Sequence[str]) -> bytes:
     """bwrap's ``--args`` memfd content: each element, then a NUL byte.
 
@@ -500,7 +537,7 @@ def anchor_argv(facts: HostFacts, helper: str, *, parent: int, report_fd: int | 
     return [*a, "--", facts.bwrap.path, "--args", str(args_fd), "--", *command]
 
 
-__all__ = ["AnchorOverlay", "Fds", "HostFacts", "NETWORK_ETC", "anchor_argv", "build_argv", "dynamic_args",
-           "encode_args",
+__all__ = ["BWRAP_ARITY", "AnchorOverlay", "Fds", "HostFacts", "NETWORK_ETC", "anchor_argv", "build_argv", "dynamic_args",
+           "encode_args", "setup_paths",
            "redact_env_values",
            "static_args"]

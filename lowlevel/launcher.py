@@ -67,7 +67,7 @@ from . import seccomp as _seccomp
 from . import validate as _validate
 from . import workspace as _ws
 from .argv import (ETC_COPY_FD, NETWORK_ETC, Fds, HostFacts, anchor_argv, build_argv, encode_args, etc_copies,
-                   etc_copy_refusal, redact_env_values)
+                   etc_copy_refusal, redact_env_values, setup_paths)
 from .argv import AnchorOverlay as _AnchorOverlay
 from .egress import Egress
 from .errors import BwrapNotFoundError, LaunchError, LowlevelError, PolicyError, UnsupportedError, WorkspaceError
@@ -950,6 +950,11 @@ class Run:
                                extra_env=self.env_extra or None,
                                extra_mounts=self.egress.mounts if self.egress is not None else (),
                                rootfs_overlay=rootfs_overlay)
+        if policy.rootfs is not None:
+            # No setup path through a symlink of the tree: bwrap would resolve it on the host's
+            # tree (/oldroot) while it still holds the host's fds (issue 22 item 1).
+            from .rootfs import check_setup_paths, rootfs_layout
+            check_setup_paths(rootfs_layout(policy.rootfs), setup_paths(self.argv))
         # Last line of defence: the --args memfd is NUL-separated, so a NUL inside a value would
         # split it into extra bwrap options. The policy edge refuses them already; encode_args
         # refuses again (LaunchError) right before the bytes are written.

@@ -404,6 +404,14 @@ class Policy:
                     raise PolicyError(f"Policy.rootfs {self.rootfs} is not reachable by the sandbox's {who} "
                                       f"(bwrap mounts it as that user): {why}. Put it under world-traversable "
                                       "directories (chmod o+x)")
+            from .rootfs import rootfs_layout, symlink_on_the_way
+            layout = rootfs_layout(self.rootfs)
+            for bind in self.binds:
+                link = symlink_on_the_way(layout, bind.dest)
+                if link is not None:
+                    raise PolicyError(f"Bind dest {bind.dest!r} goes through the symlink {link} of Policy.rootfs "
+                                      f"{self.rootfs}: bwrap would resolve it on the host's tree while it sets up "
+                                      "(the CVE-2024-21626 class); bind to a real directory of the tree")
         if not isinstance(self.rootfs_writable, bool):
             raise PolicyError(f"Policy.rootfs_writable must be a bool, got {self.rootfs_writable!r}")
         if self.rootfs_writable and self.rootfs is None:

@@ -53,7 +53,7 @@ from typing import Any
 
 from . import validate as _validate
 from . import workspace as _ws
-from .argv import build_argv
+from .argv import BWRAP_ARITY, build_argv
 from .egress import egress_from_mapping
 from .errors import LowlevelError, PolicyError, WorkspaceError
 from .launcher import DEFAULT_TIMEOUT_S, host_facts
@@ -1112,13 +1112,6 @@ def policy_loosening(policy: Policy, timeout_s: float | None = DEFAULT_TIMEOUT_S
     return out
 
 
-#: Arity of each bwrap option :func:`lowlevel.argv.build_argv` emits (for :func:`argv_loosening`).
-_BWRAP_ARITY = {"--bind": 2, "--ro-bind": 2, "--ro-bind-data": 2, "--file": 2, "--perms": 1, "--symlink": 2,
-                "--setenv": 2, "--chdir": 1,
-                "--hostname": 1, "--uid": 1, "--gid": 1, "--tmpfs": 1, "--size": 1, "--proc": 1, "--dev": 1,
-                "--remount-ro": 1, "--json-status-fd": 1, "--block-fd": 1, "--seccomp": 1, "--cap-drop": 1}
-
-
 def _as_bwrap_reads(argv: Sequence[str]) -> list[tuple[str, ...]]:
     """The options bwrap would read from ``argv`` written NUL-separated (without refusing a NUL,
     as :func:`lowlevel.argv.encode_args` does), grouped with their arguments."""
@@ -1127,7 +1120,7 @@ def _as_bwrap_reads(argv: Sequence[str]) -> list[tuple[str, ...]]:
     out: list[tuple[str, ...]] = []
     i = 0
     while i < len(tokens):
-        n = _BWRAP_ARITY.get(tokens[i], 0)
+        n = BWRAP_ARITY.get(tokens[i], 0)
         out.append(tuple(tokens[i:i + 1 + n]))
         i += 1 + n
     return out

@@ -101,6 +101,75 @@ def _is_empty_dir(path: str) -> bool:
         return False
 
 
+def symlink_on_the_way(layout: RootfsLayout, dest: str, *, parent_only: bool = False) -> str | None:
+    """The first component of sandbox path ``dest`` that is a symlink of the tree, or None.
+
+    bwrap creates and mounts on its setup paths (:func:`lowlevel.argv.setup_paths`) before it
+    pivots into the sandbox: a symlink of the tree on the way is resolved against bwrap's
+    intermediate root, where ``/oldroot`` is the host's ``/`` and ``/newroot/proc/self/fd/3`` an
+    fd of the host's ``/proc``. An image whose ``/run`` (or ``/etc/ssl``, or a directory under a
+    bind's destination) is a symlink to ``/oldroot/home/you`` made bwrap create mount points on
+    the host's tree, as the sandbox's uid (issue 22 item 1, the CVE-2024-21626 class). Paths
+    whose first component is not in the tree (``/workspace``, ``/tmp``...) are bwrap's own
+    mount points: None.
+
+    Args:
+        layout: the tree's top level (:func:`rootfs_layout`).
+        dest: absolute path inside the sandbox.
+        parent_only: check only the components above the last (``--symlink``, which creates
+            the last one itself).
+    Returns:
+        The sandbox path of the symlink (``"/etc/ssl"``), or None. Walks with ``O_NOFOLLOW``
+        fds relative to the tree; a missing or non-directory component ends the walk (bwrap
+        then fails, or creates inside the read-only tree: neither leaves it).
+    """
+    parts = [p for p in dest.split("/") if p and p != "."]
+    if parent_only:
+        parts = parts[:-1]
+    if not parts:
+        return None
+    if "/" + parts[0] in {name for _target, name in layout.symlinks}:
+        return "/" + parts[0]
+    if parts[0] not in layout.dirs:
+        return None
+    try:
+        fd = os.open(os.path.join(layout.path, parts[0]), _DIR_FLAGS)
+    except OSError:
+        return None
+    try:
+        for i, name in enumerate(parts[1:], start=2):
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except OSError:
+                return None
+            if stat.S_ISLNK(st.st_mode):
+                return "/" + "/".join(parts[:i])
+            if not stat.S_ISDIR(st.st_mode):
+                return None
+            nxt = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+    finally:
+        os.close(fd)
+    return None
+
+
+def check_setup_paths(layout: RootfsLayout, paths: Sequence[tuple[str, str]]) -> None:
+    """Refuse bwrap setup paths (``(option, path)``, :func:`lowlevel.argv.setup_paths`) that go
+    through a symlink of the tree (:func:`symlink_on_the_way`). The tree's own layout passes:
+    its top-level entries are single components.
+
+    Raises:
+        PolicyError: naming the option, the path and the symlink.
+    """
+    for opt, dest in paths:
+        link = symlink_on_the_way(layout, dest, parent_only=opt == "--symlink")
+        if link is not None:
+            raise PolicyError(f"bwrap would set up {dest} ({opt}) through the symlink {link} of the root filesystem "
+                              f"{layout.path}: bwrap resolves it on the host's tree while it sets up (the "
+                              "CVE-2024-21626 class); make it a real directory in the tree, or bind elsewhere")
+
+
 def _inside(root: str, rel: str) -> str:
     """Host path of ``rel`` resolved inside the tree (its symlinks are the sandbox's), ``""`` if
     missing or provided by the sandbox itself."""
@@ -495,5 +564,5 @@ def rootfs_unreachable(path: str, uid: int, gid: int) -> str | None:
 
 
 __all__ = ["MAX_SYMLINKS", "NETWORK_ETC", "REQUIRED_FILES", "RESERVED_TOP", "RootfsLayout",
-           "SCRATCH_DIRS", "TreeDigest", "base_args", "check_rootfs", "layout_holds", "resolve_in_root",
-           "rootfs_layout", "rootfs_unreachable", "tree_sha256", "walk"]
+           "SCRATCH_DIRS", "TreeDigest", "base_args", "check_rootfs", "check_setup_paths", "layout_holds", "resolve_in_root",
+           "rootfs_layout", "rootfs_unreachable", "symlink_on_the_way", "tree_sha256", "walk"]

@@ -193,3 +193,62 @@ def test_session_init_checks_its_commands_cwd(tmp_path: Path) -> None:
             s.run(["pwd"], cwd="/workspace/fd0")
         assert s.run(["sh", "-c", "pwd"], cwd="/workspace").stdout == b"/workspace\n"
     assert json.dumps(validate.CWD_FORBIDDEN)
+
+
+# --- other paths bwrap resolves while it holds the host's fds: a tree's symlinks ----------------
+
+@pytest.fixture
+def tree_and_pit() -> object:
+    """A busybox root tree and an empty world-writable host directory ("the pit") that a symlink
+    of the tree names through bwrap's ``/oldroot`` (the host's ``/`` while bwrap sets up)."""
+    import imagekit
+    imagekit.need_tools()
+    base = imagekit.public_tmpdir("treepit-")
+    tree = imagekit.busybox_tree(base / "root")
+    pit = base / "pit"
+    pit.mkdir()
+    pit.chmod(0o777)
+    try:
+        yield tree, pit
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_control_raw_bwrap_creates_mount_points_on_the_host_through_a_tree_symlink(tree_and_pit: object) -> None:
+    """Control: bwrap's setup follows ``/data -> /oldroot<pit>`` and creates ``x`` on the host."""
+    tree, pit = tree_and_pit  # type: ignore[misc]
+    src = pit.parent / "src"
+    src.mkdir()
+    out = subprocess.run(["bwrap", "--ro-bind", str(tree / "bin"), "/bin", "--proc", "/proc", "--dev", "/dev",
+                          "--unshare-all", "--symlink", f"/oldroot{pit}", "/data", "--ro-bind", str(src), "/data/x",
+                          "--", "/bin/true"], capture_output=True, timeout=30)
+    assert out.returncode == 0, out
+    assert (pit / "x").is_dir()
+
+
+def test_a_bind_through_a_tree_symlink_is_refused(tree_and_pit: object) -> None:
+    """Attack: the tree's ``/data`` is a symlink to the host; ``Bind(dest="/data/x")`` is refused
+    when the Policy is made, and the host's directory stays empty."""
+    tree, pit = tree_and_pit  # type: ignore[misc]
+    os.symlink(f"/oldroot{pit}", tree / "data")
+    src = pit.parent / "src"
+    src.mkdir()
+    with pytest.raises(lowlevel.PolicyError, match="symlink /data of Policy.rootfs"):
+        lowlevel.Policy(rootfs=str(tree), binds=(lowlevel.Bind(str(src), "/data/x"),))
+    ok = lowlevel.Policy(rootfs=str(tree), binds=(lowlevel.Bind(str(src), "/app/x"),))  # a real directory
+    assert ok.binds[0].dest == "/app/x"
+    assert list(pit.iterdir()) == []
+
+
+def test_lowlevels_own_setup_paths_through_a_tree_symlink_are_refused(tree_and_pit: object) -> None:
+    """Attack: the tree's ``/run`` is a symlink to the host, and egress mode mounts the proxy's
+    socket at /run/lowlevel/egress.sock: the run is refused before bwrap starts, the host's
+    directory stays empty. (The tree's /etc a symlink: /etc/passwd, likewise.)"""
+    tree, pit = tree_and_pit  # type: ignore[misc]
+    os.symlink(f"/oldroot{pit}", tree / "run")
+    policy = lowlevel.Policy(rootfs=str(tree), network=lowlevel.Egress(allow=("example.org",)))
+    with pytest.raises(lowlevel.PolicyError, match=r"/run/lowlevel.*through the symlink /run"):
+        lowlevel.run(["/bin/true"], policy=policy, keep_workspace=False)
+    assert list(pit.iterdir()) == []
+    os.unlink(tree / "run")
+    assert lowlevel.run(["/bin/true"], policy=policy, keep_workspace=False).exit_code == 0  # control

@@ -72,7 +72,8 @@ def test_guard_report_parsing() -> None:
 
 
 def test_guard_argv() -> None:
-    assert landlock.guard_argv(9, 10, ("--ll=off",)) == ["/proc/self/fd/9", "--fd=9", "--status=10", "--ll=off", "--"]
+    assert landlock.guard_argv(9, 10, ("--ll=off",), cwd="/workspace") == [
+        "/proc/self/fd/9", "--fd=9", "--status=10", "--cwd=/workspace", "--ll=off", "--"]
 
 
 def test_seccomp_profile_leaves_landlock_syscalls_alone() -> None:
