@@ -537,7 +537,5 @@ def anchor_argv(facts: HostFacts, helper: str, *, parent: int, report_fd: int | 
     return [*a, "--", facts.bwrap.path, "--args", str(args_fd), "--", *command]
 
 
-__all__ = ["BWRAP_ARITY", "AnchorOverlay", "Fds", "HostFacts", "NETWORK_ETC", "anchor_argv", "build_argv", "dynamic_args",
-           "encode_args", "setup_paths",
-           "redact_env_values",
-           "static_args"]
+__all__ = ["BWRAP_ARITY", "AnchorOverlay", "Fds", "HostFacts", "NETWORK_ETC", "anchor_argv", "build_argv",
+           "dynamic_args", "encode_args", "redact_env_values", "setup_paths", "static_args"]

@@ -564,5 +564,5 @@ def rootfs_unreachable(path: str, uid: int, gid: int) -> str | None:
 
 
 __all__ = ["MAX_SYMLINKS", "NETWORK_ETC", "REQUIRED_FILES", "RESERVED_TOP", "RootfsLayout",
-           "SCRATCH_DIRS", "TreeDigest", "base_args", "check_rootfs", "check_setup_paths", "layout_holds", "resolve_in_root",
-           "rootfs_layout", "rootfs_unreachable", "symlink_on_the_way", "tree_sha256", "walk"]
+           "SCRATCH_DIRS", "TreeDigest", "base_args", "check_rootfs", "check_setup_paths", "layout_holds",
+           "resolve_in_root", "rootfs_layout", "rootfs_unreachable", "symlink_on_the_way", "tree_sha256", "walk"]
