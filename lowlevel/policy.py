@@ -335,6 +335,15 @@ class Policy:
         dests = [b.dest for b in binds]
         if len(set(dests)) != len(dests):
             raise PolicyError(f"two binds share a destination: {sorted(dests)}")
+        for outer in binds:
+            for inner in binds:
+                if inner is not outer and _within(inner.dest, outer.dest):
+                    # bwrap would resolve the inner dest through the outer bind's host directory
+                    # while it sets up, following any symlink there (one a sandbox left in a
+                    # writable bind included) onto the host's tree: issue 22 item 1.
+                    raise PolicyError(f"Bind dest {inner.dest!r} is inside another bind's dest {outer.dest!r}: "
+                                      f"bwrap would set it up through the host directory {outer.source}, following "
+                                      "its symlinks onto the host's tree; bind each to its own destination")
         object.__setattr__(self, "binds", binds)
         if not isinstance(self.limits, Limits):
             raise PolicyError("Policy.limits must be a lowlevel.Limits")

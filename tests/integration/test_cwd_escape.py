@@ -252,3 +252,29 @@ def test_lowlevels_own_setup_paths_through_a_tree_symlink_are_refused(tree_and_p
     assert list(pit.iterdir()) == []
     os.unlink(tree / "run")
     assert lowlevel.run(["/bin/true"], policy=policy, keep_workspace=False).exit_code == 0  # control
+
+
+def test_nested_bind_dests_are_refused(tmp_path: Path) -> None:
+    """A bind's dest inside another bind's dest is set up through the outer bind's host
+    directory, where a symlink (left there by an earlier sandbox, if it was writable) reaches
+    the host's tree while bwrap sets up. Control: raw bwrap creates ``x`` on the host that way;
+    the Policy refuses the pair."""
+    base = Path("/tmp") / f"lowlevel-nested-{os.getpid()}-{tmp_path.name}"
+    outer, inner, pit = base / "outer", base / "inner", base / "pit"
+    for d in (outer, inner, pit):
+        d.mkdir(parents=True)
+    pit.chmod(0o777)
+    (outer / "sub").symlink_to(f"/oldroot{pit}")
+    try:
+        out = subprocess.run(["bwrap", *MINIMAL_BWRAP, "--bind", str(outer), "/opt/a", "--ro-bind", str(inner),
+                              "/opt/a/sub/x", "--", "/usr/bin/true"], capture_output=True, timeout=30)
+        assert out.returncode == 0 and (pit / "x").is_dir(), out  # control: the host got a directory
+        (pit / "x").rmdir()
+        with pytest.raises(lowlevel.PolicyError, match="inside another bind's dest"):
+            lowlevel.Policy(binds=(lowlevel.Bind(str(outer), "/opt/a", writable=True),
+                                   lowlevel.Bind(str(inner), "/opt/a/sub/x")))
+        ok = lowlevel.Policy(binds=(lowlevel.Bind(str(outer), "/opt/a"), lowlevel.Bind(str(inner), "/opt/ab")))
+        assert [b.dest for b in ok.binds] == ["/opt/a", "/opt/ab"]
+        assert list(pit.iterdir()) == []
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
