@@ -487,3 +487,8 @@ def test_parse_request_body_length():
         with pytest.raises(_RefusedError) as info:
             parse_request(head)
         assert info.value.status == status
+
+
+def test_parse_client_hello_waits_for_the_first_byte():
+    from lowlevel.egress_proxy import parse_client_hello
+    assert parse_client_hello(b"") is None
