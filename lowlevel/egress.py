@@ -386,8 +386,9 @@ class Egress:
     The sandbox keeps its own network namespace (loopback only). Programs reach the outside
     only through the proxy at :data:`PROXY_URL` (``HTTP_PROXY``, ``HTTPS_PROXY``,
     ``ALL_PROXY`` and lower-case forms set; ``NO_PROXY`` keeps the sandbox's own loopback
-    direct). HTTP CONNECT (HTTPS and other TLS, end to end: the proxy never sees inside the
-    tunnel) and plain-HTTP forwarding; no SOCKS, no UDP, no DNS inside. A refused request gets
+    direct). HTTP CONNECT (HTTPS and other TLS, end to end: the proxy reads only the TLS
+    ClientHello's server name, which must be the CONNECT name, :meth:`check_server_name`) and
+    plain-HTTP forwarding (one request per connection); no SOCKS, no UDP, no DNS inside. A refused request gets
     ``403`` with the reason in the status line and the body. See the module docstring for
     the rules and :attr:`lowlevel.Result.network` for the report.
 

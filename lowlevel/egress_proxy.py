@@ -18,22 +18,34 @@ Per connection (all decisions are :class:`lowlevel.egress.Egress`'s, see that mo
        (``GET http://host[:port]/path``) or origin form with ``Host:``; anything else is a
        ``400``;
     3. :meth:`Egress.decide` on the name and port; refused: ``403`` with the reason;
-    4. resolve the name once (``getaddrinfo``, in the loop's executor), then
-       :meth:`Egress.check_addresses` on every answer; refused: ``403``;
+    4. resolve the name once (``getaddrinfo``, in the proxy's resolver threads, at most
+       :data:`RESOLVE_PER_RUN` lookups of a run at once and :data:`RESOLVE_QUEUE_PER_RUN`
+       waiting, so a run whose names never resolve holds a few threads and cannot stall
+       another run), then :meth:`Egress.check_addresses` on every answer, with the host's
+       own addresses (:func:`host_addresses`); refused: ``403``, too many lookups: ``503``;
     5. connect to the checked addresses in order (never to a name: no second lookup, so no
        DNS rebinding between check and connect); failure: ``502``/``504``;
-    6. tunnel: ``200 Connection established`` and bytes both ways; plain HTTP: the head is sent
-       on in origin form with ``Host`` set from the URL, ``Proxy-*`` and hop-by-hop headers
-       dropped and ``Connection: close`` (one request per upstream connection), then bytes
-       both ways, moved by splice(2) through a kernel pipe per direction (:class:`_Flow`). The
+    6. tunnel: ``200 Connection established``; the program's first bytes are held until they
+       show a TLS ClientHello (:func:`parse_client_hello`), whose server name (SNI) must be
+       the CONNECT name (:meth:`Egress.check_server_name`: else a TLS ``unrecognized_name``
+       alert and the tunnel ends, so an allowed name cannot front a denied one); bytes that
+       are not TLS pass. Plain HTTP: one request per connection: the head is sent on in
+       origin form with ``Host`` set from the URL, ``Proxy-*`` and hop-by-hop headers
+       dropped and ``Connection: close``, then its body (``Content-Length`` bytes; a
+       ``Transfer-Encoding`` gets ``411``); a second request pipelined after it is recorded
+       as refused and never forwarded (only the first request's host was checked). Bytes
+       move both ways by splice(2) through a kernel pipe per direction (:class:`_Flow`). The
        exchange ends when the server closes (the program's half-close is passed on).
 Bytes are counted per connection and per run; with ``Limits(net_bytes=N)`` the connection
 that crosses N is cut after exactly N bytes in total, every other connection of the run is
 closed and later requests get ``403``. The run's :attr:`lowlevel.Result.network` lists each
 attempt (:class:`lowlevel.egress.NetworkAttempt`).
 
-Bounds per run: :data:`MAX_CONNECTIONS` open at once (more get ``503``), :data:`MAX_ATTEMPTS`
-recorded (later ones counted in a note). The host process holds two fds per open connection.
+Bounds per run: :data:`MAX_CONNECTIONS` open at once (more get ``503``),
+:data:`CONNECTING_PER_RUN` connects in progress, :data:`RESOLVE_PER_RUN` lookups running
+and :data:`RESOLVE_QUEUE_PER_RUN` waiting (within :data:`RESOLVE_TIMEOUT_S`), :data:`MAX_ATTEMPTS`
+recorded (later ones counted in a note). The host process holds two fds per open connection
+and at most :data:`RESOLVER_THREADS` resolver threads.
 
 Library choice (the rule: a well-kept library where one fits). Evaluated: proxy.py
 (abhinavsingh) has the hooks (``before_upstream_connection`` can reject, ``resolve_dns`` can
@@ -52,8 +64,10 @@ flag, MCP request or environment variable can set it), nothing inside a sandbox 
 (the sandbox only speaks HTTP to the proxy), and every attempt made under it says
 ``resolver="test-override"`` and the run's notes say so.
 
-Sources: RFC 9110 (CONNECT 9.3.6, absolute-form 7.1, 403/502/504), RFC 9112 section 9.6
-(``Connection: close``), RFC 7230 section 6.1 (hop-by-hop headers); asyncio streams docs.
+Sources: RFC 9110 (CONNECT 9.3.6, absolute-form 7.1, 403/411/502/503/504), RFC 9112 section 6.3
+(message body length), 9.3.2 (pipelining) and 9.6 (``Connection: close``), RFC 7230 section 6.1
+(hop-by-hop headers); RFC 8446 sections 4.1.2, 5.1 and 6 (ClientHello, records, alerts), RFC 6066
+section 3 (server_name); netdevice(7) (SIOCGIFCONF); asyncio streams docs.
 """
 
 from __future__ import annotations
@@ -408,6 +422,8 @@ def parse_client_hello(data: bytes) -> ClientHello | None:
         ValueError: a malformed or oversized ClientHello (a length past its container, a
             repeated extension, more than one host_name, a non-ASCII or empty name).
     """
+    if not data:
+        return None
     if data[:1] != b"\x16":
         raise _NotTlsError()
     hs = bytearray()
@@ -1429,5 +1445,6 @@ def describe_attempt(a: NetworkAttempt) -> str:
     return f"{a.method} {where} {verdict} ({a.reason}{extra}{err})"
 
 
-__all__ = ["CA_FD", "EgressRun", "Listener", "MAX_ATTEMPTS", "MAX_CONNECTIONS", "RELAY_FD", "RELAY_PATH",
-           "describe_attempt", "override_resolver_for_tests", "parse_request"]
+__all__ = ["CA_FD", "CONNECTING_PER_RUN", "ClientHello", "EgressRun", "Listener", "MAX_ATTEMPTS", "MAX_CONNECTIONS",
+           "RELAY_FD", "RELAY_PATH", "RESOLVER_THREADS", "RESOLVE_PER_RUN", "RESOLVE_QUEUE_PER_RUN", "describe_attempt",
+           "host_addresses", "override_resolver_for_tests", "parse_client_hello", "parse_request"]
