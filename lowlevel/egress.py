@@ -24,13 +24,21 @@ Glossary:
         names are IDNA-encoded (Python's ``idna`` codec, IDNA 2003 with nameprep) on both
         sides, so ``bücher.example`` and ``xn--bcher-kva.example`` are the same name.
     deny: patterns refused even when ``allow`` matches (deny wins).
-    non-public address: loopback (127.0.0.0/8, ::1), private (10/8, 172.16/12, 192.168/16,
-        fc00::/7), link-local (169.254.0.0/16 with the cloud metadata service at
-        169.254.169.254, fe80::/10), multicast, unspecified (0.0.0.0, ::), and every other
-        range Python's :mod:`ipaddress` marks not ``is_global`` (shared 100.64/10,
-        documentation, benchmarking, reserved). IPv4 addresses embedded in IPv6 ones
-        (``::ffff:127.0.0.1``, 6to4 ``2002::/16``, NAT64 ``64:ff9b::/96``) are judged as the
-        IPv4 address they carry.
+    non-public address: every address in :data:`NON_GLOBAL_V4` or :data:`NON_GLOBAL_V6`,
+        a table of the IANA special-purpose registries kept here (not the interpreter's
+        :mod:`ipaddress`, whose ranges changed with CVE-2024-4032): loopback, private,
+        link-local (169.254.169.254, the cloud metadata service, among them), multicast,
+        unspecified, shared 100.64/10, documentation, benchmarking, reserved, site-local
+        ``fec0::/10``, IPv4-compatible ``::/96``, IPv4-translated ``::ffff:0:0:0/96``, Teredo,
+        local-use NAT64, and every IPv6 address outside global unicast ``2000::/3``. IPv4
+        addresses embedded in IPv6 ones (``::ffff:127.0.0.1``, 6to4 ``2002::/16``, NAT64
+        ``64:ff9b::/96``) are judged as the IPv4 address they carry.
+    host address: an address assigned to an interface of the proxy's host, other than the
+        loopback ranges (which the table refuses anyway). A server listening on ``0.0.0.0``
+        there (the Ray dashboard on 8265, CVE-2023-48022 "ShadowRay"; anything on 80/443)
+        answers on each of them, public ones included, so they are refused like non-public
+        addresses. The proxy reads them from the kernel when it decides
+        (:func:`lowlevel.egress_proxy.host_addresses`).
     IP literal: a request naming an address instead of a name (``CONNECT 10.0.0.5:443``,
         ``http://[::1]/``), in any form ``inet_aton(3)`` accepts (``2130706433``,
         ``0x7f.1``: the same 127.0.0.1 to ``getaddrinfo``).
@@ -39,21 +47,24 @@ Rules, in order (the first that refuses wins; each refusal's reason names the ru
     1. the port is in ``allow_ports`` (default 80 and 443);
     2. an IP literal is refused unless an ``allow_cidrs`` network contains it;
     3. a name is refused when a ``deny`` pattern matches, then unless an ``allow`` pattern does;
-    4. every address the name resolves to must be public or inside an ``allow_cidrs`` network;
-       one non-public answer refuses the request (a name with a private answer among public
-       ones is what a rebinding attack looks like).
+    4. every address the name resolves to must be public and not a host address, or inside an
+       ``allow_cidrs`` network; one such answer refuses the request (a name with a private
+       answer among public ones is what a rebinding attack looks like).
 
 Sources: RFC 9110 section 9.3.6 (CONNECT) and 7.1 (absolute-form targets); RFC 6890 and the
-IANA special-purpose address registries (what :mod:`ipaddress` ``is_global`` follows);
+IANA IPv4 and IPv6 special-purpose address registries (iana-ipv4-special-registry,
+iana-ipv6-special-registry; the tables :data:`NON_GLOBAL_V4`, :data:`NON_GLOBAL_V6` cite each
+entry's RFC); CVE-2024-4032 (Python's ``ipaddress`` ranges); CVE-2023-48022 (ShadowRay);
 RFC 3490 (IDNA 2003); the Capital One 2019 breach and AWS IMDSv2 notes for 169.254.169.254;
 DNS rebinding: Jackson et al., "Protecting Browsers from DNS Rebinding Attacks" (CCS 2007).
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import socket
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -140,37 +151,129 @@ def ip_literal(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | Non
     return None
 
 
-def _nat64(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+#: Non-global IPv4 ranges, most specific first within an overlap: (network, category, label).
+#: From the IANA IPv4 Special-Purpose Address Registry (RFC 6890 and its updates: RFC 8190,
+#: RFC 6598, RFC 7335, RFC 7526, RFC 8155, RFC 8880), plus multicast 224.0.0.0/4 (RFC 5771)
+#: and limited broadcast. Every entry whose "Globally Reachable" is False or N/A is here; the
+#: registry's few globally reachable anycast entries inside 192.0.0.0/24 (192.0.0.9 PCP,
+#: 192.0.0.10 TURN) are refused with their /24: a sandbox has no business with them.
+#: Categories: ``unspecified``, ``loopback``, ``link-local``, ``multicast`` (shown alone),
+#: ``private`` (not globally reachable, as :attr:`ipaddress.IPv4Address.is_private` means it
+#: since Python 3.12.4) and ``non-global`` (shared address space and the reserved 240/4, which
+#: the stdlib treats apart).
+#: Ours, not the interpreter's: Python 3.11.2's :mod:`ipaddress` predates the CVE-2024-4032
+#: range fixes (gh-113171), so its ``is_global`` says True for ``192.0.0.0/24`` members and
+#: more; this table is what decides.
+NON_GLOBAL_V4: tuple[tuple[str, str, str], ...] = (
+    ("0.0.0.0/32", "unspecified", ""),
+    ("0.0.0.0/8", "private", "'this network' 0.0.0.0/8, RFC 791"),
+    ("10.0.0.0/8", "private", "private-use 10/8, RFC 1918"),
+    ("100.64.0.0/10", "non-global", "shared address space 100.64.0.0/10, RFC 6598"),
+    ("127.0.0.0/8", "loopback", ""),
+    ("169.254.0.0/16", "link-local", ""),
+    ("172.16.0.0/12", "private", "private-use 172.16/12, RFC 1918"),
+    ("192.0.0.0/24", "private", "IETF protocol assignments 192.0.0.0/24, RFC 6890"),
+    ("192.0.2.0/24", "private", "documentation TEST-NET-1 192.0.2.0/24, RFC 5737"),
+    ("192.88.99.0/24", "private", "deprecated 6to4 relay anycast 192.88.99.0/24, RFC 7526"),
+    ("192.168.0.0/16", "private", "private-use 192.168/16, RFC 1918"),
+    ("198.18.0.0/15", "private", "benchmarking 198.18.0.0/15, RFC 2544"),
+    ("198.51.100.0/24", "private", "documentation TEST-NET-2 198.51.100.0/24, RFC 5737"),
+    ("203.0.113.0/24", "private", "documentation TEST-NET-3 203.0.113.0/24, RFC 5737"),
+    ("224.0.0.0/4", "multicast", ""),
+    ("255.255.255.255/32", "private", "limited broadcast, RFC 919"),
+    ("240.0.0.0/4", "non-global", "reserved 240.0.0.0/4, RFC 1112"),
+)
+#: Non-global IPv6 ranges (same shape), from the IANA IPv6 Special-Purpose Address Registry
+#: (RFC 6890 and updates: RFC 8215, RFC 9602, RFC 9637, RFC 9780) and the IANA IPv6 Address
+#: Space registry: besides these, everything outside global unicast ``2000::/3`` is refused
+#: (site-local ``fec0::/10``, RFC 3879, and the unassigned space included). Judged as the IPv4
+#: address they carry, before this table (a connect to them reaches that IPv4 address, or a
+#: translator does): IPv4-mapped ``::ffff:0:0/96`` (RFC 4291 2.5.5.2), NAT64's well-known
+#: prefix ``64:ff9b::/96`` (RFC 6052 section 3.1: it must never carry a non-global IPv4
+#: address) and 6to4 ``2002::/16`` (RFC 3056). Refused whole: IPv4-compatible ``::/96``
+#: (deprecated, RFC 4291 2.5.5.1), IPv4-translated ``::ffff:0:0:0/96`` (RFC 2765), the
+#: local-use NAT64 prefix ``64:ff9b:1::/48`` (RFC 8215: not globally reachable, whatever it
+#: embeds), Teredo ``2001::/32`` (RFC 4380) with the rest of ``2001::/23``.
+NON_GLOBAL_V6: tuple[tuple[str, str, str], ...] = (
+    ("::/128", "unspecified", ""),
+    ("::1/128", "loopback", ""),
+    ("::/96", "private", "deprecated IPv4-compatible ::/96, RFC 4291 2.5.5.1"),
+    ("::ffff:0:0:0/96", "private", "IPv4-translated ::ffff:0:0:0/96, RFC 2765"),
+    ("64:ff9b:1::/48", "private", "local-use NAT64 64:ff9b:1::/48, RFC 8215"),
+    ("100::/64", "private", "discard-only 100::/64, RFC 6666"),
+    ("100:0:0:1::/64", "private", "dummy prefix 100:0:0:1::/64, RFC 9780"),
+    ("2001::/32", "private", "Teredo 2001::/32, RFC 4380"),
+    ("2001:db8::/32", "private", "documentation 2001:db8::/32, RFC 3849"),
+    ("2001::/23", "private", "IETF protocol assignments 2001::/23, RFC 2928"),
+    ("3fff::/20", "private", "documentation 3fff::/20, RFC 9637"),
+    ("5f00::/16", "private", "SRv6 SIDs 5f00::/16, RFC 9602"),
+    ("fc00::/7", "private", "unique local fc00::/7, RFC 4193"),
+    ("fe80::/10", "link-local", ""),
+    ("fec0::/10", "private", "deprecated site-local fec0::/10, RFC 3879"),
+    ("ff00::/8", "multicast", ""),
+)
+
+
+@functools.lru_cache(maxsize=None)
+def _tables() -> dict[int, tuple[tuple[int, int, str, str], ...]]:
+    """The two tables as ``{version: ((network int, mask int, category, label), ...)}``."""
     import ipaddress
-    if ip in ipaddress.ip_network("64:ff9b::/96"):  # NAT64's well-known prefix (RFC 6052)
-        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    out: dict[int, tuple[tuple[int, int, str, str], ...]] = {}
+    for version, table in ((4, NON_GLOBAL_V4), (6, NON_GLOBAL_V6)):
+        rows = []
+        for text, category, label in table:
+            net = ipaddress.ip_network(text)
+            rows.append((int(net.network_address), int(net.netmask), category, label))
+        out[version] = tuple(rows)
+    return out
+
+
+def embedded_ipv4(ip: ipaddress.IPv6Address) -> tuple[ipaddress.IPv4Address, str] | None:
+    """The IPv4 address an IPv6 address stands for, and the form's name, or None.
+
+    Forms: IPv4-mapped ``::ffff:a.b.c.d`` (RFC 4291), NAT64 well-known prefix
+    ``64:ff9b::a.b.c.d`` (RFC 6052) and 6to4 ``2002:AABB:CCDD::/48`` (RFC 3056).
+    """
+    import ipaddress
+    value = int(ip)
+    if value >> 32 == 0xFFFF:
+        return ipaddress.IPv4Address(value & 0xFFFFFFFF), "IPv4-mapped"
+    if value >> 32 == 0x0064FF9B << 64:
+        return ipaddress.IPv4Address(value & 0xFFFFFFFF), "NAT64"
+    if value >> 112 == 0x2002:
+        return ipaddress.IPv4Address((value >> 80) & 0xFFFFFFFF), "6to4"
     return None
 
 
 def address_kind(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
-    """Why ``ip`` is not a public address (``"loopback"``, ``"private"``...), or None when it is.
+    """Why ``ip`` is not a public address (``"loopback"``, ``"private (documentation ...)"``...),
+    or None when it is.
 
-    IPv4 addresses carried in IPv6 ones (mapped ``::ffff:0:0/96``, 6to4 ``2002::/16``, NAT64
-    ``64:ff9b::/96``) are judged as that IPv4 address.
+    Decided by :data:`NON_GLOBAL_V4` and :data:`NON_GLOBAL_V6` (the IANA special-purpose
+    registries, kept here rather than taken from the interpreter's :mod:`ipaddress`, whose
+    ranges changed with CVE-2024-4032), and for IPv6 the global unicast space ``2000::/3``.
+    IPv4 addresses carried in IPv6 ones (mapped, NAT64 well-known prefix, 6to4: see
+    :func:`embedded_ipv4`) are judged as that IPv4 address.
+
+    Returns:
+        ``None`` (public) or ``str``: a category (``unspecified``, ``loopback``,
+        ``link-local``, ``multicast``, ``private``, ``non-global``), with the registry entry in
+        parentheses for the last two (``"private (documentation TEST-NET-1 192.0.2.0/24, RFC 5737)"``)
+        and for embedded addresses (``"loopback (127.0.0.1 inside ::ffff:7f00:1)"``).
     """
-    import ipaddress
-    if isinstance(ip, ipaddress.IPv6Address):
-        for inner in (ip.ipv4_mapped, ip.sixtofour, _nat64(ip)):
-            if inner is not None:
-                kind = address_kind(inner)
-                return f"{kind} ({inner} inside {ip})" if kind else None
-    if ip.is_unspecified:
-        return "unspecified"
-    if ip.is_loopback:
-        return "loopback"
-    if ip.is_link_local:
-        return "link-local" + (" (the cloud metadata service)" if str(ip) == "169.254.169.254" else "")
-    if ip.is_multicast:
-        return "multicast"
-    if ip.is_private:
-        return "private"
-    if not ip.is_global:
-        return "non-global (shared, reserved or documentation range)"
+    if ip.version == 6:
+        inner = embedded_ipv4(ip)
+        if inner is not None:
+            kind = address_kind(inner[0])
+            return f"{kind.split(' (')[0]} ({inner[0]} inside {ip})" if kind else None
+    value = int(ip)
+    for net, mask, category, label in _tables()[ip.version]:
+        if value & mask == net:
+            if category == "link-local" and str(ip) == "169.254.169.254":
+                return "link-local (the cloud metadata service)"
+            return f"{category} ({label})" if label else category
+    if ip.version == 6 and value >> 125 != 1:
+        return "private (outside global unicast 2000::/3, IANA IPv6 address space)"
     return None
 
 
@@ -283,8 +386,9 @@ class Egress:
     The sandbox keeps its own network namespace (loopback only). Programs reach the outside
     only through the proxy at :data:`PROXY_URL` (``HTTP_PROXY``, ``HTTPS_PROXY``,
     ``ALL_PROXY`` and lower-case forms set; ``NO_PROXY`` keeps the sandbox's own loopback
-    direct). HTTP CONNECT (HTTPS and other TLS, end to end: the proxy never sees inside the
-    tunnel) and plain-HTTP forwarding; no SOCKS, no UDP, no DNS inside. A refused request gets
+    direct). HTTP CONNECT (HTTPS and other TLS, end to end: the proxy reads only the TLS
+    ClientHello's server name, which must be the CONNECT name, :meth:`check_server_name`) and
+    plain-HTTP forwarding (one request per connection); no SOCKS, no UDP, no DNS inside. A refused request gets
     ``403`` with the reason in the status line and the body. See the module docstring for
     the rules and :attr:`lowlevel.Result.network` for the report.
 
@@ -399,12 +503,21 @@ class Egress:
                 return Decision(True, f"matches {pattern!r}", name)
         return Decision(False, f"{name!r} is not on the allowlist (Egress.allow)", name)
 
-    def check_addresses(self, name: str, addresses: Sequence[str]) -> Decision:
-        """Check what ``name`` resolved to; every address must be public or in ``allow_cidrs``.
+    def check_addresses(self, name: str, addresses: Sequence[str], *,
+                        host_addresses: Mapping[str, str] | None = None,
+                        assume_public: Collection[str] = ()) -> Decision:
+        """Check what ``name`` resolved to: every address must be public and not one of the
+        host's own, or be in ``allow_cidrs``.
 
         Args:
             name: the normalized name (:attr:`Decision.host` of :meth:`decide`).
             addresses: the resolver's answers, in its order (numeric strings).
+            host_addresses: the proxy host's own addresses, ``{address (compressed str):
+                interface name}`` (loopback ranges may be left out); refused unless
+                ``allow_cidrs`` names them.
+            assume_public: addresses the classification table is not asked about (the
+                TEST-ONLY resolver override's ``pretend_public``); ``allow_cidrs`` and
+                ``host_addresses`` still apply to them.
         Returns:
             A :class:`Decision` whose ``address`` is the first answer (allowed) or the first
             refused one.
@@ -412,6 +525,7 @@ class Egress:
         import ipaddress
         if not addresses:
             return Decision(False, f"{name!r} did not resolve to any address", name)
+        own = host_addresses or {}
         for text in addresses:
             try:
                 ip = ipaddress.ip_address(text.split("%", 1)[0])
@@ -419,11 +533,69 @@ class Egress:
                 return Decision(False, f"{name!r} resolved to {text!r}, not an address", name, text)
             if self._in_cidrs(ip) is not None:
                 continue
+            candidates: list[ipaddress.IPv4Address | ipaddress.IPv6Address] = [ip]
+            inner = embedded_ipv4(ip) if isinstance(ip, ipaddress.IPv6Address) else None
+            if inner is not None:
+                candidates.append(inner[0])
+            for candidate in candidates:
+                where = own.get(str(candidate))
+                if where is not None:
+                    return Decision(False, f"{name!r} resolves to {ip}, an address of this host "
+                                    f"({where}{'' if candidate == ip else f', as {candidate}'}): refused "
+                                    "unless Egress.allow_cidrs names it", name, str(ip))
+            if text in assume_public:
+                continue
             kind = address_kind(ip)
             if kind is not None:
                 return Decision(False, f"{name!r} resolves to {ip}, a {kind} address: refused unless "
                                 "Egress.allow_cidrs names it", name, str(ip))
         return Decision(True, f"{name!r} resolves to public or allowed addresses", name, addresses[0])
+
+    def check_server_name(self, host: str, sni: str | None, *, ech: bool = False) -> Decision:
+        """Check the server name (SNI) of a tunnel's TLS ClientHello against its CONNECT target.
+
+        A tunnel carries the name it was allowed for: a ClientHello naming another host
+        (``CONNECT allowed.example:443`` then SNI ``denied.example``: domain fronting, which a
+        server or CDN at the allowed address may honour) is refused. Without SNI the
+        ClientHello names no other host and is allowed (the server answers with its default
+        certificate, which a client checks against the name it wants). With Encrypted Client
+        Hello (RFC 9849) the visible SNI is the ECH public name and the real one is encrypted:
+        allowed only when the public name is the CONNECT target. For a CONNECT to an IP
+        literal (allowed by ``allow_cidrs``) the SNI may be any name that no ``deny`` pattern
+        matches. What the proxy cannot see: the HTTP ``Host`` inside the encrypted tunnel
+        (classic fronting: an allowed SNI, another Host) - most CDNs now refuse that mismatch.
+
+        Args:
+            host: the CONNECT target as decided (:attr:`Decision.host`: a normalized name or
+                the literal's address).
+            sni: the ClientHello's host_name (lower case), or None.
+            ech: the ClientHello carries an ``encrypted_client_hello`` extension.
+        Returns:
+            A :class:`Decision`.
+
+        Sources: RFC 6066 section 3 (server_name), RFC 8446 section 4.1.2 (ClientHello),
+        RFC 9849 (ECH); Fifield et al., "Blocking-resistant communication through domain
+        fronting" (PETS 2015).
+        """
+        if sni is None:
+            return Decision(True, "the TLS ClientHello names no server (no SNI)", host)
+        literal = ip_literal(host)
+        try:
+            name = normalize_host(sni) if ip_literal(sni) is None else str(ip_literal(sni))
+        except ValueError:
+            return Decision(False, f"the TLS ClientHello's server name {sni[:80]!r} is not a host name", host)
+        if name == host:
+            return Decision(True, f"TLS server name {name!r} is the CONNECT target", host)
+        if literal is not None:
+            for pattern in self.deny:
+                if match(pattern, name):
+                    return Decision(False, f"the TLS ClientHello names {name!r}, which matches deny pattern "
+                                    f"{pattern!r} (Egress.deny)", host)
+            return Decision(True, f"TLS server name {name!r} for an address allowed by Egress.allow_cidrs", host)
+        why = (" (an Encrypted Client Hello shows its ECH public name: turn ECH off for connections through "
+               "the proxy)" if ech else "")
+        return Decision(False, f"the TLS ClientHello names {name!r} (SNI), not {host!r}, the CONNECT target: "
+                        f"a tunnel may carry only the name it was allowed for (domain fronting){why}", host)
 
     # -- inside the sandbox -----------------------------------------------------------------
     def environment(self) -> dict[str, str]:
@@ -524,6 +696,6 @@ def egress_from_mapping(data: Mapping[str, object]) -> Egress:
     return Egress(**kwargs)  # type: ignore[arg-type]
 
 
-__all__ = ["CA_BUNDLE_DEST", "DEFAULT_PORTS", "Decision", "EGRESS_ETC", "Egress", "NO_PROXY", "NetworkAttempt",
-           "PROXY_PORT", "PROXY_URL", "SOCKET_DEST", "address_kind", "egress_from_mapping", "ip_literal", "match",
-           "normalize_host"]
+__all__ = ["CA_BUNDLE_DEST", "DEFAULT_PORTS", "Decision", "EGRESS_ETC", "Egress", "NO_PROXY", "NON_GLOBAL_V4",
+           "NON_GLOBAL_V6", "NetworkAttempt", "PROXY_PORT", "PROXY_URL", "SOCKET_DEST", "address_kind",
+           "egress_from_mapping", "embedded_ipv4", "ip_literal", "match", "normalize_host"]

@@ -18,22 +18,34 @@ Per connection (all decisions are :class:`lowlevel.egress.Egress`'s, see that mo
        (``GET http://host[:port]/path``) or origin form with ``Host:``; anything else is a
        ``400``;
     3. :meth:`Egress.decide` on the name and port; refused: ``403`` with the reason;
-    4. resolve the name once (``getaddrinfo``, in the loop's executor), then
-       :meth:`Egress.check_addresses` on every answer; refused: ``403``;
+    4. resolve the name once (``getaddrinfo``, in the proxy's resolver threads, at most
+       :data:`RESOLVE_PER_RUN` lookups of a run at once and :data:`RESOLVE_QUEUE_PER_RUN`
+       waiting, so a run whose names never resolve holds a few threads and cannot stall
+       another run), then :meth:`Egress.check_addresses` on every answer, with the host's
+       own addresses (:func:`host_addresses`); refused: ``403``, too many lookups: ``503``;
     5. connect to the checked addresses in order (never to a name: no second lookup, so no
        DNS rebinding between check and connect); failure: ``502``/``504``;
-    6. tunnel: ``200 Connection established`` and bytes both ways; plain HTTP: the head is sent
-       on in origin form with ``Host`` set from the URL, ``Proxy-*`` and hop-by-hop headers
-       dropped and ``Connection: close`` (one request per upstream connection), then bytes
-       both ways, moved by splice(2) through a kernel pipe per direction (:class:`_Flow`). The
+    6. tunnel: ``200 Connection established``; the program's first bytes are held until they
+       show a TLS ClientHello (:func:`parse_client_hello`), whose server name (SNI) must be
+       the CONNECT name (:meth:`Egress.check_server_name`: else a TLS ``unrecognized_name``
+       alert and the tunnel ends, so an allowed name cannot front a denied one); bytes that
+       are not TLS pass. Plain HTTP: one request per connection: the head is sent on in
+       origin form with ``Host`` set from the URL, ``Proxy-*`` and hop-by-hop headers
+       dropped and ``Connection: close``, then its body (``Content-Length`` bytes; a
+       ``Transfer-Encoding`` gets ``411``); a second request pipelined after it is recorded
+       as refused and never forwarded (only the first request's host was checked). Bytes
+       move both ways by splice(2) through a kernel pipe per direction (:class:`_Flow`). The
        exchange ends when the server closes (the program's half-close is passed on).
 Bytes are counted per connection and per run; with ``Limits(net_bytes=N)`` the connection
 that crosses N is cut after exactly N bytes in total, every other connection of the run is
 closed and later requests get ``403``. The run's :attr:`lowlevel.Result.network` lists each
 attempt (:class:`lowlevel.egress.NetworkAttempt`).
 
-Bounds per run: :data:`MAX_CONNECTIONS` open at once (more get ``503``), :data:`MAX_ATTEMPTS`
-recorded (later ones counted in a note). The host process holds two fds per open connection.
+Bounds per run: :data:`MAX_CONNECTIONS` open at once (more get ``503``),
+:data:`CONNECTING_PER_RUN` connects in progress, :data:`RESOLVE_PER_RUN` lookups running
+and :data:`RESOLVE_QUEUE_PER_RUN` waiting (within :data:`RESOLVE_TIMEOUT_S`), :data:`MAX_ATTEMPTS`
+recorded (later ones counted in a note). The host process holds two fds per open connection
+and at most :data:`RESOLVER_THREADS` resolver threads.
 
 Library choice (the rule: a well-kept library where one fits). Evaluated: proxy.py
 (abhinavsingh) has the hooks (``before_upstream_connection`` can reject, ``resolve_dns`` can
@@ -52,13 +64,17 @@ flag, MCP request or environment variable can set it), nothing inside a sandbox 
 (the sandbox only speaks HTTP to the proxy), and every attempt made under it says
 ``resolver="test-override"`` and the run's notes say so.
 
-Sources: RFC 9110 (CONNECT 9.3.6, absolute-form 7.1, 403/502/504), RFC 9112 section 9.6
-(``Connection: close``), RFC 7230 section 6.1 (hop-by-hop headers); asyncio streams docs.
+Sources: RFC 9110 (CONNECT 9.3.6, absolute-form 7.1, 403/411/502/503/504), RFC 9112 section 6.3
+(message body length), 9.3.2 (pipelining) and 9.6 (``Connection: close``), RFC 7230 section 6.1
+(hop-by-hop headers); RFC 8446 sections 4.1.2, 5.1 and 6 (ClientHello, records, alerts), RFC 6066
+section 3 (server_name); netdevice(7) (SIOCGIFCONF); asyncio streams docs.
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
+import concurrent.futures
 import contextlib
 import errno
 import fcntl
@@ -68,9 +84,12 @@ import os
 import re
 import select
 import socket
+import struct
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
 from .egress import CA_BUNDLE_DEST, PROXY_PORT, SOCKET_DEST, Decision, Egress, NetworkAttempt
@@ -88,6 +107,23 @@ RESOLVE_TIMEOUT_S = 10.0
 CONNECT_TIMEOUT_S = 10.0
 #: Connections one run may have open through the proxy at once.
 MAX_CONNECTIONS = 128
+#: Name lookups one run may have running in the resolver threads at once. A lookup that timed
+#: out for its request keeps its thread (a thread cannot be stopped) and its slot until the
+#: resolver returns, so one run never holds more than this many threads, however many of its
+#: lookups hang. Concurrent requests of one run for the same name and port share one lookup.
+RESOLVE_PER_RUN = 4
+#: Lookups one run may have waiting for one of its slots; beyond that a request gets ``503``.
+RESOLVE_QUEUE_PER_RUN = 32
+#: Resolver threads of the process (shared by all runs, started as needed); at least
+#: ``RESOLVE_PER_RUN`` times the number of runs that may hang their lookups at once.
+RESOLVER_THREADS = 64
+#: Upstream connects one run may have in progress at once (more get ``503``).
+CONNECTING_PER_RUN = 32
+#: How long the host's own addresses (:func:`host_addresses`) are cached, seconds.
+HOST_ADDRESSES_TTL_S = 1.0
+#: Largest TLS ClientHello the proxy reads to check its server name, bytes (the handshake
+#: message across its records; a post-quantum key share makes it ~1.8 KB).
+MAX_HELLO_BYTES = 64 * 1024
 #: Attempts recorded per run; later ones are counted in a note.
 MAX_ATTEMPTS = 10_000
 #: How long the proxy waits to send a response head or a refusal, seconds.
@@ -242,6 +278,241 @@ def _remove(path: str, directory: str) -> None:
             log.warning("lowlevel: cannot remove the egress socket %s: %s", target, err)
 
 
+# --- the host's own addresses ---------------------------------------------------------------------
+
+_SIOCGIFCONF = 0x8912  # linux/sockios.h
+_IFREQ_BYTES = 40 if struct.calcsize("P") == 8 else 32  # struct ifreq: 16-byte name + the union
+_host_cache: tuple[float, dict[str, str]] | None = None
+_host_lock = threading.Lock()
+
+
+def _ipv4_addresses() -> dict[str, str]:
+    """``{address: interface}`` of every IPv4 address of this network namespace (SIOCGIFCONF,
+    netdevice(7): one ``struct ifreq`` per address, secondary addresses included)."""
+    out: dict[str, str] = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        size = 64 * _IFREQ_BYTES
+        while True:
+            buf = array.array("B", bytes(size))
+            ifc = struct.pack("iL", size, buf.buffer_info()[0])
+            used = struct.unpack("iL", fcntl.ioctl(sock.fileno(), _SIOCGIFCONF, ifc))[0]
+            if used < size or size >= 1 << 22:
+                break
+            size *= 4
+    data = buf.tobytes()
+    for off in range(0, used - _IFREQ_BYTES + 1, _IFREQ_BYTES):
+        name = data[off:off + 16].split(b"\0", 1)[0].decode("ascii", "replace")
+        family = struct.unpack_from("H", data, off + 16)[0]
+        if family == socket.AF_INET:
+            out[socket.inet_ntop(socket.AF_INET, data[off + 20:off + 24])] = name
+    return out
+
+
+def _ipv6_addresses() -> dict[str, str]:
+    """``{address: interface}`` from ``/proc/net/if_inet6`` (one line per address: hex
+    address, ifindex, prefix length, scope, flags, name); empty without IPv6."""
+    out: dict[str, str] = {}
+    try:
+        with open("/proc/net/if_inet6", encoding="ascii") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        fields = line.split()
+        if len(fields) >= 6 and len(fields[0]) == 32:
+            with contextlib.suppress(ValueError):
+                out[socket.inet_ntop(socket.AF_INET6, bytes.fromhex(fields[0]))] = fields[5]
+    return out
+
+
+def host_addresses() -> dict[str, str]:
+    """The addresses assigned to this host's interfaces (in the proxy's network namespace),
+    loopback ranges left out: ``{address (compressed str): interface name}``, e.g.
+    ``{"192.0.2.2": "eth0", "fd00::2": "eth0", "fe80::fc:ff:fe00:1": "eth0"}``.
+
+    Read from the kernel (IPv4: the SIOCGIFCONF ioctl, netdevice(7); IPv6:
+    ``/proc/net/if_inet6``) at most every :data:`HOST_ADDRESSES_TTL_S` seconds, so an
+    address added while the proxy runs counts within that time. A reader that fails gives
+    no addresses of its family (logged): the classification table still refuses the
+    non-public ones. Why: a server bound to ``0.0.0.0`` on the host answers on every one of
+    them, a public one included (CVE-2023-48022, the Ray dashboard on 8265).
+    """
+    global _host_cache
+    now = time.monotonic()
+    with _host_lock:
+        if _host_cache is not None and now - _host_cache[0] < HOST_ADDRESSES_TTL_S:
+            return _host_cache[1]
+        found: dict[str, str] = {}
+        for reader in (_ipv4_addresses, _ipv6_addresses):
+            try:
+                found.update(reader())
+            except OSError as err:
+                log.warning("lowlevel: egress proxy cannot list the host's addresses (%s): %s", reader.__name__, err)
+        found = {a: n for a, n in found.items() if not a.startswith("127.") and a != "::1"}
+        _host_cache = (now, found)
+        return found
+
+
+# --- resolver threads -----------------------------------------------------------------------------
+
+_pool_lock = threading.Lock()
+_pool: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
+_pool_busy = 0  # lookups running in the pool's threads, every run's (under _pool_lock)
+
+
+def _resolver_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The process's resolver threads (at most :data:`RESOLVER_THREADS`, made as needed)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid():
+            _pool = (os.getpid(), concurrent.futures.ThreadPoolExecutor(
+                RESOLVER_THREADS, thread_name_prefix="lowlevel-egress-resolve"))
+        return _pool[1]
+
+
+def _lookup_in_thread(resolver: Resolver | None, name: str, port: int) -> tuple[list[str], bool]:
+    """One lookup, in a resolver thread: (answers, whether the test resolver gave them); the
+    test resolver first (its None: the system's)."""
+    global _pool_busy
+    try:
+        if resolver is not None:
+            answers = resolver(name, port)
+            if answers is not None:
+                return [str(a) for a in answers], True
+        infos = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+        return [str(info[4][0]) for info in infos], False
+    finally:
+        with _pool_lock:
+            _pool_busy -= 1
+
+
+# --- TLS: the server name of a ClientHello ----------------------------------------------------------
+
+class ClientHello:
+    """What the proxy reads from a tunnel's first TLS handshake message.
+
+    Attributes:
+        sni: the ``host_name`` of the server_name extension (lower case, trailing dot
+            removed), or None when the ClientHello has none.
+        ech: True when it carries an ``encrypted_client_hello`` extension (0xfe0d): then
+            ``sni`` is the ECH public name, and the real one is encrypted.
+    """
+
+    __slots__ = ("sni", "ech")
+
+    def __init__(self, sni: str | None, ech: bool) -> None:
+        self.sni = sni
+        self.ech = ech
+
+
+class _NotTlsError(Exception):
+    """The first bytes are not a TLS handshake record (another protocol in the tunnel)."""
+
+
+def parse_client_hello(data: bytes) -> ClientHello | None:
+    """The ClientHello at the start of a tunnel, or None while more bytes are needed.
+
+    Reads TLS records (RFC 8446 section 5.1: type 22 handshake, length at most 2^14 + 256)
+    until the first handshake message (section 4: ``msg_type`` 1, 3-byte length) is complete,
+    across records when it is fragmented, then its extensions (section 4.1.2) and the
+    server_name list (RFC 6066 section 3). Bounded by :data:`MAX_HELLO_BYTES`.
+
+    Raises:
+        _NotTlsError: the data does not start with a TLS handshake record.
+        ValueError: a malformed or oversized ClientHello (a length past its container, a
+            repeated extension, more than one host_name, a non-ASCII or empty name).
+    """
+    if not data:
+        return None
+    if data[:1] != b"\x16":
+        raise _NotTlsError()
+    hs = bytearray()
+    off = 0
+    while True:
+        if len(data) < off + 5:
+            return None
+        ctype, major, length = data[off], data[off + 1], struct.unpack_from("!H", data, off + 3)[0]
+        if ctype != 22 or major != 3 or length == 0 or length > (1 << 14) + 256:
+            raise ValueError("not a TLS handshake record")
+        if len(data) < off + 5 + length:
+            return None
+        hs += data[off + 5:off + 5 + length]
+        off += 5 + length
+        if len(hs) >= 4:
+            if hs[0] != 1:
+                raise ValueError("the first handshake message is not a ClientHello")
+            need = 4 + int.from_bytes(hs[1:4], "big")
+            if need > MAX_HELLO_BYTES:
+                raise ValueError(f"a ClientHello over {MAX_HELLO_BYTES} bytes")
+            if len(hs) >= need:
+                return _client_hello_body(bytes(hs[4:need]))
+
+
+def _client_hello_body(body: bytes) -> ClientHello:
+    pos = 0
+
+    def take(n: int) -> bytes:
+        nonlocal pos
+        if pos + n > len(body):
+            raise ValueError("truncated ClientHello")
+        pos += n
+        return body[pos - n:pos]
+
+    def vector(width: int) -> bytes:
+        return take(int.from_bytes(take(width), "big"))
+
+    take(2 + 32)  # legacy_version, random
+    vector(1)  # legacy_session_id
+    vector(2)  # cipher_suites
+    vector(1)  # legacy_compression_methods
+    if pos == len(body):
+        return ClientHello(None, False)  # no extensions (SSL 3.0-style): no name
+    extensions = vector(2)
+    if pos != len(body):
+        raise ValueError("bytes after the ClientHello's extensions")
+    seen: set[int] = set()
+    sni: str | None = None
+    i = 0
+    while i < len(extensions):
+        if i + 4 > len(extensions):
+            raise ValueError("truncated extension")
+        etype, elen = struct.unpack_from("!HH", extensions, i)
+        ext = extensions[i + 4:i + 4 + elen]
+        if len(ext) != elen:
+            raise ValueError("truncated extension")
+        i += 4 + elen
+        if etype in seen:
+            raise ValueError(f"extension {etype} appears twice (RFC 8446 section 4.2)")
+        seen.add(etype)
+        if etype != 0:
+            continue
+        if len(ext) < 2 or int.from_bytes(ext[:2], "big") != len(ext) - 2:
+            raise ValueError("malformed server_name extension")
+        j = 2
+        while j < len(ext):
+            if j + 3 > len(ext):
+                raise ValueError("malformed server_name extension")
+            ntype, nlen = ext[j], int.from_bytes(ext[j + 1:j + 3], "big")
+            raw = ext[j + 3:j + 3 + nlen]
+            if len(raw) != nlen:
+                raise ValueError("malformed server_name extension")
+            j += 3 + nlen
+            if ntype != 0:
+                continue
+            if sni is not None:
+                raise ValueError("more than one host_name in server_name (RFC 6066 section 3)")
+            if not raw or not raw.isascii():
+                raise ValueError("an empty or non-ASCII server name")
+            sni = raw.decode("ascii").lower()
+            sni = sni[:-1] if sni.endswith(".") else sni
+    return ClientHello(sni, 0xFE0D in seen)
+
+
+#: TLS alert record sent when a tunnel's ClientHello is refused: fatal unrecognized_name
+#: (RFC 8446 section 6, description 112; RFC 6066 section 3), record version TLS 1.2.
+_TLS_ALERT_UNRECOGNIZED_NAME = bytes([21, 3, 3, 0, 2, 2, 112])
+
+
 # --- requests ---------------------------------------------------------------------------------
 
 class _RefusedError(Exception):
@@ -253,7 +524,8 @@ class _RefusedError(Exception):
         self.reason = reason
 
 
-_STATUS = {400: "Bad Request", 403: "Forbidden", 408: "Request Timeout", 431: "Request Header Fields Too Large",
+_STATUS = {400: "Bad Request", 403: "Forbidden", 408: "Request Timeout", 411: "Length Required",
+           431: "Request Header Fields Too Large",
            502: "Bad Gateway", 503: "Service Unavailable", 504: "Gateway Timeout"}
 
 
@@ -269,11 +541,12 @@ def _response(status: int, reason: str) -> bytes:
 class _Request:
     """A parsed request head."""
 
-    def __init__(self, method: str, host: str, port: int, head_out: bytes | None) -> None:
+    def __init__(self, method: str, host: str, port: int, head_out: bytes | None, body_len: int = 0) -> None:
         self.method = method
         self.host = host
         self.port = port
         self.head_out = head_out  # what to send upstream first (plain HTTP), None for CONNECT
+        self.body_len = body_len  # plain HTTP: the request body's length (Content-Length, or 0)
 
 
 def _split_authority(authority: str, default_port: int | None) -> tuple[str, int]:
@@ -350,12 +623,35 @@ def parse_request(head: bytes) -> _Request:
         if not path.startswith("/"):
             path = "/" + path
     host = host.lower()
+    body_len = _body_length(headers)
     shown = f"[{host}]" if ":" in host else host
     authority = shown if port == 80 else f"{shown}:{port}"
     out = [f"{method} {path} {version}", f"Host: {authority}"]
     out += [f"{k}: {v}" for k, v in headers if k.lower() not in _HOP_BY_HOP]
     out.append("Connection: close")
-    return _Request(method, host, port, ("\r\n".join(out) + "\r\n\r\n").encode("latin-1"))
+    return _Request(method, host, port, ("\r\n".join(out) + "\r\n\r\n").encode("latin-1"), body_len)
+
+
+def _body_length(headers: list[tuple[str, str]]) -> int:
+    """The length of a plain-HTTP request's body, so that the proxy forwards that request and
+    nothing after it (RFC 9112 section 6.3: no Content-Length and no Transfer-Encoding means
+    no body).
+
+    Raises:
+        _RefusedError: 411 for a Transfer-Encoding (chunked bodies are not forwarded over
+            plain HTTP: their end cannot be found without decoding them; HTTPS tunnels carry
+            them), 400 for Content-Length values that disagree or are not digits (the
+            request-smuggling forms of RFC 9112 section 6.3 and 11.2).
+    """
+    if any(k.lower() == "transfer-encoding" for k, _ in headers):
+        raise _RefusedError(411, "plain-HTTP request bodies need a Content-Length (no Transfer-Encoding): "
+                            "send the body with its length, or use HTTPS")
+    values = {v.strip() for k, value in headers if k.lower() == "content-length" for v in value.split(",")}
+    if not values:
+        return 0
+    if len(values) != 1 or not next(iter(values)).isdigit():
+        raise _RefusedError(400, f"bad Content-Length {sorted(values)!r}")
+    return int(next(iter(values)))
 
 
 # --- tunnels: bytes both ways with splice(2) ---------------------------------------------------
@@ -390,9 +686,16 @@ class _Flow:
         self.reading = self.writing = False
         self.done = False
         self.closed = False
+        self.started = False
+        #: Bytes still to pass before the request is complete (plain HTTP, up direction), or
+        #: None (no limit). At 0, more bytes are a second request: recorded, refused, and
+        #: taken as the program's end of sending.
+        self.limit: int | None = None
 
     def start(self) -> None:
-        self._read_on()
+        if not self.started:
+            self.started = True
+            self._read_on()
 
     def _read_on(self) -> None:
         if not self.reading:
@@ -468,6 +771,17 @@ class _Flow:
             attempt = self.tunnel.attempt
             while self.queued < self.cap and not self.eof:
                 want = self.cap - self.queued
+                if self.limit is not None:
+                    if self.limit == 0:
+                        try:
+                            extra = os.read(self.src, MAX_HEAD_BYTES)
+                        except BlockingIOError:
+                            break
+                        if extra:
+                            listener._pipelined(extra)
+                        self.eof = True
+                        break
+                    want = min(want, self.limit)
                 if listener.net_bytes is not None:
                     want = min(want, listener.net_bytes - listener.used)
                     if want <= 0:
@@ -482,6 +796,8 @@ class _Flow:
                     break
                 listener.used += n
                 self.queued += n
+                if self.limit is not None:
+                    self.limit -= n
                 if self.up:
                     attempt.up += n
                 else:
@@ -550,8 +866,11 @@ class _Tunnel:
             self.downflow.start()
             await self.done
         finally:
-            self.upflow.close()
-            self.downflow.close()
+            self.close()
+
+    def close(self) -> None:
+        self.upflow.close()
+        self.downflow.close()
 
     def flow_done(self, flow: _Flow) -> None:
         if flow is self.downflow:
@@ -622,6 +941,12 @@ class Listener:
         self.closed = False
         self.accepted = 0  # connections accepted (under self.lock, with self.closed)
         self.test_resolver = _resolver_override
+        # name lookups and connects in progress (loop thread only; see RESOLVE_PER_RUN)
+        self.resolving = 0
+        self.resolve_waiting = 0
+        self.resolve_slots = asyncio.Semaphore(RESOLVE_PER_RUN)
+        self.lookups: dict[tuple[str, int], asyncio.Future[tuple[list[str], bool]]] = {}
+        self.connecting = 0
         self.dir = tempfile.mkdtemp(prefix="lowlevel-egress-", dir=_socket_base())
         self.path = os.path.join(self.dir, "proxy.sock")
         self.sock: socket.socket | None = None
@@ -712,22 +1037,38 @@ class Listener:
                 raise
             attempt = self._record(req.method, req.host, req.port)
             upstream = await self._open_upstream(req, attempt)
-            if req.head_out is None:
-                await self._sendall(conn, b"HTTP/1.1 200 Connection established\r\n\r\n")
-            if req.head_out is not None or rest:
-                first = (req.head_out or b"") + rest
-                allowed = self._take(len(first))
-                attempt.up += allowed
-                await self._sendall(upstream, first[:allowed])
-                if allowed < len(first):
-                    attempt.error = "net_bytes"
-                    self._cut_all()
-                    return
             tunnel = _Tunnel(self, conn, upstream, attempt)
             self.tunnels.add(tunnel)
             try:
+                first: bytes | None
+                if req.head_out is None:
+                    await self._sendall(conn, b"HTTP/1.1 200 Connection established\r\n\r\n")
+                    first = await self._check_hello(tunnel, conn, attempt, rest)
+                    if first is None:
+                        return
+                else:
+                    # One request per connection: its head and body go on, what follows is a
+                    # second request, recorded and refused (Listener._pipelined).
+                    body, extra = rest[:req.body_len], rest[req.body_len:]
+                    first = req.head_out + body
+                    tunnel.upflow.limit = req.body_len - len(body)
+                    if extra:
+                        self._pipelined(extra)
+                        tunnel.upflow.started = True  # never read more from the program
+                if first:
+                    allowed = self._take(len(first))
+                    attempt.up += allowed
+                    await self._sendall(upstream, first[:allowed])
+                    if allowed < len(first):
+                        attempt.error = "net_bytes"
+                        self._cut_all()
+                        return
+                if tunnel.upflow.started and not tunnel.upflow.reading:
+                    with contextlib.suppress(OSError):
+                        upstream.shutdown(socket.SHUT_WR)
                 await tunnel.run()
             finally:
+                tunnel.close()
                 self.tunnels.discard(tunnel)
         except _RefusedError as ref:
             if attempt is not None and not attempt.reason:
@@ -744,6 +1085,76 @@ class Listener:
             for sock in (upstream, conn):
                 if sock is not None:
                     sock.close()
+
+    async def _check_hello(self, tunnel: _Tunnel, conn: socket.socket, attempt: _Attempt,
+                           rest: bytes) -> bytes | None:
+        """Hold the program's first bytes in a tunnel until they show whether they are a TLS
+        ClientHello, and check its server name (:meth:`Egress.check_server_name`). The
+        server's bytes flow meanwhile (a protocol where the server speaks first works).
+
+        Returns:
+            The bytes to send on (not TLS, or a ClientHello that passed), or None when the
+            tunnel ended meanwhile or the ClientHello was refused (then the program got a TLS
+            ``unrecognized_name`` alert and the attempt says why).
+        """
+        tunnel.downflow.start()
+        buf = bytearray(rest)
+        while True:
+            reason = None
+            try:
+                hello = parse_client_hello(bytes(buf))
+            except _NotTlsError:
+                return bytes(buf)
+            except ValueError as err:
+                hello, reason = None, f"the tunnel's TLS ClientHello is malformed ({err})"
+            if hello is not None:
+                d = self.egress.check_server_name(attempt.host, hello.sni, ech=hello.ech)
+                if d.allowed:
+                    attempt.reason += f"; {d.reason}"
+                    return bytes(buf)
+                reason = d.reason
+            elif reason is None and len(buf) > 8 * MAX_HELLO_BYTES:
+                reason = f"no complete TLS ClientHello in the tunnel's first {len(buf)} bytes"
+            if reason is not None:
+                attempt.allowed = False
+                attempt.reason = reason
+                tunnel.close()
+                with contextlib.suppress(OSError, TimeoutError):
+                    await self._sendall(conn, _TLS_ALERT_UNRECOGNIZED_NAME)
+                return None
+            recv = self.loop.create_task(self.loop.sock_recv(conn, 65536))
+            try:
+                waiters: set[asyncio.Future[Any]] = {recv, tunnel.done}
+                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not recv.done():
+                    recv.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, OSError):
+                        await recv
+            if recv.cancelled() or recv.exception() is not None:
+                return None
+            data = recv.result()
+            if not data:
+                return b"" if not buf else None
+            buf += data
+
+    def _pipelined(self, data: bytes) -> None:
+        """Record the request that came after a plain-HTTP connection's first one (not forwarded)."""
+        method, host, port = "?", "", 0
+        end = data.find(b"\r\n\r\n")
+        if end >= 0:
+            with contextlib.suppress(_RefusedError):
+                req = parse_request(data[:end + 4])
+                method, host, port = req.method, req.host, req.port
+        attempt = self._record(method, host, port)
+        reason = ("a second request on one plain-HTTP connection (pipelined) is not forwarded: the proxy takes "
+                  "one request per connection (it sent Connection: close); send it on a new connection")
+        if host:
+            d = self.egress.decide(host, port)
+            attempt.host = d.host
+            if not d.allowed:
+                reason += f" (and {d.reason})"
+        attempt.reason = reason
 
     async def _read_head(self, conn: socket.socket) -> tuple[bytes | None, bytes]:
         """(head, bytes after it), or (None, what came) when the peer closed or sent too much."""
@@ -778,16 +1189,27 @@ class Listener:
             addresses = [d.address]
         else:
             addresses, pretend = await self._resolve(d.host, req.port, attempt)
-            real = [a for a in addresses if a not in pretend]
-            if real or not addresses:
-                checked = self.egress.check_addresses(d.host, real)
-            else:
+            checked = self.egress.check_addresses(d.host, addresses, host_addresses=host_addresses(),
+                                                  assume_public=pretend)
+            if checked.allowed and pretend:
                 checked = Decision(True, f"{d.host!r} resolves to addresses the test resolver calls public",
-                                   d.host, addresses[0])
+                                   d.host, checked.address)
             attempt.decided(checked)
             if not checked.allowed:
                 raise _RefusedError(403, checked.reason)
             attempt.reason = f"{allow_reason}; {checked.reason}"
+        if self.connecting >= CONNECTING_PER_RUN:
+            attempt.allowed = False
+            attempt.reason = (f"{self.connecting} connects of this run are in progress (at most "
+                              f"{CONNECTING_PER_RUN} at once): retry when one ends")
+            raise _RefusedError(503, attempt.reason)
+        self.connecting += 1
+        try:
+            return await self._connect(d.host, req.port, addresses, attempt)
+        finally:
+            self.connecting -= 1
+
+    async def _connect(self, host: str, port: int, addresses: list[str], attempt: _Attempt) -> socket.socket:
         errors = []
         for address in addresses:
             attempt.address = address
@@ -796,7 +1218,7 @@ class Listener:
             try:
                 sock.setblocking(False)
                 async with asyncio.timeout(CONNECT_TIMEOUT_S):
-                    await self.loop.sock_connect(sock, (address, req.port))
+                    await self.loop.sock_connect(sock, (address, port))
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 return sock
             except TimeoutError:
@@ -811,35 +1233,80 @@ class Listener:
         attempt.address = addresses[0] if addresses else None
         attempt.error = "connect: " + "; ".join(errors)
         timed_out = all("timed out" in e for e in errors)
-        raise _RefusedError(504 if timed_out else 502, f"cannot connect to {d.host} port {req.port}: "
+        raise _RefusedError(504 if timed_out else 502, f"cannot connect to {host} port {port}: "
                             + "; ".join(errors))
 
     async def _resolve(self, name: str, port: int, attempt: _Attempt) -> tuple[list[str], frozenset[str]]:
-        """Resolve ``name`` once: (unique addresses in order, those a test resolver calls public)."""
-        loop = asyncio.get_running_loop()
-        pretend: frozenset[str] = frozenset()
+        """Resolve ``name`` once: (unique addresses in order, those a test resolver calls public).
+
+        At most :data:`RESOLVE_PER_RUN` lookups of this run hold resolver threads (slots are
+        given back when the thread returns, not when the request gives up), at most
+        :data:`RESOLVE_QUEUE_PER_RUN` wait for a slot (more: ``503``), each request waits at
+        most :data:`RESOLVE_TIMEOUT_S` in all (then ``504``); requests for a name and port
+        whose lookup is running share it.
+        """
+        global _pool_busy
+        resolver, public = self.test_resolver if self.test_resolver is not None else (None, frozenset())
         try:
-            answers = None
-            if self.test_resolver is not None:
-                resolver, public = self.test_resolver
-                answers = await asyncio.wait_for(loop.run_in_executor(None, resolver, name, port),
-                                                 RESOLVE_TIMEOUT_S)
-                if answers is not None:
-                    answers = [str(a) for a in answers]
-                    pretend = public & set(answers)
-            if answers is None:
-                infos = await asyncio.wait_for(loop.getaddrinfo(name, port, type=socket.SOCK_STREAM,
-                                                                proto=socket.IPPROTO_TCP), RESOLVE_TIMEOUT_S)
-                answers = [str(info[4][0]) for info in infos]
-        except (OSError, TimeoutError) as err:
+            async with asyncio.timeout(RESOLVE_TIMEOUT_S):
+                lookup = self.lookups.get((name, port))
+                if lookup is None:
+                    if self.resolve_slots.locked() and self.resolve_waiting >= RESOLVE_QUEUE_PER_RUN:
+                        raise _RefusedError(503, f"too many name lookups of this run at once ({self.resolving} "
+                                            f"running, {self.resolve_waiting} waiting; at most {RESOLVE_PER_RUN} "
+                                            f"and {RESOLVE_QUEUE_PER_RUN}): retry when they end")
+                    self.resolve_waiting += 1
+                    try:
+                        await self.resolve_slots.acquire()
+                    finally:
+                        self.resolve_waiting -= 1
+                    with _pool_lock:
+                        busy = _pool_busy
+                        if busy < RESOLVER_THREADS:
+                            _pool_busy += 1
+                    if busy >= RESOLVER_THREADS:
+                        self.resolve_slots.release()
+                        raise _RefusedError(503, f"all {RESOLVER_THREADS} resolver threads of the proxy are busy: "
+                                            "retry later")
+                    self.resolving += 1
+                    future = _resolver_pool().submit(_lookup_in_thread, resolver, name, port)
+                    future.add_done_callback(self._lookup_done)
+                    lookup = asyncio.wrap_future(future, loop=self.loop)
+                    self.lookups[(name, port)] = lookup
+                    lookup.add_done_callback(functools.partial(self._lookup_forget, (name, port)))
+                answers, from_test = await asyncio.shield(lookup)
+        except _RefusedError as ref:
             attempt.allowed = False
-            attempt.reason = f"cannot resolve {name!r}: {getattr(err, 'strerror', None) or err or 'timed out'}"
+            attempt.reason = f"cannot resolve {name!r} now: {ref.reason}"
+            raise _RefusedError(ref.status, attempt.reason) from None
+        except TimeoutError:
+            attempt.allowed = False
+            attempt.reason = f"cannot resolve {name!r}: no answer within {RESOLVE_TIMEOUT_S:g} s"
+            raise _RefusedError(504, attempt.reason) from None
+        except OSError as err:
+            attempt.allowed = False
+            attempt.reason = f"cannot resolve {name!r}: {err.strerror or err}"
             raise _RefusedError(502, attempt.reason) from None
         unique: list[str] = []
         for address in answers:
             if address not in unique:
                 unique.append(address)
-        return unique, pretend
+        return unique, (public & set(unique)) if from_test else frozenset()
+
+    def _lookup_forget(self, key: tuple[str, int], lookup: asyncio.Future[tuple[list[str], bool]]) -> None:
+        """A lookup ended (loop thread): later requests ask again; its exception counts as retrieved."""
+        if self.lookups.get(key) is lookup:
+            del self.lookups[key]
+        if not lookup.cancelled():
+            lookup.exception()
+
+    def _lookup_done(self, _future: concurrent.futures.Future[tuple[list[str], bool]]) -> None:
+        """A resolver thread returned (in that thread): give the run's slot back in the loop."""
+        def release() -> None:
+            self.resolving -= 1
+            self.resolve_slots.release()
+        with contextlib.suppress(RuntimeError):  # the loop is gone (interpreter exit)
+            self.loop.call_soon_threadsafe(release)
 
     def _take(self, n: int) -> int:
         """How many of ``n`` bytes may pass under the run's cap (all of them without one)."""
@@ -978,5 +1445,6 @@ def describe_attempt(a: NetworkAttempt) -> str:
     return f"{a.method} {where} {verdict} ({a.reason}{extra}{err})"
 
 
-__all__ = ["CA_FD", "EgressRun", "Listener", "MAX_ATTEMPTS", "MAX_CONNECTIONS", "RELAY_FD", "RELAY_PATH",
-           "describe_attempt", "override_resolver_for_tests", "parse_request"]
+__all__ = ["CA_FD", "CONNECTING_PER_RUN", "ClientHello", "EgressRun", "Listener", "MAX_ATTEMPTS", "MAX_CONNECTIONS",
+           "RELAY_FD", "RELAY_PATH", "RESOLVER_THREADS", "RESOLVE_PER_RUN", "RESOLVE_QUEUE_PER_RUN", "describe_attempt",
+           "host_addresses", "override_resolver_for_tests", "parse_client_hello", "parse_request"]

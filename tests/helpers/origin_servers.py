@@ -169,3 +169,67 @@ class TlsOrigin(Origin):
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         cert.configure_cert(ctx)
         super().__init__(label, tls=ctx)
+
+
+class PipelineOrigin:
+    """A bare HTTP/1.1 server that answers every request of a connection, pipelined ones
+    included, and ignores ``Connection: close`` (as some servers and CDN front ends do): the
+    upstream a pipelining attack needs. ``hosts`` lists the Host header of each request served,
+    in order; each answer is ``served <host> <method> <body length>``."""
+
+    def __init__(self) -> None:
+        import socket
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.hosts: list[str] = []
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: Any) -> None:
+        buf = b""
+        conn.settimeout(30)
+        with conn:
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    try:
+                        data = conn.recv(65536)
+                    except OSError:
+                        return
+                    if not data:
+                        return
+                    buf += data
+                head, _, buf = buf.partition(b"\r\n\r\n")
+                lines = head.decode("latin-1").split("\r\n")
+                fields = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+                length = int(fields.get("content-length", "0"))
+                while len(buf) < length:
+                    data = conn.recv(65536)
+                    if not data:
+                        return
+                    buf += data
+                buf = buf[length:]
+                host = fields.get("host", "")
+                self.hosts.append(host)
+                body = f"served {host} {lines[0].split(' ')[0]} {length}\n".encode()
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+
+    def close(self) -> None:
+        import socket
+
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() of the server thread
+        except OSError:
+            pass
+        self.sock.close()

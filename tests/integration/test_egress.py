@@ -17,6 +17,7 @@ import errno
 import os
 import secrets
 import socket
+import ssl
 import sys
 from pathlib import Path
 
@@ -25,7 +26,7 @@ import pytest
 import lowlevel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
-from origin_servers import WHEEL_NAME, Origin, TlsOrigin  # noqa: E402
+from origin_servers import WHEEL_NAME, Origin, PipelineOrigin, TlsOrigin  # noqa: E402
 
 pytestmark = pytest.mark.bwrap
 
@@ -463,3 +464,227 @@ def test_relay_runs_the_command_as_bwrap_would(sandbox):
     assert r.exit_code == 128 + 15 and r.term_signal == 15
     r = sandbox.run(["/proc/self/no-such-program"], egress=egress())
     assert r.error == "ExecError" and r.errno == errno.ENOENT, r
+
+
+# --- issue 22 item 3: the host's own addresses and the special address forms ---------------------
+
+def _own_ipv4() -> str:
+    from lowlevel.egress_proxy import host_addresses
+    own = sorted(a for a in host_addresses() if ":" not in a)
+    if not own:
+        pytest.fail("this host has no non-loopback IPv4 address to test the own-address rule with")
+    return own[0]
+
+
+def test_own_host_address_refused(sandbox):
+    """A name resolving to the proxy host's own non-loopback address, which the test resolver
+    even calls public (as a public address of a cloud VM would be), reached a service bound to
+    0.0.0.0 on the host (the Ray dashboard, CVE-2023-48022). Refused, also as IPv4-mapped.
+    Control: the same server through allow_cidrs naming that address is fetched."""
+    own = _own_ipv4()
+    server = Origin("host-service", "0.0.0.0")
+    try:
+        socket.create_connection((own, server.port), timeout=5).close()  # the host reaches it
+        names = {"own.test": [own], "mapped.test": [f"::ffff:{own}"]}
+        res = {"answers": names, "pretend_public": [own, f"::ffff:{own}"]}
+        urls = [f"http://{n}:{server.port}/hello" for n in names]
+        r = sandbox.run(["python3", "probe.py", *urls], files={"probe.py": PROBE.encode()}, resolver=res,
+                        egress=egress(server.port, allow=tuple(names)))
+        assert r.exit_code == 0, r.err
+        out = json.loads(r.out)
+        assert [o[1] for o in out] == [403, 403], out
+        assert "an address of this host" in out[0][2] and "an address of this host" in out[1][2], out
+        assert all(not a["allowed"] and "an address of this host" in a["reason"] for a in attempts(r))
+        assert server.hits == 0
+        # control: allowed by allow_cidrs, the same name and server answer
+        r = sandbox.run(["python3", "probe.py", urls[0]], files={"probe.py": PROBE.encode()}, resolver=res,
+                        egress=egress(server.port, allow=("own.test",), allow_cidrs=[f"{own}/32"]))
+        assert r.exit_code == 0, r.err
+        assert json.loads(r.out)[0][1:] == ["OK", "hello from host-service\n"]
+        assert server.hits == 1
+    finally:
+        server.close()
+
+
+SPECIAL_FORMS = {
+    "compat.test": ("::7f00:1", "IPv4-compatible"), "translated.test": ("::ffff:0:7f00:1", "IPv4-translated"),
+    "sitelocal.test": ("fec0::1", "site-local"), "nat64.test": ("64:ff9b::7f00:1", "127.0.0.1 inside"),
+    "nat64local.test": ("64:ff9b:1::7f00:1", "local-use NAT64"), "sixtofour.test": ("2002:7f00:1::", "127.0.0.1 inside"),
+    "teredo.test": ("2001::7f00:1", "Teredo"), "thisnet.test": ("0.0.0.1", "'this network'"),
+    "shared.test": ("100.64.0.1", "shared address space"), "ietf.test": ("192.0.0.9", "IETF protocol"),
+    "bench.test": ("198.18.0.1", "benchmarking"), "reserved.test": ("240.0.0.1", "reserved"),
+}
+
+
+def test_special_address_forms_refused(sandbox, origin):
+    """Each special form a resolver can answer is refused with its registry entry; control: a
+    name answering the test's "public" address in the same run is fetched."""
+    answers = {name: [addr] for name, (addr, _) in SPECIAL_FORMS.items()}
+    urls = [f"http://allowed.test:{origin.port}/hello"] + [f"http://{n}:{origin.port}/hello" for n in SPECIAL_FORMS]
+    r = sandbox.run(["python3", "probe.py", *urls], files={"probe.py": PROBE.encode()}, resolver=resolver(**answers),
+                    egress=egress(origin.port, allow=("*.test",)))
+    assert r.exit_code == 0, r.err
+    out = json.loads(r.out)
+    assert out[0][1:] == ["OK", "hello from origin\n"]
+    for (name, (addr, needle)), (_url, status, body) in zip(SPECIAL_FORMS.items(), out[1:]):
+        assert status == 403 and needle in body and "resolves to" in body, (name, addr, body)
+    assert [a["allowed"] for a in attempts(r)] == [True] + [False] * len(SPECIAL_FORMS)
+
+
+# --- issue 22 item 4: deny bypassed by pipelining and by TLS fronting ------------------------------
+
+PIPELINE = """
+import socket, sys
+port = int(sys.argv[1])
+heads = {
+    "get": f"GET http://allowed.test:{port}/a HTTP/1.1\\r\\nHost: allowed.test:{port}\\r\\n\\r\\n",
+    "post": f"POST http://allowed.test:{port}/a HTTP/1.1\\r\\nHost: allowed.test:{port}\\r\\nContent-Length: 5\\r\\n\\r\\nhello",
+}
+second = f"GET /b HTTP/1.1\\r\\nHost: denied.test:{port}\\r\\n\\r\\n"
+for kind, first in heads.items():
+    s = socket.create_connection(("127.0.0.1", 3128), timeout=20)
+    s.sendall((first + second).encode())
+    got = b""
+    while True:
+        data = s.recv(65536)
+        if not data:
+            break
+        got += data
+    print(kind, repr(got.decode().split("\\r\\n\\r\\n", 1)[-1]), got.count(b"HTTP/1.1 "))
+"""
+
+
+def test_deny_not_bypassed_by_pipelining(sandbox):
+    """A second request pipelined on one plain-HTTP connection named a denied host in Host:
+    only the first was checked and the upstream (one that answers pipelined requests and
+    ignores Connection: close) served both. Now the connection carries one request: the
+    second is recorded as refused and never reaches the server. Control: sent from the host
+    straight to the server, the same bytes get both requests served."""
+    server = PipelineOrigin()
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+            s.sendall(b"GET /a HTTP/1.1\r\nHost: allowed.test\r\n\r\nGET /b HTTP/1.1\r\nHost: denied.test\r\n\r\n")
+            got = b""
+            while got.count(b"served") < 2:
+                got += s.recv(65536)
+        assert server.hosts == ["allowed.test", "denied.test"]
+        server.hosts.clear()
+        r = sandbox.run(["python3", "pipe.py", str(server.port)], files={"pipe.py": PIPELINE.encode()},
+                        resolver=resolver(), egress=egress(server.port, allow=("*.test",), deny=("denied.test",)))
+        assert r.exit_code == 0, r.err
+        assert r.out.splitlines() == [f"get 'served allowed.test:{server.port} GET 0\\n' 1",
+                                      f"post 'served allowed.test:{server.port} POST 5\\n' 1"]
+        assert server.hosts == [f"allowed.test:{server.port}"] * 2
+        seen = attempts(r)
+        assert [(a["host"], a["allowed"]) for a in seen] == [("allowed.test", True), ("denied.test", False)] * 2
+        for a in seen[1::2]:
+            assert "pipelined" in a["reason"] and "deny pattern 'denied.test'" in a["reason"], a
+    finally:
+        server.close()
+
+
+FRONT = """
+import json, socket, ssl, sys
+port, target = int(sys.argv[1]), sys.argv[2]
+out = {}
+for sni in sys.argv[3:]:
+    s = socket.create_connection(("127.0.0.1", 3128), timeout=20)
+    s.sendall(f"CONNECT {target}:{port} HTTP/1.1\\r\\nHost: {target}:{port}\\r\\n\\r\\n".encode())
+    head = b""
+    while b"\\r\\n\\r\\n" not in head:
+        head += s.recv(1)
+    ctx = ssl.create_default_context()
+    name = None if sni == "-" else sni
+    if name is None:
+        ctx.check_hostname = False
+    try:
+        t = ctx.wrap_socket(s, server_hostname=name)
+        t.sendall(f"GET /hello HTTP/1.1\\r\\nHost: {name or target}\\r\\nConnection: close\\r\\n\\r\\n".encode())
+        body = b""
+        while (data := t.recv(65536)):
+            body += data
+        out[sni] = ["OK", body.decode().split("\\r\\n\\r\\n", 1)[1]]
+    except (ssl.SSLError, OSError) as e:
+        out[sni] = ["ERR", str(e)]
+print(json.dumps(out))
+"""
+
+
+def test_deny_not_bypassed_by_tls_fronting(sandbox):
+    """CONNECT to an allowed name, then a ClientHello whose SNI (and Host) is a denied one that
+    the same server also serves: refused with a TLS unrecognized_name alert, the server never
+    gets the handshake. Controls: the host completes that very handshake directly (the server
+    serves the denied name); inside, the SNI matching the CONNECT name and a ClientHello
+    without SNI pass."""
+    front = TlsOrigin("front", ("secure.test", "denied.test"))
+    try:
+        ctx = ssl.create_default_context(cadata=front.ca_pem)
+        with socket.create_connection(("127.0.0.1", front.port), timeout=10) as raw, \
+                ctx.wrap_socket(raw, server_hostname="denied.test") as direct:
+            assert direct.version()  # the handshake for the denied name completes
+        hits = front.hits
+        r = sandbox.run(["python3", "front.py", str(front.port), "secure.test", "secure.test", "denied.test", "-"],
+                        files={"front.py": FRONT.encode()}, resolver=resolver(),
+                        egress=egress(front.port, allow=("*.test",), deny=("denied.test",), extra_ca_pem=front.ca_pem))
+        assert r.exit_code == 0, r.err
+        out = json.loads(r.out)
+        assert out["secure.test"] == ["OK", "hello from front\n"]
+        assert out["-"] == ["OK", "hello from front\n"]
+        assert out["denied.test"][0] == "ERR" and "UNRECOGNIZED_NAME" in out["denied.test"][1], out
+        assert front.hits == hits + 2
+        first, fronted, nosni = attempts(r)
+        assert first["allowed"] and "is the CONNECT target" in first["reason"]
+        assert not fronted["allowed"] and "names 'denied.test' (SNI), not 'secure.test'" in fronted["reason"]
+        assert fronted["bytes_up"] == 0
+        assert nosni["allowed"] and "no SNI" in nosni["reason"]
+    finally:
+        front.close()
+
+
+def test_tunnel_without_tls_passes(sandbox, origin):
+    """Control for the ClientHello check: a tunnel whose first bytes are not TLS (plain HTTP
+    through CONNECT) is carried as before."""
+    code = ("import socket,sys\ns=socket.create_connection(('127.0.0.1',3128))\np=sys.argv[1]\n"
+            "s.sendall(f'CONNECT allowed.test:{p} HTTP/1.1\\r\\n\\r\\nGET /hello HTTP/1.1\\r\\nHost: allowed.test\\r\\n"
+            "Connection: close\\r\\n\\r\\n'.encode())\nb=b''\nwhile (d:=s.recv(65536)): b+=d\nprint(b.decode().split('\\r\\n\\r\\n')[-1])")
+    r = sandbox.run(["python3", "-c", code, str(origin.port)], resolver=resolver(), egress=egress(origin.port))
+    assert r.exit_code == 0, r.err
+    assert r.out == "hello from origin\n\n"
+    assert [a["allowed"] for a in attempts(r)] == [True]
+
+
+# --- issue 22 item 5: one run's lookups cannot stall another's ------------------------------------
+
+def test_flooding_run_does_not_stall_another(sandbox):
+    """Run A floods the shared proxy with 120 CONNECTs to names that never resolve (their
+    lookups hang in the resolver threads); run B in the same process then fetches a name that
+    resolves and succeeds, while A's lookups still hang (B started after A's program saw its
+    refusals; the resolver is released only after B). A's excess requests are refused at once
+    with the reason, and so is A's own request for B's name (the control: the same request
+    that B gets answered is refused for the run that used up its lookups). Root in a
+    subprocess, the test user through runuser: the same driver, tests/helpers/egress_fairness.py."""
+    import subprocess
+
+    from lowlevel import egress_proxy
+    driver = Path(__file__).resolve().parents[1] / "helpers" / "egress_fairness.py"
+    root = str(Path(__file__).resolve().parents[2])
+    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONPATH": root, "HOME": sandbox.home}
+    argv = [sys.executable, str(driver)]
+    if sandbox.user is not None:
+        import shutil
+        argv = [shutil.which("runuser") or "/usr/sbin/runuser", "-u", sandbox.user.pw_name, "--", *argv]
+    proc = subprocess.run(argv, capture_output=True, env=env, cwd="/", timeout=300)
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["blocked_when_b_started"] == egress_proxy.RESOLVE_PER_RUN  # A's lookups hung while B ran
+    assert out["b_stdout"] == "hello from b\n"
+    assert [x[:2] for x in out["b_network"]] == [["b.test", True]]
+    a = json.loads(out["a_stdout"])
+    flood = 120
+    assert len(a["refused"]) == out["expect"] == flood - egress_proxy.RESOLVE_PER_RUN - egress_proxy.RESOLVE_QUEUE_PER_RUN
+    for line in a["refused"] + [a["probe"]]:
+        assert line.startswith("HTTP/1.1 503 ") and "too many name lookups of this run at once" in line, line
+    assert "'b.test'" in a["probe"]
+    assert a["late"] == flood - len(a["refused"])
+    refusals = [x for x in out["a_network"] if "too many name lookups" in x[2]]
+    assert len(refusals) == len(a["refused"]) + 1 and not any(x[1] for x in out["a_network"])

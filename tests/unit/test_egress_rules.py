@@ -315,3 +315,180 @@ def test_mcp_config_egress_from_toml_and_flags(tmp_path):
     assert p.network is False
     with pytest.raises(PolicyError, match="unknown egress keys"):
         ServerConfig.from_mapping({"egress": {"allow_hosts": ["x"]}})
+
+
+# --- issue 22 item 3: the classification table and the host's own addresses -------------------
+
+@pytest.mark.parametrize("addr, needle", [
+    # forms Python 3.11.2's ipaddress calls global (pre CVE-2024-4032 fixes) or that embed IPv4
+    ("fec0::1", "site-local"), ("::7f00:1", "IPv4-compatible"), ("::a9fe:a9fe", "IPv4-compatible"),
+    ("::ffff:0:7f00:1", "IPv4-translated"), ("::ffff:0:a9fe:a9fe", "IPv4-translated"),
+    ("64:ff9b::7f00:1", "loopback (127.0.0.1 inside 64:ff9b::7f00:1)"),
+    ("64:ff9b::a00:1", "private (10.0.0.1 inside"), ("64:ff9b:1::808:808", "local-use NAT64"),
+    ("2002:a00:1::", "private (10.0.0.1 inside"), ("2002:c000:201::1", "private (192.0.2.1 inside"),
+    ("2001::1", "Teredo"), ("2001:0:4136:e378:8000:63bf:3fff:fdd2", "Teredo"), ("2001:10::1", "IETF protocol"),
+    ("2001:db8::1", "documentation"), ("3fff::1", "documentation"), ("100::1", "discard-only"),
+    ("5f00::1", "SRv6"), ("4000::1", "outside global unicast"), ("::2", "IPv4-compatible"),
+    ("0.1.2.3", "'this network'"), ("100.64.0.1", "shared address space"), ("192.0.0.9", "IETF protocol"),
+    ("192.0.0.170", "IETF protocol"), ("198.18.0.1", "benchmarking"), ("198.19.255.255", "benchmarking"),
+    ("240.0.0.1", "reserved"), ("255.255.255.255", "limited broadcast"), ("192.88.99.1", "6to4 relay"),
+    ("203.0.113.9", "documentation"), ("198.51.100.1", "documentation"),
+])
+def test_non_global_table_covers_every_special_form(addr, needle):
+    got = address_kind(ipaddress.ip_address(addr))
+    assert got is not None and needle in got, (addr, got)
+
+
+@pytest.mark.parametrize("addr", ["93.184.216.34", "8.8.8.8", "1.1.1.1", "2606:4700::1111", "2a00:1450::1",
+                                  "::ffff:8.8.8.8", "64:ff9b::808:808", "2002:808:808::1", "100.128.0.1",
+                                  "198.20.0.1", "192.0.1.1", "223.255.255.1"])
+def test_public_addresses_stay_public(addr):
+    """Control: the table refuses the special ranges only (their neighbours are public)."""
+    assert address_kind(ipaddress.ip_address(addr)) is None
+
+
+def test_table_not_the_interpreters():
+    """The table decides where this interpreter's ipaddress would call a non-global address global."""
+    for addr in ("::7f00:1", "::ffff:0:7f00:1", "fec0::1", "64:ff9b:1::1", "5f00::1"):
+        assert address_kind(ipaddress.ip_address(addr)) is not None
+
+
+def test_own_host_addresses_refused_unless_allow_cidrs():
+    own = {"203.0.113.7": "eth0", "2001:4860::7": "eth1"}
+    e = Egress(allow=("*",))
+    d = e.check_addresses("a.example", ["203.0.113.7"], host_addresses=own, assume_public={"203.0.113.7"})
+    assert not d.allowed and "an address of this host (eth0)" in d.reason
+    d = e.check_addresses("a.example", ["2001:4860::7"], host_addresses=own)
+    assert not d.allowed and "an address of this host (eth1)" in d.reason
+    d = e.check_addresses("a.example", ["::ffff:203.0.113.7"], host_addresses=own, assume_public={"::ffff:203.0.113.7"})
+    assert not d.allowed and "eth0, as 203.0.113.7" in d.reason
+    # control: without the host's list the same answer passes; allow_cidrs lets it through
+    assert e.check_addresses("a.example", ["203.0.113.7"], assume_public={"203.0.113.7"}).allowed
+    assert Egress(allow=("*",), allow_cidrs=("203.0.113.7/32",)).check_addresses(
+        "a.example", ["203.0.113.7"], host_addresses=own).allowed
+
+
+def test_host_addresses_reads_the_kernel():
+    """Every address `ip addr` would show (here /proc/net/if_inet6 and SIOCGIFCONF), loopback left out."""
+    import socket as _socket
+
+    from lowlevel.egress_proxy import host_addresses
+    found = host_addresses()
+    assert "127.0.0.1" not in found and "::1" not in found
+    with open("/proc/net/if_inet6") as f:
+        for line in f:
+            addr = _socket.inet_ntop(_socket.AF_INET6, bytes.fromhex(line.split()[0]))
+            assert addr == "::1" or found.get(addr) == line.split()[5]
+    probe = _socket.socket(_socket.AF_INET, _socket.SOCK_DGRAM)
+    try:
+        probe.connect(("192.0.2.254", 9))  # no packet: picks the source address of the default route
+        source = probe.getsockname()[0]
+    except OSError:
+        source = None
+    finally:
+        probe.close()
+    if source and not source.startswith("127."):
+        assert source in found
+
+
+# --- issue 22 item 4: TLS server names and one request per plain-HTTP connection ---------------
+
+def _client_hello(server_hostname: str | None) -> bytes:
+    """A real ClientHello from this Python's ssl (OpenSSL), with SNI ``server_hostname``."""
+    import ssl
+    ctx = ssl.create_default_context()
+    if server_hostname is None:
+        ctx.check_hostname = False
+    tls = ctx.wrap_bio(ssl.MemoryBIO(), out := ssl.MemoryBIO(), server_hostname=server_hostname)
+    with pytest.raises(ssl.SSLWantReadError):
+        tls.do_handshake()
+    return out.read()
+
+
+def test_parse_client_hello_from_openssl():
+    from lowlevel.egress_proxy import parse_client_hello
+    hello = _client_hello("Secure.Example.")
+    parsed = parse_client_hello(hello)
+    assert parsed is not None and parsed.sni == "secure.example" and not parsed.ech
+    assert parse_client_hello(hello[:3]) is None and parse_client_hello(hello[:-1]) is None  # needs more
+    nosni = parse_client_hello(_client_hello(None))
+    assert nosni is not None and nosni.sni is None
+    # fragmented over two records (RFC 8446 5.1 allows it)
+    body = hello[5:]
+    split = hello[:1] + hello[1:3] + len(body[:50]).to_bytes(2, "big") + body[:50] \
+        + hello[:1] + hello[1:3] + len(body[50:]).to_bytes(2, "big") + body[50:]
+    again = parse_client_hello(split)
+    assert again is not None and again.sni == "secure.example"
+
+
+def test_parse_client_hello_refuses_malformed():
+    from lowlevel.egress_proxy import _NotTlsError, parse_client_hello
+    with pytest.raises(_NotTlsError):
+        parse_client_hello(b"GET / HTTP/1.1\r\n")
+    hello = bytearray(_client_hello("a.example"))
+    with pytest.raises(ValueError):
+        parse_client_hello(bytes(hello[:5]) + b"\x02" + bytes(hello[6:]))  # not a ClientHello
+    with pytest.raises(ValueError):
+        parse_client_hello(b"\x16\x03\x01\x00\x08\x01\x00\x00\x04\x03\x03\x00\x00")  # truncated body
+    with pytest.raises(ValueError):
+        parse_client_hello(b"\x16\x03\x01\x00\x04\x01\x01\x00\x00")  # over MAX_HELLO_BYTES
+
+
+def _hello_with_extensions(extensions: bytes) -> bytes:
+    body = b"\x03\x03" + bytes(32) + b"\x00" + b"\x00\x02\x13\x01" + b"\x01\x00"
+    body += len(extensions).to_bytes(2, "big") + extensions
+    hs = b"\x01" + len(body).to_bytes(3, "big") + body
+    return b"\x16\x03\x01" + len(hs).to_bytes(2, "big") + hs
+
+
+def _sni_ext(*names: bytes) -> bytes:
+    entries = b"".join(b"\x00" + len(n).to_bytes(2, "big") + n for n in names)
+    data = len(entries).to_bytes(2, "big") + entries
+    return b"\x00\x00" + len(data).to_bytes(2, "big") + data
+
+
+def test_parse_client_hello_handmade_forms():
+    from lowlevel.egress_proxy import parse_client_hello
+    hello = parse_client_hello(_hello_with_extensions(_sni_ext(b"a.example")))
+    assert hello is not None and hello.sni == "a.example"
+    ech = parse_client_hello(_hello_with_extensions(_sni_ext(b"public.example") + b"\xfe\x0d\x00\x00"))
+    assert ech is not None and ech.ech and ech.sni == "public.example"
+    for bad in (_sni_ext(b"a.example", b"b.example"),                     # two host_names
+                _sni_ext(b"a.example") + _sni_ext(b"b.example"),          # the extension twice
+                _sni_ext(b"caf\xc3\xa9.example"), _sni_ext(b"")):
+        with pytest.raises(ValueError):
+            parse_client_hello(_hello_with_extensions(bad))
+
+
+def test_check_server_name():
+    e = Egress(allow=("*.example",), deny=("denied.example",), allow_cidrs=("10.0.0.0/8",))
+    assert e.check_server_name("a.example", "a.example").allowed
+    assert e.check_server_name("a.example", None).allowed  # no SNI: names no other host
+    d = e.check_server_name("a.example", "denied.example")
+    assert not d.allowed and "names 'denied.example' (SNI), not 'a.example'" in d.reason
+    d = e.check_server_name("a.example", "b.example")  # another allowed name: still not the CONNECT's
+    assert not d.allowed and "domain fronting" in d.reason
+    d = e.check_server_name("a.example", "public.example", ech=True)
+    assert not d.allowed and "Encrypted Client Hello" in d.reason
+    assert e.check_server_name("10.1.2.3", "mirror.internal").allowed
+    d = e.check_server_name("10.1.2.3", "denied.example")
+    assert not d.allowed and "deny pattern" in d.reason
+    assert not e.check_server_name("a.example", "a b").allowed
+
+
+def test_parse_request_body_length():
+    r = parse_request(b"POST http://a.example/x HTTP/1.1\r\nContent-Length: 5\r\n\r\n")
+    assert r.body_len == 5
+    assert parse_request(b"GET http://a.example/x HTTP/1.1\r\n\r\n").body_len == 0
+    assert parse_request(b"POST http://a.example/ HTTP/1.1\r\nContent-Length: 7, 7\r\n\r\n").body_len == 7
+    for head, status in ((b"POST http://a.example/ HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n", 411),
+                         (b"POST http://a.example/ HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n", 400),
+                         (b"POST http://a.example/ HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400)):
+        with pytest.raises(_RefusedError) as info:
+            parse_request(head)
+        assert info.value.status == status
+
+
+def test_parse_client_hello_waits_for_the_first_byte():
+    from lowlevel.egress_proxy import parse_client_hello
+    assert parse_client_hello(b"") is None
