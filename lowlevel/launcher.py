@@ -950,6 +950,9 @@ class Run:
                                extra_env=self.env_extra or None, cwd=self.cwd,
                                extra_mounts=self.egress.mounts if self.egress is not None else (),
                                rootfs_overlay=rootfs_overlay)
+        if policy.binds:  # the unix sockets masked in bound directories, and what that leaves open
+            from . import bind_sockets
+            self.notes.extend(bind_sockets.notes(policy, self.facts.caller_is_root, _landlock.planned_abi()))
         # Last line of defence: the --args memfd is NUL-separated, so a NUL inside a value would
         # split it into extra bwrap options. The policy edge refuses them already; encode_args
         # refuses again (LaunchError) right before the bytes are written.
