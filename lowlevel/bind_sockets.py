@@ -25,7 +25,9 @@ More than :data:`MAX_MASKS` sockets (a mount each) fail the run (LaunchError).
 What it cannot cover: a socket created in the bind after the scan. The scan runs once per
 Policy and process (cached with the Policy's static argv), so a socket made by the host after
 that (while the run goes on, or before a later run of the same Policy) is reachable where the
-Landlock ABI is below 9; :func:`notes` says so in ``Result.notes``.
+Landlock ABI is below 9; :func:`notes` says so in ``Result.notes``. Before each run,
+:func:`revalidate` checks that the masked sockets are still where the plan found them (a
+sandbox with a writable bind can rename their directory), and walks again when not.
 
 Sources: unix(7) (connect needs write permission on the socket file); bwrap(1) ``--ro-bind``;
 mount(2) and unlink(2) (EBUSY on a mount point); include/uapi/linux/landlock.h and
@@ -65,12 +67,14 @@ class BindScan:
     Attributes:
         dest: the bind's destination inside the sandbox.
         sockets: sockets' paths inside the sandbox (under ``dest``), in walk order.
+        found: ``(host path, st_dev, st_ino)`` of each socket, for :func:`revalidate`.
         incomplete: why the walk stopped short ("" when it read the whole tree): a bound,
             or directories the caller could not list.
     """
 
     dest: str
     sockets: tuple[str, ...] = ()
+    found: tuple[tuple[str, int, int], ...] = ()
     incomplete: str = ""
 
 
@@ -106,7 +110,7 @@ def scan(source: str, dest: str, ids: tuple[int, int] | None = None, *, max_entr
         top = os.open(source, flags)
     except OSError:
         return BindScan(dest)
-    found: list[str] = []
+    found: list[tuple[str, str, int, int]] = []
     unlisted: list[str] = []
     stopped = ""
     entries = 0
@@ -157,8 +161,10 @@ def scan(source: str, dest: str, ids: tuple[int, int] | None = None, *, max_entr
                     stack.append((child, path, children))
                 elif not entry.is_file(follow_symlinks=False) and not entry.is_symlink():
                     # d_type says socket, FIFO or device (or unknown): one stat to tell.
-                    if stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
-                        found.append(path)
+                    st = entry.stat(follow_symlinks=False)
+                    if stat.S_ISSOCK(st.st_mode):
+                        found.append((path, os.path.join(source, path[len(dest):].lstrip("/")), st.st_dev,
+                                      st.st_ino))
             except FileNotFoundError:
                 continue
     except OSError as err:
@@ -171,7 +177,7 @@ def scan(source: str, dest: str, ids: tuple[int, int] | None = None, *, max_entr
     if unlisted:
         why.append(f"could not list {len(unlisted)} director{'y' if len(unlisted) == 1 else 'ies'} "
                    f"({', '.join(unlisted[:3])}{', ...' if len(unlisted) > 3 else ''})")
-    return BindScan(dest, tuple(found), "; ".join(why))
+    return BindScan(dest, tuple(f[0] for f in found), tuple(f[1:] for f in found), "; ".join(why))
 
 
 def _sandbox_ids(policy: Policy, caller_is_root: bool) -> tuple[int, int] | None:
@@ -205,6 +211,31 @@ def plan(policy: Policy, caller_is_root: bool) -> tuple[BindScan, ...]:
                           f"the {MAX_MASKS} lowlevel masks (one mount each): bind a narrower directory, or pass "
                           "Bind(allow_sockets=True) if the sandbox may connect to them")
     return out
+
+
+def revalidate(policy: Policy, caller_is_root: bool) -> bool:
+    """Check, before each run, that every socket the cached plan masks is still the same socket at
+    the same host path (one ``lstat`` each); if one is not, drop the cached plans and static argv
+    so this run walks the binds again. Returns True when it did.
+
+    Why: the plan is cached per Policy, and a sandbox given a writable bind can rename the
+    directory holding a masked socket (the mask moves with it in that run; the socket, on the
+    host, now sits at a path the cached plan does not mask): without this, the next run of the
+    same Policy would leave it reachable (and bwrap would create the stale mask's path in the
+    bind). A socket created later elsewhere in the bind is not seen by this check (module doc).
+    """
+    for s in plan(policy, caller_is_root):
+        for host, dev, ino in s.found:
+            try:
+                st = os.lstat(host)
+            except OSError:
+                st = None
+            if st is None or not stat.S_ISSOCK(st.st_mode) or (st.st_dev, st.st_ino) != (dev, ino):
+                from .argv import static_args
+                plan.cache_clear()
+                static_args.cache_clear()
+                return True
+    return False
 
 
 def mask_args(bind: Bind, scans: tuple[BindScan, ...]) -> list[str]:
@@ -245,4 +276,4 @@ def notes(policy: Policy, caller_is_root: bool, landlock_abi: int) -> list[str]:
 
 
 __all__ = ["BindScan", "MASK_SOURCE", "MAX_ENTRIES", "MAX_MASKS", "RESOLVE_UNIX_ABI", "mask_args", "notes", "plan",
-           "scan"]
+           "revalidate", "scan"]

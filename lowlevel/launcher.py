@@ -946,12 +946,14 @@ class Run:
                 self._own(fd)  # closed after the spawn, like ours
         if policy.rootfs is not None:
             self._check_rootfs_layout(policy.rootfs)
+        if policy.binds:  # the cached socket masks still cover what they did (lowlevel.bind_sockets)
+            from . import bind_sockets
+            bind_sockets.revalidate(policy, self.facts.caller_is_root)
         self.argv = build_argv(policy, self.facts, workspace=bind_source, fds=fds,
                                extra_env=self.env_extra or None, cwd=self.cwd,
                                extra_mounts=self.egress.mounts if self.egress is not None else (),
                                rootfs_overlay=rootfs_overlay)
         if policy.binds:  # the unix sockets masked in bound directories, and what that leaves open
-            from . import bind_sockets
             self.notes.extend(bind_sockets.notes(policy, self.facts.caller_is_root, _landlock.planned_abi()))
         # Last line of defence: the --args memfd is NUL-separated, so a NUL inside a value would
         # split it into extra bwrap options. The policy edge refuses them already; encode_args

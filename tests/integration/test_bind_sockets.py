@@ -14,7 +14,10 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
+import textwrap
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +27,8 @@ import pytest
 
 import lowlevel
 from lowlevel import bind_sockets, landlock
+
+RUNUSER = shutil.which("runuser") or "/usr/sbin/runuser"
 
 CONNECT = ("import socket, sys\n"
            "s = socket.socket(socket.AF_UNIX)\n"
@@ -238,3 +243,40 @@ def test_allow_sockets_round_trips_through_records_and_old_hashes_hold(tmp_path:
     assert canonical_policy(kept)["binds"][0]["allow_sockets"] is True
     assert policy_from_canonical(canonical_policy(kept)) == kept != plain
     assert any("allow_sockets" in line for line in policy_loosening(kept))
+
+
+_TWO_RUNS = textwrap.dedent("""
+    import sys
+    import lowlevel
+    from lowlevel import bind_sockets
+    if sys.argv[2] == "control":
+        bind_sockets.revalidate = lambda policy, caller_is_root: False  # the cached plan, unchecked
+    policy = lowlevel.Policy(binds=(lowlevel.Bind(sys.argv[1], "/data", writable=True),))
+    first = lowlevel.run(["mv", "/data/run", "/data/moved"], policy=policy, timeout=60)
+    assert first.exit_code == 0, first.stderr
+    second = lowlevel.run(["python3", "-c", sys.argv[3], "/data/moved/app.sock"], policy=policy, timeout=60)
+    sys.stdout.write(second.stdout.decode())
+""")
+
+
+@pytest.mark.parametrize("mode", ["attack", "control"])
+def test_a_run_that_moves_a_masked_socket_does_not_unmask_it_for_the_next(sandbox: Any, app_dir: tuple[Path, Listener],
+                                                                          mode: str) -> None:
+    """One Policy, two runs in one caller process (the plan is cached per Policy): the first
+    renames the directory holding the masked socket in its writable bind (the mask moves with it
+    inside that run, the socket moves on the host); the second must still find it masked, since
+    the plan is checked before each run and walked again (control: without that check, the
+    second run connects)."""
+    d, listener = app_dir
+    cmd = [sys.executable, "-c", _TWO_RUNS, str(d), mode, CONNECT]
+    if sandbox.user is not None:
+        cmd = [RUNUSER, "-u", sandbox.user.pw_name, "--", *cmd]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd="/",
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(lowlevel.__file__).parents[1]),
+                               "LANG": "C.UTF-8", "HOME": sandbox.home})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (d / "moved" / "app.sock").is_socket()
+    if mode == "attack":
+        assert proc.stdout.startswith("refused") and listener.accepted == 0, proc.stdout
+    else:
+        assert proc.stdout == "connected hello\n" and listener.accepted == 1, proc.stdout
