@@ -41,10 +41,12 @@ import functools
 import os
 import stat
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from .errors import LaunchError
-from .policy import Bind, Policy
+from .policy import WORKSPACE_DEST, Bind, Policy
 
 #: Entries the walk reads per bind before it stops (a virtualenv holds ~5-20k).
 MAX_ENTRIES = 100_000
@@ -238,6 +240,26 @@ def revalidate(policy: Policy, caller_is_root: bool) -> bool:
     return False
 
 
+def workspace_masks(workspace: str, snap: Mapping[str, tuple[Any, ...]], dest: str = WORKSPACE_DEST) -> list[str]:
+    """bwrap options masking the unix sockets of a handed-over workspace (the fallback without the
+    copy-on-write overlay: ``workspace`` is bound as it is, so a host daemon's socket in it is
+    reachable; through the overlay, a lower layer's socket is not: connect finds the overlay's
+    inode, which no socket is bound to). ``snap``: the hand-over's snapshot (relative path ->
+    ``(kind, ...)``, :data:`lowlevel.workspace.Snapshot`), whose ``"other"`` entries (sockets,
+    FIFOs, devices) get one ``lstat`` each: no second walk."""
+    out: list[str] = []
+    for rel, entry in snap.items():
+        if entry[0] != "other":
+            continue
+        try:
+            if not stat.S_ISSOCK(os.lstat(os.path.join(workspace, rel)).st_mode):
+                continue
+        except OSError:
+            continue
+        out += ["--ro-bind", MASK_SOURCE, f"{dest}/{rel}"]
+    return out
+
+
 def mask_args(bind: Bind, scans: tuple[BindScan, ...]) -> list[str]:
     """bwrap options masking the sockets found under ``bind`` (placed right after its bind, so a
     later bind mounted inside it is mounted over them, not under them)."""
@@ -276,4 +298,4 @@ def notes(policy: Policy, caller_is_root: bool, landlock_abi: int) -> list[str]:
 
 
 __all__ = ["BindScan", "MASK_SOURCE", "MAX_ENTRIES", "MAX_MASKS", "RESOLVE_UNIX_ABI", "mask_args", "notes", "plan",
-           "revalidate", "scan"]
+           "revalidate", "scan", "workspace_masks"]

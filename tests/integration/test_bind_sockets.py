@@ -280,3 +280,72 @@ def test_a_run_that_moves_a_masked_socket_does_not_unmask_it_for_the_next(sandbo
         assert proc.stdout.startswith("refused") and listener.accepted == 0, proc.stdout
     else:
         assert proc.stdout == "connected hello\n" and listener.accepted == 1, proc.stdout
+
+
+SELF_SERVE = ("import os, socket\n"
+              "srv = socket.socket(socket.AF_UNIX); srv.bind('/workspace/own.sock'); srv.listen(1)\n"
+              "c = socket.socket(socket.AF_UNIX); c.connect('/workspace/own.sock')\n"
+              "conn, _ = srv.accept(); conn.sendall(b'own'); print('connected', c.recv(8).decode())\n"
+              "os.unlink('/workspace/own.sock')\n")
+
+
+@pytest.fixture
+def handed_over_workspace(sandbox: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Path, Listener]]:
+    """The fallback workspace model (no overlay: the directory is bound as it is), holding a host
+    daemon's live socket."""
+    monkeypatch.setenv("LOWLEVEL_NO_OVERLAY", "1")
+    ws = sandbox.workspace()
+    listener = Listener(ws / "app.sock")
+    yield ws, listener
+    listener.close()
+    shutil.rmtree(ws, ignore_errors=True)
+
+
+def test_a_socket_in_a_handed_over_workspace_is_masked(sandbox: Any,
+                                                       handed_over_workspace: tuple[Path, Listener]) -> None:
+    ws, listener = handed_over_workspace
+    r = sandbox.run(["python3", "-c", CONNECT, "/workspace/app.sock"], workspace=str(ws), commit=False,
+                    policy_kw={"landlock": "require"}, timeout=60)
+    assert r.exit_code == 3 and r.out.startswith("refused"), (r.out, r.err, r.message)
+    assert listener.accepted == 0
+    assert any("workspace: masked 1 unix socket" in n and "/workspace/app.sock" in n for n in r.notes), r.notes
+    # Control: a socket the sandbox makes itself in the same workspace still works.
+    r = sandbox.run(["python3", "-c", SELF_SERVE], workspace=str(ws), commit=False, timeout=60)
+    assert r.exit_code == 0 and r.out == "connected own\n", (r.out, r.err, r.message)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="stubs the masks in-process")
+def test_control_the_handed_over_socket_is_reachable_without_the_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Control (root, in-process: the masks stubbed out): the attack above is real."""
+    monkeypatch.setenv("LOWLEVEL_NO_OVERLAY", "1")
+    import lowlevel.bind_sockets
+    monkeypatch.setattr(lowlevel.bind_sockets, "workspace_masks", lambda workspace, snap: [])
+    ws = Path(tempfile.mkdtemp(prefix="ws-control-", dir="/tmp"))
+    os.chmod(ws, 0o755)
+    listener = Listener(ws / "app.sock")
+    try:
+        r = lowlevel.run(["python3", "-c", CONNECT, "/workspace/app.sock"], workspace=str(ws), commit=False,
+                         timeout=60)
+    finally:
+        listener.close()
+        shutil.rmtree(ws, ignore_errors=True)
+    assert r.exit_code == 0 and r.stdout == b"connected hello\n", r
+    assert listener.accepted == 1
+
+
+def test_through_the_overlay_a_workspace_socket_is_unreachable(sandbox: Any, app_dir: tuple[Path, Listener]) -> None:
+    """The default (copy-on-write) workspace needs no mask: connect through overlayfs finds the
+    overlay's inode, which no socket is bound to."""
+    _d, _listener = app_dir
+    ws = sandbox.workspace()
+    listener = Listener(ws / "app.sock")
+    try:
+        r = sandbox.run(["python3", "-c", CONNECT, "/workspace/app.sock"], workspace=str(ws), commit=False,
+                        timeout=60)
+    finally:
+        listener.close()
+        shutil.rmtree(ws, ignore_errors=True)
+    if any("handed over" in n for n in r.notes):
+        pytest.skip("no copy-on-write overlay here")
+    assert r.exit_code == 3 and r.out.startswith("refused 111"), (r.out, r.err, r.message)
+    assert listener.accepted == 0
