@@ -227,6 +227,15 @@ def test_landlock_rules_grant_socket_connect_only_where_allowed(tmp_path: Path) 
     unix = [a for a in args if a.startswith("--ll-unix=")]
     assert unix == ["--ll-unix=/tmp", "--ll-unix=/dev/shm", "--ll-unix=/workspace", "--ll-unix=/b"]
     assert args.index("--ll-unix=/b") == args.index("--ll-rx=/b") + 1
+    # A socket bound itself on purpose (allow_sensitive) stays reachable at ABI >= 9 too.
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(str(tmp_path / "daemon.sock"))
+    try:
+        sock_bind = lowlevel.Policy(binds=(lowlevel.Bind(str(tmp_path / "daemon.sock"), "/run-d/daemon.sock",
+                                                         allow_sensitive=True),))
+        assert "--ll-unix=/run-d/daemon.sock" in landlock.ruleset_args(sock_bind, ())
+    finally:
+        srv.close()
     assert "pathname unix socket" in landlock.describe(9) and "masked" in landlock.describe(7)
 
 

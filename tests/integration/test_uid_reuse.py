@@ -29,7 +29,7 @@ import pytest
 import lowlevel
 from lowlevel import cow
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="per-run uid leases are for root callers")
+ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="per-run uid leases are for root callers")
 
 def _free_id() -> int:
     first, count = cow.DEFAULT_UID_RANGE
@@ -70,6 +70,7 @@ def _run_in_new_process(shared: Path, command: str, host_uid: int | None = None)
 _WRITE = "umask 077; echo private > /data/secret-$(id -u); id -u"
 
 
+@ROOT_ONLY
 def test_sequential_runs_do_not_share_a_uid_nor_private_files(shared: Path) -> None:
     first = _run_in_new_process(shared, _WRITE)
     assert first["exit"] == 0, first
@@ -84,6 +85,7 @@ def test_sequential_runs_do_not_share_a_uid_nor_private_files(shared: Path) -> N
     assert "private" not in second["out"]
 
 
+@ROOT_ONLY
 def test_control_a_pinned_uid_reads_what_it_left(shared: Path) -> None:
     """Control: the same two runs pinned to one uid (``Policy(host_uid=N)``) share the file:
     the read above failed because the uids differed, nothing else."""
@@ -112,6 +114,7 @@ def _lease_in_new_process(lock: Path, first: int, last: int) -> int:
     return int(proc.stdout)
 
 
+@ROOT_ONLY
 def test_rotation_is_shared_across_processes(tmp_path: Path) -> None:
     """Each lease, in a process of its own, gets the uid after the last one handed out,
     wrapping around the range: least recently used first, whoever leased before."""
@@ -122,6 +125,7 @@ def test_rotation_is_shared_across_processes(tmp_path: Path) -> None:
     assert got == [first, first + 1, first + 2, first]
 
 
+@ROOT_ONLY
 def test_a_live_uid_is_skipped_and_the_rotation_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     first = _free_id() - 2
     monkeypatch.setenv("LOWLEVEL_UID_RANGE", f"{first}-{first + 2}")
@@ -143,3 +147,25 @@ def test_a_live_uid_is_skipped_and_the_rotation_goes_on(tmp_path: Path, monkeypa
         held.release()
     # Control: released, first comes back in its turn (after first + 1, the last handed out).
     assert [_lease_in_new_process(tmp_path / "uids.lock", first, first + 2) for _ in range(2)] == [first + 2, first]
+
+
+def test_an_unprivileged_callers_runs_are_all_its_own(sandbox: Any, tmp_path: Path) -> None:
+    """Not concerned (unprivileged callers): bwrap maps the caller's own uid, the same for every
+    run, so what a run leaves in a writable bind is the caller's, owned by it on the host, not
+    another principal's; separate tenants are separate caller uids. (As root this is the
+    per-run uid, which differs per run: the tests above.)"""
+    if sandbox.user is None:
+        pytest.skip("the unprivileged half")
+    d = Path(tempfile.mkdtemp(prefix="uid-own-", dir="/tmp"))
+    try:
+        os.chown(d, sandbox.uid, -1)
+        uids = []
+        for _ in range(2):
+            r = sandbox.run(["sh", "-c", "umask 077; id -u > /data/last; cat /data/last"],
+                            binds=[(str(d), "/data", True)], timeout=60)
+            assert r.exit_code == 0, (r.err, r.message)
+            uids.append(int(r.out))
+        assert uids == [sandbox.uid, sandbox.uid]
+        assert (d / "last").stat().st_uid == sandbox.uid
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
