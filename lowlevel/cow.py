@@ -188,6 +188,14 @@ UID_LOCK_PATH: str | None = None
 _CURSOR = struct.Struct("=Q")
 
 
+def _read_cursor(fd: int, first: int, count: int) -> int:
+    """The rotation cursor of the lease file ``fd`` as an index into the range (0 when absent
+    or outside the range: a new file, another ``LOWLEVEL_UID_RANGE``)."""
+    raw = os.pread(fd, _CURSOR.size, 0)
+    cursor: int = _CURSOR.unpack(raw)[0] if len(raw) == _CURSOR.size else 0
+    return cursor - first if first <= cursor < first + count else 0
+
+
 class UidLease:
     """One host uid (and the gid of the same number) leased to one live sandbox.
 
@@ -201,7 +209,8 @@ class UidLease:
 
     Reuse is least recently used first, across processes: the lease file holds a cursor (the
     uid after the last one handed out, first 8 bytes), read and advanced under ``flock(2)`` on
-    the same file, and each lease starts its search there, wrapping around the range. A
+    the same file (held for that only, not for the search), and each lease starts its search
+    there, wrapping around the range. A
     released uid therefore comes back only after every other free uid of the range has been
     handed out once (65536 runs with the default range), not to the next run: what a sandbox
     leaves behind owned by its uid (a file made through a *writable bind*, kept with its mode)
@@ -235,14 +244,18 @@ class UidLease:
         nss_known = 0
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
-            # flock(2) and the OFD byte locks are separate kinds of lock (neither sees the
-            # other); flock serializes the cursor's read-scan-write among every leaser (each
-            # acquire has its own open file description: threads too), and is dropped below,
-            # before the fd goes to the anchor.
+            # The cursor is read and advanced by one under flock(2) (a lock of another kind than
+            # the OFD byte locks: neither sees the other; each acquire has its own open file
+            # description, so threads are serialized too), then the lock is dropped: the scan
+            # (NSS lookups included, which may be slow) runs without it, the OFD locks decide
+            # who gets a uid, and concurrent leasers start at successive uids.
             fcntl.flock(fd, fcntl.LOCK_EX)
-            raw = os.pread(fd, _CURSOR.size, 0)
-            cursor = _CURSOR.unpack(raw)[0] if len(raw) == _CURSOR.size else 0
-            start = cursor - first if first <= cursor < first + count else 0
+            try:
+                start = _read_cursor(fd, first, count)
+                reserved = first + (start + 1) % count
+                os.pwrite(fd, _CURSOR.pack(reserved), 0)
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
             for k in range(count):
                 i = (start + k) % count
                 if first + i in taken:
@@ -259,8 +272,15 @@ class UidLease:
                     if err.errno in (errno.EAGAIN, errno.EACCES):
                         continue
                     raise
-                os.pwrite(fd, _CURSOR.pack(first + (i + 1) % count), 0)
-                fcntl.flock(fd, fcntl.LOCK_UN)
+                if k:
+                    # Skipped some (live, accounts): move the cursor past this uid too, unless
+                    # another leaser moved it meanwhile (then its value is as good).
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                    try:
+                        if _read_cursor(fd, first, count) == reserved - first:
+                            os.pwrite(fd, _CURSOR.pack(first + (i + 1) % count), 0)
+                    finally:
+                        fcntl.flock(fd, fcntl.LOCK_UN)
                 return cls(first + i, fd)
         except BaseException:
             os.close(fd)
