@@ -18,6 +18,7 @@ import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from . import bind_sockets as _bind_sockets
 from .egress import EGRESS_ETC, Egress
 from .errors import LaunchError
 from .policy import WORKSPACE_DEST, Policy
@@ -260,8 +261,12 @@ def static_args(policy: Policy, facts: HostFacts, rootfs_overlay: str | None = N
     # (memory outside every limit when no cgroup applies). /dev/shm, /dev/pts and the device
     # nodes are separate mounts or inodes and keep working.
     a += ["--remount-ro", "/dev"]
+    # Each bind, then masks over the unix sockets found in it (lowlevel.bind_sockets: a walk of
+    # each directory bind, once per Policy; the only other I/O here).
+    scans = _bind_sockets.plan(policy, facts.caller_is_root) if policy.binds else ()
     for bind in policy.binds:
         a += ["--bind" if bind.writable else "--ro-bind", bind.source, bind.dest]
+        a += _bind_sockets.mask_args(bind, scans)
     return tuple(a)
 
 

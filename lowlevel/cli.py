@@ -237,6 +237,9 @@ def _add_run(sub: Any) -> None:
     p.add_argument("--allow-sensitive", action="store_true",
                    help="allow binds of credential dirs, home, /run, sockets, and a --workspace that is a "
                    "system or home dir (dangerous)")
+    p.add_argument("--allow-sockets", action="store_true",
+                   help="keep the unix sockets inside --ro/--rw directories reachable (default: the ones found "
+                   "are masked; a D-Bus or Docker socket there is a way out of the sandbox)")
     p.add_argument("--env", metavar="KEY=VALUE", action="append", default=[], type=_env_pair,
                    help="environment variable inside (repeatable)")
     p.add_argument("--memory", metavar="BYTES", type=parse_size, help="memory limit of the run (cgroup; "
@@ -399,8 +402,10 @@ def _policy_from_args(args: argparse.Namespace) -> Policy:
         ("memory_bytes", "memory"), ("cpu_s", "cpu"), ("pids", "pids"), ("fsize_bytes", "fsize"),
         ("nofile", "nofile"), ("tmp_size_bytes", "tmp_size"),
         ("workspace_bytes", "workspace_size")) if getattr(args, attr) is not None}
-    binds = [Bind(src, dest, writable=False, allow_sensitive=args.allow_sensitive) for src, dest in args.ro]
-    binds += [Bind(src, dest, writable=True, allow_sensitive=args.allow_sensitive) for src, dest in args.rw]
+    binds = [Bind(src, dest, writable=False, allow_sensitive=args.allow_sensitive,
+                  allow_sockets=args.allow_sockets) for src, dest in args.ro]
+    binds += [Bind(src, dest, writable=True, allow_sensitive=args.allow_sensitive,
+                   allow_sockets=args.allow_sockets) for src, dest in args.rw]
     if args.net_bytes is not None:
         overrides["net_bytes"] = args.net_bytes
     network: bool | Egress = args.network in ("host", "bare")

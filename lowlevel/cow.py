@@ -180,6 +180,22 @@ def nss_knows_id(uid: int) -> bool:
     return False
 
 
+#: The lease file (None: ``/run/lowlevel/uids.lock``); a module attribute so tests can give a
+#: lease a file of their own (the rotation's cursor lives in it, see :class:`UidLease`).
+UID_LOCK_PATH: str | None = None
+#: The cursor: the next uid to try, 8 bytes (native order) at this offset of the lease file. No
+#: uid is 0, so the per-uid lock bytes never overlap it.
+_CURSOR = struct.Struct("=Q")
+
+
+def _read_cursor(fd: int, first: int, count: int) -> int:
+    """The rotation cursor of the lease file ``fd`` as an index into the range (0 when absent
+    or outside the range: a new file, another ``LOWLEVEL_UID_RANGE``)."""
+    raw = os.pread(fd, _CURSOR.size, 0)
+    cursor: int = _CURSOR.unpack(raw)[0] if len(raw) == _CURSOR.size else 0
+    return cursor - first if first <= cursor < first + count else 0
+
+
 class UidLease:
     """One host uid (and the gid of the same number) leased to one live sandbox.
 
@@ -189,8 +205,19 @@ class UidLease:
     never given to two live sandboxes at once, nor at all when /etc/passwd gives it an account
     or /etc/group a group (:func:`account_uids`), nor, where NSS has other sources (LDAP,
     sssd...: :func:`nss_beyond_files`), when NSS names it (:func:`nss_knows_id`, asked for each
-    candidate: a directory's users have no list to read); a released uid owns nothing on the
-    host (the upper tmpfs is gone, committed files get the workspace owner), so it is reused.
+    candidate: a directory's users have no list to read).
+
+    Reuse is least recently used first, across processes: the lease file holds a cursor (the
+    uid after the last one handed out, first 8 bytes), read and advanced under ``flock(2)`` on
+    the same file (held for that only, not for the search), and each lease starts its search
+    there, wrapping around the range. A
+    released uid therefore comes back only after every other free uid of the range has been
+    handed out once (65536 runs with the default range), not to the next run: what a sandbox
+    leaves behind owned by its uid (a file made through a *writable bind*, kept with its mode)
+    is not the next sandbox's, which may be another task's or tenant's (issue 22, item 6).
+    Past the whole range it is reused: pin ``Policy(host_uid=...)`` per tenant to keep
+    tenants apart for good. A cursor outside the range (another ``LOWLEVEL_UID_RANGE``, a new
+    file) starts at the range's first uid.
 
     Attributes:
         uid: the leased id (used as uid and gid).
@@ -202,9 +229,6 @@ class UidLease:
         OSError: the lock file cannot be opened.
     """
 
-    _next = 0
-    _lock = threading.Lock()
-
     def __init__(self, uid: int, fd: int) -> None:
         self.uid = uid
         self.fd = fd
@@ -212,18 +236,26 @@ class UidLease:
     @classmethod
     def acquire(cls) -> "UidLease":
         first, count = uid_range()
-        state = ensure_root_state_dir()
-        path = os.path.join(state, "uids.lock")
+        path = UID_LOCK_PATH or os.path.join(ensure_root_state_dir(), "uids.lock")
         # An OSError here (EMFILE...) propagates: the launcher reports it as a LaunchError.
         from .handover_journal import journaled_uids
         taken = account_uids(first, count) | journaled_uids()
         ask_nss = nss_beyond_files()
         nss_known = 0
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        with cls._lock:
-            start = cls._next
-            cls._next = (cls._next + 1) % count
         try:
+            # The cursor is read and advanced by one under flock(2) (a lock of another kind than
+            # the OFD byte locks: neither sees the other; each acquire has its own open file
+            # description, so threads are serialized too), then the lock is dropped: the scan
+            # (NSS lookups included, which may be slow) runs without it, the OFD locks decide
+            # who gets a uid, and concurrent leasers start at successive uids.
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                start = _read_cursor(fd, first, count)
+                reserved = first + (start + 1) % count
+                os.pwrite(fd, _CURSOR.pack(reserved), 0)
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
             for k in range(count):
                 i = (start + k) % count
                 if first + i in taken:
@@ -240,8 +272,15 @@ class UidLease:
                     if err.errno in (errno.EAGAIN, errno.EACCES):
                         continue
                     raise
-                with cls._lock:
-                    cls._next = (i + 1) % count
+                if k:
+                    # Skipped some (live, accounts): move the cursor past this uid too, unless
+                    # another leaser moved it meanwhile (then its value is as good).
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                    try:
+                        if _read_cursor(fd, first, count) == reserved - first:
+                            os.pwrite(fd, _CURSOR.pack(first + (i + 1) % count), 0)
+                    finally:
+                        fcntl.flock(fd, fcntl.LOCK_UN)
                 return cls(first + i, fd)
         except BaseException:
             os.close(fd)

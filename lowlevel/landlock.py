@@ -20,7 +20,11 @@ The rules (sandbox paths; built inside the sandbox by ``native/lowlevel_landlock
 - TCP (ABI >= 4): no bind; connect to any port with ``Policy(network=True)``, to the egress
   relay's port (``127.0.0.1:3128``) only with ``network=Egress(...)``, to none without network;
 - scopes (ABI >= 6): no connecting to abstract unix sockets made outside the sandbox's
-  domain (the host's, with a shared network), no signals to processes outside it.
+  domain (the host's, with a shared network), no signals to processes outside it;
+- pathname unix sockets (ABI >= 9, ``LANDLOCK_ACCESS_FS_RESOLVE_UNIX``): connecting to one made
+  outside the program's domain only beneath ``/tmp``, ``/dev/shm``, ``/workspace`` and binds
+  with ``allow_sockets`` (or a socket bound itself with ``allow_sensitive``); below ABI 9 the
+  sockets found in bound directories are masked instead (:mod:`lowlevel.bind_sockets`).
 
 Everything else is denied, whatever the mounts allow: a writable host directory reached by
 any other path cannot be written, read or executed (only listed, when it is mounted in the
@@ -55,6 +59,7 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import stat
 import struct
 from dataclasses import dataclass
 
@@ -110,6 +115,11 @@ def describe(abi: int) -> str:
         parts.append("device ioctl")
     if abi >= 6:
         parts.append("abstract unix socket and signal scopes")
+    if abi >= 9:
+        parts.append("pathname unix socket connect (RESOLVE_UNIX)")
+    else:
+        parts.append("no pathname unix socket rules (ABI 9, Linux 7.1: sockets in bound directories are only "
+                     "masked as found when a Policy is planned)")
     return f"ABI {abi}: " + ", ".join(parts)
 
 
@@ -170,9 +180,18 @@ def _ruleset_args(policy: Policy, ro_dirs: tuple[str, ...], bwrap_options: froze
     a = ["--ll=require" if policy.landlock == "require" else "--ll=on", "--ll-ls=/"]
     a += _system_rules(policy, ro_dirs, bwrap_options)
     a += ["--ll-proc=/proc", "--ll-dev=/dev", "--ll-rw=/dev/shm", "--ll-rw=/tmp", f"--ll-rw={WORKSPACE_DEST}"]
+    # Connecting to pathname unix sockets made outside the program's domain (ABI >= 9; the guard
+    # drops the rule below; --ll-rw does not grant it): the sandbox's own places (a Session's
+    # commands are sibling domains, and one may serve another over a socket there), and binds
+    # that keep their sockets (allow_sockets, or a socket bound on purpose with allow_sensitive).
+    # Nowhere else: a bound directory's host daemon socket (D-Bus, Docker, Podman, Ray) is
+    # refused (issue 22, item 2).
+    a += ["--ll-unix=/tmp", "--ll-unix=/dev/shm", f"--ll-unix={WORKSPACE_DEST}"]
     for bind in policy.binds:
         if bind.dest not in omit:
             a.append(f"--ll-{'rw' if bind.writable else 'rx'}={bind.dest}")
+            if bind.allow_sockets or _is_socket(bind.source):
+                a.append(f"--ll-unix={bind.dest}")
     from .egress import PROXY_PORT, Egress
     if isinstance(policy.network, Egress):
         a.append(f"--ll-net=port:{PROXY_PORT}")  # the relay's port; the relay itself runs outside
@@ -181,6 +200,19 @@ def _ruleset_args(policy: Policy, ro_dirs: tuple[str, ...], bwrap_options: froze
     if abi_max is not None:
         a.append(f"--ll-abi-max={abi_max}")
     return tuple(a)
+
+
+def _is_socket(path: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def planned_abi() -> int:
+    """The ABI the guard will use: :func:`kernel_abi`, capped by the tests' ``_ABI_MAX``."""
+    abi = kernel_abi()
+    return min(abi, _ABI_MAX) if _ABI_MAX is not None else abi
 
 
 @functools.lru_cache(maxsize=None)

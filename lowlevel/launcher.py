@@ -705,6 +705,7 @@ class Run:
         self.workspace = ""
         self.owns_workspace = False
         self.handover: _ws.Handover | None = None
+        self.workspace_masks: list[str] = []  # hand-over: bwrap masks over the workspace's unix sockets
         self.fds: list[int] = []
         self.pid: int | None = None
         self.pidfd: int | None = None
@@ -946,15 +947,21 @@ class Run:
                 self._own(fd)  # closed after the spawn, like ours
         if policy.rootfs is not None:
             self._check_rootfs_layout(policy.rootfs)
+        if policy.binds:  # the cached socket masks still cover what they did (lowlevel.bind_sockets)
+            from . import bind_sockets
+            bind_sockets.revalidate(policy, self.facts.caller_is_root)
         self.argv = build_argv(policy, self.facts, workspace=bind_source, fds=fds,
                                extra_env=self.env_extra or None,
-                               extra_mounts=self.egress.mounts if self.egress is not None else (),
+                               extra_mounts=(*(self.egress.mounts if self.egress is not None else ()),
+                                             *self.workspace_masks),
                                rootfs_overlay=rootfs_overlay)
         if policy.rootfs is not None:
             # No setup path through a symlink of the tree: bwrap would resolve it on the host's
             # tree (/oldroot) while it still holds the host's fds (issue 22 item 1).
             from .rootfs import check_setup_paths, rootfs_layout
             check_setup_paths(rootfs_layout(policy.rootfs), setup_paths(self.argv))
+        if policy.binds:  # the unix sockets masked in bound directories, and what that leaves open
+            self.notes.extend(bind_sockets.notes(policy, self.facts.caller_is_root, _landlock.planned_abi()))
         # Last line of defence: the --args memfd is NUL-separated, so a NUL inside a value would
         # split it into extra bwrap options. The policy edge refuses them already; encode_args
         # refuses again (LaunchError) right before the bytes are written.
@@ -1060,6 +1067,17 @@ class Run:
         self.handover = _ws.hand_over(self.workspace, sandbox_ids=self.host_ids if root else None,
                                       empty=fresh_empty)
         self.before = self.handover.before
+        # The workspace is bound as it is: mask the host unix sockets in it (lowlevel.bind_sockets).
+        from .bind_sockets import MAX_MASKS, workspace_masks
+        self.workspace_masks = workspace_masks(self.workspace, self.before[0])
+        if self.workspace_masks:
+            if len(self.workspace_masks) > 3 * MAX_MASKS:
+                raise LaunchError(f"the workspace holds {len(self.workspace_masks) // 3} unix sockets, more than the "
+                                  f"{MAX_MASKS} lowlevel masks: remove them, or use a workspace without")
+            self.notes.append(f"workspace: masked {len(self.workspace_masks) // 3} unix socket(s) found in it "
+                              f"(connecting fails): {', '.join(self.workspace_masks[2::3][:8])}")
+        if not self.before[1]:
+            self.notes.append("workspace: the snapshot is incomplete, so unix sockets beyond it are not masked")
         return self.workspace
 
     # -- 2. spawn ------------------------------------------------------------------------

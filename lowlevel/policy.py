@@ -157,6 +157,12 @@ class Bind:
         writable: ``--bind`` when True, ``--ro-bind`` when False (the default).
         allow_sensitive: bind even a location :func:`sensitive_reason` refuses. Use only
             when you mean to hand that location to untrusted code.
+        allow_sockets: keep the unix sockets inside a bound directory reachable. False
+            (default): the sockets found in it when the Policy is first planned are masked
+            (:mod:`lowlevel.bind_sockets`: connecting fails), and where Landlock has ABI >= 9
+            connecting to any pathname socket beneath it made outside the sandbox is refused
+            (a D-Bus, Podman, Docker or Ray socket is code execution on the host). True: neither;
+            ``Result.notes`` says the bind keeps its sockets.
 
     Raises:
         PolicyError: the source does not exist, the destination is relative, reserved
@@ -168,6 +174,7 @@ class Bind:
     dest: str = ""
     writable: bool = False
     allow_sensitive: bool = False
+    allow_sockets: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.source, (str, os.PathLike)) or not str(self.source):
@@ -191,6 +198,8 @@ class Bind:
         if dest in RESERVED_DESTS or any(_within(dest, r) for r in ("/proc", "/dev")):
             raise PolicyError(f"Bind dest {dest!r} is reserved by the base layout; choose another path "
                               "(e.g. /opt/NAME)")
+        if not isinstance(self.allow_sockets, bool):
+            raise PolicyError(f"Bind allow_sockets must be a bool, got {self.allow_sockets!r}")
         if not self.allow_sensitive:
             reason = sensitive_reason(real)
             if reason:

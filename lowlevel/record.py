@@ -120,6 +120,10 @@ def canonical_policy(policy: Policy) -> dict[str, Any]:
                 "rules_sha256": seccomp_rules_sha256(value)}
         elif f.name == "rootfs" and policy.image is not None:
             out[f.name] = None  # the image's tree: a path in this host's store; the image id pins it
+        elif f.name == "binds":
+            # allow_sockets (issue 22) only when set: records made before it hash as they did.
+            out[f.name] = [{k: v for k, v in _canon(b).items() if not (k == "allow_sockets" and v is False)}
+                           for b in value]
         else:
             out[f.name] = _canon(value)
     return out
@@ -1073,7 +1077,8 @@ def policy_loosening(policy: Policy, timeout_s: float | None = DEFAULT_TIMEOUT_S
     default = Policy()
     out: list[str] = []
     for b in policy.binds:
-        flags = ["writable" if b.writable else "read-only"] + (["allow_sensitive"] if b.allow_sensitive else [])
+        flags = ["writable" if b.writable else "read-only"] + (["allow_sensitive"] if b.allow_sensitive else []) \
+            + (["allow_sockets"] if b.allow_sockets else [])
         out.append(f"bind {b.source} -> {b.dest} ({', '.join(flags)}); default: no binds")
     if policy.network is True:
         out.append("network=True (the host network); default: no network")

@@ -11,6 +11,9 @@
  *   --ll-dev=PATH    read, write and ioctl existing device files beneath PATH (/dev, mounted read-only)
  *   --ll-proc=PATH   read and write existing files beneath PATH (/proc; /proc/sys is read-only)
  *   --ll-ls=PATH     list directories beneath PATH (only that: "/", so `ls /` works)
+ *   --ll-unix=PATH   connect to pathname unix sockets beneath PATH made outside the program's
+ *                    domain (ABI >= 9; --ll-rw does not grant it): /tmp, /dev/shm, /workspace and
+ *                    binds with allow_sockets
  *   --ll-net=MODE    TCP (ABI >= 4): none (no bind, no connect) | connect (connect only) | any |
  *                    port:N (no bind, connect to port N only: the egress proxy's relay)
  *   --ll-abi-max=N   use at most ABI N (tests of the fallbacks)
@@ -19,7 +22,7 @@
  * kernel's samples/landlock/sandboxer.c): REFER needs ABI 2 (before, the kernel refuses every
  * rename or link across directories with EXDEV, which tools answer with a copy), TRUNCATE
  * ABI 3, TCP bind/connect ABI 4, IOCTL_DEV ABI 5, the abstract-unix-socket and signal scopes
- * ABI 6. The standard streams (fds 0-2) that are regular files or character devices get a
+ * ABI 6, RESOLVE_UNIX (connecting to pathname unix sockets) ABI 9 (Linux 7.1). The standard streams (fds 0-2) that are regular files or character devices get a
  * rule of their own matching their open mode, so reopening them through /dev/stdout (a
  * magic link to a host file or terminal, outside every rule) keeps working.
  *
@@ -62,6 +65,7 @@
 #define LL_FS_REFER (1ULL << 13)     /* ABI 2 */
 #define LL_FS_TRUNCATE (1ULL << 14)  /* ABI 3 */
 #define LL_FS_IOCTL_DEV (1ULL << 15) /* ABI 5 */
+#define LL_FS_RESOLVE_UNIX (1ULL << 16) /* ABI 9: connect/sendmsg to a pathname unix socket */
 #define LL_NET_BIND_TCP (1ULL << 0)  /* ABI 4 */
 #define LL_NET_CONNECT_TCP (1ULL << 1)
 #define LL_SCOPE_ABSTRACT_UNIX_SOCKET (1ULL << 0) /* ABI 6 */
@@ -70,7 +74,8 @@
 #define LL_FS_V1 ((1ULL << 13) - 1)
 #define LL_FS_READ (LL_FS_READ_FILE | LL_FS_READ_DIR)
 /* Rights that apply to a file (not only to a directory); landlock_add_rule refuses others on a file. */
-#define LL_FS_FILE (LL_FS_EXECUTE | LL_FS_WRITE_FILE | LL_FS_READ_FILE | LL_FS_TRUNCATE | LL_FS_IOCTL_DEV)
+#define LL_FS_FILE (LL_FS_EXECUTE | LL_FS_WRITE_FILE | LL_FS_READ_FILE | LL_FS_TRUNCATE | LL_FS_IOCTL_DEV \
+                    | LL_FS_RESOLVE_UNIX)
 
 struct ll_ruleset_attr { uint64_t handled_access_fs, handled_access_net, scoped; };
 struct ll_path_beneath_attr { uint64_t allowed_access; int32_t parent_fd; } __attribute__((packed));
@@ -78,7 +83,7 @@ struct ll_net_port_attr { uint64_t allowed_access, port; };
 
 enum { LL_OFF = 0, LL_ON = 1, LL_REQUIRE = 2 };
 enum { LL_NET_ANY = 0, LL_NET_CONNECT = 1, LL_NET_NONE = 2, LL_NET_PORT = 3 };
-enum { LL_CLS_RX, LL_CLS_RW, LL_CLS_DEV, LL_CLS_PROC, LL_CLS_LS };
+enum { LL_CLS_RX, LL_CLS_RW, LL_CLS_DEV, LL_CLS_PROC, LL_CLS_LS, LL_CLS_UNIX };
 
 #define LL_MAX_RULES 128
 
@@ -91,7 +96,10 @@ struct ll_spec {
 static uint64_t ll_class_rights(int cls) {
     switch (cls) {
     case LL_CLS_RX: return LL_FS_READ | LL_FS_EXECUTE;
-    case LL_CLS_RW: return ~0ULL;  /* masked with the handled set */
+    /* Every right (masked with the handled set) but connecting to sockets made outside the
+     * domain: a writable bind may hold a host daemon's socket; --ll-unix grants that. */
+    case LL_CLS_RW: return ~LL_FS_RESOLVE_UNIX;
+    case LL_CLS_UNIX: return LL_FS_RESOLVE_UNIX;
     case LL_CLS_DEV: return LL_FS_READ | LL_FS_WRITE_FILE | LL_FS_TRUNCATE | LL_FS_IOCTL_DEV;
     case LL_CLS_PROC: return LL_FS_READ | LL_FS_WRITE_FILE | LL_FS_TRUNCATE;
     default: return LL_FS_READ_DIR;
@@ -102,7 +110,7 @@ static uint64_t ll_class_rights(int cls) {
 static int ll_parse_opt(struct ll_spec *s, const char *arg) {
     static const struct { const char *prefix; int cls; } paths[] = {
         { "--ll-rx=", LL_CLS_RX }, { "--ll-rw=", LL_CLS_RW }, { "--ll-dev=", LL_CLS_DEV },
-        { "--ll-proc=", LL_CLS_PROC }, { "--ll-ls=", LL_CLS_LS },
+        { "--ll-proc=", LL_CLS_PROC }, { "--ll-ls=", LL_CLS_LS }, { "--ll-unix=", LL_CLS_UNIX },
     };
     if (ll_strncmp(arg, "--ll", 4) != 0) return 0;
     for (size_t i = 0; i < sizeof paths / sizeof paths[0]; i++) {
@@ -188,6 +196,7 @@ static int ll_build(const struct ll_spec *s, unsigned parts, int *abi_used) {
         if (abi >= 2) attr.handled_access_fs |= LL_FS_REFER;
         if (abi >= 3) attr.handled_access_fs |= LL_FS_TRUNCATE;
         if (abi >= 5) attr.handled_access_fs |= LL_FS_IOCTL_DEV;
+        if (abi >= 9) attr.handled_access_fs |= LL_FS_RESOLVE_UNIX;
     }
     if ((parts & LL_PART_NET) && abi >= 4 && s->net != LL_NET_ANY)
         attr.handled_access_net = s->net == LL_NET_CONNECT ? LL_NET_BIND_TCP : (LL_NET_BIND_TCP | LL_NET_CONNECT_TCP);

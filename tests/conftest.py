@@ -137,7 +137,7 @@ class Sandbox:
 
     def run(self, command: list[str], *, timeout: float = 30, stdin: bytes | None = None,
             env: dict[str, str] | None = None, network: bool = False,
-            binds: list[tuple[str, str, bool]] | None = None, limits: dict[str, Any] | None = None,
+            binds: list[tuple[Any, ...]] | None = None, limits: dict[str, Any] | None = None,
             files: dict[str, bytes] | None = None, workspace: str | None = None,
             cwd: str = "/workspace", commit: bool | str = True, egress: dict[str, Any] | None = None,
             resolver: dict[str, Any] | None = None, policy_kw: dict[str, Any] | None = None,
@@ -154,7 +154,8 @@ class Sandbox:
                 Path(ws, name).write_bytes(data)
             policy = lowlevel.Policy(network=lowlevel.Egress(**egress) if egress is not None else network,
                                      env=env or {},
-                                     binds=tuple(lowlevel.Bind(s, d, writable=w) for s, d, w in binds or ()),
+                                     binds=tuple(lowlevel.Bind(s, d, writable=w, allow_sockets=bool(more and more[0]))
+                                                 for s, d, w, *more in binds or ()),
                                      limits=lowlevel.Limits(**(limits or {})), **(policy_kw or {}))
             import contextlib
             scripted = None

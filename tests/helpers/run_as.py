@@ -2,7 +2,7 @@
 
 The test suite executes this script as an unprivileged user (runuser) to test the
 non-root path of bwrap with the same assertions as the root path. Spec keys:
-``command``, ``timeout``, ``stdin_b64``, ``env``, ``network``, ``binds`` ([src, dest, writable]),
+``command``, ``timeout``, ``stdin_b64``, ``env``, ``network``, ``binds`` ([src, dest, writable(, allow_sockets)]),
 ``limits`` (Limits kwargs), ``files`` ({name: base64} written into a fresh workspace),
 ``workspace`` (an existing dir instead), ``cwd`` (inside the sandbox), ``commit`` (True, False or
 "on_success"), ``egress`` (Egress kwargs: network by allowlist), ``resolver`` ({"answers": ...,
@@ -42,7 +42,8 @@ def run_with_dir_fds(command, *, policy, workspace, timeout, stdin, dirs, commit
 
 def main() -> int:
     spec = json.load(sys.stdin)
-    binds = tuple(lowlevel.Bind(s, d, writable=w) for s, d, w in spec.get("binds", []))
+    binds = tuple(lowlevel.Bind(s, d, writable=w, allow_sockets=bool(more and more[0]))
+                  for s, d, w, *more in spec.get("binds", []))
     network = lowlevel.Egress(**spec["egress"]) if spec.get("egress") is not None else spec.get("network", False)
     policy = lowlevel.Policy(network=network, binds=binds, env=spec.get("env", {}),
                              limits=lowlevel.Limits(**spec.get("limits", {})), **spec.get("policy", {}))

@@ -30,6 +30,7 @@ _LEASE = textwrap.dedent("""
     import json, sys
     from lowlevel import cow
     cow.NSSWITCH_PATH = sys.argv[1]
+    cow.UID_LOCK_PATH = sys.argv[2]  # a lease file (and rotation cursor) of this test's own
     lease = cow.UidLease.acquire()
     print(json.dumps({"uid": lease.uid, "nss_beyond_files": cow.nss_beyond_files()}))
     lease.release()
@@ -50,8 +51,8 @@ def _lease(tmp_path: Path, uid: int, *, nsswitch: str, passwd: str = "", group: 
     (tmp_path / "group").write_text(group)
     env = dict(os.environ, LOWLEVEL_UID_RANGE=f"{uid}-{uid + 1}", LD_PRELOAD=str(NSS_WRAPPER),
                NSS_WRAPPER_PASSWD=str(tmp_path / "passwd"), NSS_WRAPPER_GROUP=str(tmp_path / "group"))
-    proc = subprocess.run([sys.executable, "-c", _LEASE, str(conf)], env=env, capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run([sys.executable, "-c", _LEASE, str(conf), str(tmp_path / "uids.lock")], env=env,
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     out: dict[str, object] = json.loads(proc.stdout)
     return out

@@ -14,7 +14,8 @@ from lowlevel.record import canonical_policy, policy_from_canonical, policy_loos
 from lowlevel.seccomp import DEFAULT_PROFILE
 
 BASE = ("--ll=on", "--ll-ls=/", "--ll-rx=/usr", "--ll-rx=/etc", "--ll-proc=/proc", "--ll-dev=/dev",
-        "--ll-rw=/dev/shm", "--ll-rw=/tmp", "--ll-rw=/workspace")
+        "--ll-rw=/dev/shm", "--ll-rw=/tmp", "--ll-rw=/workspace",
+        "--ll-unix=/tmp", "--ll-unix=/dev/shm", "--ll-unix=/workspace")
 
 
 def test_default_rules() -> None:
