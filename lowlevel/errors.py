@@ -40,7 +40,13 @@ class WorkspaceError(LowlevelError, OSError):
     """The workspace is missing, not a directory, or holds an entry we refuse to touch.
 
     Built as ``WorkspaceError(errno, message)``; ``str()`` is the message alone.
+
+    Attributes:
+        saved_upper: when a commit failed (a full or read-only disk, a conflict), the directory
+            the changes were saved to, else None.
     """
+
+    saved_upper: str | None = None
 
     def __str__(self) -> str:
         return str(self.strerror) if self.strerror else super().__str__()
