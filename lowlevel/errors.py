@@ -168,7 +168,8 @@ class SessionError(LowlevelError):
         reason: ``"closed"`` (close() was called), ``"init_died"`` (the init exited or was
             killed, e.g. by a command), ``"unresponsive"`` (the init or a shepherd stopped
             answering: SIGSTOP from a command), ``"idle_timeout"``, ``"total_timeout"``,
-            ``"protocol"`` (a malformed message: a bug).
+            ``"protocol"`` (a malformed message: a bug), ``"busy"`` (``commit()``/``reset()``
+            refused while background commands run: nothing changed, the session goes on).
     """
 
     def __init__(self, message: str, reason: str = "init_died") -> None:

@@ -39,6 +39,11 @@ Isolation between commands of one session (exactly):
         reparented to it (a double-forked ``setsid`` daemon included) until none is left, and
         only then reports. Background commands (:meth:`Session.start`) live until they exit,
         time out, are killed, or the session closes.
+    Commit and reset: :meth:`Session.commit` and :meth:`Session.reset` replace the workspace's
+        upper layer, so no command runs across one: they wait for the commands :meth:`Session.run`
+        started, hold commands submitted meanwhile until they are done, and refuse while a
+        background command runs (``running="wait"`` waits for it, ``running="leave"`` leaves it
+        in the old layer). A command that exited 0 before or during a commit is in it.
     The init: not dumpable (``PR_SET_DUMPABLE`` 0: no ptrace, no ``/proc/2/fd``), ignores
         every catchable signal, and keeps no command's fds. A command can still SIGKILL or
         SIGSTOP it (same uid; the kernel offers no way to refuse those). Killing it ends the
@@ -357,6 +362,9 @@ class _Core:
         #: Callers whose command the gate held and that have not submitted it yet: the next
         #: commit()/reset() waits for them (else a caller committing in a loop starves them).
         self.queued = 0
+        #: Commands out of the table whose Result is still being built (track_changes snapshots
+        #: the view): a commit()/reset() waits for them too.
+        self.finishing = 0
         self.gate = threading.Condition(self.lock)  # sync callers waiting for the gate to reopen
         #: Called (any thread) when the gate reopens: the async driver wakes its waiters.
         self.on_gate_open: Callable[[], None] | None = None
@@ -733,6 +741,15 @@ class _Core:
                     del self.fd_owner[fd]
             self.fds_version += 1
             cmd.close_fds()
+            self.finishing += 1  # a commit()/reset() waits until its Result is built (drained())
+        try:
+            self._finish_result(cmd, kind, status, flags, stage, utime_us, stime_us, maxrss_kib)
+        finally:
+            with self.lock:
+                self.finishing -= 1
+
+    def _finish_result(self, cmd: _Cmd, kind: int, status: int, flags: int, stage: int, utime_us: int,
+                       stime_us: int, maxrss_kib: int) -> None:
         wall = time.monotonic() - cmd.t0
         if kind == _EXIT_SETUP_FAILED:
             stage_name = _STAGES.get(stage, str(stage))
@@ -990,7 +1007,8 @@ class _Core:
         if self.failed is not None:
             return True
         with self.lock:
-            return not any(not c.done and not (running == "leave" and c.background) for c in self.cmds.values())
+            return not self.finishing and not any(not c.done and not (running == "leave" and c.background)
+                                                  for c in self.cmds.values())
 
     def exclusive_op(self, what: str, left: Sequence[_Cmd]) -> _ws.Changes | None:
         """Run the commit or reset that holds the gate, then reopen it (in every case).
@@ -1418,6 +1436,10 @@ class Session:
         handle's ``wait``/``read``/``poll``: a background command that writes more than a
         pipe buffer (64 KiB) while nobody calls blocks in ``write`` until the next call (it
         loses nothing). :class:`AsyncSession` reads whenever the event loop runs.
+
+        While it runs, :meth:`commit` and :meth:`reset` refuse (SessionError, reason
+        ``"busy"``) unless given ``running="wait"`` or ``running="leave"``: a process living
+        across the replaced upper layer would lose ``/workspace``.
         """
         cmd = self._submit(argv, stdin=stdin, timeout=timeout, env=env, cwd=cwd, limits=limits, stream=True,
                            track_changes=False)

@@ -304,12 +304,66 @@ def close_conflict(workspace: str, base: str) -> dict[str, Any]:
         return None
 
     out["async_error"] = asyncio.run(amain())
+    with open(os.path.join(workspace, "f"), "w") as f:
+        f.write("orig4\n")
+
+    async def awith() -> Any:
+        try:
+            async with AsyncSession(workspace=workspace, workspace_base=base) as a:
+                await a.run(["sh", "-c", "echo sandbox4 > f"])
+                await asyncio.sleep(0.05)
+                with open(os.path.join(workspace, "f"), "w") as f:
+                    f.write("host4\n")
+                raise KeyError("the block's own error")
+        except KeyError as err:
+            return [type(err).__name__, list(getattr(err, "__notes__", []))]
+        return None
+
+    out["async_with_error"] = asyncio.run(awith())
     out["children_after_async"] = _children()
     return out
 
 
+def async_background_across_commit(workspace: str, base: str) -> dict[str, Any]:
+    """AsyncSession: a running background writer refuses commit()/reset() as in the sync form;
+    running='wait' awaits it and commits its files."""
+    async def main() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        async with AsyncSession(workspace=workspace, workspace_base=base) as a:
+            assert a._core is not None
+            out["cow"] = a._core.run.cow
+            if not out["cow"]:
+                return out
+            p = await a.start(["sh", "-c", BG_WRITER], timeout=120)
+            while not os.path.exists(os.path.join(a.workspace, "bg-3")):
+                await asyncio.sleep(0.01)
+            for what in ("commit", "reset"):
+                try:
+                    await getattr(a, what)()
+                except SessionError as err:
+                    out[f"{what}_refused"] = [err.reason, str(err)]
+                else:
+                    out[f"{what}_refused"] = None
+            stopper = asyncio.ensure_future(a.run(["sh", "-c", "sleep 0.2; touch stop"]))
+            while len(a._core.cmds) < 2:  # the stopper's command is in flight before the commit
+                await asyncio.sleep(0.01)
+            await a.commit(running="wait")  # waits for the stopper's run() and for the writer
+            r = await p.wait(10)
+            out["writer_exit"] = r.exit_code
+            out["stopper_exit"] = (await stopper).exit_code
+            listed = set((await a.run(["cat", "bg-done"])).stdout.decode().split())
+            present = set(os.listdir(workspace))
+            out["bg_files_listed"] = len([n for n in listed if n.startswith("bg-")])
+            out["bg_missing"] = sorted(n for n in listed if n not in present)
+        out["children"] = _children()
+        return out
+
+    return asyncio.run(main())
+
+
 SCENARIOS = {f.__name__: f for f in (concurrent_commits, async_concurrent_commits, background_across_commit,
-                                     reset_waits_for_run_in_flight, close_conflict)}
+                                     async_background_across_commit, reset_waits_for_run_in_flight,
+                                     close_conflict)}
 
 if __name__ == "__main__":
     name, ws, base = sys.argv[1:4]

@@ -119,6 +119,18 @@ def test_background_writer_refuses_commit_and_reset_and_keeps_working(scenario: 
     assert out["children"] == []
 
 
+def test_async_background_writer_refuses_commit_and_reset(scenario: Any) -> None:
+    out = scenario("async_background_across_commit")
+    for what in ("commit", "reset"):
+        reason, message = out[f"{what}_refused"]
+        assert reason == "busy" and f"{what}() refused" in message and "sh -c" in message
+    # running="wait": the commit awaited the run() in flight (which stops the writer) and the
+    # writer itself; the writer never lost /workspace and all its files were committed.
+    assert out["writer_exit"] == 0 and out["stopper_exit"] == 0
+    assert out["bg_files_listed"] >= 4 and out["bg_missing"] == []
+    assert out["children"] == []
+
+
 def test_commit_and_reset_wait_for_a_run_in_flight(scenario: Any) -> None:
     out = scenario("reset_waits_for_run_in_flight")
     assert out["started"] and out["started2"]
@@ -145,4 +157,6 @@ def test_close_that_cannot_commit_raises_with_the_saved_path(scenario: Any) -> N
     assert len(notes) == 1 and "CommitConflictError" in notes[0] and "saved to" in notes[0]
     assert out["children_after_with"] == []
     assert out["async_error"] == ["CommitConflictError", True]
+    kind, notes = out["async_with_error"]
+    assert kind == "KeyError" and len(notes) == 1 and "CommitConflictError" in notes[0]
     assert out["children_after_async"] == []
