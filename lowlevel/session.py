@@ -302,8 +302,8 @@ class _Core:
     The workspace gate: ``commit()`` and ``reset()`` replace the overlay's upper layer (the
     anchor stacks a fresh one: ``native/lowlevel_exec.c``, RESET), and a process that lives
     across that keeps its cwd and its Landlock rule in the old layer: what it writes there
-    afterwards is in no commit, and ``/workspace`` fails for it (EACCES under Landlock, whose
-    rule names the old layer's root inode; ESTALE once that layer is unmounted). So a commit or
+    afterwards is in no commit, and ``/workspace`` fails for it (EACCES under Landlock, which
+    ignores a rule on a covered mount point; ESTALE once that layer is unmounted). So a commit or
     reset is *exclusive*: :meth:`begin_exclusive` closes the gate (new commands wait:
     :class:`_HeldError`), the driver waits until the commands in flight have ended (their EXIT comes
     after the shepherd killed their whole tree: nothing of theirs writes afterwards), the
@@ -1229,7 +1229,8 @@ class Session:
             executable was not built.
 
     Thread-safe: several threads may call :meth:`run` at once (the commands run concurrently
-    in the sandbox; one thread at a time moves the I/O for all of them).
+    in the sandbox; one thread at a time moves the I/O for all of them), and :meth:`commit`
+    or :meth:`reset` beside them (each waits for the commands in flight and holds new ones).
     """
 
     def __init__(self, policy: Policy | None = None, *, workspace: str | os.PathLike[str] | None = None,
