@@ -40,7 +40,13 @@ class WorkspaceError(LowlevelError, OSError):
     """The workspace is missing, not a directory, or holds an entry we refuse to touch.
 
     Built as ``WorkspaceError(errno, message)``; ``str()`` is the message alone.
+
+    Attributes:
+        saved_upper: when a commit failed (a full or read-only disk, a conflict), the directory
+            the changes were saved to, else None.
     """
+
+    saved_upper: str | None = None
 
     def __str__(self) -> str:
         return str(self.strerror) if self.strerror else super().__str__()
@@ -162,7 +168,8 @@ class SessionError(LowlevelError):
         reason: ``"closed"`` (close() was called), ``"init_died"`` (the init exited or was
             killed, e.g. by a command), ``"unresponsive"`` (the init or a shepherd stopped
             answering: SIGSTOP from a command), ``"idle_timeout"``, ``"total_timeout"``,
-            ``"protocol"`` (a malformed message: a bug).
+            ``"protocol"`` (a malformed message: a bug), ``"busy"`` (``commit()``/``reset()``
+            refused while background commands run: nothing changed, the session goes on).
     """
 
     def __init__(self, message: str, reason: str = "init_died") -> None:

@@ -765,6 +765,10 @@ class Run:
         #: A Session's long-lived workspace: a host change the sandbox copied up (saw) afterwards
         #: is no conflict (lowlevel.overlay.commit); a run keeps the plain rule.
         self.accept_seen_host_changes = False
+        #: A Session's close() raises what the final commit raised (keep_close_error=True: the
+        #: error is kept here, not only logged).
+        self.keep_close_error = False
+        self.close_error: LowlevelError | None = None
         # The guard (lowlevel.landlock): bwrap execs it in place of the command; it applies
         # Landlock and reports the command's exact wait status on status_r. Session passes
         # guard=False (its init does both itself).
@@ -1634,13 +1638,16 @@ class Run:
                 # A read-only or full workspace: never a bare OSError (result() turns this into a
                 # warning that keeps the exit status); the run's changes are saved aside first.
                 why = f"cannot write the run's changes into the workspace: {err.strerror or err}"
+                kept: str | None = None
                 try:
-                    saved = _overlay.save_upper(self.upper_fd, _conflict_dir(self.workspace_base),
-                                                max_bytes=_cow.commit_budget(self.upper_bytes))
-                    why += f"; they were saved to {saved}"
+                    kept = _overlay.save_upper(self.upper_fd, _conflict_dir(self.workspace_base),
+                                               max_bytes=_cow.commit_budget(self.upper_bytes))
+                    why += f"; they were saved to {kept}"
                 except (OSError, LowlevelError) as save_err:
                     why += f"; saving them failed too: {save_err}"
-                raise WorkspaceError(err.errno or errno.EIO, why) from err
+                failed = WorkspaceError(err.errno or errno.EIO, why)
+                failed.saved_upper = kept
+                raise failed from err
             self.notes.extend(report.notes)
         finally:
             os.close(self.upper_fd)
@@ -1777,7 +1784,10 @@ class Run:
                 try:
                     self.finish_cow(success=False)
                 except LowlevelError as err:
-                    log.warning("lowlevel: %s", err)
+                    if self.keep_close_error:
+                        self.close_error = err
+                    else:
+                        log.warning("lowlevel: %s", err)
             for sock in (self.report, self.report_child):
                 if sock is not None:
                     sock.close()

@@ -490,7 +490,10 @@ class Tools:
             sessions = list(self.sessions.values())
             self.sessions.clear()
         for sess in sessions:
-            sess.close()
+            try:
+                sess.close()  # raises when its final commit failed (a conflict): close the others too
+            except Exception as err:  # noqa: BLE001
+                log.warning("lowlevel: mcp: closing a session: %s", err)
         with self.life_lock:
             names = list(self.run_expiry)
         for name in names:

@@ -39,6 +39,11 @@ Isolation between commands of one session (exactly):
         reparented to it (a double-forked ``setsid`` daemon included) until none is left, and
         only then reports. Background commands (:meth:`Session.start`) live until they exit,
         time out, are killed, or the session closes.
+    Commit and reset: :meth:`Session.commit` and :meth:`Session.reset` replace the workspace's
+        upper layer, so no command runs across one: they wait for the commands :meth:`Session.run`
+        started, hold commands submitted meanwhile until they are done, and refuse while a
+        background command runs (``running="wait"`` waits for it, ``running="leave"`` leaves it
+        in the old layer). A command that exited 0 before or during a commit is in it.
     The init: not dumpable (``PR_SET_DUMPABLE`` 0: no ptrace, no ``/proc/2/fd``), ignores
         every catchable signal, and keeps no command's fds. A command can still SIGKILL or
         SIGSTOP it (same uid; the kernel offers no way to refuse those). Killing it ends the
@@ -101,7 +106,7 @@ from . import overlay as _overlay
 from . import validate as _validate
 from . import workspace as _ws
 from .argv import encode_args
-from .errors import LaunchError, PolicyError, SessionError, UnsupportedError
+from .errors import LaunchError, LowlevelError, PolicyError, SessionError, UnsupportedError
 from .launcher import (DEFAULT_TIMEOUT_S, SETUP_TIMEOUT_S, ExecError, Run, _Capture, _check_command,
                        classify_setup_failure, host_facts)
 from .limits import Limits
@@ -192,6 +197,9 @@ class _Cmd:
         self.out = _Capture(policy.stdout_limit_bytes)
         self.err = _Capture(policy.stderr_limit_bytes)
         self.stream = stream
+        #: Started with Session.start (a background command): a commit()/reset() refuses,
+        #: waits for or leaves it (``running=``); one from run() is always waited for.
+        self.background = stream
         self.new_out = bytearray()
         self.new_err = bytearray()
         self.out_r: int | None = None
@@ -272,8 +280,38 @@ class _Cmd:
                 setattr(self, attr, None)
 
 
+class _HeldError(Exception):
+    """Internal: a commit()/reset() holds the session's commands; wait for the gate, then retry.
+
+    Raised by :meth:`_Core.submit` and :meth:`_Core.begin_exclusive`; the drivers catch it
+    (:meth:`Session.run`, :meth:`AsyncSession.run`...), never the caller."""
+
+
+#: The ``running=`` values of Session.commit()/reset(): what to do with background commands.
+RUNNING_CHOICES = ("refuse", "wait", "leave")
+
+
+def _check_running(running: object) -> str:
+    if not isinstance(running, str) or running not in RUNNING_CHOICES:
+        raise PolicyError(f"running must be one of {', '.join(map(repr, RUNNING_CHOICES))}, got {running!r}")
+    return running
+
+
 class _Core:
-    """The sandbox, the socket and the command table; no waiting policy (see the drivers)."""
+    """The sandbox, the socket and the command table; no waiting policy (see the drivers).
+
+    The workspace gate: ``commit()`` and ``reset()`` replace the overlay's upper layer (the
+    anchor stacks a fresh one: ``native/lowlevel_exec.c``, RESET), and a process that lives
+    across that keeps its cwd and its Landlock rule in the old layer: what it writes there
+    afterwards is in no commit, and ``/workspace`` fails for it (EACCES under Landlock, which
+    ignores a rule on a covered mount point; ESTALE once that layer is unmounted). So a commit or
+    reset is *exclusive*: :meth:`begin_exclusive` closes the gate (new commands wait:
+    :class:`_HeldError`), the driver waits until the commands in flight have ended (their EXIT comes
+    after the shepherd killed their whole tree: nothing of theirs writes afterwards), the
+    operation runs (:meth:`exclusive_op`, under ``ws_lock``), and the gate reopens.
+    Background commands (``Session.start``) are refused, waited for, or left in the old
+    layer, as the caller's ``running=`` says (:meth:`check_background`).
+    """
 
     def __init__(self, policy: Policy | None, *, workspace: str | os.PathLike[str] | None,
                  inputs: Sequence[str | os.PathLike[str]], idle_timeout: float | None,
@@ -310,6 +348,7 @@ class _Core:
                        allow_sensitive_workspace=allow_sensitive_workspace, commit=commit, guard=False,
                        one_shot=False)
         self.run.accept_seen_host_changes = True
+        self.run.keep_close_error = True  # close() raises a failed final commit (it is not only logged)
         self.cmds: dict[int, _Cmd] = {}
         self.fd_owner: dict[int, _Cmd] = {}
         self.next_id = 1
@@ -317,6 +356,20 @@ class _Core:
         self.closed = False
         self.init_host_pid: int | None = None
         self.lock = threading.Lock()  # command table and socket sends
+        #: The workspace gate (see the class docstring): the operation holding it ("commit",
+        #: "reset") or None; ``generation`` counts the upper layers replaced so far.
+        self.exclusive: str | None = None
+        self.generation = 0
+        #: Callers whose command the gate held and that have not submitted it yet: the next
+        #: commit()/reset() waits for them (else a caller committing in a loop starves them).
+        self.queued = 0
+        #: Commands out of the table whose Result is still being built (track_changes snapshots
+        #: the view): a commit()/reset() waits for them too.
+        self.finishing = 0
+        self.gate = threading.Condition(self.lock)  # sync callers waiting for the gate to reopen
+        #: Called (any thread) when the gate reopens: the async driver wakes its waiters.
+        self.on_gate_open: Callable[[], None] | None = None
+        self.ws_lock = threading.Lock()  # one workspace operation (commit, reset, diff, close) at a time
         self.fds_version = 0
         self.last_state_check = 0.0
         #: The limits the session's cgroup enforces now (Pool.run rewrites them per call).
@@ -428,6 +481,9 @@ class _Core:
             raise PolicyError(f"limits must be a lowlevel.Limits or None, got {type(limits).__name__}")
         if self.failed is not None:
             raise self.failed
+        generation = self.generation
+        if self.exclusive is not None:
+            raise _HeldError()  # a commit()/reset() holds new commands: the driver waits, then retries
         call_notes = self.check_call_limits(limits) if limits is not None else ()
         envc, envb = self.env_default if env is None else _env_block(self.policy.environment(env))
         names, rlb = self.rlimit_default if limits is None else _rlimit_records(limits, self.run.cgroup)
@@ -471,6 +527,11 @@ class _Core:
                 with self.lock:
                     if self.failed is not None:
                         raise self.failed
+                    if self.exclusive is not None or self.generation != generation:
+                        # A commit()/reset() began (or ran) since the checks above: the command
+                        # would start in a layer being replaced (or its track_changes snapshot
+                        # be of the old one). Nothing was sent: wait for the gate and retry.
+                        raise _HeldError()
                     cmd.id = self.next_id
                     self.next_id += 1
                     if len(body) > _MAX_INLINE:
@@ -681,6 +742,15 @@ class _Core:
                     del self.fd_owner[fd]
             self.fds_version += 1
             cmd.close_fds()
+            self.finishing += 1  # a commit()/reset() waits until its Result is built (drained())
+        try:
+            self._finish_result(cmd, kind, status, flags, stage, utime_us, stime_us, maxrss_kib)
+        finally:
+            with self.lock:
+                self.finishing -= 1
+
+    def _finish_result(self, cmd: _Cmd, kind: int, status: int, flags: int, stage: int, utime_us: int,
+                       stime_us: int, maxrss_kib: int) -> None:
         wall = time.monotonic() - cmd.t0
         if kind == _EXIT_SETUP_FAILED:
             stage_name = _STAGES.get(stage, str(stage))
@@ -839,6 +909,7 @@ class _Core:
         self.cmds.clear()
         self.fd_owner.clear()
         self.fds_version += 1
+        self.gate.notify_all()
         try:
             self.run.kill(None)
         except Exception:  # noqa: BLE001
@@ -862,31 +933,135 @@ class _Core:
 
     def diff(self) -> _ws.Changes:
         self._need_cow("diff")
-        with self.lock:
+        with self.ws_lock:
+            self._need_cow("diff")
             return self.run.read_changes()
 
-    def reset(self) -> None:
-        self._need_cow("reset")
-        with self.lock:
-            self.run.reset_cow()
+    # -- the workspace gate (see the class docstring) --------------------------------------
+    def begin_exclusive(self, what: str) -> None:
+        """Close the gate for ``what`` ("commit", "reset"): commands submitted from now on wait.
 
-    def commit(self) -> _ws.Changes:
-        self._need_cow("commit")
+        Raises:
+            _HeldError: another commit()/reset() holds the gate (wait for it, then call again).
+            UnsupportedError, SessionError: as :meth:`_need_cow`.
+        """
+        self._need_cow(what)
         with self.lock:
-            r = self.run
-            changes = r.read_changes()
-            if r.upper_fd is None or r.lower_fd is None:
-                return changes
-            owner = (r.lower_stat.st_uid, r.lower_stat.st_gid) if r.facts.caller_is_root and r.lower_stat else None
-            report = _overlay.commit(r.upper_fd, r.lower_fd, xattr_prefix=r.xattr_prefix, since_ns=r.since_ns,
-                                     new_owner=owner, max_bytes=_cow.commit_budget(r.upper_bytes),
-                                     accept_seen_host_changes=True)
-            r.notes.extend(report.notes)
-            r.reset_cow()
+            if self.failed is not None:
+                raise self.failed
+            if not self.gate_free():
+                raise _HeldError()
+            self.exclusive = what
+
+    def gate_free(self) -> bool:
+        """No commit()/reset() holds the gate and every command it held has been submitted
+        (a commit()/reset() may begin)."""
+        return self.exclusive is None and self.queued == 0
+
+    def queue(self, delta: int) -> None:
+        """Count a caller whose command the gate held (+1), or that submitted it or gave up (-1)."""
+        with self.lock:
+            self.queued += delta
+            if not self.queued:
+                self.gate.notify_all()
+
+    def end_exclusive(self) -> None:
+        """Reopen the gate (commands held by it start now) and wake whoever waits for it."""
+        with self.lock:
+            self.exclusive = None
+            self.generation += 1
+            self.gate.notify_all()
+        callback = self.on_gate_open
+        if callback is not None:
+            callback()
+
+    def wait_gate(self, exclusive: bool = False) -> None:
+        """Block (a sync caller) until no commit()/reset() holds the gate (``exclusive``: and
+        :meth:`gate_free`: another may begin), or the session ended."""
+        with self.lock:
+            while (self.exclusive is not None or (exclusive and self.queued)) and self.failed is None:
+                self.gate.wait()
+
+    def check_background(self, what: str, running: str) -> list[_Cmd]:
+        """The background commands a ``what`` ("commit"/"reset") with ``running=`` will leave
+        in the old layer (``running="leave"``; else none).
+
+        Raises:
+            SessionError(reason="busy"): ``running="refuse"`` and background commands
+                (:meth:`Session.start`) are still running; the message names them.
+        """
+        with self.lock:
+            background = [c for c in self.cmds.values() if c.background and not c.done]
+        if not background or running == "wait":
+            return []
+        if running == "leave":
+            return background
+        shown = ", ".join(f"{' '.join(c.argv)[:60]!r}" + (f" (pid {c.pid})" if c.pid is not None else "")
+                          for c in background[:5]) + (f" and {len(background) - 5} more" if len(background) > 5
+                                                      else "")
+        raise SessionError(
+            f"{what}() refused: {len(background)} background command{'s' if len(background) > 1 else ''} "
+            f"started with Session.start() {'are' if len(background) > 1 else 'is'} still running ({shown}); "
+            f"the {what} replaces /workspace's upper layer and a process running across it loses "
+            f"/workspace (its later writes would be in no commit). wait() for or kill() them first, "
+            f"or call {what}(running='wait') to wait for them, or {what}(running='leave') for commands "
+            "that do not use /workspace", "busy")
+
+    def drained(self, running: str) -> bool:
+        """True when no command the exclusive operation must wait for is running (with
+        ``running="leave"``, background commands are not waited for), or the session ended."""
+        if self.failed is not None:
+            return True
+        with self.lock:
+            return not self.finishing and not any(not c.done and not (running == "leave" and c.background)
+                                                  for c in self.cmds.values())
+
+    def exclusive_op(self, what: str, left: Sequence[_Cmd]) -> _ws.Changes | None:
+        """Run the commit or reset that holds the gate, then reopen it (in every case).
+
+        ``left``: background commands left running in the old layer (``running="leave"``):
+        their Results say so in ``notes``. Returns the commit's changes (None for a reset).
+        """
+        try:
+            with self.ws_lock:
+                self._need_cow(what)
+                out = self._commit() if what == "commit" else None
+                if what == "reset":
+                    self.run.reset_cow()
+            note = (f"this command ran across a Session.{what}() (running='leave'): it kept the old view of "
+                    "/workspace, and what it wrote there afterwards is in no commit")
+            for cmd in left:
+                if note not in cmd.notes:
+                    cmd.notes = cmd.notes + (note,)
+            return out
+        finally:
+            self.end_exclusive()
+
+    def _commit(self) -> _ws.Changes:
+        r = self.run
+        changes = r.read_changes()
+        if r.upper_fd is None or r.lower_fd is None:
             return changes
+        owner = (r.lower_stat.st_uid, r.lower_stat.st_gid) if r.facts.caller_is_root and r.lower_stat else None
+        report = _overlay.commit(r.upper_fd, r.lower_fd, xattr_prefix=r.xattr_prefix, since_ns=r.since_ns,
+                                 new_owner=owner, max_bytes=_cow.commit_budget(r.upper_bytes),
+                                 accept_seen_host_changes=True)
+        r.notes.extend(report.notes)
+        r.reset_cow()
+        return changes
 
     def close(self) -> None:
-        """Kill the sandbox and everything in it, reap bwrap, remove the cgroup. Idempotent."""
+        """Kill the sandbox and everything in it, reap bwrap, commit or drop the session's
+        changes (``commit=``), remove the cgroup, close every fd. Idempotent.
+
+        Raises:
+            lowlevel.overlay.CommitConflictError: ``commit=True`` and the final commit met an
+                entry changed on the host: nothing was applied; the changes were saved to
+                ``.saved_upper`` (None if saving failed too: the message says why).
+            WorkspaceError: the final commit failed part-way (a full or read-only disk); the
+                changes were saved to ``.saved_upper`` where possible.
+            Either is raised after everything was torn down: no process, fd or cgroup is left.
+        """
         if self.closed:
             return
         self.closed = True
@@ -899,10 +1074,15 @@ class _Core:
                 cmd.done = True
             self.cmds.clear()
             self.fd_owner.clear()
-        try:
-            self.sock.close()
-        finally:
-            self.run.close()
+            self.gate.notify_all()
+        with self.ws_lock:  # a commit()/reset() under way in another thread finishes first
+            try:
+                self.sock.close()
+            finally:
+                self.run.close()
+        err, self.run.close_error = self.run.close_error, None
+        if err is not None:
+            raise err
 
 
 def _spawn_from_lasting_thread(spawn: Callable[[], None]) -> None:
@@ -921,6 +1101,23 @@ def _spawn_from_lasting_thread(spawn: Callable[[], None]) -> None:
         return
     from .aio import _executor
     _executor().submit(spawn).result()
+
+
+def _close_on_exit(close: Callable[[], None], exc: BaseException | None) -> None:
+    """``close()`` for ``__exit__``: its error (a failed final commit) is raised, unless the
+    block is already raising ``exc``: that one propagates, with the close's error in a note
+    (``add_note``, PEP 678) and a warning log, instead of being masked."""
+    try:
+        close()
+    except LowlevelError as err:
+        if exc is None:
+            raise
+        _note_close_failure(exc, err)
+
+
+def _note_close_failure(exc: BaseException, err: LowlevelError) -> None:
+    exc.add_note(f"lowlevel: closing the session failed too: {type(err).__name__}: {err}")
+    log.warning("lowlevel: closing the session failed: %s", err)
 
 
 def _readable_within(fd: int | None, timeout_s: float) -> bool:
@@ -1038,7 +1235,8 @@ class Session:
             executable was not built.
 
     Thread-safe: several threads may call :meth:`run` at once (the commands run concurrently
-    in the sandbox; one thread at a time moves the I/O for all of them).
+    in the sandbox; one thread at a time moves the I/O for all of them), and :meth:`commit`
+    or :meth:`reset` beside them (each waits for the commands in flight and holds new ones).
     """
 
     def __init__(self, policy: Policy | None = None, *, workspace: str | os.PathLike[str] | None = None,
@@ -1086,30 +1284,87 @@ class Session:
         """
         return self._core.diff()
 
-    def reset(self) -> None:
+    def reset(self, *, running: str = "refuse") -> None:
         """Drop every change: ``/workspace`` is the directory as it is on the host again.
 
-        A fresh overlay is stacked on the workspace (the mount propagates into the
-        sandbox); commands started later see it. A process already running with its cwd in
-        ``/workspace`` keeps the old view until it changes directory. With
+        A fresh overlay is stacked on the workspace (the mount propagates into the sandbox).
+        The reset is exclusive (as :meth:`commit`): commands that :meth:`run` started (in other
+        threads) are waited for, commands submitted meanwhile start after it, and background
+        commands (:meth:`start`) still running are handled as ``running`` says. With
         ``Policy.rootfs_writable`` the root filesystem's writable layer is the session's for its
         whole life: ``reset()`` leaves it (a new Session starts from the tree again).
 
+        Args:
+            running: background commands still running: ``"refuse"`` (default: SessionError),
+                ``"wait"`` (until they end: their own timeouts bound it), or ``"leave"`` (they
+                keep the old view: meant for commands that do not use ``/workspace``, such as a
+                server in ``/tmp``; see :meth:`commit`).
         Raises:
-            UnsupportedError, SessionError: as :meth:`diff`; LaunchError: the anchor refused.
+            SessionError(reason="busy"): background commands are running and ``running`` is
+                ``"refuse"``; the message names them (nothing was changed).
+            PolicyError: a bad ``running``.
+            UnsupportedError: no copy-on-write workspace on this host (see ``notes``).
+            SessionError: the session is over. LaunchError: the anchor refused.
         """
-        self._core.reset()
+        self._exclusive("reset", running)
 
-    def commit(self) -> _ws.Changes:
+    def commit(self, *, running: str = "refuse") -> _ws.Changes:
         """Apply the changes so far to the directory, then :meth:`reset` (so the view is the
         directory, now holding them). Returns what was applied.
 
+        Exclusive: the commit first closes the session to new commands (a :meth:`run` or
+        :meth:`start` called meanwhile, in any thread, starts once it is over), waits for the
+        commands :meth:`run` already started (each bounded by its timeout), then commits and
+        stacks the fresh layer. So every command that ended before, or while the commit
+        waited, is in it, and none runs across it: a process living across the replaced upper
+        layer would keep the old one as its cwd and Landlock rule (``/workspace`` then fails
+        for it with EACCES or ESTALE) and its later writes would be in no commit.
+
+        Args:
+            running: what to do with background commands (:meth:`start`) still running:
+                ``"refuse"`` (default): raise SessionError(reason="busy") naming them (wait()
+                for or kill() them first); ``"wait"``: wait until they end (a server without
+                timeout: forever); ``"leave"``: commit around them: they keep the old view of
+                ``/workspace`` and what they write there afterwards is lost (their Result's
+                ``notes`` say so); for commands that do not use the workspace.
         Raises:
             lowlevel.overlay.CommitConflictError: an entry was changed on the host since the
                 session started (or since the last commit/reset); nothing was applied.
-            UnsupportedError, SessionError, LaunchError: as :meth:`reset`.
+            SessionError(reason="busy"), PolicyError, UnsupportedError, SessionError,
+                LaunchError: as :meth:`reset`.
         """
-        return self._core.commit()
+        changes = self._exclusive("commit", running)
+        assert changes is not None
+        return changes
+
+    def _exclusive(self, what: str, running: str) -> _ws.Changes | None:
+        """Take the workspace gate, wait for the commands in flight, run ``what`` (see
+        :class:`_Core`): the sync driver."""
+        core = self._core
+        _check_running(running)
+        while True:
+            try:
+                core.begin_exclusive(what)
+                break
+            except _HeldError:
+                core.wait_gate(exclusive=True)
+        try:
+            # Take in the EXITs already reported (nobody may be pumping: a background command
+            # that ended while no thread waited would be refused as still running).
+            if self._io_lock.acquire(blocking=False):
+                try:
+                    if not core.closed and core.failed is None:
+                        core.on_readable()
+                finally:
+                    with self._cond:
+                        self._io_lock.release()
+                        self._cond.notify_all()
+            left = core.check_background(what, running)
+            self._wait_until(lambda: core.drained(running), None)
+        except BaseException:
+            core.end_exclusive()
+            raise
+        return core.exclusive_op(what, left)
 
     @property
     def alive(self) -> bool:
@@ -1119,8 +1374,8 @@ class Session:
     def __enter__(self) -> "Session":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        _close_on_exit(self.close, exc)
 
     def __del__(self) -> None:
         core = getattr(self, "_core", None)
@@ -1163,8 +1418,8 @@ class Session:
             LaunchError: chdir to ``cwd`` or an rlimit failed (``.errno``).
             SessionError: the session is closed or ended (see the module docstring).
         """
-        cmd = self._core.submit(argv, stdin=stdin, timeout=timeout, env=env, cwd=cwd, limits=limits,
-                                stream=False, track_changes=track_changes)
+        cmd = self._submit(argv, stdin=stdin, timeout=timeout, env=env, cwd=cwd, limits=limits, stream=False,
+                           track_changes=track_changes)
         try:
             self._wait(cmd, None)
         except BaseException:
@@ -1188,24 +1443,60 @@ class Session:
         handle's ``wait``/``read``/``poll``: a background command that writes more than a
         pipe buffer (64 KiB) while nobody calls blocks in ``write`` until the next call (it
         loses nothing). :class:`AsyncSession` reads whenever the event loop runs.
+
+        While it runs, :meth:`commit` and :meth:`reset` refuse (SessionError, reason
+        ``"busy"``) unless given ``running="wait"`` or ``running="leave"``: a process living
+        across the replaced upper layer would lose ``/workspace``.
         """
-        cmd = self._core.submit(argv, stdin=stdin, timeout=timeout, env=env, cwd=cwd, limits=limits,
-                                stream=True, track_changes=False)
+        cmd = self._submit(argv, stdin=stdin, timeout=timeout, env=env, cwd=cwd, limits=limits, stream=True,
+                           track_changes=False)
         handle = Process(self, cmd)
         self._handles = [h for h in self._handles if not h._cmd.done] + [handle]
         return handle
 
     def close(self) -> None:
-        """Kill every command and the sandbox, reap, remove the cgroup. Idempotent."""
-        self._core.close()
-        with self._cond:
-            self._cond.notify_all()
+        """Kill every command and the sandbox, reap, commit or drop the changes (``commit=``),
+        remove the cgroup. Idempotent.
+
+        Raises:
+            lowlevel.overlay.CommitConflictError: the final commit (``commit=True``) met an entry
+                changed on the host: nothing was applied and the changes were saved to
+                ``err.saved_upper`` (the message gives the path).
+            WorkspaceError: the final commit failed part-way (a full or read-only disk);
+                ``err.saved_upper`` is where the changes were saved (or None, said in the message).
+            Either comes after everything was torn down (no process, fd or cgroup is left);
+            ``with Session(...)`` raises it too, unless the block is already raising: the
+            block's exception then propagates with this one in a note (and a warning log).
+        """
+        try:
+            self._core.close()
+        finally:
+            with self._cond:
+                self._cond.notify_all()
+
+    def _submit(self, argv: Sequence[str], **kwargs: Any) -> _Cmd:
+        """:meth:`_Core.submit`, waiting while a commit()/reset() holds new commands (then this
+        one goes before the next commit()/reset(): :attr:`_Core.queued`)."""
+        core = self._core
+        queued = False
+        try:
+            while True:
+                try:
+                    return core.submit(argv, **kwargs)
+                except _HeldError:
+                    if not queued:
+                        core.queue(+1)
+                        queued = True
+                    core.wait_gate()
+        finally:
+            if queued:
+                core.queue(-1)
 
     # -- the I/O pump: one leader moves everybody's I/O, the others wait for it -------------
     def _wait(self, cmd: _Cmd, deadline: float | None, until: Callable[[], bool] | None = None) -> None:
-        def satisfied() -> bool:
-            return cmd.done or (until is not None and until())
+        self._wait_until(lambda: cmd.done or (until is not None and until()), deadline)
 
+    def _wait_until(self, satisfied: Callable[[], bool], deadline: float | None) -> None:
         while not satisfied():
             with self._cond:
                 if satisfied():
@@ -1379,6 +1670,7 @@ class AsyncSession:
                   "workspace_base": None, "bwrap": None, "track_changes": False, "commit": True, **kwargs}
         self._core = await asyncio.to_thread(_Core, policy, **kwargs)
         self._loop = asyncio.get_running_loop()
+        self._core.on_gate_open = self._gate_opened
         self._loop.add_reader(self._core.sock.fileno(), self._on_sock)
         self._readers.add(self._core.sock.fileno())
 
@@ -1386,8 +1678,16 @@ class AsyncSession:
         await self._open()
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: object) -> None:
+        """As :meth:`Session.__exit__`: a failed final commit is raised, or noted on the
+        exception the block raises."""
+        try:
+            await self.close()
+        except LowlevelError as err:
+            if exc is None:
+                raise
+            _note_close_failure(exc, err)
 
     @property
     def workspace(self) -> str:
@@ -1412,15 +1712,69 @@ class AsyncSession:
         assert self._core is not None
         return await asyncio.to_thread(self._core.diff)
 
-    async def reset(self) -> None:
-        """As :meth:`Session.reset`."""
-        assert self._core is not None
-        await asyncio.to_thread(self._core.reset)
+    async def reset(self, *, running: str = "refuse") -> None:
+        """As :meth:`Session.reset` (exclusive; the commands in flight are awaited)."""
+        await self._exclusive("reset", running)
 
-    async def commit(self) -> _ws.Changes:
-        """As :meth:`Session.commit`."""
-        assert self._core is not None
-        return await asyncio.to_thread(self._core.commit)
+    async def commit(self, *, running: str = "refuse") -> _ws.Changes:
+        """As :meth:`Session.commit` (exclusive; the commands in flight are awaited, commands
+        submitted meanwhile start after it)."""
+        changes = await self._exclusive("commit", running)
+        assert changes is not None
+        return changes
+
+    async def _exclusive(self, what: str, running: str) -> _ws.Changes | None:
+        """The async driver of :meth:`Session._exclusive`: the waits are on the event loop (which
+        moves the commands' I/O meanwhile), the operation itself in a worker thread. Cancelled
+        while that runs, the thread still ends the operation and reopens the gate."""
+        core = self._core
+        assert core is not None
+        _check_running(running)
+        while True:
+            try:
+                core.begin_exclusive(what)
+                break
+            except _HeldError:
+                await self._until(core.gate_free, None)
+        handed = False
+        try:
+            self._on_sock()  # EXITs already on the socket (a background command that just ended)
+            left = core.check_background(what, running)
+            await self._until(lambda: core.drained(running), None)
+            handed = True
+            return await asyncio.to_thread(core.exclusive_op, what, left)
+        finally:
+            if not handed:
+                core.end_exclusive()
+            self._wake()
+
+    def _gate_opened(self) -> None:
+        """The gate reopened (in any thread): wake the coroutines waiting for it, on the loop."""
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            loop.call_soon_threadsafe(self._wake)
+        except RuntimeError:
+            pass  # the loop is closed: nobody waits on it
+
+    async def _submit(self, argv: Sequence[str], **kwargs: Any) -> _Cmd:
+        core = self._core
+        assert core is not None
+        queued = False
+        try:
+            while True:
+                try:
+                    return core.submit(argv, **kwargs)
+                except _HeldError:
+                    if not queued:
+                        core.queue(+1)
+                        queued = True
+                    await self._until(lambda: core.exclusive is None, None)
+        finally:
+            if queued:
+                core.queue(-1)
+                self._wake()  # a commit()/reset() may wait for the queue to empty
 
     @property
     def alive(self) -> bool:
@@ -1434,8 +1788,8 @@ class AsyncSession:
         """As :meth:`Session.run`. Cancelling the task SIGKILLs the command's tree."""
         await self._open()
         assert self._core is not None
-        cmd = self._core.submit(argv, stdin=stdin, timeout=timeout, env=env, cwd=cwd, limits=limits,
-                                stream=False, track_changes=track_changes)
+        cmd = await self._submit(argv, stdin=stdin, timeout=timeout, env=env, cwd=cwd, limits=limits,
+                                 stream=False, track_changes=track_changes)
         self._watch(cmd)
         try:
             await self._wait(cmd, None)
@@ -1453,8 +1807,8 @@ class AsyncSession:
         """As :meth:`Session.start`."""
         await self._open()
         assert self._core is not None
-        cmd = self._core.submit(argv, stdin=stdin, timeout=timeout, env=env, cwd=cwd, limits=limits,
-                                stream=True, track_changes=False)
+        cmd = await self._submit(argv, stdin=stdin, timeout=timeout, env=env, cwd=cwd, limits=limits,
+                                 stream=True, track_changes=False)
         self._watch(cmd)
         return AsyncProcess(self, cmd)
 
@@ -1464,8 +1818,10 @@ class AsyncSession:
         if core is None or core.closed:
             return
         self._drop_readers()
-        await asyncio.to_thread(core.close)
-        self._wake()
+        try:
+            await asyncio.to_thread(core.close)
+        finally:
+            self._wake()
 
     # -- plumbing ---------------------------------------------------------------------
     def _watch(self, cmd: _Cmd) -> None:
@@ -1548,10 +1904,15 @@ class AsyncSession:
         self._wake()
 
     async def _wait(self, cmd: _Cmd, timeout: float | None, until: Callable[[], bool] | None = None) -> None:
-        def pred() -> bool:
-            return cmd.done or (until is not None and until())
+        try:
+            await self._until(lambda: cmd.done or (until is not None and until()), timeout)
+        except TimeoutError:
+            raise TimeoutError(f"{cmd.argv[0]!r} still running after {timeout} s") from None
 
-        if pred():
+    async def _until(self, pred: Callable[[], bool], timeout: float | None) -> None:
+        """Wait until ``pred()`` (checked on every wake-up) or the session ended; TimeoutError
+        after ``timeout`` seconds (None: no limit)."""
+        if pred() or (self._core is not None and self._core.failed is not None):
             return
         assert self._loop is not None
         fut: asyncio.Future[None] = self._loop.create_future()
@@ -1560,10 +1921,7 @@ class AsyncSession:
         if timeout is None:
             await fut
         else:
-            try:
-                await asyncio.wait_for(fut, timeout)
-            except TimeoutError:
-                raise TimeoutError(f"{cmd.argv[0]!r} still running after {timeout} s") from None
+            await asyncio.wait_for(fut, timeout)
 
 
 # ---------------------------------------------------------------------------------------------

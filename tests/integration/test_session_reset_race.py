@@ -6,7 +6,8 @@ anchor stacked the fresh overlay. That race made ``reset()`` raise ``WorkspaceEr
 the directory: Directory not empty")`` although the reset had happened (and ``commit()``, which
 resets last, raise after the changes were applied). Now the clearing is best effort: the reset
 stands, the call returns, what the old command keeps writing stays out of every later diff and
-commit (it is gone with the sandbox).
+commit (it is gone with the sandbox). A reset refuses a running background command unless
+asked to leave it (``running="leave"``, which this test exercises).
 """
 
 from __future__ import annotations
@@ -45,11 +46,14 @@ def test_reset_and_commit_race_a_writer_in_the_old_layer() -> None:
             writer = s.start(["python3", "-c", WRITER], timeout=60)
             time.sleep(0.3)
             for _ in range(10):
-                s.reset()  # raised WorkspaceError (ENOTEMPTY) when the writer won the race
+                # running="leave": reset around the background writer (the default refuses it,
+                # test_session_commit_gate.py); raised WorkspaceError (ENOTEMPTY) when the writer
+                # won the race
+                s.reset(running="leave")
                 time.sleep(0.02)
             assert s.alive
             s.run(["sh", "-c", "echo kept > kept"])
-            changes = s.commit()
+            changes = s.commit(running="leave")
             assert "kept" in changes.added
             assert [n for n in os.listdir(ws)] == ["kept"]  # nothing of the old layer's writer
             writer.kill()
