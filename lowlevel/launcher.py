@@ -168,9 +168,23 @@ def _exec_helper() -> str:
     return path
 
 
+#: errnos that say the overlay probe failed for a reason of the caller's (a limit of its own,
+#: an interruption), not of the host: such a verdict is never cached (see _probe_cow_now).
+_TRANSIENT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.EINTR, errno.ENOBUFS})
+#: The same, as the anchor or bwrap print them (strerror(3) of the errnos above). Not ENOSPC:
+#: clone(CLONE_NEWUSER) says that at user.max_user_namespaces, which may be the host's 0.
+_TRANSIENT_TEXT = tuple(os.strerror(e) for e in sorted(_TRANSIENT_ERRNOS))
+
+
 def _probe_cow(facts: HostFacts, workspace: str, base: str | None) -> _cow.CowSupport:
     """:func:`_probe_cow_now`, or its answer for this filesystem from :mod:`lowlevel.hostcache`
-    (keyed by the filesystem's ``st_dev``, the euid, the mount directory and the anchor file)."""
+    (keyed by the filesystem's ``st_dev``, the euid, the mount directory and the anchor file).
+
+    A transient failure (:attr:`lowlevel.cow.CowSupport.transient`: the caller's fd, memory or
+    process limit, an interruption) is never stored: one fd-starved run must not turn the
+    overlay off for every later run on the filesystem. A negative answer is stored with the
+    workspace's path, so ``lowlevel doctor`` can probe that filesystem again
+    (:func:`recheck_cached_cow`)."""
     from . import hostcache
     try:
         dev = os.stat(workspace).st_dev
@@ -179,21 +193,67 @@ def _probe_cow(facts: HostFacts, workspace: str, base: str | None) -> _cow.CowSu
         return _probe_cow_now(facts, workspace, base)
     key = [dev, os.geteuid(), mnt, hostcache.file_key(EXEC_HELPER_PATH)]
     got = hostcache.get("host", f"cow:{dev}:{mnt}", key)
-    if isinstance(got, dict) and isinstance(got.get("ok"), bool):
+    if isinstance(got, dict) and isinstance(got.get("ok"), bool) and not got.get("transient"):
         return _cow.CowSupport(got["ok"], str(got.get("reason", "")))
     support = _probe_cow_now(facts, workspace, base)
-    hostcache.put("host", f"cow:{dev}:{mnt}", key, {"ok": support.ok, "reason": support.reason})
+    if not support.transient:
+        hostcache.put("host", f"cow:{dev}:{mnt}", key, {"ok": support.ok, "reason": support.reason,
+                                                         "path": workspace, "base": base})
     return support
 
 
+def recheck_cached_cow(facts: HostFacts) -> list[tuple[str, _cow.CowSupport, _cow.CowSupport | None]]:
+    """Probe again every filesystem :mod:`lowlevel.hostcache` says has no copy-on-write overlay
+    (``lowlevel doctor``). Each entry is probed on the workspace path it was stored with, when
+    that still exists on the same filesystem, and rewritten with the fresh answer (or dropped
+    on a transient failure); an entry whose path is gone is dropped (the next run there probes).
+
+    Returns:
+        ``[(path, cached answer, fresh answer or None when dropped unprobed), ...]``.
+    """
+    from . import hostcache
+    out: list[tuple[str, _cow.CowSupport, _cow.CowSupport | None]] = []
+    for entry, item in hostcache.entries("host"):
+        if not entry.startswith("cow:") or not isinstance(item, dict):
+            continue
+        value, key = item.get("value"), item.get("key")
+        if not isinstance(value, dict) or value.get("ok") is not False:
+            continue
+        old = _cow.CowSupport(False, str(value.get("reason", "")))
+        path, base = value.get("path"), value.get("base")
+        fresh: _cow.CowSupport | None = None
+        if isinstance(path, str) and (base is None or isinstance(base, str)) and isinstance(key, list) and key:
+            try:
+                same = os.stat(path).st_dev == key[0]
+            except OSError:
+                same = False
+            if same:
+                fresh = _probe_cow_now(facts, path, base)
+        hostcache.drop("host", entry)
+        if fresh is not None and not fresh.transient:
+            hostcache.put("host", entry, key, {"ok": fresh.ok, "reason": fresh.reason, "path": path, "base": base})
+        out.append((str(path), old, fresh))
+    _cow.forget_cow_support()
+    return out
+
+
+def _transient(text: str) -> bool:
+    return any(t in text for t in _TRANSIENT_TEXT)
+
+
 def _probe_cow_now(facts: HostFacts, workspace: str, base: str | None) -> _cow.CowSupport:
-    """Try the anchor's overlay on ``workspace`` once (it then execs /bin/true): does it work?"""
+    """Try the anchor's overlay on ``workspace`` once (it then execs /bin/true): does it work?
+
+    A failure of the caller's own (an errno of :data:`_TRANSIENT_ERRNOS`, or its strerror text
+    in the anchor's message; the probe killed by a signal or timed out) comes back with
+    ``transient=True``: it says nothing about the host."""
     import subprocess
     root = facts.caller_is_root
     try:
         fd = os.open(workspace, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as err:
-        return _cow.CowSupport(False, f"cannot open the workspace: {err.strerror}")
+        return _cow.CowSupport(False, f"cannot open the workspace: {err.strerror}",
+                               transient=err.errno in _TRANSIENT_ERRNOS)
     try:
         st = os.fstat(fd)
         mnt = _cow.mount_dir(base)
@@ -206,14 +266,19 @@ def _probe_cow_now(facts: HostFacts, workspace: str, base: str | None) -> _cow.C
                            args_fd=None, command=[true])
         proc = subprocess.run(argv, pass_fds=(fd,), stdin=subprocess.DEVNULL, capture_output=True, timeout=30,
                               env={})
+    except subprocess.TimeoutExpired as err:
+        return _cow.CowSupport(False, f"the overlay probe did not finish: {err}", transient=True)
     except (OSError, LowlevelError, subprocess.SubprocessError) as err:
-        return _cow.CowSupport(False, str(err))
+        code = getattr(err, "errno", None)
+        return _cow.CowSupport(False, str(err), transient=code in _TRANSIENT_ERRNOS or _transient(str(err)))
     finally:
         os.close(fd)
     if proc.returncode == 0:
         return _cow.CowSupport(True)
-    why = proc.stderr.decode("utf-8", "replace").strip().splitlines()
-    return _cow.CowSupport(False, (why[-1] if why else f"the overlay probe exited {proc.returncode}")[:300])
+    text = proc.stderr.decode("utf-8", "replace").strip()
+    why = text.splitlines()
+    reason = (why[-1] if why else f"the overlay probe exited {proc.returncode}")[:300]
+    return _cow.CowSupport(False, reason, transient=proc.returncode < 0 or _transient(text))
 
 
 class _Capture:
@@ -874,7 +939,22 @@ class Run:
             self.host_ids = (os.getuid(), os.getgid())
         support = _cow.cow_support(self.workspace, functools.partial(_probe_cow, self.facts, self.workspace,
                                                                       self.workspace_base))
+        if support.transient:
+            # Not a fact of the host (and not cached): falling back would change what the
+            # caller gets (no discard, no write bound) because of its own limit.
+            raise LaunchError(f"cannot check whether the copy-on-write workspace works here: {support.reason}. "
+                              "That is a limit of the calling process (open files: `ulimit -n`; memory; "
+                              "processes) or an interruption, not of the host: raise the limit and run again",
+                              errno=errno.EMFILE if "open files" in support.reason else None)
         self.cow = support.ok
+        if not self.cow and self.commit is not True and not self.owns_workspace:
+            # The hand-over model writes straight into the caller's directory: there is nothing
+            # to discard afterwards. Refused before anything is touched.
+            how = "commit=False (--discard)" if self.commit is False else "commit='on_success' (--commit-on-success)"
+            raise UnsupportedError("overlay", f"{how} needs the copy-on-write workspace, which is unavailable for "
+                                   f"{self.workspace} ({support.reason}): the program would write the directory "
+                                   "itself, so its changes could not be discarded; nothing was run",
+                                   "run without --discard on a copy of the directory, or see `lowlevel doctor`")
         precheck_exec(policy, self.workspace, self.command, self.environment, self.cwd,
                       self.facts.layout.etc_files)
         _landlock.require_supported(policy)
