@@ -40,6 +40,7 @@ pidfd_send_signal(2); posix_spawn(3); prctl(2) PR_SET_PDEATHSIG; pid_namespaces(
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import functools
@@ -70,7 +71,8 @@ from .argv import (ETC_COPY_FD, NETWORK_ETC, Fds, HostFacts, anchor_argv, build_
                    etc_copy_refusal, redact_env_values)
 from .argv import AnchorOverlay as _AnchorOverlay
 from .egress import Egress
-from .errors import BwrapNotFoundError, LaunchError, LowlevelError, PolicyError, UnsupportedError, WorkspaceError
+from .errors import (BwrapNotFoundError, CommitIncompleteError, LaunchError, LowlevelError, PolicyError,
+                     UnsupportedError, WorkspaceError)
 from .policy import WORKSPACE_DEST, Policy
 from .probe import ETC_ENTRIES, bwrap_info, host_layout, require_pidfd
 from .report import WARNING_PREFIX
@@ -1591,7 +1593,7 @@ class Run:
         if self.cow:
             try:
                 self.finish_cow(success=exit_code == 0 and killed_by is None, result=result)
-            except _overlay.CommitConflictError:
+            except (_overlay.CommitConflictError, CommitIncompleteError):
                 raise
             except WorkspaceError as err:
                 self.notes.append(f"{WARNING_PREFIX}{err}")
@@ -1646,9 +1648,14 @@ class Run:
 
         Raises:
             CommitConflictError: entries the run changed were also changed on the host during
-                the run: nothing was applied, the upper layer was saved to the path the error
-                gives, and ``.result`` holds the run's Result.
-            WorkspaceError: the commit failed part-way (each entry is old or new, never lost).
+                the run: nothing was applied (``.applied`` None), the upper layer was saved to the
+                path the error gives, and ``.result`` holds the run's Result; or during the
+                commit (``.applied`` set: the others were applied, ``.result.changes`` lists them).
+            CommitIncompleteError: the workspace's filesystem could not take the changes (full,
+                out of quota, read-only): what was applied is kept (``.result.changes``), the
+                rest saved at ``.saved_upper``.
+            WorkspaceError: the commit failed before applying anything (each entry is old or
+                new, never lost).
         """
         if self.committed or self.upper_fd is None or self.lower_fd is None:
             return
@@ -1666,8 +1673,26 @@ class Run:
                 report = _overlay.commit(self.upper_fd, self.lower_fd, xattr_prefix=self.xattr_prefix,
                                          since_ns=self.since_ns, new_owner=owner,
                                          max_bytes=_cow.commit_budget(self.upper_bytes),
-                                         accept_seen_host_changes=self.accept_seen_host_changes)
+                                         accept_seen_host_changes=self.accept_seen_host_changes,
+                                         save_to=lambda: _conflict_dir(self.workspace_base))
+            except CommitIncompleteError as err:
+                applied = err.applied
+                if err.errno not in _overlay.NO_ROOM_ERRNOS and applied is not None and \
+                        not (applied.added or applied.modified or applied.deleted):
+                    # Nothing applied, the filesystem unwritable (read-only, failing) rather than
+                    # full: as any commit failing before it changes anything, result() makes it
+                    # a warning that keeps the exit status (the changes were saved aside).
+                    raise WorkspaceError(err.errno or errno.EIO, str(err)) from err
+                # Stopped part-way, or out of room: saved aside by commit() itself. The Result
+                # then lists what was applied, never what was not.
+                self._applied_only(result, err.applied)
+                err.result = result
+                raise
             except _overlay.CommitConflictError as err:
+                if err.applied is not None:  # found during the apply pass: saved by commit()
+                    self._applied_only(result, err.applied)
+                    err.result = result
+                    raise
                 try:
                     saved = _overlay.save_upper(self.upper_fd, _conflict_dir(self.workspace_base),
                                                 xattr_prefix=self.xattr_prefix, owner=owner,
@@ -1693,6 +1718,14 @@ class Run:
         finally:
             os.close(self.upper_fd)
             self.upper_fd = None
+
+    def _applied_only(self, result: Result | None, applied: _ws.Changes | None) -> None:
+        """A commit that did not complete: ``result.changes`` becomes what it applied."""
+        if result is not None and applied is not None:
+            result.changes = dataclasses.replace(applied, complete=result.changes.complete)
+            self.notes.append(f"{WARNING_PREFIX}the commit did not complete: Result.changes lists only what was "
+                              "applied to the workspace")
+            result.notes = tuple(self.notes)
 
     def reset_cow(self, timeout_s: float = 10.0) -> None:
         """Drop the upper layer of a live sandbox (a Session): /workspace is the lower tree again.
