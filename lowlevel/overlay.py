@@ -137,7 +137,9 @@ class CommitReport:
         bytes_copied: file content copied into the user's directory (bytes).
         skipped: ``(relative path, reason)`` for each upper entry not applied: fifos, sockets
             and devices, reserved names, entries too deep, entries a non-root caller cannot
-            write without changing their owner, entries that changed during the commit.
+            write without changing their owner, mount points. (Entries the host changed
+            during the commit are not skipped quietly: :func:`commit` raises
+            :class:`CommitConflictError` for them after its apply pass.)
         notes: one-line remarks for ``Result.notes`` (what was approximated and why).
     """
 
