@@ -1178,7 +1178,7 @@ class _Applier:
                     self.resolved(frame.tfd, temp)
                     raise _ChangedOnHostError(errno.ENOENT, "removed on the host during the commit", name) from None
                 old = _lstat(frame.tfd, temp)
-                broken = lease is not None and fcntl.fcntl(lease, fcntl.F_GETLEASE) != fcntl.F_WRLCK
+                broken = lease is not None and fcntl.fcntl(lease, fcntl.F_GETLEASE) != fcntl.F_RDLCK
                 if old is None or _stamp(old)[:3] + _stamp(old)[4:] != _stamp(lst)[:3] + _stamp(lst)[4:] or broken \
                         or (is_dir and self.subtree_changed(frame.tfd, temp)):
                     try:
@@ -1394,8 +1394,8 @@ class _Applier:
         A new name: ``renameat2(RENAME_NOREPLACE)``. An existing entry ``lst``: checked right
         before (:meth:`freeze`: same inode, ctime, mtime, size; a regular file also leased),
         swapped with ``renameat2(RENAME_EXCHANGE)``, and the entry swapped out checked again
-        (same inode, mtime, size, lease unbroken: no host process opened or truncated it in
-        between); if it changed, it is swapped back. Only then is the old entry removed.
+        (same inode, mtime, size, lease unbroken: no host process opened it for writing or
+        truncated it in between); if it changed, it is swapped back. Only then is the old entry removed.
 
         Raises:
             _ChangedOnHostError: ``name`` appeared, went, or changed on the host (or is open there)
@@ -1425,7 +1425,7 @@ class _Applier:
                 self.resolved(tfd, temp)
                 return
             old = _lstat(tfd, temp)
-            broken = lease is not None and fcntl.fcntl(lease, fcntl.F_GETLEASE) != fcntl.F_WRLCK
+            broken = lease is not None and fcntl.fcntl(lease, fcntl.F_GETLEASE) != fcntl.F_RDLCK
             # rename(2) changes the ctime of what it moves: compared without it.
             if old is None or _stamp(old)[:3] + _stamp(old)[4:] != _stamp(lst)[:3] + _stamp(lst)[4:] or broken \
                     or (stat.S_ISDIR(old.st_mode) and self.subtree_changed(tfd, temp)):
@@ -1448,11 +1448,11 @@ class _Applier:
         """Right before ``name`` is replaced: it must still be the entry ``lst`` describes (same
         device, inode, mode, ctime, mtime, size), else :class:`_ChangedOnHostError`.
 
-        A regular file is also leased: ``F_SETLEASE F_WRLCK`` (fcntl(2), "Leases") is granted
-        only while no other open file description of it exists (else EAGAIN: a host process
-        has it open and may be writing it: a conflict), and from then on any open(2) or
-        truncate(2) of it by another process waits until the lease is let go, which
-        :meth:`place` sees (``F_GETLEASE`` no longer ``F_WRLCK``) after the swap. The lease
+        A regular file is also leased: a read lease, ``F_SETLEASE F_RDLCK`` (fcntl(2),
+        "Leases"), is granted only while nobody has the file open for writing (else EAGAIN: a
+        host process may be writing it: a conflict; readers are no obstacle), and from then on
+        an open(2) for writing or a truncate(2) of it by another process waits until the lease
+        is let go, which :meth:`place` sees (``F_GETLEASE`` no longer ``F_RDLCK``) after the swap. The lease
         break signal is SIGURG (ignored by default) and the fd's owner is cleared, so none is
         sent. Returns the leased fd (the caller closes it), or None where no lease can be had
         (a symlink or directory, a filesystem without leases, a file that is not the caller's
@@ -1471,7 +1471,7 @@ class _Applier:
                 if _stamp(os.fstat(fd)) != _stamp(lst):
                     raise _ChangedOnHostError(errno.EBUSY, "changed on the host during the commit", name)
                 fcntl.fcntl(fd, _F_SETSIG, signal.SIGURG)
-                fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+                fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
                 fcntl.fcntl(fd, fcntl.F_SETOWN, 0)
             except _ChangedOnHostError:
                 os.close(fd)
@@ -1793,8 +1793,9 @@ def commit(upper_fd: int, lower_fd: int, *, xattr_prefix: str, since_ns: int,
     Host changes during the commit itself (the apply pass): each entry is checked when the
     walk reaches it (against the dry pass), and again right before it is replaced or deleted
     (device, inode, mode, ctime, mtime, size); a regular file is also leased for that moment
-    (``F_SETLEASE F_WRLCK``, fcntl(2): refused while a host process has it open, and any
-    open(2) or truncate(2) by another process waits until the lease is let go). The
+    (a read lease, ``F_SETLEASE F_RDLCK``, fcntl(2): refused while a host process has it open
+    for writing, which is then a conflict; an open(2) for writing or a truncate(2) by another
+    process waits until the lease is let go). The
     replacement is a ``renameat2(RENAME_EXCHANGE)``; the entry swapped out is checked once
     more (inode, mtime, size, lease unbroken; a directory's whole subtree: no ctime after
     ``since_ns``) and swapped back if the host touched it; a deletion is a rename out of

@@ -199,3 +199,59 @@ def test_control_no_writer_no_conflict(place: Path) -> None:
     got = json.loads(run.stdout)
     assert got == {"conflicts": [], "exit": 0}, got
     assert all((ws / f"f{i}").read_text() == f"run{i}\n" for i in range(N))
+
+
+# A host process holding files open across the commit: f1 for writing (it may write at any
+# moment: the commit must not swap it away), f2 for reading only (no obstacle).
+_HELD = r"""
+import json, os, sys
+import lowlevel
+ws, hold = sys.argv[1], sys.argv[2] == "hold"
+for i in range(4):
+    with open(os.path.join(ws, f"f{i}"), "w") as f:
+        f.write("orig\n")
+held = [os.open(os.path.join(ws, "f1"), os.O_WRONLY), os.open(os.path.join(ws, "f2"), os.O_RDONLY)] if hold else []
+try:
+    r = lowlevel.run(["sh", "-c", "for i in 0 1 2 3; do echo run$i > f$i; done"], workspace=ws)
+    assert any(n.startswith("workspace: copy-on-write") for n in r.notes), r.notes
+    out = {"conflicts": []}
+except lowlevel.CommitConflictError as err:
+    out = {"conflicts": list(err.conflicts), "applied": sorted(err.applied.modified), "saved": err.saved_upper,
+           "result_modified": sorted(err.result.changes.modified)}
+if held:
+    os.write(held[0], b"late host write\n")  # through the fd opened before the commit
+for fd in held:
+    os.close(fd)
+out["files"] = {f"f{i}": open(os.path.join(ws, f"f{i}")).read() for i in range(4)}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("identity", _identities())
+def test_file_open_for_writing_on_the_host_is_not_swapped_away(identity: str, place: Path,
+                                                               request: pytest.FixtureRequest) -> None:
+    """A host process with the file open for writing may write through that descriptor after any
+    check: the commit's read lease is refused, the entry is a conflict and stays the host's inode,
+    so the late write lands on disk. A file open only for reading is replaced as usual. Control:
+    without the open descriptors all four files are committed."""
+    user = request.getfixturevalue("test_user") if identity == "user" else None
+    for hold in ("hold", "none"):
+        ws, base = place / f"ws-{hold}", place / f"base-{hold}"
+        for d in (ws, base):
+            d.mkdir()
+            os.chmod(d, 0o755)
+            if user is not None:
+                os.chown(d, user.pw_uid, user.pw_gid)
+        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "LOWLEVEL_WORKSPACE_BASE": str(base),
+               "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p)}
+        p = subprocess.run(_as(user, env, [sys.executable, "-c", _HELD, str(ws), hold]), env=env, cwd="/",
+                           capture_output=True, timeout=120)
+        assert p.returncode == 0, p.stderr.decode()
+        got = json.loads(p.stdout)
+        if hold == "hold":
+            assert got["conflicts"] == ["f1"], got
+            assert got["applied"] == ["f0", "f2", "f3"] == got["result_modified"], got
+            assert got["files"] == {"f0": "run0\n", "f1": "late host write\n", "f2": "run2\n", "f3": "run3\n"}, got
+            assert (Path(got["saved"]) / "tree" / "f1").read_text() == "run1\n"
+        else:
+            assert got == {"conflicts": [], "files": {f"f{i}": f"run{i}\n" for i in range(4)}}, got
