@@ -11,8 +11,8 @@ filesystems: :mod:`lowlevel.image`, :mod:`lowlevel.rootfs`.
 """
 
 from .egress import Egress, NetworkAttempt
-from .errors import (BwrapNotFoundError, CommitConflictError, ImageError, LaunchError, LowlevelError, PolicyError,
-                     SeccompError, SessionError, UnsupportedError, WorkspaceError)
+from .errors import (BwrapNotFoundError, CommitConflictError, CommitIncompleteError, ImageError, LaunchError,
+                     LowlevelError, PolicyError, SeccompError, SessionError, UnsupportedError, WorkspaceError)
 from .launcher import ExecError, run
 from .limits import Limits
 from .policy import Bind, Policy
@@ -46,6 +46,7 @@ __all__ = [
     "BwrapNotFoundError",
     "Changes",
     "CommitConflictError",
+    "CommitIncompleteError",
     "DEFAULT_PROFILE",
     "Egress",
     "ExecError",

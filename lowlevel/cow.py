@@ -359,10 +359,15 @@ class CowSupport:
     Attributes:
         ok: the overlay can be used for workspaces on this filesystem by this caller.
         reason: why not (one line, for ``Result.notes`` and ``lowlevel doctor``), else "".
+        transient: the probe failed for a reason of the caller's, not of the host (a limit of
+            its own: EMFILE, ENFILE, ENOMEM, EAGAIN; EINTR; the probe killed by a signal). Such
+            an answer is never cached (in this process or in :mod:`lowlevel.hostcache`) and a
+            run refuses to start on it rather than fall back (:class:`lowlevel.errors.LaunchError`).
     """
 
     ok: bool
     reason: str = ""
+    transient: bool = False
 
 
 def submounts(path: str) -> list[str]:
@@ -420,11 +425,18 @@ def cow_support(workspace: str, probe: "functools.partial[CowSupport] | None" = 
         result = CowSupport(True)
     else:
         result = probe()
-    with _cow_lock:
-        _cow_cache[key] = result
+    if not result.transient:
+        with _cow_lock:
+            _cow_cache[key] = result
     return result
 
 
+def forget_cow_support() -> None:
+    """Drop this process's cached :func:`cow_support` answers (``lowlevel doctor`` re-checks)."""
+    with _cow_lock:
+        _cow_cache.clear()
+
+
 __all__ = ["CowSupport", "DEFAULT_UID_RANGE", "DEFAULT_UPPER_BYTES", "ROOT_STATE_DIR", "UidLease", "commit_budget",
-           "cow_support", "submounts",
+           "cow_support", "forget_cow_support", "submounts",
            "ensure_root_state_dir", "mount_dir", "uid_range", "upper_inodes"]

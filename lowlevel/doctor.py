@@ -200,6 +200,34 @@ def workspace_checks(result_notes: tuple[str, ...] = ()) -> list[dict[str, Any]]
     return checks
 
 
+def cached_cow_checks() -> list[dict[str, Any]]:
+    """Every filesystem the host cache (:mod:`lowlevel.hostcache`) says has no copy-on-write
+    overlay, probed again (:func:`lowlevel.launcher.recheck_cached_cow`): runs there fall back
+    to the hand-over model (no ``--discard``, no write bound), so a stale "no" changes what
+    callers get. One check per entry: ok when the overlay works there after all (the entry is
+    rewritten), not ok with the fresh reason when it still does not."""
+    from .launcher import host_facts, recheck_cached_cow
+    checks = []
+    try:
+        found = recheck_cached_cow(host_facts())
+    except Exception as err:  # noqa: BLE001 - doctor reports, never crashes
+        return [_check("cached workspace verdicts", False, f"{type(err).__name__}: {err}")]
+    for path, old, fresh in found:
+        if fresh is None:
+            checks.append(_check(f"workspace on {path}", True, f"a cached 'no copy-on-write overlay' ({old.reason}) "
+                                 "was dropped: the directory is gone; the next run there probes again"))
+        elif fresh.ok:
+            checks.append(_check(f"workspace on {path}", True, f"copy-on-write overlay works (the cache said it did "
+                                 f"not: {old.reason}; corrected)"))
+        else:
+            checks.append(_check(f"workspace on {path}", False, "no copy-on-write overlay on this filesystem: "
+                                 f"{fresh.reason}; runs there hand the workspace over (no --discard, no write "
+                                 "bound)" + (" (probe failed for a reason of this process's; not cached)"
+                                             if fresh.transient else ""),
+                                 "use a workspace on another filesystem, or see the reason"))
+    return checks
+
+
 def leftovers_check() -> dict[str, Any]:
     """What interrupted runs left here (:mod:`lowlevel.cleanup`); ``lowlevel cleanup`` removes it."""
     from .cleanup import find_leftovers
@@ -275,6 +303,7 @@ def diagnose() -> dict[str, Any]:
             checks.append(_check("sandbox runs", ok, "a default-policy sandbox ran and exited 7" if ok else
                                  f"unexpected exit {result.exit_code}", required=True))
             checks.extend(workspace_checks(result.notes))
+            checks.extend(cached_cow_checks())
             checks.append(leftovers_check())
             if result.workspace:
                 shutil.rmtree(result.workspace, ignore_errors=True)

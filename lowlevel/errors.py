@@ -5,7 +5,8 @@
     LowlevelError                  base, never raised itself
     ├── PolicyError(ValueError)    rejected before anything runs; the message says what to change
     ├── WorkspaceError(LowlevelError, OSError)  workspace missing, not a directory, unsafe entry
-    │   └── CommitConflictError    a copy-on-write commit found host changes (EBUSY); ``.conflicts``
+    │   ├── CommitConflictError    a copy-on-write commit found host changes (EBUSY); ``.conflicts``
+    │   └── CommitIncompleteError  a commit stopped part-way (ENOSPC, EDQUOT, EFBIG, EROFS, EIO); ``.saved_upper``
     ├── UnsupportedError           host lacks a feature (bwrap, userns, cgroup, option); ``.feature``
     ├── SeccompError               building the seccomp filter failed; ``.operation``, ``.errno``
     ├── LaunchError(OSError)       bwrap could not start or set up the sandbox; ``.argv``, ``.stderr``
@@ -56,7 +57,9 @@ class CommitConflictError(WorkspaceError):
     """The user's directory changed on the host during the run where the commit would write.
 
     Raised by :func:`lowlevel.overlay.commit` before it changes anything: every entry the commit would replace,
-    delete or chmod was checked first, and one or more had ``st_ctime_ns > since_ns``.
+    delete or chmod was checked first, and one or more had ``st_ctime_ns > since_ns``. Also raised
+    *after* its apply pass when the host changed entries while they were being applied (``applied``
+    is then not None): those entries are left as the host made them, the others were applied.
 
     Attributes:
         conflicts: the relative paths that changed on the host (sorted; ``str`` with
@@ -65,11 +68,16 @@ class CommitConflictError(WorkspaceError):
             or None. :meth:`with_saved_upper` gives a copy that says so in its message.
         result: the run's :class:`lowlevel.Result` when a run's commit raised it (set by the
             caller that has one), else None.
+        applied: None when nothing was changed; after the apply pass, the
+            :class:`lowlevel.workspace.Changes` that were applied (and kept).
+        not_applied: the relative paths of the run's changes not applied (sorted).
     Errno: EBUSY. ``str(err)`` is ``err.args[1]``, so a caller may extend the message by
     replacing ``err.args``.
     """
 
     result: Any = None
+    applied: Any = None
+    not_applied: tuple[str, ...] = ()
 
     def __init__(self, conflicts: tuple[str, ...], message: str = "", saved_upper: str | None = None) -> None:
         shown = ", ".join(repr(p) for p in conflicts[:10]) + (f" and {len(conflicts) - 10} more"
@@ -91,6 +99,44 @@ class CommitConflictError(WorkspaceError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.conflicts, str(self), self.saved_upper))
+
+
+class CommitIncompleteError(WorkspaceError):
+    """A copy-on-write commit stopped part-way: the user's filesystem could not take the run's
+    changes (ENOSPC, EDQUOT, EFBIG) or could not be written any more (EROFS, EIO).
+
+    Raised by :func:`lowlevel.overlay.commit` after its apply pass stopped. What it applied
+    before stopping is kept (each entry is the old or the new version, never half-written; no
+    temporaries are left); the run's changes are saved aside (:func:`lowlevel.overlay.save_upper`)
+    with the lists of what was and was not applied.
+
+    Attributes:
+        applied: the :class:`lowlevel.workspace.Changes` applied (and kept).
+        not_applied: the relative paths of the run's changes not applied (sorted).
+        saved_upper: where the run's changes were saved, or None when saving failed too.
+        conflicts: entries the host changed during the commit (left as the host made them).
+        result: the run's :class:`lowlevel.Result` when a run's commit raised it, else None.
+    Errno: the filesystem's (``.errno``). ``str(err)`` says where the changes were saved.
+    """
+
+    result: Any = None
+
+    def __init__(self, code: int, message: str, *, applied: Any = None, not_applied: tuple[str, ...] = (),
+                 saved_upper: str | None = None, conflicts: tuple[str, ...] = ()) -> None:
+        super().__init__(code, message)
+        self.applied = applied
+        self.not_applied = tuple(not_applied)
+        self.saved_upper = saved_upper
+        self.conflicts = tuple(conflicts)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_incomplete, (self.errno, str(self), self.not_applied, self.saved_upper, self.conflicts))
+
+
+def _rebuild_incomplete(code: int, message: str, not_applied: tuple[str, ...], saved_upper: str | None,
+                        conflicts: tuple[str, ...]) -> CommitIncompleteError:
+    return CommitIncompleteError(code, message, not_applied=not_applied, saved_upper=saved_upper,
+                                 conflicts=conflicts)
 
 
 class UnsupportedError(LowlevelError):
@@ -194,6 +240,7 @@ def _rebuild_launch_error(cls: type[LaunchError], message: str, argv: list[str],
 __all__ = [
     "BwrapNotFoundError",
     "CommitConflictError",
+    "CommitIncompleteError",
     "ImageError",
     "LaunchError",
     "LowlevelError",

@@ -8,7 +8,9 @@ equals the live value; otherwise it is probed again and rewritten):
   mode (a reinstalled or upgraded bwrap is another file);
 - ``cow``: :func:`lowlevel.cow.cow_support` (a trial run of the anchor with an overlay on the
   workspace's filesystem, ~5-10 ms), keyed by that filesystem's ``st_dev``, the caller's euid
-  and the anchor executable (path, mtime, size);
+  and the anchor executable (path, mtime, size). A probe that failed for a reason of the
+  caller's (EMFILE, ENOMEM, EINTR, a signal: ``CowSupport.transient``) is never stored; a "no"
+  is stored with the workspace path it was probed on, and ``lowlevel doctor`` probes it again;
 - ``bpf``: :func:`lowlevel.seccomp.compile_bpf`'s output (libseccomp through CFFI: ~1.5 ms,
   plus ~3 ms to load the extension), keyed by the profile's rules, the compat flag, the machine,
   lowlevel's version, and the extension and libseccomp files (path, mtime, size).
@@ -180,6 +182,24 @@ def put(name: str, entry: str, key: Any, value: Any) -> None:
         _write(name, doc)
 
 
+def entries(name: str) -> list[tuple[str, Any]]:
+    """``(entry, {"key": ..., "value": ..., "t": ...})`` for every entry of file ``name`` (doctor)."""
+    if not enabled():
+        return []
+    with _lock:
+        return sorted(_load(name).items())
+
+
+def drop(name: str, entry: str) -> None:
+    """Remove one entry of file ``name`` (a verdict about to be probed again); errors are ignored."""
+    if not enabled():
+        return
+    with _lock:
+        doc = _load(name)
+        if doc.pop(entry, None) is not None:
+            _write(name, doc)
+
+
 def forget(name: str) -> None:
     """Drop every entry of file ``name`` (after a setup failure the cache may have caused)."""
     with _lock:
@@ -223,5 +243,5 @@ def clear_memory() -> None:
         _base_key = None
 
 
-__all__ = ["FORMAT", "MAX_ENTRIES", "base_key", "cache_dir", "clear_memory", "enabled", "entry_name", "file_key",
-           "forget", "get", "put"]
+__all__ = ["FORMAT", "MAX_ENTRIES", "base_key", "cache_dir", "clear_memory", "drop", "enabled", "entries",
+           "entry_name", "file_key", "forget", "get", "put"]

@@ -40,6 +40,7 @@ pidfd_send_signal(2); posix_spawn(3); prctl(2) PR_SET_PDEATHSIG; pid_namespaces(
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import functools
@@ -70,7 +71,8 @@ from .argv import (ETC_COPY_FD, NETWORK_ETC, Fds, HostFacts, anchor_argv, build_
                    etc_copy_refusal, redact_env_values, setup_paths)
 from .argv import AnchorOverlay as _AnchorOverlay
 from .egress import Egress
-from .errors import BwrapNotFoundError, LaunchError, LowlevelError, PolicyError, UnsupportedError, WorkspaceError
+from .errors import (BwrapNotFoundError, CommitIncompleteError, LaunchError, LowlevelError, PolicyError,
+                     UnsupportedError, WorkspaceError)
 from .policy import WORKSPACE_DEST, Policy
 from .probe import ETC_ENTRIES, bwrap_info, host_layout, require_pidfd
 from .report import WARNING_PREFIX
@@ -168,9 +170,23 @@ def _exec_helper() -> str:
     return path
 
 
+#: errnos that say the overlay probe failed for a reason of the caller's (a limit of its own,
+#: an interruption), not of the host: such a verdict is never cached (see _probe_cow_now).
+_TRANSIENT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.EINTR, errno.ENOBUFS})
+#: The same, as the anchor or bwrap print them (strerror(3) of the errnos above). Not ENOSPC:
+#: clone(CLONE_NEWUSER) says that at user.max_user_namespaces, which may be the host's 0.
+_TRANSIENT_TEXT = tuple(os.strerror(e) for e in sorted(_TRANSIENT_ERRNOS))
+
+
 def _probe_cow(facts: HostFacts, workspace: str, base: str | None) -> _cow.CowSupport:
     """:func:`_probe_cow_now`, or its answer for this filesystem from :mod:`lowlevel.hostcache`
-    (keyed by the filesystem's ``st_dev``, the euid, the mount directory and the anchor file)."""
+    (keyed by the filesystem's ``st_dev``, the euid, the mount directory and the anchor file).
+
+    A transient failure (:attr:`lowlevel.cow.CowSupport.transient`: the caller's fd, memory or
+    process limit, an interruption) is never stored: one fd-starved run must not turn the
+    overlay off for every later run on the filesystem. A negative answer is stored with the
+    workspace's path, so ``lowlevel doctor`` can probe that filesystem again
+    (:func:`recheck_cached_cow`)."""
     from . import hostcache
     try:
         dev = os.stat(workspace).st_dev
@@ -179,21 +195,67 @@ def _probe_cow(facts: HostFacts, workspace: str, base: str | None) -> _cow.CowSu
         return _probe_cow_now(facts, workspace, base)
     key = [dev, os.geteuid(), mnt, hostcache.file_key(EXEC_HELPER_PATH)]
     got = hostcache.get("host", f"cow:{dev}:{mnt}", key)
-    if isinstance(got, dict) and isinstance(got.get("ok"), bool):
+    if isinstance(got, dict) and isinstance(got.get("ok"), bool) and not got.get("transient"):
         return _cow.CowSupport(got["ok"], str(got.get("reason", "")))
     support = _probe_cow_now(facts, workspace, base)
-    hostcache.put("host", f"cow:{dev}:{mnt}", key, {"ok": support.ok, "reason": support.reason})
+    if not support.transient:
+        hostcache.put("host", f"cow:{dev}:{mnt}", key, {"ok": support.ok, "reason": support.reason,
+                                                         "path": workspace, "base": base})
     return support
 
 
+def recheck_cached_cow(facts: HostFacts) -> list[tuple[str, _cow.CowSupport, _cow.CowSupport | None]]:
+    """Probe again every filesystem :mod:`lowlevel.hostcache` says has no copy-on-write overlay
+    (``lowlevel doctor``). Each entry is probed on the workspace path it was stored with, when
+    that still exists on the same filesystem, and rewritten with the fresh answer (or dropped
+    on a transient failure); an entry whose path is gone is dropped (the next run there probes).
+
+    Returns:
+        ``[(path, cached answer, fresh answer or None when dropped unprobed), ...]``.
+    """
+    from . import hostcache
+    out: list[tuple[str, _cow.CowSupport, _cow.CowSupport | None]] = []
+    for entry, item in hostcache.entries("host"):
+        if not entry.startswith("cow:") or not isinstance(item, dict):
+            continue
+        value, key = item.get("value"), item.get("key")
+        if not isinstance(value, dict) or value.get("ok") is not False:
+            continue
+        old = _cow.CowSupport(False, str(value.get("reason", "")))
+        path, base = value.get("path"), value.get("base")
+        fresh: _cow.CowSupport | None = None
+        if isinstance(path, str) and (base is None or isinstance(base, str)) and isinstance(key, list) and key:
+            try:
+                same = os.stat(path).st_dev == key[0]
+            except OSError:
+                same = False
+            if same:
+                fresh = _probe_cow_now(facts, path, base)
+        hostcache.drop("host", entry)
+        if fresh is not None and not fresh.transient:
+            hostcache.put("host", entry, key, {"ok": fresh.ok, "reason": fresh.reason, "path": path, "base": base})
+        out.append((str(path), old, fresh))
+    _cow.forget_cow_support()
+    return out
+
+
+def _transient(text: str) -> bool:
+    return any(t in text for t in _TRANSIENT_TEXT)
+
+
 def _probe_cow_now(facts: HostFacts, workspace: str, base: str | None) -> _cow.CowSupport:
-    """Try the anchor's overlay on ``workspace`` once (it then execs /bin/true): does it work?"""
+    """Try the anchor's overlay on ``workspace`` once (it then execs /bin/true): does it work?
+
+    A failure of the caller's own (an errno of :data:`_TRANSIENT_ERRNOS`, or its strerror text
+    in the anchor's message; the probe killed by a signal or timed out) comes back with
+    ``transient=True``: it says nothing about the host."""
     import subprocess
     root = facts.caller_is_root
     try:
         fd = os.open(workspace, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as err:
-        return _cow.CowSupport(False, f"cannot open the workspace: {err.strerror}")
+        return _cow.CowSupport(False, f"cannot open the workspace: {err.strerror}",
+                               transient=err.errno in _TRANSIENT_ERRNOS)
     try:
         st = os.fstat(fd)
         mnt = _cow.mount_dir(base)
@@ -206,14 +268,19 @@ def _probe_cow_now(facts: HostFacts, workspace: str, base: str | None) -> _cow.C
                            args_fd=None, command=[true])
         proc = subprocess.run(argv, pass_fds=(fd,), stdin=subprocess.DEVNULL, capture_output=True, timeout=30,
                               env={})
+    except subprocess.TimeoutExpired as err:
+        return _cow.CowSupport(False, f"the overlay probe did not finish: {err}", transient=True)
     except (OSError, LowlevelError, subprocess.SubprocessError) as err:
-        return _cow.CowSupport(False, str(err))
+        code = getattr(err, "errno", None)
+        return _cow.CowSupport(False, str(err), transient=code in _TRANSIENT_ERRNOS or _transient(str(err)))
     finally:
         os.close(fd)
     if proc.returncode == 0:
         return _cow.CowSupport(True)
-    why = proc.stderr.decode("utf-8", "replace").strip().splitlines()
-    return _cow.CowSupport(False, (why[-1] if why else f"the overlay probe exited {proc.returncode}")[:300])
+    text = proc.stderr.decode("utf-8", "replace").strip()
+    why = text.splitlines()
+    reason = (why[-1] if why else f"the overlay probe exited {proc.returncode}")[:300]
+    return _cow.CowSupport(False, reason, transient=proc.returncode < 0 or _transient(text))
 
 
 class _Capture:
@@ -879,7 +946,22 @@ class Run:
             self.host_ids = (os.getuid(), os.getgid())
         support = _cow.cow_support(self.workspace, functools.partial(_probe_cow, self.facts, self.workspace,
                                                                       self.workspace_base))
+        if support.transient:
+            # Not a fact of the host (and not cached): falling back would change what the
+            # caller gets (no discard, no write bound) because of its own limit.
+            raise LaunchError(f"cannot check whether the copy-on-write workspace works here: {support.reason}. "
+                              "That is a limit of the calling process (open files: `ulimit -n`; memory; "
+                              "processes) or an interruption, not of the host: raise the limit and run again",
+                              errno=errno.EMFILE if "open files" in support.reason else None)
         self.cow = support.ok
+        if not self.cow and self.commit is not True and not self.owns_workspace:
+            # The hand-over model writes straight into the caller's directory: there is nothing
+            # to discard afterwards. Refused before anything is touched.
+            how = "commit=False (--discard)" if self.commit is False else "commit='on_success' (--commit-on-success)"
+            raise UnsupportedError("overlay", f"{how} needs the copy-on-write workspace, which is unavailable for "
+                                   f"{self.workspace} ({support.reason}): the program would write the directory "
+                                   "itself, so its changes could not be discarded; nothing was run",
+                                   "run without --discard on a copy of the directory, or see `lowlevel doctor`")
         precheck_exec(policy, self.workspace, self.command, self.environment, self.cwd,
                       self.facts.layout.etc_files)
         _landlock.require_supported(policy)
@@ -1538,7 +1620,7 @@ class Run:
         if self.cow:
             try:
                 self.finish_cow(success=exit_code == 0 and killed_by is None, result=result)
-            except _overlay.CommitConflictError:
+            except (_overlay.CommitConflictError, CommitIncompleteError):
                 raise
             except WorkspaceError as err:
                 self.notes.append(f"{WARNING_PREFIX}{err}")
@@ -1602,9 +1684,14 @@ class Run:
 
         Raises:
             CommitConflictError: entries the run changed were also changed on the host during
-                the run: nothing was applied, the upper layer was saved to the path the error
-                gives, and ``.result`` holds the run's Result.
-            WorkspaceError: the commit failed part-way (each entry is old or new, never lost).
+                the run: nothing was applied (``.applied`` None), the upper layer was saved to the
+                path the error gives, and ``.result`` holds the run's Result; or during the
+                commit (``.applied`` set: the others were applied, ``.result.changes`` lists them).
+            CommitIncompleteError: the workspace's filesystem could not take the changes (full,
+                out of quota, read-only): what was applied is kept (``.result.changes``), the
+                rest saved at ``.saved_upper``.
+            WorkspaceError: the commit failed before applying anything (each entry is old or
+                new, never lost).
         """
         if self.committed or self.upper_fd is None or self.lower_fd is None:
             return
@@ -1622,8 +1709,26 @@ class Run:
                 report = _overlay.commit(self.upper_fd, self.lower_fd, xattr_prefix=self.xattr_prefix,
                                          since_ns=self.since_ns, new_owner=owner,
                                          max_bytes=_cow.commit_budget(self.upper_bytes),
-                                         accept_seen_host_changes=self.accept_seen_host_changes)
+                                         accept_seen_host_changes=self.accept_seen_host_changes,
+                                         save_to=lambda: _conflict_dir(self.workspace_base))
+            except CommitIncompleteError as err:
+                applied = err.applied
+                if err.errno not in _overlay.NO_ROOM_ERRNOS and applied is not None and \
+                        not (applied.added or applied.modified or applied.deleted):
+                    # Nothing applied, the filesystem unwritable (read-only, failing) rather than
+                    # full: as any commit failing before it changes anything, result() makes it
+                    # a warning that keeps the exit status (the changes were saved aside).
+                    raise WorkspaceError(err.errno or errno.EIO, str(err)) from err
+                # Stopped part-way, or out of room: saved aside by commit() itself. The Result
+                # then lists what was applied, never what was not.
+                self._applied_only(result, err.applied)
+                err.result = result
+                raise
             except _overlay.CommitConflictError as err:
+                if err.applied is not None:  # found during the apply pass: saved by commit()
+                    self._applied_only(result, err.applied)
+                    err.result = result
+                    raise
                 try:
                     saved = _overlay.save_upper(self.upper_fd, _conflict_dir(self.workspace_base),
                                                 xattr_prefix=self.xattr_prefix, owner=owner,
@@ -1652,6 +1757,14 @@ class Run:
         finally:
             os.close(self.upper_fd)
             self.upper_fd = None
+
+    def _applied_only(self, result: Result | None, applied: _ws.Changes | None) -> None:
+        """A commit that did not complete: ``result.changes`` becomes what it applied."""
+        if result is not None and applied is not None:
+            result.changes = dataclasses.replace(applied, complete=result.changes.complete)
+            self.notes.append(f"{WARNING_PREFIX}the commit did not complete: Result.changes lists only what was "
+                              "applied to the workspace")
+            result.notes = tuple(self.notes)
 
     def reset_cow(self, timeout_s: float = 10.0) -> None:
         """Drop the upper layer of a live sandbox (a Session): /workspace is the lower tree again.

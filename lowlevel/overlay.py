@@ -51,13 +51,14 @@ import errno
 import fcntl
 import itertools
 import os
+import signal
 import stat
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import CommitConflictError, WorkspaceError
+from .errors import CommitConflictError, CommitIncompleteError, LowlevelError, WorkspaceError
 from .workspace import ACL_XATTRS, MAX_DEPTH, MAX_SNAPSHOT_ENTRIES, SETID_BITS, Changes
 
 #: The two xattr namespaces overlayfs keeps its metadata in: ``trusted.`` for mounts made by
@@ -73,6 +74,17 @@ LEFTOVER_PREFIX = ".lowlevel-commit-"
 SAVED_WHITEOUTS = "whiteouts"
 SAVED_OPAQUE = "opaque"
 SAVED_SKIPPED = "skipped"
+#: Files :func:`commit` adds next to a saved ``tree`` when it stopped or found host changes
+#: part-way: the relative paths it applied, and those it did not (NUL-terminated each).
+SAVED_APPLIED = "applied"
+SAVED_NOT_APPLIED = "not-applied"
+#: errnos that stop a commit's apply pass (:class:`CommitIncompleteError`): the user's
+#: filesystem cannot take more (full, out of quota, file too big for it or past ``max_bytes``)
+#: or cannot be written at all (read-only, failing).
+STOP_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO})
+#: Those of STOP_ERRNOS that mean "out of room": a run's commit stopped by one always raises
+#: (lowlevel.launcher; a read-only workspace where nothing was applied is a warning instead).
+NO_ROOM_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 #: Cap on hard-linked new files a commit links instead of copying (one O_PATH fd each).
 MAX_LINKED = 256
 
@@ -84,6 +96,26 @@ _UNREADABLE = "unreadable in the run's upper layer (mode {:04o}, set by the run)
 
 class _UnreadableUpperError(OSError):
     """An upper entry the caller may not read (see :data:`_UNREADABLE`)."""
+
+
+class _ChangedOnHostError(OSError):
+    """The user's entry changed (or appeared) on the host during the commit's apply pass: it
+    is left as the host made it, and reported as a conflict after the pass."""
+
+
+def _stop(err: OSError, rel: str) -> OSError:
+    """A STOP_ERRNOS error of the apply pass, naming the entry it stopped at."""
+    return OSError(err.errno, err.strerror or os.strerror(err.errno or errno.EIO), rel)
+
+
+def _stamp(st: os.stat_result) -> tuple[int, ...]:
+    """What identifies one state of an entry: device, inode, type and mode, ctime, mtime, size."""
+    return (st.st_dev, st.st_ino, st.st_mode, st.st_ctime_ns, st.st_mtime_ns, st.st_size)
+
+
+#: fcntl(2) F_SETSIG: the signal a lease break sends (default SIGIO, whose default action
+#: kills the process). SIGURG is ignored by default; the owner is cleared right after anyway.
+_F_SETSIG = getattr(fcntl, "F_SETSIG", 10)
 
 
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -105,7 +137,9 @@ class CommitReport:
         bytes_copied: file content copied into the user's directory (bytes).
         skipped: ``(relative path, reason)`` for each upper entry not applied: fifos, sockets
             and devices, reserved names, entries too deep, entries a non-root caller cannot
-            write without changing their owner, entries that changed during the commit.
+            write without changing their owner, mount points. (Entries the host changed
+            during the commit are not skipped quietly: :func:`commit` raises
+            :class:`CommitConflictError` for them after its apply pass.)
         notes: one-line remarks for ``Result.notes`` (what was approximated and why).
     """
 
@@ -782,6 +816,8 @@ class _Applier:
         self.stamps: dict[str, tuple[int, int]] = {}  # rel -> (st_ino, st_ctime_ns) seen by the dry pass
         self.ours: set[tuple[int, int]] = set()      # lower inodes this commit changed itself
         self.conflicts: list[str] = []
+        self.late: list[str] = []                    # apply pass: entries the host changed meanwhile
+        self.planned_changes: tuple[list[str], ...] = ([], [], [])  # the dry pass's added, modified, deleted
         self.journal_fd: int | None = None
         self.journal_name = ""
         self.journaled: set[str] = set()
@@ -842,7 +878,8 @@ class _Applier:
         taken after that change (see :func:`commit`). Apply pass: the entry must be as the
         dry pass saw it (same inode, same ctime) unless this commit changed it itself
         (unlinking one name of a hard-linked file changes the other's ctime); else it
-        changed on the host during the commit and is left alone (skipped).
+        changed on the host during the commit and is left alone (a late conflict, see
+        :func:`commit`).
         """
         if self.dry:
             if self.changed_on_host(lst) and not (copy is not None and self.accept_seen
@@ -851,9 +888,13 @@ class _Applier:
                 return False
             self.stamps[rel] = (lst.st_ino, lst.st_ctime_ns)
             return True
-        if self.stamps.get(rel) == (lst.st_ino, lst.st_ctime_ns) or (lst.st_dev, lst.st_ino) in self.ours:
+        seen = self.stamps.get(rel)
+        # (Ours by the same inode only: a number freed by this commit's own replacements can be
+        # reused by a file the host makes meanwhile, e.g. an editor's save.)
+        if seen == (lst.st_ino, lst.st_ctime_ns) or (seen is not None and seen[0] == lst.st_ino
+                                                     and (lst.st_dev, lst.st_ino) in self.ours):
             return True
-        self.skipped.append((rel, "changed on the host during the commit: left as the host made it"))
+        self.late.append(rel)  # changed on the host during the commit: left as the host made it
         return False
 
     def seen_by_run(self, lst: os.stat_result, udirfd: int, ldirfd: int, name: str) -> bool:
@@ -1019,6 +1060,15 @@ class _Applier:
                         self.leave(frame)
                     finally:
                         self.pop()
+        except OSError as err:
+            if not dry and err.errno in STOP_ERRNOS:
+                # Stopped: the new directories still being built (under temporary names, which
+                # finish() removes) hold nothing that was applied.
+                heads = tuple(f"{f.rel}/" for f in self.stack if f.fresh and f.temp is not None)
+                if heads:
+                    for done in (self.added, self.modified, self.deleted):
+                        done[:] = [p for p in done if not p.startswith(heads)]
+            raise
         finally:
             while self.stack:
                 self.pop()
@@ -1115,16 +1165,40 @@ class _Applier:
         if not self.touch(rel, lst):
             return
         try:
-            if not is_dir:
-                os.unlink(name, dir_fd=frame.tfd)
-                self.mine(lst)
-            else:
-                # Out of sight atomically first, then removed: killed in between, the path is
-                # already gone (its new state) and the leftover is cleaned up later.
+            # Checked (and a file leased, see freeze) right before, moved out of sight
+            # atomically, checked again, then removed; moved back if the host changed it
+            # meanwhile. Killed in between, the path is already gone (its new state) and the
+            # leftover is cleaned up later.
+            lease = self.freeze(frame.tfd, name, lst)
+            try:
                 temp = self.temp_in(frame)
-                _renameat2(frame.tfd, name, frame.tfd, temp, _RENAME_NOREPLACE)
+                try:
+                    _renameat2(frame.tfd, name, frame.tfd, temp, _RENAME_NOREPLACE)
+                except FileNotFoundError:
+                    self.resolved(frame.tfd, temp)
+                    raise _ChangedOnHostError(errno.ENOENT, "removed on the host during the commit", name) from None
+                old = _lstat(frame.tfd, temp)
+                broken = lease is not None and fcntl.fcntl(lease, fcntl.F_GETLEASE) != fcntl.F_RDLCK
+                if old is None or _stamp(old)[:3] + _stamp(old)[4:] != _stamp(lst)[:3] + _stamp(lst)[4:] or broken \
+                        or (is_dir and self.subtree_changed(frame.tfd, temp)):
+                    try:
+                        _renameat2(frame.tfd, temp, frame.tfd, name, _RENAME_NOREPLACE)
+                    except OSError:
+                        self.note_once("kept-" + rel, f"commit: {rel!r} changed on the host while it was being "
+                                       f"deleted and the host made a new one: the changed one is kept as {temp!r}")
+                    self.resolved(frame.tfd, temp)
+                    raise _ChangedOnHostError(errno.EBUSY, "changed on the host during the commit", name)
+                self.mine(lst)
                 self.remove_temp(frame.tfd, temp)
+            finally:
+                if lease is not None:
+                    os.close(lease)
+        except _ChangedOnHostError:
+            self.late.append(rel)
+            return
         except OSError as err:
+            if err.errno in STOP_ERRNOS:
+                raise _stop(err, rel) from err
             self.skipped.append((rel, f"cannot delete it: {err.strerror}"))
             return
         self.deleted.append(rel)
@@ -1171,11 +1245,16 @@ class _Applier:
             if not frame.fresh:
                 self.place(frame.tfd, target, name, lst)
         except OSError as err:
+            if not frame.fresh:
+                self.remove_temp(frame.tfd, target)
+            if isinstance(err, _ChangedOnHostError):
+                self.late.append(rel)
+                return
+            if err.errno in STOP_ERRNOS:
+                raise _stop(err, rel) from err
             unreadable = isinstance(err, _UnreadableUpperError)
             self.skipped.append((rel, _UNREADABLE.format(stat.S_IMODE(ust.st_mode)) if unreadable
                                  else f"cannot write it: {err.strerror}"))
-            if not frame.fresh:
-                self.remove_temp(frame.tfd, target)
             return
         self.count(ust)
         if lst is not None and lst.st_nlink > 1 and not stat.S_ISDIR(lst.st_mode):
@@ -1310,25 +1389,138 @@ class _Applier:
                 self.note_once("xattr", f"commit: some user xattrs were not copied ({err.strerror})")
 
     def place(self, tfd: int, temp: str, name: str, lst: os.stat_result | None) -> None:
-        """Move finished ``temp`` to ``name`` atomically: ``name`` is old or new at every instant."""
+        """Move finished ``temp`` to ``name`` atomically: ``name`` is old or new at every instant.
+
+        A new name: ``renameat2(RENAME_NOREPLACE)``. An existing entry ``lst``: checked right
+        before (:meth:`freeze`: same inode, ctime, mtime, size; a regular file also leased),
+        swapped with ``renameat2(RENAME_EXCHANGE)``, and the entry swapped out checked again
+        (same inode, mtime, size, lease unbroken: no host process opened it for writing or
+        truncated it in between); if it changed, it is swapped back. Only then is the old entry removed.
+
+        Raises:
+            _ChangedOnHostError: ``name`` appeared, went, or changed on the host (or is open there)
+                during the commit: it is left as the host made it and ``temp`` is still ours.
+            OSError: the rename failed (``temp`` is still ours).
+        """
         if lst is None:
             try:
                 _renameat2(tfd, temp, tfd, name, _RENAME_NOREPLACE)
             except FileExistsError:
-                raise OSError(errno.EEXIST, "it appeared on the host during the commit", name) from None
+                raise _ChangedOnHostError(errno.EEXIST, "it appeared on the host during the commit", name) from None
             self.resolved(tfd, temp)
             return
-        new_is_dir = stat.S_ISDIR(os.stat(temp, dir_fd=tfd, follow_symlinks=False).st_mode)
-        if not new_is_dir and not stat.S_ISDIR(lst.st_mode):
-            os.rename(temp, name, src_dir_fd=tfd, dst_dir_fd=tfd)
+        dirs = stat.S_ISDIR(lst.st_mode) or stat.S_ISDIR(os.stat(temp, dir_fd=tfd, follow_symlinks=False).st_mode)
+        lease = self.freeze(tfd, name, lst)
+        try:
+            try:
+                _renameat2(tfd, temp, tfd, name, _RENAME_EXCHANGE)
+            except FileNotFoundError:
+                raise _ChangedOnHostError(errno.ENOENT, "it was removed on the host during the commit", name) from None
+            except OSError as err:
+                if dirs or err.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                    raise
+                # No RENAME_EXCHANGE on this filesystem: rename(2), checked right before only.
+                os.rename(temp, name, src_dir_fd=tfd, dst_dir_fd=tfd)
+                self.mine(lst)
+                self.resolved(tfd, temp)
+                return
+            old = _lstat(tfd, temp)
+            broken = lease is not None and fcntl.fcntl(lease, fcntl.F_GETLEASE) != fcntl.F_RDLCK
+            # rename(2) changes the ctime of what it moves: compared without it.
+            if old is None or _stamp(old)[:3] + _stamp(old)[4:] != _stamp(lst)[:3] + _stamp(lst)[4:] or broken \
+                    or (stat.S_ISDIR(old.st_mode) and self.subtree_changed(tfd, temp)):
+                _renameat2(tfd, temp, tfd, name, _RENAME_EXCHANGE)  # the host's entry goes back
+                raise _ChangedOnHostError(errno.EBUSY, "changed on the host during the commit", name)
             self.mine(lst)
-            self.resolved(tfd, temp)
-            return
-        # A directory on either side: rename(2) cannot replace it atomically; exchange the
-        # two, then remove the old one, now under the temporary name.
-        _renameat2(tfd, temp, tfd, name, _RENAME_EXCHANGE)
-        self.mine(lst)
-        self.remove_temp(tfd, temp)
+            if stat.S_ISDIR(old.st_mode):
+                self.remove_temp(tfd, temp)
+            else:
+                try:
+                    os.unlink(temp, dir_fd=tfd)
+                    self.resolved(tfd, temp)
+                except OSError:
+                    self.remove_temp(tfd, temp)
+        finally:
+            if lease is not None:
+                os.close(lease)  # lets go of the lease: a host open(2) waiting on it proceeds
+
+    def freeze(self, tfd: int, name: str, lst: os.stat_result) -> int | None:
+        """Right before ``name`` is replaced: it must still be the entry ``lst`` describes (same
+        device, inode, mode, ctime, mtime, size), else :class:`_ChangedOnHostError`.
+
+        A regular file is also leased: a read lease, ``F_SETLEASE F_RDLCK`` (fcntl(2),
+        "Leases"), is granted only while nobody has the file open for writing (else EAGAIN: a
+        host process may be writing it: a conflict; readers are no obstacle), and from then on
+        an open(2) for writing or a truncate(2) of it by another process waits until the lease
+        is let go, which :meth:`place` sees (``F_GETLEASE`` no longer ``F_RDLCK``) after the swap. The lease
+        break signal is SIGURG (ignored by default) and the fd's owner is cleared, so none is
+        sent. Returns the leased fd (the caller closes it), or None where no lease can be had
+        (a symlink or directory, a filesystem without leases, a file that is not the caller's
+        without CAP_LEASE, ``fs.leases-enable=0``): then only the stat checks guard it.
+        """
+        fd: int | None = None
+        if stat.S_ISREG(lst.st_mode):
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=tfd)
+            except OSError as err:
+                if err.errno in (errno.ENOENT, errno.ELOOP, errno.ENXIO, errno.EWOULDBLOCK, errno.ENOTDIR):
+                    raise _ChangedOnHostError(err.errno, "changed on the host during the commit", name) from None
+                fd = None
+        if fd is not None:
+            try:
+                if _stamp(os.fstat(fd)) != _stamp(lst):
+                    raise _ChangedOnHostError(errno.EBUSY, "changed on the host during the commit", name)
+                fcntl.fcntl(fd, _F_SETSIG, signal.SIGURG)
+                fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+                fcntl.fcntl(fd, fcntl.F_SETOWN, 0)
+            except _ChangedOnHostError:
+                os.close(fd)
+                raise
+            except OSError as err:
+                os.close(fd)
+                if err.errno in (errno.EAGAIN, errno.EBUSY):
+                    raise _ChangedOnHostError(err.errno, "open on the host during the commit (it may be being written)",
+                                         name) from None
+                fd = None
+        cur = _lstat(tfd, name)
+        if cur is None or _stamp(cur) != _stamp(lst):
+            if fd is not None:
+                os.close(fd)
+            raise _ChangedOnHostError(errno.EBUSY, "changed on the host during the commit", name)
+        return fd
+
+    def subtree_changed(self, dirfd: int, name: str) -> bool:
+        """A lower directory about to be removed (swapped out by :meth:`place`): does anything
+        below it have a ctime after ``since_ns`` (written on the host since the run started)?
+        Unreadable parts count as changed (never removed unchecked)."""
+        if self.since_ns is None:
+            return False
+        try:
+            stack = [_open_dir_here(dirfd, name)]
+        except OSError:
+            return True
+        try:
+            while stack:
+                fd = stack.pop()
+                try:
+                    for child in os.listdir(fd):
+                        st = _lstat(fd, child)
+                        if st is None:
+                            continue
+                        if self.changed_on_host(st) and (st.st_dev, st.st_ino) not in self.ours:
+                            return True
+                        if stat.S_ISDIR(st.st_mode):
+                            if len(stack) > MAX_DEPTH:
+                                return True
+                            stack.append(_open_dir_here(fd, child))
+                finally:
+                    os.close(fd)
+        except OSError:
+            return True
+        finally:
+            for fd in stack:
+                os.close(fd)
+        return False
 
     # -- directories
 
@@ -1430,9 +1622,11 @@ class _Applier:
             tfd = os.open(target, _DIR_FLAGS, dir_fd=frame.tfd)
         except OSError as err:
             os.close(cfd)
-            self.skipped.append((rel, f"cannot create it: {err.strerror}"))
             if not frame.fresh:
                 self.remove_temp(frame.tfd, target)
+            if err.errno in STOP_ERRNOS:
+                raise _stop(err, rel) from err
+            self.skipped.append((rel, f"cannot create it: {err.strerror}"))
             return
         self.push(_Frame(cfd, tfd, rel, opaque=True, fresh=True, lst=lst, ust=ust, parent_tfd=frame.tfd,
                          temp=None if frame.fresh else target, name=name), None)
@@ -1469,12 +1663,17 @@ class _Applier:
                 assert frame.parent_tfd is not None
                 self.place(frame.parent_tfd, frame.temp, frame.name, lst)
         except OSError as err:
-            self.skipped.append((rel, f"cannot finish it: {err.strerror}"))
             if frame.temp is not None and frame.parent_tfd is not None:
                 self.remove_temp(frame.parent_tfd, frame.temp)
             head = rel + "/"  # what was recorded inside it was not applied after all
             for done in (self.added, self.modified, self.deleted):
                 done[:] = [p for p in done if not p.startswith(head)]
+            if isinstance(err, _ChangedOnHostError):
+                self.late.append(rel)
+                return
+            if err.errno in STOP_ERRNOS:
+                raise _stop(err, rel) from err
+            self.skipped.append((rel, f"cannot finish it: {err.strerror}"))
             return
         self.count(ust)
         (self.modified if lst is not None else self.added).append(rel)
@@ -1513,9 +1712,59 @@ def _lock(lower_fd: int) -> int:
     return fd
 
 
+def _incomplete(work: _Applier, report: CommitReport, stopped: OSError | None, upper_fd: int, *,
+                save_to: Callable[[], str] | None, xattr_prefix: str, owner: tuple[int, int] | None,
+                max_bytes: int | None) -> WorkspaceError:
+    """The error for an apply pass that stopped (``stopped``) or met host changes
+    (``work.late``): the run's changes saved aside with the lists of what was and was not
+    applied (see :func:`commit`)."""
+    applied = report.changes
+    done = set(applied.added) | set(applied.modified) | set(applied.deleted)
+    late = tuple(sorted(set(work.late)))
+    planned = set(itertools.chain(*work.planned_changes)) | set(late)
+    not_applied = tuple(sorted(p for p in planned if p not in done))
+    saved: str | None = None
+    try:
+        if save_to is not None:
+            dest = save_to()
+        else:
+            import tempfile
+
+            from .workspace import default_base, ensure_base
+            dest = tempfile.mkdtemp(prefix="conflict-", dir=ensure_base(default_base()))
+        saved = save_upper(upper_fd, dest, xattr_prefix=xattr_prefix, owner=owner, max_bytes=max_bytes)
+        dfd = os.open(saved, _DIR_FLAGS)
+        try:
+            _write_list(dfd, SAVED_APPLIED, b"".join(os.fsencode(p) + b"\0" for p in sorted(done)), owner)
+            _write_list(dfd, SAVED_NOT_APPLIED, b"".join(os.fsencode(p) + b"\0" for p in not_applied), owner)
+        finally:
+            os.close(dfd)
+        where = (f"the run's changes were saved to {saved} ({len(not_applied)} not applied, listed in its "
+                 f"{SAVED_NOT_APPLIED!r} file)")
+    except (OSError, LowlevelError, ValueError) as err:
+        where = f"saving the run's changes failed too ({err}): the {len(not_applied)} entries not applied are lost"
+    shown = ", ".join(repr(p) for p in late[:5]) + (f" and {len(late) - 5} more" if len(late) > 5 else "")
+    if stopped is not None:
+        what = os.strerror(stopped.errno) if stopped.errno else str(stopped)
+        at = f" writing {stopped.filename!r}" if stopped.filename else ""
+        msg = (f"commit stopped part-way: {what}{at} in the workspace; {len(done)} of the run's {len(planned)} "
+               "changed entries were applied and are kept (each entry is old or new, no temporaries are left), "
+               f"the rest were not" + (f"; {len(late)} changed on the host meanwhile ({shown})" if late else "")
+               + f"; {where}")
+        return CommitIncompleteError(stopped.errno or errno.EIO, msg, applied=applied, not_applied=not_applied,
+                                     saved_upper=saved, conflicts=late)
+    msg = (f"commit: {len(late)} entr{'y' if len(late) == 1 else 'ies'} of the workspace changed on the host during "
+           f"the commit ({shown}): left as the host made them, the run's version not applied; the run's other "
+           f"{len(done)} changed entries were applied and are kept; {where}")
+    conflict = CommitConflictError(late, msg, saved_upper=saved)
+    conflict.applied = applied
+    conflict.not_applied = not_applied
+    return conflict
+
+
 def commit(upper_fd: int, lower_fd: int, *, xattr_prefix: str, since_ns: int,
            new_owner: tuple[int, int] | None, max_bytes: int | None = None,
-           accept_seen_host_changes: bool = False) -> CommitReport:
+           accept_seen_host_changes: bool = False, save_to: Callable[[], str] | None = None) -> CommitReport:
     """Apply a run's upper directory to the user's directory, treating the upper as untrusted.
 
     Order: take an exclusive ``flock`` on the user's directory (commits to one directory are
@@ -1538,11 +1787,38 @@ def commit(upper_fd: int, lower_fd: int, *, xattr_prefix: str, since_ns: int,
     measured lag up to 2.2 ms here) unless the inode's ctime was read since its last change
     (multigrain timestamps, Linux 6.13+). A host change made in the first tick after
     ``since_ns`` (or, with ``accept_seen_host_changes``, in the tick of the copy-up) may
-    therefore go unnoticed; any later change is seen. Host changes during the commit
-    itself: each entry is re-checked just before it is written and left alone (``skipped``)
-    if it changed; a change inside a lower directory after the dry pass checked it, and
-    before the commit deletes that directory, is lost. A file the host deleted during the run
+    therefore go unnoticed; any later change is seen. A file the host deleted during the run
     that the run modified is re-created (not a conflict: nothing is overwritten).
+
+    Host changes during the commit itself (the apply pass): each entry is checked when the
+    walk reaches it (against the dry pass), and again right before it is replaced or deleted
+    (device, inode, mode, ctime, mtime, size); a regular file is also leased for that moment
+    (a read lease, ``F_SETLEASE F_RDLCK``, fcntl(2): refused while a host process has it open
+    for writing, which is then a conflict; an open(2) for writing or a truncate(2) by another
+    process waits until the lease is let go). The
+    replacement is a ``renameat2(RENAME_EXCHANGE)``; the entry swapped out is checked once
+    more (inode, mtime, size, lease unbroken; a directory's whole subtree: no ctime after
+    ``since_ns``) and swapped back if the host touched it; a deletion is a rename out of
+    sight, checked, and renamed back the same way. An entry found changed is left as the
+    host made it: after the apply pass, :class:`CommitConflictError` lists those entries
+    (``.applied`` says what was applied; the other entries were applied and are kept), with
+    the run's changes saved aside. Not caught: a host process that already resolved the
+    path before the swap and is preempted between that lookup and the lease check inside
+    open(2) (a kernel window of microseconds); where leases are unavailable (a symlink, a
+    filesystem without them, a file not the caller's without CAP_LEASE), a write through a
+    descriptor opened before the swap that lands after the last check (as with any
+    rename-based save, e.g. an editor's).
+
+    Out of room (ENOSPC, EDQUOT, EFBIG) or unwritable (EROFS, EIO) during the apply pass:
+    the pass stops at that entry; what it applied is kept (every entry old or new, the
+    temporaries removed: nothing is rolled back) and :class:`CommitIncompleteError` is
+    raised with the run's changes saved aside.
+
+    Saved aside (a late conflict, a stop): :func:`save_upper` of the whole upper into
+    ``save_to()`` (default: a fresh ``conflict-*`` directory under
+    :func:`lowlevel.workspace.default_base`), plus its ``applied`` and ``not-applied`` lists
+    (:data:`SAVED_APPLIED`, :data:`SAVED_NOT_APPLIED`); the error's ``saved_upper`` names it
+    (None, and the message says so, when that save failed too).
 
     Applying, per upper entry (paths as in :func:`read_changes`):
 
@@ -1596,10 +1872,16 @@ def commit(upper_fd: int, lower_fd: int, *, xattr_prefix: str, since_ns: int,
             :func:`lowlevel.cow.commit_budget`).
         accept_seen_host_changes: see Conflicts above (root overlays only; default off: any
             host change after ``since_ns`` where the commit writes is a conflict).
+        save_to: makes and returns the directory the run's changes are saved into after a
+            late conflict or a stop (called at most once); None for the default above.
     Returns:
         :class:`CommitReport`.
     Raises:
-        CommitConflictError: (EBUSY) host changes; nothing was changed.
+        CommitConflictError: (EBUSY) host changes: before the apply pass, nothing was changed
+            (``.applied`` None); after it (``.applied`` set), the entries the host changed
+            during the commit were left as the host made them, the others applied.
+        CommitIncompleteError: the apply pass stopped (its errno: ENOSPC, EDQUOT, EFBIG,
+            EROFS, EIO); what it applied is kept; see above.
         WorkspaceError: an fd is unusable, the upper is unreadable or was written with
             ``redirect_dir``/``metacopy`` (EOPNOTSUPP), or the content exceeds ``max_bytes``
             (EFBIG): nothing was changed. An error reading the upper during the apply pass
@@ -1630,8 +1912,14 @@ def commit(upper_fd: int, lower_fd: int, *, xattr_prefix: str, since_ns: int,
             raise WorkspaceError(errno.EFBIG, f"commit refused: it would write {work.planned} bytes of file content "
                                  "(a file with several names is copied once per name it cannot keep as a hard link), "
                                  f"more than the {max_bytes}-byte budget; nothing was changed")
+        work.planned_changes = (list(work.added), list(work.modified), list(work.deleted))
+        stopped: OSError | None = None
         try:
             work.run(dry=False)
+        except OSError as err:
+            if isinstance(err, WorkspaceError) or err.errno not in STOP_ERRNOS:
+                raise
+            stopped = err
         finally:
             # finish() to its end even when a KeyboardInterrupt is raised as it is entered: a
             # SIGINT that came in at the end of the apply pass has its Python handler run at the
@@ -1650,7 +1938,11 @@ def commit(upper_fd: int, lower_fd: int, *, xattr_prefix: str, since_ns: int,
             if interrupted is not None:
                 raise interrupted
         work.notes[:0] = early
-        return work.report()
+        report = work.report()
+        if stopped is not None or work.late:
+            raise _incomplete(work, report, stopped, upper_fd, save_to=save_to, xattr_prefix=xattr_prefix,
+                              owner=new_owner, max_bytes=max_bytes)
+        return report
     except OSError as err:
         if isinstance(err, WorkspaceError):
             raise
