@@ -106,8 +106,8 @@ from . import overlay as _overlay
 from . import validate as _validate
 from . import workspace as _ws
 from .argv import encode_args
-from .errors import LaunchError, LowlevelError, PolicyError, SessionError, UnsupportedError
-from .launcher import (DEFAULT_TIMEOUT_S, SETUP_TIMEOUT_S, ExecError, Run, _Capture, _check_command,
+from .errors import CommitIncompleteError, LaunchError, LowlevelError, PolicyError, SessionError, UnsupportedError
+from .launcher import (DEFAULT_TIMEOUT_S, SETUP_TIMEOUT_S, ExecError, Run, _Capture, _check_command, _conflict_dir,
                        classify_setup_failure, host_facts)
 from .limits import Limits
 from .policy import WORKSPACE_DEST, Policy
@@ -1043,9 +1043,19 @@ class _Core:
         if r.upper_fd is None or r.lower_fd is None:
             return changes
         owner = (r.lower_stat.st_uid, r.lower_stat.st_gid) if r.facts.caller_is_root and r.lower_stat else None
-        report = _overlay.commit(r.upper_fd, r.lower_fd, xattr_prefix=r.xattr_prefix, since_ns=r.since_ns,
-                                 new_owner=owner, max_bytes=_cow.commit_budget(r.upper_bytes),
-                                 accept_seen_host_changes=True)
+        try:
+            report = _overlay.commit(r.upper_fd, r.lower_fd, xattr_prefix=r.xattr_prefix, since_ns=r.since_ns,
+                                     new_owner=owner, max_bytes=_cow.commit_budget(r.upper_bytes),
+                                     accept_seen_host_changes=True,
+                                     save_to=lambda: _conflict_dir(r.workspace_base))
+        except (CommitIncompleteError, _overlay.CommitConflictError) as err:
+            if err.applied is not None:
+                # Stopped part-way (a full disk) or host writes met during the apply pass: what
+                # was applied is in the directory, the rest saved at err.saved_upper. The
+                # session goes on over the directory as it now is: a second commit of the same
+                # upper would meet its own applied entries as host changes.
+                r.reset_cow()
+            raise
         r.notes.extend(report.notes)
         r.reset_cow()
         return changes
@@ -1329,7 +1339,14 @@ class Session:
                 ``notes`` say so); for commands that do not use the workspace.
         Raises:
             lowlevel.overlay.CommitConflictError: an entry was changed on the host since the
-                session started (or since the last commit/reset); nothing was applied.
+                session started (or since the last commit/reset): nothing was applied
+                (``.applied`` None), the changes stay in the session; or the host changed
+                entries while they were applied (``.applied`` set): those are left as the host
+                made them, the rest applied, and the session's view was reset over the
+                directory (the run's whole change saved at ``.saved_upper``).
+            lowlevel.CommitIncompleteError: the directory's filesystem could not take the
+                changes (full, out of quota): ``.applied`` is in the directory, the rest saved
+                at ``.saved_upper``; the session's view was reset over the directory.
             SessionError(reason="busy"), PolicyError, UnsupportedError, SessionError,
                 LaunchError: as :meth:`reset`.
         """

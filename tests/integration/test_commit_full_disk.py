@@ -206,3 +206,6 @@ def test_session_commit_onto_a_full_filesystem_raises(place: Path, monkeypatch: 
         assert err.saved_upper in str(err)
         _check_saved(err.saved_upper, list(err.not_applied))
         _check_tree(ws, set(err.applied.added))
+        # The session goes on over the directory as it now is: nothing left to re-apply, so
+        # the final commit of close() has nothing that conflicts with what was applied.
+        assert not s.diff().added and s.run(["true"]).exit_code == 0
