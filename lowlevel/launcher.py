@@ -115,6 +115,10 @@ _CGROUP_SERIAL = itertools.count(1)
 DEFAULT_TIMEOUT_S = 60.0
 #: How long the handshake (bwrap setting up namespaces and mounts) may take, seconds.
 SETUP_TIMEOUT_S = 30.0
+#: Seconds past a run's deadline at which the anchor kills the sandbox itself (``--deadline-ns``)
+#: when the caller has not: a caller stopped (SIGSTOP), stuck or starved of CPU at its deadline.
+#: The caller's own kill at the deadline comes first whenever it runs.
+ANCHOR_GRACE_S = 0.2
 
 
 class ExecError(LaunchError):
@@ -1078,7 +1082,10 @@ class Run:
                            rlimits=self.pre_exec_rlimits,
                            ids=self.host_ids if self.facts.caller_is_root else None, overlay=ov,
                            keep_fds=(self.anchor_fds["lease"],) if "lease" in self.anchor_fds else (),
-                           pass_fds=self.pass_fds, args_fd=ARGS_FD, command=self._inner_command())
+                           pass_fds=self.pass_fds, args_fd=ARGS_FD, command=self._inner_command(),
+                           # The anchor enforces the deadline too (a stopped caller cannot extend a run).
+                           deadline_ns=None if self.deadline is None
+                           else round((self.deadline + ANCHOR_GRACE_S) * 1e9))
 
     def _inner_command(self) -> list[str]:
         """What bwrap runs: the egress relay (outside Landlock: it listens on the proxy port),
@@ -1099,14 +1106,14 @@ class Run:
             self._spawn()
 
     def _spawn(self) -> None:
-        exe_argv = self.anchor_argv()
-        i = exe_argv.index("--args")
-        self.full_argv = [*exe_argv[:i], *self.argv, *exe_argv[i + 2:]]
-        log.debug("lowlevel: spawning %s", lambda: redact_env_values(self.full_argv))
         self.since_ns = time.time_ns()
         self.t0 = time.monotonic()
         if self.timeout is not None:
             self.deadline = self.t0 + self.timeout
+        exe_argv = self.anchor_argv()
+        i = exe_argv.index("--args")
+        self.full_argv = [*exe_argv[:i], *self.argv, *exe_argv[i + 2:]]
+        log.debug("lowlevel: spawning %s", lambda: redact_env_values(self.full_argv))
         try:
             # setsid: the host-side bwrap (and the exec helper) leave the caller's session too
             # (bwrap's --new-session detaches only the sandbox's side), so no process lowlevel
@@ -1221,13 +1228,20 @@ class Run:
             if msg.startswith(b"EXIT "):
                 break
         try:
-            status, maxrss = (int(x) for x in msg.split()[1:3])
-        except ValueError:
+            fields = [int(x) for x in msg.split()[1:]]
+            status, maxrss = fields[0], fields[1]
+        except (ValueError, IndexError):
             return False
         code = os.WTERMSIG(status) + 128 if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
         self.wait_status = (code & 0xFF) << 8
         self.rusage = _ExitUsage(maxrss)
-        self.t_end = time.monotonic()
+        # The end as the anchor measured it (CLOCK_MONOTONIC, time.monotonic's clock): a caller
+        # stopped or starved when the run ended must not count its own delay as the run's.
+        self.t_end = fields[2] / 1e9 if len(fields) > 2 and fields[2] > 0 else time.monotonic()
+        if len(fields) > 3 and fields[3] & 1 and self.killed_by is None:
+            # The anchor killed the sandbox at the deadline (--deadline-ns): the caller did not.
+            self.killed_by = "timeout"
+            self.timed_out = True
         self.exit_reported = True
         return True
 

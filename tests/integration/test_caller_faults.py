@@ -1,0 +1,189 @@
+"""A caller that stops, or dies inside a cgroup of its own: the run keeps its deadline, nothing is left.
+
+Issue 23 items 4 and 5. Each test drives a real caller process (``python -c`` with lowlevel
+imported, as root and as the unprivileged test user, or the ``lowlevel`` CLI) and observes the
+host from outside it:
+
+- a caller SIGSTOPped 0.5 s into a run with ``timeout=2`` of a program that would live 60 s:
+  the program's process is gone while the caller is still stopped (the anchor enforces the
+  deadline, ``--deadline-ns``), and after SIGCONT the Result says ``timed_out``/``timeout`` and
+  its ``wall_time_s`` does not include the stop. Control: the same program without a timeout
+  keeps running while its caller is stopped (so the disappearance is the deadline's doing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(300)]
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+
+#: The caller: prints its pid, runs ``sleep SECONDS`` (SECONDS is the trial's marker), prints the Result.
+CALLER = r"""
+import asyncio, json, os, sys
+mode, seconds, timeout = sys.argv[1], sys.argv[2][1:], sys.argv[3]  # "=61.N": not the marker itself
+timeout = None if timeout == "none" else float(timeout)
+import lowlevel
+print(os.getpid(), flush=True)
+cmd = ["sleep", seconds]
+if mode == "run":
+    r = lowlevel.run(cmd, timeout=timeout)
+elif mode == "arun":
+    from lowlevel.aio import arun
+    r = asyncio.run(arun(cmd, timeout=timeout))
+else:
+    with lowlevel.Session() as s:
+        r = s.run(cmd, timeout=timeout)
+print(json.dumps({"timed_out": r.timed_out, "killed_by": r.killed_by, "exit_code": r.exit_code,
+                  "wall_time_s": r.wall_time_s}), flush=True)
+"""
+
+
+def _prefix(identity: str, request: pytest.FixtureRequest) -> list[str]:
+    if identity == "root":
+        if os.geteuid() != 0:
+            pytest.skip("needs root")
+        return []
+    if os.geteuid() != 0:
+        return []
+    user = request.getfixturevalue("test_user")
+    return [shutil.which("runuser") or "/usr/sbin/runuser", "-u", user.pw_name, "--"]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _procs_with(arg: str) -> list[int]:
+    """PIDs whose command line has ``arg`` as a whole argument."""
+    found = []
+    needle = b"\0" + arg.encode() + b"\0"
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    if needle in b"\0" + f.read():
+                        found.append(int(d))
+            except OSError:
+                pass
+    return found
+
+
+def _wait_for(cond, bound_s: float) -> bool:
+    end = time.monotonic() + bound_s
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().rsplit(b")", 1)[1].split()[0].decode()
+
+
+def _cont(proc: subprocess.Popen[str], pid: int) -> None:
+    """SIGCONT the caller, and runuser above it (which stops itself when its child stops)."""
+    for p in {pid, proc.pid}:
+        try:
+            os.kill(p, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
+def _start_caller(argv: list[str]) -> tuple[subprocess.Popen[str], int]:
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd="/")
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.strip().isdigit(), (line, proc.stderr.read() if proc.stderr else "")
+    return proc, int(line)
+
+
+@pytest.mark.parametrize("mode", ["run", "arun", "session"])
+@pytest.mark.parametrize("identity", ["root", "user"])
+def test_stopped_caller_run_ends_at_its_deadline(identity: str, mode: str, request: pytest.FixtureRequest):
+    prefix = _prefix(identity, request)
+    marker = f"61.{os.getpid()}{time.time_ns() % 10**9:09d}"  # sleep's argument: unique on the host
+    proc, pid = _start_caller([*prefix, sys.executable, "-c", CALLER, mode, "=" + marker, "2"])
+    try:
+        assert _wait_for(lambda: bool(_procs_with(marker)), 60), "the program never started"
+        time.sleep(0.5)
+        t_stop = time.monotonic()
+        os.kill(pid, signal.SIGSTOP)
+        assert _wait_for(lambda: _state(pid) == "T", 10)
+        # The caller is stopped: only the anchor (or the session's shepherd) can end the program.
+        gone = _wait_for(lambda: not _procs_with(marker), 30)
+        assert _state(pid) == "T", "the caller ran meanwhile: the test proves nothing"
+        assert gone, f"the program outlived its 2 s deadline by {time.monotonic() - t_stop:.1f} s of caller stop"
+        time.sleep(max(0.0, t_stop + 6 - time.monotonic()))  # a stop well past the deadline
+        stopped_for = time.monotonic() - t_stop
+        _cont(proc, pid)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            _cont(proc, pid)
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["timed_out"] is True and res["killed_by"] == "timeout", res
+    assert res["exit_code"] == 128 + signal.SIGKILL, res
+    # The wall time measures the command (killed about 2 s in), not the caller's stop.
+    # (A wall time counted by the caller would exceed the 0.5 s run before the stop plus the stop.)
+    assert res["wall_time_s"] < stopped_for - 1, (res, stopped_for)
+
+
+@pytest.mark.parametrize("identity", ["root", "user"])
+def test_stopped_caller_without_timeout_control(identity: str, request: pytest.FixtureRequest):
+    """Control: without a deadline nothing ends the program while its caller is stopped."""
+    prefix = _prefix(identity, request)
+    marker = f"62.{os.getpid()}{time.time_ns() % 10**9:09d}"
+    proc, pid = _start_caller([*prefix, sys.executable, "-c", CALLER, "run", "=" + marker, "none"])
+    try:
+        assert _wait_for(lambda: bool(_procs_with(marker)), 60), "the program never started"
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(4)
+        assert _procs_with(marker), "the program died without a deadline"
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        _cont(proc, pid)
+        proc.communicate(timeout=30)
+    assert _wait_for(lambda: not _procs_with(marker), 10)
+
+
+def test_stopped_cli_run_ends_at_its_deadline():
+    if os.geteuid() != 0:
+        pytest.skip("root half (the CLI as the user is covered by the library's run)")
+    marker = f"63.{os.getpid()}{time.time_ns() % 10**9:09d}"
+    cli = [sys.executable, "-m", "lowlevel", "run", "--rm", "--timeout", "2", "--", "sh", "-c", 'exec sleep "${0#=}"',
+           "=" + marker]  # the CLI's own command line must not carry the marker
+    proc = subprocess.Popen(cli, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd="/")
+    try:
+        assert _wait_for(lambda: bool(_procs_with(marker)), 60), "the program never started"
+        time.sleep(0.5)
+        os.kill(proc.pid, signal.SIGSTOP)
+        gone = _wait_for(lambda: not _procs_with(marker), 30)
+        assert _state(proc.pid) == "T"
+        assert gone, "the program outlived its deadline while the CLI was stopped"
+        os.kill(proc.pid, signal.SIGCONT)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 124, err  # the CLI's code for a timeout
+    assert "timed out after 2 s" in err, err
