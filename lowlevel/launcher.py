@@ -902,7 +902,8 @@ class Run:
 
         # A serial, not id(self): a cgroup an interrupted run left behind must not collide with a
         # later Run object that CPython put at the same address (EEXIST, LaunchError).
-        self.cgroup = _limits.RunCgroup.create(policy.limits, f"run-{os.getpid()}-{next(_CGROUP_SERIAL):x}")
+        self.cgroup = _limits.RunCgroup.create(policy.limits, f"run-{os.getpid()}-{next(_CGROUP_SERIAL):x}",
+                                               workspace=self.workspace)  # recorded: lowlevel.run_records
         if self.cgroup is None:
             self.notes.append("no writable cgroup hierarchy: memory, pids and CPU bounded by rlimits only")
         else:
