@@ -772,12 +772,24 @@ def _wants_json(argv: Sequence[str]) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``lowlevel`` console script. Returns the exit status."""
+    from . import _startup
+    try:
+        _startup.disarm()  # the start-up ^C notice (lowlevel._startup) hands over to the handling below
+        return _main(argv)
+    except KeyboardInterrupt:  # between the two, or a second ^C while _main reported the first
+        print("lowlevel: SIGINT: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
+    finally:
+        _startup.finished()
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # Only the named subcommand's parser (the others cost imports and set-up); all of them for
-    # --help, --version or a name argparse must refuse with the list of choices.
-    parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
     args: argparse.Namespace | None = None
     try:
+        # Only the named subcommand's parser (the others cost imports and set-up); all of them for
+        # --help, --version or a name argparse must refuse with the list of choices.
+        parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
         args = parser.parse_args(argv)
         if args.cmd == "run":
             with clean_shutdown():
