@@ -187,3 +187,79 @@ def test_stopped_cli_run_ends_at_its_deadline():
             proc.wait()
     assert proc.returncode == 124, err  # the CLI's code for a timeout
     assert "timed out after 2 s" in err, err
+
+
+ARUN_AT_PIDS_MAX = r"""
+import asyncio, os, sys, time
+base = sys.argv[1]
+from lowlevel.aio import arun
+asyncio.run(arun(["true"], workspace_base=base, keep_workspace=False))  # one executor thread now exists
+print("ready", flush=True)
+sys.stdin.readline()  # the test sets pids.max to what runs now: no thread, no process can start
+async def batch():
+    return await asyncio.gather(*(arun(["true"], workspace_base=base, keep_workspace=False) for _ in range(32)),
+                                return_exceptions=True)
+kinds = {}
+for _ in range(3):
+    for r in asyncio.run(batch()):
+        kinds[type(r).__name__] = kinds.get(type(r).__name__, 0) + 1
+print(repr(kinds), flush=True)
+sys.stdin.readline()  # pids.max lifted: a setup left queued in the executor would run now
+time.sleep(3)
+print(len(os.listdir(base)), flush=True)
+"""
+
+
+def test_arun_when_no_thread_can_start_leaves_nothing(tmp_path):
+    """``arun`` at the caller's ``pids.max`` (a real pids cgroup of its own): each call raises
+    LaunchError (EAGAIN), and no call's setup runs later once threads can start again (before:
+    RuntimeError, and the queued setups then made 31 workspaces and 31 run cgroups per 96 calls)."""
+    if os.geteuid() != 0:
+        pytest.skip("makes a cgroup v1 pids directory: needs root")
+    with open("/proc/self/mountinfo") as f:
+        from lowlevel.limits import parse_mountinfo
+        mounts = [m for _r, m, fs, opts in parse_mountinfo(f.read()) if fs == "cgroup" and "pids" in opts.split(",")]
+    if not mounts:
+        pytest.skip("no cgroup v1 pids hierarchy")
+    cg = os.path.join(mounts[0], f"lowlevel-test-arun-{os.getpid()}-{time.time_ns() % 10**6}")
+    os.mkdir(cg)
+    base = tmp_path / "base"
+    base.mkdir()
+    proc = subprocess.Popen(["sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$@"', "sh", sys.executable, "-c",
+                             ARUN_AT_PIDS_MAX, str(base)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=_env(), cwd="/")
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        with open(f"{cg}/pids.current") as f:
+            current = f.read().strip()
+        with open(f"{cg}/pids.max", "w") as f:
+            f.write(current)
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        kinds = eval(proc.stdout.readline())  # noqa: S307 - a dict repr our own child printed
+        with open(f"{cg}/pids.max", "w") as f:
+            f.write("max")
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        left = int(proc.stdout.readline())
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdin.close()
+        proc.stdout.close()
+        run_dirs = [d for d in os.listdir(os.path.join(cg, "lowlevel"))
+                    if d.startswith("run-")] if os.path.isdir(os.path.join(cg, "lowlevel")) else []
+        for parent, dirs, _files in os.walk(cg, topdown=False):
+            for d in dirs:
+                try:
+                    os.rmdir(os.path.join(parent, d))
+                except OSError:
+                    pass
+        os.rmdir(cg)
+    assert set(kinds) <= {"LaunchError", "Result"} and sum(kinds.values()) == 96, kinds
+    assert "RuntimeError" not in kinds
+    assert left == 0, f"{left} workspaces made by setups that ran after their call had failed"
+    assert run_dirs == [], run_dirs
