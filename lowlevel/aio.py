@@ -443,12 +443,25 @@ async def _arun(r: Run) -> Result:
     except BaseException:
         if not r.keep_workspace and r.owns_workspace:
             # keep_workspace=False: gone on failure and cancellation too (off the loop: a big tree).
-            await asyncio.shield(loop.run_in_executor(_executor(), r.finish_workspace, None))
+            await asyncio.shield(_off_loop(lambda: None if r.finish_workspace(None) else None))
         raise
     if not r.keep_workspace:
-        result = await loop.run_in_executor(_executor(), r.finish_workspace, result)
+        box: list[Result | None] = []
+        await _off_loop(lambda: box.append(r.finish_workspace(result)))
+        result = box[0]
     assert result is not None
     return result
+
+
+async def _off_loop(fn: Callable[[], None]) -> None:
+    """``fn`` in the shared executor; on the loop itself when no thread can start (bounded file
+    work that must happen: the removal of a disposable workspace)."""
+    try:
+        fut = _submit(fn)
+    except LaunchError:
+        fn()
+        return
+    await asyncio.wrap_future(fut)
 
 
 async def _arun_kept(r: Run, loop: asyncio.AbstractEventLoop) -> Result:

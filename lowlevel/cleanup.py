@@ -17,6 +17,9 @@ host's mount namespace (the overlay and its tmpfs live in the anchor's own). Wha
 - ``handover``: the journal of a root caller that died mid-run in the hand-over fallback (no
   overlay): its workspace is still owned by the sandbox's per-run uid. The next hand-over of that
   workspace, or ``lowlevel cleanup``, gives it back (:mod:`lowlevel.handover_journal`);
+- ``import``: the staging directory of a ``lowlevel image import`` whose process died
+  (``<store>/tmp/import-<pid>-<start time>-*`` of the default store, ``$LOWLEVEL_IMAGE_STORE``);
+  the next import into that store removes it too;
 - ``mount``: a mount of lowlevel's in the host namespace (only the hand-over model of lowlevel
   0.1's sized workspaces made one: ``.sized-*``): listed; root can unmount it;
 - ``workspace``: a fresh workspace its caller was to remove after the run (the CLI's ``--rm``,
@@ -34,8 +37,10 @@ detects the cgroup bases without the sweep (``detect_cgroups(sweep=False)``).
 from __future__ import annotations
 
 import os
+import re
 import socket
 import stat
+import time
 from dataclasses import dataclass
 
 from . import limits as _limits
@@ -50,8 +55,8 @@ class Leftover:
     """One thing an interrupted run left.
 
     Attributes:
-        kind: ``"cgroup"``, ``"commit"``, ``"egress"``, ``"handover"``, ``"mount"`` or
-            ``"workspace"``.
+        kind: ``"cgroup"``, ``"commit"``, ``"egress"``, ``"handover"``, ``"import"``, ``"mount"``
+            or ``"workspace"``.
         path: where it is.
         detail: why it counts as left over (one line).
     """
@@ -144,6 +149,32 @@ def _stale_egress_dirs() -> list[Leftover]:
     return out
 
 
+_IMPORT_NAME = re.compile(r"^import-(\d+)-(?:(\d+)-)?")
+
+
+def _stale_imports() -> list[Leftover]:
+    """Staging directories of image imports whose process is gone (the default store only)."""
+    from .image import ImageStore
+    from .workspace import process_start_time
+    try:
+        tmp = ImageStore().tmp_dir
+        names = os.listdir(tmp)
+    except (OSError, LowlevelError):
+        return []
+    out = []
+    for name in names:
+        m = _IMPORT_NAME.match(name)
+        if not m:
+            continue
+        pid, start = int(m.group(1)), m.group(2)
+        now = process_start_time(pid)
+        if now is not None and (start is None or int(start) in (0, now)):
+            continue  # its importer still runs (a name without a start time: any process of that pid)
+        out.append(Leftover("import", os.path.join(tmp, name), f"staging directory of an image import whose "
+                            f"process (pid {pid}) is gone"))
+    return out
+
+
 def _host_mounts() -> list[Leftover]:
     out: list[Leftover] = []
     try:
@@ -222,7 +253,7 @@ def find_leftovers(workspaces: tuple[str, ...] = (), base: str | None = None) ->
     Returns:
         The leftovers, cgroups first. Never raises for an unreadable place (skipped).
     """
-    found = _stale_cgroups() + _stale_egress_dirs() + _host_mounts() + _handovers()
+    found = _stale_cgroups() + _stale_egress_dirs() + _stale_imports() + _host_mounts() + _handovers()
     disposable = _disposable_workspaces(base)
     gone = {item.path for item in disposable}
     for ws in _workspaces(workspaces, base):
@@ -240,9 +271,20 @@ def clean(workspaces: tuple[str, ...] = (), base: str | None = None) -> tuple[li
     """
     removed: list[Leftover] = []
     problems: list[str] = []
-    for item in _stale_cgroups():
-        _limits._rmtree_empty(item.path)  # rmdir(2) only: a cgroup still holding a task stays
-        if os.path.exists(item.path):
+    stale = _stale_cgroups()
+    # rmdir(2) only: a cgroup still holding a task stays. A caller killed a moment ago may still
+    # have its sandbox exiting (it dies with its anchor): retry for up to 2 s, as RunCgroup.remove.
+    deadline = time.monotonic() + 2.0
+    pending = list(stale)
+    while True:
+        for item in pending:
+            _limits._rmtree_empty(item.path)
+        pending = [item for item in pending if os.path.exists(item.path)]
+        if not pending or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    for item in stale:
+        if item in pending:
             problems.append(f"{item.path}: still there (processes left in it?)")
         else:
             removed.append(item)
@@ -254,6 +296,13 @@ def clean(workspaces: tuple[str, ...] = (), base: str | None = None) -> tuple[li
             removed.append(item)
         except OSError as err:
             problems.append(f"{item.path}: {err.strerror}")
+    for item in _stale_imports():
+        from .image import _rmtree as _rmtree_import
+        _rmtree_import(item.path)
+        if os.path.lexists(item.path):
+            problems.append(f"{item.path}: could not be removed")
+        else:
+            removed.append(item)
     for item in _host_mounts():
         if os.geteuid() != 0:
             problems.append(f"{item.path}: mounted; unmount it as root (umount -l)")

@@ -801,7 +801,8 @@ def _main(argv: Sequence[str] | None) -> int:
             return cmd_mcp(args)
         if args.cmd == "image":
             from .image_cli import cmd_image
-            return cmd_image(args)
+            with clean_shutdown():  # SIGTERM/SIGHUP: the import's sandboxes killed, its staging removed
+                return cmd_image(args)
         if args.cmd == "cleanup":
             return cmd_cleanup(args)
         return cmd_doctor(args)
@@ -815,7 +816,9 @@ def _main(argv: Sequence[str] | None) -> int:
         name = signal.Signals(signum).name
         workspace = err.workspace if isinstance(err, Interrupted) else None
         message = f"{name}: the sandbox was killed"
-        if workspace is not None:
+        if args is not None and getattr(args, "image_cmd", None) == "import":
+            message = f"{name}: interrupted; nothing was imported, the staging directory was removed"
+        elif workspace is not None:
             message += (f"; workspace {workspace} removed (--rm)" if err.removed  # type: ignore[union-attr]
                         else f" and the workspace given back: {workspace}")
         else:

@@ -733,6 +733,8 @@ class Run:
         #: down its mount namespace; it is reaped by :meth:`reap_anchor` (at the latest in close).
         self.exit_reported = False
         self.anchor_reaped = False
+        #: bwrap or the anchor died by a signal (killed from outside, or by our own kill).
+        self.supervisor_signaled = False
         self.t0 = 0.0
         self.t_end = 0.0
         self.deadline: float | None = None
@@ -1234,6 +1236,7 @@ class Run:
         except (ValueError, IndexError):
             return False
         code = os.WTERMSIG(status) + 128 if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        self.supervisor_signaled = self.supervisor_signaled or os.WIFSIGNALED(status)  # bwrap killed
         self.wait_status = (code & 0xFF) << 8
         self.rusage = _ExitUsage(maxrss)
         # The end as the anchor measured it (CLOCK_MONOTONIC, time.monotonic's clock): a caller
@@ -1424,6 +1427,7 @@ class Run:
         if self.pid is not None and self.wait_status is None:
             _, status, ru = os.wait4(self.pid, 0)
             self.wait_status = status
+            self.supervisor_signaled = self.supervisor_signaled or os.WIFSIGNALED(status)  # the anchor killed
             self.rusage = ru
             self.t_end = time.monotonic()
             self.anchor_reaped = True
@@ -1442,6 +1446,14 @@ class Run:
         rep = self.read_guard_report()
         if rep is not None and rep.fail_stage is not None:
             raise self._guard_failure(rep)
+        if exit_doc is None and not self.timed_out and self.killed_by is None and self._program_started(rep):
+            # bwrap reported its child (or the guard its program) started, then died without an
+            # exit code: the anchor or bwrap was killed from outside while the program ran (the
+            # program died with them: PID namespace). A killed program, not a setup failure, so
+            # its output and workspace are delivered (issue 23).
+            self.killed_by = "signal"
+            self.notes.append("the sandbox's supervisor (lowlevel's anchor or bwrap, outside the sandbox) was "
+                              "killed while the program ran; the program was killed with it")
         if exit_doc is None and not self.timed_out and self.killed_by is None:
             stderr, _, _ = self.err.value()
             if self.guard and b"execvp /proc/self/fd/" in stderr:
@@ -1532,6 +1544,12 @@ class Run:
                 self.notes.append(f"{WARNING_PREFIX}{err}")
             result.notes = tuple(self.notes)
         return result
+
+    def _program_started(self, rep: _landlock.GuardReport | None) -> bool:
+        """After READY, the sandbox was set up and then killed from outside: the guard reported
+        its program started, or bwrap (the anchor's EXIT) or the anchor itself died by a signal
+        (bwrap's own setup failures exit 1: never a signal)."""
+        return self.ready and ((rep is not None and rep.started) or self.supervisor_signaled)
 
     def read_guard_report(self) -> _landlock.GuardReport | None:
         """What the guard reported (read once, after bwrap exited); None without a guard."""

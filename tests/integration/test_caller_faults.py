@@ -263,3 +263,76 @@ def test_arun_when_no_thread_can_start_leaves_nothing(tmp_path):
     assert "RuntimeError" not in kinds
     assert left == 0, f"{left} workspaces made by setups that ran after their call had failed"
     assert run_dirs == [], run_dirs
+
+
+KILLED_SUPERVISOR = r"""
+import json, os, sys, tempfile
+import lowlevel
+print(os.getpid(), flush=True)
+try:
+    r = lowlevel.run(["sh", "-c", 'echo out > f; echo printed; exec sleep "${0#=}"', sys.argv[1]], timeout=120)
+    print(json.dumps({"killed_by": r.killed_by, "exit_code": r.exit_code, "stdout": r.stdout.decode(),
+                      "notes": list(r.notes), "f": open(os.path.join(r.workspace, "f")).read()}))
+except lowlevel.LowlevelError as err:
+    print(json.dumps({"error": type(err).__name__, "message": str(err)}))
+"""
+
+
+def _supervisor_of(marker: str, which: str) -> list[int]:
+    """PIDs of the anchor (``_lowlevel_exec``) or bwrap of the run whose program has ``marker``."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+            except OSError:
+                continue
+            if argv and os.path.basename(argv[0]).decode(errors="replace") == which \
+                    and any(marker.encode() in a for a in argv):
+                out.append(int(d))
+    return out
+
+
+@pytest.mark.parametrize("which", ["_lowlevel_exec", "bwrap"])
+@pytest.mark.parametrize("identity", ["root", "user"])
+def test_killed_anchor_or_bwrap_is_a_killed_program_not_a_setup_failure(identity: str, which: str,
+                                                                         request: pytest.FixtureRequest):
+    prefix = _prefix(identity, request)
+    marker = f"65.{os.getpid()}{time.time_ns() % 10**9:09d}"
+    proc, _pid = _start_caller([*prefix, sys.executable, "-c", KILLED_SUPERVISOR, "=" + marker])
+    try:
+        assert _wait_for(lambda: bool(_procs_with(marker)) and bool(_supervisor_of(marker, which)), 60)
+        os.kill(_supervisor_of(marker, which)[0], signal.SIGKILL)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    res = json.loads(out.strip().splitlines()[-1])
+    assert "error" not in res, res  # before: LaunchError "sandbox setup failed"
+    assert res["killed_by"] == "signal" and res["exit_code"] == 128 + signal.SIGKILL, res
+    assert res["stdout"] == "printed\n" and res["f"] == "out\n", res  # output and writes delivered
+    assert any("supervisor" in n and "killed" in n for n in res["notes"]), res
+    assert _wait_for(lambda: not _procs_with(marker), 10)
+
+
+def test_cli_keeps_the_fresh_workspace_when_the_anchor_is_killed():
+    if os.geteuid() != 0:
+        pytest.skip("root half (the library test covers the user)")
+    marker = f"66.{os.getpid()}{time.time_ns() % 10**9:09d}"
+    cli = [sys.executable, "-m", "lowlevel", "run", "--", "sh", "-c", 'echo out > f; exec sleep "${0#=}"', "=" + marker]
+    proc = subprocess.Popen(cli, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd="/")
+    try:
+        assert _wait_for(lambda: bool(_procs_with(marker)) and bool(_supervisor_of(marker, "_lowlevel_exec")), 60)
+        os.kill(_supervisor_of(marker, "_lowlevel_exec")[0], signal.SIGKILL)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGKILL, err  # before: 125, "sandbox setup failed"
+    ws = next(line.split("workspace ", 1)[1].strip() for line in err.splitlines() if "lowlevel: workspace " in line)
+    with open(os.path.join(ws, "f")) as f:
+        assert f.read() == "out\n"
+    shutil.rmtree(ws)

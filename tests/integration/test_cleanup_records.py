@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -220,3 +221,74 @@ def test_caller_killed_mid_commit_cleanup_removes_its_temporaries(svc: dict):
     assert _run_cgroups(svc["dirs"], pid) == []
     assert os.listdir(svc["records"]) == []
     shutil.rmtree(ws)
+
+
+def _import_cmd(archive: str, store: str) -> list[str]:
+    return [sys.executable, "-m", "lowlevel", "image", "import", archive, "--name", "killed:1", "--store", store,
+            "--quiet"]
+
+
+def _big_archive(work: Path) -> str:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import imagekit
+    imagekit.need_tools()
+    return str(imagekit.hostile_archive(work, "big", imagekit.many_empty_files("many", 60000)))
+
+
+@pytest.fixture
+def request_cleanup():
+    """Paths removed after the test."""
+    paths: list[str] = []
+    yield paths
+    for p in paths:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _stagings(store: str) -> list[str]:
+    tmp = os.path.join(store, "tmp")
+    return sorted(n for n in os.listdir(tmp) if n.startswith("import-")) if os.path.isdir(tmp) else []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_killed_image_import_staging_is_found_and_removed(sig: signal.Signals, tmp_path: Path,
+                                                          request_cleanup: list[str]):
+    """SIGKILL mid-import leaves the staging directory: ``cleanup --dry-run`` and ``doctor``'s
+    leftovers list it, ``cleanup`` removes it. SIGTERM (a handler now) removes it at once and
+    prints one line."""
+    work = tmp_path / "work"
+    work.mkdir()
+    archive = _big_archive(work)
+    import imagekit
+    public = imagekit.public_tmpdir("lowlevel-killed-import-")  # the sandbox's uid must reach the store
+    request_cleanup.append(str(public))
+    store = str(public / "store")
+    env = _env(str(tmp_path / "records"))
+    (tmp_path / "records").mkdir(mode=0o700)
+    env["LOWLEVEL_IMAGE_STORE"] = store
+    proc = subprocess.Popen(_import_cmd(archive, store), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd="/")
+    try:
+        assert _wait(lambda: bool(_stagings(store)), 120), "the import never staged"
+        time.sleep(0.3)
+        proc.send_signal(sig)
+        _out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if sig == signal.SIGTERM:
+        assert proc.returncode == 128 + signal.SIGTERM, err
+        assert "Traceback" not in err and "SIGTERM: interrupted; nothing was imported" in err, err
+        assert _stagings(store) == []
+        return
+    left = _stagings(store)
+    assert left, "the killed import left no staging directory: the test proves nothing"
+    run = subprocess.run([sys.executable, "-m", "lowlevel", "cleanup", "--dry-run", "--json"], capture_output=True,
+                         text=True, env=env, cwd="/", timeout=120)
+    found = {os.path.basename(x["path"]) for x in json.loads(run.stdout)["found"] if x["kind"] == "import"}
+    assert set(left) <= found, (left, run.stdout)
+    assert _stagings(store) == left
+    run = subprocess.run([sys.executable, "-m", "lowlevel", "cleanup", "--json"], capture_output=True, text=True,
+                         env=env, cwd="/", timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert _stagings(store) == []
