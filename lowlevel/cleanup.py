@@ -350,8 +350,10 @@ def clean(workspaces: tuple[str, ...] = (), base: str | None = None) -> tuple[li
             else:
                 problems.append(f"{item.path}: its commit is still running (or its pid was reused)")
     # A dead caller's record goes once nothing it lists is left (else the next cleanup retries).
+    mounts = _cgroup_mounts()
     for rec in dead:
-        if not any(os.path.isdir(p) for p in rec.cgroups) and not (rec.workspace and _commit_leftovers(rec.workspace)):
+        if not any(_recorded_path_ok(p, rec.path, mounts) and os.path.isdir(p) for p in rec.cgroups) \
+                and not (rec.workspace and _commit_leftovers(rec.workspace)):
             _records.remove(rec.path)
     return removed, problems
 

@@ -76,11 +76,13 @@ OURS = os.path.join(REPO, "lowlevel") + os.sep
 def _trials(argv_prefix: list[str], script: str, n: int, seed: int) -> tuple[int, dict[int, int], str]:
     rng = random.Random(seed)
     bad, codes, sample = 0, {}, ""
+    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+    for name in ("LOWLEVEL_CACHE_DIR", "LOWLEVEL_RECORD_DIR"):  # the suite's (an unprivileged user: not theirs)
+        if name in os.environ:
+            env[name] = os.environ[name]
     for _ in range(n):
         p = subprocess.Popen([*argv_prefix, script, "run", "--rm", "--", "true"], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, cwd="/", env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8",
-                                                                   "LOWLEVEL_CACHE_DIR": os.environ.get(
-                                                                       "LOWLEVEL_CACHE_DIR", "")})
+                             stderr=subprocess.PIPE, cwd="/", env=env)
         time.sleep(rng.uniform(0, 0.3))
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=60)
