@@ -9,6 +9,12 @@ host from outside it:
   deadline, ``--deadline-ns``), and after SIGCONT the Result says ``timed_out``/``timeout`` and
   its ``wall_time_s`` does not include the stop. Control: the same program without a timeout
   keeps running while its caller is stopped (so the disappearance is the deadline's doing).
+  Modes: ``run``, ``arun``, ``Session.run``, ``Pool.run`` (the shepherd's own wall time), the CLI.
+- ``arun`` in a caller at its ``pids.max`` (a real pids cgroup): each call raises LaunchError and
+  no call's setup runs later, once threads can start again (no workspace, no run cgroup left).
+- the anchor or bwrap SIGKILLed from outside mid-run: a killed program (``killed_by="signal"``,
+  137, a note), its output and writes delivered, not "sandbox setup failed"; the CLI keeps the
+  fresh workspace holding the output.
 """
 
 from __future__ import annotations
@@ -41,6 +47,9 @@ if mode == "run":
 elif mode == "arun":
     from lowlevel.aio import arun
     r = asyncio.run(arun(cmd, timeout=timeout))
+elif mode == "pool":
+    with lowlevel.Pool(size=1) as pool:
+        r = pool.run(cmd, timeout=timeout)
 else:
     with lowlevel.Session() as s:
         r = s.run(cmd, timeout=timeout)
@@ -112,7 +121,7 @@ def _start_caller(argv: list[str]) -> tuple[subprocess.Popen[str], int]:
     return proc, int(line)
 
 
-@pytest.mark.parametrize("mode", ["run", "arun", "session"])
+@pytest.mark.parametrize("mode", ["run", "arun", "session", "pool"])
 @pytest.mark.parametrize("identity", ["root", "user"])
 def test_stopped_caller_run_ends_at_its_deadline(identity: str, mode: str, request: pytest.FixtureRequest):
     prefix = _prefix(identity, request)
