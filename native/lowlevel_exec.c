@@ -816,6 +816,20 @@ int main(int argc, char **argv) {
     if (unshare(CLONE_NEWPID) != 0)
         die("unshare", "(CLONE_NEWPID)");
 
+    /* The deadline's timer, armed before anything of the sandbox exists (fails closed: a run
+     * with a deadline never starts without it); polled in the wait loop, step 6. CLOEXEC: the
+     * child's exec of bwrap drops its copy. */
+    int timer = -1, deadline_hit = 0;
+    if (deadline_ns) {
+        struct itimerspec when;
+        memset(&when, 0, sizeof when);
+        when.it_value.tv_sec = (time_t)(deadline_ns / 1000000000ULL);
+        when.it_value.tv_nsec = (long)(deadline_ns % 1000000000ULL);
+        timer = timerfd_create(CLOCK_MONOTONIC, TFD_CLOEXEC | TFD_NONBLOCK);
+        if (timer < 0 || timerfd_settime(timer, TFD_TIMER_ABSTIME, &when, NULL) != 0)
+            die("timerfd", "(--deadline-ns)");
+    }
+
     /* 4. The child: PID 1 of the new namespace, then bwrap. It waits for "go" (EOF: the anchor
      * died, so it exits) so that bwrap starts only once the caller holds its pidfd. */
     int go[2];
@@ -928,19 +942,6 @@ int main(int argc, char **argv) {
     }
 
     /* 6. Wait for bwrap; serve RESET requests meanwhile; kill the sandbox at the deadline. */
-    int timer = -1, deadline_hit = 0;
-    if (deadline_ns) {
-        struct itimerspec when;
-        memset(&when, 0, sizeof when);
-        when.it_value.tv_sec = (time_t)(deadline_ns / 1000000000ULL);
-        when.it_value.tv_nsec = (long)(deadline_ns % 1000000000ULL);
-        timer = timerfd_create(CLOCK_MONOTONIC, TFD_CLOEXEC | TFD_NONBLOCK);
-        if (timer < 0 || timerfd_settime(timer, TFD_TIMER_ABSTIME, &when, NULL) != 0) {
-            /* Fails closed, as before the exec: a run with a deadline never runs without it. */
-            kill(child, SIGKILL);
-            die("timerfd", "(--deadline-ns)");
-        }
-    }
     for (;;) {
         struct pollfd p[3] = {{.fd = pidfd, .events = POLLIN}, {.fd = timer, .events = POLLIN},
                               {.fd = (report_fd >= 0 && have_overlay) ? report_fd : -1, .events = POLLIN}};
