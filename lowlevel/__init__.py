@@ -34,7 +34,10 @@ if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
                 posix.write(2, f"lowlevel: {_STARTUP_NOTICE}\n".encode())
             finally:
                 posix._exit(128 + signum)
-        _signal.signal(_signal.SIGINT, _startup_sigint)
+        try:
+            _signal.signal(_signal.SIGINT, _startup_sigint)
+        except ValueError:  # not the main thread: not the command starting
+            pass
     del _main_file, _orig
 from .egress import Egress, NetworkAttempt  # noqa: E402
 from .errors import (BwrapNotFoundError, CommitConflictError, ImageError, LaunchError, LowlevelError, PolicyError,  # noqa: E402
