@@ -10,15 +10,45 @@ See :func:`lowlevel.run`, :class:`lowlevel.Policy` and :class:`lowlevel.Result`;
 filesystems: :mod:`lowlevel.image`, :mod:`lowlevel.rootfs`.
 """
 
-from .egress import Egress, NetworkAttempt
-from .errors import (BwrapNotFoundError, CommitConflictError, CommitIncompleteError, ImageError, LaunchError,
-                     LowlevelError, PolicyError, SeccompError, SessionError, UnsupportedError, WorkspaceError)
-from .launcher import ExecError, run
-from .limits import Limits
-from .policy import Bind, Policy
-from .result import Result, RunFailedError
-from .seccomp import DEFAULT_PROFILE, SeccompProfile
-from .workspace import Changes
+# First thing, with modules Python itself has loaded already (no import can be interrupted
+# first): when this process is the lowlevel command, a ^C while the package imports prints the
+# CLI's one-line notice instead of a KeyboardInterrupt traceback (lowlevel._startup).
+import sys as _sys  # noqa: I001
+import _signal  # type: ignore[import-not-found]  # the C module: `signal` would import enum first
+
+_STARTUP_NOTICE = "SIGINT: interrupted while starting; nothing was run"
+_STARTUP_JSON = ('{\n  "errno": null,\n  "error": "Interrupted",\n  "exit_status": 130,\n  "message": "'
+                 + _STARTUP_NOTICE + '",\n  "signal": "SIGINT",\n  "workspace": null\n}\n')
+if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
+    _main_file = getattr(_sys.modules.get("__main__"), "__file__", None) or ""
+    _orig = list(getattr(_sys, "orig_argv", ()))
+    if (_sys.argv and _sys.argv[0].rsplit("/", 1)[-1] == "lowlevel" and _main_file == _sys.argv[0]) \
+            or any(a == "-m" and _orig[i + 1:i + 2] == ["lowlevel"] for i, a in enumerate(_orig)):
+        def _startup_sigint(signum: int, _frame: object) -> None:
+            # No import here: the interrupted one may be half done (lowlevel._startup).
+            import posix
+            try:
+                _argv = _sys.argv[1:]
+                if "--json" in (_argv[:_argv.index("--")] if "--" in _argv else _argv):
+                    posix.write(1, _STARTUP_JSON.encode())
+                posix.write(2, f"lowlevel: {_STARTUP_NOTICE}\n".encode())
+            finally:
+                posix._exit(128 + signum)
+        try:
+            _signal.signal(_signal.SIGINT, _startup_sigint)
+        except ValueError:  # not the main thread: not the command starting
+            pass
+    del _main_file, _orig
+from .egress import Egress, NetworkAttempt  # noqa: E402
+from .errors import (BwrapNotFoundError, CommitConflictError, CommitIncompleteError, ImageError,  # noqa: E402
+                     LaunchError, LowlevelError, PolicyError, SeccompError, SessionError, UnsupportedError,
+                     WorkspaceError)
+from .launcher import ExecError, run  # noqa: E402
+from .limits import Limits  # noqa: E402
+from .policy import Bind, Policy  # noqa: E402
+from .result import Result, RunFailedError  # noqa: E402
+from .seccomp import DEFAULT_PROFILE, SeccompProfile  # noqa: E402
+from .workspace import Changes  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import functools
 import os
 import select
@@ -65,7 +66,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .errors import LaunchError, LowlevelError
-from .launcher import DEFAULT_TIMEOUT_S, SETUP_TIMEOUT_S, Run, classify_setup_failure
+from .launcher import DEFAULT_TIMEOUT_S, PROCESS_LIMIT_HINT, SETUP_TIMEOUT_S, Run, classify_setup_failure
 from .policy import Policy
 from .result import Result
 
@@ -275,6 +276,51 @@ def _executor() -> concurrent.futures.ThreadPoolExecutor:
         return _pool
 
 
+def _submit(fn: Callable[[], None]) -> concurrent.futures.Future[None]:
+    """``fn`` on the shared executor, or a LaunchError; never queued to run after a failure.
+
+    ``ThreadPoolExecutor.submit`` queues the work item *before* it starts a thread for it; when
+    that thread cannot start (``RuntimeError: can't start new thread``: the caller's
+    ``pids.max``, ``RLIMIT_NPROC``) the call raises but the item stays queued, and a worker that
+    frees up later runs it: the run's setup (workspace, cgroup, hand-over journal) then happened
+    for a call that had already failed, and nothing ever cleaned it (issue 23: three batches of 32
+    calls at ``pids.max`` 2-4 left 90 workspaces and 270 cgroup directories). So the item is
+    wrapped: once the submission failed it does nothing, unless a worker already started it, in
+    which case the call goes on as submitted.
+
+    Raises:
+        LaunchError: no thread could start for ``fn`` (``errno`` EAGAIN); nothing ran.
+    """
+    out: concurrent.futures.Future[None] = concurrent.futures.Future()
+    lock = threading.Lock()
+    state = ["queued"]
+
+    def work() -> None:
+        with lock:
+            if state[0] == "dropped":
+                return
+            state[0] = "running"
+        if not out.set_running_or_notify_cancel():
+            return
+        try:
+            fn()
+        except BaseException as err:  # noqa: BLE001 - handed to the awaiting coroutine
+            out.set_exception(err)
+        else:
+            out.set_result(None)
+
+    try:
+        _executor().submit(work)
+    except RuntimeError as err:
+        with lock:
+            if state[0] == "queued":
+                state[0] = "dropped"
+                raise LaunchError(f"cannot start a thread for the sandbox's setup ({err}): {PROCESS_LIMIT_HINT}",
+                                  errno=errno.EAGAIN) from err
+        # A worker took it between the queueing and the failure: it runs, its future tells.
+    return out
+
+
 async def _step(fn: Callable[[], None], abort: threading.Event | None = None) -> None:
     """Run one blocking step of a Run in the shared executor; wait for its end even if cancelled.
 
@@ -288,7 +334,7 @@ async def _step(fn: Callable[[], None], abort: threading.Event | None = None) ->
         fn: the step, called in a pool thread.
         abort: set on cancellation, for a step of several parts to skip the rest.
     """
-    fut = asyncio.wrap_future(_executor().submit(fn))
+    fut = asyncio.wrap_future(_submit(fn))
     cancelled = False
     while not fut.done():
         try:
@@ -397,12 +443,25 @@ async def _arun(r: Run) -> Result:
     except BaseException:
         if not r.keep_workspace and r.owns_workspace:
             # keep_workspace=False: gone on failure and cancellation too (off the loop: a big tree).
-            await asyncio.shield(loop.run_in_executor(_executor(), r.finish_workspace, None))
+            await asyncio.shield(_off_loop(lambda: None if r.finish_workspace(None) else None))
         raise
     if not r.keep_workspace:
-        result = await loop.run_in_executor(_executor(), r.finish_workspace, result)
+        box: list[Result | None] = []
+        await _off_loop(lambda: box.append(r.finish_workspace(result)))
+        result = box[0]
     assert result is not None
     return result
+
+
+async def _off_loop(fn: Callable[[], None]) -> None:
+    """``fn`` in the shared executor; on the loop itself when no thread can start (bounded file
+    work that must happen: the removal of a disposable workspace)."""
+    try:
+        fut = _submit(fn)
+    except LaunchError:
+        fn()
+        return
+    await asyncio.wrap_future(fut)
 
 
 async def _arun_kept(r: Run, loop: asyncio.AbstractEventLoop) -> Result:

@@ -481,7 +481,8 @@ class AnchorOverlay:
 def anchor_argv(facts: HostFacts, helper: str, *, parent: int, report_fd: int | None, cgroup_fds: Sequence[int],
                 rlimits: Sequence[tuple[str, int, int]], ids: tuple[int, int] | None,
                 overlay: AnchorOverlay | None, keep_fds: Sequence[int], pass_fds: Sequence[int],
-                args_fd: int | None, command: Sequence[str], cgroup_dir_fd: int | None = None) -> list[str]:
+                args_fd: int | None, command: Sequence[str], cgroup_dir_fd: int | None = None,
+                deadline_ns: int | None = None) -> list[str]:
     """The argv exec'd for every sandbox: ``_lowlevel_exec OPTIONS -- bwrap --args FD -- COMMAND...``.
 
     The anchor (``native/lowlevel_exec.c``) dies with the caller (PR_SET_PDEATHSIG, checked),
@@ -507,6 +508,8 @@ def anchor_argv(facts: HostFacts, helper: str, *, parent: int, report_fd: int | 
         pass_fds: fd numbers bwrap must get; the anchor closes every other inherited fd.
         args_fd: bwrap's ``--args`` fd, or None to exec ``command`` itself (probe).
         command: the program and its arguments inside.
+        deadline_ns: absolute ``CLOCK_MONOTONIC`` time (ns, ``time.monotonic_ns()``'s clock) at
+            which the anchor SIGKILLs the sandbox itself, running caller or not; None: never.
 
     Source: prctl(2) PR_SET_PDEATHSIG; pid_namespaces(7); setrlimit(2); setresuid(2);
     user_namespaces(7); bwrap(1) --args.
@@ -536,6 +539,8 @@ def anchor_argv(facts: HostFacts, helper: str, *, parent: int, report_fd: int | 
             if overlay.root_lower_path is not None:
                 a.append(f"--root-lower-path={overlay.root_lower_path}")
     a += [f"--keep-fd={fd}" for fd in keep_fds]
+    if deadline_ns is not None:
+        a.append(f"--deadline-ns={deadline_ns}")
     a.append("--pass-fds=" + ",".join(str(fd) for fd in pass_fds))
     if args_fd is None:
         return [*a, "--", *command]

@@ -3,16 +3,23 @@
 A run killed at any instant leaves no process (the anchor's PID namespace) and no mount in the
 host's mount namespace (the overlay and its tmpfs live in the anchor's own). What can remain:
 
-- ``cgroup``: a per-run cgroup directory of a caller that died (``run-<pid>-...``); the next
-  :func:`lowlevel.limits.detect_cgroups` in any process removes the empty ones of dead pids;
+- ``cgroup``: a per-run cgroup directory of a caller that died (``run-<pid>-...``), wherever it
+  was: under this process's own base, or where the run's record (:mod:`lowlevel.run_records`,
+  written before the cgroup was made) says, e.g. under the cgroup of a service or container the
+  caller ran in. The next :func:`lowlevel.limits.detect_cgroups` of a caller in the same cgroup
+  also removes the empty ones of dead pids;
 - ``commit``: temporaries of a commit killed mid-way (``.lowlevel-commit-<pid>-<n>`` and its
   journal) in a workspace; the next commit into that workspace removes them
-  (:func:`lowlevel.overlay.cleanup_commit_leftovers`), or ``lowlevel cleanup --workspace DIR``;
+  (:func:`lowlevel.overlay.cleanup_commit_leftovers`), or ``lowlevel cleanup`` (the workspaces
+  of dead callers' run records, and ``--workspace DIR``);
 - ``egress``: the unix-socket directory of an egress-mode run (``lowlevel-egress-*`` in
   ``/dev/shm`` or ``/tmp``) whose proxy is gone;
 - ``handover``: the journal of a root caller that died mid-run in the hand-over fallback (no
   overlay): its workspace is still owned by the sandbox's per-run uid. The next hand-over of that
   workspace, or ``lowlevel cleanup``, gives it back (:mod:`lowlevel.handover_journal`);
+- ``import``: the staging directory of a ``lowlevel image import`` whose process died
+  (``<store>/tmp/import-<pid>-<start time>-*`` of the default store, ``$LOWLEVEL_IMAGE_STORE``);
+  the next import into that store removes it too;
 - ``mount``: a mount of lowlevel's in the host namespace (only the hand-over model of lowlevel
   0.1's sized workspaces made one: ``.sized-*``): listed; root can unmount it;
 - ``workspace``: a fresh workspace its caller was to remove after the run (the CLI's ``--rm``,
@@ -22,16 +29,22 @@ host's mount namespace (the overlay and its tmpfs live in the anchor's own). Wha
 
 Other fresh workspaces (``run-*`` under the workspace base) and saved conflict directories hold
 the user's data: they are never removed here.
+
+:func:`find_leftovers` (``lowlevel doctor``, ``lowlevel cleanup --dry-run``) changes nothing: it
+detects the cgroup bases without the sweep (``detect_cgroups(sweep=False)``).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import stat
+import time
 from dataclasses import dataclass
 
 from . import limits as _limits
+from . import run_records as _records
 from .errors import LowlevelError
 
 _EGRESS_PREFIX = "lowlevel-egress-"
@@ -42,8 +55,8 @@ class Leftover:
     """One thing an interrupted run left.
 
     Attributes:
-        kind: ``"cgroup"``, ``"commit"``, ``"egress"``, ``"handover"``, ``"mount"`` or
-            ``"workspace"``.
+        kind: ``"cgroup"``, ``"commit"``, ``"egress"``, ``"handover"``, ``"import"``, ``"mount"``
+            or ``"workspace"``.
         path: where it is.
         detail: why it counts as left over (one line).
     """
@@ -53,19 +66,50 @@ class Leftover:
     detail: str
 
 
+def _cgroup_mounts() -> list[str]:
+    try:
+        with open("/proc/self/mountinfo") as f:
+            return [mount for _root, mount, _fs, _opts in _limits.parse_mountinfo(f.read())]
+    except OSError:
+        return []
+
+
+def _recorded_path_ok(path: str, record: str, mounts: list[str]) -> bool:
+    """A recorded cgroup directory is one cleanup may rmdir: strictly below a cgroup mount, no
+    symlink on the way, and named as the record says (``<pid>-<start>-<name>``)."""
+    real = os.path.realpath(path)
+    return (real == os.path.normpath(path) and os.path.isabs(path)
+            and any(real.startswith(m.rstrip("/") + "/") for m in mounts)
+            and os.path.basename(record).endswith("-" + os.path.basename(real)))
+
+
+def _dead_records() -> list[_records.Record]:
+    return [r for r in _records.records() if not r.caller_alive()]
+
+
 def _stale_cgroups() -> list[Leftover]:
     out: list[Leftover] = []
+    seen: set[str] = set()
     try:
-        support = _limits.detect_cgroups()
+        support = _limits.detect_cgroups(sweep=False)  # look only: the sweep would remove them
     except OSError:
-        return out
+        support = _limits.CgroupSupport()
     for h in support.hierarchies:
         if not h.base or not os.path.isdir(h.base):
             continue
         for name in os.listdir(h.base):
             m = _limits._RUN_NAME.match(name)
-            if m and not os.path.exists(f"/proc/{m.group(1)}"):
-                out.append(Leftover("cgroup", os.path.join(h.base, name), f"its creator (pid {m.group(1)}) is gone"))
+            if m and int(m.group(1)) != os.getpid() and not os.path.exists(f"/proc/{m.group(1)}"):
+                path = os.path.join(h.base, name)
+                seen.add(path)
+                out.append(Leftover("cgroup", path, f"its creator (pid {m.group(1)}) is gone"))
+    mounts = _cgroup_mounts()
+    for rec in _dead_records():
+        for path in rec.cgroups:
+            if path not in seen and _recorded_path_ok(path, rec.path, mounts) and os.path.isdir(path):
+                seen.add(path)
+                out.append(Leftover("cgroup", path, f"its caller (pid {rec.pid}) is gone (from its run record "
+                                    f"{rec.path})"))
     return out
 
 
@@ -102,6 +146,32 @@ def _stale_egress_dirs() -> list[Leftover]:
                     s.close()
             if not alive:
                 out.append(Leftover("egress", d, "no proxy listens on its socket"))
+    return out
+
+
+_IMPORT_NAME = re.compile(r"^import-(\d+)-(?:(\d+)-)?")
+
+
+def _stale_imports() -> list[Leftover]:
+    """Staging directories of image imports whose process is gone (the default store only)."""
+    from .image import ImageStore
+    from .workspace import process_start_time
+    try:
+        tmp = ImageStore().tmp_dir
+        names = os.listdir(tmp)
+    except (OSError, LowlevelError):
+        return []
+    out = []
+    for name in names:
+        m = _IMPORT_NAME.match(name)
+        if not m:
+            continue
+        pid, start = int(m.group(1)), m.group(2)
+        now = process_start_time(pid)
+        if now is not None and (start is None or int(start) in (0, now)):
+            continue  # its importer still runs (a name without a start time: any process of that pid)
+        out.append(Leftover("import", os.path.join(tmp, name), f"staging directory of an image import whose "
+                            f"process (pid {pid}) is gone"))
     return out
 
 
@@ -163,6 +233,16 @@ def _disposable_workspaces(base: str | None) -> list[Leftover]:
     return out
 
 
+def _workspaces(given: tuple[str, ...], base: str | None) -> list[str]:
+    """Where to look for commit temporaries: ``given``, the fresh workspaces under ``base`` and
+    the workspaces of dead callers' run records (a caller killed mid-commit), each once."""
+    out: list[str] = []
+    for ws in (*given, *_fresh_workspaces(base), *(r.workspace for r in _dead_records() if r.workspace)):
+        if ws not in out:
+            out.append(ws)
+    return out
+
+
 def find_leftovers(workspaces: tuple[str, ...] = (), base: str | None = None) -> list[Leftover]:
     """Everything interrupted runs left that this caller can see (see the module docstring).
 
@@ -173,10 +253,10 @@ def find_leftovers(workspaces: tuple[str, ...] = (), base: str | None = None) ->
     Returns:
         The leftovers, cgroups first. Never raises for an unreadable place (skipped).
     """
-    found = _stale_cgroups() + _stale_egress_dirs() + _host_mounts() + _handovers()
+    found = _stale_cgroups() + _stale_egress_dirs() + _stale_imports() + _host_mounts() + _handovers()
     disposable = _disposable_workspaces(base)
     gone = {item.path for item in disposable}
-    for ws in (*workspaces, *_fresh_workspaces(base)):
+    for ws in _workspaces(workspaces, base):
         if ws not in gone:  # removed whole, temporaries included
             found += _commit_leftovers(ws)
     return found + disposable
@@ -191,10 +271,20 @@ def clean(workspaces: tuple[str, ...] = (), base: str | None = None) -> tuple[li
     """
     removed: list[Leftover] = []
     problems: list[str] = []
-    before = _stale_cgroups()
-    _limits.detect_cgroups(refresh=True)  # sweeps the empty run cgroups of dead pids
-    for item in before:
-        if os.path.exists(item.path):
+    stale = _stale_cgroups()
+    # rmdir(2) only: a cgroup still holding a task stays. A caller killed a moment ago may still
+    # have its sandbox exiting (it dies with its anchor): retry for up to 2 s, as RunCgroup.remove.
+    deadline = time.monotonic() + 2.0
+    pending = list(stale)
+    while True:
+        for item in pending:
+            _limits._rmtree_empty(item.path)
+        pending = [item for item in pending if os.path.exists(item.path)]
+        if not pending or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    for item in stale:
+        if item in pending:
             problems.append(f"{item.path}: still there (processes left in it?)")
         else:
             removed.append(item)
@@ -206,6 +296,13 @@ def clean(workspaces: tuple[str, ...] = (), base: str | None = None) -> tuple[li
             removed.append(item)
         except OSError as err:
             problems.append(f"{item.path}: {err.strerror}")
+    for item in _stale_imports():
+        from .image import _rmtree as _rmtree_import
+        _rmtree_import(item.path)
+        if os.path.lexists(item.path):
+            problems.append(f"{item.path}: could not be removed")
+        else:
+            removed.append(item)
     for item in _host_mounts():
         if os.geteuid() != 0:
             problems.append(f"{item.path}: mounted; unmount it as root (umount -l)")
@@ -230,7 +327,8 @@ def clean(workspaces: tuple[str, ...] = (), base: str | None = None) -> tuple[li
         except LowlevelError as err:
             problems.append(f"{item.path}: {err}")
     from .overlay import cleanup_commit_leftovers
-    for ws in (*workspaces, *_fresh_workspaces(base)):
+    dead = _dead_records()
+    for ws in _workspaces(workspaces, base):
         left = _commit_leftovers(ws)
         if not left:
             continue
@@ -251,6 +349,12 @@ def clean(workspaces: tuple[str, ...] = (), base: str | None = None) -> tuple[li
                 removed.append(item)
             else:
                 problems.append(f"{item.path}: its commit is still running (or its pid was reused)")
+    # A dead caller's record goes once nothing it lists is left (else the next cleanup retries).
+    mounts = _cgroup_mounts()
+    for rec in dead:
+        if not any(_recorded_path_ok(p, rec.path, mounts) and os.path.isdir(p) for p in rec.cgroups) \
+                and not (rec.workspace and _commit_leftovers(rec.workspace)):
+            _records.remove(rec.path)
     return removed, problems
 
 

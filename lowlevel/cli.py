@@ -780,12 +780,24 @@ def _wants_json(argv: Sequence[str]) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``lowlevel`` console script. Returns the exit status."""
+    from . import _startup
+    try:
+        _startup.disarm()  # the start-up ^C notice (lowlevel._startup) hands over to the handling below
+        return _main(argv)
+    except KeyboardInterrupt:  # between the two, or a second ^C while _main reported the first
+        print("lowlevel: SIGINT: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
+    finally:
+        _startup.finished()
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # Only the named subcommand's parser (the others cost imports and set-up); all of them for
-    # --help, --version or a name argparse must refuse with the list of choices.
-    parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
     args: argparse.Namespace | None = None
     try:
+        # Only the named subcommand's parser (the others cost imports and set-up); all of them for
+        # --help, --version or a name argparse must refuse with the list of choices.
+        parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
         args = parser.parse_args(argv)
         if args.cmd == "run":
             with clean_shutdown():
@@ -797,7 +809,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_mcp(args)
         if args.cmd == "image":
             from .image_cli import cmd_image
-            return cmd_image(args)
+            with clean_shutdown():  # SIGTERM/SIGHUP: the import's sandboxes killed, its staging removed
+                return cmd_image(args)
         if args.cmd == "cleanup":
             return cmd_cleanup(args)
         return cmd_doctor(args)
@@ -811,7 +824,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         name = signal.Signals(signum).name
         workspace = err.workspace if isinstance(err, Interrupted) else None
         message = f"{name}: the sandbox was killed"
-        if workspace is not None:
+        if args is not None and getattr(args, "image_cmd", None) == "import":
+            message = f"{name}: interrupted; nothing was imported, the staging directory was removed"
+        elif workspace is not None:
             message += (f"; workspace {workspace} removed (--rm)" if err.removed  # type: ignore[union-attr]
                         else f" and the workspace given back: {workspace}")
         else:

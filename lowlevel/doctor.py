@@ -70,7 +70,7 @@ def cgroup_checks() -> list[dict[str, Any]]:
     from . import limits
 
     try:
-        support = limits.detect_cgroups()
+        support = limits.detect_cgroups(sweep=False)  # doctor only looks: no sweep of stale cgroups
     except Exception as err:  # noqa: BLE001 - doctor reports, never crashes
         return [_check("cgroups", False, f"{type(err).__name__}: {err}")]
     writable = sorted(support.writable_controllers)
@@ -253,6 +253,10 @@ def diagnose() -> dict[str, Any]:
     from . import probe
     from .errors import LowlevelError
 
+    from . import limits
+    # Detect (and cache for this process) without the sweep: the sandbox run below must not
+    # remove the stale cgroups the leftovers check then reports (doctor only looks).
+    limits.detect_cgroups(sweep=False)
     checks: list[dict[str, Any]] = []
     checks.append(_check("kernel", True, f"{platform.system()} {platform.release()} {platform.machine()}"))
     info = None

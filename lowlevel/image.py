@@ -683,7 +683,9 @@ class ImageStore:
                 raise ImageError(f"{tool} is not installed: the import needs it (apt-get install {tool})")
         self.ensure()
         self._clean_stale()
-        staging = tempfile.mkdtemp(prefix=f"import-{os.getpid()}-", dir=self.tmp_dir)
+        # import-<pid>-<start time>-*: lowlevel cleanup tells a dead importer from a reused pid.
+        from .run_records import own_start_time
+        staging = tempfile.mkdtemp(prefix=f"import-{os.getpid()}-{own_start_time() or 0}-", dir=self.tmp_dir)
         job = None
         try:
             job = _Import(self, src, staging, wanted, ref, limits, progress, tools)

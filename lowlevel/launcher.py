@@ -117,6 +117,10 @@ _CGROUP_SERIAL = itertools.count(1)
 DEFAULT_TIMEOUT_S = 60.0
 #: How long the handshake (bwrap setting up namespaces and mounts) may take, seconds.
 SETUP_TIMEOUT_S = 30.0
+#: Seconds past a run's deadline at which the anchor kills the sandbox itself (``--deadline-ns``)
+#: when the caller has not: a caller stopped (SIGSTOP), stuck or starved of CPU at its deadline.
+#: The caller's own kill at the deadline comes first whenever it runs.
+ANCHOR_GRACE_S = 0.2
 
 
 class ExecError(LaunchError):
@@ -797,6 +801,8 @@ class Run:
         #: down its mount namespace; it is reaped by :meth:`reap_anchor` (at the latest in close).
         self.exit_reported = False
         self.anchor_reaped = False
+        #: bwrap or the anchor died by a signal (killed from outside, or by our own kill).
+        self.supervisor_signaled = False
         self.t0 = 0.0
         self.t_end = 0.0
         self.deadline: float | None = None
@@ -985,7 +991,8 @@ class Run:
 
         # A serial, not id(self): a cgroup an interrupted run left behind must not collide with a
         # later Run object that CPython put at the same address (EEXIST, LaunchError).
-        self.cgroup = _limits.RunCgroup.create(policy.limits, f"run-{os.getpid()}-{next(_CGROUP_SERIAL):x}")
+        self.cgroup = _limits.RunCgroup.create(policy.limits, f"run-{os.getpid()}-{next(_CGROUP_SERIAL):x}",
+                                               workspace=self.workspace)  # recorded: lowlevel.run_records
         if self.cgroup is None:
             self.notes.append("no writable cgroup hierarchy: memory, pids and CPU bounded by rlimits only")
         else:
@@ -1187,7 +1194,10 @@ class Run:
                            rlimits=self.pre_exec_rlimits,
                            ids=self.host_ids if self.facts.caller_is_root else None, overlay=ov,
                            keep_fds=(self.anchor_fds["lease"],) if "lease" in self.anchor_fds else (),
-                           pass_fds=self.pass_fds, args_fd=ARGS_FD, command=self._inner_command())
+                           pass_fds=self.pass_fds, args_fd=ARGS_FD, command=self._inner_command(),
+                           # The anchor enforces the deadline too (a stopped caller cannot extend a run).
+                           deadline_ns=None if self.deadline is None
+                           else round((self.deadline + ANCHOR_GRACE_S) * 1e9))
 
     def _inner_command(self) -> list[str]:
         """What bwrap runs: the egress relay (outside Landlock: it listens on the proxy port),
@@ -1208,14 +1218,14 @@ class Run:
             self._spawn()
 
     def _spawn(self) -> None:
-        exe_argv = self.anchor_argv()
-        i = exe_argv.index("--args")
-        self.full_argv = [*exe_argv[:i], *self.argv, *exe_argv[i + 2:]]
-        log.debug("lowlevel: spawning %s", lambda: redact_env_values(self.full_argv))
         self.since_ns = time.time_ns()
         self.t0 = time.monotonic()
         if self.timeout is not None:
             self.deadline = self.t0 + self.timeout
+        exe_argv = self.anchor_argv()
+        i = exe_argv.index("--args")
+        self.full_argv = [*exe_argv[:i], *self.argv, *exe_argv[i + 2:]]
+        log.debug("lowlevel: spawning %s", lambda: redact_env_values(self.full_argv))
         try:
             # setsid: the host-side bwrap (and the exec helper) leave the caller's session too
             # (bwrap's --new-session detaches only the sandbox's side), so no process lowlevel
@@ -1330,13 +1340,21 @@ class Run:
             if msg.startswith(b"EXIT "):
                 break
         try:
-            status, maxrss = (int(x) for x in msg.split()[1:3])
-        except ValueError:
+            fields = [int(x) for x in msg.split()[1:]]
+            status, maxrss = fields[0], fields[1]
+        except (ValueError, IndexError):
             return False
         code = os.WTERMSIG(status) + 128 if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        self.supervisor_signaled = self.supervisor_signaled or os.WIFSIGNALED(status)  # bwrap killed
         self.wait_status = (code & 0xFF) << 8
         self.rusage = _ExitUsage(maxrss)
-        self.t_end = time.monotonic()
+        # The end as the anchor measured it (CLOCK_MONOTONIC, time.monotonic's clock): a caller
+        # stopped or starved when the run ended must not count its own delay as the run's.
+        self.t_end = fields[2] / 1e9 if len(fields) > 2 and fields[2] > 0 else time.monotonic()
+        if len(fields) > 3 and fields[3] & 1 and self.killed_by is None:
+            # The anchor killed the sandbox at the deadline (--deadline-ns): the caller did not.
+            self.killed_by = "timeout"
+            self.timed_out = True
         self.exit_reported = True
         return True
 
@@ -1518,6 +1536,7 @@ class Run:
         if self.pid is not None and self.wait_status is None:
             _, status, ru = os.wait4(self.pid, 0)
             self.wait_status = status
+            self.supervisor_signaled = self.supervisor_signaled or os.WIFSIGNALED(status)  # the anchor killed
             self.rusage = ru
             self.t_end = time.monotonic()
             self.anchor_reaped = True
@@ -1536,6 +1555,14 @@ class Run:
         rep = self.read_guard_report()
         if rep is not None and rep.fail_stage is not None:
             raise self._guard_failure(rep)
+        if exit_doc is None and not self.timed_out and self.killed_by is None and self._program_started(rep):
+            # bwrap reported its child (or the guard its program) started, then died without an
+            # exit code: the anchor or bwrap was killed from outside while the program ran (the
+            # program died with them: PID namespace). A killed program, not a setup failure, so
+            # its output and workspace are delivered (issue 23).
+            self.killed_by = "signal"
+            self.notes.append("the sandbox's supervisor (lowlevel's anchor or bwrap, outside the sandbox) was "
+                              "killed while the program ran; the program was killed with it")
         if exit_doc is None and not self.timed_out and self.killed_by is None:
             stderr, _, _ = self.err.value()
             if self.guard and b"execvp /proc/self/fd/" in stderr:
@@ -1626,6 +1653,12 @@ class Run:
                 self.notes.append(f"{WARNING_PREFIX}{err}")
             result.notes = tuple(self.notes)
         return result
+
+    def _program_started(self, rep: _landlock.GuardReport | None) -> bool:
+        """After READY, the sandbox was set up and then killed from outside: the guard reported
+        its program started, or bwrap (the anchor's EXIT) or the anchor itself died by a signal
+        (bwrap's own setup failures exit 1: never a signal)."""
+        return self.ready and ((rep is not None and rep.started) or self.supervisor_signaled)
 
     def read_guard_report(self) -> _landlock.GuardReport | None:
         """What the guard reported (read once, after bwrap exited); None without a guard."""

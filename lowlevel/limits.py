@@ -388,7 +388,7 @@ _detected: CgroupSupport | None = None
 _holder: subprocess.Popen[bytes] | None = None  # process keeping a systemd-run scope alive
 
 
-def detect_cgroups(*, refresh: bool = False) -> CgroupSupport:
+def detect_cgroups(*, refresh: bool = False, sweep: bool = True) -> CgroupSupport:
     """Find the cgroup hierarchies and prepare a writable base in each; cached per process.
 
     Probes by doing: creates ``<our cgroup>/lowlevel`` in each v1 hierarchy we use (``memory``,
@@ -415,6 +415,8 @@ def detect_cgroups(*, refresh: bool = False) -> CgroupSupport:
 
     Args:
         refresh: detect again instead of returning the cached answer.
+        sweep: remove the empty run cgroups of dead callers found under the bases (the default).
+            ``lowlevel doctor`` and ``cleanup --dry-run`` pass False: they only look.
     Returns:
         A :class:`CgroupSupport`; never raises for a host without cgroups.
     """
@@ -427,12 +429,13 @@ def detect_cgroups(*, refresh: bool = False) -> CgroupSupport:
             except OSError:
                 _detected = CgroupSupport()
             else:
-                _detected = _detect(mountinfo, own)
+                _detected = _detect(mountinfo, own, sweep=sweep)
         return _detected
 
 
 def _detect(mountinfo: str, proc_cgroup: str, *, euid: int | None = None, pid: int | None = None,
-            delegate: Callable[[str, bool], tuple[str, int] | None] | None = None) -> CgroupSupport:
+            delegate: Callable[[str, bool], tuple[str, int] | None] | None = None,
+            sweep: bool = True) -> CgroupSupport:
     """:func:`detect_cgroups` on given texts; tests pass a fake cgroupfs through ``mountinfo``."""
     euid = os.geteuid() if euid is None else euid
     pid = os.getpid() if pid is None else pid
@@ -447,7 +450,7 @@ def _detect(mountinfo: str, proc_cgroup: str, *, euid: int | None = None, pid: i
             seen.add("v2")
             path = _own_dir(mount, root, own[""])
             hierarchies.append(_prepare_v2(mount, path, euid=euid, pid=pid, delegate=delegate,
-                                           own_path=own[""]))
+                                           own_path=own[""], sweep=sweep))
             continue
         controllers = frozenset(options.split(",")) & _V1_USED
         if not controllers or mount in seen:
@@ -466,7 +469,8 @@ def _detect(mountinfo: str, proc_cgroup: str, *, euid: int | None = None, pid: i
             hierarchies.append(Hierarchy(1, mount, path, controllers, None,
                                          f"mkdir {base}: {err.strerror}"))
             continue
-        _sweep(base)
+        if sweep:
+            _sweep(base)
         hierarchies.append(Hierarchy(1, mount, path, controllers, base, "our cgroup"))
     return CgroupSupport(tuple(hierarchies))
 
@@ -479,7 +483,8 @@ def _own_dir(mount: str, mount_root: str, own_path: str) -> str:
 
 
 def _prepare_v2(mount: str, path: str, *, euid: int, pid: int,
-                delegate: Callable[[str, bool], tuple[str, int] | None], own_path: str = "") -> Hierarchy:
+                delegate: Callable[[str, bool], tuple[str, int] | None], own_path: str = "",
+                sweep: bool = True) -> Hierarchy:
     wanted = _read_words(os.path.join(path, "cgroup.controllers")) & set(LIMIT_CONTROLLERS)
     is_real_root = not os.path.exists(os.path.join(path, "cgroup.type"))  # the root has none
     writable = os.access(os.path.join(path, "cgroup.procs"), os.W_OK)
@@ -487,7 +492,7 @@ def _prepare_v2(mount: str, path: str, *, euid: int, pid: int,
     ours = own_path == "/" or _delegated(path, euid)
     if writable and is_real_root:
         # The root cgroup may hold processes and have controllers enabled for children.
-        return _v2_base(mount, path, os.path.join(path, BASE_NAME), wanted, "root cgroup")
+        return _v2_base(mount, path, os.path.join(path, BASE_NAME), wanted, "root cgroup", sweep)
     if writable and ours and _read_ints(os.path.join(path, "cgroup.procs")) == [pid]:
         leaf = os.path.join(path, "supervisor")
         try:
@@ -497,7 +502,7 @@ def _prepare_v2(mount: str, path: str, *, euid: int, pid: int,
             return Hierarchy(2, mount, path, frozenset(), None,
                              f"cannot move ourselves to {leaf}: {err.strerror}")
         return _v2_base(mount, path, os.path.join(path, BASE_NAME), wanted,
-                        "delegated own cgroup (we moved to its supervisor/ leaf)")
+                        "delegated own cgroup (we moved to its supervisor/ leaf)", sweep)
     got = delegate(mount, euid != 0)
     if got is not None:
         scope, holder_pid = got
@@ -509,18 +514,18 @@ def _prepare_v2(mount: str, path: str, *, euid: int, pid: int,
         except OSError as err:
             return Hierarchy(2, mount, path, frozenset(), None,
                              f"systemd-run scope {scope}: cannot move the holder: {err.strerror}")
-        return _v2_base(mount, scope, scope, wanted, "systemd-run --scope -p Delegate=yes")
+        return _v2_base(mount, scope, scope, wanted, "systemd-run --scope -p Delegate=yes", sweep)
     if writable and ours:
         # Other processes share our cgroup, so no controller can be enabled below it ("no
         # internal processes"); child cgroups without controllers still give kill and CPU time.
         return _v2_base(mount, path, os.path.join(path, BASE_NAME), set(),
-                        "own cgroup shared with other processes: no controllers, kill and CPU time only")
+                        "own cgroup shared with other processes: no controllers, kill and CPU time only", sweep)
     return Hierarchy(2, mount, path, frozenset(), None,
                      "not writable: run as root, or in a delegated cgroup (systemd-run --user "
                      "--scope -p Delegate=yes), or with a systemd user manager")
 
 
-def _v2_base(mount: str, parent: str, base: str, wanted: set[str], how: str) -> Hierarchy:
+def _v2_base(mount: str, parent: str, base: str, wanted: set[str], how: str, sweep: bool = True) -> Hierarchy:
     """Create ``base`` under ``parent`` and enable ``wanted`` controllers for its children."""
     enabled = set()
     try:
@@ -530,7 +535,8 @@ def _v2_base(mount: str, parent: str, base: str, wanted: set[str], how: str) -> 
         enabled = _enable(base, wanted & _read_words(os.path.join(base, "cgroup.controllers")))
     except OSError as err:
         return Hierarchy(2, mount, parent, frozenset(), None, f"{how}: {base}: {err.strerror}")
-    _sweep(base)
+    if sweep:
+        _sweep(base)
     return Hierarchy(2, mount, parent, frozenset(enabled), base, how)
 
 
@@ -802,13 +808,15 @@ class RunCgroup:
         self._memory_sampled = 0
         self._removed = False
         self._event_fds: dict[str, int] | None = None
+        #: Where :mod:`lowlevel.run_records` recorded the directories (None: no record).
+        self.record: str | None = None
 
     def __repr__(self) -> str:
         return f"<RunCgroup {self.name} enforced={self.enforced} nodes={[n.path for n in self.nodes]}>"
 
     @classmethod
     def create(cls, limits: Limits, name: str | None = None, *,
-               support: CgroupSupport | None = None) -> "RunCgroup | None":
+               support: CgroupSupport | None = None, workspace: str | None = None) -> "RunCgroup | None":
         """Create the run's cgroup and write its limits, before bwrap starts.
 
         Creates a directory in: the hierarchy of each limit set (``memory``, ``pids``,
@@ -822,6 +830,11 @@ class RunCgroup:
                 of the form ``<pid>-...`` or ``run-<pid>-...`` are swept by the next
                 :func:`detect_cgroups` once that PID is gone (a caller killed mid-run).
             support: the host's cgroups; default :func:`detect_cgroups`.
+            workspace: the run's workspace, kept in the run's record (``lowlevel cleanup``
+                then checks it for commit temporaries if the caller dies).
+        The directories are recorded (:mod:`lowlevel.run_records`) before the first is made,
+        and the record removed by :meth:`remove`, so ``lowlevel cleanup`` finds them after the
+        caller's death wherever its own cgroup put them.
         Returns:
             The RunCgroup, or None when no hierarchy is writable (rlimits only) and nothing in
             ``limits.require`` needs one.
@@ -855,7 +868,9 @@ class RunCgroup:
                 if h is not None:
                     chosen[h.mount] = h
 
+        from . import run_records
         nodes: list[_Node] = []
+        record = run_records.write(name, [os.path.join(str(h.base), name) for h in chosen.values()], workspace)
         try:
             for h in chosen.values():
                 assert h.base is not None
@@ -869,8 +884,10 @@ class RunCgroup:
                     _rmdir(node.path)
                 except OSError:
                     pass
+            run_records.remove(record)
             raise
         self = cls(name, nodes, enforced, files, notes)
+        self.record = record
         missing = [r for r in limits.require if r != "cgroup" and r not in enforced]
         if missing:
             self.remove()
@@ -1139,6 +1156,9 @@ class RunCgroup:
         if left:
             raise OSError(errno.EBUSY, f"run cgroup(s) still busy after {timeout_s}s: {', '.join(left)}")
         self._removed = True
+        from . import run_records
+        run_records.remove(self.record)  # only once every directory is gone
+        self.record = None
 
     def __enter__(self) -> "RunCgroup":
         return self

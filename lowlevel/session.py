@@ -727,7 +727,7 @@ class _Core:
                                   "protocol")
 
     def _finish(self, cmd: _Cmd, fields: tuple[int, ...]) -> None:
-        _t, _cid, kind, status, flags, stage, utime_us, stime_us, maxrss_kib, _wall_ns = fields
+        _t, _cid, kind, status, flags, stage, utime_us, stime_us, maxrss_kib, wall_ns = fields
         # The shepherd reported only after the command's whole tree was dead: what is in the
         # pipes is all there is. Drain without waiting for EOF (another command of the session
         # could hold a copy of our pipe through /proc/PID/fd).
@@ -744,14 +744,16 @@ class _Core:
             cmd.close_fds()
             self.finishing += 1  # a commit()/reset() waits until its Result is built (drained())
         try:
-            self._finish_result(cmd, kind, status, flags, stage, utime_us, stime_us, maxrss_kib)
+            self._finish_result(cmd, kind, status, flags, stage, utime_us, stime_us, maxrss_kib, wall_ns)
         finally:
             with self.lock:
                 self.finishing -= 1
 
     def _finish_result(self, cmd: _Cmd, kind: int, status: int, flags: int, stage: int, utime_us: int,
-                       stime_us: int, maxrss_kib: int) -> None:
-        wall = time.monotonic() - cmd.t0
+                       stime_us: int, maxrss_kib: int, wall_ns: int) -> None:
+        # The shepherd's own measure (CLOCK_MONOTONIC, from its fork to the command's end): the
+        # host's clock reading here would include any time the caller was stopped or starved.
+        wall = wall_ns / 1e9 if wall_ns > 0 else time.monotonic() - cmd.t0
         if kind == _EXIT_SETUP_FAILED:
             stage_name = _STAGES.get(stage, str(stage))
             msg = os.strerror(status)

@@ -71,6 +71,13 @@
  *   [--lower-path=PATH]   the copy-on-write workspace above; with --userns, --lower-path is
  *                         opened again in the new mount namespace and must be the same
  *                         directory (st_dev, st_ino) as --lower-fd
+ *   --deadline-ns=T       the run's wall-clock deadline (plus the caller's grace), absolute
+ *                         CLOCK_MONOTONIC nanoseconds (the caller's clock: one clock per boot,
+ *                         no time namespace here). At T the anchor SIGKILLs bwrap, the PID 1 of
+ *                         the sandbox's PID namespace (the kernel then kills every process in
+ *                         it: pid_namespaces(7)), whether or not the caller is running: a
+ *                         stopped (SIGSTOP), stuck or overloaded caller cannot extend a run.
+ *                         A timerfd (timerfd_create(2), TFD_TIMER_ABSTIME) in the wait loop.
  *   [--empty-lower]       the workspace is fresh and empty (a one-shot run): the lower layer
  *                         is an empty directory of the tmpfs, no idmapped clone (--lower-fd is
  *                         still the workspace: the merged root takes its owner and mode, and
@@ -81,9 +88,12 @@
  *   caller -> anchor  "RESET"   stack a fresh overlay (new upper) on ws/; previous stacked
  *                               one unmounted first (propagates into the sandbox)
  *   anchor -> caller  "RESET_OK" + SCM_RIGHTS [new upper fd], or "RESET_ERR <message>"
- *   anchor -> caller  "EXIT <wait status> <maxrss>" once bwrap is reaped (the sandbox is gone),
- *                     before the anchor's own exit: bwrap's wait(2) status, the largest
- *                     ru_maxrss (KiB) of bwrap and what it waited for
+ *   anchor -> caller  "EXIT <wait status> <maxrss> <end ns> <flags>" once bwrap is reaped (the
+ *                     sandbox is gone), before the anchor's own exit: bwrap's wait(2) status,
+ *                     the largest ru_maxrss (KiB) of bwrap and what it waited for, the
+ *                     CLOCK_MONOTONIC time (ns) bwrap was reaped at (the run's end, measured
+ *                     here: a stopped caller's own clock reading would include its stop), and
+ *                     flags: 1 = the anchor killed the sandbox at --deadline-ns
  *
  * Fails closed: any failing call before bwrap's exec prints one line naming the call to stderr
  * and exits 125 (the child: 125 too, or 127 when execv fails); nothing of the sandbox starts.
@@ -107,6 +117,8 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/timerfd.h>
+#include <time.h>
 #include <sys/types.h>
 #include <sys/uio.h>
 #include <sys/wait.h>
@@ -581,6 +593,7 @@ int main(int argc, char **argv) {
     int nlimits = 0, have_uid = 0, have_gid = 0, userns = 0, report_fd = -1, i;
     int cgroup_fds[MAX_FDS], ncgroup = 0, keep_fds[MAX_FDS], nkeep = 0, pass[4 * MAX_FDS], npass = 0;
     int cgroup_dir = -1;
+    unsigned long long deadline_ns = 0; /* 0: none */
     unsigned int uid = 0, gid = 0;
     pid_t parent = 0;
     struct overlay ov = {.lower_fd = -1, .tree_fd = -1, .root_fd = -1, .root_tree = -1};
@@ -661,6 +674,9 @@ int main(int argc, char **argv) {
             }
         } else if (strncmp(a, "--report-fd=", 12) == 0) {
             report_fd = need_fd(a, a + 12);
+        } else if (strncmp(a, "--deadline-ns=", 14) == 0) {
+            if (deadline_ns || parse_num(a + 14, (unsigned long long)INT64_MAX, &deadline_ns) || deadline_ns == 0)
+                die("bad option", a);
         } else if (strcmp(a, "--empty-lower") == 0) {
             ov.empty_lower = 1;
         } else if (strcmp(a, "--userns") == 0) {
@@ -800,6 +816,20 @@ int main(int argc, char **argv) {
     if (unshare(CLONE_NEWPID) != 0)
         die("unshare", "(CLONE_NEWPID)");
 
+    /* The deadline's timer, armed before anything of the sandbox exists (fails closed: a run
+     * with a deadline never starts without it); polled in the wait loop, step 6. CLOEXEC: the
+     * child's exec of bwrap drops its copy. */
+    int timer = -1, deadline_hit = 0;
+    if (deadline_ns) {
+        struct itimerspec when;
+        memset(&when, 0, sizeof when);
+        when.it_value.tv_sec = (time_t)(deadline_ns / 1000000000ULL);
+        when.it_value.tv_nsec = (long)(deadline_ns % 1000000000ULL);
+        timer = timerfd_create(CLOCK_MONOTONIC, TFD_CLOEXEC | TFD_NONBLOCK);
+        if (timer < 0 || timerfd_settime(timer, TFD_TIMER_ABSTIME, &when, NULL) != 0)
+            die("timerfd", "(--deadline-ns)");
+    }
+
     /* 4. The child: PID 1 of the new namespace, then bwrap. It waits for "go" (EOF: the anchor
      * died, so it exits) so that bwrap starts only once the caller holds its pidfd. */
     int go[2];
@@ -911,18 +941,27 @@ int main(int argc, char **argv) {
         }
     }
 
-    /* 6. Wait for bwrap; serve RESET requests meanwhile. */
+    /* 6. Wait for bwrap; serve RESET requests meanwhile; kill the sandbox at the deadline. */
     for (;;) {
-        struct pollfd p[2] = {{.fd = pidfd, .events = POLLIN}, {.fd = report_fd, .events = POLLIN}};
-        int np = (report_fd >= 0 && have_overlay) ? 2 : 1;
-        if (poll(p, np, -1) < 0) {
+        struct pollfd p[3] = {{.fd = pidfd, .events = POLLIN}, {.fd = timer, .events = POLLIN},
+                              {.fd = (report_fd >= 0 && have_overlay) ? report_fd : -1, .events = POLLIN}};
+        /* poll(2) ignores entries with a negative fd. */
+        if (poll(p, 3, -1) < 0) {
             if (errno == EINTR)
                 continue;
             die("poll", NULL);
         }
         if (p[0].revents)
             break;
-        if (np == 2 && p[1].revents) {
+        if (timer >= 0 && p[1].revents) {
+            /* The deadline: bwrap is PID 1 of the sandbox's PID namespace, so its death takes
+             * every process of the sandbox with it; the pidfd then reports it as usual. */
+            kill(child, SIGKILL);
+            deadline_hit = 1;
+            close(timer);
+            timer = -1;
+        }
+        if (p[2].fd >= 0 && p[2].revents) {
             char buf[64];
             ssize_t n = recv(report_fd, buf, sizeof buf - 1, MSG_DONTWAIT);
             if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
@@ -951,8 +990,11 @@ int main(int argc, char **argv) {
      * rusage covers every descendant it waited for), before our own teardown, which the caller
      * need not wait for to build its Result. */
     if (report_fd >= 0) {
-        char msg[96];
-        snprintf(msg, sizeof msg, "EXIT %d %ld", status, (long)ru.ru_maxrss);
+        char msg[128];
+        struct timespec end;
+        clock_gettime(CLOCK_MONOTONIC, &end);
+        snprintf(msg, sizeof msg, "EXIT %d %ld %lld %d", status, (long)ru.ru_maxrss,
+                 (long long)end.tv_sec * 1000000000LL + end.tv_nsec, deadline_hit);
         send_msg(report_fd, msg, NULL, 0);
     }
     if (WIFEXITED(status))

@@ -41,6 +41,16 @@ if "LOWLEVEL_CACHE_DIR" not in os.environ:
     os.environ["LOWLEVEL_CACHE_DIR"] = _cache
     atexit.register(shutil.rmtree, _cache, True)
 
+# The run records (lowlevel.run_records: where each run made its cgroups) go to the suite's own
+# directory, not root's /run/lowlevel/cgroups; tests of cleanup's records set their own.
+if "LOWLEVEL_RECORD_DIR" not in os.environ:
+    import atexit
+    import tempfile
+
+    _records = tempfile.mkdtemp(prefix="lowlevel-test-records-")  # 0700
+    os.environ["LOWLEVEL_RECORD_DIR"] = _records
+    atexit.register(shutil.rmtree, _records, True)
+
 HERE = Path(__file__).resolve().parent
 RUN_AS = HERE / "helpers" / "run_as.py"
 TEST_USER = "lowlevel-test"

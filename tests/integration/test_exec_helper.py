@@ -13,8 +13,10 @@ from __future__ import annotations
 import os
 import resource
 import shutil
+import signal
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -140,6 +142,8 @@ def test_refuses_to_exec_when_setgroups_fails_unprivileged(marker: Path, request
     ["--cgroup-dir-fd=2"],                            # fds 0-2 are never ours
     ["--root-lower-fd=0"],                            # needs --mnt and ids (or --userns + path)
     ["--root-lower-path=relative"],
+    ["--deadline-ns=0"], ["--deadline-ns=abc"], ["--deadline-ns=-5"],
+    ["--deadline-ns=1", "--deadline-ns=2"],          # given twice
 ])
 def test_bad_arguments_exit_125_without_exec(marker: Path, args: list[str]):
     proc = _helper(args, marker)
@@ -158,6 +162,21 @@ def test_relative_target_and_missing_target():
     assert proc.returncode == 125 and "usage" in proc.stderr
     proc = anchor("--", "/nonexistent/bwrap")
     assert proc.returncode == 127 and "execv /nonexistent/bwrap: No such file or directory" in proc.stderr
+
+
+@needs_helper
+def test_deadline_kills_the_sandbox_without_the_caller():
+    """--deadline-ns (CLOCK_MONOTONIC): the anchor SIGKILLs its PID 1 at that time on its own (its
+    caller, the shell, only waits). Control: a deadline far away lets the program exit by itself."""
+    def anchor(deadline_s: float, program: str) -> subprocess.CompletedProcess[str]:
+        ns = time.monotonic_ns() + int(deadline_s * 1e9)
+        ids = "--userns" if not ROOT else "--uid=65534 --gid=65534"
+        return subprocess.run(["/bin/sh", "-c", f"{HELPER} --parent=$$ {ids} --deadline-ns={ns} -- {program}; exit $?"],
+                              capture_output=True, text=True, timeout=120)
+    proc = anchor(0.3, "/bin/sleep 30")
+    assert proc.returncode == 128 + signal.SIGKILL, proc.stderr
+    proc = anchor(60, "/bin/sleep 0.1")
+    assert proc.returncode == 0, proc.stderr
 
 
 @needs_helper

@@ -710,3 +710,41 @@ def test_upper_inodes_stay_within_the_anchors_ceiling() -> None:
     from lowlevel.cow import upper_inodes
     assert upper_inodes(64 * KiB) == 1024
     assert upper_inodes(5000 * GiB) == 1 << 32
+
+
+# ---------------------------------------------------------------------------------------------
+# the sweep and the run records (issue 23 item 5)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_detect_without_sweep_keeps_a_dead_callers_cgroup(kernel: FakeKernel) -> None:
+    """doctor and cleanup --dry-run detect with sweep=False: they only look; the default sweeps."""
+    mem = kernel.v1_root("memory")
+    dead = 2**22 + 12345  # above pid_max's default: no such process
+    mountinfo = _mountinfo((mem, "cgroup", "rw,memory"))
+    L._detect(mountinfo, "5:memory:/\n", euid=0, pid=1, delegate=_no_delegate)
+    kernel.mkdir(os.path.join(mem, "lowlevel", f"run-{dead}-1"))
+    L._detect(mountinfo, "5:memory:/\n", euid=0, pid=1, delegate=_no_delegate, sweep=False)
+    assert os.path.isdir(os.path.join(mem, "lowlevel", f"run-{dead}-1"))
+    L._detect(mountinfo, "5:memory:/\n", euid=0, pid=1, delegate=_no_delegate)  # control: the sweep
+    assert not os.path.exists(os.path.join(mem, "lowlevel", f"run-{dead}-1"))
+
+
+def test_run_cgroup_is_recorded_until_removed(kernel: FakeKernel, tmp_path: object,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from lowlevel import run_records
+    records = os.path.join(str(tmp_path), "records")
+    os.mkdir(records, 0o700)
+    monkeypatch.setenv("LOWLEVEL_RECORD_DIR", records)
+    mem = kernel.v1_root("memory")
+    support = L._detect(_mountinfo((mem, "cgroup", "rw,memory")), "5:memory:/\n", euid=os.geteuid(),
+                        pid=os.getpid(), delegate=_no_delegate)
+    cg = L.RunCgroup.create(Limits(), "rec1", support=support, workspace="/some/ws")
+    assert cg is not None and cg.record is not None
+    [rec] = run_records.records()
+    assert rec.cgroups == [n.path for n in cg.nodes] and rec.workspace == "/some/ws"
+    assert rec.pid == os.getpid() and rec.caller_alive()
+    rec.start_time += 1  # the same pid with another start time: a reused pid, so a dead caller
+    assert not rec.caller_alive()
+    cg.remove()
+    assert run_records.records() == [] and os.listdir(records) == []

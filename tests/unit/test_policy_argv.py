@@ -115,6 +115,17 @@ def test_every_caller_goes_through_the_anchor():
          "/usr/bin/bwrap", "--args", "3", "--", "true"]
 
 
+def test_anchor_gets_the_deadline():
+    """The run's deadline (CLOCK_MONOTONIC ns) goes to the anchor, which kills the sandbox at it
+    whether or not the caller runs (issue 23 item 4); no option without a timeout."""
+    helper = "/site/lowlevel/_lowlevel_exec"
+    common = dict(parent=42, report_fd=12, cgroup_fds=(), rlimits=(), overlay=None, keep_fds=(15,), pass_fds=(3,),
+                  args_fd=3, command=["true"], ids=None)
+    argv = anchor_argv(FACTS, helper, deadline_ns=123456789012, **common)
+    assert argv[argv.index("--keep-fd=15") + 1:argv.index("--")] == ["--deadline-ns=123456789012", "--pass-fds=3"]
+    assert not any(a.startswith("--deadline-ns") for a in anchor_argv(FACTS, helper, **common))
+
+
 def test_anchor_overlay_options():
     helper = "/site/lowlevel/_lowlevel_exec"
     root = HostFacts(bwrap=INFO, layout=MERGED, caller_is_root=True)

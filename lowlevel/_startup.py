@@ -1,0 +1,52 @@
+"""SIGINT while the ``lowlevel`` command starts: one line, never a ``KeyboardInterrupt`` traceback.
+
+The console script imports ``lowlevel.cli`` (and so the whole package: ~110 ms here) before
+:func:`lowlevel.cli.main` runs; a ^C in that window raised ``KeyboardInterrupt`` out of an
+``import`` and Python printed its traceback (21 of 300 root and 15 of 120 unprivileged runs,
+issue 23). The first statements of ``lowlevel/__init__.py`` (using only modules the interpreter
+has loaded already, so that nothing before them can be interrupted) replace Python's default
+SIGINT handler with one that prints the one-line notice, and only when the process's main program
+is lowlevel's own command (the ``lowlevel`` console script, or ``python -m lowlevel``): never
+for a program that imports the library, whose SIGINT stays its own. The handler imports nothing
+(the interrupted import may be half done), prints the CLI's one-line notice (with ``--json``,
+its error object too) and exits 130: nothing was
+started yet, so there is nothing to kill or give back. :func:`lowlevel.cli.main` puts Python's
+handler back first thing (:func:`disarm`: its own ``KeyboardInterrupt`` handling then applies)
+and drops SIGINT once it has its exit status (:func:`finished`). A SIGINT the parent ignored
+(``nohup``, ``&`` in a script) stays ignored.
+
+Out of reach: a ^C before the package's first statement (Python's own start-up, the ``site``
+module and its ``.pth`` files, the console script's ``import re``) gets Python's default
+behaviour.
+
+Source: signal(2); the Python library reference, :mod:`signal` ("Python installs a small number
+of signal handlers by default: ... SIGINT is translated into a KeyboardInterrupt exception").
+"""
+
+from __future__ import annotations
+
+import signal
+
+
+def _armed() -> bool:
+    import lowlevel
+    handler = getattr(lowlevel, "_startup_sigint", None)
+    return handler is not None and signal.getsignal(signal.SIGINT) is handler
+
+
+#: Set by :func:`disarm` when the start-up handler was in place (this process is the CLI).
+was_armed = False
+
+
+def disarm() -> None:
+    """Python's SIGINT handler back (the CLI's ``KeyboardInterrupt`` handling takes over)."""
+    global was_armed
+    if _armed():
+        was_armed = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def finished() -> None:
+    """The CLI has its exit status: a SIGINT from now on is dropped (no traceback at exit)."""
+    if was_armed:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)

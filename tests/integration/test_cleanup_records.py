@@ -1,0 +1,294 @@
+"""Callers killed inside a cgroup of their own: ``lowlevel cleanup`` finds and removes what they left.
+
+Issue 23 item 5. A service manager or a container runtime puts its caller in a cgroup of its own;
+the caller's run cgroups then live under ``<that cgroup>/lowlevel``, where a ``lowlevel cleanup``
+run from elsewhere never looked. Each run now records its cgroup directories (and workspace)
+before making them (:mod:`lowlevel.run_records`). Here a real caller (root: cgroup v1
+hierarchies need it) moves itself into a fresh cgroup ``svc-*`` of every v1 hierarchy lowlevel
+uses, starts a run and is SIGKILLed:
+
+- mid-run: its run cgroups stay (the anchor and the sandbox die with it);
+  ``cleanup --dry-run`` and ``doctor``, run *inside the same cgroup* (where the base's sweep
+  would delete them), list them and change nothing; ``cleanup`` from the root cgroup removes
+  every one and the record; control: without the records (an empty record directory) cleanup
+  sees none of them;
+- mid-commit: the commit's temporaries in a workspace outside every base are listed and
+  removed by ``cleanup`` (from the record's workspace), not only by the next commit.
+
+Every test uses its own record directory (``LOWLEVEL_RECORD_DIR``), never ``/run/lowlevel``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from lowlevel import limits as _limits
+from lowlevel.overlay import LEFTOVER_PREFIX
+
+pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(300)]
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+CALLER = r"""
+import os, sys
+mode, ws, arg = sys.argv[1], sys.argv[2], sys.argv[3]
+import lowlevel
+print(os.getpid(), flush=True)
+if mode == "sleep":
+    lowlevel.run(["sh", "-c", 'exec sleep "${0#=}"', arg], workspace=ws, timeout=600)
+else:
+    lowlevel.run(["sh", "-c", "mkdir d; i=0; while [ $i -lt 4000 ]; do echo $i > d/f$i; i=$((i+1)); done"],
+                 workspace=ws, timeout=600)
+"""
+
+#: Joins every cgroup directory given in $CGS (its cgroup.procs), then execs the command.
+JOIN = 'for d in $CGS; do echo $$ > "$d/cgroup.procs" || exit 99; done; exec "$@"'
+
+
+def _v1_mounts() -> list[str]:
+    with open("/proc/self/mountinfo") as f:
+        return sorted({m for _r, m, fs, opts in _limits.parse_mountinfo(f.read())
+                       if fs == "cgroup" and set(opts.split(",")) & set(_limits._V1_USED)})
+
+
+@pytest.fixture
+def svc(tmp_path: Path):
+    """A cgroup ``svc-*`` of our own in every v1 hierarchy lowlevel uses, and a record dir."""
+    if os.geteuid() != 0:
+        pytest.skip("makes cgroup v1 directories: needs root")
+    mounts = _v1_mounts()
+    if not mounts:
+        pytest.skip("no cgroup v1 hierarchy")
+    name = f"svc-lowlevel-test-{os.getpid()}-{time.time_ns() % 10**6}"
+    dirs = [os.path.join(m, name) for m in mounts]
+    for d in dirs:
+        os.mkdir(d)
+    records = tmp_path / "records"
+    records.mkdir(mode=0o700)
+    empty = tmp_path / "no-records"
+    empty.mkdir(mode=0o700)
+    yield {"dirs": dirs, "records": str(records), "empty": str(empty)}
+    for d in dirs:
+        for parent, subdirs, _files in os.walk(d, topdown=False):
+            for s in subdirs:
+                try:
+                    os.rmdir(os.path.join(parent, s))
+                except OSError:
+                    pass
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass
+
+
+def _env(records: str, cgs: list[str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO
+    env["LOWLEVEL_RECORD_DIR"] = records
+    if cgs is not None:
+        env["CGS"] = " ".join(cgs)
+    return env
+
+
+def _in(cgs: list[str], argv: list[str]) -> list[str]:
+    return ["sh", "-c", JOIN, "sh", *argv] if cgs else argv
+
+
+def _cli(args: list[str], records: str, cgs: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(_in(cgs or [], [sys.executable, "-m", "lowlevel", *args]), capture_output=True, text=True,
+                          env=_env(records, cgs), cwd="/", timeout=240)
+
+
+def _procs_with(arg: str) -> list[int]:
+    needle = b"\0" + arg.encode() + b"\0"
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    if needle in b"\0" + f.read():
+                        out.append(int(d))
+            except OSError:
+                pass
+    return out
+
+
+def _wait(cond, bound_s: float) -> bool:
+    end = time.monotonic() + bound_s
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+def _run_cgroups(svc_dirs: list[str], pid: int) -> list[str]:
+    out = []
+    for d in svc_dirs:
+        base = os.path.join(d, "lowlevel")
+        if os.path.isdir(base):
+            out += [os.path.join(base, n) for n in os.listdir(base) if n.startswith(f"run-{pid}-")]
+    return sorted(out)
+
+
+def _start(svc: dict, mode: str, ws: str, arg: str) -> tuple[subprocess.Popen[str], int]:
+    proc = subprocess.Popen(_in(svc["dirs"], [sys.executable, "-c", CALLER, mode, ws, arg]),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(svc["records"], svc["dirs"]), cwd="/")
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.strip().isdigit(), (line, proc.stderr.read() if proc.stderr else "")
+    return proc, int(line)
+
+
+def test_caller_killed_in_own_cgroup_cleanup_removes_its_cgroups(svc: dict):
+    ws = tempfile.mkdtemp(prefix="ws-records-", dir="/tmp")
+    marker = f"64.{os.getpid()}{time.time_ns() % 10**9:09d}"
+    proc, pid = _start(svc, "sleep", ws, "=" + marker)
+    try:
+        assert _wait(lambda: bool(_procs_with(marker)), 60), "the program never started"
+        proc.kill()
+        proc.communicate(timeout=30)
+        assert _wait(lambda: not _procs_with(marker), 10), "the sandbox outlived its caller"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    left = _run_cgroups(svc["dirs"], pid)
+    assert left, "the killed caller left no run cgroup: the test proves nothing"
+    assert os.listdir(svc["records"]), "no run record was left"
+
+    # Control: without its records, cleanup (from the root cgroup) sees none of them.
+    blind = _cli(["cleanup", "--dry-run", "--json"], svc["empty"])
+    assert not {x["path"] for x in json.loads(blind.stdout)["found"]} & set(left)
+
+    # cleanup --dry-run inside the caller's cgroup (its base is theirs): lists them, removes nothing.
+    dry = _cli(["cleanup", "--dry-run", "--json"], svc["records"], svc["dirs"])
+    assert dry.returncode == 0, dry.stderr
+    found = {x["path"] for x in json.loads(dry.stdout)["found"] if x["kind"] == "cgroup"}
+    assert set(left) <= found, (left, found)
+    assert _run_cgroups(svc["dirs"], pid) == left, "cleanup --dry-run removed cgroups"
+
+    # doctor inside the caller's cgroup: reports them, removes nothing.
+    doc = _cli(["doctor", "--json"], svc["records"], svc["dirs"])
+    checks = {c["name"]: c for c in json.loads(doc.stdout)["checks"]}
+    assert "cgroup" in checks["leftovers"]["detail"], checks["leftovers"]
+    assert _run_cgroups(svc["dirs"], pid) == left, "doctor removed cgroups"
+
+    # cleanup from the root cgroup: every one goes, and the record with them.
+    done = _cli(["cleanup", "--json"], svc["records"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    removed = {x["path"] for x in json.loads(done.stdout)["removed"]}
+    assert set(left) <= removed, (left, removed)
+    assert _run_cgroups(svc["dirs"], pid) == []
+    assert os.listdir(svc["records"]) == []
+    shutil.rmtree(ws)
+
+
+def test_caller_killed_mid_commit_cleanup_removes_its_temporaries(svc: dict):
+    ws = tempfile.mkdtemp(prefix="ws-records-commit-", dir="/tmp")  # outside every workspace base
+    proc, pid = _start(svc, "commit", ws, "-")
+    try:
+        prefix = f"{LEFTOVER_PREFIX}{pid}"
+        hit = _wait(lambda: any(n.startswith(prefix) for n in os.listdir(ws)), 120)
+        proc.kill()
+        proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert hit, "the commit never started"
+    temps = sorted(n for n in os.listdir(ws) if n.startswith(LEFTOVER_PREFIX))
+    if not temps:
+        pytest.skip("the commit ended between the sighting and the kill")
+    dry = _cli(["cleanup", "--dry-run", "--json"], svc["records"])
+    found = {os.path.basename(x["path"]) for x in json.loads(dry.stdout)["found"] if x["kind"] == "commit"}
+    assert set(temps) <= found, (temps, found)
+    assert sorted(n for n in os.listdir(ws) if n.startswith(LEFTOVER_PREFIX)) == temps, "the dry run removed some"
+    done = _cli(["cleanup", "--json"], svc["records"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not [n for n in os.listdir(ws) if n.startswith(LEFTOVER_PREFIX)]
+    assert _run_cgroups(svc["dirs"], pid) == []
+    assert os.listdir(svc["records"]) == []
+    shutil.rmtree(ws)
+
+
+def _import_cmd(archive: str, store: str) -> list[str]:
+    return [sys.executable, "-m", "lowlevel", "image", "import", archive, "--name", "killed:1", "--store", store,
+            "--quiet"]
+
+
+def _big_archive(work: Path) -> str:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import imagekit
+    imagekit.need_tools()
+    return str(imagekit.hostile_archive(work, "big", imagekit.many_empty_files("many", 60000)))
+
+
+@pytest.fixture
+def request_cleanup():
+    """Paths removed after the test."""
+    paths: list[str] = []
+    yield paths
+    for p in paths:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _stagings(store: str) -> list[str]:
+    tmp = os.path.join(store, "tmp")
+    return sorted(n for n in os.listdir(tmp) if n.startswith("import-")) if os.path.isdir(tmp) else []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_killed_image_import_staging_is_found_and_removed(sig: signal.Signals, tmp_path: Path,
+                                                          request_cleanup: list[str]):
+    """SIGKILL mid-import leaves the staging directory: ``cleanup --dry-run`` and ``doctor``'s
+    leftovers list it, ``cleanup`` removes it. SIGTERM (a handler now) removes it at once and
+    prints one line."""
+    work = tmp_path / "work"
+    work.mkdir()
+    archive = _big_archive(work)
+    import imagekit
+    public = imagekit.public_tmpdir("lowlevel-killed-import-")  # the sandbox's uid must reach the store
+    request_cleanup.append(str(public))
+    store = str(public / "store")
+    env = _env(str(tmp_path / "records"))
+    (tmp_path / "records").mkdir(mode=0o700)
+    env["LOWLEVEL_IMAGE_STORE"] = store
+    proc = subprocess.Popen(_import_cmd(archive, store), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd="/")
+    try:
+        assert _wait(lambda: bool(_stagings(store)), 120), "the import never staged"
+        time.sleep(0.3)
+        proc.send_signal(sig)
+        _out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if sig == signal.SIGTERM:
+        assert proc.returncode == 128 + signal.SIGTERM, err
+        assert "Traceback" not in err and "SIGTERM: interrupted; nothing was imported" in err, err
+        assert _stagings(store) == []
+        return
+    left = _stagings(store)
+    assert left, "the killed import left no staging directory: the test proves nothing"
+    run = subprocess.run([sys.executable, "-m", "lowlevel", "cleanup", "--dry-run", "--json"], capture_output=True,
+                         text=True, env=env, cwd="/", timeout=120)
+    found = {os.path.basename(x["path"]) for x in json.loads(run.stdout)["found"] if x["kind"] == "import"}
+    assert set(left) <= found, (left, run.stdout)
+    assert _stagings(store) == left
+    run = subprocess.run([sys.executable, "-m", "lowlevel", "cleanup", "--json"], capture_output=True, text=True,
+                         env=env, cwd="/", timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert _stagings(store) == []
