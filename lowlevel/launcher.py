@@ -643,6 +643,15 @@ def _classify_setup_failure(stderr: bytes, argv: list[str], command: Sequence[st
     return LaunchError(f"sandbox setup failed: {what}", argv=argv, stderr=text)
 
 
+def pids_note(pids: int | None, exit_code: int, term: int | None) -> str:
+    """The note of a run (or Session command) during which a fork/clone failed at the pids
+    limit (``max`` in ``pids.events`` rose): what happened, and what the program did then."""
+    then = (f"the program then exited with status {exit_code} on its own (killed_by is None: the pids limit "
+            "kills nothing)" if term is None else f"the program then died by signal {term}")
+    return (f"the pids limit was hit: a fork/clone failed with EAGAIN at pids.max={pids} (Limits.pids); {then}; "
+            "raise Limits.pids if the program needs more processes or threads")
+
+
 class Run:
     """One sandboxed run, driven by :func:`run` (sync) or :func:`lowlevel.aio.arun` (async).
 
@@ -1427,6 +1436,24 @@ class Run:
         rep = self.read_guard_report()
         if rep is not None and rep.fail_stage is not None:
             raise self._guard_failure(rep)
+        stats: _limits.CgroupStats | None = None
+        if self.cgroup is not None:
+            try:
+                stats = self.cgroup.stats()
+            except OSError as err:
+                self.notes.append(f"cgroup figures unavailable: {err}")
+        if exit_doc is None and not self.timed_out and self.killed_by is None and stats is not None \
+                and stats.oom_kills:
+            # The memory cgroup's OOM killer took bwrap or the anchor instead of the program (its
+            # files in the tmpfs layers are charged to the run but belong to no process's RSS):
+            # a verdict on the program's memory use, not a setup failure (issue 25).
+            if rep is not None and not rep.started:
+                raise LaunchError(f"the memory limit (memory_bytes={self.policy.limits.memory_bytes}) is too small "
+                                  "for the sandbox's own setup: the memory cgroup's OOM killer killed bwrap before "
+                                  "the program started; raise memory_bytes", argv=self.full_argv, errno=errno.ENOMEM)
+            self.killed_by = "memory"
+            self.notes.append(_limits.memory_kill_note(self.policy.limits, "bwrap or lowlevel's anchor (not the "
+                                                       "program), the sandbox's outer processes"))
         if exit_doc is None and not self.timed_out and self.killed_by is None:
             stderr, _, _ = self.err.value()
             if self.guard and b"execvp /proc/self/fd/" in stderr:
@@ -1450,15 +1477,15 @@ class Run:
             # guard exits above 128 on its own only after reporting.
             term = decode_exit(exit_code)
             if rep is not None and rep.started and exit_doc is not None and self.killed_by is None:
-                self.notes.append("the guard (the program's parent inside the sandbox) ended before reporting "
-                                  f"the program's end (bwrap exit code {exit_code}); the sandbox was torn down")
-        stats: _limits.CgroupStats | None = None
-        if self.cgroup is not None:
-            try:
-                stats = self.cgroup.stats()
-            except OSError as err:
-                self.notes.append(f"cgroup figures unavailable: {err}")
+                if stats is not None and stats.oom_kills:
+                    self.notes.append(_limits.memory_kill_note(self.policy.limits, "lowlevel's guard (the program's "
+                                                               "parent inside the sandbox), not the program"))
+                else:
+                    self.notes.append("the guard (the program's parent inside the sandbox) ended before reporting "
+                                      f"the program's end (bwrap exit code {exit_code}); the sandbox was torn down")
         killed_by = self.killed_by or self._killed_by(exit_code, term, stats)
+        if killed_by == "memory" and not any("OOM killer" in n for n in self.notes):
+            self.notes.append(_limits.memory_kill_note(self.policy.limits))
         out, out_t, out_d = self.out.value()
         errout, err_t, err_d = self.err.value()
         # The sandbox is dead: its writes are final.
@@ -1657,20 +1684,25 @@ class Run:
 
     def _killed_by(self, exit_code: int, term: int | None, stats: _limits.CgroupStats | None) -> str | None:
         """Why the run died when the supervisor did not kill it: the cgroup's OOM kill
-        (``memory``), a failed fork at ``pids.max`` with a non-zero exit (``pids``), RLIMIT_CPU
-        (SIGXCPU at the soft limit, or SIGKILL at the hard one once the cgroup's CPU total
-        reached ``cpu_s``: ``cpu``), any other signal (``signal``), else None."""
+        (``memory``), a failed fork at ``pids.max`` followed by death by a signal (``pids``),
+        RLIMIT_CPU (SIGXCPU at the soft limit, or SIGKILL at the hard one once the cgroup's CPU
+        total reached ``cpu_s``: ``cpu``), any other signal (``signal``), else None. The pids
+        limit kills nothing (fork fails with EAGAIN): a program that then exits with a status
+        of its own ended on its own, so that is ``exit_code`` N, killed_by None, and a note
+        (:func:`pids_note`)."""
         if stats is not None:
             if stats.oom_kills:
                 return "memory"
-            if stats.pids_limit_hit and exit_code != 0:
-                return "pids"
+            if stats.pids_limit_hit:
+                self.notes.append(pids_note(self.policy.limits.pids, exit_code, term))
         if term == signal.SIGXCPU:
             return "cpu"
         cpu_s = self.policy.limits.cpu_s
         if term == signal.SIGKILL and "RLIMIT_CPU" in self.rlimits_applied and stats is not None \
                 and cpu_s is not None and (stats.cpu_user_s or 0) + (stats.cpu_system_s or 0) >= cpu_s:
             return "cpu"
+        if term is not None and stats is not None and stats.pids_limit_hit:
+            return "pids"
         return "signal" if term is not None else None
 
     def give_back_workspace(self) -> tuple[Any, bool]:
