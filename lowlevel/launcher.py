@@ -643,6 +643,30 @@ def _classify_setup_failure(stderr: bytes, argv: list[str], command: Sequence[st
     return LaunchError(f"sandbox setup failed: {what}", argv=argv, stderr=text)
 
 
+#: A program's own report of a connect() refused with EACCES: Python's bare ``PermissionError:
+#: [Errno 13] Permission denied`` (a file error names its path after a colon), node's ``connect
+#: EACCES``, or a line mentioning connect with "Permission denied" (wget, nc, ...).
+_CONNECT_EACCES = re.compile(rb"PermissionError: \[Errno 13\] Permission denied\s*$|connect[^\n]*(EACCES|Permission "
+                             rb"denied)|(EACCES|Permission denied)[^\n]*connect", re.MULTILINE | re.IGNORECASE)
+
+
+def network_denial_note(policy: Policy, landlock_abi: int | None, exit_code: int, stderr: bytes) -> str | None:
+    """The note of a failed run whose program reported a connect() refused with EACCES, when
+    the sandbox's own network policy is the cause: Landlock (ABI >= 4) denies TCP connect to
+    every port without network, and to all but the egress relay's with ``network=Egress``
+    (lowlevel/landlock.py). Cheap: one regex over the captured stderr; None otherwise."""
+    if exit_code == 0 or policy.network is True or not landlock_abi or landlock_abi < 4 \
+            or not _CONNECT_EACCES.search(stderr[-65536:]):
+        return None
+    if policy.network is False:
+        return ("connect() refused by the sandbox's network policy (network=False: Landlock denies every TCP "
+                "connect, EACCES): allow hosts with Policy(network=Egress(allow=[...])) / --allow-host, or give "
+                "the host's network with network=True / --network host")
+    return ("connect() refused by the sandbox's network policy (network=Egress: Landlock lets TCP reach only the "
+            "egress proxy, named in HTTPS_PROXY/HTTP_PROXY; EACCES for any other address): connect through the "
+            "proxy, and allow the host with Egress(allow=[...]) / --allow-host")
+
+
 def pids_note(pids: int | None, exit_code: int, term: int | None) -> str:
     """The note of a run (or Session command) during which a fork/clone failed at the pids
     limit (``max`` in ``pids.events`` rose): what happened, and what the program did then."""
@@ -1513,6 +1537,9 @@ class Run:
             enforced += ("landlock",)
         elif rep is not None and rep.started and self.policy.landlock is not False:
             self.notes.append("Landlock not applied: " + _landlock.describe(0))
+        net_note = network_denial_note(self.policy, landlock_abi, exit_code, errout)
+        if net_note:
+            self.notes.append(net_note)
         denials = None
         if self.audit is not None:
             denials = tuple(self.audit.finish())

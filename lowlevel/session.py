@@ -103,7 +103,7 @@ from . import workspace as _ws
 from .argv import encode_args
 from .errors import LaunchError, PolicyError, SessionError, UnsupportedError
 from .launcher import (DEFAULT_TIMEOUT_S, SETUP_TIMEOUT_S, ExecError, Run, _Capture, _check_command,
-                       classify_setup_failure, host_facts, pids_note)
+                       classify_setup_failure, host_facts, network_denial_note, pids_note)
 from .limits import Limits
 from .policy import WORKSPACE_DEST, Policy
 from .result import Result
@@ -754,7 +754,8 @@ class _Core:
         cgroup_enforced = tuple(f"cgroup:{c}" for c in self.run.cgroup.enforced) if self.run.cgroup else ()
         enforced = cmd.rlimit_names + cgroup_enforced + (("seccomp",) if self.run.seccomp_loaded else ()) \
             + (("landlock",) if self.landlock_abi else ())
-        network, notes = None, self.notes + cmd.notes
+        net_note = network_denial_note(self.policy, self.landlock_abi, exit_code, err)
+        network, notes = None, self.notes + cmd.notes + ((net_note,) if net_note else ())
         if self.run.egress is not None:
             # Egress mode: the attempts the session made while this command ran (commands running
             # at the same time share the sandbox's proxy, so each lists the others' too).
