@@ -1280,14 +1280,19 @@ def tmpfs_bytes(limits: Limits) -> int | None:
     return (limits.workspace_bytes or DEFAULT_WORKSPACE_BYTES) + 2 * limits.tmp_size_bytes
 
 
-def memory_kill_note(limits: Limits, killed: str | None = None) -> str:
+def memory_kill_note(limits: Limits, killed: str | None = None, *, session: bool = False) -> str:
     """The note of a run (or Session command) that met the memory cgroup's limit: what was
     killed, and how ``memory_bytes`` relates to the tmpfs bounds (both numbers), so the caller
     can tell "the program used too much memory" from "its files in /workspace, /tmp or /dev/shm
     filled the memory limit before their own bound". ``killed``: which process the OOM killer
-    took when it was not the program (``"bwrap"``, ``"the guard"``...). Pure."""
-    what = (f"the memory cgroup's OOM killer killed {killed}, so the sandbox was torn down"
-            if killed else "the memory cgroup's OOM killer killed a process of the run")
+    took when it was not the program (``"bwrap"``, ``"the guard"``...). ``session``: the note
+    of a Session's command, whose files outlive it: it says how to free their memory. Pure."""
+    what = (f"the memory cgroup's OOM killer killed {killed}" + ("" if session else ", so the sandbox was torn down")
+            if killed else f"the memory cgroup's OOM killer killed a process of the {'session' if session else 'run'}")
+    if session:
+        what += (
+            "; files the session wrote keep their memory until removed (Session.reset() drops the workspace's "
+            "changes from the host), so later commands may meet the limit too")
     mem, tmpfs = limits.memory_bytes, tmpfs_bytes(limits)
     limit = f"memory_bytes={mem}" if mem is not None else "the memory limit"
     if tmpfs is None:

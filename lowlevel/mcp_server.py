@@ -209,6 +209,12 @@ def _clamp(name: str, asked: float | None, ceiling: float | None, clamped: list[
     return asked
 
 
+#: The openings of the Result notes a client gets (limits.memory_kill_note, launcher.pids_note,
+#: launcher.network_denial_note, a Session init's death by the OOM killer).
+_VERDICT_NOTES = ("the memory cgroup's OOM killer", "the pids limit was hit", "connect() refused by the sandbox",
+                  "the session's init")
+
+
 class Tools:
     """The tool implementations, independent of the MCP SDK (plain calls, easy to test).
 
@@ -510,6 +516,11 @@ class Tools:
                 cut = _whole_utf8(cut)
             out[stream], out[f"{stream}_b64"] = bytes_fields(cut)
             out[f"{stream}_truncated"] = truncated or len(data) > cap
+        # Why a limit or the network policy ended the program (issue 25): the verdict notes only,
+        # which name limits and policy, never host paths.
+        why = [n for n in result.notes if n.startswith(_VERDICT_NOTES)]
+        if why:
+            out["notes"] = why
         if result.network is not None:
             out["network"] = [dataclasses.asdict(a) for a in result.network]
         safe: dict[str, Any] = json_safe(out)

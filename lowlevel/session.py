@@ -701,7 +701,8 @@ class _Core:
             # The memory cgroup's OOM killer took the command's shepherd (oom_score_adj 1000 like
             # the command, fewer pages): a verdict on the command's memory, not a broken session.
             cmd.notes += (_limits.memory_kill_note(self.cgroup_limits, "the command's supervisor in the "
-                                                   "session (its shepherd), and the command's processes with it"),)
+                                                   "session (its shepherd), and the command's processes with it",
+                                                   session=True),)
             cmd.result = self._result(cmd, status, flags, utime_us, stime_us, maxrss_kib, wall)
         elif kind == _EXIT_SHEPHERD_DIED:
             cmd.error = SessionError(f"the supervisor of {cmd.argv[0]!r} was killed (wait status {status}) "
@@ -736,7 +737,7 @@ class _Core:
         elif oom_kills and (cmd.alone or failed):
             killed_by = "memory"
             if not any("OOM killer" in n for n in cmd.notes):
-                cmd.notes += (_limits.memory_kill_note(self.cgroup_limits),)
+                cmd.notes += (_limits.memory_kill_note(self.cgroup_limits, session=True),)
         elif term == signal.SIGXCPU or (term == signal.SIGKILL and "RLIMIT_CPU" in cmd.rlimit_names
                                         and self.policy.limits.cpu_s is not None
                                         and cpu >= self.policy.limits.cpu_s):
