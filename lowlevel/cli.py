@@ -51,7 +51,7 @@ from . import __version__
 from .egress import DEFAULT_PORTS, Egress
 from .errors import LaunchError, LowlevelError, PolicyError, UnsupportedError
 from .launcher import ExecError, classify_setup_failure, run
-from .limits import Limits
+from .limits import VERDICT_NOTE_PREFIXES, Limits
 from .policy import WORKSPACE_DEST, Bind, Policy
 from .report import RECORD_NOT_WRITTEN, WARNING_PREFIX, json_safe
 from .result import Result
@@ -605,6 +605,10 @@ def _report(args: argparse.Namespace, result: Result) -> int:
     if result.killed_by and not args.json:
         print(f"lowlevel: killed by {result.killed_by}"
               + (f" ({result.signal_name()})" if result.term_signal else ""), file=sys.stderr)
+    if not args.json:
+        for note in result.notes:  # why: the memory limit and the tmpfs bounds, pids, the network policy
+            if note.startswith(VERDICT_NOTE_PREFIXES):
+                print(f"lowlevel: {note}", file=sys.stderr)
     return result.exit_code
 
 

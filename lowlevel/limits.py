@@ -1268,6 +1268,14 @@ def fallback_notes(limits: Limits, cgroup: RunCgroup | None) -> tuple[str, ...]:
     return tuple(notes)
 
 
+#: How the notes that explain a verdict start (:func:`memory_kill_note`,
+#: :func:`lowlevel.launcher.pids_note`, :func:`lowlevel.launcher.network_denial_note`, a Session
+#: init's death by the OOM killer): the CLI prints them, MCP results carry them. They name limits
+#: and policy, never host paths.
+VERDICT_NOTE_PREFIXES = ("the memory cgroup's OOM killer", "the pids limit was hit", "connect() refused by the sandbox",
+                         "the session's init")
+
+
 def tmpfs_bytes(limits: Limits) -> int | None:
     """The sum of the run's RAM-backed tmpfs bounds, in bytes: the workspace's upper layer
     (``workspace_bytes``, default :data:`DEFAULT_WORKSPACE_BYTES`) plus ``/tmp`` and ``/dev/shm``

@@ -95,7 +95,7 @@ from . import validate as _validate
 from . import workspace as _ws
 from .egress import Egress, egress_from_mapping
 from .errors import LowlevelError, PolicyError, WorkspaceError
-from .limits import Limits
+from .limits import VERDICT_NOTE_PREFIXES, Limits
 from .policy import WORKSPACE_DEST, Bind, Policy
 from .report import bytes_fields, display, json_safe
 from .result import Result
@@ -207,12 +207,6 @@ def _clamp(name: str, asked: float | None, ceiling: float | None, clamped: list[
         clamped.append(f"{name}: asked {asked}, operator ceiling {ceiling}")
         return ceiling
     return asked
-
-
-#: The openings of the Result notes a client gets (limits.memory_kill_note, launcher.pids_note,
-#: launcher.network_denial_note, a Session init's death by the OOM killer).
-_VERDICT_NOTES = ("the memory cgroup's OOM killer", "the pids limit was hit", "connect() refused by the sandbox",
-                  "the session's init")
 
 
 class Tools:
@@ -518,7 +512,7 @@ class Tools:
             out[f"{stream}_truncated"] = truncated or len(data) > cap
         # Why a limit or the network policy ended the program (issue 25): the verdict notes only,
         # which name limits and policy, never host paths.
-        why = [n for n in result.notes if n.startswith(_VERDICT_NOTES)]
+        why = [n for n in result.notes if n.startswith(VERDICT_NOTE_PREFIXES)]
         if why:
             out["notes"] = why
         if result.network is not None:

@@ -131,6 +131,18 @@ def test_cli_json_the_issues_write_is_a_result_with_enospc(who: pwd.struct_passw
     assert doc["exit_code"] == 1 and doc["killed_by"] is None and ENOSPC_TEXT in doc["stderr"], doc
 
 
+def test_cli_memory_below_the_bounds_is_killed_by_memory_not_setup(who: pwd.struct_passwd | None) -> None:
+    # The issue's second command: was exit 125 "bwrap exited during setup".
+    proc = cli(who, ["run", "--discard", "--memory", "256M", "--", "sh", "-c", "head -c 400M /dev/zero > big.bin"])
+    err = proc.stderr.decode()
+    assert "setup failed" not in err and proc.returncode != 125, err
+    if who is None and IS_ROOT:
+        assert proc.returncode == 137 and "lowlevel: killed by memory" in err, err
+        assert f"lowlevel: the memory cgroup's OOM killer killed a process of the run (memory_bytes={256 * MiB}" in err
+    else:
+        assert proc.returncode == 0, err   # no memory cgroup: the 400 MiB fit in the 1 GiB workspace
+
+
 def test_python_writer_loop_of_3_gib_meets_enospc_at_the_workspace_bound(sandbox) -> None:  # type: ignore[no-untyped-def]
     out = sandbox.run(["python3", "-c", PY_WRITER, "big.bin"], timeout=180, commit=False)
     assert out.error is None, out.message
