@@ -238,12 +238,13 @@ def _add_run(sub: Any) -> None:
     p.add_argument("--env", metavar="KEY=VALUE", action="append", default=[], type=_env_pair,
                    help="environment variable inside (repeatable)")
     p.add_argument("--memory", metavar="BYTES", type=parse_size, help="memory limit of the run (cgroup; "
-                   "RLIMIT_DATA fallback), e.g. 512M (default 1G)")
+                   "RLIMIT_DATA fallback), e.g. 512M (default 2.5G: 1G for the program + the tmpfs bounds of "
+                   "--workspace-size and twice --tmp-size, whose files are RAM counted in it)")
     p.add_argument("--cpu", metavar="SECONDS", type=_positive_float, help="CPU seconds (RLIMIT_CPU), default 60")
     p.add_argument("--pids", metavar="N", type=_positive_int, help="processes+threads (cgroup pids.max; "
                    "RLIMIT_NPROC fallback), default 256")
     p.add_argument("--fsize", metavar="BYTES", type=parse_size, help="largest file written (RLIMIT_FSIZE), "
-                   "default 1G")
+                   "default 2G (above the workspace bound: filling it is ENOSPC, not SIGXFSZ)")
     p.add_argument("--nofile", metavar="N", type=_positive_int, help="open files (RLIMIT_NOFILE), default 1024")
     p.add_argument("--tmp-size", metavar="BYTES", type=parse_size, help="size of /tmp tmpfs, default 256M")
     p.add_argument("--workspace-size", metavar="BYTES", type=parse_size,

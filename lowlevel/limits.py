@@ -128,8 +128,9 @@ class Limits:
             killer kills a process of the run (``oom_kill`` in ``memory.events`` /
             ``memory.oom_control``): the program's (its processes get ``oom_score_adj`` 1000, so
             the victim is never bwrap or lowlevel's guard or Session init while a process of the
-            program is there to kill), and the Result says ``killed_by="memory"`` whichever
-            process died. The default, :data:`DEFAULT_MEMORY_BYTES` (2.5 GiB), is 1 GiB for the
+            program is there to kill; ``LOWLEVEL_NO_OOM_SCORE_ADJ=1`` in ``Policy.env`` turns
+            that off, for tests), and the Result says ``killed_by="memory"`` whichever process
+            died. The default, :data:`DEFAULT_MEMORY_BYTES` (2.5 GiB), is 1 GiB for the
             program plus the default tmpfs bounds (1 GiB + 256 MiB + 256 MiB), so with the defaults
             a write past a tmpfs bound meets ENOSPC before the memory limit; a smaller value (or
             larger bounds) lets a big write meet the memory limit first (:func:`tmpfs_bytes`
