@@ -1572,6 +1572,22 @@ class Run:
             result.notes = tuple(self.notes)
         return result
 
+    def setup_error(self) -> LaunchError:
+        """The error for a sandbox that ended before the program started (the anchor exited
+        before READY): :func:`classify_setup_failure` of bwrap's stderr, unless the memory
+        cgroup's OOM killer fired meanwhile, which is then the cause named (issue 25)."""
+        oom = None
+        if self.cgroup is not None:
+            try:
+                oom = self.cgroup.event_counts()[0]
+            except OSError:
+                pass
+        if oom:
+            return LaunchError(f"the memory limit (memory_bytes={self.policy.limits.memory_bytes}) is too small for "
+                               "the sandbox's own setup: the memory cgroup's OOM killer killed a process of it before "
+                               "the program started; raise memory_bytes", argv=self.full_argv, errno=errno.ENOMEM)
+        return classify_setup_failure(self.err.value()[0], self.full_argv, self.command)
+
     def read_guard_report(self) -> _landlock.GuardReport | None:
         """What the guard reported (read once, after bwrap exited); None without a guard."""
         if self.guard_report is None and self.status_r is not None:
@@ -1883,7 +1899,7 @@ def _drive_sync(r: Run) -> Result:
                 r.reap()
                 while r.read_fd("err_r") or r.read_fd("out_r") or r.read_fd("json_r"):
                     pass
-                raise classify_setup_failure(r.err.value()[0], r.full_argv, r.command)
+                raise r.setup_error()
             else:
                 attr = "out_r" if fd == r.out_r else "err_r" if fd == r.err_r else "json_r"
                 if not r.read_fd(attr):

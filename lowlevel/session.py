@@ -103,7 +103,7 @@ from . import workspace as _ws
 from .argv import encode_args
 from .errors import LaunchError, PolicyError, SessionError, UnsupportedError
 from .launcher import (DEFAULT_TIMEOUT_S, SETUP_TIMEOUT_S, ExecError, Run, _Capture, _check_command,
-                       classify_setup_failure, host_facts, network_denial_note, pids_note)
+                       host_facts, network_denial_note, pids_note)
 from .limits import Limits
 from .policy import WORKSPACE_DEST, Policy
 from .result import Result
@@ -381,7 +381,7 @@ class _Core:
                     while r.read_fd("err_r") or r.read_fd("out_r") or r.read_fd("json_r"):
                         pass
                     if r.wait_status is not None and not any("exit-code" in d for d in r._docs()):
-                        raise classify_setup_failure(r.err.value()[0], r.full_argv, r.command)
+                        raise r.setup_error()
                     raise LaunchError("the session init exited before saying hello"
                                       + (f": {r.err.value()[0].decode('utf-8', 'replace').strip()}"
                                          if r.err.value()[0].strip() else ""), argv=r.full_argv)
@@ -389,7 +389,7 @@ class _Core:
                     r.reap()
                     while r.read_fd("err_r") or r.read_fd("out_r") or r.read_fd("json_r"):
                         pass
-                    raise classify_setup_failure(r.err.value()[0], r.full_argv, r.command)
+                    raise r.setup_error()
                 attr = "json_r" if fd == r.json_r else "out_r" if fd == r.out_r else "err_r"
                 if not r.read_fd(attr):
                     poller.unregister(fd)

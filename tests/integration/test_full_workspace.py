@@ -217,6 +217,19 @@ def test_session_reset_frees_the_memory_its_files_held(sandbox) -> None:  # type
         assert after.killed_by is None and after.stdout == b"alive\nrc=0\n", after
 
 
+def test_a_memory_limit_too_small_for_setup_says_so(sandbox) -> None:  # type: ignore[no-untyped-def]
+    # 1 MiB: the OOM killer fires before the session's init says hello (was "the session init
+    # exited before saying hello" / "sandbox setup failed"): the error names the limit and the fix.
+    if sandbox.identity == "user":
+        pytest.skip("needs the memory cgroup (root here)")
+    import lowlevel
+    with pytest.raises(lowlevel.LaunchError, match=r"the memory limit \(memory_bytes=1048576\) is too small for the "
+                       r"sandbox's own setup.*raise memory_bytes"):
+        with lowlevel.Session(lowlevel.Policy(limits=lowlevel.Limits(memory_bytes=1 << 20)),
+                              workspace_base=str(sandbox.workspace())) as s:
+            s.run(["true"])
+
+
 def test_the_program_is_the_oom_victim_not_the_sandbox(sandbox) -> None:  # type: ignore[no-untyped-def]
     out = sandbox.run(["sh", "-c", "cat /proc/self/oom_score_adj /proc/1/oom_score_adj"])
     assert out.exit_code == 0, out
