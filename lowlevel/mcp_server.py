@@ -13,7 +13,9 @@ Tools an agent client can call (each result a JSON object):
     ``max_output_bytes`` with ``stdout_truncated``/``stderr_truncated``; ``stdout_b64``/
     ``stderr_b64`` hold the exact bytes when they are not valid UTF-8), ``wall_time_s``,
     ``workspace`` (its name, for ``read_file``), ``clamped`` (what the client asked for and
-    the operator's config cut), and in egress mode ``network`` (each connection attempt: host,
+    the operator's config cut), ``notes`` when a limit or the network policy explains the
+    verdict (the memory limit and the tmpfs bounds, a refused fork, a refused connect; absent
+    otherwise), and in egress mode ``network`` (each connection attempt: host,
     port, address, allowed, reason, bytes up and down). ``cwd`` is the working directory
     (absolute, or relative to ``/workspace``). A run without ``workspace`` gets a fresh one named
     ``run-<hex>``, kept ``run_workspace_ttl_s`` seconds after the call for ``read_file`` (each use
