@@ -66,7 +66,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .errors import LaunchError, LowlevelError
-from .launcher import DEFAULT_TIMEOUT_S, PROCESS_LIMIT_HINT, SETUP_TIMEOUT_S, Run, classify_setup_failure
+from .launcher import DEFAULT_TIMEOUT_S, PROCESS_LIMIT_HINT, SETUP_TIMEOUT_S, Run
 from .policy import Policy
 from .result import Result
 
@@ -380,7 +380,7 @@ async def _drive(r: Run, sup: _Supervision) -> Result:
             r.reap_bwrap()
             while r.read_fd("err_r") or r.read_fd("out_r") or r.read_fd("json_r"):
                 pass
-            raise classify_setup_failure(r.err.value()[0], r.full_argv, r.command)
+            raise r.setup_error()
         left = setup_deadline - time.monotonic()
         if left <= 0:
             r.kill(None, cgroup_kill=False)

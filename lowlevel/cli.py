@@ -51,7 +51,7 @@ from . import __version__
 from .egress import DEFAULT_PORTS, Egress
 from .errors import LaunchError, LowlevelError, PolicyError, UnsupportedError
 from .launcher import ExecError, classify_setup_failure, run
-from .limits import Limits
+from .limits import VERDICT_NOTE_PREFIXES, Limits
 from .policy import WORKSPACE_DEST, Bind, Policy
 from .report import RECORD_NOT_WRITTEN, WARNING_PREFIX, json_safe
 from .result import Result
@@ -243,12 +243,13 @@ def _add_run(sub: Any) -> None:
     p.add_argument("--env", metavar="KEY=VALUE", action="append", default=[], type=_env_pair,
                    help="environment variable inside (repeatable)")
     p.add_argument("--memory", metavar="BYTES", type=parse_size, help="memory limit of the run (cgroup; "
-                   "RLIMIT_DATA fallback), e.g. 512M (default 1G)")
+                   "RLIMIT_DATA fallback), e.g. 512M (default 2.5G: 1G for the program + the tmpfs bounds of "
+                   "--workspace-size and twice --tmp-size, whose files are RAM counted in it)")
     p.add_argument("--cpu", metavar="SECONDS", type=_positive_float, help="CPU seconds (RLIMIT_CPU), default 60")
     p.add_argument("--pids", metavar="N", type=_positive_int, help="processes+threads (cgroup pids.max; "
                    "RLIMIT_NPROC fallback), default 256")
     p.add_argument("--fsize", metavar="BYTES", type=parse_size, help="largest file written (RLIMIT_FSIZE), "
-                   "default 1G")
+                   "default 2G (above the workspace bound: filling it is ENOSPC, not SIGXFSZ)")
     p.add_argument("--nofile", metavar="N", type=_positive_int, help="open files (RLIMIT_NOFILE), default 1024")
     p.add_argument("--tmp-size", metavar="BYTES", type=parse_size, help="size of /tmp tmpfs, default 256M")
     p.add_argument("--workspace-size", metavar="BYTES", type=parse_size,
@@ -613,6 +614,10 @@ def _report(args: argparse.Namespace, result: Result) -> int:
     if result.killed_by and not args.json:
         print(f"lowlevel: killed by {result.killed_by}"
               + (f" ({result.signal_name()})" if result.term_signal else ""), file=sys.stderr)
+    if not args.json:
+        for note in result.notes:  # why: the memory limit and the tmpfs bounds, pids, the network policy
+            if note.startswith(VERDICT_NOTE_PREFIXES):
+                print(f"lowlevel: {note}", file=sys.stderr)
     return result.exit_code
 
 

@@ -82,7 +82,29 @@ def cgroup_checks() -> list[dict[str, Any]]:
         checks.append(_check(f"cgroup v{h.version} {h.mount}", h.base is not None,
                              f"controllers: {', '.join(sorted(h.controllers)) or 'none'}; "
                              f"base: {h.base or 'not writable'} ({h.how})"))
+    checks.append(memory_check("memory" in writable))
     return checks
+
+
+def memory_check(cgroup_memory: bool) -> dict[str, Any]:
+    """How the default memory limit and the tmpfs bounds relate here (issue 25): informational."""
+    from . import limits
+
+    d = limits.Limits()
+    mib = limits.MiB
+    tmpfs = limits.tmpfs_bytes(d) or 0
+    bounds = (f"workspace {limits.DEFAULT_WORKSPACE_BYTES // mib} MiB + /tmp {d.tmp_size_bytes // mib} MiB + "
+              f"/dev/shm {d.tmp_size_bytes // mib} MiB = {tmpfs // mib} MiB" if d.tmp_size_bytes else "")
+    if cgroup_memory:
+        detail = (f"memory_bytes (default {(d.memory_bytes or 0) // mib} MiB) is the memory cgroup's limit for the "
+                  f"whole run, its tmpfs files included (RAM): the default tmpfs bounds ({bounds}) leave "
+                  f"{((d.memory_bytes or 0) - tmpfs) // mib} MiB for the program, so a full layer is ENOSPC; keep "
+                  "memory_bytes above workspace_bytes + 2 x tmp_size_bytes for that to hold (below it a big "
+                  "write ends in killed_by='memory')")
+    else:
+        detail = (f"no memory cgroup here: each tmpfs layer's size bounds its files (ENOSPC; {bounds}), and "
+                  f"memory_bytes (default {(d.memory_bytes or 0) // mib} MiB) is RLIMIT_DATA per process")
+    return _check("memory and tmpfs bounds", True, detail)
 
 
 def seccomp_checks() -> list[dict[str, Any]]:

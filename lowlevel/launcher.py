@@ -714,6 +714,39 @@ def _classify_setup_failure(stderr: bytes, argv: list[str], command: Sequence[st
     return LaunchError(f"sandbox setup failed: {what}", argv=argv, stderr=text)
 
 
+#: A program's own report of a connect() refused with EACCES: Python's bare ``PermissionError:
+#: [Errno 13] Permission denied`` (a file error names its path after a colon), node's ``connect
+#: EACCES``, or a line mentioning connect with "Permission denied" (wget, nc, ...).
+_CONNECT_EACCES = re.compile(rb"PermissionError: \[Errno 13\] Permission denied\s*$|connect[^\n]*(EACCES|Permission "
+                             rb"denied)|(EACCES|Permission denied)[^\n]*connect", re.MULTILINE | re.IGNORECASE)
+
+
+def network_denial_note(policy: Policy, landlock_abi: int | None, exit_code: int, stderr: bytes) -> str | None:
+    """The note of a failed run whose program reported a connect() refused with EACCES, when
+    the sandbox's own network policy is the cause: Landlock (ABI >= 4) denies TCP connect to
+    every port without network, and to all but the egress relay's with ``network=Egress``
+    (lowlevel/landlock.py). Cheap: one regex over the captured stderr; None otherwise."""
+    if exit_code == 0 or policy.network is True or not landlock_abi or landlock_abi < 4 \
+            or not _CONNECT_EACCES.search(stderr[-65536:]):
+        return None
+    if policy.network is False:
+        return ("connect() refused by the sandbox's network policy (network=False: Landlock denies every TCP "
+                "connect, EACCES): allow hosts with Policy(network=Egress(allow=[...])) / --allow-host, or give "
+                "the host's network with network=True / --network host")
+    return ("connect() refused by the sandbox's network policy (network=Egress: Landlock lets TCP reach only the "
+            "egress proxy, named in HTTPS_PROXY/HTTP_PROXY; EACCES for any other address): connect through the "
+            "proxy, and allow the host with Egress(allow=[...]) / --allow-host")
+
+
+def pids_note(pids: int | None, exit_code: int, term: int | None) -> str:
+    """The note of a run (or Session command) during which a fork/clone failed at the pids
+    limit (``max`` in ``pids.events`` rose): what happened, and what the program did then."""
+    then = (f"the program then exited with status {exit_code} on its own (killed_by is None: the pids limit "
+            "kills nothing)" if term is None else f"the program then died by signal {term}")
+    return (f"the pids limit was hit: a fork/clone failed with EAGAIN at pids.max={pids} (Limits.pids); {then}; "
+            "raise Limits.pids if the program needs more processes or threads")
+
+
 class Run:
     """One sandboxed run, driven by :func:`run` (sync) or :func:`lowlevel.aio.arun` (async).
 
@@ -1555,6 +1588,24 @@ class Run:
         rep = self.read_guard_report()
         if rep is not None and rep.fail_stage is not None:
             raise self._guard_failure(rep)
+        stats: _limits.CgroupStats | None = None
+        if self.cgroup is not None:
+            try:
+                stats = self.cgroup.stats()
+            except OSError as err:
+                self.notes.append(f"cgroup figures unavailable: {err}")
+        if exit_doc is None and not self.timed_out and self.killed_by is None and stats is not None \
+                and stats.oom_kills:
+            # The memory cgroup's OOM killer took bwrap or the anchor instead of the program (its
+            # files in the tmpfs layers are charged to the run but belong to no process's RSS):
+            # a verdict on the program's memory use, not a setup failure (issue 25).
+            if rep is not None and not rep.started:
+                raise LaunchError(f"the memory limit (memory_bytes={self.policy.limits.memory_bytes}) is too small "
+                                  "for the sandbox's own setup: the memory cgroup's OOM killer killed bwrap before "
+                                  "the program started; raise memory_bytes", argv=self.full_argv, errno=errno.ENOMEM)
+            self.killed_by = "memory"
+            self.notes.append(_limits.memory_kill_note(self.policy.limits, "bwrap or lowlevel's anchor (not the "
+                                                       "program), the sandbox's outer processes"))
         if exit_doc is None and not self.timed_out and self.killed_by is None and self._program_started(rep):
             # bwrap reported its child (or the guard its program) started, then died without an
             # exit code: the anchor or bwrap was killed from outside while the program ran (the
@@ -1586,15 +1637,15 @@ class Run:
             # guard exits above 128 on its own only after reporting.
             term = decode_exit(exit_code)
             if rep is not None and rep.started and exit_doc is not None and self.killed_by is None:
-                self.notes.append("the guard (the program's parent inside the sandbox) ended before reporting "
-                                  f"the program's end (bwrap exit code {exit_code}); the sandbox was torn down")
-        stats: _limits.CgroupStats | None = None
-        if self.cgroup is not None:
-            try:
-                stats = self.cgroup.stats()
-            except OSError as err:
-                self.notes.append(f"cgroup figures unavailable: {err}")
+                if stats is not None and stats.oom_kills:
+                    self.notes.append(_limits.memory_kill_note(self.policy.limits, "lowlevel's guard (the program's "
+                                                               "parent inside the sandbox), not the program"))
+                else:
+                    self.notes.append("the guard (the program's parent inside the sandbox) ended before reporting "
+                                      f"the program's end (bwrap exit code {exit_code}); the sandbox was torn down")
         killed_by = self.killed_by or self._killed_by(exit_code, term, stats)
+        if killed_by == "memory" and not any("OOM killer" in n for n in self.notes):
+            self.notes.append(_limits.memory_kill_note(self.policy.limits))
         out, out_t, out_d = self.out.value()
         errout, err_t, err_d = self.err.value()
         # The sandbox is dead: its writes are final.
@@ -1622,6 +1673,9 @@ class Run:
             enforced += ("landlock",)
         elif rep is not None and rep.started and self.policy.landlock is not False:
             self.notes.append("Landlock not applied: " + _landlock.describe(0))
+        net_note = network_denial_note(self.policy, landlock_abi, exit_code, errout)
+        if net_note:
+            self.notes.append(net_note)
         denials = None
         if self.audit is not None:
             denials = tuple(self.audit.finish())
@@ -1659,6 +1713,22 @@ class Run:
         its program started, or bwrap (the anchor's EXIT) or the anchor itself died by a signal
         (bwrap's own setup failures exit 1: never a signal)."""
         return self.ready and ((rep is not None and rep.started) or self.supervisor_signaled)
+
+    def setup_error(self) -> LaunchError:
+        """The error for a sandbox that ended before the program started (the anchor exited
+        before READY): :func:`classify_setup_failure` of bwrap's stderr, unless the memory
+        cgroup's OOM killer fired meanwhile, which is then the cause named (issue 25)."""
+        oom = None
+        if self.cgroup is not None:
+            try:
+                oom = self.cgroup.event_counts()[0]
+            except OSError:
+                pass
+        if oom:
+            return LaunchError(f"the memory limit (memory_bytes={self.policy.limits.memory_bytes}) is too small for "
+                               "the sandbox's own setup: the memory cgroup's OOM killer killed a process of it before "
+                               "the program started; raise memory_bytes", argv=self.full_argv, errno=errno.ENOMEM)
+        return classify_setup_failure(self.err.value()[0], self.full_argv, self.command)
 
     def read_guard_report(self) -> _landlock.GuardReport | None:
         """What the guard reported (read once, after bwrap exited); None without a guard."""
@@ -1842,20 +1912,25 @@ class Run:
 
     def _killed_by(self, exit_code: int, term: int | None, stats: _limits.CgroupStats | None) -> str | None:
         """Why the run died when the supervisor did not kill it: the cgroup's OOM kill
-        (``memory``), a failed fork at ``pids.max`` with a non-zero exit (``pids``), RLIMIT_CPU
-        (SIGXCPU at the soft limit, or SIGKILL at the hard one once the cgroup's CPU total
-        reached ``cpu_s``: ``cpu``), any other signal (``signal``), else None."""
+        (``memory``), a failed fork at ``pids.max`` followed by death by a signal (``pids``),
+        RLIMIT_CPU (SIGXCPU at the soft limit, or SIGKILL at the hard one once the cgroup's CPU
+        total reached ``cpu_s``: ``cpu``), any other signal (``signal``), else None. The pids
+        limit kills nothing (fork fails with EAGAIN): a program that then exits with a status
+        of its own ended on its own, so that is ``exit_code`` N, killed_by None, and a note
+        (:func:`pids_note`)."""
         if stats is not None:
             if stats.oom_kills:
                 return "memory"
-            if stats.pids_limit_hit and exit_code != 0:
-                return "pids"
+            if stats.pids_limit_hit:
+                self.notes.append(pids_note(self.policy.limits.pids, exit_code, term))
         if term == signal.SIGXCPU:
             return "cpu"
         cpu_s = self.policy.limits.cpu_s
         if term == signal.SIGKILL and "RLIMIT_CPU" in self.rlimits_applied and stats is not None \
                 and cpu_s is not None and (stats.cpu_user_s or 0) + (stats.cpu_system_s or 0) >= cpu_s:
             return "cpu"
+        if term is not None and stats is not None and stats.pids_limit_hit:
+            return "pids"
         return "signal" if term is not None else None
 
     def give_back_workspace(self) -> tuple[Any, bool]:
@@ -2012,7 +2087,7 @@ def _drive_sync(r: Run) -> Result:
                 r.reap()
                 while r.read_fd("err_r") or r.read_fd("out_r") or r.read_fd("json_r"):
                     pass
-                raise classify_setup_failure(r.err.value()[0], r.full_argv, r.command)
+                raise r.setup_error()
             else:
                 attr = "out_r" if fd == r.out_r else "err_r" if fd == r.err_r else "json_r"
                 if not r.read_fd(attr):

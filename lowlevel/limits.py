@@ -76,6 +76,29 @@ CPU_PERIOD_US = 100_000
 
 _INT_MAX = 2**63 - 1
 
+#: The workspace bound when ``Limits.workspace_bytes`` is None: the size of the tmpfs holding the
+#: copy-on-write upper layer. The same value as :data:`lowlevel.cow.DEFAULT_UPPER_BYTES` (a unit
+#: test checks; cow.py is not imported here: it is not needed for a run without the overlay).
+DEFAULT_WORKSPACE_BYTES = 1 * GiB
+
+#: Default ``Limits.tmp_size_bytes``: the size of ``/tmp`` and, separately, of ``/dev/shm``.
+DEFAULT_TMP_SIZE_BYTES = 256 * MiB
+
+#: The program's own share of the default memory limit (heap, stacks, page cache, the kernel's
+#: memory for it): what is left when every tmpfs layer is full.
+PROGRAM_MEMORY_BYTES = 1 * GiB
+
+#: Default ``Limits.memory_bytes``, 2.5 GiB: :data:`PROGRAM_MEMORY_BYTES` plus the default tmpfs
+#: bounds (workspace 1 GiB, ``/tmp`` and ``/dev/shm`` 256 MiB each), whose pages are charged to
+#: the run's memory cgroup. With the defaults a write past a tmpfs bound therefore gets ENOSPC
+#: before the cgroup's OOM killer fires (issue 25: with 1 GiB for both, ``head -c 1500M
+#: /dev/zero > big.bin`` was OOM-killed at 1 GiB of file instead of ENOSPC).
+DEFAULT_MEMORY_BYTES = PROGRAM_MEMORY_BYTES + DEFAULT_WORKSPACE_BYTES + 2 * DEFAULT_TMP_SIZE_BYTES
+
+#: Default ``Limits.fsize_bytes``, 2 GiB: above the default workspace bound, so a file that
+#: fills the workspace meets ENOSPC, not SIGXFSZ.
+DEFAULT_FSIZE_BYTES = 2 * GiB
+
 
 # --------------------------------------------------------------------------------------------
 # Limits: data and validation, no I/O
@@ -96,11 +119,22 @@ class Limits:
             sampled by the scheduler tick (posix-cpu-timers, ``CPUCLOCK_PROF``), so on a loaded
             or overcommitted host SIGXCPU can come when the exact runtime (the cgroup's) is
             still short of it: 0.87 s for ``cpu_s=1`` measured here at load average 9 on 2 CPUs.
-        memory_bytes: memory of the whole run. cgroup v2 ``memory.max`` with
-            ``memory.swap.max = 0``; v1 ``memory.limit_in_bytes`` and
+        memory_bytes: memory of the whole run, the files it keeps in its RAM-backed tmpfs
+            layers included: the workspace's copy-on-write upper (``workspace_bytes``), ``/tmp``
+            and ``/dev/shm`` (``tmp_size_bytes`` each) are tmpfs pages charged to the run's memory
+            cgroup like its heap (mm/shmem.c charges a page to the writer's cgroup). cgroup v2
+            ``memory.max`` with ``memory.swap.max = 0``; v1 ``memory.limit_in_bytes`` and
             ``memory.memsw.limit_in_bytes`` where swap accounting exists. Past it the kernel's OOM
             killer kills a process of the run (``oom_kill`` in ``memory.events`` /
-            ``memory.oom_control``). Without a memory cgroup the fallback is ``RLIMIT_DATA`` at the
+            ``memory.oom_control``): the program's (its processes get ``oom_score_adj`` 1000, so
+            the victim is never bwrap or lowlevel's guard or Session init while a process of the
+            program is there to kill; ``LOWLEVEL_NO_OOM_SCORE_ADJ=1`` in ``Policy.env`` turns
+            that off, for tests), and the Result says ``killed_by="memory"`` whichever process
+            died. The default, :data:`DEFAULT_MEMORY_BYTES` (2.5 GiB), is 1 GiB for the
+            program plus the default tmpfs bounds (1 GiB + 256 MiB + 256 MiB), so with the defaults
+            a write past a tmpfs bound meets ENOSPC before the memory limit; a smaller value (or
+            larger bounds) lets a big write meet the memory limit first (:func:`tmpfs_bytes`
+            gives the sum to stay above). Without a memory cgroup the fallback is ``RLIMIT_DATA`` at the
             same value, per process: since Linux 4.7 it counts every private writable mapping
             (heap and anonymous ``mmap``), so allocation fails (``ENOMEM``, ``MAP_FAILED``)
             instead of an OOM kill; unlike ``RLIMIT_AS`` it ignores ``PROT_NONE`` reservations,
@@ -115,7 +149,10 @@ class Limits:
             namespace or with ``CAP_SYS_RESOURCE``/``CAP_SYS_ADMIN`` (kernel/fork.c). It is
             therefore not set where the pids cgroup applies.
         fsize_bytes: largest file a process may write, ``RLIMIT_FSIZE``: a write past it raises
-            SIGXFSZ (fatal unless handled; then ``EFBIG``). Per file, not a disk quota.
+            SIGXFSZ (fatal unless handled; then ``EFBIG``). Per file, not a disk quota. The
+            default, 2 GiB, is above the default workspace bound (1 GiB): a file that fills the
+            workspace ends in ENOSPC, not SIGXFSZ (the kernel checks RLIMIT_FSIZE before it
+            allocates, so at equal sizes SIGXFSZ would come first).
         nofile: open file descriptors per process, ``RLIMIT_NOFILE`` (at least 3).
         core_bytes: ``RLIMIT_CORE``; 0 disables core dumps.
         cpu_quota: CPU bandwidth in cores (0.5 = half a core), cgroup v2 ``cpu.max`` or v1
@@ -142,14 +179,14 @@ class Limits:
     """
 
     cpu_s: float | None = 60.0
-    memory_bytes: int | None = 1 * GiB
+    memory_bytes: int | None = DEFAULT_MEMORY_BYTES
     address_space_bytes: int | None = None
     pids: int | None = 256
-    fsize_bytes: int | None = 1 * GiB
+    fsize_bytes: int | None = DEFAULT_FSIZE_BYTES
     nofile: int | None = 1024
     core_bytes: int = 0
     cpu_quota: float | None = None
-    tmp_size_bytes: int | None = 256 * MiB
+    tmp_size_bytes: int | None = DEFAULT_TMP_SIZE_BYTES
     workspace_bytes: int | None = None
     net_bytes: int | None = None
     require: tuple[str, ...] = ()
@@ -1252,6 +1289,53 @@ def fallback_notes(limits: Limits, cgroup: RunCgroup | None) -> tuple[str, ...]:
     return tuple(notes)
 
 
+#: How the notes that explain a verdict start (:func:`memory_kill_note`,
+#: :func:`lowlevel.launcher.pids_note`, :func:`lowlevel.launcher.network_denial_note`, a Session
+#: init's death by the OOM killer): the CLI prints them, MCP results carry them. They name limits
+#: and policy, never host paths.
+VERDICT_NOTE_PREFIXES = ("the memory cgroup's OOM killer", "the pids limit was hit", "connect() refused by the sandbox",
+                         "the session's init")
+
+
+def tmpfs_bytes(limits: Limits) -> int | None:
+    """The sum of the run's RAM-backed tmpfs bounds, in bytes: the workspace's upper layer
+    (``workspace_bytes``, default :data:`DEFAULT_WORKSPACE_BYTES`) plus ``/tmp`` and ``/dev/shm``
+    (``tmp_size_bytes`` each). Their pages are charged to the run's memory cgroup, so a
+    ``memory_bytes`` above this sum (plus what the program itself needs) lets a full tmpfs end
+    in ENOSPC rather than an OOM kill. None when ``tmp_size_bytes`` is None (bwrap's tmpfs
+    default then: half the host's RAM). Pure."""
+    if limits.tmp_size_bytes is None:
+        return None
+    return (limits.workspace_bytes or DEFAULT_WORKSPACE_BYTES) + 2 * limits.tmp_size_bytes
+
+
+def memory_kill_note(limits: Limits, killed: str | None = None, *, session: bool = False) -> str:
+    """The note of a run (or Session command) that met the memory cgroup's limit: what was
+    killed, and how ``memory_bytes`` relates to the tmpfs bounds (both numbers), so the caller
+    can tell "the program used too much memory" from "its files in /workspace, /tmp or /dev/shm
+    filled the memory limit before their own bound". ``killed``: which process the OOM killer
+    took when it was not the program (``"bwrap"``, ``"the guard"``...). ``session``: the note
+    of a Session's command, whose files outlive it: it says how to free their memory. Pure."""
+    what = (f"the memory cgroup's OOM killer killed {killed}" + ("" if session else ", so the sandbox was torn down")
+            if killed else f"the memory cgroup's OOM killer killed a process of the {'session' if session else 'run'}")
+    if session:
+        what += (
+            "; files the session wrote keep their memory until removed (Session.reset() drops the workspace's "
+            "changes from the host), so later commands may meet the limit too")
+    mem, tmpfs = limits.memory_bytes, tmpfs_bytes(limits)
+    limit = f"memory_bytes={mem}" if mem is not None else "the memory limit"
+    if tmpfs is None:
+        return (f"{what} ({limit}); files in /workspace, /tmp and /dev/shm are RAM and count against it "
+                "(tmp_size_bytes=None leaves /tmp and /dev/shm unbounded)")
+    if mem is not None and mem <= tmpfs:
+        return (f"{what} ({limit}, at most the tmpfs bounds of {tmpfs} bytes: workspace_bytes + 2 x "
+                "tmp_size_bytes); files in /workspace, /tmp and /dev/shm are RAM and count against it, so a "
+                "large write can meet the memory limit before ENOSPC: give memory_bytes more than "
+                f"{tmpfs} bytes plus what the program needs")
+    return (f"{what} ({limit}, of which the tmpfs bounds take up to {tmpfs} bytes: workspace_bytes + 2 x "
+            "tmp_size_bytes; files there are RAM and count against it)")
+
+
 def limits_enforced(rlimits_applied: Iterable[str], cgroup: RunCgroup | None) -> tuple[str, ...]:
     """The ``Result.limits_enforced`` value: rlimit names then cgroup files, each by its own name.
 
@@ -1348,6 +1432,8 @@ def _kill(pid: int) -> None:
 
 
 __all__ = [
+    "DEFAULT_FSIZE_BYTES",
+    "DEFAULT_MEMORY_BYTES",
     "CgroupStats",
     "CgroupSupport",
     "EnforcementPlan",
@@ -1361,7 +1447,9 @@ __all__ = [
     "detect_cgroups",
     "enforcement_plan",
     "limits_enforced",
+    "memory_kill_note",
     "parse_mountinfo",
     "parse_proc_cgroup",
     "rlimits",
+    "tmpfs_bytes",
 ]

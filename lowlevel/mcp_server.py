@@ -13,7 +13,9 @@ Tools an agent client can call (each result a JSON object):
     ``max_output_bytes`` with ``stdout_truncated``/``stderr_truncated``; ``stdout_b64``/
     ``stderr_b64`` hold the exact bytes when they are not valid UTF-8), ``wall_time_s``,
     ``workspace`` (its name, for ``read_file``), ``clamped`` (what the client asked for and
-    the operator's config cut), and in egress mode ``network`` (each connection attempt: host,
+    the operator's config cut), ``notes`` when a limit or the network policy explains the
+    verdict (the memory limit and the tmpfs bounds, a refused fork, a refused connect; absent
+    otherwise), and in egress mode ``network`` (each connection attempt: host,
     port, address, allowed, reason, bytes up and down). ``cwd`` is the working directory
     (absolute, or relative to ``/workspace``). A run without ``workspace`` gets a fresh one named
     ``run-<hex>``, kept ``run_workspace_ttl_s`` seconds after the call for ``read_file`` (each use
@@ -95,7 +97,7 @@ from . import validate as _validate
 from . import workspace as _ws
 from .egress import Egress, egress_from_mapping
 from .errors import LowlevelError, PolicyError, WorkspaceError
-from .limits import Limits
+from .limits import VERDICT_NOTE_PREFIXES, Limits
 from .policy import WORKSPACE_DEST, Bind, Policy
 from .report import bytes_fields, display, json_safe
 from .result import Result
@@ -513,6 +515,11 @@ class Tools:
                 cut = _whole_utf8(cut)
             out[stream], out[f"{stream}_b64"] = bytes_fields(cut)
             out[f"{stream}_truncated"] = truncated or len(data) > cap
+        # Why a limit or the network policy ended the program (issue 25): the verdict notes only,
+        # which name limits and policy, never host paths.
+        why = [n for n in result.notes if n.startswith(VERDICT_NOTE_PREFIXES)]
+        if why:
+            out["notes"] = why
         if result.network is not None:
             out["network"] = [dataclasses.asdict(a) for a in result.network]
         safe: dict[str, Any] = json_safe(out)

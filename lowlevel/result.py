@@ -44,7 +44,10 @@ class Result:
         term_signal: the signal that killed the program (from its wait status), else None.
         timed_out: the wall-clock timeout fired and the sandbox was killed.
         killed_by: why the run died early: ``"timeout"``, ``"cpu"`` (RLIMIT_CPU),
-            ``"memory"`` (cgroup OOM kill), ``"pids"`` (pids.max reached), ``"signal"``
+            ``"memory"`` (the memory cgroup's OOM kill, whichever process of the sandbox it
+            took), ``"pids"`` (a fork failed at pids.max and the program then died by a
+            signal; one that exits with a status of its own is not "pids", a note says the
+            limit was hit), ``"signal"``
             (any other signal death), ``"cancelled"`` (the caller cancelled), or None.
         stdout, stderr: captured output (bytes), capped: when over the cap, the head and tail
             are kept and the middle dropped.

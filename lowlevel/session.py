@@ -108,7 +108,7 @@ from . import workspace as _ws
 from .argv import encode_args
 from .errors import CommitIncompleteError, LaunchError, LowlevelError, PolicyError, SessionError, UnsupportedError
 from .launcher import (DEFAULT_TIMEOUT_S, SETUP_TIMEOUT_S, ExecError, Run, _Capture, _check_command, _conflict_dir,
-                       classify_setup_failure, host_facts)
+                       host_facts, network_denial_note, pids_note)
 from .limits import Limits
 from .policy import WORKSPACE_DEST, Policy
 from .result import Result
@@ -374,6 +374,9 @@ class _Core:
         self.last_state_check = 0.0
         #: The limits the session's cgroup enforces now (Pool.run rewrites them per call).
         self.cgroup_limits = policy.limits
+        #: The cgroup's (oom_kills, pids.max hits) once the init is up: an OOM kill after it names
+        #: memory in the SessionError of an init that died.
+        self.cg_start: tuple[int | None, int | None] = (None, None)
         try:
             self._start(child)
         except BaseException:
@@ -383,6 +386,7 @@ class _Core:
             self.run.discard_workspace_if_unused()
             raise
         child.close()
+        self.cg_start = self._cg_counts()
         env = self.policy.environment()
         self.env_default = _env_block(env)
         self.rlimit_default = _rlimit_records(policy.limits, self.run.cgroup)
@@ -431,7 +435,7 @@ class _Core:
                     while r.read_fd("err_r") or r.read_fd("out_r") or r.read_fd("json_r"):
                         pass
                     if r.wait_status is not None and not any("exit-code" in d for d in r._docs()):
-                        raise classify_setup_failure(r.err.value()[0], r.full_argv, r.command)
+                        raise r.setup_error()
                     raise LaunchError("the session init exited before saying hello"
                                       + (f": {r.err.value()[0].decode('utf-8', 'replace').strip()}"
                                          if r.err.value()[0].strip() else ""), argv=r.full_argv)
@@ -439,7 +443,7 @@ class _Core:
                     r.reap()
                     while r.read_fd("err_r") or r.read_fd("out_r") or r.read_fd("json_r"):
                         pass
-                    raise classify_setup_failure(r.err.value()[0], r.full_argv, r.command)
+                    raise r.setup_error()
                 attr = "json_r" if fd == r.json_r else "out_r" if fd == r.out_r else "err_r"
                 if not r.read_fd(attr):
                     poller.unregister(fd)
@@ -771,6 +775,13 @@ class _Core:
         elif kind == _EXIT_SPAWN_FAILED:
             cmd.error = LaunchError(f"the session init could not start {cmd.argv[0]!r}: {os.strerror(status)}",
                                     argv=list(cmd.argv), errno=status)
+        elif kind == _EXIT_SHEPHERD_DIED and self._oom_since(cmd):
+            # The memory cgroup's OOM killer took the command's shepherd (oom_score_adj 1000 like
+            # the command, fewer pages): a verdict on the command's memory, not a broken session.
+            cmd.notes += (_limits.memory_kill_note(self.cgroup_limits, "the command's supervisor in the "
+                                                   "session (its shepherd), and the command's processes with it",
+                                                   session=True),)
+            cmd.result = self._result(cmd, status, flags, utime_us, stime_us, maxrss_kib, wall)
         elif kind == _EXIT_SHEPHERD_DIED:
             cmd.error = SessionError(f"the supervisor of {cmd.argv[0]!r} was killed (wait status {status}) "
                                      "by a command of the session; its processes were killed", "unresponsive")
@@ -803,14 +814,17 @@ class _Core:
             killed_by = "cancelled"
         elif oom_kills and (cmd.alone or failed):
             killed_by = "memory"
-        elif pids_hits and failed:
-            killed_by = "pids"
+            if not any("OOM killer" in n for n in cmd.notes):
+                cmd.notes += (_limits.memory_kill_note(self.cgroup_limits, session=True),)
         elif term == signal.SIGXCPU or (term == signal.SIGKILL and "RLIMIT_CPU" in cmd.rlimit_names
                                         and self.policy.limits.cpu_s is not None
                                         and cpu >= self.policy.limits.cpu_s):
             killed_by = "cpu"
         elif term is not None:
-            killed_by = "signal"
+            # The pids limit kills nothing: only a death by a signal after a refused fork is "pids".
+            killed_by = "pids" if pids_hits and failed else "signal"
+        if pids_hits and failed and killed_by in ("pids", None):
+            cmd.notes += (pids_note(self.cgroup_limits.pids, exit_code, term),)
         out, out_t, out_d = cmd.out.value()
         err, err_t, err_d = cmd.err.value()
         changes = _ws.Changes()
@@ -819,7 +833,8 @@ class _Core:
         cgroup_enforced = tuple(f"cgroup:{c}" for c in self.run.cgroup.enforced) if self.run.cgroup else ()
         enforced = cmd.rlimit_names + cgroup_enforced + (("seccomp",) if self.run.seccomp_loaded else ()) \
             + (("landlock",) if self.landlock_abi else ())
-        network, notes = None, self.notes + cmd.notes
+        net_note = network_denial_note(self.policy, self.landlock_abi, exit_code, err)
+        network, notes = None, self.notes + cmd.notes + ((net_note,) if net_note else ())
         if self.run.egress is not None:
             # Egress mode: the attempts the session made while this command ran (commands running
             # at the same time share the sandbox's proxy, so each lists the others' too).
@@ -872,6 +887,13 @@ class _Core:
         state = stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3]
         return state in (b"T", b"t")
 
+    def _oom_since(self, cmd: _Cmd | None = None) -> bool:
+        """True when the session cgroup's OOM kill count rose since ``cmd`` started (since the
+        session started without one)."""
+        before = cmd.cg_before[0] if cmd is not None else self.cg_start[0]
+        now = self._cg_counts()[0]
+        return now is not None and now > (before or 0)
+
     def _death_message(self) -> str:
         r = self.run
         if r.pidfd is not None and r.wait_status is None:
@@ -893,6 +915,10 @@ class _Core:
                 how = f"was killed by signal {code - 128}"
         elif code is not None:
             how = f"exited with status {code}"
+        if self._oom_since():
+            return (f"the session's init {how}: {_limits.memory_kill_note(self.cgroup_limits, 'the init or bwrap')}"
+                    "; the session is over: start a new Session, with a larger memory_bytes if its commands need "
+                    "more memory or room for files")
         return (f"the session's init {how}: the session is over (a command can kill it: commands run as the "
                 "same uid); start a new Session")
 
@@ -901,12 +927,20 @@ class _Core:
         if self.failed is not None:
             return
         self.failed = SessionError(message, reason)
+        oom = reason == "init_died" and self._oom_since()
         for cmd in list(self.cmds.values()):
             for fd in (cmd.out_r, cmd.err_r):
                 if fd is not None:
                     cmd.read(fd)
             cmd.close_fds()
-            cmd.error = self.failed
+            if oom and self._oom_since(cmd):
+                # Killed with the init by the memory limit: the command's verdict is a Result
+                # (killed_by="memory"); the session's later calls get the SessionError.
+                cmd.notes += (message,)
+                cmd.before = None
+                cmd.result = self._result(cmd, signal.SIGKILL, 0, 0, 0, 0, time.monotonic() - cmd.t0)
+            else:
+                cmd.error = self.failed
             cmd.done = True
         self.cmds.clear()
         self.fd_owner.clear()

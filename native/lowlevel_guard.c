@@ -233,6 +233,19 @@ static int guard_main(int argc, char **argv, char **envp) {
     if (exe_fd >= 0) lsys1(__NR_close, exe_fd);  /* the fd our binary was exec'd through */
     if (status_fd >= 0 && lsys3(__NR_fcntl, status_fd, F_SETFD, FD_CLOEXEC) < 0) status_fd = -1;
     lsys5(__NR_prctl, PR_SET_NAME, "lowlevel-guard", 0, 0, 0);
+    /* The program is the memory cgroup's OOM victim, not us: oom_score_adj 1000, inherited by
+     * the child (its own copy: the guard stays at 1000 too, but with a few pages of RSS against
+     * any program's, so the OOM killer's points, RSS + totalpages for both, pick the program).
+     * Written before PR_SET_DUMPABLE(0), which makes /proc/self root-owned; raising needs no
+     * privilege (proc(5), /proc/pid/oom_score_adj). Best effort: no /proc, no change. */
+    int keep_adj = 0;  /* LOWLEVEL_NO_OOM_SCORE_ADJ=1 in the environment: the old victim choice (tests) */
+    for (char **e = envp; *e; e++)
+        if (ll_strcmp(*e, "LOWLEVEL_NO_OOM_SCORE_ADJ=1") == 0) keep_adj = 1;
+    long adj = keep_adj ? -1 : lsys4(__NR_openat, AT_FDCWD, "/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC, 0);
+    if (adj >= 0) {
+        lsys3(__NR_write, adj, "1000", 4);
+        lsys1(__NR_close, adj);
+    }
     lsys5(__NR_prctl, PR_SET_DUMPABLE, 0, 0, 0, 0);
     unsigned long all = ~0UL;
     lsys4(__NR_rt_sigprocmask, G_SIG_SETMASK, &all, &bwrap_mask, 8);

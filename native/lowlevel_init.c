@@ -206,6 +206,13 @@ static int kill_children(int (*keep)(pid_t)) {
 /* shepherd                                                                                   */
 /* ------------------------------------------------------------------------------------------ */
 
+/* The init's /proc/self/oom_score_adj, opened before it became non-dumpable; -1: none. */
+static int oom_adj_fd = -1;
+
+static void set_oom_adj(const char *value) {
+    if (oom_adj_fd >= 0) (void)!write(oom_adj_fd, value, strlen(value));
+}
+
 /* Shared with the vfork child (same memory until it execs or exits). */
 static volatile int child_errno, child_stage;
 
@@ -530,6 +537,7 @@ static void do_spawn(int sock, const char *buf, size_t len, int *fds, int nfds) 
             if (!nj) { err = ENOMEM; close(sp[0]); close(sp[1]); free(vec); goto fail; }
             jobs = nj; capjobs = ncap;
         }
+        set_oom_adj("1000");
         pid_t pid = fork();
         if (pid == 0) {
             close(sp[0]);
@@ -537,6 +545,7 @@ static void do_spawn(int sock, const char *buf, size_t len, int *fds, int nfds) 
             _exit(0);
         }
         err = errno;
+        set_oom_adj("0");
         close(sp[1]);
         free(vec);
         if (pid < 0) { close(sp[0]); goto fail; }
@@ -569,6 +578,13 @@ int main(int argc, char **argv) {
     int64_t idle_ns = atoll(argv[2]) * 1000000LL, total_ns = atoll(argv[3]) * 1000000LL;
     if (argc > 4) close(atoi(argv[4]));  /* the fd our binary was exec'd through */
     prctl(PR_SET_NAME, "lowlevel-init");
+    /* Opened while still dumpable (PR_SET_DUMPABLE(0) makes /proc/self root-owned): the init
+     * raises its oom_score_adj to 1000 around each shepherd's fork and lowers it back, so every
+     * shepherd and command is born at 1000 and the memory cgroup's OOM killer picks a command,
+     * never the init (whose death ends the session). Lowering back to 0 needs no privilege (0 is
+     * the floor, oom_score_adj_min). proc(5), /proc/pid/oom_score_adj. */
+    const char *keep_adj = getenv("LOWLEVEL_NO_OOM_SCORE_ADJ");  /* "1": the old victim choice (tests) */
+    if (!keep_adj || strcmp(keep_adj, "1") != 0) oom_adj_fd = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
     /* Not dumpable: no ptrace, no /proc/PID/{mem,fd,environ} for the commands (same uid). */
     prctl(PR_SET_DUMPABLE, 0);
     prctl(PR_SET_CHILD_SUBREAPER, 1);

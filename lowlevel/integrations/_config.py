@@ -105,7 +105,7 @@ class SandboxConfig:
             if "limits" in kwargs:
                 kwargs["limits"] = _limits(kwargs["limits"], where)
             if "binds" in kwargs:
-                kwargs["binds"] = tuple(_bind(b, where) for b in kwargs["binds"])
+                kwargs["binds"] = tuple(_bind(b, f"{where}: binds[{i}]") for i, b in enumerate(kwargs["binds"]))
             policy = Policy(**kwargs)
         except TypeError as err:
             raise PolicyError(f"{where}: {err}") from err
@@ -156,11 +156,18 @@ def _bind(value: object, where: str) -> Bind:
     if isinstance(value, Bind):
         return value
     if isinstance(value, str):
-        return Bind(value)
+        value = {"source": value}
     if not isinstance(value, Mapping):
         raise PolicyError(f"{where}: each [[binds]] entry must be a table with source (and dest, writable)")
     known = {f.name for f in fields(Bind)}
     unknown = set(value) - known
     if unknown:
         raise PolicyError(f"{where}: unknown [[binds]] keys {sorted(unknown)}; known: {sorted(known)}")
-    return Bind(**value)
+    try:
+        return Bind(**value)
+    except PolicyError as err:
+        # One line naming the file and the entry (a missing source otherwise reached the
+        # framework as a bare "Bind source ... does not exist" deep in its sample setup).
+        raise PolicyError(f"{where}: {err}; fix or remove this [[binds]] entry") from None
+    except TypeError as err:
+        raise PolicyError(f"{where}: {err}") from None

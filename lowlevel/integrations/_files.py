@@ -88,6 +88,12 @@ def oserror(code: int, path: str, detail: str = "") -> OSError:
 
 def _error(result: Result, path: str, what: str) -> OSError:
     status = result.exit_code
+    if result.killed_by == "memory":
+        # Before the 100 + errno codes: 137 is SIGKILL, not ENOLCK. The note says why (the files
+        # in the tmpfs layers count against memory_bytes) and what to raise.
+        note = next((n for n in reversed(result.notes) if "OOM killer" in n), "")
+        return OSError(errno.ENOMEM, f"{what} failed in the sandbox: killed by the memory limit"
+                       + (f": {note}" if note else ""), path)
     if 100 < status < 100 + 134:
         return oserror(status - 100, path)
     text = result.stderr.decode("utf-8", "replace")

@@ -26,6 +26,7 @@ A failure of the sandbox itself (bad bind, bwrap missing) raises ``ToolException
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import tempfile
 from typing import Annotated, Any, Literal, TYPE_CHECKING
@@ -116,9 +117,21 @@ class _LowlevelTool(BaseTool):
             lowlevel.workspace.remove_workspace(result.workspace)
             return result
         except ExecError as err:
-            return Result(exit_code=127 if err.errno == 2 else 126, stderr=f"{argv[0]}: {err}\n".encode())
+            return Result(exit_code=127 if err.errno == errno.ENOENT else 126,
+                          stderr=(self._exec_message(argv[0], err) + "\n").encode())
         except (LowlevelError, OSError) as err:
             raise ToolException(f"the sandbox could not run this: {err}") from err
+
+    def _exec_message(self, prog: str, err: ExecError) -> str:
+        """One line for a program the sandbox could not start: ``prog: command not found in the
+        sandbox (PATH=...)`` for a missing one (what a shell would say, with where it looked),
+        else lowlevel's own message, which already starts with the program's name."""
+        text = str(err)
+        if err.errno == errno.ENOENT and "PATH=" not in text and "/" not in prog:
+            core = getattr(self.session, "_core", None) if self.session is not None else None
+            policy = getattr(core, "policy", None) or self.policy
+            return f"{prog}: command not found in the sandbox (PATH={policy.environment().get('PATH', '')})"
+        return text if text.startswith(f"{prog}:") else f"{prog}: {text}"
 
     def _answer(self, result: Result) -> Any:
         text = [f"exit code: {result.exit_code}"]
@@ -126,6 +139,8 @@ class _LowlevelTool(BaseTool):
             text.append("timed out: the run was killed")
         elif result.killed_by:
             text.append(f"killed: {result.killed_by} limit")
+            if result.killed_by == "memory":
+                text.extend(n for n in result.notes if "OOM killer" in n)
         for name, data in (("stdout", result.stdout), ("stderr", result.stderr)):
             if data:
                 text.append(f"--- {name} ---\n{_cap(data.decode('utf-8', 'replace'), self.max_output_chars)}")

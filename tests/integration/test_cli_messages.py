@@ -18,7 +18,7 @@ def test_replay_refusal_of_a_looser_policy_is_one_readable_line() -> None:
     d = Path(tempfile.mkdtemp(prefix="replay-msg-", dir="/tmp"))
     try:
         lowlevel = [sys.executable, "-m", "lowlevel"]
-        run = subprocess.run([*lowlevel, "run", "--rm", "--network=host", "--memory", "2G", "--record",
+        run = subprocess.run([*lowlevel, "run", "--rm", "--network=host", "--memory", "4G", "--record",
                               str(d / "r.json"), "--", "true"], capture_output=True, text=True, timeout=120, cwd=d)
         assert run.returncode == 0, run.stderr
         proc = subprocess.run([*lowlevel, "replay", str(d / "r.json")], capture_output=True, text=True,

@@ -24,9 +24,30 @@ from lowlevel.limits import GiB, KiB, MiB, Limits
 
 def test_defaults() -> None:
     lim = Limits()
-    assert (lim.cpu_s, lim.memory_bytes, lim.address_space_bytes, lim.pids) == (60.0, GiB, None, 256)
-    assert (lim.fsize_bytes, lim.nofile, lim.core_bytes, lim.cpu_quota) == (GiB, 1024, 0, None)
+    # Issue 25: the memory default is the program's 1 GiB plus the default tmpfs bounds (their
+    # pages are charged to the run's cgroup), and RLIMIT_FSIZE is above the workspace bound.
+    assert (lim.cpu_s, lim.memory_bytes, lim.address_space_bytes, lim.pids) == (60.0, 2 * GiB + 512 * MiB, None, 256)
+    assert (lim.fsize_bytes, lim.nofile, lim.core_bytes, lim.cpu_quota) == (2 * GiB, 1024, 0, None)
     assert (lim.tmp_size_bytes, lim.require) == (256 * MiB, ())
+
+
+def test_default_memory_leaves_the_program_1_gib_once_every_tmpfs_is_full() -> None:
+    from lowlevel import cow
+    lim = Limits()
+    assert L.DEFAULT_WORKSPACE_BYTES == cow.DEFAULT_UPPER_BYTES
+    assert L.tmpfs_bytes(lim) == GiB + 2 * 256 * MiB
+    assert lim.memory_bytes == L.tmpfs_bytes(lim) + L.PROGRAM_MEMORY_BYTES
+    assert lim.fsize_bytes is not None and lim.fsize_bytes > cow.DEFAULT_UPPER_BYTES  # ENOSPC before SIGXFSZ
+    assert L.tmpfs_bytes(Limits(workspace_bytes=4 * GiB, tmp_size_bytes=MiB)) == 4 * GiB + 2 * MiB
+    assert L.tmpfs_bytes(Limits(tmp_size_bytes=None)) is None
+
+
+def test_memory_kill_note_gives_both_numbers() -> None:
+    small = L.memory_kill_note(Limits(memory_bytes=256 * MiB))
+    assert f"memory_bytes={256 * MiB}" in small and str(GiB + 512 * MiB) in small and "before ENOSPC" in small
+    default = L.memory_kill_note(Limits(), "bwrap")
+    assert "killed bwrap" in default and f"memory_bytes={2 * GiB + 512 * MiB}" in default
+    assert "before ENOSPC" not in default
 
 
 @pytest.mark.parametrize(("field", "value"), [
@@ -86,9 +107,9 @@ class _Enforcing:
 def test_rlimits_without_cgroup_use_data_and_nproc_fallbacks() -> None:
     assert L.rlimits(Limits()) == (
         ("RLIMIT_CPU", 60, 61),
-        ("RLIMIT_DATA", GiB, GiB),
+        ("RLIMIT_DATA", 2 * GiB + 512 * MiB, 2 * GiB + 512 * MiB),
         ("RLIMIT_NPROC", 256, 256),
-        ("RLIMIT_FSIZE", GiB, GiB),
+        ("RLIMIT_FSIZE", 2 * GiB, 2 * GiB),
         ("RLIMIT_NOFILE", 1024, 1024),
         ("RLIMIT_CORE", 0, 0),
     )
@@ -652,7 +673,7 @@ def test_v2_update_limits_rewrites_and_removes(kernel: FakeKernel, v2_support: L
     assert _file(cg, "pids", "pids.max") == "max"
     assert _file(cg, "cpu", "cpu.max") == "100000 100000"
     assert L.rlimits(Limits(memory_bytes=64 * MiB, pids=9), cg)[1:3] == (("RLIMIT_NPROC", 9, 9),
-                                                                        ("RLIMIT_FSIZE", 1 << 30, 1 << 30))
+                                                                        ("RLIMIT_FSIZE", 2 << 30, 2 << 30))
     assert cg.update_limits(Limits(memory_bytes=None)) == ("pids",)
     assert _file(cg, "memory", "memory.max") == "max"
     assert _file(cg, "cpu", "cpu.max") == "max 100000"
