@@ -173,11 +173,13 @@ def test_fd_pressure_gives_typed_errors_and_leaks_nothing():
     """100 concurrent arun under `ulimit -n 64`: each run succeeds or raises LaunchError; no raw
     OSError escapes, and every fd is closed afterwards."""
     code = (
-        "import asyncio, os, resource, lowlevel\n"
+        "import asyncio, os, resource, sys, lowlevel\n"
         "from lowlevel.aio import arun\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parents[1] / 'helpers')!r})\n"
+        "from hygiene import open_fds\n"  # less the fds lowlevel keeps by design
         "lowlevel.run(['true'])\n"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
-        "before = len(os.listdir('/proc/self/fd'))\n"
+        "before = len(open_fds())\n"
         "async def one():\n"
         "    try:\n"
         "        return (await arun(['true'])).exit_code\n"
@@ -187,7 +189,7 @@ def test_fd_pressure_gives_typed_errors_and_leaks_nothing():
         "    return await asyncio.gather(*(one() for _ in range(100)), return_exceptions=True)\n"
         "out = asyncio.run(main())\n"
         "kinds = sorted({type(x).__name__ if isinstance(x, BaseException) else str(x) for x in out})\n"
-        "print(kinds, len(os.listdir('/proc/self/fd')) - before)\n"
+        "print(kinds, len(open_fds()) - before)\n"
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
