@@ -39,10 +39,13 @@ def _reach() -> tuple[list[str], str | None]:
     reason every test of that half is skipped with. First, while pytest is single-threaded."""
     if not IS_ROOT:
         return [], None
+    import importlib.util
+
     from helpers.reach import reach_for_other_users
     paths = [str(HERE.parent), sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable)),
              *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
-    return reach_for_other_users(paths)
+    spec = importlib.util.find_spec("lowlevel")  # found, not imported: the process is single-threaded still
+    return reach_for_other_users(paths, spec.origin if spec else None, [str(HERE / "helpers" / "run_as.py")])
 
 
 REACH_COVERED, USER_HALF_SKIP = _reach()
@@ -81,6 +84,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="needs root (run the suite as root to cover it)"))
 
 
+#: The reasons the unprivileged half was skipped with (at most one per run).
+_USER_SKIPS: set[str] = set()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Report every skip of the unprivileged half at the test_user fixture, not at each test, so
+    that ``-ra`` prints its reason once (``SKIPPED [N] tests/conftest.py:LINE: reason``)."""
+    outcome = yield
+    rep = outcome.get_result()
+    if _USER_SKIPS and rep.skipped and isinstance(rep.longrepr, tuple) and len(rep.longrepr) == 3 \
+            and any(str(rep.longrepr[2]).endswith(r) for r in _USER_SKIPS):
+        line = getattr(getattr(test_user, "__wrapped__", None), "__code__", None)
+        rep.longrepr = (str(Path(__file__)), line.co_firstlineno if line else 0, rep.longrepr[2])
+
+
 @pytest.fixture(scope="session")
 def test_user() -> pwd.struct_passwd:
     """An unprivileged account for the non-root runs (created once, kept for later runs).
@@ -90,6 +109,7 @@ def test_user() -> pwd.struct_passwd:
     if not IS_ROOT:
         pytest.skip("creating the test user needs root")
     if USER_HALF_SKIP:
+        _USER_SKIPS.add(USER_HALF_SKIP)
         pytest.skip(USER_HALF_SKIP)
     try:
         user = pwd.getpwnam(TEST_USER)
@@ -100,8 +120,10 @@ def test_user() -> pwd.struct_passwd:
                            capture_output=True, cwd="/")
     if probe.returncode != 0:
         last = (probe.stderr.decode(errors="replace").strip().splitlines() or ["?"])[-1]
-        pytest.skip(f"user {user.pw_name} cannot import lowlevel from {sys.executable} ({last}), though uid 65534 "
-                    "could (tests/helpers/reach.py): check the groups and ACLs of the checkout")
+        reason = (f"user {user.pw_name} cannot import lowlevel from {sys.executable} ({last}), though uid 65534 "
+                  "could (tests/helpers/reach.py): check the groups and ACLs of the checkout")
+        _USER_SKIPS.add(reason)
+        pytest.skip(reason)
     return user
 
 

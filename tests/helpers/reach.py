@@ -7,7 +7,7 @@ changing the modes of the user's directories, :func:`reach_for_other_users` move
 process into a mount namespace of its own (``unshare(CLONE_NEWNS)``, every mount a slave of the
 host's: nothing done here propagates back; mount_namespaces(7)) where each blocking ancestor
 ``D`` of the checkout and of the venv is covered by a tmpfs with ``D``'s owner and mode plus the
-others' search bit (``o+x``: pass through, not list), holding a recursive bind mount of each of
+others' search bit (``o+x``: pass through, not list; ``o+rx`` for the checkout itself), holding a recursive bind mount of each of
 ``D``'s entries (symlinks copied). Every path stays what it was, for root and for the test
 user, with the same contents and modes, so the editable install, ``sys.executable`` and every
 path the tests hand over keep working; only there, and only for this process and its children,
@@ -47,9 +47,10 @@ def _mount(source: str | None, target: str, fstype: str | None, flags: int, data
                        ctypes.c_ulong(flags), data and data.encode()), f"mount {source} on {target}")
 
 
-def blocking_dir(paths: Iterable[str]) -> str | None:
-    """The outermost ancestor (or the path itself) of one of ``paths`` that others cannot
-    search (no ``o+x``; ACLs not read), or None when others can reach them all."""
+def blocking_dir(paths: Iterable[str]) -> tuple[str, int] | None:
+    """The outermost directory on the way to one of ``paths`` that others cannot pass, with the
+    mode bits they lack: ``o+x`` on an ancestor, ``o+rx`` on the path itself (ACLs not read);
+    None when others can reach them all."""
     for path in paths:
         parts = os.path.abspath(path).split("/")[1:]
         for i in range(len(parts) + 1):
@@ -58,19 +59,20 @@ def blocking_dir(paths: Iterable[str]) -> str | None:
                 st = os.stat(d)
             except OSError:
                 break
-            if stat.S_ISDIR(st.st_mode) and not st.st_mode & stat.S_IXOTH:
-                return d
+            need = stat.S_IXOTH | (stat.S_IROTH if i == len(parts) else 0)
+            if stat.S_ISDIR(st.st_mode) and st.st_mode & need != need:
+                return d, need
     return None
 
 
-def _cover(d: str) -> None:
+def _cover(d: str, bits: int) -> None:
     """Cover directory ``d`` (in this mount namespace) with a tmpfs of the same owner and mode
-    plus ``o+x`` holding bind mounts of ``d``'s entries (see the module docstring)."""
+    plus ``bits`` holding bind mounts of ``d``'s entries (see the module docstring)."""
     st = os.stat(d)
     fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         names = os.listdir(fd)
-        mode = stat.S_IMODE(st.st_mode) | stat.S_IXOTH
+        mode = stat.S_IMODE(st.st_mode) | bits
         _mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, f"mode={mode:o},uid={st.st_uid},gid={st.st_gid},size=64m")
         for name in names:
             # /proc/self/fd/N/name: the entry beneath the tmpfs just mounted on d.
@@ -90,28 +92,36 @@ def _cover(d: str) -> None:
         os.close(fd)
 
 
-def others_can_import(cwd: str = "/") -> str | None:
-    """None when an unprivileged other user (uid/gid 65534, no groups) can run this interpreter
-    and import ``lowlevel`` as the suite's unprivileged half does, else its error's last line.
+def others_can_import(expected: str | None, files: Iterable[str] = (), cwd: str = "/") -> str | None:
+    """None when an unprivileged other user (uid/gid 65534, no groups) can run this interpreter,
+    import ``lowlevel`` from ``expected`` (its ``__init__.py``: not another install found further
+    down ``sys.path``) and read ``files``, as the suite's unprivileged half does; else why not.
     None too without setpriv (util-linux): the test_user fixture's own probe then decides."""
     if not os.access(SETPRIV, os.X_OK):
         return None
+    code = ("import sys, lowlevel\n"
+            "for f in sys.argv[1:]: open(f, 'rb').close()\n"
+            "print(lowlevel.__file__)\n")
     try:
         proc = subprocess.run([SETPRIV, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--",
-                               sys.executable, "-c", "import lowlevel"], capture_output=True, cwd=cwd, timeout=60)
+                               sys.executable, "-c", code, *files], capture_output=True, cwd=cwd, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as err:
         return str(err)
-    if proc.returncode == 0:
-        return None
-    lines = proc.stderr.decode(errors="replace").strip().splitlines()
-    return lines[-1] if lines else f"exit status {proc.returncode}"
+    if proc.returncode != 0:
+        lines = proc.stderr.decode(errors="replace").strip().splitlines()
+        return lines[-1] if lines else f"exit status {proc.returncode}"
+    got = proc.stdout.decode(errors="replace").strip()
+    if expected is not None and os.path.realpath(got) != os.path.realpath(expected):
+        return f"they import {got}, not {expected} (whose files they cannot read)"
+    return None
 
 
-def reach_for_other_users(paths: Iterable[str]) -> tuple[list[str], str | None]:
+def reach_for_other_users(paths: Iterable[str], expected: str | None,
+                          files: Iterable[str] = ()) -> tuple[list[str], str | None]:
     """Make ``paths`` reachable by other users in a mount namespace of this process's own when
     an ancestor blocks them (see the module docstring); return ``(covered dirs, reason)``:
-    ``reason`` is None when other users can import lowlevel now, else one line saying why not
-    and what to do.
+    ``reason`` is None when other users can now import lowlevel from ``expected`` and read
+    ``files`` (:func:`others_can_import`), else one line saying why not and what to do.
 
     Never changes a mode on disk. Needs root (CAP_SYS_ADMIN) and a single-threaded process.
     """
@@ -124,9 +134,9 @@ def reach_for_other_users(paths: Iterable[str]) -> tuple[list[str], str | None]:
             try:
                 _check(_libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
                 _mount(None, "/", None, MS_REC | MS_SLAVE)
-                while (d := blocking_dir(paths)) is not None and len(covered) < 64:
-                    _cover(d)
-                    covered.append(d)
+                while (found := blocking_dir(paths)) is not None and len(covered) < 64:
+                    _cover(*found)
+                    covered.append(found[0])
                 reason = None
             except OSError as err:
                 reason = str(err)
@@ -138,7 +148,7 @@ def reach_for_other_users(paths: Iterable[str]) -> tuple[list[str], str | None]:
             return covered, (f"other users cannot reach {' and '.join(sorted(set(paths)))} ({reason}); "
                              "run the suite from a checkout they can read (or make its parents o+x and the "
                              "checkout o+rX, as .ci/run's old recipe did)")
-    why = others_can_import()
+    why = others_can_import(expected, files)
     if why is None:
         return covered, None
     where = f" (mount namespace covering {', '.join(covered)})" if covered else ""
