@@ -159,12 +159,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     host = host_info()
     started = time.perf_counter()
     temp_dir = tempfile.mkdtemp(prefix="llray-bench-")
-    node_args = {"num_cpus": 1, "object_store_memory": 100 << 20, "include_dashboard": False, "temp_dir": temp_dir}
-    cluster = Cluster(initialize_head=True, head_node_args={
-        **node_args, "_system_config": {"worker_niceness": args.worker_niceness}})
+    # Every file of this cluster under temp_dir: Cluster writes its address file into
+    # $RAY_TMPDIR/ray (default /tmp/ray, which it never creates) whatever the nodes' temp_dir.
+    os.environ["RAY_TMPDIR"] = temp_dir
+    node_args = {"num_cpus": 1, "object_store_memory": 100 << 20, "include_dashboard": False,
+                 "temp_dir": os.path.join(temp_dir, "ray")}
+    cluster = Cluster(initialize_head=False)
     results: list[dict[str, Any]] = []
     ratios: dict[str, float | None] = {}
     try:
+        cluster.add_node(**node_args, _system_config={"worker_niceness": args.worker_niceness})
         ray.init(address=cluster.address, log_to_driver=False)
         head = ray.get_runtime_context().get_node_id()
         nodes = [head]

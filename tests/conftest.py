@@ -28,7 +28,29 @@ from typing import Any
 
 import pytest
 
-import lowlevel
+HERE = Path(__file__).resolve().parent
+IS_ROOT = os.geteuid() == 0
+
+
+def _reach() -> tuple[list[str], str | None]:
+    """As root, make this checkout and its venv reachable by the unprivileged half (a mount
+    namespace of this process's own, tests/helpers/reach.py; no mode changed on disk). Returns
+    the directories covered and, when that user still cannot import lowlevel, the one-line
+    reason every test of that half is skipped with. First, while pytest is single-threaded."""
+    if not IS_ROOT:
+        return [], None
+    import importlib.util
+
+    from helpers.reach import reach_for_other_users
+    paths = [str(HERE.parent), sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable)),
+             *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    spec = importlib.util.find_spec("lowlevel")  # found, not imported: the process is single-threaded still
+    return reach_for_other_users(paths, spec.origin if spec else None, [str(HERE / "helpers" / "run_as.py")])
+
+
+REACH_COVERED, USER_HALF_SKIP = _reach()
+
+import lowlevel  # noqa: E402
 
 # The suite's host-facts cache (lowlevel.hostcache) is its own, not the machine's: the tests
 # compile many odd seccomp profiles and fake probes. Subprocesses inherit it; an unprivileged
@@ -51,12 +73,10 @@ if "LOWLEVEL_RECORD_DIR" not in os.environ:
     os.environ["LOWLEVEL_RECORD_DIR"] = _records
     atexit.register(shutil.rmtree, _records, True)
 
-HERE = Path(__file__).resolve().parent
 RUN_AS = HERE / "helpers" / "run_as.py"
 TEST_USER = "lowlevel-test"
 RUNUSER = shutil.which("runuser") or "/usr/sbin/runuser"
 USERADD = shutil.which("useradd") or "/usr/sbin/useradd"
-IS_ROOT = os.geteuid() == 0
 
 
 def _bwrap_ok() -> str | None:
@@ -74,16 +94,47 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="needs root (run the suite as root to cover it)"))
 
 
+#: The reasons the unprivileged half was skipped with (at most one per run).
+_USER_SKIPS: set[str] = set()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Report every skip of the unprivileged half at the test_user fixture, not at each test, so
+    that ``-ra`` prints its reason once (``SKIPPED [N] tests/conftest.py:LINE: reason``)."""
+    outcome = yield
+    rep = outcome.get_result()
+    if _USER_SKIPS and rep.skipped and isinstance(rep.longrepr, tuple) and len(rep.longrepr) == 3 \
+            and any(str(rep.longrepr[2]).endswith(r) for r in _USER_SKIPS):
+        line = getattr(getattr(test_user, "__wrapped__", None), "__code__", None)
+        rep.longrepr = (str(Path(__file__)), line.co_firstlineno if line else 0, rep.longrepr[2])
+
+
 @pytest.fixture(scope="session")
 def test_user() -> pwd.struct_passwd:
-    """An unprivileged account for the non-root runs (created once, kept for later runs)."""
+    """An unprivileged account for the non-root runs (created once, kept for later runs).
+
+    Skipped, with the one reason :data:`USER_HALF_SKIP`, where that user cannot import this
+    checkout's lowlevel even in the mount namespace of :func:`_reach`."""
     if not IS_ROOT:
         pytest.skip("creating the test user needs root")
+    if USER_HALF_SKIP:
+        _USER_SKIPS.add(USER_HALF_SKIP)
+        pytest.skip(USER_HALF_SKIP)
     try:
-        return pwd.getpwnam(TEST_USER)
+        user = pwd.getpwnam(TEST_USER)
     except KeyError:
         subprocess.run([USERADD, "--create-home", "--shell", "/bin/sh", TEST_USER], check=True)
-        return pwd.getpwnam(TEST_USER)
+        user = pwd.getpwnam(TEST_USER)
+    probe = subprocess.run([RUNUSER, "-u", user.pw_name, "--", sys.executable, "-c", "import lowlevel"],
+                           capture_output=True, cwd="/")
+    if probe.returncode != 0:
+        last = (probe.stderr.decode(errors="replace").strip().splitlines() or ["?"])[-1]
+        reason = (f"user {user.pw_name} cannot import lowlevel from {sys.executable} ({last}), though uid 65534 "
+                  "could (tests/helpers/reach.py): check the groups and ACLs of the checkout")
+        _USER_SKIPS.add(reason)
+        pytest.skip(reason)
+    return user
 
 
 @dataclass
@@ -227,13 +278,7 @@ def sandbox(request: pytest.FixtureRequest, tmp_path: Path) -> Sandbox:
     if _bwrap_ok():
         pytest.skip(_bwrap_ok() or "")
     if request.param == "user":
-        user = request.getfixturevalue("test_user")
-        probe = subprocess.run([RUNUSER, "-u", user.pw_name, "--", sys.executable, "-c", "import lowlevel"],
-                               capture_output=True, cwd="/")
-        if probe.returncode != 0:
-            pytest.fail(f"user {user.pw_name} cannot import lowlevel from {sys.executable}: make the checkout and "
-                        f"venv world-readable (.ci/run does): {probe.stderr.decode()[-500:]}")
-        return Sandbox("user", user, tmp_path)
+        return Sandbox("user", request.getfixturevalue("test_user"), tmp_path)
     return Sandbox(request.param, None, tmp_path)
 
 
@@ -289,3 +334,13 @@ def server():
     s = LoopbackServer()
     yield s
     s.close()
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """One line on how the unprivileged half reached this checkout (why it was skipped is the
+    one ``SKIPPED [N] tests/conftest.py`` line of ``-ra``)."""
+    if REACH_COVERED and not USER_HALF_SKIP:
+        terminalreporter.write_line(
+            f"lowlevel: other users cannot search {', '.join(REACH_COVERED)}: the unprivileged half ran in this "
+            "process's own mount namespace, where those directories are passable (tests/helpers/reach.py); "
+            "no mode changed on disk")

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.hygiene import children, open_fds
 
 import lowlevel
 from lowlevel.aio import Runner, arun
@@ -27,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _fds() -> set[int]:
-    return {int(n) for n in os.listdir("/proc/self/fd")}
+    """This process's fds, less what lowlevel keeps by design (tests/helpers/hygiene.py)."""
+    return set(open_fds())
 
 
 def _comparable(r: lowlevel.Result) -> dict:
@@ -151,18 +153,8 @@ def _processes_with(needle: bytes) -> list[int]:
 
 
 def _our_children() -> list[int]:
-    me = str(os.getpid())
-    kids = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[1] == me:  # ppid (zombies included: not yet reaped)
-                kids.append(int(name))
-    return kids
+    """This process's children (zombies included: not yet reaped), less lowlevel's kept ones."""
+    return children()
 
 
 def test_cancellation_kills_and_reaps():

@@ -27,6 +27,7 @@ from types import FrameType
 from typing import Any
 
 import pytest
+from helpers.hygiene import children, open_fds
 
 import lowlevel
 
@@ -34,21 +35,13 @@ pytestmark = [pytest.mark.bwrap]
 
 
 def _fds() -> dict[int, str]:
-    out = {}
-    for n in os.listdir("/proc/self/fd"):
-        try:
-            out[int(n)] = os.readlink(f"/proc/self/fd/{n}")
-        except OSError:
-            pass  # the listing's own fd
-    return out
+    """``{fd: target}`` of this process, less what lowlevel keeps by design (tests/helpers/hygiene.py)."""
+    return open_fds()
 
 
-def _children() -> list[str]:
-    out: list[str] = []
-    for t in os.listdir(f"/proc/{os.getpid()}/task"):
-        with open(f"/proc/{os.getpid()}/task/{t}/children") as f:
-            out += f.read().split()
-    return out
+def _children() -> list[int]:
+    """This process's children (zombies included), less lowlevel's kept ones."""
+    return children()
 
 
 @contextmanager

@@ -21,6 +21,7 @@ from dataclasses import replace
 from collections.abc import Iterator
 
 import pytest
+from helpers.hygiene import open_fds
 
 from lowlevel import limits as L
 from lowlevel.errors import LaunchError
@@ -388,7 +389,7 @@ def test_remove_after_a_failed_attach_leaves_nothing(gated) -> None:
 
 @needs_cgroup
 def test_many_runs_leave_no_cgroups_and_no_fds() -> None:
-    fds = set(os.listdir("/proc/self/fd"))
+    fds = set(open_fds())
     for _ in range(50):
         cg = L.RunCgroup.create(Limits(cpu_quota=1.0))
         assert cg is not None
@@ -401,7 +402,7 @@ def test_many_runs_leave_no_cgroups_and_no_fds() -> None:
         if h.base is not None:
             mine = [e for e in os.listdir(h.base) if e.startswith(f"{os.getpid()}-")]
             assert mine == [], h.base
-    assert set(os.listdir("/proc/self/fd")) == fds
+    assert set(open_fds()) == fds
 
 
 # ---------------------------------------------------------------------------------------------

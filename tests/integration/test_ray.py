@@ -30,6 +30,7 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install -e '.[ray]')")
 
+from helpers.ray_cluster import private_ray_cluster  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 import lowlevel  # noqa: E402
@@ -58,11 +59,8 @@ def _node_id(node) -> str:
 def nodes():
     if not shutil.which("bwrap"):
         pytest.skip("bwrap is not installed")
-    temp_dir = tempfile.mkdtemp(prefix="llray-")
-    cluster = Cluster(initialize_head=True, head_node_args={
-        **NODE, "resources": {"head": 1}, "include_dashboard": False, "no_monitor": True, "temp_dir": temp_dir,
-        "_system_config": FAST_HEALTH})
-    try:
+    with private_ray_cluster("llray-", **NODE, resources={"head": 1}, include_dashboard=False, no_monitor=True,
+                             _system_config=FAST_HEALTH) as cluster:
         good = cluster.add_node(**NODE, resources={"good": 1})
         # A node where no sandbox can run (env_vars: the raylet's environment, inherited by its
         # workers): its workspace base cannot be created.
@@ -70,10 +68,6 @@ def nodes():
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False)
         yield Nodes(cluster, _node_id(cluster.head_node), _node_id(good), _node_id(bad))
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -359,7 +353,9 @@ ray.shutdown()
     try:
         proc = subprocess.run([RUNUSER, "-u", test_user.pw_name, "--", sys.executable, "-c", script, temp_dir],
                               capture_output=True, timeout=240, cwd="/",
-                              env={"PATH": os.environ["PATH"], "HOME": test_user.pw_dir, "LANG": "C.UTF-8"})
+                              env={"PATH": os.environ["PATH"], "HOME": test_user.pw_dir, "LANG": "C.UTF-8",
+                                   # nothing of this Ray goes to (or comes from) /tmp/ray
+                                   "RAY_TMPDIR": temp_dir})
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
@@ -369,6 +365,57 @@ ray.shutdown()
     assert bytes.fromhex(d["stdout"]) == f"{test_user.pw_uid}\n".encode() + bytes(range(256))
     assert d["files"] == {b"o\xfe".hex(): b"x".hex()}
     assert bytes.fromhex(d["session"]) == b"s\n"
+
+
+FAILED_START = r"""
+import json, os, shutil, sys, tempfile
+sys.path.insert(0, sys.argv[1])
+import ray._private.utils
+from ray.cluster_utils import Cluster
+from hygiene import children
+from ray_cluster import kill_leftovers, private_ray_cluster
+
+def fail(*args, **kwargs):  # Cluster writes the address file after the head's processes started
+    raise FileNotFoundError(2, "No such file or directory (injected)", "/tmp/ray/ray_current_cluster")
+
+ray._private.utils.write_ray_address = fail
+head = {"num_cpus": 1, "object_store_memory": 80 << 20, "include_dashboard": False, "no_monitor": True}
+out = {}
+root = tempfile.mkdtemp(prefix="llray-ctl-")
+os.environ["RAY_TMPDIR"] = root
+try:  # control: the bare Cluster, as the fixture had it
+    Cluster(initialize_head=True, head_node_args={**head, "temp_dir": os.path.join(root, "ray")})
+except FileNotFoundError:
+    out["control_failed"] = True
+out["control_children"] = len(children())
+out["control_killed"] = len(kill_leftovers(root))
+del os.environ["RAY_TMPDIR"]
+shutil.rmtree(root, ignore_errors=True)
+try:
+    with private_ray_cluster("llray-fail-", **head):
+        out["entered"] = True
+except FileNotFoundError as err:
+    out["error"] = str(err)
+out["children"] = children()
+out["ray_tmpdir"] = os.environ.get("RAY_TMPDIR")
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_cluster_whose_start_fails_leaves_no_process():
+    """A head whose start fails after its processes started (as on a machine without /tmp/ray,
+    before the fixture had a temp root of its own) leaves none of them behind: their children
+    of the test process failed three unrelated hygiene tests. Control: ray's bare Cluster leaves
+    them running."""
+    proc = subprocess.run([sys.executable, "-c", FAILED_START, str(HERE / "helpers")], capture_output=True,
+                          timeout=240, cwd="/")
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    d = json.loads(proc.stdout.decode().strip().splitlines()[-1])
+    assert d["control_failed"] and d["control_children"] > 0 and d["control_killed"] > 0  # control
+    assert "entered" not in d and "injected" in d["error"]
+    assert d["children"] == []
+    assert d["ray_tmpdir"] is None
 
 
 @pytest.mark.slow

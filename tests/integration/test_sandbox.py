@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.hygiene import open_fds
 
 import lowlevel
 from lowlevel.workspace import list_files, read_file
@@ -286,15 +287,14 @@ def test_inherited_fd_not_open_inside():
 
 
 def test_no_fd_leak_after_runs(tmp_path):
-    # One run first: the process opens the guard executable once and keeps that fd for every
-    # later run (bwrap execs it through /proc/self/fd/N); run alone, this test saw it as a leak.
-    lowlevel.run(["true"], workspace=_ws())
-    before = sorted(os.listdir("/proc/self/fd"))
+    # The guard executable's fd, opened once per process and kept for every later run (bwrap
+    # execs it through /proc/self/fd/N), is no leak: open_fds() leaves it out (helpers/hygiene.py).
+    before = sorted(open_fds())
     for _ in range(20):
         lowlevel.run(["true"], workspace=_ws())
     with pytest.raises(lowlevel.ExecError):
         lowlevel.run(["nope-nope"], workspace=_ws())
-    assert sorted(os.listdir("/proc/self/fd")) == before
+    assert sorted(open_fds()) == before
 
 
 def test_cli_runs_example_and_exit_codes(tmp_path):

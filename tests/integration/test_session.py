@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.hygiene import children, open_fds
 
 import lowlevel
 from lowlevel.session import AsyncSession, Pool, Session, SessionError
@@ -29,22 +30,14 @@ def _ws() -> str:
     return path
 
 
-def _fds() -> set[str]:
-    return set(os.listdir("/proc/self/fd"))
+def _fds() -> set[int]:
+    """This process's fds, less what lowlevel keeps by design (tests/helpers/hygiene.py)."""
+    return set(open_fds())
 
 
 def _children_of(pid: int) -> list[int]:
-    out = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            if int(stat[stat.rfind(b")") + 2:].split()[1]) == pid:
-                out.append(int(name))
-    return out
+    """Children of ``pid`` (zombies included), less lowlevel's kept ones (tests/helpers/hygiene.py)."""
+    return children(pid)
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.hygiene import children, open_fds
 
 import lowlevel
 from lowlevel import limits as _limits
@@ -93,12 +94,9 @@ def test_sigkill_of_the_caller_kills_the_sandbox_within_a_second():
     assert beat.stat().st_size == size
 
 
-def _children() -> list[str]:
-    out = []
-    for path in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
-        with open(path) as f:
-            out += f.read().split()
-    return out
+def _children() -> list[int]:
+    """This process's children (zombies included), less lowlevel's kept ones (tests/helpers/hygiene.py)."""
+    return children()
 
 
 def _our_cgroups() -> list[str]:
@@ -127,7 +125,7 @@ def test_thousand_runs_leave_nothing_behind(monkeypatch: pytest.MonkeyPatch):
     base = tempfile.mkdtemp(prefix="wsbase-", dir="/tmp")
     os.chmod(base, 0o755)
     lowlevel.run(["true"], workspace=ws)  # warm-up: probes, seccomp compile, cgroup base dirs
-    fds_before = sorted(os.listdir("/proc/self/fd"))
+    fds_before = sorted(open_fds())
     tmp_before = _ours_in_tmp()
     for i in range(1000):
         if i % 250 == 0:
@@ -138,7 +136,7 @@ def test_thousand_runs_leave_nothing_behind(monkeypatch: pytest.MonkeyPatch):
             assert r.timed_out
         r = lowlevel.run(["true"], workspace=ws)
         assert r.exit_code == 0
-    assert sorted(os.listdir("/proc/self/fd")) == fds_before, "fds leaked (pidfds, pipes or memfds)"
+    assert sorted(open_fds()) == fds_before, "fds leaked (pidfds, pipes or memfds)"
     assert _children() == [], "zombie or live children left"
     assert _our_cgroups() == [], "stray per-run cgroups left"
     assert _ours_in_tmp() == tmp_before, "temp files or dirs left"
@@ -175,11 +173,13 @@ def test_fd_pressure_gives_typed_errors_and_leaks_nothing():
     """100 concurrent arun under `ulimit -n 64`: each run succeeds or raises LaunchError; no raw
     OSError escapes, and every fd is closed afterwards."""
     code = (
-        "import asyncio, os, resource, lowlevel\n"
+        "import asyncio, os, resource, sys, lowlevel\n"
         "from lowlevel.aio import arun\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parents[1] / 'helpers')!r})\n"
+        "from hygiene import open_fds\n"  # less the fds lowlevel keeps by design
         "lowlevel.run(['true'])\n"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
-        "before = len(os.listdir('/proc/self/fd'))\n"
+        "before = len(open_fds())\n"
         "async def one():\n"
         "    try:\n"
         "        return (await arun(['true'])).exit_code\n"
@@ -189,7 +189,7 @@ def test_fd_pressure_gives_typed_errors_and_leaks_nothing():
         "    return await asyncio.gather(*(one() for _ in range(100)), return_exceptions=True)\n"
         "out = asyncio.run(main())\n"
         "kinds = sorted({type(x).__name__ if isinstance(x, BaseException) else str(x) for x in out})\n"
-        "print(kinds, len(os.listdir('/proc/self/fd')) - before)\n"
+        "print(kinds, len(open_fds()) - before)\n"
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
