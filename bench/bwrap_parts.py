@@ -149,7 +149,8 @@ class Ladder:
             fds += [(7, self.passwd), (8, self.group)]
         if upto >= STEPS.index("remount_ro"):
             mounts += self.parts["remount_ro"]
-        mounts += ["--chdir", "/workspace"]
+        # As lowlevel: with the guard, bwrap gets --chdir / and the guard changes to the cwd.
+        mounts += ["--chdir", "/" if upto >= STEPS.index("guard") else "/workspace"]
         if upto >= STEPS.index("seccomp") and self.bpf:
             mounts += self.parts["seccomp"]
             fds.append((6, self.bpf))
@@ -157,7 +158,7 @@ class Ladder:
             mounts += self.parts["as_pid_1"]
         inner = list(self.cmd)
         if upto >= STEPS.index("guard"):
-            inner = [*_landlock.guard_argv(9, 10, self.rules), *self.cmd]
+            inner = [*_landlock.guard_argv(9, 10, self.rules, cwd="/workspace"), *self.cmd]
         argv = [self.facts.bwrap.path, *opts, *mounts, "--", *inner]
         if upto >= STEPS.index("anchor"):
             keep = sorted({fd for fd, _ in fds} | ({9, 10} if upto >= STEPS.index("guard") else set()))
