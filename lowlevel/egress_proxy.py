@@ -576,6 +576,11 @@ def _split_authority(authority: str, default_port: int | None) -> tuple[str, int
 
 
 _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+#: Bytes never allowed in a request head line once it is split on CRLF: a bare CR or LF, NUL and
+#: the other controls but HTAB (RFC 9112 section 2.2: a recipient of a bare CR must reject or
+#: replace it, and section 5.5 field values). An origin that takes a bare LF as a line end would
+#: otherwise read a second request smuggled inside a header value, past the proxy's checks.
+_HEAD_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 def parse_request(head: bytes) -> _Request:
@@ -589,6 +594,20 @@ def parse_request(head: bytes) -> _Request:
     except UnicodeDecodeError:  # pragma: no cover - latin-1 decodes every byte
         raise _RefusedError(400, "undecodable request head") from None
     lines = text.split("\r\n")
+    while lines and not lines[-1]:
+        lines.pop()  # the blank line that ends the head
+    for line in lines:
+        bad = _HEAD_CONTROL.search(line)
+        if bad:
+            raise _RefusedError(400, f"a control character ({bad.group()!r}: a bare CR or LF, NUL...) in the request "
+                                "head (RFC 9112 section 2.2); end every line with CRLF")
+        if not line:
+            raise _RefusedError(400, "a blank line inside the request head")
+        if line[0] in " \t":
+            raise _RefusedError(400, "a folded header line (obs-fold, RFC 9112 section 5.2): send each header "
+                                "on one line")
+    if not lines:
+        raise _RefusedError(400, "an empty request head")
     parts = lines[0].split(" ")
     if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
         raise _RefusedError(400, f"not an HTTP/1.x request line: {lines[0][:80]!r}")
@@ -597,8 +616,6 @@ def parse_request(head: bytes) -> _Request:
         raise _RefusedError(400, f"bad method {method[:20]!r}")
     headers: list[tuple[str, str]] = []
     for line in lines[1:]:
-        if not line:
-            continue
         name, sep, value = line.partition(":")
         if not sep or not _TOKEN.match(name):
             raise _RefusedError(400, f"bad header line {line[:80]!r}")

@@ -301,7 +301,7 @@ SELF_SERVE = ("import os, socket\n"
 @pytest.fixture
 def handed_over_workspace(sandbox: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Path, Listener]]:
     """The fallback workspace model (no overlay: the directory is bound as it is), holding a host
-    daemon's live socket."""
+    daemon's live socket. (Runs there commit: a discard is refused in that model.)"""
     monkeypatch.setenv("LOWLEVEL_NO_OVERLAY", "1")
     ws = sandbox.workspace()
     listener = Listener(ws / "app.sock")
@@ -313,13 +313,13 @@ def handed_over_workspace(sandbox: Any, monkeypatch: pytest.MonkeyPatch) -> Iter
 def test_a_socket_in_a_handed_over_workspace_is_masked(sandbox: Any,
                                                        handed_over_workspace: tuple[Path, Listener]) -> None:
     ws, listener = handed_over_workspace
-    r = sandbox.run(["python3", "-c", CONNECT, "/workspace/app.sock"], workspace=str(ws), commit=False,
+    r = sandbox.run(["python3", "-c", CONNECT, "/workspace/app.sock"], workspace=str(ws), commit=True,
                     policy_kw={"landlock": "require"}, timeout=60)
     assert r.exit_code == 3 and r.out.startswith("refused"), (r.out, r.err, r.message)
     assert listener.accepted == 0
     assert any("workspace: masked 1 unix socket" in n and "/workspace/app.sock" in n for n in r.notes), r.notes
     # Control: a socket the sandbox makes itself in the same workspace still works.
-    r = sandbox.run(["python3", "-c", SELF_SERVE], workspace=str(ws), commit=False, timeout=60)
+    r = sandbox.run(["python3", "-c", SELF_SERVE], workspace=str(ws), commit=True, timeout=60)
     assert r.exit_code == 0 and r.out == "connected own\n", (r.out, r.err, r.message)
 
 
@@ -333,7 +333,7 @@ def test_control_the_handed_over_socket_is_reachable_without_the_mask(monkeypatc
     os.chmod(ws, 0o755)
     listener = Listener(ws / "app.sock")
     try:
-        r = lowlevel.run(["python3", "-c", CONNECT, "/workspace/app.sock"], workspace=str(ws), commit=False,
+        r = lowlevel.run(["python3", "-c", CONNECT, "/workspace/app.sock"], workspace=str(ws), commit=True,
                          timeout=60)
     finally:
         listener.close()

@@ -492,3 +492,26 @@ def test_parse_request_body_length():
 def test_parse_client_hello_waits_for_the_first_byte():
     from lowlevel.egress_proxy import parse_client_hello
     assert parse_client_hello(b"") is None
+
+
+@pytest.mark.parametrize("head", [
+    # the red-team's smuggle: a bare LF inside a header value starts a second request at an
+    # origin that takes LF as a line end (Python's http.server does)
+    b"GET http://allowed.test/first HTTP/1.1\r\nX-A: a\n\nGET /second HTTP/1.1\nHost: denied.test\n\r\n\r\n",
+    b"GET http://allowed.test/ HTTP/1.1\r\nX-A: a\rb\r\n\r\n",
+    b"GET http://allowed.test/ HTTP/1.1\r\nX-A: a\x00b\r\n\r\n",
+    b"GET http://allowed.test/ HTTP/1.1\r\nX-A: a\r\n b\r\n\r\n",      # obs-fold
+    b"GET http://allowed.test/ HTTP/1.1\r\n\r\nHost: denied.test\r\n\r\n",  # a blank line inside
+    b"GET http://allowed.test/\n HTTP/1.1\r\n\r\n",
+])
+def test_request_heads_with_bare_line_ends_or_controls_are_refused(head: bytes) -> None:
+    """Issue 22 item 4, the red-team's follow-up: no second request hides in a header value."""
+    with pytest.raises(_RefusedError) as err:
+        parse_request(head)
+    assert err.value.status == 400
+
+
+def test_a_clean_head_with_tabs_passes() -> None:
+    """Control: HTAB inside a value is allowed (RFC 9112 field values), CRLF line ends pass."""
+    r = parse_request(b"GET http://allowed.test/x HTTP/1.1\r\nX-A: a\tb\r\nAccept: */*\r\n\r\n")
+    assert r.host == "allowed.test" and b"X-A: a\tb\r\n" in (r.head_out or b"")
