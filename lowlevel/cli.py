@@ -168,12 +168,12 @@ def _port(text: str) -> int:
 def _env_pair(text: str) -> tuple[str, str] | None:
     """``KEY=VALUE``; a bare ``KEY`` takes the caller's value, or is left out when the caller
     has none (as ``docker run -e KEY``)."""
-    if "=" not in text:
-        if not text or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", text):
-            raise argparse.ArgumentTypeError(f"invalid --env {text!r}: use KEY=VALUE (or KEY to pass on "
-                                             "the caller's value)")
-        return (text, os.environ[text]) if text in os.environ else None
-    key, value = text.split("=", 1)
+    key, eq, value = text.partition("=")
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+        raise argparse.ArgumentTypeError(f"invalid --env {text!r}: use KEY=VALUE (or KEY to pass on the caller's "
+                                         "value), KEY of letters, digits and _ (not starting with a digit)")
+    if not eq:
+        return (key, os.environ[key]) if key in os.environ else None
     return key, value
 
 
