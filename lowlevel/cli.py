@@ -18,6 +18,12 @@ error object ``{"error": TYPE, "message": LINE, "exit_status": N, "errno": E | n
 "workspace": PATH | null}`` (TYPE is the exception's name, ``UsageError`` or ``Interrupted``;
 an interruption adds ``"signal": "SIGINT"``).
 
+Habits from ``timeout(1)`` and ``docker run`` mean the same here: durations take s/m/h/d
+suffixes (``--timeout 2m``); at the timeout every process gets SIGTERM and the sandbox SIGKILL
+``--kill-after`` later (:data:`DEFAULT_KILL_AFTER_S`); ``--cpus`` is CPU bandwidth in cores
+(``--cpu`` is CPU seconds); ``-e``, ``--env-file``, ``-v SRC:DEST[:ro]``, ``-w``. An unknown option
+gets a "did you mean"; ``--json`` prints the Result's keys sorted, ``argv`` last.
+
 ``lowlevel doctor [--json]`` reports what the host can do and exits non-zero when the default
 policy cannot run.
 
@@ -62,6 +68,9 @@ EXIT_TIMEOUT = 124
 EXIT_FAILED = 125
 EXIT_NOEXEC = 126
 EXIT_NOTFOUND = 127
+
+#: ``lowlevel run``'s grace between the SIGTERM at the timeout and the SIGKILL (``--kill-after``), seconds.
+DEFAULT_KILL_AFTER_S = 2.0
 
 #: The most stdin ``--record`` reads (and stores in the record), bytes.
 MAX_RECORD_STDIN_BYTES = 64 * 1024 * 1024
@@ -127,6 +136,17 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(str(err).removeprefix("duration: ")) from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
+
+
+def _grace(text: str) -> float:
+    """``--kill-after``: a duration >= 0."""
+    try:
+        value = duration_seconds(text, "duration")
+    except PolicyError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("duration: ")) from None
+    if not 0 <= value < 2**31:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
     return value
 
 
@@ -252,7 +272,7 @@ def _cwd_spec(text: str) -> str:
 RUN_EPILOG = """\
 exit status (as timeout(1)):
   N        the program's own exit status
-  124      the --timeout fired (the sandbox was killed)
+  124      the --timeout fired (SIGTERM to the sandbox, SIGKILL --kill-after later)
   125      lowlevel failed: a usage error, a bad option value, workspace or sandbox setup
   126      the command is not executable
   127      the command is not found
@@ -261,6 +281,7 @@ exit status (as timeout(1)):
 examples:
   lowlevel run -- python3 -c 'print(42)'
   lowlevel run --timeout 10s --memory 512M --cpus 0.5 -- make test
+  lowlevel run --timeout 2m -k 10s -- ./server       # 10 s to shut down after the SIGTERM
   lowlevel run -v "$PWD/data:/data:ro" -e API_MODE=test -w src -- ./run.sh
   lowlevel run --input main.py --json -- python3 main.py    # one JSON object (argv last)
   lowlevel run --allow-host pypi.org -- pip download requests
@@ -310,6 +331,10 @@ def _add_run(sub: Any) -> None:
     p.add_argument("--timeout", metavar="DURATION", type=_positive_float, default=60.0,
                    help="wall-clock limit: seconds, or with an s/m/h/d suffix as timeout(1) (10s, 2m; "
                    "default 60); exit 124 when it fires")
+    p.add_argument("-k", "--kill-after", metavar="DURATION", type=_grace, default=None,
+                   help="as timeout -k: at the timeout, SIGTERM every process of the sandbox, and SIGKILL "
+                   f"it this long after if it has not ended (default {DEFAULT_KILL_AFTER_S:g}s; 0: SIGKILL at "
+                   "once; with --record: 0)")
     p.add_argument("--network", nargs="?", const="bare", default=None, type=_network_mode, metavar="{none,host}",
                    help="none (default): the sandbox's own loopback only; host: the host's whole network "
                    "(its 127.0.0.1 services, cloud metadata and abstract unix sockets included). A bare "
@@ -618,6 +643,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                          "--allow-host alone gives an allowlist")
     if args.net_bytes is not None and not _egress_requested(args):
         raise UsageError("run: --net-bytes is enforced by the egress proxy: use it with --allow-host")
+    if args.record is not None and args.kill_after:
+        raise UsageError("run: --kill-after does not go with --record (a record replays the SIGKILL at the "
+                         "timeout): drop --kill-after, or --record")
     if args.record is not None and (args.discard or args.commit_on_success):
         raise UsageError("run: --record hashes the workspace after the run, so the run's changes are always "
                          "applied: drop --discard/--commit-on-success, or --record")
@@ -664,6 +692,7 @@ def _cmd_run(args: argparse.Namespace, command: list[str], created: list[str]) -
                                   capture=capture, cwd=args.cwd, allow_sensitive_workspace=args.allow_sensitive)
         if args.record is None:
             kw["commit"] = False if args.discard else "on_success" if args.commit_on_success else True
+            kw["kill_after"] = DEFAULT_KILL_AFTER_S if args.kill_after is None else args.kill_after
         if args.record is not None:
             result = run(command, record=args.record, stdin=stdin, **kw)
         elif args.json and is_terminal_or_none(0):
@@ -728,7 +757,10 @@ def _report(args: argparse.Namespace, result: Result) -> int:
             _print_json(result.to_json(), last=("argv",))
     if result.timed_out:
         if not args.json:
-            print(f"lowlevel: timed out after {args.timeout:g} s; the sandbox was killed", file=sys.stderr)
+            grace = DEFAULT_KILL_AFTER_S if args.kill_after is None else args.kill_after
+            how = (f"SIGTERM, then SIGKILL within {grace:g} s" if grace and args.record is None
+                   else "the sandbox was killed")
+            print(f"lowlevel: timed out after {args.timeout:g} s; {how}", file=sys.stderr)
         return EXIT_TIMEOUT
     if result.network and not args.json:
         from .egress_proxy import describe_attempt

@@ -218,3 +218,54 @@ def test_json_puts_argv_last(who: pwd.struct_passwd | None, base: Path) -> None:
     # The verdict comes before the argv in the text too.
     text = proc.stdout.decode()
     assert text.index('"exit_code"') < text.index('"argv"')
+
+
+# --- the timeout's SIGTERM and grace (timeout -k) -------------------------------------------------
+
+TRAPS = ("trap 'echo main got TERM; exit 7' TERM; "
+         "setsid sh -c \"trap 'echo orphan got TERM; exit 0' TERM; sleep 60 & wait\" & "
+         "sleep 60 & wait")
+
+
+def test_timeout_sends_sigterm_to_the_whole_sandbox_first(who: pwd.struct_passwd | None, base: Path) -> None:
+    """The program and a process in another session (an orphan of PID 1 once its parent is
+    gone) both get SIGTERM at the deadline, run their handlers, and the run ends without the SIGKILL."""
+    proc = cli(who, base, "run", "--rm", "--json", "--timeout", "1s", "--kill-after", "20s", "--", "sh", "-c", TRAPS)
+    assert proc.returncode == 124, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["timed_out"] is True and doc["killed_by"] == "timeout"
+    assert doc["exit_code"] == 7 and doc["term_signal"] is None, doc  # its own handler's exit, not SIGKILL
+    assert "main got TERM" in doc["stdout"] and "orphan got TERM" in doc["stdout"], doc["stdout"]
+    # The control: --kill-after 0 is SIGKILL at the deadline, no handler runs.
+    proc = cli(who, base, "run", "--rm", "--json", "--timeout", "1s", "--kill-after", "0", "--", "sh", "-c", TRAPS)
+    assert proc.returncode == 124, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["timed_out"] is True and doc["term_signal"] == 9 and "got TERM" not in doc["stdout"], doc
+
+
+def test_sigterm_ignored_gets_sigkill_after_the_grace(who: pwd.struct_passwd | None, base: Path) -> None:
+    proc = cli(who, base, "run", "--rm", "--json", "--timeout", "0.5", "-k", "0.5s", "--",
+               "sh", "-c", "trap '' TERM; sleep 60")
+    assert proc.returncode == 124, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["timed_out"] is True and doc["killed_by"] == "timeout" and doc["term_signal"] == 9, doc
+    # The default grace: a plain program dies of the SIGTERM itself.
+    proc = cli(who, base, "run", "--rm", "--json", "--timeout", "0.5", "--", "sleep", "60")
+    doc = json.loads(proc.stdout)
+    assert proc.returncode == 124 and doc["term_signal"] == 15 and doc["timed_out"] is True, doc
+    plain = cli(who, base, "run", "--rm", "--timeout", "0.5", "--", "sleep", "60")
+    assert plain.returncode == 124 and b"timed out after 0.5 s; SIGTERM, then SIGKILL within 2 s" in plain.stderr
+
+
+def test_kill_after_values_and_record(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for bad in ("-1", "soon", "nan"):
+        assert _cli.main(["run", "--kill-after", bad, "--", "true"]) == 125
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and "--kill-after" in err, err
+    assert _cli.main(["run", "--record", str(tmp_path / "r.json"), "-k", "3", "--", "true"]) == 125
+    assert "--kill-after does not go with --record" in capsys.readouterr().err
+    import lowlevel
+    with pytest.raises(lowlevel.PolicyError, match="kill_after"):
+        lowlevel.run(["true"], kill_after=-1)
+    with pytest.raises(lowlevel.PolicyError, match="kill_after"):
+        lowlevel.run(["true"], kill_after=True)  # type: ignore[arg-type]
