@@ -18,6 +18,12 @@ error object ``{"error": TYPE, "message": LINE, "exit_status": N, "errno": E | n
 "workspace": PATH | null}`` (TYPE is the exception's name, ``UsageError`` or ``Interrupted``;
 an interruption adds ``"signal": "SIGINT"``).
 
+Habits from ``timeout(1)`` and ``docker run`` mean the same here: durations take s/m/h/d
+suffixes (``--timeout 2m``); at the timeout every process gets SIGTERM and the sandbox SIGKILL
+``--kill-after`` later (:data:`DEFAULT_KILL_AFTER_S`); ``--cpus`` is CPU bandwidth in cores
+(``--cpu`` is CPU seconds); ``-e``, ``--env-file``, ``-v SRC:DEST[:ro]``, ``-w``. An unknown option
+gets a "did you mean"; ``--json`` prints the Result's keys sorted, ``argv`` last.
+
 ``lowlevel doctor [--json]`` reports what the host can do and exits non-zero when the default
 policy cannot run.
 
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import errno
 import json
 import os
@@ -51,15 +58,19 @@ from . import __version__
 from .egress import DEFAULT_PORTS, Egress
 from .errors import LaunchError, LowlevelError, PolicyError, UnsupportedError
 from .launcher import ExecError, classify_setup_failure, run
-from .limits import VERDICT_NOTE_PREFIXES, Limits
+from .limits import CPU_QUOTA_FALLBACK_NOTE, VERDICT_NOTE_PREFIXES, Limits
 from .policy import WORKSPACE_DEST, Bind, Policy
 from .report import RECORD_NOT_WRITTEN, WARNING_PREFIX, json_safe
 from .result import Result
+from .units import duration_seconds, size_bytes
 
 EXIT_TIMEOUT = 124
 EXIT_FAILED = 125
 EXIT_NOEXEC = 126
 EXIT_NOTFOUND = 127
+
+#: ``lowlevel run``'s grace between the SIGTERM at the timeout and the SIGKILL (``--kill-after``), seconds.
+DEFAULT_KILL_AFTER_S = 2.0
 
 #: The most stdin ``--record`` reads (and stores in the record), bytes.
 MAX_RECORD_STDIN_BYTES = 64 * 1024 * 1024
@@ -74,40 +85,79 @@ class _Parser(argparse.ArgumentParser):
     """argparse with lowlevel's exit status: a usage error raises :class:`UsageError`."""
 
     def error(self, message: str) -> NoReturn:
-        text = " ".join(message.split())
+        text = " ".join(message.split()) + self._suggestion(message)
         where = self.prog.partition(" ")[2]
         raise UsageError(f"{where + ': ' if where else ''}{text} (see `{self.prog} --help`)")
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?[bB])?\s*$")
-_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+    def _suggestion(self, message: str) -> str:
+        """``"; did you mean --timeout?"`` for an unknown option close to a known one (Python
+        3.11's argparse has no ``suggest_on_error``; :func:`difflib.get_close_matches`)."""
+        m = re.match(r"unrecognized arguments: (-\S+)", message)
+        if not m:
+            return ""
+        unknown = m.group(1).split("=", 1)[0]
+        known = sorted(self._option_strings())
+        close = difflib.get_close_matches(unknown, known, n=1, cutoff=0.6)
+        return f"; did you mean {close[0]}?" if close else ""
 
+    def _option_strings(self) -> set[str]:
+        """Every option string of this parser and of its subcommands' parsers."""
+        found: set[str] = set()
+        for action in self._actions:
+            found.update(s for s in action.option_strings if s.startswith("--") or len(s) == 2)
+            if isinstance(action, argparse._SubParsersAction):
+                for parser in action.choices.values():
+                    if isinstance(parser, _Parser):
+                        found |= parser._option_strings()
+        found.discard("--help")
+        return found
 
 def parse_size(text: str) -> int:
     """Parse a byte count with an optional binary suffix: ``"512"``, ``"64K"``, ``"256M"``, ``"2G"``.
 
-    K, M, G, T are powers of 1024 (``KiB``/``MB`` spellings accepted alike).
+    K, M, G, T are powers of 1024 (``KiB``/``MB`` spellings accepted alike); the same syntax as
+    the MCP and Inspect configs (:func:`lowlevel.units.size_bytes`).
 
     Raises:
         argparse.ArgumentTypeError: not a size.
     """
-    m = _SIZE.match(text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r}: use a number of bytes with an optional "
-                                         "K, M or G suffix, e.g. 256M")
-    number, unit = m.group(1), m.group(2).lower()
-    if not unit and "." in number:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r}: a byte count is a whole number "
-                                         "(or use a suffix: 1.5M)")
-    return int(float(number) * _UNITS[unit])
+    try:
+        return size_bytes(text, "size")
+    except PolicyError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("size: ")) from None
 
 
 def _positive_float(text: str) -> float:
+    """Seconds > 0: a number, or a duration with an s, m, h or d suffix as ``timeout(1)``
+    takes (``10s``, ``2m``; :func:`lowlevel.units.duration_seconds`)."""
+    try:
+        value = duration_seconds(text, "duration")
+    except PolicyError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("duration: ")) from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
+
+
+def _grace(text: str) -> float:
+    """``--kill-after``: a duration >= 0."""
+    try:
+        value = duration_seconds(text, "duration")
+    except PolicyError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("duration: ")) from None
+    if not 0 <= value < 2**31:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return value
+
+
+def _cores(text: str) -> float:
+    """``--cpus``: CPU cores (``0.5`` = half a core), as ``docker run --cpus``."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number of seconds {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"invalid number of cores {text!r}: use e.g. 0.5 or 2") from None
+    if not 0.01 <= value <= 4096:
+        raise argparse.ArgumentTypeError(f"must be between 0.01 and 4096 cores, got {text!r}")
     return value
 
 
@@ -135,11 +185,57 @@ def _port(text: str) -> int:
     return int(text)
 
 
-def _env_pair(text: str) -> tuple[str, str]:
-    if "=" not in text:
-        raise argparse.ArgumentTypeError(f"invalid --env {text!r}: use KEY=VALUE")
-    key, value = text.split("=", 1)
+def _env_pair(text: str) -> tuple[str, str] | None:
+    """``KEY=VALUE``; a bare ``KEY`` takes the caller's value, or is left out when the caller
+    has none (as ``docker run -e KEY``)."""
+    key, eq, value = text.partition("=")
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+        raise argparse.ArgumentTypeError(f"invalid --env {text!r}: use KEY=VALUE (or KEY to pass on the caller's "
+                                         "value), KEY of letters, digits and _ (not starting with a digit)")
+    if not eq:
+        return (key, os.environ[key]) if key in os.environ else None
     return key, value
+
+
+def read_env_file(path: str) -> list[tuple[str, str]]:
+    """``--env-file FILE`` as ``docker run`` reads it: one ``KEY=VALUE`` a line, taken
+    literally (no quotes removed, no ``$`` expansion); a line ``KEY`` passes on the caller's
+    value (left out when it has none); blank lines and lines starting with ``#`` are skipped.
+
+    Raises:
+        UsageError: the file cannot be read, or a line is neither ``KEY=VALUE`` nor ``KEY``
+            (the message names the file and the line number).
+    Source: Docker CLI reference, ``docker run --env-file``.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise UsageError(f"run: --env-file {path}: cannot read it: {err}") from None
+    pairs: list[tuple[str, str]] = []
+    for number, line in enumerate(lines, 1):
+        stripped = line.lstrip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        try:
+            pair = _env_pair(stripped if "=" in stripped else stripped.rstrip())
+        except argparse.ArgumentTypeError:
+            raise UsageError(f"run: --env-file {path}:{number}: not KEY=VALUE: {line[:60]!r}") from None
+        if pair is not None:
+            pairs.append(pair)
+    return pairs
+
+
+def _volume_spec(text: str) -> tuple[str, str, bool]:
+    """``-v SRC:DEST[:ro|:rw]`` as ``docker run -v``: a bind, writable unless ``:ro``."""
+    parts = text.split(":")
+    mode = "rw"
+    if len(parts) == 3 and parts[2] in ("ro", "rw"):
+        mode = parts.pop()
+    if len(parts) != 2 or not parts[0] or not parts[1]:
+        raise argparse.ArgumentTypeError(f"invalid --volume {text!r}: use SRC:DEST, SRC:DEST:ro or SRC:DEST:rw "
+                                         "(named volumes and other options are not supported)")
+    return parts[0], parts[1], mode == "rw"
 
 
 def _bind_spec(text: str) -> tuple[str, str]:
@@ -172,6 +268,27 @@ def _cwd_spec(text: str) -> str:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+#: ``lowlevel run --help``'s closing text: exit statuses and examples.
+RUN_EPILOG = """\
+exit status (as timeout(1)):
+  N        the program's own exit status
+  124      the --timeout fired (SIGTERM to the sandbox, SIGKILL --kill-after later)
+  125      lowlevel failed: a usage error, a bad option value, workspace or sandbox setup
+  126      the command is not executable
+  127      the command is not found
+  128+N    signal N killed the program, or interrupted lowlevel (SIGINT, SIGTERM...)
+
+examples:
+  lowlevel run -- python3 -c 'print(42)'
+  lowlevel run --timeout 10s --memory 512M --cpus 0.5 -- make test
+  lowlevel run --timeout 2m -k 10s -- ./server       # 10 s to shut down after the SIGTERM
+  lowlevel run -v "$PWD/data:/data:ro" -e API_MODE=test -w src -- ./run.sh
+  lowlevel run --input main.py --json -- python3 main.py    # one JSON object (argv last)
+  lowlevel run --allow-host pypi.org -- pip download requests
+  lowlevel run --image python:3.12 --rm -- python3 -V
+"""
+
+
 #: The subcommands, in the order ``lowlevel --help`` lists them.
 COMMANDS = ("run", "doctor", "cleanup", "replay", "mcp", "image")
 
@@ -201,17 +318,23 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 def _add_run(sub: Any) -> None:
     p = sub.add_parser("run", help="run a command in a fresh sandbox",
-                       description="Run COMMAND in a fresh sandbox. Put -- before the command.")
+                       description="Run COMMAND in a fresh sandbox. Put -- before the command.",
+                       epilog=RUN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workspace", metavar="DIR", help="existing host dir bound read-write at /workspace "
                    "(default: a fresh per-run dir, its path printed to stderr)")
     p.add_argument("--input", metavar="PATH[:DEST]", action="append", default=[], type=_input_spec,
                    help="file or dir copied into the workspace before the run, under its base name or at "
                    "DEST (relative to the workspace) (repeatable)")
-    p.add_argument("--cwd", metavar="DIR", type=_cwd_spec, default=None,
+    p.add_argument("-w", "--cwd", "--workdir", dest="cwd", metavar="DIR", type=_cwd_spec, default=None,
                    help="working directory inside the sandbox, absolute or relative to /workspace "
                    "(default /workspace, or the image's WorkingDir)")
-    p.add_argument("--timeout", metavar="SECONDS", type=_positive_float, default=60.0,
-                   help="wall-clock limit, seconds (default 60); exit 124 when it fires")
+    p.add_argument("--timeout", metavar="DURATION", type=_positive_float, default=60.0,
+                   help="wall-clock limit: seconds, or with an s/m/h/d suffix as timeout(1) (10s, 2m; "
+                   "default 60); exit 124 when it fires")
+    p.add_argument("-k", "--kill-after", metavar="DURATION", type=_grace, default=None,
+                   help="as timeout -k: at the timeout, SIGTERM every process of the sandbox, and SIGKILL "
+                   f"it this long after if it has not ended (default {DEFAULT_KILL_AFTER_S:g}s; 0: SIGKILL at "
+                   "once; with --record: 0)")
     p.add_argument("--network", nargs="?", const="bare", default=None, type=_network_mode, metavar="{none,host}",
                    help="none (default): the sandbox's own loopback only; host: the host's whole network "
                    "(its 127.0.0.1 services, cloud metadata and abstract unix sockets included). A bare "
@@ -234,18 +357,27 @@ def _add_run(sub: Any) -> None:
                    help="extra read-only bind (repeatable)")
     p.add_argument("--rw", metavar="PATH[:DEST]", action="append", default=[], type=_bind_spec,
                    help="extra writable bind (repeatable)")
+    p.add_argument("-v", "--volume", metavar="SRC:DEST[:ro]", action="append", default=[], type=_volume_spec,
+                   help="bind as docker run -v: writable, read-only with :ro (repeatable; the same checks "
+                   "as --ro/--rw)")
     p.add_argument("--allow-sensitive", action="store_true",
                    help="allow binds of credential dirs, home, /run, sockets, and a --workspace that is a "
                    "system or home dir (dangerous)")
     p.add_argument("--allow-sockets", action="store_true",
                    help="keep the unix sockets inside --ro/--rw directories reachable (default: the ones found "
                    "are masked; a D-Bus or Docker socket there is a way out of the sandbox)")
-    p.add_argument("--env", metavar="KEY=VALUE", action="append", default=[], type=_env_pair,
-                   help="environment variable inside (repeatable)")
+    p.add_argument("-e", "--env", metavar="KEY=VALUE", action="append", default=[], type=_env_pair,
+                   help="environment variable inside (repeatable); a bare KEY passes on the caller's value")
+    p.add_argument("--env-file", metavar="FILE", action="append", default=[],
+                   help="read KEY=VALUE lines from FILE, as docker run --env-file (repeatable; -e wins)")
     p.add_argument("--memory", metavar="BYTES", type=parse_size, help="memory limit of the run (cgroup; "
                    "RLIMIT_DATA fallback), e.g. 512M (default 2.5G: 1G for the program + the tmpfs bounds of "
                    "--workspace-size and twice --tmp-size, whose files are RAM counted in it)")
-    p.add_argument("--cpu", metavar="SECONDS", type=_positive_float, help="CPU seconds (RLIMIT_CPU), default 60")
+    p.add_argument("--cpu", metavar="DURATION", type=_positive_float, help="CPU time, seconds or with a "
+                   "suffix (RLIMIT_CPU; the program is killed past it), default 60")
+    p.add_argument("--cpus", metavar="CORES", type=_cores, help="CPU bandwidth in cores, as docker run --cpus "
+                   "(0.5 = half a core; cgroup cpu.max / cpu.cfs_quota_us): throttles, never kills. Without a "
+                   "writable cpu cgroup (an unprivileged caller) it is not enforced and a warning says so")
     p.add_argument("--pids", metavar="N", type=_positive_int, help="processes+threads (cgroup pids.max; "
                    "RLIMIT_NPROC fallback), default 256")
     p.add_argument("--fsize", metavar="BYTES", type=parse_size, help="largest file written (RLIMIT_FSIZE), "
@@ -335,10 +467,10 @@ def _add_mcp(sub: Any) -> None:
                    "narrow it with allow_hosts, never widen it")
     m.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
                    help="deterministic mode for every run")
-    m.add_argument("--max-timeout", metavar="SECONDS", type=_positive_float, help="ceiling for timeout_s")
+    m.add_argument("--max-timeout", metavar="DURATION", type=_positive_float, help="ceiling for timeout_s")
     m.add_argument("--max-output-bytes", metavar="BYTES", type=parse_size, help="per stream in results")
     m.add_argument("--memory", metavar="BYTES", type=parse_size, help="memory ceiling per run")
-    m.add_argument("--cpu", metavar="SECONDS", type=_positive_float, help="CPU seconds ceiling")
+    m.add_argument("--cpu", metavar="DURATION", type=_positive_float, help="CPU seconds ceiling")
     m.add_argument("--pids", metavar="N", type=_positive_int, help="process ceiling")
     m.add_argument("--allow-bind", metavar="PATH", action="append", default=None,
                    help="host path clients may ask to bind read-only (repeatable)")
@@ -382,8 +514,16 @@ def error_object(kind: str, message: str, exit_status: int, *, err_no: int | Non
             "workspace": workspace, **extra}
 
 
-def _print_json(doc: dict[str, Any]) -> None:
-    json.dump(doc, sys.stdout, indent=2, sort_keys=True)
+def _print_json(doc: dict[str, Any], last: tuple[str, ...] = ()) -> None:
+    """Print ``doc`` with its keys sorted at every level, except that the top-level keys in
+    ``last`` come at the end (a Result's ``argv``, ~150 lines of bwrap options, after the
+    verdict rather than before it)."""
+    if last:
+        ordered = json.loads(json.dumps(doc, sort_keys=True))
+        doc = {**{k: v for k, v in ordered.items() if k not in last}, **{k: ordered[k] for k in last if k in ordered}}
+        json.dump(doc, sys.stdout, indent=2)
+    else:
+        json.dump(doc, sys.stdout, indent=2, sort_keys=True)
     sys.stdout.write("\n")
     sys.stdout.flush()
 
@@ -407,6 +547,12 @@ def _policy_from_args(args: argparse.Namespace) -> Policy:
                   allow_sockets=args.allow_sockets) for src, dest in args.ro]
     binds += [Bind(src, dest, writable=True, allow_sensitive=args.allow_sensitive,
                    allow_sockets=args.allow_sockets) for src, dest in args.rw]
+    binds += [Bind(src, dest, writable=writable, allow_sensitive=args.allow_sensitive,
+                   allow_sockets=args.allow_sockets) for src, dest, writable in args.volume]
+    if args.cpus is not None:
+        overrides["cpu_quota"] = args.cpus
+    env = [pair for path in args.env_file for pair in read_env_file(path)]
+    env += [pair for pair in args.env if pair is not None]
     if args.net_bytes is not None:
         overrides["net_bytes"] = args.net_bytes
     network: bool | Egress = args.network in ("host", "bare")
@@ -424,7 +570,7 @@ def _policy_from_args(args: argparse.Namespace) -> Policy:
     if args.image and args.rootfs:
         raise PolicyError("give --image or --rootfs, not both")
     landlock = {"on": True, "off": False}.get(args.landlock, args.landlock)
-    return Policy(network=network, binds=tuple(binds), env=tuple(args.env), limits=Limits(**overrides),
+    return Policy(network=network, binds=tuple(binds), env=tuple(env), limits=Limits(**overrides),
                   deterministic=args.deterministic, image=args.image, rootfs=args.rootfs,
                   rootfs_writable=args.writable_root, landlock=landlock)
 
@@ -497,6 +643,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                          "--allow-host alone gives an allowlist")
     if args.net_bytes is not None and not _egress_requested(args):
         raise UsageError("run: --net-bytes is enforced by the egress proxy: use it with --allow-host")
+    if args.record is not None and args.kill_after:
+        raise UsageError("run: --kill-after does not go with --record (a record replays the SIGKILL at the "
+                         "timeout): drop --kill-after, or --record")
     if args.record is not None and (args.discard or args.commit_on_success):
         raise UsageError("run: --record hashes the workspace after the run, so the run's changes are always "
                          "applied: drop --discard/--commit-on-success, or --record")
@@ -543,6 +692,7 @@ def _cmd_run(args: argparse.Namespace, command: list[str], created: list[str]) -
                                   capture=capture, cwd=args.cwd, allow_sensitive_workspace=args.allow_sensitive)
         if args.record is None:
             kw["commit"] = False if args.discard else "on_success" if args.commit_on_success else True
+            kw["kill_after"] = DEFAULT_KILL_AFTER_S if args.kill_after is None else args.kill_after
         if args.record is not None:
             result = run(command, record=args.record, stdin=stdin, **kw)
         elif args.json and is_terminal_or_none(0):
@@ -599,12 +749,18 @@ def _report(args: argparse.Namespace, result: Result) -> int:
     for note in result.notes:
         if note.startswith((RECORD_NOT_WRITTEN, WARNING_PREFIX)):
             print(f"lowlevel: {note}", file=sys.stderr)
+        elif note == CPU_QUOTA_FALLBACK_NOTE and args.cpus is not None:
+            print(f"lowlevel: warning: --cpus {args.cpus:g}: {note}; --cpu SECONDS (RLIMIT_CPU) still bounds "
+                  "CPU time", file=sys.stderr)
     if args.json:
         with _reader_may_leave():
-            _print_json(result.to_json())
+            _print_json(result.to_json(), last=("argv",))
     if result.timed_out:
         if not args.json:
-            print(f"lowlevel: timed out after {args.timeout:g} s; the sandbox was killed", file=sys.stderr)
+            grace = DEFAULT_KILL_AFTER_S if args.kill_after is None else args.kill_after
+            how = (f"SIGTERM, then SIGKILL within {grace:g} s" if grace and args.record is None
+                   else "the sandbox was killed")
+            print(f"lowlevel: timed out after {args.timeout:g} s; {how}", file=sys.stderr)
         return EXIT_TIMEOUT
     if result.network and not args.json:
         from .egress_proxy import describe_attempt

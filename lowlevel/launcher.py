@@ -839,6 +839,10 @@ class Run:
         self.t0 = 0.0
         self.t_end = 0.0
         self.deadline: float | None = None
+        #: Seconds between the SIGTERM at the deadline and the SIGKILL (``run(kill_after=)``, as
+        #: ``timeout -k``); 0: SIGKILL at the deadline. Set before :meth:`spawn`.
+        self.kill_after = 0.0
+        self.terminated = False
         self.argv: list[str] = []
         self.full_argv: list[str] = []
         self.before: Any = None
@@ -1230,7 +1234,7 @@ class Run:
                            pass_fds=self.pass_fds, args_fd=ARGS_FD, command=self._inner_command(),
                            # The anchor enforces the deadline too (a stopped caller cannot extend a run).
                            deadline_ns=None if self.deadline is None
-                           else round((self.deadline + ANCHOR_GRACE_S) * 1e9))
+                           else round((self.deadline + self.kill_after + ANCHOR_GRACE_S) * 1e9))
 
     def _inner_command(self) -> list[str]:
         """What bwrap runs: the egress relay (outside Landlock: it listens on the proxy port),
@@ -1511,6 +1515,54 @@ class Run:
             if fd in self.fds:
                 self.fds.remove(fd)
             setattr(self, attr, None)
+
+    def on_deadline(self) -> None:
+        """The deadline passed: SIGKILL the sandbox, or with :attr:`kill_after` first SIGTERM
+        every process in it and push the deadline back by ``kill_after`` (the next call kills)."""
+        if self.kill_after > 0 and not self.terminated and self.deadline is not None:
+            self.terminate()
+            self.deadline += self.kill_after
+            return
+        self.kill("timeout")
+
+    def terminate(self) -> None:
+        """SIGTERM every process of the sandbox but its PID 1 (the program, what it started, the
+        orphans PID 1 adopted): step one of a timeout with a grace, as ``timeout -k`` sends
+        SIGTERM, then SIGKILL. Records ``killed_by="timeout"``.
+
+        The processes are the descendants of the sandbox's PID 1 (``/proc/PID/task/*/children``,
+        readable by the caller, who owns the sandbox's user namespace); each is signalled
+        through a pidfd opened while its parent is still the one it was found under, so a
+        recycled PID is never signalled. PID 1 itself (the guard) has no handler and is not
+        signalled (the kernel would drop it). Best effort: a process forked during the walk
+        gets the SIGKILL of the end of the grace.
+        """
+        self.terminated = True
+        if self.killed_by is None:
+            self.killed_by = "timeout"
+            self.timed_out = True
+        root = _pidfd_pid(self.init_pidfd)
+        if root is None:
+            return
+        todo, seen = [root], {root}
+        while todo and len(seen) < 1_000_000:
+            parent = todo.pop()
+            for pid in _children(parent):
+                if pid in seen:
+                    continue
+                seen.add(pid)
+                todo.append(pid)
+                try:
+                    pfd = os.pidfd_open(pid)
+                except OSError:
+                    continue
+                try:
+                    if _ppid(pid) == parent:
+                        signal.pidfd_send_signal(pfd, signal.SIGTERM)
+                except OSError:
+                    pass
+                finally:
+                    os.close(pfd)
 
     def kill(self, reason: str | None, *, cgroup_kill: bool = True) -> None:
         """SIGKILL the whole sandbox (its PID 1 takes the PID namespace with it) and bwrap.
@@ -2049,6 +2101,47 @@ def _conflict_dir(base: str | None) -> str:
     return tempfile.mkdtemp(prefix="conflict-", dir=root)
 
 
+def _pidfd_pid(pidfd: int | None) -> int | None:
+    """The PID (in our namespace) a pidfd refers to (``Pid:`` of its fdinfo), or None."""
+    if pidfd is None:
+        return None
+    try:
+        with open(f"/proc/self/fdinfo/{pidfd}", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Pid:"):
+                    pid = int(line.split()[1])
+                    return pid if pid > 0 else None
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _children(pid: int) -> list[int]:
+    """The children of ``pid`` (every thread's, ``/proc/PID/task/TID/children``; proc(5))."""
+    found: list[int] = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", encoding="ascii") as f:
+                found.extend(int(x) for x in f.read().split())
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def _ppid(pid: int) -> int | None:
+    """The parent of ``pid`` (field 4 of ``/proc/PID/stat``, after the ``(comm)``), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(b")") + 2:].split()[1])
+    except (OSError, ValueError):
+        return None
+
+
 def _remaining(deadline: float | None, cap: float | None = None) -> float | None:
     if deadline is None:
         return cap
@@ -2119,7 +2212,7 @@ def _drive_sync(r: Run) -> Result:
                         r._close_fd(attr)
                 break
             if r.deadline is not None and time.monotonic() >= r.deadline:
-                r.kill("timeout")
+                r.on_deadline()
             continue
         for fd, _ev in events:
             if fd == report_no:
@@ -2151,7 +2244,7 @@ def _drive_sync(r: Run) -> Result:
                     poller.unregister(fd)
             # else: an fd unregistered earlier in this batch (the report socket)
         if not bwrap_done and r.deadline is not None and time.monotonic() >= r.deadline:
-            r.kill("timeout")
+            r.on_deadline()
     return r.result()
 
 
@@ -2161,7 +2254,7 @@ def run(command: Sequence[str], *, policy: Policy | None = None, workspace: str 
         cwd: str | None = None, workspace_base: str | None = None,
         record: str | os.PathLike[str] | None = None, allow_sensitive_workspace: bool = False,
         stdio_fds: Sequence[int | None] | None = None, keep_workspace: bool = True,
-        commit: bool | str = True) -> Result:
+        commit: bool | str = True, kill_after: float = 0.0) -> Result:
     """Run ``command`` in a fresh bwrap sandbox and wait for it.
 
     Args:
@@ -2178,6 +2271,12 @@ def run(command: Sequence[str], *, policy: Policy | None = None, workspace: str 
             workspace (:func:`lowlevel.workspace.copy_inputs`).
         timeout: wall-clock limit in seconds (None: no limit); on expiry the whole sandbox is
             SIGKILLed and the Result has ``timed_out=True``, ``killed_by="timeout"``.
+        kill_after: seconds of grace at the timeout, as ``timeout -k`` (coreutils): > 0 sends
+            SIGTERM to every process of the sandbox (but its PID 1) at the deadline, and
+            SIGKILLs the whole sandbox ``kill_after`` seconds later if it has not ended (a
+            program that exits on SIGTERM ends at once: ``term_signal`` SIGTERM, or its own exit
+            status if it handles it); ``timed_out`` either way. 0 (default): SIGKILL at the
+            deadline. Not with ``record``. The anchor's own backstop kill moves back by as much.
         stdin: bytes fed to the program's stdin, or None for ``/dev/null`` (capture mode) or
             the caller's stdin (``capture=False``).
         env: variables set inside on top of the Policy's.
@@ -2222,7 +2321,12 @@ def run(command: Sequence[str], *, policy: Policy | None = None, workspace: str 
         LaunchError: bwrap failed to set up the sandbox (``.stderr`` has its message).
         UnsupportedError: the host cannot enforce a limit the Policy requires.
     """
+    if isinstance(kill_after, bool) or not isinstance(kill_after, (int, float)) or not 0 <= kill_after < 2**31:
+        raise PolicyError(f"kill_after must be a number of seconds >= 0, got {kill_after!r}")
     if record is not None:
+        if kill_after:
+            raise PolicyError("kill_after does not go with record (a record replays the SIGKILL at the deadline): "
+                              "drop one of them")
         if stdio_fds is not None and any(fd is not None for fd in stdio_fds):
             raise PolicyError("stdio_fds does not go with record: a record stores stdin as bytes and "
                               "the output it hashes; pass stdin= and capture the output")
@@ -2236,6 +2340,7 @@ def run(command: Sequence[str], *, policy: Policy | None = None, workspace: str 
             inputs=inputs, timeout=timeout, stdin=stdin, env=env, capture=capture, cwd=cwd,
             workspace_base=workspace_base, allow_sensitive_workspace=allow_sensitive_workspace,
             stdio_fds=stdio_fds, keep_workspace=keep_workspace, commit=commit)
+    r.kill_after = float(kill_after)
     try:
         result = _drive_sync(r)
     except BaseException:

@@ -49,14 +49,15 @@ TOML keys (all optional)::
     deterministic = false     # Policy(deterministic=True) for every run
     default_timeout_s = 30.0  # when the client gives none
     max_timeout_s = 120.0     # ceiling for timeout_s
-    max_output_bytes = 65536  # per stream, in tool results
-    max_file_bytes = 1048576  # read_file / write_file cap
+    max_output_bytes = "64K"  # per stream, in tool results
+    max_file_bytes = "1M"     # read_file / write_file cap
     max_sessions = 8          # named sessions alive at once
     session_idle_ttl_s = 1800.0   # a session idle this long is closed, freeing its slot
     run_workspace_ttl_s = 3600.0  # unnamed run workspaces kept this long after use (0: not kept)
     allowed_binds = ["/opt/data"]  # host paths a client may ask to bind read-only
     [limits]                  # ceilings (and defaults) for memory_bytes, cpu_s, pids, ...
-    memory_bytes = 536870912
+    memory_bytes = "512M"     # sizes: bytes, or "64K", "128M", "2G" (as the CLI and the Inspect config)
+    cpu_s = "2m"              # seconds, or "30s", "2m", "1h" (as timeout(1); also the *_s keys above)
     [[binds]]                 # always bound (the operator's own policy)
     source = "/opt/venv"
     dest = "/opt/venv"
@@ -101,12 +102,24 @@ from .limits import VERDICT_NOTE_PREFIXES, Limits
 from .policy import WORKSPACE_DEST, Bind, Policy
 from .report import bytes_fields, display, json_safe
 from .result import Result
+from .units import duration_seconds, size_bytes
 
 log = logging.getLogger("lowlevel")
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 #: Prefix of the server's own workspaces (runs without a workspace name).
 RUN_PREFIX = "run-"
+
+
+#: Seconds between two ``notifications/progress`` of a running ``run``/``run_in_session`` call.
+PROGRESS_INTERVAL_S = 5.0
+
+#: Config keys that take a size (``65536`` or ``"64K"``; :func:`lowlevel.units.size_bytes`).
+_CONFIG_SIZES = {"max_output_bytes", "max_file_bytes"}
+_LIMIT_SIZES = {"memory_bytes", "address_space_bytes", "fsize_bytes", "core_bytes", "tmp_size_bytes",
+                "workspace_bytes", "net_bytes"}
+#: Config keys that take seconds (``30`` or ``"30s"``, ``"2m"``; :func:`lowlevel.units.duration_seconds`).
+_CONFIG_DURATIONS = {"default_timeout_s", "max_timeout_s", "session_idle_ttl_s", "run_workspace_ttl_s"}
 
 
 @dataclass(frozen=True)
@@ -176,9 +189,19 @@ class ServerConfig:
         if unknown:
             raise PolicyError(f"unknown mcp config keys {sorted(unknown)}; known: {sorted(known)}")
         kwargs: dict[str, Any] = dict(data)
+        # One syntax with the CLI and the Inspect config: "128M" for sizes, "30s"/"2m" for seconds.
+        for key in _CONFIG_SIZES & set(kwargs):
+            kwargs[key] = size_bytes(kwargs[key], f"mcp config {key}")
+        for key in _CONFIG_DURATIONS & set(kwargs):
+            kwargs[key] = duration_seconds(kwargs[key], f"mcp config {key}")
         if "limits" in kwargs and isinstance(kwargs["limits"], Mapping):
+            limits: dict[str, Any] = {}
+            for k, v in kwargs["limits"].items():
+                where = f"mcp config [limits] {k}"
+                limits[k] = (v if v is None else size_bytes(v, where) if k in _LIMIT_SIZES
+                             else duration_seconds(v, where) if k == "cpu_s" else v)
             try:
-                kwargs["limits"] = Limits(**kwargs["limits"])
+                kwargs["limits"] = Limits(**limits)
             except TypeError as err:
                 raise PolicyError(f"mcp config [limits]: {err}") from err
         if "binds" in kwargs:
@@ -657,11 +680,19 @@ def build_server(config: ServerConfig, tools: Tools | None = None) -> Any:
     import anyio.to_thread
 
     try:
-        from mcp.server.mcpserver import MCPServer as _Server
+        from mcp.server.mcpserver import Context, MCPServer as _Server
         from mcp.server.mcpserver.exceptions import ToolError
     except ImportError:  # mcp 1.x
+        from mcp.server.fastmcp import Context  # type: ignore[no-redef,attr-defined,unused-ignore]
         from mcp.server.fastmcp import FastMCP as _Server  # type: ignore[no-redef,attr-defined,unused-ignore]
         from mcp.server.fastmcp.exceptions import ToolError  # type: ignore[no-redef,unused-ignore]
+
+    def with_context(fn: Any) -> Any:
+        # The SDK finds the Context parameter by its resolved type hint; under `from __future__
+        # import annotations` the string "Context" would resolve in this module's globals, where
+        # the lazily imported class is not: give the hint as the class itself.
+        fn.__annotations__["ctx"] = Context
+        return fn
 
     tools = tools or Tools(config)
     server = _Server("lowlevel", instructions=(
@@ -677,12 +708,49 @@ def build_server(config: ServerConfig, tools: Tools | None = None) -> Any:
         safe: dict[str, Any] = json_safe(result)
         return safe
 
+    async def call_with_progress(ctx: Any, fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """``call``, sending ``notifications/progress`` while the command runs: one at the
+        start, one every :data:`PROGRESS_INTERVAL_S` (elapsed seconds), one at the end. Sent
+        only when the client's request carried a ``progressToken`` (the SDK drops them otherwise)."""
+        t0 = time.monotonic()
+        done = anyio.Event()
+        out: dict[str, Any] = {}
+
+        async def work() -> None:
+            try:
+                out["result"] = await call(fn, *args, **kwargs)
+            except Exception as err:  # noqa: BLE001 - re-raised below, outside the task group (not as an ExceptionGroup)
+                out["error"] = err
+            finally:
+                done.set()
+
+        async def report(message: str) -> None:
+            try:
+                await ctx.report_progress(round(time.monotonic() - t0, 3), None, message)
+            except Exception as err:  # noqa: BLE001 - a client gone away must not fail the run
+                log.debug("lowlevel: mcp progress notification not sent: %s", err)
+
+        async with anyio.create_task_group() as tg:
+            await report("started")
+            tg.start_soon(work)
+            while not done.is_set():
+                with anyio.move_on_after(PROGRESS_INTERVAL_S):
+                    await done.wait()
+                if not done.is_set():
+                    await report(f"running for {time.monotonic() - t0:.0f} s")
+        await report("finished")
+        if "error" in out:
+            raise out["error"]
+        result: dict[str, Any] = out["result"]
+        return result
+
     @server.tool()
+    @with_context
     async def run(command: list[str], workspace: str | None = None, timeout_s: float | None = None,
                   memory_bytes: int | None = None, cpu_s: float | None = None, pids: int | None = None,
                   network: bool = False, binds: list[str] | None = None, stdin: str | None = None,
                   env: dict[str, str] | None = None, cwd: str | None = None,
-                  allow_hosts: list[str] | None = None) -> dict[str, Any]:
+                  allow_hosts: list[str] | None = None, ctx: Any = None) -> dict[str, Any]:
         """Run a command (argv list, e.g. ["python3", "main.py"]) in a fresh sandbox.
 
         workspace: name of a workspace filled with write_file (default: a fresh empty one; its
@@ -696,16 +764,17 @@ def build_server(config: ServerConfig, tools: Tools | None = None) -> Any:
         wall_time_s, workspace, and with egress "network" (each connection attempt and why it
         was allowed or refused).
         """
-        return await call(tools.run, command, workspace=workspace, timeout_s=timeout_s,
+        return await call_with_progress(ctx, tools.run, command, workspace=workspace, timeout_s=timeout_s,
                           memory_bytes=memory_bytes, cpu_s=cpu_s, pids=pids, network=network,
                           binds=binds, stdin=stdin, env=env, cwd=cwd, allow_hosts=allow_hosts)
 
     @server.tool()
+    @with_context
     async def run_in_session(session: str, command: list[str], timeout_s: float | None = None,
                              memory_bytes: int | None = None, cpu_s: float | None = None, pids: int | None = None,
                              network: bool = False, binds: list[str] | None = None, stdin: str | None = None,
                              env: dict[str, str] | None = None, cwd: str | None = None,
-                             allow_hosts: list[str] | None = None) -> dict[str, Any]:
+                             allow_hosts: list[str] | None = None, ctx: Any = None) -> dict[str, Any]:
         """Run a command in the named long-lived sandbox, starting it on first use.
 
         The session's workspace is the workspace of the same name (write_file/read_file reach
@@ -714,7 +783,7 @@ def build_server(config: ServerConfig, tools: Tools | None = None) -> Any:
         command, clamped to the operator's ceilings; cwd as for run. A session idle for the
         operator's session_idle_ttl_s is closed. Returns the same fields as run.
         """
-        return await call(tools.run_in_session, session, command, timeout_s=timeout_s,
+        return await call_with_progress(ctx, tools.run_in_session, session, command, timeout_s=timeout_s,
                           memory_bytes=memory_bytes, cpu_s=cpu_s, pids=pids, network=network, binds=binds,
                           stdin=stdin, env=env, cwd=cwd, allow_hosts=allow_hosts)
 
@@ -749,7 +818,7 @@ def _strict_arguments(server: Any, tool_error: type[Exception], fns: Mapping[str
     which would run a request the client believes limited (``timeout`` for ``timeout_s``)
     without its limit. Checked in front of the tool manager (``call_tool``, the same in
     mcp 1.x and 2.x), and said in each published schema (``additionalProperties: false``)."""
-    known = {name: set(inspect.signature(fn).parameters) for name, fn in fns.items()}
+    known = {name: set(inspect.signature(fn).parameters) - {"ctx"} for name, fn in fns.items()}
     manager = getattr(server, "_tool_manager", None)
     target = manager if manager is not None and hasattr(manager, "call_tool") else server
     inner = target.call_tool

@@ -137,6 +137,7 @@ class Result:
             d["seccomp_denials"] = list(self.seccomp_denials)
         if self.network is not None:
             d["network"] = [asdict(a) for a in self.network]
+        d["argv"] = d.pop("argv")  # last: ~150 lines of bwrap options after the verdict, not before it
         safe: dict[str, Any] = json_safe(d)
         return safe
 

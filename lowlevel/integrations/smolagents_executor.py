@@ -1,6 +1,10 @@
 """A smolagents ``PythonExecutor`` that runs the agent's code in a lowlevel session.
 
-Use it as ``CodeAgent(tools=..., model=..., executor=LowlevelPythonExecutor(...))``. It is a
+Use it as ``CodeAgent(tools=..., model=..., executor=LowlevelPythonExecutor(...))``, or name it
+as smolagents' own executors are named: ``LowlevelCodeAgent(tools=..., model=...,
+executor_type="lowlevel", executor_kwargs={"policy": ...})`` (:class:`LowlevelCodeAgent` is a
+``CodeAgent`` that knows the name; the other types, ``"local"``, ``"docker"``..., work as before).
+It is a
 :class:`smolagents.remote_executors.RemotePythonExecutor` (as the E2B, Docker and Modal
 executors are), so tools, variables and ``final_answer`` travel as smolagents defines for
 remote executors, while the step semantics follow its ``LocalPythonExecutor``:
@@ -48,6 +52,7 @@ from collections.abc import Mapping
 from typing import Any, TYPE_CHECKING
 
 try:
+    from smolagents.agents import CodeAgent
     from smolagents.local_python_executor import (BASE_BUILTIN_MODULES, DEFAULT_MAX_LEN_OUTPUT,
                                                   MAX_EXECUTION_TIME_SECONDS, CodeOutput, InterpreterError)
     from smolagents.monitoring import AgentLogger, LogLevel
@@ -276,4 +281,34 @@ class LowlevelPythonExecutor(RemotePythonExecutor):  # type: ignore[misc]
                 pass
 
 
-__all__ = ["LowlevelPythonExecutor"]
+#: The ``executor_type`` that :class:`LowlevelCodeAgent` maps to :class:`LowlevelPythonExecutor`.
+EXECUTOR_TYPE = "lowlevel"
+
+
+class LowlevelCodeAgent(CodeAgent):  # type: ignore[misc]
+    """smolagents' ``CodeAgent`` that also takes ``executor_type="lowlevel"``.
+
+    With that type, the agent's executor is ``LowlevelPythonExecutor(additional_authorized_imports,
+    logger, **executor_kwargs)``, with the agent's ``max_print_outputs_length`` unless
+    ``executor_kwargs`` sets one (``policy``, ``timeout_seconds``, ``python``... as
+    :class:`LowlevelPythonExecutor` takes them). Every other ``executor_type`` and ``executor=``
+    behave exactly as in ``CodeAgent``. smolagents' own ``CodeAgent`` refuses an unknown type
+    (``ValueError: Unsupported executor type``), hence the subclass rather than a name
+    registered in smolagents.
+
+    Raises:
+        InterpreterError, lowlevel.PolicyError, lowlevel.LaunchError: as :class:`LowlevelPythonExecutor`.
+        Exception: managed agents with ``executor_type="lowlevel"`` (as smolagents' remote executors).
+    """
+
+    def create_python_executor(self) -> Any:
+        """The executor for ``self.executor_type``: a :class:`LowlevelPythonExecutor` for ``"lowlevel"``."""
+        if self.executor_type != EXECUTOR_TYPE:
+            return super().create_python_executor()
+        if self.managed_agents:
+            raise Exception("Managed agents are not yet supported with remote code execution.")  # as smolagents
+        kwargs = {"max_print_outputs_length": self.max_print_outputs_length, **self.executor_kwargs}
+        return LowlevelPythonExecutor(self.additional_authorized_imports, self.logger, **kwargs)
+
+
+__all__ = ["EXECUTOR_TYPE", "LowlevelCodeAgent", "LowlevelPythonExecutor"]

@@ -1,0 +1,271 @@
+"""Habits users bring from ``timeout(1)`` and ``docker run`` (issue 25 item 5), on the real CLI:
+
+- durations with suffixes (``--timeout 1s``, ``2m``) as ``timeout(1)`` reads them; a bad one
+  is one line and exit 125;
+- ``--cpus CORES`` (cgroup cpu.max / cpu.cfs_quota_us): enforced for root (``cgroup:cpu``),
+  and for the unprivileged caller, who has no cpu cgroup, a warning and a Result note that it
+  is not enforced;
+- ``-e KEY=VAL`` / ``-e KEY`` / ``--env-file``, ``-v SRC:DST[:ro]``, ``-w DIR`` mean what they
+  mean to ``docker run``; a ``:ro`` volume refuses a write inside (EROFS) while the same
+  volume without ``:ro`` takes it (the control);
+- an unknown option gets "did you mean"; ``run --help`` lists the exit statuses and examples;
+- ``--json`` prints the bwrap ``argv`` last, the other keys sorted.
+
+Each run goes through ``python -m lowlevel`` as root and as the unprivileged test user.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lowlevel import cli as _cli
+from lowlevel.limits import CPU_QUOTA_FALLBACK_NOTE
+
+pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(180)]
+
+REPO = Path(__file__).resolve().parents[2]
+SETPRIV = shutil.which("setpriv") or "/usr/bin/setpriv"
+IS_ROOT = os.geteuid() == 0
+
+
+@pytest.fixture(params=["root", "user"] if IS_ROOT else ["self"])
+def who(request: pytest.FixtureRequest) -> pwd.struct_passwd | None:
+    if request.param == "user":
+        return request.getfixturevalue("test_user")  # type: ignore[no-any-return]
+    return None
+
+
+def _owned_tmpdir(who: pwd.struct_passwd | None, prefix: str) -> Path:
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    os.chmod(path, 0o755)
+    if who is not None:
+        os.chown(path, who.pw_uid, who.pw_gid)
+    return path
+
+
+@pytest.fixture
+def base(who: pwd.struct_passwd | None) -> Iterator[Path]:
+    path = _owned_tmpdir(who, "lowlevel-habits-base-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def scratch(who: pwd.struct_passwd | None) -> Iterator[Path]:
+    path = _owned_tmpdir(who, "lowlevel-habits-scratch-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def cli(who: pwd.struct_passwd | None, base: Path, *args: str,
+        extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[bytes]:
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "LANG": "C.UTF-8",
+           "LOWLEVEL_WORKSPACE_BASE": str(base), **(extra_env or {})}
+    cmd = [sys.executable, "-m", "lowlevel", *args]
+    if who is not None:
+        env["HOME"] = who.pw_dir
+        cmd = [SETPRIV, f"--reuid={who.pw_uid}", f"--regid={who.pw_gid}", "--init-groups", "--", *cmd]
+    return subprocess.run(cmd, input=b"", capture_output=True, env=env, cwd="/", timeout=120)
+
+
+# --- parsing (in-process: does not depend on who runs it) ----------------------------------------
+
+@pytest.mark.parametrize(("text", "seconds"), [
+    ("10", 10.0), ("10s", 10.0), ("2m", 120.0), ("1.5h", 5400.0), ("1d", 86400.0), ("250ms", 0.25),
+    (" 0.5 ", 0.5), (".5s", 0.5)])
+def test_durations_read_as_timeout_1_reads_them(text: str, seconds: float) -> None:
+    args = _cli.build_parser("run").parse_args(["run", "--timeout", text, "--cpu", text, "--", "true"])
+    assert args.timeout == seconds and args.cpu == seconds
+
+
+@pytest.mark.parametrize("bad", ["10x", "s", "-1s", "0", "0s", "1e400", "2 m s", "nan"])
+def test_bad_durations_are_one_line_and_125(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _cli.main(["run", "--timeout", bad, "--", "true"]) == 125
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and "--timeout" in err, err
+
+
+def test_unknown_option_suggests_the_close_one(capsys: pytest.CaptureFixture[str]) -> None:
+    for wrong, right in (("--tmeout", "--timeout"), ("--memroy", "--memory"), ("--env-fiel", "--env-file"),
+                         ("--cpuss", "--cpus"), ("--worksapce", "--workspace")):
+        assert _cli.main(["run", wrong, "5", "--", "true"]) == 125
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.splitlines()) == 1, err
+        assert f"did you mean {right}?" in err, (wrong, err)
+    # Nothing close: no guess.
+    assert _cli.main(["run", "--zzzzzzzz", "--", "true"]) == 125
+    assert "did you mean" not in capsys.readouterr().err
+    # --json: the one error object carries the suggestion too.
+    assert _cli.main(["run", "--json", "--tmeout", "5", "--", "true"]) == 125
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["error"] == "UsageError" and "did you mean --timeout?" in doc["message"]
+
+
+def test_run_help_lists_exit_statuses_and_examples() -> None:
+    proc = subprocess.run([sys.executable, "-m", "lowlevel", "run", "--help"], capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}, timeout=60)
+    assert proc.returncode == 0
+    text = proc.stdout
+    assert "exit status" in text and "examples:" in text
+    for status in ("124", "125", "126", "127", "128+N"):
+        assert f"\n  {status} " in text, status
+    for option in ("-e", "--env-file", "-v", "-w", "--cpus"):
+        assert option in text
+
+
+@pytest.mark.parametrize(("bad", "word"), [("-v=/x", "--volume"), ("-v=/x:/y:z", "--volume"),
+                                           ("-v=:/y", "--volume"), ("--cpus=0", "--cpus"),
+                                           ("--cpus=half", "--cpus"), ("-e=1BAD", "--env")])
+def test_bad_docker_style_values_are_one_line(bad: str, word: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _cli.main(["run", bad, "--", "true"]) == 125
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and word in err, err
+
+
+def test_bad_env_file_line_is_one_line_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOWLEVEL_WORKSPACE_BASE", str(tmp_path / "base"))
+    env_file = tmp_path / "bad.env"
+    env_file.write_text("# ok\nGOOD=1\n\n=novalue\n")
+    assert _cli.main(["run", "--env-file", str(env_file), "--", "true"]) == 125
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and f"{env_file}:4" in err, err
+    assert _cli.main(["run", "--env-file", str(tmp_path / "missing.env"), "--", "true"]) == 125
+    assert "cannot read" in capsys.readouterr().err
+    assert not (tmp_path / "base").exists() or os.listdir(tmp_path / "base") == []
+
+
+# --- real runs, root and unprivileged ------------------------------------------------------------
+
+def test_duration_suffix_timeout_fires_with_124(who: pwd.struct_passwd | None, base: Path) -> None:
+    proc = cli(who, base, "run", "--rm", "--timeout", "1s", "--", "sleep", "30")
+    assert proc.returncode == 124, proc.stderr
+    assert b"timed out after 1 s" in proc.stderr
+
+
+def test_docker_style_env_workdir_and_volumes(who: pwd.struct_passwd | None, base: Path, scratch: Path) -> None:
+    ro_dir, rw_dir = scratch / "ro", scratch / "rw"
+    for d in (ro_dir, rw_dir):
+        d.mkdir()
+        (d / "in.txt").write_text("host data\n")
+        if who is not None:
+            os.chown(d, who.pw_uid, who.pw_gid)
+    if who is None:
+        rw_dir.chmod(0o777)  # a root caller's sandbox runs as a leased uid, not as root
+    env_file = scratch / "vars.env"
+    env_file.write_text("# a comment\nFROM_FILE=file value with 'quotes' $HOME\nOVERRIDDEN=file\nPASSED_BARE\n\n")
+    script = ("echo \"A=$A\"; echo \"FROM_FILE=$FROM_FILE\"; echo \"OVERRIDDEN=$OVERRIDDEN\"; "
+              "echo \"PASSED=$PASSED\"; echo \"PASSED_BARE=$PASSED_BARE\"; echo \"UNSET=${NOT_IN_CALLER-unset}\"; "
+              "echo \"PWD=$(pwd)\"; cat /mnt/ro/in.txt; "
+              "if echo x > /mnt/ro/new.txt; then echo RO-WRITE-OK; else echo RO-WRITE-REFUSED; fi; "
+              "echo written > /mnt/rw/new.txt && echo RW-WRITE-OK")
+    proc = cli(who, base, "run", "--rm", "-e", "A=1", "--env-file", str(env_file), "-e", "OVERRIDDEN=flag",
+               "-e", "PASSED", "-e", "NOT_IN_CALLER", "-w", "/tmp",
+               "-v", f"{ro_dir}:/mnt/ro:ro", "-v", f"{rw_dir}:/mnt/rw", "--", "sh", "-c", script,
+               extra_env={"PASSED": "from caller", "PASSED_BARE": "bare from caller"})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.decode().splitlines()
+    assert lines[:7] == ["A=1", "FROM_FILE=file value with 'quotes' $HOME", "OVERRIDDEN=flag",
+                         "PASSED=from caller", "PASSED_BARE=bare from caller", "UNSET=unset", "PWD=/tmp"], lines
+    assert "host data" in lines
+    assert "RO-WRITE-REFUSED" in lines and "RO-WRITE-OK" not in lines
+    assert b"Read-only file system" in proc.stderr
+    assert not (ro_dir / "new.txt").exists()
+    # The control: the same bind without :ro is writable, and the write reaches the host.
+    assert "RW-WRITE-OK" in lines and (rw_dir / "new.txt").read_text() == "written\n"
+
+
+def test_volume_takes_the_same_refusals_as_ro_rw(who: pwd.struct_passwd | None, base: Path) -> None:
+    proc = cli(who, base, "run", "--rm", "-v", "/etc:/mnt/etc:ro", "--", "true")
+    assert proc.returncode == 125 and b"refusing to bind '/etc'" in proc.stderr, proc.stderr
+    assert len(proc.stderr.decode().strip().splitlines()) == 1
+
+
+def test_cpus_is_cgroup_bandwidth_or_says_it_is_not_enforced(who: pwd.struct_passwd | None, base: Path) -> None:
+    proc = cli(who, base, "run", "--rm", "--json", "--cpus", "0.5", "--", "true")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    if who is None and "cgroup:memory" in doc["limits_enforced"]:  # root with writable cgroups
+        assert "cgroup:cpu" in doc["limits_enforced"]
+        assert CPU_QUOTA_FALLBACK_NOTE not in doc["notes"]
+    else:
+        assert "cgroup:cpu" not in doc["limits_enforced"]
+        assert CPU_QUOTA_FALLBACK_NOTE in doc["notes"]
+        plain = cli(who, base, "run", "--rm", "--cpus", "0.5", "--", "true")
+        assert plain.returncode == 0
+        assert b"warning: --cpus 0.5: cpu_quota is not enforced here" in plain.stderr, plain.stderr
+    # --cpu (CPU seconds) is a different limit: RLIMIT_CPU, there either way.
+    assert "RLIMIT_CPU" in doc["limits_enforced"]
+
+
+def test_json_puts_argv_last(who: pwd.struct_passwd | None, base: Path) -> None:
+    proc = cli(who, base, "run", "--rm", "--json", "--", "echo", "hi")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    keys = list(doc)
+    assert keys[-1] == "argv" and keys[:-1] == sorted(keys[:-1]), keys
+    assert doc["argv"][-2:] == ["echo", "hi"] and doc["stdout"] == "hi\n"
+    # The verdict comes before the argv in the text too.
+    text = proc.stdout.decode()
+    assert text.index('"exit_code"') < text.index('"argv"')
+
+
+# --- the timeout's SIGTERM and grace (timeout -k) -------------------------------------------------
+
+TRAPS = ("trap 'echo main got TERM; exit 7' TERM; "
+         "setsid sh -c \"trap 'echo orphan got TERM; exit 0' TERM; sleep 60 & wait\" & "
+         "sleep 60 & wait")
+
+
+def test_timeout_sends_sigterm_to_the_whole_sandbox_first(who: pwd.struct_passwd | None, base: Path) -> None:
+    """The program and a process in another session (an orphan of PID 1 once its parent is
+    gone) both get SIGTERM at the deadline, run their handlers, and the run ends without the SIGKILL."""
+    proc = cli(who, base, "run", "--rm", "--json", "--timeout", "1s", "--kill-after", "20s", "--", "sh", "-c", TRAPS)
+    assert proc.returncode == 124, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["timed_out"] is True and doc["killed_by"] == "timeout"
+    assert doc["exit_code"] == 7 and doc["term_signal"] is None, doc  # its own handler's exit, not SIGKILL
+    assert "main got TERM" in doc["stdout"] and "orphan got TERM" in doc["stdout"], doc["stdout"]
+    # The control: --kill-after 0 is SIGKILL at the deadline, no handler runs.
+    proc = cli(who, base, "run", "--rm", "--json", "--timeout", "1s", "--kill-after", "0", "--", "sh", "-c", TRAPS)
+    assert proc.returncode == 124, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["timed_out"] is True and doc["term_signal"] == 9 and "got TERM" not in doc["stdout"], doc
+
+
+def test_sigterm_ignored_gets_sigkill_after_the_grace(who: pwd.struct_passwd | None, base: Path) -> None:
+    proc = cli(who, base, "run", "--rm", "--json", "--timeout", "0.5", "-k", "0.5s", "--",
+               "sh", "-c", "trap '' TERM; sleep 60")
+    assert proc.returncode == 124, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["timed_out"] is True and doc["killed_by"] == "timeout" and doc["term_signal"] == 9, doc
+    # The default grace: a plain program dies of the SIGTERM itself.
+    proc = cli(who, base, "run", "--rm", "--json", "--timeout", "0.5", "--", "sleep", "60")
+    doc = json.loads(proc.stdout)
+    assert proc.returncode == 124 and doc["term_signal"] == 15 and doc["timed_out"] is True, doc
+    plain = cli(who, base, "run", "--rm", "--timeout", "0.5", "--", "sleep", "60")
+    assert plain.returncode == 124 and b"timed out after 0.5 s; SIGTERM, then SIGKILL within 2 s" in plain.stderr
+
+
+def test_kill_after_values_and_record(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for bad in ("-1", "soon", "nan"):
+        assert _cli.main(["run", "--kill-after", bad, "--", "true"]) == 125
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and "--kill-after" in err, err
+    assert _cli.main(["run", "--record", str(tmp_path / "r.json"), "-k", "3", "--", "true"]) == 125
+    assert "--kill-after does not go with --record" in capsys.readouterr().err
+    import lowlevel
+    with pytest.raises(lowlevel.PolicyError, match="kill_after"):
+        lowlevel.run(["true"], kill_after=-1)
+    with pytest.raises(lowlevel.PolicyError, match="kill_after"):
+        lowlevel.run(["true"], kill_after=True)  # type: ignore[arg-type]
