@@ -69,6 +69,7 @@ import shlex
 import shutil
 import stat
 import tempfile
+import threading
 from collections.abc import Sequence
 from typing import Any, Literal, TYPE_CHECKING, overload
 
@@ -404,6 +405,7 @@ OS_RELEASE = "/etc/os-release"
 #: Name of the host directory (in the workspace base) bound read-only at ``/var``: it holds only
 #: the symlink ``tmp -> /tmp``.
 _VAR_DIR = ".inspect-var"
+_VAR_LOCK = threading.Lock()
 
 
 def _is_tools_command(cmd: Sequence[str]) -> bool:
@@ -462,21 +464,23 @@ def _var_dir(base: str) -> str:
         except OSError:
             return False
 
-    if good():
-        return path
-    fresh = tempfile.mkdtemp(prefix=".inspect-var-", dir=base)
-    try:
-        os.chmod(fresh, 0o755)
-        os.symlink("/tmp", os.path.join(fresh, "tmp"))
-        if os.path.lexists(path):
-            old = tempfile.mkdtemp(prefix=".inspect-var-old-", dir=base)
-            os.rename(path, os.path.join(old, "x"))
-            shutil.rmtree(old, ignore_errors=True)
-        os.rename(fresh, path)
-    except OSError:
-        shutil.rmtree(fresh, ignore_errors=True)
-        if not good():  # another process won the race with the same content: fine
-            raise
+    with _VAR_LOCK:  # samples start in threads: one creates it, the others find it made
+        if good():
+            return path
+        fresh = tempfile.mkdtemp(prefix=".inspect-var-", dir=base)
+        try:
+            os.chmod(fresh, 0o755)
+            os.symlink("/tmp", os.path.join(fresh, "tmp"))
+            if os.path.lexists(path) and not good():  # a squatted or damaged entry: move it aside
+                old = tempfile.mkdtemp(prefix=".inspect-var-old-", dir=base)
+                os.rename(path, os.path.join(old, "x"))
+                shutil.rmtree(old, ignore_errors=True)
+            os.rename(fresh, path)  # fails if another process made it meanwhile: then it is good
+        except OSError as err:
+            shutil.rmtree(fresh, ignore_errors=True)
+            if not good():
+                raise PolicyError(f"cannot prepare {path} (the /var of Inspect's sandbox tools): "
+                                  f"{err.strerror or err}") from None
     return path
 
 

@@ -168,3 +168,19 @@ def test_tools_refused_with_a_one_line_reason_on_a_rootfs(tmp_path: Path) -> Non
         assert "kali_version" not in out["error"], out
     finally:
         shutil.rmtree(work)
+
+
+def test_a_squatted_var_directory_is_replaced_not_bound() -> None:
+    base = Path(tempfile.mkdtemp(prefix="ll-inspect-base-", dir="/tmp"))
+    try:
+        base.chmod(0o755)
+        (base / ".inspect-var").symlink_to("/root")  # planted: would bind /root at /var
+        config = LowlevelSandboxConfig(workspace_base=str(base))
+        out = _exec(config, ["sh", "-c", "ls -A /var; readlink /var/tmp; ls -ld /var/tmp/"])
+        assert out.success, out
+        listing, target, tmp = out.stdout.splitlines()
+        assert (listing, target) == ("tmp", "/tmp"), out.stdout  # only the symlink, never /root's entries
+        assert (base / ".inspect-var").is_dir() and not (base / ".inspect-var").is_symlink()
+        assert set(os.listdir("/root")) != {"tmp"}  # control: the planted target would list otherwise
+    finally:
+        shutil.rmtree(base)
