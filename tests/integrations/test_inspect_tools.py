@@ -184,3 +184,49 @@ def test_a_squatted_var_directory_is_replaced_not_bound() -> None:
         assert set(os.listdir("/root")) != {"tmp"}  # control: the planted target would list otherwise
     finally:
         shutil.rmtree(base)
+
+
+CLI_TASK = '''
+from inspect_ai import Task, task
+from inspect_ai.dataset import Sample
+from inspect_ai.scorer import includes
+from inspect_ai.solver import Generate, TaskState, solver
+from inspect_ai.tool import bash_session, text_editor
+
+
+@solver
+def use_agent_tools():
+    async def solve(state: TaskState, generate: Generate) -> TaskState:
+        editor, shell = text_editor(), bash_session()
+        await editor(command="create", path="/workspace/answer.txt", file_text="forty-two\\n")
+        out = await shell(action="type_submit", input="cat /workspace/answer.txt; id -u")
+        state.output.completion = str(out)
+        return state
+    return solve
+
+
+@task
+def tools_task():
+    return Task(dataset=[Sample(input="go", target="forty-two")], solver=use_agent_tools(), scorer=includes(),
+                sandbox="lowlevel")
+'''
+
+
+def test_inspect_eval_cli_runs_the_tools(tmp_path: Path) -> None:
+    """The ``inspect eval`` command itself (the provider found through the entry point)."""
+    from inspect_ai.log import read_eval_log
+
+    (tmp_path / "tools_task.py").write_text(CLI_TASK)
+    inspect_cli = Path(sys.executable).with_name("inspect")
+    proc = subprocess.run([str(inspect_cli), "eval", "tools_task.py", "--model", "mockllm/model", "--log-dir",
+                           str(tmp_path / "logs"), "--display", "none"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (log_file,) = (tmp_path / "logs").glob("*.eval")
+    log = read_eval_log(str(log_file))
+    assert log.status == "success" and log.samples, log.error
+    completion = log.samples[0].output.completion
+    assert "forty-two" in completion, completion
+    uid = [ln for ln in completion.splitlines() if ln.strip().isdigit()]
+    assert uid and int(uid[-1]) != 0, completion  # the tools ran as the sandbox's unprivileged uid
+    assert log.results is not None and log.results.scores[0].metrics["accuracy"].value == 1.0
