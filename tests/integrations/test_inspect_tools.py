@@ -160,6 +160,10 @@ def test_tools_refused_with_a_one_line_reason_on_a_rootfs(tmp_path: Path) -> Non
     work = imagekit.public_tmpdir("ll-inspect-rootfs-")
     try:
         tree = imagekit.busybox_tree(work / "tree")
+        # The rootfs key works: the sample's commands see the tree, not the host's system.
+        seen = _exec(LowlevelSandboxConfig(rootfs=str(tree)), ["cat", "/app/hello.txt"])
+        assert seen.success and seen.stdout == "hello from the image\n", seen
+        assert not Path("/app/hello.txt").exists()  # control: the host has no such file
         config = tmp_path / "lowlevel.toml"
         config.write_text(f'rootfs = "{tree}"\n')
         out = _eval({"log_dir": str(tmp_path / "logs"), "secret_path": "/nonexistent", "config": str(config)})
