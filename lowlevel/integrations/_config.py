@@ -3,7 +3,15 @@
 Format (every key optional; sizes are byte counts or strings with a K/M/G/T suffix, powers
 of 1024)::
 
-    network = false                  # Policy.network
+    network = false                  # Policy.network: false (own loopback only) or true (the host's
+                                     # whole network); for an allowlist use [egress] instead
+    landlock = true                  # Policy.landlock: true, false or "require"; false lifts the
+                                     # second wall (e.g. a test suite that binds 127.0.0.1:
+                                     # Landlock refuses every TCP bind with EACCES)
+    image = "python:3.12"            # Policy.image: an imported image (lowlevel image import)
+    rootfs = "/srv/rootfs/bookworm"  # Policy.rootfs: a root filesystem tree (instead of image)
+    rootfs_writable = false          # Policy.rootfs_writable: a discarded writable layer over it
+    workdir = "/workspace"           # Policy.workdir: default working directory inside
     deterministic = false            # Policy.deterministic
     hostname = "sandbox"             # Policy.hostname
     stdout_limit_bytes = "16M"       # Policy.stdout_limit_bytes / stderr_limit_bytes
@@ -23,6 +31,11 @@ of 1024)::
     source = "/opt/venv"
     writable = false
 
+    [egress]                         # network by allowlist (lowlevel.Egress, parsed by
+    allow = ["pypi.org", "files.pythonhosted.org"]   # lowlevel.egress.egress_from_mapping,
+    allow_ports = [443]              # as for ``lowlevel mcp``); not with network = true
+    extra_ca_file = "/etc/company-ca.pem"            # optional: CA certificates trusted inside
+
 Unknown keys are errors (a typo must not silently drop a limit).
 """
 
@@ -35,7 +48,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ..errors import PolicyError
+from ..egress import egress_from_mapping
+from ..errors import LowlevelError, PolicyError
 from ..limits import Limits
 from ..policy import Bind, Policy
 
@@ -44,7 +58,10 @@ _UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
 _SIZE_FIELDS = {"memory_bytes", "address_space_bytes", "fsize_bytes", "core_bytes", "tmp_size_bytes",
                 "workspace_bytes", "stdout_limit_bytes", "stderr_limit_bytes"}
 _POLICY_KEYS = {"network", "deterministic", "hostname", "stdout_limit_bytes", "stderr_limit_bytes", "env",
-                "limits", "binds", "host_uid", "host_gid", "sandbox_uid", "sandbox_gid"}
+                "limits", "binds", "host_uid", "host_gid", "sandbox_uid", "sandbox_gid", "landlock", "image",
+                "rootfs", "rootfs_writable", "workdir", "compat_32bit"}
+#: Keys turned into a Policy field of another name: ``[egress]`` becomes ``Policy.network``.
+_EGRESS_KEY = "egress"
 _ADAPTER_KEYS = {"workspace_base", "default_timeout_s"}
 
 
@@ -89,10 +106,19 @@ class SandboxConfig:
         """
         if not isinstance(data, Mapping):
             raise PolicyError(f"{where}: expected a table of settings, got {type(data).__name__}")
-        unknown = set(data) - _POLICY_KEYS - _ADAPTER_KEYS
+        unknown = set(data) - _POLICY_KEYS - _ADAPTER_KEYS - {_EGRESS_KEY}
         if unknown:
-            raise PolicyError(f"{where}: unknown keys {sorted(unknown)}; known: {sorted(_POLICY_KEYS | _ADAPTER_KEYS)}")
+            known = sorted(_POLICY_KEYS | _ADAPTER_KEYS | {_EGRESS_KEY})
+            raise PolicyError(f"{where}: unknown keys {sorted(unknown)}; known: {known}")
         kwargs: dict[str, Any] = {k: v for k, v in data.items() if k in _POLICY_KEYS}
+        if "network" in kwargs and not isinstance(kwargs["network"], bool):
+            raise PolicyError(f"{where}: network must be true or false (the host's whole network), got "
+                              f"{kwargs['network']!r}; for an allowlist use an [egress] table")
+        if _EGRESS_KEY in data:
+            if kwargs.get("network") is True:
+                raise PolicyError(f"{where}: network = true (the host's whole network) and [egress] (an "
+                                  "allowlist) contradict each other: keep one")
+            kwargs["network"] = _egress(data[_EGRESS_KEY], where)
         try:
             for name in ("stdout_limit_bytes", "stderr_limit_bytes"):
                 if name in kwargs:
@@ -106,9 +132,14 @@ class SandboxConfig:
                 kwargs["limits"] = _limits(kwargs["limits"], where)
             if "binds" in kwargs:
                 kwargs["binds"] = tuple(_bind(b, f"{where}: binds[{i}]") for i, b in enumerate(kwargs["binds"]))
+        except TypeError as err:
+            raise PolicyError(f"{where}: {err}") from err
+        try:
             policy = Policy(**kwargs)
         except TypeError as err:
             raise PolicyError(f"{where}: {err}") from err
+        except PolicyError as err:  # name the file: an image/rootfs/landlock value is checked here
+            raise PolicyError(f"{where}: {err}") from None
         base = data.get("workspace_base")
         if base is not None and (not isinstance(base, str) or not os.path.isabs(base)):
             raise PolicyError(f"{where}: workspace_base must be an absolute path, got {base!r}")
@@ -134,6 +165,25 @@ class SandboxConfig:
         except tomllib.TOMLDecodeError as err:
             raise PolicyError(f"lowlevel config {path} is not valid TOML: {err}") from err
         return cls.from_mapping(data, where=path)
+
+
+def _egress(value: object, where: str) -> Any:
+    """``[egress]`` as a :class:`lowlevel.Egress` (the parser ``lowlevel mcp`` uses, plus
+    ``extra_ca_file``: a PEM file read here)."""
+    if not isinstance(value, Mapping):
+        raise PolicyError(f"{where}: [egress] must be a table (allow = [...], deny, allow_cidrs, allow_ports)")
+    spec = dict(value)
+    ca_file = spec.pop("extra_ca_file", None)
+    if ca_file is not None:
+        try:
+            with open(ca_file, encoding="ascii") as f:
+                spec["extra_ca_pem"] = f.read()
+        except (OSError, UnicodeDecodeError, TypeError) as err:
+            raise PolicyError(f"{where}: [egress] extra_ca_file {ca_file!r}: {err}") from None
+    try:
+        return egress_from_mapping(spec)
+    except (LowlevelError, TypeError) as err:
+        raise PolicyError(f"{where}: [egress]: {err}") from None
 
 
 def _limits(value: object, where: str) -> Limits:

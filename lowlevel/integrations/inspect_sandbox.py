@@ -43,19 +43,33 @@ environment.py``) and its conformance suite (``inspect_ai.util._sandbox.self_che
   are still ended at ``task_cleanup`` (no process outlives the eval) but their changes are
   committed first and the directories kept and logged.
 
-Not supported: Inspect's injected sandbox-tools bundle (``exec_remote``, ``text_editor``,
-``bash_session``, ``web_browser``), which installs an executable under ``/var/tmp`` of a
-writable root file system; ``bash()`` and ``python()`` work. asyncio backend only (the session
-is driven by the asyncio event loop).
+- Inspect's injected sandbox tools (``bash_session()``, ``text_editor()``, ``exec_remote``,
+  sandbox MCP servers): on the host system (no ``image``/``rootfs``) each sandbox gets a
+  read-only ``/var`` holding only ``tmp -> /tmp`` and the host's ``/etc/os-release``
+  (:func:`_with_tool_support`), so Inspect extracts its tools tree into the sandbox's own
+  ``/tmp`` and runs it as the sandbox's unprivileged user, under the same seccomp filter,
+  Landlock rules, limits and network as every command; its server (``start-server``) runs as
+  a background command of the session (a command's leftovers die with it). With an image or
+  rootfs, or a bind under ``/var``, the injection fails with a one-line message naming the
+  tools (:func:`_tools_refusal`).
+
+Not supported: ``web_browser`` (it needs a browser in the sandbox and network); docker
+images and compose files. asyncio backend only (the session is driven by the asyncio event
+loop).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
 import shlex
+import shutil
+import stat
+import tempfile
+import threading
 from collections.abc import Sequence
 from typing import Any, Literal, TYPE_CHECKING, overload
 
@@ -101,6 +115,12 @@ class LowlevelSandboxConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     network: bool = False
+    egress: dict[str, Any] | None = None
+    landlock: bool | Literal["require"] = True
+    image: str | None = None
+    rootfs: str | None = None
+    rootfs_writable: bool = False
+    workdir: str | None = None
     deterministic: bool = False
     hostname: str = "sandbox"
     env: dict[str, str] = {}
@@ -116,7 +136,9 @@ class LowlevelSandboxConfig(BaseModel):
 
     def sandbox_config(self) -> SandboxConfig:
         """The validated :class:`SandboxConfig` (raises PolicyError on a bad value)."""
-        data = {k: v for k, v in self.model_dump().items() if v is not None and v != {} and v != []}
+        defaults = {"landlock": True, "rootfs_writable": False}
+        data = {k: v for k, v in self.model_dump().items()
+                if v is not None and v != {} and v != [] and defaults.get(k, ...) != v}
         return SandboxConfig.from_mapping(data, where="LowlevelSandboxConfig")
 
 
@@ -180,6 +202,7 @@ class LowlevelSandboxEnvironment(SandboxEnvironment):
         self.config = config
         self._key = key
         self._identity: tuple[str, str] | None = None
+        self._tools_server: Any = None  # the AsyncProcess of Inspect's tools server, once started
 
     # -- lifecycle ------------------------------------------------------------------------
     @classmethod
@@ -204,9 +227,10 @@ class LowlevelSandboxEnvironment(SandboxEnvironment):
                           metadata: dict[str, str]) -> dict[str, SandboxEnvironment]:
         _require_asyncio()
         cfg = load_config(config)
+        policy = await anyio.to_thread.run_sync(_with_tool_support, cfg)
         # commit=False: a sample's workspace is scratch; its changes stay in the copy-on-write
         # upper layer and go with it (task_cleanup commits them under --no-sandbox-cleanup).
-        session = await AsyncSession.create(cfg.policy, workspace_base=cfg.workspace_base, commit=False)
+        session = await AsyncSession.create(policy, workspace_base=cfg.workspace_base, commit=False)
         env = cls(session, cfg, config)
         live = cls._live.setdefault(config, set())
         live.add(env)
@@ -226,7 +250,7 @@ class LowlevelSandboxEnvironment(SandboxEnvironment):
         for env in list(cls._live.get(config, ())):
             if not cleanup and env.session.alive:
                 try:
-                    await env.session.commit()  # keep the sample's files for inspection
+                    await env.session.commit(running="leave")  # keep the sample's files (the tools server runs on)
                 except LowlevelError as err:  # no overlay here: the files are in the directory already
                     log.debug("commit before keeping %s: %s", env.session.directory, err)
             await env._end(remove=cleanup)
@@ -254,16 +278,38 @@ class LowlevelSandboxEnvironment(SandboxEnvironment):
                    timeout_retry: bool = True, concurrency: bool = True) -> ExecResult[str]:
         if user is not None:
             await self._check_user(user)
+        if _is_tools_command(cmd):
+            why = _tools_refusal(self.session_policy)
+            if why is not None:
+                raise RuntimeError(why)
         if timeout is None:
             timeout = self.config.default_timeout_s  # type: ignore[assignment]
         slot: contextlib.AbstractAsyncContextManager[object] = (
             _inspect_concurrency("subprocesses", _max_subprocesses(), resizable=True) if concurrency
             else contextlib.nullcontext())
+        if _is_start_server(cmd):
+            await self._start_tools_server(cmd[0], env)
         async with slot:
             result = await self._run(cmd, input, cwd, env, timeout)
         if isinstance(result, ExecResult):
             return result
         return _exec_result(result, timeout, self.session_policy)
+
+    async def _start_tools_server(self, launcher: str, env: dict[str, str] | None) -> None:
+        """Run Inspect's tools server as a background command of the session.
+
+        ``start-server`` daemonizes the server; a session kills whatever a command leaves
+        behind when the command ends (no process outlives its call), so the daemon would die
+        with it and the next tool call would find no ``bash_session`` state. The server is
+        started here in the foreground (``server``) as a :meth:`lowlevel.AsyncSession.start`
+        command, which lives until the session ends; ``start-server`` then finds it running.
+        """
+        if self._tools_server is not None and self._tools_server.poll() is None:
+            return
+        self._tools_server = await self.session.start([launcher, "server"], env=env or None, cwd="/")
+        sock = os.path.join(os.path.dirname(launcher), ".server", "sandbox-tools.sock")
+        wait = f"i=0; while [ ! -S {shlex.quote(sock)} ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done"
+        await self._run(["/bin/sh", "-c", wait], None, "/", None, 30)
 
     @property
     def session_policy(self) -> Policy:
@@ -349,6 +395,124 @@ class LowlevelSandboxEnvironment(SandboxEnvironment):
             "the lowlevel sandbox offers no interactive connection: nothing can join a live bwrap sandbox "
             "without bypassing its seccomp filter and uid drop. Its live workspace view is "
             f"{shlex.quote(self.session.workspace)} on the host (read it as untrusted content)")
+
+
+#: Where Inspect injects its sandbox-tools tree (``inspect_ai.util._sandbox._cli.SANDBOX_TOOLS_DIR``,
+#: ``/var/tmp/.<hash>``): the tools of ``bash_session()``, ``text_editor()``, ``exec_remote``,
+#: sandbox MCP servers and the agent bridge.
+TOOLS_PARENT = "/var/tmp"
+OS_RELEASE = "/etc/os-release"
+#: Name of the host directory (in the workspace base) bound read-only at ``/var``: it holds only
+#: the symlink ``tmp -> /tmp``.
+_VAR_DIR = ".inspect-var"
+_VAR_LOCK = threading.Lock()
+
+
+def _is_tools_command(cmd: Sequence[str]) -> bool:
+    """Is ``cmd`` Inspect's tool-support injection or launcher (it names the tools directory)?"""
+    try:
+        from inspect_ai.util._sandbox._cli import SANDBOX_TOOLS_DIR
+    except ImportError:  # pragma: no cover - another Inspect layout: nothing to recognize
+        return False
+    leaf = os.path.basename(SANDBOX_TOOLS_DIR)
+    # The last OS probe before the injection (inspect_ai/util/_sandbox/recon.py) fails on a tree
+    # without /etc/os-release or /etc/kali_version: refuse there too, with the reason.
+    return any(arg in (SANDBOX_TOOLS_DIR, leaf) or arg.startswith(SANDBOX_TOOLS_DIR + "/")
+               or "[ -f /etc/kali_version ]" in arg for arg in cmd)
+
+
+def _is_start_server(cmd: Sequence[str]) -> bool:
+    """Is ``cmd`` Inspect's ``<tools dir>/inspect-sandbox-tools start-server``?"""
+    try:
+        from inspect_ai.util._sandbox._cli import SANDBOX_TOOLS_DIR
+    except ImportError:  # pragma: no cover - another Inspect layout
+        return False
+    return (len(cmd) == 2 and cmd[1] == "start-server" and os.path.dirname(cmd[0]) == SANDBOX_TOOLS_DIR)
+
+
+def _tools_refusal(policy: Policy) -> str | None:
+    """Why Inspect's sandbox tools cannot be injected under ``policy`` (None: they can)."""
+    if policy.rootfs is not None:
+        return (f"the lowlevel sandbox cannot host Inspect's sandbox tools (bash_session(), text_editor(), "
+                f"exec_remote, sandbox MCP servers) with a rootfs or image ({policy.rootfs}): Inspect needs a "
+                f"{TOOLS_PARENT} owned by the sandbox's user, and the tree's is read-only and owned by "
+                "another uid; use bash() and python(), or the host system (no image/rootfs)")
+    for bind in policy.binds:
+        if bind.dest == "/var" or bind.dest.startswith("/var/"):
+            return (f"the lowlevel sandbox cannot host Inspect's sandbox tools (bash_session(), text_editor()) "
+                    f"while a bind owns {bind.dest}: the tools need {TOOLS_PARENT} (the sandbox's /tmp); "
+                    "bind it elsewhere, e.g. under /opt")
+    return None
+
+
+def _var_dir(base: str) -> str:
+    """The host directory bound at ``/var``: ``<base>/.inspect-var`` holding ``tmp -> /tmp``.
+
+    Created once (atomically: a temporary directory renamed into place), then checked on each
+    use: a real directory of ours, mode 0755, holding exactly that symlink; anything else is
+    replaced (a squatted entry never reaches a sandbox).
+    """
+    base = lowlevel.workspace.ensure_base(base)
+    path = os.path.join(base, _VAR_DIR)
+
+    def good() -> bool:
+        try:
+            st = os.lstat(path)
+            link = os.path.join(path, "tmp")
+            return (stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) == 0o755
+                    and os.listdir(path) == ["tmp"] and os.path.islink(link) and os.readlink(link) == "/tmp")
+        except OSError:
+            return False
+
+    with _VAR_LOCK:  # samples start in threads: one creates it, the others find it made
+        if good():
+            return path
+        fresh = tempfile.mkdtemp(prefix=".inspect-var-", dir=base)
+        try:
+            os.chmod(fresh, 0o755)
+            os.symlink("/tmp", os.path.join(fresh, "tmp"))
+            if os.path.lexists(path) and not good():  # a squatted or damaged entry: move it aside
+                old = tempfile.mkdtemp(prefix=".inspect-var-old-", dir=base)
+                os.rename(path, os.path.join(old, "x"))
+                shutil.rmtree(old, ignore_errors=True)
+            os.rename(fresh, path)  # fails if another process made it meanwhile: then it is good
+        except OSError as err:
+            shutil.rmtree(fresh, ignore_errors=True)
+            if not good():
+                raise PolicyError(f"cannot prepare {path} (the /var of Inspect's sandbox tools): "
+                                  f"{err.strerror or err}") from None
+    return path
+
+
+def _with_tool_support(cfg: SandboxConfig) -> Policy:
+    """``cfg.policy`` plus what Inspect's sandbox tools need, where they can work.
+
+    Inspect's ``bash_session()`` and ``text_editor()`` (and ``exec_remote``, sandbox MCP
+    servers, the agent bridge) extract a PyInstaller tree into ``/var/tmp/.<hash>`` and run a
+    server from it (``inspect_ai/tool/_sandbox_tools_utils/sandbox.py``); Inspect's
+    framework-directory check (``inspect_ai/util/_sandbox/_framework_directory.py``) wants the
+    parent owned by the command's uid or root and not writable by others. The host layout has
+    no ``/var``: the provider binds a directory holding only ``tmp -> /tmp`` there read-only,
+    so ``/var/tmp`` is the sandbox's own ``/tmp`` (a tmpfs owned by the sandbox user, mode
+    0755, inside ``Limits.tmp_size_bytes``, writable and executable under Landlock). The tools
+    then run as that same unprivileged user, with the same seccomp filter, limits and network
+    as every other command (the tools cannot run as root: there is none). With a rootfs or
+    image, or a bind under ``/var``, nothing is added and the injection fails with
+    :func:`_tools_refusal`'s message.
+    """
+    policy = cfg.policy
+    if policy.rootfs is not None:
+        return policy
+    extra = []
+    # Inspect's OS probe (inspect_ai/util/_sandbox/recon.py) reads /etc/os-release, which the
+    # host layout leaves out: the host's, read-only (the distribution's name and version). Bound
+    # even where the tools are refused, so the refusal (not a failed probe) is what Inspect reports.
+    release = os.path.realpath(OS_RELEASE)
+    if os.path.isfile(release) and not any(b.dest == OS_RELEASE for b in policy.binds):
+        extra.append(lowlevel.Bind(release, OS_RELEASE))
+    if _tools_refusal(policy) is None:
+        extra.append(lowlevel.Bind(_var_dir(cfg.workspace_base or lowlevel.workspace.default_base()), "/var"))
+    return dataclasses.replace(policy, binds=(*policy.binds, *extra)) if extra else policy
 
 
 def _human(size: int) -> str:
