@@ -1077,6 +1077,8 @@ class Run:
                 self._own(fd)  # closed after the spawn, like ours
         if policy.rootfs is not None:
             self._check_rootfs_layout(policy.rootfs)
+        for bind in policy.binds:  # each source still the one the Policy checked (not swapped since)
+            bind.check_unchanged()
         if policy.binds:  # the cached socket masks still cover what they did (lowlevel.bind_sockets)
             from . import bind_sockets
             bind_sockets.revalidate(policy, self.facts.caller_is_root)

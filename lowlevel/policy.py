@@ -15,6 +15,7 @@ escalate; a bound D-Bus socket lets the sandbox run commands through systemd).
 
 from __future__ import annotations
 
+import errno
 import os
 import pwd
 import re
@@ -22,10 +23,11 @@ import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 from .egress import Egress
 from . import validate as _validate
-from .errors import PolicyError
+from .errors import LaunchError, PolicyError
 from .limits import Limits
 from .seccomp import DEFAULT_PROFILE, SeccompProfile
 
@@ -208,6 +210,42 @@ class Bind:
                                   "really mean to expose it")
         object.__setattr__(self, "source", real)
         object.__setattr__(self, "dest", dest)
+        st = os.stat(real)
+        object.__setattr__(self, "_ident", (st.st_dev, st.st_ino))
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The source's identity is this host's: a Bind sent elsewhere (a Ray node) takes the
+        # identity its source has there at its first run (check_unchanged).
+        return {k: v for k, v in self.__dict__.items() if k != "_ident"}
+
+    def check_unchanged(self) -> None:
+        """Before each run: the source is still the directory or file this Bind was made with.
+
+        The source is resolved (realpath) and checked once, when the Bind is made; bwrap mounts
+        it by path later, following a symlink there. Without this check, a sandbox given a
+        writable bind over another bind's source could swap that source for a symlink to any
+        host path (``~/.ssh``) that the next run of the same Policy then mounted, past the
+        sensitive-path check (found by the red-team pass, issue 22). A small window between this
+        check and bwrap's mount remains (a writer racing the launch); binding by fd closes it.
+
+        Raises:
+            LaunchError: the source is gone, or is now a symlink or another inode.
+        """
+        try:
+            st = os.lstat(self.source)
+        except OSError as err:
+            raise LaunchError(f"Bind source {self.source} is gone since the Policy was made: {err.strerror}",
+                              errno=err.errno) from None
+        ident = self.__dict__.get("_ident")
+        if ident is None:  # unpickled on another host: the first run there fixes it
+            object.__setattr__(self, "_ident", (st.st_dev, st.st_ino))
+            ident = (st.st_dev, st.st_ino)
+        if stat.S_ISLNK(st.st_mode) or (st.st_dev, st.st_ino) != ident:
+            what = "a symlink" if stat.S_ISLNK(st.st_mode) else "another file or directory"
+            raise LaunchError(f"Bind source {self.source} was replaced by {what} since the Policy was made (bwrap "
+                              "would mount what it names now); keep bind sources unchanged while a Policy is in "
+                              "use (a writable bind over one lets a sandbox swap it), or make a new Policy",
+                              errno=errno.ESTALE)
 
 
 def _freeze_env(env: Mapping[str, str] | tuple[tuple[str, str], ...] | None) -> tuple[tuple[str, str], ...]:
