@@ -182,7 +182,7 @@ def scan(source: str, dest: str, ids: tuple[int, int] | None = None, *, max_entr
     return BindScan(dest, tuple(f[0] for f in found), tuple(f[1:] for f in found), "; ".join(why))
 
 
-def _sandbox_ids(policy: Policy, caller_is_root: bool) -> tuple[int, int] | None:
+def sandbox_ids(policy: Policy, caller_is_root: bool) -> tuple[int, int] | None:
     if not caller_is_root:
         return None
     if policy.host_uid is None:
@@ -203,7 +203,7 @@ def plan(policy: Policy, caller_is_root: bool) -> tuple[BindScan, ...]:
     Raises:
         LaunchError: more than :data:`MAX_MASKS` sockets to mask.
     """
-    ids = _sandbox_ids(policy, caller_is_root)
+    ids = sandbox_ids(policy, caller_is_root)
     out = tuple(scan(b.source, b.dest, ids, max_entries=MAX_ENTRIES, max_depth=MAX_DEPTH, max_seconds=MAX_SECONDS)
                 for b in policy.binds if _scanned(b))
     total = sum(len(s.sockets) for s in out)
@@ -260,6 +260,38 @@ def workspace_masks(workspace: str, snap: Mapping[str, tuple[Any, ...]], dest: s
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def tree_masks(root: str, dirs: tuple[str, ...],
+               ids: tuple[int, int] | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Masks for the unix sockets of a root filesystem tree (``Policy(rootfs=DIR)``; its
+    top-level ``dirs`` are bound by path, so a live service's socket in it, a chroot's
+    ``/run/dbus/system_bus_socket``, is as reachable as one in a bind: found by the red-team
+    pass). The same walk and bounds as a bind's (:func:`scan`), cached per tree and ids.
+
+    Returns:
+        ``(bwrap options, notes)``: ``--ro-bind /dev/null PATH`` per socket; a note listing
+        them and one per walk that stopped short.
+    """
+    args: list[str] = []
+    notes_: list[str] = []
+    masked: list[str] = []
+    for name in dirs:
+        found = scan(os.path.join(root, name), "/" + name, ids, max_entries=MAX_ENTRIES, max_depth=MAX_DEPTH,
+                     max_seconds=MAX_SECONDS)
+        masked += found.sockets
+        args += [arg for path in found.sockets for arg in ("--ro-bind", MASK_SOURCE, path)]
+        if found.incomplete:
+            notes_.append(f"rootfs: the socket scan of {found.dest} is incomplete ({found.incomplete}): a unix socket "
+                          "beyond it is not masked")
+    if len(masked) > MAX_MASKS:
+        raise LaunchError(f"Policy.rootfs {root} holds {len(masked)} unix sockets, more than the {MAX_MASKS} lowlevel "
+                          "masks (one mount each): remove them from the tree")
+    if masked:
+        notes_.append(f"rootfs: masked {len(masked)} unix socket(s) of the tree (connecting fails): "
+                      f"{', '.join(masked[:8])}{', ...' if len(masked) > 8 else ''}")
+    return tuple(args), tuple(notes_)
+
+
 def mask_args(bind: Bind, scans: tuple[BindScan, ...]) -> list[str]:
     """bwrap options masking the sockets found under ``bind`` (placed right after its bind, so a
     later bind mounted inside it is mounted over them, not under them)."""
@@ -298,4 +330,4 @@ def notes(policy: Policy, caller_is_root: bool, landlock_abi: int) -> list[str]:
 
 
 __all__ = ["BindScan", "MASK_SOURCE", "MAX_ENTRIES", "MAX_MASKS", "RESOLVE_UNIX_ABI", "mask_args", "notes", "plan",
-           "revalidate", "scan", "workspace_masks"]
+           "revalidate", "sandbox_ids", "scan", "tree_masks", "workspace_masks"]

@@ -1082,10 +1082,20 @@ class Run:
         if policy.binds:  # the cached socket masks still cover what they did (lowlevel.bind_sockets)
             from . import bind_sockets
             bind_sockets.revalidate(policy, self.facts.caller_is_root)
+        tree_masks: tuple[str, ...] = ()
+        if policy.rootfs is not None and not policy.rootfs_writable:
+            # A read-only tree is bound by path: its unix sockets (a live chroot's services) are
+            # masked as a bind's are. (A writable root is an overlay, which passes no socket.)
+            from . import bind_sockets as _bs
+            from .rootfs import rootfs_layout as _layout
+            tree = _layout(policy.rootfs)
+            tree_masks, tree_notes = _bs.tree_masks(tree.path, tree.dirs,
+                                                    _bs.sandbox_ids(policy, self.facts.caller_is_root))
+            self.notes.extend(tree_notes)
         self.argv = build_argv(policy, self.facts, workspace=bind_source, fds=fds,
                                extra_env=self.env_extra or None,
                                extra_mounts=(*(self.egress.mounts if self.egress is not None else ()),
-                                             *self.workspace_masks),
+                                             *self.workspace_masks, *tree_masks),
                                rootfs_overlay=rootfs_overlay)
         if policy.rootfs is not None:
             # No setup path through a symlink of the tree: bwrap would resolve it on the host's

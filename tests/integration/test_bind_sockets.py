@@ -358,3 +358,28 @@ def test_through_the_overlay_a_workspace_socket_is_unreachable(sandbox: Any, app
         pytest.skip("no copy-on-write overlay here")
     assert r.exit_code == 3 and r.out.startswith("refused 111"), (r.out, r.err, r.message)
     assert listener.accepted == 0
+
+
+def test_a_socket_inside_a_read_only_rootfs_tree_is_masked() -> None:
+    """Red-team pass: a read-only ``Policy(rootfs=DIR)`` is bound by path, so a live service's
+    socket in the tree (a chroot's D-Bus) was reachable. Now masked like a bind's: inside, the
+    path is the /dev/null mask (a character device), not the socket, and the note lists it.
+    Control: raw bwrap binding the same tree shows the live socket."""
+    import imagekit
+    imagekit.need_tools()
+    base = imagekit.public_tmpdir("socktree-")
+    tree = imagekit.busybox_tree(base / "root")
+    (tree / "run2").mkdir()
+    listener = Listener(tree / "run2" / "host.sock")
+    try:
+        r = lowlevel.run(["/bin/sh", "-c", "test -S /run2/host.sock && echo SOCKET; test -c /run2/host.sock && echo MASK"],
+                         policy=lowlevel.Policy(rootfs=str(tree)), keep_workspace=False)
+        assert r.stdout == b"MASK\n", r
+        assert any("rootfs: masked 1 unix socket" in n and "/run2/host.sock" in n for n in r.notes), r.notes
+        ctl = subprocess.run(["bwrap", "--ro-bind", str(tree / "bin"), "/bin", "--ro-bind", str(tree / "run2"), "/run2",
+                              "--", "/bin/sh", "-c", "test -S /run2/host.sock && echo SOCKET"], capture_output=True,
+                             timeout=30)
+        assert ctl.stdout == b"SOCKET\n", ctl
+    finally:
+        listener.close()
+        shutil.rmtree(base, ignore_errors=True)
