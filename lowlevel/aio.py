@@ -65,7 +65,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .errors import LaunchError, LowlevelError
+from .errors import LaunchError, LowlevelError, PolicyError
 from .launcher import DEFAULT_TIMEOUT_S, PROCESS_LIMIT_HINT, SETUP_TIMEOUT_S, Run
 from .policy import Policy
 from .result import Result
@@ -199,8 +199,15 @@ class _Supervision:
 
     def on_deadline(self) -> None:
         self.timer = None
-        if not self.bwrap_exited:
-            self.r.kill("timeout", cgroup_kill=False)
+        if self.bwrap_exited:
+            return
+        r = self.r
+        if r.kill_after > 0 and not r.terminated:
+            # timeout -k: SIGTERM to every process of the sandbox now, SIGKILL kill_after later.
+            r.terminate()
+            self.timer = self.loop.call_later(r.kill_after, self.on_deadline)
+            return
+        r.kill("timeout", cgroup_kill=False)
 
     # -- waiting -------------------------------------------------------------------------
     async def wait(self, timeout_s: float | None = None) -> bool:
@@ -495,7 +502,8 @@ async def arun(command: Sequence[str], *, policy: Policy | None = None,
                timeout: float | None = DEFAULT_TIMEOUT_S, stdin: bytes | None = None,
                env: Mapping[str, str] | None = None, capture: bool = True, cwd: str | None = None,
                workspace_base: str | None = None, limiter: asyncio.Semaphore | None = None,
-               allow_sensitive_workspace: bool = False, keep_workspace: bool = True) -> Result:
+               allow_sensitive_workspace: bool = False, keep_workspace: bool = True,
+               kill_after: float = 0.0) -> Result:
     """Run ``command`` in a fresh bwrap sandbox without blocking the event loop.
 
     The same run, arguments and :class:`~lowlevel.result.Result` as :func:`lowlevel.run`
@@ -510,6 +518,9 @@ async def arun(command: Sequence[str], *, policy: Policy | None = None,
             workspace in the shared executor once the Result is built). ``timeout`` (seconds,
             None for none) counts from the spawn; on expiry the sandbox is SIGKILLed and the
             Result has ``timed_out=True``.
+        kill_after: seconds of grace at the timeout, as :func:`lowlevel.run` (``timeout -k``):
+            > 0 sends SIGTERM to every process of the sandbox at the deadline and SIGKILLs it
+            ``kill_after`` seconds later; 0 (default) SIGKILLs at once.
         limiter: an ``asyncio.Semaphore`` shared by the calls it should bound; the call
             waits for it before allocating anything (no fd, no process, no workspace).
             None: no bound (each run in flight holds up to 10 fds; see the module docstring).
@@ -523,13 +534,17 @@ async def arun(command: Sequence[str], *, policy: Policy | None = None,
     """
     if limiter is not None and not isinstance(limiter, asyncio.Semaphore):
         raise TypeError(f"limiter must be an asyncio.Semaphore or None, got {type(limiter).__name__}")
+    if isinstance(kill_after, bool) or not isinstance(kill_after, (int, float)) or not 0 <= kill_after < 2**31:
+        raise PolicyError(f"kill_after must be a number of seconds >= 0, got {kill_after!r}")
 
     def make() -> Run:
-        return Run(command, policy=policy or Policy(),
-                   workspace=None if workspace is None else os.fspath(workspace), inputs=inputs,
-                   timeout=timeout, stdin=stdin, env=env, capture=capture, cwd=cwd,
-                   workspace_base=workspace_base, allow_sensitive_workspace=allow_sensitive_workspace,
-                   keep_workspace=keep_workspace)
+        r = Run(command, policy=policy or Policy(),
+                workspace=None if workspace is None else os.fspath(workspace), inputs=inputs,
+                timeout=timeout, stdin=stdin, env=env, capture=capture, cwd=cwd,
+                workspace_base=workspace_base, allow_sensitive_workspace=allow_sensitive_workspace,
+                keep_workspace=keep_workspace)
+        r.kill_after = float(kill_after)  # before the spawn: the anchor's deadline includes it
+        return r
 
     if limiter is None:
         return await _arun(make())

@@ -2336,6 +2336,12 @@ def run(command: Sequence[str], *, policy: Policy | None = None, workspace: str 
     if isinstance(kill_after, bool) or not isinstance(kill_after, (int, float)) or not 0 <= kill_after < 2**31:
         raise PolicyError(f"kill_after must be a number of seconds >= 0, got {kill_after!r}")
     if record is not None:
+        if commit is not True:
+            # The record hashes the workspace after the run's commit, and replay commits: a
+            # record of a discarded run would say the opposite of what happened (issue 26: the
+            # library used to drop commit= here and commit anyway, as the CLI refuses to).
+            raise PolicyError(f"commit={commit!r} does not go with record (a record's run commits its changes, "
+                              "and replay does): drop one of them")
         if kill_after:
             raise PolicyError("kill_after does not go with record (a record replays the SIGKILL at the deadline): "
                               "drop one of them")

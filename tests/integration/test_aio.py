@@ -395,3 +395,15 @@ def test_bench_quick_json_schema(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert svg.read_text().lstrip().startswith("<?xml") and "<svg" in svg.read_text()
+
+
+def test_arun_kill_after_sends_sigterm_first() -> None:
+    """issue 25 item 5: ``arun(timeout=, kill_after=)`` as ``timeout -k``: the program's TERM
+    handler runs at the deadline (exit 7, still a timeout); control: kill_after=0 SIGKILLs."""
+    prog = ["sh", "-c", "trap 'echo term; exit 7' TERM; sleep 30 & wait"]
+    r = asyncio.run(lowlevel.arun(prog, timeout=1, kill_after=10, keep_workspace=False))
+    assert r.timed_out and r.killed_by == "timeout" and r.exit_code == 7 and r.stdout == b"term\n", r
+    r = asyncio.run(lowlevel.arun(prog, timeout=1, keep_workspace=False))
+    assert r.timed_out and r.exit_code != 7 and b"term" not in r.stdout, r
+    with pytest.raises(lowlevel.PolicyError, match="kill_after"):
+        asyncio.run(lowlevel.arun(["true"], kill_after=-1))

@@ -106,3 +106,22 @@ def test_policy_hash_is_canonical() -> None:
     assert canonical_policy(a)["seccomp"]["name"] == "default"
     with pytest.raises(Exception):
         load_record(__file__)
+
+
+@pytest.mark.parametrize("commit", [False, "on_success"])
+def test_record_with_a_commit_other_than_true_is_refused_and_changes_nothing(tmp_path: pathlib.Path,
+                                                                              commit: object) -> None:
+    """Issue 26: ``run(cmd, record=PATH, commit=False)`` committed the changes (the argument was
+    dropped on the way to the recorded run). It is refused before anything runs; the workspace
+    stays bit-identical and no record is written. Control: commit=True (the default) records."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "keep").write_text("old\n")
+    rec = tmp_path / "run.json"
+    with pytest.raises(lowlevel.PolicyError, match="does not go with record"):
+        lowlevel.run(["sh", "-c", "rm keep; echo new > new"], workspace=str(ws), record=str(rec),
+                     commit=commit)  # type: ignore[arg-type]
+    assert sorted(p.name for p in ws.iterdir()) == ["keep"] and (ws / "keep").read_text() == "old\n"
+    assert not rec.exists()
+    r = lowlevel.run(["sh", "-c", "echo new > new"], workspace=str(ws), record=str(rec))
+    assert r.exit_code == 0 and (ws / "new").exists() and rec.exists()
