@@ -30,7 +30,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\S*)\s*$")
 NOT_RUN = re.compile(r"^<!--\s*not run:\s*(.+?)\s*-->\s*$")
 #: The most blocks that may be marked not run (each needs a reason a reader accepts).
-MAX_NOT_RUN = 8
+MAX_NOT_RUN = 10
 #: Modules a block's imports need, and the extra that provides them.
 EXTRAS = {"ray": "ray", "inspect_ai": "inspect", "autogen_core": "autogen", "langchain_core": "langchain",
           "smolagents": "smolagents"}

@@ -26,6 +26,7 @@ import pty
 import shutil
 import signal
 import subprocess
+import time
 import tempfile
 import termios
 from collections.abc import Iterator
@@ -418,8 +419,8 @@ def test_ordinary_work_runs_under_the_filter(argv: list[str], want: bytes, probe
 
 # --- audit mode ------------------------------------------------------------------------------------
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="reading /dev/kmsg needs root (kernel.dmesg_restrict)")
-def test_audit_mode_reports_what_the_run_tripped(probes: Path) -> None:
+def _audited_run(probes: Path) -> tuple[bytes, list[str]]:
+    """One log-mode run of the ptrace + kcmp probe: its output and the names the audit saw."""
     bpf = seccomp.compile_bpf(DEFAULT_PROFILE.with_log())
     fd = seccomp.bpf_memfd(bpf)
     info_r, info_w = os.pipe()
@@ -454,6 +455,19 @@ def test_audit_mode_reports_what_the_run_tripped(probes: Path) -> None:
         audit.close()
         os.close(fd)
         os.close(info_r)
-    # log mode: the calls ran (ESRCH from the kernel) and were reported
-    assert out.split() == [b"-1", b"3", b"-1", b"3"], out
+    return out, list(names)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="reading /dev/kmsg needs root (kernel.dmesg_restrict)")
+def test_audit_mode_reports_what_the_run_tripped(probes: Path) -> None:
+    # The kernel rate-limits these kmsg lines host-wide (printk_ratelimit, ~10 per 5 s: see
+    # DenialAudit): a burst from other sandboxes of the suite can hide a run's lines, so a run
+    # whose names were all dropped is tried again after the window (at most 3 runs).
+    for attempt in range(3):
+        out, names = _audited_run(probes)
+        # log mode: the calls ran (ESRCH from the kernel) and were reported
+        assert out.split() == [b"-1", b"3", b"-1", b"3"], out
+        if {"ptrace", "kcmp"} <= set(names) or attempt == 2:
+            break
+        time.sleep(5.5)
     assert {"ptrace", "kcmp"} <= set(names), names
