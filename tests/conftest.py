@@ -268,6 +268,16 @@ class Sandbox:
                        d["limits_enforced"], d["notes"], d["wall_time_s"], raw=d)
 
 
+@pytest.fixture(params=["root", "user"] if IS_ROOT else ["self"])
+def who(request: pytest.FixtureRequest) -> pwd.struct_passwd | None:
+    """The CLI-level tests' caller: None for the suite's own uid, else the unprivileged test
+    user's passwd entry (run the CLI through runuser/setpriv as that user). A module may
+    define its own ``who`` (test_image_run.py does)."""
+    if request.param == "user":
+        return request.getfixturevalue("test_user")  # type: ignore[no-any-return]
+    return None
+
+
 def _identities() -> list[str]:
     return ["root", "user"] if IS_ROOT else ["self"]
 

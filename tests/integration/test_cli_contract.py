@@ -23,12 +23,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers.identities import owned_tmpdir
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(180)]
 
@@ -40,34 +40,18 @@ def workspaces(base: Path) -> list[str]:
 
 REPO = Path(__file__).resolve().parents[2]
 SETPRIV = shutil.which("setpriv") or "/usr/bin/setpriv"
-IS_ROOT = os.geteuid() == 0
-
-
-@pytest.fixture(params=["root", "user"] if IS_ROOT else ["self"])
-def who(request: pytest.FixtureRequest) -> pwd.struct_passwd | None:
-    if request.param == "user":
-        return request.getfixturevalue("test_user")  # type: ignore[no-any-return]
-    return None
-
-
-def _owned_tmpdir(who: pwd.struct_passwd | None, prefix: str) -> Path:
-    path = Path(tempfile.mkdtemp(prefix=prefix))
-    os.chmod(path, 0o755)
-    if who is not None:
-        os.chown(path, who.pw_uid, who.pw_gid)
-    return path
 
 
 @pytest.fixture
 def base(who: pwd.struct_passwd | None) -> Iterator[Path]:
-    path = _owned_tmpdir(who, "lowlevel-contract-base-")
+    path = owned_tmpdir(who, "lowlevel-contract-base-")
     yield path
     shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
 def scratch(who: pwd.struct_passwd | None) -> Iterator[Path]:
-    path = _owned_tmpdir(who, "lowlevel-contract-scratch-")
+    path = owned_tmpdir(who, "lowlevel-contract-scratch-")
     yield path
     shutil.rmtree(path, ignore_errors=True)
 

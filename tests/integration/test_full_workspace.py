@@ -58,13 +58,6 @@ PY_WRITER = ("import errno, sys\n"
              "print('wrote 3 GiB')\n")
 
 
-@pytest.fixture(params=["root", "user"] if IS_ROOT else ["self"])
-def who(request: pytest.FixtureRequest) -> pwd.struct_passwd | None:
-    if request.param == "user":
-        return request.getfixturevalue("test_user")  # type: ignore[no-any-return]
-    return None
-
-
 def _env(who: pwd.struct_passwd | None, base: str) -> dict[str, str]:
     env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "PYTHONPATH": str(REPO), "LANG": "C.UTF-8",
            "TMPDIR": "/tmp", "LOWLEVEL_WORKSPACE_BASE": base}

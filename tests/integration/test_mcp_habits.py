@@ -36,7 +36,6 @@ pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(120)]
 
 REPO = Path(__file__).resolve().parents[2]
 SETPRIV = shutil.which("setpriv") or "/usr/bin/setpriv"
-IS_ROOT = os.geteuid() == 0
 
 
 # --- one size syntax -----------------------------------------------------------------------------
@@ -84,13 +83,6 @@ def test_mcp_cli_bad_config_size_is_one_line(tmp_path: Path) -> None:
 
 
 # --- progress notifications ----------------------------------------------------------------------
-
-@pytest.fixture(params=["root", "user"] if IS_ROOT else ["self"])
-def who(request: pytest.FixtureRequest) -> pwd.struct_passwd | None:
-    if request.param == "user":
-        return request.getfixturevalue("test_user")  # type: ignore[no-any-return]
-    return None
-
 
 @pytest.fixture
 def base(who: pwd.struct_passwd | None) -> Iterator[Path]:
