@@ -59,6 +59,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from . import bind_sockets as _bind_sockets
 from . import cow as _cow
 from ._interrupts import deferred_interrupts
 from . import landlock as _landlock
@@ -1075,35 +1076,33 @@ class Run:
             self.extra_fds.update(self.egress.child_fds)
             for fd in self.egress.owned_fds:
                 self._own(fd)  # closed after the spawn, like ours
+        tree = None
         if policy.rootfs is not None:
+            from .rootfs import check_setup_paths, rootfs_layout
             self._check_rootfs_layout(policy.rootfs)
+            tree = rootfs_layout(policy.rootfs)
         for bind in policy.binds:  # each source still the one the Policy checked (not swapped since)
             bind.check_unchanged()
         if policy.binds:  # the cached socket masks still cover what they did (lowlevel.bind_sockets)
-            from . import bind_sockets
-            bind_sockets.revalidate(policy, self.facts.caller_is_root)
+            _bind_sockets.revalidate(policy, self.facts.caller_is_root)
         tree_masks: tuple[str, ...] = ()
-        if policy.rootfs is not None and not policy.rootfs_writable:
+        if tree is not None and not policy.rootfs_writable:
             # A read-only tree is bound by path: its unix sockets (a live chroot's services) are
             # masked as a bind's are. (A writable root is an overlay, which passes no socket.)
-            from . import bind_sockets as _bs
-            from .rootfs import rootfs_layout as _layout
-            tree = _layout(policy.rootfs)
-            tree_masks, tree_notes = _bs.tree_masks(tree.path, tree.dirs,
-                                                    _bs.sandbox_ids(policy, self.facts.caller_is_root))
+            tree_masks, tree_notes = _bind_sockets.tree_masks(
+                tree.path, tree.dirs, _bind_sockets.sandbox_ids(policy, self.facts.caller_is_root))
             self.notes.extend(tree_notes)
         self.argv = build_argv(policy, self.facts, workspace=bind_source, fds=fds,
                                extra_env=self.env_extra or None,
                                extra_mounts=(*(self.egress.mounts if self.egress is not None else ()),
                                              *self.workspace_masks, *tree_masks),
                                rootfs_overlay=rootfs_overlay)
-        if policy.rootfs is not None:
+        if tree is not None:
             # No setup path through a symlink of the tree: bwrap would resolve it on the host's
             # tree (/oldroot) while it still holds the host's fds (issue 22 item 1).
-            from .rootfs import check_setup_paths, rootfs_layout
-            check_setup_paths(rootfs_layout(policy.rootfs), setup_paths(self.argv))
+            check_setup_paths(tree, setup_paths(self.argv))
         if policy.binds:  # the unix sockets masked in bound directories, and what that leaves open
-            self.notes.extend(bind_sockets.notes(policy, self.facts.caller_is_root, _landlock.planned_abi()))
+            self.notes.extend(_bind_sockets.notes(policy, self.facts.caller_is_root, _landlock.planned_abi()))
         # Last line of defence: the --args memfd is NUL-separated, so a NUL inside a value would
         # split it into extra bwrap options. The policy edge refuses them already; encode_args
         # refuses again (LaunchError) right before the bytes are written.
@@ -1210,12 +1209,11 @@ class Run:
                                       empty=fresh_empty)
         self.before = self.handover.before
         # The workspace is bound as it is: mask the host unix sockets in it (lowlevel.bind_sockets).
-        from .bind_sockets import MAX_MASKS, workspace_masks
-        self.workspace_masks = workspace_masks(self.workspace, self.before[0])
+        self.workspace_masks = _bind_sockets.workspace_masks(self.workspace, self.before[0])
         if self.workspace_masks:
-            if len(self.workspace_masks) > 3 * MAX_MASKS:
+            if len(self.workspace_masks) > 3 * _bind_sockets.MAX_MASKS:
                 raise LaunchError(f"the workspace holds {len(self.workspace_masks) // 3} unix sockets, more than the "
-                                  f"{MAX_MASKS} lowlevel masks: remove them, or use a workspace without")
+                                  f"{_bind_sockets.MAX_MASKS} lowlevel masks: remove them, or use a workspace without")
             self.notes.append(f"workspace: masked {len(self.workspace_masks) // 3} unix socket(s) found in it "
                               f"(connecting fails): {', '.join(self.workspace_masks[2::3][:8])}")
         if not self.before[1]:
