@@ -51,10 +51,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 import lowlevel  # noqa: E402
-from lowlevel import argv as _argv  # noqa: E402
-from lowlevel import landlock as _landlock  # noqa: E402
-from lowlevel import launcher as _launcher  # noqa: E402
-from lowlevel import seccomp as _seccomp  # noqa: E402
+from lowlevel.sandbox import argv as _argv# noqa: E402
+from lowlevel.host import landlock as _landlock# noqa: E402
+from lowlevel.sandbox import launcher as _launcher# noqa: E402
+from lowlevel.spec import seccomp as _seccomp# noqa: E402
 
 STEPS = ("seed", "userns", "env", "etc", "tmpfs", "passwd", "remount_ro", "seccomp", "as_pid_1", "anchor",
          "uid_drop", "overlay", "guard")
@@ -121,7 +121,7 @@ class Ladder:
         self.base = base
         self.size = size
         self.rules = _landlock.ruleset_args(policy, layout.ro_dirs, self.facts.bwrap.options)
-        from lowlevel import cow
+        from lowlevel.workspace import cow
         self.mnt = cow.mount_dir(None)
 
     def argv(self, step: str) -> tuple[list[str], list[tuple[int, bytes]]]:
@@ -224,7 +224,7 @@ class CpuAcct:
     """
 
     def __init__(self) -> None:
-        from lowlevel import limits
+        from lowlevel.spec import limits
         h = limits.detect_cgroups().hierarchy_for("cpuacct")
         self.base = os.path.join(h.base, f"{os.getpid()}-bench-parts") if h is not None and h.version == 1 \
             and h.base else None

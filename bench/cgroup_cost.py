@@ -36,7 +36,7 @@ from typing import Any
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import lowlevel  # noqa: E402
-from lowlevel import limits as _limits  # noqa: E402
+from lowlevel.spec import limits as _limits# noqa: E402
 
 _REAL_CREATE = _limits.RunCgroup.create
 _SERIAL = iter(range(1, 1 << 62))

@@ -7,12 +7,12 @@ private mount namespace (root: ``unshare --mount``, trusted.overlay.* xattrs; ot
 spread over the tree through the merged dir, unmounts, then measures, interleaved (each
 round runs every case once, in a rotated order):
 
-- ``read_changes``: :func:`lowlevel.overlay.read_changes` on that upper (the target: p50
+- ``read_changes``: :func:`lowlevel.workspace.overlay.read_changes` on that upper (the target: p50
   <= 5 ms for 100 changed files in a 100,000-file tree);
 - ``read_changes_empty``: the same on an empty upper (the floor: opening the two roots);
 - ``snapshot``: :func:`lowlevel.workspace.snapshot` of the lower tree, one walk of what the
   hand-over model walks twice per run to report changes (the baseline);
-- ``commit``: :func:`lowlevel.overlay.commit` of the changed files (each round re-applies
+- ``commit``: :func:`lowlevel.workspace.overlay.commit` of the changed files (each round re-applies
   the same upper with a fresh ``since_ns``: 100 files replaced, dry pass included).
 
 Usage: ``python bench/overlay_changes.py [--quick] [--files N] [--changed N] [--rounds N]
@@ -37,7 +37,9 @@ from collections.abc import Callable
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from lowlevel import overlay, workspace  # noqa: E402
+from lowlevel.workspace import overlay
+
+from lowlevel import workspace# noqa: E402
 
 SCHEMA = 1
 ROOT = os.geteuid() == 0

@@ -70,9 +70,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 _T_IMPORT = time.perf_counter_ns()
 import lowlevel  # noqa: E402
-from lowlevel import argv as _argv  # noqa: E402
-from lowlevel import launcher as _launcher  # noqa: E402
-from lowlevel import seccomp as _seccomp  # noqa: E402
+from lowlevel.sandbox import argv as _argv# noqa: E402
+from lowlevel.sandbox import launcher as _launcher# noqa: E402
+from lowlevel.spec import seccomp as _seccomp# noqa: E402
 
 IMPORT_MS = (time.perf_counter_ns() - _T_IMPORT) / 1e6
 
@@ -156,7 +156,7 @@ def subprocess_call(cmd: list[str]) -> None:
 class RawBwrap:
     """bwrap with lowlevel's exact bwrap options for the default Policy, minus the anchor's work.
 
-    The options come from :meth:`lowlevel.launcher.Run.prepare` (its ``argv``: what it writes to
+    The options come from :meth:`lowlevel.sandbox.launcher.Run.prepare` (its ``argv``: what it writes to
     the ``--args`` memfd) with ``--json-status-fd`` dropped and the copy-on-write workspace
     replaced by a plain directory bound as it is. A root caller's bwrap still drops to an
     unprivileged uid, through the anchor with nothing else to do (``--uid``/``--gid`` only:
@@ -351,7 +351,7 @@ class GuardFloor:
     guard adds to every fresh sandbox (its exec, the ruleset, the vfork and the report)."""
 
     def __init__(self, cmd: list[str]) -> None:
-        from lowlevel import landlock
+        from lowlevel.host import landlock
         facts = _launcher.host_facts()
         ll = landlock.ruleset_args(lowlevel.Policy(), facts.layout.ro_dirs)
         self.status_r, self.status_w = os.pipe()
@@ -478,7 +478,7 @@ def egress_download(rounds: int, per_round: int, size: int = 1 << 20) -> dict[st
                 s.run(cmd, env=no_bypass).check()
         # CPU the proxy path adds per download (load-independent, unlike latency): the proxy
         # thread's and the relay's run time from /proc/.../schedstat (ns), over the egress calls.
-        from lowlevel import egress_proxy as _ep
+        from lowlevel.net import egress_proxy as _ep
         assert _ep._thread is not None
         cpu_files = [f"/proc/self/task/{_ep._thread.thread.native_id}/schedstat"]
         init_pid = sessions["egress"]._core.init_host_pid
@@ -786,7 +786,7 @@ def guard_cpu(n: int) -> dict[str, Any]:
     """CPU (ms, ``os.wait4`` rusage of the process and what it waited for) of ``/usr/bin/true``
     alone and behind the guard with and without the default Landlock rules, ``n`` interleaved
     calls each, no sandbox: the guard's own cost, independent of the machine's load."""
-    from lowlevel import landlock
+    from lowlevel.host import landlock
     ll = landlock.ruleset_args(lowlevel.Policy(), _launcher.host_facts().layout.ro_dirs)
     cases = {"floor": ["/usr/bin/true"], "guard": [landlock.GUARD_PATH, "--ll=off", "--", "/usr/bin/true"],
              "guard_landlock": [landlock.GUARD_PATH, *ll, "--", "/usr/bin/true"]}
@@ -880,7 +880,7 @@ def one_time_costs() -> dict[str, Any]:
     _launcher.host_facts()
     out["host_probe_ms"] = round((time.perf_counter_ns() - t) / 1e6, 3)
     t = time.perf_counter_ns()
-    importlib.import_module("lowlevel.aio")  # asyncio itself is already imported by this script
+    importlib.import_module("lowlevel.sandbox.aio")  # asyncio itself is already imported by this script
     out["import_aio_ms"] = round((time.perf_counter_ns() - t) / 1e6, 3)
     return out
 
@@ -895,7 +895,7 @@ def host_info() -> dict[str, Any]:
         pass
     cg = None
     try:
-        cg = lowlevel.limits.detect_cgroups().version
+        cg = lowlevel.spec.limits.detect_cgroups().version
     except Exception:  # noqa: BLE001
         pass
     commit = ""

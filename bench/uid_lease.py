@@ -6,7 +6,7 @@
   callers), on a lock file of its own in a temporary directory (cow.UID_LOCK_PATH) and a
   100-uid range at the top of the default range, so no live sandbox is disturbed. Each lease
   reads and advances the rotation cursor under flock(2): the figure includes that.
-- ``scan``: :func:`lowlevel.bind_sockets.scan` of ``--tree`` (default: this interpreter's
+- ``scan``: :func:`lowlevel.sandbox.bind_sockets.scan` of ``--tree`` (default: this interpreter's
   prefix, a virtualenv), cold then warm; once per Policy and process, on its first run.
 Prints microseconds per lease and milliseconds (and entries) per scan.
 """
@@ -25,7 +25,8 @@ def main() -> None:
     ap.add_argument("--leases", type=int, default=20000)
     ap.add_argument("--tree", default=sys.prefix)
     args = ap.parse_args()
-    from lowlevel import bind_sockets, cow
+    from lowlevel.sandbox import bind_sockets
+    from lowlevel.workspace import cow
     if os.geteuid() == 0:
         first = cow.DEFAULT_UID_RANGE[0] + cow.DEFAULT_UID_RANGE[1] - 200
         os.environ["LOWLEVEL_UID_RANGE"] = f"{first}-{first + 99}"

@@ -39,7 +39,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 import lowlevel  # noqa: E402
-from lowlevel import Session  # noqa: E402
+from lowlevel import Session# noqa: E402
 
 TEST_USER = "lowlevel-test"
 

@@ -39,23 +39,23 @@ if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
         except ValueError:  # not the main thread: not the command starting
             pass
     del _main_file, _orig
-from .egress import Egress, NetworkAttempt  # noqa: E402
-from .errors import (BwrapNotFoundError, CommitConflictError, CommitIncompleteError, ImageError,  # noqa: E402
+from lowlevel.spec.egress import Egress, NetworkAttempt  # noqa: E402
+from lowlevel.errors import (BwrapNotFoundError, CommitConflictError, CommitIncompleteError, ImageError,  # noqa: E402
                      LaunchError, LowlevelError, PolicyError, SeccompError, SessionError, UnsupportedError,
                      WorkspaceError)
-from .launcher import ExecError, run  # noqa: E402
-from .limits import Limits  # noqa: E402
-from .policy import Bind, Policy  # noqa: E402
-from .result import Result, RunFailedError  # noqa: E402
-from .seccomp import DEFAULT_PROFILE, SeccompProfile  # noqa: E402
-from .workspace import Changes  # noqa: E402
+from lowlevel.sandbox.launcher import ExecError, run  # noqa: E402
+from lowlevel.spec.limits import Limits  # noqa: E402
+from lowlevel.spec.policy import Bind, Policy  # noqa: E402
+from lowlevel.sandbox.result import Result, RunFailedError  # noqa: E402
+from lowlevel.spec.seccomp import DEFAULT_PROFILE, SeccompProfile  # noqa: E402
+from lowlevel.workspace import Changes  # noqa: E402
 
 __version__ = "0.1.0"
 
 #: Names served lazily by :func:`__getattr__`: the asyncio API imports asyncio (~30 ms),
 #: which ``import lowlevel`` (and the CLI) should not pay.
-_LAZY = {"Runner": "aio", "arun": "aio", "AsyncProcess": "session", "AsyncSession": "session",
-         "Pool": "session", "Process": "session", "Session": "session"}
+_LAZY = {"Runner": "sandbox.aio", "arun": "sandbox.aio", "AsyncProcess": "session",
+         "AsyncSession": "session", "Pool": "session", "Process": "session", "Session": "session"}
 
 
 def __getattr__(name: str) -> object:

@@ -1,6 +1,6 @@
 """``python -m lowlevel`` is the ``lowlevel`` command."""
 import sys
 
-from .cli import main
+from lowlevel.cli import main
 
 sys.exit(main())

@@ -4,19 +4,19 @@ A run killed at any instant leaves no process (the anchor's PID namespace) and n
 host's mount namespace (the overlay and its tmpfs live in the anchor's own). What can remain:
 
 - ``cgroup``: a per-run cgroup directory of a caller that died (``run-<pid>-...``), wherever it
-  was: under this process's own base, or where the run's record (:mod:`lowlevel.run_records`,
+  was: under this process's own base, or where the run's record (:mod:`lowlevel.host.run_records`,
   written before the cgroup was made) says, e.g. under the cgroup of a service or container the
-  caller ran in. The next :func:`lowlevel.limits.detect_cgroups` of a caller in the same cgroup
+  caller ran in. The next :func:`lowlevel.spec.limits.detect_cgroups` of a caller in the same cgroup
   also removes the empty ones of dead pids;
 - ``commit``: temporaries of a commit killed mid-way (``.lowlevel-commit-<pid>-<n>`` and its
   journal) in a workspace; the next commit into that workspace removes them
-  (:func:`lowlevel.overlay.cleanup_commit_leftovers`), or ``lowlevel cleanup`` (the workspaces
+  (:func:`lowlevel.workspace.overlay.cleanup_commit_leftovers`), or ``lowlevel cleanup`` (the workspaces
   of dead callers' run records, and ``--workspace DIR``);
 - ``egress``: the unix-socket directory of an egress-mode run (``lowlevel-egress-*`` in
   ``/dev/shm`` or ``/tmp``) whose proxy is gone;
 - ``handover``: the journal of a root caller that died mid-run in the hand-over fallback (no
   overlay): its workspace is still owned by the sandbox's per-run uid. The next hand-over of that
-  workspace, or ``lowlevel cleanup``, gives it back (:mod:`lowlevel.handover_journal`);
+  workspace, or ``lowlevel cleanup``, gives it back (:mod:`lowlevel.workspace.handover_journal`);
 - ``import``: the staging directory of a ``lowlevel image import`` whose process died
   (``<store>/tmp/import-<pid>-<start time>-*`` of the default store, ``$LOWLEVEL_IMAGE_STORE``);
   the next import into that store removes it too;
@@ -43,9 +43,9 @@ import stat
 import time
 from dataclasses import dataclass
 
-from . import limits as _limits
-from . import run_records as _records
-from .errors import LowlevelError
+from lowlevel.spec import limits as _limits
+from lowlevel.host import run_records as _records
+from lowlevel.errors import LowlevelError
 
 _EGRESS_PREFIX = "lowlevel-egress-"
 
@@ -154,8 +154,8 @@ _IMPORT_NAME = re.compile(r"^import-(\d+)-(?:(\d+)-)?")
 
 def _stale_imports() -> list[Leftover]:
     """Staging directories of image imports whose process is gone (the default store only)."""
-    from .image import ImageStore
-    from .workspace import process_start_time
+    from lowlevel.image import ImageStore
+    from lowlevel.workspace import process_start_time
     try:
         tmp = ImageStore().tmp_dir
         names = os.listdir(tmp)
@@ -190,7 +190,7 @@ def _host_mounts() -> list[Leftover]:
 
 
 def _handovers() -> list[Leftover]:
-    from . import handover_journal as _journal
+    from lowlevel.workspace import handover_journal as _journal
     out = []
     for path in _journal.pending():
         try:
@@ -203,7 +203,7 @@ def _handovers() -> list[Leftover]:
 
 
 def _commit_leftovers(workspace: str) -> list[Leftover]:
-    from .overlay import LEFTOVER_PREFIX
+    from lowlevel.workspace.overlay import LEFTOVER_PREFIX
     try:
         names = os.listdir(workspace)
     except OSError:
@@ -213,7 +213,7 @@ def _commit_leftovers(workspace: str) -> list[Leftover]:
 
 
 def _fresh_workspaces(base: str | None) -> list[str]:
-    from .workspace import DISPOSABLE_PREFIX, default_base
+    from lowlevel.workspace import DISPOSABLE_PREFIX, default_base
     root = base or default_base()
     try:
         return [os.path.join(root, n) for n in os.listdir(root) if n.startswith(("run-", DISPOSABLE_PREFIX))]
@@ -223,7 +223,7 @@ def _fresh_workspaces(base: str | None) -> list[str]:
 
 def _disposable_workspaces(base: str | None) -> list[Leftover]:
     """Disposable workspaces (``--rm``, ``keep_workspace=False``) whose creator is gone."""
-    from .workspace import creator_alive, disposable_owner
+    from lowlevel.workspace import creator_alive, disposable_owner
     out = []
     for path in _fresh_workspaces(base):
         owner = disposable_owner(os.path.basename(path))
@@ -297,7 +297,7 @@ def clean(workspaces: tuple[str, ...] = (), base: str | None = None) -> tuple[li
         except OSError as err:
             problems.append(f"{item.path}: {err.strerror}")
     for item in _stale_imports():
-        from .image import _rmtree as _rmtree_import
+        from lowlevel.image import _rmtree as _rmtree_import
         _rmtree_import(item.path)
         if os.path.lexists(item.path):
             problems.append(f"{item.path}: could not be removed")
@@ -314,19 +314,19 @@ def clean(workspaces: tuple[str, ...] = (), base: str | None = None) -> tuple[li
         else:
             problems.append(f"{item.path}: umount failed: {os.strerror(ctypes.get_errno())}")
     # Workspaces a dead root caller left handed over (the fallback without overlay).
-    from . import handover_journal as _journal
+    from lowlevel.workspace import handover_journal as _journal
     before_handovers = _handovers()
     _restored, handover_problems = _journal.recover()
     problems += handover_problems
     removed += [item for item in before_handovers if not os.path.exists(item.path)]
-    from .workspace import remove_workspace
+    from lowlevel.workspace import remove_workspace
     for item in _disposable_workspaces(base):
         try:
             remove_workspace(item.path)
             removed.append(item)
         except LowlevelError as err:
             problems.append(f"{item.path}: {err}")
-    from .overlay import cleanup_commit_leftovers
+    from lowlevel.workspace.overlay import cleanup_commit_leftovers
     dead = _dead_records()
     for ws in _workspaces(workspaces, base):
         left = _commit_leftovers(ws)

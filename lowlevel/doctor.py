@@ -67,7 +67,7 @@ def userns_check() -> dict[str, Any]:
 
 def cgroup_checks() -> list[dict[str, Any]]:
     """cgroup version and, per hierarchy, the controllers runs can write (limits.detect_cgroups)."""
-    from . import limits
+    from lowlevel.spec import limits
 
     try:
         support = limits.detect_cgroups(sweep=False)  # doctor only looks: no sweep of stale cgroups
@@ -88,7 +88,7 @@ def cgroup_checks() -> list[dict[str, Any]]:
 
 def memory_check(cgroup_memory: bool) -> dict[str, Any]:
     """How the default memory limit and the tmpfs bounds relate here (issue 25): informational."""
-    from . import limits
+    from lowlevel.spec import limits
 
     d = limits.Limits()
     mib = limits.MiB
@@ -111,14 +111,14 @@ def seccomp_checks() -> list[dict[str, Any]]:
     """The CFFI extension built or not, the libseccomp version, and a default-profile compile."""
     checks = []
     try:
-        from . import _native  # noqa: F401
+        from lowlevel import _native# noqa: F401
         checks.append(_check("native extension", True, "lowlevel._native (CFFI, libseccomp) is built"))
     except ImportError as err:
         checks.append(_check("native extension", False, f"lowlevel._native not built ({err}): "
                              "falling back to pyseccomp",
                              "apt-get install libseccomp-dev gcc python3-dev, then reinstall lowlevel"))
     try:
-        from . import seccomp
+        from lowlevel.spec import seccomp
         version = seccomp._backend().version()
         checks.append(_check("libseccomp", True, "version " + ".".join(map(str, version))))
         bpf = seccomp.compile_bpf(seccomp.DEFAULT_PROFILE)
@@ -143,7 +143,7 @@ def landlock_checks() -> list[dict[str, Any]]:
     Landlock itself is not required: ``Policy(landlock=True)`` runs without it (best effort);
     only ``landlock="require"`` needs it. Source: landlock_create_ruleset(2).
     """
-    from . import landlock
+    from lowlevel.host import landlock
 
     guard = os.access(landlock.GUARD_PATH, os.X_OK)
     abi = landlock.kernel_abi()
@@ -157,7 +157,7 @@ def image_checks() -> list[dict[str, Any]]:
     """skopeo and umoci (``lowlevel image import`` needs both; not required to run) and the image
     store's location (:func:`lowlevel.image.doctor_checks`)."""
     try:
-        from .image import doctor_checks
+        from lowlevel.image import doctor_checks
         return doctor_checks()
     except Exception as err:  # noqa: BLE001 - doctor reports, never crashes
         return [_check("images", False, f"{type(err).__name__}: {err}")]
@@ -171,8 +171,8 @@ def workspace_checks(result_notes: tuple[str, ...] = ()) -> list[dict[str, Any]]
     accounts in /etc/passwd, groups in /etc/group or ranges in /etc/subuid and /etc/subgid (another user's container
     ids would then be handed to sandboxes).
     """
-    from . import cow
-    from .errors import UnsupportedError
+    from lowlevel.workspace import cow
+    from lowlevel.errors import UnsupportedError
 
     checks = []
     fallback = next((n for n in result_notes if n.startswith("workspace handed over")), None)
@@ -223,12 +223,12 @@ def workspace_checks(result_notes: tuple[str, ...] = ()) -> list[dict[str, Any]]
 
 
 def cached_cow_checks() -> list[dict[str, Any]]:
-    """Every filesystem the host cache (:mod:`lowlevel.hostcache`) says has no copy-on-write
-    overlay, probed again (:func:`lowlevel.launcher.recheck_cached_cow`): runs there fall back
+    """Every filesystem the host cache (:mod:`lowlevel.host.hostcache`) says has no copy-on-write
+    overlay, probed again (:func:`lowlevel.sandbox.launcher.recheck_cached_cow`): runs there fall back
     to the hand-over model (no ``--discard``, no write bound), so a stale "no" changes what
     callers get. One check per entry: ok when the overlay works there after all (the entry is
     rewritten), not ok with the fresh reason when it still does not."""
-    from .launcher import host_facts, recheck_cached_cow
+    from lowlevel.sandbox.launcher import host_facts, recheck_cached_cow
     checks = []
     try:
         found = recheck_cached_cow(host_facts())
@@ -252,7 +252,7 @@ def cached_cow_checks() -> list[dict[str, Any]]:
 
 def leftovers_check() -> dict[str, Any]:
     """What interrupted runs left here (:mod:`lowlevel.cleanup`); ``lowlevel cleanup`` removes it."""
-    from .cleanup import find_leftovers
+    from lowlevel.cleanup import find_leftovers
 
     found = find_leftovers()
     kinds: dict[str, int] = {}
@@ -265,17 +265,17 @@ def leftovers_check() -> dict[str, Any]:
 def diagnose() -> dict[str, Any]:
     """Probe the host and return the report (never raises for a missing capability).
 
-    bwrap is found the way :func:`lowlevel.run` finds it (:func:`lowlevel.probe.bwrap_info`:
+    bwrap is found the way :func:`lowlevel.run` finds it (:func:`lowlevel.host.probe.bwrap_info`:
     ``PATH``, then ``/usr/bin/bwrap``), so the verdict is what ``run`` will do: a bwrap found
     only through the fallback passes the required check, and a separate, not required, check
     says it is not on ``PATH`` (other tools may need it there), with the fix.
     """
     import shutil
 
-    from . import probe
-    from .errors import LowlevelError
+    from lowlevel.host import probe
+    from lowlevel.errors import LowlevelError
 
-    from . import limits
+    from lowlevel.spec import limits
     # Detect (and cache for this process) without the sweep: the sandbox run below must not
     # remove the stale cgroups the leftovers check then reports (doctor only looks).
     limits.detect_cgroups(sweep=False)
@@ -313,7 +313,7 @@ def diagnose() -> dict[str, Any]:
     checks.append(_check("pidfd", probe.pidfd_supported(), "pidfd_open(2) works" if probe.pidfd_supported()
                          else "pidfd_open(2) missing", "use Linux >= 5.3", required=True))
     checks.append(userns_check())
-    from .egress_proxy import RELAY_PATH
+    from lowlevel.net.egress_proxy import RELAY_PATH
     relay_ok = os.access(RELAY_PATH, os.X_OK)
     checks.append(_check("egress relay", relay_ok, f"{RELAY_PATH} is built (Policy(network=Egress(...)), --allow-host)"
                          if relay_ok else f"{RELAY_PATH} is missing: egress allowlists cannot run",
@@ -323,7 +323,7 @@ def diagnose() -> dict[str, Any]:
     checks.extend(cgroup_checks())
     if info is not None:
         try:
-            from .launcher import run
+            from lowlevel.sandbox.launcher import run
             result = run(["/bin/sh", "-c", "exit 7"], timeout=20)
             ok = result.exit_code == 7
             checks.append(_check("sandbox runs", ok, "a default-policy sandbox ran and exited 7" if ok else

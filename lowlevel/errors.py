@@ -17,7 +17,7 @@
     └── RunFailedError             raised only by ``Result.check()``; ``.result``
 
 The program exiting non-zero, dying on a signal, hitting a limit or a seccomp denial is
-*not* an exception: it is a :class:`lowlevel.result.Result`.
+*not* an exception: it is a :class:`lowlevel.sandbox.result.Result`.
 """
 
 from __future__ import annotations
@@ -56,15 +56,16 @@ class WorkspaceError(LowlevelError, OSError):
 class CommitConflictError(WorkspaceError):
     """The user's directory changed on the host during the run where the commit would write.
 
-    Raised by :func:`lowlevel.overlay.commit` before it changes anything: every entry the commit would replace,
-    delete or chmod was checked first, and one or more had ``st_ctime_ns > since_ns``. Also raised
+    Raised by :func:`lowlevel.workspace.overlay.commit` before it changes anything: every entry
+    the commit would replace, delete or chmod was checked first, and one or more had
+    ``st_ctime_ns > since_ns``. Also raised
     *after* its apply pass when the host changed entries while they were being applied (``applied``
     is then not None): those entries are left as the host made them, the others were applied.
 
     Attributes:
         conflicts: the relative paths that changed on the host (sorted; ``str`` with
             surrogateescape, see the module docstring).
-        saved_upper: where the run's changes were saved (:func:`lowlevel.overlay.save_upper`),
+        saved_upper: where the run's changes were saved (:func:`lowlevel.workspace.overlay.save_upper`),
             or None. :meth:`with_saved_upper` gives a copy that says so in its message.
         result: the run's :class:`lowlevel.Result` when a run's commit raised it (set by the
             caller that has one), else None.
@@ -85,7 +86,8 @@ class CommitConflictError(WorkspaceError):
         message = message or (f"commit refused: {len(conflicts)} entr{'y' if len(conflicts) == 1 else 'ies'} of "
                               f"the workspace changed on the host during the run ({shown}); nothing was changed"
                               + (f"; the run's changes are saved in {saved_upper}" if saved_upper else
-                                 "; save the run's changes with lowlevel.overlay.save_upper() or discard them"))
+                                 "; save the run's changes with lowlevel.workspace.overlay.save_upper()"
+                                 " or discard them"))
         super().__init__(_errno.EBUSY, message)
         self.conflicts = tuple(conflicts)
         self.saved_upper = saved_upper
@@ -105,9 +107,9 @@ class CommitIncompleteError(WorkspaceError):
     """A copy-on-write commit stopped part-way: the user's filesystem could not take the run's
     changes (ENOSPC, EDQUOT, EFBIG) or could not be written any more (EROFS, EIO).
 
-    Raised by :func:`lowlevel.overlay.commit` after its apply pass stopped. What it applied
+    Raised by :func:`lowlevel.workspace.overlay.commit` after its apply pass stopped. What it applied
     before stopping is kept (each entry is the old or the new version, never half-written; no
-    temporaries are left); the run's changes are saved aside (:func:`lowlevel.overlay.save_upper`)
+    temporaries are left); the run's changes are saved aside (:func:`lowlevel.workspace.overlay.save_upper`)
     with the lists of what was and was not applied.
 
     Attributes:

@@ -69,12 +69,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from . import validate as _validate
-from .errors import ImageError, LowlevelError, PolicyError
+from lowlevel.spec import validate as _validate
+from lowlevel.errors import ImageError, LowlevelError, PolicyError
 
 if TYPE_CHECKING:
-    from .policy import Policy
-    from .result import Result
+    from lowlevel.spec.policy import Policy
+    from lowlevel.sandbox.result import Result
 
 log = logging.getLogger("lowlevel")
 
@@ -360,7 +360,7 @@ def _json(data: bytes, what: str) -> Any:
 def _make_writable_dirs(path: str) -> None:
     """Give u+rwx to every directory below ``path`` (no symlink followed), so a tree holding
     read-only directories (an image's 0555 ``/proc``) can be removed by an unprivileged owner."""
-    from .rootfs import walk
+    from lowlevel.rootfs import walk
     try:
         rootfd = os.open(path, _DIR_FLAGS)
     except OSError:
@@ -432,8 +432,8 @@ class ImageStore:
         Raises:
             ImageError: the store or a parent belongs to someone else, or is writable by others.
         """
-        from .workspace import check_trusted_ancestors
-        from .errors import WorkspaceError
+        from lowlevel.workspace import check_trusted_ancestors
+        from lowlevel.errors import WorkspaceError
 
         mode = 0o755 if os.geteuid() == 0 else 0o700
         try:
@@ -684,7 +684,7 @@ class ImageStore:
         self.ensure()
         self._clean_stale()
         # import-<pid>-<start time>-*: lowlevel cleanup tells a dead importer from a reused pid.
-        from .run_records import own_start_time
+        from lowlevel.host.run_records import own_start_time
         staging = tempfile.mkdtemp(prefix=f"import-{os.getpid()}-{own_start_time() or 0}-", dir=self.tmp_dir)
         job = None
         try:
@@ -725,7 +725,7 @@ class _Import:
             # A root caller's tools run as a host uid leased for the whole import (no other sandbox
             # gets it meanwhile), which owns ``out``; the import's directory is traversable
             # (0711) but not listable, under the store's unlistable tmp/.
-            from .cow import UidLease
+            from lowlevel.workspace.cow import UidLease
             self.lease = UidLease.acquire()
             for p in (self.out, *(os.path.join(self.out, sub) for sub in ("in", "tmp", "home"))):
                 os.chown(p, self.lease.uid, self.lease.uid)
@@ -739,10 +739,10 @@ class _Import:
 
     # -- sandboxed tools -------------------------------------------------------------------------
     def _policy(self, binds: Sequence[Any] = (), *, setid: bool = False) -> Policy:
-        from .limits import Limits
-        from .policy import Policy
-        from .seccomp import DEFAULT_PROFILE
-        from .policy import Bind
+        from lowlevel.spec.limits import Limits
+        from lowlevel.spec.policy import Policy
+        from lowlevel.spec.seccomp import DEFAULT_PROFILE
+        from lowlevel.spec.policy import Bind
         ids: dict[str, Any] = {"host_uid": self.lease.uid, "host_gid": self.lease.uid} if self.lease else {}
         return Policy(binds=(Bind(self.out, "/out", writable=True, allow_sensitive=True), *binds), **ids,
                       seccomp=_unpack_profile() if setid else DEFAULT_PROFILE, limits=Limits(
@@ -751,7 +751,7 @@ class _Import:
 
     def _sandboxed(self, argv: Sequence[str], what: str, *, binds: Sequence[Any] = (), stdin: bytes | None = None,
                    tick: Callable[[], None] | None = None, setid: bool = False) -> Result:
-        from .launcher import run
+        from lowlevel.sandbox.launcher import run
         policy = self._policy(binds, setid=setid)
         env = {"TMPDIR": "/out/tmp", "HOME": "/out/home"}
         if tick is None or _in_event_loop():
@@ -760,7 +760,7 @@ class _Import:
         else:
             import asyncio
 
-            from .aio import arun
+            from lowlevel.sandbox.aio import arun
 
             async def main() -> Result:
                 task = asyncio.ensure_future(arun(argv, policy=policy, workspace=self.ws,
@@ -809,7 +809,7 @@ class _Import:
     def _stage_input(self) -> tuple[list[Any], str]:
         """Bind the source read-only at /in/..., or copy it in when the sandbox's uid could not read
         it (a root caller's file under /root). Returns (binds, path inside)."""
-        from .policy import Bind
+        from lowlevel.spec.policy import Bind
         isdir = os.path.isdir(self.src)
         inside = "/in/layout" if isdir else "/in/archive"
         if os.geteuid() == 0 and not _readable_by_others(self.src):
@@ -972,7 +972,7 @@ class _Import:
             self.notes.append(f"created the config's WorkingDir {cfg.workdir} (missing from the layers; Docker "
                               "creates it too)")
         cfg = dataclasses.replace(cfg, user_ids=_user_ids(rootfs, cfg.user, self.notes))
-        from .rootfs import tree_sha256
+        from lowlevel.rootfs import tree_sha256
         try:
             digest = tree_sha256(rootfs, lambda done: self._report("verify", min(done, want_bytes), want_bytes,
                                                                    layers=len(layers)))
@@ -982,7 +982,7 @@ class _Import:
         rootfs = os.path.join(self.staging, "rootfs")
         _rmtree(self.out)
         _rmtree(self.ws)
-        from . import __version__
+        from lowlevel import __version__
         meta = {"schema": SCHEMA, "id": image_id, "manifest_digest": manifest_digest, "imported_at": _now(),
                 "source": {"kind": kind, "path": self.src, "ref": self.ref},
                 "layers": [dataclasses.asdict(layer) for layer in layers],
@@ -1122,7 +1122,7 @@ def _unpack_profile() -> Any:
     """
     from dataclasses import replace
 
-    from .seccomp import DEFAULT_PROFILE, _setid_rules
+    from lowlevel.spec.seccomp import DEFAULT_PROFILE, _setid_rules
     setid = {r for r in _setid_rules() if r.syscall != "openat2"}
     return replace(DEFAULT_PROFILE, name="default-unpack",
                    rules=tuple(r for r in DEFAULT_PROFILE.rules if r not in setid))
@@ -1130,7 +1130,7 @@ def _unpack_profile() -> Any:
 
 def _readable_by_others(path: str) -> bool:
     """True when a root caller's sandbox (a per-run uid: "others") can read ``path`` (file or tree)."""
-    from .rootfs import rootfs_unreachable
+    from lowlevel.rootfs import rootfs_unreachable
     if rootfs_unreachable(os.path.dirname(path), -1, -1):
         return False
     if os.path.isfile(path):
@@ -1204,7 +1204,7 @@ def _open_parent(rootfd: int, rel: str) -> tuple[int, str] | None:
 
 def _neutralize(rootfs: str, devices: Sequence[str], *, fix_caps: bool) -> list[str]:
     """Make the unpacked tree safe to share (see the module docstring); return notes."""
-    from .rootfs import walk
+    from lowlevel.rootfs import walk
 
     notes: list[str] = []
     uid, gid = os.geteuid(), os.getegid()
@@ -1261,13 +1261,13 @@ def _neutralize(rootfs: str, devices: Sequence[str], *, fix_caps: bool) -> list[
 
 
 def _elsewhere(virtual: str) -> bool:
-    from .rootfs import RESERVED_TOP
+    from lowlevel.rootfs import RESERVED_TOP
     return virtual.split("/")[1] in RESERVED_TOP
 
 
 def _ensure_placeholders(rootfs: str) -> list[str]:
     """Create the empty :data:`ETC_PLACEHOLDERS` the image lacks; return notes."""
-    from .rootfs import resolve_in_root
+    from lowlevel.rootfs import resolve_in_root
 
     notes = []
     for rel in ETC_PLACEHOLDERS:
@@ -1299,7 +1299,7 @@ def _ensure_placeholders(rootfs: str) -> list[str]:
 
 def _make_workdir(rootfs: str, workdir: str) -> bool:
     """Create ``workdir`` inside the tree when missing (never through a symlink); True if made."""
-    from .rootfs import resolve_in_root
+    from lowlevel.rootfs import resolve_in_root
     if resolve_in_root(rootfs, workdir, _elsewhere) != "":
         return False
     rootfd = os.open(rootfs, _DIR_FLAGS)
@@ -1325,7 +1325,7 @@ def _make_workdir(rootfs: str, workdir: str) -> bool:
 
 
 def _parse_db(rootfs: str, rel: str) -> list[list[str]]:
-    from .rootfs import resolve_in_root
+    from lowlevel.rootfs import resolve_in_root
     host = resolve_in_root(rootfs, "/" + rel, _elsewhere)
     if not host:
         return []
@@ -1422,7 +1422,7 @@ def image_record(policy: Policy) -> dict[str, Any] | None:
         img = ImageStore().get(policy.image)
         return {"path": img.rootfs, "sha256": img.rootfs_sha256,
                 "image": {"id": img.id, "manifest_digest": img.manifest_digest, "names": list(img.names)}}
-    from .rootfs import tree_sha256
+    from lowlevel.rootfs import tree_sha256
     return {"path": policy.rootfs, "sha256": tree_sha256(policy.rootfs).sha256, "image": None}
 
 
@@ -1446,7 +1446,7 @@ def check_record_rootfs(recorded: Any, policy: Policy) -> None:
                              f"here unpacks to {img.rootfs_sha256} (imported by another lowlevel version, or "
                              f"damaged): `lowlevel image rm {img.id}` and import the archive again")
         return
-    from .rootfs import tree_sha256
+    from lowlevel.rootfs import tree_sha256
     assert policy.rootfs is not None
     have = tree_sha256(policy.rootfs).sha256
     if have != want:

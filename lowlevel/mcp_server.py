@@ -94,15 +94,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import validate as _validate
-from . import workspace as _ws
-from .egress import Egress, egress_from_mapping
-from .errors import LowlevelError, PolicyError, WorkspaceError
-from .limits import VERDICT_NOTE_PREFIXES, Limits
-from .policy import WORKSPACE_DEST, Bind, Policy
-from .report import bytes_fields, display, json_safe
-from .result import Result
-from .units import duration_seconds, size_bytes
+from lowlevel.spec import validate as _validate
+from lowlevel import workspace as _ws
+from lowlevel.spec.egress import Egress, egress_from_mapping
+from lowlevel.errors import LowlevelError, PolicyError, WorkspaceError
+from lowlevel.spec.limits import VERDICT_NOTE_PREFIXES, Limits
+from lowlevel.spec.policy import WORKSPACE_DEST, Bind, Policy
+from lowlevel.spec.report import bytes_fields, display, json_safe
+from lowlevel.sandbox.result import Result
+from lowlevel.units import duration_seconds, size_bytes
 
 log = logging.getLogger("lowlevel")
 
@@ -404,7 +404,7 @@ class Tools:
             env: dict[str, str] | None = None, cwd: str | None = None,
             allow_hosts: list[str] | None = None) -> dict[str, Any]:
         """Run ``command`` in a fresh sandbox; see the module docstring for the result."""
-        from .launcher import run as _run
+        from lowlevel.sandbox.launcher import run as _run
 
         clamped: list[str] = []
         command = _validate.command(command)
@@ -448,7 +448,7 @@ class Tools:
                        env: dict[str, str] | None = None, cwd: str | None = None,
                        allow_hosts: list[str] | None = None) -> dict[str, Any]:
         """Run ``command`` in the named session, starting it on first use."""
-        from .session import Session
+        from lowlevel.session import Session
 
         clamped: list[str] = []
         command = _validate.command(command)
@@ -589,7 +589,7 @@ class Tools:
 
     def list_files(self, workspace: str) -> dict[str, Any]:
         """List a workspace's entries (no symlink followed). A name that is not valid UTF-8 is a
-        ``{"b64", "text"}`` object (:mod:`lowlevel.report`), so one odd name never breaks the list."""
+        ``{"b64", "text"}`` object (:mod:`lowlevel.spec.report`), so one odd name never breaks the list."""
         entries = _ws.list_files(self._view(workspace))
         listing: dict[str, Any] = json_safe({"workspace": workspace,
                                              "entries": [{"path": e.path, "kind": e.kind, "size": e.size}

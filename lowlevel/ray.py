@@ -49,7 +49,7 @@ Faults (Ray's own fault-tolerance vocabulary):
 Policies are values: each distinct :class:`lowlevel.Policy` is pickled (unchanged) to each
 actor once per pool, through the router, and calls name it by a short key (the default
 Policy pickles to ~19 KB and takes ~1 ms to unpickle: not a per-call cost); the actor compiles
-its seccomp filter once (the per-process cache of :func:`lowlevel.seccomp.compile_bpf`), at
+its seccomp filter once (the per-process cache of :func:`lowlevel.spec.seccomp.compile_bpf`), at
 start for the pool's Policy.
 
 Sources: Ray docs "Actors", "AsyncIO / Concurrency for Actors", "Fault Tolerance: Actors"
@@ -80,11 +80,11 @@ try:
 except ImportError as _err:  # pragma: no cover - exercised only without the extra
     raise ImportError("lowlevel.ray needs Ray: pip install '.[ray]' in the lowlevel checkout") from _err
 
-from . import workspace as _ws
-from .errors import LowlevelError, PolicyError, SessionError, WorkspaceError
-from .limits import Limits
-from .policy import Policy
-from .result import Result
+from lowlevel import workspace as _ws
+from lowlevel.errors import LowlevelError, PolicyError, SessionError, WorkspaceError
+from lowlevel.spec.limits import Limits
+from lowlevel.spec.policy import Policy
+from lowlevel.sandbox.result import Result
 
 log = logging.getLogger("lowlevel.ray")
 
@@ -514,13 +514,13 @@ class SandboxActor:
         """Register a Policy under ``key`` (sent once per actor) and compile its seccomp filter.
 
         Later runs with the same profile hit the process's compile cache
-        (:func:`lowlevel.seccomp.compile_bpf`), so each actor compiles each profile once.
+        (:func:`lowlevel.spec.seccomp.compile_bpf`), so each actor compiles each profile once.
         """
         if key in self.policies:
             return
         if not isinstance(policy, Policy):
             raise PolicyError(f"expected a lowlevel.Policy, got {type(policy).__name__}")
-        from . import seccomp as _seccomp
+        from lowlevel.spec import seccomp as _seccomp
         if policy.seccomp is not None:
             await asyncio.to_thread(_seccomp.compile_bpf, policy.seccomp)
         self.policies[key] = policy
@@ -538,8 +538,8 @@ class SandboxActor:
             ``{"node_id", "ok", "reason", "doctor", "pid", "uid"}``; ``ok`` False means the
             node must not be used (``reason`` says why).
         """
-        from . import doctor
-        from .aio import Runner
+        from lowlevel import doctor
+        from lowlevel.sandbox.aio import Runner
 
         out: dict[str, Any] = {"node_id": self.node_id, "pid": os.getpid(), "uid": os.getuid(),
                                "ok": False, "reason": "", "doctor": None}
@@ -620,7 +620,7 @@ class SandboxActor:
     async def session_open(self, policy_key: str, inputs: bytes | None,
                            options: dict[str, Any]) -> str:
         """Start a session sandbox here; returns its id."""
-        from .session import AsyncSession
+        from lowlevel.session import AsyncSession
 
         if not self.started:
             raise ClusterError("this sandbox actor did not pass its start checks", "no_nodes")
@@ -685,7 +685,7 @@ class SandboxActor:
         ``sessions`` open; ``policies`` distinct Policies received; ``seccomp_cache_entries``
         filters compiled in this process.
         """
-        from . import seccomp as _seccomp
+        from lowlevel.spec import seccomp as _seccomp
         cache = getattr(_seccomp, "_cache", None)
         return {"node_id": self.node_id, "pid": os.getpid(), "calls": self.calls, "in_flight": self.active,
                 "peak_in_flight": self.peak_active,

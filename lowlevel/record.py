@@ -30,7 +30,7 @@ than :data:`MAX_HASH_BYTES`, sparse files, and files past the budget are listed 
 
 A record is untrusted input to :func:`replay`: :func:`validate_record` checks every field it
 uses first. Names that are not valid UTF-8 are written as ``{"b64", "text"}`` objects
-(:mod:`lowlevel.report`), so a record is always strict UTF-8 JSON and loses nothing.
+(:mod:`lowlevel.spec.report`), so a record is always strict UTF-8 JSON and loses nothing.
 """
 
 from __future__ import annotations
@@ -51,17 +51,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import validate as _validate
-from . import workspace as _ws
-from .argv import BWRAP_ARITY, build_argv
-from .egress import egress_from_mapping
-from .errors import LowlevelError, PolicyError, WorkspaceError
-from .launcher import DEFAULT_TIMEOUT_S, host_facts
-from .launcher import run as _run
-from .limits import Limits
-from .policy import WORKSPACE_DEST, Bind, Policy
-from .report import RECORD_NOT_WRITTEN, display, json_safe, name_from_json
-from .result import KILLED_BY, Result
+from lowlevel.spec import validate as _validate
+from lowlevel import workspace as _ws
+from lowlevel.sandbox.argv import BWRAP_ARITY, build_argv
+from lowlevel.spec.egress import egress_from_mapping
+from lowlevel.errors import LowlevelError, PolicyError, WorkspaceError
+from lowlevel.sandbox.launcher import DEFAULT_TIMEOUT_S, host_facts
+from lowlevel.sandbox.launcher import run as _run
+from lowlevel.spec.limits import Limits
+from lowlevel.spec.policy import WORKSPACE_DEST, Bind, Policy
+from lowlevel.spec.report import RECORD_NOT_WRITTEN, display, json_safe, name_from_json
+from lowlevel.sandbox.result import KILLED_BY, Result
 
 log = logging.getLogger("lowlevel")
 
@@ -135,7 +135,7 @@ def policy_sha256(policy: Policy) -> str:
 
 
 def _known_profiles(extra: Sequence[Any]) -> dict[str, Any]:
-    from . import seccomp as _seccomp
+    from lowlevel.spec import seccomp as _seccomp
     profiles = [_seccomp.DEFAULT_PROFILE, _seccomp.DEFAULT_PROFILE.with_log(), *extra]
     return {seccomp_rules_sha256(p): p for p in profiles}
 
@@ -184,7 +184,7 @@ def policy_from_canonical(canon: Mapping[str, Any], *, profiles: Sequence[Any] =
 
 
 def _decode_names(value: Any) -> Any:
-    """Turn every ``{"b64", "text"}`` name object (:mod:`lowlevel.report`) in a JSON value back
+    """Turn every ``{"b64", "text"}`` name object (:mod:`lowlevel.spec.report`) in a JSON value back
     into the str it stands for."""
     if isinstance(value, Mapping):
         if set(value) == {"b64", "text"}:
@@ -198,10 +198,10 @@ def _decode_names(value: Any) -> Any:
 # --- host facts ---------------------------------------------------------------------------
 
 def _versions(bwrap_version: tuple[int, ...] | None) -> dict[str, Any]:
-    from . import __version__
+    from lowlevel import __version__
     libseccomp = None
     try:
-        from . import seccomp as _seccomp
+        from lowlevel.spec import seccomp as _seccomp
         fn = getattr(_seccomp, "libseccomp_version", None)
         v = fn() if fn is not None else _seccomp._backend().version()
         libseccomp = ".".join(map(str, v)) if v else None
@@ -217,7 +217,7 @@ def _versions(bwrap_version: tuple[int, ...] | None) -> dict[str, Any]:
 def _seccomp_doc(policy: Policy) -> dict[str, Any] | None:
     if policy.seccomp is None:
         return None
-    from . import seccomp as _seccomp
+    from lowlevel.spec import seccomp as _seccomp
     fn = getattr(_seccomp, "profile_sha256", None)
     bpf = _seccomp.compile_bpf(policy.seccomp, compat_32bit=policy.compat_32bit)
     arches = [_seccomp.ARCH_NAMES.get(a, hex(a)) for a in _seccomp.filter_arches(compat_32bit=policy.compat_32bit)]
@@ -433,7 +433,7 @@ def hash_workspace(root: str, store: _Store | None = None, max_bytes: int = MAX_
     Returns:
         ``(entries, complete)``: entries sorted by path, each ``{"path", "kind", "size",
         "mode", "sha256", "link", "stored", "skipped"}`` (``path`` and ``link`` as Python
-        strs: :func:`lowlevel.report.json_safe` makes them JSON); ``complete`` is False when
+        strs: :func:`lowlevel.spec.report.json_safe` makes them JSON); ``complete`` is False when
         the walk stopped at :data:`lowlevel.workspace.MAX_SNAPSHOT_ENTRIES`.
     Raises:
         WorkspaceError: root is missing or unreadable. RecordError: the store cannot be written.
@@ -494,13 +494,13 @@ def execute_recorded(command: Sequence[str], *, policy: Policy | None = None,
 
     Returns:
         ``(result, record)``; the record is a JSON-ready dict in its JSON form (names that are
-        not valid UTF-8 as ``{"b64", "text"}`` objects: :mod:`lowlevel.report`).
+        not valid UTF-8 as ``{"b64", "text"}`` objects: :mod:`lowlevel.spec.report`).
     Raises:
         Whatever :func:`lowlevel.run` raises (PolicyError for a bad argument, before anything
         is created); RecordError when the input store cannot be written. No record is made for
         a run that never started.
     """
-    from . import validate as _validate
+    from lowlevel.spec import validate as _validate
 
     policy = policy or Policy()
     if not isinstance(policy, Policy):
@@ -544,7 +544,7 @@ def execute_recorded(command: Sequence[str], *, policy: Policy | None = None,
         result.notes = (*result.notes, f"record: cannot hash the workspace after the run: {err}")
     budget_notes = [n for n in (budget_before.note("before"), budget_after.note("after")) if n]
     facts = host_facts()
-    from .image import image_record
+    from lowlevel.image import image_record
     rootfs_doc = image_record(policy)
     record: dict[str, Any] = {
         "schema": SCHEMA_ID,
@@ -601,7 +601,7 @@ def check_record_path(path: str | os.PathLike[str]) -> str:
             a missing parent directory, an input store name (``<path>.inputs``) taken by
             something else than a directory.
     """
-    from . import validate as _validate
+    from lowlevel.spec import validate as _validate
 
     raw = _validate.host_path(path, "record")
     full = os.path.abspath(raw)
@@ -823,7 +823,7 @@ def _name(value: Any, where: str) -> str:
 
 
 def _checked(fn: Any, where: str, *args: Any, **kwargs: Any) -> Any:
-    """Call a :mod:`lowlevel.validate` check, turning its PolicyError into RecordError."""
+    """Call a :mod:`lowlevel.spec.validate` check, turning its PolicyError into RecordError."""
     try:
         return fn(*args, **kwargs)
     except PolicyError as err:
@@ -899,7 +899,7 @@ def validate_record(doc: Any) -> ParsedRecord:
     A record is untrusted input: a field it cannot hold is refused here with one line naming
     the field, never a traceback later. Strings bound for bwrap's argv or the workspace (the
     command, cwd, env, symlink targets, paths) get the same checks as the API's
-    (:mod:`lowlevel.validate`), so a NUL never gets further.
+    (:mod:`lowlevel.spec.validate`), so a NUL never gets further.
 
     Raises:
         RecordError: the first bad field.
@@ -1049,7 +1049,7 @@ def _check_image_present(doc: Mapping[str, Any]) -> None:
     image = (doc.get("rootfs") or {}).get("image") if isinstance(doc.get("rootfs"), Mapping) else None
     if not isinstance(image, Mapping):
         return
-    from .image import ImageStore
+    from lowlevel.image import ImageStore
     store = ImageStore()
     image_id = str(image.get("id"))
     try:
@@ -1072,7 +1072,7 @@ def policy_loosening(policy: Policy, timeout_s: float | None = DEFAULT_TIMEOUT_S
     removed, larger capture caps, and a timeout above :data:`DEFAULT_TIMEOUT_S` or none.
     Environment, hostname, ids inside and deterministic mode are not looser.
     """
-    from .seccomp import DEFAULT_PROFILE
+    from lowlevel.spec.seccomp import DEFAULT_PROFILE
 
     default = Policy()
     out: list[str] = []
@@ -1119,7 +1119,7 @@ def policy_loosening(policy: Policy, timeout_s: float | None = DEFAULT_TIMEOUT_S
 
 def _as_bwrap_reads(argv: Sequence[str]) -> list[tuple[str, ...]]:
     """The options bwrap would read from ``argv`` written NUL-separated (without refusing a NUL,
-    as :func:`lowlevel.argv.encode_args` does), grouped with their arguments."""
+    as :func:`lowlevel.sandbox.argv.encode_args` does), grouped with their arguments."""
     raw = b"\0".join(os.fsencode(a) if _is_encodable(a) else a.encode("utf-8", "surrogatepass") for a in argv)
     tokens = [os.fsdecode(t) for t in raw.split(b"\0")]
     out: list[tuple[str, ...]] = []
@@ -1142,16 +1142,16 @@ def _is_encodable(text: str) -> bool:
 def argv_loosening(policy: Policy, *, env: Mapping[str, str] | None) -> list[str]:
     """What a record's env would add to bwrap's argv beyond its policy; one line each.
 
-    Builds the options bwrap would read (:func:`lowlevel.argv.build_argv`, NUL-split the way
+    Builds the options bwrap would read (:func:`lowlevel.sandbox.argv.build_argv`, NUL-split the way
     bwrap splits ``--args``) with the record's env, and with no env, and lists every option of
     the first that the second lacks, ignoring only ``--chdir``, ``--setenv`` and ``--clearenv``
     themselves (they act inside the sandbox). The record's cwd never reaches bwrap's argv
-    (bwrap gets ``--chdir /``; the guard changes directory: :func:`lowlevel.validate.sandbox_cwd`) The command is
+    (bwrap gets ``--chdir /``; the guard changes directory: :func:`lowlevel.spec.validate.sandbox_cwd`) The command is
     not in ``--args`` (it follows ``--`` on the real argv, where a NUL cannot split it).
     :func:`validate_record` already refuses a NUL in these fields; this is the second line, in
     :func:`replay`'s looser-policy check, so whatever a crafted field smuggles shows up there.
     """
-    from .launcher import CHILD_FDS
+    from lowlevel.sandbox.launcher import CHILD_FDS
 
     facts = host_facts()
 
@@ -1252,7 +1252,7 @@ def replay(path: str | os.PathLike[str], *, workspace_base: str | None = None,
         raise RecordError(f"refusing the record: its policy cannot be rebuilt: {err}") from err
     except LowlevelError as err:
         raise RecordError(f"refusing the record: its policy cannot be rebuilt: {err}") from err
-    from .image import check_record_rootfs
+    from lowlevel.image import check_record_rootfs
     try:
         check_record_rootfs(doc.get("rootfs"), policy)
     except LowlevelError as err:

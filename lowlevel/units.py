@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import re
 
-from .errors import PolicyError
+from lowlevel.errors import PolicyError
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?[bB])?\s*$")
 _SIZE_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}

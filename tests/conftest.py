@@ -52,7 +52,7 @@ REACH_COVERED, USER_HALF_SKIP = _reach()
 
 import lowlevel  # noqa: E402
 
-# The suite's host-facts cache (lowlevel.hostcache) is its own, not the machine's: the tests
+# The suite's host-facts cache (lowlevel.host.hostcache) is its own, not the machine's: the tests
 # compile many odd seccomp profiles and fake probes. Subprocesses inherit it; an unprivileged
 # test user finds it not theirs and runs without a cache.
 if "LOWLEVEL_CACHE_DIR" not in os.environ:
@@ -63,7 +63,7 @@ if "LOWLEVEL_CACHE_DIR" not in os.environ:
     os.environ["LOWLEVEL_CACHE_DIR"] = _cache
     atexit.register(shutil.rmtree, _cache, True)
 
-# The run records (lowlevel.run_records: where each run made its cgroups) go to the suite's own
+# The run records (lowlevel.host.run_records: where each run made its cgroups) go to the suite's own
 # directory, not root's /run/lowlevel/cgroups; tests of cleanup's records set their own.
 if "LOWLEVEL_RECORD_DIR" not in os.environ:
     import atexit
@@ -225,7 +225,7 @@ class Sandbox:
                 sys.path.insert(0, str(HERE / "helpers"))
                 from scripted_resolver import ScriptedResolver
 
-                from lowlevel.egress_proxy import override_resolver_for_tests
+                from lowlevel.net.egress_proxy import override_resolver_for_tests
                 scripted = ScriptedResolver(resolver["answers"])
                 override = override_resolver_for_tests(scripted, pretend_public=resolver.get("pretend_public", ()))
             try:
@@ -329,7 +329,7 @@ def handover_model(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _free_id() -> int:
-    from lowlevel.cow import DEFAULT_UID_RANGE, account_uids
+    from lowlevel.workspace.cow import DEFAULT_UID_RANGE, account_uids
     first, count = DEFAULT_UID_RANGE
     taken = account_uids(first, count)
     return next(u for u in range(first + count - 1, first, -1) if u not in taken)

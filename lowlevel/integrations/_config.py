@@ -18,7 +18,7 @@ of 1024)::
     workspace_base = "/srv/ll-ws"    # parent of the per-sandbox workspaces (adapter setting)
     default_timeout_s = 600          # adapter setting: timeout of a command given none
 
-    [env]                            # Policy.env, on top of lowlevel.policy.BASE_ENV
+    [env]                            # Policy.env, on top of lowlevel.spec.policy.BASE_ENV
     PYTHONUNBUFFERED = "1"
 
     [limits]                         # lowlevel.Limits fields
@@ -32,7 +32,7 @@ of 1024)::
     writable = false
 
     [egress]                         # network by allowlist (lowlevel.Egress, parsed by
-    allow = ["pypi.org", "files.pythonhosted.org"]   # lowlevel.egress.egress_from_mapping,
+    allow = ["pypi.org", "files.pythonhosted.org"]   # lowlevel.spec.egress.egress_from_mapping,
     allow_ports = [443]              # as for ``lowlevel mcp``); not with network = true
     extra_ca_file = "/etc/company-ca.pem"            # optional: CA certificates trusted inside
 
@@ -48,10 +48,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ..egress import egress_from_mapping
-from ..errors import LowlevelError, PolicyError
-from ..limits import Limits
-from ..policy import Bind, Policy
+from lowlevel.spec.egress import egress_from_mapping
+from lowlevel.errors import LowlevelError, PolicyError
+from lowlevel.spec.limits import Limits
+from lowlevel.spec.policy import Bind, Policy
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?[bB])?\s*$")
 _UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}

@@ -18,7 +18,7 @@ import os
 import posixpath
 from collections.abc import Awaitable, Callable, Sequence
 
-from ..result import Result
+from lowlevel.sandbox.result import Result
 
 #: Where relative paths resolve: the session's workspace as seen inside.
 WORKSPACE = "/workspace"

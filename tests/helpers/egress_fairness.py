@@ -26,7 +26,7 @@ from origin_servers import Origin  # noqa: E402
 from scripted_resolver import ScriptedResolver  # noqa: E402
 
 import lowlevel  # noqa: E402
-from lowlevel import egress_proxy  # noqa: E402
+from lowlevel.net import egress_proxy# noqa: E402
 
 FLOOD = 120
 

@@ -7,16 +7,16 @@ makes the first such run: run alone (or first), that test saw it as one. Every f
 goes through :func:`open_fds` and :func:`children`, which leave out exactly these:
 
 - the executables bwrap execs as ``/proc/self/fd/N`` (``O_RDONLY | O_CLOEXEC``, one each, opened
-  on first use and kept): the run guard (:func:`lowlevel.landlock.guard_fd`), the session init
+  on first use and kept): the run guard (:func:`lowlevel.host.landlock.guard_fd`), the session init
   (:func:`lowlevel.session._init_fd` of :func:`lowlevel.session.init_path`) and the egress relay
-  (:func:`lowlevel.egress_proxy._relay_fd`);
-- the egress proxy thread (:func:`lowlevel.egress_proxy._shared`, started by the first run with an
+  (:func:`lowlevel.net.egress_proxy._relay_fd`);
+- the egress proxy thread (:func:`lowlevel.net.egress_proxy._shared`, started by the first run with an
   allowlist, for the process's life): its epoll set, its asyncio loop's epoll and self-pipe;
-- the holder of a systemd-delegated cgroup scope (``lowlevel.limits._holder``, only where systemd
+- the holder of a systemd-delegated cgroup scope (``lowlevel.spec.limits._holder``, only where systemd
   delegates one): one child process and the pipe to its stdin.
 
-Nothing else is kept: :mod:`lowlevel.hostcache` opens and closes its files per use, the threads
-of :mod:`lowlevel.aio`'s executor hold no fd, and no sandbox process outlives its run, Session
+Nothing else is kept: :mod:`lowlevel.host.hostcache` opens and closes its files per use, the threads
+of :mod:`lowlevel.sandbox.aio`'s executor hold no fd, and no sandbox process outlives its run, Session
 or Pool. The three executable fds are opened here on first call (so their numbers are taken
 before a test's first snapshot, never in the middle of its runs).
 """
@@ -34,7 +34,10 @@ def kept_fds() -> set[int]:
     Opens the three executable fds if this process has not yet (the package would on its first
     run); lists the proxy thread's and the scope holder's only where they exist.
     """
-    from lowlevel import egress_proxy, landlock, limits, session
+    from lowlevel.net import egress_proxy
+    from lowlevel.host import landlock
+    from lowlevel.spec import limits
+    from lowlevel import session
 
     kept: set[int] = set()
     for opener in (landlock.guard_fd, lambda: session._init_fd(session.init_path()), egress_proxy._relay_fd):
@@ -72,7 +75,7 @@ def open_fds() -> dict[int, str]:
 
 def kept_children() -> set[int]:
     """PIDs of the children lowlevel keeps by design (the systemd scope holder, if any)."""
-    from lowlevel import limits
+    from lowlevel.spec import limits
 
     holder = limits._holder
     return {holder.pid} if holder is not None and holder.returncode is None else set()

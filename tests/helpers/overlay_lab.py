@@ -1,4 +1,4 @@
-"""Real overlayfs upper directories for the overlay tests, and a runner for lowlevel.overlay.
+"""Real overlayfs upper directories for the overlay tests, and a runner for lowlevel.workspace.overlay.
 
 Imported by the tests (``Lab``), and executed as a script in two roles:
 
@@ -70,8 +70,8 @@ def _jsonable(obj: Any) -> Any:
 
 
 def call(req: dict[str, Any]) -> dict[str, Any]:
-    """Run one lowlevel.overlay call described by ``req`` in this process; a JSON-ready dict."""
-    from lowlevel import overlay
+    """Run one lowlevel.workspace.overlay call described by ``req`` in this process; a JSON-ready dict."""
+    from lowlevel.workspace import overlay
     from lowlevel.errors import WorkspaceError
 
     upper = os.open(req["upper"], os.O_RDONLY | os.O_DIRECTORY) if req.get("upper") else -1

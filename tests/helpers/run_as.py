@@ -26,7 +26,7 @@ from lowlevel.workspace import write_file
 def run_with_dir_fds(command, *, policy, workspace, timeout, stdin, dirs, commit=True, cwd="/workspace"):
     """``lowlevel.run`` with host directories passed in as open fds, ``{fd number inside: host
     dir}``: a test harness smuggling a handle past the mount namespace (the Landlock tests)."""
-    from lowlevel import launcher
+    from lowlevel.sandbox import launcher
     opened = {int(n): os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) for n, path in dirs.items()}
     try:
         r = launcher.Run(command, policy=policy, workspace=workspace, timeout=timeout, stdin=stdin,
@@ -52,7 +52,7 @@ def main() -> int:
     if spec.get("resolver") is not None:
         from scripted_resolver import ScriptedResolver
 
-        from lowlevel.egress_proxy import override_resolver_for_tests
+        from lowlevel.net.egress_proxy import override_resolver_for_tests
         resolver = ScriptedResolver(spec["resolver"]["answers"])
         override = override_resolver_for_tests(resolver, pretend_public=spec["resolver"].get("pretend_public", ()))
     workspace = spec.get("workspace")

@@ -1,4 +1,4 @@
-"""A scripted resolver for the egress tests (TEST ONLY; see lowlevel.egress_proxy.override_resolver_for_tests).
+"""A scripted resolver for the egress tests (TEST ONLY; see lowlevel.net.egress_proxy.override_resolver_for_tests).
 
 ``ScriptedResolver({"pypi.test": ["127.0.0.1"], "rebind.test": [["127.0.0.1"], ["127.0.0.2"]]})``
 answers each name from the table: a list of addresses answers every call alike; a list of lists

@@ -256,7 +256,7 @@ def close_conflict(workspace: str, base: str) -> dict[str, Any]:
         s.close()
         return out
     s.run(["sh", "-c", "echo sandbox > f; echo new > g"])
-    time.sleep(0.05)  # past the filesystem's coarse ctime tick (lowlevel.overlay.commit, Conflicts)
+    time.sleep(0.05)  # past the filesystem's coarse ctime tick (lowlevel.workspace.overlay.commit, Conflicts)
     with open(os.path.join(workspace, "f"), "w") as f:
         f.write("host\n")
     try:

@@ -21,7 +21,7 @@ import pytest
 from helpers.hygiene import children, open_fds
 
 import lowlevel
-from lowlevel.aio import Runner, arun
+from lowlevel.sandbox.aio import Runner, arun
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(120)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -183,7 +183,7 @@ def test_cancellation_kills_and_reaps():
 @pytest.mark.parametrize("step", ["prepare", "spawn"])
 def test_cancel_during_executor_step_kills_and_reaps(monkeypatch, step):
     """A cancel while a pool thread runs prepare (or spawn) waits for the step, then kills and reaps."""
-    from lowlevel.launcher import Run
+    from lowlevel.sandbox.launcher import Run
 
     marker = f"{random.randint(1000, 9999)}.{(os.getpid() + 2) % 10000:04d}"
     needle = b"sleep\0" + marker.encode() + b"\0"
@@ -213,7 +213,7 @@ def test_cancel_during_executor_step_kills_and_reaps(monkeypatch, step):
 
 
 def test_cancel_before_spawn_discards_the_fresh_workspace(monkeypatch):
-    from lowlevel.launcher import Run
+    from lowlevel.sandbox.launcher import Run
 
     original = Run.prepare
     seen: list[str] = []
@@ -305,12 +305,12 @@ def test_500_concurrent_no_fd_or_thread_growth():
     assert [r.exit_code for r in results] == [0] * 500
     assert _fds() == fds_before
     # No thread per child: only the shared executor's few, created once.
-    assert len(_pool_threads()) <= lowlevel.aio.EXECUTOR_THREADS
+    assert len(_pool_threads()) <= lowlevel.sandbox.aio.EXECUTOR_THREADS
     assert threading.active_count() - len(_pool_threads()) <= threads_before - pool_before
     assert peak["in_flight"] <= cap
     # The documented bound: at most 10 fds per run in flight, plus the transient fds of the
     # runs being prepared (one per executor thread).
-    assert peak["fds"] <= len(fds_before) + 10 * cap + 25 * lowlevel.aio.EXECUTOR_THREADS, peak
+    assert peak["fds"] <= len(fds_before) + 10 * cap + 25 * lowlevel.sandbox.aio.EXECUTOR_THREADS, peak
 
 
 def test_runner_caps_concurrency_and_validates():

@@ -6,8 +6,8 @@ of ``run``, ``Session.run``, the CLI, the MCP tools and a record for ``replay``.
 refuses with PolicyError (RecordError for a record; exit 125 and one line for the CLI) or
 runs with exactly the intended argv:
 
-- pure level (many examples): :func:`lowlevel.argv.build_argv` of the validated request, written
-  the way the launcher writes the ``--args`` memfd (:func:`lowlevel.argv.encode_args`) and split
+- pure level (many examples): :func:`lowlevel.sandbox.argv.build_argv` of the validated request, written
+  the way the launcher writes the ``--args`` memfd (:func:`lowlevel.sandbox.argv.encode_args`) and split
   the way bwrap splits it, gives back the same list, with ``--chdir /`` (the cwd goes to the
   guard as ``--cwd=DIR``, never to bwrap: issue 22 item 1), each
   variable as ``--setenv NAME VALUE``, each bind as ``--(ro-)bind SRC DEST``, and no option the
@@ -35,13 +35,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lowlevel
-from lowlevel import cli, validate
-from lowlevel.argv import build_argv, encode_args
+from lowlevel import cli
+from lowlevel.spec import validate
+from lowlevel.sandbox.argv import build_argv, encode_args
 from lowlevel.errors import PolicyError
-from lowlevel.launcher import CHILD_FDS, Run, host_facts
-from lowlevel.policy import WORKSPACE_DEST, Bind, Policy
+from lowlevel.sandbox.launcher import CHILD_FDS, Run, host_facts
+from lowlevel.spec.policy import WORKSPACE_DEST, Bind, Policy
 from lowlevel.record import RecordError, replay
-from lowlevel.report import name_from_json
+from lowlevel.spec.report import name_from_json
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(600)]
 
@@ -290,7 +291,7 @@ def honest_record(shared: Path) -> dict[str, Any]:
        env=st.dictionaries(NAMES, st.one_of(VALIDISH, VALIDISH, NASTY), max_size=2), subdir=SUBDIR)
 def test_replayed_record_runs_exactly_its_fields(shared: Path, honest_record: dict[str, Any], args: list[str],
                                                  env: dict[str, str], subdir: str) -> None:
-    from lowlevel.report import json_safe
+    from lowlevel.spec.report import json_safe
     doc = copy.deepcopy(honest_record)
     cwd = f"{WORKSPACE_DEST}/{subdir}"
     doc["command"] = json_safe([PY, "-c", PROG, *args])

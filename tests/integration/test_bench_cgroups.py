@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lowlevel import limits
+from lowlevel.spec import limits
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -3,7 +3,7 @@
 ``Bind`` refuses a socket as the source, but a bound directory may hold one (``/srv/app`` with
 ``run/app.sock``: a D-Bus, Podman, Docker or Ray socket is code execution on the host), and
 Landlock below ABI 9 does not restrict connecting to pathname sockets. The plan masks each
-socket found in a directory bind (lowlevel.bind_sockets); ``Bind(allow_sockets=True)`` keeps
+socket found in a directory bind (lowlevel.sandbox.bind_sockets); ``Bind(allow_sockets=True)`` keeps
 them. A real AF_UNIX listener on the host, in a directory under /tmp that both identities
 reach; the attack connects from inside, read-only and writable binds, as root and as the
 unprivileged user; the control is the same connect with ``allow_sockets``.
@@ -26,7 +26,8 @@ from typing import Any
 import pytest
 
 import lowlevel
-from lowlevel import bind_sockets, landlock
+from lowlevel.sandbox import bind_sockets
+from lowlevel.host import landlock
 
 RUNUSER = shutil.which("runuser") or "/usr/sbin/runuser"
 
@@ -257,7 +258,7 @@ def test_allow_sockets_round_trips_through_records_and_old_hashes_hold(tmp_path:
 _TWO_RUNS = textwrap.dedent("""
     import sys
     import lowlevel
-    from lowlevel import bind_sockets
+    from lowlevel.sandbox import bind_sockets
     if sys.argv[2] == "control":
         bind_sockets.revalidate = lambda policy, caller_is_root: False  # the cached plan, unchecked
     policy = lowlevel.Policy(binds=(lowlevel.Bind(sys.argv[1], "/data", writable=True),))
@@ -327,8 +328,8 @@ def test_a_socket_in_a_handed_over_workspace_is_masked(sandbox: Any,
 def test_control_the_handed_over_socket_is_reachable_without_the_mask(monkeypatch: pytest.MonkeyPatch) -> None:
     """Control (root, in-process: the masks stubbed out): the attack above is real."""
     monkeypatch.setenv("LOWLEVEL_NO_OVERLAY", "1")
-    import lowlevel.bind_sockets
-    monkeypatch.setattr(lowlevel.bind_sockets, "workspace_masks", lambda workspace, snap: [])
+    import lowlevel.sandbox.bind_sockets
+    monkeypatch.setattr(lowlevel.sandbox.bind_sockets, "workspace_masks", lambda workspace, snap: [])
     ws = Path(tempfile.mkdtemp(prefix="ws-control-", dir="/tmp"))
     os.chmod(ws, 0o755)
     listener = Listener(ws / "app.sock")

@@ -30,14 +30,14 @@ from pathlib import Path
 
 import pytest
 
-from lowlevel import limits as _limits
+from lowlevel.spec import limits as _limits
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.slow, pytest.mark.timeout(600)]
 
 SERVER = r"""
 import asyncio, os, signal, sys
 import lowlevel
-from lowlevel.aio import arun
+from lowlevel.sandbox.aio import arun
 ws, marker_prefix = sys.argv[1], sys.argv[2]
 lowlevel.run(["true"], workspace=ws, commit=False)  # warm: probes, seccomp compile
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # dead callers are reaped at once (their cgroups then swept)

@@ -45,7 +45,7 @@ cmd = ["sleep", seconds]
 if mode == "run":
     r = lowlevel.run(cmd, timeout=timeout)
 elif mode == "arun":
-    from lowlevel.aio import arun
+    from lowlevel.sandbox.aio import arun
     r = asyncio.run(arun(cmd, timeout=timeout))
 elif mode == "pool":
     with lowlevel.Pool(size=1) as pool:
@@ -201,7 +201,7 @@ def test_stopped_cli_run_ends_at_its_deadline():
 ARUN_AT_PIDS_MAX = r"""
 import asyncio, os, sys, time
 base = sys.argv[1]
-from lowlevel.aio import arun
+from lowlevel.sandbox.aio import arun
 asyncio.run(arun(["true"], workspace_base=base, keep_workspace=False))  # one executor thread now exists
 print("ready", flush=True)
 sys.stdin.readline()  # the test sets pids.max to what runs now: no thread, no process can start
@@ -226,7 +226,7 @@ def test_arun_when_no_thread_can_start_leaves_nothing(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("makes a cgroup v1 pids directory: needs root")
     with open("/proc/self/mountinfo") as f:
-        from lowlevel.limits import parse_mountinfo
+        from lowlevel.spec.limits import parse_mountinfo
         mounts = [m for _r, m, fs, opts in parse_mountinfo(f.read()) if fs == "cgroup" and "pids" in opts.split(",")]
     if not mounts:
         pytest.skip("no cgroup v1 pids hierarchy")

@@ -19,8 +19,8 @@ import time
 import pytest
 
 import lowlevel
-from lowlevel import limits as _limits
-from lowlevel.aio import arun
+from lowlevel.spec import limits as _limits
+from lowlevel.sandbox.aio import arun
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.root, pytest.mark.timeout(60)]
 

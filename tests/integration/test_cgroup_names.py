@@ -19,7 +19,7 @@ import tempfile
 import pytest
 
 import lowlevel
-from lowlevel.launcher import Run
+from lowlevel.sandbox.launcher import Run
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.root]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lowlevel import limits as _limits
+from lowlevel.spec import limits as _limits
 from lowlevel.cleanup import clean, find_leftovers
 
 pytestmark = pytest.mark.bwrap
@@ -162,7 +162,7 @@ def test_the_rm_workspace_of_a_killed_cli_is_removed_by_cleanup():
 @pytest.mark.bwrap
 def test_keep_workspace_false_names_its_workspace_disposable():
     from lowlevel import Policy
-    from lowlevel.launcher import Run
+    from lowlevel.sandbox.launcher import Run
     from lowlevel.workspace import creator_alive, disposable_owner
     for keep, prefix in ((False, "rm-"), (True, "run-")):
         r = Run(["/usr/bin/true"], policy=Policy(), keep_workspace=keep)

@@ -3,7 +3,7 @@
 Issue 23 item 5. A service manager or a container runtime puts its caller in a cgroup of its own;
 the caller's run cgroups then live under ``<that cgroup>/lowlevel``, where a ``lowlevel cleanup``
 run from elsewhere never looked. Each run now records its cgroup directories (and workspace)
-before making them (:mod:`lowlevel.run_records`). Here a real caller (root: cgroup v1
+before making them (:mod:`lowlevel.host.run_records`). Here a real caller (root: cgroup v1
 hierarchies need it) moves itself into a fresh cgroup ``svc-*`` of every v1 hierarchy lowlevel
 uses, starts a run and is SIGKILLed:
 
@@ -32,8 +32,8 @@ from pathlib import Path
 
 import pytest
 
-from lowlevel import limits as _limits
-from lowlevel.overlay import LEFTOVER_PREFIX
+from lowlevel.spec import limits as _limits
+from lowlevel.workspace.overlay import LEFTOVER_PREFIX
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(300)]
 

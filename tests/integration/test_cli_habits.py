@@ -29,7 +29,7 @@ import pytest
 from helpers.identities import owned_tmpdir
 
 from lowlevel import cli as _cli
-from lowlevel.limits import CPU_QUOTA_FALLBACK_NOTE
+from lowlevel.spec.limits import CPU_QUOTA_FALLBACK_NOTE
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(180)]
 

@@ -74,6 +74,6 @@ def test_rm_as_unprivileged_user(base: Path, test_user: pwd.struct_passwd) -> No
     assert proc.returncode == 0, proc.stderr
     assert "f" in json.loads(proc.stdout)["changes"]["added"]
     # .mnt: the (empty) directory an unprivileged caller's runs mount their upper tmpfs on, each in
-    # its own mount namespace (lowlevel.cow.mount_dir); it stays, empty, for the next run.
+    # its own mount namespace (lowlevel.workspace.cow.mount_dir); it stays, empty, for the next run.
     assert [n for n in os.listdir(base) if n != ".mnt"] == []
     assert os.listdir(base / ".mnt") == [] if (base / ".mnt").exists() else True

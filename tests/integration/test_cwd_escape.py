@@ -5,7 +5,7 @@ bwrap 0.8.0 holds an ``O_PATH`` fd of the host's ``/proc`` (fd 3) while it runs 
 ``/``): runc's "leaky vessels" (``process.cwd=/proc/self/fd/N``). Two walls, each with its
 attack and a control:
 
-1. the request edge (:func:`lowlevel.validate.sandbox_cwd`): no cwd under ``/proc``, ``/sys``
+1. the request edge (:func:`lowlevel.spec.validate.sandbox_cwd`): no cwd under ``/proc``, ``/sys``
    or ``/dev`` (``/dev/shm`` excepted), no ``..``, through every source of a cwd (``run``,
    ``arun``, ``Session``, the CLI, MCP, a record, ``Policy.workdir``, an image's ``WorkingDir``);
 2. the guard and the session init: bwrap only ever gets ``--chdir /``; the directory change
@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 import lowlevel
-from lowlevel import validate
+from lowlevel.spec import validate
 
 pytestmark = pytest.mark.bwrap
 

@@ -3,7 +3,7 @@
 Real servers on host loopback (tests/helpers/origin_servers.py): plain HTTP, HTTPS with a
 trustme test CA, a PEP 503 index and an npm registry stub. The allowlisted test names
 (``allowed.test``, ``secure.test``, ...) reach them through the TEST-ONLY resolver override
-(``lowlevel.egress_proxy.override_resolver_for_tests``, driven by
+(``lowlevel.net.egress_proxy.override_resolver_for_tests``, driven by
 tests/helpers/scripted_resolver.py), which also marks 127.0.0.1 as "public" for its own
 answers only: IP literals and names the system resolver answers (``localhost``, the host
 name) are judged as they are. Each refusal is an attack that must fail, next to a control
@@ -72,7 +72,7 @@ def _loopback_name() -> str | None:
     except OSError:
         return None
     return name.lower() if infos and all(
-        lowlevel.egress.address_kind(__import__("ipaddress").ip_address(i[4][0])) for i in infos) else None
+        lowlevel.spec.egress.address_kind(__import__("ipaddress").ip_address(i[4][0])) for i in infos) else None
 
 
 # --- allowed: curl, urllib, pip, npm ------------------------------------------------------------
@@ -310,7 +310,7 @@ def scripted():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
     from scripted_resolver import ScriptedResolver
 
-    from lowlevel.egress_proxy import override_resolver_for_tests
+    from lowlevel.net.egress_proxy import override_resolver_for_tests
     res = ScriptedResolver({name: ["127.0.0.1"] for name in NAMES})
     with override_resolver_for_tests(res, pretend_public=("127.0.0.1",)):
         yield res
@@ -453,7 +453,7 @@ def test_proxy_copies_where_splice_is_missing(origin, scripted, monkeypatch):
 
 
 def test_relay_runs_the_command_as_bwrap_would(sandbox):
-    """The relay starts the program (behind the guard, lowlevel.landlock) the way bwrap's execvp
+    """The relay starts the program (behind the guard, lowlevel.host.landlock) the way bwrap's execvp
     does (a script without "#!" runs with /bin/sh), passes its exit status through, and an exec
     failure is an ExecError as in every other mode (the guard reports the errno)."""
     # files= writes 0644: make it executable first, as a program would.
@@ -469,7 +469,7 @@ def test_relay_runs_the_command_as_bwrap_would(sandbox):
 # --- issue 22 item 3: the host's own addresses and the special address forms ---------------------
 
 def _own_ipv4() -> str:
-    from lowlevel.egress_proxy import host_addresses
+    from lowlevel.net.egress_proxy import host_addresses
     own = sorted(a for a in host_addresses() if ":" not in a)
     if not own:
         pytest.fail("this host has no non-loopback IPv4 address to test the own-address rule with")
@@ -665,7 +665,7 @@ def test_flooding_run_does_not_stall_another(sandbox):
     subprocess, the test user through runuser: the same driver, tests/helpers/egress_fairness.py."""
     import subprocess
 
-    from lowlevel import egress_proxy
+    from lowlevel.net import egress_proxy
     driver = Path(__file__).resolve().parents[1] / "helpers" / "egress_fairness.py"
     root = str(Path(__file__).resolve().parents[2])
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONPATH": root, "HOME": sandbox.home}

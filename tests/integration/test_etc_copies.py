@@ -1,6 +1,6 @@
 """Host /etc files reach the sandbox as copies in its read-only root tmpfs, not as bind mounts.
 
-lowlevel.argv.etc_plan: small regular files (``/etc/ld.so.cache``, ``nsswitch.conf``...) are
+lowlevel.sandbox.argv.etc_plan: small regular files (``/etc/ld.so.cache``, ``nsswitch.conf``...) are
 written by bwrap into the sandbox's root tmpfs (``--file``) from an fd the launcher opens per
 run, ``/etc/localtime`` (a symlink into /usr) is the same symlink, directories stay read-only
 binds. What must hold: the same bytes as the host's, not writable (the root is remounted
@@ -21,9 +21,9 @@ import tempfile
 import pytest
 
 import lowlevel
-from lowlevel import argv as _argv
+from lowlevel.sandbox import argv as _argv
 from lowlevel.errors import LaunchError, PolicyError
-from lowlevel.launcher import Run, _open_etc_copy, host_facts
+from lowlevel.sandbox.launcher import Run, _open_etc_copy, host_facts
 
 pytestmark = pytest.mark.bwrap
 
@@ -119,7 +119,7 @@ def test_extra_fds_cannot_take_the_etc_copies_numbers() -> None:
 _LAYOUT_CHILD = r"""
 import dataclasses, json, sys
 import lowlevel
-from lowlevel import launcher
+from lowlevel.sandbox import launcher
 extra = tuple(sys.argv[1:])
 facts = launcher.host_facts()
 fake = dataclasses.replace(facts, layout=dataclasses.replace(facts.layout,

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 import lowlevel
-from lowlevel import launcher
+from lowlevel.sandbox import launcher
 
 pytestmark = [pytest.mark.timeout(60)]
 HELPER = launcher.EXEC_HELPER_PATH
@@ -257,7 +257,7 @@ def test_cgroup_join_v1_tasks_and_v2_born_inside(marker: Path, clone3: str):
     """v1: the anchor writes "0" to each tasks fd (it moves itself); v2: bwrap's stand-in is
     born in the run's v2 directory (clone3 CLONE_INTO_CGROUP), the anchor stays out of it.
     Where clone3 fails with ENOSYS (an old kernel), the child joins the v2 directory itself."""
-    from lowlevel import limits as _limits
+    from lowlevel.spec import limits as _limits
     support = _limits.detect_cgroups()
     v1 = support.hierarchy_for("pids") or support.hierarchy_for("memory")
     v2 = support.v2

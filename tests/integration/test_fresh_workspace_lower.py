@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import lowlevel
-from lowlevel.launcher import Run
+from lowlevel.sandbox.launcher import Run
 
 pytestmark = pytest.mark.bwrap
 

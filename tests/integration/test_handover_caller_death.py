@@ -6,7 +6,7 @@ idmapped/user-namespace overlays), a root caller's workspace entries are chowned
 sandbox's host uid for the run (:func:`lowlevel.workspace.hand_over`) and given back after it.
 A caller that dies without its cleanup (SIGKILL) used to leave every entry owned by a uid of
 the per-run range, which a later, unrelated sandbox is leased again. The owners are now
-journaled on disk before each chown (:mod:`lowlevel.handover_journal`).
+journaled on disk before each chown (:mod:`lowlevel.workspace.handover_journal`).
 """
 
 from __future__ import annotations
@@ -102,8 +102,8 @@ def test_killed_root_caller_in_handover_mode_leaves_owners_restorable(repair: st
 def _dead_callers_journal(serial: int, content: Callable[[int], bytes]) -> str:
     """Write ``content(pid)`` as the hand-over journal of a caller (``pid``) that has exited;
     return its path."""
-    from lowlevel import handover_journal as journal
-    from lowlevel.cow import ensure_root_state_dir
+    from lowlevel.workspace import handover_journal as journal
+    from lowlevel.workspace.cow import ensure_root_state_dir
     ensure_root_state_dir()
     os.makedirs(journal.JOURNAL_DIR, mode=0o700, exist_ok=True)
     p = subprocess.Popen(["true"])
@@ -114,7 +114,7 @@ def _dead_callers_journal(serial: int, content: Callable[[int], bytes]) -> str:
 
 
 def test_a_malformed_journal_is_reported_not_fatal() -> None:
-    from lowlevel import handover_journal as journal
+    from lowlevel.workspace import handover_journal as journal
     path = _dead_callers_journal(999, lambda _pid: b"H 1 garbage\n\xff")
     try:
         done, problems = journal.recover()
@@ -130,7 +130,7 @@ def test_a_reused_caller_pid_does_not_keep_the_workspace_handed_over() -> None:
     journal to a live process's pid): cleanup tells it from the caller by its start time and
     gives the workspace back (it was skipped for as long as that process lived, and the next
     run recorded the sandbox's owners as the originals)."""
-    from lowlevel import handover_journal as journal
+    from lowlevel.workspace import handover_journal as journal
     ws = tempfile.mkdtemp(prefix="rt-handover-reuse-", dir="/tmp")
     env = {**os.environ, "LOWLEVEL_NO_OVERLAY": "1"}
     other = None
@@ -240,7 +240,7 @@ def test_a_journaled_uid_is_not_leased_until_given_back(monkeypatch: pytest.Monk
     leasing that uid to the next sandbox (the lowest free one) made that sandbox own the dead
     run's files and kept the recovery waiting for as long as uids were busy (found by killing
     callers at random instants). Journaled uids are skipped; the control lease takes them."""
-    from lowlevel.cow import UidLease
+    from lowlevel.workspace.cow import UidLease
     first = 1879048192 + 60000  # two ids of the default range no other test leases
     monkeypatch.setenv("LOWLEVEL_UID_RANGE", f"{first}-{first + 1}")
     path = _dead_callers_journal(

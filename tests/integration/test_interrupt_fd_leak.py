@@ -5,7 +5,7 @@ pair, 1 Pool call in 80 a pipe pair, 1 Session start in 150 a pidfd: CPython run
 handler at the first bytecode boundary after a C call returns, so an fd a call just made
 (``os.pipe``, ``os.pidfd_open``, the ``SCM_RIGHTS`` fds of the anchor's READY in
 ``socket.recv_fds``), or the anchor's PID from ``os.posix_spawn``, was lost before ``Run``
-recorded it. lowlevel._interrupts holds the handlers back around those steps.
+recorded it. lowlevel.sandbox._interrupts holds the handlers back around those steps.
 
 Made deterministic here: a profile function sends the process a real SIGINT
 (``signal.raise_signal``) right as the chosen call returns, so Python's handler runs at that
@@ -158,9 +158,9 @@ def _sigint_at_open_in(code: Any, nth: int) -> Iterator[dict[str, int]]:
 @pytest.mark.filterwarnings("ignore::ResourceWarning", "ignore::pytest.PytestUnraisableExceptionWarning")
 def test_run_interrupted_while_its_cgroup_figures_are_read(ws: str) -> None:
     """After the program, the run reads its cgroups' figures (peak memory, pids, CPU): one file
-    each, opened and closed by ``lowlevel.limits._read``. A SIGINT as any of those opens
+    each, opened and closed by ``lowlevel.spec.limits._read``. A SIGINT as any of those opens
     returns leaks nothing (a bare ``os.open`` lost its fd: 1 run in ~10 under random SIGINTs)."""
-    from lowlevel import limits
+    from lowlevel.spec import limits
     code = limits._read.__code__
     with _sigint_at_open_in(code, 0) as counted:
         lowlevel.run(["true"], workspace=ws)
@@ -180,7 +180,7 @@ def test_run_interrupted_while_its_cgroup_figures_are_read(ws: str) -> None:
 
 
 def _run_cgroups_of(pid: int) -> list[str]:
-    from lowlevel import limits
+    from lowlevel.spec import limits
     left = []
     for h in limits.detect_cgroups().hierarchies:
         if h.base is not None and os.path.isdir(h.base):

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import lowlevel
-from lowlevel import landlock
+from lowlevel.host import landlock
 
 pytestmark = pytest.mark.bwrap
 ABI = landlock.kernel_abi()
@@ -283,7 +283,7 @@ def test_real_sigxcpu_reports_cpu(sandbox):
 
 @ROOT_ONLY
 def test_exit_152_in_arun_session_and_pool():
-    from lowlevel.aio import arun
+    from lowlevel.sandbox.aio import arun
     r = asyncio.run(arun(["sh", "-c", "exit 152"]))
     assert (r.exit_code, r.term_signal, r.killed_by) == (152, None, None)
     with lowlevel.Session() as s:

@@ -1,4 +1,4 @@
-"""Integration tests of lowlevel.limits alone, on the real kernel: rlimits via prlimit and per-run
+"""Integration tests of lowlevel.spec.limits alone, on the real kernel: rlimits via prlimit and per-run
 cgroups with plain child processes (and one bwrap --block-fd handshake).
 
 Every child is gated: it blocks on a byte from stdin until its limits are in place, as bwrap's
@@ -23,9 +23,9 @@ from collections.abc import Iterator
 import pytest
 from helpers.hygiene import open_fds
 
-from lowlevel import limits as L
+from lowlevel.spec import limits as L
 from lowlevel.errors import LaunchError
-from lowlevel.limits import MiB, Limits
+from lowlevel.spec.limits import MiB, Limits
 
 ROOT = os.geteuid() == 0
 SUPPORT = L.detect_cgroups()
@@ -455,7 +455,7 @@ def test_bwrap_handshake_limits_apply_before_exec(run_cgroup) -> None:
 
 UNPRIV = """
 import json, os
-from lowlevel import limits as L
+from lowlevel.spec import limits as L
 from lowlevel.errors import UnsupportedError
 s = L.detect_cgroups()
 out = {"usable": s.usable, "create": L.RunCgroup.create(L.Limits()) is None,

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from lowlevel import limits as L
-from lowlevel.limits import MiB
+from lowlevel.spec import limits as L
+from lowlevel.spec.limits import MiB
 
 pytestmark = pytest.mark.bwrap
 

@@ -28,7 +28,7 @@ anyio = pytest.importorskip("anyio")
 from mcp import ClientSession  # noqa: E402
 from mcp.client.stdio import StdioServerParameters, stdio_client  # noqa: E402
 
-from lowlevel import cli as _cli  # noqa: E402
+from lowlevel import cli as _cli# noqa: E402
 from lowlevel.errors import PolicyError  # noqa: E402
 from lowlevel.mcp_server import PROGRESS_INTERVAL_S, ServerConfig  # noqa: E402
 

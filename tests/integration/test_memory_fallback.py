@@ -1,5 +1,5 @@
 """The unprivileged memory fallback (``RLIMIT_DATA``) says exactly what it bounds (issue 12,
-item 7): each claim of :data:`lowlevel.limits.MEMORY_FALLBACK_NOTE` checked by a program.
+item 7): each claim of :data:`lowlevel.spec.limits.MEMORY_FALLBACK_NOTE` checked by a program.
 
 As root the memory cgroup bounds everything (the shared mapping is OOM-killed too); as the
 unprivileged user, without a delegated cgroup, the note is in ``Result.notes`` and the program
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from lowlevel.limits import MEMORY_FALLBACK_NOTE
+from lowlevel.spec.limits import MEMORY_FALLBACK_NOTE
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(180)]
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import lowlevel
-from lowlevel import argv as _argv
+from lowlevel.sandbox import argv as _argv
 from lowlevel.errors import LaunchError, PolicyError
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(120)]

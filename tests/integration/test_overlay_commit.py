@@ -1,4 +1,4 @@
-"""lowlevel.overlay.commit on real overlayfs upper dirs: what lands, owners, conflicts, kills.
+"""lowlevel.workspace.overlay.commit on real overlayfs upper dirs: what lands, owners, conflicts, kills.
 
 The run is simulated by really mounting overlayfs (tests/helpers/overlay_lab.py) in a private
 mount namespace and doing the file operations through the merged dir; the merged tree as the
@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from lowlevel import WorkspaceError
-from lowlevel import overlay
+from lowlevel.workspace import overlay
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "helpers"))
 from overlay_lab import (SCENARIO_CHANGES, SCENARIO_OPS, SCENARIO_PY, Lab, LabError,  # noqa: E402

@@ -85,7 +85,9 @@ def _cached_cow(cache: Path) -> list[dict[str, object]]:
 # opens, the probe's pipes do not (EMFILE). Then the cache, and a probe at the normal limit.
 _PROBE = r"""
 import errno, json, os, resource, sys
-from lowlevel import cow, hostcache, launcher
+from lowlevel.workspace import cow
+from lowlevel.host import hostcache
+from lowlevel.sandbox import launcher
 ws = sys.argv[1]
 facts = launcher.host_facts()
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -187,7 +189,10 @@ def test_doctor_probes_a_cached_no_again(place: Path, monkeypatch: pytest.Monkey
     for a filesystem where the overlay works: doctor probes it again, says so, and rewrites it;
     the next run there gets copy-on-write (and --discard works)."""
     import lowlevel
-    from lowlevel import cow, doctor, hostcache, launcher
+    from lowlevel.workspace import cow
+    from lowlevel import doctor
+    from lowlevel.host import hostcache
+    from lowlevel.sandbox import launcher
     ws, cache, base = _setup(place, None)
     monkeypatch.setenv("LOWLEVEL_CACHE_DIR", str(cache))
     monkeypatch.setenv("LOWLEVEL_WORKSPACE_BASE", str(base))

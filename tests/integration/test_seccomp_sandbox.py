@@ -36,9 +36,9 @@ from pathlib import Path
 import pytest
 
 import lowlevel
-from lowlevel import seccomp
-from lowlevel.policy import Policy
-from lowlevel.seccomp import DEFAULT_PROFILE, SCMP_ACT_ERRNO, SCMP_ARCH_X86, SCMP_ARCH_X86_64, SeccompProfile
+from lowlevel.spec import seccomp
+from lowlevel.spec.policy import Policy
+from lowlevel.spec.seccomp import DEFAULT_PROFILE, SCMP_ACT_ERRNO, SCMP_ARCH_X86, SCMP_ARCH_X86_64, SeccompProfile
 
 pyseccomp = pytest.importorskip("pyseccomp")
 

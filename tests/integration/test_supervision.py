@@ -16,7 +16,7 @@ import pytest
 from helpers.hygiene import children, open_fds
 
 import lowlevel
-from lowlevel import limits as _limits
+from lowlevel.spec import limits as _limits
 
 pytestmark = pytest.mark.bwrap
 
@@ -174,7 +174,7 @@ def test_fd_pressure_gives_typed_errors_and_leaks_nothing():
     OSError escapes, and every fd is closed afterwards."""
     code = (
         "import asyncio, os, resource, sys, lowlevel\n"
-        "from lowlevel.aio import arun\n"
+        "from lowlevel.sandbox.aio import arun\n"
         f"sys.path.insert(0, {str(Path(__file__).resolve().parents[1] / 'helpers')!r})\n"
         "from hygiene import open_fds\n"  # less the fds lowlevel keeps by design
         "lowlevel.run(['true'])\n"

@@ -1,6 +1,6 @@
 """Per-run uids are never an NSS directory's ids (sssd, LDAP, winbind), not only /etc/passwd's.
 
-A root caller's sandbox runs as a leased uid (lowlevel.cow.UidLease). Where nsswitch.conf takes
+A root caller's sandbox runs as a leased uid (lowlevel.workspace.cow.UidLease). Where nsswitch.conf takes
 users or groups from a source beyond ``files`` (sssd's default id mapping spans
 200000-2000200000, the default per-run range included), a lease handed a directory user's uid
 would let that user own the sandbox's files, and the sandbox that user's. The lookup is real:
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from lowlevel import cow
+from lowlevel.workspace import cow
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="per-run uid leases are for root callers")
 
@@ -28,7 +28,7 @@ NSS_WRAPPER = next((p for p in ("/usr/lib/x86_64-linux-gnu/libnss_wrapper.so", "
 
 _LEASE = textwrap.dedent("""
     import json, sys
-    from lowlevel import cow
+    from lowlevel.workspace import cow
     cow.NSSWITCH_PATH = sys.argv[1]
     cow.UID_LOCK_PATH = sys.argv[2]  # a lease file (and rotation cursor) of this test's own
     lease = cow.UidLease.acquire()

@@ -1,6 +1,6 @@
 """Per-run uids are reused least recently used first, not at once (issue 22, item 6).
 
-A root caller's sandboxes each run as a uid leased from a range (lowlevel.cow.UidLease). The
+A root caller's sandboxes each run as a uid leased from a range (lowlevel.workspace.cow.UidLease). The
 lease used to hand the lowest free uid to every run, so sequential runs all ran as the same
 uid, and a private (0600) file one run left in a writable bind was the next run's to read,
 though the next run may be another task's or tenant's. Now each lease starts after the last one
@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 import lowlevel
-from lowlevel import cow
+from lowlevel.workspace import cow
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="per-run uid leases are for root callers")
 
@@ -98,7 +98,7 @@ def test_control_a_pinned_uid_reads_what_it_left(shared: Path) -> None:
 
 _LEASE = textwrap.dedent("""
     import sys
-    from lowlevel import cow
+    from lowlevel.workspace import cow
     cow.UID_LOCK_PATH = sys.argv[1]
     lease = cow.UidLease.acquire()
     print(lease.uid)

@@ -300,7 +300,7 @@ def test_unexecutable_bwrap_named_as_such_by_session_and_run(tmpdir_shared: Path
     with pytest.raises(BwrapNotFoundError, match="cannot execute bwrap") as info:
         lowlevel.Session(bwrap=str(bwrap), workspace_base=str(tmpdir_shared / "ws"))
     assert "hello" not in str(info.value)
-    from lowlevel.launcher import Run, _drive_sync
+    from lowlevel.sandbox.launcher import Run, _drive_sync
     r = Run(["true"], policy=lowlevel.Policy(), bwrap=str(bwrap), workspace_base=str(tmpdir_shared / "ws"))
     try:
         with pytest.raises(LaunchError, match="cannot execute bwrap"):

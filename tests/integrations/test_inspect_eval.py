@@ -29,7 +29,7 @@ from inspect_ai.tool import python  # noqa: E402
 from inspect_ai.util import SandboxEnvironmentSpec, sandbox  # noqa: E402
 
 import lowlevel.workspace  # noqa: E402
-from lowlevel import PolicyError  # noqa: E402
+from lowlevel import PolicyError# noqa: E402
 from lowlevel.integrations.inspect_sandbox import LowlevelSandboxConfig, LowlevelSandboxEnvironment  # noqa: E402
 
 pytestmark = [

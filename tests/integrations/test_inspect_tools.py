@@ -27,7 +27,7 @@ import pytest
 
 pytest.importorskip("inspect_ai", reason="the Inspect extra is not installed (pip install '.[inspect]' in the lowlevel checkout)")
 
-from lowlevel import Egress, PolicyError  # noqa: E402
+from lowlevel import Egress, PolicyError# noqa: E402
 from lowlevel.integrations.inspect_sandbox import (LowlevelSandboxConfig, LowlevelSandboxEnvironment,  # noqa: E402
                                                    load_config)
 

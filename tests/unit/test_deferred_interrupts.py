@@ -1,4 +1,4 @@
-"""lowlevel._interrupts.deferred_interrupts: every original handler comes back and no held
+"""lowlevel.sandbox._interrupts.deferred_interrupts: every original handler comes back and no held
 signal is lost, even when an original handler raises while the block ends."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from lowlevel import _interrupts
-from lowlevel._interrupts import SIGNALS, deferred_interrupts
+from lowlevel.sandbox import _interrupts
+from lowlevel.sandbox._interrupts import SIGNALS, deferred_interrupts
 
 
 class BoomError(Exception):

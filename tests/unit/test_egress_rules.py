@@ -1,4 +1,4 @@
-"""The egress decisions (lowlevel/egress.py) and the proxy's request parser, pure: no sandbox, no sockets."""
+"""The egress decisions (lowlevel/spec/egress.py) and the proxy's request parser, pure: no sandbox, no sockets."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import lowlevel
-from lowlevel.argv import Fds, HostFacts, build_argv
-from lowlevel.egress import Egress, address_kind, ip_literal, match, normalize_host
-from lowlevel.egress_proxy import _RefusedError, parse_request
+from lowlevel.sandbox.argv import Fds, HostFacts, build_argv
+from lowlevel.spec.egress import Egress, address_kind, ip_literal, match, normalize_host
+from lowlevel.net.egress_proxy import _RefusedError, parse_request
 from lowlevel.errors import PolicyError
-from lowlevel.policy import Policy
-from lowlevel.probe import BwrapInfo, HostLayout
+from lowlevel.spec.policy import Policy
+from lowlevel.host.probe import BwrapInfo, HostLayout
 
 # --- names -----------------------------------------------------------------------------------
 
@@ -165,7 +165,7 @@ names = st.lists(labels, min_size=1, max_size=4).map(".".join)
 @given(names, names)
 def test_covers_agrees_with_match(inner, outer):
     """_covers(outer, inner) is what narrow() trusts: every name inner matches, outer matches."""
-    from lowlevel.egress import _covers
+    from lowlevel.spec.egress import _covers
     for o in (outer, "*." + outer, "*"):
         for i in (inner, "*." + inner):
             if _covers(o, i):
@@ -273,7 +273,7 @@ def test_resolver_override_is_test_only():
     """The test resolver is no Policy/Egress field, no CLI flag, not exported, and scoped."""
     import dataclasses
 
-    from lowlevel import egress_proxy
+    from lowlevel.net import egress_proxy
     from lowlevel.cli import build_parser
     fields = {f.name for f in dataclasses.fields(Egress)} | {f.name for f in dataclasses.fields(Policy)}
     assert not any("resolv" in name for name in fields)
@@ -372,7 +372,7 @@ def test_host_addresses_reads_the_kernel():
     """Every address `ip addr` would show (here /proc/net/if_inet6 and SIOCGIFCONF), loopback left out."""
     import socket as _socket
 
-    from lowlevel.egress_proxy import host_addresses
+    from lowlevel.net.egress_proxy import host_addresses
     found = host_addresses()
     assert "127.0.0.1" not in found and "::1" not in found
     with open("/proc/net/if_inet6") as f:
@@ -406,7 +406,7 @@ def _client_hello(server_hostname: str | None) -> bytes:
 
 
 def test_parse_client_hello_from_openssl():
-    from lowlevel.egress_proxy import parse_client_hello
+    from lowlevel.net.egress_proxy import parse_client_hello
     hello = _client_hello("Secure.Example.")
     parsed = parse_client_hello(hello)
     assert parsed is not None and parsed.sni == "secure.example" and not parsed.ech
@@ -422,7 +422,7 @@ def test_parse_client_hello_from_openssl():
 
 
 def test_parse_client_hello_refuses_malformed():
-    from lowlevel.egress_proxy import _NotTlsError, parse_client_hello
+    from lowlevel.net.egress_proxy import _NotTlsError, parse_client_hello
     with pytest.raises(_NotTlsError):
         parse_client_hello(b"GET / HTTP/1.1\r\n")
     hello = bytearray(_client_hello("a.example"))
@@ -448,7 +448,7 @@ def _sni_ext(*names: bytes) -> bytes:
 
 
 def test_parse_client_hello_handmade_forms():
-    from lowlevel.egress_proxy import parse_client_hello
+    from lowlevel.net.egress_proxy import parse_client_hello
     hello = parse_client_hello(_hello_with_extensions(_sni_ext(b"a.example")))
     assert hello is not None and hello.sni == "a.example"
     ech = parse_client_hello(_hello_with_extensions(_sni_ext(b"public.example") + b"\xfe\x0d\x00\x00"))
@@ -490,7 +490,7 @@ def test_parse_request_body_length():
 
 
 def test_parse_client_hello_waits_for_the_first_byte():
-    from lowlevel.egress_proxy import parse_client_hello
+    from lowlevel.net.egress_proxy import parse_client_hello
     assert parse_client_hello(b"") is None
 
 

@@ -1,4 +1,4 @@
-"""lowlevel.hostcache: host facts across processes, trusted only when they are ours and current."""
+"""lowlevel.host.hostcache: host facts across processes, trusted only when they are ours and current."""
 
 from __future__ import annotations
 
@@ -11,8 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from lowlevel import hostcache, launcher, probe, seccomp
-from lowlevel.seccomp import DEFAULT_PROFILE
+from lowlevel.host import hostcache, probe
+
+from lowlevel.sandbox import launcher
+
+from lowlevel.spec import seccomp
+from lowlevel.spec.seccomp import DEFAULT_PROFILE
 
 
 @pytest.fixture

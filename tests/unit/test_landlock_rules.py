@@ -8,10 +8,10 @@ import struct
 import pytest
 
 import lowlevel
-from lowlevel import landlock
+from lowlevel.host import landlock
 from lowlevel.errors import PolicyError
 from lowlevel.record import canonical_policy, policy_from_canonical, policy_loosening
-from lowlevel.seccomp import DEFAULT_PROFILE
+from lowlevel.spec.seccomp import DEFAULT_PROFILE
 
 BASE = ("--ll=on", "--ll-ls=/", "--ll-rx=/usr", "--ll-rx=/etc", "--ll-proc=/proc", "--ll-dev=/dev",
         "--ll-rw=/dev/shm", "--ll-rw=/tmp", "--ll-rw=/workspace",

@@ -1,4 +1,4 @@
-"""Unit tests of lowlevel.limits: validation, rlimit tables, parsers, and the cgroup v1/v2 code
+"""Unit tests of lowlevel.spec.limits: validation, rlimit tables, parsers, and the cgroup v1/v2 code
 paths against a fake cgroupfs (a directory tree plus a small stand-in for the kernel's rules).
 
 No processes are spawned and the real /sys/fs/cgroup is not touched.
@@ -13,9 +13,9 @@ import shutil
 
 import pytest
 
-from lowlevel import limits as L
+from lowlevel.spec import limits as L
 from lowlevel.errors import PolicyError, UnsupportedError
-from lowlevel.limits import GiB, KiB, MiB, Limits
+from lowlevel.spec.limits import GiB, KiB, MiB, Limits
 
 # ---------------------------------------------------------------------------------------------
 # Limits validation
@@ -32,7 +32,7 @@ def test_defaults() -> None:
 
 
 def test_default_memory_leaves_the_program_1_gib_once_every_tmpfs_is_full() -> None:
-    from lowlevel import cow
+    from lowlevel.workspace import cow
     lim = Limits()
     assert L.DEFAULT_WORKSPACE_BYTES == cow.DEFAULT_UPPER_BYTES
     assert L.tmpfs_bytes(lim) == GiB + 2 * 256 * MiB
@@ -728,7 +728,7 @@ def test_workspace_bytes_above_what_the_anchor_takes_is_a_policy_error() -> None
 
 def test_upper_inodes_stay_within_the_anchors_ceiling() -> None:
     """5 TiB used to give nr_inodes=5242880000, which the anchor refuses (> 2^32)."""
-    from lowlevel.cow import upper_inodes
+    from lowlevel.workspace.cow import upper_inodes
     assert upper_inodes(64 * KiB) == 1024
     assert upper_inodes(5000 * GiB) == 1 << 32
 
@@ -753,7 +753,7 @@ def test_detect_without_sweep_keeps_a_dead_callers_cgroup(kernel: FakeKernel) ->
 
 def test_run_cgroup_is_recorded_until_removed(kernel: FakeKernel, tmp_path: object,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    from lowlevel import run_records
+    from lowlevel.host import run_records
     records = os.path.join(str(tmp_path), "records")
     os.mkdir(records, 0o700)
     monkeypatch.setenv("LOWLEVEL_RECORD_DIR", records)

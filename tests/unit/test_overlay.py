@@ -1,4 +1,4 @@
-"""lowlevel.overlay: the change report read from real overlayfs upper dirs, save_upper, leftovers.
+"""lowlevel.workspace.overlay: the change report read from real overlayfs upper dirs, save_upper, leftovers.
 
 The upper dirs are made by really mounting overlayfs (tests/helpers/overlay_lab.py) in a private
 mount namespace: as root with trusted.overlay.* xattrs (``root``), and in the ``userxattr`` form
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from lowlevel import WorkspaceError
-from lowlevel import overlay
+from lowlevel.workspace import overlay
 from lowlevel.workspace import MAX_DEPTH
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "helpers"))

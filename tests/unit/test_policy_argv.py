@@ -9,10 +9,10 @@ import tempfile
 import pytest
 
 import lowlevel
-from lowlevel.argv import AnchorOverlay, Fds, HostFacts, anchor_argv, build_argv, static_args
+from lowlevel.sandbox.argv import AnchorOverlay, Fds, HostFacts, anchor_argv, build_argv, static_args
 from lowlevel.cli import parse_size
-from lowlevel.policy import Bind, Policy, sensitive_reason
-from lowlevel.probe import BwrapInfo, HostLayout
+from lowlevel.spec.policy import Bind, Policy, sensitive_reason
+from lowlevel.host.probe import BwrapInfo, HostLayout
 
 INFO = BwrapInfo(path="/usr/bin/bwrap", version=(0, 8, 0), setuid=False,
                  options=frozenset({"--disable-userns", "--size", "--json-status-fd", "--block-fd", "--args"}))
@@ -227,7 +227,7 @@ def test_parse_size_rejects(text):
 
 
 def test_result_decoding():
-    from lowlevel.result import Result, decode_exit
+    from lowlevel.sandbox.result import Result, decode_exit
     assert decode_exit(137) == 9 and decode_exit(1) is None and decode_exit(128) is None
     r = Result(exit_code=137, term_signal=9, killed_by="signal")
     assert not r.ok and r.signal_name() == "SIGKILL"

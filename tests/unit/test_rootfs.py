@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import pytest
 
 import lowlevel
-from lowlevel.argv import Fds, HostFacts, build_argv
+from lowlevel.sandbox.argv import Fds, HostFacts, build_argv
 from lowlevel.image import ImageError, normalize_name
-from lowlevel.probe import BwrapInfo, HostLayout
+from lowlevel.host.probe import BwrapInfo, HostLayout
 from lowlevel.rootfs import resolve_in_root, rootfs_layout, tree_sha256
 
 INFO = BwrapInfo(path="/usr/bin/bwrap", version=(0, 8, 0), setuid=False,

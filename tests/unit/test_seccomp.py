@@ -1,4 +1,4 @@
-"""Unit tests for lowlevel.seccomp: no sandbox, no processes.
+"""Unit tests for lowlevel.spec.seccomp: no sandbox, no processes.
 
 The compiled BPF is checked twice: against pyseccomp's export of the same table (byte for
 byte, an independent build through ctypes), and by simulating the program over a table of
@@ -15,8 +15,10 @@ import struct
 
 import pytest
 
-from lowlevel import errors, seccomp
-from lowlevel.seccomp import (DEFAULT_PROFILE, SCMP_ACT_ALLOW, SCMP_ACT_ERRNO, SCMP_ACT_KILL_PROCESS,
+from lowlevel import errors
+
+from lowlevel.spec import seccomp
+from lowlevel.spec.seccomp import (DEFAULT_PROFILE, SCMP_ACT_ALLOW, SCMP_ACT_ERRNO, SCMP_ACT_KILL_PROCESS,
                               SCMP_ACT_LOG, SCMP_ARCH_X86, SCMP_ARCH_X86_64, Arg, Rule, SeccompProfile)
 
 pyseccomp = pytest.importorskip("pyseccomp")

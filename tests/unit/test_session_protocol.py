@@ -1,4 +1,4 @@
-"""The session protocol's two halves (native/lowlevel_init.c, lowlevel/session.py) agree."""
+"""The session protocol's two halves (native/lowlevel_init.c, lowlevel/session/__init__.py) agree."""
 
 from __future__ import annotations
 

@@ -8,9 +8,9 @@ import os
 import pytest
 
 import lowlevel
-from lowlevel import validate
+from lowlevel.spec import validate
 from lowlevel.errors import LaunchError, PolicyError
-from lowlevel.argv import encode_args
+from lowlevel.sandbox.argv import encode_args
 
 
 @pytest.mark.parametrize("kwargs", [

@@ -24,7 +24,7 @@ The rules (sandbox paths; built inside the sandbox by ``native/lowlevel_landlock
 - pathname unix sockets (ABI >= 9, ``LANDLOCK_ACCESS_FS_RESOLVE_UNIX``): connecting to one made
   outside the program's domain only beneath ``/tmp``, ``/dev/shm``, ``/workspace`` and binds
   with ``allow_sockets`` (or a socket bound itself with ``allow_sensitive``); below ABI 9 the
-  sockets found in bound directories are masked instead (:mod:`lowlevel.bind_sockets`).
+  sockets found in bound directories are masked instead (:mod:`lowlevel.sandbox.bind_sockets`).
 
 Everything else is denied, whatever the mounts allow: a writable host directory reached by
 any other path cannot be written, read or executed (only listed, when it is mounted in the
@@ -63,11 +63,12 @@ import stat
 import struct
 from dataclasses import dataclass
 
-from .errors import UnsupportedError
-from .policy import WORKSPACE_DEST, Policy
+from lowlevel.paths import native
+from lowlevel.errors import UnsupportedError
+from lowlevel.spec.policy import WORKSPACE_DEST, Policy
 
 #: The guard executable (``native/lowlevel_guard.c``), built next to this module by setup.py.
-GUARD_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lowlevel_guard")
+GUARD_PATH = native("_lowlevel_guard")
 
 #: Records the guard writes on its status fd (16 bytes each, native byte order).
 _REC = struct.Struct("=IIII")
@@ -143,7 +144,7 @@ def ruleset_args(policy: Policy, ro_dirs: tuple[str, ...],
         policy: the sandbox description (``landlock``, ``binds``, ``network``, ``landlock_omit``,
             ``rootfs``/``rootfs_writable``).
         ro_dirs: the host's read-only top-level dirs the base layout binds
-            (:attr:`lowlevel.probe.HostLayout.ro_dirs`); unused with a ``rootfs``.
+            (:attr:`lowlevel.host.probe.HostLayout.ro_dirs`); unused with a ``rootfs``.
         bwrap_options: the installed bwrap's options (a writable rootfs is an overlay per
             top-level directory where bwrap has ``--tmp-overlay``: those are then writable).
     Returns:
@@ -158,7 +159,7 @@ def _system_rules(policy: Policy, ro_dirs: tuple[str, ...], bwrap_options: froze
     mounts it (writable where ``rootfs_writable`` makes it so)."""
     if policy.rootfs is None:
         return ["--ll-rx=/usr", *(f"--ll-rx={d}" for d in ro_dirs), "--ll-rx=/etc"]
-    from .rootfs import rootfs_layout
+    from lowlevel.rootfs import rootfs_layout
     layout = rootfs_layout(policy.rootfs)
     # A writable root is an overlay of each top-level directory where the anchor's overlay
     # works (or bwrap >= 0.9's --tmp-overlay), else tmpfs scratch dirs: the mounts decide what
@@ -192,7 +193,7 @@ def _ruleset_args(policy: Policy, ro_dirs: tuple[str, ...], bwrap_options: froze
             a.append(f"--ll-{'rw' if bind.writable else 'rx'}={bind.dest}")
             if bind.allow_sockets or _is_socket(bind.source):
                 a.append(f"--ll-unix={bind.dest}")
-    from .egress import PROXY_PORT, Egress
+    from lowlevel.spec.egress import PROXY_PORT, Egress
     if isinstance(policy.network, Egress):
         a.append(f"--ll-net=port:{PROXY_PORT}")  # the relay's port; the relay itself runs outside
     else:
@@ -234,7 +235,7 @@ def guard_fd() -> int:
 def guard_argv(exe_fd: int, status_fd: int, ll_args: tuple[str, ...], *, cwd: str) -> list[str]:
     """The guard's argv as bwrap execs it, before ``--`` and the program.
 
-    ``cwd`` (validated by :func:`lowlevel.validate.sandbox_cwd`) is the program's working
+    ``cwd`` (validated by :func:`lowlevel.spec.validate.sandbox_cwd`) is the program's working
     directory: the guard changes to it itself, after bwrap has closed its fds (bwrap gets
     ``--chdir /``), refuses one whose ``getcwd(2)`` is outside the sandbox's root (reported as
     :data:`STAGE_CWD`) and sets ``PWD`` to it (CVE-2024-21626 class; runc 1.1.12 checks the

@@ -18,21 +18,21 @@ import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from . import bind_sockets as _bind_sockets
-from .egress import EGRESS_ETC, Egress
-from .errors import LaunchError
-from .policy import WORKSPACE_DEST, Policy
-from .probe import BwrapInfo, HostLayout
+from lowlevel.sandbox import bind_sockets as _bind_sockets
+from lowlevel.spec.egress import EGRESS_ETC, Egress
+from lowlevel.errors import LaunchError
+from lowlevel.spec.policy import WORKSPACE_DEST, Policy
+from lowlevel.host.probe import BwrapInfo, HostLayout
 
 #: /etc entries bound only with ``network=True``: name resolution and TLS trust (egress mode
-#: binds only the TLS ones, :data:`lowlevel.egress.EGRESS_ETC`).
+#: binds only the TLS ones, :data:`lowlevel.spec.egress.EGRESS_ETC`).
 NETWORK_ETC = ("/etc/resolv.conf", "/etc/hosts", "/etc/ssl", "/etc/ca-certificates",
                "/etc/gai.conf", "/etc/host.conf")
 
 
 @dataclass(frozen=True)
 class HostFacts:
-    """Host facts the argv depends on (all from :mod:`lowlevel.probe`).
+    """Host facts the argv depends on (all from :mod:`lowlevel.host.probe`).
 
     Attributes:
         bwrap: the installed bwrap's version and options.
@@ -110,7 +110,7 @@ def etc_plan(etc_files: tuple[str, ...]) -> tuple[tuple[str, str, str], ...]:
     run by the launcher (:func:`etc_copy_refusal` on what it opened), never silently bound.
 
     Args:
-        etc_files: :attr:`lowlevel.probe.HostLayout.etc_files`, absolute paths.
+        etc_files: :attr:`lowlevel.host.probe.HostLayout.etc_files`, absolute paths.
     Returns:
         One triple per entry, in the given order.
     Source: bwrap(1) ``--file``, ``--perms``, ``--symlink``, ``--remount-ro``.
@@ -216,7 +216,7 @@ def static_args(policy: Policy, facts: HostFacts, rootfs_overlay: str | None = N
         # A root filesystem tree instead of the host's system (lowlevel.rootfs; its layout is read
         # once per process and tree: the only I/O here). Egress mode binds no host network /etc
         # over the tree's (there is no DNS inside; the tree has its own TLS trust store).
-        from .rootfs import base_args, rootfs_layout
+        from lowlevel.rootfs import base_args, rootfs_layout
         a += base_args(rootfs_layout(policy.rootfs), writable=policy.rootfs_writable,
                        bwrap_options=facts.bwrap.options, network=policy.network is True,
                        network_sources=facts.network_etc, tmp_size=policy.limits.tmp_size_bytes,
@@ -261,7 +261,7 @@ def static_args(policy: Policy, facts: HostFacts, rootfs_overlay: str | None = N
     # (memory outside every limit when no cgroup applies). /dev/shm, /dev/pts and the device
     # nodes are separate mounts or inodes and keep working.
     a += ["--remount-ro", "/dev"]
-    # Each bind, then masks over the unix sockets found in it (lowlevel.bind_sockets: a walk of
+    # Each bind, then masks over the unix sockets found in it (lowlevel.sandbox.bind_sockets: a walk of
     # each directory bind, once per Policy; the only other I/O here).
     scans = _bind_sockets.plan(policy, facts.caller_is_root) if policy.binds else ()
     for bind in policy.binds:
@@ -285,7 +285,7 @@ def dynamic_args(
         workspace: host path of the run's workspace, bound read-write at ``/workspace``.
         fds: fd numbers bwrap will see.
         extra_mounts: bwrap mount options placed before ``--remount-ro /`` (the egress
-            proxy's socket and CA bundle: :class:`lowlevel.egress_proxy.EgressRun`).
+            proxy's socket and CA bundle: :class:`lowlevel.net.egress_proxy.EgressRun`).
         extra_env: variables set on top of the Policy's environment.
         clearenv: emit ``--clearenv`` before ``extra_env`` (bwrap applies it where it stands),
             so ``extra_env`` is then the whole environment, set in sorted order.
@@ -304,7 +304,7 @@ def dynamic_args(
     # ``--chdir /``, never the run's cwd: bwrap 0.8.0 changes directory while it still holds an
     # O_PATH fd of the host's /proc, so a cwd through /proc/self/fd/N started the program in the
     # host's tree (CVE-2024-21626 class). The guard or the session init changes to the cwd once
-    # bwrap has closed its fds, and checks it with getcwd(2) (lowlevel.validate.sandbox_cwd).
+    # bwrap has closed its fds, and checks it with getcwd(2) (lowlevel.spec.validate.sandbox_cwd).
     a += ["--remount-ro", "/", "--chdir", "/"]
     if clearenv:
         a += ["--clearenv"]
@@ -388,7 +388,7 @@ def encode_args(argv: Sequence[str]) -> bytes:
     """bwrap's ``--args`` memfd content: each element, then a NUL byte.
 
     The last line against option injection (issue 10, item 1): every value was validated at
-    the policy edge (:mod:`lowlevel.validate`), and this refuses once more, right before the
+    the policy edge (:mod:`lowlevel.spec.validate`), and this refuses once more, right before the
     bytes are written, any element that is not a str, holds a NUL (which would make bwrap read
     two options where we meant one) or cannot be encoded. Fails closed: nothing is spawned.
 

@@ -2,7 +2,7 @@
 
 For ``Policy(network=Egress(...))`` each run (or session) gets a :class:`Listener`: a unix
 socket in a private directory under ``/dev/shm`` (or ``/tmp``), bound read-only into the sandbox at
-:data:`lowlevel.egress.SOCKET_DEST`, where the in-sandbox relay (``native/lowlevel_relay.c``,
+:data:`lowlevel.spec.egress.SOCKET_DEST`, where the in-sandbox relay (``native/lowlevel_relay.c``,
 listening on ``127.0.0.1:3128``) connects once per TCP connection the program opens. Every
 listener of the process is served by one event loop in one daemon thread
 (``lowlevel-egress``), started on first use; a sync :func:`lowlevel.run`, an
@@ -12,7 +12,7 @@ thread (connections wait in the backlog until the loop accepts them), so the san
 ready before the program starts, and a run that never connects never wakes the loop thread;
 closing a listener that served connections is one round trip to the loop thread.
 
-Per connection (all decisions are :class:`lowlevel.egress.Egress`'s, see that module):
+Per connection (all decisions are :class:`lowlevel.spec.egress.Egress`'s, see that module):
     1. read the request head (at most :data:`MAX_HEAD_BYTES`, within :data:`HEAD_TIMEOUT_S`);
     2. ``CONNECT host:port`` (a tunnel) or a plain-HTTP request in absolute form
        (``GET http://host[:port]/path``) or origin form with ``Host:``; anything else is a
@@ -39,7 +39,7 @@ Per connection (all decisions are :class:`lowlevel.egress.Egress`'s, see that mo
 Bytes are counted per connection and per run; with ``Limits(net_bytes=N)`` the connection
 that crosses N is cut after exactly N bytes in total, every other connection of the run is
 closed and later requests get ``403``. The run's :attr:`lowlevel.Result.network` lists each
-attempt (:class:`lowlevel.egress.NetworkAttempt`).
+attempt (:class:`lowlevel.spec.egress.NetworkAttempt`).
 
 Bounds per run: :data:`MAX_CONNECTIONS` open at once (more get ``503``),
 :data:`CONNECTING_PER_RUN` connects in progress, :data:`RESOLVE_PER_RUN` lookups running
@@ -56,7 +56,7 @@ surface (TLS interception, web server, plugins) we would never use. mitmproxy (a
 decide per connection) is far larger still, built around TLS interception. pproxy is
 asyncio-native but unmaintained since 2021 and has no per-connection decision hook. So the
 proxy is ours and small (this module), and the decisions live apart, pure and unit-tested,
-in :mod:`lowlevel.egress`.
+in :mod:`lowlevel.spec.egress`.
 
 Test-only: :func:`override_resolver_for_tests` replaces ``getaddrinfo`` in this process so
 tests can name local servers. It is not part of :class:`lowlevel.Policy` (so no record, CLI
@@ -92,8 +92,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from .egress import CA_BUNDLE_DEST, PROXY_PORT, SOCKET_DEST, Decision, Egress, NetworkAttempt
-from .errors import LowlevelError, UnsupportedError
+from lowlevel.paths import native
+from lowlevel.spec.egress import CA_BUNDLE_DEST, PROXY_PORT, SOCKET_DEST, Decision, Egress, NetworkAttempt
+from lowlevel.errors import LowlevelError, UnsupportedError
 
 log = logging.getLogger("lowlevel")
 
@@ -135,7 +136,7 @@ PIPE_BYTES = 256 * 1024
 RELAY_FD = 20
 CA_FD = 21
 #: The relay executable built by setup.py from ``native/lowlevel_relay.c``.
-RELAY_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lowlevel_relay")
+RELAY_PATH = native("_lowlevel_relay")
 #: The host's CA bundle, the base of the sandbox's bundle when ``extra_ca_pem`` is given.
 HOST_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 

@@ -3,7 +3,7 @@
 A run's workspace is the lower layer of an overlayfs that the anchor (``native/lowlevel_exec.c``)
 mounts in a private mount namespace before bwrap starts; the run's writes land in an upper
 directory on a sized tmpfs (so a run's disk use is bounded by default), and the caller reads
-them after the run through an fd the anchor hands over (:mod:`lowlevel.overlay` turns them into
+them after the run through an fd the anchor hands over (:mod:`lowlevel.workspace.overlay` turns them into
 a change report and applies or discards them). The user's directory is never written during
 the run and never changes owner or mode.
 
@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .errors import UnsupportedError, WorkspaceError
+from lowlevel.errors import UnsupportedError, WorkspaceError
 
 #: Default bound on a run's writes (the upper tmpfs), bytes: ``Limits.workspace_bytes`` when
 #: unset. Above it, writes inside fail with ENOSPC and the host disk is untouched.
@@ -62,7 +62,7 @@ def commit_budget(upper_bytes: int) -> int:
 
     The upper layer holds at most ``upper_bytes`` of data, and a commit copies files hole for
     hole, so an honest run commits at most that much; hard-linked files the commit cannot keep
-    as links (past :data:`lowlevel.overlay.MAX_LINKED` inodes, or a link over an existing name)
+    as links (past :data:`lowlevel.workspace.overlay.MAX_LINKED` inodes, or a link over an existing name)
     are copied once per name, hence the factor 2. A hostile run that links one file over
     thousands of names would otherwise write (names x size) to the host disk from a bounded
     upper; past this cap the commit is refused (nothing applied, a warning says so).
@@ -238,7 +238,7 @@ class UidLease:
         first, count = uid_range()
         path = UID_LOCK_PATH or os.path.join(ensure_root_state_dir(), "uids.lock")
         # An OSError here (EMFILE...) propagates: the launcher reports it as a LaunchError.
-        from .handover_journal import journaled_uids
+        from lowlevel.workspace.handover_journal import journaled_uids
         taken = account_uids(first, count) | journaled_uids()
         ask_nss = nss_beyond_files()
         nss_known = 0
@@ -337,7 +337,7 @@ def mount_dir(base: str | None = None) -> str:
     """
     if os.geteuid() == 0:
         return os.path.join(ensure_root_state_dir(), "mnt")
-    from .workspace import default_base, ensure_base
+    from lowlevel.workspace import default_base, ensure_base
     root = ensure_base(base or default_base())
     path = os.path.join(root, ".mnt")
     try:
@@ -361,7 +361,7 @@ class CowSupport:
         reason: why not (one line, for ``Result.notes`` and ``lowlevel doctor``), else "".
         transient: the probe failed for a reason of the caller's, not of the host (a limit of
             its own: EMFILE, ENFILE, ENOMEM, EAGAIN; EINTR; the probe killed by a signal). Such
-            an answer is never cached (in this process or in :mod:`lowlevel.hostcache`) and a
+            an answer is never cached (in this process or in :mod:`lowlevel.host.hostcache`) and a
             run refuses to start on it rather than fall back (:class:`lowlevel.errors.LaunchError`).
     """
 

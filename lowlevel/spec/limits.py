@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # imported where used: subprocess costs ~1 ms at every import of lowlevel
     import subprocess
 
-from .errors import LaunchError, PolicyError, UnsupportedError
+from lowlevel.errors import LaunchError, PolicyError, UnsupportedError
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -77,7 +77,7 @@ CPU_PERIOD_US = 100_000
 _INT_MAX = 2**63 - 1
 
 #: The workspace bound when ``Limits.workspace_bytes`` is None: the size of the tmpfs holding the
-#: copy-on-write upper layer. The same value as :data:`lowlevel.cow.DEFAULT_UPPER_BYTES` (a unit
+#: copy-on-write upper layer. The same value as :data:`lowlevel.workspace.cow.DEFAULT_UPPER_BYTES` (a unit
 #: test checks; cow.py is not imported here: it is not needed for a run without the overlay).
 DEFAULT_WORKSPACE_BYTES = 1 * GiB
 
@@ -162,7 +162,7 @@ class Limits:
         workspace_bytes: total bytes a run (or a Session, in all) may write into its workspace:
             the size of the tmpfs holding the copy-on-write overlay's upper layer (ENOSPC
             inside beyond it; the host's disk is never used). None: the default,
-            :data:`lowlevel.cow.DEFAULT_UPPER_BYTES` (1 GiB). Where the overlay is unavailable
+            :data:`lowlevel.workspace.cow.DEFAULT_UPPER_BYTES` (1 GiB). Where the overlay is unavailable
             (the hand-over fallback) a value raises UnsupportedError.
         net_bytes: egress mode only (``Policy(network=Egress(...))``): payload bytes the run may
             move through the egress proxy, both directions and every connection together, or
@@ -845,7 +845,7 @@ class RunCgroup:
         self._memory_sampled = 0
         self._removed = False
         self._event_fds: dict[str, int] | None = None
-        #: Where :mod:`lowlevel.run_records` recorded the directories (None: no record).
+        #: Where :mod:`lowlevel.host.run_records` recorded the directories (None: no record).
         self.record: str | None = None
 
     def __repr__(self) -> str:
@@ -869,7 +869,7 @@ class RunCgroup:
             support: the host's cgroups; default :func:`detect_cgroups`.
             workspace: the run's workspace, kept in the run's record (``lowlevel cleanup``
                 then checks it for commit temporaries if the caller dies).
-        The directories are recorded (:mod:`lowlevel.run_records`) before the first is made,
+        The directories are recorded (:mod:`lowlevel.host.run_records`) before the first is made,
         and the record removed by :meth:`remove`, so ``lowlevel cleanup`` finds them after the
         caller's death wherever its own cgroup put them.
         Returns:
@@ -905,7 +905,7 @@ class RunCgroup:
                 if h is not None:
                     chosen[h.mount] = h
 
-        from . import run_records
+        from lowlevel.host import run_records
         nodes: list[_Node] = []
         record = run_records.write(name, [os.path.join(str(h.base), name) for h in chosen.values()], workspace)
         try:
@@ -1193,7 +1193,7 @@ class RunCgroup:
         if left:
             raise OSError(errno.EBUSY, f"run cgroup(s) still busy after {timeout_s}s: {', '.join(left)}")
         self._removed = True
-        from . import run_records
+        from lowlevel.host import run_records
         run_records.remove(self.record)  # only once every directory is gone
         self.record = None
 
@@ -1290,7 +1290,7 @@ def fallback_notes(limits: Limits, cgroup: RunCgroup | None) -> tuple[str, ...]:
 
 
 #: How the notes that explain a verdict start (:func:`memory_kill_note`,
-#: :func:`lowlevel.launcher.pids_note`, :func:`lowlevel.launcher.network_denial_note`, a Session
+#: :func:`lowlevel.sandbox.launcher.pids_note`, :func:`lowlevel.sandbox.launcher.network_denial_note`, a Session
 #: init's death by the OOM killer): the CLI prints them, MCP results carry them. They name limits
 #: and policy, never host paths.
 VERDICT_NOTE_PREFIXES = ("the memory cgroup's OOM killer", "the pids limit was hit", "connect() refused by the sandbox",

@@ -4,7 +4,7 @@ CPython runs a Python signal handler (``KeyboardInterrupt`` from SIGINT, a frame
 handler raising ``SystemExit``...) at the first bytecode boundary after the C signal handler
 ran, in the main thread: that can be right after ``os.pipe()``, ``os.posix_spawn()`` or the
 ``recvmsg`` of the anchor's READY returned and before their result is stored where
-:meth:`lowlevel.launcher.Run.close` finds it. The exception then loses the fd (or the anchor's
+:meth:`lowlevel.sandbox.launcher.Run.close` finds it. The exception then loses the fd (or the anchor's
 PID), measured at 1 Session start in 80 and 1 Pool call in 80 under random SIGINTs.
 
 :class:`deferred_interrupts` closes that window: inside it, each of :data:`SIGNALS` whose

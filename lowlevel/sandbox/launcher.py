@@ -4,19 +4,19 @@ The life of one run (:class:`Run`), the same for the sync and the async drivers:
 
 1. ``prepare``: everything that can fail or allocate happens before the spawn, and every fd
    is owned the moment it exists: the workspace (opened once, by fd), the run's host ids (a
-   per-run uid lease for root callers, :class:`lowlevel.cow.UidLease`), the cgroup and an
+   per-run uid lease for root callers, :class:`lowlevel.workspace.cow.UidLease`), the cgroup and an
    O_WRONLY fd on each of its ``cgroup.procs``, the rlimits, the seccomp BPF (compiled once
    per profile), the Policy's static argv (cached) and the fds: an ``--args`` memfd (so a
    long policy never hits E2BIG), the ``--json-status-fd`` pipe, the ``--seccomp`` memfd, the
    ``/etc/passwd``/``/etc/group`` memfds, the stdio pipes and the anchor's report socket.
 2. ``spawn``: ``os.posix_spawn`` of the anchor (``native/lowlevel_exec.c``: see
-   :func:`lowlevel.argv.anchor_argv`) with an empty environment (bwrap's PID 1 keeps the
+   :func:`lowlevel.sandbox.argv.anchor_argv`) with an empty environment (bwrap's PID 1 keeps the
    environment it was started with, and ``/proc/1/environ`` is readable from the sandbox). The
    file actions dup2 our fds onto fixed numbers; the anchor closes every other inherited fd (a
    leaked directory fd is a path out of any mount namespace). The anchor dies with us (checked
    ``PR_SET_PDEATHSIG``), joins the cgroups, mounts the copy-on-write workspace in a private
    mount namespace, and runs bwrap as PID 1 of a new PID namespace with the rlimits set.
-   The program itself is behind the guard (:mod:`lowlevel.landlock`): bwrap execs
+   The program itself is behind the guard (:mod:`lowlevel.host.landlock`): bwrap execs
    ``/proc/self/fd/N`` (the static ``_lowlevel_guard``), which applies the Policy's Landlock
    ruleset to the program and reports its exact wait status on a pipe read in ``result``.
 3. handshake: the anchor sends READY with bwrap's pidfd (and the overlay's upper directory)
@@ -28,7 +28,7 @@ The life of one run (:class:`Run`), the same for the sync and the async drivers:
 5. finish: reap the anchor with ``os.wait4``, wait until bwrap's pidfd reports exit (a PID 1
    exits only after every process of its namespace is gone: ``zap_pid_ns_processes``), read
    cgroup figures, build the :class:`Result`, read the upper layer's changes and commit or
-   discard them (:mod:`lowlevel.overlay`), remove the cgroup.
+   discard them (:mod:`lowlevel.workspace.overlay`), remove the cgroup.
 
 Fds each run holds in the parent after the handshake: the anchor's pidfd, bwrap's pidfd, the
 report socket, the upper directory and the workspace, json-status read end, stdout and stderr
@@ -59,25 +59,26 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from . import bind_sockets as _bind_sockets
-from . import cow as _cow
-from ._interrupts import deferred_interrupts
-from . import landlock as _landlock
-from . import limits as _limits
-from . import overlay as _overlay
-from . import seccomp as _seccomp
-from . import validate as _validate
-from . import workspace as _ws
-from .argv import (ETC_COPY_FD, NETWORK_ETC, Fds, HostFacts, anchor_argv, build_argv, encode_args, etc_copies,
-                   etc_copy_refusal, redact_env_values, setup_paths)
-from .argv import AnchorOverlay as _AnchorOverlay
-from .egress import Egress
-from .errors import (BwrapNotFoundError, CommitIncompleteError, LaunchError, LowlevelError, PolicyError,
+from lowlevel.paths import native
+from lowlevel.sandbox import bind_sockets as _bind_sockets
+from lowlevel.workspace import cow as _cow
+from lowlevel.sandbox._interrupts import deferred_interrupts
+from lowlevel.host import landlock as _landlock
+from lowlevel.spec import limits as _limits
+from lowlevel.workspace import overlay as _overlay
+from lowlevel.spec import seccomp as _seccomp
+from lowlevel.spec import validate as _validate
+from lowlevel import workspace as _ws
+from lowlevel.sandbox.argv import (ETC_COPY_FD, NETWORK_ETC, Fds, HostFacts, anchor_argv, build_argv, encode_args,
+                                   etc_copies, etc_copy_refusal, redact_env_values, setup_paths)
+from lowlevel.sandbox.argv import AnchorOverlay as _AnchorOverlay
+from lowlevel.spec.egress import Egress
+from lowlevel.errors import (BwrapNotFoundError, CommitIncompleteError, LaunchError, LowlevelError, PolicyError,
                      UnsupportedError, WorkspaceError)
-from .policy import WORKSPACE_DEST, Policy
-from .probe import ETC_ENTRIES, bwrap_info, host_layout, require_pidfd
-from .report import WARNING_PREFIX
-from .result import Result, decode_exit
+from lowlevel.spec.policy import WORKSPACE_DEST, Policy
+from lowlevel.host.probe import ETC_ENTRIES, bwrap_info, host_layout, require_pidfd
+from lowlevel.spec.report import WARNING_PREFIX
+from lowlevel.sandbox.result import Result, decode_exit
 
 class _Log:
     """``logging.getLogger("lowlevel")``; ``debug`` takes callables as arguments, called only when
@@ -157,7 +158,7 @@ def _has_cap(bit: int) -> bool:
 
 
 #: The anchor (``native/lowlevel_exec.c``), built next to this module by setup.py.
-EXEC_HELPER_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lowlevel_exec")
+EXEC_HELPER_PATH = native("_lowlevel_exec")
 
 
 @functools.lru_cache(maxsize=None)
@@ -184,15 +185,15 @@ _TRANSIENT_TEXT = tuple(os.strerror(e) for e in sorted(_TRANSIENT_ERRNOS))
 
 
 def _probe_cow(facts: HostFacts, workspace: str, base: str | None) -> _cow.CowSupport:
-    """:func:`_probe_cow_now`, or its answer for this filesystem from :mod:`lowlevel.hostcache`
+    """:func:`_probe_cow_now`, or its answer for this filesystem from :mod:`lowlevel.host.hostcache`
     (keyed by the filesystem's ``st_dev``, the euid, the mount directory and the anchor file).
 
-    A transient failure (:attr:`lowlevel.cow.CowSupport.transient`: the caller's fd, memory or
+    A transient failure (:attr:`lowlevel.workspace.cow.CowSupport.transient`: the caller's fd, memory or
     process limit, an interruption) is never stored: one fd-starved run must not turn the
     overlay off for every later run on the filesystem. A negative answer is stored with the
     workspace's path, so ``lowlevel doctor`` can probe that filesystem again
     (:func:`recheck_cached_cow`)."""
-    from . import hostcache
+    from lowlevel.host import hostcache
     try:
         dev = os.stat(workspace).st_dev
         mnt = _cow.mount_dir(base)
@@ -210,7 +211,7 @@ def _probe_cow(facts: HostFacts, workspace: str, base: str | None) -> _cow.CowSu
 
 
 def recheck_cached_cow(facts: HostFacts) -> list[tuple[str, _cow.CowSupport, _cow.CowSupport | None]]:
-    """Probe again every filesystem :mod:`lowlevel.hostcache` says has no copy-on-write overlay
+    """Probe again every filesystem :mod:`lowlevel.host.hostcache` says has no copy-on-write overlay
     (``lowlevel doctor``). Each entry is probed on the workspace path it was stored with, when
     that still exists on the same filesystem, and rewritten with the fresh answer (or dropped
     on a transient failure); an entry whose path is gone is dropped (the next run there probes).
@@ -218,7 +219,7 @@ def recheck_cached_cow(facts: HostFacts) -> list[tuple[str, _cow.CowSupport, _co
     Returns:
         ``[(path, cached answer, fresh answer or None when dropped unprobed), ...]``.
     """
-    from . import hostcache
+    from lowlevel.host import hostcache
     out: list[tuple[str, _cow.CowSupport, _cow.CowSupport | None]] = []
     for entry, item in hostcache.entries("host"):
         if not entry.startswith("cow:") or not isinstance(item, dict):
@@ -334,10 +335,10 @@ def _memfd(name: str, data: bytes) -> int:
 
 
 def _open_etc_copy(path: str) -> int:
-    """Open a host ``/etc`` file that bwrap copies into the sandbox (:func:`lowlevel.argv.etc_plan`).
+    """Open a host ``/etc`` file that bwrap copies into the sandbox (:func:`lowlevel.sandbox.argv.etc_plan`).
 
     ``O_NOFOLLOW``: the plan saw a regular file; one replaced by a symlink since is refused,
-    not followed. What was opened is checked again (:func:`lowlevel.argv.etc_copy_refusal`,
+    not followed. What was opened is checked again (:func:`lowlevel.sandbox.argv.etc_copy_refusal`,
     one ``fstat``): the plan is made once per process, and a file that became a FIFO, a
     device, a directory, a file over the size bound or one others may no longer read must not
     be copied (bwrap would read a FIFO or ``/dev/zero`` into the root tmpfs, and the copy is
@@ -474,7 +475,7 @@ def _host_path(policy: Policy, workspace: str, inside: str, etc_files: Sequence[
             return bind.source + inside[len(bind.dest):]
     if policy.rootfs is not None:
         # The system is a tree on the host: resolve inside it (its symlinks are the sandbox's).
-        from .rootfs import resolve_in_root
+        from lowlevel.rootfs import resolve_in_root
         dests = (WORKSPACE_DEST, "/tmp", *_OPAQUE, *(b.dest for b in policy.binds))
         return resolve_in_root(policy.rootfs, inside, lambda v: any(
             v == d or v.startswith(d.rstrip("/") + "/") for d in dests))
@@ -656,12 +657,12 @@ def classify_setup_failure(stderr: bytes, argv: list[str], command: Sequence[str
     """Turn bwrap's stderr after a run that never exec'd into the most specific exception.
 
     A failure other than "command not found/not executable" also drops the cached host facts
-    (:func:`lowlevel.hostcache.forget`): they may be what changed (a sysctl, a new bwrap), so
+    (:func:`lowlevel.host.hostcache.forget`): they may be what changed (a sysctl, a new bwrap), so
     the next run probes again.
     """
     err = _classify_setup_failure(stderr, argv, command)
     if not isinstance(err, ExecError):
-        from . import hostcache
+        from lowlevel.host import hostcache
         hostcache.forget("host")
     return err
 
@@ -726,7 +727,7 @@ def network_denial_note(policy: Policy, landlock_abi: int | None, exit_code: int
     """The note of a failed run whose program reported a connect() refused with EACCES, when
     the sandbox's own network policy is the cause: Landlock (ABI >= 4) denies TCP connect to
     every port without network, and to all but the egress relay's with ``network=Egress``
-    (lowlevel/landlock.py). Cheap: one regex over the captured stderr; None otherwise."""
+    (lowlevel/host/landlock.py). Cheap: one regex over the captured stderr; None otherwise."""
     if exit_code == 0 or policy.network is True or not landlock_abi or landlock_abi < 4 \
             or not _CONNECT_EACCES.search(stderr[-65536:]):
         return None
@@ -749,7 +750,7 @@ def pids_note(pids: int | None, exit_code: int, term: int | None) -> str:
 
 
 class Run:
-    """One sandboxed run, driven by :func:`run` (sync) or :func:`lowlevel.aio.arun` (async).
+    """One sandboxed run, driven by :func:`run` (sync) or :func:`lowlevel.sandbox.aio.arun` (async).
 
     Not thread-safe; one driver per Run. Always ends with :meth:`close` (idempotent), which
     kills whatever is left and closes every fd. The keyword arguments are :func:`run`'s, plus
@@ -781,7 +782,7 @@ class Run:
         if commit not in (True, False, "on_success"):
             raise PolicyError(f"commit must be True, False or 'on_success', got {commit!r}")
         # The policy edge (issue 10, item 1): every string bound for bwrap's argv is checked here,
-        # before anything is created (lowlevel.validate); argv.encode_args checks once more.
+        # before anything is created (lowlevel.spec.validate); argv.encode_args checks once more.
         self.command = _validate.run_args(command=command, cwd=cwd, env=env, workspace=workspace,
                                           workspace_base=workspace_base, inputs=inputs, bwrap=bwrap)
         self.policy = policy
@@ -852,7 +853,7 @@ class Run:
         self.pre_exec_rlimits: tuple[tuple[str, int, int], ...] = ()
         self.seccomp_loaded = False
         self.audit: Any = None
-        self.egress: Any = None  # lowlevel.egress_proxy.EgressRun in egress mode
+        self.egress: Any = None  # lowlevel.net.egress_proxy.EgressRun in egress mode
         # The anchor and the copy-on-write workspace.
         self.lease: _cow.UidLease | None = None
         self.host_ids: tuple[int, int] = (0, 0)
@@ -874,13 +875,13 @@ class Run:
         self.actions: list[tuple[Any, ...]] = []
         self.committed = False
         #: A Session's long-lived workspace: a host change the sandbox copied up (saw) afterwards
-        #: is no conflict (lowlevel.overlay.commit); a run keeps the plain rule.
+        #: is no conflict (lowlevel.workspace.overlay.commit); a run keeps the plain rule.
         self.accept_seen_host_changes = False
         #: A Session's close() raises what the final commit raised (keep_close_error=True: the
         #: error is kept here, not only logged).
         self.keep_close_error = False
         self.close_error: LowlevelError | None = None
-        # The guard (lowlevel.landlock): bwrap execs it in place of the command; it applies
+        # The guard (lowlevel.host.landlock): bwrap execs it in place of the command; it applies
         # Landlock and reports the command's exact wait status on status_r. Session passes
         # guard=False (its init does both itself).
         self.guard = guard
@@ -911,7 +912,7 @@ class Run:
         try:
             self._resolve_workspace()  # may copy inputs: interruptible
             # The rest makes fds, a uid lease, a cgroup: each recorded as it is made
-            # (lowlevel._interrupts); ~1 ms.
+            # (lowlevel.sandbox._interrupts); ~1 ms.
             with deferred_interrupts():
                 self._prepare()
         except LowlevelError:
@@ -965,8 +966,8 @@ class Run:
         """The argv's (cached) layout of the tree must still be the tree's, the one the anchor
         overlays included (:func:`lowlevel.rootfs.layout_holds`): a directory swapped for a
         symlink since would make bwrap bind the symlink's host target. Re-read once if not."""
-        from .argv import static_args
-        from .rootfs import layout_holds, rootfs_layout
+        from lowlevel.sandbox.argv import static_args
+        from lowlevel.rootfs import layout_holds, rootfs_layout
         if layout_holds(rootfs_layout(path), self.root_fd):
             return
         rootfs_layout.cache_clear()
@@ -1030,7 +1031,7 @@ class Run:
         # A serial, not id(self): a cgroup an interrupted run left behind must not collide with a
         # later Run object that CPython put at the same address (EEXIST, LaunchError).
         self.cgroup = _limits.RunCgroup.create(policy.limits, f"run-{os.getpid()}-{next(_CGROUP_SERIAL):x}",
-                                               workspace=self.workspace)  # recorded: lowlevel.run_records
+                                               workspace=self.workspace)  # recorded: lowlevel.host.run_records
         if self.cgroup is None:
             self.notes.append("no writable cgroup hierarchy: memory, pids and CPU bounded by rlimits only")
         else:
@@ -1069,8 +1070,8 @@ class Run:
         etc_fds = [self._own(_open_etc_copy(path)) for path in etc_copies(policy, self.facts)]
 
         if isinstance(policy.network, Egress):
-            # The host-side proxy and the relay that runs first inside (lowlevel/egress_proxy.py).
-            from .egress_proxy import EgressRun
+            # The host-side proxy and the relay that runs first inside (lowlevel/net/egress_proxy.py).
+            from lowlevel.net.egress_proxy import EgressRun
             self.egress = EgressRun.open(policy.network, policy.limits.net_bytes,
                                          caller_is_root=self.facts.caller_is_root, host_gid=self.host_ids[1])
             self.extra_fds.update(self.egress.child_fds)
@@ -1078,12 +1079,12 @@ class Run:
                 self._own(fd)  # closed after the spawn, like ours
         tree = None
         if policy.rootfs is not None:
-            from .rootfs import check_setup_paths, rootfs_layout
+            from lowlevel.rootfs import check_setup_paths, rootfs_layout
             self._check_rootfs_layout(policy.rootfs)
             tree = rootfs_layout(policy.rootfs)
         for bind in policy.binds:  # each source still the one the Policy checked (not swapped since)
             bind.check_unchanged()
-        if policy.binds:  # the cached socket masks still cover what they did (lowlevel.bind_sockets)
+        if policy.binds:  # the cached socket masks still cover what they did (lowlevel.sandbox.bind_sockets)
             _bind_sockets.revalidate(policy, self.facts.caller_is_root)
         tree_masks: tuple[str, ...] = ()
         if tree is not None and not policy.rootfs_writable:
@@ -1208,7 +1209,7 @@ class Run:
         self.handover = _ws.hand_over(self.workspace, sandbox_ids=self.host_ids if root else None,
                                       empty=fresh_empty)
         self.before = self.handover.before
-        # The workspace is bound as it is: mask the host unix sockets in it (lowlevel.bind_sockets).
+        # The workspace is bound as it is: mask the host unix sockets in it (lowlevel.sandbox.bind_sockets).
         self.workspace_masks = _bind_sockets.workspace_masks(self.workspace, self.before[0])
         if self.workspace_masks:
             if len(self.workspace_masks) > 3 * _bind_sockets.MAX_MASKS:
@@ -1256,7 +1257,7 @@ class Run:
         """posix_spawn the anchor (which execs bwrap) with an empty environment; open its pidfd.
 
         A signal handler's exception (KeyboardInterrupt) is held back until the anchor's PID
-        and pidfd are recorded (lowlevel._interrupts), so :meth:`close` can always kill it.
+        and pidfd are recorded (lowlevel.sandbox._interrupts), so :meth:`close` can always kill it.
 
         Raises:
             LaunchError: the spawn or pidfd_open failed; nothing is left running.
@@ -1293,7 +1294,7 @@ class Run:
             self.wait_status = -1
             raise LaunchError(f"pidfd_open of the sandbox failed: {err.strerror}", errno=err.errno) from err
         if self.handover is not None and self.handover.journal is not None:
-            self.handover.journal.record_process("anchor", self.pid)  # lowlevel.handover_journal
+            self.handover.journal.record_process("anchor", self.pid)  # lowlevel.workspace.handover_journal
         # Close the child's ends in the parent.
         keep = {self.json_r, self.out_r, self.err_r, self.stdin_w, self.lower_fd, self.status_r}
         for fd in list(self.fds):
@@ -1872,9 +1873,9 @@ class Run:
             owner = (self.lower_stat.st_uid, self.lower_stat.st_gid) if root else None
             # A run without a cgroup record (an unprivileged caller here: no writable cgroup)
             # records its workspace for the commit, so `lowlevel cleanup` finds the commit's
-            # temporaries if this caller dies mid-way (lowlevel.run_records; found by the
+            # temporaries if this caller dies mid-way (lowlevel.host.run_records; found by the
             # caller-kill trials: 42 of 42 such kills left them to `cleanup --workspace` only).
-            from . import run_records as _run_records
+            from lowlevel.host import run_records as _run_records
             commit_record = None
             if self.cgroup is None or self.cgroup.record is None:
                 commit_record = _run_records.write(f"commit-{id(self):x}", [], self.workspace)
@@ -2319,7 +2320,7 @@ def run(command: Sequence[str], *, policy: Policy | None = None, workspace: str 
         stdio_fds: ``(stdin_fd, stdout_fd, stderr_fd)``, open fds of the caller given to the
             program as its fds 0, 1 and 2 (None for one keeps the default above); the caller
             keeps ownership and closes them. Pass pipes or a pty of your own
-            (:class:`lowlevel.relay.StdioRelay` does for the CLI) so the program never holds
+            (:class:`lowlevel.sandbox.relay.StdioRelay` does for the CLI) so the program never holds
             your own terminal or files: a program holding your terminal can change its line
             discipline or lock it (``TIOCSETD``, ``TIOCEXCL``), one holding your log file can
             reopen it through ``/proc/self/fd`` and read it. stdout and stderr only with
@@ -2357,7 +2358,7 @@ def run(command: Sequence[str], *, policy: Policy | None = None, workspace: str 
             raise PolicyError("stdio_fds does not go with record: a record stores stdin as bytes and "
                               "the output it hashes; pass stdin= and capture the output")
         _check_keep_workspace(keep_workspace, workspace)
-        from .record import record_run
+        from lowlevel.record import record_run
         recorded = record_run(command, record=record, policy=policy, workspace=workspace, inputs=inputs,
                               timeout=timeout, stdin=stdin, env=env, capture=capture, cwd=cwd,
                               workspace_base=workspace_base, allow_sensitive_workspace=allow_sensitive_workspace)

@@ -1,6 +1,6 @@
 """asyncio driver: ``await arun(...)``, the same run as :func:`lowlevel.run`, on the event loop.
 
-Each run is the launcher's :class:`~lowlevel.launcher.Run` (prepare, spawn, handshake,
+Each run is the launcher's :class:`~lowlevel.sandbox.launcher.Run` (prepare, spawn, handshake,
 supervise, reap, result) driven by loop callbacks instead of ``poll(2)``: bwrap's pidfd and
 the output pipes are registered with ``loop.add_reader``, stdin with ``loop.add_writer``,
 the deadline with ``loop.call_later``. No thread per child, no polling sleeps, nothing in
@@ -31,7 +31,7 @@ File descriptors, per run (Linux fds in this process; the loop's epoll fd is sha
     - from spawn to reap, at most 7: bwrap pidfd, json-status read end, stdout and stderr
       read ends (``capture=True``), stdin write end (``stdin`` bytes, until written), the
       block-fd write end (until the handshake) or, after it, the init pidfd, and the read
-      end of the guard's report pipe (:mod:`lowlevel.landlock`);
+      end of the guard's report pipe (:mod:`lowlevel.host.landlock`);
     - after the run: none. So ``n`` runs in flight hold at most ``7 * n + 25 *
       EXECUTOR_THREADS`` fds, and a :class:`Runner` with ``max_concurrency=64`` stays under
       550 however many calls wait (the default ``RLIMIT_NOFILE`` soft limit is often 1024).
@@ -65,10 +65,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .errors import LaunchError, LowlevelError, PolicyError
-from .launcher import DEFAULT_TIMEOUT_S, PROCESS_LIMIT_HINT, SETUP_TIMEOUT_S, Run
-from .policy import Policy
-from .result import Result
+from lowlevel.errors import LaunchError, LowlevelError, PolicyError
+from lowlevel.sandbox.launcher import DEFAULT_TIMEOUT_S, PROCESS_LIMIT_HINT, SETUP_TIMEOUT_S, Run
+from lowlevel.spec.policy import Policy
+from lowlevel.sandbox.result import Result
 
 #: How long the supervisor waits for the output pipes to reach EOF after the sandbox is
 #: gone (they do at once unless a process outside the sandbox holds a copy), seconds.
@@ -506,7 +506,7 @@ async def arun(command: Sequence[str], *, policy: Policy | None = None,
                kill_after: float = 0.0) -> Result:
     """Run ``command`` in a fresh bwrap sandbox without blocking the event loop.
 
-    The same run, arguments and :class:`~lowlevel.result.Result` as :func:`lowlevel.run`
+    The same run, arguments and :class:`~lowlevel.sandbox.result.Result` as :func:`lowlevel.run`
     (see there), plus ``limiter``. The Policy's argv, seccomp BPF and host probes are
     computed once per process and shared by every call.
 
@@ -525,7 +525,7 @@ async def arun(command: Sequence[str], *, policy: Policy | None = None,
             waits for it before allocating anything (no fd, no process, no workspace).
             None: no bound (each run in flight holds up to 10 fds; see the module docstring).
     Returns:
-        A :class:`~lowlevel.result.Result`.
+        A :class:`~lowlevel.sandbox.result.Result`.
     Raises:
         asyncio.CancelledError: the task was cancelled; the sandbox was killed and reaped
             and its fds closed first.

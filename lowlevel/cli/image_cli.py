@@ -18,8 +18,8 @@ import sys
 import time
 from typing import Any, TextIO
 
-from .errors import LowlevelError
-from .image import STORE_ENV, ImageStore, ImportLimits, ImportProgress
+from lowlevel.errors import LowlevelError
+from lowlevel.image import STORE_ENV, ImageStore, ImportLimits, ImportProgress
 
 
 def human_bytes(n: float) -> str:
@@ -83,7 +83,7 @@ class ProgressBar:
 
 def add_image_parser(sub: Any) -> None:
     """Add ``image`` and its subcommands to the ``lowlevel`` parser's subparsers."""
-    from .cli import parse_size
+    from lowlevel.cli import parse_size
 
     img = sub.add_parser("image", help="import, list and remove images (OCI / docker save archives)",
                          description="Images for `lowlevel run --image`. No registry is contacted: fetch with "

@@ -19,7 +19,7 @@ import re
 import stat
 from dataclasses import dataclass
 
-from .errors import BwrapNotFoundError, LaunchError, UnsupportedError
+from lowlevel.errors import BwrapNotFoundError, LaunchError, UnsupportedError
 
 #: Top-level directories that usr-merged hosts make symlinks into /usr.
 MERGED_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
@@ -64,7 +64,7 @@ def _which(name: str) -> str | None:
 @functools.lru_cache(maxsize=None)
 def bwrap_info(path: str | None = None) -> BwrapInfo:
     """Find bwrap and read its version and options (once per process and path; across
-    processes from :mod:`lowlevel.hostcache`, keyed by the executable's path, mtime, size,
+    processes from :mod:`lowlevel.host.hostcache`, keyed by the executable's path, mtime, size,
     inode and mode, so an upgraded bwrap is probed again).
 
     Args:
@@ -82,7 +82,7 @@ def bwrap_info(path: str | None = None) -> BwrapInfo:
             argv=["bwrap"],
         )
     exe = os.path.realpath(exe)
-    from . import hostcache
+    from lowlevel.host import hostcache
     key = hostcache.file_key(exe)
     cached = hostcache.get("host", f"bwrap:{exe}", key) if key is not None else None
     if isinstance(cached, dict) and key is not None:

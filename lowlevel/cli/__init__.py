@@ -4,7 +4,7 @@
 program's output streams live to the terminal; ``--json`` captures it and prints one JSON
 object with the Result. The program never gets the caller's own stdin, stdout or stderr:
 they are pipes of ours, or a pty of ours when the caller's side is a terminal, relayed live
-(:mod:`lowlevel.relay`). Stdin that is not a terminal is passed on in every mode: streamed
+(:mod:`lowlevel.sandbox.relay`). Stdin that is not a terminal is passed on in every mode: streamed
 live, or with ``--record`` read first (at most :data:`MAX_RECORD_STDIN_BYTES`) so the record
 stores it and ``replay`` feeds it again.
 
@@ -32,7 +32,7 @@ the inputs to ``FILE.inputs/``; ``lowlevel replay FILE`` reruns it and exits 0 w
 match, 1 when they differ, 125 when it cannot replay.
 
 ``lowlevel image import FILE`` / ``ls`` / ``rm REF`` / ``inspect REF`` manage images (OCI archives,
-OCI layout dirs, ``docker save`` archives: :mod:`lowlevel.image_cli`); ``lowlevel run --image REF``
+OCI layout dirs, ``docker save`` archives: :mod:`lowlevel.cli.image_cli`); ``lowlevel run --image REF``
 (or ``--rootfs DIR``) runs on one instead of the host's ``/usr``.
 
 ``lowlevel mcp [--config FILE.toml] [--workspace-base DIR] [--network/--no-network] ...`` serves
@@ -54,15 +54,15 @@ from collections.abc import Iterator, Sequence
 from types import FrameType
 from typing import Any, NoReturn
 
-from . import __version__
-from .egress import DEFAULT_PORTS, Egress
-from .errors import LaunchError, LowlevelError, PolicyError, UnsupportedError
-from .launcher import ExecError, classify_setup_failure, run
-from .limits import CPU_QUOTA_FALLBACK_NOTE, VERDICT_NOTE_PREFIXES, Limits
-from .policy import WORKSPACE_DEST, Bind, Policy
-from .report import RECORD_NOT_WRITTEN, WARNING_PREFIX, json_safe
-from .result import Result
-from .units import duration_seconds, size_bytes
+from lowlevel import __version__
+from lowlevel.spec.egress import DEFAULT_PORTS, Egress
+from lowlevel.errors import LaunchError, LowlevelError, PolicyError, UnsupportedError
+from lowlevel.sandbox.launcher import ExecError, classify_setup_failure, run
+from lowlevel.spec.limits import CPU_QUOTA_FALLBACK_NOTE, VERDICT_NOTE_PREFIXES, Limits
+from lowlevel.spec.policy import WORKSPACE_DEST, Bind, Policy
+from lowlevel.spec.report import RECORD_NOT_WRITTEN, WARNING_PREFIX, json_safe
+from lowlevel.sandbox.result import Result
+from lowlevel.units import duration_seconds, size_bytes
 
 EXIT_TIMEOUT = 124
 EXIT_FAILED = 125
@@ -258,7 +258,7 @@ def _input_spec(text: str) -> str | tuple[str, str]:
 
 def _cwd_spec(text: str) -> str:
     """``--cwd``: absolute inside the sandbox, or relative to /workspace."""
-    from .validate import sandbox_cwd
+    from lowlevel.spec.validate import sandbox_cwd
 
     if not text or "\0" in text:
         raise argparse.ArgumentTypeError(f"invalid --cwd {text!r}")
@@ -311,7 +311,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     if only in (None, "cleanup", "doctor", "replay", "mcp"):
         _add_others(sub, only)
     if only in (None, "image"):
-        from .image_cli import add_image_parser
+        from lowlevel.cli.image_cli import add_image_parser
         add_image_parser(sub)
     return parser
 
@@ -596,7 +596,7 @@ def read_stdin_for_record(limit: int = MAX_RECORD_STDIN_BYTES, fd: int = 0) -> b
     Raises:
         UsageError: more than ``limit`` bytes.
     """
-    from .relay import is_terminal_or_none
+    from lowlevel.sandbox.relay import is_terminal_or_none
 
     if is_terminal_or_none(fd):
         return None
@@ -623,11 +623,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if command and command[0] == "--":
         command = command[1:]
     if args.image_store:
-        from .image_cli import use_store
+        from lowlevel.cli.image_cli import use_store
         use_store(args.image_store)
     if not command and args.image:
         # The image's Entrypoint + Cmd (an explicit COMMAND replaces both: explicit arguments win).
-        from .image import ImageStore
+        from lowlevel.image import ImageStore
         try:
             command = ImageStore().get(args.image).command()
         except LowlevelError as err:  # no such image, or no Entrypoint/Cmd: one line, exit 125
@@ -663,7 +663,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _remove(path: str) -> None:
-    from .workspace import remove_workspace
+    from lowlevel.workspace import remove_workspace
     try:
         remove_workspace(path)
     except LowlevelError as err:
@@ -671,7 +671,7 @@ def _remove(path: str) -> None:
 
 
 def _cmd_run(args: argparse.Namespace, command: list[str], created: list[str]) -> int:
-    from .relay import StdioRelay, is_terminal_or_none
+    from lowlevel.sandbox.relay import StdioRelay, is_terminal_or_none
 
     stdin: bytes | None = None
     if args.record is not None:
@@ -681,7 +681,7 @@ def _cmd_run(args: argparse.Namespace, command: list[str], created: list[str]) -
         policy = _policy_from_args(args)
         workspace = args.workspace
         if workspace is None:
-            from .workspace import create_workspace
+            from lowlevel.workspace import create_workspace
             workspace = create_workspace(args.input, disposable=args.rm)
             created.append(workspace)
             inputs: list[Any] = []
@@ -728,7 +728,7 @@ def _cmd_run(args: argparse.Namespace, command: list[str], created: list[str]) -
         raise Interrupted(signum, created[0] if created else None, bool(created and args.rm)) from None
     except BaseException as err:
         if created:
-            from .record import RecordError
+            from lowlevel.record import RecordError
             if isinstance(err, (PolicyError, UnsupportedError, UsageError, LaunchError, RecordError)):
                 # Nothing ran (a bad option, the command not found, setup failed): the
                 # fresh workspace holds only the inputs.
@@ -763,7 +763,7 @@ def _report(args: argparse.Namespace, result: Result) -> int:
             print(f"lowlevel: timed out after {args.timeout:g} s; {how}", file=sys.stderr)
         return EXIT_TIMEOUT
     if result.network and not args.json:
-        from .egress_proxy import describe_attempt
+        from lowlevel.net.egress_proxy import describe_attempt
         for attempt in result.network:
             if not attempt.allowed or attempt.error:
                 print(f"lowlevel: egress: {describe_attempt(attempt)}", file=sys.stderr)
@@ -779,10 +779,10 @@ def _report(args: argparse.Namespace, result: Result) -> int:
 
 def cmd_cleanup(args: argparse.Namespace) -> int:
     """``lowlevel cleanup``: exit 0 when nothing is left, 1 when something stayed."""
-    from .cleanup import clean, find_leftovers
+    from lowlevel.cleanup import clean, find_leftovers
 
     workspaces = tuple(os.path.abspath(w) for w in args.workspace)
-    from .cleanup import Leftover
+    from lowlevel.cleanup import Leftover
     found: list[Leftover] = []
     removed: list[Leftover] = []
     problems: list[str] = []
@@ -807,7 +807,7 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     """``lowlevel doctor``: report host capabilities; non-zero when the default policy cannot run."""
-    from .doctor import diagnose
+    from lowlevel.doctor import diagnose
 
     report = diagnose()
     if args.json:
@@ -826,10 +826,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     """``lowlevel replay FILE``: 0 when the outputs match, 1 when they differ, 125 on failure."""
-    from .record import replay
+    from lowlevel.record import replay
 
     if args.image_store:
-        from .image_cli import use_store
+        from lowlevel.cli.image_cli import use_store
         use_store(args.image_store)
     try:
         report = replay(args.file, keep_workspace=args.keep_workspace, trust_policy=args.trust_record_policy,
@@ -856,7 +856,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 def cmd_mcp(args: argparse.Namespace) -> int:
     """``lowlevel mcp``: serve MCP over stdio until the client goes away."""
-    from .mcp_server import ServerConfig, serve
+    from lowlevel.mcp_server import ServerConfig, serve
 
     overrides: dict[str, object] = {}
     for key, attr in (("workspace_base", "workspace_base"), ("network", "network"),
@@ -941,7 +941,7 @@ def _wants_json(argv: Sequence[str]) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``lowlevel`` console script. Returns the exit status."""
-    from . import _startup
+    from lowlevel import _startup
     try:
         _startup.disarm()  # the start-up ^C notice (lowlevel._startup) hands over to the handling below
         return _main(argv)
@@ -969,7 +969,7 @@ def _main(argv: Sequence[str] | None) -> int:
         if args.cmd == "mcp":
             return cmd_mcp(args)
         if args.cmd == "image":
-            from .image_cli import cmd_image
+            from lowlevel.cli.image_cli import cmd_image
             with clean_shutdown():  # SIGTERM/SIGHUP: the import's sandboxes killed, its staging removed
                 return cmd_image(args)
         if args.cmd == "cleanup":

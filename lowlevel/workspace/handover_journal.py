@@ -36,11 +36,11 @@ import stat
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from . import cow as _cow
-from .workspace import process_start_time
+from lowlevel.workspace import cow as _cow
+from lowlevel.workspace import process_start_time
 
 if TYPE_CHECKING:
-    from .workspace import Handover
+    from lowlevel.workspace import Handover
 
 #: Where journals live (root callers only).
 JOURNAL_DIR = os.path.join(_cow.ROOT_STATE_DIR, "handover")
@@ -139,7 +139,7 @@ class Entry:
 
 def load(path: str) -> Entry:
     """Read a journal back. Raises ValueError if it is malformed."""
-    from .workspace import Handover
+    from lowlevel.workspace import Handover
     with open(path, "rb") as f:
         lines = f.read().decode("ascii").splitlines()
     if not lines or not lines[0].startswith("H 1 "):
@@ -237,7 +237,7 @@ def pending(root: str | None = None) -> list[str]:
 
 def journaled_uids() -> frozenset[int]:
     """The sandbox uids named by the journals here (live runs' and dead callers' not yet given
-    back). :class:`lowlevel.cow.UidLease` never leases them: a dead caller's workspace is still
+    back). :class:`lowlevel.workspace.cow.UidLease` never leases them: a dead caller's workspace is still
     owned by its uid until recovered, and another sandbox running as that uid would own (and
     could reach) its files meanwhile, and keep its recovery waiting."""
     try:
@@ -288,8 +288,8 @@ def recover(root: str | None = None) -> tuple[list[str], list[str]]:
         ``(given back, problems)``: workspace paths restored, and one line for each journal
         that stayed (its sandbox still runs, a walk failed).
     """
-    from .errors import WorkspaceError
-    from .workspace import check_trusted_ancestors, give_back
+    from lowlevel.errors import WorkspaceError
+    from lowlevel.workspace import check_trusted_ancestors, give_back
     done: list[str] = []
     problems: list[str] = []
     for path in pending(root):

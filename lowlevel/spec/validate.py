@@ -6,7 +6,7 @@ would split it into several, so ``cwd="/workspace\\0--bind\\0/\\0/tmp/host"`` be
 the host's root (issue 10, item 1). These functions are the policy edge: :func:`lowlevel.run`,
 :class:`lowlevel.Session`, :class:`lowlevel.Policy`, :class:`lowlevel.Bind`, the CLI, the MCP
 server and ``lowlevel replay`` call them before anything is created, and every refusal is a
-:class:`~lowlevel.errors.PolicyError` naming the field. :func:`lowlevel.argv.encode_args`
+:class:`~lowlevel.errors.PolicyError` naming the field. :func:`lowlevel.sandbox.argv.encode_args`
 checks once more, as the last line, right before the bytes are written.
 
 Strings are encoded the way the kernel takes them from Python (:func:`os.fsencode`: UTF-8,
@@ -25,7 +25,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import PolicyError
+from lowlevel.errors import PolicyError
 
 #: Longest single argument the kernel passes to a program (MAX_ARG_STRLEN: 32 pages of 4 KiB).
 MAX_ARG_BYTES = 32 * 4096
@@ -181,7 +181,7 @@ def run_args(*, command: Any, cwd: Any, env: Any = None, workspace: Any = None, 
              inputs: Any = (), bwrap: Any = None) -> list[str]:
     """Check the arguments of :func:`lowlevel.run` that become paths or argv strings.
 
-    Called by :class:`lowlevel.launcher.Run` and by :func:`lowlevel.record.execute_recorded`
+    Called by :class:`lowlevel.sandbox.launcher.Run` and by :func:`lowlevel.record.execute_recorded`
     before anything is created. (The environment's names and values are checked by
     :meth:`lowlevel.Policy.environment`.)
 

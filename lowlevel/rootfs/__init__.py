@@ -41,7 +41,7 @@ import stat
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from .errors import PolicyError
+from lowlevel.errors import PolicyError
 
 #: Top-level names the sandbox always provides itself; a rootfs entry with that name is ignored.
 RESERVED_TOP = ("dev", "proc", "sys", "tmp", "workspace")
@@ -104,7 +104,7 @@ def _is_empty_dir(path: str) -> bool:
 def symlink_on_the_way(layout: RootfsLayout, dest: str, *, parent_only: bool = False) -> str | None:
     """The first component of sandbox path ``dest`` that is a symlink of the tree, or None.
 
-    bwrap creates and mounts on its setup paths (:func:`lowlevel.argv.setup_paths`) before it
+    bwrap creates and mounts on its setup paths (:func:`lowlevel.sandbox.argv.setup_paths`) before it
     pivots into the sandbox: a symlink of the tree on the way is resolved against bwrap's
     intermediate root, where ``/oldroot`` is the host's ``/`` and ``/newroot/proc/self/fd/3`` an
     fd of the host's ``/proc``. An image whose ``/run`` (or ``/etc/ssl``, or a directory under a
@@ -155,7 +155,7 @@ def symlink_on_the_way(layout: RootfsLayout, dest: str, *, parent_only: bool = F
 
 
 def check_setup_paths(layout: RootfsLayout, paths: Sequence[tuple[str, str]]) -> None:
-    """Refuse bwrap setup paths (``(option, path)``, :func:`lowlevel.argv.setup_paths`) that go
+    """Refuse bwrap setup paths (``(option, path)``, :func:`lowlevel.sandbox.argv.setup_paths`) that go
     through a symlink of the tree (:func:`symlink_on_the_way`). The tree's own layout passes:
     its top-level entries are single components.
 
@@ -181,11 +181,11 @@ def check_rootfs(path: str) -> str:
 
     Raises:
         PolicyError: not a str, relative, missing, not a directory, the host's ``/`` or a sensitive
-            location (:func:`lowlevel.policy.sensitive_reason`), or without a regular ``etc/passwd``
+            location (:func:`lowlevel.spec.policy.sensitive_reason`), or without a regular ``etc/passwd``
             and ``etc/group`` (the launcher mounts synthesized ones over them, and bwrap cannot create
             a file in a read-only tree: create empty ones).
     """
-    from .policy import sensitive_reason
+    from lowlevel.spec.policy import sensitive_reason
 
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
         raise PolicyError(f"Policy.rootfs must be a directory path, got {path!r}")
@@ -217,7 +217,7 @@ def _check_trusted_tree(raw: str, real: str) -> None:
     root, write) that directory. So the tree must be owned by root or the caller and writable
     by no one else, and so must each ancestor (sticky ones, like ``/tmp``, excepted).
     """
-    from .workspace import first_untrusted_dir
+    from lowlevel.workspace import first_untrusted_dir
     try:
         found = first_untrusted_dir(real, include_self=True)
     except OSError as err:
@@ -324,7 +324,7 @@ def base_args(layout: RootfsLayout, *, writable: bool, bwrap_options: frozenset[
     Args:
         layout: from :func:`rootfs_layout`.
         writable: ``Policy.rootfs_writable``.
-        bwrap_options: the installed bwrap's long options (:attr:`lowlevel.probe.BwrapInfo.options`).
+        bwrap_options: the installed bwrap's long options (:attr:`lowlevel.host.probe.BwrapInfo.options`).
         network: ``Policy.network``: bind the host's ``resolv.conf``/``hosts`` over the tree's.
         network_sources: ``(host source, sandbox dest)`` pairs of the host's network /etc files.
         tmp_size: ``--size`` of each fallback scratch tmpfs, bytes (None: unsized).

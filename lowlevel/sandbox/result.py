@@ -6,7 +6,7 @@ The program exiting non-zero, dying on a signal, timing out or hitting a limit i
 bwrap reports the program's death by signal N as exit status 128+N (like a shell), so a
 program that calls ``exit(152)`` looks the same to bwrap as one killed by SIGXCPU (bubblewrap
 ``propagate_exit_status``). ``term_signal`` is therefore taken from the program's own wait
-status, which the run guard inside the sandbox (:mod:`lowlevel.landlock`) or the session init
+status, which the run guard inside the sandbox (:mod:`lowlevel.host.landlock`) or the session init
 reports; ``exit_code`` keeps the shell's 128+N convention for a death by signal N.
 """
 
@@ -16,10 +16,10 @@ import signal
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .egress import NetworkAttempt
-from .errors import LowlevelError
-from .report import bytes_fields, json_safe
-from .workspace import Changes
+from lowlevel.spec.egress import NetworkAttempt
+from lowlevel.errors import LowlevelError
+from lowlevel.spec.report import bytes_fields, json_safe
+from lowlevel.workspace import Changes
 
 #: Values of :attr:`Result.killed_by`.
 KILLED_BY = ("timeout", "cpu", "memory", "pids", "signal", "cancelled")
@@ -67,7 +67,7 @@ class Result:
         workspace: host path of the workspace.
         seccomp_denials: syscall names the filter denied (audit mode only), else None.
         network: egress mode (``Policy(network=Egress(...))``) only, else None: every
-            connection attempt through the proxy, in order (:class:`lowlevel.egress.NetworkAttempt`:
+            connection attempt through the proxy, in order (:class:`lowlevel.spec.egress.NetworkAttempt`:
             method, host, port, address, allowed and why, bytes up and down, error).
         notes: human-readable notes on degraded behaviour (no cgroup, etc.).
         argv: the full bwrap argv used (for records and debugging).
@@ -121,7 +121,7 @@ class Result:
             return f"SIG{self.term_signal}"
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict, lossless (:mod:`lowlevel.report`): ``stdout``/``stderr`` as text, with
+        """A JSON-ready dict, lossless (:mod:`lowlevel.spec.report`): ``stdout``/``stderr`` as text, with
         ``stdout_b64``/``stderr_b64`` holding the exact bytes (base64) when they are not valid
         UTF-8 (else None); names that are not valid UTF-8 (in ``changes``, ``notes``, ``argv``,
         ``workspace``) as ``{"b64", "text"}`` objects; changes as lists."""

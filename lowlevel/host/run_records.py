@@ -1,9 +1,9 @@
 """Per-run records of where a run made its cgroups, so cleanup finds them after its caller dies.
 
 A run's cgroups live under a base derived from its caller's own cgroup (``<caller's
-cgroup>/lowlevel/run-...``: :func:`lowlevel.limits.detect_cgroups`). A caller that a service
+cgroup>/lowlevel/run-...``: :func:`lowlevel.spec.limits.detect_cgroups`). A caller that a service
 manager or a container runtime put in a cgroup of its own makes them where ``lowlevel cleanup``,
-run from elsewhere (a shell, a timer), never looks. So :class:`lowlevel.limits.RunCgroup` writes
+run from elsewhere (a shell, a timer), never looks. So :class:`lowlevel.spec.limits.RunCgroup` writes
 a record here *before* it makes its first directory and removes it *after* the last one is gone;
 a caller killed in between (SIGKILL, the OOM killer, a lost SIGINT) leaves the record, and
 :mod:`lowlevel.cleanup` reads it: when the recorded process no longer runs (its PID with the
@@ -14,7 +14,7 @@ Where: root ``/run/lowlevel/cgroups`` (root's, 0700; tmpfs: a reboot forgets rec
 cgroups with them); others ``$XDG_RUNTIME_DIR/lowlevel/cgroups`` when that directory is theirs,
 else ``~/.cache/lowlevel/cgroups``; ``LOWLEVEL_RECORD_DIR`` overrides (tests). No record is
 written when there is no such directory we trust (the run goes on: the next
-:func:`~lowlevel.limits.detect_cgroups` of a caller in the same cgroup still sweeps them).
+:func:`~lowlevel.spec.limits.detect_cgroups` of a caller in the same cgroup still sweeps them).
 
 Format: one file ``<pid>-<start time>-<name>``, written with one ``write(2)``; lines ``C <pid>
 <start time>``, then ``P <hex of a cgroup directory>`` per directory and at most one ``W <hex of
@@ -35,7 +35,7 @@ _own_start: tuple[int, int | None] | None = None  # (pid, start time): cached pe
 
 
 def _start_time(pid: int) -> int | None:
-    from .workspace import process_start_time
+    from lowlevel.workspace import process_start_time
     return process_start_time(pid)
 
 

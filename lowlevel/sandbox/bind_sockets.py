@@ -1,10 +1,10 @@
 """Unix sockets inside bound directories: found at plan time and masked (issue 22, item 2).
 
-:class:`lowlevel.policy.Bind` refuses a socket as a bind *source*, but a bound directory may
+:class:`lowlevel.spec.policy.Bind` refuses a socket as a bind *source*, but a bound directory may
 hold sockets (``/srv/app`` with ``run/app.sock``): connecting to a pathname unix socket needs
 only write permission on it, and a D-Bus, Podman, Docker or Ray socket is code execution on
 the host (bubblewrap README, "Sandbox security"). Landlock refuses that connect only from ABI 9
-(``LANDLOCK_ACCESS_FS_RESOLVE_UNIX``, Linux 7.1; :mod:`lowlevel.landlock` uses it there); below
+(``LANDLOCK_ACCESS_FS_RESOLVE_UNIX``, Linux 7.1; :mod:`lowlevel.host.landlock` uses it there); below
 (ABI 7 on 6.15 ... 7.0) nothing in the kernel does. So, for every bind that is a directory
 (unless ``Bind(allow_sockets=True)``), the plan walks the source once and masks each socket
 the sandbox could reach with ``--ro-bind /dev/null <its path inside>`` after the bind: a
@@ -45,8 +45,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import LaunchError
-from .policy import WORKSPACE_DEST, Bind, Policy
+from lowlevel.errors import LaunchError
+from lowlevel.spec.policy import WORKSPACE_DEST, Bind, Policy
 
 #: Entries the walk reads per bind before it stops (a virtualenv holds ~5-20k).
 MAX_ENTRIES = 100_000
@@ -98,7 +98,7 @@ def scan(source: str, dest: str, ids: tuple[int, int] | None = None, *, max_entr
     """Find the unix sockets beneath directory ``source`` that the sandbox could reach.
 
     Args:
-        source: the bind's host path (absolute, resolved: :class:`lowlevel.policy.Bind`).
+        source: the bind's host path (absolute, resolved: :class:`lowlevel.spec.policy.Bind`).
         dest: where it appears inside the sandbox; the result's paths are under it.
         ids: root callers: the sandbox's host ``(uid, gid)`` (-1 for a per-run uid, nobody's),
             whose search bits decide where the walk descends; None: the caller's own (an
@@ -233,7 +233,7 @@ def revalidate(policy: Policy, caller_is_root: bool) -> bool:
             except OSError:
                 st = None
             if st is None or not stat.S_ISSOCK(st.st_mode) or (st.st_dev, st.st_ino) != (dev, ino):
-                from .argv import static_args
+                from lowlevel.sandbox.argv import static_args
                 plan.cache_clear()
                 static_args.cache_clear()
                 return True

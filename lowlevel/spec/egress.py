@@ -2,7 +2,7 @@
 
 ``Policy(network=Egress(allow=("pypi.org", "*.npmjs.org")))`` keeps the sandbox in its own
 network namespace (loopback only) and gives it one way out: an HTTP proxy that runs on the
-host (:mod:`lowlevel.egress_proxy`), reached from inside through a unix socket bound into the
+host (:mod:`lowlevel.net.egress_proxy`), reached from inside through a unix socket bound into the
 sandbox and a small relay listening on ``127.0.0.1:3128`` inside
 (``native/lowlevel_relay.c``). ``HTTP_PROXY``, ``HTTPS_PROXY``, ``ALL_PROXY``, ``NO_PROXY``
 (and the lower-case forms) point there, so pip, npm, curl, git and requests work unchanged.
@@ -38,7 +38,7 @@ Glossary:
         there (the Ray dashboard on 8265, CVE-2023-48022 "ShadowRay"; anything on 80/443)
         answers on each of them, public ones included, so they are refused like non-public
         addresses. The proxy reads them from the kernel when it decides
-        (:func:`lowlevel.egress_proxy.host_addresses`).
+        (:func:`lowlevel.net.egress_proxy.host_addresses`).
     IP literal: a request naming an address instead of a name (``CONNECT 10.0.0.5:443``,
         ``http://[::1]/``), in any form ``inet_aton(3)`` accepts (``2130706433``,
         ``0x7f.1``: the same 127.0.0.1 to ``getaddrinfo``).
@@ -71,7 +71,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # imported where used: ~1 ms that a run without egress (nearly all) never pays
     import ipaddress
 
-from .errors import PolicyError
+from lowlevel.errors import PolicyError
 
 #: TCP port the relay listens on inside the sandbox (127.0.0.1 only), squid's customary port.
 PROXY_PORT = 3128
@@ -351,13 +351,13 @@ class NetworkAttempt:
         address: the address the proxy connected to (or refused), or None when refused
             before resolution.
         allowed: the decision.
-        reason: why: the matching pattern, or the rule that refused (see :mod:`lowlevel.egress`).
+        reason: why: the matching pattern, or the rule that refused (see :mod:`lowlevel.spec.egress`).
         bytes_up: payload bytes from the sandbox to the server (bytes).
         bytes_down: payload bytes from the server to the sandbox (bytes).
         error: what ended an allowed connection early: ``"net_bytes"`` (the run's byte cap
             cut it), a connect failure (``"connect: ..."``), or None.
         resolver: ``"system"``, or ``"test-override"`` when a test replaced the resolver
-            (:func:`lowlevel.egress_proxy.override_resolver_for_tests`).
+            (:func:`lowlevel.net.egress_proxy.override_resolver_for_tests`).
     """
 
     method: str

@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from .egress import Egress
-from . import validate as _validate
-from .errors import LaunchError, PolicyError
-from .limits import Limits
-from .seccomp import DEFAULT_PROFILE, SeccompProfile
+from lowlevel.spec.egress import Egress
+from lowlevel.spec import validate as _validate
+from lowlevel.errors import LaunchError, PolicyError
+from lowlevel.spec.limits import Limits
+from lowlevel.spec.seccomp import DEFAULT_PROFILE, SeccompProfile
 
 #: Where the workspace appears inside the sandbox; also the cwd and HOME.
 WORKSPACE_DEST = "/workspace"
@@ -161,7 +161,7 @@ class Bind:
             when you mean to hand that location to untrusted code.
         allow_sockets: keep the unix sockets inside a bound directory reachable. False
             (default): the sockets found in it when the Policy is first planned are masked
-            (:mod:`lowlevel.bind_sockets`: connecting fails), and where Landlock has ABI >= 9
+            (:mod:`lowlevel.sandbox.bind_sockets`: connecting fails), and where Landlock has ABI >= 9
             connecting to any pathname socket beneath it made outside the sandbox is refused
             (a D-Bus, Podman, Docker or Ray socket is code execution on the host). True: neither;
             ``Result.notes`` says the bind keeps its sockets.
@@ -249,7 +249,7 @@ class Bind:
 
 
 def _freeze_env(env: Mapping[str, str] | tuple[tuple[str, str], ...] | None) -> tuple[tuple[str, str], ...]:
-    """Validated, sorted ``(name, value)`` pairs (:mod:`lowlevel.validate`: names without ``=`` or NUL,
+    """Validated, sorted ``(name, value)`` pairs (:mod:`lowlevel.spec.validate`: names without ``=`` or NUL,
     values without NUL). Raises PolicyError."""
     if env is not None and not isinstance(env, (Mapping, tuple, list)):
         raise PolicyError(f"env must be a mapping of str to str, got {type(env).__name__}")
@@ -273,23 +273,23 @@ class Policy:
 
     Attributes:
         network: False (default) unshares the network namespace: the sandbox has only its own
-            loopback. An :class:`lowlevel.egress.Egress` keeps that namespace and adds one way
+            loopback. An :class:`lowlevel.spec.egress.Egress` keeps that namespace and adds one way
             out, an allowlisting HTTP proxy on the host (``HTTP_PROXY`` and friends set inside,
             ``/etc/ssl`` bound; no DNS inside): see
-            :mod:`lowlevel.egress`. True keeps the host's whole network (``--share-net``: its
+            :mod:`lowlevel.spec.egress`. True keeps the host's whole network (``--share-net``: its
             ``127.0.0.1`` services and abstract unix sockets included) and binds
             ``/etc/resolv.conf``, ``/etc/hosts``, ``/etc/ssl`` and ``/etc/ca-certificates``
             read-only.
         binds: extra :class:`Bind` mounts (a virtualenv, node_modules, a toolchain...).
         env: variables set on top of :data:`BASE_ENV` (mapping or sorted pairs).
-        limits: resource limits (:class:`lowlevel.limits.Limits`).
+        limits: resource limits (:class:`lowlevel.spec.limits.Limits`).
         seccomp: the seccomp profile loaded with ``--seccomp``; None requires
             ``unsafe_no_seccomp=True``.
         unsafe_no_seccomp: allow ``seccomp=None``. Never set this for untrusted code.
         hostname: the sandbox's hostname (``--hostname``, needs the UTS namespace).
         host_uid, host_gid: when the caller is root, the unprivileged host ids the sandbox
             runs as. None (default): each live sandbox gets a uid (and the gid of the same
-            number) of its own from a range (:data:`lowlevel.cow.DEFAULT_UID_RANGE`,
+            number) of its own from a range (:data:`lowlevel.workspace.cow.DEFAULT_UID_RANGE`,
             ``LOWLEVEL_UID_RANGE``), so per-uid kernel budgets (inotify and fanotify
             instances, RLIMIT_NPROC, keyrings) are per run. An int pins it (``host_gid``
             defaults to the same number). With bwrap 0.8.0 a sandbox whose uid maps to host
@@ -311,7 +311,7 @@ class Policy:
         compat_32bit: admit the 32-bit compat syscall entry point (i386 ``int 0x80`` on
             x86_64) with the same seccomp rules, for 32-bit binaries. False (default): a
             process making a compat syscall is killed (SIGSYS, ``killed_by="signal"``), as for
-            x32; see :mod:`lowlevel.seccomp`. Ignored with ``seccomp=None``.
+            x32; see :mod:`lowlevel.spec.seccomp`. Ignored with ``seccomp=None``.
         rootfs: host directory tree (an unpacked image, an mmdebstrap/debootstrap output) that
             replaces the host's ``/usr``, ``/bin``, ``/lib*`` and ``/etc`` as the sandbox's
             read-only system; ``/proc``, ``/dev``, ``/tmp`` and ``/workspace`` stay the sandbox's
@@ -331,7 +331,7 @@ class Policy:
             ``WorkingDir`` (unless ``workdir`` is set) become this Policy's defaults.
         workdir: default working directory inside for :func:`lowlevel.run` when its ``cwd`` is
             not given; None: ``/workspace``.
-        landlock: the second wall (:mod:`lowlevel.landlock`): True (default) applies a Landlock
+        landlock: the second wall (:mod:`lowlevel.host.landlock`): True (default) applies a Landlock
             ruleset to the program inside the sandbox, best effort (the kernel's ABI, down to
             1; none when the kernel lacks Landlock: ``Result.landlock_abi`` says which);
             ``"require"`` fails with UnsupportedError when the kernel lacks it; False applies
@@ -444,13 +444,13 @@ class Policy:
     def _check_rootfs(self) -> None:
         """Resolve ``image`` and validate ``rootfs``, ``rootfs_writable`` and ``workdir``."""
         if self.image is not None:
-            from .image import apply_image  # the store is read only for Policies that name an image
+            from lowlevel.image import apply_image  # the store is read only for Policies that name an image
             apply_image(self)
         if self.rootfs is not None:
-            from .rootfs import check_rootfs
+            from lowlevel.rootfs import check_rootfs
             object.__setattr__(self, "rootfs", check_rootfs(self.rootfs))
             if os.geteuid() == 0:
-                from .rootfs import rootfs_unreachable
+                from lowlevel.rootfs import rootfs_unreachable
                 # Per-run uids (host_uid None) are nobody's: they reach what "others" may.
                 uid = self.host_uid if self.host_uid is not None else -1
                 gid = self.host_gid if self.host_gid is not None else -1
@@ -460,7 +460,7 @@ class Policy:
                     raise PolicyError(f"Policy.rootfs {self.rootfs} is not reachable by the sandbox's {who} "
                                       f"(bwrap mounts it as that user): {why}. Put it under world-traversable "
                                       "directories (chmod o+x)")
-            from .rootfs import rootfs_layout, symlink_on_the_way
+            from lowlevel.rootfs import rootfs_layout, symlink_on_the_way
             layout = rootfs_layout(self.rootfs)
             for bind in self.binds:
                 link = symlink_on_the_way(layout, bind.dest)
@@ -479,7 +479,7 @@ class Policy:
     def environment(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         """Return the sandbox's environment: BASE_ENV, then (deterministic mode)
         DETERMINISTIC_ENV, then (egress mode) the proxy variables of
-        :meth:`lowlevel.egress.Egress.environment`, then ``env``, then ``extra``.
+        :meth:`lowlevel.spec.egress.Egress.environment`, then ``env``, then ``extra``.
 
         Raises:
             PolicyError: an invalid name or value in ``extra``.

@@ -58,8 +58,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import CommitConflictError, CommitIncompleteError, LowlevelError, WorkspaceError
-from .workspace import ACL_XATTRS, MAX_DEPTH, MAX_SNAPSHOT_ENTRIES, SETID_BITS, Changes
+from lowlevel.errors import CommitConflictError, CommitIncompleteError, LowlevelError, WorkspaceError
+from lowlevel.workspace import ACL_XATTRS, MAX_DEPTH, MAX_SNAPSHOT_ENTRIES, SETID_BITS, Changes
 
 #: The two xattr namespaces overlayfs keeps its metadata in: ``trusted.`` for mounts made by
 #: real root (reading them needs CAP_SYS_ADMIN), ``user.`` for ``userxattr`` mounts.
@@ -83,7 +83,7 @@ SAVED_NOT_APPLIED = "not-applied"
 #: or cannot be written at all (read-only, failing).
 STOP_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO})
 #: Those of STOP_ERRNOS that mean "out of room": a run's commit stopped by one always raises
-#: (lowlevel.launcher; a read-only workspace where nothing was applied is a warning instead).
+#: (lowlevel.sandbox.launcher; a read-only workspace where nothing was applied is a warning instead).
 NO_ROOM_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 #: Cap on hard-linked new files a commit links instead of copying (one O_PATH fd each).
 MAX_LINKED = 256
@@ -1730,7 +1730,7 @@ def _incomplete(work: _Applier, report: CommitReport, stopped: OSError | None, u
         else:
             import tempfile
 
-            from .workspace import default_base, ensure_base
+            from lowlevel.workspace import default_base, ensure_base
             dest = tempfile.mkdtemp(prefix="conflict-", dir=ensure_base(default_base()))
         saved = save_upper(upper_fd, dest, xattr_prefix=xattr_prefix, owner=owner, max_bytes=max_bytes)
         dfd = os.open(saved, _DIR_FLAGS)
@@ -1869,7 +1869,7 @@ def commit(upper_fd: int, lower_fd: int, *, xattr_prefix: str, since_ns: int,
             a sparse file costs its data, not its apparent size. Without a cap, a hostile upper
             can still multiply its data on the host disk: one file hard-linked over many
             existing names is copied once per name (the launcher passes
-            :func:`lowlevel.cow.commit_budget`).
+            :func:`lowlevel.workspace.cow.commit_budget`).
         accept_seen_host_changes: see Conflicts above (root overlays only; default off: any
             host change after ``since_ns`` where the commit writes is a conflict).
         save_to: makes and returns the directory the run's changes are saved into after a

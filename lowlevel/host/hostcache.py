@@ -3,15 +3,15 @@
 What is cached, and what each entry is keyed by (an entry is used only when every key field
 equals the live value; otherwise it is probed again and rewritten):
 
-- ``bwrap``: :func:`lowlevel.probe.bwrap_info` (``bwrap --version`` and ``--help``: two
+- ``bwrap``: :func:`lowlevel.host.probe.bwrap_info` (``bwrap --version`` and ``--help``: two
   processes, ~3-7 ms), keyed by bwrap's resolved path, its ``st_mtime_ns``, size, inode and
   mode (a reinstalled or upgraded bwrap is another file);
-- ``cow``: :func:`lowlevel.cow.cow_support` (a trial run of the anchor with an overlay on the
+- ``cow``: :func:`lowlevel.workspace.cow.cow_support` (a trial run of the anchor with an overlay on the
   workspace's filesystem, ~5-10 ms), keyed by that filesystem's ``st_dev``, the caller's euid
   and the anchor executable (path, mtime, size). A probe that failed for a reason of the
   caller's (EMFILE, ENOMEM, EINTR, a signal: ``CowSupport.transient``) is never stored; a "no"
   is stored with the workspace path it was probed on, and ``lowlevel doctor`` probes it again;
-- ``bpf``: :func:`lowlevel.seccomp.compile_bpf`'s output (libseccomp through CFFI: ~1.5 ms,
+- ``bpf``: :func:`lowlevel.spec.seccomp.compile_bpf`'s output (libseccomp through CFFI: ~1.5 ms,
   plus ~3 ms to load the extension), keyed by the profile's rules, the compat flag, the machine,
   lowlevel's version, and the extension and libseccomp files (path, mtime, size).
 

@@ -29,7 +29,7 @@ Isolation between commands of one session (exactly):
         ``RLIMIT_NOFILE``, ``RLIMIT_CORE``, and ``RLIMIT_DATA``/``RLIMIT_NPROC`` where the
         cgroup does not enforce memory/pids), its own cwd, its own timeout, its own Landlock
         domain for the filesystem rules (the same rules for every command; nested in the
-        init's, so commands still signal each other: :mod:`lowlevel.landlock`).
+        init's, so commands still signal each other: :mod:`lowlevel.host.landlock`).
     Not isolated: commands run as the same uid in one PID namespace, so a command can see
         the others in ``/proc``, signal them and read their ``/proc/PID/{environ,cmdline}``
         (ptrace, process_vm_* and pidfd_getfd are denied by the seccomp profile). Use a Pool,
@@ -98,20 +98,22 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from . import cow as _cow
-from ._interrupts import deferred_interrupts
-from . import landlock as _landlock
-from . import limits as _limits
-from . import overlay as _overlay
-from . import validate as _validate
-from . import workspace as _ws
-from .argv import encode_args
-from .errors import CommitIncompleteError, LaunchError, LowlevelError, PolicyError, SessionError, UnsupportedError
-from .launcher import (DEFAULT_TIMEOUT_S, SETUP_TIMEOUT_S, ExecError, Run, _Capture, _check_command, _conflict_dir,
-                       host_facts, network_denial_note, pids_note)
-from .limits import Limits
-from .policy import WORKSPACE_DEST, Policy
-from .result import Result
+from lowlevel.paths import native
+from lowlevel.workspace import cow as _cow
+from lowlevel.sandbox._interrupts import deferred_interrupts
+from lowlevel.host import landlock as _landlock
+from lowlevel.spec import limits as _limits
+from lowlevel.workspace import overlay as _overlay
+from lowlevel.spec import validate as _validate
+from lowlevel import workspace as _ws
+from lowlevel.sandbox.argv import encode_args
+from lowlevel.errors import (CommitIncompleteError, LaunchError, LowlevelError, PolicyError, SessionError,
+                             UnsupportedError)
+from lowlevel.sandbox.launcher import (DEFAULT_TIMEOUT_S, SETUP_TIMEOUT_S, ExecError, Run, _Capture, _check_command,
+                                       _conflict_dir, host_facts, network_denial_note, pids_note)
+from lowlevel.spec.limits import Limits
+from lowlevel.spec.policy import WORKSPACE_DEST, Policy
+from lowlevel.sandbox.result import Result
 
 log = logging.getLogger("lowlevel")
 
@@ -121,7 +123,7 @@ GRACE_S = 2.0
 #: How long the host waits for the init's HELLO after bwrap released it, seconds.
 HELLO_TIMEOUT_S = 10.0
 #: Path of the init executable built at install time (``setup.py`` ``build_ext``).
-INIT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lowlevel_init")
+INIT_PATH = native("_lowlevel_init")
 
 # Fd numbers inside the sandbox (extra_fds of the Run: 9 and up are ours).
 _SOCK_FD = 9
@@ -335,7 +337,7 @@ class _Core:
         exe = init_path()
         self.sock, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-        # Landlock (lowlevel.landlock): the init takes the TCP rules and scopes before its first
+        # Landlock (lowlevel.host.landlock): the init takes the TCP rules and scopes before its first
         # command; each command restricts itself with the filesystem rules.
         argv = [f"/proc/self/fd/{_EXE_FD}", str(_SOCK_FD), str(_ms(idle_timeout)), str(_ms(total_timeout)),
                 str(_EXE_FD), *_landlock.ruleset_args(policy, host_facts(bwrap).layout.ro_dirs,
@@ -503,7 +505,7 @@ class _Core:
         send_fds: list[int] = []
         close_after: list[int] = []
         # Every fd below is recorded before a signal handler's exception can fire
-        # (lowlevel._interrupts): a ^C between os.pipe() and its owner leaked the pair.
+        # (lowlevel.sandbox._interrupts): a ^C between os.pipe() and its owner leaked the pair.
         with deferred_interrupts():
             try:
                 if stdin is not None:
@@ -539,7 +541,7 @@ class _Core:
                     cmd.id = self.next_id
                     self.next_id += 1
                     if len(body) > _MAX_INLINE:
-                        from .launcher import _memfd
+                        from lowlevel.sandbox.launcher import _memfd
                         mfd = _memfd("lowlevel-spawn", body)
                         close_after.append(mfd)
                         send_fds.append(mfd)
@@ -1101,7 +1103,7 @@ class _Core:
         changes (``commit=``), remove the cgroup, close every fd. Idempotent.
 
         Raises:
-            lowlevel.overlay.CommitConflictError: ``commit=True`` and the final commit met an
+            lowlevel.workspace.overlay.CommitConflictError: ``commit=True`` and the final commit met an
                 entry changed on the host: nothing was applied; the changes were saved to
                 ``.saved_upper`` (None if saving failed too: the message says why).
             WorkspaceError: the final commit failed part-way (a full or read-only disk); the
@@ -1137,15 +1139,15 @@ def _spawn_from_lasting_thread(spawn: Callable[[], None]) -> None:
     bwrap's ``--die-with-parent`` is ``PR_SET_PDEATHSIG``, and "the parent" is the *thread*
     that created the child: a Session created in a worker thread died with that thread (and
     ``alive`` still said True). A Session outlives its creator, so bwrap is spawned from the
-    process-wide executor of :mod:`lowlevel.aio`, whose threads are never shut down (see
-    :func:`lowlevel.aio._executor`); the main thread spawns itself (it lives as long as the
+    process-wide executor of :mod:`lowlevel.sandbox.aio`, whose threads are never shut down (see
+    :func:`lowlevel.sandbox.aio._executor`); the main thread spawns itself (it lives as long as the
     process). Source: prctl(2) PR_SET_PDEATHSIG; bwrap(1) --die-with-parent.
     """
     me = threading.current_thread()
     if me is threading.main_thread() or me.name.startswith("lowlevel-aio"):
         spawn()  # lives as long as the process already (and never wait on our own executor)
         return
-    from .aio import _executor
+    from lowlevel.sandbox.aio import _executor
     _executor().submit(spawn).result()
 
 
@@ -1374,7 +1376,7 @@ class Session:
                 ``/workspace`` and what they write there afterwards is lost (their Result's
                 ``notes`` say so); for commands that do not use the workspace.
         Raises:
-            lowlevel.overlay.CommitConflictError: an entry was changed on the host since the
+            lowlevel.workspace.overlay.CommitConflictError: an entry was changed on the host since the
                 session started (or since the last commit/reset): nothing was applied
                 (``.applied`` None), the changes stay in the session; or the host changed
                 entries while they were applied (``.applied`` set): those are left as the host
@@ -1512,7 +1514,7 @@ class Session:
         remove the cgroup. Idempotent.
 
         Raises:
-            lowlevel.overlay.CommitConflictError: the final commit (``commit=True``) met an entry
+            lowlevel.workspace.overlay.CommitConflictError: the final commit (``commit=True``) met an entry
                 changed on the host: nothing was applied and the changes were saved to
                 ``err.saved_upper`` (the message gives the path).
             WorkspaceError: the final commit failed part-way (a full or read-only disk);

@@ -22,7 +22,7 @@ from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import WorkspaceError
+from lowlevel.errors import WorkspaceError
 
 #: Cap on the entries a snapshot visits; beyond it the change report is marked incomplete.
 MAX_SNAPSHOT_ENTRIES = 100_000
@@ -60,7 +60,7 @@ class Changes:
             the report covers only part of it.
         bytes_written: for a copy-on-write (overlay) run, the bytes the run's upper directory
             allocates on its filesystem (sum of ``st_blocks * 512`` over its entries, each
-            inode once; see :func:`lowlevel.overlay.read_changes`); None when not measured.
+            inode once; see :func:`lowlevel.workspace.overlay.read_changes`); None when not measured.
     """
 
     added: tuple[str, ...] = ()
@@ -807,14 +807,14 @@ def workspace_refusal(path: str) -> str | None:
 
     Refused: ``/`` and the system directories (:data:`SYSTEM_DIRS`), anything inside a system
     tree (:data:`SYSTEM_TREES`), a directory containing any of those, and whatever
-    :func:`lowlevel.policy.sensitive_reason` flags (home directories and anything containing
+    :func:`lowlevel.spec.policy.sensitive_reason` flags (home directories and anything containing
     one, credential locations, ``/run``, sockets). Behind this: ``lowlevel run --workspace /root``
     as root handed all of ``/root`` to uid 65534 for the run.
 
     Args:
         path: absolute and resolved (``os.path.realpath``).
     """
-    from .policy import sensitive_reason  # policy imports seccomp and limits: keep this module light
+    from lowlevel.spec.policy import sensitive_reason  # policy imports seccomp and limits: keep this module light
 
     reason = sensitive_reason(path)
     if reason:
@@ -959,7 +959,7 @@ class Handover:
         notes: what :func:`give_back` could not do exactly (for ``Result.notes``).
         done: True once :func:`give_back` ran.
         journal: root callers: the on-disk record of this hand-over
-            (:class:`lowlevel.handover_journal.Journal`), removed once given back.
+            (:class:`lowlevel.workspace.handover_journal.Journal`), removed once given back.
         lock_fd: root callers: a ``flock(LOCK_EX)`` on the root directory, held until given
             back (closed with the pins): a second hand-over of the same workspace meanwhile
             would record the first sandbox's owners as the originals and give them back.
@@ -1071,7 +1071,7 @@ def hand_over(root: str, *, sandbox_ids: tuple[int, int] | None, empty: bool = F
     if sandbox_ids is not None:
         # A root caller killed mid-run (no give_back) left this workspace handed over: give it
         # back first, or its damaged owners would be recorded as the originals.
-        from . import handover_journal as _journal
+        from lowlevel.workspace import handover_journal as _journal
         _done, problems = _journal.recover(root)
         if problems:
             raise WorkspaceError(errno.EBUSY, f"workspace {root} is still handed to an earlier run's sandbox: "
@@ -1086,8 +1086,8 @@ def hand_over(root: str, *, sandbox_ids: tuple[int, int] | None, empty: bool = F
                      owners={}, pins={}, sandbox_uid=sandbox_ids[0] if sandbox_ids else None,
                      new_owner=(owner, st.st_gid if owner == st.st_uid else caller[1]), lock_fd=lock_fd)
         if sandbox_ids is not None:
-            # Journal ours before the first chown (lowlevel.handover_journal).
-            from . import handover_journal as _journal
+            # Journal ours before the first chown (lowlevel.workspace.handover_journal).
+            from lowlevel.workspace import handover_journal as _journal
             try:
                 h.journal = _journal.Journal.create(h, (st.st_dev, st.st_ino))
             except OSError as err:

@@ -67,11 +67,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .errors import PolicyError, SeccompError, UnsupportedError
+from lowlevel.paths import PACKAGE_DIR
+from lowlevel.errors import PolicyError, SeccompError, UnsupportedError
 
 #: ``_native`` (the CFFI extension built from native/) is loaded on first use, not at import:
 #: loading it and libseccomp costs ~3 ms that a process whose filter comes from the disk cache
-#: (:mod:`lowlevel.hostcache`; the CLI, once per command) never pays. Read it with
+#: (:mod:`lowlevel.host.hostcache`; the CLI, once per command) never pays. Read it with
 #: :func:`_native_module`; ``seccomp._native`` (tests set it to None) goes through
 #: :func:`__getattr__`.
 _NOT_LOADED: Any = object()
@@ -82,7 +83,7 @@ def _native_module() -> Any:
     m = globals().get("_native", _NOT_LOADED)
     if m is _NOT_LOADED:
         try:
-            from . import _native as loaded
+            from lowlevel import _native as loaded
         except ImportError:  # pragma: no cover - depends on the build
             loaded = None
         globals()["_native"] = m = loaded
@@ -802,8 +803,8 @@ def _profile_key(profile: SeccompProfile, compat_32bit: bool) -> str:
 
 def _native_files() -> list[Any] | None:
     """Disk-cache key of the compiler: the extension's file (no libseccomp load needed)."""
-    from .hostcache import file_key
-    pkg = os.path.dirname(os.path.abspath(__file__))
+    from lowlevel.host.hostcache import file_key
+    pkg = PACKAGE_DIR
     try:
         names = sorted(n for n in os.listdir(pkg) if n.startswith("_native") and n.endswith(".so"))
     except OSError:
@@ -813,7 +814,7 @@ def _native_files() -> list[Any] | None:
 
 def _libseccomp_file() -> list[Any] | None:
     """libseccomp's file as this process mapped it (the backend is loaded), for the key."""
-    from .hostcache import file_key
+    from lowlevel.host.hostcache import file_key
     try:
         with open("/proc/self/maps") as f:
             for line in f:
@@ -826,10 +827,10 @@ def _libseccomp_file() -> list[Any] | None:
 
 
 def _disk_lookup(profile: SeccompProfile, compat_32bit: bool) -> bytes | None:
-    """The filter from :mod:`lowlevel.hostcache`, when the same extension and libseccomp made it."""
+    """The filter from :mod:`lowlevel.host.hostcache`, when the same extension and libseccomp made it."""
     if globals().get("_native", _NOT_LOADED) is None:
         return None  # pyseccomp (forced or not built): compile
-    from . import hostcache
+    from lowlevel.host import hostcache
     if not hostcache.enabled():
         return None
     text = _profile_key(profile, compat_32bit)
@@ -852,7 +853,7 @@ def _disk_lookup(profile: SeccompProfile, compat_32bit: bool) -> bytes | None:
 def _disk_store(profile: SeccompProfile, compat_32bit: bool, bpf: bytes) -> None:
     if globals().get("_native", _NOT_LOADED) is None:
         return
-    from . import hostcache
+    from lowlevel.host import hostcache
     if not hostcache.enabled():
         return
     ext, lib = _native_files(), _libseccomp_file()
