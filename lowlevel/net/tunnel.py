@@ -73,7 +73,6 @@ class Flow:
         self.eof = False
         self.cut = False
         self.reading = self.writing = False
-        self.done = False
         self.closed = False
         self.started = False
         #: Bytes still to pass before the request is complete (plain HTTP, up direction), or
@@ -91,7 +90,8 @@ class Flow:
             self.loop.add_reader(self.src, self._on_readable)
             self.reading = True
 
-    def _read_off(self) -> None:
+    def stop_reading(self) -> None:
+        """Take no more bytes from ``src`` (bytes already queued still go out)."""
         if self.reading:
             self.loop.remove_reader(self.src)
             self.reading = False
@@ -192,7 +192,7 @@ class Flow:
                 else:
                     attempt.down += n
             if self.eof or self.cut:
-                self._read_off()
+                self.stop_reading()
             self._flush()
         except OSError as err:
             self.tunnel.finish(None if err.errno in (errno.ECONNRESET, errno.EPIPE) else f"{err.strerror or err}")
@@ -210,7 +210,7 @@ class Flow:
             try:
                 m = self._give()
             except BlockingIOError:
-                self._read_off()  # backpressure: read again once dst took the pipe's bytes
+                self.stop_reading()  # backpressure: read again once dst took the pipe's bytes
                 self._write_on()
                 return
             self.queued -= m
@@ -219,7 +219,6 @@ class Flow:
             self.tunnel.attempt.error = "net_bytes"
             self.tunnel.owner.cut_all()
         elif self.eof:
-            self.done = True
             if self.up:
                 with contextlib.suppress(OSError):
                     self.dst_sock.shutdown(socket.SHUT_WR)
@@ -229,7 +228,7 @@ class Flow:
 
     def close(self) -> None:
         self.closed = True
-        self._read_off()
+        self.stop_reading()
         self._write_off()
         for fd in (self.r, self.w):
             if fd >= 0:
@@ -266,20 +265,22 @@ class Tunnel:
             self.close()
 
     def close(self) -> None:
+        """Close both flows (their pipes; the sockets are the caller's)."""
         self.upflow.close()
         self.downflow.close()
 
     def flow_done(self, flow: Flow) -> None:
+        """A flow passed its EOF on: the server's side ending ends the tunnel."""
         if flow is self.downflow:
             self.finish(None)
 
     def finish(self, error: str | None) -> None:
-        """End the tunnel (loop thread); ``error`` goes to the attempt
-        unless it already has one (None: a normal end)."""
+        """End the tunnel (loop thread); ``error`` goes to the attempt unless it already has
+        one (None: a normal end)."""
         if error is not None and self.attempt.error is None:
             self.attempt.error = error
-        self.upflow._read_off()
-        self.downflow._read_off()
+        self.upflow.stop_reading()
+        self.downflow.stop_reading()
         if not self.done.done():
             self.done.set_result(None)
 
