@@ -478,9 +478,10 @@ def egress_download(rounds: int, per_round: int, size: int = 1 << 20) -> dict[st
                 s.run(cmd, env=no_bypass).check()
         # CPU the proxy path adds per download (load-independent, unlike latency): the proxy
         # thread's and the relay's run time from /proc/.../schedstat (ns), over the egress calls.
-        from lowlevel.net import egress_proxy as _ep
-        assert _ep._thread is not None
-        cpu_files = [f"/proc/self/task/{_ep._thread.thread.native_id}/schedstat"]
+        from lowlevel.net.loop import running as _proxy_thread
+        proxy_thread = _proxy_thread()
+        assert proxy_thread is not None
+        cpu_files = [f"/proc/self/task/{proxy_thread.thread.native_id}/schedstat"]
         init_pid = sessions["egress"]._core.init_host_pid
         with open(f"/proc/{init_pid}/stat") as f:
             cpu_files.append(f"/proc/{int(f.read().rsplit(')', 1)[1].split()[1])}/schedstat")  # the relay

@@ -313,7 +313,7 @@ def diagnose() -> dict[str, Any]:
     checks.append(_check("pidfd", probe.pidfd_supported(), "pidfd_open(2) works" if probe.pidfd_supported()
                          else "pidfd_open(2) missing", "use Linux >= 5.3", required=True))
     checks.append(userns_check())
-    from lowlevel.net.egress_proxy import RELAY_PATH
+    from lowlevel.net.egress_run import RELAY_PATH
     relay_ok = os.access(RELAY_PATH, os.X_OK)
     checks.append(_check("egress relay", relay_ok, f"{RELAY_PATH} is built (Policy(network=Egress(...)), --allow-host)"
                          if relay_ok else f"{RELAY_PATH} is missing: egress allowlists cannot run",

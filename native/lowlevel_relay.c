@@ -21,7 +21,7 @@
  *      program's status.
  *
  * The relay decides nothing: every allow/deny decision, the byte caps and the report are the
- * host proxy's (lowlevel/egress_proxy.py). A program that kills the relay (same uid) only cuts
+ * host proxy's (lowlevel/net/proxy.py). A program that kills the relay (same uid) only cuts
  * its own network. The relay runs under the sandbox's seccomp filter, rlimits and cgroup.
  * Fails closed: a bad argument or a failing listen prints one line and exits 125 before
  * COMMAND runs.

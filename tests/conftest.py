@@ -223,11 +223,9 @@ class Sandbox:
             override: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
             if resolver is not None:
                 sys.path.insert(0, str(HERE / "helpers"))
-                from scripted_resolver import ScriptedResolver
-
-                from lowlevel.net.egress_proxy import override_resolver_for_tests
+                from scripted_resolver import ScriptedResolver, override_resolver
                 scripted = ScriptedResolver(resolver["answers"])
-                override = override_resolver_for_tests(scripted, pretend_public=resolver.get("pretend_public", ()))
+                override = override_resolver(scripted, pretend_public=resolver.get("pretend_public", ()))
             try:
                 with override:
                     if extra_dirs:

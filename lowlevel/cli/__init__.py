@@ -763,7 +763,7 @@ def _report(args: argparse.Namespace, result: Result) -> int:
             print(f"lowlevel: timed out after {args.timeout:g} s; {how}", file=sys.stderr)
         return EXIT_TIMEOUT
     if result.network and not args.json:
-        from lowlevel.net.egress_proxy import describe_attempt
+        from lowlevel.net.attempts import describe_attempt
         for attempt in result.network:
             if not attempt.allowed or attempt.error:
                 print(f"lowlevel: egress: {describe_attempt(attempt)}", file=sys.stderr)

@@ -285,7 +285,7 @@ def dynamic_args(
         workspace: host path of the run's workspace, bound read-write at ``/workspace``.
         fds: fd numbers bwrap will see.
         extra_mounts: bwrap mount options placed before ``--remount-ro /`` (the egress
-            proxy's socket and CA bundle: :class:`lowlevel.net.egress_proxy.EgressRun`).
+            proxy's socket and CA bundle: :class:`lowlevel.net.egress_run.EgressRun`).
         extra_env: variables set on top of the Policy's environment.
         clearenv: emit ``--clearenv`` before ``extra_env`` (bwrap applies it where it stands),
             so ``extra_env`` is then the whole environment, set in sorted order.

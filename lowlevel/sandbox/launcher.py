@@ -853,7 +853,7 @@ class Run:
         self.pre_exec_rlimits: tuple[tuple[str, int, int], ...] = ()
         self.seccomp_loaded = False
         self.audit: Any = None
-        self.egress: Any = None  # lowlevel.net.egress_proxy.EgressRun in egress mode
+        self.egress: Any = None  # lowlevel.net.egress_run.EgressRun in egress mode
         # The anchor and the copy-on-write workspace.
         self.lease: _cow.UidLease | None = None
         self.host_ids: tuple[int, int] = (0, 0)
@@ -1070,8 +1070,8 @@ class Run:
         etc_fds = [self._own(_open_etc_copy(path)) for path in etc_copies(policy, self.facts)]
 
         if isinstance(policy.network, Egress):
-            # The host-side proxy and the relay that runs first inside (lowlevel/net/egress_proxy.py).
-            from lowlevel.net.egress_proxy import EgressRun
+            # The host-side proxy and the relay that runs first inside (lowlevel/net/).
+            from lowlevel.net.egress_run import EgressRun
             self.egress = EgressRun.open(policy.network, policy.limits.net_bytes,
                                          caller_is_root=self.facts.caller_is_root, host_gid=self.host_ids[1])
             self.extra_fds.update(self.egress.child_fds)

@@ -2,7 +2,7 @@
 
 ``Policy(network=Egress(allow=("pypi.org", "*.npmjs.org")))`` keeps the sandbox in its own
 network namespace (loopback only) and gives it one way out: an HTTP proxy that runs on the
-host (:mod:`lowlevel.net.egress_proxy`), reached from inside through a unix socket bound into the
+host (:mod:`lowlevel.net.proxy`), reached from inside through a unix socket bound into the
 sandbox and a small relay listening on ``127.0.0.1:3128`` inside
 (``native/lowlevel_relay.c``). ``HTTP_PROXY``, ``HTTPS_PROXY``, ``ALL_PROXY``, ``NO_PROXY``
 (and the lower-case forms) point there, so pip, npm, curl, git and requests work unchanged.
@@ -38,7 +38,7 @@ Glossary:
         there (the Ray dashboard on 8265, CVE-2023-48022 "ShadowRay"; anything on 80/443)
         answers on each of them, public ones included, so they are refused like non-public
         addresses. The proxy reads them from the kernel when it decides
-        (:func:`lowlevel.net.egress_proxy.host_addresses`).
+        (:func:`lowlevel.net.host_addresses.host_addresses`).
     IP literal: a request naming an address instead of a name (``CONNECT 10.0.0.5:443``,
         ``http://[::1]/``), in any form ``inet_aton(3)`` accepts (``2130706433``,
         ``0x7f.1``: the same 127.0.0.1 to ``getaddrinfo``).
@@ -357,7 +357,7 @@ class NetworkAttempt:
         error: what ended an allowed connection early: ``"net_bytes"`` (the run's byte cap
             cut it), a connect failure (``"connect: ..."``), or None.
         resolver: ``"system"``, or ``"test-override"`` when a test replaced the resolver
-            (:func:`lowlevel.net.egress_proxy.override_resolver_for_tests`).
+            (:data:`lowlevel.net.resolve.override`).
     """
 
     method: str
@@ -516,7 +516,8 @@ class Egress:
                 interface name}`` (loopback ranges may be left out); refused unless
                 ``allow_cidrs`` names them.
             assume_public: addresses the classification table is not asked about (the
-                TEST-ONLY resolver override's ``pretend_public``); ``allow_cidrs`` and
+                TEST-ONLY resolver override's ``pretend_public``,
+                :class:`lowlevel.net.resolve.ResolverOverride`); ``allow_cidrs`` and
                 ``host_addresses`` still apply to them.
         Returns:
             A :class:`Decision` whose ``address`` is the first answer (allowed) or the first

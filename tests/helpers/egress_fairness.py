@@ -23,10 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from origin_servers import Origin  # noqa: E402
-from scripted_resolver import ScriptedResolver  # noqa: E402
+from scripted_resolver import ScriptedResolver, override_resolver  # noqa: E402
 
 import lowlevel  # noqa: E402
-from lowlevel.net import egress_proxy# noqa: E402
+from lowlevel.net import resolve  # noqa: E402
 
 FLOOD = 120
 
@@ -67,10 +67,10 @@ def main() -> int:
     for ws in workspaces:
         os.chmod(ws, 0o755)
     res = ScriptedResolver({"b.test": ["127.0.0.1"]}, blocking=(".never.test",))
-    expect = FLOOD - egress_proxy.RESOLVE_PER_RUN - egress_proxy.RESOLVE_QUEUE_PER_RUN
+    expect = FLOOD - resolve.RESOLVE_PER_RUN - resolve.RESOLVE_QUEUE_PER_RUN
     out: dict[str, object] = {"expect": expect}
     try:
-        with egress_proxy.override_resolver_for_tests(res, pretend_public=("127.0.0.1",)):
+        with override_resolver(res, pretend_public=("127.0.0.1",)):
             policy_a = lowlevel.Policy(
                 network=lowlevel.Egress(allow=("*.never.test", "b.test"), allow_ports=(443, origin.port)),
                 binds=(lowlevel.Bind(signal, "/signal", writable=True),))

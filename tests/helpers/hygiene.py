@@ -9,8 +9,8 @@ goes through :func:`open_fds` and :func:`children`, which leave out exactly thes
 - the executables bwrap execs as ``/proc/self/fd/N`` (``O_RDONLY | O_CLOEXEC``, one each, opened
   on first use and kept): the run guard (:func:`lowlevel.host.landlock.guard_fd`), the session init
   (:func:`lowlevel.session._init_fd` of :func:`lowlevel.session.init_path`) and the egress relay
-  (:func:`lowlevel.net.egress_proxy._relay_fd`);
-- the egress proxy thread (:func:`lowlevel.net.egress_proxy._shared`, started by the first run with an
+  (:func:`lowlevel.net.egress_run.relay_fd`);
+- the egress proxy thread (:func:`lowlevel.net.loop.shared`, started by the first run with an
   allowlist, for the process's life): its epoll set, its asyncio loop's epoll and self-pipe;
 - the holder of a systemd-delegated cgroup scope (``lowlevel.spec.limits._holder``, only where systemd
   delegates one): one child process and the pipe to its stdin.
@@ -34,17 +34,18 @@ def kept_fds() -> set[int]:
     Opens the three executable fds if this process has not yet (the package would on its first
     run); lists the proxy thread's and the scope holder's only where they exist.
     """
-    from lowlevel.net import egress_proxy
+    from lowlevel.net import egress_run
+    from lowlevel.net import loop as proxy_loop
     from lowlevel.host import landlock
     from lowlevel.spec import limits
     from lowlevel import session
 
     kept: set[int] = set()
-    for opener in (landlock.guard_fd, lambda: session._init_fd(session.init_path()), egress_proxy._relay_fd):
+    for opener in (landlock.guard_fd, lambda: session._init_fd(session.init_path()), egress_run.relay_fd):
         with contextlib.suppress(Exception):  # a broken install: the run itself reports it
             kept.add(opener())
-    proxy = egress_proxy._thread
-    if proxy is not None and proxy.pid == os.getpid() and proxy.thread.is_alive():
+    proxy = proxy_loop.running()
+    if proxy is not None:
         kept.add(proxy.mux.fileno())
         loop = proxy.loop
         for attr in ("_selector", "_ssock", "_csock"):  # asyncio's selector event loop

@@ -50,11 +50,9 @@ def main() -> int:
     resolver = None
     override: contextlib.AbstractContextManager = contextlib.nullcontext()
     if spec.get("resolver") is not None:
-        from scripted_resolver import ScriptedResolver
-
-        from lowlevel.net.egress_proxy import override_resolver_for_tests
+        from scripted_resolver import ScriptedResolver, override_resolver
         resolver = ScriptedResolver(spec["resolver"]["answers"])
-        override = override_resolver_for_tests(resolver, pretend_public=spec["resolver"].get("pretend_public", ()))
+        override = override_resolver(resolver, pretend_public=spec["resolver"].get("pretend_public", ()))
     workspace = spec.get("workspace")
     if workspace is None:
         workspace = tempfile.mkdtemp(prefix="lowlevel-test-ws-")

@@ -1,4 +1,9 @@
-"""A scripted resolver for the egress tests (TEST ONLY; see lowlevel.net.egress_proxy.override_resolver_for_tests).
+"""A scripted resolver for the egress tests, and :func:`override_resolver`, which puts a resolver in force.
+
+``with override_resolver(resolver, pretend_public=("127.0.0.1",)):`` sets the egress proxy's one
+injection point, :data:`lowlevel.net.resolve.override`, for the runs started inside (each
+listener takes the value in force when it is created), and restores the previous value after.
+Attempts made under it carry ``resolver="test-override"`` and the run's notes say so.
 
 ``ScriptedResolver({"pypi.test": ["127.0.0.1"], "rebind.test": [["127.0.0.1"], ["127.0.0.2"]]})``
 answers each name from the table: a list of addresses answers every call alike; a list of lists
@@ -13,9 +18,33 @@ process ends, or its resolver threads never finish.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+from lowlevel.net import resolve
+
+
+@contextlib.contextmanager
+def override_resolver(resolver: Callable[[str, int], Sequence[str] | None], *,
+                      pretend_public: Sequence[str] = ()) -> Iterator[None]:
+    """Answer the egress proxy's name lookups with ``resolver(name, port)`` in this process.
+
+    Args:
+        resolver: called in a resolver thread with the normalized name and the port; returns
+            numeric addresses (str) in order, or None to ask the system resolver instead; may
+            raise OSError (then the request gets 502).
+        pretend_public: addresses that count as public when ``resolver`` returns them (so a
+            test server on 127.0.0.1 can stand for a public host). IP literals and the system
+            resolver's answers are never affected.
+    """
+    previous = resolve.override
+    resolve.override = resolve.ResolverOverride(resolver, frozenset(pretend_public))
+    try:
+        yield
+    finally:
+        resolve.override = previous
 
 
 class ScriptedResolver:

@@ -3,8 +3,8 @@
 Real servers on host loopback (tests/helpers/origin_servers.py): plain HTTP, HTTPS with a
 trustme test CA, a PEP 503 index and an npm registry stub. The allowlisted test names
 (``allowed.test``, ``secure.test``, ...) reach them through the TEST-ONLY resolver override
-(``lowlevel.net.egress_proxy.override_resolver_for_tests``, driven by
-tests/helpers/scripted_resolver.py), which also marks 127.0.0.1 as "public" for its own
+(``override_resolver`` of tests/helpers/scripted_resolver.py, which sets the proxy's
+injection point ``lowlevel.net.resolve.override``), which also marks 127.0.0.1 as "public" for its own
 answers only: IP literals and names the system resolver answers (``localhost``, the host
 name) are judged as they are. Each refusal is an attack that must fail, next to a control
 that works.
@@ -308,11 +308,9 @@ def test_no_dns_inside(sandbox):
 @pytest.fixture
 def scripted():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
-    from scripted_resolver import ScriptedResolver
-
-    from lowlevel.net.egress_proxy import override_resolver_for_tests
+    from scripted_resolver import ScriptedResolver, override_resolver
     res = ScriptedResolver({name: ["127.0.0.1"] for name in NAMES})
-    with override_resolver_for_tests(res, pretend_public=("127.0.0.1",)):
+    with override_resolver(res, pretend_public=("127.0.0.1",)):
         yield res
 
 
@@ -469,7 +467,7 @@ def test_relay_runs_the_command_as_bwrap_would(sandbox):
 # --- issue 22 item 3: the host's own addresses and the special address forms ---------------------
 
 def _own_ipv4() -> str:
-    from lowlevel.net.egress_proxy import host_addresses
+    from lowlevel.net.host_addresses import host_addresses
     own = sorted(a for a in host_addresses() if ":" not in a)
     if not own:
         pytest.fail("this host has no non-loopback IPv4 address to test the own-address rule with")
@@ -665,7 +663,7 @@ def test_flooding_run_does_not_stall_another(sandbox):
     subprocess, the test user through runuser: the same driver, tests/helpers/egress_fairness.py."""
     import subprocess
 
-    from lowlevel.net import egress_proxy
+    from lowlevel.net import resolve
     driver = Path(__file__).resolve().parents[1] / "helpers" / "egress_fairness.py"
     root = str(Path(__file__).resolve().parents[2])
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONPATH": root, "HOME": sandbox.home}
@@ -676,12 +674,12 @@ def test_flooding_run_does_not_stall_another(sandbox):
     proc = subprocess.run(argv, capture_output=True, env=env, cwd="/", timeout=300)
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
     out = json.loads(proc.stdout)
-    assert out["blocked_when_b_started"] == egress_proxy.RESOLVE_PER_RUN  # A's lookups hung while B ran
+    assert out["blocked_when_b_started"] == resolve.RESOLVE_PER_RUN  # A's lookups hung while B ran
     assert out["b_stdout"] == "hello from b\n"
     assert [x[:2] for x in out["b_network"]] == [["b.test", True]]
     a = json.loads(out["a_stdout"])
     flood = 120
-    assert len(a["refused"]) == out["expect"] == flood - egress_proxy.RESOLVE_PER_RUN - egress_proxy.RESOLVE_QUEUE_PER_RUN
+    assert len(a["refused"]) == out["expect"] == flood - resolve.RESOLVE_PER_RUN - resolve.RESOLVE_QUEUE_PER_RUN
     for line in a["refused"] + [a["probe"]]:
         assert line.startswith("HTTP/1.1 503 ") and "too many name lookups of this run at once" in line, line
     assert "'b.test'" in a["probe"]

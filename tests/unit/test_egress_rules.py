@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import lowlevel
 from lowlevel.sandbox.argv import Fds, HostFacts, build_argv
 from lowlevel.spec.egress import Egress, address_kind, ip_literal, match, normalize_host
-from lowlevel.net.egress_proxy import _RefusedError, parse_request
+from lowlevel.net.http_head import RefusedError, parse_request
 from lowlevel.errors import PolicyError
 from lowlevel.spec.policy import Policy
 from lowlevel.host.probe import BwrapInfo, HostLayout
@@ -264,7 +264,7 @@ def test_parse_origin_form_uses_host():
     b"GET http://x/ HTTP/1.1\r\nBad Header: y\r\n\r\n",
 ])
 def test_parse_refuses(head):
-    with pytest.raises(_RefusedError) as info:
+    with pytest.raises(RefusedError) as info:
         parse_request(head)
     assert info.value.status == 400
 
@@ -273,8 +273,10 @@ def test_resolver_override_is_test_only():
     """The test resolver is no Policy/Egress field, no CLI flag, not exported, and scoped."""
     import dataclasses
 
-    from lowlevel.net import egress_proxy
+    from helpers.scripted_resolver import override_resolver
+
     from lowlevel.cli import build_parser
+    from lowlevel.net import resolve
     fields = {f.name for f in dataclasses.fields(Egress)} | {f.name for f in dataclasses.fields(Policy)}
     assert not any("resolv" in name for name in fields)
     assert not any("resolv" in name.lower() for name in lowlevel.__all__)
@@ -282,10 +284,10 @@ def test_resolver_override_is_test_only():
     helps = parser.format_help() + "".join(
         p.format_help() for a in parser._subparsers._group_actions for p in a.choices.values())  # type: ignore[union-attr]
     assert "resolver" not in helps.lower() and "override" not in helps.lower()
-    assert egress_proxy._resolver_override is None
-    with egress_proxy.override_resolver_for_tests(lambda n, p: ["127.0.0.1"], pretend_public=["127.0.0.1"]):
-        assert egress_proxy._resolver_override is not None
-    assert egress_proxy._resolver_override is None
+    assert resolve.override is None
+    with override_resolver(lambda n, p: ["127.0.0.1"], pretend_public=["127.0.0.1"]):
+        assert resolve.override is not None
+    assert resolve.override is None
 
 
 def test_mcp_config_egress_from_toml_and_flags(tmp_path):
@@ -372,7 +374,7 @@ def test_host_addresses_reads_the_kernel():
     """Every address `ip addr` would show (here /proc/net/if_inet6 and SIOCGIFCONF), loopback left out."""
     import socket as _socket
 
-    from lowlevel.net.egress_proxy import host_addresses
+    from lowlevel.net.host_addresses import host_addresses
     found = host_addresses()
     assert "127.0.0.1" not in found and "::1" not in found
     with open("/proc/net/if_inet6") as f:
@@ -406,7 +408,7 @@ def _client_hello(server_hostname: str | None) -> bytes:
 
 
 def test_parse_client_hello_from_openssl():
-    from lowlevel.net.egress_proxy import parse_client_hello
+    from lowlevel.net.tls_sni import parse_client_hello
     hello = _client_hello("Secure.Example.")
     parsed = parse_client_hello(hello)
     assert parsed is not None and parsed.sni == "secure.example" and not parsed.ech
@@ -422,8 +424,8 @@ def test_parse_client_hello_from_openssl():
 
 
 def test_parse_client_hello_refuses_malformed():
-    from lowlevel.net.egress_proxy import _NotTlsError, parse_client_hello
-    with pytest.raises(_NotTlsError):
+    from lowlevel.net.tls_sni import NotTlsError, parse_client_hello
+    with pytest.raises(NotTlsError):
         parse_client_hello(b"GET / HTTP/1.1\r\n")
     hello = bytearray(_client_hello("a.example"))
     with pytest.raises(ValueError):
@@ -448,7 +450,7 @@ def _sni_ext(*names: bytes) -> bytes:
 
 
 def test_parse_client_hello_handmade_forms():
-    from lowlevel.net.egress_proxy import parse_client_hello
+    from lowlevel.net.tls_sni import parse_client_hello
     hello = parse_client_hello(_hello_with_extensions(_sni_ext(b"a.example")))
     assert hello is not None and hello.sni == "a.example"
     ech = parse_client_hello(_hello_with_extensions(_sni_ext(b"public.example") + b"\xfe\x0d\x00\x00"))
@@ -484,13 +486,13 @@ def test_parse_request_body_length():
     for head, status in ((b"POST http://a.example/ HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n", 411),
                          (b"POST http://a.example/ HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n", 400),
                          (b"POST http://a.example/ HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400)):
-        with pytest.raises(_RefusedError) as info:
+        with pytest.raises(RefusedError) as info:
             parse_request(head)
         assert info.value.status == status
 
 
 def test_parse_client_hello_waits_for_the_first_byte():
-    from lowlevel.net.egress_proxy import parse_client_hello
+    from lowlevel.net.tls_sni import parse_client_hello
     assert parse_client_hello(b"") is None
 
 
@@ -506,7 +508,7 @@ def test_parse_client_hello_waits_for_the_first_byte():
 ])
 def test_request_heads_with_bare_line_ends_or_controls_are_refused(head: bytes) -> None:
     """Issue 22 item 4, the red-team's follow-up: no second request hides in a header value."""
-    with pytest.raises(_RefusedError) as err:
+    with pytest.raises(RefusedError) as err:
         parse_request(head)
     assert err.value.status == 400
 
