@@ -86,23 +86,23 @@ def test_no_network_same_as_run(server):
     assert server.accepted == before
 
 
-def test_no_host_home_same_as_run():
-    ssh = Path.home() / ".ssh"
-    created = not ssh.exists()
-    ssh.mkdir(mode=0o700, exist_ok=True)
-    key = ssh / f"id_lowlevel_aio_{os.getpid()}"
+def test_no_host_home_same_as_run(tmp_path):
+    # Nothing is written into the caller's real home (tests never touch the host's real
+    # directories): what is already there must be invisible, and a secret in another host
+    # directory (tmp_path, outside the sandbox) must not be found by a search.
+    home = Path.home()
+    names = sorted(p.name for p in home.iterdir()) if home.is_dir() else []
     marker = f"FAKE-KEY-{time.time_ns()}"
+    key = tmp_path / "id_lowlevel_aio"
     key.write_text(marker + "\n")
-    try:
-        assert marker in key.read_text()  # control: readable on the host
-        sync, asy = both(["sh", "-c", f"cat {key}; ls -a {ssh}; grep -rs {marker} /home /root /etc /tmp; echo done"])
-        assert _comparable(asy) == _comparable(sync)
-        assert marker.encode() not in asy.stdout
-        assert asy.stdout.strip().endswith(b"done")
-    finally:
-        key.unlink()
-        if created:
-            ssh.rmdir()
+    assert marker in key.read_text()  # control: readable on the host
+    assert all(os.path.lexists(home / n) for n in names)  # control: the host sees its home
+    probe = "".join(f'[ -e "{home}/{n}" ] || [ -L "{home}/{n}" ] && echo "SEEN:{n}"; ' for n in names if "'" not in n)
+    sync, asy = both(["sh", "-c", f"cat {key}; {probe}grep -rs {marker} /home /root /etc /tmp; echo done"])
+    assert _comparable(asy) == _comparable(sync)
+    assert marker.encode() not in asy.stdout
+    assert b"SEEN:" not in asy.stdout, asy.stdout
+    assert asy.stdout.strip().endswith(b"done")
 
 
 def test_cleared_env_same_as_run(monkeypatch):
