@@ -86,7 +86,7 @@ The package, one concept per module (bottom to top):
     :mod:`~lowlevel.session.outcome`: a finished command's Result (``killed_by``) or start error.
     :mod:`~lowlevel.session.start`: the start handshake (bwrap from a lasting thread, HELLO).
     :mod:`~lowlevel.session.gate`: the live workspace and the gate that makes commit/reset exclusive.
-    :mod:`~lowlevel.session.core`: the session's state and decisions (``_Core``: the sandbox, the
+    :mod:`~lowlevel.session.core`: the session's state and decisions (``Core``: the sandbox, the
         command table, submit, the init's reports, health and failure, close).
     :mod:`~lowlevel.session.sync`: the threaded driver (:class:`Session`, :class:`Process`).
     :mod:`~lowlevel.session.aio`: the asyncio driver (:class:`AsyncSession`, :class:`AsyncProcess`).

@@ -18,9 +18,9 @@ from lowlevel import workspace as _ws
 from lowlevel.errors import LowlevelError
 from lowlevel.sandbox.launcher import DEFAULT_TIMEOUT_S
 from lowlevel.sandbox.result import Result
-from lowlevel.session.command import _Cmd
-from lowlevel.session.core import _Core, _note_close_failure
-from lowlevel.session.gate import _check_running, _HeldError
+from lowlevel.session.command import Command
+from lowlevel.session.core import Core, note_close_failure
+from lowlevel.session.gate import check_running, HeldError
 from lowlevel.spec.limits import Limits
 from lowlevel.spec.policy import Policy
 
@@ -35,7 +35,7 @@ class AsyncProcess:
     :meth:`kill` do not block. Results and errors as :class:`Process`.
     """
 
-    def __init__(self, session: "AsyncSession", cmd: _Cmd) -> None:
+    def __init__(self, session: "AsyncSession", cmd: Command) -> None:
         self._session = session
         self._cmd = cmd
         self.argv = tuple(cmd.argv)
@@ -90,7 +90,7 @@ class AsyncSession:
 
     def __init__(self, policy: Policy | None = None, **kwargs: Any) -> None:
         self._args = (policy, kwargs)
-        self._core: _Core | None = None
+        self._core: Core | None = None
         self._waiters: list[tuple[Callable[[], bool], asyncio.Future[None]]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._readers: set[int] = set()
@@ -116,7 +116,7 @@ class AsyncSession:
         policy, kwargs = self._args
         kwargs = {"workspace": None, "inputs": (), "idle_timeout": None, "total_timeout": None,
                   "workspace_base": None, "bwrap": None, "track_changes": False, "commit": True, **kwargs}
-        self._core = await asyncio.to_thread(_Core, policy, **kwargs)
+        self._core = await asyncio.to_thread(Core, policy, **kwargs)
         self._loop = asyncio.get_running_loop()
         self._core.on_gate_open = self._gate_opened
         self._loop.add_reader(self._core.sock.fileno(), self._on_sock)
@@ -135,7 +135,7 @@ class AsyncSession:
         except LowlevelError as err:
             if exc is None:
                 raise
-            _note_close_failure(exc, err)
+            note_close_failure(exc, err)
 
     @property
     def workspace(self) -> str:
@@ -177,12 +177,12 @@ class AsyncSession:
         while that runs, the thread still ends the operation and reopens the gate."""
         core = self._core
         assert core is not None
-        _check_running(running)
+        check_running(running)
         while True:
             try:
                 core.begin_exclusive(what)
                 break
-            except _HeldError:
+            except HeldError:
                 await self._until(core.gate_free, None)
         handed = False
         try:
@@ -206,8 +206,8 @@ class AsyncSession:
         except RuntimeError:
             pass  # the loop is closed: nobody waits on it
 
-    async def _submit(self, argv: Sequence[str], **kwargs: object) -> _Cmd:
-        """:meth:`_Core.submit_when_open`, awaiting (on the loop) while a commit()/reset() holds
+    async def _submit(self, argv: Sequence[str], **kwargs: object) -> Command:
+        """:meth:`Core.submit_when_open`, awaiting (on the loop) while a commit()/reset() holds
         new commands."""
         core = self._core
         assert core is not None
@@ -219,7 +219,7 @@ class AsyncSession:
                 held = True
                 await self._until(lambda: core.exclusive is None, None)
         except StopIteration as done:
-            cmd: _Cmd = done.value
+            cmd: Command = done.value
             return cmd
         finally:
             steps.close()
@@ -274,7 +274,7 @@ class AsyncSession:
             self._wake()
 
     # -- plumbing ---------------------------------------------------------------------
-    def _watch(self, cmd: _Cmd) -> None:
+    def _watch(self, cmd: Command) -> None:
         assert self._loop is not None
         for fd in cmd.fds():
             if fd == cmd.stdin_w:
@@ -294,7 +294,7 @@ class AsyncSession:
         for fd in list(self._readers):
             self._forget(fd)
 
-    def _on_pipe(self, cmd: _Cmd, fd: int) -> None:
+    def _on_pipe(self, cmd: Command, fd: int) -> None:
         cmd.read(fd)
         if fd not in (cmd.out_r, cmd.err_r):
             self._forget(fd)
@@ -303,7 +303,7 @@ class AsyncSession:
                 self._core.fd_owner.pop(fd, None)
         self._wake()
 
-    def _on_stdin(self, cmd: _Cmd) -> None:
+    def _on_stdin(self, cmd: Command) -> None:
         fd = cmd.stdin_w
         cmd.feed_stdin()
         if cmd.stdin_w is None and fd is not None:
@@ -353,7 +353,7 @@ class AsyncSession:
             self._drop_readers()
         self._wake()
 
-    async def _wait(self, cmd: _Cmd, timeout: float | None, until: Callable[[], bool] | None = None) -> None:
+    async def _wait(self, cmd: Command, timeout: float | None, until: Callable[[], bool] | None = None) -> None:
         try:
             await self._until(lambda: cmd.done or (until is not None and until()), timeout)
         except TimeoutError:

@@ -1,6 +1,6 @@
 """The host-side state of one command of a session: its pipes, captured output and verdict.
 
-One concept: a :class:`_Cmd` is what the host knows of one command it sent the init (its id,
+One concept: a :class:`Command` is what the host knows of one command it sent the init (its id,
 argv, timeout and the host's deadline for the init's report, the pipes it created for the
 command's stdio and the output read from them, the cgroup counts at its start, and its Result or
 error once the init reported its end). The core (:mod:`lowlevel.session.core`) owns the table of
@@ -25,7 +25,7 @@ READ_CHUNK = 262144
 WRITE_CHUNK = 65536
 
 
-class _Cmd:
+class Command:
     """Host-side state of one command."""
 
     def __init__(self, cid: int, argv: list[str], policy: Policy, timeout: float | None,

@@ -2,7 +2,7 @@
 
 One concept: the state of one session and every decision about it, with no waiting policy
 (the drivers wait: :mod:`lowlevel.session.sync` with threads and poll(2),
-:mod:`lowlevel.session.aio` on an asyncio loop). :class:`_Core` starts the sandbox with the init
+:mod:`lowlevel.session.aio` on an asyncio loop). :class:`Core` starts the sandbox with the init
 as its program (:mod:`lowlevel.session.start`), submits commands (checks, pipes, a SPAWN),
 dispatches the init's reports into Results, judges the session's health and moves its
 :class:`~lowlevel.session.phase.Phase`, and closes it. The wire format is
@@ -33,8 +33,8 @@ from lowlevel.sandbox._interrupts import deferred_interrupts
 from lowlevel.sandbox.launcher import Run, _check_command, _memfd, host_facts
 from lowlevel.sandbox.result import Result
 from lowlevel.session import protocol as proto
-from lowlevel.session.command import _Cmd
-from lowlevel.session.gate import _HeldError, _WorkspaceGate
+from lowlevel.session.command import Command
+from lowlevel.session.gate import HeldError, WorkspaceGate
 from lowlevel.session.outcome import command_result, start_error
 from lowlevel.session.phase import Phase
 from lowlevel.session.start import readable_within, start_init
@@ -91,7 +91,7 @@ def _check_call_args(argv: Sequence[str], stdin: bytes | None, timeout: float | 
     return command, cwd
 
 
-def _open_pipes(cmd: _Cmd, stdin: bytes | None, send_fds: list[int], close_after: list[int]) -> int:
+def _open_pipes(cmd: Command, stdin: bytes | None, send_fds: list[int], close_after: list[int]) -> int:
     """Create the command's stdio pipes: our ends go to ``cmd``, the init's to ``send_fds``
     (closed here after the send: ``close_after``). Returns the SPAWN flags they set.
     Call under :func:`deferred_interrupts` (every fd is recorded at once)."""
@@ -119,11 +119,11 @@ def _open_pipes(cmd: _Cmd, stdin: bytes | None, send_fds: list[int], close_after
     return flags
 
 
-class _Core(_WorkspaceGate):
+class Core(WorkspaceGate):
     """The sandbox, the socket and the command table; no waiting policy (see the drivers).
 
     Its workspace part (the live view, diff, and the gate that makes a commit or reset
-    exclusive) is :class:`lowlevel.session.gate._WorkspaceGate`; its life is :attr:`phase`.
+    exclusive) is :class:`lowlevel.session.gate.WorkspaceGate`; its life is :attr:`phase`.
     """
 
     def __init__(self, policy: Policy | None, *, workspace: str | os.PathLike[str] | None,
@@ -172,8 +172,8 @@ class _Core(_WorkspaceGate):
 
     def _init_tables(self) -> None:
         """The command table, the workspace gate's state and the locks (before the start)."""
-        self.cmds: dict[int, _Cmd] = {}
-        self.fd_owner: dict[int, _Cmd] = {}
+        self.cmds: dict[int, Command] = {}
+        self.fd_owner: dict[int, Command] = {}
         self.next_id = 1
         self.failed: SessionError | None = None
         self.init_host_pid: int | None = None
@@ -213,13 +213,13 @@ class _Core(_WorkspaceGate):
     # -- submit --------------------------------------------------------------------------
     def submit(self, argv: Sequence[str], *, stdin: bytes | None, timeout: float | None,
                env: Mapping[str, str] | None, cwd: str | None, limits: Limits | None, stream: bool,
-               track_changes: bool | None = None) -> _Cmd:
+               track_changes: bool | None = None) -> Command:
         """Check a command's arguments, create its pipes and send its SPAWN; return its state.
 
         Raises:
             PolicyError: a bad argument, or a per-command limit the session cannot enforce.
             SessionError: the session is closed or ended.
-            _HeldError: a commit()/reset() holds new commands (the driver waits, then retries:
+            HeldError: a commit()/reset() holds new commands (the driver waits, then retries:
                 :meth:`submit_when_open`).
         """
         if cwd is None:
@@ -229,7 +229,7 @@ class _Core(_WorkspaceGate):
             raise self.failed
         generation = self.generation
         if self.exclusive is not None:
-            raise _HeldError()  # a commit()/reset() holds new commands: the driver waits, then retries
+            raise HeldError()  # a commit()/reset() holds new commands: the driver waits, then retries
         cmd, envc, rlb, strings = self._new_cmd(command, timeout, env, cwd, limits, stream, track_changes)
         send_fds: list[int] = []
         close_after: list[int] = []
@@ -248,7 +248,7 @@ class _Core(_WorkspaceGate):
                     os.close(fd)
         return cmd
 
-    def submit_when_open(self, argv: Sequence[str], **kwargs: object) -> Generator[None, None, _Cmd]:
+    def submit_when_open(self, argv: Sequence[str], **kwargs: object) -> Generator[None, None, Command]:
         """:meth:`submit`, retried while a commit()/reset() holds new commands: the one waiting
         loop both drivers run. Each ``yield`` asks the driver to wait until the gate reopens
         (``exclusive`` is None, or the session ended), its way; the generator's return value
@@ -259,7 +259,7 @@ class _Core(_WorkspaceGate):
             while True:
                 try:
                     return self.submit(argv, **kwargs)  # type: ignore[arg-type]
-                except _HeldError:
+                except HeldError:
                     if not queued:
                         self.queue(+1)
                         queued = True
@@ -270,7 +270,7 @@ class _Core(_WorkspaceGate):
 
     def _new_cmd(self, command: list[str], timeout: float | None, env: Mapping[str, str] | None, cwd: str,
                  limits: Limits | None, stream: bool,
-                 track_changes: bool | None) -> tuple[_Cmd, int, bytes, bytes]:
+                 track_changes: bool | None) -> tuple[Command, int, bytes, bytes]:
         """The command's host-side state and the SPAWN body's parts: ``(cmd, envc, rlimit
         records, strings)``; takes the workspace snapshot of ``track_changes``.
 
@@ -282,7 +282,7 @@ class _Core(_WorkspaceGate):
         envc, envb = self.env_default if env is None else proto.env_block(self.policy.environment(env))
         names, rlb = self.rlimit_default if limits is None else proto.rlimit_records(limits, self.run.cgroup)
         strings = proto.spawn_strings(cwd, command, envb)  # NUL-separated for the init: refuses a NUL
-        cmd = _Cmd(0, command, self.policy, timeout, stream)
+        cmd = Command(0, command, self.policy, timeout, stream)
         cmd.rlimit_names = names
         if self.run.egress is not None:
             cmd.net_from = len(self.run.egress.listener.attempts)
@@ -291,20 +291,20 @@ class _Core(_WorkspaceGate):
             cmd.before = _ws.snapshot(self.view())
         return cmd, envc, rlb, strings
 
-    def _send_spawn(self, cmd: _Cmd, generation: int, flags: int, rlb: bytes, strings: bytes, envc: int,
+    def _send_spawn(self, cmd: Command, generation: int, flags: int, rlb: bytes, strings: bytes, envc: int,
                     send_fds: list[int], close_after: list[int]) -> None:
         """Give ``cmd`` its id, enter it in the table and send its SPAWN (holds self.lock).
 
         Raises:
             SessionError: the session ended meanwhile (nothing was sent).
-            _HeldError: a commit()/reset() began (or ran) since :meth:`submit` checked: the
+            HeldError: a commit()/reset() began (or ran) since :meth:`submit` checked: the
                 command would start in a layer being replaced (or its track_changes snapshot
                 be of the old one). Nothing was sent: the driver waits for the gate and retries.
         """
         if self.failed is not None:
             raise self.failed
         if self.exclusive is not None or self.generation != generation:
-            raise _HeldError()
+            raise HeldError()
         cmd.id = self.next_id
         self.next_id += 1
         body = rlb + strings
@@ -444,7 +444,7 @@ class _Core(_WorkspaceGate):
         limit = self.idle_timeout if reason == "idle_timeout" else self.total_timeout
         return f"the session ended: its {reason.replace('_', ' ')} of {limit} s passed", reason
 
-    def signal(self, cmd: _Cmd, signo: int, tree: bool) -> None:
+    def signal(self, cmd: Command, signo: int, tree: bool) -> None:
         """Ask the init to signal a command's group (tree: SIGKILL its whole tree)."""
         with self.lock:
             if cmd.done or self.failed is not None:
@@ -490,7 +490,7 @@ class _Core(_WorkspaceGate):
                 self._fail_locked(f"malformed message from the session init (type {proto.message_type(data)}, "
                                   f"{len(data)} bytes)", "protocol")
 
-    def _finish(self, cmd: _Cmd, report: proto.ExitReport) -> None:
+    def _finish(self, cmd: Command, report: proto.ExitReport) -> None:
         # The shepherd reported only after the command's whole tree was dead: what is in the
         # pipes is all there is. Drain without waiting for EOF (another command of the session
         # could hold a copy of our pipe through /proc/PID/fd).
@@ -512,7 +512,7 @@ class _Core(_WorkspaceGate):
             with self.lock:
                 self.finishing -= 1
 
-    def _finish_result(self, cmd: _Cmd, report: proto.ExitReport) -> None:
+    def _finish_result(self, cmd: Command, report: proto.ExitReport) -> None:
         """Settle ``cmd`` from its EXIT: its Result, or the error that ended it."""
         # The shepherd's own measure (CLOCK_MONOTONIC, from its fork to the command's end): the
         # host's clock reading here would include any time the caller was stopped or starved.
@@ -536,7 +536,7 @@ class _Core(_WorkspaceGate):
                                       report.maxrss_kib, wall)
         cmd.done = True
 
-    def _result(self, cmd: _Cmd, status: int, flags: int, utime_us: int, stime_us: int, maxrss_kib: int,
+    def _result(self, cmd: Command, status: int, flags: int, utime_us: int, stime_us: int, maxrss_kib: int,
                 wall: float) -> Result:
         """Gather the session's side of a finished command's Result (the cgroup's counts over its
         life, its changes, the egress attempts) for :func:`command_result`, which judges it."""
@@ -602,7 +602,7 @@ class _Core(_WorkspaceGate):
         state = stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3]
         return state in (b"T", b"t")
 
-    def _oom_since(self, cmd: _Cmd | None = None) -> bool:
+    def _oom_since(self, cmd: Command | None = None) -> bool:
         """True when the session cgroup's OOM kill count rose since ``cmd`` started (since the
         session started without one)."""
         before = cmd.cg_before[0] if cmd is not None else self.cg_start[0]
@@ -699,7 +699,7 @@ class _Core(_WorkspaceGate):
             raise err
 
 
-def _close_on_exit(close: Callable[[], None], exc: BaseException | None) -> None:
+def close_on_exit(close: Callable[[], None], exc: BaseException | None) -> None:
     """``close()`` for ``__exit__``: its error (a failed final commit) is raised, unless the
     block is already raising ``exc``: that one propagates, with the close's error in a note
     (``add_note``, PEP 678) and a warning log, instead of being masked."""
@@ -708,9 +708,10 @@ def _close_on_exit(close: Callable[[], None], exc: BaseException | None) -> None
     except LowlevelError as err:
         if exc is None:
             raise
-        _note_close_failure(exc, err)
+        note_close_failure(exc, err)
 
 
-def _note_close_failure(exc: BaseException, err: LowlevelError) -> None:
+def note_close_failure(exc: BaseException, err: LowlevelError) -> None:
+    """Note ``err`` (closing the session failed) on ``exc``, the exception already propagating, and log it."""
     exc.add_note(f"lowlevel: closing the session failed too: {type(err).__name__}: {err}")
     log.warning("lowlevel: closing the session failed: %s", err)

@@ -6,15 +6,15 @@ across that keeps its cwd and its Landlock rule in the old layer: what it writes
 afterwards is in no commit, and ``/workspace`` fails for it (EACCES under Landlock, which
 ignores a rule on a covered mount point; ESTALE once that layer is unmounted). So a commit or
 reset is *exclusive*: :meth:`begin_exclusive` closes the gate (new commands wait:
-:class:`_HeldError`), the driver waits until the commands in flight have ended (their EXIT comes
+:class:`HeldError`), the driver waits until the commands in flight have ended (their EXIT comes
 after the shepherd killed their whole tree: nothing of theirs writes afterwards), the
 operation runs (:meth:`exclusive_op`, under ``ws_lock``), and the gate reopens.
 Background commands (``Session.start``) are refused, waited for, or left in the old
 layer, as the caller's ``running=`` says (:meth:`check_background`).
 
-The gate is part of the core (:class:`lowlevel.session.core._Core` inherits
-:class:`_WorkspaceGate`); its waits are the drivers' (:mod:`lowlevel.session.sync`,
-:mod:`lowlevel.session.aio`), which catch :class:`_HeldError`.
+The gate is part of the core (:class:`lowlevel.session.core.Core` inherits
+:class:`WorkspaceGate`); its waits are the drivers' (:mod:`lowlevel.session.sync`,
+:mod:`lowlevel.session.aio`), which catch :class:`HeldError`.
 """
 
 from __future__ import annotations
@@ -27,17 +27,17 @@ from lowlevel.errors import CommitIncompleteError, PolicyError, SessionError, Un
 # A private name of lowlevel.sandbox.launcher (its engineer is reshaping it): where a commit's
 # conflicting changes are saved.
 from lowlevel.sandbox.launcher import Run, _conflict_dir
-from lowlevel.session.command import _Cmd
+from lowlevel.session.command import Command
 from lowlevel.session.phase import Phase
 from lowlevel.spec.policy import WORKSPACE_DEST
 from lowlevel.workspace import cow as _cow
 from lowlevel.workspace import overlay as _overlay
 
 
-class _HeldError(Exception):
+class HeldError(Exception):
     """Internal: a commit()/reset() holds the session's commands; wait for the gate, then retry.
 
-    Raised by :meth:`_Core.submit` and :meth:`_Core.begin_exclusive`; the drivers catch it
+    Raised by :meth:`Core.submit` and :meth:`Core.begin_exclusive`; the drivers catch it
     (:meth:`Session.run`, :meth:`AsyncSession.run`...), never the caller."""
 
 
@@ -45,21 +45,26 @@ class _HeldError(Exception):
 RUNNING_CHOICES = ("refuse", "wait", "leave")
 
 
-def _check_running(running: object) -> str:
+def check_running(running: object) -> str:
+    """``running`` if it is one of :data:`RUNNING_CHOICES`.
+
+    Raises:
+        PolicyError: it is not.
+    """
     if not isinstance(running, str) or running not in RUNNING_CHOICES:
         raise PolicyError(f"running must be one of {', '.join(map(repr, RUNNING_CHOICES))}, got {running!r}")
     return running
 
 
-class _WorkspaceGate:
-    """The workspace part of :class:`lowlevel.session.core._Core` (see the module docstring)."""
+class WorkspaceGate:
+    """The workspace part of :class:`lowlevel.session.core.Core` (see the module docstring)."""
 
-    # Set by _Core, of which this is a part.
+    # Set by Core, of which this is a part.
     run: Run
     lock: threading.Lock
     phase: Phase
     failed: SessionError | None
-    cmds: dict[int, _Cmd]
+    cmds: dict[int, Command]
     init_host_pid: int | None
 
     def _init_gate(self) -> None:
@@ -104,7 +109,7 @@ class _WorkspaceGate:
         """Close the gate for ``what`` ("commit", "reset"): commands submitted from now on wait.
 
         Raises:
-            _HeldError: another commit()/reset() holds the gate (wait for it, then call again).
+            HeldError: another commit()/reset() holds the gate (wait for it, then call again).
             UnsupportedError, SessionError: as :meth:`_need_cow`.
         """
         self._need_cow(what)
@@ -112,7 +117,7 @@ class _WorkspaceGate:
             if self.failed is not None:
                 raise self.failed
             if not self.gate_free():
-                raise _HeldError()
+                raise HeldError()
             self.exclusive = what
 
     def gate_free(self) -> bool:
@@ -144,7 +149,7 @@ class _WorkspaceGate:
             while (self.exclusive is not None or (exclusive and self.queued)) and self.failed is None:
                 self.gate.wait()
 
-    def check_background(self, what: str, running: str) -> list[_Cmd]:
+    def check_background(self, what: str, running: str) -> list[Command]:
         """The background commands a ``what`` ("commit"/"reset") with ``running=`` will leave
         in the old layer (``running="leave"``; else none).
 
@@ -178,7 +183,7 @@ class _WorkspaceGate:
             return not self.finishing and not any(not c.done and not (running == "leave" and c.background)
                                                   for c in self.cmds.values())
 
-    def exclusive_op(self, what: str, left: Sequence[_Cmd]) -> _ws.Changes | None:
+    def exclusive_op(self, what: str, left: Sequence[Command]) -> _ws.Changes | None:
         """Run the commit or reset that holds the gate, then reopen it (in every case).
 
         ``left``: background commands left running in the old layer (``running="leave"``):

@@ -18,14 +18,14 @@ from lowlevel.errors import LaunchError, LowlevelError
 from lowlevel.sandbox.launcher import ExecError, network_denial_note, pids_note
 from lowlevel.sandbox.result import Result
 from lowlevel.session import protocol as proto
-from lowlevel.session.command import _Cmd
+from lowlevel.session.command import Command
 from lowlevel.spec import limits as _limits
 from lowlevel.spec.egress import NetworkAttempt
 from lowlevel.spec.limits import Limits
 from lowlevel.spec.policy import Policy
 
 
-def start_error(cmd: _Cmd, kind: int, status: int, stage: int) -> LowlevelError | None:
+def start_error(cmd: Command, kind: int, status: int, stage: int) -> LowlevelError | None:
     """The error of a command that never ran (``kind`` EXIT_SETUP_FAILED or EXIT_SPAWN_FAILED,
     ``status`` an errno, ``stage`` a :data:`protocol.STAGES` key); None for another kind."""
     argv = list(cmd.argv)
@@ -46,7 +46,7 @@ def start_error(cmd: _Cmd, kind: int, status: int, stage: int) -> LowlevelError 
     return LaunchError(f"{stage_name} failed for {cmd.argv[0]!r} in the session: {msg}", argv=argv, errno=status)
 
 
-def command_result(cmd: _Cmd, *, status: int, flags: int, utime_us: int, stime_us: int, maxrss_kib: int,
+def command_result(cmd: Command, *, status: int, flags: int, utime_us: int, stime_us: int, maxrss_kib: int,
                    wall_s: float, oom_kills: int | None, pids_hits: int | None, policy: Policy,
                    cgroup_limits: Limits, enforced: tuple[str, ...], landlock_abi: int,
                    session_notes: tuple[str, ...], changes: _ws.Changes, network: tuple[NetworkAttempt, ...] | None,

@@ -19,9 +19,9 @@ from collections.abc import Callable, Mapping, Sequence
 from lowlevel import workspace as _ws
 from lowlevel.sandbox.launcher import DEFAULT_TIMEOUT_S
 from lowlevel.sandbox.result import Result
-from lowlevel.session.command import _Cmd
-from lowlevel.session.core import _close_on_exit, _Core
-from lowlevel.session.gate import _check_running, _HeldError
+from lowlevel.session.command import Command
+from lowlevel.session.core import close_on_exit, Core
+from lowlevel.session.gate import check_running, HeldError
 from lowlevel.spec.limits import Limits
 from lowlevel.spec.policy import Policy
 
@@ -38,7 +38,7 @@ class Process:
         pid: its PID inside the sandbox (None until the init reports it started).
     """
 
-    def __init__(self, session: "Session", cmd: _Cmd) -> None:
+    def __init__(self, session: "Session", cmd: Command) -> None:
         self._session = session
         self._cmd = cmd
         self.argv = tuple(cmd.argv)
@@ -137,7 +137,7 @@ class Session:
                  total_timeout: float | None = None, workspace_base: str | None = None,
                  track_changes: bool = False, bwrap: str | None = None,
                  allow_sensitive_workspace: bool = False, commit: bool | str = True) -> None:
-        self._core = _Core(policy, workspace=workspace, inputs=inputs, idle_timeout=idle_timeout,
+        self._core = Core(policy, workspace=workspace, inputs=inputs, idle_timeout=idle_timeout,
                            total_timeout=total_timeout, workspace_base=workspace_base, bwrap=bwrap,
                            track_changes=track_changes, allow_sensitive_workspace=allow_sensitive_workspace,
                            commit=commit)
@@ -239,14 +239,14 @@ class Session:
 
     def _exclusive(self, what: str, running: str) -> _ws.Changes | None:
         """Take the workspace gate, wait for the commands in flight, run ``what`` (see
-        :class:`_Core`): the sync driver."""
+        :class:`Core`): the sync driver."""
         core = self._core
-        _check_running(running)
+        check_running(running)
         while True:
             try:
                 core.begin_exclusive(what)
                 break
-            except _HeldError:
+            except HeldError:
                 core.wait_gate(exclusive=True)
         try:
             # Take in the EXITs already reported (nobody may be pumping: a background command
@@ -275,7 +275,7 @@ class Session:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
-        _close_on_exit(self.close, exc)
+        close_on_exit(self.close, exc)
 
     def __del__(self) -> None:
         core = getattr(self, "_core", None)
@@ -302,7 +302,7 @@ class Session:
                 cgroup's limits (``memory_bytes``, ``pids``, ``cpu_quota`` where the session's
                 cgroup enforces them) bound the session as a whole and ``tmp_size_bytes``/
                 ``workspace_bytes`` were fixed at its start: other values there raise
-                PolicyError (see :meth:`_Core.check_call_limits`); use :class:`Pool` or
+                PolicyError (see :meth:`Core.check_call_limits`); use :class:`Pool` or
                 :func:`lowlevel.run` for a per-call memory limit.
             track_changes: override the session's ``track_changes`` for this command.
         Returns:
@@ -374,8 +374,8 @@ class Session:
             with self._cond:
                 self._cond.notify_all()
 
-    def _submit(self, argv: Sequence[str], **kwargs: object) -> _Cmd:
-        """:meth:`_Core.submit_when_open`, waiting (this thread) while a commit()/reset() holds
+    def _submit(self, argv: Sequence[str], **kwargs: object) -> Command:
+        """:meth:`Core.submit_when_open`, waiting (this thread) while a commit()/reset() holds
         new commands."""
         steps = self._core.submit_when_open(argv, **kwargs)
         try:
@@ -383,13 +383,13 @@ class Session:
                 next(steps)
                 self._core.wait_gate()
         except StopIteration as done:
-            cmd: _Cmd = done.value
+            cmd: Command = done.value
             return cmd
         finally:
             steps.close()
 
     # -- the I/O pump: one leader moves everybody's I/O, the others wait for it -------------
-    def _wait(self, cmd: _Cmd, deadline: float | None, until: Callable[[], bool] | None = None) -> None:
+    def _wait(self, cmd: Command, deadline: float | None, until: Callable[[], bool] | None = None) -> None:
         self._wait_until(lambda: cmd.done or (until is not None and until()), deadline)
 
     def _wait_until(self, satisfied: Callable[[], bool], deadline: float | None) -> None:
