@@ -54,8 +54,8 @@ __version__ = "0.1.0"
 
 #: Names served lazily by :func:`__getattr__`: the asyncio API imports asyncio (~30 ms),
 #: which ``import lowlevel`` (and the CLI) should not pay.
-_LAZY = {"Runner": "sandbox.aio", "arun": "sandbox.aio", "AsyncProcess": "session",
-         "AsyncSession": "session", "Pool": "session", "Process": "session", "Session": "session"}
+_LAZY = {"Runner": "sandbox.aio", "arun": "sandbox.aio", "AsyncProcess": "session.aio", "AsyncSession": "session.aio",
+         "Pool": "session.pool", "Process": "session.sync", "Session": "session.sync"}
 
 
 def __getattr__(name: str) -> object:

@@ -8,8 +8,8 @@ goes through :func:`open_fds` and :func:`children`, which leave out exactly thes
 
 - the executables bwrap execs as ``/proc/self/fd/N`` (``O_RDONLY | O_CLOEXEC``, one each, opened
   on first use and kept): the run guard (:func:`lowlevel.host.landlock.guard_fd`), the session init
-  (:func:`lowlevel.session._init_fd` of :func:`lowlevel.session.init_path`) and the egress relay
-  (:func:`lowlevel.net.egress_run.relay_fd`);
+  (:func:`lowlevel.session.protocol.init_fd` of :func:`lowlevel.session.protocol.init_path`) and the
+  egress relay (:func:`lowlevel.net.egress_run.relay_fd`);
 - the egress proxy thread (:func:`lowlevel.net.loop.shared`, started by the first run with an
   allowlist, for the process's life): its epoll set, its asyncio loop's epoll and self-pipe;
 - the holder of a systemd-delegated cgroup scope (``lowlevel.spec.limits._holder``, only where systemd
@@ -38,10 +38,11 @@ def kept_fds() -> set[int]:
     from lowlevel.net import loop as proxy_loop
     from lowlevel.host import landlock
     from lowlevel.spec import limits
-    from lowlevel import session
+    from lowlevel.session import protocol as session_protocol
 
     kept: set[int] = set()
-    for opener in (landlock.guard_fd, lambda: session._init_fd(session.init_path()), egress_run.relay_fd):
+    init_fd = lambda: session_protocol.init_fd(session_protocol.init_path())  # noqa: E731
+    for opener in (landlock.guard_fd, init_fd, egress_run.relay_fd):
         with contextlib.suppress(Exception):  # a broken install: the run itself reports it
             kept.add(opener())
     proxy = proxy_loop.running()

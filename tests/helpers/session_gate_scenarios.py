@@ -18,7 +18,8 @@ import time
 from typing import Any
 
 from lowlevel.errors import CommitConflictError, SessionError, WorkspaceError
-from lowlevel.session import AsyncSession, Session, _init_fd, init_path
+from lowlevel.session import AsyncSession, Session
+from lowlevel.session.protocol import init_fd, init_path
 
 WRITER_THREADS = 4
 WRITES_PER_THREAD = 75
@@ -248,7 +249,7 @@ def close_conflict(workspace: str, base: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with open(os.path.join(workspace, "f"), "w") as f:
         f.write("orig\n")
-    _init_fd(init_path())  # opened once per process (cached): not a leak of this session
+    init_fd(init_path())  # opened once per process (cached): not a leak of this session
     fds0 = _fds()
     s = Session(workspace=workspace, workspace_base=base)
     out["cow"] = s._core.run.cow

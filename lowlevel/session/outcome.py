@@ -1,0 +1,108 @@
+"""How a session's command ended, as the caller sees it: its Result, or the error of a failed start.
+
+One concept: turning the init's EXIT report (and the host's counts over the command's life)
+into what :meth:`lowlevel.session.Session.run` returns or raises. :func:`command_result` holds the
+session's copy of the exit-code/``killed_by`` classification and of the Result assembly (the one
+:func:`lowlevel.run` makes in :mod:`lowlevel.sandbox.launcher`): kept apart so that it can be
+switched to the sandbox's result builder in one place. :func:`start_error` names a command the
+init could not start.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from lowlevel import workspace as _ws
+from lowlevel.errors import LaunchError, LowlevelError
+from lowlevel.sandbox.launcher import ExecError, network_denial_note, pids_note
+from lowlevel.sandbox.result import Result
+from lowlevel.session import protocol as proto
+from lowlevel.session.command import Command
+from lowlevel.spec import limits as _limits
+from lowlevel.spec.egress import NetworkAttempt
+from lowlevel.spec.limits import Limits
+from lowlevel.spec.policy import Policy
+
+
+def start_error(cmd: Command, kind: int, status: int, stage: int) -> LowlevelError | None:
+    """The error of a command that never ran (``kind`` EXIT_SETUP_FAILED or EXIT_SPAWN_FAILED,
+    ``status`` an errno, ``stage`` a :data:`protocol.STAGES` key); None for another kind."""
+    argv = list(cmd.argv)
+    if kind == proto.EXIT_SPAWN_FAILED:
+        return LaunchError(f"the session init could not start {cmd.argv[0]!r}: {os.strerror(status)}",
+                           argv=argv, errno=status)
+    if kind != proto.EXIT_SETUP_FAILED:
+        return None
+    stage_name = proto.STAGES.get(stage, str(stage))
+    msg = os.strerror(status)
+    if stage == proto.STAGE_CWD:
+        return LaunchError(f"the working directory of {cmd.argv[0]!r} resolves outside the sandbox "
+                           "(through a magic link such as /proc/self/fd/N, or a symlink to one: "
+                           "CVE-2024-21626 class); refused before it ran: use a directory of the "
+                           "sandbox's own tree, e.g. /workspace", argv=argv, errno=status)
+    if stage_name == "execve":
+        return ExecError(f"{cmd.argv[0]}: {msg.lower()} in the sandbox", argv=argv, errno=status)
+    return LaunchError(f"{stage_name} failed for {cmd.argv[0]!r} in the session: {msg}", argv=argv, errno=status)
+
+
+def command_result(cmd: Command, *, status: int, flags: int, utime_us: int, stime_us: int, maxrss_kib: int,
+                   wall_s: float, oom_kills: int | None, pids_hits: int | None, policy: Policy,
+                   cgroup_limits: Limits, enforced: tuple[str, ...], landlock_abi: int,
+                   session_notes: tuple[str, ...], changes: _ws.Changes, network: tuple[NetworkAttempt, ...] | None,
+                   network_notes: tuple[str, ...], workspace: str) -> Result:
+    """The Result of a command that ran: the session's result builder.
+
+    Args:
+        cmd: the finished command (its argv, captured output, rlimits, notes; ``cmd.notes``
+            gains the memory and pids notes its verdict calls for).
+        status: its wait status; ``flags``: the EXIT's ``EXITF_*``.
+        utime_us, stime_us, maxrss_kib: its tree's rusage (µs, µs, KiB); ``wall_s``: seconds.
+        oom_kills, pids_hits: the session cgroup's OOM kills and pids.max refusals during its
+            life (None: no cgroup or no counter).
+        policy, cgroup_limits: the session's Policy and the limits its cgroup enforces now.
+        enforced: ``Result.limits_enforced``; ``landlock_abi``: the init's (0: none).
+        session_notes: the notes of every Result of the session; ``network``/``network_notes``:
+            the egress proxy's attempts and notes during the command (None/() without egress).
+        changes: ``Result.changes``; ``workspace``: ``Result.workspace``.
+
+    ``killed_by`` is judged as :func:`lowlevel.run` judges a run: any OOM kill means
+    ``"memory"``, a fork refused at pids.max with a failed exit ``"pids"``; a command that shared
+    the session with others (``cmd.alone`` False) is charged only if it failed too.
+    """
+    term: int | None = None
+    if os.WIFSIGNALED(status):
+        term = os.WTERMSIG(status)
+        exit_code = 128 + term
+    else:
+        exit_code = os.WEXITSTATUS(status)
+    killed_by = None
+    cpu = (utime_us + stime_us) / 1e6
+    failed = exit_code != 0
+    if flags & proto.EXITF_TIMED_OUT:
+        killed_by = "timeout"
+    elif flags & proto.EXITF_CANCELLED or cmd.cancelled:
+        killed_by = "cancelled"
+    elif oom_kills and (cmd.alone or failed):
+        killed_by = "memory"
+        if not any("OOM killer" in n for n in cmd.notes):
+            cmd.notes += (_limits.memory_kill_note(cgroup_limits, session=True),)
+    elif term == signal.SIGXCPU or (term == signal.SIGKILL and "RLIMIT_CPU" in cmd.rlimit_names
+                                    and policy.limits.cpu_s is not None and cpu >= policy.limits.cpu_s):
+        killed_by = "cpu"
+    elif term is not None:
+        # The pids limit kills nothing: only a death by a signal after a refused fork is "pids".
+        killed_by = "pids" if pids_hits and failed else "signal"
+    if pids_hits and failed and killed_by in ("pids", None):
+        cmd.notes += (pids_note(cgroup_limits.pids, exit_code, term),)
+    out, out_t, out_d = cmd.out.value()
+    err, err_t, err_d = cmd.err.value()
+    net_note = network_denial_note(policy, landlock_abi, exit_code, err)
+    notes = session_notes + cmd.notes + ((net_note,) if net_note else ()) + network_notes
+    return Result(
+        exit_code=exit_code, term_signal=term, timed_out=bool(flags & proto.EXITF_TIMED_OUT), killed_by=killed_by,
+        stdout=out, stderr=err, stdout_truncated=out_t, stderr_truncated=err_t,
+        stdout_dropped_bytes=out_d, stderr_dropped_bytes=err_d, wall_time_s=wall_s,
+        cpu_user_s=utime_us / 1e6, cpu_system_s=stime_us / 1e6, peak_memory_bytes=None,
+        max_rss_bytes=maxrss_kib * 1024, oom_kills=oom_kills, limits_enforced=enforced, changes=changes,
+        workspace=workspace, notes=notes, argv=tuple(cmd.argv), network=network, landlock_abi=landlock_abi)

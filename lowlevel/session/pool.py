@@ -1,0 +1,244 @@
+"""A warm Pool of fresh sandboxes: each call gets a sandbox of its own, used once.
+
+One concept: keeping N session sandboxes started in advance (a background thread starts
+replacements and tears used ones down) so that a call has the isolation of :func:`lowlevel.run`
+at close to a session's latency. Each sandbox is a :class:`lowlevel.session.sync.Session` whose
+cgroup limits are rewritten for the one call it serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from lowlevel import workspace as _ws
+from lowlevel.errors import PolicyError, SessionError, UnsupportedError
+from lowlevel.sandbox.launcher import DEFAULT_TIMEOUT_S, ExecError
+from lowlevel.sandbox.result import Result
+from lowlevel.session.sync import Session
+from lowlevel.spec import validate as _validate
+from lowlevel.spec.limits import Limits
+from lowlevel.spec.policy import WORKSPACE_DEST, Policy
+
+log = logging.getLogger("lowlevel")
+
+#: A path that exists in no sandbox: the Pool's warm-up command fails in execve on purpose.
+_WARMUP_PROGRAM = "/.lowlevel-warmup-does-not-exist"
+#: The warm-up command's timeout, seconds (it fails at once in execve).
+WARMUP_TIMEOUT_S = 10
+
+
+class Pool:
+    """N sandboxes started in advance; each call gets a fresh one, used once, then destroyed.
+
+    Each sandbox has its own fresh workspace (under ``workspace_base``, kept after use like
+    :func:`lowlevel.run`'s: ``Result.workspace``), its own namespaces, ``/tmp`` and cgroup:
+    nothing is shared between calls. A background thread starts replacements and tears used
+    sandboxes down.
+
+    With the copy-on-write workspace, a call's Result is final when :meth:`run` returns: its
+    changes are in ``Result.changes`` and (without a template) committed to its workspace.
+
+    Args:
+        policy: as for :func:`lowlevel.run`.
+        size: how many sandboxes to keep ready (>= 1).
+        workspace_base, bwrap: as for :class:`Session`.
+        track_changes: fill ``Result.changes`` where the overlay is unavailable (a snapshot walk
+            of the fresh workspace; with the overlay the changes come from its upper layer).
+        template: a directory every call starts from: each sandbox gets a fresh copy-on-write
+            overlay over it (nothing is copied; the directory is never written: calls' changes
+            are reported and discarded). Needs the overlay (UnsupportedError otherwise).
+    Raises:
+        PolicyError: a bad argument. The first sandbox's start errors surface on the first call.
+    """
+
+    def __init__(self, policy: Policy | None = None, *, size: int = 2, workspace_base: str | None = None,
+                 bwrap: str | None = None, track_changes: bool = True,
+                 template: str | os.PathLike[str] | None = None) -> None:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise PolicyError(f"Pool size must be an int >= 1, got {size!r}")
+        self.policy = policy or Policy()
+        self.size = size
+        self.template = None if template is None else os.fspath(template)
+        self._kwargs: dict[str, Any] = {"workspace_base": workspace_base, "bwrap": bwrap,
+                                        "track_changes": track_changes}
+        if self.template is not None:
+            self._kwargs.update(workspace=self.template, commit=False, track_changes=False)
+        self._ready: collections.deque[Session] = collections.deque()
+        self._retired: collections.deque[Session] = collections.deque()
+        self._starting = 0
+        self._cond = threading.Condition()
+        self._closed = False
+        self._error: BaseException | None = None
+        #: Calls served by a ready sandbox / calls that had to start one themselves.
+        self.hits = 0
+        self.misses = 0
+        self._thread = threading.Thread(target=self._worker, name="lowlevel-pool", daemon=True)
+        self._thread.start()
+
+    def __enter__(self) -> "Pool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _new(self) -> Session:
+        s = Session(self.policy, **self._kwargs)
+        if self.template is not None and not s._core.run.cow:
+            s.close()
+            raise UnsupportedError("overlay", "Pool(template=...) needs the copy-on-write workspace: "
+                                   + "; ".join(s._core.run.notes))
+        try:
+            # Warm the path once (the init's first message, allocations, shepherd fork, a
+            # failed execve) so the caller's command is not the first through it.
+            s.run([_WARMUP_PROGRAM], timeout=WARMUP_TIMEOUT_S, track_changes=False)
+        except ExecError:
+            pass
+        except BaseException:
+            s.close()
+            raise
+        return s
+
+    def _worker(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self._retired and \
+                        (len(self._ready) + self._starting >= self.size or self._error is not None):
+                    self._cond.wait()
+                if self._closed:
+                    return
+                retire = self._retired.popleft() if self._retired else None
+                start = retire is None and len(self._ready) + self._starting < self.size
+                if start:
+                    self._starting += 1
+            if retire is not None:
+                try:
+                    retire.close()
+                except Exception as err:  # noqa: BLE001
+                    log.warning("lowlevel: pool teardown failed: %s", err)
+                continue
+            if start:
+                try:
+                    s = self._new()
+                except BaseException as err:  # noqa: BLE001 - reported on the next call
+                    with self._cond:
+                        self._starting -= 1
+                        self._error = err
+                        self._cond.notify_all()
+                    continue
+                with self._cond:
+                    self._starting -= 1
+                    if self._closed:
+                        closing = s
+                    else:
+                        closing = None
+                        self._ready.append(s)
+                    self._cond.notify_all()
+                if closing is not None:
+                    closing.close()
+                    if self.template is None:
+                        _ws.remove_workspace(closing.directory)  # started as the pool closed: never used
+
+    def _take(self) -> Session:
+        with self._cond:
+            if self._closed:
+                raise SessionError("the pool is closed", "closed")
+            # No notify on a hit: the worker refills when this call is over (run's finally), so
+            # starting the replacement (bwrap, cgroup, workspace: CPU and the GIL) does not
+            # compete with the call itself.
+            while self._ready:
+                s = self._ready.popleft()
+                if s.alive:
+                    self.hits += 1
+                    return s
+                self._retired.append(s)
+            err, self._error = self._error, None
+            self.misses += 1
+            self._cond.notify_all()
+        if err is not None:
+            raise err
+        return self._new()
+
+    def run(self, argv: Sequence[str], *, inputs: Sequence[str | os.PathLike[str] | tuple[str, str]] = (),
+            stdin: bytes | None = None, timeout: float | None = DEFAULT_TIMEOUT_S,
+            env: Mapping[str, str] | None = None, cwd: str | None = None,
+            limits: Limits | None = None) -> Result:
+        """Run one command in a fresh sandbox taken from the pool (as :func:`lowlevel.run`).
+
+        Args:
+            inputs: host files or directories copied into the sandbox's empty workspace first
+                (paths, or ``(path, dest)`` pairs as for :func:`lowlevel.run`).
+            limits: this call's limits (default: the Pool's Policy's). The sandbox serves
+                this call alone, so its cgroup's ``memory_bytes``, ``pids`` and ``cpu_quota``
+                are rewritten to these values first and apply exactly as in
+                :func:`lowlevel.run` (where no cgroup enforces them, the rlimit fallbacks
+                apply per process, at most the Pool's values); ``tmp_size_bytes`` and
+                ``workspace_bytes`` were fixed when the sandbox started and must equal the
+                Pool's (else PolicyError).
+            Others: as :meth:`Session.run`.
+        Raises:
+            WorkspaceError: an input is missing or unreadable. Others as :meth:`Session.run`.
+        """
+        cwd = cwd if cwd is not None else (self.policy.workdir or WORKSPACE_DEST)
+        _validate.run_args(command=argv, cwd=cwd, env=env, inputs=inputs)  # before a sandbox is used up
+        s = self._take()
+        try:
+            if limits is not None:
+                s._core.set_cgroup_limits(limits)
+            if inputs and self.template is not None:
+                # Into this call's view (its upper layer), owned as its sandbox.
+                names = _ws.copy_inputs(s.workspace, inputs)
+                if s._core.run.facts.caller_is_root:
+                    for name in dict.fromkeys(n.split("/")[0] for n in names):
+                        _ws.chown_tree(os.path.join(s.workspace, name), *s.host_ids)
+            elif inputs:
+                # Into the directory itself (the overlay's lower layer: this sandbox's fresh,
+                # still unvisited workspace), so they are inputs, not changes; the idmapped lower
+                # gives them to the sandbox's uid without a chown.
+                names = _ws.copy_inputs(s.directory, inputs)
+                if s._core.run.facts.caller_is_root and not s._core.run.cow:
+                    for name in dict.fromkeys(n.split("/")[0] for n in names):
+                        _ws.chown_tree(os.path.join(s.directory, name), *s.host_ids)
+                # The call starts from here: its commit must not take the inputs for host changes
+                # made during the run (a program that edits or deletes an input got a conflict).
+                s._core.run.since_ns = time.time_ns()
+            result = s.run(argv, stdin=stdin, timeout=timeout, env=env, cwd=cwd, limits=limits,
+                           track_changes=False if s._core.run.cow else None)
+            if self.template is not None:
+                result.changes = s.diff()  # reported; the template is never written
+            elif s._core.run.cow:
+                # The Result is final when it is returned: the call's changes are in its workspace.
+                result.changes = s.commit()
+            return result
+        finally:
+            with self._cond:
+                self._retired.append(s)
+                self._cond.notify_all()
+
+    async def arun(self, argv: Sequence[str], **kwargs: Any) -> Result:
+        """:meth:`run` in a worker thread, for asyncio callers: same arguments, Result and errors."""
+        return await asyncio.to_thread(self.run, argv, **kwargs)
+
+    def close(self) -> None:
+        """Stop refilling and destroy every sandbox; idempotent."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join()
+        while self._ready or self._retired:
+            unused = bool(self._ready)
+            s = (self._ready or self._retired).popleft()
+            try:
+                s.close()
+                if unused and self.template is None:
+                    _ws.remove_workspace(s.directory)  # started in advance, never used: nothing to keep
+            except Exception as err:  # noqa: BLE001
+                log.warning("lowlevel: pool teardown failed: %s", err)
