@@ -219,13 +219,13 @@ class CpuAcct:
     something else made under them), also when :meth:`__init__` fails half-way: call
     :meth:`close` in a ``finally``. A directory still holding a process after the bench's own
     thread left is emptied with SIGKILL (only this bench's calls run there). If this process is
-    SIGKILLed, lowlevel's own sweep (``limits._sweep``: ``<pid>-...`` of a dead pid, nested
+    SIGKILLed, lowlevel's own sweep (``cgroup_detect._sweep``: ``<pid>-...`` of a dead pid, nested
     children included) removes the tree at the next run.
     """
 
     def __init__(self) -> None:
-        from lowlevel.spec import limits
-        h = limits.detect_cgroups().hierarchy_for("cpuacct")
+        from lowlevel.host import cgroup_detect
+        h = cgroup_detect.detect_cgroups().hierarchy_for("cpuacct")
         self.base = os.path.join(h.base, f"{os.getpid()}-bench-parts") if h is not None and h.version == 1 \
             and h.base else None
         self.dirs: dict[str, str] = {}
@@ -235,7 +235,7 @@ class CpuAcct:
             return
         try:
             with open("/proc/self/cgroup") as f:
-                own = limits.parse_proc_cgroup(f.read())
+                own = cgroup_detect.parse_proc_cgroup(f.read())
             key = next(k for k in own if "cpuacct" in k.split(","))
             assert h is not None
             self.home = os.path.join(h.mount, own[key].lstrip("/"))

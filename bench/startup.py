@@ -895,7 +895,7 @@ def host_info() -> dict[str, Any]:
         pass
     cg = None
     try:
-        cg = lowlevel.spec.limits.detect_cgroups().version
+        cg = lowlevel.host.cgroup_detect.detect_cgroups().version
     except Exception:  # noqa: BLE001
         pass
     commit = ""

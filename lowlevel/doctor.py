@@ -66,11 +66,11 @@ def userns_check() -> dict[str, Any]:
 
 
 def cgroup_checks() -> list[dict[str, Any]]:
-    """cgroup version and, per hierarchy, the controllers runs can write (limits.detect_cgroups)."""
-    from lowlevel.spec import limits
+    """cgroup version and, per hierarchy, the controllers runs can write (cgroup_detect.detect_cgroups)."""
+    from lowlevel.host import cgroup_detect
 
     try:
-        support = limits.detect_cgroups(sweep=False)  # doctor only looks: no sweep of stale cgroups
+        support = cgroup_detect.detect_cgroups(sweep=False)  # doctor only looks: no sweep of stale cgroups
     except Exception as err:  # noqa: BLE001 - doctor reports, never crashes
         return [_check("cgroups", False, f"{type(err).__name__}: {err}")]
     writable = sorted(support.writable_controllers)
@@ -275,10 +275,10 @@ def diagnose() -> dict[str, Any]:
     from lowlevel.host import probe
     from lowlevel.errors import LowlevelError
 
-    from lowlevel.spec import limits
+    from lowlevel.host import cgroup_detect
     # Detect (and cache for this process) without the sweep: the sandbox run below must not
     # remove the stale cgroups the leftovers check then reports (doctor only looks).
-    limits.detect_cgroups(sweep=False)
+    cgroup_detect.detect_cgroups(sweep=False)
     checks: list[dict[str, Any]] = []
     checks.append(_check("kernel", True, f"{platform.system()} {platform.release()} {platform.machine()}"))
     info = None

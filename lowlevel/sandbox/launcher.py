@@ -63,6 +63,7 @@ from lowlevel.paths import native
 from lowlevel.sandbox import bind_sockets as _bind_sockets
 from lowlevel.workspace import cow as _cow
 from lowlevel.sandbox._interrupts import deferred_interrupts
+from lowlevel.host import cgroups as _cgroups
 from lowlevel.host import landlock as _landlock
 from lowlevel.spec import limits as _limits
 from lowlevel.workspace import overlay as _overlay
@@ -1030,7 +1031,7 @@ class Run:
 
         # A serial, not id(self): a cgroup an interrupted run left behind must not collide with a
         # later Run object that CPython put at the same address (EEXIST, LaunchError).
-        self.cgroup = _limits.RunCgroup.create(policy.limits, f"run-{os.getpid()}-{next(_CGROUP_SERIAL):x}",
+        self.cgroup = _cgroups.RunCgroup.create(policy.limits, f"run-{os.getpid()}-{next(_CGROUP_SERIAL):x}",
                                                workspace=self.workspace)  # recorded: lowlevel.host.run_records
         if self.cgroup is None:
             self.notes.append("no writable cgroup hierarchy: memory, pids and CPU bounded by rlimits only")
@@ -1651,7 +1652,7 @@ class Run:
         rep = self.read_guard_report()
         if rep is not None and rep.fail_stage is not None:
             raise self._guard_failure(rep)
-        stats: _limits.CgroupStats | None = None
+        stats: _cgroups.CgroupStats | None = None
         if self.cgroup is not None:
             try:
                 stats = self.cgroup.stats()
@@ -1983,7 +1984,7 @@ class Run:
             finally:
                 os.close(old)
 
-    def _killed_by(self, exit_code: int, term: int | None, stats: _limits.CgroupStats | None) -> str | None:
+    def _killed_by(self, exit_code: int, term: int | None, stats: _cgroups.CgroupStats | None) -> str | None:
         """Why the run died when the supervisor did not kill it: the cgroup's OOM kill
         (``memory``), a failed fork at ``pids.max`` followed by death by a signal (``pids``),
         RLIMIT_CPU (SIGXCPU at the soft limit, or SIGKILL at the hard one once the cgroup's CPU
