@@ -54,7 +54,7 @@ import lowlevel  # noqa: E402
 from lowlevel.sandbox import argv as _argv# noqa: E402
 from lowlevel.host import landlock as _landlock# noqa: E402
 from lowlevel.sandbox import launcher as _launcher# noqa: E402
-from lowlevel.spec import seccomp as _seccomp# noqa: E402
+from lowlevel.host import seccomp_filter as _seccomp_filter  # noqa: E402
 
 STEPS = ("seed", "userns", "env", "etc", "tmpfs", "passwd", "remount_ro", "seccomp", "as_pid_1", "anchor",
          "uid_drop", "overlay", "guard")
@@ -81,7 +81,7 @@ class Ladder:
         policy = lowlevel.Policy()
         self.ids = (0x70000000 + 4242, 0x70000000 + 4242)
         self.passwd, self.group = _launcher._passwd_group(*self.ids)
-        self.bpf = _seccomp.compile_bpf(policy.seccomp) if policy.seccomp is not None else b""
+        self.bpf = _seccomp_filter.compile_bpf(policy.seccomp) if policy.seccomp is not None else b""
         env: list[str] = []
         for k, v in sorted(policy.environment({}).items()):
             env += ["--setenv", k, v]
@@ -190,7 +190,7 @@ class Ladder:
                     opened.append(fd)
                     actions.append((os.POSIX_SPAWN_DUP2, fd, child_fd))
                     continue
-                fd = _high(_seccomp.bpf_memfd(data) if child_fd == 6 else _launcher._memfd("bench", data))
+                fd = _high(_seccomp_filter.bpf_memfd(data) if child_fd == 6 else _launcher._memfd("bench", data))
                 opened.append(fd)
                 actions.append((os.POSIX_SPAWN_DUP2, fd, child_fd))
             if step == "guard":

@@ -67,7 +67,8 @@ from lowlevel.host import cgroups as _cgroups
 from lowlevel.host import landlock as _landlock
 from lowlevel.spec import limits as _limits
 from lowlevel.workspace import overlay as _overlay
-from lowlevel.spec import seccomp as _seccomp
+from lowlevel.host import seccomp_audit as _seccomp_audit
+from lowlevel.host import seccomp_filter as _seccomp_filter
 from lowlevel.spec import validate as _validate
 from lowlevel import workspace as _ws
 from lowlevel.sandbox.argv import (ETC_COPY_FD, NETWORK_ETC, Fds, HostFacts, anchor_argv, build_argv, encode_args,
@@ -1051,15 +1052,15 @@ class Run:
         if policy.seccomp is not None and policy.seccomp.log:
             # Audit mode: the kernel logs what the profile would deny; read back at the end.
             try:
-                self.audit = _seccomp.DenialAudit()
+                self.audit = _seccomp_audit.DenialAudit()
             except UnsupportedError as err:
                 self.notes.append(f"seccomp audit unavailable: {err}")
-        bpf = _seccomp.compile_bpf(policy.seccomp, compat_32bit=policy.compat_32bit) \
+        bpf = _seccomp_filter.compile_bpf(policy.seccomp, compat_32bit=policy.compat_32bit) \
             if policy.seccomp is not None else None
         fds = CHILD_FDS
         seccomp_fd = None
         if bpf:
-            seccomp_fd = self._own(_seccomp.bpf_memfd(bpf))
+            seccomp_fd = self._own(_seccomp_filter.bpf_memfd(bpf))
             self.seccomp_loaded = True
         else:
             fds = Fds(json_status=fds.json_status, block=None, seccomp=None, passwd=fds.passwd, group=fds.group)
