@@ -52,7 +52,8 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 
 import lowlevel  # noqa: E402
 from lowlevel.sandbox import argv as _argv# noqa: E402
-from lowlevel.host import landlock as _landlock# noqa: E402
+from lowlevel.host import landlock as _landlock  # noqa: E402
+from lowlevel.sandbox import landlock_rules as _landlock_rules  # noqa: E402
 from lowlevel.sandbox import launcher as _launcher# noqa: E402
 from lowlevel.host import seccomp_filter as _seccomp_filter  # noqa: E402
 
@@ -120,7 +121,7 @@ class Ladder:
         }
         self.base = base
         self.size = size
-        self.rules = _landlock.ruleset_args(policy, layout.ro_dirs, self.facts.bwrap.options)
+        self.rules = _landlock_rules.ruleset_args(policy, layout.ro_dirs, self.facts.bwrap.options)
         from lowlevel.workspace import cow
         self.mnt = cow.mount_dir(None)
 

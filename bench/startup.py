@@ -352,8 +352,9 @@ class GuardFloor:
 
     def __init__(self, cmd: list[str]) -> None:
         from lowlevel.host import landlock
+        from lowlevel.sandbox import landlock_rules
         facts = _launcher.host_facts()
-        ll = landlock.ruleset_args(lowlevel.Policy(), facts.layout.ro_dirs)
+        ll = landlock_rules.ruleset_args(lowlevel.Policy(), facts.layout.ro_dirs)
         self.status_r, self.status_w = os.pipe()
         os.set_blocking(self.status_r, False)
         self.status_w = _high(self.status_w, 32)
@@ -787,7 +788,8 @@ def guard_cpu(n: int) -> dict[str, Any]:
     alone and behind the guard with and without the default Landlock rules, ``n`` interleaved
     calls each, no sandbox: the guard's own cost, independent of the machine's load."""
     from lowlevel.host import landlock
-    ll = landlock.ruleset_args(lowlevel.Policy(), _launcher.host_facts().layout.ro_dirs)
+    from lowlevel.sandbox import landlock_rules
+    ll = landlock_rules.ruleset_args(lowlevel.Policy(), _launcher.host_facts().layout.ro_dirs)
     cases = {"floor": ["/usr/bin/true"], "guard": [landlock.GUARD_PATH, "--ll=off", "--", "/usr/bin/true"],
              "guard_landlock": [landlock.GUARD_PATH, *ll, "--", "/usr/bin/true"]}
     cpu: dict[str, list[float]] = {k: [] for k in cases}

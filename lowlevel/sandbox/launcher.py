@@ -65,6 +65,7 @@ from lowlevel.workspace import cow as _cow
 from lowlevel.sandbox._interrupts import deferred_interrupts
 from lowlevel.host import cgroups as _cgroups
 from lowlevel.host import landlock as _landlock
+from lowlevel.sandbox import landlock_rules as _landlock_rules
 from lowlevel.spec import limits as _limits
 from lowlevel.workspace import overlay as _overlay
 from lowlevel.host import seccomp_audit as _seccomp_audit
@@ -729,7 +730,7 @@ def network_denial_note(policy: Policy, landlock_abi: int | None, exit_code: int
     """The note of a failed run whose program reported a connect() refused with EACCES, when
     the sandbox's own network policy is the cause: Landlock (ABI >= 4) denies TCP connect to
     every port without network, and to all but the egress relay's with ``network=Egress``
-    (lowlevel/host/landlock.py). Cheap: one regex over the captured stderr; None otherwise."""
+    (lowlevel/sandbox/landlock_rules.py). Cheap: one regex over the captured stderr; None otherwise."""
     if exit_code == 0 or policy.network is True or not landlock_abi or landlock_abi < 4 \
             or not _CONNECT_EACCES.search(stderr[-65536:]):
         return None
@@ -1154,7 +1155,7 @@ class Run:
             status_r, status_w = self._pipe()
             self.status_r = status_r
             mapping += [(_landlock.guard_fd(), exe_child), (status_w, exe_child + 1)]
-            rules = _landlock.ruleset_args(policy, self.facts.layout.ro_dirs, self.facts.bwrap.options)
+            rules = _landlock_rules.ruleset_args(policy, self.facts.layout.ro_dirs, self.facts.bwrap.options)
             self.guard_prefix = _landlock.guard_argv(exe_child, exe_child + 1, rules, cwd=self.cwd)
         self.pass_fds = tuple(sorted(dst for _s, dst in mapping if dst > 2))
         # The anchor's own fds (never passed on to bwrap) go right above bwrap's.

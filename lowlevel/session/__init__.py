@@ -102,6 +102,7 @@ from lowlevel.paths import native
 from lowlevel.workspace import cow as _cow
 from lowlevel.sandbox._interrupts import deferred_interrupts
 from lowlevel.host import landlock as _landlock
+from lowlevel.sandbox import landlock_rules as _landlock_rules
 from lowlevel.spec import limits as _limits
 from lowlevel.workspace import overlay as _overlay
 from lowlevel.spec import validate as _validate
@@ -340,8 +341,8 @@ class _Core:
         # Landlock (lowlevel.host.landlock): the init takes the TCP rules and scopes before its first
         # command; each command restricts itself with the filesystem rules.
         argv = [f"/proc/self/fd/{_EXE_FD}", str(_SOCK_FD), str(_ms(idle_timeout)), str(_ms(total_timeout)),
-                str(_EXE_FD), *_landlock.ruleset_args(policy, host_facts(bwrap).layout.ro_dirs,
-                                                         host_facts(bwrap).bwrap.options)]
+                str(_EXE_FD), *_landlock_rules.ruleset_args(policy, host_facts(bwrap).layout.ro_dirs,
+                                                               host_facts(bwrap).bwrap.options)]
         self.landlock_abi = 0
         self.run = Run(argv, policy=self.sandbox_policy,
                        workspace=None if workspace is None else os.fspath(workspace), inputs=inputs,
