@@ -36,7 +36,7 @@ class BuildExtWithInit(build_ext):
     Plain executables, not extension modules. Linked statically (glibc's libc.a, Debian
     package libc6-dev) so they do not depend on the sandbox's libraries and start fast (no
     dynamic loader); fall back to dynamic linking when libc.a is missing. Editable installs
-    (``pip install -e``) build them in place, next to ``lowlevel/_native*.so``.
+    (``pip install -e``) build them in place, in ``lowlevel/`` (the extension goes to ``lowlevel/host/_native*.so``).
     """
 
     def run(self) -> None:

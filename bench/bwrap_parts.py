@@ -52,9 +52,10 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 
 import lowlevel  # noqa: E402
 from lowlevel.sandbox import argv as _argv# noqa: E402
-from lowlevel.host import landlock as _landlock# noqa: E402
+from lowlevel.host import landlock as _landlock  # noqa: E402
+from lowlevel.sandbox import landlock_rules as _landlock_rules  # noqa: E402
 from lowlevel.sandbox import launcher as _launcher# noqa: E402
-from lowlevel.spec import seccomp as _seccomp# noqa: E402
+from lowlevel.host import seccomp_filter as _seccomp_filter  # noqa: E402
 
 STEPS = ("seed", "userns", "env", "etc", "tmpfs", "passwd", "remount_ro", "seccomp", "as_pid_1", "anchor",
          "uid_drop", "overlay", "guard")
@@ -81,7 +82,7 @@ class Ladder:
         policy = lowlevel.Policy()
         self.ids = (0x70000000 + 4242, 0x70000000 + 4242)
         self.passwd, self.group = _launcher._passwd_group(*self.ids)
-        self.bpf = _seccomp.compile_bpf(policy.seccomp) if policy.seccomp is not None else b""
+        self.bpf = _seccomp_filter.compile_bpf(policy.seccomp) if policy.seccomp is not None else b""
         env: list[str] = []
         for k, v in sorted(policy.environment({}).items()):
             env += ["--setenv", k, v]
@@ -120,7 +121,7 @@ class Ladder:
         }
         self.base = base
         self.size = size
-        self.rules = _landlock.ruleset_args(policy, layout.ro_dirs, self.facts.bwrap.options)
+        self.rules = _landlock_rules.ruleset_args(policy, layout.ro_dirs, self.facts.bwrap.options)
         from lowlevel.workspace import cow
         self.mnt = cow.mount_dir(None)
 
@@ -190,7 +191,7 @@ class Ladder:
                     opened.append(fd)
                     actions.append((os.POSIX_SPAWN_DUP2, fd, child_fd))
                     continue
-                fd = _high(_seccomp.bpf_memfd(data) if child_fd == 6 else _launcher._memfd("bench", data))
+                fd = _high(_seccomp_filter.bpf_memfd(data) if child_fd == 6 else _launcher._memfd("bench", data))
                 opened.append(fd)
                 actions.append((os.POSIX_SPAWN_DUP2, fd, child_fd))
             if step == "guard":
@@ -219,13 +220,13 @@ class CpuAcct:
     something else made under them), also when :meth:`__init__` fails half-way: call
     :meth:`close` in a ``finally``. A directory still holding a process after the bench's own
     thread left is emptied with SIGKILL (only this bench's calls run there). If this process is
-    SIGKILLed, lowlevel's own sweep (``limits._sweep``: ``<pid>-...`` of a dead pid, nested
+    SIGKILLed, lowlevel's own sweep (``cgroup_detect._sweep``: ``<pid>-...`` of a dead pid, nested
     children included) removes the tree at the next run.
     """
 
     def __init__(self) -> None:
-        from lowlevel.spec import limits
-        h = limits.detect_cgroups().hierarchy_for("cpuacct")
+        from lowlevel.host import cgroup_detect
+        h = cgroup_detect.detect_cgroups().hierarchy_for("cpuacct")
         self.base = os.path.join(h.base, f"{os.getpid()}-bench-parts") if h is not None and h.version == 1 \
             and h.base else None
         self.dirs: dict[str, str] = {}
@@ -235,7 +236,7 @@ class CpuAcct:
             return
         try:
             with open("/proc/self/cgroup") as f:
-                own = limits.parse_proc_cgroup(f.read())
+                own = cgroup_detect.parse_proc_cgroup(f.read())
             key = next(k for k in own if "cpuacct" in k.split(","))
             assert h is not None
             self.home = os.path.join(h.mount, own[key].lstrip("/"))

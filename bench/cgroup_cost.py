@@ -36,9 +36,10 @@ from typing import Any
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import lowlevel  # noqa: E402
-from lowlevel.spec import limits as _limits# noqa: E402
+from lowlevel.host import cgroup_detect as _cgroup_detect  # noqa: E402
+from lowlevel.host import cgroups as _cgroups  # noqa: E402
 
-_REAL_CREATE = _limits.RunCgroup.create
+_REAL_CREATE = _cgroups.RunCgroup.create
 _SERIAL = iter(range(1, 1 << 62))
 _WORKSPACES: list[str] = []
 
@@ -49,11 +50,11 @@ def _no_cgroup(*_args: Any, **_kw: Any) -> None:
 
 def _run(cgroup: bool) -> Callable[[], None]:
     def call() -> None:
-        _limits.RunCgroup.create = _REAL_CREATE if cgroup else _no_cgroup  # type: ignore[method-assign]
+        _cgroups.RunCgroup.create = _REAL_CREATE if cgroup else _no_cgroup  # type: ignore[method-assign]
         try:
             r = lowlevel.run(["/usr/bin/true"])
         finally:
-            _limits.RunCgroup.create = _REAL_CREATE  # type: ignore[method-assign]
+            _cgroups.RunCgroup.create = _REAL_CREATE  # type: ignore[method-assign]
         _WORKSPACES.append(r.workspace)
         if r.exit_code != 0:
             raise RuntimeError(f"run failed: {r}")
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-round", type=int, default=20)
     ap.add_argument("--json", help="write the figures as JSON")
     args = ap.parse_args(argv)
-    if _limits.detect_cgroups().usable is False:
+    if _cgroup_detect.detect_cgroups().usable is False:
         print("no writable cgroup hierarchy here: nothing to measure", file=sys.stderr)
         return 2
     cases: dict[str, Callable[[], None]] = {"run": _run(True), "run_no_cgroup": _run(False),
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             cpu[name] += _cpu_ms() - c0
             _sweep()
     out: dict[str, Any] = {"rounds": args.rounds, "per_round": args.per_round,
-                           "cgroup": _limits.detect_cgroups().version,
+                           "cgroup": _cgroup_detect.detect_cgroups().version,
                            "loadavg_before": [round(x, 2) for x in load_before],
                            "loadavg_after": [round(x, 2) for x in os.getloadavg()], "cases": {}}
     print(f"{'case':<14} {'wall p50':>9} {'mean':>8} {'cpu/call':>9}  (ms)")

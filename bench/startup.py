@@ -72,7 +72,7 @@ _T_IMPORT = time.perf_counter_ns()
 import lowlevel  # noqa: E402
 from lowlevel.sandbox import argv as _argv# noqa: E402
 from lowlevel.sandbox import launcher as _launcher# noqa: E402
-from lowlevel.spec import seccomp as _seccomp# noqa: E402
+from lowlevel.host import seccomp_filter as _seccomp_filter  # noqa: E402
 
 IMPORT_MS = (time.perf_counter_ns() - _T_IMPORT) / 1e6
 
@@ -190,14 +190,14 @@ class RawBwrap:
                      f"--pass-fds={_launcher.ARGS_FD},{fds.seccomp},{fds.passwd},{fds.group}{etc}", "--", *outer]
         i = outer.index("--args")
         self.argv = [*outer[:i], *options, *outer[i + 2:]]
-        self.bpf = _seccomp.compile_bpf(policy.seccomp)
+        self.bpf = _seccomp_filter.compile_bpf(policy.seccomp)
         self.passwd, self.group = _launcher._passwd_group(*ids)
         self.fds = _launcher.CHILD_FDS
         self.etc_copies = _argv.etc_copies(policy, facts)
 
     def spawn(self) -> int:
         """posix_spawn one raw bwrap; return its pid (the caller waits)."""
-        sfd = _high(_seccomp.bpf_memfd(self.bpf))
+        sfd = _high(_seccomp_filter.bpf_memfd(self.bpf))
         pfd = _high(_launcher._memfd("passwd", self.passwd))
         gfd = _high(_launcher._memfd("group", self.group))
         efds = [_high(_launcher._open_etc_copy(path)) for path in self.etc_copies]
@@ -352,8 +352,9 @@ class GuardFloor:
 
     def __init__(self, cmd: list[str]) -> None:
         from lowlevel.host import landlock
+        from lowlevel.sandbox import landlock_rules
         facts = _launcher.host_facts()
-        ll = landlock.ruleset_args(lowlevel.Policy(), facts.layout.ro_dirs)
+        ll = landlock_rules.ruleset_args(lowlevel.Policy(), facts.layout.ro_dirs)
         self.status_r, self.status_w = os.pipe()
         os.set_blocking(self.status_r, False)
         self.status_w = _high(self.status_w, 32)
@@ -788,7 +789,8 @@ def guard_cpu(n: int) -> dict[str, Any]:
     alone and behind the guard with and without the default Landlock rules, ``n`` interleaved
     calls each, no sandbox: the guard's own cost, independent of the machine's load."""
     from lowlevel.host import landlock
-    ll = landlock.ruleset_args(lowlevel.Policy(), _launcher.host_facts().layout.ro_dirs)
+    from lowlevel.sandbox import landlock_rules
+    ll = landlock_rules.ruleset_args(lowlevel.Policy(), _launcher.host_facts().layout.ro_dirs)
     cases = {"floor": ["/usr/bin/true"], "guard": [landlock.GUARD_PATH, "--ll=off", "--", "/usr/bin/true"],
              "guard_landlock": [landlock.GUARD_PATH, *ll, "--", "/usr/bin/true"]}
     cpu: dict[str, list[float]] = {k: [] for k in cases}
@@ -856,12 +858,12 @@ def cli_startup(n: int) -> dict[str, Any]:
 def one_time_costs() -> dict[str, Any]:
     """First call of the process (probes, seccomp compile, imports), then each part alone."""
     out: dict[str, Any] = {"import_lowlevel_ms": round(IMPORT_MS, 3)}
-    compiles0 = len(_seccomp._cache)
+    compiles0 = len(_seccomp_filter._cache)
     t = time.perf_counter_ns()
     r = lowlevel.run(["/usr/bin/true"])
     out["first_run_ms"] = round((time.perf_counter_ns() - t) / 1e6, 3)
     _WORKSPACES.append(r.workspace)
-    out["seccomp_compiles_first_run"] = len(_seccomp._cache) - compiles0
+    out["seccomp_compiles_first_run"] = len(_seccomp_filter._cache) - compiles0
     t = time.perf_counter_ns()
     r = lowlevel.run(["/usr/bin/true"])
     out["second_run_ms"] = round((time.perf_counter_ns() - t) / 1e6, 3)
@@ -870,10 +872,10 @@ def one_time_costs() -> dict[str, Any]:
     # A profile not compiled yet: what one compile costs (once per profile per process).
     profile = lowlevel.DEFAULT_PROFILE.with_extra_deny("acct")
     t = time.perf_counter_ns()
-    _seccomp.compile_bpf(profile)
+    _seccomp_filter.compile_bpf(profile)
     out["seccomp_compile_ms"] = round((time.perf_counter_ns() - t) / 1e6, 3)
     t = time.perf_counter_ns()
-    _seccomp.compile_bpf(profile)
+    _seccomp_filter.compile_bpf(profile)
     out["seccomp_cached_lookup_ms"] = round((time.perf_counter_ns() - t) / 1e6, 4)
     _launcher.host_facts.cache_clear()
     _launcher.bwrap_info.cache_clear()
@@ -896,7 +898,7 @@ def host_info() -> dict[str, Any]:
         pass
     cg = None
     try:
-        cg = lowlevel.spec.limits.detect_cgroups().version
+        cg = lowlevel.host.cgroup_detect.detect_cgroups().version
     except Exception:  # noqa: BLE001
         pass
     commit = ""
@@ -998,7 +1000,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     host = host_info()
     # Before the count: the import compiles its own profile (the default minus the setid rules).
     images = ImageCases() if ImageCases.COMMAND in commands else None
-    compiles_before = len(_seccomp._cache)
+    compiles_before = len(_seccomp_filter._cache)
 
     cases: list[Case] = []
     raws: list[RawBwrap | SeedBwrap] = []
@@ -1078,7 +1080,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raw.close()
         for guard in guards:
             guard.close()
-    once["seccomp_compiles_during_bench"] = len(_seccomp._cache) - compiles_before
+    once["seccomp_compiles_during_bench"] = len(_seccomp_filter._cache) - compiles_before
     soak_n = args.soak if args.soak is not None else (1000 if args.quick else 10000)
     soak = session_soak(soak_n) if soak_n else None
     gcpu = guard_cpu(100 if args.quick else 2000)

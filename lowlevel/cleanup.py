@@ -6,7 +6,7 @@ host's mount namespace (the overlay and its tmpfs live in the anchor's own). Wha
 - ``cgroup``: a per-run cgroup directory of a caller that died (``run-<pid>-...``), wherever it
   was: under this process's own base, or where the run's record (:mod:`lowlevel.host.run_records`,
   written before the cgroup was made) says, e.g. under the cgroup of a service or container the
-  caller ran in. The next :func:`lowlevel.spec.limits.detect_cgroups` of a caller in the same cgroup
+  caller ran in. The next :func:`lowlevel.host.cgroup_detect.detect_cgroups` of a caller in the same cgroup
   also removes the empty ones of dead pids;
 - ``commit``: temporaries of a commit killed mid-way (``.lowlevel-commit-<pid>-<n>`` and its
   journal) in a workspace; the next commit into that workspace removes them
@@ -43,7 +43,7 @@ import stat
 import time
 from dataclasses import dataclass
 
-from lowlevel.spec import limits as _limits
+from lowlevel.host import cgroup_detect as _cgroup_detect
 from lowlevel.host import run_records as _records
 from lowlevel.errors import LowlevelError
 
@@ -69,7 +69,7 @@ class Leftover:
 def _cgroup_mounts() -> list[str]:
     try:
         with open("/proc/self/mountinfo") as f:
-            return [mount for _root, mount, _fs, _opts in _limits.parse_mountinfo(f.read())]
+            return [mount for _root, mount, _fs, _opts in _cgroup_detect.parse_mountinfo(f.read())]
     except OSError:
         return []
 
@@ -91,14 +91,14 @@ def _stale_cgroups() -> list[Leftover]:
     out: list[Leftover] = []
     seen: set[str] = set()
     try:
-        support = _limits.detect_cgroups(sweep=False)  # look only: the sweep would remove them
+        support = _cgroup_detect.detect_cgroups(sweep=False)  # look only: the sweep would remove them
     except OSError:
-        support = _limits.CgroupSupport()
+        support = _cgroup_detect.CgroupSupport()
     for h in support.hierarchies:
         if not h.base or not os.path.isdir(h.base):
             continue
         for name in os.listdir(h.base):
-            m = _limits._RUN_NAME.match(name)
+            m = _cgroup_detect.RUN_NAME.match(name)
             if m and int(m.group(1)) != os.getpid() and not os.path.exists(f"/proc/{m.group(1)}"):
                 path = os.path.join(h.base, name)
                 seen.add(path)
@@ -278,7 +278,7 @@ def clean(workspaces: tuple[str, ...] = (), base: str | None = None) -> tuple[li
     pending = list(stale)
     while True:
         for item in pending:
-            _limits._rmtree_empty(item.path)
+            _cgroup_detect.rmtree_empty(item.path)
         pending = [item for item in pending if os.path.exists(item.path)]
         if not pending or time.monotonic() > deadline:
             break

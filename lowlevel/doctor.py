@@ -66,11 +66,11 @@ def userns_check() -> dict[str, Any]:
 
 
 def cgroup_checks() -> list[dict[str, Any]]:
-    """cgroup version and, per hierarchy, the controllers runs can write (limits.detect_cgroups)."""
-    from lowlevel.spec import limits
+    """cgroup version and, per hierarchy, the controllers runs can write (cgroup_detect.detect_cgroups)."""
+    from lowlevel.host import cgroup_detect
 
     try:
-        support = limits.detect_cgroups(sweep=False)  # doctor only looks: no sweep of stale cgroups
+        support = cgroup_detect.detect_cgroups(sweep=False)  # doctor only looks: no sweep of stale cgroups
     except Exception as err:  # noqa: BLE001 - doctor reports, never crashes
         return [_check("cgroups", False, f"{type(err).__name__}: {err}")]
     writable = sorted(support.writable_controllers)
@@ -111,19 +111,21 @@ def seccomp_checks() -> list[dict[str, Any]]:
     """The CFFI extension built or not, the libseccomp version, and a default-profile compile."""
     checks = []
     try:
-        from lowlevel import _native# noqa: F401
-        checks.append(_check("native extension", True, "lowlevel._native (CFFI, libseccomp) is built"))
+        import lowlevel.host._native  # noqa: F401
+        checks.append(_check("native extension", True, "lowlevel.host._native (CFFI, libseccomp) is built"))
     except ImportError as err:
-        checks.append(_check("native extension", False, f"lowlevel._native not built ({err}): "
+        checks.append(_check("native extension", False, f"lowlevel.host._native not built ({err}): "
                              "falling back to pyseccomp",
                              "apt-get install libseccomp-dev gcc python3-dev, then reinstall lowlevel"))
     try:
+        from lowlevel.host import seccomp_filter
         from lowlevel.spec import seccomp
-        version = seccomp._backend().version()
+        version = seccomp_filter._backend().version()
         checks.append(_check("libseccomp", True, "version " + ".".join(map(str, version))))
-        bpf = seccomp.compile_bpf(seccomp.DEFAULT_PROFILE)
-        arches = [seccomp.ARCH_NAMES.get(a, hex(a)) for a in seccomp.filter_arches()]
-        compat = [seccomp.ARCH_NAMES.get(a, hex(a)) for a in seccomp.COMPAT_ARCHES.get(seccomp.filter_arches()[0], ())]
+        bpf = seccomp_filter.compile_bpf(seccomp.DEFAULT_PROFILE)
+        arches = [seccomp.ARCH_NAMES.get(a, hex(a)) for a in seccomp_filter.filter_arches()]
+        native = seccomp_filter.filter_arches()[0]
+        compat = [seccomp.ARCH_NAMES.get(a, hex(a)) for a in seccomp.COMPAT_ARCHES.get(native, ())]
         checks.append(_check("seccomp", True, f"default profile compiles to {len(bpf) // 8} BPF instructions; "
                              f"syscalls admitted from {', '.join(arches)}"
                              + (f"; the 32-bit compat entry point ({', '.join(compat)}, e.g. int 0x80) kills the "
@@ -275,10 +277,10 @@ def diagnose() -> dict[str, Any]:
     from lowlevel.host import probe
     from lowlevel.errors import LowlevelError
 
-    from lowlevel.spec import limits
+    from lowlevel.host import cgroup_detect
     # Detect (and cache for this process) without the sweep: the sandbox run below must not
     # remove the stale cgroups the leftovers check then reports (doctor only looks).
-    limits.detect_cgroups(sweep=False)
+    cgroup_detect.detect_cgroups(sweep=False)
     checks: list[dict[str, Any]] = []
     checks.append(_check("kernel", True, f"{platform.system()} {platform.release()} {platform.machine()}"))
     info = None

@@ -1,6 +1,6 @@
 """Where lowlevel's own files are: the package directory and the native executables in it.
 
-The static executables (``native/*.c``, built by ``setup.py`` next to ``lowlevel/_native*.so``)
+The static executables (``native/*.c``, built by ``setup.py``; the CFFI extension is ``lowlevel/host/_native*.so``)
 live at the top of the package whichever subpackage uses them; every module finds them here.
 """
 from __future__ import annotations

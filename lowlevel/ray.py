@@ -49,7 +49,7 @@ Faults (Ray's own fault-tolerance vocabulary):
 Policies are values: each distinct :class:`lowlevel.Policy` is pickled (unchanged) to each
 actor once per pool, through the router, and calls name it by a short key (the default
 Policy pickles to ~19 KB and takes ~1 ms to unpickle: not a per-call cost); the actor compiles
-its seccomp filter once (the per-process cache of :func:`lowlevel.spec.seccomp.compile_bpf`), at
+its seccomp filter once (the per-process cache of :func:`lowlevel.host.seccomp_filter.compile_bpf`), at
 start for the pool's Policy.
 
 Sources: Ray docs "Actors", "AsyncIO / Concurrency for Actors", "Fault Tolerance: Actors"
@@ -514,15 +514,15 @@ class SandboxActor:
         """Register a Policy under ``key`` (sent once per actor) and compile its seccomp filter.
 
         Later runs with the same profile hit the process's compile cache
-        (:func:`lowlevel.spec.seccomp.compile_bpf`), so each actor compiles each profile once.
+        (:func:`lowlevel.host.seccomp_filter.compile_bpf`), so each actor compiles each profile once.
         """
         if key in self.policies:
             return
         if not isinstance(policy, Policy):
             raise PolicyError(f"expected a lowlevel.Policy, got {type(policy).__name__}")
-        from lowlevel.spec import seccomp as _seccomp
+        from lowlevel.host import seccomp_filter as _seccomp_filter
         if policy.seccomp is not None:
-            await asyncio.to_thread(_seccomp.compile_bpf, policy.seccomp)
+            await asyncio.to_thread(_seccomp_filter.compile_bpf, policy.seccomp)
         self.policies[key] = policy
 
     def _policy(self, key: str) -> Policy:
@@ -685,8 +685,8 @@ class SandboxActor:
         ``sessions`` open; ``policies`` distinct Policies received; ``seccomp_cache_entries``
         filters compiled in this process.
         """
-        from lowlevel.spec import seccomp as _seccomp
-        cache = getattr(_seccomp, "_cache", None)
+        from lowlevel.host import seccomp_filter as _seccomp_filter
+        cache = getattr(_seccomp_filter, "_cache", None)
         return {"node_id": self.node_id, "pid": os.getpid(), "calls": self.calls, "in_flight": self.active,
                 "peak_in_flight": self.peak_active,
                 "running": self.runner.in_flight if self.runner is not None else 0,

@@ -201,9 +201,9 @@ def _versions(bwrap_version: tuple[int, ...] | None) -> dict[str, Any]:
     from lowlevel import __version__
     libseccomp = None
     try:
-        from lowlevel.spec import seccomp as _seccomp
-        fn = getattr(_seccomp, "libseccomp_version", None)
-        v = fn() if fn is not None else _seccomp._backend().version()
+        from lowlevel.host import seccomp_filter as _seccomp_filter
+        fn = getattr(_seccomp_filter, "libseccomp_version", None)
+        v = fn() if fn is not None else _seccomp_filter._backend().version()
         libseccomp = ".".join(map(str, v)) if v else None
     except Exception as err:  # noqa: BLE001 - a record notes what it cannot learn
         log.debug("lowlevel: libseccomp version unknown: %s", err)
@@ -217,10 +217,12 @@ def _versions(bwrap_version: tuple[int, ...] | None) -> dict[str, Any]:
 def _seccomp_doc(policy: Policy) -> dict[str, Any] | None:
     if policy.seccomp is None:
         return None
+    from lowlevel.host import seccomp_filter as _seccomp_filter
     from lowlevel.spec import seccomp as _seccomp
     fn = getattr(_seccomp, "profile_sha256", None)
-    bpf = _seccomp.compile_bpf(policy.seccomp, compat_32bit=policy.compat_32bit)
-    arches = [_seccomp.ARCH_NAMES.get(a, hex(a)) for a in _seccomp.filter_arches(compat_32bit=policy.compat_32bit)]
+    bpf = _seccomp_filter.compile_bpf(policy.seccomp, compat_32bit=policy.compat_32bit)
+    arches = [_seccomp.ARCH_NAMES.get(a, hex(a))
+              for a in _seccomp_filter.filter_arches(compat_32bit=policy.compat_32bit)]
     return {"profile": policy.seccomp.name, "rules_sha256": seccomp_rules_sha256(policy.seccomp),
             "bpf_sha256": hashlib.sha256(bpf).hexdigest(), "bpf_bytes": len(bpf), "arches": arches,
             "profile_sha256": fn(policy.seccomp) if fn is not None else None}

@@ -1,10 +1,10 @@
-"""CFFI build script (API mode, out-of-line) for ``lowlevel._native``.
+"""CFFI build script (API mode, out-of-line) for ``lowlevel.host._native``.
 
 Used by ``setup.py`` (``cffi_modules=["native/build_seccomp.py:ffibuilder"]``); run it by hand
 with ``python native/build_seccomp.py`` to build in place. Needs libseccomp's headers
 (Debian: ``apt-get install libseccomp-dev``). Not shipped in the package.
 
-Only ``lowlevel/seccomp.py`` imports the result.
+Only ``lowlevel/host/seccomp_filter.py`` imports the result (``lowlevel/doctor.py`` checks that it loads).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def _path(p: pathlib.Path) -> str:
 
 
 ffibuilder.set_source(
-    "lowlevel._native",
+    "lowlevel.host._native",
     '#include "seccomp_helper.h"',
     sources=[_path(HERE / "seccomp_helper.c")],
     include_dirs=[_path(HERE)],
@@ -92,11 +92,11 @@ ffibuilder.set_source(
 )
 
 if __name__ == "__main__":
-    # In-place build for development: compile in a scratch dir, copy the .so into lowlevel/.
+    # In-place build for development: compile in a scratch dir, copy the .so into lowlevel/host/.
     import shutil
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         built = ffibuilder.compile(tmpdir=tmp, verbose=False)
-        shutil.copy2(built, HERE.parent / "lowlevel" / pathlib.Path(built).name)
-        print(HERE.parent / "lowlevel" / pathlib.Path(built).name)
+        shutil.copy2(built, HERE.parent / "lowlevel" / "host" / pathlib.Path(built).name)
+        print(HERE.parent / "lowlevel" / "host" / pathlib.Path(built).name)

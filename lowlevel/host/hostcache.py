@@ -11,7 +11,7 @@ equals the live value; otherwise it is probed again and rewritten):
   and the anchor executable (path, mtime, size). A probe that failed for a reason of the
   caller's (EMFILE, ENOMEM, EINTR, a signal: ``CowSupport.transient``) is never stored; a "no"
   is stored with the workspace path it was probed on, and ``lowlevel doctor`` probes it again;
-- ``bpf``: :func:`lowlevel.spec.seccomp.compile_bpf`'s output (libseccomp through CFFI: ~1.5 ms,
+- ``bpf``: :func:`lowlevel.host.seccomp_filter.compile_bpf`'s output (libseccomp through CFFI: ~1.5 ms,
   plus ~3 ms to load the extension), keyed by the profile's rules, the compat flag, the machine,
   lowlevel's version, and the extension and libseccomp files (path, mtime, size).
 

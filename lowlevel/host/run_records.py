@@ -1,9 +1,9 @@
 """Per-run records of where a run made its cgroups, so cleanup finds them after its caller dies.
 
 A run's cgroups live under a base derived from its caller's own cgroup (``<caller's
-cgroup>/lowlevel/run-...``: :func:`lowlevel.spec.limits.detect_cgroups`). A caller that a service
+cgroup>/lowlevel/run-...``: :func:`lowlevel.host.cgroup_detect.detect_cgroups`). A caller that a service
 manager or a container runtime put in a cgroup of its own makes them where ``lowlevel cleanup``,
-run from elsewhere (a shell, a timer), never looks. So :class:`lowlevel.spec.limits.RunCgroup` writes
+run from elsewhere (a shell, a timer), never looks. So :class:`lowlevel.host.cgroups.RunCgroup` writes
 a record here *before* it makes its first directory and removes it *after* the last one is gone;
 a caller killed in between (SIGKILL, the OOM killer, a lost SIGINT) leaves the record, and
 :mod:`lowlevel.cleanup` reads it: when the recorded process no longer runs (its PID with the
@@ -14,7 +14,7 @@ Where: root ``/run/lowlevel/cgroups`` (root's, 0700; tmpfs: a reboot forgets rec
 cgroups with them); others ``$XDG_RUNTIME_DIR/lowlevel/cgroups`` when that directory is theirs,
 else ``~/.cache/lowlevel/cgroups``; ``LOWLEVEL_RECORD_DIR`` overrides (tests). No record is
 written when there is no such directory we trust (the run goes on: the next
-:func:`~lowlevel.spec.limits.detect_cgroups` of a caller in the same cgroup still sweeps them).
+:func:`~lowlevel.host.cgroup_detect.detect_cgroups` of a caller in the same cgroup still sweeps them).
 
 Format: one file ``<pid>-<start time>-<name>``, written with one ``write(2)``; lines ``C <pid>
 <start time>``, then ``P <hex of a cgroup directory>`` per directory and at most one ``W <hex of
@@ -28,15 +28,12 @@ import os
 import stat
 from dataclasses import dataclass, field
 
+from lowlevel.host.procs import process_start_time
+
 #: Root's record directory.
 ROOT_RECORD_DIR = "/run/lowlevel/cgroups"
 
 _own_start: tuple[int, int | None] | None = None  # (pid, start time): cached per process
-
-
-def _start_time(pid: int) -> int | None:
-    from lowlevel.workspace import process_start_time
-    return process_start_time(pid)
 
 
 def own_start_time() -> int | None:
@@ -44,7 +41,7 @@ def own_start_time() -> int | None:
     global _own_start
     pid = os.getpid()
     if _own_start is None or _own_start[0] != pid:
-        _own_start = (pid, _start_time(pid))
+        _own_start = (pid, process_start_time(pid))
     return _own_start[1]
 
 
@@ -147,7 +144,7 @@ class Record:
 
     def caller_alive(self) -> bool:
         """Whether the recorded caller still runs (same PID and start time; this PID namespace)."""
-        return _start_time(self.pid) == self.start_time
+        return process_start_time(self.pid) == self.start_time
 
 
 def load(path: str) -> Record:

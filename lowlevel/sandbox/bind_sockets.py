@@ -4,7 +4,7 @@
 hold sockets (``/srv/app`` with ``run/app.sock``): connecting to a pathname unix socket needs
 only write permission on it, and a D-Bus, Podman, Docker or Ray socket is code execution on
 the host (bubblewrap README, "Sandbox security"). Landlock refuses that connect only from ABI 9
-(``LANDLOCK_ACCESS_FS_RESOLVE_UNIX``, Linux 7.1; :mod:`lowlevel.host.landlock` uses it there); below
+(``LANDLOCK_ACCESS_FS_RESOLVE_UNIX``, Linux 7.1; :mod:`lowlevel.sandbox.landlock_rules` uses it there); below
 (ABI 7 on 6.15 ... 7.0) nothing in the kernel does. So, for every bind that is a directory
 (unless ``Bind(allow_sockets=True)``), the plan walks the source once and masks each socket
 the sandbox could reach with ``--ro-bind /dev/null <its path inside>`` after the bind: a

@@ -63,10 +63,13 @@ from lowlevel.paths import native
 from lowlevel.sandbox import bind_sockets as _bind_sockets
 from lowlevel.workspace import cow as _cow
 from lowlevel.sandbox._interrupts import deferred_interrupts
+from lowlevel.host import cgroups as _cgroups
 from lowlevel.host import landlock as _landlock
+from lowlevel.sandbox import landlock_rules as _landlock_rules
 from lowlevel.spec import limits as _limits
 from lowlevel.workspace import overlay as _overlay
-from lowlevel.spec import seccomp as _seccomp
+from lowlevel.host import seccomp_audit as _seccomp_audit
+from lowlevel.host import seccomp_filter as _seccomp_filter
 from lowlevel.spec import validate as _validate
 from lowlevel import workspace as _ws
 from lowlevel.sandbox.argv import (ETC_COPY_FD, NETWORK_ETC, Fds, HostFacts, anchor_argv, build_argv, encode_args,
@@ -727,7 +730,7 @@ def network_denial_note(policy: Policy, landlock_abi: int | None, exit_code: int
     """The note of a failed run whose program reported a connect() refused with EACCES, when
     the sandbox's own network policy is the cause: Landlock (ABI >= 4) denies TCP connect to
     every port without network, and to all but the egress relay's with ``network=Egress``
-    (lowlevel/host/landlock.py). Cheap: one regex over the captured stderr; None otherwise."""
+    (lowlevel/sandbox/landlock_rules.py). Cheap: one regex over the captured stderr; None otherwise."""
     if exit_code == 0 or policy.network is True or not landlock_abi or landlock_abi < 4 \
             or not _CONNECT_EACCES.search(stderr[-65536:]):
         return None
@@ -1030,7 +1033,7 @@ class Run:
 
         # A serial, not id(self): a cgroup an interrupted run left behind must not collide with a
         # later Run object that CPython put at the same address (EEXIST, LaunchError).
-        self.cgroup = _limits.RunCgroup.create(policy.limits, f"run-{os.getpid()}-{next(_CGROUP_SERIAL):x}",
+        self.cgroup = _cgroups.RunCgroup.create(policy.limits, f"run-{os.getpid()}-{next(_CGROUP_SERIAL):x}",
                                                workspace=self.workspace)  # recorded: lowlevel.host.run_records
         if self.cgroup is None:
             self.notes.append("no writable cgroup hierarchy: memory, pids and CPU bounded by rlimits only")
@@ -1050,15 +1053,15 @@ class Run:
         if policy.seccomp is not None and policy.seccomp.log:
             # Audit mode: the kernel logs what the profile would deny; read back at the end.
             try:
-                self.audit = _seccomp.DenialAudit()
+                self.audit = _seccomp_audit.DenialAudit()
             except UnsupportedError as err:
                 self.notes.append(f"seccomp audit unavailable: {err}")
-        bpf = _seccomp.compile_bpf(policy.seccomp, compat_32bit=policy.compat_32bit) \
+        bpf = _seccomp_filter.compile_bpf(policy.seccomp, compat_32bit=policy.compat_32bit) \
             if policy.seccomp is not None else None
         fds = CHILD_FDS
         seccomp_fd = None
         if bpf:
-            seccomp_fd = self._own(_seccomp.bpf_memfd(bpf))
+            seccomp_fd = self._own(_seccomp_filter.bpf_memfd(bpf))
             self.seccomp_loaded = True
         else:
             fds = Fds(json_status=fds.json_status, block=None, seccomp=None, passwd=fds.passwd, group=fds.group)
@@ -1152,7 +1155,7 @@ class Run:
             status_r, status_w = self._pipe()
             self.status_r = status_r
             mapping += [(_landlock.guard_fd(), exe_child), (status_w, exe_child + 1)]
-            rules = _landlock.ruleset_args(policy, self.facts.layout.ro_dirs, self.facts.bwrap.options)
+            rules = _landlock_rules.ruleset_args(policy, self.facts.layout.ro_dirs, self.facts.bwrap.options)
             self.guard_prefix = _landlock.guard_argv(exe_child, exe_child + 1, rules, cwd=self.cwd)
         self.pass_fds = tuple(sorted(dst for _s, dst in mapping if dst > 2))
         # The anchor's own fds (never passed on to bwrap) go right above bwrap's.
@@ -1651,7 +1654,7 @@ class Run:
         rep = self.read_guard_report()
         if rep is not None and rep.fail_stage is not None:
             raise self._guard_failure(rep)
-        stats: _limits.CgroupStats | None = None
+        stats: _cgroups.CgroupStats | None = None
         if self.cgroup is not None:
             try:
                 stats = self.cgroup.stats()
@@ -1983,7 +1986,7 @@ class Run:
             finally:
                 os.close(old)
 
-    def _killed_by(self, exit_code: int, term: int | None, stats: _limits.CgroupStats | None) -> str | None:
+    def _killed_by(self, exit_code: int, term: int | None, stats: _cgroups.CgroupStats | None) -> str | None:
         """Why the run died when the supervisor did not kill it: the cgroup's OOM kill
         (``memory``), a failed fork at ``pids.max`` followed by death by a signal (``pids``),
         RLIMIT_CPU (SIGXCPU at the soft limit, or SIGKILL at the hard one once the cgroup's CPU

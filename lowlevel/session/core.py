@@ -27,6 +27,7 @@ from collections.abc import Callable, Generator, Mapping, Sequence
 from lowlevel import workspace as _ws
 from lowlevel.errors import LaunchError, LowlevelError, PolicyError, SessionError, UnsupportedError
 from lowlevel.host import landlock as _landlock
+from lowlevel.sandbox import landlock_rules as _landlock_rules
 from lowlevel.sandbox._interrupts import deferred_interrupts
 # Private names of lowlevel.sandbox.launcher (its engineer is reshaping them): the argv check and
 # the memfd of a large SPAWN body.
@@ -147,7 +148,7 @@ class Core(WorkspaceGate):
         # command; each command restricts itself with the filesystem rules.
         facts = host_facts(bwrap)
         argv = proto.init_argv(idle_timeout, total_timeout,
-                               _landlock.ruleset_args(policy, facts.layout.ro_dirs, facts.bwrap.options))
+                               _landlock_rules.ruleset_args(policy, facts.layout.ro_dirs, facts.bwrap.options))
         self.landlock_abi = 0
         self.run = Run(argv, policy=self.sandbox_policy,
                        workspace=None if workspace is None else os.fspath(workspace), inputs=inputs,

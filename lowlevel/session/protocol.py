@@ -102,7 +102,7 @@ def init_fd(path: str) -> int:
 
 def init_argv(idle_timeout: float | None, total_timeout: float | None, landlock_args: Sequence[str]) -> list[str]:
     """The init's argv inside the sandbox: its own fd, the socket's, its idle and total timeouts
-    (ms, 0: none), then the Landlock ruleset arguments (:func:`lowlevel.host.landlock.ruleset_args`)."""
+    (ms, 0: none), then the Landlock ruleset arguments (:func:`lowlevel.sandbox.landlock_rules.ruleset_args`)."""
     return [f"/proc/self/fd/{EXE_FD}", str(SOCK_FD), str(_ms(idle_timeout)), str(_ms(total_timeout)),
             str(EXE_FD), *landlock_args]
 

@@ -1,4 +1,9 @@
-"""Seccomp rule tables -> BPF bytes for ``bwrap --seccomp FD``; the only importer of ``lowlevel._native``.
+"""Seccomp rule tables as data: the ``SCMP_*`` values, :class:`Arg`, :class:`Rule`,
+:class:`SeccompProfile` and the reviewed default table (each row with its reason and source).
+
+No libseccomp here: the tables are compiled to BPF, and their syscall names resolved, by
+:mod:`lowlevel.host.seccomp_filter` (``compile_bpf``, ``bpf_memfd``); a log-mode run's report is
+:mod:`lowlevel.host.seccomp_audit`.
 
 Glossary (libseccomp's words):
 
@@ -22,15 +27,16 @@ only the native arch: a call through the 32-bit compat entry point (i386 ``int 0
 separate kernel code with bugs of their own (CVE-2010-3081 ``compat_alloc_user_space``,
 CVE-2010-3301 and CVE-2007-4573 the IA32 syscall table entry); closing an entry point nobody
 uses removes them, and every rule of the table then has one ABI to hold on. With
-``compile_bpf(profile, compat_32bit=True)`` (``Policy(compat_32bit=True)``) the compat arch
-(x86_64 + ``x86``; aarch64 + ``arm``) is listed with the same rules, so 32-bit binaries
-(``gcc -m32`` output, old toolchains) run and meet the same walls, as Docker's default profile
-and flatpak's multiarch filter do. x32 is never listed, so an x32 call (bit 30 set) takes the
-bad-arch action: libseccomp's x86_64 code jumps there for any ``nr >= 0x40000000`` (except
--1). We kill x32 instead of filtering it because no distribution ships x32 user space
-(Debian's kernel does not even build ``CONFIG_X86_X32_ABI``), while its table carries aliases
-(numbers 512-547) a deny-list could miss; a dead ABI costs nothing to close. Any other arch a
-CPU could report is also killed.
+:func:`lowlevel.host.seccomp_filter.compile_bpf` ``(profile, compat_32bit=True)``
+(``Policy(compat_32bit=True)``) the compat arch
+(x86_64 + ``x86``; aarch64 + ``arm``, :data:`COMPAT_ARCHES`) is listed with the same rules, so
+32-bit binaries (``gcc -m32`` output, old toolchains) run and meet the same walls, as Docker's
+default profile and flatpak's multiarch filter do. x32 is never listed, so an x32 call (bit 30
+set) takes the bad-arch action: libseccomp's x86_64 code jumps there for any
+``nr >= 0x40000000`` (except -1). We kill x32 instead of filtering it because no distribution
+ships x32 user space (Debian's kernel does not even build ``CONFIG_X86_X32_ABI``), while its
+table carries aliases (numbers 512-547) a deny-list could miss; a dead ABI costs nothing to
+close. Any other arch a CPU could report is also killed.
 
 What the filter can't see: arguments in memory (``clone3``'s flags, i386 ``socketcall``'s
 socket family), io_uring operations (they never pass through seccomp), syscalls added to
@@ -42,58 +48,25 @@ Public API::
         .with_extra_deny(*syscalls) -> SeccompProfile
         .with_log() -> SeccompProfile
     DEFAULT_PROFILE
-    compile_bpf(profile, compat_32bit=False) -> bytes
-                                           cached per (profile, arches, libseccomp version)
-    bpf_memfd(bpf) -> int                  sealed memfd, offset 0, O_CLOEXEC; caller closes
-    DenialAudit                            opt-in report of what a log-mode run tripped
 
-Sources: seccomp(2); seccomp_rule_add(3), seccomp_export_bpf(3), seccomp_arch_add(3)
-(libseccomp 2.5); bwrap(1) ``--seccomp``; flatpak ``common/flatpak-run.c`` ``setup_seccomp``;
-moby ``profiles/seccomp/default.json``; Documentation/userspace-api/seccomp_filter.rst.
+Syscall names are checked here for their shape (a man-2 name); whether libseccomp knows them
+is checked where the table is compiled (:func:`lowlevel.host.seccomp_filter.compile_bpf`, before
+a sandbox starts), so building a profile never loads libseccomp.
+
+Sources: seccomp(2); seccomp_rule_add(3), seccomp_arch_add(3) (libseccomp 2.5); bwrap(1)
+``--seccomp``; flatpak ``common/flatpak-run.c`` ``setup_seccomp``; moby
+``profiles/seccomp/default.json``; Documentation/userspace-api/seccomp_filter.rst.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
-import json
 import os
-import stat
 import re
-import select
-import threading
-import warnings
-from collections.abc import Iterable
+import stat
 from dataclasses import dataclass, field, replace
-from typing import Any
 
-from lowlevel.paths import PACKAGE_DIR
-from lowlevel.errors import PolicyError, SeccompError, UnsupportedError
-
-#: ``_native`` (the CFFI extension built from native/) is loaded on first use, not at import:
-#: loading it and libseccomp costs ~3 ms that a process whose filter comes from the disk cache
-#: (:mod:`lowlevel.host.hostcache`; the CLI, once per command) never pays. Read it with
-#: :func:`_native_module`; ``seccomp._native`` (tests set it to None) goes through
-#: :func:`__getattr__`.
-_NOT_LOADED: Any = object()
-
-
-def _native_module() -> Any:
-    """The ``lowlevel._native`` extension, or None when it is not built (pyseccomp then)."""
-    m = globals().get("_native", _NOT_LOADED)
-    if m is _NOT_LOADED:
-        try:
-            from lowlevel import _native as loaded
-        except ImportError:  # pragma: no cover - depends on the build
-            loaded = None
-        globals()["_native"] = m = loaded
-    return m
-
-
-def __getattr__(name: str) -> Any:
-    if name == "_native":
-        return _native_module()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+from lowlevel.errors import PolicyError
 
 # --- actions, comparisons, arches (libseccomp's values, checked against the library in tests) ---
 
@@ -109,10 +82,6 @@ def SCMP_ACT_ERRNO(errnum: int) -> int:  # noqa: N802 - libseccomp's name
     if not 0 <= errnum <= 0xFFFF:
         raise ValueError(f"SCMP_ACT_ERRNO({errnum}): errnum must be in 0..65535")
     return 0x00050000 | errnum
-
-
-def _errno_of(action: int) -> int | None:
-    return action & 0xFFFF if action & 0xFFFF0000 == 0x00050000 else None
 
 
 SCMP_CMP_NE = 1
@@ -203,11 +172,13 @@ class SeccompProfile:
         default_action: for calls no rule matches; ``SCMP_ACT_ALLOW`` makes a deny-list.
         log: audit mode: every action other than ``SCMP_ACT_ALLOW`` is compiled as
             ``SCMP_ACT_LOG``, so the run proceeds as if unfiltered and the kernel logs each
-            call the profile would have stopped (see :class:`DenialAudit`). Bad-arch calls
-            are still killed.
+            call the profile would have stopped (see
+            :class:`lowlevel.host.seccomp_audit.DenialAudit`). Bad-arch calls are still killed.
     Raises:
-        PolicyError: unknown syscall name, malformed Arg, or a rule whose action equals the
-            default action (libseccomp refuses it with EACCES).
+        PolicyError: a syscall name that is not a man-2 name, malformed Arg, or a rule whose
+            action equals the default action (libseccomp refuses it with EACCES). A name
+            libseccomp does not know is refused when the profile is compiled
+            (:func:`lowlevel.host.seccomp_filter.compile_bpf`).
     """
 
     name: str
@@ -243,7 +214,8 @@ class SeccompProfile:
         supersedes argument rules and e.g. ``clone3``'s ENOSYS).
 
         Raises:
-            PolicyError: a name libseccomp does not know.
+            PolicyError: a name that is not a man-2 name (one libseccomp does not know is
+                refused by :func:`lowlevel.host.seccomp_filter.compile_bpf`).
         """
         for s in syscalls:
             if not isinstance(s, str):
@@ -278,6 +250,12 @@ class SeccompProfile:
         if self.log and self.default_action != SCMP_ACT_ALLOW:
             return SCMP_ACT_LOG
         return self.default_action
+
+
+def _check_syscall_name(name: str) -> None:
+    """Raise PolicyError unless ``name`` has the shape of a man-2 syscall name."""
+    if not isinstance(name, str) or not re.fullmatch(r"[a-z_][a-z0-9_]*", name):
+        raise PolicyError(f"syscall name {name!r}: pass a man-2 name such as 'ptrace'")
 
 
 # --- the default profile --------------------------------------------------------------------
@@ -392,7 +370,6 @@ def _setid_rules() -> tuple[Rule, ...]:
 _O_TMPFILE_BIT = 0o20000000
 
 
-_NO_TOOL_NEEDS = "no tool we run needs it"
 _MOUNT_REASON = ("Mount table changes. bwrap drops CAP_SYS_ADMIN so the kernel says EPERM anyway; "
                  "denying them here keeps that true if a policy ever keeps capabilities. flatpak "
                  "returns ENOSYS for the new mount API (so libmount falls back to mount(2) and "
@@ -529,567 +506,15 @@ ALLOWED_DIFFERENCES: tuple[tuple[str, str], ...] = (
 )
 
 
-
-# --- backends: the CFFI extension, or pyseccomp (ctypes) as fallback ---------------------------
-
-
-class _NativeBackend:
-    def __init__(self, native: Any) -> None:
-        self.ffi, self.lib = native.ffi, native.lib
-
-    def version(self) -> tuple[int, int, int]:
-        v = self.lib.seccomp_version()
-        return (v.major, v.minor, v.micro)
-
-    def native_arch(self) -> int:
-        return int(self.lib.seccomp_arch_native())
-
-    def resolve(self, name: str) -> int:
-        return int(self.lib.seccomp_syscall_resolve_name(name.encode()))
-
-    def syscall_name(self, arch: int, num: int) -> str | None:
-        buf = self.ffi.new("char[]", 128)
-        rc = self.lib.ll_syscall_name(arch, num, buf, 128)
-        return self.ffi.string(buf).decode() if rc == 0 else None
-
-    def build(self, default_action: int, arches: Iterable[int],
-              rules: Iterable[tuple[int, int, tuple[Arg, ...]]]) -> bytes:
-        ffi, lib = self.ffi, self.lib
-        raw = lib.seccomp_init(default_action)
-        if raw == ffi.NULL:
-            raise SeccompError("seccomp_init", errno.EINVAL,
-                               f"seccomp_init({default_action:#x}) failed: invalid default action or ENOMEM")
-        ctx = ffi.gc(raw, lib.seccomp_release)
-        _check("seccomp_attr_set(SCMP_FLTATR_ACT_BADARCH)",
-               lib.seccomp_attr_set(ctx, lib.SCMP_FLTATR_ACT_BADARCH, BAD_ARCH_ACTION))
-        for arch in arches:
-            rc = lib.seccomp_arch_add(ctx, arch)
-            if rc != -errno.EEXIST:
-                _check(f"seccomp_arch_add({ARCH_NAMES.get(arch, hex(arch))})", rc)
-        for action, nr, args in rules:
-            n = len(args)
-            rc = lib.ll_rule_add(ctx, action, nr, n,
-                                 ffi.new("unsigned int[]", [a.index for a in args] or [0]),
-                                 ffi.new("int[]", [a.op for a in args] or [0]),
-                                 ffi.new("uint64_t[]", [a.datum_a for a in args] or [0]),
-                                 ffi.new("uint64_t[]", [a.datum_b for a in args] or [0]))
-            _check(f"seccomp_rule_add({_name_of(self, nr)}, {action:#x}, {n} args)", rc)
-        cap = 1 << 16
-        while True:
-            buf = ffi.new("unsigned char[]", cap)
-            size = ffi.new("size_t *", cap)
-            rc = lib.ll_export_bpf(ctx, buf, size)
-            if rc == -errno.ERANGE and size[0] > cap:
-                cap = size[0]
-                continue
-            _check("seccomp_export_bpf", rc)
-            return bytes(ffi.buffer(buf, size[0]))
-
-
-class _PySeccompBackend:
-    def __init__(self, pyseccomp: Any) -> None:
-        self.m = pyseccomp
-
-    def version(self) -> tuple[int, int, int]:
-        import ctypes
-
-        class _V(ctypes.Structure):
-            _fields_ = [("major", ctypes.c_uint), ("minor", ctypes.c_uint), ("micro", ctypes.c_uint)]
-
-        f = self.m._libseccomp.seccomp_version
-        f.restype = ctypes.POINTER(_V)
-        v = f().contents
-        return (v.major, v.minor, v.micro)
-
-    def native_arch(self) -> int:
-        return int(self.m.system_arch())
-
-    def resolve(self, name: str) -> int:
-        return int(self.m.resolve_syscall(self.m.Arch.NATIVE, name))
-
-    def syscall_name(self, arch: int, num: int) -> str | None:
-        try:
-            return str(self.m.resolve_syscall(arch, num).decode())
-        except ValueError:
-            return None
-
-    def build(self, default_action: int, arches: Iterable[int],
-              rules: Iterable[tuple[int, int, tuple[Arg, ...]]]) -> bytes:
-        m = self.m
-        op = "seccomp_init"
-        try:
-            f = m.SyscallFilter(default_action)
-            op = "seccomp_attr_set(SCMP_FLTATR_ACT_BADARCH)"
-            f.set_attr(m.Attr.ACT_BADARCH, BAD_ARCH_ACTION)
-            for arch in arches:
-                op = f"seccomp_arch_add({ARCH_NAMES.get(arch, hex(arch))})"
-                try:
-                    f.add_arch(arch)
-                except OSError as e:
-                    if e.errno != errno.EEXIST:
-                        raise
-            for action, nr, args in rules:
-                op = f"seccomp_rule_add({_name_of(self, nr)}, {action:#x}, {len(args)} args)"
-                f.add_rule(action, nr, *(m.Arg(a.index, a.op, a.datum_a, a.datum_b) for a in args))
-            op = "seccomp_export_bpf"
-            fd = os.memfd_create("lowlevel-seccomp-export", os.MFD_CLOEXEC)
-            with os.fdopen(fd, "w+b") as fh:
-                f.export_bpf(fh)
-                fh.seek(0)
-                return fh.read()
-        except OSError as e:
-            raise SeccompError(op, e.errno or errno.EIO) from e
-
-
-def _check(operation: str, rc: int) -> None:
-    if rc < 0:
-        raise SeccompError(operation, -rc, f"{operation} failed: {os.strerror(-rc)} (errno {-rc})")
-
-
-def _name_of(backend: Any, nr: int) -> str:
-    return backend.syscall_name(backend.native_arch(), nr) or str(nr)
-
-
-_backend_lock = threading.Lock()
-_backends: dict[str, Any] = {}
-
-
-def _backend() -> Any:
-    """The CFFI backend, or pyseccomp with a RuntimeWarning; never "no filter".
-
-    Raises:
-        UnsupportedError: neither ``lowlevel._native`` nor ``pyseccomp`` (libseccomp) loads.
-    """
-    native = _native_module()
-    key = "native" if native is not None else "pyseccomp"
-    with _backend_lock:
-        b = _backends.get(key)
-        if b is not None:
-            return b
-        if native is not None:
-            b = _NativeBackend(native)
-        else:
-            try:
-                import pyseccomp
-            except (ImportError, RuntimeError) as e:
-                raise UnsupportedError(
-                    "seccomp", "neither lowlevel._native nor pyseccomp could load libseccomp",
-                    "apt-get install libseccomp-dev && pip install --force-reinstall lowlevel") from e
-            b = _PySeccompBackend(pyseccomp)
-        _backends[key] = b
-        return b
-
-
-def _warn_fallback() -> bool:
-    """Warn (True) when the extension is known to be missing: every compile_bpf call warns."""
-    if globals().get("_native", _NOT_LOADED) is None:
-        warnings.warn("lowlevel._native is not built; compiling the seccomp filter with pyseccomp "
-                      "(ctypes). Install libseccomp-dev and reinstall lowlevel to build it.",
-                      RuntimeWarning, stacklevel=3)
-        return True
-    return False
-
-
-#: While the built-in tables are constructed at import, names are checked for their shape only:
-#: asking libseccomp means loading it (~3 ms at every import). The tables are checked against
-#: libseccomp by the test suite, and compile_bpf refuses a name it cannot resolve.
-_TRUST_NAMES = True
-
-
-def _check_syscall_name(name: str) -> None:
-    """Raise PolicyError unless libseccomp knows ``name`` (on some arch)."""
-    if not isinstance(name, str) or not re.fullmatch(r"[a-z_][a-z0-9_]*", name):
-        raise PolicyError(f"syscall name {name!r}: pass a man-2 name such as 'ptrace'")
-    if _TRUST_NAMES:
-        return
-    try:
-        b = _backend()
-    except UnsupportedError:  # checked again, loudly, by compile_bpf
-        return
-    if b.resolve(name) == -1:  # __NR_SCMP_ERROR
-        raise PolicyError(f"unknown syscall {name!r}: libseccomp {'.'.join(map(str, b.version()))} "
-                          "does not know it; check the spelling against syscalls(2)")
-
-
-#: The profile every run uses unless its Policy says otherwise (built here, after the
-#: backends, because construction validates names against libseccomp).
+#: The profile every run uses unless its Policy says otherwise. Its names are checked against
+#: libseccomp by the test suite (tests/unit/test_hostcache.py), and by every compile.
 DEFAULT_PROFILE = SeccompProfile("default", _DEFAULT_RULES)
-_TRUST_NAMES = False  # every profile built after import: names checked against libseccomp
-
-
-# --- compile + hand over ---------------------------------------------------------------------
-
-_cache_lock = threading.Lock()
-#: Filters this process compiled with libseccomp, by (profile, arches, version, backend).
-_cache: dict[tuple[Any, ...], bytes] = {}
-#: Every filter this process handed out (compiled or from the disk cache), by (profile, compat).
-_filters: dict[tuple[Any, bool], bytes] = {}
-
-
-def compile_bpf(profile: SeccompProfile, *, compat_32bit: bool = False) -> bytes:
-    """Compile ``profile`` to BPF for this machine's arches, once per distinct profile.
-
-    Args:
-        profile: the rule table.
-        compat_32bit: also admit the native arch's 32-bit compat ABI (:data:`COMPAT_ARCHES`:
-            i386 ``int 0x80`` on x86_64) with the same rules. False (the default) kills a
-            process at its first compat syscall (``SCMP_ACT_KILL_PROCESS``, SIGSYS).
-    Returns:
-        The program as bytes: a whole, non-zero number of 8-byte ``struct sock_filter``,
-        ready for ``bwrap --seccomp``. Cached per (profile, native arch, libseccomp
-        version, backend); later calls cost a dict lookup.
-    Raises:
-        SeccompError: libseccomp refused a step (``.operation`` names it).
-        UnsupportedError: no libseccomp at all.
-        TypeError: ``profile`` is not a SeccompProfile.
-
-    Warns:
-        RuntimeWarning: the CFFI extension is missing and pyseccomp is used instead.
-    """
-    if not isinstance(profile, SeccompProfile):
-        raise TypeError(f"compile_bpf: pass a SeccompProfile, got {type(profile).__name__}")
-    warned = _warn_fallback()
-    quick = (profile, bool(compat_32bit))
-    with _cache_lock:
-        hit = _filters.get(quick)
-    if hit is not None:
-        return hit
-    disk = _disk_lookup(profile, compat_32bit)
-    if disk is not None:
-        with _cache_lock:
-            _filters.setdefault(quick, disk)
-        return disk
-    bpf = _compile(profile, compat_32bit)
-    if not warned:
-        _warn_fallback()  # the first compile found the extension missing
-    with _cache_lock:
-        _filters.setdefault(quick, bpf)
-    _disk_store(profile, compat_32bit, bpf)
-    return bpf
-
-
-def _compile(profile: SeccompProfile, compat_32bit: bool) -> bytes:
-    b = _backend()
-    native = b.native_arch()
-    arches = filter_arches(native, compat_32bit)
-    key = (profile, arches, b.version(), type(b).__name__)
-    with _cache_lock:
-        hit = _cache.get(key)
-    if hit is not None:
-        return hit
-    rules = []
-    for action, name, args in profile.effective_rules():
-        nr = b.resolve(name)
-        if nr == -1:  # __NR_SCMP_ERROR: a built-in table names a syscall this libseccomp lacks
-            raise PolicyError(f"unknown syscall {name!r} in seccomp profile {profile.name!r}: libseccomp "
-                              f"{'.'.join(map(str, b.version()))} does not know it (upgrade libseccomp)")
-        rules.append((action, nr, args))
-    bpf: bytes = b.build(profile.effective_default_action(), arches, rules)
-    if not bpf or len(bpf) % 8:
-        raise SeccompError("seccomp_export_bpf", errno.EINVAL,
-                           f"seccomp_export_bpf returned {len(bpf)} bytes, not a whole number of "
-                           "8-byte sock_filter instructions")
-    with _cache_lock:
-        _cache.setdefault(key, bpf)
-    return bpf
-
-
-def _profile_key(profile: SeccompProfile, compat_32bit: bool) -> str:
-    """What the filter is made of, as text: the disk cache's key (prose left out)."""
-    rules = [[action, name, [[a.index, a.op, a.datum_a, a.datum_b] for a in args]]
-             for action, name, args in profile.effective_rules()]
-    return json.dumps([profile.effective_default_action(), rules, bool(compat_32bit)], separators=(",", ":"))
-
-
-def _native_files() -> list[Any] | None:
-    """Disk-cache key of the compiler: the extension's file (no libseccomp load needed)."""
-    from lowlevel.host.hostcache import file_key
-    pkg = PACKAGE_DIR
-    try:
-        names = sorted(n for n in os.listdir(pkg) if n.startswith("_native") and n.endswith(".so"))
-    except OSError:
-        return None
-    return [file_key(os.path.join(pkg, n)) for n in names] or None
-
-
-def _libseccomp_file() -> list[Any] | None:
-    """libseccomp's file as this process mapped it (the backend is loaded), for the key."""
-    from lowlevel.host.hostcache import file_key
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                path = line.rstrip("\n").split(None, 5)[-1]
-                if "/libseccomp.so" in path:
-                    return file_key(path)
-    except OSError:
-        pass
-    return None
-
-
-def _disk_lookup(profile: SeccompProfile, compat_32bit: bool) -> bytes | None:
-    """The filter from :mod:`lowlevel.host.hostcache`, when the same extension and libseccomp made it."""
-    if globals().get("_native", _NOT_LOADED) is None:
-        return None  # pyseccomp (forced or not built): compile
-    from lowlevel.host import hostcache
-    if not hostcache.enabled():
-        return None
-    text = _profile_key(profile, compat_32bit)
-    ext = _native_files()
-    if ext is None:
-        return None
-    got = hostcache.get("seccomp", hostcache.entry_name(text), [text, ext])
-    if not isinstance(got, dict) or not isinstance(got.get("bpf"), str):
-        return None
-    lib = got.get("libseccomp")
-    if lib is None or hostcache.file_key(lib[0]) != lib:
-        return None  # libseccomp changed (an upgrade): compile again
-    try:
-        bpf = bytes.fromhex(got["bpf"])
-    except ValueError:
-        return None
-    return bpf if bpf and len(bpf) % 8 == 0 else None
-
-
-def _disk_store(profile: SeccompProfile, compat_32bit: bool, bpf: bytes) -> None:
-    if globals().get("_native", _NOT_LOADED) is None:
-        return
-    from lowlevel.host import hostcache
-    if not hostcache.enabled():
-        return
-    ext, lib = _native_files(), _libseccomp_file()
-    if ext is None or lib is None:
-        return
-    text = _profile_key(profile, compat_32bit)
-    hostcache.put("seccomp", hostcache.entry_name(text), [text, ext], {"bpf": bpf.hex(), "libseccomp": lib})
-
-
-def filter_arches(native: int | None = None, compat_32bit: bool = False) -> tuple[int, ...]:
-    """The arches a filter lists (``SCMP_ARCH_*``): the native one, plus its compat arch when
-    ``compat_32bit``. ``native`` defaults to this machine's."""
-    if native is None:
-        native = _backend().native_arch()
-    return (native,) + (COMPAT_ARCHES.get(native, ()) if compat_32bit else ())
-
-
-_SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
-
-
-def bpf_memfd(bpf: bytes) -> int:
-    """Put ``bpf`` in a sealed memfd for ``bwrap --seccomp FD``.
-
-    Args:
-        bpf: from :func:`compile_bpf`.
-    Returns:
-        An O_CLOEXEC fd at offset 0, sealed with F_SEAL_WRITE|SHRINK|GROW|SEAL so nothing
-        can change the program between now and bwrap's read. The caller closes it (after
-        the spawn; the child gets its own copy through dup2 in the file actions).
-    Raises:
-        ValueError: ``bpf`` is empty or not a whole number of 8-byte instructions.
-        OSError: memfd_create, write or F_ADD_SEALS failed (e.g. EMFILE).
-
-    Source: memfd_create(2), fcntl(2) "File Sealing"; bwrap(1) --seccomp.
-    """
-    if not isinstance(bpf, (bytes, bytearray, memoryview)):
-        raise TypeError(f"bpf_memfd: pass bytes from compile_bpf, got {type(bpf).__name__}")
-    if not bpf or len(bpf) % 8:
-        raise ValueError(f"bpf_memfd: {len(bpf)} bytes is not a whole number of 8-byte sock_filters")
-    fd = os.memfd_create("lowlevel-seccomp", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        view = memoryview(bpf)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
-        os.lseek(fd, 0, os.SEEK_SET)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def syscall_name(arch: int, num: int) -> str | None:
-    """libseccomp's name for syscall ``num`` on ``arch`` (an ``SCMP_ARCH_*``), or None."""
-    name: str | None = _backend().syscall_name(arch, num)
-    return name
-
-
-# --- denial report (opt-in audit mode) -------------------------------------------------------
-
-_AUDIT_RE = re.compile(
-    rb"type=1326 .*? pid=(?P<pid>\d+) .*? arch=(?P<arch>[0-9a-f]+) syscall=(?P<nr>\d+) "
-    rb".*? code=0x(?P<code>[0-9a-f]+)")
-_active_audits = 0
-_active_lock = threading.Lock()
-
-
-class DenialAudit:
-    """Collect the syscalls a log-mode run tripped, from the kernel's audit records.
-
-    Use with a profile from :meth:`SeccompProfile.with_log`: each call the profile would
-    have denied is allowed and logged by the kernel as an ``audit: type=1326 ... pid=P
-    arch=A syscall=N ... code=0x7ffc0000`` line in ``/dev/kmsg`` (x32 kills appear with
-    ``code=0x80000000``). Records are attributed to the run by the PID namespace of the
-    logging process, checked while it is alive; a record whose process is already gone is
-    kept only when no other audit is running in this Python process.
-
-    Lifecycle, for the launcher::
-
-        audit = DenialAudit()                 # before the spawn; opens /dev/kmsg at its end
-        ...spawn bwrap, read child-pid N from --json-status-fd...
-        audit.attach(N)                       # N = host PID of the sandbox's PID 1
-        ...wait for the run to end...
-        result.seccomp_denials = audit.finish()   # sorted names; closes everything
-
-    Cost: one fd and one thread polling kmsg while the run lasts; nothing in the default
-    (ERRNO) fast path.
-
-    Limits: needs CAP_SYSLOG (root) when ``kernel.dmesg_restrict=1``; sees nothing when
-    auditd consumes the records instead of the kernel log; the kernel rate-limits these
-    lines (printk_ratelimit, about 10 per 5 s host-wide), so a burst can hide names.
-
-    Raises:
-        UnsupportedError: ``/dev/kmsg`` can't be opened (feature ``"seccomp-audit"``).
-
-    Source: seccomp(2) SECCOMP_RET_LOG (Linux 4.14), /proc/sys/kernel/seccomp/actions_logged;
-    Documentation/ABI/testing/dev-kmsg; kernel/auditsc.c audit_seccomp.
-    """
-
-    def __init__(self, kmsg_path: str = "/dev/kmsg") -> None:
-        global _active_audits
-        try:
-            self._fd = os.open(kmsg_path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError as e:
-            raise UnsupportedError("seccomp-audit", f"cannot read {kmsg_path} for seccomp audit "
-                                   f"records: {e.strerror}", "run as root, or sysctl "
-                                   "kernel.dmesg_restrict=0") from e
-        os.lseek(self._fd, 0, os.SEEK_END)
-        self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
-        self._pidns: int | None = None
-        self._names: set[str] = set()
-        self._dead: list[tuple[int, int, int]] = []
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-        self._closed = False
-        with _active_lock:
-            _active_audits += 1
-
-    def attach(self, sandbox_pid: int) -> None:
-        """Start attributing records to the PID namespace of ``sandbox_pid`` (host PID).
-
-        Raises:
-            ProcessLookupError: ``sandbox_pid`` is gone.
-        """
-        try:
-            self._pidns = os.stat(f"/proc/{sandbox_pid}/ns/pid").st_ino
-        except FileNotFoundError as e:
-            raise ProcessLookupError(errno.ESRCH, f"sandbox PID {sandbox_pid} is gone") from e
-        self._thread = threading.Thread(target=self._loop, name="lowlevel-seccomp-audit", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while True:
-            ready, _, _ = select.select([self._fd, self._stop_r], [], [])
-            if self._fd in ready:
-                self._drain()
-            if self._stop_r in ready:
-                return
-
-    def _drain(self) -> int:
-        """Read every pending record; return how many were read."""
-        n = 0
-        while True:
-            try:
-                rec = os.read(self._fd, 8192)
-            except BlockingIOError:
-                return n
-            except BrokenPipeError:  # records overwritten before we read them: skip ahead
-                continue
-            if not rec:  # EOF: only a regular file (tests) gets here
-                return n
-            n += 1
-            self._take(rec)
-
-    def _take(self, rec: bytes) -> None:
-        m = _AUDIT_RE.search(rec)
-        if m is None:
-            return
-        code = int(m["code"], 16)
-        if code not in (SCMP_ACT_LOG, SCMP_ACT_KILL_PROCESS, SCMP_ACT_KILL_THREAD):
-            return
-        pid, arch, nr = int(m["pid"]), int(m["arch"], 16), int(m["nr"])
-        try:
-            ns = os.stat(f"/proc/{pid}/ns/pid").st_ino
-        except (FileNotFoundError, PermissionError):
-            with self._lock:
-                self._dead.append((arch, nr, code))
-            return
-        if ns == self._pidns:
-            with self._lock:
-                self._names.add(self._label(arch, nr, code))
-
-    @staticmethod
-    def _label(arch: int, nr: int, code: int) -> str:
-        if code != SCMP_ACT_LOG and arch == SCMP_ARCH_X86_64 and nr & 0x40000000:
-            return f"x32:{nr & ~0x40000000}"
-        name = syscall_name(arch, nr) or str(nr)
-        if arch != _backend().native_arch():
-            name = f"{ARCH_NAMES.get(arch, hex(arch))}:{name}"
-        return name
-
-    def finish(self, settle_s: float = 0.05) -> tuple[str, ...]:
-        """Stop collecting and return the sorted, distinct names the run tripped.
-
-        Args:
-            settle_s: keep reading until the log has been quiet this long (seconds): the
-                kernel's kauditd thread prints records asynchronously, shortly after the call.
-        Returns:
-            Native-arch calls as plain names (``"ptrace"``), others prefixed with the arch
-            (``"x86:ptrace"``, ``"x32:101"``). Idempotent; closes the fds.
-        """
-        if not self._closed:
-            if self._thread is not None:
-                os.write(self._stop_w, b"x")
-                self._thread.join()
-            self._drain()
-            while select.select([self._fd], [], [], settle_s)[0] and self._drain():
-                pass
-            with _active_lock:
-                alone = _active_audits == 1
-            if alone:
-                for arch, nr, code in self._dead:
-                    self._names.add(self._label(arch, nr, code))
-            self.close()
-        return tuple(sorted(self._names))
-
-    def close(self) -> None:
-        global _active_audits
-        if self._closed:
-            return
-        self._closed = True
-        if self._thread is not None and self._thread.is_alive():
-            os.write(self._stop_w, b"x")
-            self._thread.join()
-        for fd in (self._fd, self._stop_r, self._stop_w):
-            os.close(fd)
-        with _active_lock:
-            _active_audits -= 1
-
-    def __enter__(self) -> DenialAudit:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            warnings.warn("DenialAudit was not finished or closed", ResourceWarning, stacklevel=1)
-            self.close()
 
 
 __all__ = [
-    "ALLOWED_DIFFERENCES", "Arg", "BAD_ARCH_ACTION", "COMPAT_ARCHES", "DEFAULT_PROFILE",
-    "DenialAudit", "Rule", "SCMP_ACT_ALLOW", "SCMP_ACT_ERRNO", "SCMP_ACT_KILL_PROCESS",
-    "SCMP_ACT_KILL_THREAD", "SCMP_ACT_LOG", "SCMP_ACT_TRAP", "SCMP_CMP_EQ", "SCMP_CMP_GE",
-    "SCMP_CMP_GT", "SCMP_CMP_LE", "SCMP_CMP_LT", "SCMP_CMP_MASKED_EQ", "SCMP_CMP_NE",
-    "SeccompProfile", "bpf_memfd", "compile_bpf", "filter_arches", "syscall_name",
+    "ALLOWED_DIFFERENCES", "ARCH_NAMES", "Arg", "BAD_ARCH_ACTION", "COMPAT_ARCHES", "DEFAULT_PROFILE", "Rule",
+    "SCMP_ACT_ALLOW", "SCMP_ACT_ERRNO", "SCMP_ACT_KILL_PROCESS", "SCMP_ACT_KILL_THREAD", "SCMP_ACT_LOG",
+    "SCMP_ACT_TRAP", "SCMP_ARCH_AARCH64", "SCMP_ARCH_ARM", "SCMP_ARCH_X32", "SCMP_ARCH_X86", "SCMP_ARCH_X86_64",
+    "SCMP_CMP_EQ", "SCMP_CMP_GE", "SCMP_CMP_GT", "SCMP_CMP_LE", "SCMP_CMP_LT", "SCMP_CMP_MASKED_EQ",
+    "SCMP_CMP_NE", "SeccompProfile",
 ]

@@ -12,7 +12,7 @@ goes through :func:`open_fds` and :func:`children`, which leave out exactly thes
   egress relay (:func:`lowlevel.net.egress_run.relay_fd`);
 - the egress proxy thread (:func:`lowlevel.net.loop.shared`, started by the first run with an
   allowlist, for the process's life): its epoll set, its asyncio loop's epoll and self-pipe;
-- the holder of a systemd-delegated cgroup scope (``lowlevel.spec.limits._holder``, only where systemd
+- the holder of a systemd-delegated cgroup scope (``lowlevel.host.cgroup_detect._holder``, only where systemd
   delegates one): one child process and the pipe to its stdin.
 
 Nothing else is kept: :mod:`lowlevel.host.hostcache` opens and closes its files per use, the threads
@@ -37,7 +37,7 @@ def kept_fds() -> set[int]:
     from lowlevel.net import egress_run
     from lowlevel.net import loop as proxy_loop
     from lowlevel.host import landlock
-    from lowlevel.spec import limits
+    from lowlevel.host import cgroup_detect
     from lowlevel.session import protocol as session_protocol
 
     kept: set[int] = set()
@@ -54,7 +54,7 @@ def kept_fds() -> set[int]:
             if obj is not None:
                 with contextlib.suppress(Exception):
                     kept.add(obj.fileno())
-    holder = limits._holder
+    holder = cgroup_detect._holder
     if holder is not None and holder.stdin is not None and not holder.stdin.closed:
         kept.add(holder.stdin.fileno())
     return kept
@@ -77,9 +77,9 @@ def open_fds() -> dict[int, str]:
 
 def kept_children() -> set[int]:
     """PIDs of the children lowlevel keeps by design (the systemd scope holder, if any)."""
-    from lowlevel.spec import limits
+    from lowlevel.host import cgroup_detect
 
-    holder = limits._holder
+    holder = cgroup_detect._holder
     return {holder.pid} if holder is not None and holder.returncode is None else set()
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lowlevel.spec import limits
+from lowlevel.host import cgroup_detect
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _cpuacct_base() -> str:
     if os.geteuid() != 0:
         pytest.skip("bench/bwrap_parts.py runs the seed recipe as root")
-    h = limits.detect_cgroups().hierarchy_for("cpuacct")
+    h = cgroup_detect.detect_cgroups().hierarchy_for("cpuacct")
     if h is None or h.version != 1 or not h.base:
         pytest.skip("no writable cgroup v1 cpuacct hierarchy: the bench uses rusage, no cgroup")
     return h.base

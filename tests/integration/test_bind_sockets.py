@@ -28,6 +28,7 @@ import pytest
 import lowlevel
 from lowlevel.sandbox import bind_sockets
 from lowlevel.host import landlock
+from lowlevel.sandbox import landlock_rules
 
 RUNUSER = shutil.which("runuser") or "/usr/sbin/runuser"
 
@@ -224,7 +225,7 @@ def test_landlock_rules_grant_socket_connect_only_where_allowed(tmp_path: Path) 
     (tmp_path / "b").mkdir()
     policy = lowlevel.Policy(binds=(lowlevel.Bind(str(tmp_path / "a"), "/a", writable=True),
                                     lowlevel.Bind(str(tmp_path / "b"), "/b", allow_sockets=True)))
-    args = landlock.ruleset_args(policy, ())
+    args = landlock_rules.ruleset_args(policy, ())
     unix = [a for a in args if a.startswith("--ll-unix=")]
     assert unix == ["--ll-unix=/tmp", "--ll-unix=/dev/shm", "--ll-unix=/workspace", "--ll-unix=/b"]
     assert args.index("--ll-unix=/b") == args.index("--ll-rx=/b") + 1
@@ -234,7 +235,7 @@ def test_landlock_rules_grant_socket_connect_only_where_allowed(tmp_path: Path) 
     try:
         sock_bind = lowlevel.Policy(binds=(lowlevel.Bind(str(tmp_path / "daemon.sock"), "/run-d/daemon.sock",
                                                          allow_sensitive=True),))
-        assert "--ll-unix=/run-d/daemon.sock" in landlock.ruleset_args(sock_bind, ())
+        assert "--ll-unix=/run-d/daemon.sock" in landlock_rules.ruleset_args(sock_bind, ())
     finally:
         srv.close()
     assert "pathname unix socket" in landlock.describe(9) and "masked" in landlock.describe(7)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from lowlevel.spec import limits as _limits
+from lowlevel.host import cgroup_detect as _cgroup_detect
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -159,7 +159,7 @@ def test_caller_killed_at_random_instants(identity: str, request: pytest.Fixture
     assert live_at_kill >= trials // 10, live_at_kill
     # Every dead caller's cgroups are swept by the next detection; none is left.
     time.sleep(0.2)
-    support = _limits.detect_cgroups(refresh=True)
+    support = _cgroup_detect.detect_cgroups(refresh=True)
     for h in support.hierarchies:
         if h.base and os.path.isdir(h.base):
             left = [d for d in os.listdir(h.base) if any(d.startswith(f"run-{pid}-") for pid in callers)]

@@ -226,7 +226,7 @@ def test_arun_when_no_thread_can_start_leaves_nothing(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("makes a cgroup v1 pids directory: needs root")
     with open("/proc/self/mountinfo") as f:
-        from lowlevel.spec.limits import parse_mountinfo
+        from lowlevel.host.cgroup_detect import parse_mountinfo
         mounts = [m for _r, m, fs, opts in parse_mountinfo(f.read()) if fs == "cgroup" and "pids" in opts.split(",")]
     if not mounts:
         pytest.skip("no cgroup v1 pids hierarchy")

@@ -19,7 +19,7 @@ import time
 import pytest
 
 import lowlevel
-from lowlevel.spec import limits as _limits
+from lowlevel.host import cgroup_detect as _cgroup_detect
 from lowlevel.sandbox.aio import arun
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.root, pytest.mark.timeout(60)]
@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.bwrap, pytest.mark.root, pytest.mark.timeout(60)]
 
 def _hierarchies() -> dict[str, str]:
     """``{controller key in /proc/PID/cgroup: our run-directory base}`` for what a run uses."""
-    support = _limits.detect_cgroups()
+    support = _cgroup_detect.detect_cgroups()
     if not support.usable:
         pytest.skip("no writable cgroup hierarchy here")
     out = {}
@@ -46,13 +46,13 @@ def _check(stdout: bytes, keys: dict[str, str]) -> None:
     # bwrap unshares the cgroup namespace after the anchor joined the run's cgroups, so inside,
     # the run's cgroup is the namespace's root: "/" in every hierarchy the run uses. (A
     # process attached later would see a path outside its namespace root: "/..".)
-    seen = _limits.parse_proc_cgroup(stdout.decode())
+    seen = _cgroup_detect.parse_proc_cgroup(stdout.decode())
     for key in keys:
         assert seen[key] == "/", (key, seen[key], stdout)
 
 
 def _run_dirs(keys: dict[str, str]) -> list[str]:
-    support = _limits.detect_cgroups()
+    support = _cgroup_detect.detect_cgroups()
     out = []
     for controller in keys:
         h = support.hierarchy_for(controller or "memory") if controller else support.v2
@@ -99,7 +99,7 @@ def test_every_process_of_the_sandbox_is_in_the_run_cgroup():
                     except OSError:
                         pass
             time.sleep(0.05)
-        support = _limits.detect_cgroups()
+        support = _cgroup_detect.detect_cgroups()
         v2_base = support.v2.base if support.v2 is not None else None
         assert names, "no run cgroup seen"
         for d, seen in names.items():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lowlevel.spec import limits as _limits
+from lowlevel.host import cgroup_detect as _cgroup_detect
 from lowlevel.cleanup import clean, find_leftovers
 
 pytestmark = pytest.mark.bwrap
@@ -38,7 +38,7 @@ def test_leftovers_of_a_dead_caller_are_found_and_removed(tmp_path: Path):
     (ws / f".lowlevel-commit-{dead}-1").write_text("half")
     (ws / "mine.txt").write_text("user data")
     # A run cgroup of the dead caller (empty), where a hierarchy is writable.
-    support = _limits.detect_cgroups()
+    support = _cgroup_detect.detect_cgroups()
     cg = None
     for h in support.hierarchies:
         if h.base:
@@ -100,7 +100,7 @@ def _wait_for_runs_of(pids: set[int], timeout: float = 10.0) -> None:
     3 on a 2-core machine). Returns at the deadline anyway: the test's assertions then say what
     is left."""
     import time
-    bases = [h.base for h in _limits.detect_cgroups().hierarchies if h.base and os.path.isdir(h.base)]
+    bases = [h.base for h in _cgroup_detect.detect_cgroups().hierarchies if h.base and os.path.isdir(h.base)]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         busy = False

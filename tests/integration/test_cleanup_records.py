@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from lowlevel.spec import limits as _limits
+from lowlevel.host import cgroup_detect as _cgroup_detect
 from lowlevel.workspace.overlay import LEFTOVER_PREFIX
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(300)]
@@ -57,8 +57,8 @@ JOIN = 'for d in $CGS; do echo $$ > "$d/cgroup.procs" || exit 99; done; exec "$@
 
 def _v1_mounts() -> list[str]:
     with open("/proc/self/mountinfo") as f:
-        return sorted({m for _r, m, fs, opts in _limits.parse_mountinfo(f.read())
-                       if fs == "cgroup" and set(opts.split(",")) & set(_limits._V1_USED)})
+        return sorted({m for _r, m, fs, opts in _cgroup_detect.parse_mountinfo(f.read())
+                       if fs == "cgroup" and set(opts.split(",")) & set(_cgroup_detect._V1_USED)})
 
 
 @pytest.fixture

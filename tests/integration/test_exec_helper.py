@@ -257,8 +257,8 @@ def test_cgroup_join_v1_tasks_and_v2_born_inside(marker: Path, clone3: str):
     """v1: the anchor writes "0" to each tasks fd (it moves itself); v2: bwrap's stand-in is
     born in the run's v2 directory (clone3 CLONE_INTO_CGROUP), the anchor stays out of it.
     Where clone3 fails with ENOSYS (an old kernel), the child joins the v2 directory itself."""
-    from lowlevel.spec import limits as _limits
-    support = _limits.detect_cgroups()
+    from lowlevel.host import cgroup_detect as _cgroup_detect
+    support = _cgroup_detect.detect_cgroups()
     v1 = support.hierarchy_for("pids") or support.hierarchy_for("memory")
     v2 = support.v2
     if v1 is None or v1.version != 1 or v2 is None or v2.base is None:
@@ -276,7 +276,7 @@ def test_cgroup_join_v1_tasks_and_v2_born_inside(marker: Path, clone3: str):
                               timeout=30, pass_fds=(tasks, v2_dir),
                               preexec_fn=(lambda: _seccomp_enosys(435)) if clone3 == "enosys" else None)
         assert proc.returncode == 0, proc.stderr
-        seen = {k: _limits.parse_proc_cgroup(v) for k, v in eval(marker.read_text()).items()}  # noqa: S307
+        seen = {k: _cgroup_detect.parse_proc_cgroup(v) for k, v in eval(marker.read_text()).items()}  # noqa: S307
         v1_key = next(k for k in seen["self"] if k and set(k.split(",")) & v1.controllers)
         rel = [d[len(h.mount):] for d, h in zip(dirs, (v1, v2))]
         assert seen["self"][v1_key] == rel[0] and seen["anchor"][v1_key] == rel[0]

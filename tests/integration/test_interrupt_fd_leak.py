@@ -158,10 +158,10 @@ def _sigint_at_open_in(code: Any, nth: int) -> Iterator[dict[str, int]]:
 @pytest.mark.filterwarnings("ignore::ResourceWarning", "ignore::pytest.PytestUnraisableExceptionWarning")
 def test_run_interrupted_while_its_cgroup_figures_are_read(ws: str) -> None:
     """After the program, the run reads its cgroups' figures (peak memory, pids, CPU): one file
-    each, opened and closed by ``lowlevel.spec.limits._read``. A SIGINT as any of those opens
+    each, opened and closed by ``lowlevel.host.cgroupfs.read``. A SIGINT as any of those opens
     returns leaks nothing (a bare ``os.open`` lost its fd: 1 run in ~10 under random SIGINTs)."""
-    from lowlevel.spec import limits
-    code = limits._read.__code__
+    from lowlevel.host import cgroupfs
+    code = cgroupfs.read.__code__
     with _sigint_at_open_in(code, 0) as counted:
         lowlevel.run(["true"], workspace=ws)
     if counted["calls"] == 0:
@@ -180,9 +180,9 @@ def test_run_interrupted_while_its_cgroup_figures_are_read(ws: str) -> None:
 
 
 def _run_cgroups_of(pid: int) -> list[str]:
-    from lowlevel.spec import limits
+    from lowlevel.host import cgroup_detect
     left = []
-    for h in limits.detect_cgroups().hierarchies:
+    for h in cgroup_detect.detect_cgroups().hierarchies:
         if h.base is not None and os.path.isdir(h.base):
             left += [os.path.join(h.base, e) for e in os.listdir(h.base) if e.startswith(f"run-{pid}-")]
     return left

@@ -1,5 +1,5 @@
-"""Integration tests of lowlevel.spec.limits alone, on the real kernel: rlimits via prlimit and per-run
-cgroups with plain child processes (and one bwrap --block-fd handshake).
+"""Integration tests of lowlevel.spec.limits and lowlevel.host.cgroups alone, on the real kernel: rlimits
+via prlimit and per-run cgroups with plain child processes (and one bwrap --block-fd handshake).
 
 Every child is gated: it blocks on a byte from stdin until its limits are in place, as bwrap's
 child blocks on --block-fd. Every child is bounded in time (sleeps <= 60 s, killed at teardown)
@@ -21,14 +21,16 @@ from dataclasses import replace
 from collections.abc import Iterator
 
 import pytest
+from helpers.cgroup_attach import apply_rlimits, attach
 from helpers.hygiene import open_fds
 
-from lowlevel.spec import limits as L
+from lowlevel.host import cgroup_detect as D
+from lowlevel.host import cgroups as C
 from lowlevel.errors import LaunchError
 from lowlevel.spec.limits import MiB, Limits
 
 ROOT = os.geteuid() == 0
-SUPPORT = L.detect_cgroups()
+SUPPORT = D.detect_cgroups()
 needs_cgroup = pytest.mark.skipif(not SUPPORT.usable, reason="no writable cgroup hierarchy "
                                   "(run as root, or in a delegated cgroup v2 subtree)")
 
@@ -78,10 +80,10 @@ def gated() -> Iterator:
 
 @pytest.fixture
 def run_cgroup() -> Iterator:
-    made: list[L.RunCgroup] = []
+    made: list[C.RunCgroup] = []
 
-    def make(limits: Limits, support: L.CgroupSupport | None = None) -> L.RunCgroup:
-        cg = L.RunCgroup.create(limits, support=support)
+    def make(limits: Limits, support: D.CgroupSupport | None = None) -> C.RunCgroup:
+        cg = C.RunCgroup.create(limits, support=support)
         assert cg is not None
         made.append(cg)
         return cg
@@ -126,7 +128,7 @@ def test_apply_rlimits_reach_the_child(gated) -> None:
     lim = Limits(cpu_s=5, memory_bytes=512 * MiB, pids=100, fsize_bytes=8 * MiB, nofile=64,
                  address_space_bytes=4096 * MiB)
     g = gated(PRINT_LIMITS)
-    applied = L.apply_rlimits(g.pid, lim)
+    applied = apply_rlimits(g.pid, lim)
     assert applied == ("RLIMIT_CPU", "RLIMIT_AS", "RLIMIT_DATA", "RLIMIT_NPROC", "RLIMIT_FSIZE",
                        "RLIMIT_NOFILE", "RLIMIT_CORE")
     rc, out, err = g.go()
@@ -140,7 +142,7 @@ def test_apply_rlimits_reach_the_child(gated) -> None:
 def test_apply_rlimits_never_raises_above_an_existing_hard_limit(gated) -> None:
     g = gated(PRINT_LIMITS)
     resource.prlimit(g.pid, resource.RLIMIT_NOFILE, (100, 200))
-    L.apply_rlimits(g.pid, Limits(nofile=1024))
+    apply_rlimits(g.pid, Limits(nofile=1024))
     rc, out, _ = g.go()
     assert tuple(json.loads(out)["RLIMIT_NOFILE"]) == (200, 200)
 
@@ -149,7 +151,7 @@ def test_apply_rlimits_to_a_dead_pid_raises_launch_error(gated) -> None:
     g = gated("")
     g.go()
     with pytest.raises(LaunchError) as info:
-        L.apply_rlimits(g.pid, Limits())
+        apply_rlimits(g.pid, Limits())
     assert info.value.errno == 3  # ESRCH
     assert f"prlimit({g.pid}, RLIMIT_CPU, (60, 61))" in str(info.value)
 
@@ -165,7 +167,7 @@ def test_fsize_stops_the_write_and_caps_the_file(gated, tmp_path) -> None:
                 f.write(b"x" * {1 * MiB})
                 f.flush()
     """)
-    L.apply_rlimits(g.pid, Limits(fsize_bytes=1 * MiB))
+    apply_rlimits(g.pid, Limits(fsize_bytes=1 * MiB))
     rc, _, _ = g.go()
     assert rc == -signal.SIGXFSZ
     assert target.stat().st_size == 1 * MiB
@@ -181,14 +183,14 @@ def test_fsize_with_sigxfsz_ignored_gives_efbig(gated, tmp_path) -> None:
         except OSError as e:
             print(e.errno)
     """)
-    L.apply_rlimits(g.pid, Limits(fsize_bytes=1 * MiB))
+    apply_rlimits(g.pid, Limits(fsize_bytes=1 * MiB))
     rc, out, _ = g.go()
     assert (rc, out.strip()) == (0, "27")  # EFBIG
 
 
 def test_rlimit_cpu_sends_sigxcpu(gated) -> None:
     g = gated("while True: pass")
-    L.apply_rlimits(g.pid, Limits(cpu_s=1))
+    apply_rlimits(g.pid, Limits(cpu_s=1))
     rc, _, _ = g.go(timeout=10)
     assert rc == -signal.SIGXCPU
 
@@ -200,7 +202,7 @@ def test_rlimit_data_fallback_fails_allocation_without_memory_cgroup(gated) -> N
         except MemoryError:
             sys.exit(3)
     """)
-    applied = L.apply_rlimits(g.pid, Limits(memory_bytes=64 * MiB), cgroup=None)
+    applied = apply_rlimits(g.pid, Limits(memory_bytes=64 * MiB), cgroup=None)
     assert "RLIMIT_DATA" in applied
     rc, _, _ = g.go()
     assert rc == 3
@@ -214,24 +216,23 @@ def test_rlimit_data_fallback_fails_allocation_without_memory_cgroup(gated) -> N
 @needs_cgroup
 def test_enforced_and_rlimit_fallbacks_dropped(run_cgroup, gated) -> None:
     cg = run_cgroup(Limits())
-    plan = L.enforcement_plan(Limits())
+    plan = C.enforcement_plan(Limits())
     assert set(cg.enforced) == {c for c, _ in plan.cgroups}
     g = gated(PRINT_LIMITS)
-    cg.attach(g.pid)
-    applied = L.apply_rlimits(g.pid, Limits(), cg)
+    attach(cg, g.pid)
+    applied = apply_rlimits(g.pid, Limits(), cg)
     if "memory" in cg.enforced:
         assert "RLIMIT_DATA" not in applied
     if "pids" in cg.enforced:
         assert "RLIMIT_NPROC" not in applied
     assert cg.pids() == [g.pid]
-    assert L.limits_enforced(applied, cg)[-len(cg.limit_files):] == cg.limit_files
     assert g.go()[0] == 0
 
 
 def _cpu_sources() -> list:
     """cpu.stat (v2) where writable, and the v1 cpuacct fallback forced by leaving v2 out."""
     out = [pytest.param(None, id="default")]
-    no_v2 = L.CgroupSupport(tuple(h for h in SUPPORT.hierarchies if h.version == 1))
+    no_v2 = D.CgroupSupport(tuple(h for h in SUPPORT.hierarchies if h.version == 1))
     if SUPPORT.v2 is not None and SUPPORT.v2.base and no_v2.hierarchy_for("cpuacct") is not None:
         out.append(pytest.param(no_v2, id="v1-cpuacct"))
     return out
@@ -250,7 +251,7 @@ def test_cpu_time_is_read_from_the_cgroup(run_cgroup, gated, support) -> None:
         if pid == 0: os._exit(0)
         os.waitpid(pid, 0)
     """)
-    cg.attach(g.pid)
+    attach(cg, g.pid)
     assert g.go()[0] == 0
     stats = cg.stats()
     assert stats.cpu_user_s is not None and stats.cpu_system_s is not None
@@ -275,7 +276,7 @@ def test_fork_bomb_stops_at_pids_max(run_cgroup, gated) -> None:
                 os._exit(0)
             n += 1
     """)
-    cg.attach(g.pid)
+    attach(cg, g.pid)
     rc, out, _ = g.go()
     forked, err = map(int, out.split())
     assert (forked, err) == (15, 11)  # 16 including the parent; EAGAIN
@@ -299,8 +300,8 @@ def test_memory_bomb_is_oom_killed(run_cgroup, gated) -> None:
             chunks.append(bytearray(16 * 1024 * 1024))   # zeroed: every page touched
         sys.exit(5)
     """)
-    cg.attach(g.pid)
-    L.apply_rlimits(g.pid, Limits(memory_bytes=64 * MiB), cg)
+    attach(cg, g.pid)
+    apply_rlimits(g.pid, Limits(memory_bytes=64 * MiB), cg)
     rc, _, _ = g.go()
     assert rc == -signal.SIGKILL
     stats = cg.stats()
@@ -317,7 +318,7 @@ def test_cpu_quota_throttles(run_cgroup, gated) -> None:
         t = time.monotonic()
         while time.monotonic() - t < 1.0: pass
     """)
-    cg.attach(g.pid)
+    attach(cg, g.pid)
     g.go()
     stats = cg.stats()
     used = (stats.cpu_user_s or 0) + (stats.cpu_system_s or 0)
@@ -327,10 +328,10 @@ def test_cpu_quota_throttles(run_cgroup, gated) -> None:
 def _supports() -> list:
     """The host's support, then forced fallbacks: v1 freezer kill, then the plain SIGKILL loop."""
     out = [pytest.param(None, id="default")]
-    no_v2 = L.CgroupSupport(tuple(h for h in SUPPORT.hierarchies if h.version == 1))
+    no_v2 = D.CgroupSupport(tuple(h for h in SUPPORT.hierarchies if h.version == 1))
     if SUPPORT.v2 is not None and no_v2.hierarchy_for("freezer") is not None:
         out.append(pytest.param(no_v2, id="v1-freezer"))
-    bare = L.CgroupSupport(tuple(h for h in no_v2.hierarchies if "freezer" not in h.controllers))
+    bare = D.CgroupSupport(tuple(h for h in no_v2.hierarchies if "freezer" not in h.controllers))
     if bare.usable:
         out.append(pytest.param(bare, id="kill-loop"))
     return out
@@ -352,7 +353,7 @@ def test_kill_all_gets_a_setsid_double_forked_daemon(run_cgroup, gated, support)
         os.wait()
         time.sleep(0.1)
     """)
-    cg.attach(g.pid)
+    attach(cg, g.pid)
     assert g.go()[0] == 0
     daemons = cg.pids()
     assert len(daemons) == 1 and not _gone(daemons[0])
@@ -366,8 +367,8 @@ def test_kill_all_gets_a_setsid_double_forked_daemon(run_cgroup, gated, support)
 @needs_cgroup
 def test_context_manager_kills_and_removes(gated) -> None:
     g = gated("time.sleep(60)")
-    with L.RunCgroup.create(Limits()) as cg:
-        cg.attach(g.pid)
+    with C.RunCgroup.create(Limits()) as cg:
+        attach(cg, g.pid)
         g.proc.stdin.write(b"g")
         g.proc.stdin.flush()
     assert g.proc.wait(timeout=5) == -signal.SIGKILL
@@ -378,10 +379,10 @@ def test_context_manager_kills_and_removes(gated) -> None:
 def test_remove_after_a_failed_attach_leaves_nothing(gated) -> None:
     g = gated("")
     g.go()
-    cg = L.RunCgroup.create(Limits())
+    cg = C.RunCgroup.create(Limits())
     assert cg is not None
     with pytest.raises(LaunchError) as info:
-        cg.attach(g.pid)
+        attach(cg, g.pid)
     assert info.value.errno == 3  # ESRCH: the process is gone
     cg.remove()
     assert all(not os.path.exists(n.path) for n in cg.nodes)
@@ -391,10 +392,10 @@ def test_remove_after_a_failed_attach_leaves_nothing(gated) -> None:
 def test_many_runs_leave_no_cgroups_and_no_fds() -> None:
     fds = set(open_fds())
     for _ in range(50):
-        cg = L.RunCgroup.create(Limits(cpu_quota=1.0))
+        cg = C.RunCgroup.create(Limits(cpu_quota=1.0))
         assert cg is not None
         proc = subprocess.Popen(["true"])
-        cg.attach(proc.pid)
+        attach(cg, proc.pid)
         proc.wait()
         cg.stats()
         cg.remove()
@@ -433,8 +434,8 @@ def test_bwrap_handshake_limits_apply_before_exec(run_cgroup) -> None:
             except ValueError:
                 continue
         child = info["child-pid"]
-        cg.attach(child)
-        applied = L.apply_rlimits(child, lim, cg)
+        attach(cg, child)
+        applied = apply_rlimits(child, lim, cg)
         assert "RLIMIT_NOFILE" in applied
         os.write(w_block, b"x")
     finally:
@@ -445,7 +446,7 @@ def test_bwrap_handshake_limits_apply_before_exec(run_cgroup) -> None:
     assert out.split("\n")[0].split()[3:5] == ["77", "77"]
     mem = cg.node("memory")
     if mem is not None:
-        rel = os.path.relpath(mem.path, L.detect_cgroups().hierarchy_for("memory").mount)  # type: ignore[union-attr]
+        rel = os.path.relpath(mem.path, D.detect_cgroups().hierarchy_for("memory").mount)  # type: ignore[union-attr]
         assert f":memory:/{rel}\n" in out
 
 
@@ -455,13 +456,15 @@ def test_bwrap_handshake_limits_apply_before_exec(run_cgroup) -> None:
 
 UNPRIV = """
 import json, os
+from lowlevel.host import cgroup_detect as D
+from lowlevel.host import cgroups as C
 from lowlevel.spec import limits as L
 from lowlevel.errors import UnsupportedError
-s = L.detect_cgroups()
-out = {"usable": s.usable, "create": L.RunCgroup.create(L.Limits()) is None,
-       "plan": [list(x) for x in L.enforcement_plan(L.Limits()).not_enforced]}
+s = D.detect_cgroups()
+out = {"usable": s.usable, "create": C.RunCgroup.create(L.Limits()) is None,
+       "plan": [list(x) for x in C.enforcement_plan(L.Limits()).not_enforced]}
 try:
-    L.RunCgroup.create(L.Limits(require=("memory",)))
+    C.RunCgroup.create(L.Limits(require=("memory",)))
 except UnsupportedError as e:
     out["feature"] = e.feature
 print(json.dumps(out))

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from lowlevel.spec import limits as L
+from lowlevel.host import cgroup_detect
 from lowlevel.spec.limits import MiB
 
 pytestmark = pytest.mark.bwrap
@@ -48,7 +48,7 @@ def _nothing_survives(marker: str, timeout: float = 3.0) -> list[int]:
 def _run_cgroups_of(pid: int) -> list[str]:
     """Run cgroups left by process ``pid`` under any of our bases."""
     left = []
-    for h in L.detect_cgroups().hierarchies:
+    for h in cgroup_detect.detect_cgroups().hierarchies:
         if h.base is not None and os.path.isdir(h.base):
             left += [os.path.join(h.base, e) for e in os.listdir(h.base)
                      if e.startswith((f"{pid}-", f"run-{pid}-"))]
@@ -136,7 +136,7 @@ def test_limits_enforced_says_what_applied(sandbox) -> None:
     out = sandbox.run(["true"], limits={"memory_bytes": 256 * MiB, "pids": 64})
     assert out.exit_code == 0, out
     assert {"RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_CORE"} <= set(out.limits_enforced)
-    if sandbox.identity == "root" and L.detect_cgroups().hierarchy_for("memory") is not None:
+    if sandbox.identity == "root" and cgroup_detect.detect_cgroups().hierarchy_for("memory") is not None:
         assert _cgroup(out, "memory") and _cgroup(out, "pids")
         assert "RLIMIT_DATA" not in out.limits_enforced  # the cgroup bounds memory instead
     if sandbox.identity == "user":

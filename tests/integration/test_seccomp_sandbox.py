@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 
 import lowlevel
-from lowlevel.spec import seccomp
+from lowlevel.host import seccomp_audit, seccomp_filter
 from lowlevel.spec.policy import Policy
 from lowlevel.spec.seccomp import DEFAULT_PROFILE, SCMP_ACT_ERRNO, SCMP_ARCH_X86, SCMP_ARCH_X86_64, SeccompProfile
 
@@ -304,7 +304,7 @@ def _bwrap_on_pty(argv: list[str], probes: Path, profile: SeccompProfile | None)
            "--symlink", "usr/lib64", "/lib64", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
            "--ro-bind", str(probes), "/probe", "--unshare-all", "--die-with-parent", "--cap-drop", "ALL"]
     if profile is not None:
-        fds.append(seccomp.bpf_memfd(seccomp.compile_bpf(profile)))
+        fds.append(seccomp_filter.bpf_memfd(seccomp_filter.compile_bpf(profile)))
         os.set_inheritable(fds[0], True)
         cmd += ["--seccomp", str(fds[0])]
     cmd += ["--"] + argv
@@ -421,15 +421,15 @@ def test_ordinary_work_runs_under_the_filter(argv: list[str], want: bytes, probe
 
 def _audited_run(probes: Path) -> tuple[bytes, list[str]]:
     """One log-mode run of the ptrace + kcmp probe: its output and the names the audit saw."""
-    bpf = seccomp.compile_bpf(DEFAULT_PROFILE.with_log())
-    fd = seccomp.bpf_memfd(bpf)
+    bpf = seccomp_filter.compile_bpf(DEFAULT_PROFILE.with_log())
+    fd = seccomp_filter.bpf_memfd(bpf)
     info_r, info_w = os.pipe()
     os.set_inheritable(fd, True)
     os.set_inheritable(info_w, True)
     n_ptrace, n_kcmp = number("64", "ptrace"), number("64", "kcmp")
     argv = ["/probe/try_syscall", "64", str(n_ptrace), "2", str(0x7FFFFFFF), "0", "0", "0", "0",
             str(n_kcmp), str(0x7FFFFFFF), str(0x7FFFFFFF), "0", "0", "0", "0"]
-    audit = seccomp.DenialAudit()
+    audit = seccomp_audit.DenialAudit()
     try:
         p = subprocess.Popen([BWRAP, "--ro-bind", "/usr", "/usr", "--symlink", "usr/lib", "/lib",
                               "--symlink", "usr/lib64", "/lib64", "--proc", "/proc", "--dev", "/dev",

@@ -16,7 +16,7 @@ import pytest
 from helpers.hygiene import children, open_fds
 
 import lowlevel
-from lowlevel.spec import limits as _limits
+from lowlevel.host import cgroup_detect as _cgroup_detect
 
 pytestmark = pytest.mark.bwrap
 
@@ -100,7 +100,7 @@ def _children() -> list[int]:
 
 
 def _our_cgroups() -> list[str]:
-    support = _limits.detect_cgroups()
+    support = _cgroup_detect.detect_cgroups()
     found = []
     for h in support.hierarchies:
         if h.base and os.path.isdir(h.base):

@@ -15,7 +15,7 @@ from lowlevel.host import hostcache, probe
 
 from lowlevel.sandbox import launcher
 
-from lowlevel.spec import seccomp
+from lowlevel.host import seccomp_filter
 from lowlevel.spec.seccomp import DEFAULT_PROFILE
 
 
@@ -109,19 +109,19 @@ def test_forget(cache: Path) -> None:
 # -- what is cached ------------------------------------------------------------------------------
 
 def _forget_filters() -> None:
-    with seccomp._cache_lock:
-        seccomp._filters.clear()
-        seccomp._cache.clear()
+    with seccomp_filter._cache_lock:
+        seccomp_filter._filters.clear()
+        seccomp_filter._cache.clear()
 
 
 def test_seccomp_filter_from_disk_equals_the_compiled_one(cache: Path) -> None:
     _forget_filters()
-    compiled = seccomp.compile_bpf(DEFAULT_PROFILE)
-    assert len(seccomp._cache) == 1
+    compiled = seccomp_filter.compile_bpf(DEFAULT_PROFILE)
+    assert len(seccomp_filter._cache) == 1
     _forget_filters()
     _fresh_process()
-    assert seccomp.compile_bpf(DEFAULT_PROFILE) == compiled
-    assert len(seccomp._cache) == 0, "served from the disk cache, not compiled again"
+    assert seccomp_filter.compile_bpf(DEFAULT_PROFILE) == compiled
+    assert len(seccomp_filter._cache) == 0, "served from the disk cache, not compiled again"
     # Another libseccomp (an upgrade): the entry no longer matches, the filter is compiled again.
     doc = json.loads((cache / "seccomp.json").read_text())
     for item in doc["entries"].values():
@@ -130,33 +130,33 @@ def test_seccomp_filter_from_disk_equals_the_compiled_one(cache: Path) -> None:
     os.chmod(cache / "seccomp.json", 0o600)
     _forget_filters()
     _fresh_process()
-    assert seccomp.compile_bpf(DEFAULT_PROFILE) == compiled
-    assert len(seccomp._cache) == 1
+    assert seccomp_filter.compile_bpf(DEFAULT_PROFILE) == compiled
+    assert len(seccomp_filter._cache) == 1
 
 
 def test_seccomp_entries_differ_by_profile_and_compat(cache: Path) -> None:
     _forget_filters()
-    a = seccomp.compile_bpf(DEFAULT_PROFILE)
-    b = seccomp.compile_bpf(DEFAULT_PROFILE, compat_32bit=True)
-    c = seccomp.compile_bpf(DEFAULT_PROFILE.with_extra_deny("getpid"))
+    a = seccomp_filter.compile_bpf(DEFAULT_PROFILE)
+    b = seccomp_filter.compile_bpf(DEFAULT_PROFILE, compat_32bit=True)
+    c = seccomp_filter.compile_bpf(DEFAULT_PROFILE.with_extra_deny("getpid"))
     assert len({a, b, c}) == 3
     _forget_filters()
     _fresh_process()
-    assert (seccomp.compile_bpf(DEFAULT_PROFILE), seccomp.compile_bpf(DEFAULT_PROFILE, compat_32bit=True),
-            seccomp.compile_bpf(DEFAULT_PROFILE.with_extra_deny("getpid"))) == (a, b, c)
+    assert (seccomp_filter.compile_bpf(DEFAULT_PROFILE), seccomp_filter.compile_bpf(DEFAULT_PROFILE, compat_32bit=True),
+            seccomp_filter.compile_bpf(DEFAULT_PROFILE.with_extra_deny("getpid"))) == (a, b, c)
 
 
 def test_every_builtin_syscall_name_is_known_to_libseccomp() -> None:
     """The built-in table is not checked against libseccomp at import (that would load it in
     every process): this test is that check."""
-    backend = seccomp._backend()
+    backend = seccomp_filter._backend()
     unknown = [r.syscall for r in DEFAULT_PROFILE.rules if backend.resolve(r.syscall) == -1]
     assert unknown == []
 
 
 def test_importing_lowlevel_does_not_load_libseccomp() -> None:
     import subprocess
-    code = "import sys, lowlevel, lowlevel.cli; print('lowlevel._native' in sys.modules, 'cffi' in sys.modules)"
+    code = "import sys, lowlevel, lowlevel.cli; print('lowlevel.host._native' in sys.modules, 'cffi' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
 

@@ -9,6 +9,7 @@ import pytest
 
 import lowlevel
 from lowlevel.host import landlock
+from lowlevel.sandbox import landlock_rules
 from lowlevel.errors import PolicyError
 from lowlevel.record import canonical_policy, policy_from_canonical, policy_loosening
 from lowlevel.spec.seccomp import DEFAULT_PROFILE
@@ -19,7 +20,7 @@ BASE = ("--ll=on", "--ll-ls=/", "--ll-rx=/usr", "--ll-rx=/etc", "--ll-proc=/proc
 
 
 def test_default_rules() -> None:
-    assert landlock.ruleset_args(lowlevel.Policy(), ()) == (*BASE, "--ll-net=none")
+    assert landlock_rules.ruleset_args(lowlevel.Policy(), ()) == (*BASE, "--ll-net=none")
 
 
 def test_read_only_dirs_binds_network_and_omit(tmp_path) -> None:
@@ -28,20 +29,20 @@ def test_read_only_dirs_binds_network_and_omit(tmp_path) -> None:
     rw.mkdir()
     p = lowlevel.Policy(network=True, binds=(lowlevel.Bind(str(ro), "/opt/ro"),
                                              lowlevel.Bind(str(rw), "/opt/rw", writable=True)))
-    args = landlock.ruleset_args(p, ("/lib64",))
+    args = landlock_rules.ruleset_args(p, ("/lib64",))
     assert args == (BASE[0], BASE[1], BASE[2], "--ll-rx=/lib64", *BASE[3:], "--ll-rx=/opt/ro", "--ll-rw=/opt/rw",
                     "--ll-net=connect")
-    omitted = landlock.ruleset_args(lowlevel.Policy(binds=p.binds, landlock_omit=("/opt/rw/",)), ())
+    omitted = landlock_rules.ruleset_args(lowlevel.Policy(binds=p.binds, landlock_omit=("/opt/rw/",)), ())
     assert "--ll-rw=/opt/rw" not in omitted and "--ll-rx=/opt/ro" in omitted
 
 
 def test_off_require_and_abi_cap(monkeypatch) -> None:
-    assert landlock.ruleset_args(lowlevel.Policy(landlock=False), ()) == ("--ll=off",)
-    assert landlock.ruleset_args(lowlevel.Policy(landlock="require"), ())[0] == "--ll=require"
+    assert landlock_rules.ruleset_args(lowlevel.Policy(landlock=False), ()) == ("--ll=off",)
+    assert landlock_rules.ruleset_args(lowlevel.Policy(landlock="require"), ())[0] == "--ll=require"
     monkeypatch.setattr(landlock, "_ABI_MAX", 2)
-    assert landlock.ruleset_args(lowlevel.Policy(), ())[-1] == "--ll-abi-max=2"  # not a stale cache entry
+    assert landlock_rules.ruleset_args(lowlevel.Policy(), ())[-1] == "--ll-abi-max=2"  # not a stale cache entry
     monkeypatch.setattr(landlock, "_ABI_MAX", None)
-    assert landlock.ruleset_args(lowlevel.Policy(), ())[-1] == "--ll-net=none"
+    assert landlock_rules.ruleset_args(lowlevel.Policy(), ())[-1] == "--ll-net=none"
 
 
 @pytest.mark.parametrize("kwargs", [{"landlock": "yes"}, {"landlock": 1}, {"landlock": None},
@@ -117,14 +118,14 @@ def _check_rootfs_rules(tmp_path) -> None:
     (root / "bin").symlink_to("usr/bin")
     os.chmod(tmp_path, 0o755)
     p = lowlevel.Policy(rootfs=str(root))
-    args = landlock.ruleset_args(p, ("/lib64",))
+    args = landlock_rules.ruleset_args(p, ("/lib64",))
     assert {"--ll-rx=/usr", "--ll-rx=/etc", "--ll-rx=/opt", "--ll-rx=/var", "--ll-rx=/lib"} <= set(args)
     assert "--ll-rx=/lib64" not in args  # the host's layout does not apply
     # Writable root: the anchor's overlay of each top-level directory, or the fallback's
     # scratch tmpfs dirs; the mounts decide, Landlock allows writes to both.
-    w = landlock.ruleset_args(lowlevel.Policy(rootfs=str(root), rootfs_writable=True), ())
+    w = landlock_rules.ruleset_args(lowlevel.Policy(rootfs=str(root), rootfs_writable=True), ())
     assert {"--ll-rw=/opt", "--ll-rw=/var/tmp", "--ll-rw=/usr"} <= set(w) and "--ll-rx=/usr" not in w
     # bwrap >= 0.9: every top-level directory is an overlay with a tmpfs upper.
-    o = landlock.ruleset_args(lowlevel.Policy(rootfs=str(root), rootfs_writable=True), (),
+    o = landlock_rules.ruleset_args(lowlevel.Policy(rootfs=str(root), rootfs_writable=True), (),
                               frozenset({"--tmp-overlay", "--overlay-src"}))
     assert "--ll-rw=/usr" in o and "--ll-rx=/usr" not in o

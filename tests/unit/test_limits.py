@@ -1,5 +1,6 @@
-"""Unit tests of lowlevel.spec.limits: validation, rlimit tables, parsers, and the cgroup v1/v2 code
-paths against a fake cgroupfs (a directory tree plus a small stand-in for the kernel's rules).
+"""Unit tests of lowlevel.spec.limits (validation, rlimit tables) and of lowlevel.host.cgroup_detect and
+lowlevel.host.cgroups (parsers, and the cgroup v1/v2 code paths against a fake cgroupfs: a directory
+tree plus a small stand-in for the kernel's rules).
 
 No processes are spawned and the real /sys/fs/cgroup is not touched.
 """
@@ -13,8 +14,13 @@ import shutil
 
 import pytest
 
-from lowlevel.spec import limits as L
+from helpers.cgroup_attach import attach
+
 from lowlevel.errors import PolicyError, UnsupportedError
+from lowlevel.host import cgroup_detect as D
+from lowlevel.host import cgroupfs
+from lowlevel.host import cgroups as C
+from lowlevel.spec import limits as L
 from lowlevel.spec.limits import GiB, KiB, MiB, Limits
 
 # ---------------------------------------------------------------------------------------------
@@ -148,7 +154,7 @@ HYBRID_MOUNTINFO = """\
 
 
 def test_parse_mountinfo_keeps_cgroup_mounts_and_unescapes() -> None:
-    got = L.parse_mountinfo(HYBRID_MOUNTINFO)
+    got = D.parse_mountinfo(HYBRID_MOUNTINFO)
     assert got[0] == ("/", "/sys/fs/cgroup/cpu,cpuacct", "cgroup", "rw,cpu,cpuacct")
     assert ("/", "/sys/fs/cgroup/unified", "cgroup2", "rw,nsdelegate") in got
     assert ("/docker/abc", "/mnt/my cg", "cgroup", "rw,pids") in got
@@ -157,7 +163,7 @@ def test_parse_mountinfo_keeps_cgroup_mounts_and_unescapes() -> None:
 
 def test_parse_proc_cgroup() -> None:
     text = "9:name=systemd:/\n4:memory:/process_api/x\n2:cpu,cpuacct:/a:b\n0::/user.slice\n"
-    assert L.parse_proc_cgroup(text) == {"name=systemd": "/", "memory": "/process_api/x",
+    assert D.parse_proc_cgroup(text) == {"name=systemd": "/", "memory": "/process_api/x",
                                          "cpu,cpuacct": "/a:b", "": "/user.slice"}
 
 
@@ -168,7 +174,7 @@ def test_parse_proc_cgroup() -> None:
     ("/docker/abc", "/", "/m"),                 # cgroup namespace: paths already relative
 ])
 def test_own_dir(root: str, own: str, expected: str) -> None:
-    assert L._own_dir("/m", root, own) == expected
+    assert D._own_dir("/m", root, own) == expected
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,7 +254,7 @@ class FakeKernel:
                         self._put(os.path.join(path, name), text)
             return
         parent = os.path.dirname(path)
-        enabled = L._read_words(os.path.join(parent, "cgroup.subtree_control"))
+        enabled = cgroupfs.read_words(os.path.join(parent, "cgroup.subtree_control"))
         self._put(os.path.join(path, "cgroup.controllers"), " ".join(sorted(enabled)) + "\n")
         for key in (None, *sorted(enabled)):
             for name, text in V2_FILES.get(key, {}).items():
@@ -256,7 +262,7 @@ class FakeKernel:
                     self._put(os.path.join(path, name), text)
 
     def rmdir(self, path: str) -> None:
-        if L._read_ints(os.path.join(path, "cgroup.procs")):
+        if cgroupfs.read_ints(os.path.join(path, "cgroup.procs")):
             raise OSError(errno.EBUSY, "busy", path)
         if any(os.path.isdir(os.path.join(path, e)) for e in os.listdir(path)):
             raise OSError(errno.EBUSY, "has children", path)
@@ -268,13 +274,13 @@ class FakeKernel:
             raise FileNotFoundError(errno.ENOENT, "No such file", path)
         d, name = os.path.split(path)
         if name == "cgroup.subtree_control":
-            available = L._read_words(os.path.join(d, "cgroup.controllers"))
-            current = L._read_words(path)
+            available = cgroupfs.read_words(os.path.join(d, "cgroup.controllers"))
+            current = cgroupfs.read_words(path)
             for word in text.split():
                 ctrl = word[1:]
                 if ctrl not in available:
                     raise OSError(errno.ENOENT, "not available", path)
-                if os.path.exists(os.path.join(d, "cgroup.type")) and L._read_ints(os.path.join(d, "cgroup.procs")):
+                if os.path.exists(os.path.join(d, "cgroup.type")) and cgroupfs.read_ints(os.path.join(d, "cgroup.procs")):
                     raise OSError(errno.EBUSY, "no internal processes", path)
                 current = current | {ctrl} if word[0] == "+" else current - {ctrl}
             self._put(path, " ".join(sorted(current)) + "\n")
@@ -284,8 +290,8 @@ class FakeKernel:
             for dirpath, _, files in os.walk(top):
                 if "cgroup.procs" in files:
                     procs = os.path.join(dirpath, "cgroup.procs")
-                    self._put(procs, "".join(f"{p}\n" for p in L._read_ints(procs) if p != pid))
-            self._put(path, "".join(f"{p}\n" for p in [*L._read_ints(path), pid]))
+                    self._put(procs, "".join(f"{p}\n" for p in cgroupfs.read_ints(procs) if p != pid))
+            self._put(path, "".join(f"{p}\n" for p in [*cgroupfs.read_ints(path), pid]))
         else:
             self._put(path, text)
 
@@ -293,10 +299,10 @@ class FakeKernel:
 @pytest.fixture
 def kernel(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> FakeKernel:
     k = FakeKernel(str(tmp_path))
-    monkeypatch.setattr(L, "_mkdir", k.mkdir)
-    monkeypatch.setattr(L, "_rmdir", k.rmdir)
-    monkeypatch.setattr(L, "_write", k.write)
-    monkeypatch.setattr(L, "_kill", k.killed.append)  # fake PIDs: never signal a real process
+    monkeypatch.setattr(cgroupfs, "mkdir", k.mkdir)
+    monkeypatch.setattr(cgroupfs, "rmdir", k.rmdir)
+    monkeypatch.setattr(cgroupfs, "write", k.write)
+    monkeypatch.setattr(cgroupfs, "kill", k.killed.append)  # fake PIDs: never signal a real process
     return k
 
 
@@ -315,12 +321,12 @@ def _mountinfo(*mounts: tuple[str, str, str]) -> str:
 
 def test_v2_root_cgroup_gets_lowlevel_base_with_controllers(kernel: FakeKernel) -> None:
     root = kernel.v2_root()
-    support = L._detect(_mountinfo((root, "cgroup2", "rw")), "0::/\n", euid=0, pid=1,
+    support = D._detect(_mountinfo((root, "cgroup2", "rw")), "0::/\n", euid=0, pid=1,
                         delegate=_no_delegate)
     h = support.v2
     assert h is not None and h.base == os.path.join(root, "lowlevel") and h.how == "root cgroup"
     assert h.controllers == {"cpu", "memory", "pids"}
-    assert L._read_words(os.path.join(root, "cgroup.subtree_control")) == {"cpu", "memory", "pids"}
+    assert cgroupfs.read_words(os.path.join(root, "cgroup.subtree_control")) == {"cpu", "memory", "pids"}
     assert support.version == "v2" and support.hierarchy_for("memory") is h
 
 
@@ -333,13 +339,13 @@ def test_v2_own_cgroup_delegated_moves_us_to_a_leaf(kernel: FakeKernel) -> None:
     kernel.mkdir(own)
     kernel.write(os.path.join(own, "cgroup.procs"), "4242")
     os.chown(own, 1000, 1000)
-    support = L._detect(_mountinfo((root, "cgroup2", "rw")), "0::/user.slice/app.scope\n",
+    support = D._detect(_mountinfo((root, "cgroup2", "rw")), "0::/user.slice/app.scope\n",
                         euid=1000, pid=4242, delegate=_no_delegate)
     h = support.v2
     assert h is not None and h.base == os.path.join(own, "lowlevel"), h
     assert h.controllers == {"memory", "pids"}
-    assert L._read_ints(os.path.join(own, "supervisor", "cgroup.procs")) == [4242]
-    assert L._read_ints(os.path.join(own, "cgroup.procs")) == []
+    assert cgroupfs.read_ints(os.path.join(own, "supervisor", "cgroup.procs")) == [4242]
+    assert cgroupfs.read_ints(os.path.join(own, "cgroup.procs")) == []
 
 
 def test_v2_own_cgroup_shared_with_other_processes_gets_no_controllers(kernel: FakeKernel) -> None:
@@ -350,11 +356,11 @@ def test_v2_own_cgroup_shared_with_other_processes_gets_no_controllers(kernel: F
     kernel.write(os.path.join(own, "cgroup.procs"), "4242")
     kernel.write(os.path.join(own, "cgroup.procs"), "77")  # the caller's shell
     os.chown(own, 1000, 1000)
-    h = L._detect(_mountinfo((root, "cgroup2", "rw")), "0::/session.scope\n", euid=1000, pid=4242,
+    h = D._detect(_mountinfo((root, "cgroup2", "rw")), "0::/session.scope\n", euid=1000, pid=4242,
                   delegate=_no_delegate).v2
     assert h is not None and h.base == os.path.join(own, "lowlevel") and h.controllers == frozenset()
     assert not os.path.exists(os.path.join(own, "supervisor"))  # the caller's shell is not moved
-    assert L.enforcement_plan(Limits(), L.CgroupSupport((h,))).cgroups == ()
+    assert C.enforcement_plan(Limits(), D.CgroupSupport((h,))).cgroups == ()
 
 
 def test_v2_systemd_scope_is_used_and_the_holder_moved_out(kernel: FakeKernel) -> None:
@@ -372,12 +378,12 @@ def test_v2_systemd_scope_is_used_and_the_holder_moved_out(kernel: FakeKernel) -
     own = os.path.join(root, "session.scope")
     kernel.mkdir(own)
     kernel.write(os.path.join(own, "cgroup.procs"), "4242")
-    support = L._detect(_mountinfo((root, "cgroup2", "rw")), "0::/session.scope\n", euid=1000, pid=4242,
+    support = D._detect(_mountinfo((root, "cgroup2", "rw")), "0::/session.scope\n", euid=1000, pid=4242,
                         delegate=delegate)
     assert calls == [(root, True)]
     h = support.v2
     assert h is not None and h.base == scope and h.controllers == {"cpu", "memory", "pids"}
-    assert L._read_ints(os.path.join(scope, "holder", "cgroup.procs")) == [555]
+    assert cgroupfs.read_ints(os.path.join(scope, "holder", "cgroup.procs")) == [555]
 
 
 def test_v2_not_writable_and_no_systemd_means_no_base(kernel: FakeKernel) -> None:
@@ -385,17 +391,17 @@ def test_v2_not_writable_and_no_systemd_means_no_base(kernel: FakeKernel) -> Non
     kernel.write(os.path.join(root, "cgroup.subtree_control"), "+memory")
     kernel.mkdir(os.path.join(root, "svc"))
     kernel.write(os.path.join(root, "svc", "cgroup.procs"), "9")
-    support = L._detect(_mountinfo((root, "cgroup2", "rw")), "0::/svc\n", euid=0, pid=9,
+    support = D._detect(_mountinfo((root, "cgroup2", "rw")), "0::/svc\n", euid=0, pid=9,
                         delegate=_no_delegate)  # root, but no delegate xattr: not ours to split
     assert support.v2 is not None and support.v2.base is None
     assert not support.usable
     with pytest.raises(UnsupportedError) as info:
-        L.enforcement_plan(Limits(require=("memory",)), support)
+        C.enforcement_plan(Limits(require=("memory",)), support)
     assert info.value.feature == "cgroup:memory"
     assert "not writable" in str(info.value)
     again = pickle.loads(pickle.dumps(info.value))
     assert (again.feature, str(again)) == (info.value.feature, str(info.value))
-    assert L.RunCgroup.create(Limits(), support=support) is None
+    assert C.RunCgroup.create(Limits(), support=support) is None
 
 
 def test_hybrid_prefers_v1_controllers_and_keeps_v2_core(kernel: FakeKernel) -> None:
@@ -405,14 +411,14 @@ def test_hybrid_prefers_v1_controllers_and_keeps_v2_core(kernel: FakeKernel) -> 
     mountinfo = _mountinfo((mem, "cgroup", "rw,memory"), (cpu, "cgroup", "rw,cpu,cpuacct"),
                            (v2, "cgroup2", "rw"))
     os.makedirs(os.path.join(mem, "process_api", "h"))
-    support = L._detect(mountinfo, "4:memory:/process_api/h\n2:cpu,cpuacct:/\n0::/\n", euid=0, pid=1,
+    support = D._detect(mountinfo, "4:memory:/process_api/h\n2:cpu,cpuacct:/\n0::/\n", euid=0, pid=1,
                         delegate=_no_delegate)
     assert support.version == "hybrid"
     assert support.hierarchy_for("memory").base == os.path.join(mem, "process_api", "h", "lowlevel")  # type: ignore[union-attr]
     assert support.hierarchy_for("cpu").mount == cpu  # type: ignore[union-attr]
     assert support.hierarchy_for("pids") is None
     assert support.v2 is not None and support.v2.base and support.v2.controllers == frozenset()
-    plan = L.enforcement_plan(Limits(cpu_quota=1.0), support)
+    plan = C.enforcement_plan(Limits(cpu_quota=1.0), support)
     assert plan.cgroups == (("memory", 1), ("cpu", 1))
     assert plan.not_enforced == (("pids", "no writable pids cgroup: RLIMIT_NPROC per uid instead "
                                           "(not enforced for root)"),)
@@ -426,19 +432,19 @@ def test_hybrid_prefers_v1_controllers_and_keeps_v2_core(kernel: FakeKernel) -> 
 
 
 @pytest.fixture
-def v2_support(kernel: FakeKernel) -> L.CgroupSupport:
+def v2_support(kernel: FakeKernel) -> D.CgroupSupport:
     root = kernel.v2_root()
-    return L._detect(_mountinfo((root, "cgroup2", "rw")), "0::/\n", euid=0, pid=1, delegate=_no_delegate)
+    return D._detect(_mountinfo((root, "cgroup2", "rw")), "0::/\n", euid=0, pid=1, delegate=_no_delegate)
 
 
-def _file(cg: L.RunCgroup, controller: str, name: str) -> str:
+def _file(cg: C.RunCgroup, controller: str, name: str) -> str:
     node = cg.node(controller)
     assert node is not None
-    return L._read(os.path.join(node.path, name))
+    return cgroupfs.read(os.path.join(node.path, name))
 
 
-def test_v2_run_cgroup_writes_limits(kernel: FakeKernel, v2_support: L.CgroupSupport) -> None:
-    cg = L.RunCgroup.create(Limits(memory_bytes=256 * MiB, pids=64, cpu_quota=0.5), "r1", support=v2_support)
+def test_v2_run_cgroup_writes_limits(kernel: FakeKernel, v2_support: D.CgroupSupport) -> None:
+    cg = C.RunCgroup.create(Limits(memory_bytes=256 * MiB, pids=64, cpu_quota=0.5), "r1", support=v2_support)
     assert cg is not None and len(cg.nodes) == 1
     assert cg.enforced == ("memory", "pids", "cpu")
     assert cg.limit_files == ("memory.max", "memory.swap.max", "pids.max", "cpu.max")
@@ -446,9 +452,8 @@ def test_v2_run_cgroup_writes_limits(kernel: FakeKernel, v2_support: L.CgroupSup
     assert _file(cg, "memory", "memory.swap.max") == "0"
     assert _file(cg, "pids", "pids.max") == "64"
     assert _file(cg, "cpu", "cpu.max") == "50000 100000"
-    assert L.limits_enforced(("RLIMIT_CPU",), cg) == ("RLIMIT_CPU", "memory.max", "memory.swap.max",
-                                                      "pids.max", "cpu.max")
-    cg.attach(31337)
+    assert cg.limit_files == ("memory.max", "memory.swap.max", "pids.max", "cpu.max")  # by their own names
+    attach(cg, 31337)
     assert cg.pids() == [31337]
     with pytest.raises(OSError) as info:
         cg.remove(timeout_s=0.01)  # the fake PID never exits
@@ -462,8 +467,8 @@ def test_v2_run_cgroup_writes_limits(kernel: FakeKernel, v2_support: L.CgroupSup
     cg.remove()  # idempotent
 
 
-def test_v2_stats(kernel: FakeKernel, v2_support: L.CgroupSupport) -> None:
-    cg = L.RunCgroup.create(Limits(), "r2", support=v2_support)
+def test_v2_stats(kernel: FakeKernel, v2_support: D.CgroupSupport) -> None:
+    cg = C.RunCgroup.create(Limits(), "r2", support=v2_support)
     assert cg is not None
     d = cg.nodes[0].path
     for name, text in {"memory.peak": "123456\n", "memory.events": "max 4\noom 1\noom_kill 1\n",
@@ -471,14 +476,14 @@ def test_v2_stats(kernel: FakeKernel, v2_support: L.CgroupSupport) -> None:
                                                             "system_usec 1000000\n"}.items():
         with open(os.path.join(d, name), "w") as f:
             f.write(text)
-    assert cg.stats() == L.CgroupStats(peak_memory_bytes=123456, oom_kills=1, pids_limit_hit=True,
+    assert cg.stats() == C.CgroupStats(peak_memory_bytes=123456, oom_kills=1, pids_limit_hit=True,
                                        pids_peak=None, cpu_user_s=2.5, cpu_system_s=1.0)
     cg.remove()
 
 
-def test_v2_peak_by_sampling_without_memory_peak(kernel: FakeKernel, v2_support: L.CgroupSupport) -> None:
+def test_v2_peak_by_sampling_without_memory_peak(kernel: FakeKernel, v2_support: D.CgroupSupport) -> None:
     kernel.omit = ("memory.peak",)  # Linux < 5.19
-    cg = L.RunCgroup.create(Limits(), "r3", support=v2_support)
+    cg = C.RunCgroup.create(Limits(), "r3", support=v2_support)
     assert cg is not None
     current = os.path.join(cg.nodes[0].path, "memory.current")
     for value in (10, 900, 20):
@@ -489,9 +494,9 @@ def test_v2_peak_by_sampling_without_memory_peak(kernel: FakeKernel, v2_support:
     cg.remove()
 
 
-def test_v2_without_swap_accounting_notes_it(kernel: FakeKernel, v2_support: L.CgroupSupport) -> None:
+def test_v2_without_swap_accounting_notes_it(kernel: FakeKernel, v2_support: D.CgroupSupport) -> None:
     kernel.omit = ("memory.swap.max",)
-    cg = L.RunCgroup.create(Limits(), "r4", support=v2_support)
+    cg = C.RunCgroup.create(Limits(), "r4", support=v2_support)
     assert cg is not None and cg.enforced == ("memory", "pids")
     assert cg.limit_files == ("memory.max", "pids.max")
     assert any("swap is not bounded" in n for n in cg.notes)
@@ -499,35 +504,35 @@ def test_v2_without_swap_accounting_notes_it(kernel: FakeKernel, v2_support: L.C
 
 
 def test_required_limit_whose_write_fails_raises_and_leaves_nothing(kernel: FakeKernel,
-                                                                    v2_support: L.CgroupSupport) -> None:
+                                                                    v2_support: D.CgroupSupport) -> None:
     kernel.omit = ("pids.max",)
     base = v2_support.v2.base  # type: ignore[union-attr]
     with pytest.raises(UnsupportedError) as info:
-        L.RunCgroup.create(Limits(require=("pids",)), "r5", support=v2_support)
+        C.RunCgroup.create(Limits(require=("pids",)), "r5", support=v2_support)
     assert info.value.feature == "cgroup:pids"
     assert "pids.max: missing" in str(info.value)
     assert not os.path.exists(os.path.join(base, "r5"))  # type: ignore[arg-type]
 
 
-def test_name_collision_and_bad_names(kernel: FakeKernel, v2_support: L.CgroupSupport) -> None:
-    cg = L.RunCgroup.create(Limits(), "same", support=v2_support)
+def test_name_collision_and_bad_names(kernel: FakeKernel, v2_support: D.CgroupSupport) -> None:
+    cg = C.RunCgroup.create(Limits(), "same", support=v2_support)
     with pytest.raises(FileExistsError):
-        L.RunCgroup.create(Limits(), "same", support=v2_support)
+        C.RunCgroup.create(Limits(), "same", support=v2_support)
     assert cg is not None
     cg.remove()
     for bad in ("..", "a/b", "", "x" * 65):
         with pytest.raises(ValueError):
-            L.RunCgroup.create(Limits(), bad, support=v2_support)
+            C.RunCgroup.create(Limits(), bad, support=v2_support)
 
 
 def test_v1_run_cgroup_uses_each_hierarchy(kernel: FakeKernel) -> None:
     mem, pids, cpu, frz = (kernel.v1_root(c) for c in ("memory", "pids", "cpu,cpuacct", "freezer"))
     mountinfo = _mountinfo((mem, "cgroup", "rw,memory"), (pids, "cgroup", "rw,pids"),
                            (cpu, "cgroup", "rw,cpu,cpuacct"), (frz, "cgroup", "rw,freezer"))
-    support = L._detect(mountinfo, "5:memory:/\n4:pids:/\n3:cpu,cpuacct:/\n2:freezer:/\n", euid=0, pid=1,
+    support = D._detect(mountinfo, "5:memory:/\n4:pids:/\n3:cpu,cpuacct:/\n2:freezer:/\n", euid=0, pid=1,
                         delegate=_no_delegate)
     assert support.version == "v1"
-    cg = L.RunCgroup.create(Limits(memory_bytes=64 * MiB, pids=10, cpu_quota=2.0), "r6", support=support)
+    cg = C.RunCgroup.create(Limits(memory_bytes=64 * MiB, pids=10, cpu_quota=2.0), "r6", support=support)
     assert cg is not None
     assert {n.path for n in cg.nodes} == {os.path.join(m, "lowlevel", "r6") for m in (mem, pids, cpu, frz)}
     assert cg.limit_files == ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes", "pids.max",
@@ -551,9 +556,9 @@ def test_v1_run_cgroup_uses_each_hierarchy(kernel: FakeKernel) -> None:
 def test_v1_without_memsw_notes_unbounded_swap(kernel: FakeKernel) -> None:
     kernel.omit = ("memory.memsw.limit_in_bytes",)
     mem = kernel.v1_root("memory")
-    support = L._detect(_mountinfo((mem, "cgroup", "rw,memory")), "5:memory:/\n", euid=0, pid=1,
+    support = D._detect(_mountinfo((mem, "cgroup", "rw,memory")), "5:memory:/\n", euid=0, pid=1,
                         delegate=_no_delegate)
-    cg = L.RunCgroup.create(Limits(), "r7", support=support)
+    cg = C.RunCgroup.create(Limits(), "r7", support=support)
     assert cg is not None and cg.enforced == ("memory",)
     assert any("swapaccount=0" in n for n in cg.notes)
     cg.remove()
@@ -563,8 +568,8 @@ def test_v1_not_writable_reports_why(tmp_path: object, monkeypatch: pytest.Monke
     def denied(path: str, exist_ok: bool = False) -> None:
         raise PermissionError(errno.EACCES, "Permission denied", path)
 
-    monkeypatch.setattr(L, "_mkdir", denied)
-    support = L._detect(_mountinfo(("/nonexistent/memory", "cgroup", "rw,memory")), "5:memory:/x\n",
+    monkeypatch.setattr(cgroupfs, "mkdir", denied)
+    support = D._detect(_mountinfo(("/nonexistent/memory", "cgroup", "rw,memory")), "5:memory:/x\n",
                         euid=1000, pid=1, delegate=_no_delegate)
     (h,) = support.hierarchies
     assert h.base is None and h.how == "mkdir /nonexistent/memory/x/lowlevel: Permission denied"
@@ -580,20 +585,20 @@ def test_stale_runs_of_dead_processes_are_swept(kernel: FakeKernel) -> None:
     other = os.path.join(mem, "lowlevel", "someone-else")
     for d in (dead, dead_run, mine, other):
         kernel.mkdir(d)
-    L._detect(_mountinfo((mem, "cgroup", "rw,memory")), "5:memory:/\n", euid=0, pid=1, delegate=_no_delegate)
+    D._detect(_mountinfo((mem, "cgroup", "rw,memory")), "5:memory:/\n", euid=0, pid=1, delegate=_no_delegate)
     assert not os.path.exists(dead) and not os.path.exists(dead_run)
     assert os.path.exists(mine) and os.path.exists(other)
 
 
 def test_no_cgroups_at_all() -> None:
-    support = L._detect("", "", euid=0, pid=1, delegate=_no_delegate)
+    support = D._detect("", "", euid=0, pid=1, delegate=_no_delegate)
     assert support.version is None and not support.usable
-    assert L.RunCgroup.create(Limits(), support=support) is None
-    plan = L.enforcement_plan(Limits(), support)
+    assert C.RunCgroup.create(Limits(), support=support) is None
+    plan = C.enforcement_plan(Limits(), support)
     assert not plan.cgroup and plan.cgroups == ()
     assert {n for n, _, _ in plan.rlimits} >= {"RLIMIT_DATA", "RLIMIT_NPROC"}
     with pytest.raises(UnsupportedError, match="no cgroup mounted"):
-        L.enforcement_plan(Limits(require=("cgroup",)), support)
+        C.enforcement_plan(Limits(require=("cgroup",)), support)
 
 
 def test_sizes_are_bytes() -> None:
@@ -612,24 +617,24 @@ def test_systemd_delegate_reads_the_scope_and_stops_the_holder(tmp_path, monkeyp
                     "exec cat >/dev/null\n")
     fake.chmod(0o755)
     monkeypatch.setattr(shutil, "which", lambda name: str(fake) if name == "systemd-run" else None)
-    monkeypatch.setattr(L, "_SYSTEMD_BOOTED", str(tmp_path))
-    monkeypatch.setattr(L, "_holder", None)
-    got = L._systemd_delegate(str(mount), True)
+    monkeypatch.setattr(D, "_SYSTEMD_BOOTED", str(tmp_path))
+    monkeypatch.setattr(D, "_holder", None)
+    got = D._systemd_delegate(str(mount), True)
     assert got is not None
     path, holder_pid = got
     assert path == str(scope)
-    holder = L._holder
+    holder = D._holder
     assert holder is not None and holder.pid == holder_pid and holder.poll() is None
     args = args_file.read_text().split()
     assert args[:6] == ["--user", "--scope", "--quiet", "--collect", "-p", "Delegate=yes"]
     assert args[6].startswith(f"--unit=lowlevel-{os.getpid()}-")
-    L._stop_holder(holder)  # what atexit does: close its stdin, it exits
+    D._stop_holder(holder)  # what atexit does: close its stdin, it exits
     assert holder.returncode == 0
 
 
 def test_systemd_delegate_without_systemd(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shutil, "which", lambda name: None)
-    assert L._systemd_delegate("/sys/fs/cgroup", True) is None
+    assert D._systemd_delegate("/sys/fs/cgroup", True) is None
 
 
 def test_v2_container_namespace_root_shared_gets_a_core_only_base(kernel: FakeKernel) -> None:
@@ -642,7 +647,7 @@ def test_v2_container_namespace_root_shared_gets_a_core_only_base(kernel: FakeKe
     kernel.write(os.path.join(ns_root, "cgroup.procs"), "1")
     kernel.write(os.path.join(ns_root, "cgroup.procs"), "4242")
     mountinfo = f"30 1 0:30 / {ns_root} rw - cgroup2 cgroup2 rw\n"
-    h = L._detect(mountinfo, "0::/\n", euid=0, pid=4242, delegate=_no_delegate).v2
+    h = D._detect(mountinfo, "0::/\n", euid=0, pid=4242, delegate=_no_delegate).v2
     assert h is not None and h.base == os.path.join(ns_root, "lowlevel") and h.controllers == frozenset()
     assert "kill and CPU time only" in h.how
 
@@ -654,9 +659,9 @@ def test_v2_container_namespace_root_alone_moves_us_and_enables_controllers(kern
     kernel.mkdir(ns_root)
     kernel.write(os.path.join(ns_root, "cgroup.procs"), "4242")
     mountinfo = f"30 1 0:30 / {ns_root} rw - cgroup2 cgroup2 rw\n"
-    h = L._detect(mountinfo, "0::/\n", euid=0, pid=4242, delegate=_no_delegate).v2
+    h = D._detect(mountinfo, "0::/\n", euid=0, pid=4242, delegate=_no_delegate).v2
     assert h is not None and h.controllers == {"memory", "pids"}
-    assert L._read_ints(os.path.join(ns_root, "supervisor", "cgroup.procs")) == [4242]
+    assert cgroupfs.read_ints(os.path.join(ns_root, "supervisor", "cgroup.procs")) == [4242]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -664,8 +669,8 @@ def test_v2_container_namespace_root_alone_moves_us_and_enables_controllers(kern
 # ---------------------------------------------------------------------------------------------
 
 
-def test_v2_update_limits_rewrites_and_removes(kernel: FakeKernel, v2_support: L.CgroupSupport) -> None:
-    cg = L.RunCgroup.create(Limits(memory_bytes=1024 * MiB, pids=256), "u1", support=v2_support)
+def test_v2_update_limits_rewrites_and_removes(kernel: FakeKernel, v2_support: D.CgroupSupport) -> None:
+    cg = C.RunCgroup.create(Limits(memory_bytes=1024 * MiB, pids=256), "u1", support=v2_support)
     assert cg is not None and cg.enforced == ("memory", "pids")
     # v2: one directory with every controller, so a cpu limit can be added for the call
     assert cg.update_limits(Limits(memory_bytes=64 * MiB, pids=None, cpu_quota=1.0)) == ("memory", "cpu")
@@ -682,9 +687,9 @@ def test_v2_update_limits_rewrites_and_removes(kernel: FakeKernel, v2_support: L
 
 def test_v1_update_limits_keeps_memsw_above_the_limit(kernel: FakeKernel) -> None:
     mem = kernel.v1_root("memory")
-    support = L._detect(_mountinfo((mem, "cgroup", "rw,memory")), "5:memory:/\n", euid=0, pid=1,
+    support = D._detect(_mountinfo((mem, "cgroup", "rw,memory")), "5:memory:/\n", euid=0, pid=1,
                         delegate=_no_delegate)
-    cg = L.RunCgroup.create(Limits(memory_bytes=256 * MiB), "u2", support=support)
+    cg = C.RunCgroup.create(Limits(memory_bytes=256 * MiB), "u2", support=support)
     assert cg is not None
     kernel.writes.clear()
     cg.update_limits(Limits(memory_bytes=64 * MiB))   # lowering: limit first, then memsw
@@ -698,8 +703,8 @@ def test_v1_update_limits_keeps_memsw_above_the_limit(kernel: FakeKernel) -> Non
     cg.remove()
 
 
-def test_event_counts(kernel: FakeKernel, v2_support: L.CgroupSupport) -> None:
-    cg = L.RunCgroup.create(Limits(), "u3", support=v2_support)
+def test_event_counts(kernel: FakeKernel, v2_support: D.CgroupSupport) -> None:
+    cg = C.RunCgroup.create(Limits(), "u3", support=v2_support)
     assert cg is not None and cg.event_counts() == (0, 0)
     with open(os.path.join(cg.nodes[0].path, "memory.events"), "w") as f:
         f.write("max 4\noom 2\noom_kill 2\n")
@@ -707,13 +712,13 @@ def test_event_counts(kernel: FakeKernel, v2_support: L.CgroupSupport) -> None:
     cg.remove()
 
 
-def test_fallback_notes_say_what_bounds_each_limit(kernel: FakeKernel, v2_support: L.CgroupSupport) -> None:
+def test_fallback_notes_say_what_bounds_each_limit(kernel: FakeKernel, v2_support: D.CgroupSupport) -> None:
     notes = L.fallback_notes(Limits(cpu_quota=0.5), None)
     assert notes == (L.MEMORY_FALLBACK_NOTE, L.PIDS_FALLBACK_NOTE, L.CPU_QUOTA_FALLBACK_NOTE)
     for words in ("RLIMIT_DATA", "MAP_SHARED", "memfd", "/dev/shm", "require=('memory',)", "RLIMIT_AS"):
         assert words in L.MEMORY_FALLBACK_NOTE
     assert L.fallback_notes(Limits(memory_bytes=None, pids=None), None) == ()
-    cg = L.RunCgroup.create(Limits(), "u4", support=v2_support)
+    cg = C.RunCgroup.create(Limits(), "u4", support=v2_support)
     assert L.fallback_notes(Limits(), cg) == ()
     cg.remove()  # type: ignore[union-attr]
 
@@ -743,11 +748,11 @@ def test_detect_without_sweep_keeps_a_dead_callers_cgroup(kernel: FakeKernel) ->
     mem = kernel.v1_root("memory")
     dead = 2**22 + 12345  # above pid_max's default: no such process
     mountinfo = _mountinfo((mem, "cgroup", "rw,memory"))
-    L._detect(mountinfo, "5:memory:/\n", euid=0, pid=1, delegate=_no_delegate)
+    D._detect(mountinfo, "5:memory:/\n", euid=0, pid=1, delegate=_no_delegate)
     kernel.mkdir(os.path.join(mem, "lowlevel", f"run-{dead}-1"))
-    L._detect(mountinfo, "5:memory:/\n", euid=0, pid=1, delegate=_no_delegate, sweep=False)
+    D._detect(mountinfo, "5:memory:/\n", euid=0, pid=1, delegate=_no_delegate, sweep=False)
     assert os.path.isdir(os.path.join(mem, "lowlevel", f"run-{dead}-1"))
-    L._detect(mountinfo, "5:memory:/\n", euid=0, pid=1, delegate=_no_delegate)  # control: the sweep
+    D._detect(mountinfo, "5:memory:/\n", euid=0, pid=1, delegate=_no_delegate)  # control: the sweep
     assert not os.path.exists(os.path.join(mem, "lowlevel", f"run-{dead}-1"))
 
 
@@ -758,9 +763,9 @@ def test_run_cgroup_is_recorded_until_removed(kernel: FakeKernel, tmp_path: obje
     os.mkdir(records, 0o700)
     monkeypatch.setenv("LOWLEVEL_RECORD_DIR", records)
     mem = kernel.v1_root("memory")
-    support = L._detect(_mountinfo((mem, "cgroup", "rw,memory")), "5:memory:/\n", euid=os.geteuid(),
+    support = D._detect(_mountinfo((mem, "cgroup", "rw,memory")), "5:memory:/\n", euid=os.geteuid(),
                         pid=os.getpid(), delegate=_no_delegate)
-    cg = L.RunCgroup.create(Limits(), "rec1", support=support, workspace="/some/ws")
+    cg = C.RunCgroup.create(Limits(), "rec1", support=support, workspace="/some/ws")
     assert cg is not None and cg.record is not None
     [rec] = run_records.records()
     assert rec.cgroups == [n.path for n in cg.nodes] and rec.workspace == "/some/ws"
