@@ -5,7 +5,7 @@ program's output streams live to the terminal; ``--json`` captures it and prints
 object with the Result. The program never gets the caller's own stdin, stdout or stderr:
 they are pipes of ours, or a pty of ours when the caller's side is a terminal, relayed live
 (:mod:`lowlevel.sandbox.relay`). Stdin that is not a terminal is passed on in every mode: streamed
-live, or with ``--record`` read first (at most :data:`MAX_RECORD_STDIN_BYTES`) so the record
+live, or with ``--record`` read first (at most :data:`lowlevel.cli.run_cmd.MAX_RECORD_STDIN_BYTES`) so the record
 stores it and ``replay`` feeds it again.
 
 Exit status (as ``timeout(1)`` does): the program's own status; 124 when the timeout killed
@@ -20,7 +20,7 @@ an interruption adds ``"signal": "SIGINT"``).
 
 Habits from ``timeout(1)`` and ``docker run`` mean the same here: durations take s/m/h/d
 suffixes (``--timeout 2m``); at the timeout every process gets SIGTERM and the sandbox SIGKILL
-``--kill-after`` later (:data:`DEFAULT_KILL_AFTER_S`); ``--cpus`` is CPU bandwidth in cores
+``--kill-after`` later (:data:`lowlevel.cli.parser.DEFAULT_KILL_AFTER_S`); ``--cpus`` is CPU bandwidth in cores
 (``--cpu`` is CPU seconds); ``-e``, ``--env-file``, ``-v SRC:DEST[:ro]``, ``-w``. An unknown option
 gets a "did you mean"; ``--json`` prints the Result's keys sorted, ``argv`` last.
 
@@ -37,6 +37,11 @@ OCI layout dirs, ``docker save`` archives: :mod:`lowlevel.cli.image_cli`); ``low
 
 ``lowlevel mcp [--config FILE.toml] [--workspace-base DIR] [--network/--no-network] ...`` serves
 the Model Context Protocol over stdio (see :mod:`lowlevel.mcp_server`).
+
+This module is :func:`main` (the console script ``lowlevel``, and ``python -m lowlevel``). The
+rest: :mod:`~lowlevel.cli.args` (option types), :mod:`~lowlevel.cli.parser` (the argparse tree),
+:mod:`~lowlevel.cli.run_cmd` (``run``), :mod:`~lowlevel.cli.commands` (the others),
+:mod:`~lowlevel.cli.output` (exit statuses, error lines), :mod:`~lowlevel.cli.signals`.
 """
 
 from __future__ import annotations

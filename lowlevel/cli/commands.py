@@ -112,7 +112,8 @@ def cmd_mcp(args: argparse.Namespace) -> int:
         config = ServerConfig.from_toml(args.config, **overrides) if args.config else \
             ServerConfig.from_mapping(overrides)
     except (LowlevelError, OSError, ValueError) as err:
-        return fail(f"mcp config: {err}")
+        text = str(err)  # ServerConfig's own errors start with "mcp config"; a missing file does not
+        return fail(text if text.startswith("mcp config") else f"mcp config: {text}")
     try:
         serve(config)
     except ImportError as err:
