@@ -136,8 +136,8 @@ class ServerConfig:
         kwargs: dict[str, Any] = dict(data)
         for key in _SIZES & set(kwargs):
             kwargs[key] = _config.size(kwargs[key], path / key)
-        for key in _DURATIONS & set(kwargs):
-            kwargs[key] = _config.seconds(kwargs[key], path / key)
+        for key in _DURATIONS & set(kwargs):  # a TTL may be 0 (checked in __post_init__), a timeout not
+            kwargs[key] = _config.seconds(kwargs[key], path / key, positive=key.endswith("timeout_s"))
         for key in _FLAGS & set(kwargs):
             if not isinstance(kwargs[key], bool):
                 raise (path / key).must(f"must be true or false, got {kwargs[key]!r}")

@@ -114,3 +114,7 @@ def test_mcp_flags_merge_into_the_file_tables(tmp_path: Path) -> None:
     assert cfg.limits.memory_bytes == 256 << 20 and cfg.limits.pids == 32
     with pytest.raises(PolicyError, match=r"mcp config allowed_binds must be a list of host paths"):
         ServerConfig.from_mapping({"allowed_binds": "/opt/data"})
+    # As the integrations' default_timeout_s: a timeout is > 0 (a TTL may be 0: no keeping).
+    with pytest.raises(PolicyError, match=r"^mcp config max_timeout_s must be a number of seconds > 0, got '0s'$"):
+        ServerConfig.from_mapping({"max_timeout_s": "0s"})
+    assert ServerConfig.from_mapping({"run_workspace_ttl_s": 0}).run_workspace_ttl_s == 0
