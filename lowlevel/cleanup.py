@@ -271,6 +271,37 @@ def clean(workspaces: tuple[str, ...] = (), base: str | None = None) -> tuple[li
     """
     removed: list[Leftover] = []
     problems: list[str] = []
+    _clean_cgroups(removed, problems)
+    _clean_egress_dirs(removed, problems)
+    _clean_imports(removed, problems)
+    _clean_mounts(removed, problems)
+    # Workspaces a dead root caller left handed over (the fallback without overlay).
+    from lowlevel.workspace import handover_journal as _journal
+    before_handovers = _handovers()
+    _restored, handover_problems = _journal.recover()
+    problems += handover_problems
+    removed += [item for item in before_handovers if not os.path.exists(item.path)]
+    from lowlevel.workspace import remove_workspace
+    for item in _disposable_workspaces(base):
+        try:
+            remove_workspace(item.path)
+            removed.append(item)
+        except LowlevelError as err:
+            problems.append(f"{item.path}: {err}")
+    dead = _dead_records()
+    for ws in _workspaces(workspaces, base):
+        _clean_commits(ws, removed, problems)
+    # A dead caller's record goes once nothing it lists is left (else the next cleanup retries).
+    mounts = _cgroup_mounts()
+    for rec in dead:
+        if not any(_recorded_path_ok(p, rec.path, mounts) and os.path.isdir(p) for p in rec.cgroups) \
+                and not (rec.workspace and _commit_leftovers(rec.workspace)):
+            _records.remove(rec.path)
+    return removed, problems
+
+
+def _clean_cgroups(removed: list[Leftover], problems: list[str]) -> None:
+    """Remove the stale per-run cgroups (:func:`clean`'s first step), appending to the two lists."""
     stale = _stale_cgroups()
     # rmdir(2) only: a cgroup still holding a task stays. A caller killed a moment ago may still
     # have its sandbox exiting (it dies with its anchor): retry for up to 2 s, as RunCgroup.remove.
@@ -288,6 +319,10 @@ def clean(workspaces: tuple[str, ...] = (), base: str | None = None) -> tuple[li
             problems.append(f"{item.path}: still there (processes left in it?)")
         else:
             removed.append(item)
+
+
+def _clean_egress_dirs(removed: list[Leftover], problems: list[str]) -> None:
+    """Remove the egress socket directories whose proxy is gone."""
     for item in _stale_egress_dirs():
         try:
             for name in os.listdir(item.path):
@@ -296,6 +331,10 @@ def clean(workspaces: tuple[str, ...] = (), base: str | None = None) -> tuple[li
             removed.append(item)
         except OSError as err:
             problems.append(f"{item.path}: {err.strerror}")
+
+
+def _clean_imports(removed: list[Leftover], problems: list[str]) -> None:
+    """Remove the staging directories of interrupted image imports."""
     for item in _stale_imports():
         from lowlevel.image import _rmtree as _rmtree_import
         _rmtree_import(item.path)
@@ -303,6 +342,10 @@ def clean(workspaces: tuple[str, ...] = (), base: str | None = None) -> tuple[li
             problems.append(f"{item.path}: could not be removed")
         else:
             removed.append(item)
+
+
+def _clean_mounts(removed: list[Leftover], problems: list[str]) -> None:
+    """Detach the host mounts dead runs left (root only: umount2(2) with MNT_DETACH)."""
     for item in _host_mounts():
         if os.geteuid() != 0:
             problems.append(f"{item.path}: mounted; unmount it as root (umount -l)")
@@ -313,49 +356,30 @@ def clean(workspaces: tuple[str, ...] = (), base: str | None = None) -> tuple[li
             removed.append(item)
         else:
             problems.append(f"{item.path}: umount failed: {os.strerror(ctypes.get_errno())}")
-    # Workspaces a dead root caller left handed over (the fallback without overlay).
-    from lowlevel.workspace import handover_journal as _journal
-    before_handovers = _handovers()
-    _restored, handover_problems = _journal.recover()
-    problems += handover_problems
-    removed += [item for item in before_handovers if not os.path.exists(item.path)]
-    from lowlevel.workspace import remove_workspace
-    for item in _disposable_workspaces(base):
-        try:
-            remove_workspace(item.path)
-            removed.append(item)
-        except LowlevelError as err:
-            problems.append(f"{item.path}: {err}")
-    from lowlevel.workspace.overlay import cleanup_commit_leftovers
-    dead = _dead_records()
-    for ws in _workspaces(workspaces, base):
-        left = _commit_leftovers(ws)
-        if not left:
-            continue
-        try:
-            fd = os.open(ws, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as err:
-            problems.append(f"{ws}: {err.strerror}")
-            continue
-        try:
-            gone = set(cleanup_commit_leftovers(fd))
-        except LowlevelError as err:
-            problems.append(f"{ws}: {err}")
-            gone = set()
-        finally:
-            os.close(fd)
-        for item in left:
-            if os.path.basename(item.path) in gone or not os.path.lexists(item.path):
-                removed.append(item)
-            else:
-                problems.append(f"{item.path}: its commit is still running (or its pid was reused)")
-    # A dead caller's record goes once nothing it lists is left (else the next cleanup retries).
-    mounts = _cgroup_mounts()
-    for rec in dead:
-        if not any(_recorded_path_ok(p, rec.path, mounts) and os.path.isdir(p) for p in rec.cgroups) \
-                and not (rec.workspace and _commit_leftovers(rec.workspace)):
-            _records.remove(rec.path)
-    return removed, problems
 
+
+def _clean_commits(ws: str, removed: list[Leftover], problems: list[str]) -> None:
+    """Remove the temporaries of the commits killed mid-way in the workspace ``ws``."""
+    from lowlevel.workspace.overlay import cleanup_commit_leftovers
+    left = _commit_leftovers(ws)
+    if not left:
+        return
+    try:
+        fd = os.open(ws, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as err:
+        problems.append(f"{ws}: {err.strerror}")
+        return
+    try:
+        gone = set(cleanup_commit_leftovers(fd))
+    except LowlevelError as err:
+        problems.append(f"{ws}: {err}")
+        gone = set()
+    finally:
+        os.close(fd)
+    for item in left:
+        if os.path.basename(item.path) in gone or not os.path.lexists(item.path):
+            removed.append(item)
+        else:
+            problems.append(f"{item.path}: its commit is still running (or its pid was reused)")
 
 __all__ = ["Leftover", "clean", "find_leftovers"]

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import os
 import platform
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lowlevel.host.probe import BwrapInfo
 
 
 def _check(name: str, ok: bool, detail: str, fix: str = "", required: bool = False) -> dict[str, Any]:
@@ -264,25 +267,18 @@ def leftovers_check() -> dict[str, Any]:
     return _check("leftovers", not found, f"left by interrupted runs: {detail}", "lowlevel cleanup")
 
 
-def diagnose() -> dict[str, Any]:
-    """Probe the host and return the report (never raises for a missing capability).
+def bwrap_checks(checks: list[dict[str, Any]]) -> BwrapInfo | None:
+    """The bwrap checks (found, version, setuid, options), appended to ``checks``.
 
-    bwrap is found the way :func:`lowlevel.run` finds it (:func:`lowlevel.host.probe.bwrap_info`:
-    ``PATH``, then ``/usr/bin/bwrap``), so the verdict is what ``run`` will do: a bwrap found
-    only through the fallback passes the required check, and a separate, not required, check
-    says it is not on ``PATH`` (other tools may need it there), with the fix.
+    Returns:
+        The :class:`lowlevel.host.probe.BwrapInfo` of the bwrap :func:`lowlevel.run` will use, or
+        None when there is no usable one.
     """
     import shutil
 
-    from lowlevel.host import probe
     from lowlevel.errors import LowlevelError
+    from lowlevel.host import probe
 
-    from lowlevel.host import cgroup_detect
-    # Detect (and cache for this process) without the sweep: the sandbox run below must not
-    # remove the stale cgroups the leftovers check then reports (doctor only looks).
-    cgroup_detect.detect_cgroups(sweep=False)
-    checks: list[dict[str, Any]] = []
-    checks.append(_check("kernel", True, f"{platform.system()} {platform.release()} {platform.machine()}"))
     info = None
     on_path = shutil.which("bwrap")
     fallback = "/usr/bin/bwrap" if os.access("/usr/bin/bwrap", os.X_OK) else None
@@ -312,6 +308,52 @@ def diagnose() -> dict[str, Any]:
                                      required=opt in ("--json-status-fd", "--args", "--seccomp")))
         except LowlevelError as err:
             checks.append(_check("bwrap", False, str(err), "apt-get install bubblewrap", required=True))
+    return info
+
+
+def sandbox_checks() -> list[dict[str, Any]]:
+    """Run a default-policy sandbox (``sh -c 'exit 7'``), then the checks that need one to have run:
+    the workspace model, the cached copy-on-write probe, the leftovers of interrupted runs."""
+    import shutil
+
+    from lowlevel.errors import LowlevelError
+
+    out: list[dict[str, Any]] = []
+    try:
+        from lowlevel.sandbox.launcher import run
+        result = run(["/bin/sh", "-c", "exit 7"], timeout=20)
+        ok = result.exit_code == 7
+        out.append(_check("sandbox runs", ok, "a default-policy sandbox ran and exited 7" if ok else
+                          f"unexpected exit {result.exit_code}", required=True))
+        out.extend(workspace_checks(result.notes))
+        out.extend(cached_cow_checks())
+        out.append(leftovers_check())
+        if result.workspace:
+            shutil.rmtree(result.workspace, ignore_errors=True)
+    except LowlevelError as err:
+        out.append(_check("sandbox runs", False, str(err),
+                          "enable unprivileged user namespaces: sysctl -w kernel.unprivileged_userns_clone=1 "
+                          "(Debian < 11) or kernel.apparmor_restrict_unprivileged_userns=0 (Ubuntu >= 23.10)",
+                          required=True))
+    return out
+
+
+def diagnose() -> dict[str, Any]:
+    """Probe the host and return the report (never raises for a missing capability).
+
+    bwrap is found the way :func:`lowlevel.run` finds it (:func:`lowlevel.host.probe.bwrap_info`:
+    ``PATH``, then ``/usr/bin/bwrap``), so the verdict is what ``run`` will do: a bwrap found
+    only through the fallback passes the required check, and a separate, not required, check
+    says it is not on ``PATH`` (other tools may need it there), with the fix.
+    """
+    from lowlevel.host import cgroup_detect, probe
+
+    # Detect (and cache for this process) without the sweep: the sandbox run below must not
+    # remove the stale cgroups the leftovers check then reports (doctor only looks).
+    cgroup_detect.detect_cgroups(sweep=False)
+    checks: list[dict[str, Any]] = []
+    checks.append(_check("kernel", True, f"{platform.system()} {platform.release()} {platform.machine()}"))
+    info = bwrap_checks(checks)
     checks.append(_check("pidfd", probe.pidfd_supported(), "pidfd_open(2) works" if probe.pidfd_supported()
                          else "pidfd_open(2) missing", "use Linux >= 5.3", required=True))
     checks.append(userns_check())
@@ -324,22 +366,7 @@ def diagnose() -> dict[str, Any]:
     checks.extend(landlock_checks())
     checks.extend(cgroup_checks())
     if info is not None:
-        try:
-            from lowlevel.sandbox.launcher import run
-            result = run(["/bin/sh", "-c", "exit 7"], timeout=20)
-            ok = result.exit_code == 7
-            checks.append(_check("sandbox runs", ok, "a default-policy sandbox ran and exited 7" if ok else
-                                 f"unexpected exit {result.exit_code}", required=True))
-            checks.extend(workspace_checks(result.notes))
-            checks.extend(cached_cow_checks())
-            checks.append(leftovers_check())
-            if result.workspace:
-                shutil.rmtree(result.workspace, ignore_errors=True)
-        except LowlevelError as err:
-            checks.append(_check("sandbox runs", False, str(err),
-                                 "enable unprivileged user namespaces: sysctl -w kernel.unprivileged_userns_clone=1 "
-                                 "(Debian < 11) or kernel.apparmor_restrict_unprivileged_userns=0 (Ubuntu >= 23.10)",
-                                 required=True))
+        checks.extend(sandbox_checks())
     else:
         checks.append(_check("sandbox runs", False, "not attempted: no usable bwrap", "fix bwrap first",
                              required=True))

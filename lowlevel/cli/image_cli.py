@@ -83,7 +83,7 @@ class ProgressBar:
 
 def add_image_parser(sub: Any) -> None:
     """Add ``image`` and its subcommands to the ``lowlevel`` parser's subparsers."""
-    from lowlevel.cli import parse_size
+    from lowlevel.cli.args import parse_size
 
     img = sub.add_parser("image", help="import, list and remove images (OCI / docker save archives)",
                          description="Images for `lowlevel run --image`. No registry is contacted: fetch with "

@@ -1,7 +1,8 @@
 """A lowlevel Policy from a mapping or a TOML file: the config format the adapters share.
 
 Format (every key optional; sizes are byte counts or strings with a K/M/G/T suffix, powers
-of 1024)::
+of 1024; seconds are numbers or strings with an s/m/h/d suffix; parsed by
+:mod:`lowlevel.spec.config`, as for ``lowlevel mcp``)::
 
     network = false                  # Policy.network: false (own loopback only) or true (the host's
                                      # whole network); for an allowlist use [egress] instead
@@ -36,49 +37,24 @@ of 1024)::
     allow_ports = [443]              # as for ``lowlevel mcp``); not with network = true
     extra_ca_file = "/etc/company-ca.pem"            # optional: CA certificates trusted inside
 
-Unknown keys are errors (a typo must not silently drop a limit).
+Unknown keys are errors (a typo must not silently drop a limit); every error is one line
+naming the file and the key (``lowlevel.toml: limits.memory_bytes: invalid size 'lots': ...``).
 """
 
 from __future__ import annotations
 
 import os
-import re
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
-from lowlevel.spec.egress import egress_from_mapping
-from lowlevel.errors import LowlevelError, PolicyError
-from lowlevel.spec.limits import Limits
-from lowlevel.spec.policy import Bind, Policy
+from lowlevel.errors import PolicyError
+from lowlevel.spec import config as _config
+from lowlevel.spec.policy import Policy
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?[bB])?\s*$")
-_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
-_SIZE_FIELDS = {"memory_bytes", "address_space_bytes", "fsize_bytes", "core_bytes", "tmp_size_bytes",
-                "workspace_bytes", "stdout_limit_bytes", "stderr_limit_bytes"}
-_POLICY_KEYS = {"network", "deterministic", "hostname", "stdout_limit_bytes", "stderr_limit_bytes", "env",
-                "limits", "binds", "host_uid", "host_gid", "sandbox_uid", "sandbox_gid", "landlock", "image",
-                "rootfs", "rootfs_writable", "workdir", "compat_32bit"}
-#: Keys turned into a Policy field of another name: ``[egress]`` becomes ``Policy.network``.
-_EGRESS_KEY = "egress"
+#: Keys of the adapters themselves, besides the Policy's (:data:`lowlevel.spec.config.POLICY_KEYS`).
 _ADAPTER_KEYS = {"workspace_base", "default_timeout_s"}
-
-
-def parse_size(value: object, name: str) -> int | None:
-    """A byte count from an int or a string such as ``"512M"`` (K/M/G/T: powers of 1024).
-
-    Raises:
-        PolicyError: not a size (the message names ``name``).
-    """
-    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
-        return value
-    if isinstance(value, str):
-        m = _SIZE.match(value)
-        if m and (m.group(2) or "." not in m.group(1)):
-            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    raise PolicyError(f"{name}: invalid size {value!r}: use a number of bytes or a string with a K, M or G "
-                      "suffix, e.g. \"256M\"")
 
 
 @dataclass(frozen=True)
@@ -99,54 +75,22 @@ class SandboxConfig:
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], *, where: str = "config") -> SandboxConfig:
-        """Build from a parsed mapping in the format of the module docstring.
+        """Build from a parsed mapping in the format of the module docstring
+        (:func:`lowlevel.spec.config.policy_from_mapping` reads the Policy's keys).
 
         Raises:
             PolicyError: an unknown key or a bad value; the message names it and ``where``.
         """
+        path = _config.KeyPath(where)
         if not isinstance(data, Mapping):
             raise PolicyError(f"{where}: expected a table of settings, got {type(data).__name__}")
-        unknown = set(data) - _POLICY_KEYS - _ADAPTER_KEYS - {_EGRESS_KEY}
-        if unknown:
-            known = sorted(_POLICY_KEYS | _ADAPTER_KEYS | {_EGRESS_KEY})
-            raise PolicyError(f"{where}: unknown keys {sorted(unknown)}; known: {known}")
-        kwargs: dict[str, Any] = {k: v for k, v in data.items() if k in _POLICY_KEYS}
-        if "network" in kwargs and not isinstance(kwargs["network"], bool):
-            raise PolicyError(f"{where}: network must be true or false (the host's whole network), got "
-                              f"{kwargs['network']!r}; for an allowlist use an [egress] table")
-        if _EGRESS_KEY in data:
-            if kwargs.get("network") is True:
-                raise PolicyError(f"{where}: network = true (the host's whole network) and [egress] (an "
-                                  "allowlist) contradict each other: keep one")
-            kwargs["network"] = _egress(data[_EGRESS_KEY], where)
-        try:
-            for name in ("stdout_limit_bytes", "stderr_limit_bytes"):
-                if name in kwargs:
-                    kwargs[name] = parse_size(kwargs[name], f"{where}: {name}")
-            if "env" in kwargs:
-                env = kwargs["env"]
-                if not isinstance(env, Mapping):
-                    raise PolicyError(f"{where}: env must be a table of NAME = \"value\"")
-                kwargs["env"] = {str(k): str(v) for k, v in env.items()}
-            if "limits" in kwargs:
-                kwargs["limits"] = _limits(kwargs["limits"], where)
-            if "binds" in kwargs:
-                kwargs["binds"] = tuple(_bind(b, f"{where}: binds[{i}]") for i, b in enumerate(kwargs["binds"]))
-        except TypeError as err:
-            raise PolicyError(f"{where}: {err}") from err
-        try:
-            policy = Policy(**kwargs)
-        except TypeError as err:
-            raise PolicyError(f"{where}: {err}") from err
-        except PolicyError as err:  # name the file: an image/rootfs/landlock value is checked here
-            raise PolicyError(f"{where}: {err}") from None
+        _config.check_keys(data, _config.POLICY_KEYS | _ADAPTER_KEYS | {_config.EGRESS_KEY}, path)
+        policy = _config.policy_from_mapping({k: v for k, v in data.items() if k not in _ADAPTER_KEYS}, path)
         base = data.get("workspace_base")
         if base is not None and (not isinstance(base, str) or not os.path.isabs(base)):
-            raise PolicyError(f"{where}: workspace_base must be an absolute path, got {base!r}")
-        timeout = data.get("default_timeout_s")
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or not timeout > 0):
-            raise PolicyError(f"{where}: default_timeout_s must be a number of seconds > 0, got {timeout!r}")
+            raise (path / "workspace_base").must(f"must be an absolute path, got {base!r}")
+        timeout = _config.seconds(data.get("default_timeout_s"), path / "default_timeout_s", optional=True,
+                                  positive=True)
         return cls(policy=policy, workspace_base=base, default_timeout_s=timeout)
 
     @classmethod
@@ -165,59 +109,3 @@ class SandboxConfig:
         except tomllib.TOMLDecodeError as err:
             raise PolicyError(f"lowlevel config {path} is not valid TOML: {err}") from err
         return cls.from_mapping(data, where=path)
-
-
-def _egress(value: object, where: str) -> Any:
-    """``[egress]`` as a :class:`lowlevel.Egress` (the parser ``lowlevel mcp`` uses, plus
-    ``extra_ca_file``: a PEM file read here)."""
-    if not isinstance(value, Mapping):
-        raise PolicyError(f"{where}: [egress] must be a table (allow = [...], deny, allow_cidrs, allow_ports)")
-    spec = dict(value)
-    ca_file = spec.pop("extra_ca_file", None)
-    if ca_file is not None:
-        try:
-            with open(ca_file, encoding="ascii") as f:
-                spec["extra_ca_pem"] = f.read()
-        except (OSError, UnicodeDecodeError, TypeError) as err:
-            raise PolicyError(f"{where}: [egress] extra_ca_file {ca_file!r}: {err}") from None
-    try:
-        return egress_from_mapping(spec)
-    except (LowlevelError, TypeError) as err:
-        raise PolicyError(f"{where}: [egress]: {err}") from None
-
-
-def _limits(value: object, where: str) -> Limits:
-    if isinstance(value, Limits):
-        return value
-    if not isinstance(value, Mapping):
-        raise PolicyError(f"{where}: [limits] must be a table")
-    known = {f.name for f in fields(Limits)}
-    unknown = set(value) - known
-    if unknown:
-        raise PolicyError(f"{where}: unknown [limits] keys {sorted(unknown)}; known: {sorted(known)}")
-    kwargs: dict[str, Any] = {k: parse_size(v, f"{where}: limits.{k}") if k in _SIZE_FIELDS else v
-                              for k, v in value.items()}
-    if isinstance(kwargs.get("require"), list):
-        kwargs["require"] = tuple(kwargs["require"])
-    return Limits(**kwargs)
-
-
-def _bind(value: object, where: str) -> Bind:
-    if isinstance(value, Bind):
-        return value
-    if isinstance(value, str):
-        value = {"source": value}
-    if not isinstance(value, Mapping):
-        raise PolicyError(f"{where}: each [[binds]] entry must be a table with source (and dest, writable)")
-    known = {f.name for f in fields(Bind)}
-    unknown = set(value) - known
-    if unknown:
-        raise PolicyError(f"{where}: unknown [[binds]] keys {sorted(unknown)}; known: {sorted(known)}")
-    try:
-        return Bind(**value)
-    except PolicyError as err:
-        # One line naming the file and the entry (a missing source otherwise reached the
-        # framework as a bare "Bind source ... does not exist" deep in its sample setup).
-        raise PolicyError(f"{where}: {err}; fix or remove this [[binds]] entry") from None
-    except TypeError as err:
-        raise PolicyError(f"{where}: {err}") from None

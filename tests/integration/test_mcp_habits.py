@@ -28,7 +28,7 @@ anyio = pytest.importorskip("anyio")
 from mcp import ClientSession  # noqa: E402
 from mcp.client.stdio import StdioServerParameters, stdio_client  # noqa: E402
 
-from lowlevel import cli as _cli# noqa: E402
+from lowlevel.cli.args import parse_size  # noqa: E402
 from lowlevel.errors import PolicyError  # noqa: E402
 from lowlevel.mcp_server import PROGRESS_INTERVAL_S, ServerConfig  # noqa: E402
 
@@ -46,19 +46,17 @@ def test_mcp_config_takes_the_cli_and_inspect_size_syntax(tmp_path: Path) -> Non
         "default_timeout_s": "30s", "max_timeout_s": "2m",
         "limits": {"memory_bytes": "128M", "tmp_size_bytes": "64MiB", "fsize_bytes": 1 << 20, "cpu_s": "1m",
                    "pids": 64}})
-    assert config.max_output_bytes == 64 * 1024 == _cli.parse_size("64K")
+    assert config.max_output_bytes == 64 * 1024 == parse_size("64K")
     assert config.max_file_bytes == 1536 * 1024
-    assert config.limits.memory_bytes == 128 * 1024 * 1024 == _cli.parse_size("128M")
+    assert config.limits.memory_bytes == 128 * 1024 * 1024 == parse_size("128M")
     assert config.limits.tmp_size_bytes == 64 * 1024 * 1024 and config.limits.fsize_bytes == 1 << 20
     assert config.limits.cpu_s == 60.0 and config.default_timeout_s == 30.0 and config.max_timeout_s == 120.0
-    try:
-        from lowlevel.integrations._config import parse_size as inspect_parse_size
-    except ImportError:  # pragma: no cover - the integrations package is part of the checkout
-        pass
-    else:
-        for text in ("128M", "64K", "2G", "1.5M", "512", "64MiB", "8 kb"):
-            mcp = ServerConfig.from_mapping({"workspace_base": str(tmp_path / "ws"), "max_file_bytes": text})
-            assert inspect_parse_size(text, "x") == _cli.parse_size(text) == mcp.max_file_bytes, text
+    from lowlevel.integrations._config import SandboxConfig
+
+    for text in ("128M", "64K", "2G", "1.5M", "512", "64MiB", "8 kb"):
+        mcp = ServerConfig.from_mapping({"workspace_base": str(tmp_path / "ws"), "max_file_bytes": text})
+        inspect = SandboxConfig.from_mapping({"limits": {"net_bytes": text}}).policy.limits.net_bytes
+        assert inspect == parse_size(text) == mcp.max_file_bytes, text
 
 
 @pytest.mark.parametrize(("mapping", "named"), [

@@ -17,6 +17,7 @@ import pytest
 import lowlevel
 from lowlevel import WorkspaceError
 from lowlevel import cli as _cli
+from lowlevel.cli import run_cmd
 from lowlevel.workspace import check_workspace_path, workspace_refusal
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(120)]
@@ -99,7 +100,7 @@ def test_cli_allow_sensitive_reaches_run(monkeypatch: pytest.MonkeyPatch) -> Non
         seen.update(kwargs)
         raise lowlevel.LowlevelError("stop")
 
-    monkeypatch.setattr(_cli, "run", fake_run)
+    monkeypatch.setattr(run_cmd, "run", fake_run)
     assert _cli.main(["run", "--workspace", "/etc", "--allow-sensitive", "--", "true"]) == 125
     assert seen["allow_sensitive_workspace"] is True
     assert _cli.main(["run", "--workspace", "/etc", "--", "true"]) == 125

@@ -92,10 +92,11 @@ def test_describe() -> None:
 
 def test_cli_landlock_flag() -> None:
     from lowlevel import cli
+    from lowlevel.cli import run_cmd
     parser = cli.build_parser()
     for flag, want in (("on", True), ("off", False), ("require", "require")):
         args = parser.parse_args(["run", "--landlock", flag, "--", "true"])
-        assert cli._policy_from_args(args).landlock == want
+        assert run_cmd.policy_from_args(args).landlock == want
 
 
 def test_rootfs_rules() -> None:

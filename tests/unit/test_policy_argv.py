@@ -10,7 +10,7 @@ import pytest
 
 import lowlevel
 from lowlevel.sandbox.argv import AnchorOverlay, Fds, HostFacts, anchor_argv, build_argv, static_args
-from lowlevel.cli import parse_size
+from lowlevel.cli.args import parse_size
 from lowlevel.spec.policy import Bind, Policy, sensitive_reason
 from lowlevel.host.probe import BwrapInfo, HostLayout
 

@@ -14,7 +14,7 @@ import lowlevel
 
 CORE_MODULES = sorted(name for name in (m.name.removeprefix("lowlevel.")
                                           for m in pkgutil.walk_packages(lowlevel.__path__, "lowlevel."))
-                      if name not in ("ray", "__main__") and not name.startswith("integrations.")
+                      if name not in ("ray", "__main__") and not name.startswith(("integrations.", "ray."))
                       and not name.rsplit(".", 1)[-1].startswith("_"))
 
 

@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 from lowlevel import cli
+from lowlevel.cli import output
 from lowlevel.mcp_server import ServerConfig
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
@@ -58,6 +59,6 @@ def test_every_mcp_config_key_is_documented() -> None:
 def test_exit_status_paragraph() -> None:
     para = README[README.index("Exit status, as `timeout(1)`"):]
     para = " ".join(para[:para.index("\n\n")].split())
-    for code in (cli.EXIT_TIMEOUT, cli.EXIT_FAILED, cli.EXIT_NOEXEC, cli.EXIT_NOTFOUND):
+    for code in (output.EXIT_TIMEOUT, output.EXIT_FAILED, output.EXIT_NOEXEC, output.EXIT_NOTFOUND):
         assert f"**{code}**" in para
     assert "usage error" in para and "one JSON object" in para

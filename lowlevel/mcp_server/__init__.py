@@ -40,38 +40,8 @@ A tool call with an argument the tool does not take is an error (``isError``), n
 silently ignored; the published input schemas say ``additionalProperties: false``.
 
 Configuration comes from the operator only (TOML file and CLI flags), never from a request:
-a client can narrow the policy (shorter timeout, smaller limits) but never widen it.
-
-TOML keys (all optional)::
-
-    workspace_base = "/var/lib/lowlevel-mcp"   # where named and per-run workspaces live
-    network = false           # may a client ask for the host's whole network? (off by default)
-    deterministic = false     # Policy(deterministic=True) for every run
-    default_timeout_s = 30.0  # when the client gives none
-    max_timeout_s = 120.0     # ceiling for timeout_s
-    max_output_bytes = "64K"  # per stream, in tool results
-    max_file_bytes = "1M"     # read_file / write_file cap
-    max_sessions = 8          # named sessions alive at once
-    session_idle_ttl_s = 1800.0   # a session idle this long is closed, freeing its slot
-    run_workspace_ttl_s = 3600.0  # unnamed run workspaces kept this long after use (0: not kept)
-    allowed_binds = ["/opt/data"]  # host paths a client may ask to bind read-only
-    [limits]                  # ceilings (and defaults) for memory_bytes, cpu_s, pids, ...
-    memory_bytes = "512M"     # sizes: bytes, or "64K", "128M", "2G" (as the CLI and the Inspect config)
-    cpu_s = "2m"              # seconds, or "30s", "2m", "1h" (as timeout(1); also the *_s keys above)
-    [[binds]]                 # always bound (the operator's own policy)
-    source = "/opt/venv"
-    dest = "/opt/venv"
-    writable = false
-    [egress]                  # network by allowlist for every run (lowlevel.Egress); a client
-    allow = ["pypi.org", "files.pythonhosted.org"]   # may narrow it (allow_hosts), never widen it
-    deny = []
-    allow_cidrs = []
-    allow_ports = [80, 443]
-    extra_ca_file = "/etc/company-ca.pem"            # optional: CA certificates trusted inside
-
-With ``[egress]``, every run and session gets the allowlist unless the client narrows it;
-``[limits] net_bytes`` caps the bytes each run moves through the proxy. ``lowlevel mcp
---allow-host PATTERN`` (repeatable) sets ``[egress] allow`` from the command line.
+a client can narrow the policy (shorter timeout, smaller limits) but never widen it. Its keys:
+:mod:`lowlevel.mcp_server.config`.
 
 Source: Model Context Protocol specification (tools/list, tools/call, ``isError`` results);
 the ``mcp`` Python SDK (``MCPServer``, formerly ``FastMCP``).
@@ -89,22 +59,21 @@ import re
 import secrets
 import threading
 import time
-import tomllib
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from lowlevel.spec import validate as _validate
 from lowlevel import workspace as _ws
-from lowlevel.spec.egress import Egress, egress_from_mapping
+from lowlevel.spec.egress import Egress
 from lowlevel.errors import LowlevelError, PolicyError, WorkspaceError
-from lowlevel.spec.limits import VERDICT_NOTE_PREFIXES, Limits
+from lowlevel.spec.limits import VERDICT_NOTE_PREFIXES
 from lowlevel.spec.policy import WORKSPACE_DEST, Bind, Policy
 from lowlevel.spec.report import bytes_fields, display, json_safe
+from lowlevel.mcp_server.config import ServerConfig
 from lowlevel.sandbox.result import Result
-from lowlevel.units import duration_seconds, size_bytes
 
 log = logging.getLogger("lowlevel")
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 #: Prefix of the server's own workspaces (runs without a workspace name).
@@ -113,113 +82,6 @@ RUN_PREFIX = "run-"
 
 #: Seconds between two ``notifications/progress`` of a running ``run``/``run_in_session`` call.
 PROGRESS_INTERVAL_S = 5.0
-
-#: Config keys that take a size (``65536`` or ``"64K"``; :func:`lowlevel.units.size_bytes`).
-_CONFIG_SIZES = {"max_output_bytes", "max_file_bytes"}
-_LIMIT_SIZES = {"memory_bytes", "address_space_bytes", "fsize_bytes", "core_bytes", "tmp_size_bytes",
-                "workspace_bytes", "net_bytes"}
-#: Config keys that take seconds (``30`` or ``"30s"``, ``"2m"``; :func:`lowlevel.units.duration_seconds`).
-_CONFIG_DURATIONS = {"default_timeout_s", "max_timeout_s", "session_idle_ttl_s", "run_workspace_ttl_s"}
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """The operator's configuration of ``lowlevel mcp``; requests can only narrow it.
-
-    Attributes:
-        workspace_base: host directory holding the workspaces (one subdirectory per name).
-        network: clients may request the host's whole network (``--share-net``); off by default.
-        egress: the allowlist every run gets (:class:`lowlevel.Egress`), or None (no network
-            unless ``network`` allows the host's); a client may narrow it, never widen it.
-        deterministic: every run uses ``Policy(deterministic=True)``.
-        limits: the ceiling and the default for each limit.
-        binds: binds every run gets.
-        allowed_binds: host paths (resolved) a client may ask to bind read-only.
-        default_timeout_s, max_timeout_s: timeout when the client gives none; ceiling.
-        max_output_bytes: per stream, in results (bytes).
-        max_file_bytes: cap for read_file/write_file (bytes).
-        max_sessions: named sessions alive at once.
-        session_idle_ttl_s: seconds without a command after which a session is closed and
-            its ``max_sessions`` slot freed (> 0; the session's init enforces it too).
-        run_workspace_ttl_s: seconds an unnamed run's workspace is kept after its last use
-            (>= 0; 0 removes it right after the call).
-    """
-
-    workspace_base: str = field(default_factory=lambda: os.path.join(_ws.default_base(), "mcp"))
-    network: bool = False
-    egress: Egress | None = None
-    deterministic: bool = False
-    limits: Limits = field(default_factory=Limits)
-    binds: tuple[Bind, ...] = ()
-    allowed_binds: tuple[str, ...] = ()
-    default_timeout_s: float = 30.0
-    max_timeout_s: float = 120.0
-    max_output_bytes: int = 64 * 1024
-    max_file_bytes: int = 1024 * 1024
-    max_sessions: int = 8
-    session_idle_ttl_s: float = 1800.0
-    run_workspace_ttl_s: float = 3600.0
-
-    def __post_init__(self) -> None:
-        for name, minimum in (("session_idle_ttl_s", 0.0), ("run_workspace_ttl_s", -1.0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not minimum < value < 1e9:
-                raise PolicyError(f"mcp config {name} must be a number of seconds "
-                                  f"{'> 0' if minimum == 0 else '>= 0'}, got {value!r}")
-
-    @classmethod
-    def from_toml(cls, path: str, **overrides: Any) -> ServerConfig:
-        """Read a TOML config; ``overrides`` (CLI flags that were given) win.
-
-        Raises:
-            PolicyError: unknown key or a bad value (the message names it).
-            OSError: the file cannot be read.
-        """
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-        if isinstance(data.get("egress"), Mapping) and isinstance(overrides.get("egress"), Mapping):
-            overrides = {**overrides, "egress": {**data["egress"], **overrides["egress"]}}
-        return cls.from_mapping({**data, **overrides})
-
-    @classmethod
-    def from_mapping(cls, data: Mapping[str, Any]) -> ServerConfig:
-        """Build from a parsed mapping (TOML keys above). Raises PolicyError on bad keys."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise PolicyError(f"unknown mcp config keys {sorted(unknown)}; known: {sorted(known)}")
-        kwargs: dict[str, Any] = dict(data)
-        # One syntax with the CLI and the Inspect config: "128M" for sizes, "30s"/"2m" for seconds.
-        for key in _CONFIG_SIZES & set(kwargs):
-            kwargs[key] = size_bytes(kwargs[key], f"mcp config {key}")
-        for key in _CONFIG_DURATIONS & set(kwargs):
-            kwargs[key] = duration_seconds(kwargs[key], f"mcp config {key}")
-        if "limits" in kwargs and isinstance(kwargs["limits"], Mapping):
-            limits: dict[str, Any] = {}
-            for k, v in kwargs["limits"].items():
-                where = f"mcp config [limits] {k}"
-                limits[k] = (v if v is None else size_bytes(v, where) if k in _LIMIT_SIZES
-                             else duration_seconds(v, where) if k == "cpu_s" else v)
-            try:
-                kwargs["limits"] = Limits(**limits)
-            except TypeError as err:
-                raise PolicyError(f"mcp config [limits]: {err}") from err
-        if "binds" in kwargs:
-            kwargs["binds"] = tuple(b if isinstance(b, Bind) else Bind(**b) for b in kwargs["binds"])
-        if "allowed_binds" in kwargs:
-            kwargs["allowed_binds"] = tuple(os.path.realpath(p) for p in kwargs["allowed_binds"])
-        if isinstance(kwargs.get("egress"), Mapping):
-            spec = dict(kwargs["egress"])
-            ca_file = spec.pop("extra_ca_file", None)
-            if ca_file is not None:
-                try:
-                    with open(ca_file, encoding="ascii") as f:
-                        spec["extra_ca_pem"] = f.read()
-                except (OSError, UnicodeDecodeError) as err:
-                    raise PolicyError(f"mcp config [egress] extra_ca_file {ca_file!r}: {err}") from None
-            kwargs["egress"] = egress_from_mapping(spec)
-        return cls(**kwargs)
-
 
 def _clamp(name: str, asked: float | None, ceiling: float | None, clamped: list[str]) -> Any:
     if asked is None:
@@ -671,80 +533,76 @@ def _decode(content: str, encoding: str) -> bytes:
     raise PolicyError(f"encoding must be 'utf-8' or 'base64', got {encoding!r}")
 
 
-def build_server(config: ServerConfig, tools: Tools | None = None) -> Any:
-    """The MCP server object (``mcp.server.mcpserver.MCPServer``, or ``FastMCP`` on mcp 1.x).
-
-    Raises:
-        ImportError: the ``mcp`` package is missing (``pip install '.[mcp]'`` in the lowlevel checkout).
-    """
+async def _call(tool_error: type[Exception], fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """Run the tool ``fn`` in a worker thread; lowlevel's errors become the SDK's ``ToolError``
+    (an ``isError`` result with one line), the result JSON-safe (:func:`lowlevel.spec.report.json_safe`)."""
     import anyio.to_thread
 
     try:
-        from mcp.server.mcpserver import Context, MCPServer as _Server
-        from mcp.server.mcpserver.exceptions import ToolError
-    except ImportError:  # mcp 1.x
-        from mcp.server.fastmcp import Context  # type: ignore[no-redef,attr-defined,unused-ignore]
-        from mcp.server.fastmcp import FastMCP as _Server  # type: ignore[no-redef,attr-defined,unused-ignore]
-        from mcp.server.fastmcp.exceptions import ToolError  # type: ignore[no-redef,unused-ignore]
+        result: dict[str, Any] = await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
+    except (LowlevelError, OSError) as err:
+        raise tool_error(display(str(err))) from err
+    safe: dict[str, Any] = json_safe(result)
+    return safe
+
+
+async def _call_with_progress(tool_error: type[Exception], ctx: Any, fn: Any, *args: Any,
+                              **kwargs: Any) -> dict[str, Any]:
+    """:func:`_call`, sending ``notifications/progress`` while the command runs: one at the
+    start, one every :data:`PROGRESS_INTERVAL_S` (elapsed seconds), one at the end. Sent
+    only when the client's request carried a ``progressToken`` (the SDK drops them otherwise)."""
+    import anyio
+
+    t0 = time.monotonic()
+    done = anyio.Event()
+    out: dict[str, Any] = {}
+
+    async def work() -> None:
+        try:
+            out["result"] = await _call(tool_error, fn, *args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - re-raised below, outside the task group (not as an ExceptionGroup)
+            out["error"] = err
+        finally:
+            done.set()
+
+    async def report(message: str) -> None:
+        try:
+            await ctx.report_progress(round(time.monotonic() - t0, 3), None, message)
+        except Exception as err:  # noqa: BLE001 - a client gone away must not fail the run
+            log.debug("lowlevel: mcp progress notification not sent: %s", err)
+
+    async with anyio.create_task_group() as tg:
+        await report("started")
+        tg.start_soon(work)
+        while not done.is_set():
+            with anyio.move_on_after(PROGRESS_INTERVAL_S):
+                await done.wait()
+            if not done.is_set():
+                await report(f"running for {time.monotonic() - t0:.0f} s")
+    await report("finished")
+    if "error" in out:
+        raise out["error"]
+    result: dict[str, Any] = out["result"]
+    return result
+
+
+def _tool(server: Any) -> Callable[[_F], _F]:
+    """``server.tool()``, typed: the SDK's decorator registers the function and returns it."""
+    decorator: Callable[[_F], _F] = server.tool()
+    return decorator
+
+
+def _run_tools(server: Any, tools: Tools, context: Any, tool_error: type[Exception]) -> dict[str, Any]:
+    """Register the ``run`` and ``run_in_session`` tools (with progress notifications) on ``server``."""
 
     def with_context(fn: Any) -> Any:
         # The SDK finds the Context parameter by its resolved type hint; under `from __future__
         # import annotations` the string "Context" would resolve in this module's globals, where
         # the lazily imported class is not: give the hint as the class itself.
-        fn.__annotations__["ctx"] = Context
+        fn.__annotations__["ctx"] = context
         return fn
 
-    tools = tools or Tools(config)
-    server = _Server("lowlevel", instructions=(
-        "Run commands in a bubblewrap sandbox (no network unless the operator allows it; with an "
-        "operator allowlist, HTTP(S) to allowed hosts goes through a proxy: see each result's 'network'). "
-        "Use write_file to put files in a named workspace, run with workspace=NAME, then read_file."))
-
-    async def call(fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        try:
-            result: dict[str, Any] = await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
-        except (LowlevelError, OSError) as err:
-            raise ToolError(display(str(err))) from err
-        safe: dict[str, Any] = json_safe(result)
-        return safe
-
-    async def call_with_progress(ctx: Any, fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """``call``, sending ``notifications/progress`` while the command runs: one at the
-        start, one every :data:`PROGRESS_INTERVAL_S` (elapsed seconds), one at the end. Sent
-        only when the client's request carried a ``progressToken`` (the SDK drops them otherwise)."""
-        t0 = time.monotonic()
-        done = anyio.Event()
-        out: dict[str, Any] = {}
-
-        async def work() -> None:
-            try:
-                out["result"] = await call(fn, *args, **kwargs)
-            except Exception as err:  # noqa: BLE001 - re-raised below, outside the task group (not as an ExceptionGroup)
-                out["error"] = err
-            finally:
-                done.set()
-
-        async def report(message: str) -> None:
-            try:
-                await ctx.report_progress(round(time.monotonic() - t0, 3), None, message)
-            except Exception as err:  # noqa: BLE001 - a client gone away must not fail the run
-                log.debug("lowlevel: mcp progress notification not sent: %s", err)
-
-        async with anyio.create_task_group() as tg:
-            await report("started")
-            tg.start_soon(work)
-            while not done.is_set():
-                with anyio.move_on_after(PROGRESS_INTERVAL_S):
-                    await done.wait()
-                if not done.is_set():
-                    await report(f"running for {time.monotonic() - t0:.0f} s")
-        await report("finished")
-        if "error" in out:
-            raise out["error"]
-        result: dict[str, Any] = out["result"]
-        return result
-
-    @server.tool()
+    @_tool(server)
     @with_context
     async def run(command: list[str], workspace: str | None = None, timeout_s: float | None = None,
                   memory_bytes: int | None = None, cpu_s: float | None = None, pids: int | None = None,
@@ -764,11 +622,11 @@ def build_server(config: ServerConfig, tools: Tools | None = None) -> Any:
         wall_time_s, workspace, and with egress "network" (each connection attempt and why it
         was allowed or refused).
         """
-        return await call_with_progress(ctx, tools.run, command, workspace=workspace, timeout_s=timeout_s,
+        return await _call_with_progress(tool_error, ctx, tools.run, command, workspace=workspace, timeout_s=timeout_s,
                           memory_bytes=memory_bytes, cpu_s=cpu_s, pids=pids, network=network,
                           binds=binds, stdin=stdin, env=env, cwd=cwd, allow_hosts=allow_hosts)
 
-    @server.tool()
+    @_tool(server)
     @with_context
     async def run_in_session(session: str, command: list[str], timeout_s: float | None = None,
                              memory_bytes: int | None = None, cpu_s: float | None = None, pids: int | None = None,
@@ -783,33 +641,62 @@ def build_server(config: ServerConfig, tools: Tools | None = None) -> Any:
         command, clamped to the operator's ceilings; cwd as for run. A session idle for the
         operator's session_idle_ttl_s is closed. Returns the same fields as run.
         """
-        return await call_with_progress(ctx, tools.run_in_session, session, command, timeout_s=timeout_s,
+        return await _call_with_progress(tool_error, ctx, tools.run_in_session, session, command, timeout_s=timeout_s,
                           memory_bytes=memory_bytes, cpu_s=cpu_s, pids=pids, network=network, binds=binds,
                           stdin=stdin, env=env, cwd=cwd, allow_hosts=allow_hosts)
 
-    @server.tool()
+    return {"run": run, "run_in_session": run_in_session}
+
+
+def _file_tools(server: Any, tools: Tools, tool_error: type[Exception]) -> dict[str, Any]:
+    """Register ``close_session`` and the workspace file tools on ``server``."""
+
+    @_tool(server)
     async def close_session(session: str) -> dict[str, Any]:
         """Close a named session; its workspace stays."""
-        return await call(tools.close_session, session)
+        return await _call(tool_error, tools.close_session, session)
 
-    @server.tool()
+    @_tool(server)
     async def write_file(workspace: str, path: str, content: str, encoding: str = "utf-8") -> dict[str, Any]:
         """Write a file (relative path) into a named workspace, creating it. encoding: utf-8 or base64."""
-        return await call(tools.write_file, workspace, path, content, encoding)
+        return await _call(tool_error, tools.write_file, workspace, path, content, encoding)
 
-    @server.tool()
+    @_tool(server)
     async def read_file(workspace: str, path: str, encoding: str = "utf-8") -> dict[str, Any]:
         """Read a file (relative path) from a workspace; symlinks and oversized files are refused."""
-        return await call(tools.read_file, workspace, path, encoding)
+        return await _call(tool_error, tools.read_file, workspace, path, encoding)
 
-    @server.tool()
+    @_tool(server)
     async def list_files(workspace: str) -> dict[str, Any]:
         """List the entries of a workspace (path, kind, size)."""
-        return await call(tools.list_files, workspace)
+        return await _call(tool_error, tools.list_files, workspace)
 
-    _strict_arguments(server, ToolError, {
-        "run": run, "run_in_session": run_in_session, "close_session": close_session, "write_file": write_file,
-        "read_file": read_file, "list_files": list_files})
+    return {"close_session": close_session, "write_file": write_file, "read_file": read_file,
+            "list_files": list_files}
+
+
+def build_server(config: ServerConfig, tools: Tools | None = None) -> Any:
+    """The MCP server object (``mcp.server.mcpserver.MCPServer``, or ``FastMCP`` on mcp 1.x).
+
+    Raises:
+        ImportError: the ``mcp`` package is missing (``pip install '.[mcp]'`` in the lowlevel checkout).
+    """
+    try:
+        from mcp.server.mcpserver import Context, MCPServer as _Server
+        from mcp.server.mcpserver.exceptions import ToolError
+    except ImportError:  # mcp 1.x
+        from mcp.server.fastmcp import Context  # type: ignore[no-redef,attr-defined,unused-ignore]
+        from mcp.server.fastmcp import FastMCP as _Server  # type: ignore[no-redef,attr-defined,unused-ignore]
+        from mcp.server.fastmcp.exceptions import ToolError  # type: ignore[no-redef,unused-ignore]
+
+    tools = tools or Tools(config)
+    server = _Server("lowlevel", instructions=(
+        "Run commands in a bubblewrap sandbox (no network unless the operator allows it; with an "
+        "operator allowlist, HTTP(S) to allowed hosts goes through a proxy: see each result's 'network'). "
+        "Use write_file to put files in a named workspace, run with workspace=NAME, then read_file."))
+
+    fns = {**_run_tools(server, tools, Context, ToolError), **_file_tools(server, tools, ToolError)}
+    _strict_arguments(server, ToolError, fns)
     return server
 
 
