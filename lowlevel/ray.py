@@ -81,6 +81,7 @@ except ImportError as _err:  # pragma: no cover - exercised only without the ext
     raise ImportError("lowlevel.ray needs Ray: pip install '.[ray]' in the lowlevel checkout") from _err
 
 from lowlevel import workspace as _ws
+from lowlevel.workspace.files import open_dir_at
 from lowlevel.errors import LowlevelError, PolicyError, SessionError, WorkspaceError
 from lowlevel.spec.limits import Limits
 from lowlevel.spec.policy import Policy
@@ -335,7 +336,7 @@ def unpack_inputs(data: bytes, root: str) -> list[str]:
                 mode = member.mode & 0o777
                 try:
                     if member.isdir():
-                        dfd = _ws.open_dir_at(rootfd, parts, create=True)
+                        dfd = open_dir_at(rootfd, parts, create=True)
                         try:
                             os.chmod(dfd, mode | 0o700)
                         finally:
@@ -346,7 +347,7 @@ def unpack_inputs(data: bytes, root: str) -> list[str]:
                             raise WorkspaceError(errno.EINVAL, f"refusing input member {rel!r}: sparse file")
                         src = tar.extractfile(member)
                         assert src is not None
-                        dfd = _ws.open_dir_at(rootfd, parts[:-1], create=True)
+                        dfd = open_dir_at(rootfd, parts[:-1], create=True)
                         try:
                             fd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                                          | os.O_CLOEXEC, mode, dir_fd=dfd)
@@ -363,7 +364,7 @@ def unpack_inputs(data: bytes, root: str) -> list[str]:
                     elif member.issym():
                         if not member.linkname or "\0" in member.linkname:
                             raise WorkspaceError(errno.EINVAL, f"refusing input member {rel!r}: empty symlink")
-                        dfd = _ws.open_dir_at(rootfd, parts[:-1], create=True)
+                        dfd = open_dir_at(rootfd, parts[:-1], create=True)
                         try:
                             os.symlink(member.linkname, parts[-1], dir_fd=dfd)
                         finally:
@@ -379,7 +380,7 @@ def unpack_inputs(data: bytes, root: str) -> list[str]:
                     raise WorkspaceError(err.errno or errno.EIO, f"cannot unpack input {rel!r}: {why}") from err
                 created.append(rel)
         for parts, mtime in reversed(dir_times):
-            dfd = _ws.open_dir_at(rootfd, parts, create=False)
+            dfd = open_dir_at(rootfd, parts, create=False)
             try:
                 os.utime(dfd, (mtime, mtime))
             finally:
@@ -419,7 +420,7 @@ def collect_outputs(root: str, paths: Iterable[str], max_bytes: int) -> tuple[di
         for rel in sorted(set(paths)):
             parts = rel.split("/")
             try:
-                dfd = _ws.open_dir_at(rootfd, parts[:-1], create=False)
+                dfd = open_dir_at(rootfd, parts[:-1], create=False)
             except OSError:
                 omitted.append(rel)
                 continue

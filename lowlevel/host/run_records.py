@@ -28,6 +28,8 @@ import os
 import stat
 from dataclasses import dataclass, field
 
+from lowlevel.host.procs import process_start_time
+
 #: Root's record directory.
 ROOT_RECORD_DIR = "/run/lowlevel/cgroups"
 
@@ -35,7 +37,6 @@ _own_start: tuple[int, int | None] | None = None  # (pid, start time): cached pe
 
 
 def _start_time(pid: int) -> int | None:
-    from lowlevel.workspace import process_start_time
     return process_start_time(pid)
 
 

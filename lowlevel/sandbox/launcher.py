@@ -4,7 +4,7 @@ The life of one run (:class:`Run`), the same for the sync and the async drivers:
 
 1. ``prepare``: everything that can fail or allocate happens before the spawn, and every fd
    is owned the moment it exists: the workspace (opened once, by fd), the run's host ids (a
-   per-run uid lease for root callers, :class:`lowlevel.workspace.cow.UidLease`), the cgroup and an
+   per-run uid lease for root callers, :class:`lowlevel.workspace.uids.UidLease`), the cgroup and an
    O_WRONLY fd on each of its ``cgroup.procs``, the rlimits, the seccomp BPF (compiled once
    per profile), the Policy's static argv (cached) and the fds: an ``--args`` memfd (so a
    long policy never hits E2BIG), the ``--json-status-fd`` pipe, the ``--seccomp`` memfd, the
@@ -62,6 +62,7 @@ from typing import Any
 from lowlevel.paths import native
 from lowlevel.sandbox import bind_sockets as _bind_sockets
 from lowlevel.workspace import cow as _cow
+from lowlevel.workspace import uids as _uids
 from lowlevel.sandbox._interrupts import deferred_interrupts
 from lowlevel.host import landlock as _landlock
 from lowlevel.spec import limits as _limits
@@ -855,7 +856,7 @@ class Run:
         self.audit: Any = None
         self.egress: Any = None  # lowlevel.net.egress_proxy.EgressRun in egress mode
         # The anchor and the copy-on-write workspace.
-        self.lease: _cow.UidLease | None = None
+        self.lease: _uids.UidLease | None = None
         self.host_ids: tuple[int, int] = (0, 0)
         self.cow = False
         self.lower_fd: int | None = None
@@ -982,7 +983,7 @@ class Run:
         # The sandbox's host ids: a per-run uid for root callers (unless pinned), our own otherwise.
         if root:
             if policy.host_uid is None:
-                self.lease = _cow.UidLease.acquire()
+                self.lease = _uids.UidLease.acquire()
                 self.host_ids = (self.lease.uid, self.lease.uid)
             else:
                 self.host_ids = (policy.host_uid, policy.host_gid if policy.host_gid is not None

@@ -59,7 +59,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lowlevel.errors import CommitConflictError, CommitIncompleteError, LowlevelError, WorkspaceError
-from lowlevel.workspace import ACL_XATTRS, MAX_DEPTH, MAX_SNAPSHOT_ENTRIES, SETID_BITS, Changes
+from lowlevel.workspace.changes import Changes
+from lowlevel.workspace.handover import ACL_XATTRS, SETID_BITS
+from lowlevel.workspace.walk import MAX_DEPTH, MAX_SNAPSHOT_ENTRIES
 
 #: The two xattr namespaces overlayfs keeps its metadata in: ``trusted.`` for mounts made by
 #: real root (reading them needs CAP_SYS_ADMIN), ``user.`` for ``userxattr`` mounts.
