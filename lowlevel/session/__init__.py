@@ -99,7 +99,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from lowlevel.paths import native
-from lowlevel.workspace import cow as _cow
 from lowlevel.sandbox._interrupts import deferred_interrupts
 from lowlevel.host import landlock as _landlock
 from lowlevel.spec import limits as _limits
@@ -1082,10 +1081,9 @@ class _Core:
             return changes
         owner = (r.lower_stat.st_uid, r.lower_stat.st_gid) if r.facts.caller_is_root and r.lower_stat else None
         try:
-            report = _overlay.commit(r.upper_fd, r.lower_fd, xattr_prefix=r.xattr_prefix, since_ns=r.since_ns,
-                                     new_owner=owner, max_bytes=_cow.commit_budget(r.upper_bytes),
-                                     accept_seen_host_changes=True,
-                                     save_to=lambda: _conflict_dir(r.workspace_base))
+            report = _overlay.commit_upper(r.upper_fd, r.lower_fd, xattr_prefix=r.xattr_prefix, since_ns=r.since_ns,
+                                           new_owner=owner, upper_bytes=r.upper_bytes, accept_seen_host_changes=True,
+                                           save_to=lambda: _conflict_dir(r.workspace_base), keep_upper=True)
         except (CommitIncompleteError, _overlay.CommitConflictError) as err:
             if err.applied is not None:
                 # Stopped part-way (a full disk) or host writes met during the apply pass: what

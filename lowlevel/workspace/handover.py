@@ -260,8 +260,6 @@ def give_back(h: Handover, *, limit: int = MAX_SNAPSHOT_ENTRIES) -> tuple[Snapsh
     if h.done:
         return {}, True
     h.done = True
-    snap: Snapshot = {}
-    complete = True
     try:
         rootfd = _open_root(h.root)
     except WorkspaceError:
@@ -269,6 +267,28 @@ def give_back(h: Handover, *, limit: int = MAX_SNAPSHOT_ENTRIES) -> tuple[Snapsh
         raise
     unlisted: list[OSError] = []
     deep: list[str] = []
+    try:
+        snap, complete = _give_back_walk(h, rootfd, limit, unlisted, deep)
+    finally:
+        try:
+            _restore_root(h, rootfd)
+        finally:
+            os.close(rootfd)
+            _close_pins(h)
+            if h.journal is not None:
+                h.journal.close()  # kept on failure: `lowlevel cleanup` retries once we are gone
+    if h.journal is not None and not (unlisted and h.sandbox_uid is not None):
+        h.journal.remove()
+    return snap, _note_unchecked(h, unlisted, deep) and complete and h.before[1]
+
+
+def _give_back_walk(h: Handover, rootfd: int, limit: int, unlisted: list[OSError],
+                    deep: list[str]) -> tuple[Snapshot, bool]:
+    """Fix every entry below the root (:func:`_give_back_entry`); seal the directories too deep
+    to enter (appended to ``deep``), collect the unlistable ones (``unlisted``). Returns the
+    snapshot (at most ``limit`` entries) and whether it holds them all."""
+    snap: Snapshot = {}
+    complete = True
 
     def too_deep(rel: str, name: str, dirfd: int) -> None:
         deep.append(rel)
@@ -289,22 +309,27 @@ def give_back(h: Handover, *, limit: int = MAX_SNAPSHOT_ENTRIES) -> tuple[Snapsh
         raise WorkspaceError(err.errno, f"cannot give back workspace {h.root}: {err.strerror}") from err
     finally:
         walker.close()
-        try:
-            uid, gid, mode = h.root_ids
-            cur = os.fstat(rootfd)
-            if (cur.st_uid, cur.st_gid) != (uid, gid):
-                os.fchown(rootfd, uid, gid)
-            if stat.S_IMODE(cur.st_mode) != mode or (cur.st_uid, cur.st_gid) != (uid, gid):
-                os.fchmod(rootfd, mode)
-        except OSError as err:
-            raise WorkspaceError(err.errno, f"cannot give back workspace {h.root}: {err.strerror}") from err
-        finally:
-            os.close(rootfd)
-            _close_pins(h)
-            if h.journal is not None:
-                h.journal.close()  # kept on failure: `lowlevel cleanup` retries once we are gone
-    if h.journal is not None and not (unlisted and h.sandbox_uid is not None):
-        h.journal.remove()
+    return snap, complete
+
+
+def _restore_root(h: Handover, rootfd: int) -> None:
+    """Give the root directory back its uid, gid and mode (as :func:`hand_over` found them)."""
+    try:
+        uid, gid, mode = h.root_ids
+        cur = os.fstat(rootfd)
+        if (cur.st_uid, cur.st_gid) != (uid, gid):
+            os.fchown(rootfd, uid, gid)
+        if stat.S_IMODE(cur.st_mode) != mode or (cur.st_uid, cur.st_gid) != (uid, gid):
+            os.fchmod(rootfd, mode)
+    except OSError as err:
+        raise WorkspaceError(err.errno, f"cannot give back workspace {h.root}: {err.strerror}") from err
+
+
+def _note_unchecked(h: Handover, unlisted: list[OSError], deep: list[str]) -> bool:
+    """Report what the walk could not check: an unlistable directory raises for root callers
+    (logged for others), a sealed too-deep one goes to ``h.notes``. False when the snapshot
+    therefore misses entries."""
+    complete = True
     if unlisted:
         first = unlisted[0]
         message = (f"cannot list {first.filename} in workspace {h.root} after the run ({first.strerror}): "
@@ -321,7 +346,7 @@ def give_back(h: Handover, *, limit: int = MAX_SNAPSHOT_ENTRIES) -> tuple[Snapsh
                        f"levels deep ({deep[0]}) not checked after the run: made mode 0700, owned by {who}, so "
                        "no other user can reach what is below")
         complete = False
-    return snap, complete and h.before[1]
+    return complete
 
 
 def _seal(h: Handover, name: str, dirfd: int) -> None:

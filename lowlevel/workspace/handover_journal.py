@@ -267,7 +267,7 @@ def pending(root: str | None = None) -> list[str]:
 
 def journaled_uids() -> frozenset[int]:
     """The sandbox uids named by the journals here (live runs' and dead callers' not yet given
-    back). :class:`lowlevel.workspace.cow.UidLease` never leases them: a dead caller's workspace is still
+    back). :class:`lowlevel.workspace.uids.UidLease` never leases them: a dead caller's workspace is still
     owned by its uid until recovered, and another sandbox running as that uid would own (and
     could reach) its files meanwhile, and keep its recovery waiting."""
     try:
