@@ -4,9 +4,12 @@ A session may run over a read-only directory (``commit=False``: its changes stay
 overlay's upper layer). Committing them there cannot work: the commit must raise lowlevel's
 WorkspaceError (EROFS, one line saying so), never a bare OSError, leave the directory as it
 was (no temporaries), and keep the changes in the session (``diff()`` still lists them), as
-every commit that fails before applying anything. The same steps over a writable directory
+every commit that fails before applying anything. The same when the directory's file system
+turns read-only during the session (a tmpfs remounted ``ro``: the commit's apply pass stops on
+EROFS), where the changes are also saved aside. The same steps over a writable directory
 (the control) commit the file. The directory is made read-only by a read-only bind mount of
-a fresh tmp dir onto itself (root mounts it; the user half then runs over it through runuser).
+a fresh tmp dir onto itself, or is a fresh tmpfs (root mounts and remounts; the user half runs
+through runuser).
 Both commit paths (a run's and a session's) go through
 :func:`lowlevel.workspace.overlay.commits.commit_upper`.
 """
@@ -52,27 +55,54 @@ def run_scenario(request: pytest.FixtureRequest) -> Any:
             os.chown(path, user.pw_uid, user.pw_gid)
         return path
 
-    def run(readonly: bool) -> dict[str, Any]:
+    def run(readonly: str = "") -> dict[str, Any]:
+        """``readonly``: "" (writable), "bind" (ro bind mount before the session), "remount" (a
+        tmpfs remounted ro between the session's write and its commit)."""
         ws, base = mkdir("ws-ro-commit-"), mkdir("base-ro-commit-")
+        if readonly == "remount":
+            subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0755", "tmpfs", ws], check=True)
+            mounted.append(ws)
+            if user is not None:
+                os.chown(ws, user.pw_uid, user.pw_gid)
         Path(ws, "a.txt").write_text("a\n")
         if user is not None:
             os.chown(os.path.join(ws, "a.txt"), user.pw_uid, user.pw_gid)
-        if readonly:
+        if readonly == "bind":
             subprocess.run(["mount", "--bind", ws, ws], check=True)
             mounted.append(ws)
             subprocess.run(["mount", "-o", "remount,ro,bind", ws], check=True)
             assert os.statvfs(ws).f_flag & os.ST_RDONLY
+
+        def remount() -> None:
+            subprocess.run(["mount", "-o", "remount,ro", ws], check=True)
+            assert os.statvfs(ws).f_flag & os.ST_RDONLY
+
+        wait = readonly == "remount"
         if user is None:
-            out = readonly_commit.scenario(ws, base)
+            out = readonly_commit.scenario(ws, base, remount if wait else None)
         else:
-            proc = subprocess.run(
-                [RUNUSER, "-u", user.pw_name, "--", sys.executable, str(HELPERS / "readonly_commit.py"), ws, base],
-                capture_output=True, timeout=240, cwd="/",
+            proc = subprocess.Popen(
+                [RUNUSER, "-u", user.pw_name, "--", sys.executable, str(HELPERS / "readonly_commit.py"), ws, base,
+                 *(["wait"] if wait else [])],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/",
                 env={"PATH": "/usr/bin:/bin", "HOME": user.pw_dir, "LANG": "C.UTF-8",
                      "PYTHONPATH": str(HELPERS.parent.parent),
                      **{k: v for k, v in os.environ.items() if k == "LOWLEVEL_NO_OVERLAY"}})
-            assert proc.returncode == 0, proc.stderr.decode()[-3000:]
-            out = json.loads(proc.stdout)
+            assert proc.stdin is not None and proc.stdout is not None
+            try:
+                if wait:
+                    first = proc.stdout.readline()
+                    assert first == b"ready\n", (first, proc.stderr.read() if proc.stderr else b"")
+                    remount()
+                    proc.stdin.write(b"\n")
+                    proc.stdin.flush()
+                stdout, stderr = proc.communicate(timeout=240)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            assert proc.returncode == 0, stderr.decode()[-3000:]
+            out = json.loads(stdout)
         if not out.get("cow"):
             pytest.skip("no copy-on-write overlay on this host: Session.commit() is unsupported")
         return out
@@ -85,7 +115,7 @@ def run_scenario(request: pytest.FixtureRequest) -> Any:
 
 
 def test_session_commit_into_a_read_only_directory_raises_workspace_error(run_scenario: Any) -> None:
-    out = run_scenario(readonly=True)
+    out = run_scenario(readonly="bind")
     assert out["exit_code"] == 0, out
     assert out["raised"] is not None and out["is_workspace_error"], out  # lowlevel's error, not a bare OSError
     assert out["errno"] == errno.EROFS, out
@@ -95,6 +125,18 @@ def test_session_commit_into_a_read_only_directory_raises_workspace_error(run_sc
 
 
 def test_session_commit_into_a_writable_directory_lands_control(run_scenario: Any) -> None:
-    out = run_scenario(readonly=False)
+    out = run_scenario()
     assert out["raised"] is None and out["committed"] == ["b.txt"], out
     assert out["listing"] == ["a.txt", "b.txt"] and out["diff_after"] == [], out
+
+
+def test_session_commit_after_the_file_system_turned_read_only_raises_workspace_error(run_scenario: Any) -> None:
+    out = run_scenario(readonly="remount")
+    assert out["exit_code"] == 0, out
+    assert out["raised"] is not None and out["is_workspace_error"], out
+    assert out["raised"] == "WorkspaceError", out  # nothing applied: not a CommitIncompleteError
+    assert out["errno"] == errno.EROFS, out
+    assert "read-only" in out["message"].lower() and "\n" not in out["message"], out
+    assert out["saved_is_dir"], out  # the apply pass stopped: the changes were saved aside too
+    assert out["listing"] == ["a.txt"] and out["a"] == "a\n", out
+    assert out["diff_after"] == ["b.txt"], out

@@ -120,6 +120,17 @@ class Applier(FileApplier):
                         os.unlink(self.journal_name, dir_fd=rootfd)
                     except FileNotFoundError:
                         pass
+                    except OSError as err:
+                        # A read-only file system (why the pass stopped, as a rule; unlink(2)
+                        # says EROFS even for a name that does not exist): raising here would
+                        # hide what was applied. A journal that was made stays for
+                        # cleanup_commit_leftovers().
+                        if err.errno != errno.EROFS:
+                            raise
+                        if _lstat(rootfd, self.journal_name) is not None:
+                            self.left_behind = True
+                            self.note_once("journal", "commit: its journal could not be removed (read-only file "
+                                           "system): cleanup_commit_leftovers() removes it once it is writable")
                     self.journal_name = ""
                 return
             except KeyboardInterrupt:
