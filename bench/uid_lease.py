@@ -3,7 +3,7 @@
     sudo python bench/uid_lease.py [--leases N] [--tree DIR]
 
 - ``lease``: ``UidLease.acquire()`` + ``release()`` in a loop (root only: the lease is for root
-  callers), on a lock file of its own in a temporary directory (cow.UID_LOCK_PATH) and a
+  callers), on a lock file of its own in a temporary directory (uids.UID_LOCK_PATH) and a
   100-uid range at the top of the default range, so no live sandbox is disturbed. Each lease
   reads and advances the rotation cursor under flock(2): the figure includes that.
 - ``scan``: :func:`lowlevel.sandbox.bind_sockets.scan` of ``--tree`` (default: this interpreter's
@@ -26,17 +26,17 @@ def main() -> None:
     ap.add_argument("--tree", default=sys.prefix)
     args = ap.parse_args()
     from lowlevel.sandbox import bind_sockets
-    from lowlevel.workspace import cow
+    from lowlevel.workspace import uids
     if os.geteuid() == 0:
-        first = cow.DEFAULT_UID_RANGE[0] + cow.DEFAULT_UID_RANGE[1] - 200
+        first = uids.DEFAULT_UID_RANGE[0] + uids.DEFAULT_UID_RANGE[1] - 200
         os.environ["LOWLEVEL_UID_RANGE"] = f"{first}-{first + 99}"
         with tempfile.TemporaryDirectory() as d:
-            cow.UID_LOCK_PATH = os.path.join(d, "uids.lock")
+            uids.UID_LOCK_PATH = os.path.join(d, "uids.lock")
             for _ in range(200):
-                cow.UidLease.acquire().release()
+                uids.UidLease.acquire().release()
             t = time.perf_counter()
             for _ in range(args.leases):
-                cow.UidLease.acquire().release()
+                uids.UidLease.acquire().release()
             print(f"lease: {(time.perf_counter() - t) / args.leases * 1e6:.1f} us per acquire+release "
                   f"({args.leases} leases)")
     else:

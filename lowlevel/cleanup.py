@@ -155,7 +155,7 @@ _IMPORT_NAME = re.compile(r"^import-(\d+)-(?:(\d+)-)?")
 def _stale_imports() -> list[Leftover]:
     """Staging directories of image imports whose process is gone (the default store only)."""
     from lowlevel.image import ImageStore
-    from lowlevel.workspace import process_start_time
+    from lowlevel.host.procs import process_start_time
     try:
         tmp = ImageStore().tmp_dir
         names = os.listdir(tmp)
@@ -213,7 +213,7 @@ def _commit_leftovers(workspace: str) -> list[Leftover]:
 
 
 def _fresh_workspaces(base: str | None) -> list[str]:
-    from lowlevel.workspace import DISPOSABLE_PREFIX, default_base
+    from lowlevel.workspace.create import DISPOSABLE_PREFIX, default_base
     root = base or default_base()
     try:
         return [os.path.join(root, n) for n in os.listdir(root) if n.startswith(("run-", DISPOSABLE_PREFIX))]
@@ -223,11 +223,12 @@ def _fresh_workspaces(base: str | None) -> list[str]:
 
 def _disposable_workspaces(base: str | None) -> list[Leftover]:
     """Disposable workspaces (``--rm``, ``keep_workspace=False``) whose creator is gone."""
-    from lowlevel.workspace import creator_alive, disposable_owner
+    from lowlevel.host.procs import process_alive
+    from lowlevel.workspace.create import disposable_owner
     out = []
     for path in _fresh_workspaces(base):
         owner = disposable_owner(os.path.basename(path))
-        if owner is not None and not creator_alive(*owner):
+        if owner is not None and not process_alive(*owner):
             out.append(Leftover("workspace", path, f"a fresh workspace to be removed after its run (--rm, "
                                 f"keep_workspace=False) whose caller (pid {owner[0]}) is gone"))
     return out
@@ -276,12 +277,12 @@ def clean(workspaces: tuple[str, ...] = (), base: str | None = None) -> tuple[li
     _clean_imports(removed, problems)
     _clean_mounts(removed, problems)
     # Workspaces a dead root caller left handed over (the fallback without overlay).
-    from lowlevel.workspace import handover_journal as _journal
+    from lowlevel.workspace.handover import recover
     before_handovers = _handovers()
-    _restored, handover_problems = _journal.recover()
+    _restored, handover_problems = recover()
     problems += handover_problems
     removed += [item for item in before_handovers if not os.path.exists(item.path)]
-    from lowlevel.workspace import remove_workspace
+    from lowlevel.workspace.create import remove_workspace
     for item in _disposable_workspaces(base):
         try:
             remove_workspace(item.path)

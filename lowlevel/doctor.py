@@ -176,7 +176,7 @@ def workspace_checks(result_notes: tuple[str, ...] = ()) -> list[dict[str, Any]]
     accounts in /etc/passwd, groups in /etc/group or ranges in /etc/subuid and /etc/subgid (another user's container
     ids would then be handed to sandboxes).
     """
-    from lowlevel.workspace import cow
+    from lowlevel.workspace import cow, uids
     from lowlevel.errors import UnsupportedError
 
     checks = []
@@ -190,7 +190,7 @@ def workspace_checks(result_notes: tuple[str, ...] = ()) -> list[dict[str, Any]]
                              "LOWLEVEL_NO_OVERLAY"))
     if os.geteuid() == 0:
         try:
-            first, count = cow.uid_range()
+            first, count = uids.uid_range()
         except UnsupportedError as err:
             checks.append(_check("uid range", False, str(err), err.fix or ""))
             return checks
@@ -217,9 +217,9 @@ def workspace_checks(result_notes: tuple[str, ...] = ()) -> list[dict[str, Any]]
         checks.append(_check("uid range", not clashes, f"per-run sandbox uids {first}-{last} ({count} concurrent "
                              "sandboxes)" + (": overlaps " + ", ".join(clashes[:5]) if clashes else ", free"),
                              "set LOWLEVEL_UID_RANGE=FIRST-LAST to a range no account or subordinate id uses"))
-        if cow.nss_beyond_files():
+        if uids.nss_beyond_files():
             # A directory (sssd, LDAP, winbind) cannot be listed here: each candidate is asked at lease time.
-            checks.append(_check("uid range (NSS)", True, f"{cow.NSSWITCH_PATH} takes users or groups from sources "
+            checks.append(_check("uid range (NSS)", True, f"{uids.NSSWITCH_PATH} takes users or groups from sources "
                                  "beyond files: each per-run uid is looked up (getpwuid/getgrgid) before it is "
                                  "leased and skipped when the directory names it (one lookup per run)",
                                  "prefer a LOWLEVEL_UID_RANGE your directory never hands out: sssd's default id "

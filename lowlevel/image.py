@@ -432,7 +432,7 @@ class ImageStore:
         Raises:
             ImageError: the store or a parent belongs to someone else, or is writable by others.
         """
-        from lowlevel.workspace import check_trusted_ancestors
+        from lowlevel.host.trust import check_trusted_ancestors
         from lowlevel.errors import WorkspaceError
 
         mode = 0o755 if os.geteuid() == 0 else 0o700
@@ -725,7 +725,7 @@ class _Import:
             # A root caller's tools run as a host uid leased for the whole import (no other sandbox
             # gets it meanwhile), which owns ``out``; the import's directory is traversable
             # (0711) but not listable, under the store's unlistable tmp/.
-            from lowlevel.workspace.cow import UidLease
+            from lowlevel.workspace.uids import UidLease
             self.lease = UidLease.acquire()
             for p in (self.out, *(os.path.join(self.out, sub) for sub in ("in", "tmp", "home"))):
                 os.chown(p, self.lease.uid, self.lease.uid)

@@ -53,6 +53,9 @@ from typing import Any
 
 from lowlevel.spec import validate as _validate
 from lowlevel import workspace as _ws
+from lowlevel.workspace import changes as _ws_changes
+from lowlevel.workspace import files as _ws_files
+from lowlevel.workspace import walk as _ws_walk
 from lowlevel.sandbox.argv import BWRAP_ARITY, build_argv
 from lowlevel.spec.egress import egress_from_mapping
 from lowlevel.errors import LowlevelError, PolicyError, WorkspaceError
@@ -329,11 +332,11 @@ def _hash_file(root: str, rel: str, max_bytes: int, budget: HashBudget,
         ``(sha256 or None, size, data (when ``keep`` and hashed) or None, skipped reason or None)``.
     """
     try:
-        parts = _ws._split_rel(rel)
+        parts = _ws_files._split_rel(rel)
     except WorkspaceError as err:
         return None, 0, None, str(err)
     try:
-        dfd = _ws._open_parent(root, parts)
+        dfd = _ws_files._open_parent(root, parts)
         try:
             fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY,
                          dir_fd=dfd)
@@ -441,11 +444,11 @@ def hash_workspace(root: str, store: _Store | None = None, max_bytes: int = MAX_
         WorkspaceError: root is missing or unreadable. RecordError: the store cannot be written.
     """
     budget = budget if budget is not None else HashBudget()
-    walked, _ = _ws._walk(root)
+    walked, _ = _ws_walk._walk(root)
     complete = len(walked) < _ws.MAX_SNAPSHOT_ENTRIES
     out: list[dict[str, Any]] = []
     for rel, st in sorted(walked, key=lambda e: e[0]):
-        kind = _ws._kind(st.st_mode)
+        kind = _ws_changes._kind(st.st_mode)
         doc: dict[str, Any] = {"path": rel, "kind": kind, "size": st.st_size, "mode": stat.S_IMODE(st.st_mode),
                                "sha256": None, "link": None, "stored": False, "skipped": None}
         if kind == "file":
@@ -870,7 +873,7 @@ def _entries(value: Any, where: str, limit: int) -> list[dict[str, Any]]:
         at = f"{where}[{i}]"
         path = _name(_get(e, "path", at), f"{at}.path")
         try:
-            _ws._split_rel(path)
+            _ws_files._split_rel(path)
         except WorkspaceError as err:
             raise _bad(f"{at}.path", f"is refused: {err}") from None
         kind = _get(e, "kind", at)

@@ -327,7 +327,7 @@ def handover_model(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _free_id() -> int:
-    from lowlevel.workspace.cow import DEFAULT_UID_RANGE, account_uids
+    from lowlevel.workspace.uids import DEFAULT_UID_RANGE, account_uids
     first, count = DEFAULT_UID_RANGE
     taken = account_uids(first, count)
     return next(u for u in range(first + count - 1, first, -1) if u not in taken)

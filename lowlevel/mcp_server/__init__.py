@@ -64,6 +64,7 @@ from typing import Any, TypeVar
 
 from lowlevel.spec import validate as _validate
 from lowlevel import workspace as _ws
+from lowlevel.workspace.files import _split_rel
 from lowlevel.spec.egress import Egress
 from lowlevel.errors import LowlevelError, PolicyError, WorkspaceError
 from lowlevel.spec.limits import VERDICT_NOTE_PREFIXES
@@ -418,7 +419,7 @@ class Tools:
         :func:`lowlevel.workspace.write_file`).
         """
         _encoding(encoding)
-        _ws._split_rel(path)  # the path's own errors before the workspace is created
+        _split_rel(path)  # the path's own errors before the workspace is created
         data = _decode(content, encoding)
         if len(data) > self.config.max_file_bytes:
             raise PolicyError(f"refused: {len(data)} bytes > the operator's max_file_bytes "

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 
-from lowlevel import workspace as _ws
+from lowlevel.workspace.files import open_dir_at
 from lowlevel.errors import PolicyError, WorkspaceError
 from lowlevel.ray.results import DEFAULT_MAX_INPUT_BYTES, MAX_INPUT_ENTRIES
 
@@ -149,7 +149,7 @@ def unpack_inputs(data: bytes, root: str) -> list[str]:
                     raise WorkspaceError(err.errno or errno.EIO, f"cannot unpack input {rel!r}: {why}") from err
                 created.append(rel)
         for parts, mtime in reversed(dir_times):
-            dfd = _ws.open_dir_at(rootfd, parts, create=False)
+            dfd = open_dir_at(rootfd, parts, create=False)
             try:
                 os.utime(dfd, (mtime, mtime))
             finally:
@@ -171,7 +171,7 @@ def _unpack_member(tar: tarfile.TarFile, member: tarfile.TarInfo, rootfd: int, r
     parts = rel.split("/")
     mode = member.mode & 0o777
     if member.isdir():
-        dfd = _ws.open_dir_at(rootfd, parts, create=True)
+        dfd = open_dir_at(rootfd, parts, create=True)
         try:
             os.chmod(dfd, mode | 0o700)
         finally:
@@ -182,7 +182,7 @@ def _unpack_member(tar: tarfile.TarFile, member: tarfile.TarInfo, rootfd: int, r
             raise WorkspaceError(errno.EINVAL, f"refusing input member {rel!r}: sparse file")
         src = tar.extractfile(member)
         assert src is not None
-        dfd = _ws.open_dir_at(rootfd, parts[:-1], create=True)
+        dfd = open_dir_at(rootfd, parts[:-1], create=True)
         try:
             fd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                          | os.O_CLOEXEC, mode, dir_fd=dfd)
@@ -199,7 +199,7 @@ def _unpack_member(tar: tarfile.TarFile, member: tarfile.TarInfo, rootfd: int, r
     elif member.issym():
         if not member.linkname or "\0" in member.linkname:
             raise WorkspaceError(errno.EINVAL, f"refusing input member {rel!r}: empty symlink")
-        dfd = _ws.open_dir_at(rootfd, parts[:-1], create=True)
+        dfd = open_dir_at(rootfd, parts[:-1], create=True)
         try:
             os.symlink(member.linkname, parts[-1], dir_fd=dfd)
         finally:
@@ -240,7 +240,7 @@ def collect_outputs(root: str, paths: Iterable[str], max_bytes: int) -> tuple[di
         for rel in sorted(set(paths)):
             parts = rel.split("/")
             try:
-                dfd = _ws.open_dir_at(rootfd, parts[:-1], create=False)
+                dfd = open_dir_at(rootfd, parts[:-1], create=False)
             except OSError:
                 omitted.append(rel)
                 continue

@@ -217,7 +217,7 @@ def _check_trusted_tree(raw: str, real: str) -> None:
     root, write) that directory. So the tree must be owned by root or the caller and writable
     by no one else, and so must each ancestor (sticky ones, like ``/tmp``, excepted).
     """
-    from lowlevel.workspace import first_untrusted_dir
+    from lowlevel.host.trust import first_untrusted_dir
     try:
         found = first_untrusted_dir(real, include_self=True)
     except OSError as err:

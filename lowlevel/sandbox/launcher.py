@@ -4,7 +4,7 @@ The life of one run (:class:`Run`), the same for the sync and the async drivers:
 
 1. ``prepare``: everything that can fail or allocate happens before the spawn, and every fd
    is owned the moment it exists: the workspace (opened once, by fd), the run's host ids (a
-   per-run uid lease for root callers, :class:`lowlevel.workspace.cow.UidLease`), the cgroup and an
+   per-run uid lease for root callers, :class:`lowlevel.workspace.uids.UidLease`), the cgroup and an
    O_WRONLY fd on each of its ``cgroup.procs``, the rlimits, the seccomp BPF (compiled once
    per profile), the Policy's static argv (cached) and the fds: an ``--args`` memfd (so a
    long policy never hits E2BIG), the ``--json-status-fd`` pipe, the ``--seccomp`` memfd, the
@@ -62,6 +62,7 @@ from typing import Any
 from lowlevel.paths import native
 from lowlevel.sandbox import bind_sockets as _bind_sockets
 from lowlevel.workspace import cow as _cow
+from lowlevel.workspace import uids as _uids
 from lowlevel.sandbox._interrupts import deferred_interrupts
 from lowlevel.host import cgroups as _cgroups
 from lowlevel.host import landlock as _landlock
@@ -858,7 +859,7 @@ class Run:
         self.audit: Any = None
         self.egress: Any = None  # lowlevel.net.egress_run.EgressRun in egress mode
         # The anchor and the copy-on-write workspace.
-        self.lease: _cow.UidLease | None = None
+        self.lease: _uids.UidLease | None = None
         self.host_ids: tuple[int, int] = (0, 0)
         self.cow = False
         self.lower_fd: int | None = None
@@ -985,7 +986,7 @@ class Run:
         # The sandbox's host ids: a per-run uid for root callers (unless pinned), our own otherwise.
         if root:
             if policy.host_uid is None:
-                self.lease = _cow.UidLease.acquire()
+                self.lease = _uids.UidLease.acquire()
                 self.host_ids = (self.lease.uid, self.lease.uid)
             else:
                 self.host_ids = (policy.host_uid, policy.host_gid if policy.host_gid is not None
@@ -1883,53 +1884,16 @@ class Run:
             if self.cgroup is None or self.cgroup.record is None:
                 commit_record = _run_records.write(f"commit-{id(self):x}", [], self.workspace)
             try:
-                report = _overlay.commit(self.upper_fd, self.lower_fd, xattr_prefix=self.xattr_prefix,
-                                         since_ns=self.since_ns, new_owner=owner,
-                                         max_bytes=_cow.commit_budget(self.upper_bytes),
-                                         accept_seen_host_changes=self.accept_seen_host_changes,
-                                         save_to=lambda: _conflict_dir(self.workspace_base))
-            except CommitIncompleteError as err:
-                applied = err.applied
-                if err.errno not in _overlay.NO_ROOM_ERRNOS and applied is not None and \
-                        not (applied.added or applied.modified or applied.deleted):
-                    # Nothing applied, the filesystem unwritable (read-only, failing) rather than
-                    # full: as any commit failing before it changes anything, result() makes it
-                    # a warning that keeps the exit status (the changes were saved aside).
-                    raise WorkspaceError(err.errno or errno.EIO, str(err)) from err
-                # Stopped part-way, or out of room: saved aside by commit() itself. The Result
-                # then lists what was applied, never what was not.
+                report = _overlay.commit_upper(self.upper_fd, self.lower_fd, xattr_prefix=self.xattr_prefix,
+                                               since_ns=self.since_ns, new_owner=owner, upper_bytes=self.upper_bytes,
+                                               accept_seen_host_changes=self.accept_seen_host_changes,
+                                               save_to=lambda: _conflict_dir(self.workspace_base), keep_upper=False)
+            except (CommitIncompleteError, _overlay.CommitConflictError) as err:
+                # The Result then lists what was applied, never what was not (a conflict found
+                # before the apply pass applied nothing: err.applied None).
                 self._applied_only(result, err.applied)
                 err.result = result
                 raise
-            except _overlay.CommitConflictError as err:
-                if err.applied is not None:  # found during the apply pass: saved by commit()
-                    self._applied_only(result, err.applied)
-                    err.result = result
-                    raise
-                try:
-                    saved = _overlay.save_upper(self.upper_fd, _conflict_dir(self.workspace_base),
-                                                xattr_prefix=self.xattr_prefix, owner=owner,
-                                                max_bytes=_cow.commit_budget(self.upper_bytes))
-                    err.saved_upper = saved
-                    err.args = (err.args[0], f"{err.args[1]}; the run's changes were saved to {saved}")
-                except (OSError, LowlevelError) as save_err:
-                    err.args = (err.args[0], f"{err.args[1]}; saving the run's changes failed too: {save_err}")
-                err.result = result
-                raise
-            except OSError as err:
-                # A read-only or full workspace: never a bare OSError (result() turns this into a
-                # warning that keeps the exit status); the run's changes are saved aside first.
-                why = f"cannot write the run's changes into the workspace: {err.strerror or err}"
-                kept: str | None = None
-                try:
-                    kept = _overlay.save_upper(self.upper_fd, _conflict_dir(self.workspace_base),
-                                               max_bytes=_cow.commit_budget(self.upper_bytes))
-                    why += f"; they were saved to {kept}"
-                except (OSError, LowlevelError) as save_err:
-                    why += f"; saving them failed too: {save_err}"
-                failed = WorkspaceError(err.errno or errno.EIO, why)
-                failed.saved_upper = kept
-                raise failed from err
             finally:
                 _run_records.remove(commit_record)
             self.notes.extend(report.notes)

@@ -30,7 +30,6 @@ from lowlevel.sandbox.launcher import Run, _conflict_dir
 from lowlevel.session.command import Command
 from lowlevel.session.phase import Phase
 from lowlevel.spec.policy import WORKSPACE_DEST
-from lowlevel.workspace import cow as _cow
 from lowlevel.workspace import overlay as _overlay
 
 
@@ -211,10 +210,9 @@ class WorkspaceGate:
             return changes
         owner = (r.lower_stat.st_uid, r.lower_stat.st_gid) if r.facts.caller_is_root and r.lower_stat else None
         try:
-            report = _overlay.commit(r.upper_fd, r.lower_fd, xattr_prefix=r.xattr_prefix, since_ns=r.since_ns,
-                                     new_owner=owner, max_bytes=_cow.commit_budget(r.upper_bytes),
-                                     accept_seen_host_changes=True,
-                                     save_to=lambda: _conflict_dir(r.workspace_base))
+            report = _overlay.commit_upper(r.upper_fd, r.lower_fd, xattr_prefix=r.xattr_prefix, since_ns=r.since_ns,
+                                           new_owner=owner, upper_bytes=r.upper_bytes, accept_seen_host_changes=True,
+                                           save_to=lambda: _conflict_dir(r.workspace_base), keep_upper=True)
         except (CommitIncompleteError, _overlay.CommitConflictError) as err:
             if err.applied is not None:
                 # Stopped part-way (a full disk) or host writes met during the apply pass: what

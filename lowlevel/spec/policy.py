@@ -289,7 +289,7 @@ class Policy:
         hostname: the sandbox's hostname (``--hostname``, needs the UTS namespace).
         host_uid, host_gid: when the caller is root, the unprivileged host ids the sandbox
             runs as. None (default): each live sandbox gets a uid (and the gid of the same
-            number) of its own from a range (:data:`lowlevel.workspace.cow.DEFAULT_UID_RANGE`,
+            number) of its own from a range (:data:`lowlevel.workspace.uids.DEFAULT_UID_RANGE`,
             ``LOWLEVEL_UID_RANGE``), so per-uid kernel budgets (inotify and fanotify
             instances, RLIMIT_NPROC, keyrings) are per run. An int pins it (``host_gid``
             defaults to the same number). With bwrap 0.8.0 a sandbox whose uid maps to host

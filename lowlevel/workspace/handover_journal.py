@@ -1,18 +1,21 @@
-"""On-disk journal of a hand-over, so a root caller's death never leaves the workspace given away.
+"""The record of a hand-over (:class:`Handover`) and its on-disk journal, so a root caller's
+death never leaves the workspace given away.
 
 The hand-over fallback (no copy-on-write overlay: ``LOWLEVEL_NO_OVERLAY=1``, or a kernel or
 filesystem without idmapped/user-namespace overlays) gives a root caller's workspace entries to
 the sandbox's per-run uid for the run and back after it, from an in-memory record
-(:class:`lowlevel.workspace.Handover`). A caller SIGKILLed in between left every entry owned by
+(:class:`Handover`). A caller SIGKILLed in between left every entry owned by
 a uid that a later, unrelated sandbox is leased again, and the root 0770 with its group.
 
 Now :func:`lowlevel.workspace.hand_over` writes the record here as it goes: one line per entry
 *before* that entry is chowned (a ``write(2)`` each, unbuffered: a killed process loses
-nothing it wrote), so the journal always covers every entry changed. :func:`recover` (run by
-``lowlevel cleanup`` and by the next hand-over of the same workspace) rebuilds the record of
-each journal whose caller is gone and whose recorded anchor and bwrap are gone too, gives the
-workspace back with :func:`lowlevel.workspace.give_back` (same rules as after a normal run:
-owners, modes, setuid/setgid bits, ACLs), and removes the journal.
+nothing it wrote), so the journal always covers every entry changed.
+:func:`lowlevel.workspace.handover.recover` (run by ``lowlevel cleanup`` and by the next
+hand-over of the same workspace) rebuilds the record of each journal whose caller is gone
+(:func:`pending`, :func:`load`) and whose recorded anchor and bwrap are gone too
+(:func:`sandbox_alive`), gives the workspace back with :func:`lowlevel.workspace.give_back`
+(same rules as after a normal run: owners, modes, setuid/setgid bits, ACLs), and removes the
+journal.
 
 Where: ``/run/lowlevel/handover/<pid>-<serial>`` (root's, 0700; a tmpfs on most systems, so a
 reboot forgets journals, but a reboot also ends every sandbox, and the workspace then keeps the
@@ -34,17 +37,62 @@ import itertools
 import os
 import stat
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
+from lowlevel.host.procs import process_start_time, uid_runs_a_process
 from lowlevel.workspace import cow as _cow
-from lowlevel.workspace import process_start_time
-
-if TYPE_CHECKING:
-    from lowlevel.workspace import Handover
+from lowlevel.workspace.changes import Snapshot
 
 #: Where journals live (root callers only).
 JOURNAL_DIR = os.path.join(_cow.ROOT_STATE_DIR, "handover")
 _serial = itertools.count(1)
+
+
+@dataclass
+class Handover:
+    """What :func:`hand_over` changed and saw, for :func:`give_back` after the run.
+
+    Attributes:
+        root: the workspace's host path.
+        before: the snapshot before the run (``(Snapshot, complete)``, as :func:`snapshot`).
+        root_ids: ``(uid, gid, mode)`` of the root directory before the run (mode with its
+            special bits).
+        owners: ``{(st_dev, st_ino): (uid, gid, st_mode)}`` of every entry below the root
+            before the run (the inodes that existed before it).
+        pins: ``{(st_dev, st_ino): fd}``: O_PATH fds holding pre-existing setuid/setgid
+            non-directories alive while the sandbox (as the caller's own uid) could delete
+            them: an inode that cannot be freed cannot have its number reused by a file the
+            sandbox makes, so a matching number after the run is the same file.
+        sandbox_uid: the host uid the sandbox ran as when it differs from the caller's (root
+            callers), else None.
+        new_owner: ``(uid, gid)`` given to inodes the run created (the root's owner and group).
+        acls: ``{(st_dev, st_ino): {xattr: value}}``: the POSIX ACLs (:data:`ACL_XATTRS`) of
+            entries handed to the sandbox's uid that had any before the run (root callers).
+        stamps: ``{(st_dev, st_ino): (size, mtime_ns, ctime_ns)}`` of pre-existing
+            setuid/setgid non-directories: one whose stamp changed was written (a write
+            through a ``MAP_SHARED`` mapping keeps the bits) and loses them.
+        notes: what :func:`give_back` could not do exactly (for ``Result.notes``).
+        done: True once :func:`give_back` ran.
+        journal: root callers: the on-disk record of this hand-over
+            (:class:`lowlevel.workspace.handover_journal.Journal`), removed once given back.
+        lock_fd: root callers: a ``flock(LOCK_EX)`` on the root directory, held until given
+            back (closed with the pins): a second hand-over of the same workspace meanwhile
+            would record the first sandbox's owners as the originals and give them back.
+    """
+
+    root: str
+    before: tuple[Snapshot, bool]
+    root_ids: tuple[int, int, int]
+    owners: dict[tuple[int, int], tuple[int, int, int]]
+    pins: dict[tuple[int, int], int]
+    sandbox_uid: int | None
+    new_owner: tuple[int, int]
+    acls: dict[tuple[int, int], dict[str, bytes]] = field(default_factory=dict)
+    stamps: dict[tuple[int, int], tuple[int, int, int]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    done: bool = False
+    journal: Any = None
+    lock_fd: int = -1
 
 
 class Journal:
@@ -139,7 +187,6 @@ class Entry:
 
 def load(path: str) -> Entry:
     """Read a journal back. Raises ValueError if it is malformed."""
-    from lowlevel.workspace import Handover
     with open(path, "rb") as f:
         lines = f.read().decode("ascii").splitlines()
     if not lines or not lines[0].startswith("H 1 "):
@@ -169,7 +216,7 @@ def load(path: str) -> Entry:
     return entry
 
 
-def _sandbox_alive(entry: Entry) -> str | None:
+def sandbox_alive(entry: Entry) -> str | None:
     """What says the run's sandbox may still run, else None.
 
     bwrap is PID 1 of the run's PID namespace: its exit completes only once every process of
@@ -182,26 +229,9 @@ def _sandbox_alive(entry: Entry) -> str | None:
             return f"its {kind} (pid {pid}) still runs"
     uid = entry.handover.sandbox_uid
     if all(kind != "bwrap" for kind, _pid, _start in entry.processes) and uid is not None \
-            and _uid_runs_a_process(uid):
+            and uid_runs_a_process(uid):
         return f"a process of its uid {uid} still runs"
     return None
-
-
-def _uid_runs_a_process(uid: int) -> bool:
-    want = str(uid).encode()
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/status", "rb") as f:
-                for line in f:
-                    if line.startswith(b"Uid:"):
-                        if want in line.split()[1:]:
-                            return True
-                        break
-        except OSError:
-            continue
-    return False
 
 
 def pending(root: str | None = None) -> list[str]:
@@ -237,7 +267,7 @@ def pending(root: str | None = None) -> list[str]:
 
 def journaled_uids() -> frozenset[int]:
     """The sandbox uids named by the journals here (live runs' and dead callers' not yet given
-    back). :class:`lowlevel.workspace.cow.UidLease` never leases them: a dead caller's workspace is still
+    back). :class:`lowlevel.workspace.uids.UidLease` never leases them: a dead caller's workspace is still
     owned by its uid until recovered, and another sandbox running as that uid would own (and
     could reach) its files meanwhile, and keep its recovery waiting."""
     try:
@@ -272,60 +302,11 @@ def _caller_pid_reused(path: str, pid: int) -> bool:
     return start is not None and start != int(rec[3])
 
 
-def _unlink(path: str) -> None:
+def unlink(path: str) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass  # another cleanup took it meanwhile (giving back twice is harmless: same record)
 
 
-def recover(root: str | None = None) -> tuple[list[str], list[str]]:
-    """Give back every workspace a dead root caller left handed over (see the module docstring).
-
-    Args:
-        root: only this workspace (resolved path), or every journal's.
-    Returns:
-        ``(given back, problems)``: workspace paths restored, and one line for each journal
-        that stayed (its sandbox still runs, a walk failed).
-    """
-    from lowlevel.errors import WorkspaceError
-    from lowlevel.workspace import check_trusted_ancestors, give_back
-    done: list[str] = []
-    problems: list[str] = []
-    for path in pending(root):
-        try:
-            entry = load(path)
-        except (OSError, ValueError, UnicodeDecodeError) as err:
-            problems.append(f"{path}: unreadable journal ({err}); remove it by hand")
-            continue
-        h, root_key = entry.handover, entry.root_key
-        alive = _sandbox_alive(entry)
-        if alive is not None:
-            problems.append(f"{h.root}: not given back yet, {alive}; try again in a moment")
-            continue
-        try:
-            st = os.lstat(h.root)
-        except OSError:
-            st = None
-        if st is None or not stat.S_ISDIR(st.st_mode) or (root_key is not None
-                                                          and (st.st_dev, st.st_ino) != root_key):
-            # The workspace is gone, or the path is now another directory or a symlink (replaced
-            # meanwhile): what was handed over is not there, so nothing is given back through it.
-            _unlink(path)
-            continue
-        try:
-            check_trusted_ancestors(h.root)  # as at the run: no ancestor another user could swap
-        except WorkspaceError as err:
-            problems.append(f"{h.root}: not given back: {err}")
-            continue
-        try:
-            give_back(h)
-        except WorkspaceError as err:
-            problems.append(f"{h.root}: {err}")
-            continue
-        _unlink(path)
-        done.append(h.root)
-    return done, problems
-
-
-__all__ = ["JOURNAL_DIR", "Entry", "Journal", "journaled_uids", "load", "pending", "recover"]
+__all__ = ["JOURNAL_DIR", "Entry", "Handover", "Journal", "journaled_uids", "load", "pending"]

@@ -163,7 +163,8 @@ def test_the_rm_workspace_of_a_killed_cli_is_removed_by_cleanup():
 def test_keep_workspace_false_names_its_workspace_disposable():
     from lowlevel import Policy
     from lowlevel.sandbox.launcher import Run
-    from lowlevel.workspace import creator_alive, disposable_owner
+    from lowlevel.host.procs import process_alive
+    from lowlevel.workspace.create import disposable_owner
     for keep, prefix in ((False, "rm-"), (True, "run-")):
         r = Run(["/usr/bin/true"], policy=Policy(), keep_workspace=keep)
         try:
@@ -172,8 +173,8 @@ def test_keep_workspace_false_names_its_workspace_disposable():
             assert name.startswith(prefix), name
             if not keep:
                 owner = disposable_owner(name)
-                assert owner is not None and owner[0] == os.getpid() and creator_alive(*owner)
-                assert not creator_alive(owner[0], owner[1] + 1)  # another process with that pid: gone
+                assert owner is not None and owner[0] == os.getpid() and process_alive(*owner)
+                assert not process_alive(owner[0], owner[1] + 1)  # another process with that pid: gone
         finally:
             r.close()
             r.discard_workspace_if_unused()

@@ -114,10 +114,10 @@ def _dead_callers_journal(serial: int, content: Callable[[int], bytes]) -> str:
 
 
 def test_a_malformed_journal_is_reported_not_fatal() -> None:
-    from lowlevel.workspace import handover_journal as journal
+    from lowlevel.workspace.handover import recover
     path = _dead_callers_journal(999, lambda _pid: b"H 1 garbage\n\xff")
     try:
-        done, problems = journal.recover()
+        done, problems = recover()
         assert path not in done and any(path in x and "unreadable" in x for x in problems), problems
         out = subprocess.run([sys.executable, "-m", "lowlevel", "cleanup"], capture_output=True, text=True)
         assert "Traceback" not in out.stderr and path in out.stdout + out.stderr
@@ -240,7 +240,7 @@ def test_a_journaled_uid_is_not_leased_until_given_back(monkeypatch: pytest.Monk
     leasing that uid to the next sandbox (the lowest free one) made that sandbox own the dead
     run's files and kept the recovery waiting for as long as uids were busy (found by killing
     callers at random instants). Journaled uids are skipped; the control lease takes them."""
-    from lowlevel.workspace.cow import UidLease
+    from lowlevel.workspace.uids import UidLease
     first = 1879048192 + 60000  # two ids of the default range no other test leases
     monkeypatch.setenv("LOWLEVEL_UID_RANGE", f"{first}-{first + 1}")
     path = _dead_callers_journal(

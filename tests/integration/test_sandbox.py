@@ -241,7 +241,7 @@ def test_root_caller_sandbox_is_not_host_root():
     # The run writes into its copy-on-write upper layer (not the directory) as a per-run host
     # uid from lowlevel's range; the commit after the run gives new files the workspace's owner.
     assert owner is None
-    from lowlevel.workspace.cow import uid_range
+    from lowlevel.workspace.uids import uid_range
     first, count = uid_range()
     assert r.argv[0].endswith("_lowlevel_exec")
     uid_arg = next(a for a in r.argv if a.startswith("--uid="))

@@ -1,6 +1,6 @@
 """Per-run uids are never an NSS directory's ids (sssd, LDAP, winbind), not only /etc/passwd's.
 
-A root caller's sandbox runs as a leased uid (lowlevel.workspace.cow.UidLease). Where nsswitch.conf takes
+A root caller's sandbox runs as a leased uid (lowlevel.workspace.uids.UidLease). Where nsswitch.conf takes
 users or groups from a source beyond ``files`` (sssd's default id mapping spans
 200000-2000200000, the default per-run range included), a lease handed a directory user's uid
 would let that user own the sandbox's files, and the sandbox that user's. The lookup is real:
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from lowlevel.workspace import cow
+from lowlevel.workspace import uids
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="per-run uid leases are for root callers")
 
@@ -28,19 +28,19 @@ NSS_WRAPPER = next((p for p in ("/usr/lib/x86_64-linux-gnu/libnss_wrapper.so", "
 
 _LEASE = textwrap.dedent("""
     import json, sys
-    from lowlevel.workspace import cow
-    cow.NSSWITCH_PATH = sys.argv[1]
-    cow.UID_LOCK_PATH = sys.argv[2]  # a lease file (and rotation cursor) of this test's own
-    lease = cow.UidLease.acquire()
-    print(json.dumps({"uid": lease.uid, "nss_beyond_files": cow.nss_beyond_files()}))
+    from lowlevel.workspace import uids
+    uids.NSSWITCH_PATH = sys.argv[1]
+    uids.UID_LOCK_PATH = sys.argv[2]  # a lease file (and rotation cursor) of this test's own
+    lease = uids.UidLease.acquire()
+    print(json.dumps({"uid": lease.uid, "nss_beyond_files": uids.nss_beyond_files()}))
     lease.release()
 """)
 
 
 def _free_pair() -> int:
     """Two consecutive ids of the default range that /etc/passwd and /etc/group do not name."""
-    first, count = cow.DEFAULT_UID_RANGE
-    taken = cow.account_uids(first, count)
+    first, count = uids.DEFAULT_UID_RANGE
+    taken = uids.account_uids(first, count)
     return next(u for u in range(first + count - 3, first, -1) if u not in taken and u + 1 not in taken)
 
 
@@ -91,5 +91,5 @@ def test_files_only_hosts_do_not_ask_nss(tmp_path: Path) -> None:
 def test_nsswitch_sources(tmp_path: Path, text: str, beyond: bool) -> None:
     conf = tmp_path / "nsswitch.conf"
     conf.write_text(text)
-    assert cow.nss_beyond_files(str(conf)) is beyond
-    assert cow.nss_beyond_files(str(tmp_path / "missing")) is False
+    assert uids.nss_beyond_files(str(conf)) is beyond
+    assert uids.nss_beyond_files(str(tmp_path / "missing")) is False

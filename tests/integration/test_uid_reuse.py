@@ -1,6 +1,6 @@
 """Per-run uids are reused least recently used first, not at once (issue 22, item 6).
 
-A root caller's sandboxes each run as a uid leased from a range (lowlevel.workspace.cow.UidLease). The
+A root caller's sandboxes each run as a uid leased from a range (lowlevel.workspace.uids.UidLease). The
 lease used to hand the lowest free uid to every run, so sequential runs all ran as the same
 uid, and a private (0600) file one run left in a writable bind was the next run's to read,
 though the next run may be another task's or tenant's. Now each lease starts after the last one
@@ -27,13 +27,13 @@ from typing import Any
 import pytest
 
 import lowlevel
-from lowlevel.workspace import cow
+from lowlevel.workspace import uids
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="per-run uid leases are for root callers")
 
 def _free_id() -> int:
-    first, count = cow.DEFAULT_UID_RANGE
-    taken = cow.account_uids(first, count)
+    first, count = uids.DEFAULT_UID_RANGE
+    taken = uids.account_uids(first, count)
     return next(u for u in range(first + count - 11, first, -1) if u not in taken)
 
 
@@ -98,9 +98,9 @@ def test_control_a_pinned_uid_reads_what_it_left(shared: Path) -> None:
 
 _LEASE = textwrap.dedent("""
     import sys
-    from lowlevel.workspace import cow
-    cow.UID_LOCK_PATH = sys.argv[1]
-    lease = cow.UidLease.acquire()
+    from lowlevel.workspace import uids
+    uids.UID_LOCK_PATH = sys.argv[1]
+    lease = uids.UidLease.acquire()
     print(lease.uid)
     lease.release()
 """)
@@ -119,7 +119,7 @@ def test_rotation_is_shared_across_processes(tmp_path: Path) -> None:
     """Each lease, in a process of its own, gets the uid after the last one handed out,
     wrapping around the range: least recently used first, whoever leased before."""
     first = _free_id() - 2
-    assert not cow.account_uids(first, 3)
+    assert not uids.account_uids(first, 3)
     lock = tmp_path / "uids.lock"
     got = [_lease_in_new_process(lock, first, first + 2) for _ in range(4)]
     assert got == [first, first + 1, first + 2, first]
@@ -129,18 +129,18 @@ def test_rotation_is_shared_across_processes(tmp_path: Path) -> None:
 def test_a_live_uid_is_skipped_and_the_rotation_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     first = _free_id() - 2
     monkeypatch.setenv("LOWLEVEL_UID_RANGE", f"{first}-{first + 2}")
-    monkeypatch.setattr(cow, "UID_LOCK_PATH", str(tmp_path / "uids.lock"))
-    held = cow.UidLease.acquire()  # a live sandbox's
+    monkeypatch.setattr(uids, "UID_LOCK_PATH", str(tmp_path / "uids.lock"))
+    held = uids.UidLease.acquire()  # a live sandbox's
     assert held.uid == first
     try:
-        others = [cow.UidLease.acquire() for _ in range(2)]
+        others = [uids.UidLease.acquire() for _ in range(2)]
         assert [lease.uid for lease in others] == [first + 1, first + 2]
         with pytest.raises(lowlevel.UnsupportedError):
-            cow.UidLease.acquire()  # all three live
+            uids.UidLease.acquire()  # all three live
         for lease in others:
             lease.release()
         # first is still live: the rotation wraps past it to the least recently used free uid.
-        nxt = cow.UidLease.acquire()
+        nxt = uids.UidLease.acquire()
         assert nxt.uid == first + 1
         nxt.release()
     finally:
