@@ -297,7 +297,7 @@ def clean(workspaces: tuple[str, ...] = (), base: str | None = None) -> tuple[li
         except OSError as err:
             problems.append(f"{item.path}: {err.strerror}")
     for item in _stale_imports():
-        from lowlevel.image import _rmtree as _rmtree_import
+        from lowlevel.image.tree import rmtree as _rmtree_import
         _rmtree_import(item.path)
         if os.path.lexists(item.path):
             problems.append(f"{item.path}: could not be removed")

@@ -136,6 +136,9 @@ class SandboxConfig:
             raise PolicyError(f"{where}: {err}") from err
         try:
             policy = Policy(**kwargs)
+            if policy.image is not None or policy.rootfs is not None:
+                from lowlevel.rootfs.resolve import resolve  # the store and the tree, while the file can be named
+                resolve(policy)  # cached for this Policy's runs
         except TypeError as err:
             raise PolicyError(f"{where}: {err}") from err
         except PolicyError as err:  # name the file: an image/rootfs/landlock value is checked here

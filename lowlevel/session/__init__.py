@@ -323,6 +323,9 @@ class _Core:
         policy = policy or Policy()
         if not isinstance(policy, Policy):
             raise PolicyError(f"policy must be a lowlevel.Policy, got {type(policy).__name__}")
+        if policy.image is not None or policy.rootfs is not None:  # plan time: the image store, the tree's checks
+            from lowlevel.rootfs.resolve import resolve
+            policy = resolve(policy)
         for name, value in (("idle_timeout", idle_timeout), ("total_timeout", total_timeout)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not value > 0):
@@ -2014,6 +2017,9 @@ class Pool:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise PolicyError(f"Pool size must be an int >= 1, got {size!r}")
         self.policy = policy or Policy()
+        if self.policy.image is not None or self.policy.rootfs is not None:  # plan time (lowlevel.rootfs.resolve)
+            from lowlevel.rootfs.resolve import resolve
+            self.policy = resolve(self.policy)
         self.size = size
         self.template = None if template is None else os.fspath(template)
         self._kwargs: dict[str, Any] = {"workspace_base": workspace_base, "bwrap": bwrap,
