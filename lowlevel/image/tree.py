@@ -305,8 +305,5 @@ def user_ids(rootfs: str, user: str, notes: list[str]) -> tuple[int, int] | None
     return (uid, gid)
 
 
-# --- Policy(image=...) --------------------------------------------------------------------------
-
-
 __all__ = ["atomic_write", "check_space", "ensure_placeholders", "fs_used", "make_workdir", "neutralize",
            "readable_by_others", "rmtree", "tree_bytes", "user_ids"]

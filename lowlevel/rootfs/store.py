@@ -136,7 +136,7 @@ class Image:
         layers: the layers, bottom first.
         config: run defaults.
         imported_at: ISO 8601 UTC time of the import.
-        last_used: when a Policy was last built on it (epoch seconds), or None.
+        last_used: when a run was last planned on it (epoch seconds; once per Policy object), or None.
         source: ``{"kind", "path", "ref"}`` of the archive it came from.
         notes: what the import changed (device nodes dropped, setid bits cleared...).
     """
