@@ -200,7 +200,12 @@ def test_policy_pins_the_image_and_replace_is_stable(bb: lowlevel.Policy, store:
     import dataclasses
     img = store.get("bbtest:1")
     assert bb.image == "bbtest:1" and bb.rootfs is None  # data: nothing read yet
+    stamp = os.path.join(store.image_dir(img.id), "last-used")
+    os.utime(stamp, (0, 0))
+    lowlevel.Policy(image="bbtest:1")
+    assert os.stat(stamp).st_mtime == 0  # building a Policy does not stamp the image's last use
     planned = resolve(bb)
+    assert os.stat(stamp).st_mtime > 0  # planning a run on it does
     assert planned.image == img.id and planned.rootfs == img.rootfs and planned.workdir == "/app"
     assert resolve(bb) is planned and resolve(planned) is planned  # once per Policy object
     assert dataclasses.replace(planned, network=True).rootfs == img.rootfs

@@ -127,6 +127,22 @@ def test_policy_rootfs_validation(tree: pathlib.Path) -> None:
     assert lowlevel.Policy(workdir="/app/").workdir == "/app"
 
 
+def test_a_policy_is_built_without_reading_the_host(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 26: building a Policy reads neither the image store nor the tree (a Policy is data);
+    the run's plan (resolve) does, with the errors Policy(...) used to raise."""
+    monkeypatch.setenv("LOWLEVEL_IMAGE_STORE", str(tmp_path / "no-store"))
+    on_image = lowlevel.Policy(image="nosuch:1", rootfs_writable=True)
+    on_tree = lowlevel.Policy(rootfs=str(tmp_path / "missing"))
+    assert on_image.rootfs is None and on_tree.rootfs == str(tmp_path / "missing")
+    with pytest.raises(lowlevel.PolicyError, match="no image 'nosuch:1' in the store"):
+        resolve(on_image)
+    with pytest.raises(lowlevel.PolicyError, match="not a directory"):
+        resolve(on_tree)
+    assert not (tmp_path / "no-store").exists()  # looking an image up creates no store
+    plain = lowlevel.Policy()
+    assert resolve(plain) is plain  # no image, no rootfs: nothing to read
+
+
 def test_tree_hash_covers_content_modes_and_links(tree: pathlib.Path) -> None:
     a = tree_sha256(str(tree))
     assert a.entries > 10 and a == tree_sha256(str(tree))
