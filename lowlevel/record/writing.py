@@ -109,14 +109,7 @@ def execute_recorded(command: Sequence[str], *, policy: Policy | None = None,
         cwd = policy.workdir or WORKSPACE_DEST
     command = _validate.run_args(command=command, cwd=cwd, env=env, workspace=workspace,
                                  workspace_base=workspace_base, inputs=inputs)
-    created = None
-    if workspace is None:
-        ws = created = _ws.create_workspace(inputs, workspace_base)
-    else:
-        ws = os.path.realpath(os.fspath(workspace))
-        _ws.check_workspace_path(ws, allow_sensitive=allow_sensitive_workspace)
-        if inputs:
-            _ws.copy_inputs(ws, inputs)
+    ws, created = _workspace(workspace, inputs, workspace_base, allow_sensitive_workspace)
     try:
         store = InputStore(store_dir)
         t_hash = time.monotonic()
@@ -155,6 +148,19 @@ def execute_recorded(command: Sequence[str], *, policy: Policy | None = None,
         result.notes = (*result.notes, *budget_notes)
     safe: dict[str, Any] = json_safe(record)
     return result, safe
+
+
+def _workspace(workspace: str | os.PathLike[str] | None, inputs: Sequence[str | os.PathLike[str]],
+               workspace_base: str | None, allow_sensitive: bool) -> tuple[str, str | None]:
+    """The run's workspace with its inputs copied in: ``(path, path if made here else None)``."""
+    if workspace is None:
+        ws = _ws.create_workspace(inputs, workspace_base)
+        return ws, ws
+    ws = os.path.realpath(os.fspath(workspace))
+    _ws.check_workspace_path(ws, allow_sensitive=allow_sensitive)
+    if inputs:
+        _ws.copy_inputs(ws, inputs)
+    return ws, None
 
 
 def _record_doc(result: Result, policy: Policy, *, command: list[str], cwd: str, env: Mapping[str, str] | None,
