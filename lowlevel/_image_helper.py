@@ -113,96 +113,111 @@ def _clean(name: str, what: str) -> str:
     return "/".join(parts)
 
 
+class _Totals:
+    """What the layers scanned so far hold, against the import's bounds."""
+
+    def __init__(self, max_bytes: int, max_entries: int) -> None:
+        self.max_bytes = max_bytes
+        self.max_entries = max_entries
+        self.entries = 0
+        self.bytes = 0
+        self.devices: set[str] = set()
+
+
+def _check_member(m: tarfile.TarInfo, what: str, totals: _Totals, stats: dict[str, int]) -> None:
+    """Refuse a member a layer may not hold (or one over a bound); count it in ``stats``."""
+    totals.entries += 1
+    stats["entries"] += 1
+    if totals.entries > totals.max_entries:
+        raise RefusedError(f"the image has more than {totals.max_entries} entries in its layers "
+                           "(raise the import's entry bound if you trust it)")
+    name = _clean(m.name, f"{what}: member")
+    if m.type not in _KNOWN_TYPES:
+        raise RefusedError(f"{what}: member {m.name!r} has tar type {m.type!r}, which a layer may not hold")
+    if m.islnk():
+        link = _clean(m.linkname, f"{what}: hard link {m.name!r} -> target")
+        if not link:
+            raise RefusedError(f"{what}: hard link {m.name!r} points at the root")
+    if m.isreg():
+        totals.bytes += m.size
+        stats["bytes"] += m.size
+        if totals.bytes > totals.max_bytes:
+            raise RefusedError(f"the image's files add up to more than {totals.max_bytes} bytes "
+                               f"({what}: {m.name!r} is {m.size} bytes); raise the import's "
+                               "byte bound if you trust it")
+        if m.mode & 0o6000:
+            stats["setid"] += 1
+    if m.ischr() or m.isblk():
+        stats["devices"] += 1
+        totals.devices.add(name)
+        if len(totals.devices) > MAX_DEVICES:
+            raise RefusedError(f"the image has more than {MAX_DEVICES} device nodes")
+    elif name in totals.devices:
+        totals.devices.discard(name)
+    base = name.rsplit("/", 1)[-1]
+    if base.startswith(".wh.") and base != ".wh..wh..opq":
+        gone = name[: len(name) - len(base)] + base[4:]
+        totals.devices = {d for d in totals.devices if d != gone and not d.startswith(gone + "/")}
+    if m.isfifo():
+        stats["fifos"] += 1
+    if any(k.startswith("SCHILY.xattr.security.capability") for k in m.pax_headers):
+        stats["caps"] += 1
+
+
+def _scan_layer(spec: dict[str, Any], index: int, layer: dict[str, Any], totals: _Totals) -> dict[str, int]:
+    """Read one layer blob to its end (digest and ``diff_id`` checked); return its counts."""
+    progress_file = spec.get("progress")
+    digest = str(layer["digest"])
+    algo, _, hexd = digest.partition(":")
+    if algo != "sha256" or len(hexd) != 64 or not all(c in "0123456789abcdef" for c in hexd):
+        raise RefusedError(f"layer {index + 1} has a malformed digest {digest!r}")
+    what = f"layer {index + 1} ({digest[:19]})"
+    path = os.path.join(spec["layout"], "blobs", "sha256", hexd)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    last_progress = 0.0
+    with os.fdopen(fd, "rb") as raw:
+        head = raw.read(4)
+        raw.seek(0)
+        if head.startswith(_ZSTD_MAGIC) or str(layer.get("media_type", "")).endswith("zstd"):
+            raise RefusedError(f"{what} is zstd-compressed, which this unpacker (umoci 0.4) cannot read: convert "
+                               "the image first with `skopeo copy --dest-compress-format gzip oci-archive:IN "
+                               "oci-archive:OUT`")
+        compressed = _Meter(raw, None, what)
+        stream: Any = compressed
+        if head.startswith(_GZIP_MAGIC):
+            stream = gzip.GzipFile(fileobj=compressed, mode="rb")
+        diff = hashlib.sha256()
+        # Headers and padding take at most 3 blocks per entry on top of the content.
+        cap = totals.max_bytes - totals.bytes + (totals.max_entries - totals.entries + 1) * 3 * 512 + (1 << 20)
+        plain = _Meter(stream, cap, what, diff, trailer=True)
+        stats = {"entries": 0, "bytes": 0, "devices": 0, "setid": 0, "fifos": 0, "caps": 0}
+        try:
+            with tarfile.open(fileobj=plain, mode="r|") as tar:
+                for m in tar:
+                    _check_member(m, what, totals, stats)
+                    now = time.monotonic()
+                    if progress_file and now - last_progress > 0.2:
+                        last_progress = now
+                        _progress(progress_file, index, compressed.count)
+                while plain.read(1 << 20):  # the rest (end-of-archive blocks), for the diff_id
+                    pass
+        except (tarfile.TarError, EOFError, OSError, zlib.error) as err:
+            raise RefusedError(f"{what} is truncated or corrupt: {err}") from err
+        want = str(layer.get("diff_id") or "")
+        if want and want != "sha256:" + diff.hexdigest():
+            raise RefusedError(f"{what}: its uncompressed content hashes to sha256:{diff.hexdigest()}, not to "
+                               f"the config's diff_id {want}")
+        if progress_file:
+            _progress(progress_file, index, compressed.count)
+    return stats
+
+
 def scan(spec: dict[str, Any]) -> dict[str, Any]:
     """Scan every layer of ``spec`` (see the module docstring); return the summary."""
-    max_bytes = int(spec["max_bytes"])
-    max_entries = int(spec["max_entries"])
-    progress_file = spec.get("progress")
-    entries = 0
-    total = 0
-    devices: set[str] = set()
-    out_layers = []
-    last_progress = 0.0
-    for index, layer in enumerate(spec["layers"]):
-        digest = str(layer["digest"])
-        algo, _, hexd = digest.partition(":")
-        if algo != "sha256" or len(hexd) != 64 or not all(c in "0123456789abcdef" for c in hexd):
-            raise RefusedError(f"layer {index + 1} has a malformed digest {digest!r}")
-        what = f"layer {index + 1} ({digest[:19]})"
-        path = os.path.join(spec["layout"], "blobs", "sha256", hexd)
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        with os.fdopen(fd, "rb") as raw:
-            head = raw.read(4)
-            raw.seek(0)
-            if head.startswith(_ZSTD_MAGIC) or str(layer.get("media_type", "")).endswith("zstd"):
-                raise RefusedError(f"{what} is zstd-compressed, which this unpacker (umoci 0.4) cannot read: convert "
-                              "the image first with `skopeo copy --dest-compress-format gzip oci-archive:IN "
-                              "oci-archive:OUT`")
-            compressed = _Meter(raw, None, what)
-            stream: Any = compressed
-            if head.startswith(_GZIP_MAGIC):
-                stream = gzip.GzipFile(fileobj=compressed, mode="rb")
-            diff = hashlib.sha256()
-            # Headers and padding take at most 3 blocks per entry on top of the content.
-            cap = max_bytes - total + (max_entries - entries + 1) * 3 * 512 + (1 << 20)
-            plain = _Meter(stream, cap, what, diff, trailer=True)
-            stats = {"entries": 0, "bytes": 0, "devices": 0, "setid": 0, "fifos": 0, "caps": 0}
-            try:
-                with tarfile.open(fileobj=plain, mode="r|") as tar:
-                    for m in tar:
-                        entries += 1
-                        stats["entries"] += 1
-                        if entries > max_entries:
-                            raise RefusedError(f"the image has more than {max_entries} entries in its layers "
-                                          "(raise the import's entry bound if you trust it)")
-                        name = _clean(m.name, f"{what}: member")
-                        if m.type not in _KNOWN_TYPES:
-                            raise RefusedError(f"{what}: member {m.name!r} has tar type {m.type!r}, which a layer "
-                                          "may not hold")
-                        if m.islnk():
-                            link = _clean(m.linkname, f"{what}: hard link {m.name!r} -> target")
-                            if not link:
-                                raise RefusedError(f"{what}: hard link {m.name!r} points at the root")
-                        if m.isreg():
-                            total += m.size
-                            stats["bytes"] += m.size
-                            if total > max_bytes:
-                                raise RefusedError(f"the image's files add up to more than {max_bytes} bytes "
-                                              f"({what}: {m.name!r} is {m.size} bytes); raise the import's "
-                                              "byte bound if you trust it")
-                            if m.mode & 0o6000:
-                                stats["setid"] += 1
-                        if m.ischr() or m.isblk():
-                            stats["devices"] += 1
-                            devices.add(name)
-                            if len(devices) > MAX_DEVICES:
-                                raise RefusedError(f"the image has more than {MAX_DEVICES} device nodes")
-                        elif name in devices:
-                            devices.discard(name)
-                        base = name.rsplit("/", 1)[-1]
-                        if base.startswith(".wh.") and base != ".wh..wh..opq":
-                            gone = name[: len(name) - len(base)] + base[4:]
-                            devices = {d for d in devices if d != gone and not d.startswith(gone + "/")}
-                        if m.isfifo():
-                            stats["fifos"] += 1
-                        if any(k.startswith("SCHILY.xattr.security.capability") for k in m.pax_headers):
-                            stats["caps"] += 1
-                        now = time.monotonic()
-                        if progress_file and now - last_progress > 0.2:
-                            last_progress = now
-                            _progress(progress_file, index, compressed.count)
-                    while plain.read(1 << 20):  # the rest (end-of-archive blocks), for the diff_id
-                        pass
-            except (tarfile.TarError, EOFError, OSError, zlib.error) as err:
-                raise RefusedError(f"{what} is truncated or corrupt: {err}") from err
-            want = str(layer.get("diff_id") or "")
-            if want and want != "sha256:" + diff.hexdigest():
-                raise RefusedError(f"{what}: its uncompressed content hashes to sha256:{diff.hexdigest()}, not to "
-                              f"the config's diff_id {want}")
-            if progress_file:
-                _progress(progress_file, index, compressed.count)
-            out_layers.append(stats)
-    return {"ok": True, "layers": out_layers, "entries": entries, "bytes": total, "devices": sorted(devices)}
+    totals = _Totals(int(spec["max_bytes"]), int(spec["max_entries"]))
+    out_layers = [_scan_layer(spec, index, layer, totals) for index, layer in enumerate(spec["layers"])]
+    return {"ok": True, "layers": out_layers, "entries": totals.entries, "bytes": totals.bytes,
+            "devices": sorted(totals.devices)}
 
 
 def _progress(path: str, index: int, done: int) -> None:

@@ -337,7 +337,7 @@ def _clean_egress_dirs(removed: list[Leftover], problems: list[str]) -> None:
 def _clean_imports(removed: list[Leftover], problems: list[str]) -> None:
     """Remove the staging directories of interrupted image imports."""
     for item in _stale_imports():
-        from lowlevel.image import _rmtree as _rmtree_import
+        from lowlevel.image.tree import rmtree as _rmtree_import
         _rmtree_import(item.path)
         if os.path.lexists(item.path):
             problems.append(f"{item.path}: could not be removed")

@@ -86,6 +86,12 @@ class SandboxConfig:
             raise PolicyError(f"{where}: expected a table of settings, got {type(data).__name__}")
         _config.check_keys(data, _config.POLICY_KEYS | _ADAPTER_KEYS | {_config.EGRESS_KEY}, path)
         policy = _config.policy_from_mapping({k: v for k, v in data.items() if k not in _ADAPTER_KEYS}, path)
+        if policy.image is not None or policy.rootfs is not None:
+            from lowlevel.rootfs.resolve import resolve  # the store and the tree, while the file can be named
+            try:
+                resolve(policy)  # cached for this Policy's runs
+            except PolicyError as err:
+                raise PolicyError(f"{where}: {err}") from None
         base = data.get("workspace_base")
         if base is not None and (not isinstance(base, str) or not os.path.isabs(base)):
             raise (path / "workspace_base").must(f"must be an absolute path, got {base!r}")

@@ -432,9 +432,10 @@ def _is_start_server(cmd: Sequence[str]) -> bool:
 
 def _tools_refusal(policy: Policy) -> str | None:
     """Why Inspect's sandbox tools cannot be injected under ``policy`` (None: they can)."""
-    if policy.rootfs is not None:
+    if policy.rootfs is not None or policy.image is not None:
         return (f"the lowlevel sandbox cannot host Inspect's sandbox tools (bash_session(), text_editor(), "
-                f"exec_remote, sandbox MCP servers) with a rootfs or image ({policy.rootfs}): Inspect needs a "
+                f"exec_remote, sandbox MCP servers) with a rootfs or image ({policy.rootfs or policy.image}): "
+                "Inspect needs a "
                 f"{TOOLS_PARENT} owned by the sandbox's user, and the tree's is read-only and owned by "
                 "another uid; use bash() and python(), or the host system (no image/rootfs)")
     for bind in policy.binds:
@@ -501,7 +502,7 @@ def _with_tool_support(cfg: SandboxConfig) -> Policy:
     :func:`_tools_refusal`'s message.
     """
     policy = cfg.policy
-    if policy.rootfs is not None:
+    if policy.rootfs is not None or policy.image is not None:
         return policy
     extra = []
     # Inspect's OS probe (inspect_ai/util/_sandbox/recon.py) reads /etc/os-release, which the

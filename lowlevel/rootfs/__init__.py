@@ -28,6 +28,10 @@ run, by the first of:
    (:data:`SCRATCH_DIRS`: ``/var/tmp``, ``/run``, ``/home``...); writing to ``/usr`` or ``/etc``
    fails with EROFS.
 
+Submodules: :mod:`lowlevel.rootfs.store` reads the image store (the tree an ``image=`` names);
+:mod:`lowlevel.rootfs.resolve` applies both to a Policy when a run is planned (the checks of
+:func:`check_rootfs` and friends run there, not when the Policy is built).
+
 Source: bwrap(1) (``--ro-bind``, ``--symlink``, ``--tmpfs``, ``--size``; ``--overlay-src``,
 ``--tmp-overlay`` since bubblewrap 0.9.0, NEWS); overlayfs.rst in the kernel docs.
 """

@@ -773,6 +773,9 @@ class Run:
                  commit: bool | str = True, guard: bool = True, one_shot: bool = True) -> None:
         if not isinstance(policy, Policy):
             raise PolicyError(f"policy must be a lowlevel.Policy, got {type(policy).__name__}")
+        if policy.image is not None or policy.rootfs is not None:  # plan time: the image store, the tree's checks
+            from lowlevel.rootfs.resolve import resolve
+            policy = resolve(policy)
         if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
                                     or not 0 < timeout < 2**31):
             raise PolicyError(f"timeout must be a finite number of seconds > 0 (or None for no "

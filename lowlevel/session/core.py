@@ -64,6 +64,9 @@ def _check_session_args(policy: Policy | None, idle_timeout: float | None,
     policy = policy or Policy()
     if not isinstance(policy, Policy):
         raise PolicyError(f"policy must be a lowlevel.Policy, got {type(policy).__name__}")
+    if policy.image is not None or policy.rootfs is not None:  # plan time: the image store, the tree's checks
+        from lowlevel.rootfs.resolve import resolve
+        policy = resolve(policy)
     for name, value in (("idle_timeout", idle_timeout), ("total_timeout", total_timeout)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                   or not value > 0):

@@ -64,6 +64,9 @@ class Pool:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise PolicyError(f"Pool size must be an int >= 1, got {size!r}")
         self.policy = policy or Policy()
+        if self.policy.image is not None or self.policy.rootfs is not None:  # plan time (lowlevel.rootfs.resolve)
+            from lowlevel.rootfs.resolve import resolve
+            self.policy = resolve(self.policy)
         self.size = size
         self.template = None if template is None else os.fspath(template)
         self._kwargs: dict[str, Any] = {"workspace_base": workspace_base, "bwrap": bwrap,

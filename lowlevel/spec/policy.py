@@ -1,4 +1,4 @@
-"""The sandbox description: immutable, validated on construction.
+"""The sandbox description: immutable, its form validated on construction.
 
 A :class:`Policy` says what the sandbox sees and may do; it never changes after it is built,
 so one Policy can serve thousands of runs (its static bwrap argv is cached per Policy).
@@ -8,6 +8,9 @@ read-only ``/bin``, ``/lib*`` dirs), a fresh ``/proc``, ``/dev`` and sized ``/tm
 writable workspace at ``/workspace``, every namespace unshared, no network, a cleared
 environment, no capabilities, no nested user namespaces, the default seccomp profile and
 resource limits.
+
+A Policy's ``image`` and ``rootfs`` are names: the image store and the tree are read when a run
+is planned (:func:`lowlevel.rootfs.resolve.resolve`), not here.
 
 Sources: bwrap(1); bubblewrap README "Sandbox security" (anything bound in can be used to
 escalate; a bound D-Bus socket lets the sandbox run commands through systemd).
@@ -317,6 +320,10 @@ class Policy:
             read-only system; ``/proc``, ``/dev``, ``/tmp`` and ``/workspace`` stay the sandbox's
             own. It must hold regular files ``etc/passwd`` and ``etc/group`` (synthesized ones are
             mounted over them). None (default): the host's system. See :mod:`lowlevel.rootfs`.
+            Only its form (an absolute path, normalized) is checked here; the tree itself when a run
+            is planned (:func:`lowlevel.rootfs.resolve.resolve`: resolved with realpath, the checks
+            of :func:`lowlevel.rootfs.check_rootfs`, reachable by the sandbox's host uid, no bind
+            destination through one of its symlinks), raising the same PolicyError then.
         rootfs_writable: a per-run writable layer over ``rootfs``, discarded after the run: the
             anchor's overlay of the whole tree wherever the copy-on-write workspace works (its
             writes count in ``Limits.workspace_bytes``; a Session's ``reset()`` resets only the
@@ -324,11 +331,13 @@ class Policy:
             empty scratch directories only; see :mod:`lowlevel.rootfs`.
         image: an imported image (``"name:tag"``, ``"sha256:<id>"`` or a unique id prefix of at
             least 12 hex digits) from the image store (:mod:`lowlevel.image`,
-            ``$LOWLEVEL_IMAGE_STORE``). Resolved when the Policy is built: ``image`` becomes
-            ``"sha256:<id>"`` (a Policy pins the image, re-tagging later does not change it),
-            ``rootfs`` its tree, and the image config's ``Env`` (under ``env``), ``User`` (unless
-            ``sandbox_uid``/``sandbox_gid`` are set; an empty ``User`` is uid 0, as in Docker) and
-            ``WorkingDir`` (unless ``workdir`` is set) become this Policy's defaults.
+            ``$LOWLEVEL_IMAGE_STORE``). Resolved when the first run on this Policy object is planned
+            (:func:`lowlevel.rootfs.resolve.resolve`; building a Policy reads nothing): the run's
+            Policy has ``image`` ``"sha256:<id>"`` (a Policy pins the image at that first run,
+            re-tagging later does not change it), ``rootfs`` its tree, and the image config's
+            ``Env`` (under ``env``), ``User`` (unless ``sandbox_uid``/``sandbox_gid`` are set; an
+            empty ``User`` is uid 0, as in Docker) and ``WorkingDir`` (unless ``workdir`` is set)
+            become the run's defaults.
         workdir: default working directory inside for :func:`lowlevel.run` when its ``cwd`` is
             not given; None: ``/workspace``.
         landlock: the second wall (:mod:`lowlevel.host.landlock`): True (default) applies a Landlock
@@ -343,7 +352,8 @@ class Policy:
             test can show Landlock holds where a mount is wrong). It only takes access away.
 
     Raises:
-        PolicyError: an invalid value (the message names the field).
+        PolicyError: an invalid value (the message names the field). What ``image`` and ``rootfs``
+            name on the host is checked at the first run (:func:`lowlevel.rootfs.resolve.resolve`).
     """
 
     network: bool | Egress = False
@@ -442,35 +452,23 @@ class Policy:
                 object.__setattr__(self, "sandbox_gid", DETERMINISTIC_GID)
 
     def _check_rootfs(self) -> None:
-        """Resolve ``image`` and validate ``rootfs``, ``rootfs_writable`` and ``workdir``."""
-        if self.image is not None:
-            from lowlevel.image import apply_image  # the store is read only for Policies that name an image
-            apply_image(self)
+        """Check the form of ``image``, ``rootfs``, ``rootfs_writable`` and ``workdir`` (no I/O).
+
+        What ``image`` and ``rootfs`` name on this host (the image store, the tree's checks) is
+        read when a run is planned: :func:`lowlevel.rootfs.resolve.resolve`.
+        """
+        if self.image is not None and not isinstance(self.image, str):
+            raise PolicyError(f"Policy.image must be a str (name:tag or sha256:<id>), got {type(self.image).__name__}")
         if self.rootfs is not None:
-            from lowlevel.rootfs import check_rootfs
-            object.__setattr__(self, "rootfs", check_rootfs(self.rootfs))
-            if os.geteuid() == 0:
-                from lowlevel.rootfs import rootfs_unreachable
-                # Per-run uids (host_uid None) are nobody's: they reach what "others" may.
-                uid = self.host_uid if self.host_uid is not None else -1
-                gid = self.host_gid if self.host_gid is not None else -1
-                why = rootfs_unreachable(self.rootfs, uid, gid)
-                if why:
-                    who = f"host uid {uid}" if uid >= 0 else "per-run host uids"
-                    raise PolicyError(f"Policy.rootfs {self.rootfs} is not reachable by the sandbox's {who} "
-                                      f"(bwrap mounts it as that user): {why}. Put it under world-traversable "
-                                      "directories (chmod o+x)")
-            from lowlevel.rootfs import rootfs_layout, symlink_on_the_way
-            layout = rootfs_layout(self.rootfs)
-            for bind in self.binds:
-                link = symlink_on_the_way(layout, bind.dest)
-                if link is not None:
-                    raise PolicyError(f"Bind dest {bind.dest!r} goes through the symlink {link} of Policy.rootfs "
-                                      f"{self.rootfs}: bwrap would resolve it on the host's tree while it sets up "
-                                      "(the CVE-2024-21626 class); bind to a real directory of the tree")
+            raw = os.fspath(self.rootfs) if isinstance(self.rootfs, os.PathLike) else self.rootfs
+            if not isinstance(raw, str) or not raw:
+                raise PolicyError(f"Policy.rootfs must be a directory path, got {self.rootfs!r}")
+            if "\0" in raw or not os.path.isabs(raw):
+                raise PolicyError(f"Policy.rootfs must be an absolute host path, got {raw!r}")
+            object.__setattr__(self, "rootfs", os.path.normpath(raw))
         if not isinstance(self.rootfs_writable, bool):
             raise PolicyError(f"Policy.rootfs_writable must be a bool, got {self.rootfs_writable!r}")
-        if self.rootfs_writable and self.rootfs is None:
+        if self.rootfs_writable and self.rootfs is None and self.image is None:
             raise PolicyError("Policy.rootfs_writable=True needs a rootfs or an image")
         if self.workdir is not None:
             # An image's WorkingDir lands here too: the same rules as a run's cwd (CVE-2024-21626 class).

@@ -88,6 +88,7 @@ def test_validate_keeps_sandbox_directories(cwd: str, norm: str) -> None:
 def test_every_entry_point_refuses_an_escaping_cwd(marker: str) -> None:
     """run, arun, Session.run, Policy.workdir, a record, MCP: each a PolicyError/RecordError."""
     from lowlevel import mcp_server, record
+    from lowlevel.record import validation
     for cwd in ("/proc/self/fd/3", "/dev/fd/3", "/workspace/../proc/self/fd/3"):
         with pytest.raises(lowlevel.PolicyError):
             lowlevel.run(["ls", ".."], cwd=cwd, keep_workspace=False)
@@ -103,7 +104,7 @@ def test_every_entry_point_refuses_an_escaping_cwd(marker: str) -> None:
         assert s.run(["pwd"], cwd="/tmp").stdout == b"/tmp\n"
     doc = {"cwd": "/proc/self/fd/3"}
     with pytest.raises(record.RecordError) as err:
-        record._checked(validate.sandbox_cwd, "cwd", doc["cwd"], "cwd")
+        validation._checked(validate.sandbox_cwd, "cwd", doc["cwd"], "cwd")
     assert "cwd" in str(err.value)
 
 
@@ -228,15 +229,18 @@ def test_control_raw_bwrap_creates_mount_points_on_the_host_through_a_tree_symli
 
 def test_a_bind_through_a_tree_symlink_is_refused(tree_and_pit: object) -> None:
     """Attack: the tree's ``/data`` is a symlink to the host; ``Bind(dest="/data/x")`` is refused
-    when the Policy is made, and the host's directory stays empty."""
+    when the run is planned (the Policy itself reads no tree), and the host's directory stays empty."""
     tree, pit = tree_and_pit  # type: ignore[misc]
     os.symlink(f"/oldroot{pit}", tree / "data")
     src = pit.parent / "src"
     src.mkdir()
+    from lowlevel.rootfs.resolve import resolve
+    refused = lowlevel.Policy(rootfs=str(tree), binds=(lowlevel.Bind(str(src), "/data/x"),))
     with pytest.raises(lowlevel.PolicyError, match="symlink /data of Policy.rootfs"):
-        lowlevel.Policy(rootfs=str(tree), binds=(lowlevel.Bind(str(src), "/data/x"),))
+        lowlevel.run(["/bin/true"], policy=refused, keep_workspace=False)
     ok = lowlevel.Policy(rootfs=str(tree), binds=(lowlevel.Bind(str(src), "/app/x"),))  # a real directory
     assert ok.binds[0].dest == "/app/x"
+    assert resolve(ok).binds == ok.binds  # planned without a refusal
     assert list(pit.iterdir()) == []
 
 

@@ -25,6 +25,7 @@ import pytest
 
 import lowlevel
 from lowlevel.image import STORE_ENV, ImageStore
+from lowlevel.rootfs.resolve import resolve
 from lowlevel.record import RecordError, replay
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(240),
@@ -195,15 +196,26 @@ def test_image_user_and_explicit_ids(store: ImageStore) -> None:
 
 
 def test_policy_pins_the_image_and_replace_is_stable(bb: lowlevel.Policy, store: ImageStore) -> None:
+    """A Policy names the image; the run's plan (resolve) pins it. Building one reads no store."""
     import dataclasses
     img = store.get("bbtest:1")
-    assert bb.image == img.id and bb.rootfs == img.rootfs and bb.workdir == "/app"
-    assert dataclasses.replace(bb, network=True).rootfs == img.rootfs
-    assert lowlevel.Policy(image=img.id[:19]) == bb == lowlevel.Policy(image=img.short_id)
+    assert bb.image == "bbtest:1" and bb.rootfs is None  # data: nothing read yet
+    stamp = os.path.join(store.image_dir(img.id), "last-used")
+    os.utime(stamp, (0, 0))
+    lowlevel.Policy(image="bbtest:1")
+    assert os.stat(stamp).st_mtime == 0  # building a Policy does not stamp the image's last use
+    planned = resolve(bb)
+    assert os.stat(stamp).st_mtime > 0  # planning a run on it does
+    assert planned.image == img.id and planned.rootfs == img.rootfs and planned.workdir == "/app"
+    assert resolve(bb) is planned and resolve(planned) is planned  # once per Policy object
+    assert dataclasses.replace(planned, network=True).rootfs == img.rootfs
+    assert resolve(dataclasses.replace(planned, network=True)) == dataclasses.replace(planned, network=True)
+    assert resolve(lowlevel.Policy(image=img.id[:19])) == planned == resolve(lowlevel.Policy(image=img.short_id))
+    missing = lowlevel.Policy(image="nothere:1")  # the errors come when a run is planned
     with pytest.raises(lowlevel.PolicyError, match="no image 'nothere:1' in the store .*lowlevel image import"):
-        lowlevel.Policy(image="nothere:1")
+        lowlevel.run(["/bin/true"], policy=missing)
     with pytest.raises(lowlevel.PolicyError, match="not both"):
-        lowlevel.Policy(image="bbtest:1", rootfs="/tmp")
+        lowlevel.run(["/bin/true"], policy=lowlevel.Policy(image="bbtest:1", rootfs="/tmp"))
 
 
 def test_exec_precheck_resolves_inside_the_image(bb: lowlevel.Policy, store: ImageStore) -> None:
@@ -233,11 +245,11 @@ def test_rootfs_directory_without_an_image(tmp_path: pathlib.Path) -> None:
         assert b"workspace" in r.stdout and b"usr" not in r.stdout.split()
         os.unlink(tree / "etc" / "group")
         with pytest.raises(lowlevel.PolicyError, match="no regular file etc/group.*touch"):
-            lowlevel.Policy(rootfs=str(tree))
+            lowlevel.run(["/bin/true"], policy=lowlevel.Policy(rootfs=str(tree)))  # checked at plan time
     finally:
         shutil.rmtree(tree.parent, ignore_errors=True)
     with pytest.raises(lowlevel.PolicyError, match="host's root directory"):
-        lowlevel.Policy(rootfs="/")
+        lowlevel.run(["/bin/true"], policy=lowlevel.Policy(rootfs="/"))
     with pytest.raises(lowlevel.PolicyError, match="needs a rootfs or an image"):
         lowlevel.Policy(rootfs_writable=True)
 
@@ -246,7 +258,7 @@ def test_writable_root_is_per_run(bb: lowlevel.Policy) -> None:
     """rootfs_writable: the anchor overlays the whole tree (system paths included), the run's
     writes are discarded after it, and the image's own tree never changes."""
     import dataclasses
-    policy = dataclasses.replace(bb, rootfs_writable=True)
+    policy = resolve(dataclasses.replace(bb, rootfs_writable=True))
     assert policy.rootfs is not None
     before = sorted(os.listdir(os.path.join(policy.rootfs, "bin")))
     script = ("echo x > /var/tmp/a && echo y > /home/b && cat /var/tmp/a /home/b; touch /bin/c && echo made c; "
@@ -273,11 +285,12 @@ def test_rootfs_dir_swapped_for_symlink_binds_no_host_dir(bb: lowlevel.Policy) -
     (the layout is cached per process) is not bound from the host: writable or not, the sandbox
     sees the symlink, never the host directory behind it (was bound read-write with a writable
     root: the sandbox wrote into the host directory)."""
-    assert bb.rootfs is not None
+    image_tree = resolve(bb).rootfs
+    assert image_tree is not None
     base = imagekit.public_tmpdir("swaptree-")
     try:
         tree, host = base / "tree", base / "hostdir"
-        shutil.copytree(bb.rootfs, tree, symlinks=True)
+        shutil.copytree(image_tree, tree, symlinks=True)
         host.mkdir()
         host.chmod(0o777)  # the sandbox's uid could write there if it were bound
         for writable in (False, True):  # caches the layout with home/ a directory

@@ -14,6 +14,7 @@ from lowlevel.sandbox.argv import Fds, HostFacts, build_argv
 from lowlevel.image import ImageError, normalize_name
 from lowlevel.host.probe import BwrapInfo, HostLayout
 from lowlevel.rootfs import resolve_in_root, rootfs_layout, tree_sha256
+from lowlevel.rootfs.resolve import resolve
 
 INFO = BwrapInfo(path="/usr/bin/bwrap", version=(0, 8, 0), setuid=False,
                  options=frozenset({"--disable-userns", "--size", "--json-status-fd", "--block-fd", "--args"}))
@@ -119,11 +120,27 @@ def test_policy_rootfs_validation(tree: pathlib.Path) -> None:
     assert p.rootfs == str(tree)
     with pytest.raises(lowlevel.PolicyError, match="absolute host path"):
         lowlevel.Policy(rootfs="relative/dir")
-    with pytest.raises(lowlevel.PolicyError, match="not a directory"):
-        lowlevel.Policy(rootfs=str(tree / "etc" / "passwd"))
+    with pytest.raises(lowlevel.PolicyError, match="not a directory"):  # the tree is read at plan time
+        resolve(lowlevel.Policy(rootfs=str(tree / "etc" / "passwd")))
     with pytest.raises(lowlevel.PolicyError, match="workdir must be an absolute path"):
         lowlevel.Policy(workdir="app")
     assert lowlevel.Policy(workdir="/app/").workdir == "/app"
+
+
+def test_a_policy_is_built_without_reading_the_host(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 26: building a Policy reads neither the image store nor the tree (a Policy is data);
+    the run's plan (resolve) does, with the errors Policy(...) used to raise."""
+    monkeypatch.setenv("LOWLEVEL_IMAGE_STORE", str(tmp_path / "no-store"))
+    on_image = lowlevel.Policy(image="nosuch:1", rootfs_writable=True)
+    on_tree = lowlevel.Policy(rootfs=str(tmp_path / "missing"))
+    assert on_image.rootfs is None and on_tree.rootfs == str(tmp_path / "missing")
+    with pytest.raises(lowlevel.PolicyError, match="no image 'nosuch:1' in the store"):
+        resolve(on_image)
+    with pytest.raises(lowlevel.PolicyError, match="not a directory"):
+        resolve(on_tree)
+    assert not (tmp_path / "no-store").exists()  # looking an image up creates no store
+    plain = lowlevel.Policy()
+    assert resolve(plain) is plain  # no image, no rootfs: nothing to read
 
 
 def test_tree_hash_covers_content_modes_and_links(tree: pathlib.Path) -> None:
@@ -162,15 +179,15 @@ def test_bad_names(name: str) -> None:
 def test_a_tree_another_user_could_change_is_refused(tree: pathlib.Path) -> None:
     """Whoever may write the tree (or a non-sticky ancestor) could swap its ``usr`` for a symlink
     to a host directory between lowlevel's layout check and bwrap's bind: refused."""
-    lowlevel.Policy(rootfs=str(tree))  # control: owned by us, 0755 all the way up
+    resolve(lowlevel.Policy(rootfs=str(tree)))  # control: owned by us, 0755 all the way up
     for victim, mode in ((tree, 0o777), (tree, 0o775), (tree.parent, 0o777)):
         old = victim.stat().st_mode & 0o7777
         victim.chmod(mode)
         try:
             with pytest.raises(lowlevel.PolicyError, match="could be changed by another user"):
-                lowlevel.Policy(rootfs=str(tree))
+                resolve(lowlevel.Policy(rootfs=str(tree)))  # checked when a run is planned
         finally:
             victim.chmod(old)
     tree.parent.chmod(0o1777)  # a sticky ancestor (like /tmp) is fine
-    lowlevel.Policy(rootfs=str(tree))
+    resolve(lowlevel.Policy(rootfs=str(tree)))
     tree.parent.chmod(0o755)
