@@ -262,7 +262,7 @@ def policy_from_mapping(data: Mapping[str, Any], path: KeyPath = KeyPath()) -> P
         kwargs["binds"] = binds_from_list(kwargs["binds"], path / "binds")
     try:
         return Policy(**kwargs)
-    except PolicyError as err:  # name the file: the form of an image/rootfs/landlock value (the store and the tree: rootfs.resolve)
+    except PolicyError as err:  # name the file: the form of image/rootfs/landlock values (store, tree: rootfs.resolve)
         raise KeyPath(path.where).error(str(err)) from None
 
 
