@@ -326,6 +326,7 @@ def test_public_names():
 RESULT_KEYS = {"name", "command", "concurrency", "n", "p50_ms", "p90_ms", "p99_ms", "calls_per_s"}
 
 
+@pytest.mark.slow
 def test_bench_quick_json_schema(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "startup.py"), "--quick", "--rounds", "1",

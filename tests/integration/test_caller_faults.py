@@ -108,6 +108,7 @@ def _start_caller(argv: list[str]) -> tuple[subprocess.Popen[str], int]:
     return proc, int(line)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["run", "arun", "session", "pool"])
 @pytest.mark.parametrize("identity", ["root", "user"])
 def test_stopped_caller_run_ends_at_its_deadline(identity: str, mode: str, request: pytest.FixtureRequest):

@@ -111,6 +111,7 @@ def test_usage_error_exit_status_of_the_process(who: pwd.struct_passwd | None, b
     assert "--memory" in one_line(proc.stderr)
 
 
+@pytest.mark.slow
 def test_json_prints_one_object_for_every_outcome(who: pwd.struct_passwd | None, base: Path,
                                                   scratch: Path) -> None:
     for args, status, kind in [
@@ -133,6 +134,7 @@ def test_json_prints_one_object_for_every_outcome(who: pwd.struct_passwd | None,
 
 # --- stdin in every mode -----------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_piped_stdin_reaches_the_program_in_every_mode(who: pwd.struct_passwd | None, base: Path,
                                                        scratch: Path) -> None:
     data = b"hello\x00\xff world\n" * 1000

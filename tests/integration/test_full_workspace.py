@@ -144,6 +144,7 @@ def test_tmp_and_shm_past_their_bound_are_enospc(sandbox, where: str) -> None:  
     assert words[:2] == ["errno", "28"] and 200 <= int(words[-1]) <= 256, out.out
 
 
+@pytest.mark.slow
 def test_every_api_sees_enospc_with_the_default_limits(who: pwd.struct_passwd | None) -> None:
     out = apis(who, {"command": FILL_WORKSPACE, "then": ["echo", "alive"]})
     for api in ("run", "session", "pool", "mcp_run", "mcp_session"):
@@ -157,6 +158,7 @@ def test_every_api_sees_enospc_with_the_default_limits(who: pwd.struct_passwd | 
 # -- item 1: below the bounds, the memory limit is a Result ------------------------------------
 
 
+@pytest.mark.slow
 def test_memory_limit_below_the_bounds_is_a_memory_result_everywhere(who: pwd.struct_passwd | None) -> None:
     # Was exit 125 "bwrap exited during setup" (run), SessionError (Session), "setup failed" (MCP).
     out = apis(who, {"command": WRITE_400M, "limits": {"memory_bytes": 256 * MiB},

@@ -97,6 +97,7 @@ def _server(who: pwd.struct_passwd | None, base: Path) -> Any:
     return stdio_client(StdioServerParameters(command=command, args=args, env=env))
 
 
+@pytest.mark.slow
 def test_mcp_progress_notifications_for_long_runs(who: pwd.struct_passwd | None, base: Path) -> None:
     seen: dict[str, list[tuple[float, float | None, str | None]]] = {"run": [], "session": [], "none": []}
 

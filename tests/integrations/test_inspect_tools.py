@@ -57,12 +57,14 @@ def _check_tools(out: dict[str, Any], secret: str) -> None:
     assert "blocked-read" in attack and secret not in attack, attack
 
 
+@pytest.mark.slow
 def test_bash_session_and_text_editor_in_a_real_eval_as_root(tmp_path: Path, planted_secret: Any) -> None:
     assert planted_secret.key_path.read_text().count(planted_secret.secret) == 1  # control: readable on the host
     out = _eval({"log_dir": str(tmp_path / "logs"), "secret_path": str(planted_secret.key_path), "config": None})
     _check_tools(out, planted_secret.secret)
 
 
+@pytest.mark.slow
 @pytest.mark.root
 def test_bash_session_and_text_editor_in_a_real_eval_as_unprivileged_user(test_user: Any) -> None:
     with planted_key(test_user, "ll-inspect-tools-") as (key, secret):
@@ -203,6 +205,7 @@ def tools_task():
 '''
 
 
+@pytest.mark.slow
 def test_inspect_eval_cli_runs_the_tools(tmp_path: Path) -> None:
     """The ``inspect eval`` command itself (the provider found through the entry point)."""
     from inspect_ai.log import read_eval_log
