@@ -112,7 +112,7 @@ struct rlim_rec { uint32_t resource, pad; uint64_t soft, hard; };
 struct signal_msg { uint32_t type, id, signo, flags; };
 struct hello_msg { uint32_t type, version, pid, landlock_abi; };
 struct started_msg { uint32_t type, id, pid, pad; };
-struct exit_msg {         /* 48 bytes */
+struct exit_msg {         /* 56 bytes */
     uint32_t type, id, kind, status, flags, stage;
     int64_t utime_us, stime_us, maxrss_kib, wall_ns;
 };

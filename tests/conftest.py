@@ -18,12 +18,11 @@ import json
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import sys
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -51,6 +50,7 @@ def _reach() -> tuple[list[str], str | None]:
 REACH_COVERED, USER_HALF_SKIP = _reach()
 
 import lowlevel  # noqa: E402
+from helpers.servers import AnsweringServer, tcp_loopback  # noqa: E402
 
 # The suite's host-facts cache (lowlevel.host.hostcache) is its own, not the machine's: the tests
 # compile many odd seccomp profiles and fake probes. Subprocesses inherit it; an unprivileged
@@ -290,32 +290,6 @@ def sandbox(request: pytest.FixtureRequest, tmp_path: Path) -> Sandbox:
     return Sandbox(request.param, None, tmp_path)
 
 
-class LoopbackServer:
-    """A TCP server on host loopback answering b'pong' to anyone who connects."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(16)
-        self.port = self.sock.getsockname()[1]
-        self.accepted = 0
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.accepted += 1
-            conn.sendall(b"pong")
-            conn.close()
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 @pytest.fixture
 def handover_model(monkeypatch: pytest.MonkeyPatch) -> None:
     """Run with the fallback workspace model (hand-over, no copy-on-write overlay), in-process and
@@ -338,8 +312,9 @@ HANDOVER_UID = _free_id()
 
 
 @pytest.fixture
-def server():
-    s = LoopbackServer()
+def server() -> Iterator[AnsweringServer]:
+    """A TCP server on host loopback answering b'pong' to anyone who connects (tests/helpers/servers.py)."""
+    s = tcp_loopback()
     yield s
     s.close()
 

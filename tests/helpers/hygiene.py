@@ -4,7 +4,7 @@ The hygiene tests compare this process's fds (``/proc/self/fd``) and children
 (``/proc/PID/task/*/children``, zombies included) before and after some runs. What the package
 opens once per process and keeps for later runs is no leak, but it appears in whichever test
 makes the first such run: run alone (or first), that test saw it as one. Every fd/child count
-goes through :func:`open_fds` and :func:`children`, which leave out exactly these:
+goes through :func:`open_fds` (or :func:`fd_numbers`) and :func:`children`, which leave out exactly these:
 
 - the executables bwrap execs as ``/proc/self/fd/N`` (``O_RDONLY | O_CLOEXEC``, one each, opened
   on first use and kept): the run guard (:func:`lowlevel.host.landlock.guard_fd`), the session init
@@ -73,6 +73,11 @@ def open_fds() -> dict[int, str]:
         except OSError:
             pass  # the listing's own fd, closed by now
     return out
+
+
+def fd_numbers() -> set[int]:
+    """The numbers of :func:`open_fds`: what a before/after comparison of fds looks at."""
+    return set(open_fds())
 
 
 def kept_children() -> set[int]:

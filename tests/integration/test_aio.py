@@ -18,18 +18,14 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.hygiene import children, open_fds
+from helpers.hygiene import children, fd_numbers
+from helpers.procs import pids_with
 
 import lowlevel
 from lowlevel.sandbox.aio import Runner, arun
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(120)]
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _fds() -> set[int]:
-    """This process's fds, less what lowlevel keeps by design (tests/helpers/hygiene.py)."""
-    return set(open_fds())
 
 
 def _comparable(r: lowlevel.Result) -> dict:
@@ -139,45 +135,27 @@ def test_setup_failure_same_exception_as_run():
 
 # -- cancellation ------------------------------------------------------------------------------
 
-def _processes_with(needle: bytes) -> list[int]:
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/cmdline", "rb") as f:
-                    if needle in f.read():
-                        found.append(int(name))
-            except OSError:
-                pass
-    return found
-
-
-def _our_children() -> list[int]:
-    """This process's children (zombies included: not yet reaped), less lowlevel's kept ones."""
-    return children()
-
-
 def test_cancellation_kills_and_reaps():
     marker = f"{random.randint(1000, 9999)}.{os.getpid() % 10000:04d}"  # a unique `sleep` duration
     needle = b"sleep\0" + marker.encode() + b"\0"
-    fds_before = _fds()
+    fds_before = fd_numbers()
 
     async def main() -> None:
         task = asyncio.create_task(arun(["sh", "-c", f"setsid sleep {marker} & sleep {marker} & wait"]))
         for _ in range(500):  # the sandbox's two sleeps are up (bounded wait, not a timing assertion)
-            if len(_processes_with(needle)) >= 2:
+            if len(pids_with(needle)) >= 2:
                 break
             await asyncio.sleep(0.01)
-        assert len(_processes_with(needle)) >= 2
+        assert len(pids_with(needle)) >= 2
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         # Already gone when the CancelledError arrives: killed, namespace empty, bwrap reaped.
-        assert _processes_with(needle) == []
-        assert _our_children() == []
+        assert pids_with(needle) == []
+        assert children() == []
 
     asyncio.run(main())
-    assert _fds() == fds_before
+    assert fd_numbers() == fds_before
 
 
 @pytest.mark.parametrize("step", ["prepare", "spawn"])
@@ -196,7 +174,7 @@ def test_cancel_during_executor_step_kills_and_reaps(monkeypatch, step):
         time.sleep(0.3)  # the task is cancelled meanwhile
 
     monkeypatch.setattr(Run, step, slow)
-    fds_before = _fds()
+    fds_before = fd_numbers()
 
     async def main() -> None:
         task = asyncio.create_task(arun(["sh", "-c", f"sleep {marker}"]))
@@ -205,11 +183,11 @@ def test_cancel_during_executor_step_kills_and_reaps(monkeypatch, step):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert _processes_with(needle) == []
-        assert _our_children() == []
+        assert pids_with(needle) == []
+        assert children() == []
 
     asyncio.run(main())
-    assert _fds() == fds_before
+    assert fd_numbers() == fds_before
 
 
 def test_cancel_before_spawn_discards_the_fresh_workspace(monkeypatch):
@@ -226,7 +204,7 @@ def test_cancel_before_spawn_discards_the_fresh_workspace(monkeypatch):
         time.sleep(0.2)
 
     monkeypatch.setattr(Run, "prepare", slow)
-    fds_before = _fds()
+    fds_before = fd_numbers()
 
     async def main() -> None:
         task = asyncio.create_task(arun(["/usr/bin/true"]))
@@ -238,8 +216,8 @@ def test_cancel_before_spawn_discards_the_fresh_workspace(monkeypatch):
 
     asyncio.run(main())
     assert seen and not os.path.exists(seen[0])
-    assert _our_children() == []
-    assert _fds() == fds_before
+    assert children() == []
+    assert fd_numbers() == fds_before
 
 
 def test_runner_aclose_cancels_in_flight():
@@ -251,14 +229,14 @@ def test_runner_aclose_cancels_in_flight():
         # `sh -c "sleep M"`: only the sleep's own cmdline is "sleep\0M\0" (bwrap's has "sleep M").
         tasks = [asyncio.create_task(runner.run(["sh", "-c", f"sleep {marker}; :"])) for _ in range(4)]
         for _ in range(500):
-            if len(_processes_with(needle)) >= 2:
+            if len(pids_with(needle)) >= 2:
                 break
             await asyncio.sleep(0.01)
         assert runner.in_flight == 2
         await runner.aclose()
         assert all(t.cancelled() for t in tasks)
-        assert _processes_with(needle) == []
-        assert _our_children() == []
+        assert pids_with(needle) == []
+        assert children() == []
         with pytest.raises(RuntimeError):
             await runner.run(["true"])
 
@@ -277,7 +255,7 @@ def test_500_concurrent_no_fd_or_thread_growth():
     # exist after the first call: start from there.
     r0 = asyncio.run(arun(["/usr/bin/true"]))
     shutil.rmtree(r0.workspace, ignore_errors=True)
-    fds_before = _fds()
+    fds_before = fd_numbers()
     threads_before = threading.active_count()
     pool_before = len(_pool_threads())
     peak = {"fds": 0, "in_flight": 0}
@@ -303,7 +281,7 @@ def test_500_concurrent_no_fd_or_thread_growth():
     for r in results:
         shutil.rmtree(r.workspace, ignore_errors=True)
     assert [r.exit_code for r in results] == [0] * 500
-    assert _fds() == fds_before
+    assert fd_numbers() == fds_before
     # No thread per child: only the shared executor's few, created once.
     assert len(_pool_threads()) <= lowlevel.sandbox.aio.EXECUTOR_THREADS
     assert threading.active_count() - len(_pool_threads()) <= threads_before - pool_before
@@ -348,6 +326,7 @@ def test_public_names():
 RESULT_KEYS = {"name", "command", "concurrency", "n", "p50_ms", "p90_ms", "p99_ms", "calls_per_s"}
 
 
+@pytest.mark.slow
 def test_bench_quick_json_schema(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "startup.py"), "--quick", "--rounds", "1",

@@ -18,7 +18,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,8 @@ import lowlevel
 from lowlevel.sandbox import bind_sockets
 from lowlevel.host import landlock
 from lowlevel.sandbox import landlock_rules
+
+from helpers.servers import AnsweringServer, listener_when, unix_at
 
 RUNUSER = shutil.which("runuser") or "/usr/sbin/runuser"
 
@@ -41,53 +42,22 @@ CONNECT = ("import socket, sys\n"
            "print('connected', s.recv(16).decode())\n")
 
 
-class Listener:
-    """An AF_UNIX stream listener at ``path`` (mode 0777: anyone may connect, as a daemon's
-    socket meant for its group would be to its members) that answers ``hello``."""
-
-    def __init__(self, path: Path) -> None:
-        self.sock = socket.socket(socket.AF_UNIX)
-        self.sock.bind(str(path))
-        os.chmod(path, 0o777)
-        self.sock.listen(8)
-        self.sock.settimeout(0.2)
-        self.accepted = 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        while not self.stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except (TimeoutError, OSError):
-                continue
-            self.accepted += 1
-            with conn:
-                conn.sendall(b"hello")
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(5)
-        self.sock.close()
-
-
 @pytest.fixture
-def app_dir() -> Iterator[tuple[Path, Listener]]:
+def app_dir() -> Iterator[tuple[Path, AnsweringServer]]:
     """``/tmp/bind-sockets-*/run/app.sock`` with a live listener; the directories 0777 (a
     writable bind's runs and the test may add files), reachable by every identity."""
     d = Path(tempfile.mkdtemp(prefix="bind-sockets-", dir="/tmp"))
     (d / "run").mkdir()
     for p in (d, d / "run"):
         os.chmod(p, 0o777)
-    listener = Listener(d / "run" / "app.sock")
+    listener = unix_at(d / "run" / "app.sock")
     yield d, listener
     listener.close()
     shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.mark.parametrize("writable", [False, True], ids=["ro", "rw"])
-def test_a_socket_in_a_bound_directory_is_masked(sandbox: Any, app_dir: tuple[Path, Listener], writable: bool) -> None:
+def test_a_socket_in_a_bound_directory_is_masked(sandbox: Any, app_dir: tuple[Path, AnsweringServer], writable: bool) -> None:
     d, listener = app_dir
     r = sandbox.run(["python3", "-c", CONNECT, "/data/run/app.sock"], binds=[(str(d), "/data", writable)],
                     policy_kw={"landlock": "require"}, timeout=60)
@@ -97,7 +67,7 @@ def test_a_socket_in_a_bound_directory_is_masked(sandbox: Any, app_dir: tuple[Pa
 
 
 @pytest.mark.parametrize("writable", [False, True], ids=["ro", "rw"])
-def test_control_allow_sockets_keeps_it(sandbox: Any, app_dir: tuple[Path, Listener], writable: bool) -> None:
+def test_control_allow_sockets_keeps_it(sandbox: Any, app_dir: tuple[Path, AnsweringServer], writable: bool) -> None:
     d, listener = app_dir
     r = sandbox.run(["python3", "-c", CONNECT, "/data/run/app.sock"], binds=[(str(d), "/data", writable, True)],
                     policy_kw={"landlock": "require"}, timeout=60)
@@ -106,7 +76,7 @@ def test_control_allow_sockets_keeps_it(sandbox: Any, app_dir: tuple[Path, Liste
     assert any("stay reachable (allow_sockets=True)" in n for n in r.notes), r.notes
 
 
-def test_a_masked_socket_cannot_be_removed_or_renamed(sandbox: Any, app_dir: tuple[Path, Listener]) -> None:
+def test_a_masked_socket_cannot_be_removed_or_renamed(sandbox: Any, app_dir: tuple[Path, AnsweringServer]) -> None:
     """The mask is a mount point: in a writable bind the sandbox can neither unlink nor rename
     it to reach the socket under it (EBUSY)."""
     d, _listener = app_dir
@@ -133,27 +103,12 @@ LATE = ("import os, socket, sys, time\n"
 
 @pytest.mark.skipif(landlock.kernel_abi() >= bind_sockets.RESOLVE_UNIX_ABI,
                     reason="Landlock ABI >= 9 refuses the late socket: test_late_socket_refused_by_landlock")
-def test_a_socket_created_after_the_run_started_is_not_covered_and_the_note_says_so(sandbox: Any, app_dir: tuple[Path, Listener]) -> None:
+def test_a_socket_created_after_the_run_started_is_not_covered_and_the_note_says_so(sandbox: Any, app_dir: tuple[Path, AnsweringServer]) -> None:
     """The documented limitation: the scan is at plan time. A socket the host makes in the bind
     once the run has started is reachable (Landlock ABI < 9), and Result.notes says so."""
     d, _listener = app_dir
-    late: list[Listener] = []
-
-    def make_late_socket() -> None:
-        for _ in range(1200):
-            if (d / "started").exists():
-                late.append(Listener(d / "late.sock"))
-                return
-            threading.Event().wait(0.05)
-
-    maker = threading.Thread(target=make_late_socket)
-    maker.start()
-    try:
+    with listener_when(d / "started", d / "late.sock"):
         r = sandbox.run(["python3", "-c", LATE], binds=[(str(d), "/data", True)], timeout=90)
-    finally:
-        maker.join(90)
-        for listener in late:
-            listener.close()
     assert r.exit_code == 0 and r.out == "connected hello\n", (r.out, r.err, r.message)
     assert any("created in a bound directory after the scan" in n and "is not masked" in n
                and f"Landlock ABI {landlock.kernel_abi()} cannot refuse" in n for n in r.notes), r.notes
@@ -161,26 +116,11 @@ def test_a_socket_created_after_the_run_started_is_not_covered_and_the_note_says
 
 @pytest.mark.skipif(landlock.kernel_abi() < bind_sockets.RESOLVE_UNIX_ABI,
                     reason="needs Landlock ABI 9 (LANDLOCK_ACCESS_FS_RESOLVE_UNIX, Linux 7.1)")
-def test_late_socket_refused_by_landlock(sandbox: Any, app_dir: tuple[Path, Listener]) -> None:
+def test_late_socket_refused_by_landlock(sandbox: Any, app_dir: tuple[Path, AnsweringServer]) -> None:
     d, _listener = app_dir
-    late: list[Listener] = []
-
-    def make_late_socket() -> None:
-        for _ in range(1200):
-            if (d / "started").exists():
-                late.append(Listener(d / "late.sock"))
-                return
-            threading.Event().wait(0.05)
-
-    maker = threading.Thread(target=make_late_socket)
-    maker.start()
-    try:
+    with listener_when(d / "started", d / "late.sock"):
         r = sandbox.run(["python3", "-c", LATE], binds=[(str(d), "/data", True)], timeout=90,
                         policy_kw={"landlock": "require"})
-    finally:
-        maker.join(90)
-        for listener in late:
-            listener.close()
     assert r.exit_code == 3 and r.out.startswith("refused 13"), (r.out, r.err)  # EACCES
 
 
@@ -271,7 +211,7 @@ _TWO_RUNS = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("mode", ["attack", "control"])
-def test_a_run_that_moves_a_masked_socket_does_not_unmask_it_for_the_next(sandbox: Any, app_dir: tuple[Path, Listener],
+def test_a_run_that_moves_a_masked_socket_does_not_unmask_it_for_the_next(sandbox: Any, app_dir: tuple[Path, AnsweringServer],
                                                                           mode: str) -> None:
     """One Policy, two runs in one caller process (the plan is cached per Policy): the first
     renames the directory holding the masked socket in its writable bind (the mask moves with it
@@ -301,19 +241,19 @@ SELF_SERVE = ("import os, socket\n"
 
 
 @pytest.fixture
-def handed_over_workspace(sandbox: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Path, Listener]]:
+def handed_over_workspace(sandbox: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Path, AnsweringServer]]:
     """The fallback workspace model (no overlay: the directory is bound as it is), holding a host
     daemon's live socket. (Runs there commit: a discard is refused in that model.)"""
     monkeypatch.setenv("LOWLEVEL_NO_OVERLAY", "1")
     ws = sandbox.workspace()
-    listener = Listener(ws / "app.sock")
+    listener = unix_at(ws / "app.sock")
     yield ws, listener
     listener.close()
     shutil.rmtree(ws, ignore_errors=True)
 
 
 def test_a_socket_in_a_handed_over_workspace_is_masked(sandbox: Any,
-                                                       handed_over_workspace: tuple[Path, Listener]) -> None:
+                                                       handed_over_workspace: tuple[Path, AnsweringServer]) -> None:
     ws, listener = handed_over_workspace
     r = sandbox.run(["python3", "-c", CONNECT, "/workspace/app.sock"], workspace=str(ws), commit=True,
                     policy_kw={"landlock": "require"}, timeout=60)
@@ -333,7 +273,7 @@ def test_control_the_handed_over_socket_is_reachable_without_the_mask(monkeypatc
     monkeypatch.setattr(lowlevel.sandbox.bind_sockets, "workspace_masks", lambda workspace, snap: [])
     ws = Path(tempfile.mkdtemp(prefix="ws-control-", dir="/tmp"))
     os.chmod(ws, 0o755)
-    listener = Listener(ws / "app.sock")
+    listener = unix_at(ws / "app.sock")
     try:
         r = lowlevel.run(["python3", "-c", CONNECT, "/workspace/app.sock"], workspace=str(ws), commit=True,
                          timeout=60)
@@ -344,12 +284,12 @@ def test_control_the_handed_over_socket_is_reachable_without_the_mask(monkeypatc
     assert listener.accepted == 1
 
 
-def test_through_the_overlay_a_workspace_socket_is_unreachable(sandbox: Any, app_dir: tuple[Path, Listener]) -> None:
+def test_through_the_overlay_a_workspace_socket_is_unreachable(sandbox: Any, app_dir: tuple[Path, AnsweringServer]) -> None:
     """The default (copy-on-write) workspace needs no mask: connect through overlayfs finds the
     overlay's inode, which no socket is bound to."""
     _d, _listener = app_dir
     ws = sandbox.workspace()
-    listener = Listener(ws / "app.sock")
+    listener = unix_at(ws / "app.sock")
     try:
         r = sandbox.run(["python3", "-c", CONNECT, "/workspace/app.sock"], workspace=str(ws), commit=False,
                         timeout=60)
@@ -372,7 +312,7 @@ def test_a_socket_inside_a_read_only_rootfs_tree_is_masked() -> None:
     base = imagekit.public_tmpdir("socktree-")
     tree = imagekit.busybox_tree(base / "root")
     (tree / "run2").mkdir()
-    listener = Listener(tree / "run2" / "host.sock")
+    listener = unix_at(tree / "run2" / "host.sock")
     try:
         r = lowlevel.run(["/bin/sh", "-c", "test -S /run2/host.sock && echo SOCKET; test -c /run2/host.sock && echo MASK"],
                          policy=lowlevel.Policy(rootfs=str(tree)), keep_workspace=False)

@@ -4,7 +4,7 @@ program gets the same verdict from ``run``, ``Session`` and ``Pool`` (issue 12, 
 Root callers get cgroups here: a Pool rewrites its sandbox's cgroup for the call; a Session,
 whose cgroup all commands share, refuses a per-call memory limit with PolicyError. An
 unprivileged caller has no cgroup: the per-call limit is the ``RLIMIT_DATA`` fallback, per
-command, in all three. Each API runs in a child process (``tests/helpers/verdicts.py``), as
+command, in all three. Each API runs in a child process (``tests/helpers/api_outcomes.py``), as
 root and as the unprivileged test user.
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import pwd
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,11 +20,12 @@ from typing import Any
 
 import pytest
 
+from helpers.identities import setpriv
+
 pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(240)]
 
 REPO = Path(__file__).resolve().parents[2]
-HELPER = REPO / "tests" / "helpers" / "verdicts.py"
-SETPRIV = shutil.which("setpriv") or "/usr/bin/setpriv"
+HELPER = REPO / "tests" / "helpers" / "api_outcomes.py"
 IS_ROOT = os.geteuid() == 0
 MiB = 1 << 20
 
@@ -35,19 +35,13 @@ CHILD_OOM = ["sh", "-c", "python3 -c 'b = bytearray(300 << 20); print(len(b))'; 
 SELF_300M = ["python3", "-c", "b = bytearray(300 << 20); print('used', len(b) >> 20)"]
 
 
-@pytest.fixture(params=["root", "user"] if IS_ROOT else ["self"])
-def who(request: pytest.FixtureRequest) -> pwd.struct_passwd | None:
-    if request.param == "user":
-        return request.getfixturevalue("test_user")  # type: ignore[no-any-return]
-    return None
-
-
 def verdicts(who: pwd.struct_passwd | None, spec: dict[str, Any]) -> dict[str, Any]:
-    cmd = [sys.executable, str(HELPER), json.dumps(spec)]
+    """The helper's outcomes of ``run``, ``Session`` and ``Pool`` (60 s per command; the run commits)."""
+    spec = {"apis": ["run", "session", "pool"], "timeout": 60, "commit": True, **spec}
+    cmd = setpriv(who, [sys.executable, str(HELPER), json.dumps(spec)])
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "LANG": "C.UTF-8", "TMPDIR": "/tmp"}
     if who is not None:
         env["HOME"] = who.pw_dir
-        cmd = [SETPRIV, f"--reuid={who.pw_uid}", f"--regid={who.pw_gid}", "--init-groups", "--", *cmd]
     proc = subprocess.run(cmd, capture_output=True, env=env, cwd="/", timeout=200)
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
     return json.loads(proc.stdout)  # type: ignore[no-any-return]

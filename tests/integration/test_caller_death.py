@@ -30,6 +30,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.procs import pids_with
+
 from lowlevel.host import cgroup_detect as _cgroup_detect
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -67,19 +69,6 @@ def _tree_state(root: str) -> dict[str, tuple[int, int, int, int, str]]:
             digest = hashlib.sha256(Path(p).read_bytes()).hexdigest() if os.path.isfile(p) else ""
             out[os.path.relpath(p, root)] = (st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns, digest)
     return out
-
-
-def _procs_with(marker: str) -> list[int]:
-    found = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/cmdline", "rb") as f:
-                    if marker.encode() in f.read():
-                        found.append(int(d))
-            except OSError:
-                pass
-    return found
 
 
 def _describe(pids: list[int]) -> list[str]:
@@ -141,13 +130,13 @@ def test_caller_killed_at_random_instants(identity: str, request: pytest.Fixture
             time.sleep(rng.uniform(0, 0.08))
             sig = signal.SIGKILL if trial % 4 != 3 else signal.SIGTERM
             os.kill(pid, sig)
-            if _procs_with(f"{marker}-{trial}"):
+            if pids_with(f"{marker}-{trial}"):
                 live_at_kill += 1
             deadline = time.monotonic() + 5
-            left = _procs_with(f"{marker}-{trial}")
+            left = pids_with(f"{marker}-{trial}")
             while left and time.monotonic() < deadline:
                 time.sleep(0.02)
-                left = _procs_with(f"{marker}-{trial}")
+                left = pids_with(f"{marker}-{trial}")
             assert not left, f"trial {trial} ({mode}, {sig.name}): survivors {_describe(left)}"
     finally:
         server.kill()

@@ -29,6 +29,8 @@ import time
 
 import pytest
 
+from helpers.procs import cmdlines, pids_with
+
 pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(300)]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -75,21 +77,6 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _procs_with(arg: str) -> list[int]:
-    """PIDs whose command line has ``arg`` as a whole argument."""
-    found = []
-    needle = b"\0" + arg.encode() + b"\0"
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/cmdline", "rb") as f:
-                    if needle in b"\0" + f.read():
-                        found.append(int(d))
-            except OSError:
-                pass
-    return found
-
-
 def _wait_for(cond, bound_s: float) -> bool:
     end = time.monotonic() + bound_s
     while time.monotonic() < end:
@@ -121,6 +108,7 @@ def _start_caller(argv: list[str]) -> tuple[subprocess.Popen[str], int]:
     return proc, int(line)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["run", "arun", "session", "pool"])
 @pytest.mark.parametrize("identity", ["root", "user"])
 def test_stopped_caller_run_ends_at_its_deadline(identity: str, mode: str, request: pytest.FixtureRequest):
@@ -128,13 +116,13 @@ def test_stopped_caller_run_ends_at_its_deadline(identity: str, mode: str, reque
     marker = f"61.{os.getpid()}{time.time_ns() % 10**9:09d}"  # sleep's argument: unique on the host
     proc, pid = _start_caller([*prefix, sys.executable, "-c", CALLER, mode, "=" + marker, "2"])
     try:
-        assert _wait_for(lambda: bool(_procs_with(marker)), 60), "the program never started"
+        assert _wait_for(lambda: bool(pids_with(marker, whole_arg=True)), 60), "the program never started"
         time.sleep(0.5)
         t_stop = time.monotonic()
         os.kill(pid, signal.SIGSTOP)
         assert _wait_for(lambda: _state(pid) == "T", 10)
         # The caller is stopped: only the anchor (or the session's shepherd) can end the program.
-        gone = _wait_for(lambda: not _procs_with(marker), 30)
+        gone = _wait_for(lambda: not pids_with(marker, whole_arg=True), 30)
         assert _state(pid) == "T", "the caller ran meanwhile: the test proves nothing"
         assert gone, f"the program outlived its 2 s deadline by {time.monotonic() - t_stop:.1f} s of caller stop"
         time.sleep(max(0.0, t_stop + 6 - time.monotonic()))  # a stop well past the deadline
@@ -162,15 +150,15 @@ def test_stopped_caller_without_timeout_control(identity: str, request: pytest.F
     marker = f"62.{os.getpid()}{time.time_ns() % 10**9:09d}"
     proc, pid = _start_caller([*prefix, sys.executable, "-c", CALLER, "run", "=" + marker, "none"])
     try:
-        assert _wait_for(lambda: bool(_procs_with(marker)), 60), "the program never started"
+        assert _wait_for(lambda: bool(pids_with(marker, whole_arg=True)), 60), "the program never started"
         os.kill(pid, signal.SIGSTOP)
         time.sleep(4)
-        assert _procs_with(marker), "the program died without a deadline"
+        assert pids_with(marker, whole_arg=True), "the program died without a deadline"
     finally:
         os.kill(pid, signal.SIGKILL)
         _cont(proc, pid)
         proc.communicate(timeout=30)
-    assert _wait_for(lambda: not _procs_with(marker), 10)
+    assert _wait_for(lambda: not pids_with(marker, whole_arg=True), 10)
 
 
 def test_stopped_cli_run_ends_at_its_deadline():
@@ -181,10 +169,10 @@ def test_stopped_cli_run_ends_at_its_deadline():
            "=" + marker]  # the CLI's own command line must not carry the marker
     proc = subprocess.Popen(cli, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd="/")
     try:
-        assert _wait_for(lambda: bool(_procs_with(marker)), 60), "the program never started"
+        assert _wait_for(lambda: bool(pids_with(marker, whole_arg=True)), 60), "the program never started"
         time.sleep(0.5)
         os.kill(proc.pid, signal.SIGSTOP)
-        gone = _wait_for(lambda: not _procs_with(marker), 30)
+        gone = _wait_for(lambda: not pids_with(marker, whole_arg=True), 30)
         assert _state(proc.pid) == "T"
         assert gone, "the program outlived its deadline while the CLI was stopped"
         os.kill(proc.pid, signal.SIGCONT)
@@ -290,16 +278,11 @@ except lowlevel.LowlevelError as err:
 def _supervisor_of(marker: str, which: str) -> list[int]:
     """PIDs of the anchor (``_lowlevel_exec``) or bwrap of the run whose program has ``marker``."""
     out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/cmdline", "rb") as f:
-                    argv = f.read().split(b"\0")
-            except OSError:
-                continue
-            if argv and os.path.basename(argv[0]).decode(errors="replace") == which \
-                    and any(marker.encode() in a for a in argv):
-                out.append(int(d))
+    for pid, raw in cmdlines():
+        argv = raw.split(b"\0")
+        if argv and os.path.basename(argv[0]).decode(errors="replace") == which \
+                and any(marker.encode() in a for a in argv):
+            out.append(pid)
     return out
 
 
@@ -311,7 +294,7 @@ def test_killed_anchor_or_bwrap_is_a_killed_program_not_a_setup_failure(identity
     marker = f"65.{os.getpid()}{time.time_ns() % 10**9:09d}"
     proc, _pid = _start_caller([*prefix, sys.executable, "-c", KILLED_SUPERVISOR, "=" + marker])
     try:
-        assert _wait_for(lambda: bool(_procs_with(marker)) and bool(_supervisor_of(marker, which)), 60)
+        assert _wait_for(lambda: bool(pids_with(marker, whole_arg=True)) and bool(_supervisor_of(marker, which)), 60)
         os.kill(_supervisor_of(marker, which)[0], signal.SIGKILL)
         out, err = proc.communicate(timeout=60)
     finally:
@@ -323,7 +306,7 @@ def test_killed_anchor_or_bwrap_is_a_killed_program_not_a_setup_failure(identity
     assert res["killed_by"] == "signal" and res["exit_code"] == 128 + signal.SIGKILL, res
     assert res["stdout"] == "printed\n" and res["f"] == "out\n", res  # output and writes delivered
     assert any("supervisor" in n and "killed" in n for n in res["notes"]), res
-    assert _wait_for(lambda: not _procs_with(marker), 10)
+    assert _wait_for(lambda: not pids_with(marker, whole_arg=True), 10)
 
 
 def test_cli_keeps_the_fresh_workspace_when_the_anchor_is_killed():
@@ -333,7 +316,7 @@ def test_cli_keeps_the_fresh_workspace_when_the_anchor_is_killed():
     cli = [sys.executable, "-m", "lowlevel", "run", "--", "sh", "-c", 'echo out > f; exec sleep "${0#=}"', "=" + marker]
     proc = subprocess.Popen(cli, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd="/")
     try:
-        assert _wait_for(lambda: bool(_procs_with(marker)) and bool(_supervisor_of(marker, "_lowlevel_exec")), 60)
+        assert _wait_for(lambda: bool(pids_with(marker, whole_arg=True)) and bool(_supervisor_of(marker, "_lowlevel_exec")), 60)
         os.kill(_supervisor_of(marker, "_lowlevel_exec")[0], signal.SIGKILL)
         _out, err = proc.communicate(timeout=60)
     finally:

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.procs import pids_with
+
 from lowlevel.host import cgroup_detect as _cgroup_detect
 from lowlevel.workspace.overlay import LEFTOVER_PREFIX
 
@@ -109,20 +111,6 @@ def _cli(args: list[str], records: str, cgs: list[str] | None = None) -> subproc
                           env=_env(records, cgs), cwd="/", timeout=240)
 
 
-def _procs_with(arg: str) -> list[int]:
-    needle = b"\0" + arg.encode() + b"\0"
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/cmdline", "rb") as f:
-                    if needle in b"\0" + f.read():
-                        out.append(int(d))
-            except OSError:
-                pass
-    return out
-
-
 def _wait(cond, bound_s: float) -> bool:
     end = time.monotonic() + bound_s
     while time.monotonic() < end:
@@ -156,10 +144,10 @@ def test_caller_killed_in_own_cgroup_cleanup_removes_its_cgroups(svc: dict):
     marker = f"64.{os.getpid()}{time.time_ns() % 10**9:09d}"
     proc, pid = _start(svc, "sleep", ws, "=" + marker)
     try:
-        assert _wait(lambda: bool(_procs_with(marker)), 60), "the program never started"
+        assert _wait(lambda: bool(pids_with(marker, whole_arg=True)), 60), "the program never started"
         proc.kill()
         proc.communicate(timeout=30)
-        assert _wait(lambda: not _procs_with(marker), 10), "the sandbox outlived its caller"
+        assert _wait(lambda: not pids_with(marker, whole_arg=True), 10), "the sandbox outlived its caller"
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -24,11 +24,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers.identities import owned_tmpdir
+from helpers.identities import setpriv, tmpdir_fixture
+from helpers.procs import sleep_running
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(180)]
 
@@ -39,21 +39,12 @@ def workspaces(base: Path) -> list[str]:
     return sorted(n for n in os.listdir(base) if not n.startswith("."))
 
 REPO = Path(__file__).resolve().parents[2]
-SETPRIV = shutil.which("setpriv") or "/usr/bin/setpriv"
 
 
-@pytest.fixture
-def base(who: pwd.struct_passwd | None) -> Iterator[Path]:
-    path = owned_tmpdir(who, "lowlevel-contract-base-")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+base = tmpdir_fixture("lowlevel-contract-base-", mode=0o755, owned=True)
 
 
-@pytest.fixture
-def scratch(who: pwd.struct_passwd | None) -> Iterator[Path]:
-    path = owned_tmpdir(who, "lowlevel-contract-scratch-")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+scratch = tmpdir_fixture("lowlevel-contract-scratch-", mode=0o755, owned=True, name="scratch")
 
 
 def argv_env(who: pwd.struct_passwd | None, base: Path, *args: str) -> tuple[list[str], dict[str, str]]:
@@ -62,7 +53,7 @@ def argv_env(who: pwd.struct_passwd | None, base: Path, *args: str) -> tuple[lis
     cmd = [sys.executable, "-m", "lowlevel", *args]
     if who is not None:
         env["HOME"] = who.pw_dir
-        cmd = [SETPRIV, f"--reuid={who.pw_uid}", f"--regid={who.pw_gid}", "--init-groups", "--", *cmd]
+        cmd = setpriv(who, cmd)
     return cmd, env
 
 
@@ -120,6 +111,7 @@ def test_usage_error_exit_status_of_the_process(who: pwd.struct_passwd | None, b
     assert "--memory" in one_line(proc.stderr)
 
 
+@pytest.mark.slow
 def test_json_prints_one_object_for_every_outcome(who: pwd.struct_passwd | None, base: Path,
                                                   scratch: Path) -> None:
     for args, status, kind in [
@@ -142,6 +134,7 @@ def test_json_prints_one_object_for_every_outcome(who: pwd.struct_passwd | None,
 
 # --- stdin in every mode -----------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_piped_stdin_reaches_the_program_in_every_mode(who: pwd.struct_passwd | None, base: Path,
                                                        scratch: Path) -> None:
     data = b"hello\x00\xff world\n" * 1000
@@ -175,19 +168,6 @@ def test_record_stdin_over_64_mib_is_one_line(who: pwd.struct_passwd | None, bas
 
 # --- interruptions -------------------------------------------------------------------------------
 
-def running(marker: str) -> bool:
-    """A process runs ``sleep MARKER`` (the sandboxed program; not the caller, whose command
-    line holds the marker inside one shell argument)."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if f.read() == b"sleep\0" + marker.encode() + b"\0":
-                    return True
-        except OSError:
-            continue
-    return False
-
-
 @pytest.mark.parametrize("signum,json_mode", [
     (signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGHUP, False), (signal.SIGQUIT, False),
     (signal.SIGINT, True), (signal.SIGTERM, True),
@@ -203,7 +183,7 @@ def test_interrupt_keeps_the_fresh_workspace_and_says_where(who: pwd.struct_pass
     try:
         if json_mode:  # output is captured: wait until the program sleeps (out.txt written)
             deadline = time.monotonic() + 60
-            while not running(marker):
+            while not sleep_running(marker):
                 assert time.monotonic() < deadline and proc.poll() is None
                 time.sleep(0.05)
         else:

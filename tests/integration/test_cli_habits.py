@@ -19,14 +19,12 @@ from __future__ import annotations
 import json
 import os
 import pwd
-import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers.identities import owned_tmpdir
+from helpers.identities import setpriv, tmpdir_fixture
 
 from lowlevel import cli as _cli
 from lowlevel.spec.limits import CPU_QUOTA_FALLBACK_NOTE
@@ -34,21 +32,12 @@ from lowlevel.spec.limits import CPU_QUOTA_FALLBACK_NOTE
 pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(180)]
 
 REPO = Path(__file__).resolve().parents[2]
-SETPRIV = shutil.which("setpriv") or "/usr/bin/setpriv"
 
 
-@pytest.fixture
-def base(who: pwd.struct_passwd | None) -> Iterator[Path]:
-    path = owned_tmpdir(who, "lowlevel-habits-base-")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+base = tmpdir_fixture("lowlevel-habits-base-", mode=0o755, owned=True)
 
 
-@pytest.fixture
-def scratch(who: pwd.struct_passwd | None) -> Iterator[Path]:
-    path = owned_tmpdir(who, "lowlevel-habits-scratch-")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+scratch = tmpdir_fixture("lowlevel-habits-scratch-", mode=0o755, owned=True, name="scratch")
 
 
 def cli(who: pwd.struct_passwd | None, base: Path, *args: str,
@@ -58,7 +47,7 @@ def cli(who: pwd.struct_passwd | None, base: Path, *args: str,
     cmd = [sys.executable, "-m", "lowlevel", *args]
     if who is not None:
         env["HOME"] = who.pw_dir
-        cmd = [SETPRIV, f"--reuid={who.pw_uid}", f"--regid={who.pw_gid}", "--init-groups", "--", *cmd]
+        cmd = setpriv(who, cmd)
     return subprocess.run(cmd, input=b"", capture_output=True, env=env, cwd="/", timeout=120)
 
 

@@ -9,11 +9,10 @@ import pwd
 import shutil
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers.identities import tmpdir_fixture
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(120)]
 
@@ -23,12 +22,7 @@ RUNUSER = shutil.which("runuser") or "/usr/sbin/runuser"
 PROGRAM = "echo x > f && mkdir d && echo y > d/g && chmod 0500 d"
 
 
-@pytest.fixture
-def base() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="lowlevel-rm-base-"))
-    os.chmod(path, 0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+base = tmpdir_fixture("lowlevel-rm-base-", mode=0o755)
 
 
 def _cli(base: Path, *args: str, user: pwd.struct_passwd | None = None) -> subprocess.CompletedProcess[bytes]:

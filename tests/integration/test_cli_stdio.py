@@ -28,10 +28,11 @@ from pathlib import Path
 
 import pytest
 
+from helpers.identities import setpriv as as_user, tmpdir_fixture
+
 pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(180)]
 
 REPO = Path(__file__).resolve().parents[2]
-SETPRIV = shutil.which("setpriv") or "/usr/bin/setpriv"
 IS_ROOT = os.geteuid() == 0
 TIOCGEXCL = 0x80045440   # _IOR('T', 0x40, int): is the tty in exclusive mode (Linux >= 3.8)
 TIOCGETD = 0x5424
@@ -76,33 +77,7 @@ except OSError as e:
 """
 
 
-def identities() -> list[str]:
-    return ["root", "user"] if IS_ROOT else ["self"]
-
-
-@pytest.fixture(params=identities())
-def who(request: pytest.FixtureRequest) -> pwd.struct_passwd | None:
-    """None: the test's own uid; else the unprivileged test user (CLI through runuser)."""
-    if request.param == "user":
-        return request.getfixturevalue("test_user")  # type: ignore[no-any-return]
-    return None
-
-
-@pytest.fixture
-def base(who: pwd.struct_passwd | None) -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="lowlevel-stdio-base-"))
-    os.chmod(path, 0o755)
-    if who is not None:
-        os.chown(path, who.pw_uid, who.pw_gid)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def as_user(who: pwd.struct_passwd | None, cmd: list[str]) -> list[str]:
-    """``cmd`` as ``who`` through setpriv, which execs (no process in between to take signals)."""
-    if who is None:
-        return cmd
-    return [SETPRIV, f"--reuid={who.pw_uid}", f"--regid={who.pw_gid}", "--init-groups", "--", *cmd]
+base = tmpdir_fixture("lowlevel-stdio-base-", mode=0o755, owned=True)
 
 
 def cli_argv(who: pwd.struct_passwd | None, *args: str) -> tuple[list[str], dict[str, str]]:

@@ -170,6 +170,7 @@ def test_overlapping_runs_leave_owners_and_modes_unchanged(tmp_path: Path):
     assert {k: v[:3] for k, v in _state(str(ws)).items()} == before
 
 
+@pytest.mark.slow
 @pytest.mark.root
 def test_concurrent_root_sandboxes_have_their_own_host_uid(tmp_path: Path):
     """Per-uid kernel budgets are per run: one sandbox exhausting inotify instances (EMFILE at

@@ -26,17 +26,17 @@ import pwd
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from helpers.identities import owned_tmpdir, setpriv
+
 pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(400)]
 
 REPO = Path(__file__).resolve().parents[2]
-HELPER = REPO / "tests" / "helpers" / "full_workspace.py"
-SETPRIV = shutil.which("setpriv") or "/usr/bin/setpriv"
+HELPER = REPO / "tests" / "helpers" / "api_outcomes.py"
 IS_ROOT = os.geteuid() == 0
 MiB = 1 << 20
 ENOSPC_TEXT = "No space left on device"
@@ -66,25 +66,15 @@ def _env(who: pwd.struct_passwd | None, base: str) -> dict[str, str]:
     return env
 
 
-def _as(who: pwd.struct_passwd | None, cmd: list[str]) -> list[str]:
-    if who is None:
-        return cmd
-    return [SETPRIV, f"--reuid={who.pw_uid}", f"--regid={who.pw_gid}", "--init-groups", "--", *cmd]
-
-
 def _base(who: pwd.struct_passwd | None, prefix: str) -> str:
     """A workspace base owned by the identity (lowlevel refuses another uid's)."""
-    base = tempfile.mkdtemp(prefix=prefix)
-    os.chmod(base, 0o755)
-    if who is not None:
-        os.chown(base, who.pw_uid, who.pw_gid)
-    return base
+    return str(owned_tmpdir(who, prefix))
 
 
 def apis(who: pwd.struct_passwd | None, spec: dict[str, Any]) -> dict[str, Any]:
     base = _base(who, "lowlevel-full-ws-")
     try:
-        proc = subprocess.run(_as(who, [sys.executable, str(HELPER), json.dumps(spec)]), capture_output=True,
+        proc = subprocess.run(setpriv(who, [sys.executable, str(HELPER), json.dumps(spec)]), capture_output=True,
                               env=_env(who, base), cwd="/", timeout=380)
     finally:
         shutil.rmtree(base, ignore_errors=True)
@@ -95,7 +85,7 @@ def apis(who: pwd.struct_passwd | None, spec: dict[str, Any]) -> dict[str, Any]:
 def cli(who: pwd.struct_passwd | None, args: list[str]) -> subprocess.CompletedProcess[bytes]:
     base = _base(who, "lowlevel-full-ws-cli-")
     try:
-        return subprocess.run(_as(who, [sys.executable, "-m", "lowlevel", *args]), capture_output=True,
+        return subprocess.run(setpriv(who, [sys.executable, "-m", "lowlevel", *args]), capture_output=True,
                               env=_env(who, base), cwd="/", timeout=300)
     finally:
         shutil.rmtree(base, ignore_errors=True)
@@ -154,6 +144,7 @@ def test_tmp_and_shm_past_their_bound_are_enospc(sandbox, where: str) -> None:  
     assert words[:2] == ["errno", "28"] and 200 <= int(words[-1]) <= 256, out.out
 
 
+@pytest.mark.slow
 def test_every_api_sees_enospc_with_the_default_limits(who: pwd.struct_passwd | None) -> None:
     out = apis(who, {"command": FILL_WORKSPACE, "then": ["echo", "alive"]})
     for api in ("run", "session", "pool", "mcp_run", "mcp_session"):
@@ -167,6 +158,7 @@ def test_every_api_sees_enospc_with_the_default_limits(who: pwd.struct_passwd | 
 # -- item 1: below the bounds, the memory limit is a Result ------------------------------------
 
 
+@pytest.mark.slow
 def test_memory_limit_below_the_bounds_is_a_memory_result_everywhere(who: pwd.struct_passwd | None) -> None:
     # Was exit 125 "bwrap exited during setup" (run), SessionError (Session), "setup failed" (MCP).
     out = apis(who, {"command": WRITE_400M, "limits": {"memory_bytes": 256 * MiB},

@@ -34,16 +34,6 @@ import lowlevel
 pytestmark = [pytest.mark.bwrap]
 
 
-def _fds() -> dict[int, str]:
-    """``{fd: target}`` of this process, less what lowlevel keeps by design (tests/helpers/hygiene.py)."""
-    return open_fds()
-
-
-def _children() -> list[int]:
-    """This process's children (zombies included), less lowlevel's kept ones."""
-    return children()
-
-
 @contextmanager
 def _sigint_when_returning(target: Any, nth: int = 1) -> Iterator[dict[str, int]]:
     """SIGINT this process as the ``nth`` call of ``target`` (a builtin or a Python function)
@@ -78,17 +68,17 @@ def _sigint_at(hit: Any, nth: int) -> Iterator[dict[str, int]]:
 
 
 def _leaks_nothing(call: Callable[[], Any], target: Any, nth: int = 1) -> None:
-    before = _fds()
+    before = open_fds()
     with _sigint_when_returning(target, nth) as state:
         with pytest.raises(KeyboardInterrupt):
             call()
     assert state["sent"], f"{target} was not called {nth} time(s)"
-    leaked = {fd: what for fd, what in _fds().items() if fd not in before}
+    leaked = {fd: what for fd, what in open_fds().items() if fd not in before}
     assert not leaked, leaked
     deadline = time.monotonic() + 5
-    while _children() and time.monotonic() < deadline:
+    while children() and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert _children() == [], "a process of the sandbox outlived the interrupted call"
+    assert children() == [], "a process of the sandbox outlived the interrupted call"
 
 
 @pytest.fixture
@@ -120,7 +110,7 @@ def test_session_start_interrupted_at_ready(ws: str) -> None:
 def test_session_command_interrupted_right_after_its_pipes(ws: str, nth: int) -> None:
     with lowlevel.Session(workspace=ws) as s:
         s.run(["true"])  # warm
-        before = _fds()
+        before = open_fds()
         with _sigint_when_returning(os.pipe, nth) as state:
             with pytest.raises(KeyboardInterrupt):
                 s.run(["true"])
@@ -128,16 +118,16 @@ def test_session_command_interrupted_right_after_its_pipes(ws: str, nth: int) ->
         assert s.run(["echo", "still serving"]).stdout == b"still serving\n"
     # The interrupted command's pipes belonged to the session (the command may have been sent
     # already); the session's close took them with its own.
-    leaked = {fd: what for fd, what in _fds().items() if fd not in before}
+    leaked = {fd: what for fd, what in open_fds().items() if fd not in before}
     assert not leaked, leaked
 
 
 def test_control_an_undeferred_pipe_is_lost() -> None:
-    before = _fds()
+    before = open_fds()
     with _sigint_when_returning(os.pipe):
         with pytest.raises(KeyboardInterrupt):
             r, w = os.pipe()
-    leaked = [fd for fd in _fds() if fd not in before]
+    leaked = [fd for fd in open_fds() if fd not in before]
     assert len(leaked) == 2  # the attack works where nothing holds the handler back
     for fd in leaked:
         os.close(fd)
@@ -167,12 +157,12 @@ def test_run_interrupted_while_its_cgroup_figures_are_read(ws: str) -> None:
     if counted["calls"] == 0:
         pytest.skip("no cgroup of the run is read here (no writable cgroup hierarchy)")
     for nth in range(1, counted["calls"] + 1):
-        before = _fds()
+        before = open_fds()
         with _sigint_at_open_in(code, nth) as state:
             with pytest.raises(KeyboardInterrupt):
                 lowlevel.run(["true"], workspace=ws)
         assert state["sent"], nth
-        leaked = {fd: what for fd, what in _fds().items() if fd not in before}
+        leaked = {fd: what for fd, what in open_fds().items() if fd not in before}
         assert not leaked, (nth, leaked)
         # The removal of the run's cgroup reads cgroup.procs too: a ^C there left the
         # directories for the life of this process (and failed later tests' hygiene checks).

@@ -10,13 +10,13 @@ import secrets
 import shutil
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import lowlevel
+from helpers.identities import tmpdir_fixture
+from helpers.procs import sleep_running
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(240)]
 
@@ -27,12 +27,7 @@ def workspaces(base: Path) -> list[str]:
     return sorted(n for n in os.listdir(base) if not n.startswith("."))
 
 
-@pytest.fixture
-def base() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="lowlevel-keep-"))
-    os.chmod(path, 0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+base = tmpdir_fixture("lowlevel-keep-", mode=0o755)
 
 
 def test_run_removes_the_fresh_workspace_after_the_result(base: Path) -> None:
@@ -81,26 +76,13 @@ def test_200_arun_calls_leave_no_directory(base: Path) -> None:
     assert workspaces(base) == []
 
 
-def running(marker: str) -> bool:
-    """A process runs ``sleep MARKER`` (the sandboxed program; not the caller, whose command
-    line holds the marker inside one shell argument)."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if f.read() == b"sleep\0" + marker.encode() + b"\0":
-                    return True
-        except OSError:
-            continue
-    return False
-
-
 def test_arun_cancelled_removes_it(base: Path) -> None:
     marker = f"30.{secrets.randbelow(10**6):06d}"
 
     async def main() -> None:
         task = asyncio.ensure_future(lowlevel.arun(["sh", "-c", f"echo x > f; exec sleep {marker}"],
                                                    workspace_base=str(base), keep_workspace=False))
-        while not running(marker):
+        while not sleep_running(marker):
             assert not task.done()
             await asyncio.sleep(0.02)
         task.cancel()

@@ -10,17 +10,16 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
-import secrets
-import socket
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 
 import lowlevel
 from lowlevel.host import landlock
+
+from helpers.servers import abstract_unix
 
 pytestmark = pytest.mark.bwrap
 ABI = landlock.kernel_abi()
@@ -42,35 +41,9 @@ def _own(sandbox, path: str) -> str:
 
 # --- 1. the shared host network: host abstract unix sockets ------------------------------------
 
-class AbstractServer:
-    """A host abstract unix socket answering b'pong' (the kind D-Bus, X11 and containerd use)."""
-
-    def __init__(self) -> None:
-        self.name = f"lowlevel-test-{secrets.token_hex(6)}"
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind("\0" + self.name)
-        self.sock.listen(8)
-        self.accepted = 0
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.accepted += 1
-            conn.sendall(b"pong")
-            conn.close()
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 @pytest.fixture
 def abstract_server():
-    s = AbstractServer()
+    s = abstract_unix()
     yield s
     s.close()
 

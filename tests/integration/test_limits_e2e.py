@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+from helpers.procs import pids_with
+
 from lowlevel.host import cgroup_detect
 from lowlevel.spec.limits import MiB
 
@@ -24,23 +26,9 @@ def _cgroup(outcome, controller: str) -> bool:
     return f"cgroup:{controller}" in outcome.limits_enforced
 
 
-def _processes_with(marker: str) -> list[int]:
-    """PIDs on the host whose command line contains ``marker``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if marker.encode() in f.read():
-                        found.append(int(entry))
-            except OSError:
-                pass
-    return found
-
-
 def _nothing_survives(marker: str, timeout: float = 3.0) -> list[int]:
     deadline = time.monotonic() + timeout
-    while (left := _processes_with(marker)) and time.monotonic() < deadline:
+    while (left := pids_with(marker)) and time.monotonic() < deadline:
         time.sleep(0.05)
     return left
 

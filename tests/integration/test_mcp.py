@@ -15,22 +15,14 @@ anyio = pytest.importorskip("anyio")
 
 from mcp import ClientSession  # noqa: E402
 from mcp.client.stdio import StdioServerParameters, stdio_client  # noqa: E402
+from helpers.identities import tmpdir_fixture  # noqa: E402
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(120),
               pytest.mark.skipif(shutil.which("bwrap") is None and not os.path.exists("/usr/bin/bwrap"),
                                  reason="needs bubblewrap: apt-get install bubblewrap")]
 
 
-@pytest.fixture
-def base() -> Any:
-    """A world-traversable temp dir: a root caller's sandbox runs as nobody, which must reach it
-    (pytest's tmp_path is under 0700 directories)."""
-    import pathlib
-    import tempfile
-    path = tempfile.mkdtemp(prefix="lowlevel-mcp-test-")
-    os.chmod(path, 0o711)
-    yield pathlib.Path(path)
-    shutil.rmtree(path, ignore_errors=True)
+base = tmpdir_fixture("lowlevel-mcp-test-")
 
 
 def _payload(result: Any) -> dict[str, Any]:

@@ -15,8 +15,6 @@ import pwd
 import shutil
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +29,7 @@ from mcp.client.stdio import StdioServerParameters, stdio_client  # noqa: E402
 from lowlevel.cli.args import parse_size  # noqa: E402
 from lowlevel.errors import PolicyError  # noqa: E402
 from lowlevel.mcp_server import PROGRESS_INTERVAL_S, ServerConfig  # noqa: E402
+from helpers.identities import tmpdir_fixture  # noqa: E402
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(120)]
 
@@ -82,14 +81,7 @@ def test_mcp_cli_bad_config_size_is_one_line(tmp_path: Path) -> None:
 
 # --- progress notifications ----------------------------------------------------------------------
 
-@pytest.fixture
-def base(who: pwd.struct_passwd | None) -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="lowlevel-mcp-habits-"))
-    os.chmod(path, 0o711)
-    if who is not None:
-        os.chown(path, who.pw_uid, who.pw_gid)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+base = tmpdir_fixture("lowlevel-mcp-habits-", owned=True)
 
 
 def _server(who: pwd.struct_passwd | None, base: Path) -> Any:
@@ -103,6 +95,7 @@ def _server(who: pwd.struct_passwd | None, base: Path) -> Any:
     return stdio_client(StdioServerParameters(command=command, args=args, env=env))
 
 
+@pytest.mark.slow
 def test_mcp_progress_notifications_for_long_runs(who: pwd.struct_passwd | None, base: Path) -> None:
     seen: dict[str, list[tuple[float, float | None, str | None]]] = {"run": [], "session": [], "none": []}
 

@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,18 +25,14 @@ import pytest
 
 from lowlevel.errors import LowlevelError, PolicyError, WorkspaceError
 from lowlevel.mcp_server import ServerConfig, Tools
+from helpers.identities import tmpdir_fixture
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(180)]
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def base() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="lowlevel-mcp-hardening-"))
-    os.chmod(path, 0o711)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+base = tmpdir_fixture("lowlevel-mcp-hardening-")
 
 
 @pytest.fixture

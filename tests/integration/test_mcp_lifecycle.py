@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +22,7 @@ import pytest
 
 from lowlevel.errors import PolicyError
 from lowlevel.mcp_server import ServerConfig, Tools
+from helpers.identities import tmpdir_fixture
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(120)]
 
@@ -35,12 +33,7 @@ def workspaces(base: Path) -> list[str]:
     return sorted(n for n in os.listdir(base) if not n.startswith("."))
 
 
-@pytest.fixture
-def base() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="lowlevel-mcp-life-"))
-    os.chmod(path, 0o711)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+base = tmpdir_fixture("lowlevel-mcp-life-")
 
 
 def tools(base: Path, **config: Any) -> Tools:

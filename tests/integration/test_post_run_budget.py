@@ -10,25 +10,18 @@ time budget, and the record says what was skipped. (How long it takes is measure
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import lowlevel
 from lowlevel import record as _record
+from helpers.identities import tmpdir_fixture
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(300)]
 
 
-@pytest.fixture
-def base() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="lowlevel-post-run-"))
-    os.chmod(path, 0o711)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+base = tmpdir_fixture("lowlevel-post-run-")
 
 
 def test_200_sparse_64mib_files_are_not_hashed(base: Path, monkeypatch: pytest.MonkeyPatch) -> None:

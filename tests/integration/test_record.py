@@ -8,8 +8,6 @@ import pathlib
 import shutil
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 
 import pytest
 
@@ -17,6 +15,8 @@ jsonschema = pytest.importorskip("jsonschema")
 
 import lowlevel  # noqa: E402
 from lowlevel.record import canonical_policy, load_record, policy_from_canonical, policy_sha256, replay  # noqa: E402
+
+from helpers.identities import tmpdir_fixture  # noqa: E402
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(120),
               pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap: apt-get install bubblewrap")]
@@ -38,12 +38,7 @@ print(hash("lowlevel"))
 """
 
 
-@pytest.fixture
-def base() -> Iterator[pathlib.Path]:
-    path = pathlib.Path(tempfile.mkdtemp(prefix="lowlevel-record-test-"))
-    os.chmod(path, 0o711)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+base = tmpdir_fixture("lowlevel-record-test-")
 
 
 def test_record_then_replay_matches(base: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,8 +14,6 @@ import shutil
 import stat
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,18 +21,14 @@ import pytest
 
 import lowlevel
 from lowlevel.record import RecordError, canonical_policy, policy_loosening, policy_sha256, replay
+from helpers.identities import tmpdir_fixture
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(120)]
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def base() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="lowlevel-record-hardening-"))
-    os.chmod(path, 0o711)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+base = tmpdir_fixture("lowlevel-record-hardening-")
 
 
 def _record(base: Path, policy: lowlevel.Policy | None = None) -> tuple[Path, dict[str, Any]]:

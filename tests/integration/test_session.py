@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.hygiene import children, open_fds
+from helpers.hygiene import children, fd_numbers
 
 import lowlevel
 from lowlevel.session import AsyncSession, Pool, Session, SessionError
@@ -28,16 +28,6 @@ def _ws() -> str:
     path = tempfile.mkdtemp(prefix="ws-session-", dir="/tmp")
     os.chmod(path, 0o755)
     return path
-
-
-def _fds() -> set[int]:
-    """This process's fds, less what lowlevel keeps by design (tests/helpers/hygiene.py)."""
-    return set(open_fds())
-
-
-def _children_of(pid: int) -> list[int]:
-    """Children of ``pid`` (zombies included), less lowlevel's kept ones (tests/helpers/hygiene.py)."""
-    return children(pid)
 
 
 @pytest.fixture
@@ -239,7 +229,7 @@ def test_killing_the_shepherd_kills_its_command(session):
 
 
 def test_close_leaves_nothing():
-    before = _fds()
+    before = fd_numbers()
     s = Session(workspace=_ws())
     pid = s._core.init_host_pid
     bwrap_pid = s._core.run.pid
@@ -248,7 +238,7 @@ def test_close_leaves_nothing():
     s.close()
     assert not os.path.exists(f"/proc/{pid}")
     assert not os.path.exists(f"/proc/{bwrap_pid}")
-    assert not _children_of(os.getpid())
+    assert not children(os.getpid())
     for h in handles:
         with pytest.raises(SessionError) as e:
             h.wait(timeout=1)
@@ -256,7 +246,7 @@ def test_close_leaves_nothing():
     with pytest.raises(SessionError):
         s.run(["true"])
     s.close()
-    assert _fds() == before
+    assert fd_numbers() == before
 
 
 def test_callers_death_ends_the_session():
@@ -373,13 +363,13 @@ def test_many_sequential_commands_no_growth(session):
     n = int(os.environ.get("LOWLEVEL_SESSION_N", "2000"))
     for _ in range(50):
         session.run(["true"])
-    fds0 = _fds()
+    fds0 = fd_numbers()
     init_pid = session._core.init_host_pid
     init_rss0 = _rss_kib(init_pid)
     procs0 = len(_sandbox_procs(session))
     for _ in range(n):
         assert session.run(["true"]).exit_code == 0
-    assert _fds() == fds0
+    assert fd_numbers() == fds0
     assert len(_sandbox_procs(session)) == procs0
     assert _rss_kib(init_pid) <= init_rss0 + 64
     assert not session._core.cmds and not session._core.fd_owner
@@ -404,7 +394,7 @@ def test_pool_fresh_sandbox_per_call(tmp_path):
             time.sleep(0.05)
         rs = [pool.run(["echo", str(i)]) for i in range(6)]
         assert [r.stdout for r in rs] == [f"{i}\n".encode() for i in range(6)]
-    assert not _children_of(os.getpid())
+    assert not children(os.getpid())
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="runs the session as an unprivileged user via runuser")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import os
 import shutil
 import signal
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from helpers.hygiene import children, open_fds
+from helpers.procs import pids_with
 
 import lowlevel
 from lowlevel.host import cgroup_detect as _cgroup_detect
@@ -25,18 +25,6 @@ def _ws() -> str:
     path = tempfile.mkdtemp(prefix="ws-", dir="/tmp")
     os.chmod(path, 0o755)
     return path
-
-
-def _procs_with(marker: str) -> list[int]:
-    found = []
-    for cmdline in glob.glob("/proc/[0-9]*/cmdline"):
-        try:
-            with open(cmdline, "rb") as f:
-                if marker.encode() in f.read():
-                    found.append(int(cmdline.split("/")[2]))
-        except OSError:
-            pass
-    return found
 
 
 def test_one_gib_stdout_flood_is_capped_and_caller_rss_bounded():
@@ -82,13 +70,13 @@ def test_sigkill_of_the_caller_kills_the_sandbox_within_a_second():
     while not (beat.exists() and beat.stat().st_size > 10):
         assert time.monotonic() < deadline, "the sandbox never started"
         time.sleep(0.05)
-    assert _procs_with(marker), "control: the sandboxed loop is visible on the host while it runs"
+    assert pids_with(marker), "control: the sandboxed loop is visible on the host while it runs"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     t0 = time.monotonic()
-    while _procs_with(marker) and time.monotonic() - t0 < 1.0:
+    while pids_with(marker) and time.monotonic() - t0 < 1.0:
         time.sleep(0.02)
-    assert not _procs_with(marker), "sandbox processes survived their caller's SIGKILL for over 1 s"
+    assert not pids_with(marker), "sandbox processes survived their caller's SIGKILL for over 1 s"
     size = beat.stat().st_size
     time.sleep(0.3)
     assert beat.stat().st_size == size

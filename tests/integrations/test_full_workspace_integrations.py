@@ -24,6 +24,8 @@ from typing import Any
 
 import pytest
 
+from helpers.identities import setpriv
+
 for _module in ("inspect_ai", "langchain_core"):
     pytest.importorskip(_module, reason="needs the inspect and langchain extras (pip install '.[integrations]')")
 
@@ -31,7 +33,6 @@ pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(300)]
 
 REPO = Path(__file__).resolve().parents[2]
 HELPER = REPO / "tests" / "helpers" / "full_workspace_integrations.py"
-SETPRIV = shutil.which("setpriv") or "/usr/bin/setpriv"
 IS_ROOT = os.geteuid() == 0
 MISSING = "nosuchprog: command not found in the sandbox (PATH="
 
@@ -52,7 +53,7 @@ def outcome(request: pytest.FixtureRequest) -> dict[str, Any]:
     if who is not None:
         os.chown(tmp, who.pw_uid, who.pw_gid)
         env["HOME"] = who.pw_dir
-        cmd = [SETPRIV, f"--reuid={who.pw_uid}", f"--regid={who.pw_gid}", "--init-groups", "--", *cmd]
+        cmd = setpriv(who, cmd)
     try:
         proc = subprocess.run(cmd, capture_output=True, env=env, cwd="/", timeout=280)
     finally:

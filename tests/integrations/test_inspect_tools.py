@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import secrets
 import shutil
 import subprocess
 import sys
@@ -24,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from helpers.identities import last_json_line, planted_key, runuser, user_env
 
 pytest.importorskip("inspect_ai", reason="the Inspect extra is not installed (pip install '.[inspect]' in the lowlevel checkout)")
 
@@ -34,17 +35,13 @@ from lowlevel.integrations.inspect_sandbox import (LowlevelSandboxConfig, Lowlev
 pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(300)]
 HELPER = Path(__file__).resolve().parents[1] / "helpers" / "inspect_tools_eval.py"
 ROOT = Path(__file__).resolve().parents[2]
-RUNUSER = shutil.which("runuser") or "/usr/sbin/runuser"
 
 
-def _eval(spec: dict[str, Any], user: str | None = None, env: dict[str, str] | None = None) -> dict[str, Any]:
-    argv = [sys.executable, str(HELPER)]
-    if user is not None:
-        argv = [RUNUSER, "-u", user, "--", *argv]
-    proc = subprocess.run(argv, input=json.dumps(spec), capture_output=True, text=True, timeout=280,
-                          env=env, cwd="/")
+def _eval(spec: dict[str, Any], user: Any | None = None, env: dict[str, str] | None = None) -> dict[str, Any]:
+    proc = subprocess.run(runuser(user, [sys.executable, str(HELPER)]), input=json.dumps(spec), capture_output=True,
+                          text=True, timeout=280, env=env, cwd="/")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return last_json_line(proc)
 
 
 def _check_tools(out: dict[str, Any], secret: str) -> None:
@@ -60,34 +57,26 @@ def _check_tools(out: dict[str, Any], secret: str) -> None:
     assert "blocked-read" in attack and secret not in attack, attack
 
 
+@pytest.mark.slow
 def test_bash_session_and_text_editor_in_a_real_eval_as_root(tmp_path: Path, planted_secret: Any) -> None:
     assert planted_secret.key_path.read_text().count(planted_secret.secret) == 1  # control: readable on the host
     out = _eval({"log_dir": str(tmp_path / "logs"), "secret_path": str(planted_secret.key_path), "config": None})
     _check_tools(out, planted_secret.secret)
 
 
+@pytest.mark.slow
 @pytest.mark.root
 def test_bash_session_and_text_editor_in_a_real_eval_as_unprivileged_user(test_user: Any) -> None:
-    base = Path(tempfile.mkdtemp(prefix="ll-inspect-tools-", dir="/tmp"))
-    try:
-        base.chmod(0o755)
-        secret = "SECRET-" + secrets.token_hex(8)
-        key = base / "id_ed25519"
-        key.write_text(secret)
-        os.chown(key, test_user.pw_uid, test_user.pw_gid)
-        key.chmod(0o600)
-        logs = base / "logs"
+    with planted_key(test_user, "ll-inspect-tools-") as (key, secret):
+        logs = key.parent / "logs"
         logs.mkdir()
         os.chown(logs, test_user.pw_uid, test_user.pw_gid)
-        env = {"PATH": "/usr/bin:/bin", "HOME": test_user.pw_dir, "LANG": "C.UTF-8",
-               "PYTHONPATH": os.environ.get("PYTHONPATH", str(ROOT))}
-        control = subprocess.run([RUNUSER, "-u", test_user.pw_name, "--", "cat", str(key)], capture_output=True,
-                                 text=True, env=env, cwd="/")
+        env = user_env(test_user, PYTHONPATH=os.environ.get("PYTHONPATH", str(ROOT)))
+        control = subprocess.run(runuser(test_user, ["cat", str(key)]), capture_output=True, text=True, env=env,
+                                 cwd="/")
         assert control.stdout == secret  # the user can read it on the host
-        out = _eval({"log_dir": str(logs), "secret_path": str(key), "config": None}, user=test_user.pw_name, env=env)
+        out = _eval({"log_dir": str(logs), "secret_path": str(key), "config": None}, user=test_user, env=env)
         _check_tools(out, secret)
-    finally:
-        shutil.rmtree(base)
 
 
 def test_tools_refused_with_a_one_line_reason_when_var_is_bound(tmp_path: Path) -> None:
@@ -216,6 +205,7 @@ def tools_task():
 '''
 
 
+@pytest.mark.slow
 def test_inspect_eval_cli_runs_the_tools(tmp_path: Path) -> None:
     """The ``inspect eval`` command itself (the provider found through the entry point)."""
     from inspect_ai.log import read_eval_log

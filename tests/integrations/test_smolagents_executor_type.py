@@ -10,16 +10,14 @@ executor, and the other types still behave as in ``CodeAgent``.
 from __future__ import annotations
 
 import json
-import os
-import secrets
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from helpers.identities import last_json_line, planted_key, runuser, user_env
 
 pytest.importorskip("smolagents", reason="the smolagents extra is not installed (pip install '.[smolagents]' in the lowlevel checkout)")
 
@@ -30,7 +28,6 @@ from lowlevel.integrations.smolagents_executor import EXECUTOR_TYPE, LowlevelCod
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(180)]
 REPO = Path(__file__).resolve().parents[2]
-RUNUSER = shutil.which("runuser") or "/usr/sbin/runuser"
 
 #: Builds a LowlevelCodeAgent by name, runs two scripted steps, prints a JSON line. argv[1]: the secret's path.
 AGENT_SCRIPT = r'''
@@ -71,18 +68,6 @@ def _check(info: dict[str, Any], secret_text: str) -> None:
     assert secret_text not in json.dumps(answer) and answer["leaked"].startswith("blocked: "), answer
 
 
-def _secret(owner: Any | None) -> tuple[Path, str]:
-    base = Path(tempfile.mkdtemp(prefix="ll-smol-type-", dir="/tmp"))
-    base.chmod(0o755)
-    text = "SECRET-" + secrets.token_hex(8)
-    key = base / "id_ed25519"
-    key.write_text(text)
-    if owner is not None:
-        os.chown(key, owner.pw_uid, owner.pw_gid)
-    key.chmod(0o600)
-    return key, text
-
-
 def test_stock_code_agent_refuses_the_name() -> None:
     """The control: smolagents' own CodeAgent does not know "lowlevel"; hence the subclass."""
     from smolagents.models import Model
@@ -99,28 +84,22 @@ def test_other_executor_types_and_executor_arg_unchanged() -> None:
 
 
 def test_executor_type_lowlevel_as_root() -> None:
-    key, text = _secret(None)
-    try:
+    with planted_key(None, "ll-smol-type-") as (key, text):
         assert key.read_text() == text  # control: the caller reads it on the host
         proc = subprocess.run([sys.executable, "-c", AGENT_SCRIPT, str(key)], capture_output=True, text=True,
                               timeout=150, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "LANG": "C.UTF-8"})
         assert proc.returncode == 0, proc.stderr[-3000:]
-        _check(json.loads(proc.stdout.strip().splitlines()[-1]), text)
-    finally:
-        shutil.rmtree(key.parent, ignore_errors=True)
+        _check(last_json_line(proc), text)
 
 
 @pytest.mark.root
 def test_executor_type_lowlevel_as_unprivileged_user(test_user: Any) -> None:
-    key, text = _secret(test_user)
-    try:
-        env = {"PATH": "/usr/bin:/bin", "HOME": test_user.pw_dir, "LANG": "C.UTF-8", "PYTHONPATH": str(REPO)}
-        control = subprocess.run([RUNUSER, "-u", test_user.pw_name, "--", "cat", str(key)], capture_output=True,
-                                 text=True, env=env, cwd="/", timeout=30)
+    with planted_key(test_user, "ll-smol-type-") as (key, text):
+        env = user_env(test_user, PYTHONPATH=str(REPO))
+        control = subprocess.run(runuser(test_user, ["cat", str(key)]), capture_output=True, text=True, env=env,
+                                 cwd="/", timeout=30)
         assert control.stdout == text  # control: the same user reads it on the host
-        proc = subprocess.run([RUNUSER, "-u", test_user.pw_name, "--", sys.executable, "-c", AGENT_SCRIPT, str(key)],
+        proc = subprocess.run(runuser(test_user, [sys.executable, "-c", AGENT_SCRIPT, str(key)]),
                               capture_output=True, text=True, env=env, cwd="/", timeout=150)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        _check(json.loads(proc.stdout.strip().splitlines()[-1]), text)
-    finally:
-        shutil.rmtree(key.parent, ignore_errors=True)
+        _check(last_json_line(proc), text)

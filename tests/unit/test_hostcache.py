@@ -5,33 +5,21 @@ from __future__ import annotations
 import json
 import os
 import stat
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from lowlevel.host import hostcache, probe
+from lowlevel.host import hostcache
 
 from lowlevel.sandbox import launcher
 
 from lowlevel.host import seccomp_filter
 from lowlevel.spec.seccomp import DEFAULT_PROFILE
 
+from helpers import caches
 
-@pytest.fixture
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    d = tmp_path / "cache"
-    monkeypatch.setenv("LOWLEVEL_CACHE_DIR", str(d))
-    monkeypatch.delenv("LOWLEVEL_NO_CACHE", raising=False)
-    hostcache.clear_memory()
-    yield d
-    hostcache.clear_memory()
-
-
-def _fresh_process() -> None:
-    """What a new process starts with: nothing in memory, the files on disk."""
-    hostcache.clear_memory()
+cache = caches.cache  # the fixture (tests/helpers/caches.py)
+_fresh_process = caches.fresh_process
 
 
 def test_round_trip_and_key_mismatch(cache: Path) -> None:
@@ -152,36 +140,6 @@ def test_every_builtin_syscall_name_is_known_to_libseccomp() -> None:
     backend = seccomp_filter._backend()
     unknown = [r.syscall for r in DEFAULT_PROFILE.rules if backend.resolve(r.syscall) == -1]
     assert unknown == []
-
-
-def test_importing_lowlevel_does_not_load_libseccomp() -> None:
-    import subprocess
-    code = "import sys, lowlevel, lowlevel.cli; print('lowlevel.host._native' in sys.modules, 'cffi' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["False", "False"]
-
-
-def _fake_bwrap(path: Path, version: str) -> None:
-    path.write_text(f"#!/bin/sh\ncase \"$1\" in --version) echo 'bubblewrap {version}';; "
-                    "*) echo 'usage: bwrap'; echo '    --unshare-all            Unshare every namespace';; esac\n")
-    path.chmod(0o755)
-
-
-def test_bwrap_facts_follow_the_executable(cache: Path, tmp_path: Path) -> None:
-    fake = tmp_path / "bwrap"
-    _fake_bwrap(fake, "0.8.0")
-    probe.bwrap_info.cache_clear()
-    info = probe.bwrap_info(str(fake))
-    assert info.version == (0, 8, 0) and info.options == frozenset({"--unshare-all"})
-    _fresh_process()
-    probe.bwrap_info.cache_clear()
-    assert probe.bwrap_info(str(fake)) == info  # from the cache
-    _fake_bwrap(fake, "0.11.0")  # upgraded: another mtime and size
-    os.utime(fake, ns=(1, 1))
-    _fresh_process()
-    probe.bwrap_info.cache_clear()
-    assert probe.bwrap_info(str(fake)).version == (0, 11, 0)
-    probe.bwrap_info.cache_clear()
 
 
 def test_a_setup_failure_forgets_the_host_facts(cache: Path) -> None:

@@ -605,33 +605,6 @@ def test_sizes_are_bytes() -> None:
     assert (KiB, MiB, GiB) == (1024, 1024**2, 1024**3)
 
 
-def test_systemd_delegate_reads_the_scope_and_stops_the_holder(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``systemd-run`` stood in by a script: prints the scope as the holder would, then waits on stdin."""
-    mount = tmp_path / "cg"
-    scope = mount / "user.slice" / "lowlevel-1.scope"
-    scope.mkdir(parents=True)
-    (scope / "cgroup.procs").write_text("")
-    fake = tmp_path / "systemd-run"
-    args_file = tmp_path / "args"
-    fake.write_text(f"#!/bin/sh\necho \"$@\" > {args_file}\nprintf '0::/user.slice/lowlevel-1.scope\\n.\\n'\n"
-                    "exec cat >/dev/null\n")
-    fake.chmod(0o755)
-    monkeypatch.setattr(shutil, "which", lambda name: str(fake) if name == "systemd-run" else None)
-    monkeypatch.setattr(D, "_SYSTEMD_BOOTED", str(tmp_path))
-    monkeypatch.setattr(D, "_holder", None)
-    got = D._systemd_delegate(str(mount), True)
-    assert got is not None
-    path, holder_pid = got
-    assert path == str(scope)
-    holder = D._holder
-    assert holder is not None and holder.pid == holder_pid and holder.poll() is None
-    args = args_file.read_text().split()
-    assert args[:6] == ["--user", "--scope", "--quiet", "--collect", "-p", "Delegate=yes"]
-    assert args[6].startswith(f"--unit=lowlevel-{os.getpid()}-")
-    D._stop_holder(holder)  # what atexit does: close its stdin, it exits
-    assert holder.returncode == 0
-
-
 def test_systemd_delegate_without_systemd(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shutil, "which", lambda name: None)
     assert D._systemd_delegate("/sys/fs/cgroup", True) is None

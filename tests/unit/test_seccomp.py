@@ -23,6 +23,8 @@ from lowlevel.spec import seccomp
 from lowlevel.spec.seccomp import (DEFAULT_PROFILE, SCMP_ACT_ALLOW, SCMP_ACT_ERRNO, SCMP_ACT_KILL_PROCESS,
                               SCMP_ACT_LOG, SCMP_ARCH_X86, SCMP_ARCH_X86_64, Arg, Rule, SeccompProfile)
 
+from helpers.hygiene import fd_numbers
+
 pyseccomp = pytest.importorskip("pyseccomp")
 
 EPERM = SCMP_ACT_ERRNO(errno.EPERM)
@@ -350,12 +352,8 @@ def test_compile_failure_is_a_seccomp_error() -> None:
 
 # --- memfd ----------------------------------------------------------------------------------------
 
-def _fds() -> set[str]:
-    return set(os.listdir("/proc/self/fd"))
-
-
 def test_bpf_memfd_is_sealed_cloexec_at_offset_zero(bpf: bytes) -> None:
-    before = _fds()
+    before = fd_numbers()
     fd = seccomp_filter.bpf_memfd(bpf)
     try:
         assert os.lseek(fd, 0, os.SEEK_CUR) == 0
@@ -370,15 +368,15 @@ def test_bpf_memfd_is_sealed_cloexec_at_offset_zero(bpf: bytes) -> None:
             os.ftruncate(fd, 0)
     finally:
         os.close(fd)
-    assert _fds() == before
+    assert fd_numbers() == before
 
 
 @pytest.mark.parametrize("bad", [b"", b"1234567", b"x" * 12])
 def test_bpf_memfd_rejects_partial_programs(bad: bytes) -> None:
-    before = _fds()
+    before = fd_numbers()
     with pytest.raises(ValueError, match="8-byte"):
         seccomp_filter.bpf_memfd(bad)
-    assert _fds() == before
+    assert fd_numbers() == before
 
 
 # --- denial audit parsing -------------------------------------------------------------------------
