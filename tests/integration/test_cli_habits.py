@@ -195,8 +195,12 @@ def test_json_puts_argv_last(who: pwd.struct_passwd | None, base: Path) -> None:
 
 # --- the timeout's SIGTERM and grace (timeout -k) -------------------------------------------------
 
-TRAPS = ("trap 'echo main got TERM; exit 7' TERM; "
-         "setsid sh -c \"trap 'echo orphan got TERM; exit 0' TERM; sleep 60 & wait\" & "
+# The main shell's handler waits (up to 5 s) for the orphan's to have printed: the run ends when
+# the program exits, and what is left of the sandbox goes with it, so without the wait a loaded
+# machine could end the orphan before its echo (2 failures in 7 loaded runs).
+TRAPS = ("trap 'echo main got TERM; for i in $(seq 100); do [ -e /tmp/orphan-said ] && break; sleep 0.05; done; "
+         "exit 7' TERM; "
+         "setsid sh -c \"trap 'echo orphan got TERM; : > /tmp/orphan-said; exit 0' TERM; sleep 60 & wait\" & "
          "sleep 60 & wait")
 
 
