@@ -26,10 +26,12 @@ from typing import Any
 
 import pytest
 
-from lowlevel import session as S
+from lowlevel.session import core as session_core
+from lowlevel.session import protocol as S
 from lowlevel.host import landlock
-from lowlevel.net import egress_proxy
+from lowlevel.net import egress_run
 from lowlevel.sandbox import argv as argv_mod
+from lowlevel.sandbox import landlock_rules
 from lowlevel.sandbox import launcher
 from lowlevel.spec import egress
 
@@ -140,8 +142,8 @@ def test_guard_argv_puts_its_fds_where_the_guard_parses_them() -> None:
 def test_relay_argv_matches_its_usage_line() -> None:
     """``/proc/self/fd/EXE_FD PORT SOCKET_PATH EXE_FD -- COMMAND`` (lowlevel_relay.c)."""
     assert "/proc/self/fd/EXE_FD PORT SOCKET_PATH EXE_FD -- COMMAND" in _usage("native/lowlevel_relay.c")
-    fd = egress_proxy.RELAY_FD
-    assert egress_proxy.EgressRun.wrap(None, ["true"]) == [  # type: ignore[arg-type]  # uses no state
+    fd = egress_run.RELAY_FD
+    assert egress_run.EgressRun.wrap(None, ["true"]) == [  # type: ignore[arg-type]  # uses no state
         f"/proc/self/fd/{fd}", str(egress.PROXY_PORT), egress.SOCKET_DEST, str(fd), "--", "true"]
     assert f"`/proc/self/fd/{fd} {egress.PROXY_PORT} {egress.SOCKET_DEST} {fd} -- COMMAND...`" in _flat(_section(4))
 
@@ -150,10 +152,11 @@ def test_session_argv_matches_the_init_usage_line() -> None:
     """``lowlevel_init SOCK_FD IDLE_MS TOTAL_MS [CLOSE_FD [--ll...]]`` run as /proc/self/fd/EXE_FD,
     the Run's extra_fds putting the socket on SOCK_FD and the executable on EXE_FD."""
     assert "lowlevel_init SOCK_FD IDLE_MS TOTAL_MS [CLOSE_FD [--ll...]]" in _usage("native/lowlevel_init.c")
-    src = inspect.getsource(S)
-    assert re.search(r'\[f"/proc/self/fd/\{_EXE_FD\}", str\(_SOCK_FD\), [^,]+, [^,]+,\s*str\(_EXE_FD\)', src)
-    assert "extra_fds={_SOCK_FD: child.fileno(), _EXE_FD: _init_fd(exe)}" in src
-    assert f"`/proc/self/fd/{S._EXE_FD} {S._SOCK_FD} IDLE_MS TOTAL_MS {S._EXE_FD} [--ll...]`" in _flat(_section(3))
+    argv = S.init_argv(None, 2.5, ["--ll-x"])
+    assert argv == [f"/proc/self/fd/{S.EXE_FD}", str(S.SOCK_FD), "0", "2500", str(S.EXE_FD), "--ll-x"]
+    src = inspect.getsource(session_core)
+    assert "extra_fds={proto.SOCK_FD: child.fileno(), proto.EXE_FD: proto.init_fd(exe)}" in src
+    assert f"`/proc/self/fd/{S.EXE_FD} {S.SOCK_FD} IDLE_MS TOTAL_MS {S.EXE_FD} [--ll...]`" in _flat(_section(3))
 
 
 def test_fixed_fds_are_distinct_and_below_the_etc_copies() -> None:
@@ -208,10 +211,10 @@ def test_guard_record_layout_and_decoding() -> None:
 
 def test_session_record_sizes_in_the_doc() -> None:
     doc = _flat(_section(3))
-    for struct_name, size in (("spawn_hdr", S._SPAWN_HDR.size), ("rlim_rec", S._RLIM.size),
-                              ("exit_msg", S._EXIT.size)):
+    for struct_name, size in (("spawn_hdr", S.SPAWN_HDR.size), ("rlim_rec", S.RLIM.size),
+                              ("exit_msg", S.EXIT.size)):
         assert f"`struct {struct_name}` ({size} bytes" in doc, struct_name
-    assert "(`u32` x 4)" in doc and S._SIGNAL.size == S._SMALL.size == 16
+    assert "(`u32` x 4)" in doc and S.SIGNAL.size == S.SMALL.size == 16
 
 
 # --- the Landlock options ------------------------------------------------------------------------
@@ -222,6 +225,6 @@ def test_landlock_options_match_the_header_and_the_builder() -> None:
     header = _source("native/lowlevel_landlock.h")
     parsed = set(re.findall(r'"(--ll[a-z-]*=[a-z:]*)"', header))
     assert documented == parsed, (documented ^ parsed)
-    built = set(re.findall(r"--ll[a-z-]*=[a-z:]*", inspect.getsource(landlock.ruleset_args)))
+    built = set(re.findall(r"--ll[a-z-]*=[a-z:]*", inspect.getsource(landlock_rules)))
     built |= {"--ll=" + m for m in ("on", "require")}  # "--ll=require" if ... else "--ll=on"
     assert built <= parsed, built - parsed
