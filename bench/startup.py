@@ -72,6 +72,7 @@ _T_IMPORT = time.perf_counter_ns()
 import lowlevel  # noqa: E402
 from lowlevel.sandbox import argv as _argv# noqa: E402
 from lowlevel.sandbox import launcher as _launcher# noqa: E402
+from lowlevel.sandbox.request import RunRequest  # noqa: E402
 from lowlevel.spec import seccomp as _seccomp# noqa: E402
 
 IMPORT_MS = (time.perf_counter_ns() - _T_IMPORT) / 1e6
@@ -167,7 +168,7 @@ class RawBwrap:
 
     def __init__(self, cmd: list[str]) -> None:
         policy = lowlevel.Policy()
-        r = _launcher.Run(cmd, policy=policy)
+        r = _launcher.Run(RunRequest(cmd), policy=policy)
         try:
             r.prepare()
             options = list(r.argv)
@@ -334,7 +335,7 @@ def run_no_landlock_call(cmd: list[str]) -> None:
 def run_bare_call(cmd: list[str]) -> None:
     """``lowlevel.run`` without the guard (``Run(guard=False)``): bwrap execs the command, as
     before the guard existed (no Landlock, exit status decoded from bwrap's code)."""
-    r = _launcher.Run(cmd, policy=lowlevel.Policy(), guard=False)
+    r = _launcher.Run(RunRequest(cmd), policy=lowlevel.Policy(), guard=False)
     try:
         res = _launcher._drive_sync(r)
     finally:

@@ -56,7 +56,7 @@ from lowlevel import workspace as _ws
 from lowlevel.sandbox.argv import BWRAP_ARITY, build_argv
 from lowlevel.spec.egress import egress_from_mapping
 from lowlevel.errors import LowlevelError, PolicyError, WorkspaceError
-from lowlevel.sandbox.launcher import DEFAULT_TIMEOUT_S, host_facts
+from lowlevel.sandbox.launcher import DEFAULT_TIMEOUT_S, drop_fresh_workspace, host_facts
 from lowlevel.sandbox.launcher import run as _run
 from lowlevel.spec.limits import Limits
 from lowlevel.spec.policy import WORKSPACE_DEST, Bind, Policy
@@ -483,14 +483,18 @@ def execute_recorded(command: Sequence[str], *, policy: Policy | None = None,
                      cwd: str | None = None, workspace_base: str | None = None,
                      store_dir: str | None = None,
                      allow_sensitive_workspace: bool = False,
-                     hash_budget: tuple[int, float] = (HASH_BUDGET_BYTES, HASH_BUDGET_S)
+                     hash_budget: tuple[int, float] = (HASH_BUDGET_BYTES, HASH_BUDGET_S),
+                     commit: bool | str = True, kill_after: float = 0.0,
+                     stdio_fds: Sequence[int | None] | None = None, keep_workspace: bool = True,
                      ) -> tuple[Result, dict[str, Any]]:
     """Run ``command`` like :func:`lowlevel.run` and build its record (not written).
 
     Same arguments as :func:`lowlevel.run`, plus ``store_dir``: where to copy the inputs for
     replay (None: hash only; the record then cannot be replayed), and ``hash_budget``:
     ``(bytes, seconds)`` for each of the two workspace walks (before and after the run; see
-    :class:`HashBudget`).
+    :class:`HashBudget`). ``commit`` other than True, ``kill_after`` and ``stdio_fds`` are
+    refused (PolicyError: :meth:`lowlevel.sandbox.request.RunRequest.check_recordable`);
+    ``keep_workspace=False`` removes the fresh workspace once the record is built.
 
     Returns:
         ``(result, record)``; the record is a JSON-ready dict in its JSON form (names that are
@@ -500,15 +504,19 @@ def execute_recorded(command: Sequence[str], *, policy: Policy | None = None,
         is created); RecordError when the input store cannot be written. No record is made for
         a run that never started.
     """
-    from lowlevel.spec import validate as _validate
+    from lowlevel.sandbox.request import RunRequest
 
     policy = policy or Policy()
     if not isinstance(policy, Policy):
         raise PolicyError(f"policy must be a lowlevel.Policy, got {type(policy).__name__}")
     if cwd is None:
         cwd = policy.workdir or WORKSPACE_DEST
-    command = _validate.run_args(command=command, cwd=cwd, env=env, workspace=workspace,
-                                 workspace_base=workspace_base, inputs=inputs)
+    request = RunRequest(command, workspace=workspace, inputs=inputs, timeout=timeout, kill_after=kill_after,
+                         stdin=stdin, env=env, capture=capture, cwd=cwd, workspace_base=workspace_base,
+                         allow_sensitive_workspace=allow_sensitive_workspace, stdio_fds=stdio_fds,
+                         keep_workspace=keep_workspace, commit=commit)
+    request.check_recordable()
+    command = list(request.command)
     environment = policy.environment(env)
     created = None
     if workspace is None:
@@ -586,6 +594,8 @@ def execute_recorded(command: Sequence[str], *, policy: Policy | None = None,
     if budget_notes:
         result.notes = (*result.notes, *budget_notes)
     safe: dict[str, Any] = json_safe(record)
+    if created and not keep_workspace:
+        result = drop_fresh_workspace(result)
     return result, safe
 
 

@@ -65,8 +65,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from lowlevel.errors import LaunchError, LowlevelError, PolicyError
-from lowlevel.sandbox.launcher import DEFAULT_TIMEOUT_S, PROCESS_LIMIT_HINT, SETUP_TIMEOUT_S, Run
+from lowlevel.errors import LaunchError, LowlevelError
+from lowlevel.sandbox.launcher import PROCESS_LIMIT_HINT, SETUP_TIMEOUT_S, Run
+from lowlevel.sandbox.request import DEFAULT_TIMEOUT_S, RunRequest
 from lowlevel.spec.policy import Policy
 from lowlevel.sandbox.result import Result
 
@@ -498,29 +499,35 @@ async def _arun_kept(r: Run, loop: asyncio.AbstractEventLoop) -> Result:
 
 
 async def arun(command: Sequence[str], *, policy: Policy | None = None,
-               workspace: str | os.PathLike[str] | None = None, inputs: Sequence[str | os.PathLike[str]] = (),
+               workspace: str | os.PathLike[str] | None = None,
+               inputs: Sequence[str | os.PathLike[str] | tuple[str, str]] = (),
                timeout: float | None = DEFAULT_TIMEOUT_S, stdin: bytes | None = None,
                env: Mapping[str, str] | None = None, capture: bool = True, cwd: str | None = None,
                workspace_base: str | None = None, limiter: asyncio.Semaphore | None = None,
                allow_sensitive_workspace: bool = False, keep_workspace: bool = True,
-               kill_after: float = 0.0) -> Result:
+               kill_after: float = 0.0, commit: bool | str = True,
+               stdio_fds: Sequence[int | None] | None = None,
+               record: str | os.PathLike[str] | None = None) -> Result:
     """Run ``command`` in a fresh bwrap sandbox without blocking the event loop.
 
     The same run, arguments and :class:`~lowlevel.sandbox.result.Result` as :func:`lowlevel.run`
-    (see there), plus ``limiter``. The Policy's argv, seccomp BPF and host probes are
-    computed once per process and shared by every call.
+    (see there), plus ``limiter``, except ``record``. The Policy's argv, seccomp BPF and host
+    probes are computed once per process and shared by every call.
 
     Args:
         command: program and arguments as seen inside, e.g. ``["python3", "main.py"]``.
         policy: the sandbox description; default ``Policy()``.
         workspace, inputs, timeout, stdin, env, capture, cwd, workspace_base, allow_sensitive_workspace,
-            keep_workspace: as :func:`lowlevel.run` (``keep_workspace=False`` removes the fresh
-            workspace in the shared executor once the Result is built). ``timeout`` (seconds,
-            None for none) counts from the spawn; on expiry the sandbox is SIGKILLed and the
-            Result has ``timed_out=True``.
+            keep_workspace, commit, stdio_fds: as :func:`lowlevel.run` (``inputs`` may hold
+            ``(host path, dest)`` pairs; ``keep_workspace=False`` removes the fresh workspace in
+            the shared executor once the Result is built; the commit runs there too).
+            ``timeout`` (seconds, None for none) counts from the spawn; on expiry the sandbox is
+            SIGKILLed and the Result has ``timed_out=True``.
         kill_after: seconds of grace at the timeout, as :func:`lowlevel.run` (``timeout -k``):
             > 0 sends SIGTERM to every process of the sandbox at the deadline and SIGKILLs it
             ``kill_after`` seconds later; 0 (default) SIGKILLs at once.
+        record: refused (PolicyError): a record's hashing and input store are synchronous file
+            work; call :func:`lowlevel.record.record_run` in an executor instead.
         limiter: an ``asyncio.Semaphore`` shared by the calls it should bound; the call
             waits for it before allocating anything (no fd, no process, no workspace).
             None: no bound (each run in flight holds up to 10 fds; see the module docstring).
@@ -534,22 +541,22 @@ async def arun(command: Sequence[str], *, policy: Policy | None = None,
     """
     if limiter is not None and not isinstance(limiter, asyncio.Semaphore):
         raise TypeError(f"limiter must be an asyncio.Semaphore or None, got {type(limiter).__name__}")
-    if isinstance(kill_after, bool) or not isinstance(kill_after, (int, float)) or not 0 <= kill_after < 2**31:
-        raise PolicyError(f"kill_after must be a number of seconds >= 0, got {kill_after!r}")
+    request = RunRequest(command, workspace=workspace, inputs=inputs, timeout=timeout, kill_after=kill_after,
+                         stdin=stdin, env=env, capture=capture, cwd=cwd, workspace_base=workspace_base,
+                         allow_sensitive_workspace=allow_sensitive_workspace, stdio_fds=stdio_fds,
+                         keep_workspace=keep_workspace, commit=commit, record=record)
+    request.refuse("lowlevel.arun", "record", why="call lowlevel.record.record_run in an executor")
+    return await arun_request(request, policy, limiter=limiter)
 
-    def make() -> Run:
-        r = Run(command, policy=policy or Policy(),
-                workspace=None if workspace is None else os.fspath(workspace), inputs=inputs,
-                timeout=timeout, stdin=stdin, env=env, capture=capture, cwd=cwd,
-                workspace_base=workspace_base, allow_sensitive_workspace=allow_sensitive_workspace,
-                keep_workspace=keep_workspace)
-        r.kill_after = float(kill_after)  # before the spawn: the anchor's deadline includes it
-        return r
 
+async def arun_request(request: RunRequest, policy: Policy | None = None, *,
+                       limiter: asyncio.Semaphore | None = None) -> Result:
+    """:func:`arun` of one validated :class:`~lowlevel.sandbox.request.RunRequest` (its
+    ``record`` must be None: PolicyError otherwise), under ``limiter`` if given."""
     if limiter is None:
-        return await _arun(make())
+        return await _arun(Run(request, policy=policy or Policy()))
     async with limiter:
-        return await _arun(make())
+        return await _arun(Run(request, policy=policy or Policy()))
 
 
 class Runner:
@@ -628,4 +635,4 @@ class Runner:
         await self.aclose()
 
 
-__all__ = ["DRAIN_TIMEOUT_S", "Runner", "arun"]
+__all__ = ["DRAIN_TIMEOUT_S", "Runner", "arun", "arun_request"]

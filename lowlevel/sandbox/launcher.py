@@ -78,6 +78,7 @@ from lowlevel.errors import (BwrapNotFoundError, CommitIncompleteError, LaunchEr
 from lowlevel.spec.policy import WORKSPACE_DEST, Policy
 from lowlevel.host.probe import ETC_ENTRIES, bwrap_info, host_layout, require_pidfd
 from lowlevel.spec.report import WARNING_PREFIX
+from lowlevel.sandbox.request import DEFAULT_TIMEOUT_S, RunRequest
 from lowlevel.sandbox.result import Result, decode_exit
 
 class _Log:
@@ -115,8 +116,6 @@ _DEFAULT_SIGNALS = tuple(s for s in signal.valid_signals() if s not in (signal.S
 #: Serial numbers of this process's run cgroups (``run-<pid>-<hex serial>``).
 _CGROUP_SERIAL = itertools.count(1)
 
-#: Default wall-clock timeout for a run, seconds.
-DEFAULT_TIMEOUT_S = 60.0
 #: How long the handshake (bwrap setting up namespaces and mounts) may take, seconds.
 SETUP_TIMEOUT_S = 30.0
 #: Seconds past a run's deadline at which the anchor kills the sandbox itself (``--deadline-ns``)
@@ -402,40 +401,6 @@ def _clamp_to_own_hard_limits(triples: Sequence[tuple[str, int, int]]) -> tuple[
             soft, hard = min(soft, own_hard), min(hard, own_hard)
         out.append((name, soft, hard))
     return tuple(out)
-
-
-def _check_stdio_fds(stdio_fds: Sequence[int | None] | None, *, stdin: bool,
-                     capture: bool) -> tuple[int | None, int | None, int | None]:
-    """Validate ``run(stdio_fds=...)``: three open fds (or None each) for the program's 0, 1, 2."""
-    if stdio_fds is None:
-        return (None, None, None)
-    fds = tuple(stdio_fds)
-    if len(fds) != 3:
-        raise PolicyError(f"stdio_fds must be (stdin_fd, stdout_fd, stderr_fd), got {stdio_fds!r}")
-    for i, fd in enumerate(fds):
-        if fd is None:
-            continue
-        if not isinstance(fd, int) or isinstance(fd, bool) or fd < 0:
-            raise PolicyError(f"stdio_fds[{i}] must be an open fd number or None, got {fd!r}")
-        try:
-            os.fstat(fd)
-        except OSError as err:
-            raise PolicyError(f"stdio_fds[{i}]: fd {fd} is not open ({err.strerror})") from None
-    if fds[0] is not None and stdin:
-        raise PolicyError("pass stdin bytes or stdio_fds[0], not both")
-    if capture and (fds[1] is not None or fds[2] is not None):
-        raise PolicyError("capture=True pipes stdout and stderr into the Result: pass stdio_fds[1] "
-                          "and stdio_fds[2] only with capture=False")
-    return fds[0], fds[1], fds[2]
-
-
-def _check_keep_workspace(keep_workspace: object, workspace: object) -> bool:
-    if not isinstance(keep_workspace, bool):
-        raise PolicyError(f"keep_workspace must be a bool, got {keep_workspace!r}")
-    if not keep_workspace and workspace is not None:
-        raise PolicyError("keep_workspace=False removes the fresh per-run workspace; it does not go with "
-                          "workspace= (lowlevel never deletes your directory)")
-    return keep_workspace
 
 
 def drop_fresh_workspace(result: Result, note: str = "workspace removed after the run "
@@ -753,48 +718,43 @@ class Run:
     """One sandboxed run, driven by :func:`run` (sync) or :func:`lowlevel.sandbox.aio.arun` (async).
 
     Not thread-safe; one driver per Run. Always ends with :meth:`close` (idempotent), which
-    kills whatever is left and closes every fd. The keyword arguments are :func:`run`'s, plus
-    ``extra_fds`` (``{fd inside: fd here}``), ``guard`` (False: bwrap execs the command, no
-    Landlock guard) and ``one_shot`` (False for a Session's sandbox, whose workspace is reset
-    and committed while it lives: a fresh workspace then keeps its real lower layer).
+    kills whatever is left and closes every fd. Takes the call as a validated
+    :class:`~lowlevel.sandbox.request.RunRequest` (its ``record`` must be None: records are
+    written a layer above, :func:`lowlevel.record.record_run`), the ``policy``, plus ``bwrap``
+    (the bwrap binary, None: found on PATH), ``extra_fds`` (``{fd inside: fd here}``), ``guard``
+    (False: bwrap execs the command, no Landlock guard) and ``one_shot`` (False for a Session's
+    sandbox, whose workspace is reset and committed while it lives: a fresh workspace then
+    keeps its real lower layer).
+
+    Raises:
+        PolicyError: ``request`` or ``policy`` of the wrong type, a ``record``, a bad ``bwrap``,
+            a reserved ``extra_fds`` number, or a bad environment (:meth:`Policy.environment`).
     """
 
-    def __init__(self, command: Sequence[str], *, policy: Policy, workspace: str | None = None,
-                 inputs: Sequence[str | os.PathLike[str] | tuple[str, str]] = (),
-                 timeout: float | None = DEFAULT_TIMEOUT_S, stdin: bytes | None = None,
-                 env: Mapping[str, str] | None = None, capture: bool = True,
-                 cwd: str | None = None, workspace_base: str | None = None, bwrap: str | None = None,
-                 extra_fds: Mapping[int, int] | None = None, allow_sensitive_workspace: bool = False,
-                 stdio_fds: Sequence[int | None] | None = None, keep_workspace: bool = True,
-                 commit: bool | str = True, guard: bool = True, one_shot: bool = True) -> None:
+    def __init__(self, request: RunRequest, *, policy: Policy, bwrap: str | None = None,
+                 extra_fds: Mapping[int, int] | None = None, guard: bool = True, one_shot: bool = True) -> None:
+        if not isinstance(request, RunRequest):
+            raise PolicyError(f"request must be a lowlevel.sandbox.request.RunRequest, got {type(request).__name__}")
         if not isinstance(policy, Policy):
             raise PolicyError(f"policy must be a lowlevel.Policy, got {type(policy).__name__}")
-        if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
-                                    or not 0 < timeout < 2**31):
-            raise PolicyError(f"timeout must be a finite number of seconds > 0 (or None for no "
-                              f"timeout), got {timeout!r}")
-        if stdin is not None and not isinstance(stdin, (bytes, bytearray, memoryview)):
-            raise PolicyError("stdin must be bytes or None")
-        if cwd is None:
-            cwd = policy.workdir or WORKSPACE_DEST
-        self.stdio_fds = _check_stdio_fds(stdio_fds, stdin=stdin is not None, capture=capture)
-        self.keep_workspace = _check_keep_workspace(keep_workspace, workspace)
-        if commit not in (True, False, "on_success"):
-            raise PolicyError(f"commit must be True, False or 'on_success', got {commit!r}")
-        # The policy edge (issue 10, item 1): every string bound for bwrap's argv is checked here,
-        # before anything is created (lowlevel.spec.validate); argv.encode_args checks once more.
-        self.command = _validate.run_args(command=command, cwd=cwd, env=env, workspace=workspace,
-                                          workspace_base=workspace_base, inputs=inputs, bwrap=bwrap)
+        request.refuse("the sandbox layer (lowlevel.sandbox)", "record",
+                       why="lowlevel.run writes records through lowlevel.record.record_run")
+        if bwrap is not None:
+            _validate.host_path(bwrap, "bwrap")
+        self.request = request
+        self.command = list(request.command)
+        fds = request.stdio_fds
+        self.stdio_fds = (fds[0], fds[1], fds[2]) if fds is not None else (None, None, None)
+        self.keep_workspace = request.keep_workspace
         self.policy = policy
-        self.commit = commit
-        self.timeout = float(timeout) if timeout is not None else None
-        self.stdin = bytes(stdin) if stdin is not None else None
-        self.capture = capture
-        self.cwd = _validate.sandbox_cwd(cwd)  # checked by run_args; normalized here
-        self.env_extra = dict(env or {})
+        self.commit = request.commit
+        self.timeout = request.timeout
+        self.stdin = request.stdin
+        self.capture = request.capture
+        self.cwd = _validate.sandbox_cwd(request.cwd or policy.workdir or WORKSPACE_DEST)
+        self.env_extra = dict(request.env or {})
         self.environment = policy.environment(self.env_extra)
         self.facts = host_facts(bwrap)
-        self.inputs = list(inputs)
         # {fd number inside: parent fd}; the parent keeps ownership of its fds.
         self.extra_fds = dict(extra_fds or {})
         etc_copy_fds = range(ETC_COPY_FD, ETC_COPY_FD + len(ETC_ENTRIES))
@@ -802,10 +762,10 @@ class Run:
             if child_fd < 9 or child_fd in etc_copy_fds:
                 raise PolicyError(f"extra_fds: child fd {child_fd} is reserved (use 9 to {ETC_COPY_FD - 1}, or "
                                   f"{etc_copy_fds.stop} and above)")
-        self.inputs = list(inputs)
-        self.workspace_arg = workspace
-        self.workspace_base = workspace_base
-        self.allow_sensitive_workspace = allow_sensitive_workspace
+        self.inputs = list(request.inputs)
+        self.workspace_arg = request.workspace
+        self.workspace_base = request.workspace_base
+        self.allow_sensitive_workspace = request.allow_sensitive_workspace
         self.one_shot = one_shot
         # State filled as the run goes.
         self.workspace = ""
@@ -842,8 +802,8 @@ class Run:
         self.t_end = 0.0
         self.deadline: float | None = None
         #: Seconds between the SIGTERM at the deadline and the SIGKILL (``run(kill_after=)``, as
-        #: ``timeout -k``); 0: SIGKILL at the deadline. Set before :meth:`spawn`.
-        self.kill_after = 0.0
+        #: ``timeout -k``); 0: SIGKILL at the deadline.
+        self.kill_after = request.kill_after
         self.terminated = False
         self.argv: list[str] = []
         self.full_argv: list[str] = []
@@ -2276,98 +2236,28 @@ def run(command: Sequence[str], *, policy: Policy | None = None, workspace: str 
         record: str | os.PathLike[str] | None = None, allow_sensitive_workspace: bool = False,
         stdio_fds: Sequence[int | None] | None = None, keep_workspace: bool = True,
         commit: bool | str = True, kill_after: float = 0.0) -> Result:
-    """Run ``command`` in a fresh bwrap sandbox and wait for it.
+    """:func:`lowlevel.run` without records: the sandbox layer's run (see :func:`lowlevel.api.run`
+    for the arguments, the Result and the errors).
 
-    Args:
-        command: program and arguments as seen inside, e.g. ``["python3", "main.py"]``;
-            a bare name is searched on the sandbox's PATH.
-        policy: the sandbox description; default ``Policy()`` (the hardened recipe).
-        workspace: host directory bound read-write at ``/workspace`` (must exist). None makes
-            a fresh per-run directory under ``workspace_base`` (kept after the run; its path
-            is ``Result.workspace``). ``/``, system directories (``/etc``, ``/usr``, ``/var``,
-            ``/tmp`` itself...), home directories and credential locations are refused
-            (:func:`lowlevel.workspace.workspace_refusal`).
-        inputs: host files or directories copied into the workspace before the run, each
-            under its base name, or ``(host path, dest)`` pairs with ``dest`` relative to the
-            workspace (:func:`lowlevel.workspace.copy_inputs`).
-        timeout: wall-clock limit in seconds (None: no limit); on expiry the whole sandbox is
-            SIGKILLed and the Result has ``timed_out=True``, ``killed_by="timeout"``.
-        kill_after: seconds of grace at the timeout, as ``timeout -k`` (coreutils): > 0 sends
-            SIGTERM to every process of the sandbox (but its PID 1) at the deadline, and
-            SIGKILLs the whole sandbox ``kill_after`` seconds later if it has not ended (a
-            program that exits on SIGTERM ends at once: ``term_signal`` SIGTERM, or its own exit
-            status if it handles it); ``timed_out`` either way. 0 (default): SIGKILL at the
-            deadline. Not with ``record``. The anchor's own backstop kill moves back by as much.
-        stdin: bytes fed to the program's stdin, or None for ``/dev/null`` (capture mode) or
-            the caller's stdin (``capture=False``).
-        env: variables set inside on top of the Policy's.
-        capture: True pipes stdout/stderr into the Result (capped per Policy); False lets the
-            program use the caller's fds 0, 1, 2 (a terminal included).
-        cwd: working directory inside the sandbox (default ``policy.workdir``, else ``/workspace``).
-        workspace_base: parent of fresh workspaces (default ``$LOWLEVEL_WORKSPACE_BASE`` or
-            ``/tmp/lowlevel-<uid>``).
-        record: write a run record (JSON, ``docs/record-schema.json``) to this path after the
-            run, and copy the inputs to ``<record>.inputs/`` for ``lowlevel replay``; see
-            :func:`lowlevel.record.record_run`.
-        allow_sensitive_workspace: accept a ``workspace`` that would be refused.
-        commit: what happens to the run's changes (the workspace is the read-only lower layer
-            of a copy-on-write overlay; the run writes into a bounded upper layer): True
-            (default) applies them to the workspace after the run, whatever its outcome
-            (timeout and limit kills included: what the program wrote is kept, as with a plain
-            directory); ``"on_success"`` only when it exited 0 and was not killed; False
-            discards them (the workspace is left bit-identical). ``Result.changes`` reports
-            them either way.
-        stdio_fds: ``(stdin_fd, stdout_fd, stderr_fd)``, open fds of the caller given to the
-            program as its fds 0, 1 and 2 (None for one keeps the default above); the caller
-            keeps ownership and closes them. Pass pipes or a pty of your own
-            (:class:`lowlevel.sandbox.relay.StdioRelay` does for the CLI) so the program never holds
-            your own terminal or files: a program holding your terminal can change its line
-            discipline or lock it (``TIOCSETD``, ``TIOCEXCL``), one holding your log file can
-            reopen it through ``/proc/self/fd`` and read it. stdout and stderr only with
-            ``capture=False``; stdin not with ``stdin`` bytes.
-        keep_workspace: True (default) keeps a fresh workspace after the run (its path is
-            ``Result.workspace``). False removes it once the Result is built (``changes``
-            still lists what the run did; a note says it was removed), and on failure or
-            interruption too. Only for a fresh workspace: with ``workspace=`` it raises
-            PolicyError (lowlevel never deletes your directory).
-    Returns:
-        A :class:`Result`.
     Raises:
-        PolicyError: a bad argument (the message says which).
-        WorkspaceError: the workspace is refused (EPERM: a system or home directory), missing,
-            not a directory, too large for a root caller (E2BIG), or unreachable by the
-            sandbox's uid; an input is missing.
-        ExecError: the command does not exist (errno ENOENT) or is not executable (EACCES).
-        BwrapNotFoundError: bwrap is not installed.
-        LaunchError: bwrap failed to set up the sandbox (``.stderr`` has its message).
-        UnsupportedError: the host cannot enforce a limit the Policy requires.
+        PolicyError: ``record`` is given (records are written a layer above, by
+            :func:`lowlevel.record.record_run`: call :func:`lowlevel.run`), or a bad argument.
     """
-    if isinstance(kill_after, bool) or not isinstance(kill_after, (int, float)) or not 0 <= kill_after < 2**31:
-        raise PolicyError(f"kill_after must be a number of seconds >= 0, got {kill_after!r}")
-    if record is not None:
-        if commit is not True:
-            # The record hashes the workspace after the run's commit, and replay commits: a
-            # record of a discarded run would say the opposite of what happened (issue 26: the
-            # library used to drop commit= here and commit anyway, as the CLI refuses to).
-            raise PolicyError(f"commit={commit!r} does not go with record (a record's run commits its changes, "
-                              "and replay does): drop one of them")
-        if kill_after:
-            raise PolicyError("kill_after does not go with record (a record replays the SIGKILL at the deadline): "
-                              "drop one of them")
-        if stdio_fds is not None and any(fd is not None for fd in stdio_fds):
-            raise PolicyError("stdio_fds does not go with record: a record stores stdin as bytes and "
-                              "the output it hashes; pass stdin= and capture the output")
-        _check_keep_workspace(keep_workspace, workspace)
-        from lowlevel.record import record_run
-        recorded = record_run(command, record=record, policy=policy, workspace=workspace, inputs=inputs,
-                              timeout=timeout, stdin=stdin, env=env, capture=capture, cwd=cwd,
-                              workspace_base=workspace_base, allow_sensitive_workspace=allow_sensitive_workspace)
-        return recorded if keep_workspace else drop_fresh_workspace(recorded)
-    r = Run(command, policy=policy or Policy(), workspace=None if workspace is None else os.fspath(workspace),
-            inputs=inputs, timeout=timeout, stdin=stdin, env=env, capture=capture, cwd=cwd,
-            workspace_base=workspace_base, allow_sensitive_workspace=allow_sensitive_workspace,
-            stdio_fds=stdio_fds, keep_workspace=keep_workspace, commit=commit)
-    r.kill_after = float(kill_after)
+    request = RunRequest(command, workspace=workspace, inputs=inputs, timeout=timeout, kill_after=kill_after,
+                         stdin=stdin, env=env, capture=capture, cwd=cwd, workspace_base=workspace_base,
+                         allow_sensitive_workspace=allow_sensitive_workspace, stdio_fds=stdio_fds,
+                         keep_workspace=keep_workspace, commit=commit, record=record)
+    return run_request(request, policy)
+
+
+def run_request(request: RunRequest, policy: Policy | None = None) -> Result:
+    """Run one validated :class:`~lowlevel.sandbox.request.RunRequest` under ``policy``
+    (default ``Policy()``) and wait for it: the sync driver over :class:`Run`.
+
+    Raises:
+        PolicyError: ``request.record`` is set (see :func:`run`); and the errors of :func:`run`.
+    """
+    r = Run(request, policy=policy or Policy())
     try:
         result = _drive_sync(r)
     except BaseException:
@@ -2383,4 +2273,4 @@ def run(command: Sequence[str], *, policy: Policy | None = None, workspace: str 
 
 
 __all__ = ["DEFAULT_TIMEOUT_S", "ExecError", "Run", "classify_setup_failure", "drop_fresh_workspace", "host_facts",
-           "precheck_exec", "run"]
+           "precheck_exec", "run", "run_request"]

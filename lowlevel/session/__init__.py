@@ -113,6 +113,7 @@ from lowlevel.sandbox.launcher import (DEFAULT_TIMEOUT_S, SETUP_TIMEOUT_S, ExecE
                                        _conflict_dir, host_facts, network_denial_note, pids_note)
 from lowlevel.spec.limits import Limits
 from lowlevel.spec.policy import WORKSPACE_DEST, Policy
+from lowlevel.sandbox.request import RunRequest
 from lowlevel.sandbox.result import Result
 
 log = logging.getLogger("lowlevel")
@@ -343,12 +344,11 @@ class _Core:
                 str(_EXE_FD), *_landlock.ruleset_args(policy, host_facts(bwrap).layout.ro_dirs,
                                                          host_facts(bwrap).bwrap.options)]
         self.landlock_abi = 0
-        self.run = Run(argv, policy=self.sandbox_policy,
-                       workspace=None if workspace is None else os.fspath(workspace), inputs=inputs,
-                       timeout=None, capture=True, workspace_base=workspace_base, bwrap=bwrap,
-                       extra_fds={_SOCK_FD: child.fileno(), _EXE_FD: _init_fd(exe)},
-                       allow_sensitive_workspace=allow_sensitive_workspace, commit=commit, guard=False,
-                       one_shot=False)
+        self.run = Run(RunRequest(argv, workspace=workspace, inputs=inputs, timeout=None,
+                                  workspace_base=workspace_base, allow_sensitive_workspace=allow_sensitive_workspace,
+                                  commit=commit),
+                       policy=self.sandbox_policy, bwrap=bwrap,
+                       extra_fds={_SOCK_FD: child.fileno(), _EXE_FD: _init_fd(exe)}, guard=False, one_shot=False)
         self.run.accept_seen_host_changes = True
         self.run.keep_close_error = True  # close() raises a failed final commit (it is not only logged)
         self.cmds: dict[int, _Cmd] = {}

@@ -163,9 +163,10 @@ def test_the_rm_workspace_of_a_killed_cli_is_removed_by_cleanup():
 def test_keep_workspace_false_names_its_workspace_disposable():
     from lowlevel import Policy
     from lowlevel.sandbox.launcher import Run
+    from lowlevel.sandbox.request import RunRequest
     from lowlevel.workspace import creator_alive, disposable_owner
     for keep, prefix in ((False, "rm-"), (True, "run-")):
-        r = Run(["/usr/bin/true"], policy=Policy(), keep_workspace=keep)
+        r = Run(RunRequest(["/usr/bin/true"], keep_workspace=keep), policy=Policy())
         try:
             r.prepare()
             name = os.path.basename(r.workspace)

@@ -24,6 +24,7 @@ import lowlevel
 from lowlevel.sandbox import argv as _argv
 from lowlevel.errors import LaunchError, PolicyError
 from lowlevel.sandbox.launcher import Run, _open_etc_copy, host_facts
+from lowlevel.sandbox.request import RunRequest
 
 pytestmark = pytest.mark.bwrap
 
@@ -106,8 +107,8 @@ def test_extra_fds_cannot_take_the_etc_copies_numbers() -> None:
     r, w = os.pipe()
     try:
         with pytest.raises(PolicyError, match="reserved"):
-            Run(["/usr/bin/true"], policy=lowlevel.Policy(), extra_fds={_argv.ETC_COPY_FD: r})
-        Run(["/usr/bin/true"], policy=lowlevel.Policy(), extra_fds={_argv.ETC_COPY_FD - 1: r}).close()  # control: a free number
+            Run(RunRequest(["/usr/bin/true"]), policy=lowlevel.Policy(), extra_fds={_argv.ETC_COPY_FD: r})
+        Run(RunRequest(["/usr/bin/true"]), policy=lowlevel.Policy(), extra_fds={_argv.ETC_COPY_FD - 1: r}).close()  # control: a free number
     finally:
         os.close(r)
         os.close(w)

@@ -301,7 +301,8 @@ def test_unexecutable_bwrap_named_as_such_by_session_and_run(tmpdir_shared: Path
         lowlevel.Session(bwrap=str(bwrap), workspace_base=str(tmpdir_shared / "ws"))
     assert "hello" not in str(info.value)
     from lowlevel.sandbox.launcher import Run, _drive_sync
-    r = Run(["true"], policy=lowlevel.Policy(), bwrap=str(bwrap), workspace_base=str(tmpdir_shared / "ws"))
+    from lowlevel.sandbox.request import RunRequest
+    r = Run(RunRequest(["true"], workspace_base=str(tmpdir_shared / "ws")), policy=lowlevel.Policy(), bwrap=str(bwrap))
     try:
         with pytest.raises(LaunchError, match="cannot execute bwrap"):
             _drive_sync(r)
