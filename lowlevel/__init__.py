@@ -44,7 +44,7 @@ from lowlevel.errors import (BwrapNotFoundError, CommitConflictError, CommitInco
                      LaunchError, LowlevelError, PolicyError, SeccompError, SessionError, UnsupportedError,
                      WorkspaceError)
 from lowlevel.api import run  # noqa: E402
-from lowlevel.sandbox.launcher import ExecError  # noqa: E402
+from lowlevel.sandbox.failures import ExecError  # noqa: E402
 from lowlevel.spec.limits import Limits  # noqa: E402
 from lowlevel.spec.policy import Bind, Policy  # noqa: E402
 from lowlevel.sandbox.result import Result, RunFailedError  # noqa: E402

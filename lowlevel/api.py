@@ -4,7 +4,7 @@ The top of the library's own layers (below only the frontends: the CLI, the MCP 
 integrations, :mod:`lowlevel.ray`): the call is checked once as a
 :class:`~lowlevel.sandbox.request.RunRequest`, then a call with ``record=`` goes to
 :func:`lowlevel.record.record_run` (which runs the sandbox itself, a layer below) and every
-other to the sandbox layer's :func:`lowlevel.sandbox.launcher.run_request`. The sandbox layer
+other to the sandbox layer's :func:`lowlevel.sandbox.drive.run_request`. The sandbox layer
 never sees ``record`` (it refuses one with PolicyError).
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 
-from lowlevel.sandbox.launcher import run_request
+from lowlevel.sandbox.drive import run_request
 from lowlevel.sandbox.request import DEFAULT_TIMEOUT_S, RunRequest
 from lowlevel.sandbox.result import Result
 from lowlevel.spec.policy import Policy

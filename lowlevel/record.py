@@ -56,8 +56,10 @@ from lowlevel import workspace as _ws
 from lowlevel.sandbox.argv import BWRAP_ARITY, build_argv
 from lowlevel.spec.egress import egress_from_mapping
 from lowlevel.errors import LowlevelError, PolicyError, WorkspaceError
-from lowlevel.sandbox.launcher import DEFAULT_TIMEOUT_S, drop_fresh_workspace, host_facts
-from lowlevel.sandbox.launcher import run as _run
+from lowlevel.sandbox.drive import run as _run
+from lowlevel.sandbox.facts import host_facts
+from lowlevel.sandbox.launcher import drop_fresh_workspace
+from lowlevel.sandbox.request import DEFAULT_TIMEOUT_S
 from lowlevel.spec.limits import Limits
 from lowlevel.spec.policy import WORKSPACE_DEST, Bind, Policy
 from lowlevel.spec.report import RECORD_NOT_WRITTEN, display, json_safe, name_from_json
@@ -1161,7 +1163,7 @@ def argv_loosening(policy: Policy, *, env: Mapping[str, str] | None) -> list[str
     :func:`validate_record` already refuses a NUL in these fields; this is the second line, in
     :func:`replay`'s looser-policy check, so whatever a crafted field smuggles shows up there.
     """
-    from lowlevel.sandbox.launcher import CHILD_FDS
+    from lowlevel.sandbox.plan import CHILD_FDS
 
     facts = host_facts()
 

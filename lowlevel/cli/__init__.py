@@ -58,7 +58,7 @@ from lowlevel import __version__
 from lowlevel.spec.egress import DEFAULT_PORTS, Egress
 from lowlevel.errors import LaunchError, LowlevelError, PolicyError, UnsupportedError
 from lowlevel.api import run
-from lowlevel.sandbox.launcher import ExecError, classify_setup_failure
+from lowlevel.sandbox.failures import ExecError, classify_setup_failure
 from lowlevel.spec.limits import CPU_QUOTA_FALLBACK_NOTE, VERDICT_NOTE_PREFIXES, Limits
 from lowlevel.spec.policy import WORKSPACE_DEST, Bind, Policy
 from lowlevel.spec.report import RECORD_NOT_WRITTEN, WARNING_PREFIX, json_safe

@@ -42,7 +42,7 @@ class HostFacts:
             (``/etc/resolv.conf`` is often a symlink into ``/run``).
         cap_sys_resource: the caller holds CAP_SYS_RESOURCE. A root caller without it (some
             container and VM hosts drop it) cannot prlimit(2) a process of another uid, so
-            its rlimits are set before bwrap's exec instead (see :func:`outer_argv`).
+            its rlimits are set before bwrap's exec instead, by the anchor (:func:`anchor_argv`).
     """
 
     bwrap: BwrapInfo
@@ -58,14 +58,13 @@ class Fds:
 
     Attributes:
         json_status: ``--json-status-fd`` (child-pid first, exit-code when the program ran).
-        block: ``--block-fd``, or None (the launcher uses none: limits are in force before bwrap
-            starts, and bwrap reads EOF on the block fd as "go").
+            No ``--block-fd``: the limits are in force before bwrap starts (the anchor,
+            ``native/lowlevel_exec.c``), and bwrap reads EOF on a block fd as "go".
         seccomp: ``--seccomp`` BPF memfd, or None for no filter.
         passwd, group: ``--ro-bind-data`` sources for /etc/passwd and /etc/group, or None.
     """
 
     json_status: int = 4
-    block: int | None = None
     seccomp: int | None = 6
     passwd: int | None = 7
     group: int | None = 8
@@ -312,8 +311,6 @@ def dynamic_args(
         for key in sorted(extra_env):
             a += ["--setenv", key, extra_env[key]]
     a += ["--json-status-fd", str(fds.json_status)]
-    if fds.block is not None:
-        a += ["--block-fd", str(fds.block)]
     if fds.seccomp is not None:
         a += ["--seccomp", str(fds.seccomp)]
     return a
@@ -329,7 +326,7 @@ def build_argv(policy: Policy, facts: HostFacts, *, workspace: str, fds: Fds,
     Returns:
         ``list[str]``; the launcher passes it through ``--args FD`` so no policy is too long
         for the kernel's argv limit (E2BIG). bwrap takes only options from ``--args``: the
-        command follows on the real argv (see :func:`outer_argv`).
+        command follows on the real argv (see :func:`anchor_argv`).
 
         Deterministic mode with ``extra_env``: the per-run part clears the environment and sets
         all of it again in sorted order, so ``environ`` inside is sorted (bwrap's setenv appends

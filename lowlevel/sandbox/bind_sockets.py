@@ -217,8 +217,10 @@ def plan(policy: Policy, caller_is_root: bool) -> tuple[BindScan, ...]:
 
 def revalidate(policy: Policy, caller_is_root: bool) -> bool:
     """Check, before each run, that every socket the cached plan masks is still the same socket at
-    the same host path (one ``lstat`` each); if one is not, drop the cached plans and static argv
-    so this run walks the binds again. Returns True when it did.
+    the same host path (one ``lstat`` each); if one is not, drop the cached plans so this run
+    walks the binds again. Returns True when it did: the caller then drops the cached static
+    argv that carries the masks too (:func:`lowlevel.sandbox.argv.static_args`; argv imports
+    this module, not the other way round).
 
     Why: the plan is cached per Policy, and a sandbox given a writable bind can rename the
     directory holding a masked socket (the mask moves with it in that run; the socket, on the
@@ -233,9 +235,7 @@ def revalidate(policy: Policy, caller_is_root: bool) -> bool:
             except OSError:
                 st = None
             if st is None or not stat.S_ISSOCK(st.st_mode) or (st.st_dev, st.st_ino) != (dev, ino):
-                from lowlevel.sandbox.argv import static_args
                 plan.cache_clear()
-                static_args.cache_clear()
                 return True
     return False
 

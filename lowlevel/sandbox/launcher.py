@@ -48,38 +48,43 @@ import itertools
 import json
 import logging
 import os
-import re
 import select
 import shutil
 import signal
 import socket
-import stat
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lowlevel.paths import native
-from lowlevel.sandbox import bind_sockets as _bind_sockets
-from lowlevel.workspace import cow as _cow
-from lowlevel.sandbox._interrupts import deferred_interrupts
+from lowlevel import workspace as _ws
+from lowlevel.errors import (CommitIncompleteError, LaunchError, LowlevelError, PolicyError, UnsupportedError,
+                             WorkspaceError)
 from lowlevel.host import landlock as _landlock
+from lowlevel.host.probe import ETC_ENTRIES
+from lowlevel.sandbox import bind_sockets as _bind_sockets
+from lowlevel.sandbox import facts as _facts
+from lowlevel.sandbox._interrupts import deferred_interrupts
+from lowlevel.sandbox.argv import AnchorOverlay as _AnchorOverlay
+from lowlevel.sandbox.argv import (Fds, anchor_argv, build_argv, encode_args, etc_copies, redact_env_values,
+                                   setup_paths, static_args)
+from lowlevel.sandbox.facts import host_facts
+from lowlevel.sandbox.failures import (PROCESS_LIMIT_HINT, ExecError, classify_setup_failure, network_denial_note,
+                                       pids_note)
+from lowlevel.sandbox.plan import (ARGS_FD, CHILD_FDS, ETC_COPY_FD, EXTRA_FDS_MIN, clamp_to_own_hard_limits, memfd,
+                                   open_etc_copy, passwd_group)
+from lowlevel.sandbox.precheck import precheck_exec
+from lowlevel.sandbox.request import RunRequest
+from lowlevel.sandbox.result import Result, decode_exit
 from lowlevel.spec import limits as _limits
-from lowlevel.workspace import overlay as _overlay
 from lowlevel.spec import seccomp as _seccomp
 from lowlevel.spec import validate as _validate
-from lowlevel import workspace as _ws
-from lowlevel.sandbox.argv import (ETC_COPY_FD, NETWORK_ETC, Fds, HostFacts, anchor_argv, build_argv, encode_args,
-                                   etc_copies, etc_copy_refusal, redact_env_values, setup_paths)
-from lowlevel.sandbox.argv import AnchorOverlay as _AnchorOverlay
 from lowlevel.spec.egress import Egress
-from lowlevel.errors import (BwrapNotFoundError, CommitIncompleteError, LaunchError, LowlevelError, PolicyError,
-                     UnsupportedError, WorkspaceError)
 from lowlevel.spec.policy import WORKSPACE_DEST, Policy
-from lowlevel.host.probe import ETC_ENTRIES, bwrap_info, host_layout, require_pidfd
 from lowlevel.spec.report import WARNING_PREFIX
-from lowlevel.sandbox.request import DEFAULT_TIMEOUT_S, RunRequest
-from lowlevel.sandbox.result import Result, decode_exit
+from lowlevel.workspace import cow as _cow
+from lowlevel.workspace import overlay as _overlay
+
 
 class _Log:
     """``logging.getLogger("lowlevel")``; ``debug`` takes callables as arguments, called only when
@@ -102,9 +107,6 @@ class _Log:
 
 log = _Log()
 
-#: Fd numbers bwrap sees (the parent dup2s onto these in the spawn's file actions).
-ARGS_FD = 3
-CHILD_FDS = Fds(json_status=4, block=None, seccomp=6, passwd=7, group=8)
 
 #: Signals reset to their default action in bwrap (and so in the program): Python ignores
 #: SIGPIPE and SIGXFSZ, and an ignored disposition survives exec, which would turn a write past
@@ -122,170 +124,13 @@ SETUP_TIMEOUT_S = 30.0
 #: when the caller has not: a caller stopped (SIGSTOP), stuck or starved of CPU at its deadline.
 #: The caller's own kill at the deadline comes first whenever it runs.
 ANCHOR_GRACE_S = 0.2
-
-
-class ExecError(LaunchError):
-    """The sandbox was set up but the command could not be executed inside it.
-
-    ``errno`` is ENOENT (not found: the CLI exits 127) or EACCES/ENOEXEC (not executable: 126).
-    """
-
-
-@functools.lru_cache(maxsize=None)
-def host_facts(bwrap: str | None = None) -> HostFacts:
-    """Probe the host once per process: bwrap, usr-merge layout, root or not, network /etc."""
-    info = bwrap_info(bwrap)
-    require_pidfd()
-    net: list[tuple[str, str]] = []
-    for path in NETWORK_ETC:
-        if os.path.exists(path):
-            net.append((os.path.realpath(path), path))
-    return HostFacts(bwrap=info, layout=host_layout(), caller_is_root=os.geteuid() == 0,
-                     network_etc=tuple(net), cap_sys_resource=_has_cap(24))
-
-
-def _has_cap(bit: int) -> bool:
-    """True when the caller's effective capability set has capability number ``bit``."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("CapEff:"):
-                    return bool(int(line.split()[1], 16) >> bit & 1)
-    except OSError:
-        pass
-    return False
-
-
-#: The anchor (``native/lowlevel_exec.c``), built next to this module by setup.py.
-EXEC_HELPER_PATH = native("_lowlevel_exec")
-
-
-@functools.lru_cache(maxsize=None)
-def _exec_helper() -> str:
-    """Path of the built ``_lowlevel_exec`` anchor every sandbox starts under.
-
-    Raises:
-        UnsupportedError: it is missing (a broken install: ``pip install`` builds it).
-    """
-    path = EXEC_HELPER_PATH
-    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
-        raise UnsupportedError("exec-helper", f"{path} is missing or not executable: lowlevel's anchor "
-                               "process is built at install time",
-                               "reinstall lowlevel (pip install . from its checkout)")
-    return path
-
-
-#: errnos that say the overlay probe failed for a reason of the caller's (a limit of its own,
-#: an interruption), not of the host: such a verdict is never cached (see _probe_cow_now).
-_TRANSIENT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.EINTR, errno.ENOBUFS})
-#: The same, as the anchor or bwrap print them (strerror(3) of the errnos above). Not ENOSPC:
-#: clone(CLONE_NEWUSER) says that at user.max_user_namespaces, which may be the host's 0.
-_TRANSIENT_TEXT = tuple(os.strerror(e) for e in sorted(_TRANSIENT_ERRNOS))
-
-
-def _probe_cow(facts: HostFacts, workspace: str, base: str | None) -> _cow.CowSupport:
-    """:func:`_probe_cow_now`, or its answer for this filesystem from :mod:`lowlevel.host.hostcache`
-    (keyed by the filesystem's ``st_dev``, the euid, the mount directory and the anchor file).
-
-    A transient failure (:attr:`lowlevel.workspace.cow.CowSupport.transient`: the caller's fd, memory or
-    process limit, an interruption) is never stored: one fd-starved run must not turn the
-    overlay off for every later run on the filesystem. A negative answer is stored with the
-    workspace's path, so ``lowlevel doctor`` can probe that filesystem again
-    (:func:`recheck_cached_cow`)."""
-    from lowlevel.host import hostcache
-    try:
-        dev = os.stat(workspace).st_dev
-        mnt = _cow.mount_dir(base)
-    except (OSError, LowlevelError):
-        return _probe_cow_now(facts, workspace, base)
-    key = [dev, os.geteuid(), mnt, hostcache.file_key(EXEC_HELPER_PATH)]
-    got = hostcache.get("host", f"cow:{dev}:{mnt}", key)
-    if isinstance(got, dict) and isinstance(got.get("ok"), bool) and not got.get("transient"):
-        return _cow.CowSupport(got["ok"], str(got.get("reason", "")))
-    support = _probe_cow_now(facts, workspace, base)
-    if not support.transient:
-        hostcache.put("host", f"cow:{dev}:{mnt}", key, {"ok": support.ok, "reason": support.reason,
-                                                         "path": workspace, "base": base})
-    return support
-
-
-def recheck_cached_cow(facts: HostFacts) -> list[tuple[str, _cow.CowSupport, _cow.CowSupport | None]]:
-    """Probe again every filesystem :mod:`lowlevel.host.hostcache` says has no copy-on-write overlay
-    (``lowlevel doctor``). Each entry is probed on the workspace path it was stored with, when
-    that still exists on the same filesystem, and rewritten with the fresh answer (or dropped
-    on a transient failure); an entry whose path is gone is dropped (the next run there probes).
-
-    Returns:
-        ``[(path, cached answer, fresh answer or None when dropped unprobed), ...]``.
-    """
-    from lowlevel.host import hostcache
-    out: list[tuple[str, _cow.CowSupport, _cow.CowSupport | None]] = []
-    for entry, item in hostcache.entries("host"):
-        if not entry.startswith("cow:") or not isinstance(item, dict):
-            continue
-        value, key = item.get("value"), item.get("key")
-        if not isinstance(value, dict) or value.get("ok") is not False:
-            continue
-        old = _cow.CowSupport(False, str(value.get("reason", "")))
-        path, base = value.get("path"), value.get("base")
-        fresh: _cow.CowSupport | None = None
-        if isinstance(path, str) and (base is None or isinstance(base, str)) and isinstance(key, list) and key:
-            try:
-                same = os.stat(path).st_dev == key[0]
-            except OSError:
-                same = False
-            if same:
-                fresh = _probe_cow_now(facts, path, base)
-        hostcache.drop("host", entry)
-        if fresh is not None and not fresh.transient:
-            hostcache.put("host", entry, key, {"ok": fresh.ok, "reason": fresh.reason, "path": path, "base": base})
-        out.append((str(path), old, fresh))
-    _cow.forget_cow_support()
-    return out
-
-
-def _transient(text: str) -> bool:
-    return any(t in text for t in _TRANSIENT_TEXT)
-
-
-def _probe_cow_now(facts: HostFacts, workspace: str, base: str | None) -> _cow.CowSupport:
-    """Try the anchor's overlay on ``workspace`` once (it then execs /bin/true): does it work?
-
-    A failure of the caller's own (an errno of :data:`_TRANSIENT_ERRNOS`, or its strerror text
-    in the anchor's message; the probe killed by a signal or timed out) comes back with
-    ``transient=True``: it says nothing about the host."""
-    import subprocess
-    root = facts.caller_is_root
-    try:
-        fd = os.open(workspace, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as err:
-        return _cow.CowSupport(False, f"cannot open the workspace: {err.strerror}",
-                               transient=err.errno in _TRANSIENT_ERRNOS)
-    try:
-        st = os.fstat(fd)
-        mnt = _cow.mount_dir(base)
-        true = shutil.which("true", path="/usr/bin:/bin") or "/bin/true"
-        ov = _AnchorOverlay(mnt=mnt, lower_fd=fd, upper_bytes=1 << 20, upper_inodes=1024,
-                            lower_path=None if root else workspace,
-                            idmap=(st.st_uid, st.st_gid) if root else None)
-        argv = anchor_argv(facts, _exec_helper(), parent=os.getpid(), report_fd=None, cgroup_fds=(), rlimits=(),
-                           ids=(65534, 65534) if root else None, overlay=ov, keep_fds=(), pass_fds=(),
-                           args_fd=None, command=[true])
-        proc = subprocess.run(argv, pass_fds=(fd,), stdin=subprocess.DEVNULL, capture_output=True, timeout=30,
-                              env={})
-    except subprocess.TimeoutExpired as err:
-        return _cow.CowSupport(False, f"the overlay probe did not finish: {err}", transient=True)
-    except (OSError, LowlevelError, subprocess.SubprocessError) as err:
-        code = getattr(err, "errno", None)
-        return _cow.CowSupport(False, str(err), transient=code in _TRANSIENT_ERRNOS or _transient(str(err)))
-    finally:
-        os.close(fd)
-    if proc.returncode == 0:
-        return _cow.CowSupport(True)
-    text = proc.stderr.decode("utf-8", "replace").strip()
-    why = text.splitlines()
-    reason = (why[-1] if why else f"the overlay probe exited {proc.returncode}")[:300]
-    return _cow.CowSupport(False, reason, transient=proc.returncode < 0 or _transient(text))
+#: How long the drivers wait for the output pipes to reach EOF after the sandbox is gone (they
+#: do at once unless a process outside the sandbox holds a copy), seconds.
+DRAIN_TIMEOUT_S = 1.0
+#: How long bwrap (the sandbox's PID 1) may outlive the anchor's exit (its parent-death signal
+#: kills it) before the driver SIGKILLs it itself, then how long it waits for that, seconds.
+INIT_EXIT_TIMEOUT_S = 2.0
+INIT_KILL_TIMEOUT_S = 10.0
 
 
 class _Capture:
@@ -320,53 +165,6 @@ class _Capture:
         return bytes(self.head + tail), True, self.total - self.limit
 
 
-def _memfd(name: str, data: bytes) -> int:
-    fd = os.memfd_create(name, os.MFD_CLOEXEC | getattr(os, "MFD_ALLOW_SEALING", 2))
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.lseek(fd, 0, os.SEEK_SET)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _open_etc_copy(path: str) -> int:
-    """Open a host ``/etc`` file that bwrap copies into the sandbox (:func:`lowlevel.sandbox.argv.etc_plan`).
-
-    ``O_NOFOLLOW``: the plan saw a regular file; one replaced by a symlink since is refused,
-    not followed. What was opened is checked again (:func:`lowlevel.sandbox.argv.etc_copy_refusal`,
-    one ``fstat``): the plan is made once per process, and a file that became a FIFO, a
-    device, a directory, a file over the size bound or one others may no longer read must not
-    be copied (bwrap would read a FIFO or ``/dev/zero`` into the root tmpfs, and the copy is
-    0644 inside whatever the host file's mode).
-
-    Raises:
-        LaunchError: the file cannot be opened (removed, replaced by a symlink, no fd left),
-            or is no longer one the plan may copy.
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as err:
-        hint = (" (it was a regular file when this process first looked; run again in a new process if it "
-                "changed kind on purpose)") if err.errno in (errno.ELOOP, errno.ENOENT, errno.ENOTDIR) else ""
-        raise LaunchError(f"cannot open the host's {path} to copy it into the sandbox: {err.strerror}{hint}",
-                          errno=err.errno) from err
-    try:
-        why = etc_copy_refusal(os.fstat(fd))
-    except BaseException:
-        os.close(fd)
-        raise
-    if why is not None:
-        os.close(fd)
-        raise LaunchError(f"refusing to copy the host's {path} into the sandbox: {why} now (it was a small regular "
-                          "file every user may read when this process first looked; run again in a new process "
-                          "if it changed on purpose)")
-    return fd
-
-
 def _readable(fd: int, timeout_s: float) -> bool:
     """Wait up to ``timeout_s`` for ``fd`` to be readable (a pidfd: the process exited).
 
@@ -376,31 +174,6 @@ def _readable(fd: int, timeout_s: float) -> bool:
     p = select.poll()
     p.register(fd, select.POLLIN)
     return bool(p.poll(timeout_s * 1000))
-
-
-def _passwd_group(uid: int, gid: int) -> tuple[bytes, bytes]:
-    passwd = (f"root:x:0:0:root:/root:/usr/sbin/nologin\n"
-              f"sandbox:x:{uid}:{gid}:sandbox:{WORKSPACE_DEST}:/bin/sh\n"
-              f"nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
-    group = f"root:x:0:\nsandbox:x:{gid}:\nnogroup:x:65534:\n"
-    if uid in (0, 65534):
-        passwd = "".join(line + "\n" for line in passwd.splitlines() if not line.startswith("sandbox:"))
-    if gid in (0, 65534):
-        group = "".join(line + "\n" for line in group.splitlines() if not line.startswith("sandbox:"))
-    return passwd.encode(), group.encode()
-
-
-def _clamp_to_own_hard_limits(triples: Sequence[tuple[str, int, int]]) -> tuple[tuple[str, int, int], ...]:
-    """Lower (name, soft, hard) rlimits to our own hard limits: without CAP_SYS_RESOURCE,
-    prlimit(1) cannot raise them, and the stricter value stays in force anyway."""
-    import resource
-    out = []
-    for name, soft, hard in triples:
-        _cur, own_hard = resource.getrlimit(getattr(resource, name))
-        if own_hard != resource.RLIM_INFINITY:
-            soft, hard = min(soft, own_hard), min(hard, own_hard)
-        out.append((name, soft, hard))
-    return tuple(out)
 
 
 def drop_fresh_workspace(result: Result, note: str = "workspace removed after the run "
@@ -417,301 +190,6 @@ def drop_fresh_workspace(result: Result, note: str = "workspace removed after th
 
 def _check_command(command: Sequence[str]) -> list[str]:
     return _validate.command(command)
-
-
-#: Sandbox paths that exist but are never executable (synthesized by the launcher).
-_SYNTHESIZED = ("/etc/passwd", "/etc/group")
-#: Mounts whose content we cannot know before the run: leave those paths to bwrap's execvp.
-_OPAQUE = ("/proc", "/dev", "/sys")
-
-
-def _host_path(policy: Policy, workspace: str, inside: str, etc_files: Sequence[str] = ()) -> str | None:
-    """Map a sandbox path to the host path that backs it.
-
-    Returns the host path; ``""`` when the path surely does not exist in a fresh sandbox
-    (``/tmp`` is empty at start, the root holds only what the base layout puts there); or
-    None when we cannot know (``/proc``, ``/dev``).
-    """
-    inside = os.path.normpath(inside)
-    if inside == WORKSPACE_DEST or inside.startswith(WORKSPACE_DEST + "/"):
-        return workspace + inside[len(WORKSPACE_DEST):]
-    for bind in policy.binds:
-        if inside == bind.dest or inside.startswith(bind.dest.rstrip("/") + "/"):
-            return bind.source + inside[len(bind.dest):]
-    if policy.rootfs is not None:
-        # The system is a tree on the host: resolve inside it (its symlinks are the sandbox's).
-        from lowlevel.rootfs import resolve_in_root
-        dests = (WORKSPACE_DEST, "/tmp", *_OPAQUE, *(b.dest for b in policy.binds))
-        return resolve_in_root(policy.rootfs, inside, lambda v: any(
-            v == d or v.startswith(d.rstrip("/") + "/") for d in dests))
-    for name in ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32"):
-        if inside == name or inside.startswith(name + "/"):
-            return inside
-    for entry in etc_files:
-        if inside == entry or inside.startswith(entry + "/"):
-            return inside
-    if any(inside == p or inside.startswith(p + "/") for p in _OPAQUE):
-        return None
-    return ""
-
-
-def _mount_ancestor(policy: Policy, inside: str, etc_files: Sequence[str]) -> bool:
-    """True when ``inside`` is a directory bwrap makes to hold a mount point (``/opt`` for a
-    bind at ``/opt/venv``): it exists in the sandbox though nothing backs it."""
-    dests = [b.dest for b in policy.binds] + [WORKSPACE_DEST, "/etc", *etc_files]
-    return inside == "/" or any(d.startswith(inside.rstrip("/") + "/") for d in dests)
-
-
-def _resolve_inside(policy: Policy, workspace: str, inside: str,
-                    etc_files: Sequence[str]) -> tuple[str | None, str, str | None]:
-    """Follow ``inside`` the way the sandbox's kernel would, one component at a time, reading
-    each symlink on the host path that backs it.
-
-    Returns ``(host, path, link)``: ``host`` is the host path backing the resolved sandbox
-    ``path``, ``""`` when that path does not exist inside (``link``: the symlink whose target
-    is missing, if one was followed), or None when we cannot know (``/proc``, too many links).
-    ``link`` is set only when the missing component came from that symlink's target: a missing
-    ``/bin/cmd`` through ``/bin -> usr/bin`` is a missing file, not a dangling link.
-    """
-    todo = [p for p in inside.split("/") if p]
-    cur = "/"
-    hops = 0
-    link: str | None = None
-    rest = 0  # components of the path after the last symlink followed (the ones not from its target)
-    while todo:
-        part = todo.pop(0)
-        if part == ".":
-            continue
-        if part == "..":
-            cur = os.path.dirname(cur.rstrip("/")) or "/"
-            continue
-        nxt = os.path.join(cur, part)
-        host = _host_path(policy, workspace, nxt, etc_files)
-        if host is None:
-            return None, nxt, link
-        if host == "":
-            if todo and _mount_ancestor(policy, nxt, etc_files):
-                cur = nxt
-                continue
-            return "", nxt, link if len(todo) >= rest else None
-        try:
-            st = os.lstat(host)
-        except OSError:
-            return "", nxt, link if len(todo) >= rest else None
-        if stat.S_ISLNK(st.st_mode):
-            hops += 1
-            if hops > 40:
-                return None, nxt, link
-            target = os.readlink(host)
-            link = f"{nxt} -> {target}"
-            rest = len(todo)
-            if target.startswith("/"):
-                cur = "/"
-            todo = [p for p in target.split("/") if p] + todo
-            continue
-        cur = nxt
-    return _host_path(policy, workspace, cur, etc_files), cur, link
-
-
-def _shebang(host: str) -> str | None:
-    """The absolute interpreter path of a ``#!`` script at ``host``, or None."""
-    try:
-        fd = os.open(host, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        head = os.read(fd, 256)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    if not head.startswith(b"#!"):
-        return None
-    words = head[2:].split(b"\n", 1)[0].split()
-    if not words or not words[0].startswith(b"/"):
-        return None
-    try:
-        return words[0].decode()
-    except UnicodeDecodeError:
-        return None
-
-
-def precheck_exec(policy: Policy, workspace: str, command: Sequence[str], env: Mapping[str, str],
-                  cwd: str = WORKSPACE_DEST, etc_files: Sequence[str] = ()) -> None:
-    """Fail fast with ExecError when the command surely does not exist or is not executable.
-
-    The sandbox's filesystem is known before it starts (``/usr`` and friends, the workspace,
-    the binds, a few ``/etc`` entries, an empty ``/tmp``), so "not found" and "not executable"
-    are decided here, in capture and in inherited-stdio mode alike, before paying for a
-    sandbox. Symlinks are followed as the sandbox sees them, so a virtualenv's ``bin/python``
-    pointing at an interpreter outside every bind (a pyenv build under ``/root``) is "not
-    found", with a hint naming the unreachable target; a ``#!`` script's interpreter is
-    checked the same way (up to 4 levels, the kernel's ``BINPRM_MAX_RECURSION``). Paths under
-    ``/proc`` and ``/dev`` are left to bwrap's own execvp, whose failure is decoded after the
-    run.
-    """
-    _precheck(policy, workspace, command[0], command, env, cwd, etc_files, depth=0)
-
-
-def _precheck(policy: Policy, workspace: str, prog: str, command: Sequence[str], env: Mapping[str, str],
-              cwd: str, etc_files: Sequence[str], depth: int) -> None:
-    if "/" in prog:
-        candidates = [prog if prog.startswith("/") else os.path.join(cwd, prog)]
-    else:
-        candidates = [os.path.join(d, prog) for d in env.get("PATH", "").split(":") if d.startswith("/")]
-    unknown = False
-    not_exec = False
-    dangling: str | None = None
-    for cand in candidates:
-        norm = os.path.normpath(cand)
-        if norm in _SYNTHESIZED:
-            not_exec = True
-            continue
-        host, _inside, link = _resolve_inside(policy, workspace, norm, etc_files)
-        if host is None:
-            unknown = True
-            continue
-        if host == "":
-            if link is not None and dangling is None:
-                dangling = link
-            continue
-        if "/" not in prog and host.startswith(workspace):
-            unknown = True  # PATH entries inside the workspace: leave it to execvp
-            continue
-        if os.path.isdir(host):
-            not_exec = True
-            continue
-        if os.path.isfile(host):
-            if os.stat(host).st_mode & 0o111:
-                interp = _shebang(host) if depth < 4 else None
-                if interp is not None:
-                    try:
-                        _precheck(policy, workspace, interp, command, env, cwd, etc_files, depth + 1)
-                    except ExecError as err:
-                        raise ExecError(f"{prog}: its interpreter (#!{interp}) cannot run in the sandbox: "
-                                        f"{err}", argv=list(command), errno=err.errno) from None
-                return
-            not_exec = True
-    if unknown or not candidates:
-        return
-    if not_exec:
-        raise ExecError(f"{prog}: permission denied (not an executable file)", argv=list(command),
-                        errno=errno.EACCES)
-    if dangling is not None:
-        raise ExecError(f"{prog}: not found in the sandbox: the symlink {dangling} points outside what the "
-                        "sandbox sees (bind the target's directory read-only with --ro / Bind, or make the "
-                        "virtualenv with --copies)", argv=list(command), errno=errno.ENOENT)
-    raise ExecError(f"{prog}: command not found in the sandbox (PATH={env.get('PATH', '')})",
-                    argv=list(command), errno=errno.ENOENT)
-
-
-_EXEC_FAIL = re.compile(rb"bwrap: execvp ([^\n]*): ([^\n]*)")
-#: native/lowlevel_exec.c's message when its execv of bwrap fails.
-_HELPER_EXEC_FAIL = re.compile(rb"lowlevel_exec: execv ([^\n]*): ([^\n]*)")
-#: What to do when a process cannot be created (EAGAIN from clone/fork/posix_spawn).
-PROCESS_LIMIT_HINT = ("the caller's process limit is reached (EAGAIN: RLIMIT_NPROC, `ulimit -u`, counts every "
-                      "process of your uid; or the pids.max of your cgroup, e.g. a systemd TasksMax). Raise it, or "
-                      "run fewer sandboxes at once")
-_USERNS_HINTS = (b"No permissions to create new namespace", b"setting up uid map", b"Creating new namespace failed",
-                 b"unprivileged_userns_clone", b"user namespace")
-
-
-def classify_setup_failure(stderr: bytes, argv: list[str], command: Sequence[str]) -> LaunchError:
-    """Turn bwrap's stderr after a run that never exec'd into the most specific exception.
-
-    A failure other than "command not found/not executable" also drops the cached host facts
-    (:func:`lowlevel.host.hostcache.forget`): they may be what changed (a sysctl, a new bwrap), so
-    the next run probes again.
-    """
-    err = _classify_setup_failure(stderr, argv, command)
-    if not isinstance(err, ExecError):
-        from lowlevel.host import hostcache
-        hostcache.forget("host")
-    return err
-
-
-def _classify_setup_failure(stderr: bytes, argv: list[str], command: Sequence[str]) -> LaunchError:
-    text = stderr.decode("utf-8", "replace").strip()
-    m = _EXEC_FAIL.search(stderr)
-    if m:
-        reason = m.group(2).decode("utf-8", "replace")
-        code = errno.ENOENT if "No such file" in reason else errno.EACCES
-        return ExecError(f"{command[0]}: {reason.lower()} in the sandbox", argv=argv, stderr=text, errno=code)
-    m = _HELPER_EXEC_FAIL.search(stderr)
-    if m:
-        # _lowlevel_exec dropped to the sandbox's host uid, then could not exec bwrap.
-        path, reason = (g.decode("utf-8", "replace") for g in m.groups())
-        return BwrapNotFoundError(f"cannot execute bwrap {path} as the sandbox's host uid (root callers drop to "
-                                  f"it before bwrap starts): {reason}. Install bwrap where every user can run "
-                                  "it (apt-get install bubblewrap puts it in /usr/bin)",
-                                  argv=argv, stderr=text, errno=errno.ENOENT if "No such" in reason
-                                  else errno.EACCES)
-    bwrap_lines = b"\n".join(line for line in stderr.splitlines() if line.startswith(b"bwrap:"))
-    anchor_lines = b"\n".join(line for line in stderr.splitlines() if line.startswith(b"lowlevel_exec:"))
-    if b"Resource temporarily unavailable" in anchor_lines:
-        # The anchor's own fork/clone (the sandbox's PID 1, the idmap helper) hit the limit.
-        return LaunchError(f"the sandbox's processes could not be created: {PROCESS_LIMIT_HINT}. lowlevel_exec "
-                           f"said: {text}", argv=argv, stderr=text, errno=errno.EAGAIN)
-    if b"Resource temporarily unavailable" in bwrap_lines:
-        # clone(2) fails with EAGAIN at the caller's RLIMIT_NPROC or its cgroup's pids.max, and
-        # bwrap says "Creating new namespace failed": not a user-namespace restriction.
-        return LaunchError(f"bwrap could not create the sandbox's processes: {PROCESS_LIMIT_HINT}. "
-                           f"bwrap said: {text}", argv=argv, stderr=text, errno=errno.EAGAIN)
-    if b"Cannot allocate memory" in bwrap_lines:
-        return LaunchError("bwrap ran out of memory while creating the sandbox (ENOMEM: the caller's memory "
-                           f"limit or its cgroup's memory.max?). bwrap said: {text}", argv=argv, stderr=text,
-                           errno=errno.ENOMEM)
-    if b"Can't find source path" in bwrap_lines and b"Permission denied" in bwrap_lines:
-        # bwrap opens bind sources as the sandbox's host uid: a root caller's per-run uid.
-        return LaunchError("the sandbox's host uid cannot reach a bind source (a root caller's sandbox runs as "
-                           "an unprivileged per-run uid, and bwrap opens binds as that uid): make the source "
-                           "readable and every directory above it traversable by others (chmod o+x). "
-                           f"bwrap said: {text}", argv=argv, stderr=text, errno=errno.EACCES)
-    if any(h in bwrap_lines for h in _USERNS_HINTS):
-        return LaunchError(
-            "bwrap could not create a user namespace: the host restricts unprivileged user namespaces. "
-            "Fix: `sysctl -w kernel.unprivileged_userns_clone=1` (Debian < 11), "
-            "`sysctl -w user.max_user_namespaces=15000`, or on Ubuntu >= 23.10 "
-            "`sysctl -w kernel.apparmor_restrict_unprivileged_userns=0` or an AppArmor profile for bwrap. "
-            f"bwrap said: {text}", argv=argv, stderr=text)
-    what = text or ("bwrap exited during setup (its stderr was not captured: in live mode its message, if any, "
-                    "is on your stderr above)")
-    return LaunchError(f"sandbox setup failed: {what}", argv=argv, stderr=text)
-
-
-#: A program's own report of a connect() refused with EACCES: Python's bare ``PermissionError:
-#: [Errno 13] Permission denied`` (a file error names its path after a colon), node's ``connect
-#: EACCES``, or a line mentioning connect with "Permission denied" (wget, nc, ...).
-_CONNECT_EACCES = re.compile(rb"PermissionError: \[Errno 13\] Permission denied\s*$|connect[^\n]*(EACCES|Permission "
-                             rb"denied)|(EACCES|Permission denied)[^\n]*connect", re.MULTILINE | re.IGNORECASE)
-
-
-def network_denial_note(policy: Policy, landlock_abi: int | None, exit_code: int, stderr: bytes) -> str | None:
-    """The note of a failed run whose program reported a connect() refused with EACCES, when
-    the sandbox's own network policy is the cause: Landlock (ABI >= 4) denies TCP connect to
-    every port without network, and to all but the egress relay's with ``network=Egress``
-    (lowlevel/host/landlock.py). Cheap: one regex over the captured stderr; None otherwise."""
-    if exit_code == 0 or policy.network is True or not landlock_abi or landlock_abi < 4 \
-            or not _CONNECT_EACCES.search(stderr[-65536:]):
-        return None
-    if policy.network is False:
-        return ("connect() refused by the sandbox's network policy (network=False: Landlock denies every TCP "
-                "connect, EACCES): allow hosts with Policy(network=Egress(allow=[...])) / --allow-host, or give "
-                "the host's network with network=True / --network host")
-    return ("connect() refused by the sandbox's network policy (network=Egress: Landlock lets TCP reach only the "
-            "egress proxy, named in HTTPS_PROXY/HTTP_PROXY; EACCES for any other address): connect through the "
-            "proxy, and allow the host with Egress(allow=[...]) / --allow-host")
-
-
-def pids_note(pids: int | None, exit_code: int, term: int | None) -> str:
-    """The note of a run (or Session command) during which a fork/clone failed at the pids
-    limit (``max`` in ``pids.events`` rose): what happened, and what the program did then."""
-    then = (f"the program then exited with status {exit_code} on its own (killed_by is None: the pids limit "
-            "kills nothing)" if term is None else f"the program then died by signal {term}")
-    return (f"the pids limit was hit: a fork/clone failed with EAGAIN at pids.max={pids} (Limits.pids); {then}; "
-            "raise Limits.pids if the program needs more processes or threads")
 
 
 class Run:
@@ -759,9 +237,9 @@ class Run:
         self.extra_fds = dict(extra_fds or {})
         etc_copy_fds = range(ETC_COPY_FD, ETC_COPY_FD + len(ETC_ENTRIES))
         for child_fd in self.extra_fds:
-            if child_fd < 9 or child_fd in etc_copy_fds:
-                raise PolicyError(f"extra_fds: child fd {child_fd} is reserved (use 9 to {ETC_COPY_FD - 1}, or "
-                                  f"{etc_copy_fds.stop} and above)")
+            if child_fd < EXTRA_FDS_MIN or child_fd in etc_copy_fds:
+                raise PolicyError(f"extra_fds: child fd {child_fd} is reserved (use {EXTRA_FDS_MIN} to "
+                                  f"{ETC_COPY_FD - 1}, or {etc_copy_fds.stop} and above)")
         self.inputs = list(request.inputs)
         self.workspace_arg = request.workspace
         self.workspace_base = request.workspace_base
@@ -926,7 +404,6 @@ class Run:
         """The argv's (cached) layout of the tree must still be the tree's, the one the anchor
         overlays included (:func:`lowlevel.rootfs.layout_holds`): a directory swapped for a
         symlink since would make bwrap bind the symlink's host target. Re-read once if not."""
-        from lowlevel.sandbox.argv import static_args
         from lowlevel.rootfs import layout_holds, rootfs_layout
         if layout_holds(rootfs_layout(path), self.root_fd):
             return
@@ -949,7 +426,7 @@ class Run:
                                  else policy.host_uid)
         else:
             self.host_ids = (os.getuid(), os.getgid())
-        support = _cow.cow_support(self.workspace, functools.partial(_probe_cow, self.facts, self.workspace,
+        support = _cow.cow_support(self.workspace, functools.partial(_facts._probe_cow, self.facts, self.workspace,
                                                                       self.workspace_base))
         if support.transient:
             # Not a fact of the host (and not cached): falling back would change what the
@@ -1002,7 +479,7 @@ class Run:
                 self.cgroup_dir_fd = self._own(os.open(v2_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
         triples = _limits.rlimits(policy.limits, self.cgroup)
         if not (root and self.facts.cap_sys_resource):
-            triples = _clamp_to_own_hard_limits(triples)
+            triples = clamp_to_own_hard_limits(triples)
         self.pre_exec_rlimits = triples
         self.rlimits_applied = tuple(name for name, _s, _h in triples)
         self.notes.extend(_limits.fallback_notes(policy.limits, self.cgroup))
@@ -1021,13 +498,13 @@ class Run:
             seccomp_fd = self._own(_seccomp.bpf_memfd(bpf))
             self.seccomp_loaded = True
         else:
-            fds = Fds(json_status=fds.json_status, block=None, seccomp=None, passwd=fds.passwd, group=fds.group)
+            fds = Fds(json_status=fds.json_status, seccomp=None, passwd=fds.passwd, group=fds.group)
         uid = policy.sandbox_uid if policy.sandbox_uid is not None else self.host_ids[0]
         gid = policy.sandbox_gid if policy.sandbox_gid is not None else self.host_ids[1]
-        passwd, group = _passwd_group(uid, gid)
-        passwd_fd = self._own(_memfd("lowlevel-passwd", passwd))
-        group_fd = self._own(_memfd("lowlevel-group", group))
-        etc_fds = [self._own(_open_etc_copy(path)) for path in etc_copies(policy, self.facts)]
+        passwd, group = passwd_group(uid, gid)
+        passwd_fd = self._own(memfd("lowlevel-passwd", passwd))
+        group_fd = self._own(memfd("lowlevel-group", group))
+        etc_fds = [self._own(open_etc_copy(path)) for path in etc_copies(policy, self.facts)]
 
         if isinstance(policy.network, Egress):
             # The host-side proxy and the relay that runs first inside (lowlevel/net/egress_proxy.py).
@@ -1045,7 +522,8 @@ class Run:
         for bind in policy.binds:  # each source still the one the Policy checked (not swapped since)
             bind.check_unchanged()
         if policy.binds:  # the cached socket masks still cover what they did (lowlevel.sandbox.bind_sockets)
-            _bind_sockets.revalidate(policy, self.facts.caller_is_root)
+            if _bind_sockets.revalidate(policy, self.facts.caller_is_root):
+                static_args.cache_clear()  # it carries the stale masks
         tree_masks: tuple[str, ...] = ()
         if tree is not None and not policy.rootfs_writable:
             # A read-only tree is bound by path: its unix sockets (a live chroot's services) are
@@ -1072,7 +550,7 @@ class Run:
             # (it reaps orphans itself): one process less per run, and the kernel keeps the
             # program from signalling its PID 1 at all. (Egress: the relay comes first.)
             self.argv = [*self.argv, "--as-pid-1"]
-        args_fd = self._own(_memfd("lowlevel-args", encode_args(self.argv)))
+        args_fd = self._own(memfd("lowlevel-args", encode_args(self.argv)))
 
         json_r, json_w = self._pipe()
         self.json_r = json_r
@@ -1197,7 +675,7 @@ class Run:
                                 else self.policy.rootfs,
                                 # A workspace we made a moment ago, nothing copied in: empty.
                                 empty_lower=self.one_shot and self.owns_workspace and not self.inputs)
-        return anchor_argv(self.facts, _exec_helper(), parent=os.getpid(), report_fd=self.anchor_fds["report"],
+        return anchor_argv(self.facts, _facts._exec_helper(), parent=os.getpid(), report_fd=self.anchor_fds["report"],
                            cgroup_fds=self.anchor_fds["cgroups"], cgroup_dir_fd=self.anchor_fds.get("cgroup_dir"),
                            rlimits=self.pre_exec_rlimits,
                            ids=self.host_ids if self.facts.caller_is_root else None, overlay=ov,
@@ -1570,12 +1048,12 @@ class Run:
         """
         self.reap_bwrap()
         if self.init_pidfd is not None:
-            if not _readable(self.init_pidfd, 2.0):
+            if not _readable(self.init_pidfd, INIT_EXIT_TIMEOUT_S):
                 try:
                     signal.pidfd_send_signal(self.init_pidfd, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-                _readable(self.init_pidfd, 10.0)
+                _readable(self.init_pidfd, INIT_KILL_TIMEOUT_S)
         elif self.cgroup is not None and self.pid is not None:
             # Killed before READY: whatever the anchor forked is in the run's cgroup.
             try:
@@ -2123,154 +1601,5 @@ def _ppid(pid: int) -> int | None:
         return None
 
 
-def _remaining(deadline: float | None, cap: float | None = None) -> float | None:
-    if deadline is None:
-        return cap
-    left = max(0.0, deadline - time.monotonic())
-    return left if cap is None else min(left, cap)
-
-
-def _drive_sync(r: Run) -> Result:
-    r.prepare()
-    r.spawn()
-    # Handshake: wait for the anchor's READY (bwrap's pidfd), or the anchor's exit (setup failed).
-    setup_deadline = time.monotonic() + SETUP_TIMEOUT_S
-    poller = select.poll()
-    assert r.report is not None and r.pidfd is not None and r.json_r is not None
-    poller.register(r.report.fileno(), select.POLLIN)
-    poller.register(r.pidfd, select.POLLIN)
-    for fd in (r.out_r, r.err_r, r.json_r):
-        if fd is not None:
-            poller.register(fd, select.POLLIN)
-    while not r.ready:
-        left = setup_deadline - time.monotonic()
-        if left <= 0:
-            r.kill(None)
-            r.reap()
-            raise LaunchError(f"the sandbox did not finish setting up within {SETUP_TIMEOUT_S:.0f} s",
-                              argv=r.full_argv)
-        for fd, _ev in poller.poll(left * 1000):
-            if r.report is not None and fd == r.report.fileno():
-                if not r.read_report() and r.report is None:
-                    poller.unregister(fd)
-                if r.ready:
-                    poller.unregister(fd)
-                    break
-            elif fd == r.pidfd:
-                # The anchor exited before READY: setup failed.
-                r.reap()
-                while r.read_fd("err_r") or r.read_fd("out_r") or r.read_fd("json_r"):
-                    pass
-                raise r.setup_error()
-            else:
-                attr = "out_r" if fd == r.out_r else "err_r" if fd == r.err_r else "json_r"
-                if not r.read_fd(attr):
-                    poller.unregister(fd)
-    if r.stdin_w is not None and not r.feed_stdin():
-        poller.register(r.stdin_w, select.POLLOUT)
-    report_no = -1  # the report socket's fd number while registered (EXIT: the sandbox is gone)
-    if r.report is not None:
-        report_no = r.report.fileno()
-        poller.register(report_no, select.POLLIN)
-    bwrap_done = False
-    while True:
-        open_fds = [fd for fd in (r.out_r, r.err_r, r.json_r, r.stdin_w) if fd is not None]
-        if bwrap_done and not open_fds:
-            break
-        wait = _remaining(r.deadline)
-        if bwrap_done:
-            # bwrap is gone and the sandbox is dead: the pipes are at EOF or about to be.
-            wait = 1.0 if wait is None else min(wait, 1.0)
-        events = poller.poll(None if wait is None else wait * 1000)
-        if not events:
-            if bwrap_done:
-                for attr in ("out_r", "err_r", "json_r", "stdin_w"):
-                    fd = getattr(r, attr)
-                    if fd is not None:
-                        poller.unregister(fd)
-                        if attr != "stdin_w":
-                            r.read_fd(attr)
-                        r._close_fd(attr)
-                break
-            if r.deadline is not None and time.monotonic() >= r.deadline:
-                r.on_deadline()
-            continue
-        for fd, _ev in events:
-            if fd == report_no:
-                if r.read_exit():
-                    poller.unregister(report_no)
-                    report_no = -1
-                    poller.unregister(r.pidfd)
-                    r.reap()  # the sandbox is gone: no wait for the anchor's own teardown
-                    bwrap_done = True
-                elif r.report is None:  # EOF without EXIT: the anchor's pidfd tells
-                    poller.unregister(report_no)
-                    report_no = -1
-            elif fd == r.pidfd:
-                if bwrap_done:
-                    continue
-                poller.unregister(fd)
-                if report_no >= 0:
-                    poller.unregister(report_no)
-                    report_no = -1
-                    r.read_exit()  # sent before it exited: bwrap's own status and rusage
-                r.reap()
-                bwrap_done = True
-            elif fd == r.stdin_w:
-                if r.feed_stdin():
-                    poller.unregister(fd)
-            elif fd in (r.out_r, r.err_r, r.json_r):
-                attr = "out_r" if fd == r.out_r else "err_r" if fd == r.err_r else "json_r"
-                if not r.read_fd(attr):
-                    poller.unregister(fd)
-            # else: an fd unregistered earlier in this batch (the report socket)
-        if not bwrap_done and r.deadline is not None and time.monotonic() >= r.deadline:
-            r.on_deadline()
-    return r.result()
-
-
-def run(command: Sequence[str], *, policy: Policy | None = None, workspace: str | os.PathLike[str] | None = None,
-        inputs: Sequence[str | os.PathLike[str] | tuple[str, str]] = (), timeout: float | None = DEFAULT_TIMEOUT_S,
-        stdin: bytes | None = None, env: Mapping[str, str] | None = None, capture: bool = True,
-        cwd: str | None = None, workspace_base: str | None = None,
-        record: str | os.PathLike[str] | None = None, allow_sensitive_workspace: bool = False,
-        stdio_fds: Sequence[int | None] | None = None, keep_workspace: bool = True,
-        commit: bool | str = True, kill_after: float = 0.0) -> Result:
-    """:func:`lowlevel.run` without records: the sandbox layer's run (see :func:`lowlevel.api.run`
-    for the arguments, the Result and the errors).
-
-    Raises:
-        PolicyError: ``record`` is given (records are written a layer above, by
-            :func:`lowlevel.record.record_run`: call :func:`lowlevel.run`), or a bad argument.
-    """
-    request = RunRequest(command, workspace=workspace, inputs=inputs, timeout=timeout, kill_after=kill_after,
-                         stdin=stdin, env=env, capture=capture, cwd=cwd, workspace_base=workspace_base,
-                         allow_sensitive_workspace=allow_sensitive_workspace, stdio_fds=stdio_fds,
-                         keep_workspace=keep_workspace, commit=commit, record=record)
-    return run_request(request, policy)
-
-
-def run_request(request: RunRequest, policy: Policy | None = None) -> Result:
-    """Run one validated :class:`~lowlevel.sandbox.request.RunRequest` under ``policy``
-    (default ``Policy()``) and wait for it: the sync driver over :class:`Run`.
-
-    Raises:
-        PolicyError: ``request.record`` is set (see :func:`run`); and the errors of :func:`run`.
-    """
-    r = Run(request, policy=policy or Policy())
-    try:
-        result = _drive_sync(r)
-    except BaseException:
-        r.close()
-        r.discard_workspace_if_unused()
-        r.finish_workspace(None)
-        raise
-    finally:
-        r.close()
-    out = r.finish_workspace(result)
-    assert out is not None
-    return out
-
-
-__all__ = ["DEFAULT_TIMEOUT_S", "ExecError", "Run", "classify_setup_failure", "drop_fresh_workspace", "host_facts",
-           "precheck_exec", "run", "run_request"]
+__all__ = ["ANCHOR_GRACE_S", "DRAIN_TIMEOUT_S", "INIT_EXIT_TIMEOUT_S", "INIT_KILL_TIMEOUT_S", "Run", "SETUP_TIMEOUT_S",
+           "drop_fresh_workspace"]

@@ -109,11 +109,13 @@ from lowlevel import workspace as _ws
 from lowlevel.sandbox.argv import encode_args
 from lowlevel.errors import (CommitIncompleteError, LaunchError, LowlevelError, PolicyError, SessionError,
                              UnsupportedError)
-from lowlevel.sandbox.launcher import (DEFAULT_TIMEOUT_S, SETUP_TIMEOUT_S, ExecError, Run, _Capture, _check_command,
-                                       _conflict_dir, host_facts, network_denial_note, pids_note)
+from lowlevel.sandbox.facts import host_facts
+from lowlevel.sandbox.failures import ExecError, network_denial_note, pids_note
+from lowlevel.sandbox.launcher import SETUP_TIMEOUT_S, Run, _Capture, _check_command, _conflict_dir
+from lowlevel.sandbox.request import DEFAULT_TIMEOUT_S
 from lowlevel.spec.limits import Limits
 from lowlevel.spec.policy import WORKSPACE_DEST, Policy
-from lowlevel.sandbox.request import RunRequest
+from lowlevel.sandbox.request import RunRequest  # noqa: I001
 from lowlevel.sandbox.result import Result
 
 log = logging.getLogger("lowlevel")
@@ -541,8 +543,8 @@ class _Core:
                     cmd.id = self.next_id
                     self.next_id += 1
                     if len(body) > _MAX_INLINE:
-                        from lowlevel.sandbox.launcher import _memfd
-                        mfd = _memfd("lowlevel-spawn", body)
+                        from lowlevel.sandbox.plan import memfd
+                        mfd = memfd("lowlevel-spawn", body)
                         close_after.append(mfd)
                         send_fds.append(mfd)
                         flags |= _SPAWN_BODY_MEMFD

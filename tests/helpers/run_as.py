@@ -33,7 +33,8 @@ def run_with_dir_fds(command, *, policy, workspace, timeout, stdin, dirs, commit
         r = launcher.Run(RunRequest(command, workspace=workspace, timeout=timeout, stdin=stdin, commit=commit, cwd=cwd),
                          policy=policy, extra_fds=opened)
         try:
-            return launcher._drive_sync(r)
+            from lowlevel.sandbox.drive import _drive_sync
+            return _drive_sync(r)
         finally:
             r.close()
     finally:

@@ -39,7 +39,9 @@ from lowlevel import cli
 from lowlevel.spec import validate
 from lowlevel.sandbox.argv import build_argv, encode_args
 from lowlevel.errors import PolicyError
-from lowlevel.sandbox.launcher import CHILD_FDS, Run, host_facts
+from lowlevel.sandbox.facts import host_facts
+from lowlevel.sandbox.launcher import Run
+from lowlevel.sandbox.plan import CHILD_FDS
 from lowlevel.sandbox.request import RunRequest
 from lowlevel.spec.policy import WORKSPACE_DEST, Bind, Policy
 from lowlevel.record import RecordError, replay

@@ -13,7 +13,7 @@ import pytest
 
 from lowlevel.host import hostcache, probe
 
-from lowlevel.sandbox import launcher
+from lowlevel.sandbox import failures
 
 from lowlevel.spec import seccomp
 from lowlevel.spec.seccomp import DEFAULT_PROFILE
@@ -186,10 +186,10 @@ def test_bwrap_facts_follow_the_executable(cache: Path, tmp_path: Path) -> None:
 
 def test_a_setup_failure_forgets_the_host_facts(cache: Path) -> None:
     hostcache.put("host", "cow:1:/x", 1, {"ok": True, "reason": ""})
-    err = launcher.classify_setup_failure(b"lowlevel_exec: mount overlay on /x: Invalid argument\n", ["x"], ["true"])
+    err = failures.classify_setup_failure(b"lowlevel_exec: mount overlay on /x: Invalid argument\n", ["x"], ["true"])
     assert "mount overlay" in str(err)
     assert not (cache / "host.json").exists()
     # A missing command is the command's fault, not the host's: the facts stay.
     hostcache.put("host", "cow:1:/x", 1, {"ok": True, "reason": ""})
-    launcher.classify_setup_failure(b"bwrap: execvp nope: No such file or directory\n", ["x"], ["nope"])
+    failures.classify_setup_failure(b"bwrap: execvp nope: No such file or directory\n", ["x"], ["nope"])
     assert (cache / "host.json").exists()
