@@ -75,7 +75,7 @@ from lowlevel.sandbox.plan import (ARGS_FD, CHILD_FDS, ETC_COPY_FD, EXTRA_FDS_MI
                                    open_etc_copy, passwd_group)
 from lowlevel.sandbox.precheck import precheck_exec
 from lowlevel.sandbox.request import RunRequest
-from lowlevel.sandbox.result import Result, decode_exit
+from lowlevel.sandbox.result import Result, classify_kill, decode_exit, wait_status_exit
 from lowlevel.spec import limits as _limits
 from lowlevel.spec import seccomp as _seccomp
 from lowlevel.spec import validate as _validate
@@ -414,10 +414,31 @@ class Run:
                               "replaced); run again, and keep the tree unchanged while it is in use")
 
     def _prepare(self) -> None:
+        """The steps of :meth:`prepare` after the workspace is resolved, in order; each records
+        what it makes (fds, the lease, the cgroup) as it makes it."""
+        self._prepare_ids()
+        support = self._workspace_model()
+        precheck_exec(self.policy, self.workspace, self.command, self.environment, self.cwd,
+                      self.facts.layout.etc_files)
+        _landlock.require_supported(self.policy)
+        bind_source, rootfs_overlay = self._prepare_workspace_mount(support)
+        self._prepare_limits()
+        fds, data_fds = self._prepare_data_fds()
+        if isinstance(self.policy.network, Egress):
+            # The host-side proxy and the relay that runs first inside (lowlevel/net/egress_proxy.py).
+            from lowlevel.net.egress_proxy import EgressRun
+            self.egress = EgressRun.open(self.policy.network, self.policy.limits.net_bytes,
+                                         caller_is_root=self.facts.caller_is_root, host_gid=self.host_ids[1])
+            self.extra_fds.update(self.egress.child_fds)
+            for fd in self.egress.owned_fds:
+                self._own(fd)  # closed after the spawn, like ours
+        args_fd = self._own(memfd("lowlevel-args", encode_args(self._build_argv(bind_source, fds, rootfs_overlay))))
+        self._lay_out_fds(args_fd, fds, data_fds)
+
+    def _prepare_ids(self) -> None:
+        """The sandbox's host ids: a per-run uid for root callers (unless pinned), our own otherwise."""
         policy = self.policy
-        root = self.facts.caller_is_root
-        # The sandbox's host ids: a per-run uid for root callers (unless pinned), our own otherwise.
-        if root:
+        if self.facts.caller_is_root:
             if policy.host_uid is None:
                 self.lease = _cow.UidLease.acquire()
                 self.host_ids = (self.lease.uid, self.lease.uid)
@@ -426,6 +447,9 @@ class Run:
                                  else policy.host_uid)
         else:
             self.host_ids = (os.getuid(), os.getgid())
+
+    def _workspace_model(self) -> _cow.CowSupport:
+        """Copy-on-write overlay (``self.cow``) or hand-over; refuses what the hand-over cannot do."""
         support = _cow.cow_support(self.workspace, functools.partial(_facts._probe_cow, self.facts, self.workspace,
                                                                       self.workspace_base))
         if support.transient:
@@ -444,9 +468,11 @@ class Run:
                                    f"{self.workspace} ({support.reason}): the program would write the directory "
                                    "itself, so its changes could not be discarded; nothing was run",
                                    "run without --discard on a copy of the directory, or see `lowlevel doctor`")
-        precheck_exec(policy, self.workspace, self.command, self.environment, self.cwd,
-                      self.facts.layout.etc_files)
-        _landlock.require_supported(policy)
+        return support
+
+    def _prepare_workspace_mount(self, support: _cow.CowSupport) -> tuple[str, str | None]:
+        """``(the workspace's bind source, the writable root's overlay dir or None)``."""
+        policy = self.policy
         rootfs_overlay: str | None = None
         if self.cow:
             self._open_lower()
@@ -464,7 +490,12 @@ class Run:
                                   "count in the same bound)")
         else:
             bind_source = self._prepare_handover(support.reason)
+        return bind_source, rootfs_overlay
 
+    def _prepare_limits(self) -> None:
+        """The run's cgroup (and the fds the anchor joins it by) and its rlimits."""
+        policy = self.policy
+        root = self.facts.caller_is_root
         # A serial, not id(self): a cgroup an interrupted run left behind must not collide with a
         # later Run object that CPython put at the same address (EEXIST, LaunchError).
         self.cgroup = _limits.RunCgroup.create(policy.limits, f"run-{os.getpid()}-{next(_CGROUP_SERIAL):x}",
@@ -484,6 +515,10 @@ class Run:
         self.rlimits_applied = tuple(name for name, _s, _h in triples)
         self.notes.extend(_limits.fallback_notes(policy.limits, self.cgroup))
 
+    def _prepare_data_fds(self) -> tuple[Fds, list[tuple[int, int]]]:
+        """The memfds and files bwrap reads (seccomp BPF, /etc/passwd and /etc/group, the /etc
+        copies): ``(bwrap's fd numbers, [(fd here, fd in the child), ...])``."""
+        policy = self.policy
         if policy.seccomp is not None and policy.seccomp.log:
             # Audit mode: the kernel logs what the profile would deny; read back at the end.
             try:
@@ -505,15 +540,15 @@ class Run:
         passwd_fd = self._own(memfd("lowlevel-passwd", passwd))
         group_fd = self._own(memfd("lowlevel-group", group))
         etc_fds = [self._own(open_etc_copy(path)) for path in etc_copies(policy, self.facts)]
+        data = [(passwd_fd, fds.passwd or 0), (group_fd, fds.group or 0)]
+        data += [(fd, ETC_COPY_FD + i) for i, fd in enumerate(etc_fds)]
+        if seccomp_fd is not None:
+            data.append((seccomp_fd, fds.seccomp or 0))
+        return fds, data
 
-        if isinstance(policy.network, Egress):
-            # The host-side proxy and the relay that runs first inside (lowlevel/net/egress_proxy.py).
-            from lowlevel.net.egress_proxy import EgressRun
-            self.egress = EgressRun.open(policy.network, policy.limits.net_bytes,
-                                         caller_is_root=self.facts.caller_is_root, host_gid=self.host_ids[1])
-            self.extra_fds.update(self.egress.child_fds)
-            for fd in self.egress.owned_fds:
-                self._own(fd)  # closed after the spawn, like ours
+    def _build_argv(self, bind_source: str, fds: Fds, rootfs_overlay: str | None) -> list[str]:
+        """bwrap's options (``self.argv``), with the checks that the cached parts still hold."""
+        policy = self.policy
         tree = None
         if policy.rootfs is not None:
             from lowlevel.rootfs import check_setup_paths, rootfs_layout
@@ -550,15 +585,10 @@ class Run:
             # (it reaps orphans itself): one process less per run, and the kernel keeps the
             # program from signalling its PID 1 at all. (Egress: the relay comes first.)
             self.argv = [*self.argv, "--as-pid-1"]
-        args_fd = self._own(memfd("lowlevel-args", encode_args(self.argv)))
+        return self.argv
 
-        json_r, json_w = self._pipe()
-        self.json_r = json_r
-        report, report_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        self.report = report
-        self.report_child = report_child
-        report.setblocking(False)
-
+    def _prepare_stdio(self) -> tuple[list[tuple[int, int]], bool]:
+        """The program's stdio: ``([(fd here, 0/1/2), ...], stdin from /dev/null)``."""
         stdio: list[tuple[int, int]] = []
         devnull_stdin = False
         if self.stdin is not None:
@@ -578,11 +608,21 @@ class Run:
             stdio += [(out_w, 1), (err_w, 2)]
         else:
             stdio += [(fd, i) for i, fd in enumerate(self.stdio_fds) if i and fd is not None]
-        mapping = stdio + [(args_fd, ARGS_FD), (json_w, fds.json_status),
-                           (passwd_fd, fds.passwd or 0), (group_fd, fds.group or 0)]
-        mapping += [(fd, ETC_COPY_FD + i) for i, fd in enumerate(etc_fds)]
-        if seccomp_fd is not None:
-            mapping.append((seccomp_fd, fds.seccomp or 0))
+        return stdio, devnull_stdin
+
+    def _lay_out_fds(self, args_fd: int, fds: Fds, data_fds: list[tuple[int, int]]) -> None:
+        """THE fd table of the spawn (:mod:`lowlevel.sandbox.plan`): the json-status pipe, the report
+        socket and the stdio, then every fd onto its child number (``self.actions``: posix_spawn's
+        dup2s), ``self.pass_fds`` (what the anchor passes on to bwrap) and ``self.anchor_fds``.
+        """
+        json_r, json_w = self._pipe()
+        self.json_r = json_r
+        report, report_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self.report = report
+        self.report_child = report_child
+        report.setblocking(False)
+        stdio, devnull_stdin = self._prepare_stdio()
+        mapping = stdio + [(args_fd, ARGS_FD), (json_w, fds.json_status), *data_fds]
         mapping += [(parent_fd, child_fd) for child_fd, parent_fd in sorted(self.extra_fds.items())]
         if self.guard:
             # The guard's executable and its report pipe, on the first numbers above the others.
@@ -590,7 +630,7 @@ class Run:
             status_r, status_w = self._pipe()
             self.status_r = status_r
             mapping += [(_landlock.guard_fd(), exe_child), (status_w, exe_child + 1)]
-            rules = _landlock.ruleset_args(policy, self.facts.layout.ro_dirs, self.facts.bwrap.options)
+            rules = _landlock.ruleset_args(self.policy, self.facts.layout.ro_dirs, self.facts.bwrap.options)
             self.guard_prefix = _landlock.guard_argv(exe_child, exe_child + 1, rules, cwd=self.cwd)
         self.pass_fds = tuple(sorted(dst for _s, dst in mapping if dst > 2))
         # The anchor's own fds (never passed on to bwrap) go right above bwrap's.
@@ -1083,109 +1123,27 @@ class Run:
 
     # -- 5. finish -----------------------------------------------------------------------
     def result(self) -> Result:
-        """Build the Result once bwrap is reaped and the pipes are drained."""
-        docs = self._docs()
-        exit_doc = next((d for d in docs if "exit-code" in d), None)
+        """Build the Result once bwrap is reaped and the pipes are drained; then commit or discard
+        the run's changes (:meth:`finish_cow`).
+
+        Raises:
+            ExecError, LaunchError, UnsupportedError: the program never started (the guard's or
+                bwrap's report, :meth:`_verdict`).
+            CommitConflictError, CommitIncompleteError: see :meth:`finish_cow`.
+        """
         rep = self.read_guard_report()
-        if rep is not None and rep.fail_stage is not None:
-            raise self._guard_failure(rep)
         stats: _limits.CgroupStats | None = None
         if self.cgroup is not None:
             try:
                 stats = self.cgroup.stats()
             except OSError as err:
                 self.notes.append(f"cgroup figures unavailable: {err}")
-        if exit_doc is None and not self.timed_out and self.killed_by is None and stats is not None \
-                and stats.oom_kills:
-            # The memory cgroup's OOM killer took bwrap or the anchor instead of the program (its
-            # files in the tmpfs layers are charged to the run but belong to no process's RSS):
-            # a verdict on the program's memory use, not a setup failure (issue 25).
-            if rep is not None and not rep.started:
-                raise LaunchError(f"the memory limit (memory_bytes={self.policy.limits.memory_bytes}) is too small "
-                                  "for the sandbox's own setup: the memory cgroup's OOM killer killed bwrap before "
-                                  "the program started; raise memory_bytes", argv=self.full_argv, errno=errno.ENOMEM)
-            self.killed_by = "memory"
-            self.notes.append(_limits.memory_kill_note(self.policy.limits, "bwrap or lowlevel's anchor (not the "
-                                                       "program), the sandbox's outer processes"))
-        if exit_doc is None and not self.timed_out and self.killed_by is None and self._program_started(rep):
-            # bwrap reported its child (or the guard its program) started, then died without an
-            # exit code: the anchor or bwrap was killed from outside while the program ran (the
-            # program died with them: PID namespace). A killed program, not a setup failure, so
-            # its output and workspace are delivered (issue 23).
-            self.killed_by = "signal"
-            self.notes.append("the sandbox's supervisor (lowlevel's anchor or bwrap, outside the sandbox) was "
-                              "killed while the program ran; the program was killed with it")
-        if exit_doc is None and not self.timed_out and self.killed_by is None:
-            stderr, _, _ = self.err.value()
-            if self.guard and b"execvp /proc/self/fd/" in stderr:
-                raise LaunchError("bwrap could not execute lowlevel's guard (lowlevel/_lowlevel_guard): "
-                                  f"{stderr.decode('utf-8', 'replace').strip()}", argv=self.full_argv)
-            raise classify_setup_failure(stderr, self.full_argv, self.command)
-        term: int | None
-        if rep is not None and rep.wait_status is not None:
-            # The guard's report: the program's own wait status, a fact (bwrap's exit code says
-            # 152 both for "exit 152" and for death by SIGXCPU).
-            if os.WIFSIGNALED(rep.wait_status):
-                term = os.WTERMSIG(rep.wait_status)
-                exit_code = 128 + term
-            else:
-                term = None
-                exit_code = os.WEXITSTATUS(rep.wait_status)
-        else:
-            exit_code = int(exit_doc["exit-code"]) if exit_doc is not None else 128 + signal.SIGKILL
-            # Without a guard report (the sandbox was killed, or no guard) the code is bwrap's;
-            # with a guard, a code above 128 then is the guard's own death by that signal: the
-            # guard exits above 128 on its own only after reporting.
-            term = decode_exit(exit_code)
-            if rep is not None and rep.started and exit_doc is not None and self.killed_by is None:
-                if stats is not None and stats.oom_kills:
-                    self.notes.append(_limits.memory_kill_note(self.policy.limits, "lowlevel's guard (the program's "
-                                                               "parent inside the sandbox), not the program"))
-                else:
-                    self.notes.append("the guard (the program's parent inside the sandbox) ended before reporting "
-                                      f"the program's end (bwrap exit code {exit_code}); the sandbox was torn down")
-        killed_by = self.killed_by or self._killed_by(exit_code, term, stats)
-        if killed_by == "memory" and not any("OOM killer" in n for n in self.notes):
-            self.notes.append(_limits.memory_kill_note(self.policy.limits))
+        exit_code, term, killed_by = self._verdict(rep, stats)
         out, out_t, out_d = self.out.value()
         errout, err_t, err_d = self.err.value()
-        # The sandbox is dead: its writes are final.
-        if self.cow:
-            changes = self.read_changes()
-        else:
-            try:
-                after = self.give_back_workspace() if self.handover is not None else _ws.snapshot(self.workspace)
-            except WorkspaceError as err:
-                # The program ran: its exit status and output are delivered, with the failure as a
-                # warning (the CLI prints it), never a bare OSError that loses them.
-                after = ({}, False)
-                self.notes.append(f"{WARNING_PREFIX}the workspace could not be checked and given back after the "
-                                  f"run ({err}): treat {self.workspace} as untrusted (ownership and setuid/setgid "
-                                  "bits may be left as the sandbox set them)")
-            if self.handover is not None:
-                self.notes.extend(self.handover.notes)  # e.g. directories too deep to check, sealed
-            changes = _ws.diff(self.before, after)
-        enforced = tuple(self.rlimits_applied) + tuple(
-            f"cgroup:{c}" for c in (self.cgroup.enforced if self.cgroup is not None else ()))
-        if self.seccomp_loaded:
-            enforced += ("seccomp",)
+        changes = self._final_changes()  # the sandbox is dead: its writes are final
         landlock_abi = rep.abi if rep is not None and rep.started else None
-        if landlock_abi:
-            enforced += ("landlock",)
-        elif rep is not None and rep.started and self.policy.landlock is not False:
-            self.notes.append("Landlock not applied: " + _landlock.describe(0))
-        net_note = network_denial_note(self.policy, landlock_abi, exit_code, errout)
-        if net_note:
-            self.notes.append(net_note)
-        denials = None
-        if self.audit is not None:
-            denials = tuple(self.audit.finish())
-            self.audit = None
-        network = None
-        if self.egress is not None:
-            network, egress_notes, egress_enforced = self.egress.finish()
-            self.notes.extend(egress_notes)
-            enforced += egress_enforced
+        enforced, denials, network = self._enforced(rep, landlock_abi, exit_code, errout)
         result = Result(
             exit_code=exit_code, term_signal=term, timed_out=self.timed_out, killed_by=killed_by,
             stdout=out, stderr=errout, stdout_truncated=out_t, stderr_truncated=err_t,
@@ -1208,6 +1166,110 @@ class Run:
                 self.notes.append(f"{WARNING_PREFIX}{err}")
             result.notes = tuple(self.notes)
         return result
+
+    def _verdict(self, rep: _landlock.GuardReport | None,
+                 stats: _limits.CgroupStats | None) -> tuple[int, int | None, str | None]:
+        """``(exit_code, term_signal, killed_by)`` of the program; raises when it never started.
+
+        A list of cases, in order: the guard could not start it; the memory cgroup's OOM killer
+        took bwrap or the anchor; the supervisor was killed from outside while it ran; bwrap's
+        setup failed; else the program's own end, from the guard's report (its exact wait status)
+        or bwrap's exit code.
+        """
+        docs = self._docs()
+        exit_doc = next((d for d in docs if "exit-code" in d), None)
+        if rep is not None and rep.fail_stage is not None:
+            raise self._guard_failure(rep)
+        unexplained = exit_doc is None and not self.timed_out and self.killed_by is None
+        if unexplained and stats is not None and stats.oom_kills:
+            # The memory cgroup's OOM killer took bwrap or the anchor instead of the program (its
+            # files in the tmpfs layers are charged to the run but belong to no process's RSS):
+            # a verdict on the program's memory use, not a setup failure (issue 25).
+            if rep is not None and not rep.started:
+                raise LaunchError(f"the memory limit (memory_bytes={self.policy.limits.memory_bytes}) is too small "
+                                  "for the sandbox's own setup: the memory cgroup's OOM killer killed bwrap before "
+                                  "the program started; raise memory_bytes", argv=self.full_argv, errno=errno.ENOMEM)
+            self.killed_by = "memory"
+            self.notes.append(_limits.memory_kill_note(self.policy.limits, "bwrap or lowlevel's anchor (not the "
+                                                       "program), the sandbox's outer processes"))
+        elif unexplained and self._program_started(rep):
+            # bwrap reported its child (or the guard its program) started, then died without an
+            # exit code: the anchor or bwrap was killed from outside while the program ran (the
+            # program died with them: PID namespace). A killed program, not a setup failure, so
+            # its output and workspace are delivered (issue 23).
+            self.killed_by = "signal"
+            self.notes.append("the sandbox's supervisor (lowlevel's anchor or bwrap, outside the sandbox) was "
+                              "killed while the program ran; the program was killed with it")
+        elif unexplained:
+            stderr, _, _ = self.err.value()
+            if self.guard and b"execvp /proc/self/fd/" in stderr:
+                raise LaunchError("bwrap could not execute lowlevel's guard (lowlevel/_lowlevel_guard): "
+                                  f"{stderr.decode('utf-8', 'replace').strip()}", argv=self.full_argv)
+            raise classify_setup_failure(stderr, self.full_argv, self.command)
+        term: int | None
+        if rep is not None and rep.wait_status is not None:
+            # The guard's report: the program's own wait status, a fact (bwrap's exit code says
+            # 152 both for "exit 152" and for death by SIGXCPU).
+            exit_code, term = wait_status_exit(rep.wait_status)
+        else:
+            exit_code = int(exit_doc["exit-code"]) if exit_doc is not None else 128 + signal.SIGKILL
+            # Without a guard report (the sandbox was killed, or no guard) the code is bwrap's;
+            # with a guard, a code above 128 then is the guard's own death by that signal: the
+            # guard exits above 128 on its own only after reporting.
+            term = decode_exit(exit_code)
+            if rep is not None and rep.started and exit_doc is not None and self.killed_by is None:
+                if stats is not None and stats.oom_kills:
+                    self.notes.append(_limits.memory_kill_note(self.policy.limits, "lowlevel's guard (the program's "
+                                                               "parent inside the sandbox), not the program"))
+                else:
+                    self.notes.append("the guard (the program's parent inside the sandbox) ended before reporting "
+                                      f"the program's end (bwrap exit code {exit_code}); the sandbox was torn down")
+        killed_by = self.killed_by or self._killed_by(exit_code, term, stats)
+        if killed_by == "memory" and not any("OOM killer" in n for n in self.notes):
+            self.notes.append(_limits.memory_kill_note(self.policy.limits))
+        return exit_code, term, killed_by
+
+    def _final_changes(self) -> _ws.Changes:
+        """What the run changed: the upper layer's entries, or the hand-over's snapshot diff."""
+        if self.cow:
+            return self.read_changes()
+        try:
+            after = self.give_back_workspace() if self.handover is not None else _ws.snapshot(self.workspace)
+        except WorkspaceError as err:
+            # The program ran: its exit status and output are delivered, with the failure as a
+            # warning (the CLI prints it), never a bare OSError that loses them.
+            after = ({}, False)
+            self.notes.append(f"{WARNING_PREFIX}the workspace could not be checked and given back after the "
+                              f"run ({err}): treat {self.workspace} as untrusted (ownership and setuid/setgid "
+                              "bits may be left as the sandbox set them)")
+        if self.handover is not None:
+            self.notes.extend(self.handover.notes)  # e.g. directories too deep to check, sealed
+        return _ws.diff(self.before, after)
+
+    def _enforced(self, rep: _landlock.GuardReport | None, landlock_abi: int | None, exit_code: int,
+                  errout: bytes) -> tuple[tuple[str, ...], tuple[str, ...] | None, Any]:
+        """``(limits_enforced, seccomp_denials, network)``, with the notes they bring."""
+        enforced = tuple(self.rlimits_applied) + tuple(
+            f"cgroup:{c}" for c in (self.cgroup.enforced if self.cgroup is not None else ()))
+        if self.seccomp_loaded:
+            enforced += ("seccomp",)
+        if landlock_abi:
+            enforced += ("landlock",)
+        elif rep is not None and rep.started and self.policy.landlock is not False:
+            self.notes.append("Landlock not applied: " + _landlock.describe(0))
+        net_note = network_denial_note(self.policy, landlock_abi, exit_code, errout)
+        if net_note:
+            self.notes.append(net_note)
+        denials = None
+        if self.audit is not None:
+            denials = tuple(self.audit.finish())
+            self.audit = None
+        network = None
+        if self.egress is not None:
+            network, egress_notes, egress_enforced = self.egress.finish()
+            self.notes.extend(egress_notes)
+            enforced += egress_enforced
+        return enforced, denials, network
 
     def _program_started(self, rep: _landlock.GuardReport | None) -> bool:
         """After READY, the sandbox was set up and then killed from outside: the guard reported
@@ -1422,27 +1484,14 @@ class Run:
                 os.close(old)
 
     def _killed_by(self, exit_code: int, term: int | None, stats: _limits.CgroupStats | None) -> str | None:
-        """Why the run died when the supervisor did not kill it: the cgroup's OOM kill
-        (``memory``), a failed fork at ``pids.max`` followed by death by a signal (``pids``),
-        RLIMIT_CPU (SIGXCPU at the soft limit, or SIGKILL at the hard one once the cgroup's CPU
-        total reached ``cpu_s``: ``cpu``), any other signal (``signal``), else None. The pids
-        limit kills nothing (fork fails with EAGAIN): a program that then exits with a status
-        of its own ended on its own, so that is ``exit_code`` N, killed_by None, and a note
-        (:func:`pids_note`)."""
-        if stats is not None:
-            if stats.oom_kills:
-                return "memory"
-            if stats.pids_limit_hit:
-                self.notes.append(pids_note(self.policy.limits.pids, exit_code, term))
-        if term == signal.SIGXCPU:
-            return "cpu"
-        cpu_s = self.policy.limits.cpu_s
-        if term == signal.SIGKILL and "RLIMIT_CPU" in self.rlimits_applied and stats is not None \
-                and cpu_s is not None and (stats.cpu_user_s or 0) + (stats.cpu_system_s or 0) >= cpu_s:
-            return "cpu"
-        if term is not None and stats is not None and stats.pids_limit_hit:
-            return "pids"
-        return "signal" if term is not None else None
+        """:func:`lowlevel.sandbox.result.classify_kill` of the run from its cgroup's figures
+        (the CPU total: the cgroup's); a refused fork at ``pids.max`` adds :func:`pids_note`."""
+        if stats is not None and not stats.oom_kills and stats.pids_limit_hit:
+            self.notes.append(pids_note(self.policy.limits.pids, exit_code, term))
+        return classify_kill(term=term, oom=bool(stats is not None and stats.oom_kills),
+                             pids_hit=bool(stats is not None and stats.pids_limit_hit),
+                             cpu_used_s=None if stats is None else (stats.cpu_user_s or 0) + (stats.cpu_system_s or 0),
+                             cpu_limit_s=self.policy.limits.cpu_s, rlimit_cpu="RLIMIT_CPU" in self.rlimits_applied)
 
     def give_back_workspace(self) -> tuple[Any, bool]:
         """Strip setuid/setgid bits the run left and give the workspace back to its owners.
