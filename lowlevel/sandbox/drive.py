@@ -26,9 +26,22 @@ def _remaining(deadline: float | None, cap: float | None = None) -> float | None
 
 
 def _drive_sync(r: Run) -> Result:
+    """prepare, spawn, the handshake, the supervision, then the Result (:meth:`Run.result`)."""
     r.prepare()
     r.spawn()
-    # Handshake: wait for the anchor's READY (bwrap's pidfd), or the anchor's exit (setup failed).
+    poller = _handshake(r)
+    _supervise(r, poller)
+    return r.result()
+
+
+def _handshake(r: Run) -> select.poll:
+    """Wait for the anchor's READY (bwrap's pidfd), reading the pipes meanwhile; the poller
+    returned watches the pipes still open.
+
+    Raises:
+        LaunchError: the anchor exited before READY (:meth:`Run.setup_error`), or the setup
+            took more than :data:`SETUP_TIMEOUT_S` (the sandbox is killed and reaped first).
+    """
     setup_deadline = time.monotonic() + SETUP_TIMEOUT_S
     poller = select.poll()
     assert r.report is not None and r.pidfd is not None and r.json_r is not None
@@ -61,6 +74,13 @@ def _drive_sync(r: Run) -> Result:
                 attr = "out_r" if fd == r.out_r else "err_r" if fd == r.err_r else "json_r"
                 if not r.read_fd(attr):
                     poller.unregister(fd)
+    return poller
+
+
+def _supervise(r: Run, poller: select.poll) -> None:
+    """From READY until the sandbox is gone (EXIT, or the anchor's exit) and the pipes are drained:
+    feed stdin, read the output, and act on the deadline (:meth:`Run.on_deadline`)."""
+    assert r.pidfd is not None
     if r.stdin_w is not None and not r.feed_stdin():
         poller.register(r.stdin_w, select.POLLOUT)
     report_no = -1  # the report socket's fd number while registered (EXIT: the sandbox is gone)
@@ -121,7 +141,6 @@ def _drive_sync(r: Run) -> Result:
             # else: an fd unregistered earlier in this batch (the report socket)
         if not bwrap_done and r.deadline is not None and time.monotonic() >= r.deadline:
             r.on_deadline()
-    return r.result()
 
 
 def run(command: Sequence[str], *, policy: Policy | None = None, workspace: str | os.PathLike[str] | None = None,

@@ -40,7 +40,7 @@ pidfd_send_signal(2); posix_spawn(3); prctl(2) PR_SET_PDEATHSIG; pid_namespaces(
 
 from __future__ import annotations
 
-import dataclasses
+import enum
 import errno
 import fcntl
 import functools
@@ -52,7 +52,6 @@ import select
 import shutil
 import signal
 import socket
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -66,6 +65,7 @@ from lowlevel.sandbox import bind_sockets as _bind_sockets
 from lowlevel.sandbox import facts as _facts
 from lowlevel.sandbox._interrupts import deferred_interrupts
 from lowlevel.sandbox.argv import AnchorOverlay as _AnchorOverlay
+from lowlevel.sandbox.commit import CommitTarget, commit_upper
 from lowlevel.sandbox.argv import (Fds, anchor_argv, build_argv, encode_args, etc_copies, redact_env_values,
                                    setup_paths, static_args)
 from lowlevel.sandbox.facts import host_facts
@@ -192,6 +192,21 @@ def _check_command(command: Sequence[str]) -> list[str]:
     return _validate.command(command)
 
 
+class Phase(enum.IntEnum):
+    """The phases of a :class:`Run`, in order (the run only moves forward).
+
+    NEW: made and maybe prepared; nothing runs. SPAWNED: the anchor runs (its pidfd is open),
+    bwrap not yet. READY: the anchor sent READY with bwrap's pidfd; bwrap, the sandbox's PID 1,
+    runs the program. EXITED: the anchor sent EXIT: bwrap is reaped, every process of the
+    sandbox is gone (the Result can be built while the anchor tears its mounts down).
+    """
+
+    NEW = 0
+    SPAWNED = 1
+    READY = 2
+    EXITED = 3
+
+
 class Run:
     """One sandboxed run, driven by :func:`run` (sync) or :func:`lowlevel.sandbox.aio.arun` (async).
 
@@ -245,7 +260,13 @@ class Run:
         self.workspace_base = request.workspace_base
         self.allow_sensitive_workspace = request.allow_sensitive_workspace
         self.one_shot = one_shot
-        # State filled as the run goes.
+        self.guard = guard
+        self._init_state()
+
+    def _init_state(self) -> None:
+        """The run's state, filled as the run goes: a state table (one line per attribute), kept
+        whole in one place rather than split to a function length."""
+        policy = self.policy
         self.workspace = ""
         self.owns_workspace = False
         self.handover: _ws.Handover | None = None
@@ -270,9 +291,11 @@ class Run:
         self.timed_out = False
         self.wait_status: int | None = None
         self.rusage: Any = None
-        #: The anchor sent EXIT (bwrap reaped: the sandbox is gone) and may still be tearing
-        #: down its mount namespace; it is reaped by :meth:`reap_anchor` (at the latest in close).
-        self.exit_reported = False
+        #: Where the run is (:class:`Phase`). After EXITED the anchor may still be tearing down
+        #: its mount namespace; it is reaped by :meth:`reap_anchor` (at the latest in close).
+        self.phase = Phase.NEW
+        #: Resource facts, orthogonal to the phase: the anchor waited for (``os.wait4``), the
+        #: upper layer committed or discarded (:meth:`finish_cow`), :meth:`close` done.
         self.anchor_reaped = False
         #: bwrap or the anchor died by a signal (killed from outside, or by our own kill).
         self.supervisor_signaled = False
@@ -281,7 +304,7 @@ class Run:
         self.deadline: float | None = None
         #: Seconds between the SIGTERM at the deadline and the SIGKILL (``run(kill_after=)``, as
         #: ``timeout -k``); 0: SIGKILL at the deadline.
-        self.kill_after = request.kill_after
+        self.kill_after = self.request.kill_after
         self.terminated = False
         self.argv: list[str] = []
         self.full_argv: list[str] = []
@@ -306,7 +329,6 @@ class Run:
         self.cgroup_dir_fd: int | None = None
         self.report: socket.socket | None = None
         self.report_child: socket.socket | None = None
-        self.ready = False
         self.since_ns = 0
         self.pass_fds: tuple[int, ...] = ()
         self.anchor_fds: dict[str, Any] = {}
@@ -322,10 +344,19 @@ class Run:
         # The guard (lowlevel.host.landlock): bwrap execs it in place of the command; it applies
         # Landlock and reports the command's exact wait status on status_r. Session passes
         # guard=False (its init does both itself).
-        self.guard = guard
         self.guard_prefix: list[str] = []
         self.status_r: int | None = None
         self.guard_report: _landlock.GuardReport | None = None
+
+    @property
+    def ready(self) -> bool:
+        """READY arrived (bwrap's pidfd is ours): :attr:`phase` >= READY."""
+        return self.phase >= Phase.READY
+
+    @property
+    def exit_reported(self) -> bool:
+        """EXIT arrived (the sandbox is gone): :attr:`phase` is EXITED."""
+        return self.phase >= Phase.EXITED
 
     # -- 1. prepare ----------------------------------------------------------------------
     def _own(self, fd: int) -> int:
@@ -765,6 +796,7 @@ class Run:
                               errno=err.errno) from err
         try:
             self.pidfd = os.pidfd_open(self.pid)
+            self.phase = Phase.SPAWNED
         except OSError as err:
             # Not reaped yet, so the PID is still this child: kill and reap it by PID.
             os.kill(self.pid, signal.SIGKILL)
@@ -837,7 +869,7 @@ class Run:
         if len(fds) > 1:
             self.upper_fd = fds[1]
             self.fds.remove(fds[1])  # closed by finish_cow
-        self.ready = True
+        self.phase = Phase.READY
         return True
 
     def read_exit(self) -> bool:
@@ -881,7 +913,7 @@ class Run:
             # The anchor killed the sandbox at the deadline (--deadline-ns): the caller did not.
             self.killed_by = "timeout"
             self.timed_out = True
-        self.exit_reported = True
+        self.phase = Phase.EXITED
         return True
 
     def reap_anchor(self, *, block: bool = True) -> bool:
@@ -1368,79 +1400,17 @@ class Run:
                 self.notes.append("changes discarded: the workspace is as it was before the run"
                                   + ("" if self.commit is False else " (commit='on_success' and the run failed)"))
                 return
-            root = self.facts.caller_is_root
             assert self.lower_stat is not None
-            owner = (self.lower_stat.st_uid, self.lower_stat.st_gid) if root else None
-            # A run without a cgroup record (an unprivileged caller here: no writable cgroup)
-            # records its workspace for the commit, so `lowlevel cleanup` finds the commit's
-            # temporaries if this caller dies mid-way (lowlevel.host.run_records; found by the
-            # caller-kill trials: 42 of 42 such kills left them to `cleanup --workspace` only).
-            from lowlevel.host import run_records as _run_records
-            commit_record = None
-            if self.cgroup is None or self.cgroup.record is None:
-                commit_record = _run_records.write(f"commit-{id(self):x}", [], self.workspace)
-            try:
-                report = _overlay.commit(self.upper_fd, self.lower_fd, xattr_prefix=self.xattr_prefix,
-                                         since_ns=self.since_ns, new_owner=owner,
-                                         max_bytes=_cow.commit_budget(self.upper_bytes),
-                                         accept_seen_host_changes=self.accept_seen_host_changes,
-                                         save_to=lambda: _conflict_dir(self.workspace_base))
-            except CommitIncompleteError as err:
-                applied = err.applied
-                if err.errno not in _overlay.NO_ROOM_ERRNOS and applied is not None and \
-                        not (applied.added or applied.modified or applied.deleted):
-                    # Nothing applied, the filesystem unwritable (read-only, failing) rather than
-                    # full: as any commit failing before it changes anything, result() makes it
-                    # a warning that keeps the exit status (the changes were saved aside).
-                    raise WorkspaceError(err.errno or errno.EIO, str(err)) from err
-                # Stopped part-way, or out of room: saved aside by commit() itself. The Result
-                # then lists what was applied, never what was not.
-                self._applied_only(result, err.applied)
-                err.result = result
-                raise
-            except _overlay.CommitConflictError as err:
-                if err.applied is not None:  # found during the apply pass: saved by commit()
-                    self._applied_only(result, err.applied)
-                    err.result = result
-                    raise
-                try:
-                    saved = _overlay.save_upper(self.upper_fd, _conflict_dir(self.workspace_base),
-                                                xattr_prefix=self.xattr_prefix, owner=owner,
-                                                max_bytes=_cow.commit_budget(self.upper_bytes))
-                    err.saved_upper = saved
-                    err.args = (err.args[0], f"{err.args[1]}; the run's changes were saved to {saved}")
-                except (OSError, LowlevelError) as save_err:
-                    err.args = (err.args[0], f"{err.args[1]}; saving the run's changes failed too: {save_err}")
-                err.result = result
-                raise
-            except OSError as err:
-                # A read-only or full workspace: never a bare OSError (result() turns this into a
-                # warning that keeps the exit status); the run's changes are saved aside first.
-                why = f"cannot write the run's changes into the workspace: {err.strerror or err}"
-                kept: str | None = None
-                try:
-                    kept = _overlay.save_upper(self.upper_fd, _conflict_dir(self.workspace_base),
-                                               max_bytes=_cow.commit_budget(self.upper_bytes))
-                    why += f"; they were saved to {kept}"
-                except (OSError, LowlevelError) as save_err:
-                    why += f"; saving them failed too: {save_err}"
-                failed = WorkspaceError(err.errno or errno.EIO, why)
-                failed.saved_upper = kept
-                raise failed from err
-            finally:
-                _run_records.remove(commit_record)
-            self.notes.extend(report.notes)
+            target = CommitTarget(
+                upper_fd=self.upper_fd, lower_fd=self.lower_fd, xattr_prefix=self.xattr_prefix,
+                since_ns=self.since_ns, upper_bytes=self.upper_bytes, workspace=self.workspace,
+                workspace_base=self.workspace_base, accept_seen_host_changes=self.accept_seen_host_changes,
+                owner=(self.lower_stat.st_uid, self.lower_stat.st_gid) if self.facts.caller_is_root else None,
+                needs_record=self.cgroup is None or self.cgroup.record is None, name=f"commit-{id(self):x}")
+            commit_upper(target, result, self.notes)
         finally:
             os.close(self.upper_fd)
             self.upper_fd = None
-
-    def _applied_only(self, result: Result | None, applied: _ws.Changes | None) -> None:
-        """A commit that did not complete: ``result.changes`` becomes what it applied."""
-        if result is not None and applied is not None:
-            result.changes = dataclasses.replace(applied, complete=result.changes.complete)
-            self.notes.append(f"{WARNING_PREFIX}the commit did not complete: Result.changes lists only what was "
-                              "applied to the workspace")
-            result.notes = tuple(self.notes)
 
     def reset_cow(self, timeout_s: float = 10.0) -> None:
         """Drop the upper layer of a live sandbox (a Session): /workspace is the lower tree again.
@@ -1601,12 +1571,6 @@ class _ExitUsage:
 
     def __init__(self, ru_maxrss: int) -> None:
         self.ru_maxrss = ru_maxrss
-
-
-def _conflict_dir(base: str | None) -> str:
-    """A fresh directory (ours, 0700) to save a run's upper layer into after a commit conflict."""
-    root = _ws.ensure_base(base or _ws.default_base())
-    return tempfile.mkdtemp(prefix="conflict-", dir=root)
 
 
 def _pidfd_pid(pidfd: int | None) -> int | None:
