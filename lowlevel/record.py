@@ -58,7 +58,7 @@ from lowlevel.spec.egress import egress_from_mapping
 from lowlevel.errors import LowlevelError, PolicyError, WorkspaceError
 from lowlevel.sandbox.drive import run as _run
 from lowlevel.sandbox.facts import host_facts
-from lowlevel.sandbox.launcher import drop_fresh_workspace
+from lowlevel.sandbox.run_workspace import drop_fresh_workspace
 from lowlevel.sandbox.request import DEFAULT_TIMEOUT_S
 from lowlevel.spec.limits import Limits
 from lowlevel.spec.policy import WORKSPACE_DEST, Bind, Policy

@@ -112,7 +112,8 @@ from lowlevel.errors import (CommitIncompleteError, LaunchError, LowlevelError, 
 from lowlevel.sandbox.facts import host_facts
 from lowlevel.sandbox.failures import ExecError, network_denial_note, pids_note
 from lowlevel.sandbox.commit import conflict_dir as _conflict_dir
-from lowlevel.sandbox.launcher import SETUP_TIMEOUT_S, Run, _Capture, _check_command
+from lowlevel.sandbox.launcher import SETUP_TIMEOUT_S, Run, _check_command
+from lowlevel.sandbox.state import _Capture
 from lowlevel.sandbox.request import DEFAULT_TIMEOUT_S
 from lowlevel.spec.limits import Limits
 from lowlevel.spec.policy import WORKSPACE_DEST, Policy
