@@ -182,6 +182,40 @@ def _etc_as_files(policy: Policy, facts: HostFacts) -> bool:
     return policy.rootfs is None and facts.bwrap.has("--perms") and facts.bwrap.has("--file")
 
 
+def _host_base_args(policy: Policy, facts: HostFacts) -> list[str]:
+    """The host's system, read-only: ``/usr``, the usr-merge symlinks or read-only top-level
+    dirs, the ``/etc`` entries (copied, linked or bound: :func:`etc_plan`), and the network
+    ``/etc`` entries the Policy's network needs."""
+    a: list[str] = []
+    # Read-only base: /usr, then the usr-merge symlinks or read-only top-level dirs.
+    a += ["--ro-bind", "/usr", "/usr"]
+    for target, name in facts.layout.symlinks:
+        a += ["--symlink", target, name]
+    for path in facts.layout.ro_dirs:
+        a += ["--ro-bind", path, path]
+    # Without bwrap's --perms/--file every entry is a bind.
+    plan = (etc_plan(facts.layout.etc_files) if _etc_as_files(policy, facts)
+            else tuple(("bind", path, path) for path in facts.layout.etc_files))
+    copied = 0
+    for kind, path, arg in plan:
+        if kind == "file":
+            a += ["--perms", "0644", "--file", str(ETC_COPY_FD + copied), path]
+            copied += 1
+        elif kind == "symlink":
+            a += ["--symlink", arg, path]
+        else:
+            a += ["--ro-bind", path, path]
+    if policy.network is True:
+        for source, dest in facts.network_etc:
+            a += ["--ro-bind", source, dest]
+    elif isinstance(policy.network, Egress):
+        # Egress: TLS trust only; no resolv.conf or hosts (there is no DNS inside).
+        for source, dest in facts.network_etc:
+            if dest in EGRESS_ETC:
+                a += ["--ro-bind", source, dest]
+    return a
+
+
 @functools.lru_cache(maxsize=256)
 def static_args(policy: Policy, facts: HostFacts, rootfs_overlay: str | None = None) -> tuple[str, ...]:
     """The per-Policy part of bwrap's argv (cached; treat the tuple as read-only).
@@ -221,32 +255,7 @@ def static_args(policy: Policy, facts: HostFacts, rootfs_overlay: str | None = N
                        network_sources=facts.network_etc, tmp_size=policy.limits.tmp_size_bytes,
                        anchor_overlay=rootfs_overlay)
     else:
-        # Read-only base: /usr, then the usr-merge symlinks or read-only top-level dirs.
-        a += ["--ro-bind", "/usr", "/usr"]
-        for target, name in facts.layout.symlinks:
-            a += ["--symlink", target, name]
-        for path in facts.layout.ro_dirs:
-            a += ["--ro-bind", path, path]
-        # Without bwrap's --perms/--file every entry is a bind.
-        plan = (etc_plan(facts.layout.etc_files) if _etc_as_files(policy, facts)
-                else tuple(("bind", path, path) for path in facts.layout.etc_files))
-        copied = 0
-        for kind, path, arg in plan:
-            if kind == "file":
-                a += ["--perms", "0644", "--file", str(ETC_COPY_FD + copied), path]
-                copied += 1
-            elif kind == "symlink":
-                a += ["--symlink", arg, path]
-            else:
-                a += ["--ro-bind", path, path]
-        if policy.network is True:
-            for source, dest in facts.network_etc:
-                a += ["--ro-bind", source, dest]
-        elif isinstance(policy.network, Egress):
-            # Egress: TLS trust only; no resolv.conf or hosts (there is no DNS inside).
-            for source, dest in facts.network_etc:
-                if dest in EGRESS_ETC:
-                    a += ["--ro-bind", source, dest]
+        a += _host_base_args(policy, facts)
     a += ["--proc", "/proc", "--dev", "/dev"]
     tmp_size = policy.limits.tmp_size_bytes
     if tmp_size is not None and facts.bwrap.has("--size"):

@@ -34,6 +34,14 @@ Fds each run holds in the parent after the handshake: the anchor's pidfd, bwrap'
 report socket, the upper directory and the workspace, json-status read end, stdout and stderr
 read ends (capture mode), stdin write end (when stdin is bytes), the guard's report pipe.
 
+Where each part lives: the call (:mod:`lowlevel.sandbox.request`), the Run's state and phase
+(:mod:`lowlevel.sandbox.state`), its workspace side (:mod:`lowlevel.sandbox.run_workspace`,
+:mod:`lowlevel.sandbox.commit`), step 1 (:mod:`lowlevel.sandbox.prepare`, :mod:`lowlevel.sandbox.plan`,
+:mod:`lowlevel.sandbox.argv`, :mod:`lowlevel.sandbox.precheck`, :mod:`lowlevel.sandbox.facts`),
+step 5's Result (:mod:`lowlevel.sandbox.finish`, :mod:`lowlevel.sandbox.result`,
+:mod:`lowlevel.sandbox.failures`); this module holds steps 2-4 and the kill and reap (the
+:class:`Run` class itself); the drivers: :mod:`lowlevel.sandbox.drive`, :mod:`lowlevel.sandbox.aio`.
+
 Sources: bwrap(1) --args, --json-status-fd, --seccomp, --die-with-parent; pidfd_open(2);
 pidfd_send_signal(2); posix_spawn(3); prctl(2) PR_SET_PDEATHSIG; pid_namespaces(7).
 """

@@ -22,7 +22,7 @@ The fd table (every fd number of the Python <-> C protocols, in one place):
                                    cgroup.procs fds, cgroup dir: never passed to bwrap
     =====================  =====  ==========================================================
 
-:meth:`lowlevel.sandbox.launcher.Run._prepare` lays the table out (``--pass-fds`` names what the
+:meth:`lowlevel.sandbox.prepare.RunPrepare._lay_out_fds` lays the table out (``--pass-fds`` names what the
 anchor passes on to bwrap; the anchor closes every other fd it inherited).
 """
 
