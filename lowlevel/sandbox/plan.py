@@ -28,16 +28,18 @@ anchor passes on to bwrap; the anchor closes every other fd it inherited).
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 from collections.abc import Sequence
+from typing import Any
 
 from lowlevel.errors import LaunchError
 from lowlevel.sandbox.argv import ETC_COPY_FD, Fds, etc_copy_refusal
 from lowlevel.spec.policy import WORKSPACE_DEST
 
-__all__ = ["ARGS_FD", "CHILD_FDS", "ETC_COPY_FD", "EXTRA_FDS_MIN", "clamp_to_own_hard_limits", "memfd", "open_etc_copy",
-           "passwd_group"]
+__all__ = ["ARGS_FD", "CHILD_FDS", "ETC_COPY_FD", "EXTRA_FDS_MIN", "FdLayout", "clamp_to_own_hard_limits",
+           "guard_numbers", "lay_out", "memfd", "open_etc_copy", "passwd_group"]
 
 #: The lowest child fd ``Run(extra_fds=...)`` may use (below: the table above).
 EXTRA_FDS_MIN = 9
@@ -115,3 +117,59 @@ def clamp_to_own_hard_limits(triples: Sequence[tuple[str, int, int]]) -> tuple[t
             soft, hard = min(soft, own_hard), min(hard, own_hard)
         out.append((name, soft, hard))
     return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class FdLayout:
+    """Where each fd of the spawn goes (the table in the module docstring, numbered for one run).
+
+    Attributes:
+        mapping: ``(fd here, fd in the anchor)`` pairs, in dup2 order: bwrap's, then the anchor's own.
+        pass_fds: the child numbers above 2 the anchor passes on to bwrap (``--pass-fds``).
+        anchor_fds: the anchor's own numbers: ``report``, ``lower``, ``root``, ``lease`` (each
+            when present), ``cgroups`` (a list) and ``cgroup_dir`` (when present).
+        threshold: one above every child number: a source below it is first moved above it, so
+            no dup2 clobbers a later source and none has src == dst.
+    """
+
+    mapping: tuple[tuple[int, int], ...]
+    pass_fds: tuple[int, ...]
+    anchor_fds: dict[str, Any]
+    threshold: int
+
+
+def guard_numbers(mapping: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """The guard's executable and report-pipe child fds: the first two numbers above ``mapping``'s."""
+    top = max(dst for _src, dst in mapping)
+    return top + 1, top + 2
+
+
+def lay_out(bwrap_fds: Sequence[tuple[int, int]], anchor_own: Sequence[tuple[str, int | None]],
+            cgroup_fds: Sequence[int], cgroup_dir_fd: int | None) -> FdLayout:
+    """Number the anchor's own fds right above bwrap's (never passed on to bwrap). Pure.
+
+    Args:
+        bwrap_fds: ``(fd here, child fd)`` of what bwrap (and the program) get: stdio, the data
+            fds, ``extra_fds``, the guard's.
+        anchor_own: ``(name, fd here or None)`` of the anchor's single fds, in order.
+        cgroup_fds: the run's ``cgroup.procs`` fds; cgroup_dir_fd: its cgroup v2 directory.
+    """
+    mapping = list(bwrap_fds)
+    pass_fds = tuple(sorted(dst for _s, dst in mapping if dst > 2))
+    nxt = max(dst for _s, dst in mapping) + 1
+    anchor_fds: dict[str, Any] = {}
+    for name, src in anchor_own:
+        if src is not None:
+            mapping.append((src, nxt))
+            anchor_fds[name] = nxt
+            nxt += 1
+    anchor_fds["cgroups"] = []
+    for src in cgroup_fds:
+        mapping.append((src, nxt))
+        anchor_fds["cgroups"].append(nxt)
+        nxt += 1
+    if cgroup_dir_fd is not None:
+        mapping.append((cgroup_dir_fd, nxt))
+        anchor_fds["cgroup_dir"] = nxt
+        nxt += 1
+    return FdLayout(tuple(mapping), pass_fds, anchor_fds, nxt)

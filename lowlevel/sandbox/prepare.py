@@ -25,6 +25,8 @@ from lowlevel.sandbox.plan import (
     CHILD_FDS,
     ETC_COPY_FD,
     clamp_to_own_hard_limits,
+    guard_numbers,
+    lay_out,
     memfd,
     open_etc_copy,
     passwd_group,
@@ -281,42 +283,27 @@ class RunPrepare(RunWorkspace):
         mapping += [(parent_fd, child_fd) for child_fd, parent_fd in sorted(self.extra_fds.items())]
         if self.guard:
             # The guard's executable and its report pipe, on the first numbers above the others.
-            exe_child = max(dst for _src, dst in mapping) + 1
+            exe_child, _status_child = guard_numbers(mapping)
             status_r, status_w = self._pipe()
             self.status_r = status_r
             mapping += [(_landlock.guard_fd(), exe_child), (status_w, exe_child + 1)]
             rules = _landlock.ruleset_args(self.policy, self.facts.layout.ro_dirs, self.facts.bwrap.options)
             self.guard_prefix = _landlock.guard_argv(exe_child, exe_child + 1, rules, cwd=self.cwd)
-        self.pass_fds = tuple(sorted(dst for _s, dst in mapping if dst > 2))
         # The anchor's own fds (never passed on to bwrap) go right above bwrap's.
-        nxt = max(dst for _s, dst in mapping) + 1
-        anchor_fds: dict[str, Any] = {}
-        for name, src in (("report", report_child.fileno()), ("lower", self.lower_fd), ("root", self.root_fd),
-                          ("lease", self.lease.fd if self.lease is not None else None)):
-            if src is not None:
-                mapping.append((src, nxt))
-                anchor_fds[name] = nxt
-                nxt += 1
-        anchor_fds["cgroups"] = []
-        for src in self.cgroup_fds:
-            mapping.append((src, nxt))
-            anchor_fds["cgroups"].append(nxt)
-            nxt += 1
-        if self.cgroup_dir_fd is not None:
-            mapping.append((self.cgroup_dir_fd, nxt))
-            anchor_fds["cgroup_dir"] = nxt
-            nxt += 1
-        self.anchor_fds = anchor_fds
+        own = (("report", report_child.fileno()), ("lower", self.lower_fd), ("root", self.root_fd),
+               ("lease", self.lease.fd if self.lease is not None else None))
+        layout = lay_out(mapping, own, self.cgroup_fds, self.cgroup_dir_fd)
+        self.pass_fds = layout.pass_fds
+        self.anchor_fds = layout.anchor_fds
         # Move every source above all targets first, so no dup2 clobbers a later source, and
         # no dup2 has src == dst (which would leave FD_CLOEXEC set). Every other fd of ours is
         # O_CLOEXEC (PEP 446), and the anchor closes whatever else it inherited.
-        threshold = nxt
         actions: list[tuple[Any, ...]] = []
         if devnull_stdin:
             actions.append((os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0))
-        for src, dst in mapping:
-            if src < threshold:
-                src = self._own(fcntl.fcntl(src, fcntl.F_DUPFD_CLOEXEC, threshold))
+        for src, dst in layout.mapping:
+            if src < layout.threshold:
+                src = self._own(fcntl.fcntl(src, fcntl.F_DUPFD_CLOEXEC, layout.threshold))
             actions.append((os.POSIX_SPAWN_DUP2, src, dst))
         self.actions = actions
         self.json_w = json_w
