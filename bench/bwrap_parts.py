@@ -54,7 +54,8 @@ import lowlevel  # noqa: E402
 from lowlevel.sandbox import argv as _argv# noqa: E402
 from lowlevel.host import landlock as _landlock  # noqa: E402
 from lowlevel.sandbox import landlock_rules as _landlock_rules  # noqa: E402
-from lowlevel.sandbox import launcher as _launcher# noqa: E402
+from lowlevel.sandbox import facts as _facts  # noqa: E402
+from lowlevel.sandbox import plan as _plan  # noqa: E402
 from lowlevel.host import seccomp_filter as _seccomp_filter  # noqa: E402
 
 STEPS = ("seed", "userns", "env", "etc", "tmpfs", "passwd", "remount_ro", "seccomp", "as_pid_1", "anchor",
@@ -76,12 +77,12 @@ class Ladder:
                  idmapped_lower: bool = False) -> None:
         self.idmapped_lower = idmapped_lower
         self.cmd = cmd
-        self.facts = _launcher.host_facts()
+        self.facts = _facts.host_facts()
         self.ws = tempfile.mkdtemp(prefix="lowlevel-bench-parts-", dir="/tmp")
         os.chmod(self.ws, 0o777)
         policy = lowlevel.Policy()
         self.ids = (0x70000000 + 4242, 0x70000000 + 4242)
-        self.passwd, self.group = _launcher._passwd_group(*self.ids)
+        self.passwd, self.group = _plan.passwd_group(*self.ids)
         self.bpf = _seccomp_filter.compile_bpf(policy.seccomp) if policy.seccomp is not None else b""
         env: list[str] = []
         for k, v in sorted(policy.environment({}).items()):
@@ -163,7 +164,7 @@ class Ladder:
         argv = [self.facts.bwrap.path, *opts, *mounts, "--", *inner]
         if upto >= STEPS.index("anchor"):
             keep = sorted({fd for fd, _ in fds} | ({9, 10} if upto >= STEPS.index("guard") else set()))
-            pre = [_launcher._exec_helper(), f"--parent={os.getpid()}"]
+            pre = [_facts._exec_helper(), f"--parent={os.getpid()}"]
             if upto >= STEPS.index("uid_drop"):
                 pre += [f"--uid={self.ids[0]}", f"--gid={self.ids[1]}"]
             if overlay:
@@ -191,7 +192,7 @@ class Ladder:
                     opened.append(fd)
                     actions.append((os.POSIX_SPAWN_DUP2, fd, child_fd))
                     continue
-                fd = _high(_seccomp_filter.bpf_memfd(data) if child_fd == 6 else _launcher._memfd("bench", data))
+                fd = _high(_seccomp_filter.bpf_memfd(data) if child_fd == 6 else _plan.memfd("bench", data))
                 opened.append(fd)
                 actions.append((os.POSIX_SPAWN_DUP2, fd, child_fd))
             if step == "guard":

@@ -71,7 +71,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 _T_IMPORT = time.perf_counter_ns()
 import lowlevel  # noqa: E402
 from lowlevel.sandbox import argv as _argv# noqa: E402
-from lowlevel.sandbox import launcher as _launcher# noqa: E402
+from lowlevel.sandbox import drive as _drive  # noqa: E402
+from lowlevel.sandbox import facts as _facts  # noqa: E402
+from lowlevel.sandbox import launcher as _launcher  # noqa: E402
+from lowlevel.sandbox import plan as _plan  # noqa: E402
+from lowlevel.sandbox.request import RunRequest  # noqa: E402
 from lowlevel.host import seccomp_filter as _seccomp_filter  # noqa: E402
 
 IMPORT_MS = (time.perf_counter_ns() - _T_IMPORT) / 1e6
@@ -167,7 +171,7 @@ class RawBwrap:
 
     def __init__(self, cmd: list[str]) -> None:
         policy = lowlevel.Policy()
-        r = _launcher.Run(cmd, policy=policy)
+        r = _launcher.Run(RunRequest(cmd), policy=policy)
         try:
             r.prepare()
             options = list(r.argv)
@@ -182,25 +186,25 @@ class RawBwrap:
         del options[i:i + 2]
         i = next(j for j in range(len(options) - 2) if options[j] == "--bind" and options[j + 2] == "/workspace")
         options[i + 1] = self.workspace
-        outer = [facts.bwrap.path, "--args", str(_launcher.ARGS_FD), "--", *cmd]
+        outer = [facts.bwrap.path, "--args", str(_plan.ARGS_FD), "--", *cmd]
         if facts.caller_is_root:
-            fds = _launcher.CHILD_FDS
+            fds = _plan.CHILD_FDS
             etc = "".join(f",{_argv.ETC_COPY_FD + i}" for i in range(len(_argv.etc_copies(policy, facts))))
-            outer = [_launcher._exec_helper(), f"--parent={os.getpid()}", f"--uid={ids[0]}", f"--gid={ids[1]}",
-                     f"--pass-fds={_launcher.ARGS_FD},{fds.seccomp},{fds.passwd},{fds.group}{etc}", "--", *outer]
+            outer = [_facts._exec_helper(), f"--parent={os.getpid()}", f"--uid={ids[0]}", f"--gid={ids[1]}",
+                     f"--pass-fds={_plan.ARGS_FD},{fds.seccomp},{fds.passwd},{fds.group}{etc}", "--", *outer]
         i = outer.index("--args")
         self.argv = [*outer[:i], *options, *outer[i + 2:]]
         self.bpf = _seccomp_filter.compile_bpf(policy.seccomp)
-        self.passwd, self.group = _launcher._passwd_group(*ids)
-        self.fds = _launcher.CHILD_FDS
+        self.passwd, self.group = _plan.passwd_group(*ids)
+        self.fds = _plan.CHILD_FDS
         self.etc_copies = _argv.etc_copies(policy, facts)
 
     def spawn(self) -> int:
         """posix_spawn one raw bwrap; return its pid (the caller waits)."""
         sfd = _high(_seccomp_filter.bpf_memfd(self.bpf))
-        pfd = _high(_launcher._memfd("passwd", self.passwd))
-        gfd = _high(_launcher._memfd("group", self.group))
-        efds = [_high(_launcher._open_etc_copy(path)) for path in self.etc_copies]
+        pfd = _high(_plan.memfd("passwd", self.passwd))
+        gfd = _high(_plan.memfd("group", self.group))
+        efds = [_high(_plan.open_etc_copy(path)) for path in self.etc_copies]
         try:
             return os.posix_spawn(self.argv[0], self.argv, {}, file_actions=[
                 (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
@@ -238,13 +242,13 @@ class SeedBwrap:
     def __init__(self, cmd: list[str]) -> None:
         import tempfile
         self.workspace = tempfile.mkdtemp(prefix="lowlevel-bench-seed-", dir="/tmp")
-        layout = _launcher.host_facts().layout
+        layout = _facts.host_facts().layout
         base = ["--ro-bind", "/usr", "/usr"]
         for target, name in layout.symlinks:
             base += ["--symlink", target, name]
         for d in layout.ro_dirs:
             base += ["--ro-bind", d, d]
-        self.argv = [_launcher.host_facts().bwrap.path, *base, "--proc", "/proc", "--dev", "/dev",
+        self.argv = [_facts.host_facts().bwrap.path, *base, "--proc", "/proc", "--dev", "/dev",
                      "--tmpfs", "/tmp", "--bind", self.workspace, "/workspace", "--chdir", "/workspace",
                      "--unshare-all", "--new-session", "--die-with-parent", "--clearenv",
                      "--setenv", "PATH", "/usr/bin:/bin", "--cap-drop", "ALL", "--", *cmd]
@@ -334,9 +338,9 @@ def run_no_landlock_call(cmd: list[str]) -> None:
 def run_bare_call(cmd: list[str]) -> None:
     """``lowlevel.run`` without the guard (``Run(guard=False)``): bwrap execs the command, as
     before the guard existed (no Landlock, exit status decoded from bwrap's code)."""
-    r = _launcher.Run(cmd, policy=lowlevel.Policy(), guard=False)
+    r = _launcher.Run(RunRequest(cmd), policy=lowlevel.Policy(), guard=False)
     try:
-        res = _launcher._drive_sync(r)
+        res = _drive._drive_sync(r)
     finally:
         r.close()
     _note_cpu("run_bare", cmd, res)
@@ -353,7 +357,7 @@ class GuardFloor:
     def __init__(self, cmd: list[str]) -> None:
         from lowlevel.host import landlock
         from lowlevel.sandbox import landlock_rules
-        facts = _launcher.host_facts()
+        facts = _facts.host_facts()
         ll = landlock_rules.ruleset_args(lowlevel.Policy(), facts.layout.ro_dirs)
         self.status_r, self.status_w = os.pipe()
         os.set_blocking(self.status_r, False)
@@ -790,7 +794,7 @@ def guard_cpu(n: int) -> dict[str, Any]:
     calls each, no sandbox: the guard's own cost, independent of the machine's load."""
     from lowlevel.host import landlock
     from lowlevel.sandbox import landlock_rules
-    ll = landlock_rules.ruleset_args(lowlevel.Policy(), _launcher.host_facts().layout.ro_dirs)
+    ll = landlock_rules.ruleset_args(lowlevel.Policy(), _facts.host_facts().layout.ro_dirs)
     cases = {"floor": ["/usr/bin/true"], "guard": [landlock.GUARD_PATH, "--ll=off", "--", "/usr/bin/true"],
              "guard_landlock": [landlock.GUARD_PATH, *ll, "--", "/usr/bin/true"]}
     cpu: dict[str, list[float]] = {k: [] for k in cases}
@@ -877,10 +881,10 @@ def one_time_costs() -> dict[str, Any]:
     t = time.perf_counter_ns()
     _seccomp_filter.compile_bpf(profile)
     out["seccomp_cached_lookup_ms"] = round((time.perf_counter_ns() - t) / 1e6, 4)
-    _launcher.host_facts.cache_clear()
-    _launcher.bwrap_info.cache_clear()
+    _facts.host_facts.cache_clear()
+    _facts.bwrap_info.cache_clear()
     t = time.perf_counter_ns()
-    _launcher.host_facts()
+    _facts.host_facts()
     out["host_probe_ms"] = round((time.perf_counter_ns() - t) / 1e6, 3)
     t = time.perf_counter_ns()
     importlib.import_module("lowlevel.sandbox.aio")  # asyncio itself is already imported by this script
@@ -889,7 +893,7 @@ def one_time_costs() -> dict[str, Any]:
 
 
 def host_info() -> dict[str, Any]:
-    facts = _launcher.host_facts()
+    facts = _facts.host_facts()
     model = ""
     try:
         with open("/proc/cpuinfo") as f:

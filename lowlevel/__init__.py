@@ -43,7 +43,8 @@ from lowlevel.spec.egress import Egress, NetworkAttempt  # noqa: E402
 from lowlevel.errors import (BwrapNotFoundError, CommitConflictError, CommitIncompleteError, ImageError,  # noqa: E402
                      LaunchError, LowlevelError, PolicyError, SeccompError, SessionError, UnsupportedError,
                      WorkspaceError)
-from lowlevel.sandbox.launcher import ExecError, run  # noqa: E402
+from lowlevel.api import run  # noqa: E402
+from lowlevel.sandbox.failures import ExecError  # noqa: E402
 from lowlevel.spec.limits import Limits  # noqa: E402
 from lowlevel.spec.policy import Bind, Policy  # noqa: E402
 from lowlevel.sandbox.result import Result, RunFailedError  # noqa: E402

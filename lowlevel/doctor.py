@@ -229,11 +229,11 @@ def workspace_checks(result_notes: tuple[str, ...] = ()) -> list[dict[str, Any]]
 
 def cached_cow_checks() -> list[dict[str, Any]]:
     """Every filesystem the host cache (:mod:`lowlevel.host.hostcache`) says has no copy-on-write
-    overlay, probed again (:func:`lowlevel.sandbox.launcher.recheck_cached_cow`): runs there fall back
+    overlay, probed again (:func:`lowlevel.sandbox.facts.recheck_cached_cow`): runs there fall back
     to the hand-over model (no ``--discard``, no write bound), so a stale "no" changes what
     callers get. One check per entry: ok when the overlay works there after all (the entry is
     rewritten), not ok with the fresh reason when it still does not."""
-    from lowlevel.sandbox.launcher import host_facts, recheck_cached_cow
+    from lowlevel.sandbox.facts import host_facts, recheck_cached_cow
     checks = []
     try:
         found = recheck_cached_cow(host_facts())
@@ -320,7 +320,7 @@ def sandbox_checks() -> list[dict[str, Any]]:
 
     out: list[dict[str, Any]] = []
     try:
-        from lowlevel.sandbox.launcher import run
+        from lowlevel.sandbox.drive import run
         result = run(["/bin/sh", "-c", "exit 7"], timeout=20)
         ok = result.exit_code == 7
         out.append(_check("sandbox runs", ok, "a default-policy sandbox ran and exited 7" if ok else

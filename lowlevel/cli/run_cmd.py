@@ -18,7 +18,8 @@ from lowlevel.cli.output import (EXIT_FAILED, EXIT_NOEXEC, EXIT_NOTFOUND, EXIT_T
 from lowlevel.cli.parser import DEFAULT_KILL_AFTER_S
 from lowlevel.cli.signals import Interrupted, Terminated
 from lowlevel.errors import LaunchError, LowlevelError, PolicyError, UnsupportedError
-from lowlevel.sandbox.launcher import ExecError, classify_setup_failure, run
+from lowlevel.api import run
+from lowlevel.sandbox.failures import ExecError, classify_setup_failure
 from lowlevel.sandbox.result import Result
 from lowlevel.spec.egress import DEFAULT_PORTS, Egress
 from lowlevel.spec.limits import CPU_QUOTA_FALLBACK_NOTE, VERDICT_NOTE_PREFIXES, Limits

@@ -201,7 +201,7 @@ class ImportJob:
 
     def _sandboxed(self, argv: Sequence[str], what: str, *, binds: Sequence[Any] = (), stdin: bytes | None = None,
                    tick: Callable[[], None] | None = None, setid: bool = False) -> Result:
-        from lowlevel.sandbox.launcher import run
+        from lowlevel.sandbox.drive import run
         policy = self._policy(binds, setid=setid)
         env = {"TMPDIR": "/out/tmp", "HOME": "/out/home"}
         if tick is None or _in_event_loop():

@@ -267,7 +267,7 @@ class Tools:
             env: dict[str, str] | None = None, cwd: str | None = None,
             allow_hosts: list[str] | None = None) -> dict[str, Any]:
         """Run ``command`` in a fresh sandbox; see the module docstring for the result."""
-        from lowlevel.sandbox.launcher import run as _run
+        from lowlevel.sandbox.drive import run as _run
 
         clamped: list[str] = []
         command = _validate.command(command)

@@ -12,7 +12,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lowlevel.sandbox.argv import BWRAP_ARITY, build_argv
-from lowlevel.sandbox.launcher import CHILD_FDS, DEFAULT_TIMEOUT_S, host_facts
+from lowlevel.sandbox.facts import host_facts
+from lowlevel.sandbox.plan import CHILD_FDS
+from lowlevel.sandbox.request import DEFAULT_TIMEOUT_S
 from lowlevel.spec.limits import Limits
 from lowlevel.spec.policy import Policy
 from lowlevel.spec.report import display

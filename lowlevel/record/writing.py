@@ -30,8 +30,10 @@ from lowlevel.record.hashing import HASH_BUDGET_BYTES, HASH_BUDGET_S, HashBudget
 from lowlevel.record.schema import SCHEMA_ID, STORE_SUFFIX, RecordError, store_dir_for
 from lowlevel.rootfs.resolve import resolve
 from lowlevel.rootfs.store import image_record
-from lowlevel.sandbox.launcher import DEFAULT_TIMEOUT_S, host_facts
-from lowlevel.sandbox.launcher import run as _run
+from lowlevel.sandbox.drive import run as _run
+from lowlevel.sandbox.facts import host_facts
+from lowlevel.sandbox.request import DEFAULT_TIMEOUT_S, RunRequest
+from lowlevel.sandbox.run_workspace import drop_fresh_workspace
 from lowlevel.sandbox.result import Result
 from lowlevel.spec import seccomp as _seccomp
 from lowlevel.spec import validate as _validate
@@ -85,7 +87,9 @@ def execute_recorded(command: Sequence[str], *, policy: Policy | None = None,
                      cwd: str | None = None, workspace_base: str | None = None,
                      store_dir: str | None = None,
                      allow_sensitive_workspace: bool = False,
-                     hash_budget: tuple[int, float] = (HASH_BUDGET_BYTES, HASH_BUDGET_S)
+                     hash_budget: tuple[int, float] = (HASH_BUDGET_BYTES, HASH_BUDGET_S),
+                     commit: bool | str = True, kill_after: float = 0.0,
+                     stdio_fds: Sequence[int | None] | None = None, keep_workspace: bool = True,
                      ) -> tuple[Result, dict[str, Any]]:
     """Run ``command`` like :func:`lowlevel.run` and build its record (not written).
 
@@ -93,7 +97,10 @@ def execute_recorded(command: Sequence[str], *, policy: Policy | None = None,
     replay (None: hash only; the record then cannot be replayed), and ``hash_budget``:
     ``(bytes, seconds)`` for each of the two workspace walks (before and after the run; see
     :class:`lowlevel.record.HashBudget`). The Policy is planned first
-    (:func:`lowlevel.rootfs.resolve.resolve`): the record holds the image it pins.
+    (:func:`lowlevel.rootfs.resolve.resolve`): the record holds the image it pins. ``commit``
+    other than True, ``kill_after`` and ``stdio_fds`` are refused (PolicyError:
+    :meth:`lowlevel.sandbox.request.RunRequest.check_recordable`); ``keep_workspace=False``
+    removes the fresh workspace once the record is built.
 
     Returns:
         ``(result, record)``; the record is a JSON-ready dict in its JSON form (names that are
@@ -109,8 +116,12 @@ def execute_recorded(command: Sequence[str], *, policy: Policy | None = None,
     policy = resolve(policy)
     if cwd is None:
         cwd = policy.workdir or WORKSPACE_DEST
-    command = _validate.run_args(command=command, cwd=cwd, env=env, workspace=workspace,
-                                 workspace_base=workspace_base, inputs=inputs)
+    request = RunRequest(command, workspace=workspace, inputs=inputs, timeout=timeout, kill_after=kill_after,
+                         stdin=stdin, env=env, capture=capture, cwd=cwd, workspace_base=workspace_base,
+                         allow_sensitive_workspace=allow_sensitive_workspace, stdio_fds=stdio_fds,
+                         keep_workspace=keep_workspace, commit=commit)
+    request.check_recordable()
+    command = list(request.command)
     ws, created = _workspace(workspace, inputs, workspace_base, allow_sensitive_workspace)
     try:
         store = InputStore(store_dir)
@@ -149,6 +160,8 @@ def execute_recorded(command: Sequence[str], *, policy: Policy | None = None,
     if budget_notes:
         result.notes = (*result.notes, *budget_notes)
     safe: dict[str, Any] = json_safe(record)
+    if created and not keep_workspace:
+        result = drop_fresh_workspace(result)
     return result, safe
 
 

@@ -1,42 +1,43 @@
 """asyncio driver: ``await arun(...)``, the same run as :func:`lowlevel.run`, on the event loop.
 
 Each run is the launcher's :class:`~lowlevel.sandbox.launcher.Run` (prepare, spawn, handshake,
-supervise, reap, result) driven by loop callbacks instead of ``poll(2)``: bwrap's pidfd and
-the output pipes are registered with ``loop.add_reader``, stdin with ``loop.add_writer``,
-the deadline with ``loop.call_later``. No thread per child, no polling sleeps, nothing in
-the loop blocks on the child: ``os.wait4`` runs only once bwrap's pidfd is readable, and
-the wait for the sandbox's PID 1 (which :meth:`Run.reap` does with a blocking 2 s poll) is
-an awaited reader on its pidfd.
+supervise, reap, result) driven by loop callbacks instead of ``poll(2)``: the anchor's pidfd,
+its report socket and the output pipes are registered with ``loop.add_reader``, stdin with
+``loop.add_writer``, the deadline with ``loop.call_later``. No thread per child, no polling
+sleeps, nothing in the loop blocks on the child: ``os.wait4`` runs only once the anchor's pidfd
+is readable (or it reported EXIT), and the wait for bwrap, the PID 1 of the sandbox's PID
+namespace (which :meth:`Run.reap` does with a blocking poll), is an awaited reader on its pidfd.
 
-The two blocking steps of a run, ``prepare`` + ``spawn`` (workspace, cgroup, fds, and
-``posix_spawn``, which returns only once the first exec is done) and ``release`` (the
-``cgroup.procs`` write, 1-2 ms of kernel waiting on hybrid hosts, and the rlimits), run in
-one executor shared by the whole process (``EXECUTOR_THREADS`` threads, created on first
-use, never one per child), so the loop keeps supervising other runs meanwhile. Those
-threads live as long as the process: a sandbox is tied by ``--die-with-parent``
-(``PR_SET_PDEATHSIG``) to the *thread* that spawned bwrap (see :func:`_executor`).
+The blocking steps of a run, ``prepare`` + ``spawn`` (workspace, uid lease, cgroup, fds, and
+``posix_spawn`` of the anchor) and ``result`` (it reads, and commits or discards, the run's
+upper layer: file work), run in one executor shared by the whole process
+(``EXECUTOR_THREADS`` threads, created on first use, never one per child), so the loop keeps
+supervising other runs meanwhile. Those threads live as long as the process: the anchor is
+tied by ``PR_SET_PDEATHSIG`` to the *thread* that spawned it (see :func:`_executor`).
 
 Glossary:
-    bwrap pidfd: ``pidfd_open(2)`` of the bwrap process we spawned; readable when it exits.
-    init pidfd: pidfd of the sandbox's PID 1 (bwrap's child, reported on
-        ``--json-status-fd``); readable once every process of the PID namespace is gone.
+    anchor pidfd (``Run.pidfd``): ``pidfd_open(2)`` of the anchor we spawned
+        (``native/lowlevel_exec.c``); readable when it exits.
+    bwrap pidfd (``Run.init_pidfd``): pidfd of bwrap, the PID 1 of the sandbox's PID namespace,
+        sent by the anchor with READY; readable once every process of the namespace is gone.
     limiter: an ``asyncio.Semaphore`` bounding the runs that hold fds and processes. A call
         waiting for it holds nothing but its coroutine.
 
 File descriptors, per run (Linux fds in this process; the loop's epoll fd is shared):
     - while ``prepare``/``spawn`` run (in the executor, so at most ``EXECUTOR_THREADS``
-      runs at a time): up to ~25 short-lived fds each (args, seccomp, passwd and group
-      memfds, 5 pipes, and their copies moved above the child's fd numbers); closed before
-      ``spawn`` returns;
-    - from spawn to reap, at most 7: bwrap pidfd, json-status read end, stdout and stderr
-      read ends (``capture=True``), stdin write end (``stdin`` bytes, until written), the
-      block-fd write end (until the handshake) or, after it, the init pidfd, and the read
-      end of the guard's report pipe (:mod:`lowlevel.host.landlock`);
-    - after the run: none. So ``n`` runs in flight hold at most ``7 * n + 25 *
+      runs at a time): up to ~30 short-lived fds each (args, seccomp, passwd and group
+      memfds, the /etc copies, the pipes, the cgroup fds, and their copies moved above the
+      child's fd numbers); closed before ``spawn`` returns;
+    - from spawn to reap, at most 10: the anchor's pidfd and report socket, bwrap's pidfd
+      (after READY), the json-status read end, stdout and stderr read ends
+      (``capture=True``), the stdin write end (``stdin`` bytes, until written), the read end
+      of the guard's report pipe (:mod:`lowlevel.host.landlock`), and with the copy-on-write
+      workspace its lower and upper directories;
+    - after the run: none. So ``n`` runs in flight hold at most ``10 * n + 30 *
       EXECUTOR_THREADS`` fds, and a :class:`Runner` with ``max_concurrency=64`` stays under
-      550 however many calls wait (the default ``RLIMIT_NOFILE`` soft limit is often 1024).
-    Processes: bwrap and the sandbox's processes per running run; threads: the shared
-    executor's ``EXECUTOR_THREADS``, whatever the number of runs.
+      800 however many calls wait (the default ``RLIMIT_NOFILE`` soft limit is often 1024).
+    Processes: the anchor, bwrap and the sandbox's processes per running run; threads: the
+    shared executor's ``EXECUTOR_THREADS``, whatever the number of runs.
 
 Cancellation: cancelling the awaiting task SIGKILLs the sandbox (PID 1, so the whole PID
 namespace, and bwrap), waits on the loop until both are gone and bwrap is reaped, removes
@@ -65,18 +66,13 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from lowlevel.errors import LaunchError, LowlevelError, PolicyError
-from lowlevel.sandbox.launcher import DEFAULT_TIMEOUT_S, PROCESS_LIMIT_HINT, SETUP_TIMEOUT_S, Run
+from lowlevel.errors import LaunchError, LowlevelError
+from lowlevel.sandbox.failures import PROCESS_LIMIT_HINT
+from lowlevel.sandbox.launcher import DRAIN_TIMEOUT_S, INIT_EXIT_TIMEOUT_S, INIT_KILL_TIMEOUT_S, SETUP_TIMEOUT_S, Run
+from lowlevel.sandbox.request import DEFAULT_TIMEOUT_S, RunRequest
 from lowlevel.spec.policy import Policy
 from lowlevel.sandbox.result import Result
 
-#: How long the supervisor waits for the output pipes to reach EOF after the sandbox is
-#: gone (they do at once unless a process outside the sandbox holds a copy), seconds.
-DRAIN_TIMEOUT_S = 1.0
-#: How long bwrap's exit may precede the sandbox PID 1's (``--die-with-parent`` kills it)
-#: before we SIGKILL it ourselves, then how long we wait for that, seconds (as Run.reap).
-INIT_EXIT_TIMEOUT_S = 2.0
-INIT_KILL_TIMEOUT_S = 10.0
 #: Threads of the executor shared by every run of the process (see :func:`_executor`).
 EXECUTOR_THREADS = 4
 
@@ -367,7 +363,7 @@ def _start(r: Run, abort: threading.Event) -> None:
 
 
 async def _drive(r: Run, sup: _Supervision) -> Result:
-    """The sync driver's steps (``launcher._drive_sync``), on loop callbacks."""
+    """The sync driver's steps (:func:`lowlevel.sandbox.drive._drive_sync`), on loop callbacks."""
     abort = threading.Event()
     await _step(functools.partial(_start, r, abort), abort)
     assert r.json_r is not None and r.pidfd is not None and r.report is not None
@@ -498,29 +494,35 @@ async def _arun_kept(r: Run, loop: asyncio.AbstractEventLoop) -> Result:
 
 
 async def arun(command: Sequence[str], *, policy: Policy | None = None,
-               workspace: str | os.PathLike[str] | None = None, inputs: Sequence[str | os.PathLike[str]] = (),
+               workspace: str | os.PathLike[str] | None = None,
+               inputs: Sequence[str | os.PathLike[str] | tuple[str, str]] = (),
                timeout: float | None = DEFAULT_TIMEOUT_S, stdin: bytes | None = None,
                env: Mapping[str, str] | None = None, capture: bool = True, cwd: str | None = None,
                workspace_base: str | None = None, limiter: asyncio.Semaphore | None = None,
                allow_sensitive_workspace: bool = False, keep_workspace: bool = True,
-               kill_after: float = 0.0) -> Result:
+               kill_after: float = 0.0, commit: bool | str = True,
+               stdio_fds: Sequence[int | None] | None = None,
+               record: str | os.PathLike[str] | None = None) -> Result:
     """Run ``command`` in a fresh bwrap sandbox without blocking the event loop.
 
     The same run, arguments and :class:`~lowlevel.sandbox.result.Result` as :func:`lowlevel.run`
-    (see there), plus ``limiter``. The Policy's argv, seccomp BPF and host probes are
-    computed once per process and shared by every call.
+    (see there), plus ``limiter``, except ``record``. The Policy's argv, seccomp BPF and host
+    probes are computed once per process and shared by every call.
 
     Args:
         command: program and arguments as seen inside, e.g. ``["python3", "main.py"]``.
         policy: the sandbox description; default ``Policy()``.
         workspace, inputs, timeout, stdin, env, capture, cwd, workspace_base, allow_sensitive_workspace,
-            keep_workspace: as :func:`lowlevel.run` (``keep_workspace=False`` removes the fresh
-            workspace in the shared executor once the Result is built). ``timeout`` (seconds,
-            None for none) counts from the spawn; on expiry the sandbox is SIGKILLed and the
-            Result has ``timed_out=True``.
+            keep_workspace, commit, stdio_fds: as :func:`lowlevel.run` (``inputs`` may hold
+            ``(host path, dest)`` pairs; ``keep_workspace=False`` removes the fresh workspace in
+            the shared executor once the Result is built; the commit runs there too).
+            ``timeout`` (seconds, None for none) counts from the spawn; on expiry the sandbox is
+            SIGKILLed and the Result has ``timed_out=True``.
         kill_after: seconds of grace at the timeout, as :func:`lowlevel.run` (``timeout -k``):
             > 0 sends SIGTERM to every process of the sandbox at the deadline and SIGKILLs it
             ``kill_after`` seconds later; 0 (default) SIGKILLs at once.
+        record: refused (PolicyError): a record's hashing and input store are synchronous file
+            work; call :func:`lowlevel.record.record_run` in an executor instead.
         limiter: an ``asyncio.Semaphore`` shared by the calls it should bound; the call
             waits for it before allocating anything (no fd, no process, no workspace).
             None: no bound (each run in flight holds up to 10 fds; see the module docstring).
@@ -534,22 +536,22 @@ async def arun(command: Sequence[str], *, policy: Policy | None = None,
     """
     if limiter is not None and not isinstance(limiter, asyncio.Semaphore):
         raise TypeError(f"limiter must be an asyncio.Semaphore or None, got {type(limiter).__name__}")
-    if isinstance(kill_after, bool) or not isinstance(kill_after, (int, float)) or not 0 <= kill_after < 2**31:
-        raise PolicyError(f"kill_after must be a number of seconds >= 0, got {kill_after!r}")
+    request = RunRequest(command, workspace=workspace, inputs=inputs, timeout=timeout, kill_after=kill_after,
+                         stdin=stdin, env=env, capture=capture, cwd=cwd, workspace_base=workspace_base,
+                         allow_sensitive_workspace=allow_sensitive_workspace, stdio_fds=stdio_fds,
+                         keep_workspace=keep_workspace, commit=commit, record=record)
+    request.refuse("lowlevel.arun", "record", why="call lowlevel.record.record_run in an executor")
+    return await arun_request(request, policy, limiter=limiter)
 
-    def make() -> Run:
-        r = Run(command, policy=policy or Policy(),
-                workspace=None if workspace is None else os.fspath(workspace), inputs=inputs,
-                timeout=timeout, stdin=stdin, env=env, capture=capture, cwd=cwd,
-                workspace_base=workspace_base, allow_sensitive_workspace=allow_sensitive_workspace,
-                keep_workspace=keep_workspace)
-        r.kill_after = float(kill_after)  # before the spawn: the anchor's deadline includes it
-        return r
 
+async def arun_request(request: RunRequest, policy: Policy | None = None, *,
+                       limiter: asyncio.Semaphore | None = None) -> Result:
+    """:func:`arun` of one validated :class:`~lowlevel.sandbox.request.RunRequest` (its
+    ``record`` must be None: PolicyError otherwise), under ``limiter`` if given."""
     if limiter is None:
-        return await _arun(make())
+        return await _arun(Run(request, policy=policy or Policy()))
     async with limiter:
-        return await _arun(make())
+        return await _arun(Run(request, policy=policy or Policy()))
 
 
 class Runner:
@@ -628,4 +630,4 @@ class Runner:
         await self.aclose()
 
 
-__all__ = ["DRAIN_TIMEOUT_S", "Runner", "arun"]
+__all__ = ["DRAIN_TIMEOUT_S", "Runner", "arun", "arun_request"]

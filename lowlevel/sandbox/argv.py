@@ -42,7 +42,7 @@ class HostFacts:
             (``/etc/resolv.conf`` is often a symlink into ``/run``).
         cap_sys_resource: the caller holds CAP_SYS_RESOURCE. A root caller without it (some
             container and VM hosts drop it) cannot prlimit(2) a process of another uid, so
-            its rlimits are set before bwrap's exec instead (see :func:`outer_argv`).
+            its rlimits are set before bwrap's exec instead, by the anchor (:func:`anchor_argv`).
     """
 
     bwrap: BwrapInfo
@@ -58,14 +58,13 @@ class Fds:
 
     Attributes:
         json_status: ``--json-status-fd`` (child-pid first, exit-code when the program ran).
-        block: ``--block-fd``, or None (the launcher uses none: limits are in force before bwrap
-            starts, and bwrap reads EOF on the block fd as "go").
+            No ``--block-fd``: the limits are in force before bwrap starts (the anchor,
+            ``native/lowlevel_exec.c``), and bwrap reads EOF on a block fd as "go".
         seccomp: ``--seccomp`` BPF memfd, or None for no filter.
         passwd, group: ``--ro-bind-data`` sources for /etc/passwd and /etc/group, or None.
     """
 
     json_status: int = 4
-    block: int | None = None
     seccomp: int | None = 6
     passwd: int | None = 7
     group: int | None = 8
@@ -183,6 +182,40 @@ def _etc_as_files(policy: Policy, facts: HostFacts) -> bool:
     return policy.rootfs is None and facts.bwrap.has("--perms") and facts.bwrap.has("--file")
 
 
+def _host_base_args(policy: Policy, facts: HostFacts) -> list[str]:
+    """The host's system, read-only: ``/usr``, the usr-merge symlinks or read-only top-level
+    dirs, the ``/etc`` entries (copied, linked or bound: :func:`etc_plan`), and the network
+    ``/etc`` entries the Policy's network needs."""
+    a: list[str] = []
+    # Read-only base: /usr, then the usr-merge symlinks or read-only top-level dirs.
+    a += ["--ro-bind", "/usr", "/usr"]
+    for target, name in facts.layout.symlinks:
+        a += ["--symlink", target, name]
+    for path in facts.layout.ro_dirs:
+        a += ["--ro-bind", path, path]
+    # Without bwrap's --perms/--file every entry is a bind.
+    plan = (etc_plan(facts.layout.etc_files) if _etc_as_files(policy, facts)
+            else tuple(("bind", path, path) for path in facts.layout.etc_files))
+    copied = 0
+    for kind, path, arg in plan:
+        if kind == "file":
+            a += ["--perms", "0644", "--file", str(ETC_COPY_FD + copied), path]
+            copied += 1
+        elif kind == "symlink":
+            a += ["--symlink", arg, path]
+        else:
+            a += ["--ro-bind", path, path]
+    if policy.network is True:
+        for source, dest in facts.network_etc:
+            a += ["--ro-bind", source, dest]
+    elif isinstance(policy.network, Egress):
+        # Egress: TLS trust only; no resolv.conf or hosts (there is no DNS inside).
+        for source, dest in facts.network_etc:
+            if dest in EGRESS_ETC:
+                a += ["--ro-bind", source, dest]
+    return a
+
+
 @functools.lru_cache(maxsize=256)
 def static_args(policy: Policy, facts: HostFacts, rootfs_overlay: str | None = None) -> tuple[str, ...]:
     """The per-Policy part of bwrap's argv (cached; treat the tuple as read-only).
@@ -222,32 +255,7 @@ def static_args(policy: Policy, facts: HostFacts, rootfs_overlay: str | None = N
                        network_sources=facts.network_etc, tmp_size=policy.limits.tmp_size_bytes,
                        anchor_overlay=rootfs_overlay)
     else:
-        # Read-only base: /usr, then the usr-merge symlinks or read-only top-level dirs.
-        a += ["--ro-bind", "/usr", "/usr"]
-        for target, name in facts.layout.symlinks:
-            a += ["--symlink", target, name]
-        for path in facts.layout.ro_dirs:
-            a += ["--ro-bind", path, path]
-        # Without bwrap's --perms/--file every entry is a bind.
-        plan = (etc_plan(facts.layout.etc_files) if _etc_as_files(policy, facts)
-                else tuple(("bind", path, path) for path in facts.layout.etc_files))
-        copied = 0
-        for kind, path, arg in plan:
-            if kind == "file":
-                a += ["--perms", "0644", "--file", str(ETC_COPY_FD + copied), path]
-                copied += 1
-            elif kind == "symlink":
-                a += ["--symlink", arg, path]
-            else:
-                a += ["--ro-bind", path, path]
-        if policy.network is True:
-            for source, dest in facts.network_etc:
-                a += ["--ro-bind", source, dest]
-        elif isinstance(policy.network, Egress):
-            # Egress: TLS trust only; no resolv.conf or hosts (there is no DNS inside).
-            for source, dest in facts.network_etc:
-                if dest in EGRESS_ETC:
-                    a += ["--ro-bind", source, dest]
+        a += _host_base_args(policy, facts)
     a += ["--proc", "/proc", "--dev", "/dev"]
     tmp_size = policy.limits.tmp_size_bytes
     if tmp_size is not None and facts.bwrap.has("--size"):
@@ -312,8 +320,6 @@ def dynamic_args(
         for key in sorted(extra_env):
             a += ["--setenv", key, extra_env[key]]
     a += ["--json-status-fd", str(fds.json_status)]
-    if fds.block is not None:
-        a += ["--block-fd", str(fds.block)]
     if fds.seccomp is not None:
         a += ["--seccomp", str(fds.seccomp)]
     return a
@@ -329,7 +335,7 @@ def build_argv(policy: Policy, facts: HostFacts, *, workspace: str, fds: Fds,
     Returns:
         ``list[str]``; the launcher passes it through ``--args FD`` so no policy is too long
         for the kernel's argv limit (E2BIG). bwrap takes only options from ``--args``: the
-        command follows on the real argv (see :func:`outer_argv`).
+        command follows on the real argv (see :func:`anchor_argv`).
 
         Deterministic mode with ``extra_env``: the per-run part clears the environment and sets
         all of it again in sorted order, so ``environ`` inside is sorted (bwrap's setenv appends

@@ -93,6 +93,25 @@ def _searchable(st: os.stat_result, ids: tuple[int, int] | None) -> bool:
     return bool(st.st_mode & stat.S_IXOTH)
 
 
+def _open_dir(name: str, dir_fd: int, flags: int) -> tuple[int, "os._ScandirIterator[str]"] | str:
+    """Open and list the subdirectory ``name`` of ``dir_fd`` (no symlink followed): ``(fd, its
+    entries)``, ``"unlisted"`` (no permission, or it cannot be listed) or ``"gone"`` (removed or
+    replaced since it was listed). Other errors propagate."""
+    try:
+        child = os.open(name, flags, dir_fd=dir_fd)
+    except OSError as err:
+        if err.errno in (errno.EACCES, errno.EPERM):
+            return "unlisted"
+        if err.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+            return "gone"
+        raise
+    try:
+        return child, os.scandir(child)
+    except OSError:
+        os.close(child)
+        return "unlisted"
+
+
 def scan(source: str, dest: str, ids: tuple[int, int] | None = None, *, max_entries: int = MAX_ENTRIES,
          max_depth: int = MAX_DEPTH, max_seconds: float = MAX_SECONDS) -> BindScan:
     """Find the unix sockets beneath directory ``source`` that the sandbox could reach.
@@ -145,22 +164,11 @@ def scan(source: str, dest: str, ids: tuple[int, int] | None = None, *, max_entr
                     if len(stack) > max_depth:
                         stopped = f"stopped at {max_depth} directory levels ({path})"
                         break
-                    try:
-                        child = os.open(entry.name, flags, dir_fd=fd)
-                    except OSError as err:
-                        if err.errno in (errno.EACCES, errno.EPERM):
-                            unlisted.append(path)
-                            continue
-                        if err.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
-                            continue  # gone or replaced since it was listed
-                        raise
-                    try:
-                        children = os.scandir(child)
-                    except OSError:
-                        os.close(child)
+                    opened = _open_dir(entry.name, fd, flags)
+                    if opened == "unlisted":
                         unlisted.append(path)
-                        continue
-                    stack.append((child, path, children))
+                    elif not isinstance(opened, str):
+                        stack.append((opened[0], path, opened[1]))
                 elif not entry.is_file(follow_symlinks=False) and not entry.is_symlink():
                     # d_type says socket, FIFO or device (or unknown): one stat to tell.
                     st = entry.stat(follow_symlinks=False)
@@ -217,8 +225,10 @@ def plan(policy: Policy, caller_is_root: bool) -> tuple[BindScan, ...]:
 
 def revalidate(policy: Policy, caller_is_root: bool) -> bool:
     """Check, before each run, that every socket the cached plan masks is still the same socket at
-    the same host path (one ``lstat`` each); if one is not, drop the cached plans and static argv
-    so this run walks the binds again. Returns True when it did.
+    the same host path (one ``lstat`` each); if one is not, drop the cached plans so this run
+    walks the binds again. Returns True when it did: the caller then drops the cached static
+    argv that carries the masks too (:func:`lowlevel.sandbox.argv.static_args`; argv imports
+    this module, not the other way round).
 
     Why: the plan is cached per Policy, and a sandbox given a writable bind can rename the
     directory holding a masked socket (the mask moves with it in that run; the socket, on the
@@ -233,9 +243,7 @@ def revalidate(policy: Policy, caller_is_root: bool) -> bool:
             except OSError:
                 st = None
             if st is None or not stat.S_ISSOCK(st.st_mode) or (st.st_dev, st.st_ino) != (dev, ino):
-                from lowlevel.sandbox.argv import static_args
                 plan.cache_clear()
-                static_args.cache_clear()
                 return True
     return False
 

@@ -4,7 +4,7 @@ The life of one run (:class:`Run`), the same for the sync and the async drivers:
 
 1. ``prepare``: everything that can fail or allocate happens before the spawn, and every fd
    is owned the moment it exists: the workspace (opened once, by fd), the run's host ids (a
-   per-run uid lease for root callers, :class:`lowlevel.workspace.uids.UidLease`), the cgroup and an
+   per-run uid lease for root callers, :class:`lowlevel.workspace.cow.UidLease`), the cgroup and an
    O_WRONLY fd on each of its ``cgroup.procs``, the rlimits, the seccomp BPF (compiled once
    per profile), the Policy's static argv (cached) and the fds: an ``--args`` memfd (so a
    long policy never hits E2BIG), the ``--json-status-fd`` pipe, the ``--seccomp`` memfd, the
@@ -34,80 +34,41 @@ Fds each run holds in the parent after the handshake: the anchor's pidfd, bwrap'
 report socket, the upper directory and the workspace, json-status read end, stdout and stderr
 read ends (capture mode), stdin write end (when stdin is bytes), the guard's report pipe.
 
+Where each part lives: the call (:mod:`lowlevel.sandbox.request`), the Run's state and phase
+(:mod:`lowlevel.sandbox.state`), its workspace side (:mod:`lowlevel.sandbox.run_workspace`,
+:mod:`lowlevel.sandbox.commit`), step 1 (:mod:`lowlevel.sandbox.prepare`, :mod:`lowlevel.sandbox.plan`,
+:mod:`lowlevel.sandbox.argv`, :mod:`lowlevel.sandbox.precheck`, :mod:`lowlevel.sandbox.facts`),
+step 5's Result (:mod:`lowlevel.sandbox.finish`, :mod:`lowlevel.sandbox.result`,
+:mod:`lowlevel.sandbox.failures`); this module holds steps 2-4 and the kill and reap (the
+:class:`Run` class itself); the drivers: :mod:`lowlevel.sandbox.drive`, :mod:`lowlevel.sandbox.aio`.
+
 Sources: bwrap(1) --args, --json-status-fd, --seccomp, --die-with-parent; pidfd_open(2);
 pidfd_send_signal(2); posix_spawn(3); prctl(2) PR_SET_PDEATHSIG; pid_namespaces(7).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import errno
-import fcntl
-import functools
-import itertools
-import json
-import logging
 import os
-import re
 import select
-import shutil
 import signal
 import socket
-import stat
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
 
-from lowlevel.paths import native
-from lowlevel.sandbox import bind_sockets as _bind_sockets
-from lowlevel.workspace import cow as _cow
-from lowlevel.workspace import uids as _uids
+from lowlevel.errors import LaunchError, LowlevelError, PolicyError, WorkspaceError
+from lowlevel.host.probe import ETC_ENTRIES
 from lowlevel.sandbox._interrupts import deferred_interrupts
-from lowlevel.host import cgroups as _cgroups
-from lowlevel.host import landlock as _landlock
-from lowlevel.sandbox import landlock_rules as _landlock_rules
-from lowlevel.spec import limits as _limits
-from lowlevel.workspace import overlay as _overlay
-from lowlevel.host import seccomp_audit as _seccomp_audit
-from lowlevel.host import seccomp_filter as _seccomp_filter
+from lowlevel.sandbox.argv import redact_env_values
+from lowlevel.sandbox.facts import host_facts
+from lowlevel.sandbox.failures import PROCESS_LIMIT_HINT
+from lowlevel.sandbox.plan import ETC_COPY_FD, EXTRA_FDS_MIN
+from lowlevel.sandbox.finish import RunFinish
+from lowlevel.sandbox.state import Phase, _ExitUsage, log
+from lowlevel.sandbox.request import RunRequest
 from lowlevel.spec import validate as _validate
-from lowlevel import workspace as _ws
-from lowlevel.sandbox.argv import (ETC_COPY_FD, NETWORK_ETC, Fds, HostFacts, anchor_argv, build_argv, encode_args,
-                                   etc_copies, etc_copy_refusal, redact_env_values, setup_paths)
-from lowlevel.sandbox.argv import AnchorOverlay as _AnchorOverlay
-from lowlevel.spec.egress import Egress
-from lowlevel.errors import (BwrapNotFoundError, CommitIncompleteError, LaunchError, LowlevelError, PolicyError,
-                     UnsupportedError, WorkspaceError)
 from lowlevel.spec.policy import WORKSPACE_DEST, Policy
-from lowlevel.host.probe import ETC_ENTRIES, bwrap_info, host_layout, require_pidfd
-from lowlevel.spec.report import WARNING_PREFIX
-from lowlevel.sandbox.result import Result, decode_exit
 
-class _Log:
-    """``logging.getLogger("lowlevel")``; ``debug`` takes callables as arguments, called only when
-    DEBUG is enabled (the argv's redaction costs nothing otherwise). ``logging`` is imported with
-    this module, not on first use: a warning on an error path must not need an import (a file to
-    open) when the error is the process's fd limit."""
-
-    _logger = logging.getLogger("lowlevel")
-
-    def debug(self, msg: str, *args: Any) -> None:
-        if self._logger.isEnabledFor(logging.DEBUG):
-            self._logger.debug(msg, *(a() if callable(a) else a for a in args))
-
-    def info(self, msg: str, *args: Any) -> None:
-        self._logger.info(msg, *args)
-
-    def warning(self, msg: str, *args: Any) -> None:
-        self._logger.warning(msg, *args)
-
-
-log = _Log()
-
-#: Fd numbers bwrap sees (the parent dup2s onto these in the spawn's file actions).
-ARGS_FD = 3
-CHILD_FDS = Fds(json_status=4, block=None, seccomp=6, passwd=7, group=8)
 
 #: Signals reset to their default action in bwrap (and so in the program): Python ignores
 #: SIGPIPE and SIGXFSZ, and an ignored disposition survives exec, which would turn a write past
@@ -116,260 +77,16 @@ CHILD_FDS = Fds(json_status=4, block=None, seccomp=6, passwd=7, group=8)
 _DEFAULT_SIGNALS = tuple(s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)
                          and s < signal.SIGRTMIN)
 
-#: Serial numbers of this process's run cgroups (``run-<pid>-<hex serial>``).
-_CGROUP_SERIAL = itertools.count(1)
 
-#: Default wall-clock timeout for a run, seconds.
-DEFAULT_TIMEOUT_S = 60.0
 #: How long the handshake (bwrap setting up namespaces and mounts) may take, seconds.
 SETUP_TIMEOUT_S = 30.0
-#: Seconds past a run's deadline at which the anchor kills the sandbox itself (``--deadline-ns``)
-#: when the caller has not: a caller stopped (SIGSTOP), stuck or starved of CPU at its deadline.
-#: The caller's own kill at the deadline comes first whenever it runs.
-ANCHOR_GRACE_S = 0.2
-
-
-class ExecError(LaunchError):
-    """The sandbox was set up but the command could not be executed inside it.
-
-    ``errno`` is ENOENT (not found: the CLI exits 127) or EACCES/ENOEXEC (not executable: 126).
-    """
-
-
-@functools.lru_cache(maxsize=None)
-def host_facts(bwrap: str | None = None) -> HostFacts:
-    """Probe the host once per process: bwrap, usr-merge layout, root or not, network /etc."""
-    info = bwrap_info(bwrap)
-    require_pidfd()
-    net: list[tuple[str, str]] = []
-    for path in NETWORK_ETC:
-        if os.path.exists(path):
-            net.append((os.path.realpath(path), path))
-    return HostFacts(bwrap=info, layout=host_layout(), caller_is_root=os.geteuid() == 0,
-                     network_etc=tuple(net), cap_sys_resource=_has_cap(24))
-
-
-def _has_cap(bit: int) -> bool:
-    """True when the caller's effective capability set has capability number ``bit``."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("CapEff:"):
-                    return bool(int(line.split()[1], 16) >> bit & 1)
-    except OSError:
-        pass
-    return False
-
-
-#: The anchor (``native/lowlevel_exec.c``), built next to this module by setup.py.
-EXEC_HELPER_PATH = native("_lowlevel_exec")
-
-
-@functools.lru_cache(maxsize=None)
-def _exec_helper() -> str:
-    """Path of the built ``_lowlevel_exec`` anchor every sandbox starts under.
-
-    Raises:
-        UnsupportedError: it is missing (a broken install: ``pip install`` builds it).
-    """
-    path = EXEC_HELPER_PATH
-    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
-        raise UnsupportedError("exec-helper", f"{path} is missing or not executable: lowlevel's anchor "
-                               "process is built at install time",
-                               "reinstall lowlevel (pip install . from its checkout)")
-    return path
-
-
-#: errnos that say the overlay probe failed for a reason of the caller's (a limit of its own,
-#: an interruption), not of the host: such a verdict is never cached (see _probe_cow_now).
-_TRANSIENT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.EINTR, errno.ENOBUFS})
-#: The same, as the anchor or bwrap print them (strerror(3) of the errnos above). Not ENOSPC:
-#: clone(CLONE_NEWUSER) says that at user.max_user_namespaces, which may be the host's 0.
-_TRANSIENT_TEXT = tuple(os.strerror(e) for e in sorted(_TRANSIENT_ERRNOS))
-
-
-def _probe_cow(facts: HostFacts, workspace: str, base: str | None) -> _cow.CowSupport:
-    """:func:`_probe_cow_now`, or its answer for this filesystem from :mod:`lowlevel.host.hostcache`
-    (keyed by the filesystem's ``st_dev``, the euid, the mount directory and the anchor file).
-
-    A transient failure (:attr:`lowlevel.workspace.cow.CowSupport.transient`: the caller's fd, memory or
-    process limit, an interruption) is never stored: one fd-starved run must not turn the
-    overlay off for every later run on the filesystem. A negative answer is stored with the
-    workspace's path, so ``lowlevel doctor`` can probe that filesystem again
-    (:func:`recheck_cached_cow`)."""
-    from lowlevel.host import hostcache
-    try:
-        dev = os.stat(workspace).st_dev
-        mnt = _cow.mount_dir(base)
-    except (OSError, LowlevelError):
-        return _probe_cow_now(facts, workspace, base)
-    key = [dev, os.geteuid(), mnt, hostcache.file_key(EXEC_HELPER_PATH)]
-    got = hostcache.get("host", f"cow:{dev}:{mnt}", key)
-    if isinstance(got, dict) and isinstance(got.get("ok"), bool) and not got.get("transient"):
-        return _cow.CowSupport(got["ok"], str(got.get("reason", "")))
-    support = _probe_cow_now(facts, workspace, base)
-    if not support.transient:
-        hostcache.put("host", f"cow:{dev}:{mnt}", key, {"ok": support.ok, "reason": support.reason,
-                                                         "path": workspace, "base": base})
-    return support
-
-
-def recheck_cached_cow(facts: HostFacts) -> list[tuple[str, _cow.CowSupport, _cow.CowSupport | None]]:
-    """Probe again every filesystem :mod:`lowlevel.host.hostcache` says has no copy-on-write overlay
-    (``lowlevel doctor``). Each entry is probed on the workspace path it was stored with, when
-    that still exists on the same filesystem, and rewritten with the fresh answer (or dropped
-    on a transient failure); an entry whose path is gone is dropped (the next run there probes).
-
-    Returns:
-        ``[(path, cached answer, fresh answer or None when dropped unprobed), ...]``.
-    """
-    from lowlevel.host import hostcache
-    out: list[tuple[str, _cow.CowSupport, _cow.CowSupport | None]] = []
-    for entry, item in hostcache.entries("host"):
-        if not entry.startswith("cow:") or not isinstance(item, dict):
-            continue
-        value, key = item.get("value"), item.get("key")
-        if not isinstance(value, dict) or value.get("ok") is not False:
-            continue
-        old = _cow.CowSupport(False, str(value.get("reason", "")))
-        path, base = value.get("path"), value.get("base")
-        fresh: _cow.CowSupport | None = None
-        if isinstance(path, str) and (base is None or isinstance(base, str)) and isinstance(key, list) and key:
-            try:
-                same = os.stat(path).st_dev == key[0]
-            except OSError:
-                same = False
-            if same:
-                fresh = _probe_cow_now(facts, path, base)
-        hostcache.drop("host", entry)
-        if fresh is not None and not fresh.transient:
-            hostcache.put("host", entry, key, {"ok": fresh.ok, "reason": fresh.reason, "path": path, "base": base})
-        out.append((str(path), old, fresh))
-    _cow.forget_cow_support()
-    return out
-
-
-def _transient(text: str) -> bool:
-    return any(t in text for t in _TRANSIENT_TEXT)
-
-
-def _probe_cow_now(facts: HostFacts, workspace: str, base: str | None) -> _cow.CowSupport:
-    """Try the anchor's overlay on ``workspace`` once (it then execs /bin/true): does it work?
-
-    A failure of the caller's own (an errno of :data:`_TRANSIENT_ERRNOS`, or its strerror text
-    in the anchor's message; the probe killed by a signal or timed out) comes back with
-    ``transient=True``: it says nothing about the host."""
-    import subprocess
-    root = facts.caller_is_root
-    try:
-        fd = os.open(workspace, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as err:
-        return _cow.CowSupport(False, f"cannot open the workspace: {err.strerror}",
-                               transient=err.errno in _TRANSIENT_ERRNOS)
-    try:
-        st = os.fstat(fd)
-        mnt = _cow.mount_dir(base)
-        true = shutil.which("true", path="/usr/bin:/bin") or "/bin/true"
-        ov = _AnchorOverlay(mnt=mnt, lower_fd=fd, upper_bytes=1 << 20, upper_inodes=1024,
-                            lower_path=None if root else workspace,
-                            idmap=(st.st_uid, st.st_gid) if root else None)
-        argv = anchor_argv(facts, _exec_helper(), parent=os.getpid(), report_fd=None, cgroup_fds=(), rlimits=(),
-                           ids=(65534, 65534) if root else None, overlay=ov, keep_fds=(), pass_fds=(),
-                           args_fd=None, command=[true])
-        proc = subprocess.run(argv, pass_fds=(fd,), stdin=subprocess.DEVNULL, capture_output=True, timeout=30,
-                              env={})
-    except subprocess.TimeoutExpired as err:
-        return _cow.CowSupport(False, f"the overlay probe did not finish: {err}", transient=True)
-    except (OSError, LowlevelError, subprocess.SubprocessError) as err:
-        code = getattr(err, "errno", None)
-        return _cow.CowSupport(False, str(err), transient=code in _TRANSIENT_ERRNOS or _transient(str(err)))
-    finally:
-        os.close(fd)
-    if proc.returncode == 0:
-        return _cow.CowSupport(True)
-    text = proc.stderr.decode("utf-8", "replace").strip()
-    why = text.splitlines()
-    reason = (why[-1] if why else f"the overlay probe exited {proc.returncode}")[:300]
-    return _cow.CowSupport(False, reason, transient=proc.returncode < 0 or _transient(text))
-
-
-class _Capture:
-    """Bounded capture of one output stream: keeps the head and the tail, counts what it drops."""
-
-    __slots__ = ("limit", "head", "tail", "total", "head_cap", "tail_cap")
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.head_cap = limit // 2
-        self.tail_cap = limit - self.head_cap
-        self.head = bytearray()
-        self.tail = bytearray()
-        self.total = 0
-
-    def feed(self, data: bytes) -> None:
-        self.total += len(data)
-        room = self.head_cap - len(self.head)
-        if room > 0:
-            self.head += data[:room]
-            data = data[room:]
-        if data:
-            self.tail += data
-            if len(self.tail) > 2 * self.tail_cap + 65536:
-                del self.tail[: len(self.tail) - self.tail_cap]
-
-    def value(self) -> tuple[bytes, bool, int]:
-        """(data, truncated, dropped_bytes)."""
-        if self.total <= self.limit:
-            return bytes(self.head + self.tail), False, 0
-        tail = self.tail[-self.tail_cap:] if self.tail_cap else b""
-        return bytes(self.head + tail), True, self.total - self.limit
-
-
-def _memfd(name: str, data: bytes) -> int:
-    fd = os.memfd_create(name, os.MFD_CLOEXEC | getattr(os, "MFD_ALLOW_SEALING", 2))
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.lseek(fd, 0, os.SEEK_SET)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _open_etc_copy(path: str) -> int:
-    """Open a host ``/etc`` file that bwrap copies into the sandbox (:func:`lowlevel.sandbox.argv.etc_plan`).
-
-    ``O_NOFOLLOW``: the plan saw a regular file; one replaced by a symlink since is refused,
-    not followed. What was opened is checked again (:func:`lowlevel.sandbox.argv.etc_copy_refusal`,
-    one ``fstat``): the plan is made once per process, and a file that became a FIFO, a
-    device, a directory, a file over the size bound or one others may no longer read must not
-    be copied (bwrap would read a FIFO or ``/dev/zero`` into the root tmpfs, and the copy is
-    0644 inside whatever the host file's mode).
-
-    Raises:
-        LaunchError: the file cannot be opened (removed, replaced by a symlink, no fd left),
-            or is no longer one the plan may copy.
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as err:
-        hint = (" (it was a regular file when this process first looked; run again in a new process if it "
-                "changed kind on purpose)") if err.errno in (errno.ELOOP, errno.ENOENT, errno.ENOTDIR) else ""
-        raise LaunchError(f"cannot open the host's {path} to copy it into the sandbox: {err.strerror}{hint}",
-                          errno=err.errno) from err
-    try:
-        why = etc_copy_refusal(os.fstat(fd))
-    except BaseException:
-        os.close(fd)
-        raise
-    if why is not None:
-        os.close(fd)
-        raise LaunchError(f"refusing to copy the host's {path} into the sandbox: {why} now (it was a small regular "
-                          "file every user may read when this process first looked; run again in a new process "
-                          "if it changed on purpose)")
-    return fd
+#: How long the drivers wait for the output pipes to reach EOF after the sandbox is gone (they
+#: do at once unless a process outside the sandbox holds a copy), seconds.
+DRAIN_TIMEOUT_S = 1.0
+#: How long bwrap (the sandbox's PID 1) may outlive the anchor's exit (its parent-death signal
+#: kills it) before the driver SIGKILLs it itself, then how long it waits for that, seconds.
+INIT_EXIT_TIMEOUT_S = 2.0
+INIT_KILL_TIMEOUT_S = 10.0
 
 
 def _readable(fd: int, timeout_s: float) -> bool:
@@ -383,882 +100,69 @@ def _readable(fd: int, timeout_s: float) -> bool:
     return bool(p.poll(timeout_s * 1000))
 
 
-def _passwd_group(uid: int, gid: int) -> tuple[bytes, bytes]:
-    passwd = (f"root:x:0:0:root:/root:/usr/sbin/nologin\n"
-              f"sandbox:x:{uid}:{gid}:sandbox:{WORKSPACE_DEST}:/bin/sh\n"
-              f"nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
-    group = f"root:x:0:\nsandbox:x:{gid}:\nnogroup:x:65534:\n"
-    if uid in (0, 65534):
-        passwd = "".join(line + "\n" for line in passwd.splitlines() if not line.startswith("sandbox:"))
-    if gid in (0, 65534):
-        group = "".join(line + "\n" for line in group.splitlines() if not line.startswith("sandbox:"))
-    return passwd.encode(), group.encode()
-
-
-def _clamp_to_own_hard_limits(triples: Sequence[tuple[str, int, int]]) -> tuple[tuple[str, int, int], ...]:
-    """Lower (name, soft, hard) rlimits to our own hard limits: without CAP_SYS_RESOURCE,
-    prlimit(1) cannot raise them, and the stricter value stays in force anyway."""
-    import resource
-    out = []
-    for name, soft, hard in triples:
-        _cur, own_hard = resource.getrlimit(getattr(resource, name))
-        if own_hard != resource.RLIM_INFINITY:
-            soft, hard = min(soft, own_hard), min(hard, own_hard)
-        out.append((name, soft, hard))
-    return tuple(out)
-
-
-def _check_stdio_fds(stdio_fds: Sequence[int | None] | None, *, stdin: bool,
-                     capture: bool) -> tuple[int | None, int | None, int | None]:
-    """Validate ``run(stdio_fds=...)``: three open fds (or None each) for the program's 0, 1, 2."""
-    if stdio_fds is None:
-        return (None, None, None)
-    fds = tuple(stdio_fds)
-    if len(fds) != 3:
-        raise PolicyError(f"stdio_fds must be (stdin_fd, stdout_fd, stderr_fd), got {stdio_fds!r}")
-    for i, fd in enumerate(fds):
-        if fd is None:
-            continue
-        if not isinstance(fd, int) or isinstance(fd, bool) or fd < 0:
-            raise PolicyError(f"stdio_fds[{i}] must be an open fd number or None, got {fd!r}")
-        try:
-            os.fstat(fd)
-        except OSError as err:
-            raise PolicyError(f"stdio_fds[{i}]: fd {fd} is not open ({err.strerror})") from None
-    if fds[0] is not None and stdin:
-        raise PolicyError("pass stdin bytes or stdio_fds[0], not both")
-    if capture and (fds[1] is not None or fds[2] is not None):
-        raise PolicyError("capture=True pipes stdout and stderr into the Result: pass stdio_fds[1] "
-                          "and stdio_fds[2] only with capture=False")
-    return fds[0], fds[1], fds[2]
-
-
-def _check_keep_workspace(keep_workspace: object, workspace: object) -> bool:
-    if not isinstance(keep_workspace, bool):
-        raise PolicyError(f"keep_workspace must be a bool, got {keep_workspace!r}")
-    if not keep_workspace and workspace is not None:
-        raise PolicyError("keep_workspace=False removes the fresh per-run workspace; it does not go with "
-                          "workspace= (lowlevel never deletes your directory)")
-    return keep_workspace
-
-
-def drop_fresh_workspace(result: Result, note: str = "workspace removed after the run "
-                         "(keep_workspace=False)") -> Result:
-    """Remove ``result.workspace`` (a fresh one: the caller checked) and say so in the notes;
-    a failure to remove is a note too, never an exception that would lose the Result."""
-    import dataclasses
-    try:
-        _ws.remove_workspace(result.workspace)
-    except (OSError, LowlevelError) as err:
-        note = f"keep_workspace=False: could not remove {result.workspace}: {err}"
-    return dataclasses.replace(result, notes=(*result.notes, note))
-
-
 def _check_command(command: Sequence[str]) -> list[str]:
     return _validate.command(command)
 
 
-#: Sandbox paths that exist but are never executable (synthesized by the launcher).
-_SYNTHESIZED = ("/etc/passwd", "/etc/group")
-#: Mounts whose content we cannot know before the run: leave those paths to bwrap's execvp.
-_OPAQUE = ("/proc", "/dev", "/sys")
-
-
-def _host_path(policy: Policy, workspace: str, inside: str, etc_files: Sequence[str] = ()) -> str | None:
-    """Map a sandbox path to the host path that backs it.
-
-    Returns the host path; ``""`` when the path surely does not exist in a fresh sandbox
-    (``/tmp`` is empty at start, the root holds only what the base layout puts there); or
-    None when we cannot know (``/proc``, ``/dev``).
-    """
-    inside = os.path.normpath(inside)
-    if inside == WORKSPACE_DEST or inside.startswith(WORKSPACE_DEST + "/"):
-        return workspace + inside[len(WORKSPACE_DEST):]
-    for bind in policy.binds:
-        if inside == bind.dest or inside.startswith(bind.dest.rstrip("/") + "/"):
-            return bind.source + inside[len(bind.dest):]
-    if policy.rootfs is not None:
-        # The system is a tree on the host: resolve inside it (its symlinks are the sandbox's).
-        from lowlevel.rootfs import resolve_in_root
-        dests = (WORKSPACE_DEST, "/tmp", *_OPAQUE, *(b.dest for b in policy.binds))
-        return resolve_in_root(policy.rootfs, inside, lambda v: any(
-            v == d or v.startswith(d.rstrip("/") + "/") for d in dests))
-    for name in ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32"):
-        if inside == name or inside.startswith(name + "/"):
-            return inside
-    for entry in etc_files:
-        if inside == entry or inside.startswith(entry + "/"):
-            return inside
-    if any(inside == p or inside.startswith(p + "/") for p in _OPAQUE):
-        return None
-    return ""
-
-
-def _mount_ancestor(policy: Policy, inside: str, etc_files: Sequence[str]) -> bool:
-    """True when ``inside`` is a directory bwrap makes to hold a mount point (``/opt`` for a
-    bind at ``/opt/venv``): it exists in the sandbox though nothing backs it."""
-    dests = [b.dest for b in policy.binds] + [WORKSPACE_DEST, "/etc", *etc_files]
-    return inside == "/" or any(d.startswith(inside.rstrip("/") + "/") for d in dests)
-
-
-def _resolve_inside(policy: Policy, workspace: str, inside: str,
-                    etc_files: Sequence[str]) -> tuple[str | None, str, str | None]:
-    """Follow ``inside`` the way the sandbox's kernel would, one component at a time, reading
-    each symlink on the host path that backs it.
-
-    Returns ``(host, path, link)``: ``host`` is the host path backing the resolved sandbox
-    ``path``, ``""`` when that path does not exist inside (``link``: the symlink whose target
-    is missing, if one was followed), or None when we cannot know (``/proc``, too many links).
-    ``link`` is set only when the missing component came from that symlink's target: a missing
-    ``/bin/cmd`` through ``/bin -> usr/bin`` is a missing file, not a dangling link.
-    """
-    todo = [p for p in inside.split("/") if p]
-    cur = "/"
-    hops = 0
-    link: str | None = None
-    rest = 0  # components of the path after the last symlink followed (the ones not from its target)
-    while todo:
-        part = todo.pop(0)
-        if part == ".":
-            continue
-        if part == "..":
-            cur = os.path.dirname(cur.rstrip("/")) or "/"
-            continue
-        nxt = os.path.join(cur, part)
-        host = _host_path(policy, workspace, nxt, etc_files)
-        if host is None:
-            return None, nxt, link
-        if host == "":
-            if todo and _mount_ancestor(policy, nxt, etc_files):
-                cur = nxt
-                continue
-            return "", nxt, link if len(todo) >= rest else None
-        try:
-            st = os.lstat(host)
-        except OSError:
-            return "", nxt, link if len(todo) >= rest else None
-        if stat.S_ISLNK(st.st_mode):
-            hops += 1
-            if hops > 40:
-                return None, nxt, link
-            target = os.readlink(host)
-            link = f"{nxt} -> {target}"
-            rest = len(todo)
-            if target.startswith("/"):
-                cur = "/"
-            todo = [p for p in target.split("/") if p] + todo
-            continue
-        cur = nxt
-    return _host_path(policy, workspace, cur, etc_files), cur, link
-
-
-def _shebang(host: str) -> str | None:
-    """The absolute interpreter path of a ``#!`` script at ``host``, or None."""
-    try:
-        fd = os.open(host, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        head = os.read(fd, 256)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    if not head.startswith(b"#!"):
-        return None
-    words = head[2:].split(b"\n", 1)[0].split()
-    if not words or not words[0].startswith(b"/"):
-        return None
-    try:
-        return words[0].decode()
-    except UnicodeDecodeError:
-        return None
-
-
-def precheck_exec(policy: Policy, workspace: str, command: Sequence[str], env: Mapping[str, str],
-                  cwd: str = WORKSPACE_DEST, etc_files: Sequence[str] = ()) -> None:
-    """Fail fast with ExecError when the command surely does not exist or is not executable.
-
-    The sandbox's filesystem is known before it starts (``/usr`` and friends, the workspace,
-    the binds, a few ``/etc`` entries, an empty ``/tmp``), so "not found" and "not executable"
-    are decided here, in capture and in inherited-stdio mode alike, before paying for a
-    sandbox. Symlinks are followed as the sandbox sees them, so a virtualenv's ``bin/python``
-    pointing at an interpreter outside every bind (a pyenv build under ``/root``) is "not
-    found", with a hint naming the unreachable target; a ``#!`` script's interpreter is
-    checked the same way (up to 4 levels, the kernel's ``BINPRM_MAX_RECURSION``). Paths under
-    ``/proc`` and ``/dev`` are left to bwrap's own execvp, whose failure is decoded after the
-    run.
-    """
-    _precheck(policy, workspace, command[0], command, env, cwd, etc_files, depth=0)
-
-
-def _precheck(policy: Policy, workspace: str, prog: str, command: Sequence[str], env: Mapping[str, str],
-              cwd: str, etc_files: Sequence[str], depth: int) -> None:
-    if "/" in prog:
-        candidates = [prog if prog.startswith("/") else os.path.join(cwd, prog)]
-    else:
-        candidates = [os.path.join(d, prog) for d in env.get("PATH", "").split(":") if d.startswith("/")]
-    unknown = False
-    not_exec = False
-    dangling: str | None = None
-    for cand in candidates:
-        norm = os.path.normpath(cand)
-        if norm in _SYNTHESIZED:
-            not_exec = True
-            continue
-        host, _inside, link = _resolve_inside(policy, workspace, norm, etc_files)
-        if host is None:
-            unknown = True
-            continue
-        if host == "":
-            if link is not None and dangling is None:
-                dangling = link
-            continue
-        if "/" not in prog and host.startswith(workspace):
-            unknown = True  # PATH entries inside the workspace: leave it to execvp
-            continue
-        if os.path.isdir(host):
-            not_exec = True
-            continue
-        if os.path.isfile(host):
-            if os.stat(host).st_mode & 0o111:
-                interp = _shebang(host) if depth < 4 else None
-                if interp is not None:
-                    try:
-                        _precheck(policy, workspace, interp, command, env, cwd, etc_files, depth + 1)
-                    except ExecError as err:
-                        raise ExecError(f"{prog}: its interpreter (#!{interp}) cannot run in the sandbox: "
-                                        f"{err}", argv=list(command), errno=err.errno) from None
-                return
-            not_exec = True
-    if unknown or not candidates:
-        return
-    if not_exec:
-        raise ExecError(f"{prog}: permission denied (not an executable file)", argv=list(command),
-                        errno=errno.EACCES)
-    if dangling is not None:
-        raise ExecError(f"{prog}: not found in the sandbox: the symlink {dangling} points outside what the "
-                        "sandbox sees (bind the target's directory read-only with --ro / Bind, or make the "
-                        "virtualenv with --copies)", argv=list(command), errno=errno.ENOENT)
-    raise ExecError(f"{prog}: command not found in the sandbox (PATH={env.get('PATH', '')})",
-                    argv=list(command), errno=errno.ENOENT)
-
-
-_EXEC_FAIL = re.compile(rb"bwrap: execvp ([^\n]*): ([^\n]*)")
-#: native/lowlevel_exec.c's message when its execv of bwrap fails.
-_HELPER_EXEC_FAIL = re.compile(rb"lowlevel_exec: execv ([^\n]*): ([^\n]*)")
-#: What to do when a process cannot be created (EAGAIN from clone/fork/posix_spawn).
-PROCESS_LIMIT_HINT = ("the caller's process limit is reached (EAGAIN: RLIMIT_NPROC, `ulimit -u`, counts every "
-                      "process of your uid; or the pids.max of your cgroup, e.g. a systemd TasksMax). Raise it, or "
-                      "run fewer sandboxes at once")
-_USERNS_HINTS = (b"No permissions to create new namespace", b"setting up uid map", b"Creating new namespace failed",
-                 b"unprivileged_userns_clone", b"user namespace")
-
-
-def classify_setup_failure(stderr: bytes, argv: list[str], command: Sequence[str]) -> LaunchError:
-    """Turn bwrap's stderr after a run that never exec'd into the most specific exception.
-
-    A failure other than "command not found/not executable" also drops the cached host facts
-    (:func:`lowlevel.host.hostcache.forget`): they may be what changed (a sysctl, a new bwrap), so
-    the next run probes again.
-    """
-    err = _classify_setup_failure(stderr, argv, command)
-    if not isinstance(err, ExecError):
-        from lowlevel.host import hostcache
-        hostcache.forget("host")
-    return err
-
-
-def _classify_setup_failure(stderr: bytes, argv: list[str], command: Sequence[str]) -> LaunchError:
-    text = stderr.decode("utf-8", "replace").strip()
-    m = _EXEC_FAIL.search(stderr)
-    if m:
-        reason = m.group(2).decode("utf-8", "replace")
-        code = errno.ENOENT if "No such file" in reason else errno.EACCES
-        return ExecError(f"{command[0]}: {reason.lower()} in the sandbox", argv=argv, stderr=text, errno=code)
-    m = _HELPER_EXEC_FAIL.search(stderr)
-    if m:
-        # _lowlevel_exec dropped to the sandbox's host uid, then could not exec bwrap.
-        path, reason = (g.decode("utf-8", "replace") for g in m.groups())
-        return BwrapNotFoundError(f"cannot execute bwrap {path} as the sandbox's host uid (root callers drop to "
-                                  f"it before bwrap starts): {reason}. Install bwrap where every user can run "
-                                  "it (apt-get install bubblewrap puts it in /usr/bin)",
-                                  argv=argv, stderr=text, errno=errno.ENOENT if "No such" in reason
-                                  else errno.EACCES)
-    bwrap_lines = b"\n".join(line for line in stderr.splitlines() if line.startswith(b"bwrap:"))
-    anchor_lines = b"\n".join(line for line in stderr.splitlines() if line.startswith(b"lowlevel_exec:"))
-    if b"Resource temporarily unavailable" in anchor_lines:
-        # The anchor's own fork/clone (the sandbox's PID 1, the idmap helper) hit the limit.
-        return LaunchError(f"the sandbox's processes could not be created: {PROCESS_LIMIT_HINT}. lowlevel_exec "
-                           f"said: {text}", argv=argv, stderr=text, errno=errno.EAGAIN)
-    if b"Resource temporarily unavailable" in bwrap_lines:
-        # clone(2) fails with EAGAIN at the caller's RLIMIT_NPROC or its cgroup's pids.max, and
-        # bwrap says "Creating new namespace failed": not a user-namespace restriction.
-        return LaunchError(f"bwrap could not create the sandbox's processes: {PROCESS_LIMIT_HINT}. "
-                           f"bwrap said: {text}", argv=argv, stderr=text, errno=errno.EAGAIN)
-    if b"Cannot allocate memory" in bwrap_lines:
-        return LaunchError("bwrap ran out of memory while creating the sandbox (ENOMEM: the caller's memory "
-                           f"limit or its cgroup's memory.max?). bwrap said: {text}", argv=argv, stderr=text,
-                           errno=errno.ENOMEM)
-    if b"Can't find source path" in bwrap_lines and b"Permission denied" in bwrap_lines:
-        # bwrap opens bind sources as the sandbox's host uid: a root caller's per-run uid.
-        return LaunchError("the sandbox's host uid cannot reach a bind source (a root caller's sandbox runs as "
-                           "an unprivileged per-run uid, and bwrap opens binds as that uid): make the source "
-                           "readable and every directory above it traversable by others (chmod o+x). "
-                           f"bwrap said: {text}", argv=argv, stderr=text, errno=errno.EACCES)
-    if any(h in bwrap_lines for h in _USERNS_HINTS):
-        return LaunchError(
-            "bwrap could not create a user namespace: the host restricts unprivileged user namespaces. "
-            "Fix: `sysctl -w kernel.unprivileged_userns_clone=1` (Debian < 11), "
-            "`sysctl -w user.max_user_namespaces=15000`, or on Ubuntu >= 23.10 "
-            "`sysctl -w kernel.apparmor_restrict_unprivileged_userns=0` or an AppArmor profile for bwrap. "
-            f"bwrap said: {text}", argv=argv, stderr=text)
-    what = text or ("bwrap exited during setup (its stderr was not captured: in live mode its message, if any, "
-                    "is on your stderr above)")
-    return LaunchError(f"sandbox setup failed: {what}", argv=argv, stderr=text)
-
-
-#: A program's own report of a connect() refused with EACCES: Python's bare ``PermissionError:
-#: [Errno 13] Permission denied`` (a file error names its path after a colon), node's ``connect
-#: EACCES``, or a line mentioning connect with "Permission denied" (wget, nc, ...).
-_CONNECT_EACCES = re.compile(rb"PermissionError: \[Errno 13\] Permission denied\s*$|connect[^\n]*(EACCES|Permission "
-                             rb"denied)|(EACCES|Permission denied)[^\n]*connect", re.MULTILINE | re.IGNORECASE)
-
-
-def network_denial_note(policy: Policy, landlock_abi: int | None, exit_code: int, stderr: bytes) -> str | None:
-    """The note of a failed run whose program reported a connect() refused with EACCES, when
-    the sandbox's own network policy is the cause: Landlock (ABI >= 4) denies TCP connect to
-    every port without network, and to all but the egress relay's with ``network=Egress``
-    (lowlevel/sandbox/landlock_rules.py). Cheap: one regex over the captured stderr; None otherwise."""
-    if exit_code == 0 or policy.network is True or not landlock_abi or landlock_abi < 4 \
-            or not _CONNECT_EACCES.search(stderr[-65536:]):
-        return None
-    if policy.network is False:
-        return ("connect() refused by the sandbox's network policy (network=False: Landlock denies every TCP "
-                "connect, EACCES): allow hosts with Policy(network=Egress(allow=[...])) / --allow-host, or give "
-                "the host's network with network=True / --network host")
-    return ("connect() refused by the sandbox's network policy (network=Egress: Landlock lets TCP reach only the "
-            "egress proxy, named in HTTPS_PROXY/HTTP_PROXY; EACCES for any other address): connect through the "
-            "proxy, and allow the host with Egress(allow=[...]) / --allow-host")
-
-
-def pids_note(pids: int | None, exit_code: int, term: int | None) -> str:
-    """The note of a run (or Session command) during which a fork/clone failed at the pids
-    limit (``max`` in ``pids.events`` rose): what happened, and what the program did then."""
-    then = (f"the program then exited with status {exit_code} on its own (killed_by is None: the pids limit "
-            "kills nothing)" if term is None else f"the program then died by signal {term}")
-    return (f"the pids limit was hit: a fork/clone failed with EAGAIN at pids.max={pids} (Limits.pids); {then}; "
-            "raise Limits.pids if the program needs more processes or threads")
-
-
-class Run:
+class Run(RunFinish):
     """One sandboxed run, driven by :func:`run` (sync) or :func:`lowlevel.sandbox.aio.arun` (async).
 
     Not thread-safe; one driver per Run. Always ends with :meth:`close` (idempotent), which
-    kills whatever is left and closes every fd. The keyword arguments are :func:`run`'s, plus
-    ``extra_fds`` (``{fd inside: fd here}``), ``guard`` (False: bwrap execs the command, no
-    Landlock guard) and ``one_shot`` (False for a Session's sandbox, whose workspace is reset
-    and committed while it lives: a fresh workspace then keeps its real lower layer).
+    kills whatever is left and closes every fd. Takes the call as a validated
+    :class:`~lowlevel.sandbox.request.RunRequest` (its ``record`` must be None: records are
+    written a layer above, :func:`lowlevel.record.record_run`), the ``policy``, plus ``bwrap``
+    (the bwrap binary, None: found on PATH), ``extra_fds`` (``{fd inside: fd here}``), ``guard``
+    (False: bwrap execs the command, no Landlock guard) and ``one_shot`` (False for a Session's
+    sandbox, whose workspace is reset and committed while it lives: a fresh workspace then
+    keeps its real lower layer).
+
+    Raises:
+        PolicyError: ``request`` or ``policy`` of the wrong type, a ``record``, a bad ``bwrap``,
+            a reserved ``extra_fds`` number, or a bad environment (:meth:`Policy.environment`).
     """
 
-    def __init__(self, command: Sequence[str], *, policy: Policy, workspace: str | None = None,
-                 inputs: Sequence[str | os.PathLike[str] | tuple[str, str]] = (),
-                 timeout: float | None = DEFAULT_TIMEOUT_S, stdin: bytes | None = None,
-                 env: Mapping[str, str] | None = None, capture: bool = True,
-                 cwd: str | None = None, workspace_base: str | None = None, bwrap: str | None = None,
-                 extra_fds: Mapping[int, int] | None = None, allow_sensitive_workspace: bool = False,
-                 stdio_fds: Sequence[int | None] | None = None, keep_workspace: bool = True,
-                 commit: bool | str = True, guard: bool = True, one_shot: bool = True) -> None:
+    def __init__(self, request: RunRequest, *, policy: Policy, bwrap: str | None = None,
+                 extra_fds: Mapping[int, int] | None = None, guard: bool = True, one_shot: bool = True) -> None:
+        if not isinstance(request, RunRequest):
+            raise PolicyError(f"request must be a lowlevel.sandbox.request.RunRequest, got {type(request).__name__}")
         if not isinstance(policy, Policy):
             raise PolicyError(f"policy must be a lowlevel.Policy, got {type(policy).__name__}")
         if policy.image is not None or policy.rootfs is not None:  # plan time: the image store, the tree's checks
             from lowlevel.rootfs.resolve import resolve
             policy = resolve(policy)
-        if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
-                                    or not 0 < timeout < 2**31):
-            raise PolicyError(f"timeout must be a finite number of seconds > 0 (or None for no "
-                              f"timeout), got {timeout!r}")
-        if stdin is not None and not isinstance(stdin, (bytes, bytearray, memoryview)):
-            raise PolicyError("stdin must be bytes or None")
-        if cwd is None:
-            cwd = policy.workdir or WORKSPACE_DEST
-        self.stdio_fds = _check_stdio_fds(stdio_fds, stdin=stdin is not None, capture=capture)
-        self.keep_workspace = _check_keep_workspace(keep_workspace, workspace)
-        if commit not in (True, False, "on_success"):
-            raise PolicyError(f"commit must be True, False or 'on_success', got {commit!r}")
-        # The policy edge (issue 10, item 1): every string bound for bwrap's argv is checked here,
-        # before anything is created (lowlevel.spec.validate); argv.encode_args checks once more.
-        self.command = _validate.run_args(command=command, cwd=cwd, env=env, workspace=workspace,
-                                          workspace_base=workspace_base, inputs=inputs, bwrap=bwrap)
+        request.refuse("the sandbox layer (lowlevel.sandbox)", "record",
+                       why="lowlevel.run writes records through lowlevel.record.record_run")
+        if bwrap is not None:
+            _validate.host_path(bwrap, "bwrap")
+        self.request = request
+        self.command = list(request.command)
+        fds = request.stdio_fds
+        self.stdio_fds = (fds[0], fds[1], fds[2]) if fds is not None else (None, None, None)
+        self.keep_workspace = request.keep_workspace
         self.policy = policy
-        self.commit = commit
-        self.timeout = float(timeout) if timeout is not None else None
-        self.stdin = bytes(stdin) if stdin is not None else None
-        self.capture = capture
-        self.cwd = _validate.sandbox_cwd(cwd)  # checked by run_args; normalized here
-        self.env_extra = dict(env or {})
+        self.commit = request.commit
+        self.timeout = request.timeout
+        self.stdin = request.stdin
+        self.capture = request.capture
+        self.cwd = _validate.sandbox_cwd(request.cwd or policy.workdir or WORKSPACE_DEST)
+        self.env_extra = dict(request.env or {})
         self.environment = policy.environment(self.env_extra)
         self.facts = host_facts(bwrap)
-        self.inputs = list(inputs)
         # {fd number inside: parent fd}; the parent keeps ownership of its fds.
         self.extra_fds = dict(extra_fds or {})
         etc_copy_fds = range(ETC_COPY_FD, ETC_COPY_FD + len(ETC_ENTRIES))
         for child_fd in self.extra_fds:
-            if child_fd < 9 or child_fd in etc_copy_fds:
-                raise PolicyError(f"extra_fds: child fd {child_fd} is reserved (use 9 to {ETC_COPY_FD - 1}, or "
-                                  f"{etc_copy_fds.stop} and above)")
-        self.inputs = list(inputs)
-        self.workspace_arg = workspace
-        self.workspace_base = workspace_base
-        self.allow_sensitive_workspace = allow_sensitive_workspace
+            if child_fd < EXTRA_FDS_MIN or child_fd in etc_copy_fds:
+                raise PolicyError(f"extra_fds: child fd {child_fd} is reserved (use {EXTRA_FDS_MIN} to "
+                                  f"{ETC_COPY_FD - 1}, or {etc_copy_fds.stop} and above)")
+        self.inputs = list(request.inputs)
+        self.workspace_arg = request.workspace
+        self.workspace_base = request.workspace_base
+        self.allow_sensitive_workspace = request.allow_sensitive_workspace
         self.one_shot = one_shot
-        # State filled as the run goes.
-        self.workspace = ""
-        self.owns_workspace = False
-        self.handover: _ws.Handover | None = None
-        self.workspace_masks: list[str] = []  # hand-over: bwrap masks over the workspace's unix sockets
-        self.fds: list[int] = []
-        self.pid: int | None = None
-        self.pidfd: int | None = None
-        self.init_pid: int | None = None
-        self.init_pidfd: int | None = None
-        self.json_r: int | None = None
-        self.stdin_w: int | None = None
-        self.out_r: int | None = None
-        self.err_r: int | None = None
-        self.json_buf = b""
-        self.exit_status: dict[str, Any] | None = None
-        self.out = _Capture(policy.stdout_limit_bytes)
-        self.err = _Capture(policy.stderr_limit_bytes)
-        self.cgroup: Any = None
-        self.rlimits_applied: tuple[str, ...] = ()
-        self.notes: list[str] = []
-        self.killed_by: str | None = None
-        self.timed_out = False
-        self.wait_status: int | None = None
-        self.rusage: Any = None
-        #: The anchor sent EXIT (bwrap reaped: the sandbox is gone) and may still be tearing
-        #: down its mount namespace; it is reaped by :meth:`reap_anchor` (at the latest in close).
-        self.exit_reported = False
-        self.anchor_reaped = False
-        #: bwrap or the anchor died by a signal (killed from outside, or by our own kill).
-        self.supervisor_signaled = False
-        self.t0 = 0.0
-        self.t_end = 0.0
-        self.deadline: float | None = None
-        #: Seconds between the SIGTERM at the deadline and the SIGKILL (``run(kill_after=)``, as
-        #: ``timeout -k``); 0: SIGKILL at the deadline. Set before :meth:`spawn`.
-        self.kill_after = 0.0
-        self.terminated = False
-        self.argv: list[str] = []
-        self.full_argv: list[str] = []
-        self.before: Any = None
-        self.stdin_view: memoryview | None = None
-        self.closed = False
-        self.pre_exec_rlimits: tuple[tuple[str, int, int], ...] = ()
-        self.seccomp_loaded = False
-        self.audit: Any = None
-        self.egress: Any = None  # lowlevel.net.egress_run.EgressRun in egress mode
-        # The anchor and the copy-on-write workspace.
-        self.lease: _uids.UidLease | None = None
-        self.host_ids: tuple[int, int] = (0, 0)
-        self.cow = False
-        self.lower_fd: int | None = None
-        self.root_fd: int | None = None  # rootfs_writable over the anchor's overlay: the tree
-        self.lower_stat: os.stat_result | None = None
-        self.upper_fd: int | None = None
-        self.upper_bytes = 0
-        self.mnt = ""
-        self.cgroup_fds: list[int] = []
-        self.cgroup_dir_fd: int | None = None
-        self.report: socket.socket | None = None
-        self.report_child: socket.socket | None = None
-        self.ready = False
-        self.since_ns = 0
-        self.pass_fds: tuple[int, ...] = ()
-        self.anchor_fds: dict[str, Any] = {}
-        self.actions: list[tuple[Any, ...]] = []
-        self.committed = False
-        #: A Session's long-lived workspace: a host change the sandbox copied up (saw) afterwards
-        #: is no conflict (lowlevel.workspace.overlay.commit); a run keeps the plain rule.
-        self.accept_seen_host_changes = False
-        #: A Session's close() raises what the final commit raised (keep_close_error=True: the
-        #: error is kept here, not only logged).
-        self.keep_close_error = False
-        self.close_error: LowlevelError | None = None
-        # The guard (lowlevel.host.landlock): bwrap execs it in place of the command; it applies
-        # Landlock and reports the command's exact wait status on status_r. Session passes
-        # guard=False (its init does both itself).
         self.guard = guard
-        self.guard_prefix: list[str] = []
-        self.status_r: int | None = None
-        self.guard_report: _landlock.GuardReport | None = None
+        self._init_state()
 
-    # -- 1. prepare ----------------------------------------------------------------------
-    def _own(self, fd: int) -> int:
-        """Record ``fd`` as ours (closed by :meth:`close`) the moment it exists."""
-        self.fds.append(fd)
-        return fd
-
-    def _pipe(self) -> tuple[int, int]:
-        r, w = os.pipe()
-        self._own(r)
-        self._own(w)
-        return r, w
-
-    def prepare(self) -> None:
-        """Workspace, ids, cgroup, seccomp and fds; everything that can fail before the spawn.
-
-        Raises:
-            LaunchError: a system call failed (fd exhaustion, memfd, pipe...): ``.errno`` says
-                which; every fd made so far is owned and closed by :meth:`close`.
-            and the errors of :func:`run`.
-        """
-        try:
-            self._resolve_workspace()  # may copy inputs: interruptible
-            # The rest makes fds, a uid lease, a cgroup: each recorded as it is made
-            # (lowlevel.sandbox._interrupts); ~1 ms.
-            with deferred_interrupts():
-                self._prepare()
-        except LowlevelError:
-            raise
-        except OSError as err:
-            raise LaunchError(f"cannot prepare the sandbox: {err.strerror or err}"
-                              + (f" ({err.filename})" if err.filename else ""), errno=err.errno) from err
-
-    def _resolve_workspace(self) -> None:
-        if self.workspace_arg is not None:
-            ws = os.path.abspath(os.fspath(self.workspace_arg))
-            if not os.path.exists(ws):
-                raise WorkspaceError(errno.ENOENT, f"workspace {ws} does not exist: create it or omit it "
-                                     "to get a fresh per-run workspace")
-            if not os.path.isdir(ws) or os.path.islink(ws):
-                raise WorkspaceError(errno.ENOTDIR, f"workspace {ws} is not a directory")
-            self.workspace = os.path.realpath(ws)
-            # Inputs are copied in by path: that needs parents nobody else can rename. Without
-            # inputs the workspace is opened once, by fd (_open_lower), and never walked again.
-            _ws.check_workspace_path(self.workspace, allow_sensitive=self.allow_sensitive_workspace,
-                                     check_ancestors=bool(self.inputs), writable=self.commit is not False)
-            if self.inputs:
-                _ws.copy_inputs(self.workspace, self.inputs)
-        else:
-            self.workspace = _ws.create_workspace(self.inputs, self.workspace_base, disposable=not self.keep_workspace)
-            self.owns_workspace = True
-            try:
-                _ws.check_trusted_ancestors(self.workspace)
-            except WorkspaceError:
-                shutil.rmtree(self.workspace, ignore_errors=True)
-                raise
-
-    def _open_lower(self) -> None:
-        """Open the workspace once, by fd; everything after the run goes through that fd.
-
-        The path was checked as a string; the fd is then checked to be that very directory
-        (``/proc/self/fd`` names what was opened), so a parent renamed in between cannot
-        swap another tree in. No later path walk: this is what lets a root caller use a
-        workspace below directories another user owns, or below 0700 ones.
-        """
-        fd = self._own(os.open(self.workspace, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC))
-        opened = os.readlink(f"/proc/self/fd/{fd}")
-        if opened != self.workspace:
-            raise WorkspaceError(errno.EAGAIN, f"workspace {self.workspace} moved while it was opened (now "
-                                 f"{opened!r}): a parent directory was renamed; run again")
-        self.lower_stat = os.fstat(fd)
-        self.fds.remove(fd)  # closed by close() itself, after the commit
-        self.lower_fd = fd
-
-    def _check_rootfs_layout(self, path: str) -> None:
-        """The argv's (cached) layout of the tree must still be the tree's, the one the anchor
-        overlays included (:func:`lowlevel.rootfs.layout_holds`): a directory swapped for a
-        symlink since would make bwrap bind the symlink's host target. Re-read once if not."""
-        from lowlevel.sandbox.argv import static_args
-        from lowlevel.rootfs import layout_holds, rootfs_layout
-        if layout_holds(rootfs_layout(path), self.root_fd):
-            return
-        rootfs_layout.cache_clear()
-        static_args.cache_clear()
-        if not layout_holds(rootfs_layout(path), self.root_fd):
-            raise LaunchError(f"Policy.rootfs {path!r} changed while the sandbox was set up (a top-level entry was "
-                              "replaced); run again, and keep the tree unchanged while it is in use")
-
-    def _prepare(self) -> None:
-        policy = self.policy
-        root = self.facts.caller_is_root
-        # The sandbox's host ids: a per-run uid for root callers (unless pinned), our own otherwise.
-        if root:
-            if policy.host_uid is None:
-                self.lease = _uids.UidLease.acquire()
-                self.host_ids = (self.lease.uid, self.lease.uid)
-            else:
-                self.host_ids = (policy.host_uid, policy.host_gid if policy.host_gid is not None
-                                 else policy.host_uid)
-        else:
-            self.host_ids = (os.getuid(), os.getgid())
-        support = _cow.cow_support(self.workspace, functools.partial(_probe_cow, self.facts, self.workspace,
-                                                                      self.workspace_base))
-        if support.transient:
-            # Not a fact of the host (and not cached): falling back would change what the
-            # caller gets (no discard, no write bound) because of its own limit.
-            raise LaunchError(f"cannot check whether the copy-on-write workspace works here: {support.reason}. "
-                              "That is a limit of the calling process (open files: `ulimit -n`; memory; "
-                              "processes) or an interruption, not of the host: raise the limit and run again",
-                              errno=errno.EMFILE if "open files" in support.reason else None)
-        self.cow = support.ok
-        if not self.cow and self.commit is not True and not self.owns_workspace:
-            # The hand-over model writes straight into the caller's directory: there is nothing
-            # to discard afterwards. Refused before anything is touched.
-            how = "commit=False (--discard)" if self.commit is False else "commit='on_success' (--commit-on-success)"
-            raise UnsupportedError("overlay", f"{how} needs the copy-on-write workspace, which is unavailable for "
-                                   f"{self.workspace} ({support.reason}): the program would write the directory "
-                                   "itself, so its changes could not be discarded; nothing was run",
-                                   "run without --discard on a copy of the directory, or see `lowlevel doctor`")
-        precheck_exec(policy, self.workspace, self.command, self.environment, self.cwd,
-                      self.facts.layout.etc_files)
-        _landlock.require_supported(policy)
-        rootfs_overlay: str | None = None
-        if self.cow:
-            self._open_lower()
-            self.upper_bytes = policy.limits.workspace_bytes or _cow.DEFAULT_UPPER_BYTES
-            self.mnt = _cow.mount_dir(self.workspace_base)
-            bind_source = f"{self.mnt}/ws"
-            self.notes.append(f"workspace: copy-on-write overlay; the run's writes are bounded to "
-                              f"{self.upper_bytes} bytes")
-            if policy.rootfs is not None and policy.rootfs_writable:
-                # The anchor overlays the whole tree too (lowlevel.rootfs, "Writable root").
-                self.root_fd = self._own(os.open(policy.rootfs, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW
-                                                 | os.O_CLOEXEC))
-                rootfs_overlay = f"{self.mnt}/root"
-                self.notes.append("root filesystem: copy-on-write overlay, discarded after the run (its writes "
-                                  "count in the same bound)")
-        else:
-            bind_source = self._prepare_handover(support.reason)
-
-        # A serial, not id(self): a cgroup an interrupted run left behind must not collide with a
-        # later Run object that CPython put at the same address (EEXIST, LaunchError).
-        self.cgroup = _cgroups.RunCgroup.create(policy.limits, f"run-{os.getpid()}-{next(_CGROUP_SERIAL):x}",
-                                               workspace=self.workspace)  # recorded: lowlevel.host.run_records
-        if self.cgroup is None:
-            self.notes.append("no writable cgroup hierarchy: memory, pids and CPU bounded by rlimits only")
-        else:
-            tasks, v2_dir = self.cgroup.join_targets()
-            for path in tasks:
-                self.cgroup_fds.append(self._own(os.open(path, os.O_WRONLY | os.O_CLOEXEC)))
-            if v2_dir is not None:
-                self.cgroup_dir_fd = self._own(os.open(v2_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
-        triples = _limits.rlimits(policy.limits, self.cgroup)
-        if not (root and self.facts.cap_sys_resource):
-            triples = _clamp_to_own_hard_limits(triples)
-        self.pre_exec_rlimits = triples
-        self.rlimits_applied = tuple(name for name, _s, _h in triples)
-        self.notes.extend(_limits.fallback_notes(policy.limits, self.cgroup))
-
-        if policy.seccomp is not None and policy.seccomp.log:
-            # Audit mode: the kernel logs what the profile would deny; read back at the end.
-            try:
-                self.audit = _seccomp_audit.DenialAudit()
-            except UnsupportedError as err:
-                self.notes.append(f"seccomp audit unavailable: {err}")
-        bpf = _seccomp_filter.compile_bpf(policy.seccomp, compat_32bit=policy.compat_32bit) \
-            if policy.seccomp is not None else None
-        fds = CHILD_FDS
-        seccomp_fd = None
-        if bpf:
-            seccomp_fd = self._own(_seccomp_filter.bpf_memfd(bpf))
-            self.seccomp_loaded = True
-        else:
-            fds = Fds(json_status=fds.json_status, block=None, seccomp=None, passwd=fds.passwd, group=fds.group)
-        uid = policy.sandbox_uid if policy.sandbox_uid is not None else self.host_ids[0]
-        gid = policy.sandbox_gid if policy.sandbox_gid is not None else self.host_ids[1]
-        passwd, group = _passwd_group(uid, gid)
-        passwd_fd = self._own(_memfd("lowlevel-passwd", passwd))
-        group_fd = self._own(_memfd("lowlevel-group", group))
-        etc_fds = [self._own(_open_etc_copy(path)) for path in etc_copies(policy, self.facts)]
-
-        if isinstance(policy.network, Egress):
-            # The host-side proxy and the relay that runs first inside (lowlevel/net/).
-            from lowlevel.net.egress_run import EgressRun
-            self.egress = EgressRun.open(policy.network, policy.limits.net_bytes,
-                                         caller_is_root=self.facts.caller_is_root, host_gid=self.host_ids[1])
-            self.extra_fds.update(self.egress.child_fds)
-            for fd in self.egress.owned_fds:
-                self._own(fd)  # closed after the spawn, like ours
-        tree = None
-        if policy.rootfs is not None:
-            from lowlevel.rootfs import check_setup_paths, rootfs_layout
-            self._check_rootfs_layout(policy.rootfs)
-            tree = rootfs_layout(policy.rootfs)
-        for bind in policy.binds:  # each source still the one the Policy checked (not swapped since)
-            bind.check_unchanged()
-        if policy.binds:  # the cached socket masks still cover what they did (lowlevel.sandbox.bind_sockets)
-            _bind_sockets.revalidate(policy, self.facts.caller_is_root)
-        tree_masks: tuple[str, ...] = ()
-        if tree is not None and not policy.rootfs_writable:
-            # A read-only tree is bound by path: its unix sockets (a live chroot's services) are
-            # masked as a bind's are. (A writable root is an overlay, which passes no socket.)
-            tree_masks, tree_notes = _bind_sockets.tree_masks(
-                tree.path, tree.dirs, _bind_sockets.sandbox_ids(policy, self.facts.caller_is_root))
-            self.notes.extend(tree_notes)
-        self.argv = build_argv(policy, self.facts, workspace=bind_source, fds=fds,
-                               extra_env=self.env_extra or None,
-                               extra_mounts=(*(self.egress.mounts if self.egress is not None else ()),
-                                             *self.workspace_masks, *tree_masks),
-                               rootfs_overlay=rootfs_overlay)
-        if tree is not None:
-            # No setup path through a symlink of the tree: bwrap would resolve it on the host's
-            # tree (/oldroot) while it still holds the host's fds (issue 22 item 1).
-            check_setup_paths(tree, setup_paths(self.argv))
-        if policy.binds:  # the unix sockets masked in bound directories, and what that leaves open
-            self.notes.extend(_bind_sockets.notes(policy, self.facts.caller_is_root, _landlock.planned_abi()))
-        # Last line of defence: the --args memfd is NUL-separated, so a NUL inside a value would
-        # split it into extra bwrap options. The policy edge refuses them already; encode_args
-        # refuses again (LaunchError) right before the bytes are written.
-        if self.guard and self.egress is None and self.facts.bwrap.has("--as-pid-1"):
-            # The guard is the PID 1 of the sandbox's PID namespace in place of bwrap's reaper
-            # (it reaps orphans itself): one process less per run, and the kernel keeps the
-            # program from signalling its PID 1 at all. (Egress: the relay comes first.)
-            self.argv = [*self.argv, "--as-pid-1"]
-        args_fd = self._own(_memfd("lowlevel-args", encode_args(self.argv)))
-
-        json_r, json_w = self._pipe()
-        self.json_r = json_r
-        report, report_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        self.report = report
-        self.report_child = report_child
-        report.setblocking(False)
-
-        stdio: list[tuple[int, int]] = []
-        devnull_stdin = False
-        if self.stdin is not None:
-            in_r, in_w = self._pipe()
-            self.stdin_w = in_w
-            os.set_blocking(in_w, False)
-            self.stdin_view = memoryview(self.stdin)
-            stdio.append((in_r, 0))
-        elif self.stdio_fds[0] is not None:
-            stdio.append((self.stdio_fds[0], 0))
-        elif self.capture:
-            devnull_stdin = True
-        if self.capture:
-            out_r, out_w = self._pipe()
-            err_r, err_w = self._pipe()
-            self.out_r, self.err_r = out_r, err_r
-            stdio += [(out_w, 1), (err_w, 2)]
-        else:
-            stdio += [(fd, i) for i, fd in enumerate(self.stdio_fds) if i and fd is not None]
-        mapping = stdio + [(args_fd, ARGS_FD), (json_w, fds.json_status),
-                           (passwd_fd, fds.passwd or 0), (group_fd, fds.group or 0)]
-        mapping += [(fd, ETC_COPY_FD + i) for i, fd in enumerate(etc_fds)]
-        if seccomp_fd is not None:
-            mapping.append((seccomp_fd, fds.seccomp or 0))
-        mapping += [(parent_fd, child_fd) for child_fd, parent_fd in sorted(self.extra_fds.items())]
-        if self.guard:
-            # The guard's executable and its report pipe, on the first numbers above the others.
-            exe_child = max(dst for _src, dst in mapping) + 1
-            status_r, status_w = self._pipe()
-            self.status_r = status_r
-            mapping += [(_landlock.guard_fd(), exe_child), (status_w, exe_child + 1)]
-            rules = _landlock_rules.ruleset_args(policy, self.facts.layout.ro_dirs, self.facts.bwrap.options)
-            self.guard_prefix = _landlock.guard_argv(exe_child, exe_child + 1, rules, cwd=self.cwd)
-        self.pass_fds = tuple(sorted(dst for _s, dst in mapping if dst > 2))
-        # The anchor's own fds (never passed on to bwrap) go right above bwrap's.
-        nxt = max(dst for _s, dst in mapping) + 1
-        anchor_fds: dict[str, Any] = {}
-        for name, src in (("report", report_child.fileno()), ("lower", self.lower_fd), ("root", self.root_fd),
-                          ("lease", self.lease.fd if self.lease is not None else None)):
-            if src is not None:
-                mapping.append((src, nxt))
-                anchor_fds[name] = nxt
-                nxt += 1
-        anchor_fds["cgroups"] = []
-        for src in self.cgroup_fds:
-            mapping.append((src, nxt))
-            anchor_fds["cgroups"].append(nxt)
-            nxt += 1
-        if self.cgroup_dir_fd is not None:
-            mapping.append((self.cgroup_dir_fd, nxt))
-            anchor_fds["cgroup_dir"] = nxt
-            nxt += 1
-        self.anchor_fds = anchor_fds
-        # Move every source above all targets first, so no dup2 clobbers a later source, and
-        # no dup2 has src == dst (which would leave FD_CLOEXEC set). Every other fd of ours is
-        # O_CLOEXEC (PEP 446), and the anchor closes whatever else it inherited.
-        threshold = nxt
-        actions: list[tuple[Any, ...]] = []
-        if devnull_stdin:
-            actions.append((os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0))
-        for src, dst in mapping:
-            if src < threshold:
-                src = self._own(fcntl.fcntl(src, fcntl.F_DUPFD_CLOEXEC, threshold))
-            actions.append((os.POSIX_SPAWN_DUP2, src, dst))
-        self.actions = actions
-        self.json_w = json_w
-
-    def _prepare_handover(self, why: str) -> str:
-        """The fallback where the overlay cannot work: hand the workspace over (or size it)."""
-        policy = self.policy
-        root = self.facts.caller_is_root
-        self.notes.append(f"workspace handed over, not copy-on-write: {why}")
-        if self.workspace_arg is not None:
-            _ws.check_trusted_ancestors(self.workspace)
-        if root:
-            _ws.check_traversable(self.workspace, *self.host_ids)
-        fresh_empty = self.owns_workspace and not self.inputs
-        # One walk: the change-report snapshot, the owners to give back, and (root callers) the
-        # tree given to the sandbox's uid with the root kept 0770 ours:host_gid; close() (or
-        # result()) gives it back and strips setuid/setgid bits (lowlevel.workspace.hand_over).
-        # A directory mkdtemp made a moment ago with nothing copied in is empty: no walk.
-        if policy.limits.workspace_bytes is not None:
-            raise UnsupportedError("workspace-size", "Limits.workspace_bytes bounds the copy-on-write overlay's "
-                                   f"upper layer, which is unavailable here ({why})",
-                                   "leave workspace_bytes unset (RLIMIT_FSIZE still bounds each file)")
-        self.handover = _ws.hand_over(self.workspace, sandbox_ids=self.host_ids if root else None,
-                                      empty=fresh_empty)
-        self.before = self.handover.before
-        # The workspace is bound as it is: mask the host unix sockets in it (lowlevel.sandbox.bind_sockets).
-        self.workspace_masks = _bind_sockets.workspace_masks(self.workspace, self.before[0])
-        if self.workspace_masks:
-            if len(self.workspace_masks) > 3 * _bind_sockets.MAX_MASKS:
-                raise LaunchError(f"the workspace holds {len(self.workspace_masks) // 3} unix sockets, more than the "
-                                  f"{_bind_sockets.MAX_MASKS} lowlevel masks: remove them, or use a workspace without")
-            self.notes.append(f"workspace: masked {len(self.workspace_masks) // 3} unix socket(s) found in it "
-                              f"(connecting fails): {', '.join(self.workspace_masks[2::3][:8])}")
-        if not self.before[1]:
-            self.notes.append("workspace: the snapshot is incomplete, so unix sockets beyond it are not masked")
-        return self.workspace
-
-    # -- 2. spawn ------------------------------------------------------------------------
-    def anchor_argv(self) -> list[str]:
-        """The argv exec'd: ``_lowlevel_exec OPTIONS -- bwrap --args 3 -- COMMAND...``."""
-        ov: _AnchorOverlay | None = None
-        if self.cow:
-            assert self.lower_stat is not None
-            ov = _AnchorOverlay(mnt=self.mnt, lower_fd=self.anchor_fds["lower"], upper_bytes=self.upper_bytes,
-                                upper_inodes=_cow.upper_inodes(self.upper_bytes),
-                                lower_path=None if self.facts.caller_is_root else self.workspace,
-                                idmap=(self.lower_stat.st_uid, self.lower_stat.st_gid)
-                                if self.facts.caller_is_root else None,
-                                root_lower_fd=self.anchor_fds.get("root"),
-                                root_lower_path=None if self.facts.caller_is_root or self.root_fd is None
-                                else self.policy.rootfs,
-                                # A workspace we made a moment ago, nothing copied in: empty.
-                                empty_lower=self.one_shot and self.owns_workspace and not self.inputs)
-        return anchor_argv(self.facts, _exec_helper(), parent=os.getpid(), report_fd=self.anchor_fds["report"],
-                           cgroup_fds=self.anchor_fds["cgroups"], cgroup_dir_fd=self.anchor_fds.get("cgroup_dir"),
-                           rlimits=self.pre_exec_rlimits,
-                           ids=self.host_ids if self.facts.caller_is_root else None, overlay=ov,
-                           keep_fds=(self.anchor_fds["lease"],) if "lease" in self.anchor_fds else (),
-                           pass_fds=self.pass_fds, args_fd=ARGS_FD, command=self._inner_command(),
-                           # The anchor enforces the deadline too (a stopped caller cannot extend a run).
-                           deadline_ns=None if self.deadline is None
-                           else round((self.deadline + self.kill_after + ANCHOR_GRACE_S) * 1e9))
-
-    def _inner_command(self) -> list[str]:
-        """What bwrap runs: the egress relay (outside Landlock: it listens on the proxy port),
-        then the guard, then the command."""
-        command = [*self.guard_prefix, *self.command]
-        return self.egress.wrap(command) if self.egress is not None else command
 
     def spawn(self) -> None:
         """posix_spawn the anchor (which execs bwrap) with an empty environment; open its pidfd.
@@ -1294,6 +198,7 @@ class Run:
                               errno=err.errno) from err
         try:
             self.pidfd = os.pidfd_open(self.pid)
+            self.phase = Phase.SPAWNED
         except OSError as err:
             # Not reaped yet, so the PID is still this child: kill and reap it by PID.
             os.kill(self.pid, signal.SIGKILL)
@@ -1366,7 +271,7 @@ class Run:
         if len(fds) > 1:
             self.upper_fd = fds[1]
             self.fds.remove(fds[1])  # closed by finish_cow
-        self.ready = True
+        self.phase = Phase.READY
         return True
 
     def read_exit(self) -> bool:
@@ -1410,7 +315,7 @@ class Run:
             # The anchor killed the sandbox at the deadline (--deadline-ns): the caller did not.
             self.killed_by = "timeout"
             self.timed_out = True
-        self.exit_reported = True
+        self.phase = Phase.EXITED
         return True
 
     def reap_anchor(self, *, block: bool = True) -> bool:
@@ -1454,22 +359,6 @@ class Run:
         except (OSError, StopIteration, ValueError, IndexError) as err:
             self.notes.append(f"seccomp audit: cannot find the sandbox's PID namespace ({err})")
 
-    def _docs(self) -> list[dict[str, Any]]:
-        docs = []
-        for line in self.json_buf.split(b"\n"):
-            line = line.strip()
-            if line:
-                try:
-                    docs.append(json.loads(line))
-                except ValueError:
-                    pass
-        return docs
-
-    def _first_doc(self) -> dict[str, Any] | None:
-        if b"\n" not in self.json_buf:
-            return None
-        docs = self._docs()
-        return docs[0] if docs else None
 
     # -- 4. supervise --------------------------------------------------------------------
     def feed_stdin(self, *, close: bool = True) -> bool:
@@ -1526,13 +415,6 @@ class Run:
             else:
                 self.feed_json(data)
 
-    def _close_fd(self, attr: str) -> None:
-        fd = getattr(self, attr)
-        if fd is not None:
-            os.close(fd)
-            if fd in self.fds:
-                self.fds.remove(fd)
-            setattr(self, attr, None)
 
     def on_deadline(self) -> None:
         """The deadline passed: SIGKILL the sandbox, or with :attr:`kill_after` first SIGTERM
@@ -1617,12 +499,12 @@ class Run:
         """
         self.reap_bwrap()
         if self.init_pidfd is not None:
-            if not _readable(self.init_pidfd, 2.0):
+            if not _readable(self.init_pidfd, INIT_EXIT_TIMEOUT_S):
                 try:
                     signal.pidfd_send_signal(self.init_pidfd, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-                _readable(self.init_pidfd, 10.0)
+                _readable(self.init_pidfd, INIT_KILL_TIMEOUT_S)
         elif self.cgroup is not None and self.pid is not None:
             # Killed before READY: whatever the anchor forked is in the run's cgroup.
             try:
@@ -1650,364 +532,6 @@ class Run:
             return False
         return not _readable(self.init_pidfd, 0)
 
-    # -- 5. finish -----------------------------------------------------------------------
-    def result(self) -> Result:
-        """Build the Result once bwrap is reaped and the pipes are drained."""
-        docs = self._docs()
-        exit_doc = next((d for d in docs if "exit-code" in d), None)
-        rep = self.read_guard_report()
-        if rep is not None and rep.fail_stage is not None:
-            raise self._guard_failure(rep)
-        stats: _cgroups.CgroupStats | None = None
-        if self.cgroup is not None:
-            try:
-                stats = self.cgroup.stats()
-            except OSError as err:
-                self.notes.append(f"cgroup figures unavailable: {err}")
-        if exit_doc is None and not self.timed_out and self.killed_by is None and stats is not None \
-                and stats.oom_kills:
-            # The memory cgroup's OOM killer took bwrap or the anchor instead of the program (its
-            # files in the tmpfs layers are charged to the run but belong to no process's RSS):
-            # a verdict on the program's memory use, not a setup failure (issue 25).
-            if rep is not None and not rep.started:
-                raise LaunchError(f"the memory limit (memory_bytes={self.policy.limits.memory_bytes}) is too small "
-                                  "for the sandbox's own setup: the memory cgroup's OOM killer killed bwrap before "
-                                  "the program started; raise memory_bytes", argv=self.full_argv, errno=errno.ENOMEM)
-            self.killed_by = "memory"
-            self.notes.append(_limits.memory_kill_note(self.policy.limits, "bwrap or lowlevel's anchor (not the "
-                                                       "program), the sandbox's outer processes"))
-        if exit_doc is None and not self.timed_out and self.killed_by is None and self._program_started(rep):
-            # bwrap reported its child (or the guard its program) started, then died without an
-            # exit code: the anchor or bwrap was killed from outside while the program ran (the
-            # program died with them: PID namespace). A killed program, not a setup failure, so
-            # its output and workspace are delivered (issue 23).
-            self.killed_by = "signal"
-            self.notes.append("the sandbox's supervisor (lowlevel's anchor or bwrap, outside the sandbox) was "
-                              "killed while the program ran; the program was killed with it")
-        if exit_doc is None and not self.timed_out and self.killed_by is None:
-            stderr, _, _ = self.err.value()
-            if self.guard and b"execvp /proc/self/fd/" in stderr:
-                raise LaunchError("bwrap could not execute lowlevel's guard (lowlevel/_lowlevel_guard): "
-                                  f"{stderr.decode('utf-8', 'replace').strip()}", argv=self.full_argv)
-            raise classify_setup_failure(stderr, self.full_argv, self.command)
-        term: int | None
-        if rep is not None and rep.wait_status is not None:
-            # The guard's report: the program's own wait status, a fact (bwrap's exit code says
-            # 152 both for "exit 152" and for death by SIGXCPU).
-            if os.WIFSIGNALED(rep.wait_status):
-                term = os.WTERMSIG(rep.wait_status)
-                exit_code = 128 + term
-            else:
-                term = None
-                exit_code = os.WEXITSTATUS(rep.wait_status)
-        else:
-            exit_code = int(exit_doc["exit-code"]) if exit_doc is not None else 128 + signal.SIGKILL
-            # Without a guard report (the sandbox was killed, or no guard) the code is bwrap's;
-            # with a guard, a code above 128 then is the guard's own death by that signal: the
-            # guard exits above 128 on its own only after reporting.
-            term = decode_exit(exit_code)
-            if rep is not None and rep.started and exit_doc is not None and self.killed_by is None:
-                if stats is not None and stats.oom_kills:
-                    self.notes.append(_limits.memory_kill_note(self.policy.limits, "lowlevel's guard (the program's "
-                                                               "parent inside the sandbox), not the program"))
-                else:
-                    self.notes.append("the guard (the program's parent inside the sandbox) ended before reporting "
-                                      f"the program's end (bwrap exit code {exit_code}); the sandbox was torn down")
-        killed_by = self.killed_by or self._killed_by(exit_code, term, stats)
-        if killed_by == "memory" and not any("OOM killer" in n for n in self.notes):
-            self.notes.append(_limits.memory_kill_note(self.policy.limits))
-        out, out_t, out_d = self.out.value()
-        errout, err_t, err_d = self.err.value()
-        # The sandbox is dead: its writes are final.
-        if self.cow:
-            changes = self.read_changes()
-        else:
-            try:
-                after = self.give_back_workspace() if self.handover is not None else _ws.snapshot(self.workspace)
-            except WorkspaceError as err:
-                # The program ran: its exit status and output are delivered, with the failure as a
-                # warning (the CLI prints it), never a bare OSError that loses them.
-                after = ({}, False)
-                self.notes.append(f"{WARNING_PREFIX}the workspace could not be checked and given back after the "
-                                  f"run ({err}): treat {self.workspace} as untrusted (ownership and setuid/setgid "
-                                  "bits may be left as the sandbox set them)")
-            if self.handover is not None:
-                self.notes.extend(self.handover.notes)  # e.g. directories too deep to check, sealed
-            changes = _ws.diff(self.before, after)
-        enforced = tuple(self.rlimits_applied) + tuple(
-            f"cgroup:{c}" for c in (self.cgroup.enforced if self.cgroup is not None else ()))
-        if self.seccomp_loaded:
-            enforced += ("seccomp",)
-        landlock_abi = rep.abi if rep is not None and rep.started else None
-        if landlock_abi:
-            enforced += ("landlock",)
-        elif rep is not None and rep.started and self.policy.landlock is not False:
-            self.notes.append("Landlock not applied: " + _landlock.describe(0))
-        net_note = network_denial_note(self.policy, landlock_abi, exit_code, errout)
-        if net_note:
-            self.notes.append(net_note)
-        denials = None
-        if self.audit is not None:
-            denials = tuple(self.audit.finish())
-            self.audit = None
-        network = None
-        if self.egress is not None:
-            network, egress_notes, egress_enforced = self.egress.finish()
-            self.notes.extend(egress_notes)
-            enforced += egress_enforced
-        result = Result(
-            exit_code=exit_code, term_signal=term, timed_out=self.timed_out, killed_by=killed_by,
-            stdout=out, stderr=errout, stdout_truncated=out_t, stderr_truncated=err_t,
-            stdout_dropped_bytes=out_d, stderr_dropped_bytes=err_d,
-            wall_time_s=(self.t_end or time.monotonic()) - self.t0,
-            cpu_user_s=stats.cpu_user_s if stats else None, cpu_system_s=stats.cpu_system_s if stats else None,
-            peak_memory_bytes=stats.peak_memory_bytes if stats else None,
-            max_rss_bytes=(self.rusage.ru_maxrss * 1024) if self.rusage is not None else None,
-            oom_kills=stats.oom_kills if stats else None,
-            limits_enforced=enforced, changes=changes, workspace=self.workspace,
-            notes=tuple(self.notes), argv=tuple(self.full_argv), seccomp_denials=denials, network=network,
-            landlock_abi=landlock_abi,
-        )
-        if self.cow:
-            try:
-                self.finish_cow(success=exit_code == 0 and killed_by is None, result=result)
-            except (_overlay.CommitConflictError, CommitIncompleteError):
-                raise
-            except WorkspaceError as err:
-                self.notes.append(f"{WARNING_PREFIX}{err}")
-            result.notes = tuple(self.notes)
-        return result
-
-    def _program_started(self, rep: _landlock.GuardReport | None) -> bool:
-        """After READY, the sandbox was set up and then killed from outside: the guard reported
-        its program started, or bwrap (the anchor's EXIT) or the anchor itself died by a signal
-        (bwrap's own setup failures exit 1: never a signal)."""
-        return self.ready and ((rep is not None and rep.started) or self.supervisor_signaled)
-
-    def setup_error(self) -> LaunchError:
-        """The error for a sandbox that ended before the program started (the anchor exited
-        before READY): :func:`classify_setup_failure` of bwrap's stderr, unless the memory
-        cgroup's OOM killer fired meanwhile, which is then the cause named (issue 25)."""
-        oom = None
-        if self.cgroup is not None:
-            try:
-                oom = self.cgroup.event_counts()[0]
-            except OSError:
-                pass
-        if oom:
-            return LaunchError(f"the memory limit (memory_bytes={self.policy.limits.memory_bytes}) is too small for "
-                               "the sandbox's own setup: the memory cgroup's OOM killer killed a process of it before "
-                               "the program started; raise memory_bytes", argv=self.full_argv, errno=errno.ENOMEM)
-        return classify_setup_failure(self.err.value()[0], self.full_argv, self.command)
-
-    def read_guard_report(self) -> _landlock.GuardReport | None:
-        """What the guard reported (read once, after bwrap exited); None without a guard."""
-        if self.guard_report is None and self.status_r is not None:
-            self.guard_report = _landlock.read_report(self.status_r)
-            self._close_fd("status_r")
-        return self.guard_report
-
-    def _guard_failure(self, rep: _landlock.GuardReport) -> LowlevelError:
-        """The error for a program the guard could not start (exec or Landlock failed)."""
-        code = rep.fail_errno or 0
-        text = self.err.value()[0].decode("utf-8", "replace").strip()
-        if rep.fail_stage == _landlock.STAGE_EXEC:
-            return ExecError(f"{self.command[0]}: {os.strerror(code).lower()} in the sandbox", argv=self.full_argv,
-                             stderr=text, errno=code)
-        if rep.fail_stage == _landlock.STAGE_CWD:
-            return LaunchError(f"the working directory {self.cwd!r} resolves outside the sandbox (through a magic "
-                               "link such as /proc/self/fd/N, or a symlink to one: CVE-2024-21626 class); refused "
-                               "before the program ran: use a directory of the sandbox's own tree, e.g. /workspace",
-                               argv=self.full_argv, stderr=text, errno=code)
-        if rep.fail_stage == _landlock.STAGE_CHDIR:
-            return LaunchError(f"cannot change to the working directory {self.cwd!r} in the sandbox: "
-                               f"{os.strerror(code)}; create it (e.g. under /workspace) or pass another cwd",
-                               argv=self.full_argv, stderr=text, errno=code)
-        if rep.fail_stage == _landlock.STAGE_LANDLOCK and code in (errno.EOPNOTSUPP, errno.ENOSYS):
-            return UnsupportedError("landlock", "Policy(landlock='require') but Landlock is not available "
-                                    "inside the sandbox", "use Policy(landlock=True) for best effort")
-        stage = _landlock.STAGES.get(rep.fail_stage or 0, str(rep.fail_stage))
-        hint = f" ({PROCESS_LIMIT_HINT})" if code == errno.EAGAIN else ""
-        return LaunchError(f"the sandbox's guard could not start {self.command[0]!r}: {stage}: {os.strerror(code)}"
-                           f"{hint}", argv=self.full_argv, stderr=text, errno=code)
-
-    # -- copy-on-write workspace ---------------------------------------------------------
-    @property
-    def xattr_prefix(self) -> str:
-        """Where overlayfs keeps its xattrs in the upper: ``trusted.`` (root) or ``user.`` (userxattr)."""
-        return "trusted.overlay." if self.facts.caller_is_root else "user.overlay."
-
-    def read_changes(self) -> _ws.Changes:
-        """What the run changed so far, from the upper directory (O(changed entries)).
-
-        Raises:
-            WorkspaceError: the upper or lower directory could not be read (``.errno``).
-        """
-        if self.upper_fd is None or self.lower_fd is None:
-            return _ws.Changes()
-        try:
-            return _overlay.read_changes(self.upper_fd, self.lower_fd, xattr_prefix=self.xattr_prefix)
-        except LowlevelError:
-            raise
-        except OSError as err:
-            raise WorkspaceError(err.errno, f"cannot read the run's changes: {err.strerror}") from err
-
-    def finish_cow(self, *, success: bool, result: Result | None = None) -> None:
-        """Commit or discard the run's upper layer (``commit``), once; then release it.
-
-        Raises:
-            CommitConflictError: entries the run changed were also changed on the host during
-                the run: nothing was applied (``.applied`` None), the upper layer was saved to the
-                path the error gives, and ``.result`` holds the run's Result; or during the
-                commit (``.applied`` set: the others were applied, ``.result.changes`` lists them).
-            CommitIncompleteError: the workspace's filesystem could not take the changes (full,
-                out of quota, read-only): what was applied is kept (``.result.changes``), the
-                rest saved at ``.saved_upper``.
-            WorkspaceError: the commit failed before applying anything (each entry is old or
-                new, never lost).
-        """
-        if self.committed or self.upper_fd is None or self.lower_fd is None:
-            return
-        self.committed = True
-        do = self.commit is True or (self.commit == "on_success" and success)
-        try:
-            if not do:
-                self.notes.append("changes discarded: the workspace is as it was before the run"
-                                  + ("" if self.commit is False else " (commit='on_success' and the run failed)"))
-                return
-            root = self.facts.caller_is_root
-            assert self.lower_stat is not None
-            owner = (self.lower_stat.st_uid, self.lower_stat.st_gid) if root else None
-            # A run without a cgroup record (an unprivileged caller here: no writable cgroup)
-            # records its workspace for the commit, so `lowlevel cleanup` finds the commit's
-            # temporaries if this caller dies mid-way (lowlevel.host.run_records; found by the
-            # caller-kill trials: 42 of 42 such kills left them to `cleanup --workspace` only).
-            from lowlevel.host import run_records as _run_records
-            commit_record = None
-            if self.cgroup is None or self.cgroup.record is None:
-                commit_record = _run_records.write(f"commit-{id(self):x}", [], self.workspace)
-            try:
-                report = _overlay.commit_upper(self.upper_fd, self.lower_fd, xattr_prefix=self.xattr_prefix,
-                                               since_ns=self.since_ns, new_owner=owner, upper_bytes=self.upper_bytes,
-                                               accept_seen_host_changes=self.accept_seen_host_changes,
-                                               save_to=lambda: _conflict_dir(self.workspace_base), keep_upper=False)
-            except (CommitIncompleteError, _overlay.CommitConflictError) as err:
-                # The Result then lists what was applied, never what was not (a conflict found
-                # before the apply pass applied nothing: err.applied None).
-                self._applied_only(result, err.applied)
-                err.result = result
-                raise
-            finally:
-                _run_records.remove(commit_record)
-            self.notes.extend(report.notes)
-        finally:
-            os.close(self.upper_fd)
-            self.upper_fd = None
-
-    def _applied_only(self, result: Result | None, applied: _ws.Changes | None) -> None:
-        """A commit that did not complete: ``result.changes`` becomes what it applied."""
-        if result is not None and applied is not None:
-            result.changes = dataclasses.replace(applied, complete=result.changes.complete)
-            self.notes.append(f"{WARNING_PREFIX}the commit did not complete: Result.changes lists only what was "
-                              "applied to the workspace")
-            result.notes = tuple(self.notes)
-
-    def reset_cow(self, timeout_s: float = 10.0) -> None:
-        """Drop the upper layer of a live sandbox (a Session): /workspace is the lower tree again.
-
-        The anchor stacks a fresh overlay on the workspace (the mount propagates into the
-        sandbox); the old upper's content is removed here to free its share of the bound.
-
-        Raises:
-            LaunchError: the anchor refused or did not answer within ``timeout_s``.
-        """
-        if self.report is None or not self.cow:
-            raise LaunchError("this sandbox has no copy-on-write workspace to reset")
-        self.report.setblocking(True)
-        self.report.settimeout(timeout_s)
-        with deferred_interrupts():  # the new upper's fd is ours before any KeyboardInterrupt
-            try:
-                self.report.send(b"RESET")
-                msg, fds, _flags, _addr = socket.recv_fds(self.report, 4096, 2)
-            except OSError as err:
-                raise LaunchError(f"resetting the workspace failed: {err}",
-                                  errno=getattr(err, "errno", None)) from err
-            finally:
-                self.report.setblocking(False)
-            if not msg.startswith(b"RESET_OK") or len(fds) != 1:
-                for fd in fds:
-                    os.close(fd)
-                raise LaunchError("resetting the workspace failed: "
-                                  + msg.decode("utf-8", "replace").removeprefix("RESET_ERR ").strip())
-            old, self.upper_fd = self.upper_fd, self._own(fds[0])
-            self.fds.remove(self.upper_fd)
-        self.since_ns = time.time_ns()
-        if old is not None:
-            try:
-                _overlay.clear_dir(old)
-            except WorkspaceError as err:
-                # A command started before the reset can keep writing into the old layer (its cwd
-                # is there) while it is cleared: the reset stands; what it writes there is in no
-                # later diff or commit, and goes with the sandbox.
-                log.info("lowlevel: the dropped upper layer is still being written to: %s", err)
-            finally:
-                os.close(old)
-
-    def _killed_by(self, exit_code: int, term: int | None, stats: _cgroups.CgroupStats | None) -> str | None:
-        """Why the run died when the supervisor did not kill it: the cgroup's OOM kill
-        (``memory``), a failed fork at ``pids.max`` followed by death by a signal (``pids``),
-        RLIMIT_CPU (SIGXCPU at the soft limit, or SIGKILL at the hard one once the cgroup's CPU
-        total reached ``cpu_s``: ``cpu``), any other signal (``signal``), else None. The pids
-        limit kills nothing (fork fails with EAGAIN): a program that then exits with a status
-        of its own ended on its own, so that is ``exit_code`` N, killed_by None, and a note
-        (:func:`pids_note`)."""
-        if stats is not None:
-            if stats.oom_kills:
-                return "memory"
-            if stats.pids_limit_hit:
-                self.notes.append(pids_note(self.policy.limits.pids, exit_code, term))
-        if term == signal.SIGXCPU:
-            return "cpu"
-        cpu_s = self.policy.limits.cpu_s
-        if term == signal.SIGKILL and "RLIMIT_CPU" in self.rlimits_applied and stats is not None \
-                and cpu_s is not None and (stats.cpu_user_s or 0) + (stats.cpu_system_s or 0) >= cpu_s:
-            return "cpu"
-        if term is not None and stats is not None and stats.pids_limit_hit:
-            return "pids"
-        return "signal" if term is not None else None
-
-    def give_back_workspace(self) -> tuple[Any, bool]:
-        """Strip setuid/setgid bits the run left and give the workspace back to its owners.
-
-        Only once the sandbox is dead (:meth:`result` and :meth:`close` call it). Returns the
-        snapshot after the run. See :func:`lowlevel.workspace.give_back`.
-
-        Raises:
-            WorkspaceError: the walk failed (the root directory is restored regardless).
-        """
-        assert self.handover is not None
-        return _ws.give_back(self.handover)
-
-    def finish_workspace(self, result: Result | None) -> Result | None:
-        """``keep_workspace=False``: remove the fresh workspace now that the Result is built
-        (or the run failed: ``result`` None). Returns the Result with a note saying so."""
-        if self.keep_workspace or not self.owns_workspace or not self.workspace:
-            return result
-        if result is not None:
-            return drop_fresh_workspace(result)
-        if os.path.lexists(self.workspace):
-            try:
-                _ws.remove_workspace(self.workspace)
-            except (OSError, LowlevelError) as err:
-                log.warning("lowlevel: keep_workspace=False: cannot remove %s: %s", self.workspace, err)
-        return None
-
-    def discard_workspace_if_unused(self) -> None:
-        """Remove a workspace this Run created when the program never started (setup failed)."""
-        rep = self.guard_report
-        never_ran = b'"exit-code"' not in self.json_buf or (rep is not None and rep.fail_stage is not None)
-        if self.owns_workspace and self.workspace and never_ran and not self.killed_by:
-            shutil.rmtree(self.workspace, ignore_errors=True)
 
     def close(self) -> None:
         """Kill anything left, reap, commit (``commit=True``) or drop the upper layer, remove
@@ -2077,21 +601,6 @@ class Run:
                     log.warning("lowlevel: cannot remove cgroup: %s", err)
 
 
-class _ExitUsage:
-    """The part of an rusage the anchor's EXIT reports (``ru_maxrss``, KiB)."""
-
-    __slots__ = ("ru_maxrss",)
-
-    def __init__(self, ru_maxrss: int) -> None:
-        self.ru_maxrss = ru_maxrss
-
-
-def _conflict_dir(base: str | None) -> str:
-    """A fresh directory (ours, 0700) to save a run's upper layer into after a commit conflict."""
-    root = _ws.ensure_base(base or _ws.default_base())
-    return tempfile.mkdtemp(prefix="conflict-", dir=root)
-
-
 def _pidfd_pid(pidfd: int | None) -> int | None:
     """The PID (in our namespace) a pidfd refers to (``Pid:`` of its fdinfo), or None."""
     if pidfd is None:
@@ -2133,224 +642,4 @@ def _ppid(pid: int) -> int | None:
         return None
 
 
-def _remaining(deadline: float | None, cap: float | None = None) -> float | None:
-    if deadline is None:
-        return cap
-    left = max(0.0, deadline - time.monotonic())
-    return left if cap is None else min(left, cap)
-
-
-def _drive_sync(r: Run) -> Result:
-    r.prepare()
-    r.spawn()
-    # Handshake: wait for the anchor's READY (bwrap's pidfd), or the anchor's exit (setup failed).
-    setup_deadline = time.monotonic() + SETUP_TIMEOUT_S
-    poller = select.poll()
-    assert r.report is not None and r.pidfd is not None and r.json_r is not None
-    poller.register(r.report.fileno(), select.POLLIN)
-    poller.register(r.pidfd, select.POLLIN)
-    for fd in (r.out_r, r.err_r, r.json_r):
-        if fd is not None:
-            poller.register(fd, select.POLLIN)
-    while not r.ready:
-        left = setup_deadline - time.monotonic()
-        if left <= 0:
-            r.kill(None)
-            r.reap()
-            raise LaunchError(f"the sandbox did not finish setting up within {SETUP_TIMEOUT_S:.0f} s",
-                              argv=r.full_argv)
-        for fd, _ev in poller.poll(left * 1000):
-            if r.report is not None and fd == r.report.fileno():
-                if not r.read_report() and r.report is None:
-                    poller.unregister(fd)
-                if r.ready:
-                    poller.unregister(fd)
-                    break
-            elif fd == r.pidfd:
-                # The anchor exited before READY: setup failed.
-                r.reap()
-                while r.read_fd("err_r") or r.read_fd("out_r") or r.read_fd("json_r"):
-                    pass
-                raise r.setup_error()
-            else:
-                attr = "out_r" if fd == r.out_r else "err_r" if fd == r.err_r else "json_r"
-                if not r.read_fd(attr):
-                    poller.unregister(fd)
-    if r.stdin_w is not None and not r.feed_stdin():
-        poller.register(r.stdin_w, select.POLLOUT)
-    report_no = -1  # the report socket's fd number while registered (EXIT: the sandbox is gone)
-    if r.report is not None:
-        report_no = r.report.fileno()
-        poller.register(report_no, select.POLLIN)
-    bwrap_done = False
-    while True:
-        open_fds = [fd for fd in (r.out_r, r.err_r, r.json_r, r.stdin_w) if fd is not None]
-        if bwrap_done and not open_fds:
-            break
-        wait = _remaining(r.deadline)
-        if bwrap_done:
-            # bwrap is gone and the sandbox is dead: the pipes are at EOF or about to be.
-            wait = 1.0 if wait is None else min(wait, 1.0)
-        events = poller.poll(None if wait is None else wait * 1000)
-        if not events:
-            if bwrap_done:
-                for attr in ("out_r", "err_r", "json_r", "stdin_w"):
-                    fd = getattr(r, attr)
-                    if fd is not None:
-                        poller.unregister(fd)
-                        if attr != "stdin_w":
-                            r.read_fd(attr)
-                        r._close_fd(attr)
-                break
-            if r.deadline is not None and time.monotonic() >= r.deadline:
-                r.on_deadline()
-            continue
-        for fd, _ev in events:
-            if fd == report_no:
-                if r.read_exit():
-                    poller.unregister(report_no)
-                    report_no = -1
-                    poller.unregister(r.pidfd)
-                    r.reap()  # the sandbox is gone: no wait for the anchor's own teardown
-                    bwrap_done = True
-                elif r.report is None:  # EOF without EXIT: the anchor's pidfd tells
-                    poller.unregister(report_no)
-                    report_no = -1
-            elif fd == r.pidfd:
-                if bwrap_done:
-                    continue
-                poller.unregister(fd)
-                if report_no >= 0:
-                    poller.unregister(report_no)
-                    report_no = -1
-                    r.read_exit()  # sent before it exited: bwrap's own status and rusage
-                r.reap()
-                bwrap_done = True
-            elif fd == r.stdin_w:
-                if r.feed_stdin():
-                    poller.unregister(fd)
-            elif fd in (r.out_r, r.err_r, r.json_r):
-                attr = "out_r" if fd == r.out_r else "err_r" if fd == r.err_r else "json_r"
-                if not r.read_fd(attr):
-                    poller.unregister(fd)
-            # else: an fd unregistered earlier in this batch (the report socket)
-        if not bwrap_done and r.deadline is not None and time.monotonic() >= r.deadline:
-            r.on_deadline()
-    return r.result()
-
-
-def run(command: Sequence[str], *, policy: Policy | None = None, workspace: str | os.PathLike[str] | None = None,
-        inputs: Sequence[str | os.PathLike[str] | tuple[str, str]] = (), timeout: float | None = DEFAULT_TIMEOUT_S,
-        stdin: bytes | None = None, env: Mapping[str, str] | None = None, capture: bool = True,
-        cwd: str | None = None, workspace_base: str | None = None,
-        record: str | os.PathLike[str] | None = None, allow_sensitive_workspace: bool = False,
-        stdio_fds: Sequence[int | None] | None = None, keep_workspace: bool = True,
-        commit: bool | str = True, kill_after: float = 0.0) -> Result:
-    """Run ``command`` in a fresh bwrap sandbox and wait for it.
-
-    Args:
-        command: program and arguments as seen inside, e.g. ``["python3", "main.py"]``;
-            a bare name is searched on the sandbox's PATH.
-        policy: the sandbox description; default ``Policy()`` (the hardened recipe).
-        workspace: host directory bound read-write at ``/workspace`` (must exist). None makes
-            a fresh per-run directory under ``workspace_base`` (kept after the run; its path
-            is ``Result.workspace``). ``/``, system directories (``/etc``, ``/usr``, ``/var``,
-            ``/tmp`` itself...), home directories and credential locations are refused
-            (:func:`lowlevel.workspace.workspace_refusal`).
-        inputs: host files or directories copied into the workspace before the run, each
-            under its base name, or ``(host path, dest)`` pairs with ``dest`` relative to the
-            workspace (:func:`lowlevel.workspace.copy_inputs`).
-        timeout: wall-clock limit in seconds (None: no limit); on expiry the whole sandbox is
-            SIGKILLed and the Result has ``timed_out=True``, ``killed_by="timeout"``.
-        kill_after: seconds of grace at the timeout, as ``timeout -k`` (coreutils): > 0 sends
-            SIGTERM to every process of the sandbox (but its PID 1) at the deadline, and
-            SIGKILLs the whole sandbox ``kill_after`` seconds later if it has not ended (a
-            program that exits on SIGTERM ends at once: ``term_signal`` SIGTERM, or its own exit
-            status if it handles it); ``timed_out`` either way. 0 (default): SIGKILL at the
-            deadline. Not with ``record``. The anchor's own backstop kill moves back by as much.
-        stdin: bytes fed to the program's stdin, or None for ``/dev/null`` (capture mode) or
-            the caller's stdin (``capture=False``).
-        env: variables set inside on top of the Policy's.
-        capture: True pipes stdout/stderr into the Result (capped per Policy); False lets the
-            program use the caller's fds 0, 1, 2 (a terminal included).
-        cwd: working directory inside the sandbox (default ``policy.workdir``, else ``/workspace``).
-        workspace_base: parent of fresh workspaces (default ``$LOWLEVEL_WORKSPACE_BASE`` or
-            ``/tmp/lowlevel-<uid>``).
-        record: write a run record (JSON, ``docs/record-schema.json``) to this path after the
-            run, and copy the inputs to ``<record>.inputs/`` for ``lowlevel replay``; see
-            :func:`lowlevel.record.record_run`.
-        allow_sensitive_workspace: accept a ``workspace`` that would be refused.
-        commit: what happens to the run's changes (the workspace is the read-only lower layer
-            of a copy-on-write overlay; the run writes into a bounded upper layer): True
-            (default) applies them to the workspace after the run, whatever its outcome
-            (timeout and limit kills included: what the program wrote is kept, as with a plain
-            directory); ``"on_success"`` only when it exited 0 and was not killed; False
-            discards them (the workspace is left bit-identical). ``Result.changes`` reports
-            them either way.
-        stdio_fds: ``(stdin_fd, stdout_fd, stderr_fd)``, open fds of the caller given to the
-            program as its fds 0, 1 and 2 (None for one keeps the default above); the caller
-            keeps ownership and closes them. Pass pipes or a pty of your own
-            (:class:`lowlevel.sandbox.relay.StdioRelay` does for the CLI) so the program never holds
-            your own terminal or files: a program holding your terminal can change its line
-            discipline or lock it (``TIOCSETD``, ``TIOCEXCL``), one holding your log file can
-            reopen it through ``/proc/self/fd`` and read it. stdout and stderr only with
-            ``capture=False``; stdin not with ``stdin`` bytes.
-        keep_workspace: True (default) keeps a fresh workspace after the run (its path is
-            ``Result.workspace``). False removes it once the Result is built (``changes``
-            still lists what the run did; a note says it was removed), and on failure or
-            interruption too. Only for a fresh workspace: with ``workspace=`` it raises
-            PolicyError (lowlevel never deletes your directory).
-    Returns:
-        A :class:`Result`.
-    Raises:
-        PolicyError: a bad argument (the message says which).
-        WorkspaceError: the workspace is refused (EPERM: a system or home directory), missing,
-            not a directory, too large for a root caller (E2BIG), or unreachable by the
-            sandbox's uid; an input is missing.
-        ExecError: the command does not exist (errno ENOENT) or is not executable (EACCES).
-        BwrapNotFoundError: bwrap is not installed.
-        LaunchError: bwrap failed to set up the sandbox (``.stderr`` has its message).
-        UnsupportedError: the host cannot enforce a limit the Policy requires.
-    """
-    if isinstance(kill_after, bool) or not isinstance(kill_after, (int, float)) or not 0 <= kill_after < 2**31:
-        raise PolicyError(f"kill_after must be a number of seconds >= 0, got {kill_after!r}")
-    if record is not None:
-        if commit is not True:
-            # The record hashes the workspace after the run's commit, and replay commits: a
-            # record of a discarded run would say the opposite of what happened (issue 26: the
-            # library used to drop commit= here and commit anyway, as the CLI refuses to).
-            raise PolicyError(f"commit={commit!r} does not go with record (a record's run commits its changes, "
-                              "and replay does): drop one of them")
-        if kill_after:
-            raise PolicyError("kill_after does not go with record (a record replays the SIGKILL at the deadline): "
-                              "drop one of them")
-        if stdio_fds is not None and any(fd is not None for fd in stdio_fds):
-            raise PolicyError("stdio_fds does not go with record: a record stores stdin as bytes and "
-                              "the output it hashes; pass stdin= and capture the output")
-        _check_keep_workspace(keep_workspace, workspace)
-        from lowlevel.record import record_run
-        recorded = record_run(command, record=record, policy=policy, workspace=workspace, inputs=inputs,
-                              timeout=timeout, stdin=stdin, env=env, capture=capture, cwd=cwd,
-                              workspace_base=workspace_base, allow_sensitive_workspace=allow_sensitive_workspace)
-        return recorded if keep_workspace else drop_fresh_workspace(recorded)
-    r = Run(command, policy=policy or Policy(), workspace=None if workspace is None else os.fspath(workspace),
-            inputs=inputs, timeout=timeout, stdin=stdin, env=env, capture=capture, cwd=cwd,
-            workspace_base=workspace_base, allow_sensitive_workspace=allow_sensitive_workspace,
-            stdio_fds=stdio_fds, keep_workspace=keep_workspace, commit=commit)
-    r.kill_after = float(kill_after)
-    try:
-        result = _drive_sync(r)
-    except BaseException:
-        r.close()
-        r.discard_workspace_if_unused()
-        r.finish_workspace(None)
-        raise
-    finally:
-        r.close()
-    out = r.finish_workspace(result)
-    assert out is not None
-    return out
-
-
-__all__ = ["DEFAULT_TIMEOUT_S", "ExecError", "Run", "classify_setup_failure", "drop_fresh_workspace", "host_facts",
-           "precheck_exec", "run"]
+__all__ = ["DRAIN_TIMEOUT_S", "INIT_EXIT_TIMEOUT_S", "INIT_KILL_TIMEOUT_S", "Run", "SETUP_TIMEOUT_S"]

@@ -12,6 +12,7 @@ reports; ``exit_code`` keeps the shell's 128+N convention for a death by signal 
 
 from __future__ import annotations
 
+import os
 import signal
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -149,4 +150,44 @@ def decode_exit(exit_code: int) -> int | None:
     return None
 
 
-__all__ = ["KILLED_BY", "Result", "RunFailedError", "decode_exit"]
+def wait_status_exit(wait_status: int) -> tuple[int, int | None]:
+    """``(exit_code, term_signal)`` of a wait status (wait(2)): the shell's 128+N for a death by
+    signal N, with N as ``term_signal``; the exit status and None otherwise."""
+    if os.WIFSIGNALED(wait_status):
+        term = os.WTERMSIG(wait_status)
+        return 128 + term, term
+    return os.WEXITSTATUS(wait_status), None
+
+
+def classify_kill(*, term: int | None, oom: bool, pids_hit: bool, cpu_used_s: float | None,
+                  cpu_limit_s: float | None, rlimit_cpu: bool) -> str | None:
+    """Why a program died when its supervisor did not kill it (:attr:`Result.killed_by`); the one
+    classification of :func:`lowlevel.run` and a Session's commands.
+
+    Args:
+        term: the signal that killed it, or None (it exited).
+        oom: the memory cgroup's OOM killer fired (charged to this program): ``"memory"``.
+        pids_hit: a fork/clone failed at ``pids.max`` during the run. The pids limit kills
+            nothing (fork fails with EAGAIN): only a death by a signal after it is ``"pids"``; a
+            program that then exits on its own ended on its own (None; the caller adds
+            :func:`lowlevel.sandbox.failures.pids_note`).
+        cpu_used_s, cpu_limit_s: the CPU seconds it used (None: unknown) and ``Limits.cpu_s``.
+        rlimit_cpu: RLIMIT_CPU was set: SIGXCPU at the soft limit, or SIGKILL at the hard one
+            once the CPU used reached ``cpu_s``, is ``"cpu"``.
+    Returns:
+        ``"memory"``, ``"cpu"``, ``"pids"``, ``"signal"`` (any other signal) or None.
+    Source: setrlimit(2) RLIMIT_CPU; the kernel's cgroup v1/v2 memory and pids controllers.
+    """
+    if oom:
+        return "memory"
+    if term == signal.SIGXCPU:
+        return "cpu"
+    if term == signal.SIGKILL and rlimit_cpu and cpu_limit_s is not None and cpu_used_s is not None \
+            and cpu_used_s >= cpu_limit_s:
+        return "cpu"
+    if term is not None:
+        return "pids" if pids_hit else "signal"
+    return None
+
+
+__all__ = ["KILLED_BY", "Result", "RunFailedError", "classify_kill", "decode_exit", "wait_status_exit"]

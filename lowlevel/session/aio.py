@@ -16,7 +16,7 @@ from typing import Any
 
 from lowlevel import workspace as _ws
 from lowlevel.errors import LowlevelError
-from lowlevel.sandbox.launcher import DEFAULT_TIMEOUT_S
+from lowlevel.sandbox.request import DEFAULT_TIMEOUT_S
 from lowlevel.sandbox.result import Result
 from lowlevel.session.command import Command
 from lowlevel.session.core import Core, note_close_failure

@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 # Private names of lowlevel.sandbox.launcher (its engineer is reshaping them): the capped output buffer.
-from lowlevel.sandbox.launcher import _Capture
+from lowlevel.sandbox.state import _Capture
 from lowlevel.sandbox.result import Result
 from lowlevel.session.protocol import GRACE_S
 from lowlevel.spec.policy import Policy

@@ -31,7 +31,10 @@ from lowlevel.sandbox import landlock_rules as _landlock_rules
 from lowlevel.sandbox._interrupts import deferred_interrupts
 # Private names of lowlevel.sandbox.launcher (its engineer is reshaping them): the argv check and
 # the memfd of a large SPAWN body.
-from lowlevel.sandbox.launcher import Run, _check_command, _memfd, host_facts
+from lowlevel.sandbox.facts import host_facts
+from lowlevel.sandbox.launcher import Run, _check_command
+from lowlevel.sandbox.plan import memfd as _memfd
+from lowlevel.sandbox.request import RunRequest
 from lowlevel.sandbox.result import Result
 from lowlevel.session import protocol as proto
 from lowlevel.session.command import Command
@@ -153,11 +156,11 @@ class Core(WorkspaceGate):
         argv = proto.init_argv(idle_timeout, total_timeout,
                                _landlock_rules.ruleset_args(policy, facts.layout.ro_dirs, facts.bwrap.options))
         self.landlock_abi = 0
-        self.run = Run(argv, policy=self.sandbox_policy,
-                       workspace=None if workspace is None else os.fspath(workspace), inputs=inputs,
-                       timeout=None, capture=True, workspace_base=workspace_base, bwrap=bwrap,
-                       extra_fds={proto.SOCK_FD: child.fileno(), proto.EXE_FD: proto.init_fd(exe)},
-                       allow_sensitive_workspace=allow_sensitive_workspace, commit=commit, guard=False,
+        self.run = Run(RunRequest(argv, workspace=workspace, inputs=inputs, timeout=None,
+                                  workspace_base=workspace_base, allow_sensitive_workspace=allow_sensitive_workspace,
+                                  commit=commit),
+                       policy=self.sandbox_policy, bwrap=bwrap,
+                       extra_fds={proto.SOCK_FD: child.fileno(), proto.EXE_FD: proto.init_fd(exe)}, guard=False,
                        one_shot=False)
         self.run.accept_seen_host_changes = True
         self.run.keep_close_error = True  # close() raises a failed final commit (it is not only logged)

@@ -26,7 +26,8 @@ from lowlevel import workspace as _ws
 from lowlevel.errors import CommitIncompleteError, PolicyError, SessionError, UnsupportedError
 # A private name of lowlevel.sandbox.launcher (its engineer is reshaping it): where a commit's
 # conflicting changes are saved.
-from lowlevel.sandbox.launcher import Run, _conflict_dir
+from lowlevel.sandbox.commit import conflict_dir as _conflict_dir
+from lowlevel.sandbox.launcher import Run
 from lowlevel.session.command import Command
 from lowlevel.session.phase import Phase
 from lowlevel.spec.policy import WORKSPACE_DEST

@@ -15,7 +15,7 @@ import signal
 
 from lowlevel import workspace as _ws
 from lowlevel.errors import LaunchError, LowlevelError
-from lowlevel.sandbox.launcher import ExecError, network_denial_note, pids_note
+from lowlevel.sandbox.failures import ExecError, network_denial_note, pids_note
 from lowlevel.sandbox.result import Result
 from lowlevel.session import protocol as proto
 from lowlevel.session.command import Command

@@ -19,7 +19,8 @@ from typing import Any
 
 from lowlevel import workspace as _ws
 from lowlevel.errors import PolicyError, SessionError, UnsupportedError
-from lowlevel.sandbox.launcher import DEFAULT_TIMEOUT_S, ExecError
+from lowlevel.sandbox.failures import ExecError
+from lowlevel.sandbox.request import DEFAULT_TIMEOUT_S
 from lowlevel.sandbox.result import Result
 from lowlevel.session.sync import Session
 from lowlevel.spec import validate as _validate

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from lowlevel import workspace as _ws
-from lowlevel.sandbox.launcher import DEFAULT_TIMEOUT_S
+from lowlevel.sandbox.request import DEFAULT_TIMEOUT_S
 from lowlevel.sandbox.result import Result
 from lowlevel.session.command import Command
 from lowlevel.session.core import close_on_exit, Core

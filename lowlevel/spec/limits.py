@@ -279,7 +279,7 @@ def fallback_notes(limits: Limits, cgroup: Enforcing | None) -> tuple[str, ...]:
 
 
 #: How the notes that explain a verdict start (:func:`memory_kill_note`,
-#: :func:`lowlevel.sandbox.launcher.pids_note`, :func:`lowlevel.sandbox.launcher.network_denial_note`, a Session
+#: :func:`lowlevel.sandbox.failures.pids_note`, :func:`lowlevel.sandbox.failures.network_denial_note`, a Session
 #: init's death by the OOM killer): the CLI prints them, MCP results carry them. They name limits
 #: and policy, never host paths.
 VERDICT_NOTE_PREFIXES = ("the memory cgroup's OOM killer", "the pids limit was hit", "connect() refused by the sandbox",

@@ -29,10 +29,12 @@ def run_with_dir_fds(command, *, policy, workspace, timeout, stdin, dirs, commit
     from lowlevel.sandbox import launcher
     opened = {int(n): os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) for n, path in dirs.items()}
     try:
-        r = launcher.Run(command, policy=policy, workspace=workspace, timeout=timeout, stdin=stdin,
-                         extra_fds=opened, commit=commit, cwd=cwd)
+        from lowlevel.sandbox.request import RunRequest
+        r = launcher.Run(RunRequest(command, workspace=workspace, timeout=timeout, stdin=stdin, commit=commit, cwd=cwd),
+                         policy=policy, extra_fds=opened)
         try:
-            return launcher._drive_sync(r)
+            from lowlevel.sandbox.drive import _drive_sync
+            return _drive_sync(r)
         finally:
             r.close()
     finally:

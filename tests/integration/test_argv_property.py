@@ -39,7 +39,10 @@ from lowlevel import cli
 from lowlevel.spec import validate
 from lowlevel.sandbox.argv import build_argv, encode_args
 from lowlevel.errors import PolicyError
-from lowlevel.sandbox.launcher import CHILD_FDS, Run, host_facts
+from lowlevel.sandbox.facts import host_facts
+from lowlevel.sandbox.launcher import Run
+from lowlevel.sandbox.plan import CHILD_FDS
+from lowlevel.sandbox.request import RunRequest
 from lowlevel.spec.policy import WORKSPACE_DEST, Bind, Policy
 from lowlevel.record import RecordError, replay
 from lowlevel.spec.report import name_from_json
@@ -106,7 +109,7 @@ def test_argv_is_exactly_the_intended_one(shared: Path, cwd: str, env: dict[str,
     src = str(shared / "bindsrc")
     try:
         policy = Policy(env=policy_env, binds=(Bind(src, dest),), hostname=hostname or "h")
-        r = Run(["true", *args], policy=policy, cwd=cwd, env=env, workspace=str(shared))
+        r = Run(RunRequest(["true", *args], cwd=cwd, env=env, workspace=str(shared)), policy=policy)
     except PolicyError:
         return
     argv = build_argv(policy, host_facts(), workspace=str(shared), fds=CHILD_FDS, extra_env=env or None)

@@ -20,6 +20,7 @@ import pytest
 
 import lowlevel
 from lowlevel.sandbox.launcher import Run
+from lowlevel.sandbox.request import RunRequest
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.root]
 
@@ -30,7 +31,7 @@ def test_a_leaked_run_cgroup_does_not_collide_with_later_runs() -> None:
     try:
         policy = lowlevel.Policy()
         for _ in range(20):
-            r = Run(["true"], policy=policy, workspace=ws)
+            r = Run(RunRequest(["true"], workspace=ws), policy=policy)
             try:
                 r.prepare()  # raised LaunchError (EEXIST) once an address came back
                 if r.cgroup is None:

@@ -165,8 +165,9 @@ def test_keep_workspace_false_names_its_workspace_disposable():
     from lowlevel.sandbox.launcher import Run
     from lowlevel.host.procs import process_alive
     from lowlevel.workspace.create import disposable_owner
+    from lowlevel.sandbox.request import RunRequest
     for keep, prefix in ((False, "rm-"), (True, "run-")):
-        r = Run(["/usr/bin/true"], policy=Policy(), keep_workspace=keep)
+        r = Run(RunRequest(["/usr/bin/true"], keep_workspace=keep), policy=Policy())
         try:
             r.prepare()
             name = os.path.basename(r.workspace)

@@ -23,7 +23,10 @@ import pytest
 import lowlevel
 from lowlevel.sandbox import argv as _argv
 from lowlevel.errors import LaunchError, PolicyError
-from lowlevel.sandbox.launcher import Run, _open_etc_copy, host_facts
+from lowlevel.sandbox.facts import host_facts
+from lowlevel.sandbox.launcher import Run
+from lowlevel.sandbox.plan import open_etc_copy as _open_etc_copy
+from lowlevel.sandbox.request import RunRequest
 
 pytestmark = pytest.mark.bwrap
 
@@ -106,8 +109,8 @@ def test_extra_fds_cannot_take_the_etc_copies_numbers() -> None:
     r, w = os.pipe()
     try:
         with pytest.raises(PolicyError, match="reserved"):
-            Run(["/usr/bin/true"], policy=lowlevel.Policy(), extra_fds={_argv.ETC_COPY_FD: r})
-        Run(["/usr/bin/true"], policy=lowlevel.Policy(), extra_fds={_argv.ETC_COPY_FD - 1: r}).close()  # control: a free number
+            Run(RunRequest(["/usr/bin/true"]), policy=lowlevel.Policy(), extra_fds={_argv.ETC_COPY_FD: r})
+        Run(RunRequest(["/usr/bin/true"]), policy=lowlevel.Policy(), extra_fds={_argv.ETC_COPY_FD - 1: r}).close()  # control: a free number
     finally:
         os.close(r)
         os.close(w)
@@ -119,12 +122,13 @@ def test_extra_fds_cannot_take_the_etc_copies_numbers() -> None:
 _LAYOUT_CHILD = r"""
 import dataclasses, json, sys
 import lowlevel
+from lowlevel.sandbox import facts as sandbox_facts
 from lowlevel.sandbox import launcher
 extra = tuple(sys.argv[1:])
-facts = launcher.host_facts()
+facts = sandbox_facts.host_facts()
 fake = dataclasses.replace(facts, layout=dataclasses.replace(facts.layout,
                                                              etc_files=facts.layout.etc_files + extra))
-launcher.host_facts = lambda bwrap=None: fake
+launcher.host_facts = lambda bwrap=None: fake  # the name Run looks up
 # Landlock off: the wall under test is the file's mode (Landlock would refuse /var/tmp anyway).
 try:
     r = lowlevel.run(["/bin/sh", "-c", "for f in \"$@\"; do cat \"$f\" || echo unreadable; done", "sh", *extra],

@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 
 import lowlevel
-from lowlevel.sandbox import launcher
+from lowlevel.sandbox import facts as launcher_facts
 
 pytestmark = [pytest.mark.timeout(60)]
-HELPER = launcher.EXEC_HELPER_PATH
+HELPER = launcher_facts.EXEC_HELPER_PATH
 ROOT = os.geteuid() == 0
 needs_helper = pytest.mark.skipif(not os.access(HELPER, os.X_OK),
                                   reason="lowlevel/_lowlevel_exec not built (pip install -e .)")
@@ -96,7 +96,7 @@ def test_refuses_to_exec_when_setresuid_fails(marker: Path):
 
 
 @needs_helper
-@pytest.mark.skipif(ROOT and launcher.host_facts().cap_sys_resource,
+@pytest.mark.skipif(ROOT and launcher_facts.host_facts().cap_sys_resource,
                     reason="with CAP_SYS_RESOURCE raising a hard limit succeeds")
 def test_refuses_to_exec_when_setrlimit_fails(marker: Path):
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -204,7 +204,7 @@ def test_launcher_always_goes_through_the_anchor(monkeypatch: pytest.MonkeyPatch
 
     def missing() -> str:
         raise lowlevel.UnsupportedError("exec-helper", "missing", "reinstall lowlevel")
-    monkeypatch.setattr(launcher, "_exec_helper", missing)
+    monkeypatch.setattr(launcher_facts, "_exec_helper", missing)
     with pytest.raises(lowlevel.UnsupportedError):
         lowlevel.run(["true"])
 
@@ -217,7 +217,7 @@ def test_launcher_reports_a_failing_helper_as_setup_failure(monkeypatch: pytest.
     fake.write_text("#!/bin/sh\necho 'lowlevel_exec: setresuid (65534, 65534, 65534): Operation not permitted' >&2\n"
                     "exit 125\n")
     fake.chmod(0o755)
-    monkeypatch.setattr(launcher, "_exec_helper", lambda: str(fake))
+    monkeypatch.setattr(launcher_facts, "_exec_helper", lambda: str(fake))
     with pytest.raises(lowlevel.LaunchError) as info:
         lowlevel.run(["true"])
     assert "setresuid" in str(info.value)

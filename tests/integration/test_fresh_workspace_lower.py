@@ -17,12 +17,13 @@ import pytest
 
 import lowlevel
 from lowlevel.sandbox.launcher import Run
+from lowlevel.sandbox.request import RunRequest
 
 pytestmark = pytest.mark.bwrap
 
 
-def _anchor_argv(**kw: object) -> list[str]:
-    r = Run(["/usr/bin/true"], policy=lowlevel.Policy(), **kw)  # type: ignore[arg-type]
+def _anchor_argv(one_shot: bool = True, **kw: object) -> list[str]:
+    r = Run(RunRequest(["/usr/bin/true"], **kw), policy=lowlevel.Policy(), one_shot=one_shot)  # type: ignore[arg-type]
     try:
         r.prepare()
         return r.anchor_argv()

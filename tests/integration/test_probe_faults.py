@@ -87,9 +87,9 @@ _PROBE = r"""
 import errno, json, os, resource, sys
 from lowlevel.workspace import cow
 from lowlevel.host import hostcache
-from lowlevel.sandbox import launcher
+from lowlevel.sandbox import facts as sandbox_facts
 ws = sys.argv[1]
-facts = launcher.host_facts()
+facts = sandbox_facts.host_facts()
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
 held = []
@@ -99,13 +99,13 @@ try:
 except OSError as err:
     assert err.errno == errno.EMFILE, err
 os.close(held.pop())  # one fd left: the probe opens the workspace, then cannot make its pipes
-starved = cow.cow_support(ws, lambda: launcher._probe_cow(facts, ws, None))
+starved = cow.cow_support(ws, lambda: sandbox_facts._probe_cow(facts, ws, None))
 for fd in held:
     os.close(fd)
 resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 hostcache.clear_memory()
 after = [v for k, v in hostcache.entries("host") if k.startswith("cow:")]
-again = cow.cow_support(ws, lambda: launcher._probe_cow(facts, ws, None))
+again = cow.cow_support(ws, lambda: sandbox_facts._probe_cow(facts, ws, None))
 print(json.dumps({"starved": [starved.ok, starved.reason, starved.transient], "cached_after": after,
                   "again": [again.ok, again.reason, again.transient]}))
 """
@@ -192,7 +192,7 @@ def test_doctor_probes_a_cached_no_again(place: Path, monkeypatch: pytest.Monkey
     from lowlevel.workspace import cow
     from lowlevel import doctor
     from lowlevel.host import hostcache
-    from lowlevel.sandbox import launcher
+    from lowlevel.sandbox import facts as sandbox_facts
     ws, cache, base = _setup(place, None)
     monkeypatch.setenv("LOWLEVEL_CACHE_DIR", str(cache))
     monkeypatch.setenv("LOWLEVEL_WORKSPACE_BASE", str(base))
@@ -201,10 +201,10 @@ def test_doctor_probes_a_cached_no_again(place: Path, monkeypatch: pytest.Monkey
     try:
         dev = os.stat(ws).st_dev
         mnt = cow.mount_dir(None)
-        key = [dev, os.geteuid(), mnt, hostcache.file_key(launcher.EXEC_HELPER_PATH)]
+        key = [dev, os.geteuid(), mnt, hostcache.file_key(sandbox_facts.EXEC_HELPER_PATH)]
         stale = {"ok": False, "reason": "[Errno 24] Too many open files", "path": str(ws), "base": None}
         hostcache.put("host", f"cow:{dev}:{mnt}", key, stale)
-        assert not cow.cow_support(str(ws), lambda: launcher._probe_cow(launcher.host_facts(), str(ws), None)).ok
+        assert not cow.cow_support(str(ws), lambda: sandbox_facts._probe_cow(sandbox_facts.host_facts(), str(ws), None)).ok
         checks = doctor.cached_cow_checks()
         mine = [c for c in checks if c["name"] == f"workspace on {ws}"]
         assert len(mine) == 1 and mine[0]["ok"] and "corrected" in mine[0]["detail"], checks

@@ -300,8 +300,10 @@ def test_unexecutable_bwrap_named_as_such_by_session_and_run(tmpdir_shared: Path
     with pytest.raises(BwrapNotFoundError, match="cannot execute bwrap") as info:
         lowlevel.Session(bwrap=str(bwrap), workspace_base=str(tmpdir_shared / "ws"))
     assert "hello" not in str(info.value)
-    from lowlevel.sandbox.launcher import Run, _drive_sync
-    r = Run(["true"], policy=lowlevel.Policy(), bwrap=str(bwrap), workspace_base=str(tmpdir_shared / "ws"))
+    from lowlevel.sandbox.drive import _drive_sync
+    from lowlevel.sandbox.launcher import Run
+    from lowlevel.sandbox.request import RunRequest
+    r = Run(RunRequest(["true"], workspace_base=str(tmpdir_shared / "ws")), policy=lowlevel.Policy(), bwrap=str(bwrap))
     try:
         with pytest.raises(LaunchError, match="cannot execute bwrap"):
             _drive_sync(r)

@@ -11,7 +11,7 @@ import pytest
 
 from lowlevel.host import hostcache
 
-from lowlevel.sandbox import launcher
+from lowlevel.sandbox import failures
 
 from lowlevel.host import seccomp_filter
 from lowlevel.spec.seccomp import DEFAULT_PROFILE
@@ -144,10 +144,10 @@ def test_every_builtin_syscall_name_is_known_to_libseccomp() -> None:
 
 def test_a_setup_failure_forgets_the_host_facts(cache: Path) -> None:
     hostcache.put("host", "cow:1:/x", 1, {"ok": True, "reason": ""})
-    err = launcher.classify_setup_failure(b"lowlevel_exec: mount overlay on /x: Invalid argument\n", ["x"], ["true"])
+    err = failures.classify_setup_failure(b"lowlevel_exec: mount overlay on /x: Invalid argument\n", ["x"], ["true"])
     assert "mount overlay" in str(err)
     assert not (cache / "host.json").exists()
     # A missing command is the command's fault, not the host's: the facts stay.
     hostcache.put("host", "cow:1:/x", 1, {"ok": True, "reason": ""})
-    launcher.classify_setup_failure(b"bwrap: execvp nope: No such file or directory\n", ["x"], ["nope"])
+    failures.classify_setup_failure(b"bwrap: execvp nope: No such file or directory\n", ["x"], ["nope"])
     assert (cache / "host.json").exists()

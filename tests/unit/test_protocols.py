@@ -32,7 +32,7 @@ from lowlevel.host import landlock
 from lowlevel.net import egress_run
 from lowlevel.sandbox import argv as argv_mod
 from lowlevel.sandbox import landlock_rules
-from lowlevel.sandbox import launcher
+from lowlevel.sandbox import plan
 from lowlevel.spec import egress
 
 REPO = Path(__file__).resolve().parents[2]
@@ -163,8 +163,8 @@ def test_fixed_fds_are_distinct_and_below_the_etc_copies() -> None:
     """The table's fixed numbers never collide (an fd dup2'd twice would lose one)."""
     fixed = [v for h, v, _c, p in ROWS if h.startswith("### Fd numbers")]
     assert len(fixed) == len(set(fixed)) and max(fixed) == argv_mod.ETC_COPY_FD
-    fds = launcher.CHILD_FDS
-    assert {launcher.ARGS_FD, fds.json_status, fds.seccomp, fds.passwd, fds.group} <= set(fixed)
+    fds = plan.CHILD_FDS
+    assert {plan.ARGS_FD, fds.json_status, fds.seccomp, fds.passwd, fds.group} <= set(fixed)
 
 
 # --- the anchor: options and report-socket records ---------------------------------------------

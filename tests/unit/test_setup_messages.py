@@ -11,7 +11,7 @@ import errno
 import pytest
 
 from lowlevel.errors import BwrapNotFoundError
-from lowlevel.sandbox.launcher import classify_setup_failure
+from lowlevel.sandbox.failures import classify_setup_failure
 
 
 @pytest.mark.parametrize("stderr, expect, not_expect", [

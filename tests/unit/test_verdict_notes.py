@@ -11,7 +11,7 @@ import pytest
 from lowlevel import Egress, Policy, PolicyError, Result
 from lowlevel.integrations import _files
 from lowlevel.integrations._config import SandboxConfig
-from lowlevel.sandbox.launcher import network_denial_note, pids_note
+from lowlevel.sandbox.failures import network_denial_note, pids_note
 
 PY_CONNECT = (b"Traceback (most recent call last):\n  File \"<string>\", line 2, in <module>\n"
               b"    sock.connect(sa)\nPermissionError: [Errno 13] Permission denied\n")
