@@ -51,7 +51,7 @@ from lowlevel.sandbox.result import Result, RunFailedError  # noqa: E402
 from lowlevel.spec.seccomp import DEFAULT_PROFILE, SeccompProfile  # noqa: E402
 from lowlevel.workspace import Changes  # noqa: E402
 
-__version__ = "0.1.0"
+from lowlevel.version import __version__ as __version__  # noqa: E402  (re-exported)
 
 #: Names served lazily by :func:`__getattr__`: the asyncio API imports asyncio (~30 ms),
 #: which ``import lowlevel`` (and the CLI) should not pay.

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from lowlevel import __version__
+from lowlevel.version import __version__
 from lowlevel.cli.args import (Parser, bind_spec, cores, cwd_spec, env_pair, grace, input_spec, network_mode,
                                parse_size, port, positive_float, positive_int, volume_spec)
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 import json
 import os
 import stat
-import sys
 import threading
 import time
 import zlib
@@ -104,7 +103,7 @@ def base_key() -> dict[str, Any]:
                 boot = f.read().strip()
         except OSError:
             boot = ""
-        version = getattr(sys.modules.get("lowlevel"), "__version__", "")
+        from lowlevel.version import __version__ as version
         _base_key = {"format": FORMAT, "lowlevel": version, "kernel": f"{u.release} {u.version}",
                      "machine": u.machine, "boot_id": boot, "euid": os.geteuid()}
     return _base_key

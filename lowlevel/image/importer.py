@@ -142,7 +142,7 @@ def _now() -> str:
 
 
 def _version() -> str:
-    from lowlevel import __version__  # the root package: loaded already by whoever imports
+    from lowlevel.version import __version__
     return __version__
 
 

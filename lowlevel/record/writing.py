@@ -44,7 +44,7 @@ log = logging.getLogger("lowlevel")
 
 
 def _versions(bwrap_version: tuple[int, ...] | None) -> dict[str, Any]:
-    from lowlevel import __version__
+    from lowlevel.version import __version__
     libseccomp = None
     try:
         fn = getattr(_seccomp_filter, "libseccomp_version", None)

@@ -7,10 +7,11 @@ defined in their own modules; they must sit in the ``extra_fds`` range the table
 from __future__ import annotations
 
 from lowlevel.host.probe import ETC_ENTRIES
-from lowlevel.net.egress_proxy import CA_FD, RELAY_FD
+from lowlevel.net.egress_run import CA_FD, RELAY_FD
 from lowlevel.sandbox.argv import Fds
 from lowlevel.sandbox.plan import ARGS_FD, CHILD_FDS, ETC_COPY_FD, EXTRA_FDS_MIN, guard_numbers, lay_out
-from lowlevel.session import _EXE_FD, _SOCK_FD
+from lowlevel.session.protocol import EXE_FD as _EXE_FD
+from lowlevel.session.protocol import SOCK_FD as _SOCK_FD
 
 
 def test_the_fixed_numbers_are_the_tables() -> None:

@@ -32,7 +32,8 @@ from lowlevel.host import landlock
 from lowlevel.net import egress_run
 from lowlevel.sandbox import argv as argv_mod
 from lowlevel.sandbox import landlock_rules
-from lowlevel.sandbox import plan
+from lowlevel.sandbox import aio as sandbox_aio
+from lowlevel.sandbox import drive, launcher, plan, run_workspace
 from lowlevel.spec import egress
 
 REPO = Path(__file__).resolve().parents[2]
@@ -185,7 +186,7 @@ def test_anchor_report_records_are_sent_and_read_by_both_sides() -> None:
     words = {m.group(1) for m in re.finditer(r"^\| [a-z>< -]+ \| `([A-Z_]+)[ `]", doc, re.M)}
     assert words == {"READY", "RESET", "RESET_OK", "RESET_ERR", "EXIT"}, words
     c = _source("native/lowlevel_exec.c")
-    py = inspect.getsource(launcher)
+    py = "".join(inspect.getsource(m) for m in (launcher, drive, sandbox_aio, run_workspace))
     for word in words:
         assert re.search(rf'"{word}[ "]', c), word
         assert re.search(rf"""["']{word}""", py), word  # b"READY", "RESET_ERR " (removeprefix)
