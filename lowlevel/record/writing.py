@@ -80,6 +80,14 @@ def _now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="microseconds")
 
 
+def _planned(policy: Policy | None) -> Policy:
+    """The run's Policy (default ``Policy()``), resolved for its plan (:mod:`lowlevel.rootfs.resolve`)."""
+    policy = policy or Policy()
+    if not isinstance(policy, Policy):
+        raise PolicyError(f"policy must be a lowlevel.Policy, got {type(policy).__name__}")
+    return resolve(policy)
+
+
 def execute_recorded(command: Sequence[str], *, policy: Policy | None = None,
                      workspace: str | os.PathLike[str] | None = None,
                      inputs: Sequence[str | os.PathLike[str]] = (), timeout: float | None = DEFAULT_TIMEOUT_S,
@@ -110,10 +118,7 @@ def execute_recorded(command: Sequence[str], *, policy: Policy | None = None,
         is created); RecordError when the input store cannot be written. No record is made for
         a run that never started.
     """
-    policy = policy or Policy()
-    if not isinstance(policy, Policy):
-        raise PolicyError(f"policy must be a lowlevel.Policy, got {type(policy).__name__}")
-    policy = resolve(policy)
+    policy = _planned(policy)
     if cwd is None:
         cwd = policy.workdir or WORKSPACE_DEST
     request = RunRequest(command, workspace=workspace, inputs=inputs, timeout=timeout, kill_after=kill_after,
