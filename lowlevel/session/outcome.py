@@ -11,12 +11,11 @@ init could not start.
 from __future__ import annotations
 
 import os
-import signal
 
 from lowlevel import workspace as _ws
 from lowlevel.errors import LaunchError, LowlevelError
 from lowlevel.sandbox.failures import ExecError, network_denial_note, pids_note
-from lowlevel.sandbox.result import Result
+from lowlevel.sandbox.result import Result, classify_kill, wait_status_exit
 from lowlevel.session import protocol as proto
 from lowlevel.session.command import Command
 from lowlevel.spec import limits as _limits
@@ -70,29 +69,19 @@ def command_result(cmd: Command, *, status: int, flags: int, utime_us: int, stim
     ``"memory"``, a fork refused at pids.max with a failed exit ``"pids"``; a command that shared
     the session with others (``cmd.alone`` False) is charged only if it failed too.
     """
-    term: int | None = None
-    if os.WIFSIGNALED(status):
-        term = os.WTERMSIG(status)
-        exit_code = 128 + term
-    else:
-        exit_code = os.WEXITSTATUS(status)
-    killed_by = None
-    cpu = (utime_us + stime_us) / 1e6
+    exit_code, term = wait_status_exit(status)
+    killed_by: str | None
     failed = exit_code != 0
     if flags & proto.EXITF_TIMED_OUT:
         killed_by = "timeout"
     elif flags & proto.EXITF_CANCELLED or cmd.cancelled:
         killed_by = "cancelled"
-    elif oom_kills and (cmd.alone or failed):
-        killed_by = "memory"
-        if not any("OOM killer" in n for n in cmd.notes):
+    else:  # the one classification of lowlevel.run's Results too
+        killed_by = classify_kill(term=term, oom=bool(oom_kills and (cmd.alone or failed)),
+                                  pids_hit=bool(pids_hits and failed), cpu_used_s=(utime_us + stime_us) / 1e6,
+                                  cpu_limit_s=policy.limits.cpu_s, rlimit_cpu="RLIMIT_CPU" in cmd.rlimit_names)
+        if killed_by == "memory" and not any("OOM killer" in n for n in cmd.notes):
             cmd.notes += (_limits.memory_kill_note(cgroup_limits, session=True),)
-    elif term == signal.SIGXCPU or (term == signal.SIGKILL and "RLIMIT_CPU" in cmd.rlimit_names
-                                    and policy.limits.cpu_s is not None and cpu >= policy.limits.cpu_s):
-        killed_by = "cpu"
-    elif term is not None:
-        # The pids limit kills nothing: only a death by a signal after a refused fork is "pids".
-        killed_by = "pids" if pids_hits and failed else "signal"
     if pids_hits and failed and killed_by in ("pids", None):
         cmd.notes += (pids_note(cgroup_limits.pids, exit_code, term),)
     out, out_t, out_d = cmd.out.value()
