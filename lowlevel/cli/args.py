@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import stat
 from typing import NoReturn
 
 from lowlevel.errors import PolicyError
@@ -141,19 +142,38 @@ def env_pair(text: str) -> tuple[str, str] | None:
     return key, value
 
 
+#: The largest ``--env-file`` read, bytes (the whole environment of a run is far smaller).
+ENV_FILE_MAX_BYTES = 1024 * 1024
+
+
 def read_env_file(path: str) -> list[tuple[str, str]]:
     """``--env-file FILE`` as ``docker run`` reads it: one ``KEY=VALUE`` a line, taken
     literally (no quotes removed, no ``$`` expansion); a line ``KEY`` passes on the caller's
     value (left out when it has none); blank lines and lines starting with ``#`` are skipped.
 
     Raises:
-        UsageError: the file cannot be read, or a line is neither ``KEY=VALUE`` nor ``KEY``
-            (the message names the file and the line number).
+        UsageError: the file cannot be read, is not a regular file or a pipe, is over
+            :data:`ENV_FILE_MAX_BYTES`, or a line is neither ``KEY=VALUE`` nor ``KEY`` (the
+            message names the file and the line number).
     Source: Docker CLI reference, ``docker run --env-file``.
     """
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
+        # A regular file or a pipe (``--env-file <(cmd)``), read within a bound: not a device
+        # (/dev/zero never ends). Opened non-blocking so a FIFO without a writer cannot hang
+        # the open; read blocking (a FIFO nobody writes to reads as empty).
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        try:
+            mode = os.fstat(fd).st_mode
+            if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+                raise UsageError(f"run: --env-file {path}: not a regular file or a pipe")
+            os.set_blocking(fd, True)
+            with os.fdopen(os.dup(fd), "rb") as f:
+                data = f.read(ENV_FILE_MAX_BYTES + 1)
+        finally:
+            os.close(fd)
+        if len(data) > ENV_FILE_MAX_BYTES:
+            raise UsageError(f"run: --env-file {path}: larger than {ENV_FILE_MAX_BYTES // 1024} KiB")
+        lines = data.decode("utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as err:
         raise UsageError(f"run: --env-file {path}: cannot read it: {err}") from None
     pairs: list[tuple[str, str]] = []

@@ -66,10 +66,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from lowlevel.errors import LaunchError, LowlevelError
+from lowlevel.errors import LaunchError, LowlevelError, PolicyError
 from lowlevel.sandbox.failures import PROCESS_LIMIT_HINT
 from lowlevel.sandbox.launcher import DRAIN_TIMEOUT_S, INIT_EXIT_TIMEOUT_S, INIT_KILL_TIMEOUT_S, SETUP_TIMEOUT_S, Run
-from lowlevel.sandbox.request import DEFAULT_TIMEOUT_S, RunRequest
+from lowlevel.sandbox.request import DEFAULT_TIMEOUT_S, RunRequest, check_seconds
 from lowlevel.spec.policy import Policy
 from lowlevel.sandbox.result import Result
 
@@ -573,14 +573,16 @@ class Runner:
             call's own arguments win). ``keep_workspace=False`` removes each call's fresh
             workspace once its Result is built (see :func:`lowlevel.run`).
     Raises:
-        ValueError: ``max_concurrency`` is not an int >= 1.
+        PolicyError: ``max_concurrency`` is not an int >= 1, or a bad ``timeout`` (a ValueError too).
     """
 
     def __init__(self, max_concurrency: int, *, policy: Policy | None = None,
                  timeout: float | None = DEFAULT_TIMEOUT_S, workspace_base: str | None = None,
                  env: Mapping[str, str] | None = None, keep_workspace: bool = True) -> None:
         if not isinstance(max_concurrency, int) or isinstance(max_concurrency, bool) or max_concurrency < 1:
-            raise ValueError(f"max_concurrency must be an int >= 1, got {max_concurrency!r}")
+            raise PolicyError(f"max_concurrency must be an int >= 1, got {max_concurrency!r}")
+        if timeout is not None:
+            check_seconds(timeout, "timeout", zero=False)  # checked here, not at the first call
         self.max_concurrency = max_concurrency
         self.defaults: dict[str, Any] = {"policy": policy, "timeout": timeout, "workspace_base": workspace_base,
                                          "env": env, "keep_workspace": keep_workspace}

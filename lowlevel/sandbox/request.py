@@ -33,8 +33,13 @@ COMMIT_MODES = (True, False, "on_success")
 InputItem = str | os.PathLike[str] | tuple[str, str]
 
 
-def _seconds(value: object, what: str, *, zero: bool) -> float:
-    """A finite number of seconds below 2**31: > 0 (``zero`` False) or >= 0 (``zero`` True)."""
+def check_seconds(value: object, what: str, *, zero: bool) -> float:
+    """A finite number of seconds below 2**31: > 0 (``zero`` False) or >= 0 (``zero`` True); the one
+    check of every per-call and per-session duration (run, arun, Runner, Session, Pool).
+
+    Raises:
+        PolicyError: a bool, not a number, NaN, infinite, 2**31 or more, or out of range.
+    """
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value < 2**31 \
         and (value >= 0 if zero else value > 0)
     if not ok:
@@ -128,12 +133,12 @@ class RunRequest:
 
     def __post_init__(self) -> None:  # a list of checks, in the order the old entry points made them
         put = _setter(self)
-        put("kill_after", _seconds(self.kill_after, "kill_after", zero=True))
+        put("kill_after", check_seconds(self.kill_after, "kill_after", zero=True))
         if self.record is not None:
             put("record", _validate.host_path(self.record, "record"))
             self.check_recordable()
         if self.timeout is not None:
-            put("timeout", _seconds(self.timeout, "timeout", zero=False))
+            put("timeout", check_seconds(self.timeout, "timeout", zero=False))
         if self.stdin is not None:
             if not isinstance(self.stdin, (bytes, bytearray, memoryview)):
                 raise PolicyError("stdin must be bytes or None")
@@ -142,7 +147,7 @@ class RunRequest:
             raise PolicyError(f"capture must be a bool, got {self.capture!r}")
         put("stdio_fds", _stdio_fds(self.stdio_fds, stdin=self.stdin is not None, capture=self.capture))
         check_keep_workspace(self.keep_workspace, self.workspace)
-        if self.commit not in COMMIT_MODES:
+        if not any(self.commit is m or (isinstance(m, str) and self.commit == m) for m in COMMIT_MODES):
             raise PolicyError(f"commit must be True, False or 'on_success', got {self.commit!r}")
         # The policy edge (issue 10, item 1): every string bound for bwrap's argv is checked here,
         # before anything is created; argv.encode_args checks once more.
@@ -201,4 +206,4 @@ def _setter(obj: object) -> Any:
     return lambda name, value: object.__setattr__(obj, name, value)
 
 
-__all__ = ["COMMIT_MODES", "DEFAULT_TIMEOUT_S", "RunRequest", "check_keep_workspace"]
+__all__ = ["COMMIT_MODES", "DEFAULT_TIMEOUT_S", "RunRequest", "check_keep_workspace", "check_seconds"]

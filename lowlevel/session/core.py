@@ -34,7 +34,7 @@ from lowlevel.sandbox._interrupts import deferred_interrupts
 from lowlevel.sandbox.facts import host_facts
 from lowlevel.sandbox.launcher import Run, _check_command
 from lowlevel.sandbox.plan import memfd as _memfd
-from lowlevel.sandbox.request import RunRequest
+from lowlevel.sandbox.request import RunRequest, check_seconds
 from lowlevel.sandbox.result import Result
 from lowlevel.session import protocol as proto
 from lowlevel.session.command import Command
@@ -64,16 +64,15 @@ def _check_session_args(policy: Policy | None, idle_timeout: float | None,
     Raises:
         PolicyError: not a Policy, or a timeout that is not a number of seconds > 0 or None.
     """
-    policy = policy or Policy()
+    policy = Policy() if policy is None else policy
     if not isinstance(policy, Policy):
         raise PolicyError(f"policy must be a lowlevel.Policy, got {type(policy).__name__}")
     if policy.image is not None or policy.rootfs is not None:  # plan time: the image store, the tree's checks
         from lowlevel.rootfs.resolve import resolve
         policy = resolve(policy)
     for name, value in (("idle_timeout", idle_timeout), ("total_timeout", total_timeout)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not value > 0):
-            raise PolicyError(f"{name} must be a number of seconds > 0 or None, got {value!r}")
+        if value is not None:
+            check_seconds(value, name, zero=False)  # finite, > 0, below 2**31 (as run's timeout)
     return policy
 
 
@@ -85,9 +84,8 @@ def _check_call_args(argv: Sequence[str], stdin: bytes | None, timeout: float | 
         PolicyError: a bad argv, timeout, stdin, cwd, env or limits (the message says which).
     """
     command = _check_command(argv)
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or not timeout > 0):
-        raise PolicyError(f"timeout must be a number of seconds > 0 or None, got {timeout!r}")
+    if timeout is not None:
+        check_seconds(timeout, "timeout", zero=False)  # as lowlevel.run's (RunRequest)
     if stdin is not None and not isinstance(stdin, (bytes, bytearray, memoryview)):
         raise PolicyError("stdin must be bytes or None")
     cwd = _validate.sandbox_cwd(cwd, "cwd")

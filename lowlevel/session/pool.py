@@ -64,7 +64,9 @@ class Pool:
                  template: str | os.PathLike[str] | None = None) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise PolicyError(f"Pool size must be an int >= 1, got {size!r}")
-        self.policy = policy or Policy()
+        self.policy = Policy() if policy is None else policy
+        if not isinstance(self.policy, Policy):
+            raise PolicyError(f"policy must be a lowlevel.Policy, got {type(policy).__name__}")
         if self.policy.image is not None or self.policy.rootfs is not None:  # plan time (lowlevel.rootfs.resolve)
             from lowlevel.rootfs.resolve import resolve
             self.policy = resolve(self.policy)

@@ -196,7 +196,7 @@ class Bind:
             raise PolicyError(f"Bind dest {dest!r} must be an absolute path inside the sandbox")
         if any(part == ".." for part in dest.split("/")):
             raise PolicyError(f"Bind dest {dest!r} must not contain '..'")
-        dest = os.path.normpath(dest)
+        dest = _validate.normalize_abs(dest)  # '//usr' is '/usr' (validate.normalize_abs)
         if _within(dest, WORKSPACE_DEST) and dest != WORKSPACE_DEST:
             raise PolicyError(f"Bind dest {dest!r} is inside /workspace, which the workspace bind "
                               "mounts over: copy it in as an input, or bind it elsewhere (e.g. /opt/NAME)")
@@ -439,7 +439,7 @@ class Policy:
         if not isinstance(omit, (tuple, list)) or not all(
                 isinstance(p, str) and p.startswith("/") and "\0" not in p for p in omit):
             raise PolicyError(f"Policy.landlock_omit must be a tuple of absolute sandbox paths, got {omit!r}")
-        object.__setattr__(self, "landlock_omit", tuple(os.path.normpath(p) for p in omit))
+        object.__setattr__(self, "landlock_omit", tuple(_validate.normalize_abs(p) for p in omit))
         self._check_rootfs()
         if not isinstance(self.deterministic, bool):
             raise PolicyError(f"Policy.deterministic must be a bool, got {self.deterministic!r}")
@@ -465,7 +465,7 @@ class Policy:
                 raise PolicyError(f"Policy.rootfs must be a directory path, got {self.rootfs!r}")
             if "\0" in raw or not os.path.isabs(raw):
                 raise PolicyError(f"Policy.rootfs must be an absolute host path, got {raw!r}")
-            object.__setattr__(self, "rootfs", os.path.normpath(raw))
+            object.__setattr__(self, "rootfs", _validate.normalize_abs(raw))
         if not isinstance(self.rootfs_writable, bool):
             raise PolicyError(f"Policy.rootfs_writable must be a bool, got {self.rootfs_writable!r}")
         if self.rootfs_writable and self.rootfs is None and self.image is None:

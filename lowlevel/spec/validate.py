@@ -88,6 +88,21 @@ def sandbox_path(value: Any, what: str) -> str:
     return str(value)
 
 
+def normalize_abs(path: str) -> str:
+    """An absolute path in its one lexical form: ``os.path.normpath`` (``.``, ``..`` and repeated
+    slashes collapsed), and a leading ``//`` made ``/`` too.
+
+    POSIX lets exactly two leading slashes mean something implementation-defined, so
+    ``os.path.normpath("//usr")`` keeps them; Linux (and bwrap) read ``//usr`` as ``/usr``. A
+    check that compares the normpath form (reserved bind dests, a dest inside another bind's
+    dest, the host's root) would let ``//usr`` past what ``/usr`` is refused for, and bwrap
+    would then mount there: every sandbox path and host path lowlevel compares goes through
+    here. Source: POSIX.1-2017 XBD 4.13 Pathname Resolution; Python's ``posixpath.normpath``.
+    """
+    norm = os.path.normpath(path)
+    return "/" + norm.lstrip("/") if norm.startswith("/") else norm
+
+
 #: Sandbox trees a working directory may never lie in: the kernel's own, where a path component
 #: can be a magic link to an open file of bwrap's (``/proc/self/fd/N``, ``/dev/fd/N`` ->
 #: ``/proc/self/fd/N``, ``/proc/self/cwd``). bwrap 0.8.0 holds an ``O_PATH`` fd of the *host's*

@@ -118,6 +118,34 @@ def test_bad_env_file_line_is_one_line_naming_it(tmp_path: Path, capsys: pytest.
     assert not (tmp_path / "base").exists() or os.listdir(tmp_path / "base") == []
 
 
+def test_env_file_is_read_within_a_bound(tmp_path: Path, capfd: pytest.CaptureFixture[str],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device never ends (/dev/zero was read until the OOM killer, rc 137, nothing said), a FIFO
+    without a writer blocked the open, a huge file was read whole: each is one line and 125 now,
+    and a pipe (``--env-file <(cmd)``) still works."""
+    monkeypatch.setenv("LOWLEVEL_WORKSPACE_BASE", str(tmp_path / "base"))
+    assert _cli.main(["run", "--env-file", "/dev/zero", "--", "true"]) == 125
+    err = capfd.readouterr().err
+    assert len(err.splitlines()) == 1 and "not a regular file or a pipe" in err, err
+    big = tmp_path / "big.env"
+    big.write_text("A=" + "x" * (2 << 20) + "\n")
+    assert _cli.main(["run", "--env-file", str(big), "--", "true"]) == 125
+    err = capfd.readouterr().err
+    assert len(err.splitlines()) == 1 and "larger than" in err, err
+    fifo = tmp_path / "no-writer.env"
+    os.mkfifo(fifo)
+    # No writer: reads as empty, at once (a hang here fails through pytest-timeout).
+    assert _cli.main(["run", "--rm", "--env-file", str(fifo), "--", "true"]) == 0
+    r, w = os.pipe()
+    os.write(w, b"GREETING=from-a-pipe\n")
+    os.close(w)
+    try:
+        code = _cli.main(["run", "--rm", "--env-file", f"/proc/self/fd/{r}", "--", "sh", "-c", "echo $GREETING"])
+    finally:
+        os.close(r)
+    assert code == 0 and "from-a-pipe" in capfd.readouterr().out
+
+
 # --- real runs, root and unprivileged ------------------------------------------------------------
 
 def test_duration_suffix_timeout_fires_with_124(who: pwd.struct_passwd | None, base: Path) -> None:

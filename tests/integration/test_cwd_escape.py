@@ -258,6 +258,38 @@ def test_lowlevels_own_setup_paths_through_a_tree_symlink_are_refused(tree_and_p
     assert lowlevel.run(["/bin/true"], policy=policy, keep_workspace=False).exit_code == 0  # control
 
 
+@pytest.mark.parametrize("dest", ["//usr", "//etc", "//tmp", "//proc/x", "//dev/shm", "///usr", "//workspace/x",
+                                  "//", "/"])
+def test_reserved_bind_dests_refused_however_spelled(tmp_path: Path, dest: str) -> None:
+    """'//usr' is '/usr' to Linux and bwrap (POSIX leaves two leading slashes to the
+    implementation; os.path.normpath keeps them): the reserved dests are refused in every spelling."""
+    with pytest.raises(lowlevel.PolicyError, match="reserved by the base layout|inside /workspace"):
+        lowlevel.Bind(str(tmp_path), dest)
+
+
+def test_double_slash_bind_dest_cannot_write_the_host(tmp_path: Path) -> None:
+    """The attack end to end through the CLI: an outer bind whose directory holds a symlink to a
+    host directory, and an inner bind spelled '//opt/a/sub/...' under it. Refused before bwrap
+    runs; nothing appears on the host. (The raw-bwrap control is test_nested_bind_dests_are_refused.)"""
+    base = Path("/tmp") / f"lowlevel-dslash-{os.getpid()}-{tmp_path.name}"
+    outer, victim = base / "outer", base / "victim"
+    for d in (outer, victim):
+        d.mkdir(parents=True)
+    victim.chmod(0o777)
+    afile = base / "afile"
+    afile.write_text("x")
+    (outer / "sub").symlink_to(f"/oldroot{victim}")
+    try:
+        cli = [sys.executable, "-m", "lowlevel", "run", "--rm", "--ro", f"{outer}:/opt/a",
+               "--ro", f"{afile}://opt/a/sub/made-by-bwrap", "--", "true"]
+        out = subprocess.run(cli, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 125 and "inside another bind's dest" in out.stderr, out
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert list(victim.iterdir()) == []
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def test_nested_bind_dests_are_refused(tmp_path: Path) -> None:
     """A bind's dest inside another bind's dest is set up through the outer bind's host
     directory, where a symlink (left there by an earlier sandbox, if it was writable) reaches
@@ -274,9 +306,23 @@ def test_nested_bind_dests_are_refused(tmp_path: Path) -> None:
                               "/opt/a/sub/x", "--", "/usr/bin/true"], capture_output=True, timeout=30)
         assert out.returncode == 0 and (pit / "x").is_dir(), out  # control: the host got a directory
         (pit / "x").rmdir()
+        out = subprocess.run(["bwrap", *MINIMAL_BWRAP, "--bind", str(outer), "/opt/a", "--ro-bind", str(inner),
+                              "//opt/a/sub/y", "--", "/usr/bin/true"], capture_output=True, timeout=30)
+        assert out.returncode == 0 and (pit / "y").is_dir(), out  # control: bwrap reads '//opt' as '/opt'
+        (pit / "y").rmdir()
         with pytest.raises(lowlevel.PolicyError, match="inside another bind's dest"):
             lowlevel.Policy(binds=(lowlevel.Bind(str(outer), "/opt/a", writable=True),
                                    lowlevel.Bind(str(inner), "/opt/a/sub/x")))
+        # The same pair spelled with a leading '//' (POSIX keeps two leading slashes through
+        # os.path.normpath; Linux and bwrap read '//opt' as '/opt'): it passed every dest check
+        # until validate.normalize_abs, and bwrap made the directory on the host.
+        for outer_dest, inner_dest in (("/opt/a", "//opt/a/sub/x"), ("//opt/a", "/opt/a/sub/x"),
+                                       ("//opt/a", "//opt//a/./sub/x")):
+            with pytest.raises(lowlevel.PolicyError, match="inside another bind's dest"):
+                lowlevel.Policy(binds=(lowlevel.Bind(str(outer), outer_dest, writable=True),
+                                       lowlevel.Bind(str(inner), inner_dest)))
+        with pytest.raises(lowlevel.PolicyError, match="inside another bind's dest"):  # the CLI's spelling
+            lowlevel.Policy(binds=(lowlevel.Bind(str(outer), "/opt/a"), lowlevel.Bind(str(inner), "//opt/a/sub/x")))
         ok = lowlevel.Policy(binds=(lowlevel.Bind(str(outer), "/opt/a"), lowlevel.Bind(str(inner), "/opt/ab")))
         assert [b.dest for b in ok.binds] == ["/opt/a", "/opt/ab"]
         assert list(pit.iterdir()) == []
