@@ -11,8 +11,10 @@ saved aside. :meth:`lowlevel.sandbox.launcher.Run.finish_cow` calls it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import tempfile
+from collections.abc import Iterator
 
 from lowlevel import workspace as _ws
 from lowlevel.errors import CommitIncompleteError
@@ -73,12 +75,11 @@ def commit_run(t: CommitTarget, result: Result | None, notes: list[str]) -> None
         WorkspaceError: the commit failed before applying anything (read-only, failing: each
             entry is old or new, never lost; the changes saved aside).
     """
-    # A run without a cgroup record (an unprivileged caller here: no writable cgroup) records
-    # its workspace for the commit, so `lowlevel cleanup` finds the commit's temporaries if
-    # this caller dies mid-way (lowlevel.host.run_records; found by the caller-kill trials: 42
-    # of 42 such kills left them to `cleanup --workspace` only).
-    from lowlevel.host import run_records as _run_records
-    commit_record = _run_records.write(t.name, [], t.workspace) if t.needs_record else None
+    with commit_record(t.needs_record, t.name, t.workspace):
+        _commit_run(t, result, notes)
+
+
+def _commit_run(t: CommitTarget, result: Result | None, notes: list[str]) -> None:
     try:
         report = _overlay.commit_upper(t.upper_fd, t.lower_fd, xattr_prefix=t.xattr_prefix, since_ns=t.since_ns,
                                        new_owner=t.owner, upper_bytes=t.upper_bytes,
@@ -90,9 +91,22 @@ def commit_run(t: CommitTarget, result: Result | None, notes: list[str]) -> None
         _applied_only(result, err.applied, notes)
         err.result = result
         raise
-    finally:
-        _run_records.remove(commit_record)
     notes.extend(report.notes)
+
+
+@contextlib.contextmanager
+def commit_record(needed: bool, name: str, workspace: str | None) -> Iterator[None]:
+    """While a commit runs, a run record naming its workspace when ``needed`` (the run or
+    session has no cgroup record: an unprivileged caller without a writable cgroup), so
+    ``lowlevel cleanup`` finds the commit's temporaries if the caller dies mid-way
+    (:mod:`lowlevel.host.run_records`). Found by the caller-kill trials: 42 of 42 such kills of
+    a run, and 2 of 24 of a Session during its commit, left them to ``cleanup --workspace``."""
+    from lowlevel.host import run_records as _run_records
+    record = _run_records.write(name, [], workspace) if needed and workspace else None
+    try:
+        yield
+    finally:
+        _run_records.remove(record)
 
 
 def _applied_only(result: Result | None, applied: _ws.Changes | None, notes: list[str]) -> None:
@@ -104,4 +118,4 @@ def _applied_only(result: Result | None, applied: _ws.Changes | None, notes: lis
         result.notes = tuple(notes)
 
 
-__all__ = ["CommitTarget", "commit_run", "conflict_dir"]
+__all__ = ["CommitTarget", "commit_record", "commit_run", "conflict_dir"]

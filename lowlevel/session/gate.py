@@ -26,6 +26,7 @@ from lowlevel import workspace as _ws
 from lowlevel.errors import CommitIncompleteError, PolicyError, SessionError, UnsupportedError
 # A private name of lowlevel.sandbox.launcher (its engineer is reshaping it): where a commit's
 # conflicting changes are saved.
+from lowlevel.sandbox.commit import commit_record
 from lowlevel.sandbox.commit import conflict_dir as _conflict_dir
 from lowlevel.sandbox.launcher import Run
 from lowlevel.session.command import Command
@@ -211,9 +212,11 @@ class WorkspaceGate:
             return changes
         owner = (r.lower_stat.st_uid, r.lower_stat.st_gid) if r.facts.caller_is_root and r.lower_stat else None
         try:
-            report = _overlay.commit_upper(r.upper_fd, r.lower_fd, xattr_prefix=r.xattr_prefix, since_ns=r.since_ns,
-                                           new_owner=owner, upper_bytes=r.upper_bytes, accept_seen_host_changes=True,
-                                           save_to=lambda: _conflict_dir(r.workspace_base), keep_upper=True)
+            with commit_record(r.cgroup is None or r.cgroup.record is None, f"commit-{id(r):x}", r.workspace):
+                report = _overlay.commit_upper(r.upper_fd, r.lower_fd, xattr_prefix=r.xattr_prefix,
+                                               since_ns=r.since_ns, new_owner=owner, upper_bytes=r.upper_bytes,
+                                               accept_seen_host_changes=True,
+                                               save_to=lambda: _conflict_dir(r.workspace_base), keep_upper=True)
         except (CommitIncompleteError, _overlay.CommitConflictError) as err:
             if err.applied is not None:
                 # Stopped part-way (a full disk) or host writes met during the apply pass: what
