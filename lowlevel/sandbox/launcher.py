@@ -54,7 +54,7 @@ import select
 import signal
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 from lowlevel.errors import LaunchError, LowlevelError, PolicyError, WorkspaceError
 from lowlevel.host.probe import ETC_ENTRIES
@@ -98,10 +98,6 @@ def _readable(fd: int, timeout_s: float) -> bool:
     p = select.poll()
     p.register(fd, select.POLLIN)
     return bool(p.poll(timeout_s * 1000))
-
-
-def _check_command(command: Sequence[str]) -> list[str]:
-    return _validate.command(command)
 
 
 class Run(RunFinish):

@@ -32,7 +32,7 @@ from lowlevel.sandbox._interrupts import deferred_interrupts
 # Private names of lowlevel.sandbox.launcher (its engineer is reshaping them): the argv check and
 # the memfd of a large SPAWN body.
 from lowlevel.sandbox.facts import host_facts
-from lowlevel.sandbox.launcher import Run, _check_command
+from lowlevel.sandbox.launcher import Run
 from lowlevel.sandbox.plan import memfd as _memfd
 from lowlevel.sandbox.request import RunRequest, check_seconds
 from lowlevel.sandbox.result import Result
@@ -78,22 +78,17 @@ def _check_session_args(policy: Policy | None, idle_timeout: float | None,
 
 def _check_call_args(argv: Sequence[str], stdin: bytes | None, timeout: float | None,
                      env: Mapping[str, str] | None, cwd: str, limits: Limits | None) -> tuple[list[str], str]:
-    """One command's arguments checked: ``(argv as a list, cwd normalized)``.
+    """One command's arguments checked as :func:`lowlevel.run` checks them, through the same
+    :class:`~lowlevel.sandbox.request.RunRequest` (the fields a session command has: command,
+    stdin, timeout, env, cwd): ``(argv as a list, cwd normalized)``.
 
     Raises:
         PolicyError: a bad argv, timeout, stdin, cwd, env or limits (the message says which).
     """
-    command = _check_command(argv)
-    if timeout is not None:
-        check_seconds(timeout, "timeout", zero=False)  # as lowlevel.run's (RunRequest)
-    if stdin is not None and not isinstance(stdin, (bytes, bytearray, memoryview)):
-        raise PolicyError("stdin must be bytes or None")
-    cwd = _validate.sandbox_cwd(cwd, "cwd")
-    if env is not None and not isinstance(env, Mapping):
-        raise PolicyError(f"env must be a mapping of str to str, got {type(env).__name__}")
+    request = RunRequest(argv, stdin=stdin, timeout=timeout, env=env, cwd=cwd)
     if limits is not None and not isinstance(limits, Limits):
         raise PolicyError(f"limits must be a lowlevel.Limits or None, got {type(limits).__name__}")
-    return command, cwd
+    return list(request.command), request.cwd or _validate.sandbox_cwd(cwd, "cwd")
 
 
 def _open_pipes(cmd: Command, stdin: bytes | None, send_fds: list[int], close_after: list[int]) -> int:
