@@ -21,11 +21,12 @@ from lowlevel.sandbox.result import Result
 from lowlevel.session.command import Command
 from lowlevel.session.core import Core, note_close_failure
 from lowlevel.session.gate import check_running, HeldError
+from lowlevel.session.handle import ProcessHandle
 from lowlevel.spec.limits import Limits
 from lowlevel.spec.policy import Policy
 
 
-class AsyncProcess:
+class AsyncProcess(ProcessHandle):
     """Async twin of :class:`Process` (from :meth:`AsyncSession.start`).
 
     Attributes:
@@ -36,14 +37,8 @@ class AsyncProcess:
     """
 
     def __init__(self, session: "AsyncSession", cmd: Command) -> None:
+        super().__init__(session, cmd)
         self._session = session
-        self._cmd = cmd
-        self.argv = tuple(cmd.argv)
-
-    @property
-    def pid(self) -> int | None:
-        """The command's PID inside the sandbox's PID namespace, None until it started."""
-        return self._cmd.pid
 
     def poll(self) -> Result | None:
         """The Result if finished, else None."""
@@ -64,20 +59,7 @@ class AsyncProcess:
                 await self._session._wait(cmd, timeout, until=lambda: bool(cmd.new_out or cmd.new_err))
             except TimeoutError:
                 pass
-        out, err = bytes(cmd.new_out), bytes(cmd.new_err)
-        cmd.new_out.clear()
-        cmd.new_err.clear()
-        return out, err
-
-    def send_signal(self, signo: int) -> None:
-        """As :meth:`Process.send_signal`."""
-        assert self._session._core is not None
-        self._session._core.signal(self._cmd, signo, tree=False)
-
-    def kill(self) -> None:
-        """As :meth:`Process.kill`."""
-        assert self._session._core is not None
-        self._session._core.signal(self._cmd, signal.SIGKILL, tree=True)
+        return self._take_output()
 
 
 class AsyncSession:

@@ -13,7 +13,7 @@ import os
 import time
 from typing import Any
 
-# Private names of lowlevel.sandbox.launcher (its engineer is reshaping them): the capped output buffer.
+# The capped output buffer a run's capture uses too.
 from lowlevel.sandbox.state import _Capture
 from lowlevel.sandbox.result import Result
 from lowlevel.session.protocol import GRACE_S

@@ -22,6 +22,7 @@ from lowlevel.sandbox.result import Result
 from lowlevel.session.command import Command
 from lowlevel.session.core import close_on_exit, Core
 from lowlevel.session.gate import check_running, HeldError
+from lowlevel.session.handle import ProcessHandle
 from lowlevel.spec.limits import Limits
 from lowlevel.spec.policy import Policy
 
@@ -30,7 +31,7 @@ from lowlevel.spec.policy import Policy
 FOLLOWER_WAIT_S = 0.05
 
 
-class Process:
+class Process(ProcessHandle):
     """A command started with :meth:`Session.start`: stream its output, poll, wait, kill.
 
     Attributes:
@@ -39,14 +40,8 @@ class Process:
     """
 
     def __init__(self, session: "Session", cmd: Command) -> None:
+        super().__init__(session, cmd)
         self._session = session
-        self._cmd = cmd
-        self.argv = tuple(cmd.argv)
-
-    @property
-    def pid(self) -> int | None:
-        """The command's PID inside the sandbox's PID namespace, None until it started."""
-        return self._cmd.pid
 
     def poll(self) -> Result | None:
         """Return the Result if the command has finished, else None; never blocks.
@@ -84,19 +79,7 @@ class Process:
         if not (cmd.new_out or cmd.new_err or cmd.done):
             deadline = None if timeout is None else time.monotonic() + timeout
             self._session._wait(cmd, deadline, until=lambda: bool(cmd.new_out or cmd.new_err))
-        out, err = bytes(cmd.new_out), bytes(cmd.new_err)
-        cmd.new_out.clear()
-        cmd.new_err.clear()
-        return out, err
-
-    def send_signal(self, signo: int) -> None:
-        """Send ``signo`` to the command's process group (no-op once it has finished)."""
-        self._session._core.signal(self._cmd, signo, tree=False)
-
-    def kill(self) -> None:
-        """SIGKILL the command's whole tree (its group and every descendant); its Result then
-        has ``killed_by="cancelled"``. Returns at once; :meth:`wait` for the Result."""
-        self._session._core.signal(self._cmd, signal.SIGKILL, tree=True)
+        return self._take_output()
 
 
 class Session:
