@@ -24,14 +24,13 @@ from typing import Any
 
 from lowlevel.host import seccomp_filter as _seccomp_filter
 from lowlevel import workspace as _ws
-from lowlevel.errors import LowlevelError, PolicyError
+from lowlevel.errors import LowlevelError
 from lowlevel.record.canonical import canonical_policy, canonical_value, policy_sha256, seccomp_rules_sha256
 from lowlevel.record.hashing import HASH_BUDGET_BYTES, HASH_BUDGET_S, HashBudget, InputStore, hash_workspace
 from lowlevel.record.schema import SCHEMA_ID, STORE_SUFFIX, RecordError, store_dir_for
-from lowlevel.rootfs.resolve import resolve
 from lowlevel.rootfs.store import image_record
 from lowlevel.sandbox.drive import run as _run
-from lowlevel.sandbox.facts import host_facts
+from lowlevel.sandbox.facts import host_facts, planned_policy
 from lowlevel.sandbox.request import DEFAULT_TIMEOUT_S, RunRequest
 from lowlevel.sandbox.run_workspace import drop_fresh_workspace
 from lowlevel.sandbox.result import Result
@@ -80,14 +79,6 @@ def _now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="microseconds")
 
 
-def _planned(policy: Policy | None) -> Policy:
-    """The run's Policy (default ``Policy()``), resolved for its plan (:mod:`lowlevel.rootfs.resolve`)."""
-    policy = policy or Policy()
-    if not isinstance(policy, Policy):
-        raise PolicyError(f"policy must be a lowlevel.Policy, got {type(policy).__name__}")
-    return resolve(policy)
-
-
 def execute_recorded(command: Sequence[str], *, policy: Policy | None = None,
                      workspace: str | os.PathLike[str] | None = None,
                      inputs: Sequence[str | os.PathLike[str]] = (), timeout: float | None = DEFAULT_TIMEOUT_S,
@@ -118,7 +109,7 @@ def execute_recorded(command: Sequence[str], *, policy: Policy | None = None,
         is created); RecordError when the input store cannot be written. No record is made for
         a run that never started.
     """
-    policy = _planned(policy)
+    policy = planned_policy(policy or Policy())
     if cwd is None:
         cwd = policy.workdir or WORKSPACE_DEST
     request = RunRequest(command, workspace=workspace, inputs=inputs, timeout=timeout, kill_after=kill_after,

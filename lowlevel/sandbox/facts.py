@@ -11,11 +11,12 @@ import functools
 import os
 import shutil
 
-from lowlevel.errors import LowlevelError, UnsupportedError
+from lowlevel.errors import LowlevelError, PolicyError, UnsupportedError
 from lowlevel.host.probe import bwrap_info, host_layout, require_pidfd
 from lowlevel.paths import native
 from lowlevel.sandbox.argv import NETWORK_ETC, HostFacts, anchor_argv
 from lowlevel.sandbox.argv import AnchorOverlay as _AnchorOverlay
+from lowlevel.spec.policy import Policy
 from lowlevel.workspace import cow as _cow
 
 
@@ -30,6 +31,23 @@ def host_facts(bwrap: str | None = None) -> HostFacts:
             net.append((os.path.realpath(path), path))
     return HostFacts(bwrap=info, layout=host_layout(), caller_is_root=os.geteuid() == 0,
                      network_etc=tuple(net), cap_sys_resource=_has_cap(24))
+
+
+def planned_policy(policy: object) -> Policy:
+    """The Policy a run or session is planned with: ``policy`` checked to be a :class:`Policy`,
+    and what its ``image``/``rootfs`` name on this host resolved
+    (:func:`lowlevel.rootfs.resolve.resolve`; imported only when there is something to resolve,
+    so ``import lowlevel`` loads no rootfs machinery).
+
+    Raises:
+        PolicyError: not a Policy; as :func:`~lowlevel.rootfs.resolve.resolve`.
+    """
+    if not isinstance(policy, Policy):
+        raise PolicyError(f"policy must be a lowlevel.Policy, got {type(policy).__name__}")
+    if policy.image is None and policy.rootfs is None:
+        return policy
+    from lowlevel.rootfs.resolve import resolve
+    return resolve(policy)
 
 
 def _has_cap(bit: int) -> bool:
@@ -172,4 +190,4 @@ def _probe_cow_now(facts: HostFacts, workspace: str, base: str | None) -> _cow.C
     return _cow.CowSupport(False, reason, transient=proc.returncode < 0 or _transient(text))
 
 
-__all__ = ["EXEC_HELPER_PATH", "host_facts", "recheck_cached_cow"]
+__all__ = ["EXEC_HELPER_PATH", "host_facts", "planned_policy", "recheck_cached_cow"]

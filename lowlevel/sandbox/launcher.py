@@ -60,7 +60,7 @@ from lowlevel.errors import LaunchError, LowlevelError, PolicyError, WorkspaceEr
 from lowlevel.host.probe import ETC_ENTRIES
 from lowlevel.sandbox._interrupts import deferred_interrupts
 from lowlevel.sandbox.argv import redact_env_values
-from lowlevel.sandbox.facts import host_facts
+from lowlevel.sandbox.facts import host_facts, planned_policy
 from lowlevel.sandbox.failures import PROCESS_LIMIT_HINT
 from lowlevel.sandbox.plan import ETC_COPY_FD, EXTRA_FDS_MIN
 from lowlevel.sandbox.finish import RunFinish
@@ -121,11 +121,7 @@ class Run(RunFinish):
                  extra_fds: Mapping[int, int] | None = None, guard: bool = True, one_shot: bool = True) -> None:
         if not isinstance(request, RunRequest):
             raise PolicyError(f"request must be a lowlevel.sandbox.request.RunRequest, got {type(request).__name__}")
-        if not isinstance(policy, Policy):
-            raise PolicyError(f"policy must be a lowlevel.Policy, got {type(policy).__name__}")
-        if policy.image is not None or policy.rootfs is not None:  # plan time: the image store, the tree's checks
-            from lowlevel.rootfs.resolve import resolve
-            policy = resolve(policy)
+        policy = planned_policy(policy)  # plan time: the image store, the tree's checks
         request.refuse("the sandbox layer (lowlevel.sandbox)", "record",
                        why="lowlevel.run writes records through lowlevel.record.record_run")
         if bwrap is not None:

@@ -31,7 +31,7 @@ from lowlevel.sandbox import landlock_rules as _landlock_rules
 from lowlevel.sandbox._interrupts import deferred_interrupts
 # Private names of lowlevel.sandbox.launcher (its engineer is reshaping them): the argv check and
 # the memfd of a large SPAWN body.
-from lowlevel.sandbox.facts import host_facts
+from lowlevel.sandbox.facts import host_facts, planned_policy
 from lowlevel.sandbox.launcher import Run
 from lowlevel.sandbox.plan import memfd as _memfd
 from lowlevel.sandbox.request import RunRequest, check_seconds
@@ -64,12 +64,7 @@ def _check_session_args(policy: Policy | None, idle_timeout: float | None,
     Raises:
         PolicyError: not a Policy, or a timeout that is not a number of seconds > 0 or None.
     """
-    policy = Policy() if policy is None else policy
-    if not isinstance(policy, Policy):
-        raise PolicyError(f"policy must be a lowlevel.Policy, got {type(policy).__name__}")
-    if policy.image is not None or policy.rootfs is not None:  # plan time: the image store, the tree's checks
-        from lowlevel.rootfs.resolve import resolve
-        policy = resolve(policy)
+    policy = planned_policy(Policy() if policy is None else policy)  # the image store, the tree's checks
     for name, value in (("idle_timeout", idle_timeout), ("total_timeout", total_timeout)):
         if value is not None:
             check_seconds(value, name, zero=False)  # finite, > 0, below 2**31 (as run's timeout)

@@ -19,6 +19,7 @@ from typing import Any
 
 from lowlevel import workspace as _ws
 from lowlevel.errors import PolicyError, SessionError, UnsupportedError
+from lowlevel.sandbox.facts import planned_policy
 from lowlevel.sandbox.failures import ExecError
 from lowlevel.sandbox.request import DEFAULT_TIMEOUT_S
 from lowlevel.sandbox.result import Result
@@ -64,12 +65,7 @@ class Pool:
                  template: str | os.PathLike[str] | None = None) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise PolicyError(f"Pool size must be an int >= 1, got {size!r}")
-        self.policy = Policy() if policy is None else policy
-        if not isinstance(self.policy, Policy):
-            raise PolicyError(f"policy must be a lowlevel.Policy, got {type(policy).__name__}")
-        if self.policy.image is not None or self.policy.rootfs is not None:  # plan time (lowlevel.rootfs.resolve)
-            from lowlevel.rootfs.resolve import resolve
-            self.policy = resolve(self.policy)
+        self.policy = planned_policy(Policy() if policy is None else policy)
         self.size = size
         self.template = None if template is None else os.fspath(template)
         self._kwargs: dict[str, Any] = {"workspace_base": workspace_base, "bwrap": bwrap,
