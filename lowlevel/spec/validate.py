@@ -134,7 +134,7 @@ def sandbox_cwd(value: Any, what: str = "cwd") -> str:
     if ".." in path.split("/"):
         raise PolicyError(f"{what} {_show(path)} must not contain '..': name the directory itself, "
                           "e.g. /workspace/src")
-    norm = "/" + "/".join(p for p in path.split("/") if p and p != ".")
+    norm = normalize_abs(path)
     for top in CWD_FORBIDDEN:
         if (norm == top or norm.startswith(top + "/")) and not any(
                 norm == ok or norm.startswith(ok + "/") for ok in CWD_ALLOWED):
