@@ -174,9 +174,14 @@ def _template(size: int, inodes: int, directory: str) -> int:
             os.ftruncate(fd, size)
             # No journal (the upper is discarded with the run; a crash loses nothing of value),
             # 4 KiB blocks (the loop device's direct I/O block size), no reserved blocks, no
-            # zeroing now or later (lazy_*_init here, noinit_itable at mount).
+            # zeroing now or later (lazy_*_init here, noinit_itable at mount). inline_data: an
+            # empty directory takes no block, so a Session's RESET (mkdir upper.N, work.N and
+            # overlayfs's work/) succeeds on an upper the run filled, as on a tmpfs (whose
+            # directories take no pages); without it every commit after a full write failed
+            # with ENOSPC. Reserved blocks cannot stand in: overlayfs writes with its mounter's
+            # credentials (root), which may use them.
             done = subprocess.run(
-                [mkfs, "-q", "-F", "-b", "4096", "-m", "0", "-N", str(inodes), "-O", "^has_journal",
+                [mkfs, "-q", "-F", "-b", "4096", "-m", "0", "-N", str(inodes), "-O", "^has_journal,inline_data",
                  "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard", f"/proc/self/fd/{fd}"],
                 pass_fds=(fd,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                 check=False)
