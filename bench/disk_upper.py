@@ -14,6 +14,11 @@ Interleaved (every round runs every case, the case order rotated), root only:
 - ``write64_tmpfs`` / ``write64_disk``: a run writing 64 MiB into /workspace (``head -c 64M``),
   discarded (``--big-per-round`` per round).
 
+Then the parts of one disk upper, each timed alone (``--parts N`` times, 1 GiB): the unnamed file
+and the template's copy, LOOP_CONFIGURE, the ext4 mount and its unmount (done here in a private
+mount namespace the way the anchor does), the last close (the autoclear), and, for comparison,
+a mke2fs of the same image (what a per-run mkfs would cost instead of the template's copy).
+
 Per case: wall p50 and mean (ms), and the CPU of this process and its reaped children
 (``resource.getrusage``; the loop device's kernel worker and the ext4 writeback are kernel
 threads, in no one's rusage: compare the wall figures too). Then, once: a Session of each
@@ -92,11 +97,57 @@ def session_memory() -> dict[str, dict[str, int]]:
     return out
 
 
+def parts(n: int) -> dict[str, float]:
+    """p50 (ms) of each step of a 1 GiB disk upper, in a private mount namespace of this thread."""
+    import ctypes
+    import tempfile
+    libc = ctypes.CDLL(None, use_errno=True)
+    size = 1 << 30
+    directory = _disk_upper.upper_dir()
+    template = _disk_upper._template(size, _disk_upper.inodes_for(size), directory)
+    mnt = tempfile.mkdtemp(prefix="lowlevel-bench-upper-")
+    steps: dict[str, list[float]] = {k: [] for k in ("file_and_copy", "loop_configure", "mount", "umount",
+                                                     "last_close_autoclear", "mke2fs_instead")}
+    try:
+        if libc.unshare(0x00020000) != 0:  # CLONE_NEWNS (os.unshare: Python 3.12)
+            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
+        if libc.mount(None, b"/", None, 0x4000 | 0x40000, None) != 0:  # MS_REC | MS_PRIVATE
+            raise OSError(ctypes.get_errno(), "mount --make-rprivate /")
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+            os.ftruncate(fd, size)
+            _disk_upper._copy_sparse(template, fd)
+            t1 = time.perf_counter()
+            dev, _name = _disk_upper._bind_loop(fd)
+            os.close(fd)
+            t2 = time.perf_counter()
+            if libc.mount(f"/proc/self/fd/{dev}".encode(), mnt.encode(), b"ext4", 6, b"noinit_itable") != 0:
+                raise OSError(ctypes.get_errno(), "mount ext4")
+            t3 = time.perf_counter()
+            libc.umount2(mnt.encode(), 0)
+            t4 = time.perf_counter()
+            os.close(dev)
+            t5 = time.perf_counter()
+            for k, a, b in (("file_and_copy", t0, t1), ("loop_configure", t1, t2), ("mount", t2, t3),
+                            ("umount", t3, t4), ("last_close_autoclear", t4, t5)):
+                steps[k].append((b - a) * 1e3)
+            t6 = time.perf_counter()
+            _disk_upper._templates.clear()  # a fresh mke2fs (the template's fd stays open: closed below)
+            os.close(_disk_upper._template(size, _disk_upper.inodes_for(size), directory))
+            steps["mke2fs_instead"].append((time.perf_counter() - t6) * 1e3)
+    finally:
+        os.rmdir(mnt)
+    os.close(template)
+    return {k: round(statistics.median(v), 3) for k, v in steps.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--per-round", type=int, default=20)
     ap.add_argument("--big-per-round", type=int, default=2)
+    ap.add_argument("--parts", type=int, default=20, help="times each part of a disk upper is measured alone")
     ap.add_argument("--json", help="write the figures as JSON")
     args = ap.parse_args(argv)
     if os.geteuid() != 0:
@@ -143,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{out['loadavg_before']} -> {out['loadavg_after']})")
     for upper, stat in out["session_memory_stat_64MiB"].items():
         print(f"session holding 64 MiB, {upper} upper: " + ", ".join(f"{k} {v / MiB:.1f} MiB" for k, v in stat.items()))
+    out["parts_p50_ms"] = parts(args.parts)
+    print("parts of a 1 GiB disk upper, p50 ms: " + ", ".join(f"{k} {v}" for k, v in out["parts_p50_ms"].items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

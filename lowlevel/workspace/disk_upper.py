@@ -44,6 +44,8 @@ import ctypes
 import errno
 import fcntl
 import os
+import queue
+import select
 import shutil
 import subprocess
 import threading
@@ -286,6 +288,61 @@ def open_disk_upper(size: int) -> DiskUpper:
     return DiskUpper(fd=dev, device=device, size=size, directory=directory)
 
 
+_closer_lock = threading.Lock()
+_closer: "queue.SimpleQueue[tuple[int, int | None]] | None" = None
+#: Longest wait for the anchor's exit before the closer closes anyway, seconds.
+_ANCHOR_EXIT_WAIT_S = 30.0
+
+
+def _close_forever(q: "queue.SimpleQueue[tuple[int, int | None]]") -> None:
+    while True:
+        fd, pidfd = q.get()
+        try:
+            if pidfd is not None:
+                select.select([pidfd], [], [], _ANCHOR_EXIT_WAIT_S)  # readable: the anchor exited
+                os.close(pidfd)
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _forget_closer() -> None:
+    """In a forked child: the worker thread is not there; the next close_later starts one."""
+    global _closer
+    _closer = None
+
+
+os.register_at_fork(after_in_child=_forget_closer)
+
+
+def close_later(fd: int, anchor_pid: int | None) -> None:
+    """Close ``fd``, the caller's reference to a disk upper's mount, on a worker thread, once the
+    anchor ``anchor_pid`` (our child, not yet reaped; None: gone already) has exited.
+
+    The last reference's drop unmounts the ext4 (its superblock written through the loop device)
+    and clears the loop device (a queue freeze: an RCU grace period): 10-40 ms of mostly waiting
+    on this shared VM (bench/README.md "Disk-backed upper"). Held until the anchor has exited, our
+    fd is that last reference, so neither the anchor's exit (which the caller reaps, waiting)
+    nor the caller pays it; the worker does. Nothing of the run is reachable through the fd any
+    more (the commit is done), and if the process dies first the kernel closes it the same way.
+    One daemon thread per process, started on first use.
+    """
+    global _closer
+    pidfd: int | None = None
+    if anchor_pid is not None:
+        try:
+            pidfd = os.pidfd_open(anchor_pid)
+        except OSError:
+            pidfd = None  # reaped already (or no pidfd_open): nothing to wait for
+    with _closer_lock:
+        if _closer is None:
+            q: "queue.SimpleQueue[tuple[int, int | None]]" = queue.SimpleQueue()
+            threading.Thread(target=_close_forever, args=(q,), name="lowlevel-disk-upper-close",
+                             daemon=True).start()
+            _closer = q
+        _closer.put((fd, pidfd))
+
+
 def backing_files() -> dict[str, str]:
     """Bound loop devices and their backing files (``/sys/block/loop*/loop/backing_file``):
     what a test or ``lowlevel doctor`` checks is empty of ours. ``{"loop3": "/var/tmp/#123 (deleted)"}``."""
@@ -305,4 +362,4 @@ def backing_files() -> dict[str, str]:
 
 
 __all__ = ["DEFAULT_UPPER_DIR", "MIN_DISK_UPPER_BYTES", "UPPER_DIR_ENV", "DiskUpper", "backing_files",
-           "check_caller", "inodes_for", "open_disk_upper", "upper_dir"]
+           "check_caller", "close_later", "inodes_for", "open_disk_upper", "upper_dir"]
