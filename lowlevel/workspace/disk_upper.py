@@ -235,7 +235,12 @@ def _bind_loop(file_fd: int) -> tuple[int, str]:
         for _attempt in range(64):
             number = fcntl.ioctl(ctl, _LOOP_CTL_GET_FREE)
             device = f"/dev/loop{number}"
-            dev = os.open(device, os.O_RDWR | os.O_CLOEXEC)
+            try:
+                dev = os.open(device, os.O_RDWR | os.O_CLOEXEC)
+            except FileNotFoundError as err:
+                raise UnsupportedError("disk-upper", f"Limits.upper='disk': the kernel made loop device {number} but "
+                                       f"{device} does not exist (/dev is not a devtmpfs?)",
+                                       "mount devtmpfs on /dev, or leave upper='tmpfs'") from err
             try:
                 fcntl.ioctl(dev, _LOOP_CONFIGURE, bytes(cfg))
             except OSError as err:
@@ -290,6 +295,10 @@ def open_disk_upper(size: int) -> DiskUpper:
 
 _closer_lock = threading.Lock()
 _closer: "queue.SimpleQueue[tuple[int, int | None]] | None" = None
+_closers = 0  # worker threads started (in this process)
+#: At most this many closer threads: a backlog (runs ending faster than one thread closes:
+#: many concurrent arun calls) gets more of them, so bound loop devices do not pile up.
+MAX_CLOSERS = 4
 #: Longest wait for the anchor's exit before the closer closes anyway, seconds.
 _ANCHOR_EXIT_WAIT_S = 30.0
 
@@ -307,9 +316,9 @@ def _close_forever(q: "queue.SimpleQueue[tuple[int, int | None]]") -> None:
 
 
 def _forget_closer() -> None:
-    """In a forked child: the worker thread is not there; the next close_later starts one."""
-    global _closer
-    _closer = None
+    """In a forked child: the worker threads are not there; the next close_later starts one."""
+    global _closer, _closers
+    _closer, _closers = None, 0
 
 
 os.register_at_fork(after_in_child=_forget_closer)
@@ -325,9 +334,10 @@ def close_later(fd: int, anchor_pid: int | None) -> None:
     fd is that last reference, so neither the anchor's exit (which the caller reaps, waiting)
     nor the caller pays it; the worker does. Nothing of the run is reachable through the fd any
     more (the commit is done), and if the process dies first the kernel closes it the same way.
-    One daemon thread per process, started on first use.
+    Daemon threads, started on first use, a second (up to :data:`MAX_CLOSERS`) whenever a close
+    finds a backlog.
     """
-    global _closer
+    global _closer, _closers
     pidfd: int | None = None
     if anchor_pid is not None:
         try:
@@ -336,10 +346,11 @@ def close_later(fd: int, anchor_pid: int | None) -> None:
             pidfd = None  # reaped already (or no pidfd_open): nothing to wait for
     with _closer_lock:
         if _closer is None:
-            q: "queue.SimpleQueue[tuple[int, int | None]]" = queue.SimpleQueue()
-            threading.Thread(target=_close_forever, args=(q,), name="lowlevel-disk-upper-close",
+            _closer = queue.SimpleQueue()
+        if _closers == 0 or (_closers < MAX_CLOSERS and not _closer.empty()):
+            threading.Thread(target=_close_forever, args=(_closer,), name="lowlevel-disk-upper-close",
                              daemon=True).start()
-            _closer = q
+            _closers += 1
         _closer.put((fd, pidfd))
 
 
