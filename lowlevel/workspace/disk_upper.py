@@ -354,6 +354,22 @@ def close_later(fd: int, anchor_pid: int | None) -> None:
         _closer.put((fd, pidfd))
 
 
+def doctor_check() -> tuple[bool, str, str]:
+    """``lowlevel doctor``'s "disk upper" line: ``(works, detail, fix)``, from a real 8 MiB disk
+    upper made and dropped (a loop device bound and cleared; its mke2fs template is cached)."""
+    if os.geteuid() != 0:
+        return (False, "Limits.upper='disk' needs a root caller (a loop device and an ext4 mount): "
+                "runs here use the tmpfs upper", "run as root for large outputs on disk")
+    try:
+        upper = open_disk_upper(MIN_DISK_UPPER_BYTES)
+    except (UnsupportedError, WorkspaceError, LaunchError, OSError) as err:
+        return (False, f"Limits.upper='disk' is unavailable: {err}", getattr(err, "fix", "") or
+                f"set {UPPER_DIR_ENV} to a directory on disk, or leave upper='tmpfs'")
+    os.close(upper.fd)
+    return (True, f"Limits.upper='disk' works: ext4 on a loop device per run, its unnamed sparse file in "
+            f"{upper.directory}", "")
+
+
 def backing_files() -> dict[str, str]:
     """Bound loop devices and their backing files (``/sys/block/loop*/loop/backing_file``):
     what a test or ``lowlevel doctor`` checks is empty of ours. ``{"loop3": "/var/tmp/#123 (deleted)"}``."""
@@ -373,4 +389,4 @@ def backing_files() -> dict[str, str]:
 
 
 __all__ = ["DEFAULT_UPPER_DIR", "MIN_DISK_UPPER_BYTES", "UPPER_DIR_ENV", "DiskUpper", "backing_files",
-           "check_caller", "close_later", "inodes_for", "open_disk_upper", "upper_dir"]
+           "check_caller", "close_later", "doctor_check", "inodes_for", "open_disk_upper", "upper_dir"]

@@ -300,3 +300,15 @@ def test_control_a_loop_device_without_autoclear_outlives_its_caller(upper_dir: 
         finally:
             os.close(fd)
     assert_nothing_left(upper_dir)
+
+
+@needs_root
+def test_doctor_says_whether_the_disk_upper_works(upper_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lowlevel.doctor import workspace_checks
+    checks = {c["name"]: c for c in workspace_checks(("workspace: copy-on-write overlay",))}
+    assert checks["disk upper"]["ok"] and str(upper_dir) in checks["disk upper"]["detail"], checks
+    assert_nothing_left(upper_dir)
+    # Control: an upper directory on a tmpfs (RAM) is refused, with what to do.
+    monkeypatch.setenv("LOWLEVEL_UPPER_DIR", "/dev/shm")
+    bad = {c["name"]: c for c in workspace_checks(("workspace: copy-on-write overlay",))}["disk upper"]
+    assert not bad["ok"] and "is on a tmpfs (RAM)" in bad["detail"] and "LOWLEVEL_UPPER_DIR" in bad["detail"], bad
