@@ -166,7 +166,8 @@ class RunPrepare(RunWorkspace):
         _disk_upper.check_caller(self.facts.caller_is_root)
         upper = _disk_upper.open_disk_upper(self.upper_bytes)
         self.upper_dev_fd = self._own(upper.fd)  # the anchor mounts its copy; ours closes with the others
-        self.notes.append(f"workspace: copy-on-write overlay, its upper layer on disk (ext4 on {upper.device}, an "
+        # No device name (/dev/loopN varies): the note is the same for every run of a Policy.
+        self.notes.append(f"workspace: copy-on-write overlay, its upper layer on disk (ext4 on a loop device, an "
                           f"unnamed sparse file in {upper.directory}); the run's writes are bounded to "
                           f"{self.upper_bytes} bytes")
 
