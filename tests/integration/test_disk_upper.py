@@ -312,3 +312,22 @@ def test_doctor_says_whether_the_disk_upper_works(upper_dir: Path, monkeypatch: 
     monkeypatch.setenv("LOWLEVEL_UPPER_DIR", "/dev/shm")
     bad = {c["name"]: c for c in workspace_checks(("workspace: copy-on-write overlay",))}["disk upper"]
     assert not bad["ok"] and "is on a tmpfs (RAM)" in bad["detail"] and "LOWLEVEL_UPPER_DIR" in bad["detail"], bad
+
+
+@needs_root
+def test_session_commits_and_resets_a_full_disk_upper(upper_dir: Path, tmp_path: Path) -> None:
+    """A run that filled the upper still commits and resets: the RESET's new upper.N/work.N take
+    no block (ext4 inline_data), as on a tmpfs (before: "mkdir upper.1: No space left on device").
+    (The committed bytes keep counting against the bound afterwards, on both uppers alike: the
+    first overlay, still mounted below, holds the cleared upper's dentries.)"""
+    ws = str(tmp_path / "ws")
+    os.mkdir(ws)
+    policy = lowlevel.Policy(limits=lowlevel.Limits(upper="disk", workspace_bytes=16 * MiB))
+    with lowlevel.Session(policy=policy, workspace=ws) as s:
+        assert b"rc=1" in s.run(["sh", "-c", "head -c 32M /dev/zero > big; echo rc=$?"]).stdout
+        s.commit()  # applies big (as much as fitted), then RESET on the full filesystem
+        assert 8 * MiB < os.path.getsize(os.path.join(ws, "big")) <= 16 * MiB
+        assert s.run(["sh", "-c", "mkdir d && echo x > d/f && ls /workspace"]).stdout == b"big\nd\n"
+        s.reset()
+        assert s.run(["ls", "/workspace"]).stdout == b"big\n"
+    assert_nothing_left(upper_dir)
