@@ -22,7 +22,8 @@ call (means):
 Modes: ``seed`` (the seed recipe of ``startup.py``), ``raw`` (``startup.py``'s ``raw_bwrap``),
 ``run`` (``lowlevel.run`` with the default Policy), ``run_no_overlay`` (the same with
 ``LOWLEVEL_NO_OVERLAY=1``: the workspace bound as it is), ``run_disk`` (``Limits(upper="disk")``).
-Kernel-thread CPU is what all kernel threads did during the calls (the machine's other jobs included): compare modes, not absolutes.
+Kernel-thread CPU is what all kernel threads did during the calls (the machine's other jobs
+included): compare modes, not absolutes.
 perf's own overhead inflates syscall-heavy roles; the comparisons are between modes measured
 alike, in the same minute.
 """
