@@ -21,8 +21,9 @@ call (means):
 
 Modes: ``seed`` (the seed recipe of ``startup.py``), ``raw`` (``startup.py``'s ``raw_bwrap``),
 ``run`` (``lowlevel.run`` with the default Policy), ``run_no_overlay`` (the same with
-``LOWLEVEL_NO_OVERLAY=1``: the workspace bound as it is). Kernel-thread CPU is what all kernel
-threads did during the calls (the machine's other jobs included): compare modes, not absolutes.
+``LOWLEVEL_NO_OVERLAY=1``: the workspace bound as it is), ``run_disk`` (``Limits(upper="disk")``).
+Kernel-thread CPU is what all kernel threads did during the calls (the machine's other jobs
+included): compare modes, not absolutes.
 perf's own overhead inflates syscall-heavy roles; the comparisons are between modes measured
 alike, in the same minute.
 """
@@ -45,7 +46,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-MODES = ("seed", "raw", "run", "run_no_overlay")
+MODES = ("seed", "raw", "run", "run_no_overlay", "run_disk")
 
 #: Frames that only say "this task sleeps": skipped when naming why it blocked.
 _SCHED_FRAMES = re.compile(r"^(__schedule|schedule|schedule_idle|schedule_timeout|schedule_hrtimeout_range"
@@ -81,8 +82,15 @@ def drive(calls: int, modes: list[str], out: str, src: str | None = None) -> Non
         finally:
             del os.environ["LOWLEVEL_NO_OVERLAY"]
 
+    disk = lowlevel.Policy(limits=lowlevel.Limits(upper="disk"))
+
+    def run_disk() -> None:  # Limits.upper="disk" (issue 27): the upper on a loop device
+        r = lowlevel.run(cmd, policy=disk)
+        workspaces.append(r.workspace)
+
     workspaces: list[str] = []
-    fns = {"seed": seed.call, "raw": raw.call, "run": run_call, "run_no_overlay": run_no_overlay}
+    fns = {"seed": seed.call, "raw": raw.call, "run": run_call, "run_no_overlay": run_no_overlay,
+           "run_disk": run_disk}
     for m in modes:  # warm-up, unrecorded windows
         for _ in range(3):
             fns[m]()

@@ -188,6 +188,10 @@ def workspace_checks(result_notes: tuple[str, ...] = ()) -> list[dict[str, Any]]
         checks.append(_check("workspace", False, fallback + " (no total write bound; ownership handed over "
                              "during runs)", "use Linux >= 5.19 (idmapped overlay layers), or unset "
                              "LOWLEVEL_NO_OVERLAY"))
+    if any(n.startswith("workspace: copy-on-write") for n in result_notes):
+        from lowlevel.workspace import disk_upper
+        ok, detail, fix = disk_upper.doctor_check()
+        checks.append(_check("disk upper", ok, detail, fix))
     if os.geteuid() == 0:
         try:
             first, count = uids.uid_range()

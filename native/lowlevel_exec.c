@@ -78,6 +78,9 @@
  *                         it: pid_namespaces(7)), whether or not the caller is running: a
  *                         stopped (SIGSTOP), stuck or overloaded caller cannot extend a run.
  *                         A timerfd (timerfd_create(2), TFD_TIMER_ABSTIME) in the wait loop.
+ *   [--upper-dev-fd=N]    (root callers, with --mnt) an O_RDWR fd of a loop block device holding
+ *                         a fresh ext4: mounted on --mnt instead of the tmpfs (a disk upper,
+ *                         bounded by the device's size; --upper-bytes/--upper-inodes unused)
  *   [--empty-lower]       the workspace is fresh and empty (a one-shot run): the lower layer
  *                         is an empty directory of the tmpfs, no idmapped clone (--lower-fd is
  *                         still the workspace: the merged root takes its owner and mode, and
@@ -336,6 +339,7 @@ struct overlay {
     const char *root_path; /* unprivileged callers: its path, opened again in the new namespace */
     int root_tree;     /* root callers: a detached clone of root_fd's mount (open_tree), or -1 */
     int empty_lower;   /* --empty-lower: the lower layer is an empty directory of the tmpfs */
+    int dev_fd;        /* --upper-dev-fd: a loop device holding a fresh ext4 (disk upper), or -1 */
 };
 
 static void path_in(char *out, size_t size, const struct overlay *o, const char *name) {
@@ -533,9 +537,22 @@ static void setup_overlay(struct overlay *o) {
     char path[PATH_MAX], opts[128];
     if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) != 0)
         die("mount", "(/, MS_REC|MS_PRIVATE)");
-    snprintf(opts, sizeof opts, "size=%llu,nr_inodes=%llu,mode=0755", o->bytes, o->inodes);
-    if (mount("lowlevel-upper", o->mnt, "tmpfs", MS_NOSUID | MS_NODEV, opts) != 0)
-        dief("mount tmpfs on %s (%s)", o->mnt, opts);
+    if (o->dev_fd >= 0) {
+        /* Limits.upper="disk": the caller's loop device (LO_FLAGS_AUTOCLEAR, its backing file
+         * an unnamed O_TMPFILE sized to the bound) holding a fresh ext4 instead of the tmpfs
+         * (lowlevel/workspace/disk_upper.py). Mounted only in this namespace: when it and the
+         * caller's fds are gone the device clears itself and the file's blocks are freed.
+         * noinit_itable: no background zeroing of the inode tables (mke2fs lazy_itable_init). */
+        snprintf(path, sizeof path, "/proc/self/fd/%d", o->dev_fd);
+        if (mount(path, o->mnt, "ext4", MS_NOSUID | MS_NODEV, "noinit_itable") != 0)
+            dief("mount ext4 (the disk upper %s) on %s", path, o->mnt);
+        close(o->dev_fd);
+        o->dev_fd = -1;
+    } else {
+        snprintf(opts, sizeof opts, "size=%llu,nr_inodes=%llu,mode=0755", o->bytes, o->inodes);
+        if (mount("lowlevel-upper", o->mnt, "tmpfs", MS_NOSUID | MS_NODEV, opts) != 0)
+            dief("mount tmpfs on %s (%s)", o->mnt, opts);
+    }
     path_in(path, sizeof path, o, "ws");
     if (mkdir(path, 0755) != 0)
         die("mkdir", path);
@@ -596,7 +613,7 @@ int main(int argc, char **argv) {
     unsigned long long deadline_ns = 0; /* 0: none */
     unsigned int uid = 0, gid = 0;
     pid_t parent = 0;
-    struct overlay ov = {.lower_fd = -1, .tree_fd = -1, .root_fd = -1, .root_tree = -1};
+    struct overlay ov = {.lower_fd = -1, .tree_fd = -1, .root_fd = -1, .root_tree = -1, .dev_fd = -1};
     int have_overlay = 0;
 
     for (i = 1; i < argc; i++) {
@@ -698,6 +715,8 @@ int main(int argc, char **argv) {
             ov.root_path = a + 18;
             if (ov.root_path[0] != '/')
                 die("bad option (absolute path)", a);
+        } else if (strncmp(a, "--upper-dev-fd=", 15) == 0) {
+            ov.dev_fd = need_fd(a, a + 15);
         } else if (strncmp(a, "--upper-bytes=", 14) == 0) {
             if (parse_num(a + 14, (unsigned long long)1 << 50, &ov.bytes) || ov.bytes < 4096)
                 die("bad option", a);
@@ -729,6 +748,8 @@ int main(int argc, char **argv) {
         die("--idmap needs --uid/--gid and --mnt", NULL);
     if (ov.empty_lower && !have_overlay)
         die("--empty-lower needs --mnt", NULL);
+    if (ov.dev_fd >= 0 && (!have_overlay || userns))
+        die("--upper-dev-fd needs --mnt and a root caller (no --userns)", NULL);
     if (have_uid && userns)
         die("--uid and --userns are exclusive (root callers need no user namespace)", NULL);
     if (ov.root_fd >= 0 && (!have_overlay || (userns ? !ov.root_path : !have_uid)))
@@ -750,6 +771,8 @@ int main(int argc, char **argv) {
         own[nown++] = cgroup_dir;
     if (ov.root_fd >= 0)
         own[nown++] = ov.root_fd;
+    if (ov.dev_fd >= 0)
+        own[nown++] = ov.dev_fd;
     for (int k = 0; k < nown; k++)
         if (fcntl(own[k], F_SETFD, FD_CLOEXEC) != 0)
             die("fcntl", "(F_SETFD, FD_CLOEXEC)");

@@ -152,6 +152,10 @@ def _add_run_limits(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workspace-size", metavar="BYTES", type=parse_size,
                    help="total bytes the run may write into its workspace (the copy-on-write upper "
                    "layer's tmpfs: ENOSPC inside beyond it), default 1G")
+    p.add_argument("--upper", choices=("tmpfs", "disk"),
+                   help="where the workspace's copy-on-write writes live: tmpfs (RAM, the default) or disk "
+                   "(root only: a per-run loop device of --workspace-size bytes, the same hard bound, no RAM "
+                   "held; in $LOWLEVEL_UPPER_DIR, default /var/tmp)")
 
 
 def _add_run_outcome(p: argparse.ArgumentParser) -> None:

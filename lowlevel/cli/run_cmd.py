@@ -195,7 +195,7 @@ def policy_from_args(args: argparse.Namespace) -> Policy:
     overrides = {name: getattr(args, attr) for name, attr in (
         ("memory_bytes", "memory"), ("cpu_s", "cpu"), ("pids", "pids"), ("fsize_bytes", "fsize"),
         ("nofile", "nofile"), ("tmp_size_bytes", "tmp_size"),
-        ("workspace_bytes", "workspace_size")) if getattr(args, attr) is not None}
+        ("workspace_bytes", "workspace_size"), ("upper", "upper")) if getattr(args, attr) is not None}
     binds = [Bind(src, dest, writable=False, allow_sensitive=args.allow_sensitive,
                   allow_sockets=args.allow_sockets) for src, dest in args.ro]
     binds += [Bind(src, dest, writable=True, allow_sensitive=args.allow_sensitive,

@@ -66,6 +66,9 @@ def canonical_policy(policy: Policy) -> dict[str, Any]:
             # allow_sockets (issue 22) only when set: records made before it hash as they did.
             out[f.name] = [{k: v for k, v in canonical_value(b).items() if not (k == "allow_sockets" and v is False)}
                            for b in value]
+        elif f.name == "limits":
+            # upper (issue 27) only when not the default: records made before it hash as they did.
+            out[f.name] = {k: v for k, v in canonical_value(value).items() if not (k == "upper" and v == "tmpfs")}
         else:
             out[f.name] = canonical_value(value)
     return out

@@ -471,6 +471,9 @@ class AnchorOverlay:
             the workspace (no idmapped clone: ~0.35 ms of CPU less per run); ``lower_fd`` is
             still the workspace (the merged root's owner and mode; the commit's target).
             Never for a Session (its RESET needs the real lower).
+        upper_dev_fd: ``Limits.upper="disk"`` (root callers): the loop device holding the
+            run's fresh ext4 (an fd number as the anchor sees it), mounted instead of the
+            tmpfs (:mod:`lowlevel.workspace.disk_upper`); None: the tmpfs.
     """
 
     mnt: str
@@ -482,6 +485,7 @@ class AnchorOverlay:
     root_lower_fd: int | None = None
     root_lower_path: str | None = None
     empty_lower: bool = False
+    upper_dev_fd: int | None = None
 
 
 def anchor_argv(facts: HostFacts, helper: str, *, parent: int, report_fd: int | None, cgroup_fds: Sequence[int],
@@ -540,6 +544,8 @@ def anchor_argv(facts: HostFacts, helper: str, *, parent: int, report_fd: int | 
             a.append(f"--idmap={overlay.idmap[0]}:{overlay.idmap[1]}")
         if overlay.empty_lower:
             a.append("--empty-lower")
+        if overlay.upper_dev_fd is not None:
+            a.append(f"--upper-dev-fd={overlay.upper_dev_fd}")
         if overlay.root_lower_fd is not None:
             a.append(f"--root-lower-fd={overlay.root_lower_fd}")
             if overlay.root_lower_path is not None:

@@ -140,8 +140,11 @@ class RunPrepare(RunWorkspace):
             self.upper_bytes = policy.limits.workspace_bytes or _cow.DEFAULT_UPPER_BYTES
             self.mnt = _cow.mount_dir(self.workspace_base)
             bind_source = f"{self.mnt}/ws"
-            self.notes.append(f"workspace: copy-on-write overlay; the run's writes are bounded to "
-                              f"{self.upper_bytes} bytes")
+            if policy.limits.upper == "disk":
+                self._open_disk_upper()
+            else:
+                self.notes.append(f"workspace: copy-on-write overlay; the run's writes are bounded to "
+                                  f"{self.upper_bytes} bytes")
             if policy.rootfs is not None and policy.rootfs_writable:
                 # The anchor overlays the whole tree too (lowlevel.rootfs, "Writable root").
                 self.root_fd = self._own(os.open(policy.rootfs, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW
@@ -150,8 +153,23 @@ class RunPrepare(RunWorkspace):
                 self.notes.append("root filesystem: copy-on-write overlay, discarded after the run (its writes "
                                   "count in the same bound)")
         else:
+            if policy.limits.upper == "disk":
+                raise UnsupportedError("disk-upper", "Limits.upper='disk' places the copy-on-write overlay's upper "
+                                       f"layer on disk, and the overlay is unavailable here ({support.reason})",
+                                       "leave upper='tmpfs', or see `lowlevel doctor`")
             bind_source = self._prepare_handover(support.reason)
         return bind_source, rootfs_overlay
+
+    def _open_disk_upper(self) -> None:
+        """``Limits.upper="disk"``: the run's loop device (:mod:`lowlevel.workspace.disk_upper`)."""
+        from lowlevel.workspace import disk_upper as _disk_upper
+        _disk_upper.check_caller(self.facts.caller_is_root)
+        upper = _disk_upper.open_disk_upper(self.upper_bytes)
+        self.upper_dev_fd = self._own(upper.fd)  # the anchor mounts its copy; ours closes with the others
+        # No device name (/dev/loopN varies): the note is the same for every run of a Policy.
+        self.notes.append(f"workspace: copy-on-write overlay, its upper layer on disk (ext4 on a loop device, an "
+                          f"unnamed sparse file in {upper.directory}); the run's writes are bounded to "
+                          f"{self.upper_bytes} bytes")
 
     def _prepare_limits(self) -> None:
         """The run's cgroup (and the fds the anchor joins it by) and its rlimits."""
@@ -295,7 +313,7 @@ class RunPrepare(RunWorkspace):
             self.guard_prefix = _landlock.guard_argv(exe_child, exe_child + 1, rules, cwd=self.cwd)
         # The anchor's own fds (never passed on to bwrap) go right above bwrap's.
         own = (("report", report_child.fileno()), ("lower", self.lower_fd), ("root", self.root_fd),
-               ("lease", self.lease.fd if self.lease is not None else None))
+               ("lease", self.lease.fd if self.lease is not None else None), ("upper_dev", self.upper_dev_fd))
         layout = lay_out(mapping, own, self.cgroup_fds, self.cgroup_dir_fd)
         self.pass_fds = layout.pass_fds
         self.anchor_fds = layout.anchor_fds
@@ -327,7 +345,8 @@ class RunPrepare(RunWorkspace):
                                 root_lower_path=None if self.facts.caller_is_root or self.root_fd is None
                                 else self.policy.rootfs,
                                 # A workspace we made a moment ago, nothing copied in: empty.
-                                empty_lower=self.one_shot and self.owns_workspace and not self.inputs)
+                                empty_lower=self.one_shot and self.owns_workspace and not self.inputs,
+                                upper_dev_fd=self.anchor_fds.get("upper_dev"))
         return anchor_argv(self.facts, _facts._exec_helper(), parent=os.getpid(), report_fd=self.anchor_fds["report"],
                            cgroup_fds=self.anchor_fds["cgroups"], cgroup_dir_fd=self.anchor_fds.get("cgroup_dir"),
                            rlimits=self.pre_exec_rlimits,

@@ -179,7 +179,12 @@ class RunWorkspace(RunState):
                 needs_record=self.cgroup is None or self.cgroup.record is None, name=f"commit-{id(self):x}")
             commit_run(target, result, self.notes)
         finally:
-            os.close(self.upper_fd)
+            if self.policy.limits.upper == "disk":
+                from lowlevel.workspace.disk_upper import close_later
+                # The unmount and the loop device's clear, off the caller's path and the anchor's exit.
+                close_later(self.upper_fd, None if self.anchor_reaped else self.pid)
+            else:
+                os.close(self.upper_fd)
             self.upper_fd = None
 
     def reset_cow(self, timeout_s: float = 10.0) -> None:

@@ -185,6 +185,7 @@ class RunState:
         self.lower_stat: os.stat_result | None = None
         self.upper_fd: int | None = None
         self.upper_bytes = 0
+        self.upper_dev_fd: int | None = None  # Limits.upper="disk": the loop device (lowlevel.workspace.disk_upper)
         self.mnt = ""
         self.cgroup_fds: list[int] = []
         self.cgroup_dir_fd: int | None = None

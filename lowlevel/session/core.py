@@ -335,8 +335,8 @@ class Core(WorkspaceGate):
         ``address_space_bytes``, and the ``RLIMIT_DATA``/``RLIMIT_NPROC`` fallbacks of
         ``memory_bytes``/``pids`` where no cgroup enforces them) are set per command. The
         cgroup's limits (``memory_bytes``, ``pids``, ``cpu_quota`` where its cgroup enforces
-        them) bound the whole session, and ``tmp_size_bytes``/``workspace_bytes`` were fixed
-        when it started: a command asking for other values gets a PolicyError (never a limit
+        them) bound the whole session, and ``tmp_size_bytes``/``workspace_bytes``/``upper`` were
+        fixed when it started: a command asking for other values gets a PolicyError (never a limit
         silently not applied). :meth:`Pool.run` rewrites its sandbox's cgroup for the call
         first (each call has a sandbox of its own), so there they apply.
 
@@ -356,7 +356,7 @@ class Core(WorkspaceGate):
                     f"cgroup ({cgfile}) bounds all its commands together, at {getattr(current, name)!r}. Set it "
                     "on the Session's Policy, or use Pool.run or lowlevel.run for a per-call limit "
                     "(dataclasses.replace(session_policy.limits, ...) keeps the session's values)")
-        for name in ("tmp_size_bytes", "workspace_bytes"):
+        for name in ("tmp_size_bytes", "workspace_bytes", "upper"):
             if getattr(limits, name) != getattr(self.policy.limits, name):
                 raise PolicyError(f"per-command limits.{name}={getattr(limits, name)!r} cannot apply: the "
                                   "session's mounts were made at its start with "

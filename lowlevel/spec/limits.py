@@ -41,6 +41,11 @@ DEFAULT_WORKSPACE_BYTES = 1 * GiB
 
 #: Default ``Limits.tmp_size_bytes``: the size of ``/tmp`` and, separately, of ``/dev/shm``.
 DEFAULT_TMP_SIZE_BYTES = 256 * MiB
+#: Where a run's copy-on-write upper layer lives (``Limits.upper``): ``"tmpfs"`` (RAM, the
+#: default) or ``"disk"`` (a per-run loop device, root callers: :mod:`lowlevel.workspace.disk_upper`).
+UPPERS = ("tmpfs", "disk")
+#: Smallest ``workspace_bytes`` of a disk upper: mke2fs needs room for its metadata.
+MIN_DISK_UPPER_BYTES = 8 * MiB
 
 #: The program's own share of the default memory limit (heap, stacks, page cache, the kernel's
 #: memory for it): what is left when every tmpfs layer is full.
@@ -122,6 +127,15 @@ class Limits:
             inside beyond it; the host's disk is never used). None: the default,
             :data:`lowlevel.workspace.cow.DEFAULT_UPPER_BYTES` (1 GiB). Where the overlay is unavailable
             (the hand-over fallback) a value raises UnsupportedError.
+        upper: where that upper layer lives, one of :data:`UPPERS`. ``"tmpfs"`` (the default):
+            RAM, charged to the run's memory cgroup. ``"disk"``: a fresh ext4 on a per-run loop
+            device whose unnamed, sparse backing file (in ``$LOWLEVEL_UPPER_DIR``, default
+            /var/tmp) is exactly ``workspace_bytes`` long: the same hard bound (ENOSPC inside; a
+            little of it goes to ext4's metadata), on disk, so large outputs and many
+            sandboxes do not hold RAM; nothing stays behind when the caller dies (loop(4)
+            LO_FLAGS_AUTOCLEAR, open(2) O_TMPFILE). Root callers only (a loop device and an
+            ext4 mount need CAP_SYS_ADMIN): others get UnsupportedError, as does the hand-over
+            fallback. At least :data:`MIN_DISK_UPPER_BYTES`.
         net_bytes: egress mode only (``Policy(network=Egress(...))``): payload bytes the run may
             move through the egress proxy, both directions and every connection together, or
             None. The connection that crosses it is cut after exactly this many bytes, the
@@ -148,6 +162,7 @@ class Limits:
     workspace_bytes: int | None = None
     net_bytes: int | None = None
     require: tuple[str, ...] = ()
+    upper: str = "tmpfs"
 
     def __post_init__(self) -> None:
         _check_seconds("cpu_s", self.cpu_s, minimum=0.001)
@@ -163,6 +178,11 @@ class Limits:
         # The anchor sizes the upper tmpfs with at most 2^50 bytes (native/lowlevel_exec.c).
         _check_int("workspace_bytes", self.workspace_bytes, minimum=64 * KiB, maximum=1 << 50)
         _check_int("net_bytes", self.net_bytes, minimum=1)
+        if not isinstance(self.upper, str) or self.upper not in UPPERS:
+            raise PolicyError(f"Limits.upper must be one of {UPPERS}, got {self.upper!r}")
+        if self.upper == "disk" and self.workspace_bytes is not None and self.workspace_bytes < MIN_DISK_UPPER_BYTES:
+            raise PolicyError(f"Limits.workspace_bytes must be at least {MIN_DISK_UPPER_BYTES} with upper='disk' "
+                              f"(ext4's metadata needs room), got {self.workspace_bytes}")
         require = self.require
         if isinstance(require, str) or not isinstance(require, (tuple, list)):
             raise PolicyError(f"Limits.require must be a tuple of names from {REQUIRABLE}, "
@@ -292,10 +312,12 @@ def tmpfs_bytes(limits: Limits) -> int | None:
     (``tmp_size_bytes`` each). Their pages are charged to the run's memory cgroup, so a
     ``memory_bytes`` above this sum (plus what the program itself needs) lets a full tmpfs end
     in ENOSPC rather than an OOM kill. None when ``tmp_size_bytes`` is None (bwrap's tmpfs
-    default then: half the host's RAM). Pure."""
+    default then: half the host's RAM). With ``upper="disk"`` the workspace is not RAM: only
+    ``/tmp`` and ``/dev/shm`` count. Pure."""
     if limits.tmp_size_bytes is None:
         return None
-    return (limits.workspace_bytes or DEFAULT_WORKSPACE_BYTES) + 2 * limits.tmp_size_bytes
+    workspace = 0 if limits.upper == "disk" else (limits.workspace_bytes or DEFAULT_WORKSPACE_BYTES)
+    return workspace + 2 * limits.tmp_size_bytes
 
 
 def memory_kill_note(limits: Limits, killed: str | None = None, *, session: bool = False) -> str:
@@ -337,6 +359,7 @@ __all__ = [
     "KiB",
     "Limits",
     "MEMORY_FALLBACK_NOTE",
+    "MIN_DISK_UPPER_BYTES",
     "MiB",
     "PIDS_FALLBACK_NOTE",
     "PROGRAM_MEMORY_BYTES",

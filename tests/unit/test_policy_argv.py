@@ -141,6 +141,11 @@ def test_anchor_overlay_options():
     argv = anchor_argv(FACTS, helper, parent=1, report_fd=None, cgroup_fds=(), rlimits=(), ids=None, overlay=ov,
                        keep_fds=(), pass_fds=(), args_fd=3, command=["ls"])
     assert "--userns" in argv and "--lower-path=/home/u/proj" in argv and not any("idmap" in a for a in argv)
+    ov = AnchorOverlay(mnt="/run/lowlevel/mnt", lower_fd=16, upper_bytes=1 << 30, upper_inodes=1 << 20,
+                       idmap=(0, 0), upper_dev_fd=17)
+    argv = anchor_argv(root, helper, parent=1, report_fd=12, cgroup_fds=(), rlimits=(), ids=(7, 7), overlay=ov,
+                       keep_fds=(), pass_fds=(), args_fd=None, command=["/bin/true"])
+    assert argv[argv.index("--idmap=0:0") + 1] == "--upper-dev-fd=17"
 
 
 def test_policy_is_hashable_and_static_args_cached():

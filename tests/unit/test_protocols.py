@@ -173,7 +173,7 @@ def test_fixed_fds_are_distinct_and_below_the_etc_copies() -> None:
 def test_anchor_options_are_parsed_by_the_c_and_built_by_anchor_argv() -> None:
     doc = _section(1)
     options = re.findall(r"`(--[a-z-]+=?)`", doc[doc.index("Its options"):doc.index("The report socket")])
-    assert len(options) == 20, options
+    assert len(options) == 21, options
     c = _source("native/lowlevel_exec.c")
     built = inspect.getsource(argv_mod.anchor_argv)
     for option in options:

@@ -1,0 +1,333 @@
+"""Limits.upper="disk" (issue 27, item 6): the copy-on-write upper on a per-run loop device.
+
+- the bound is hard: writing past ``workspace_bytes`` is ENOSPC inside (control: the same write
+  under a larger bound succeeds), and afterwards no loop device is bound to a file of the upper
+  directory, no file is there and nothing of it is mounted on the host;
+- a large output does not need RAM: 64 MiB under ``memory_bytes`` = 32 MiB succeeds and commits
+  (whiteouts and an opaque directory included); the control, the same run on the tmpfs upper, is
+  killed by the memory cgroup; a Session's cgroup holds the tmpfs's 64 MiB as shmem, the disk
+  upper's not;
+- an unprivileged caller gets UnsupportedError naming why, and nothing runs; so does the
+  hand-over fallback (no overlay);
+- Session, Pool and arun honour it;
+- a caller SIGKILLed at random instants of disk-upper runs leaves nothing: no process, no bound
+  loop device, no file, no mount.
+
+``LOWLEVEL_UPPER_DIR`` points at a per-test directory (the host's /var/tmp is never used).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import lowlevel
+from helpers.procs import pids_with
+from lowlevel.workspace.disk_upper import backing_files
+
+pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(300)]
+
+MiB = 1 << 20
+IS_ROOT = os.geteuid() == 0
+needs_root = pytest.mark.skipif(not IS_ROOT, reason="a disk upper needs a root caller")
+
+
+@pytest.fixture
+def upper_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    d = tmp_path / "uppers"
+    d.mkdir()
+    monkeypatch.setenv("LOWLEVEL_UPPER_DIR", str(d))
+    return d
+
+
+def _ours(upper_dir: Path) -> dict[str, str]:
+    """Loop devices bound to a file of ``upper_dir`` (``/sys/block/loop*/loop/backing_file``)."""
+    return {k: v for k, v in backing_files().items() if v.startswith(str(upper_dir) + "/")}
+
+
+def _losetup() -> str:
+    return subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
+
+
+def assert_nothing_left(upper_dir: Path, timeout: float = 10.0) -> None:
+    """No bound loop device of ours, no file in the directory, no ext4 of ours on the host."""
+    deadline = time.monotonic() + timeout
+    while _ours(upper_dir) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not _ours(upper_dir), f"loop devices left: {_ours(upper_dir)}; losetup -a: {_losetup()}"
+    assert str(upper_dir) not in _losetup()
+    assert os.listdir(upper_dir) == []
+    with open("/proc/self/mountinfo") as f:
+        mounts = f.read()
+    assert " ext4 /dev/loop" not in mounts or all(
+        "/run/lowlevel" not in line and str(upper_dir) not in line
+        for line in mounts.splitlines() if " ext4 /dev/loop" in line), mounts
+
+
+WRITE_32M = ["sh", "-c", "head -c 32M /dev/zero > big; echo rc=$?; df -k /workspace | tail -1"]
+
+
+def test_disk_upper_is_enospc_at_its_bound(sandbox, upper_dir: Path) -> None:
+    out = sandbox.run(WRITE_32M, limits={"upper": "disk", "workspace_bytes": 16 * MiB}, commit=False)
+    if sandbox.user is not None:
+        assert out.error == "UnsupportedError", out
+        assert "needs a root caller" in out.message and "CAP_SYS_ADMIN" in out.message
+        assert "fix: leave upper='tmpfs'" in out.message
+        assert os.listdir(out.workspace) == []  # nothing ran
+        return
+    assert out.exit_code == 0, out
+    assert "No space left on device" in out.stderr.decode() and b"rc=1" in out.stdout, out
+    size_kib = int(out.stdout.decode().split()[-5])  # df: the overlay's size is the ext4's
+    assert size_kib <= 16 * 1024
+    assert any("upper layer on disk" in n for n in out.notes), out.notes
+    assert_nothing_left(upper_dir)
+    # Control: the same write under a bound that holds it succeeds (the ENOSPC is the bound's).
+    out = sandbox.run(WRITE_32M, limits={"upper": "disk", "workspace_bytes": 64 * MiB}, commit=False)
+    assert out.exit_code == 0 and b"rc=0" in out.stdout and not out.stderr, out
+    assert_nothing_left(upper_dir)
+
+
+WRITE_64M_AND_EDIT = ["sh", "-c", "rm del; rm -r gone; rm -r opq; mkdir opq; echo new > opq/new; "
+                      "head -c 64M /dev/zero > big && echo wrote"]
+
+
+def _tree(ws: str) -> None:
+    for d in ("gone", "opq", "keep"):
+        os.mkdir(os.path.join(ws, d))
+    Path(ws, "del").write_text("a\n")
+    Path(ws, "opq", "old").write_text("b\n")
+    Path(ws, "gone", "g").write_text("c\n")
+    Path(ws, "keep", "k").write_text("k\n")
+
+
+@needs_root
+@pytest.mark.parametrize("upper", ["disk", "tmpfs"])
+def test_large_output_commits_without_ram(upper: str, upper_dir: Path, tmp_path: Path) -> None:
+    ws = str(tmp_path / "ws")
+    os.mkdir(ws)
+    _tree(ws)
+    policy = lowlevel.Policy(limits=lowlevel.Limits(upper=upper, workspace_bytes=128 * MiB, memory_bytes=32 * MiB))
+    r = lowlevel.run(WRITE_64M_AND_EDIT, policy=policy, workspace=ws, commit=True, timeout=120)
+    if "cgroup:memory" not in r.limits_enforced:
+        pytest.skip("no memory cgroup here: the tmpfs control cannot show the difference")
+    if upper == "tmpfs":
+        # Control: the tmpfs's pages are the run's memory; 64 MiB cannot fit in 32.
+        assert r.killed_by == "memory", (r, r.notes)
+        return
+    assert r.exit_code == 0 and r.stdout == b"wrote\n", (r, r.stderr)
+    assert sorted(os.listdir(ws)) == ["big", "keep", "opq"]
+    assert os.path.getsize(os.path.join(ws, "big")) == 64 * MiB
+    assert os.listdir(os.path.join(ws, "opq")) == ["new"]  # the opaque dir hid opq/old
+    assert Path(ws, "keep", "k").read_text() == "k\n"
+    assert r.changes.deleted == ("del", "gone", "opq/old") and r.changes.complete
+    assert_nothing_left(upper_dir)
+
+
+def _shmem_bytes(session: lowlevel.Session) -> int | None:
+    """The session cgroup's shmem (tmpfs pages) from memory.stat (v1 ``shmem``, v2 ``shmem``)."""
+    cg = session._core.run.cgroup
+    for node in cg.nodes if cg is not None else ():
+        try:
+            text = Path(node.path, "memory.stat").read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "shmem":
+                return int(value)
+    return None
+
+
+@needs_root
+def test_session_disk_upper_holds_no_shmem_and_commits(upper_dir: Path, tmp_path: Path) -> None:
+    shmem: dict[str, int | None] = {}
+    for upper in ("tmpfs", "disk"):
+        ws = str(tmp_path / f"ws-{upper}")
+        os.mkdir(ws)
+        _tree(ws)
+        policy = lowlevel.Policy(limits=lowlevel.Limits(upper=upper, workspace_bytes=128 * MiB))
+        with lowlevel.Session(policy=policy, workspace=ws) as s:
+            r = s.run(WRITE_64M_AND_EDIT)
+            assert r.exit_code == 0 and r.stdout == b"wrote\n", r
+            shmem[upper] = _shmem_bytes(s)
+            if upper == "disk":
+                assert _ours(upper_dir), "no loop device while the session lives"
+                with pytest.raises(lowlevel.PolicyError, match="limits.upper='tmpfs' cannot apply"):
+                    s.run(["true"], limits=lowlevel.Limits(upper="tmpfs", workspace_bytes=128 * MiB))
+                s.commit()
+                assert os.path.getsize(os.path.join(ws, "big")) == 64 * MiB
+                assert os.listdir(os.path.join(ws, "opq")) == ["new"] and not os.path.exists(f"{ws}/del")
+                s.reset()
+                assert s.run(["ls", "/workspace/opq"]).stdout == b"new\n"
+        assert_nothing_left(upper_dir)
+    if shmem["tmpfs"] is None:
+        pytest.skip("no memory.stat shmem here")
+    assert shmem["tmpfs"] >= 64 * MiB, shmem  # control: the tmpfs holds the output in RAM
+    assert shmem["disk"] is not None and shmem["disk"] < 8 * MiB, shmem
+
+
+@needs_root
+def test_pool_and_arun_honour_the_disk_upper(upper_dir: Path) -> None:
+    policy = lowlevel.Policy(limits=lowlevel.Limits(upper="disk", workspace_bytes=16 * MiB))
+    with lowlevel.Pool(policy=policy, size=2) as pool:
+        r = pool.run(WRITE_32M)
+        assert b"rc=1" in r.stdout and b"No space left" in r.stderr, r
+    assert_nothing_left(upper_dir)
+    r = asyncio.run(lowlevel.arun(WRITE_32M, policy=policy))
+    assert b"rc=1" in r.stdout and any("upper layer on disk" in n for n in r.notes), r
+    assert_nothing_left(upper_dir)
+
+
+@needs_root
+def test_handover_fallback_refuses_the_disk_upper(handover_model: None, upper_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(lowlevel.UnsupportedError, match="overlay is unavailable here") as info:
+        lowlevel.run(["true"], policy=lowlevel.Policy(limits=lowlevel.Limits(upper="disk")), workspace=str(tmp_path))
+    assert info.value.feature == "disk-upper"
+    assert_nothing_left(upper_dir)
+
+
+def test_cli_upper_disk(who, upper_dir: Path, tmp_path: Path) -> None:
+    from helpers.identities import setpriv
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "LANG": "C.UTF-8",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "LOWLEVEL_UPPER_DIR": str(upper_dir)}
+    if who is not None:
+        env["HOME"] = who.pw_dir
+    cmd = [sys.executable, "-m", "lowlevel", "run", "--rm", "--upper", "disk", "--workspace-size", "16M", "--",
+           "sh", "-c", "head -c 32M /dev/zero > big; echo rc=$?"]
+    proc = subprocess.run(setpriv(who, cmd), capture_output=True, env=env, cwd="/", timeout=120)
+    if who is not None:
+        assert proc.returncode == 125 and b"needs a root caller" in proc.stderr, proc
+        return
+    assert proc.returncode == 0 and proc.stdout == b"rc=1\n" and b"No space left" in proc.stderr, proc
+    assert_nothing_left(upper_dir)
+
+
+SERVER = r"""
+import os, signal, sys
+import lowlevel
+marker = sys.argv[1]
+base = lowlevel.Limits(upper="disk", workspace_bytes=32 << 20)
+lowlevel.run(["true"], policy=lowlevel.Policy(limits=base))  # warm: probes, the 32 MiB template
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+for line in sys.stdin:
+    trial = int(line)
+    pid = os.fork()
+    if pid == 0:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        # Every third trial a new size: the kill may land in the template's mke2fs too.
+        size = (32 << 20) + (trial << 20) * (trial % 3 == 0)
+        policy = lowlevel.Policy(limits=lowlevel.Limits(upper="disk", workspace_bytes=size))
+        cmd = ["sh", "-c", "while :; do head -c 4M /dev/zero > f; rm f; done", f"{marker}-{trial}"]
+        try:
+            lowlevel.run(cmd, policy=policy, timeout=600)
+        finally:
+            os._exit(0)
+    print(pid, flush=True)
+"""
+
+
+@needs_root
+@pytest.mark.slow
+def test_caller_killed_during_disk_upper_runs_leaves_nothing(upper_dir: Path) -> None:
+    marker = f"lowlevel-disk-death-{os.getpid()}-{time.time_ns()}"
+    server = subprocess.Popen([sys.executable, "-c", SERVER, marker], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, cwd="/")
+    rng = random.Random(27)
+    trials, bound_at_kill = 40, 0
+    try:
+        for trial in range(trials):
+            assert server.stdin is not None and server.stdout is not None
+            server.stdin.write(f"{trial}\n")
+            server.stdin.flush()
+            pid = int(server.stdout.readline())
+            time.sleep(rng.uniform(0, 0.12))
+            bound_at_kill += bool(_ours(upper_dir))
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 5
+            while pids_with(f"{marker}-{trial}") and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert not pids_with(f"{marker}-{trial}"), f"trial {trial}: survivors"
+            assert_nothing_left(upper_dir)
+    finally:
+        server.kill()
+        server.wait()
+        for stream in (server.stdin, server.stdout):
+            if stream is not None:
+                stream.close()
+    # Not vacuous: many kills hit a run whose loop device was bound.
+    assert bound_at_kill >= trials // 4, bound_at_kill
+
+
+CONTROL = r"""
+import os, signal, sys, time
+from lowlevel.workspace import disk_upper
+disk_upper._LO_FLAGS_AUTOCLEAR = 0  # the protection removed
+upper = disk_upper.open_disk_upper(16 << 20)
+print(upper.device, flush=True)
+time.sleep(60)
+"""
+
+
+@needs_root
+def test_control_a_loop_device_without_autoclear_outlives_its_caller(upper_dir: Path) -> None:
+    """The checks above are not vacuous: without LO_FLAGS_AUTOCLEAR the caller's SIGKILL leaves a
+    bound device (its unnamed backing file with it), which :func:`assert_nothing_left` sees."""
+    import fcntl
+    proc = subprocess.Popen([sys.executable, "-c", CONTROL], stdout=subprocess.PIPE, text=True, cwd="/",
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert proc.stdout is not None
+    device = proc.stdout.readline().strip()
+    proc.kill()
+    proc.wait()
+    proc.stdout.close()
+    try:
+        time.sleep(0.5)
+        assert _ours(upper_dir), "the control left no device: the check would be vacuous"
+        with pytest.raises(AssertionError, match="loop devices left"):
+            assert_nothing_left(upper_dir, timeout=0.5)
+    finally:
+        fd = os.open(device, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            fcntl.ioctl(fd, 0x4C01)  # LOOP_CLR_FD: detach it (loop(4))
+        finally:
+            os.close(fd)
+    assert_nothing_left(upper_dir)
+
+
+@needs_root
+def test_doctor_says_whether_the_disk_upper_works(upper_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lowlevel.doctor import workspace_checks
+    checks = {c["name"]: c for c in workspace_checks(("workspace: copy-on-write overlay",))}
+    assert checks["disk upper"]["ok"] and str(upper_dir) in checks["disk upper"]["detail"], checks
+    assert_nothing_left(upper_dir)
+    # Control: an upper directory on a tmpfs (RAM) is refused, with what to do.
+    monkeypatch.setenv("LOWLEVEL_UPPER_DIR", "/dev/shm")
+    bad = {c["name"]: c for c in workspace_checks(("workspace: copy-on-write overlay",))}["disk upper"]
+    assert not bad["ok"] and "is on a tmpfs (RAM)" in bad["detail"] and "LOWLEVEL_UPPER_DIR" in bad["detail"], bad
+
+
+@needs_root
+def test_session_commits_and_resets_a_full_disk_upper(upper_dir: Path, tmp_path: Path) -> None:
+    """A run that filled the upper still commits and resets: the RESET's new upper.N/work.N take
+    no block (ext4 inline_data), as on a tmpfs (before: "mkdir upper.1: No space left on device").
+    (The committed bytes keep counting against the bound afterwards, on both uppers alike: the
+    first overlay, still mounted below, holds the cleared upper's dentries.)"""
+    ws = str(tmp_path / "ws")
+    os.mkdir(ws)
+    policy = lowlevel.Policy(limits=lowlevel.Limits(upper="disk", workspace_bytes=16 * MiB))
+    with lowlevel.Session(policy=policy, workspace=ws) as s:
+        assert b"rc=1" in s.run(["sh", "-c", "head -c 32M /dev/zero > big; echo rc=$?"]).stdout
+        s.commit()  # applies big (as much as fitted), then RESET on the full filesystem
+        assert 8 * MiB < os.path.getsize(os.path.join(ws, "big")) <= 16 * MiB
+        assert s.run(["sh", "-c", "mkdir d && echo x > d/f && ls /workspace"]).stdout == b"big\nd\n"
+        s.reset()
+        assert s.run(["ls", "/workspace"]).stdout == b"big\n"
+    assert_nothing_left(upper_dir)
