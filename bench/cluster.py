@@ -205,6 +205,79 @@ def measure(pool: Any, count: int, n: int, rounds: int, c: int, n_lat: int,
     ratios[f"ray_router_path_p50_ms_{sfx}"] = round(p50["latency_ray_router_path"], 3)
 
 
+CPU_CASES = ("local_arun", "cluster_run", "cluster_router_run", "cluster_map", "cluster_map_batch1",
+             "cluster_router_map")
+
+
+def _cpu_s(pid: int) -> float:
+    """utime + stime + cutime + cstime of ``pid`` in seconds (proc(5) ``stat`` fields 14-17:
+    the reaped sandbox processes count in their parent's c-fields)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def _cluster_processes(temp_dir: str, pool: Any) -> dict[int, str]:
+    """Every process of the bench's cluster (its environment has ``RAY_TMPDIR=temp_dir``) by role."""
+    import ray
+
+    actors = {s["pid"] for s in pool.stats()}
+    router = ray.get(pool._router.status.remote())["router_pid"]
+    needle = b"\0RAY_TMPDIR=" + os.fsencode(temp_dir) + b"\0"
+    roles: dict[int, str] = {os.getpid(): "driver"}
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if needle not in b"\0" + f.read():
+                    continue
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        pid = int(name)
+        roles[pid] = ("actor" if pid in actors else "router" if pid == router else "raylet" if "raylet" in cmd
+                      else "gcs" if "gcs_server" in cmd else "other_ray")
+    return roles
+
+
+def cpu_per_call(pool: Any, temp_dir: str, n: int) -> dict[str, dict[str, float]]:
+    """CPU milliseconds per call by process role (driver, router, actor incl. its sandboxes,
+    raylet, gcs, other Ray processes) for each path, ``n`` calls each; robust to the host's load
+    where wall time is not."""
+    roles = _cluster_processes(temp_dir, pool)
+    loop = asyncio.new_event_loop()
+
+    def local() -> None:
+        for _ in range(n):
+            remove_workspace(loop.run_until_complete(lowlevel.arun(COMMAND)).workspace)
+
+    import ray
+    cases = {"local_arun": local,
+             "cluster_run": lambda: [pool.run(COMMAND) for _ in range(n)],
+             "cluster_router_run": lambda: [ray.get(pool.submit(COMMAND)) for _ in range(n)],
+             "cluster_map": lambda: cluster_batch(pool, n),
+             "cluster_map_batch1": lambda: list(pool.map([COMMAND] * n, batch=1)),
+             "cluster_router_map": lambda: router_batch(pool, n)}
+    out: dict[str, dict[str, float]] = {}
+    try:
+        for name in CPU_CASES:
+            before = {pid: _cpu_s(pid) for pid in roles}
+            cases[name]()
+            per: dict[str, float] = {}
+            for pid, role in roles.items():
+                per[role] = per.get(role, 0.0) + (_cpu_s(pid) - before[pid]) * 1e3 / n
+            per["total"] = sum(per.values())
+            out[name] = {k: round(v, 3) for k, v in per.items()}
+    finally:
+        loop.close()
+    return out
+
+
 def host_info() -> dict[str, Any]:
     import ray
 
@@ -226,6 +299,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--rounds", type=int, help="rounds of the throughput cases (default 2; --quick 1)")
     ap.add_argument("--concurrency", type=int, default=4, help="sandboxes per node at once (default 4)")
     ap.add_argument("--latency-calls", type=int, help="sequential latency pairs (default 200; --quick 30)")
+    ap.add_argument("--cpu-calls", type=int, help="calls per path of the CPU-per-call profile, on the largest "
+                    "cluster (default 200; --quick 50; 0: skip)")
     ap.add_argument("--nodes", type=int, default=3, help="measure clusters of 1..N nodes (default 3)")
     ap.add_argument("--worker-niceness", type=int, default=0,
                     help="nice value of the Ray workers, hence of the actors and their sandboxes (Ray's own "
@@ -235,6 +310,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rounds = args.rounds or (1 if args.quick else 2)
     n_lat = args.latency_calls if args.latency_calls is not None else (30 if args.quick else 200)
     c = args.concurrency
+    if args.cpu_calls is None:
+        args.cpu_calls = 50 if args.quick else 200
 
     import ray
     from ray.cluster_utils import Cluster
@@ -252,6 +329,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cluster = Cluster(initialize_head=False)
     results: list[dict[str, Any]] = []
     ratios: dict[str, float | None] = {}
+    cpu: dict[str, dict[str, float]] = {}
     try:
         cluster.add_node(**node_args, _system_config={"worker_niceness": args.worker_niceness})
         ray.init(address=cluster.address, log_to_driver=False)
@@ -262,6 +340,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             nodes = [nd["NodeID"] for nd in ray.nodes() if nd["Alive"]]
             with SandboxActorPool(nodes=nodes, concurrency=c, max_in_flight=2 * c) as pool:
                 measure(pool, count, n, rounds, c, n_lat, results, ratios)
+                if args.cpu_calls and count == args.nodes:
+                    cpu = cpu_per_call(pool, temp_dir, args.cpu_calls)
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -276,7 +356,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             float(ratios[f"_cluster_calls_per_s_{largest}"] or 0) / float(ratios["_cluster_calls_per_s_1node"] or 1), 3)
     for key in [k for k in ratios if k.startswith("_")]:
         del ratios[key]
-    doc = {"schema": SCHEMA, "results": results, "ratios": ratios, "targets": TARGETS, "host": host,
+    doc = {"schema": SCHEMA, "results": results, "ratios": ratios, "cpu_ms_per_call": cpu, "targets": TARGETS,
+           "host": host,
            "config": {"quick": args.quick, "calls": n, "rounds": rounds, "concurrency_per_node": c,
                       "latency_calls": n_lat, "nodes": args.nodes, "command": COMMAND,
                       "worker_niceness": args.worker_niceness,
@@ -288,6 +369,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"{r.get('p50_ms', '-'):>8} {r.get('p90_ms', '-'):>8}")
     for k, v in ratios.items():
         print(f"{k}: {v}")
+    if cpu:
+        roles = ["driver", "router", "actor", "raylet", "gcs", "other_ray", "total"]
+        print(f"CPU ms per call ({args.nodes} nodes): " + " ".join(f"{r:>9}" for r in roles))
+        for name, per in cpu.items():
+            print(f"  {name:<22}" + " ".join(f"{per.get(r, 0.0):>9.2f}" for r in roles))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)

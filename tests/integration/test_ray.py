@@ -486,7 +486,8 @@ def test_bench_cluster_quick_json_schema(tmp_path):
     """bench/cluster.py starts its own cluster (here 1 then 2 nodes): validate its JSON with tiny N."""
     out = tmp_path / "cluster.json"
     proc = subprocess.run([sys.executable, str(HERE.parent / "bench" / "cluster.py"), "--quick", "--calls", "8",
-                           "--concurrency", "2", "--latency-calls", "3", "--nodes", "2", "--json", str(out)],
+                           "--concurrency", "2", "--latency-calls", "3", "--nodes", "2", "--cpu-calls", "3",
+                           "--json", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
@@ -509,3 +510,8 @@ def test_bench_cluster_quick_json_schema(tmp_path):
                   "ray_router_path_p50_ms"):
             assert isinstance(doc["ratios"][f"{k}_{sfx}"], float), (k, sfx)
     assert not any(k.startswith("_") for k in doc["ratios"])
+    cpu = doc["cpu_ms_per_call"]
+    assert set(cpu) == {"local_arun", "cluster_run", "cluster_router_run", "cluster_map", "cluster_map_batch1",
+                        "cluster_router_map"}
+    for per in cpu.values():
+        assert {"driver", "router", "actor", "raylet", "gcs", "total"} <= set(per) and per["total"] >= 0
