@@ -71,6 +71,7 @@ class Dispatcher:
         self.max_retries = max_retries
         self.slots: dict[str, DirectSlot] = {}
         self.lock = threading.Lock()
+        self.closed = False   # the pool is shutting down: its actors die on purpose
 
     def add(self, entries: Iterable[tuple[str, Any, str, int]]) -> None:
         """Take ``(key, handle, node_id, capacity)`` actors into rotation."""
@@ -113,7 +114,7 @@ class Dispatcher:
         """``slot``'s actor died: never use it again here, and tell the router (fire and forget)."""
         with self.lock:
             was_alive, slot.alive = slot.alive, False
-        if was_alive:
+        if was_alive and not self.closed:
             log.warning("lowlevel.ray: sandbox actor on node %s lost: %s", slot.node_id, err)
             try:
                 self.router.mark_lost.remote(slot.key, _first_line(err))
@@ -254,6 +255,8 @@ class MapState:
         self.sent_calls -= len(sent.items)
         if sent.slot is not None:
             self.d.release(sent.slot, len(sent.items))
+        if err is not None and self.closed():
+            raise ClusterError("the pool is shut down", "closed")  # its shutdown cancelled or killed the call
         if err is not None and sent.slot is not None and isinstance(err, LOST):
             self.d.mark_lost(sent.slot, err)
             for item in sent.items:

@@ -339,10 +339,11 @@ class SandboxActorPool:
             except LOST as err:
                 self._direct.mark_lost(slot, err)
                 lost.append(slot.node_id)
+                self._check_open()  # shut down under the call: say so, not node_lost
                 self._direct.check_retry(lost)
-                self._check_open()
                 continue
             except ray.exceptions.RayError as err:
+                self._check_open()  # the pool's shutdown cancelled it
                 raise unwrap_error(err) from None
             finally:
                 self._direct.release(slot)
@@ -368,10 +369,11 @@ class SandboxActorPool:
                     raise unwrap_error(err) from None
                 self._direct.mark_lost(slot, err)
                 lost.append(slot.node_id)
+                self._check_open()  # shut down under the call: say so, not node_lost
                 self._direct.check_retry(lost)
-                self._check_open()
                 continue
             except ray.exceptions.RayError as err:
+                self._check_open()  # the pool's shutdown cancelled it
                 raise unwrap_error(err) from None
             finally:
                 if slot is not None:
@@ -536,6 +538,7 @@ class SandboxActorPool:
         if self._closed:
             return
         self._closed = True
+        self._direct.closed = True
         for s in list(self._sessions):
             s._closed = True
         self._sessions.clear()
