@@ -2,22 +2,25 @@
 """What does running through a Ray cluster cost per call? (``lowlevel.ray.SandboxActorPool``)
 
 On one machine, with a real Ray cluster started here (``ray.cluster_utils.Cluster``: a head
-node, then a second node), measures for ``/usr/bin/true``:
+node, then a second and a third node, ``--nodes``), measures for ``/usr/bin/true`` at each size:
 
 - ``local``: ``lowlevel.Runner(max_concurrency=C x nodes)`` driving ``arun`` in this process
   (each fresh workspace removed after its call, as the actors do);
 - ``cluster``: the same calls through ``SandboxActorPool.map`` (one actor per node, each with
-  ``concurrency=C``), with 1 node, then 2 nodes;
-- ``latency``: sequential calls (concurrency 1), alternating ``local`` (``await arun``),
-  ``cluster`` (``pool.run``) and ``ray_path`` (the same driver -> router -> actor -> router ->
-  driver round trip with no sandbox: what the Ray hops alone cost) call by call so machine
-  drift hits all alike.
+  ``concurrency=C``): the driver's fast path straight to the actors, batched;
+- ``cluster_router``: the same calls through ``SandboxActorPool.submit`` (driver -> router ->
+  actor) with the same window: the path ``map`` took before the fast path;
+- ``latency``: sequential calls (concurrency 1), one of each in turn: ``local`` (``await
+  arun``), ``cluster`` (``pool.run``: driver -> actor), ``ray_path`` (that hop with no sandbox),
+  ``cluster_router`` (``ray.get(pool.submit(...))``: the old ``run``) and ``ray_router_path``
+  (driver -> router -> actor and back, no sandbox), the order reversed every other round so
+  machine drift hits all alike.
 
 The Ray workers (actors, hence their sandboxes) run at ``--worker-niceness`` (default 0, like
 the bench process; Ray's own default is 15, which on a machine shared with other work makes
 the cluster side slower for a reason that is not lowlevel's).
 
-Throughput cases alternate too (local, cluster, local, cluster) over ``--rounds`` rounds;
+Throughput cases alternate too (local, cluster, router, then the reverse) over ``--rounds`` rounds;
 ``calls_per_s`` is calls over the wall time of the case's batches. On one machine both nodes
 share the same CPUs: the ratios measure the cluster path's overhead, not scaling.
 
@@ -43,7 +46,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import lowlevel  # noqa: E402
 from lowlevel.workspace import remove_workspace  # noqa: E402
 
-SCHEMA = 1
+SCHEMA = 2
 COMMAND = ["/usr/bin/true"]
 TARGETS = {"cluster_vs_local_calls_per_s": 0.8, "added_latency_p50_ms": 3.0}
 
@@ -84,6 +87,7 @@ def local_batch(n: int, concurrency: int) -> tuple[float, int]:
 
 
 def cluster_batch(pool: Any, n: int) -> tuple[float, int]:
+    """``n`` calls through ``SandboxActorPool.map`` (the driver's fast path, batched)."""
     errors = 0
     t0 = time.perf_counter()
     for r in pool.map([COMMAND] * n, ordered=False, return_exceptions=True):
@@ -92,33 +96,186 @@ def cluster_batch(pool: Any, n: int) -> tuple[float, int]:
     return time.perf_counter() - t0, errors
 
 
-def latency(pool: Any, n: int) -> tuple[list[float], list[float], list[float]]:
-    """Sequential calls, alternating local, cluster and a sandbox-less ping over the same
-    Ray path (driver -> router -> actor and back); milliseconds each."""
+def router_batch(pool: Any, n: int) -> tuple[float, int]:
+    """``n`` calls through ``SandboxActorPool.submit`` (the router, two Ray hops each way) with
+    the same window as ``map``: what ``map`` did before the fast path."""
     import ray
 
-    local_ms: list[float] = []
-    cluster_ms: list[float] = []
-    ping_ms: list[float] = []
+    errors = 0
+    window = pool._direct.capacity()
+    todo = n
+    pending: list[Any] = []
+    t0 = time.perf_counter()
+    while todo or pending:
+        while todo and len(pending) < window:
+            pending.append(pool.submit(COMMAND))
+            todo -= 1
+        ready, pending = ray.wait(pending, num_returns=1)
+        for ref in ready:
+            try:
+                if ray.get(ref).exit_code != 0:
+                    errors += 1
+            except ray.exceptions.RayError:
+                errors += 1
+    return time.perf_counter() - t0, errors
+
+
+LATENCY_CASES = ("latency_local", "latency_cluster", "latency_ray_path", "latency_cluster_router",
+                 "latency_ray_router_path")
+
+
+def latency(pool: Any, n: int) -> dict[str, list[float]]:
+    """Sequential calls, one of each case in turn (order reversed every other round so drift
+    hits all alike), milliseconds each: local ``arun``; ``pool.run`` (driver -> actor); the same
+    hop with no sandbox; ``ray.get(pool.submit(...))`` (driver -> router -> actor, the old
+    ``run``); the router's round trip with no sandbox."""
+    import ray
+
+    out: dict[str, list[float]] = {name: [] for name in LATENCY_CASES}
     loop = asyncio.new_event_loop()
     try:
         for i in range(n):
-            for which in (0, 1, 2) if i % 2 == 0 else (2, 1, 0):
+            for which in (LATENCY_CASES if i % 2 == 0 else LATENCY_CASES[::-1]):
                 t0 = time.perf_counter()
-                if which == 0:
+                if which == "latency_local":
                     r = loop.run_until_complete(lowlevel.arun(COMMAND))
                     elapsed = time.perf_counter() - t0
                     remove_workspace(r.workspace)
-                    local_ms.append(elapsed * 1e3)
-                elif which == 1:
+                    out[which].append(elapsed * 1e3)
+                    continue
+                if which == "latency_cluster":
                     pool.run(COMMAND)
-                    cluster_ms.append((time.perf_counter() - t0) * 1e3)
+                elif which == "latency_ray_path":
+                    pool._ping()
+                elif which == "latency_cluster_router":
+                    ray.get(pool.submit(COMMAND))
                 else:
                     ray.get(pool._router.ping.remote())
-                    ping_ms.append((time.perf_counter() - t0) * 1e3)
+                out[which].append((time.perf_counter() - t0) * 1e3)
     finally:
         loop.close()
-    return local_ms, cluster_ms, ping_ms
+    return out
+
+
+def _suffix(count: int) -> str:
+    return f"{count}node{'s' if count > 1 else ''}"
+
+
+def measure(pool: Any, count: int, n: int, rounds: int, c: int, n_lat: int,
+            results: list[dict[str, Any]], ratios: dict[str, float | None]) -> None:
+    """The throughput cases (interleaved over ``rounds``) and the latency cases of one cluster size."""
+    cluster_batch(pool, 4 * c * count)  # warm-up: actors, policy, first runs
+    router_batch(pool, 2 * c * count)
+    local_batch(4 * c * count, c * count)
+    cases = {"local": lambda: local_batch(n, c * count), "cluster": lambda: cluster_batch(pool, n),
+             "cluster_router": lambda: router_batch(pool, n)}
+    drivers = {"local": "Runner.run (asyncio)", "cluster": "SandboxActorPool.map (direct, batched)",
+               "cluster_router": "SandboxActorPool.submit (router), same window"}
+    wall = dict.fromkeys(cases, 0.0)
+    errs = dict.fromkeys(cases, 0)
+    for r in range(rounds):
+        for name in (list(cases) if r % 2 == 0 else list(cases)[::-1]):
+            w, e = cases[name]()
+            wall[name] += w
+            errs[name] += e
+    cps = {name: n * rounds / wall[name] for name in cases}
+    for name in cases:
+        results.append({"name": name, "nodes": count, "concurrency": c * count, "n": n * rounds,
+                        "calls_per_s": round(cps[name], 2), "errors": errs[name], "driver": drivers[name]})
+    sfx = _suffix(count)
+    ratios[f"cluster_vs_local_calls_per_s_{sfx}"] = round(cps["cluster"] / cps["local"], 3)
+    ratios[f"cluster_router_vs_local_calls_per_s_{sfx}"] = round(cps["cluster_router"] / cps["local"], 3)
+    ratios[f"_cluster_calls_per_s_{sfx}"] = cps["cluster"]
+    if not n_lat:
+        return
+    lat = latency(pool, n_lat)
+    for name, ms in lat.items():
+        results.append({"name": name, "nodes": count, "concurrency": 1, "n": len(ms),
+                        "p50_ms": round(percentile(ms, 50), 3), "p90_ms": round(percentile(ms, 90), 3),
+                        "p99_ms": round(percentile(ms, 99), 3), "samples_ms": [round(x, 3) for x in ms]})
+    p50 = {name: percentile(ms, 50) for name, ms in lat.items()}
+    ratios[f"added_latency_p50_ms_{sfx}"] = round(p50["latency_cluster"] - p50["latency_local"], 3)
+    ratios[f"added_latency_router_p50_ms_{sfx}"] = round(p50["latency_cluster_router"] - p50["latency_local"], 3)
+    # the median of the per-round differences (each round's cluster call next to its local one):
+    # less noisy than the difference of two medians on a loaded host
+    paired = [cl - lo for cl, lo in zip(lat["latency_cluster"], lat["latency_local"], strict=True)]
+    ratios[f"added_latency_paired_p50_ms_{sfx}"] = round(percentile(paired, 50), 3)
+    ratios[f"latency_cluster_vs_local_p50_{sfx}"] = round(p50["latency_cluster"] / p50["latency_local"], 3)
+    ratios[f"ray_path_p50_ms_{sfx}"] = round(p50["latency_ray_path"], 3)
+    ratios[f"ray_router_path_p50_ms_{sfx}"] = round(p50["latency_ray_router_path"], 3)
+
+
+CPU_CASES = ("local_arun", "cluster_run", "cluster_router_run", "cluster_map", "cluster_map_batch1",
+             "cluster_router_map")
+
+
+def _cpu_s(pid: int) -> float:
+    """utime + stime + cutime + cstime of ``pid`` in seconds (proc(5) ``stat`` fields 14-17:
+    the reaped sandbox processes count in their parent's c-fields)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def _cluster_processes(temp_dir: str, pool: Any) -> dict[int, str]:
+    """Every process of the bench's cluster (its environment has ``RAY_TMPDIR=temp_dir``) by role."""
+    import ray
+
+    actors = {s["pid"] for s in pool.stats()}
+    router = ray.get(pool._router.status.remote())["router_pid"]
+    needle = b"\0RAY_TMPDIR=" + os.fsencode(temp_dir) + b"\0"
+    roles: dict[int, str] = {os.getpid(): "driver"}
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if needle not in b"\0" + f.read():
+                    continue
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        pid = int(name)
+        roles[pid] = ("actor" if pid in actors else "router" if pid == router else "raylet" if "raylet" in cmd
+                      else "gcs" if "gcs_server" in cmd else "other_ray")
+    return roles
+
+
+def cpu_per_call(pool: Any, temp_dir: str, n: int) -> dict[str, dict[str, float]]:
+    """CPU milliseconds per call by process role (driver, router, actor incl. its sandboxes,
+    raylet, gcs, other Ray processes) for each path, ``n`` calls each; robust to the host's load
+    where wall time is not."""
+    roles = _cluster_processes(temp_dir, pool)
+    loop = asyncio.new_event_loop()
+
+    def local() -> None:
+        for _ in range(n):
+            remove_workspace(loop.run_until_complete(lowlevel.arun(COMMAND)).workspace)
+
+    import ray
+    cases = {"local_arun": local,
+             "cluster_run": lambda: [pool.run(COMMAND) for _ in range(n)],
+             "cluster_router_run": lambda: [ray.get(pool.submit(COMMAND)) for _ in range(n)],
+             "cluster_map": lambda: cluster_batch(pool, n),
+             "cluster_map_batch1": lambda: list(pool.map([COMMAND] * n, batch=1)),
+             "cluster_router_map": lambda: router_batch(pool, n)}
+    out: dict[str, dict[str, float]] = {}
+    try:
+        for name in CPU_CASES:
+            before = {pid: _cpu_s(pid) for pid in roles}
+            cases[name]()
+            per: dict[str, float] = {}
+            for pid, role in roles.items():
+                per[role] = per.get(role, 0.0) + (_cpu_s(pid) - before[pid]) * 1e3 / n
+            per["total"] = sum(per.values())
+            out[name] = {k: round(v, 3) for k, v in per.items()}
+    finally:
+        loop.close()
+    return out
 
 
 def host_info() -> dict[str, Any]:
@@ -142,6 +299,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--rounds", type=int, help="rounds of the throughput cases (default 2; --quick 1)")
     ap.add_argument("--concurrency", type=int, default=4, help="sandboxes per node at once (default 4)")
     ap.add_argument("--latency-calls", type=int, help="sequential latency pairs (default 200; --quick 30)")
+    ap.add_argument("--cpu-calls", type=int, help="calls per path of the CPU-per-call profile, on the largest "
+                    "cluster (default 200; --quick 50; 0: skip)")
+    ap.add_argument("--nodes", type=int, default=3, help="measure clusters of 1..N nodes (default 3)")
     ap.add_argument("--worker-niceness", type=int, default=0,
                     help="nice value of the Ray workers, hence of the actors and their sandboxes (Ray's own "
                          "default is 15; default here 0, the driver's, so both sides compete for the CPUs alike)")
@@ -150,6 +310,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rounds = args.rounds or (1 if args.quick else 2)
     n_lat = args.latency_calls if args.latency_calls is not None else (30 if args.quick else 200)
     c = args.concurrency
+    if args.cpu_calls is None:
+        args.cpu_calls = 50 if args.quick else 200
 
     import ray
     from ray.cluster_utils import Cluster
@@ -167,66 +329,51 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cluster = Cluster(initialize_head=False)
     results: list[dict[str, Any]] = []
     ratios: dict[str, float | None] = {}
+    cpu: dict[str, dict[str, float]] = {}
     try:
         cluster.add_node(**node_args, _system_config={"worker_niceness": args.worker_niceness})
         ray.init(address=cluster.address, log_to_driver=False)
-        head = ray.get_runtime_context().get_node_id()
-        nodes = [head]
-        calls_per_s: dict[tuple[str, int], float] = {}
-        for count in (1, 2):
-            if count == 2:
+        for count in range(1, args.nodes + 1):
+            if count > 1:
                 cluster.add_node(**{k: v for k, v in node_args.items() if k not in ("include_dashboard", "temp_dir")})
                 cluster.wait_for_nodes()
-                nodes = [nd["NodeID"] for nd in ray.nodes() if nd["Alive"]]
+            nodes = [nd["NodeID"] for nd in ray.nodes() if nd["Alive"]]
             with SandboxActorPool(nodes=nodes, concurrency=c, max_in_flight=2 * c) as pool:
-                cluster_batch(pool, 4 * c * count)  # warm-up: actors, policy, first runs
-                local_batch(4 * c * count, c * count)
-                wall = {"local": 0.0, "cluster": 0.0}
-                errs = {"local": 0, "cluster": 0}
-                for r in range(rounds):
-                    for name in (("local", "cluster") if r % 2 == 0 else ("cluster", "local")):
-                        w, e = local_batch(n, c * count) if name == "local" else cluster_batch(pool, n)
-                        wall[name] += w
-                        errs[name] += e
-                for name in ("local", "cluster"):
-                    cps = n * rounds / wall[name]
-                    calls_per_s[(name, count)] = cps
-                    results.append({"name": name, "nodes": count, "concurrency": c * count, "n": n * rounds,
-                                    "calls_per_s": round(cps, 2), "errors": errs[name],
-                                    "driver": "Runner.run (asyncio)" if name == "local" else "SandboxActorPool.map"})
-                if count == 1 and n_lat:
-                    local_ms, cluster_ms, ping_ms = latency(pool, n_lat)
-                    for name, ms in (("latency_local", local_ms), ("latency_cluster", cluster_ms),
-                                     ("latency_ray_path", ping_ms)):
-                        results.append({"name": name, "nodes": 1, "concurrency": 1, "n": len(ms),
-                                        "p50_ms": round(percentile(ms, 50), 3), "p90_ms": round(percentile(ms, 90), 3),
-                                        "p99_ms": round(percentile(ms, 99), 3),
-                                        "samples_ms": [round(x, 3) for x in ms]})
-                    ratios["added_latency_p50_ms"] = round(percentile(cluster_ms, 50) - percentile(local_ms, 50), 3)
-                    ratios["latency_cluster_vs_local_p50"] = round(percentile(cluster_ms, 50)
-                                                                   / percentile(local_ms, 50), 3)
-                    ratios["ray_path_p50_ms"] = round(percentile(ping_ms, 50), 3)
-        for count in (1, 2):
-            ratios[f"cluster_vs_local_calls_per_s_{count}node{'s' if count > 1 else ''}"] = round(
-                calls_per_s[("cluster", count)] / calls_per_s[("local", count)], 3)
-        ratios["cluster_vs_local_calls_per_s"] = ratios["cluster_vs_local_calls_per_s_1node"]
-        ratios["cluster_2nodes_vs_1node_calls_per_s"] = round(
-            calls_per_s[("cluster", 2)] / calls_per_s[("cluster", 1)], 3)
+                measure(pool, count, n, rounds, c, n_lat, results, ratios)
+                if args.cpu_calls and count == args.nodes:
+                    cpu = cpu_per_call(pool, temp_dir, args.cpu_calls)
     finally:
         ray.shutdown()
         cluster.shutdown()
         subprocess.run(["rm", "-rf", temp_dir], check=False)
-    doc = {"schema": SCHEMA, "results": results, "ratios": ratios, "targets": TARGETS, "host": host,
+    largest = _suffix(args.nodes)
+    ratios["cluster_vs_local_calls_per_s"] = ratios[f"cluster_vs_local_calls_per_s_{largest}"]
+    if n_lat:
+        ratios["added_latency_p50_ms"] = ratios[f"added_latency_p50_ms_{largest}"]
+        ratios["ray_path_p50_ms"] = ratios[f"ray_path_p50_ms_{largest}"]
+    if args.nodes > 1:
+        ratios[f"cluster_{largest}_vs_1node_calls_per_s"] = round(
+            float(ratios[f"_cluster_calls_per_s_{largest}"] or 0) / float(ratios["_cluster_calls_per_s_1node"] or 1), 3)
+    for key in [k for k in ratios if k.startswith("_")]:
+        del ratios[key]
+    doc = {"schema": SCHEMA, "results": results, "ratios": ratios, "cpu_ms_per_call": cpu, "targets": TARGETS,
+           "host": host,
            "config": {"quick": args.quick, "calls": n, "rounds": rounds, "concurrency_per_node": c,
-                      "latency_calls": n_lat, "command": COMMAND, "worker_niceness": args.worker_niceness,
+                      "latency_calls": n_lat, "nodes": args.nodes, "command": COMMAND,
+                      "worker_niceness": args.worker_niceness,
                       "duration_s": round(time.perf_counter() - started, 1), "argv": sys.argv[1:]}}
-    print(f"{'case':<16} {'nodes':>5} {'conc':>4} {'n':>6} {'calls/s':>9} {'p50 ms':>8} {'p90 ms':>8}")
+    print(f"{'case':<24} {'nodes':>5} {'conc':>4} {'n':>6} {'calls/s':>9} {'p50 ms':>8} {'p90 ms':>8}")
     for r in results:
         cps = f"{r['calls_per_s']:.1f}" if "calls_per_s" in r else "-"
-        print(f"{r['name']:<16} {r['nodes']:>5} {r['concurrency']:>4} {r['n']:>6} {cps:>9} "
+        print(f"{r['name']:<24} {r['nodes']:>5} {r['concurrency']:>4} {r['n']:>6} {cps:>9} "
               f"{r.get('p50_ms', '-'):>8} {r.get('p90_ms', '-'):>8}")
     for k, v in ratios.items():
         print(f"{k}: {v}")
+    if cpu:
+        roles = ["driver", "router", "actor", "raylet", "gcs", "other_ray", "total"]
+        print(f"CPU ms per call ({args.nodes} nodes): " + " ".join(f"{r:>9}" for r in roles))
+        for name, per in cpu.items():
+            print(f"  {name:<22}" + " ".join(f"{per.get(r, 0.0):>9.2f}" for r in roles))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)

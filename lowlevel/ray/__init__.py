@@ -1,9 +1,12 @@
 """Run sandboxed calls across a Ray cluster: :class:`SandboxActorPool` (``pip install '.[ray]'`` in the checkout).
 
 In Ray's terms (``ray.util.ActorPool``): a pool of actors, one per node (or one per
-``cpus_per_actor`` CPUs), each holding a :class:`lowlevel.Runner` with bounded concurrency, and
-a router actor on the driver's node that spreads calls over them and re-runs the calls of an
-actor that died. The core package never imports Ray; only this module does.
+``cpus_per_actor`` CPUs), each holding a :class:`lowlevel.Runner` with bounded concurrency.
+``run``/``arun``/``map``/``amap`` call the actors straight from the driver (one Ray hop each
+way; ``map`` several calls per actor task: :mod:`lowlevel.ray.direct`); a router actor on the
+driver's node serves ``submit`` (an ObjectRef whose call is re-run if its actor dies), keeps the
+record of lost actors, and queues the calls that find every direct slot taken. The core package
+never imports Ray; only this module does.
 
 ::
 
@@ -31,8 +34,9 @@ report), and removes the workspace. The Result also names the node (``node_id``)
 
 Faults (Ray's own fault-tolerance vocabulary):
     - A sandbox actor that dies (its node lost, its raylet killed, the worker crashed) fails
-      its in-flight calls with ``RayActorError``; the router marks the actor dead, never
-      uses it again, and re-runs each of those calls on another live actor, up to
+      its in-flight calls with ``RayActorError``; the driver (fast path) or the router
+      (``submit``) marks the actor dead (for both), never uses it again, and re-runs each
+      of those calls on another live actor, up to
       ``max_retries`` times. A fresh-sandbox call is idempotent (fresh workspace, inputs
       shipped with the call), so a re-run is safe; the Result says so: ``attempts`` > 1,
       ``lost_nodes`` lists the nodes that died under it. Past ``max_retries``:

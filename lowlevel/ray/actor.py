@@ -19,6 +19,18 @@ from lowlevel.ray.inputs import collect_outputs, unpack_inputs
 from lowlevel.ray.results import PROBE_COMMAND, UNSET, ClusterError, RemoteResult, log, remote_result
 
 
+def _picklable(err: BaseException) -> BaseException:
+    """``err`` if it survives a pickle round trip (lowlevel's errors do), else a ClusterError naming it."""
+    import pickle
+    if isinstance(err, asyncio.CancelledError):
+        raise err
+    try:
+        pickle.loads(pickle.dumps(err))
+    except Exception:  # noqa: BLE001 - any failure: describe it instead
+        return ClusterError(f"the call raised an unpicklable {type(err).__name__}: {err}", "protocol")
+    return err
+
+
 class SandboxActor:
     """The Ray actor on a node: a :class:`lowlevel.Runner` for fresh sandboxes plus sessions.
 
@@ -36,6 +48,7 @@ class SandboxActor:
         self.runner: Any = None
         self.base: str | None = None
         self.calls = 0
+        self.batches = 0
         self.active = 0
         self.peak_active = 0
         self.started = False
@@ -153,6 +166,22 @@ class SandboxActor:
         finally:
             self.active -= 1
 
+    async def run_batch(self, specs: list[dict[str, Any]], *inputs: bytes | None) -> list[Any]:
+        """Several fresh-sandbox calls in one Ray task (the driver's batched ``map``): each as
+        :meth:`run`, all at once through the Runner (its ``concurrency`` bounds them).
+
+        Returns:
+            One entry per spec, in order: its :class:`RemoteResult`, or the exception the call
+            raised (a lowlevel error, pickled back as is; anything unpicklable becomes a
+            :class:`ClusterError` ``"protocol"`` naming it). ``inputs[i]`` belongs to ``specs[i]``.
+        """
+        if len(inputs) != len(specs):
+            raise ClusterError(f"run_batch got {len(specs)} specs and {len(inputs)} inputs (a bug)", "protocol")
+        self.batches += 1
+        outs = await asyncio.gather(*(self.run(spec, box) for spec, box in zip(specs, inputs, strict=True)),
+                                    return_exceptions=True)
+        return [_picklable(o) if isinstance(o, BaseException) else o for o in outs]
+
     async def ping(self) -> str:
         """This actor's node id (no sandbox): measures the Ray path alone."""
         return str(self.node_id)
@@ -221,14 +250,16 @@ class SandboxActor:
     async def stats(self) -> dict[str, Any]:
         """Counters for tests and operators.
 
-        ``calls`` served; ``in_flight`` calls in the actor now (running or waiting for a
+        ``calls`` served; ``batches`` the :meth:`run_batch` tasks among them; ``in_flight``
+        calls in the actor now (running or waiting for a
         Runner slot) and ``peak_in_flight`` the most at once; ``running`` sandboxes now;
         ``sessions`` open; ``policies`` distinct Policies received; ``seccomp_cache_entries``
         filters compiled in this process.
         """
         from lowlevel.host import seccomp_filter as _seccomp_filter
         cache = getattr(_seccomp_filter, "_cache", None)
-        return {"node_id": self.node_id, "pid": os.getpid(), "calls": self.calls, "in_flight": self.active,
+        return {"node_id": self.node_id, "pid": os.getpid(), "calls": self.calls, "batches": self.batches,
+                "in_flight": self.active,
                 "peak_in_flight": self.peak_active,
                 "running": self.runner.in_flight if self.runner is not None else 0,
                 "sessions": len(self.sessions), "policies": len(self.policies),

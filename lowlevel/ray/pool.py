@@ -18,6 +18,7 @@ from lowlevel.errors import PolicyError, SessionError
 from lowlevel.spec.limits import Limits
 from lowlevel.spec.policy import Policy
 from lowlevel.ray.actor import SandboxActor
+from lowlevel.ray.direct import Dispatcher, MapState, finish
 from lowlevel.ray.inputs import pack_inputs
 from lowlevel.ray.router import _Router
 from lowlevel.ray.results import (DEFAULT_MAX_INPUT_BYTES, DEFAULT_MAX_OUTPUT_BYTES, DEFAULT_START_TIMEOUT_S,
@@ -30,9 +31,14 @@ class SandboxActorPool:
     One actor per alive node (``cpus_per_actor=None``), or ``max(1, node CPUs //
     cpus_per_actor)`` per node. Each actor checks its node at start (``lowlevel doctor``
     and a trial run of ``policy``): a node that fails is reported by :meth:`nodes` and gets
-    no calls. A router actor on the driver's node sends each call to the least loaded live
-    actor, at most ``max_in_flight`` per actor (the rest wait in the router, holding only
-    a reference to their inputs), and re-runs the calls of an actor that died.
+    no calls. :meth:`run`, :meth:`arun`, :meth:`map` and :meth:`amap` send each call from
+    the driver straight to the least loaded live actor (``map``: in batches), at most
+    ``max_in_flight`` per actor, and re-run the calls of an actor that died
+    (:mod:`lowlevel.ray.direct`). :meth:`submit` goes through a router actor on the driver's
+    node, which does the same with its own ``max_in_flight`` per actor (the rest wait in the
+    router, holding only a reference to their inputs), and takes the fast path's calls when
+    every direct slot is taken: an actor holds at most ``2 * max_in_flight`` calls when both
+    paths are in use at once.
 
     Args:
         policy: the default :class:`lowlevel.Policy` for calls and sessions; each node must
@@ -40,8 +46,8 @@ class SandboxActorPool:
         cpus_per_actor: None for one actor per node, else one per this many CPUs of a node.
         concurrency: sandboxes one actor runs at once (its :class:`lowlevel.Runner`'s
             ``max_concurrency``); default ``max(2, 2 * CPUs)`` of the actor's share.
-        max_in_flight: calls sent to one actor at once (running plus queued in the actor);
-            default ``2 * concurrency``.
+        max_in_flight: calls sent to one actor at once (running plus queued in the actor) by
+            each path (the driver's, the router's); default ``2 * concurrency``.
         max_retries: how many times a call is re-run after the actor holding it died.
         nodes: restrict to these Ray node ids (hex); default every alive node.
         max_input_bytes: cap on one call's packed inputs.
@@ -91,6 +97,7 @@ class SandboxActorPool:
         self._start_timeout = start_timeout
         self._only_nodes = set(nodes) if nodes is not None else None
         self._policy_keys: dict[Policy, str] = {}
+        self._default_key: str | None = None
         self._actors: dict[str, tuple[Any, str]] = {}      # key -> (handle, node_id)
         self._node_info: dict[str, NodeStatus] = {}
         self._sessions: set[RemoteSession] = set()
@@ -103,6 +110,7 @@ class SandboxActorPool:
             num_cpus=0, max_concurrency=100_000, max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=driver_node, soft=False),
         ).remote(max_retries)
+        self._direct = Dispatcher(self._router, max_retries)
         self._actor_cls = ray.remote(SandboxActor)
         try:
             self.refresh()
@@ -119,13 +127,18 @@ class SandboxActorPool:
 
         A new Policy value is registered once with the router, which hands it to every
         actor before this returns (one blocking round trip per distinct Policy); a call
-        then names it by key, so the Policy is never pickled per call.
+        then names it by key, so the Policy is never pickled per call. The pool's own
+        Policy object skips the lookup (hashing a Policy walks every field).
         """
+        if policy is self.policy and self._default_key is not None:
+            return self._default_key
         key = self._policy_keys.get(policy)
         if key is None:
             key = f"p{len(self._policy_keys)}"
             ray.get(self._router.add_policy.remote(key, policy))
             self._policy_keys[policy] = key
+        if policy is self.policy:
+            self._default_key = key
         return key
 
     def refresh(self) -> list[NodeStatus]:
@@ -185,6 +198,7 @@ class SandboxActorPool:
                                            "" if actors else reason, report.get("doctor"))
         if ready:
             ray.get(self._router.add.remote(ready))
+            self._direct.add(ready)
         self._node_info.update(examined)
         return list(examined.values())
 
@@ -194,6 +208,7 @@ class SandboxActorPool:
         A node whose actors died since shows ``ok=False`` and ``reason="lost: ..."``.
         """
         status = ray.get(self._router.status.remote())
+        self._direct.sync_lost(key for key, _, is_alive, *_ in status["actors"] if not is_alive)
         alive: dict[str, int] = {}
         for _, node_id, is_alive, *_ in status["actors"]:
             alive[node_id] = alive.get(node_id, 0) + (1 if is_alive else 0)
@@ -288,32 +303,100 @@ class SandboxActorPool:
         """
         spec = self._spec(command, policy, limits, stdin, timeout, env, cwd)
         box = self._inputs(inputs)
-        return self._router.submit.remote(spec, [box] if box is not None else [])
+        return self._via_router(spec, box)
+
+    def _via_router(self, spec: dict[str, Any], box: Any, lost_before: tuple[str, ...] = ()) -> Any:
+        return self._router.submit.remote(spec, [box] if box is not None else [], lost_before)
+
+    def _prepare(self, command: Sequence[str], policy: Policy | None = None, inputs: Any = None,
+                 stdin: bytes | None = None, timeout: float | None = UNSET, limits: Limits | None = None,
+                 env: Mapping[str, str] | None = None, cwd: str | None = None) -> tuple[dict[str, Any], Any]:
+        """The checked ``(spec, inputs box)`` of one call (as :meth:`submit` checks them)."""
+        return self._spec(command, policy, limits, stdin, timeout, env, cwd), self._inputs(inputs)
 
     def run(self, command: Sequence[str], **kwargs: Any) -> RemoteResult:
-        """:meth:`submit` and wait; raises the lowlevel exception itself (not Ray's wrapper)."""
-        ref = self.submit(command, **kwargs)
-        try:
-            result: RemoteResult = ray.get(ref)
-        except ray.exceptions.RayError as err:
-            raise unwrap_error(err) from None
-        return result
+        """Run one call and wait; raises the lowlevel exception itself (not Ray's wrapper).
+
+        Arguments, Result and errors as :meth:`submit`; the call goes straight from this
+        driver to the least loaded live actor (one Ray hop each way, not the router's two:
+        :mod:`lowlevel.ray.direct`), is re-run elsewhere when that actor dies (at most
+        ``max_retries`` times, then :class:`ClusterError` ``"node_lost"``), and waits in the
+        router when every actor already holds ``max_in_flight`` direct calls.
+        """
+        spec, box = self._prepare(command, **kwargs)
+        lost: list[str] = []
+        while True:
+            slot, _ = self._direct.acquire()
+            if slot is None:  # every slot taken (or every actor dead: the router says no_nodes)
+                ref = self._via_router(spec, box, tuple(lost))
+                try:
+                    routed: RemoteResult = ray.get(ref)
+                except ray.exceptions.RayError as err:
+                    raise unwrap_error(err) from None
+                return routed
+            try:
+                result: RemoteResult = ray.get(slot.handle.run.remote(spec, box))
+            except LOST as err:
+                self._direct.mark_lost(slot, err)
+                lost.append(slot.node_id)
+                self._check_open()  # shut down under the call: say so, not node_lost
+                self._direct.check_retry(lost)
+                continue
+            except ray.exceptions.RayError as err:
+                self._check_open()  # the pool's shutdown cancelled it
+                raise unwrap_error(err) from None
+            finally:
+                self._direct.release(slot)
+            return finish(result, lost)
 
     async def arun(self, command: Sequence[str], **kwargs: Any) -> RemoteResult:
-        """:meth:`run` for an asyncio driver (awaits the ObjectRef; the loop is never blocked)."""
-        ref = self.submit(command, **kwargs)
+        """:meth:`run` for an asyncio driver (awaits the ObjectRef; the loop is never blocked).
+
+        Cancelling the awaiting task cancels the call on its actor (``ray.cancel``).
+        """
+        spec, box = self._prepare(command, **kwargs)
+        lost: list[str] = []
+        while True:
+            slot, _ = self._direct.acquire()
+            ref = self._via_router(spec, box, tuple(lost)) if slot is None else slot.handle.run.remote(spec, box)
+            try:
+                result: RemoteResult = await ref
+            except asyncio.CancelledError:
+                ray.cancel(ref)
+                raise
+            except LOST as err:
+                if slot is None:
+                    raise unwrap_error(err) from None
+                self._direct.mark_lost(slot, err)
+                lost.append(slot.node_id)
+                self._check_open()  # shut down under the call: say so, not node_lost
+                self._direct.check_retry(lost)
+                continue
+            except ray.exceptions.RayError as err:
+                self._check_open()  # the pool's shutdown cancelled it
+                raise unwrap_error(err) from None
+            finally:
+                if slot is not None:
+                    self._direct.release(slot)
+            return result if slot is None else finish(result, lost)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClusterError("the pool is shut down", "closed")
+
+    def _ping(self) -> str:
+        """The fast path of a call without the sandbox (driver -> actor and back): for the bench."""
+        slot, _ = self._direct.acquire()
+        if slot is None:
+            raise ClusterError("no free sandbox actor", "no_nodes")
         try:
-            result: RemoteResult = await ref
-        except ray.exceptions.RayError as err:
-            raise unwrap_error(err) from None
-        return result
+            node: str = ray.get(slot.handle.ping.remote())
+        finally:
+            self._direct.release(slot)
+        return node
 
-    @staticmethod
-    def _capacity(status: dict[str, Any]) -> int:
-        """Calls the live actors accept at once (the backpressure window of map/amap)."""
-        return max(1, int(sum(cap for _, _, alive, _, cap, _ in status["actors"] if alive)))
-
-    def _submit_call(self, item: Any, defaults: dict[str, Any]) -> Any:
+    def _item(self, item: Any, defaults: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+        """One call of map/amap (a command or a :class:`Call`) as ``(spec, box)``."""
         if isinstance(item, Call):
             kw = dict(defaults)
             for f in dataclasses.fields(Call):
@@ -322,16 +405,30 @@ class SandboxActorPool:
                     kw[f.name] = value
             if item.timeout is None:
                 kw["timeout"] = None
-            return self.submit(item.command, **kw)
-        return self.submit(item, **defaults)
+            return self._prepare(item.command, **kw)
+        return self._prepare(item, **defaults)
+
+    def _map_state(self, calls: Iterable[Sequence[str] | Call], batch: int | None, return_exceptions: bool,
+                   defaults: dict[str, Any]) -> MapState:
+        self._check_open()
+        if batch is not None and (not isinstance(batch, int) or isinstance(batch, bool) or batch < 1):
+            raise PolicyError(f"batch must be an int >= 1 or None, got {batch!r}")
+        if batch is None:
+            caps = [s.capacity for s in self._direct.slots.values() if s.alive]
+            batch = max(1, (min(caps) + 1) // 2) if caps else 1
+        return MapState(self._direct, iter(enumerate(calls)), lambda item: self._item(item, defaults),
+                        self._via_router, self._direct.capacity(), batch, return_exceptions, lambda: self._closed)
 
     def map(self, calls: Iterable[Sequence[str] | Call], *, ordered: bool = True, return_exceptions: bool = False,
-            **defaults: Any) -> Iterator[RemoteResult | BaseException]:
+            batch: int | None = None, **defaults: Any) -> Iterator[RemoteResult | BaseException]:
         """Run many calls with backpressure; yield their Results (in order, or as they finish).
 
         At most the pool's total in-flight capacity (``max_in_flight`` x live actors) is
         submitted at a time: inputs are packed and put in the object store only when a
         call's turn comes, so a million-call iterable costs memory for the window only.
+        Calls go straight to the actors (as :meth:`run`), up to ``batch`` calls in one Ray
+        task (default ``ceil(max_in_flight / 2)``: two batches in flight per actor), each
+        re-run elsewhere when its actor dies.
 
         Args:
             calls: commands (lists of str) or :class:`Call` objects.
@@ -339,90 +436,56 @@ class SandboxActorPool:
             return_exceptions: yield a call's exception instead of raising it (the lowlevel
                 exception, unwrapped); otherwise the first failure raises and the calls
                 still in flight are cancelled.
+            batch: calls per actor task at most (1: one task per call).
             defaults: :meth:`submit` arguments for every call (``policy``, ``inputs``,
                 ``timeout``, ``limits``, ``env``, ``stdin``, ``cwd``).
+        Raises:
+            PolicyError: a bad argument (``batch``, or a call's, when its turn comes).
         """
-        window = self._capacity(ray.get(self._router.status.remote()))
-        it = iter(enumerate(calls))
-        pending: dict[Any, int] = {}
-        done: dict[int, RemoteResult | BaseException] = {}
+        state = self._map_state(calls, batch, return_exceptions, defaults)
         next_out = 0
-        exhausted = False
         try:
-            while True:
-                while not exhausted and len(pending) + len(done) < window:
-                    try:
-                        index, item = next(it)
-                    except StopIteration:
-                        exhausted = True
-                        break
-                    pending[self._submit_call(item, defaults)] = index
-                if not pending and not done:
-                    return
-                if pending:
-                    ready, _ = ray.wait(list(pending), num_returns=1)
+            while not state.over():
+                state.fill()
+                if state.pending:
+                    ready, _ = ray.wait(list(state.pending), num_returns=1)
                     for ref in ready:
-                        index = pending.pop(ref)
                         try:
-                            done[index] = ray.get(ref)
-                        except ray.exceptions.RayError as err:
-                            exc = unwrap_error(err)
-                            if not return_exceptions:
-                                raise exc from None
-                            done[index] = exc
-                if ordered:
-                    while next_out in done:
-                        yield done.pop(next_out)
-                        next_out += 1
-                else:
-                    for index in list(done):
-                        yield done.pop(index)
+                            value, err = ray.get(ref), None
+                        except ray.exceptions.RayError as exc:
+                            value, err = None, exc
+                        state.finished(ref, value, err)
+                out, next_out = state.ready(ordered, next_out)
+                yield from out
         finally:
-            for ref in pending:
-                ray.cancel(ref)
+            state.cancel_all()
 
     async def amap(self, calls: Iterable[Sequence[str] | Call], *, ordered: bool = True,
-                   return_exceptions: bool = False, **defaults: Any) -> AsyncIterator[RemoteResult | BaseException]:
+                   return_exceptions: bool = False, batch: int | None = None,
+                   **defaults: Any) -> AsyncIterator[RemoteResult | BaseException]:
         """:meth:`map` for an asyncio driver: ``async for result in pool.amap(...)``."""
-        window = self._capacity(await self._router.status.remote())
-        it = iter(enumerate(calls))
-        pending: dict[asyncio.Future[Any], tuple[int, Any]] = {}
-        done: dict[int, RemoteResult | BaseException] = {}
+        state = self._map_state(calls, batch, return_exceptions, defaults)
+        futs: dict[asyncio.Future[Any], Any] = {}
         next_out = 0
-        exhausted = False
         try:
-            while True:
-                while not exhausted and len(pending) + len(done) < window:
-                    try:
-                        index, item = next(it)
-                    except StopIteration:
-                        exhausted = True
-                        break
-                    ref = self._submit_call(item, defaults)
-                    pending[asyncio.wrap_future(ref.future())] = (index, ref)
-                if not pending and not done:
-                    return
-                if pending:
-                    finished, _ = await asyncio.wait(list(pending), return_when=asyncio.FIRST_COMPLETED)
+            while not state.over():
+                for ref in state.fill():
+                    futs[asyncio.wrap_future(ref.future())] = ref
+                if futs:
+                    finished, _ = await asyncio.wait(list(futs), return_when=asyncio.FIRST_COMPLETED)
                     for fut in finished:
-                        index, _ = pending.pop(fut)
+                        ref = futs.pop(fut)
                         try:
-                            done[index] = fut.result()
-                        except ray.exceptions.RayError as err:
-                            exc = unwrap_error(err)
-                            if not return_exceptions:
-                                raise exc from None
-                            done[index] = exc
-                if ordered:
-                    while next_out in done:
-                        yield done.pop(next_out)
-                        next_out += 1
-                else:
-                    for index in list(done):
-                        yield done.pop(index)
+                            value, err = fut.result(), None
+                        except ray.exceptions.RayError as exc:
+                            value, err = None, exc
+                        state.finished(ref, value, err)
+                out, next_out = state.ready(ordered, next_out)
+                for r in out:
+                    yield r
         finally:
-            for fut, (_, ref) in pending.items():
-                ray.cancel(ref)
+            state.cancel_all()
+            for fut in futs:
                 fut.cancel()
 
     # -- sessions ----------------------------------------------------------------------------
@@ -475,6 +538,7 @@ class SandboxActorPool:
         if self._closed:
             return
         self._closed = True
+        self._direct.closed = True
         for s in list(self._sessions):
             s._closed = True
         self._sessions.clear()

@@ -1,5 +1,8 @@
-"""The router actor of a pool (one, on the driver's node): spreads fresh-sandbox calls over the live
-sandbox actors and re-runs the calls of an actor that died.
+"""The router actor of a pool (one, on the driver's node): spreads the fresh-sandbox calls of
+:meth:`SandboxActorPool.submit` over the live sandbox actors and re-runs the calls of an actor that died;
+it also keeps the pool's record of lost actors (the driver's fast path, :mod:`lowlevel.ray.direct`,
+reports the deaths it sees here with :meth:`_Router.mark_lost`) and takes the calls the fast path has no
+free slot for.
 
 Source: Ray docs "Fault Tolerance: Actors" (``RayActorError``).
 """
@@ -118,16 +121,27 @@ class _Router:
         slot.in_flight -= 1
         self._wake()
 
-    def _mark_lost(self, slot: _Slot, err: BaseException) -> None:
+    def _mark_lost(self, slot: _Slot, err: BaseException | str) -> None:
         if slot.alive:
             slot.alive = False
-            self.lost[slot.node_id] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            self.lost[slot.node_id] = err if isinstance(err, str) else \
+                f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
             log.warning("lowlevel.ray: sandbox actor on node %s lost: %s", slot.node_id, err)
             try:
                 ray.kill(slot.handle, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
                 pass
         self._wake(everyone=True)
+
+    async def mark_lost(self, key: str, why: str) -> None:
+        """The driver's fast path saw actor ``key`` die (``why``: the error's first line): never use it again.
+
+        No await inside: a later call from the driver (``status``) sees it done (Ray runs one
+        caller's actor tasks in submission order).
+        """
+        slot = self.slots.get(key)
+        if slot is not None:
+            self._mark_lost(slot, why)
 
     async def ping(self) -> str:
         """The path of a call without the sandbox (driver -> router -> actor and back): for the bench."""
@@ -138,8 +152,12 @@ class _Router:
         finally:
             self._release(slot)
 
-    async def submit(self, spec: dict[str, Any], inputs_box: list[Any]) -> RemoteResult:
-        lost_nodes: list[str] = []
+    async def submit(self, spec: dict[str, Any], inputs_box: list[Any],
+                     lost_before: tuple[str, ...] = ()) -> RemoteResult:
+        """Run one call on the least loaded live actor (waiting for a free slot); re-run it
+        elsewhere when its actor dies. ``lost_before``: nodes whose actor already died under this
+        call on the driver's fast path (they count against ``max_retries``)."""
+        lost_nodes: list[str] = list(lost_before)
         while True:
             slot = await self._acquire()
             ref = slot.handle.run.remote(spec, inputs_box[0] if inputs_box else None)

@@ -20,9 +20,11 @@ import json
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -269,6 +271,133 @@ def test_asyncio_driver(pool):
     assert tick >= 10  # the loop kept running while the call was remote
 
 
+def _router_dispatched(pool) -> int:
+    return sum(d for *_, d in ray.get(pool._router.status.remote())["actors"])
+
+
+def test_run_and_map_go_straight_to_the_actors_in_batches(pool):
+    """run/arun/map/amap call the actors from the driver (the router sees none of them); map
+    sends several calls per actor task; submit still goes through the router (control)."""
+    before_router = _router_dispatched(pool)
+    before = pool.stats()
+    assert pool.run(["echo", "x"]).stdout == b"x\n"
+    assert asyncio.run(pool.arun(["echo", "y"])).stdout == b"y\n"
+    outs = [r.stdout for r in pool.map([["echo", str(i)] for i in range(12)], batch=3)]
+    assert outs == [f"{i}\n".encode() for i in range(12)]
+
+    async def amap():
+        return [r.stdout async for r in pool.amap([["echo", str(i)] for i in range(6)], batch=2)]
+
+    assert asyncio.run(amap()) == [f"{i}\n".encode() for i in range(6)]
+    after = pool.stats()
+    assert _router_dispatched(pool) == before_router  # none went through the router
+    assert sum(s["calls"] for s in after) - sum(s["calls"] for s in before) == 2 + 12 + 6
+    batches = sum(s["batches"] for s in after) - sum(s["batches"] for s in before)
+    # each first fill sends a batch to each of the 2 actors; a batch holds >= 2 calls (a lone one is a plain run)
+    assert 2 + 2 <= batches <= 12 // 2 + 6 // 2
+    assert max(s["peak_in_flight"] for s in after) <= 3 * 2  # max_in_flight per path (direct, router)
+    ray.get(pool.submit(["true"]))
+    assert _router_dispatched(pool) == before_router + 1  # control: submit uses the router
+    with pytest.raises(lowlevel.PolicyError, match="batch"):
+        list(pool.map([["true"]], batch=0))
+
+
+def test_run_waits_in_the_router_when_every_direct_slot_is_taken(pool):
+    capacity = pool._direct.capacity()
+    held: list = []
+    holder = threading.Thread(target=lambda: held.extend(pool.map([["sleep", "2"]] * capacity, timeout=30)))
+    holder.start()
+    try:
+        deadline = time.monotonic() + 30
+        while sum(s.in_flight for s in pool._direct.slots.values() if s.alive) < capacity:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        before_router = _router_dispatched(pool)
+        assert pool.run(["echo", "queued"]).stdout == b"queued\n"
+        assert _router_dispatched(pool) == before_router + 1
+    finally:
+        holder.join(60)
+    assert len(held) == capacity and all(r.exit_code == 0 for r in held)
+
+
+@pytest.mark.slow
+def test_killed_actor_under_the_fast_path_reruns_its_calls(nodes):
+    """SIGKILL one actor's worker while map (batched) and arun calls run on it: each of its calls
+    is re-run on the other actor (attempts 2, lost_nodes), the pool reports the node lost, and
+    none of the dead actor's sandboxes is left."""
+    token = f"llkill{os.getpid()}x{time.monotonic_ns()}"
+    two = SandboxActorPool(nodes=[nodes.head, nodes.good], concurrency=2, max_in_flight=4, max_retries=1)
+    try:
+        victim_pid = next(s["pid"] for s in two.stats() if s["node_id"] == nodes.good)
+        mapped: list = []
+        mapper = threading.Thread(target=lambda: mapped.extend(
+            two.map([["sh", "-c", f"sleep 2; echo {token}-{i}"] for i in range(4)], batch=2, timeout=60)))
+        mapper.start()
+        deadline = time.monotonic() + 30
+        while not all(s["in_flight"] == 2 for s in two.stats()):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+
+        async def aruns():
+            return await asyncio.gather(*(two.arun(["sh", "-c", f"sleep 1; echo {token}-a{i}"], timeout=60)
+                                          for i in range(2)))
+
+        arunner = threading.Thread(target=lambda: mapped.extend(asyncio.run(aruns())))
+        arunner.start()
+        while not all(s["in_flight"] == 3 for s in two.stats()):  # one arun on each actor
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        os.kill(victim_pid, signal.SIGKILL)
+        mapper.join(120)
+        arunner.join(120)
+        outs = sorted(r.stdout for r in mapped)
+        assert outs == sorted([f"{token}-{i}\n".encode() for i in range(4)]
+                              + [f"{token}-a{i}\n".encode() for i in range(2)])
+        retried = [r for r in mapped if r.retried]
+        assert len(retried) == 3  # the victim's batch of 2 and its arun
+        for r in retried:
+            assert r.attempts == 2 and r.lost_nodes == (nodes.good,) and r.node_id == nodes.head
+        status = {s.node_id: s for s in two.nodes()}
+        assert not status[nodes.good].ok and status[nodes.good].reason.startswith("lost")
+        assert {two.run(["true"]).node_id for _ in range(3)} == {nodes.head}
+    finally:
+        two.shutdown()
+    deadline = time.monotonic() + 20
+    while subprocess.run(["pgrep", "-f", token], capture_output=True).returncode == 0:
+        assert time.monotonic() < deadline, "a sandbox of the killed actor outlived it"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_shutdown_under_a_direct_call_says_closed_and_leaves_no_sandbox(nodes):
+    token = f"llshut{os.getpid()}x{time.monotonic_ns()}"
+    small = SandboxActorPool(nodes=[nodes.head], concurrency=1)
+    got: dict = {}
+
+    def call():
+        try:
+            got["result"] = small.run(["sh", "-c", f"sleep 30; echo {token}"], timeout=60)
+        except BaseException as err:  # noqa: BLE001 - the test looks at it
+            got["err"] = err
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not any(s["running"] for s in small.stats()):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert subprocess.run(["pgrep", "-f", token], capture_output=True).returncode == 0  # control
+    finally:
+        small.shutdown()
+        caller.join(60)
+    assert "result" not in got and isinstance(got["err"], ClusterError) and got["err"].reason == "closed"
+    deadline = time.monotonic() + 20
+    while subprocess.run(["pgrep", "-f", token], capture_output=True).returncode == 0:
+        assert time.monotonic() < deadline, "the sandbox outlived its pool"
+        time.sleep(0.2)
+
+
 def test_session_is_pinned_to_one_node(nodes, pool):
     with pool.open_session(inputs={"seed.txt": b"0"}) as s:
         assert s.node_id in (nodes.head, nodes.good)
@@ -300,8 +429,13 @@ def test_killed_raylet_mid_batch_loses_no_call(nodes, pool):
     session = pool.open_session(node_id=victim)
     assert session.run(["true"]).node_id == victim
     refs = [pool.submit(["sh", "-c", f"sleep 1; echo {token}-{i}"], timeout=60) for i in range(8)]
+    mapped: list = []   # the driver's fast path (map: straight to the actors, in batches), at the same time
+    mapper = threading.Thread(target=lambda: mapped.extend(
+        pool.map([["sh", "-c", f"sleep 1; echo {token}-m{i}"] for i in range(6)], timeout=60)))
+    mapper.start()
     deadline = time.monotonic() + 30
-    while not any(s["running"] for s in pool.stats() if s["node_id"] == victim):
+    # more than the router's max_in_flight=3 on the victim: some of the map's calls are there too
+    while not any(s["running"] and s["in_flight"] > 3 for s in pool.stats() if s["node_id"] == victim):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert subprocess.run(["pgrep", "-f", token], capture_output=True).returncode == 0  # control
@@ -313,6 +447,14 @@ def test_killed_raylet_mid_batch_loses_no_call(nodes, pool):
     for r in retried:
         assert r.attempts == 2 and r.lost_nodes == (victim,) and r.node_id == nodes.head
     assert all(not r.timed_out for r in results)
+    mapper.join(240)
+    assert [r.stdout for r in mapped] == [f"{token}-m{i}\n".encode() for i in range(6)]
+    for r in mapped:  # a direct call running on the victim may still finish there (its worker outlives
+        # the raylet for a moment and answers the driver directly); one that did not is re-run on the head
+        assert (r.attempts, r.lost_nodes, r.node_id) in ((1, (), victim), (1, (), nodes.head),
+                                                        (2, (victim,), nodes.head)), r
+    # run() after the loss: never on the dead node (whichever path saw the death first)
+    assert {pool.run(["true"]).node_id for _ in range(4)} == {nodes.head}
     with pytest.raises(lowlevel.SessionError) as err:
         session.run(["true"])
     assert err.value.reason == "node_lost"
@@ -420,22 +562,35 @@ def test_cluster_whose_start_fails_leaves_no_process():
 
 @pytest.mark.slow
 def test_bench_cluster_quick_json_schema(tmp_path):
-    """bench/cluster.py starts its own 2-node cluster: validate its JSON with tiny N."""
+    """bench/cluster.py starts its own cluster (here 1 then 2 nodes): validate its JSON with tiny N."""
     out = tmp_path / "cluster.json"
     proc = subprocess.run([sys.executable, str(HERE.parent / "bench" / "cluster.py"), "--quick", "--calls", "8",
-                           "--concurrency", "2", "--latency-calls", "3", "--json", str(out)],
+                           "--concurrency", "2", "--latency-calls", "3", "--nodes", "2", "--cpu-calls", "3",
+                           "--json", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
-    assert doc["schema"] == 1 and {"results", "ratios", "targets", "host", "config"} <= set(doc)
+    assert doc["schema"] == 2 and {"results", "ratios", "targets", "host", "config"} <= set(doc)
     got = {(r["name"], r["nodes"]) for r in doc["results"]}
-    assert got == {("local", 1), ("cluster", 1), ("local", 2), ("cluster", 2), ("latency_local", 1),
-                   ("latency_cluster", 1), ("latency_ray_path", 1)}
+    names = ("local", "cluster", "cluster_router", "latency_local", "latency_cluster", "latency_ray_path",
+             "latency_cluster_router", "latency_ray_router_path")
+    assert got == {(name, count) for name in names for count in (1, 2)}
     for r in doc["results"]:
-        if r["name"] in ("local", "cluster"):
+        if r["name"] in ("local", "cluster", "cluster_router"):
             assert r["errors"] == 0 and r["n"] == 8 and r["calls_per_s"] > 0
         else:
             assert r["n"] == 3 and 0 < r["p50_ms"] <= r["p90_ms"] <= r["p99_ms"]
-    for k in ("cluster_vs_local_calls_per_s", "cluster_vs_local_calls_per_s_1node",
-              "cluster_vs_local_calls_per_s_2nodes", "added_latency_p50_ms", "ray_path_p50_ms"):
+    for k in ("cluster_vs_local_calls_per_s", "added_latency_p50_ms", "ray_path_p50_ms",
+              "cluster_2nodes_vs_1node_calls_per_s"):
         assert isinstance(doc["ratios"][k], float), k
+    for sfx in ("1node", "2nodes"):
+        for k in ("cluster_vs_local_calls_per_s", "cluster_router_vs_local_calls_per_s", "added_latency_p50_ms",
+                  "added_latency_router_p50_ms", "added_latency_paired_p50_ms", "ray_path_p50_ms",
+                  "ray_router_path_p50_ms"):
+            assert isinstance(doc["ratios"][f"{k}_{sfx}"], float), (k, sfx)
+    assert not any(k.startswith("_") for k in doc["ratios"])
+    cpu = doc["cpu_ms_per_call"]
+    assert set(cpu) == {"local_arun", "cluster_run", "cluster_router_run", "cluster_map", "cluster_map_batch1",
+                        "cluster_router_map"}
+    for per in cpu.values():
+        assert {"driver", "router", "actor", "raylet", "gcs", "total"} <= set(per) and per["total"] >= 0
