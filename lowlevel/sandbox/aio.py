@@ -67,6 +67,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from lowlevel.errors import LaunchError, LowlevelError, PolicyError
+from lowlevel.sandbox import teardown as _teardown
 from lowlevel.sandbox.failures import PROCESS_LIMIT_HINT
 from lowlevel.sandbox.launcher import DRAIN_TIMEOUT_S, INIT_EXIT_TIMEOUT_S, INIT_KILL_TIMEOUT_S, SETUP_TIMEOUT_S, Run
 from lowlevel.sandbox.request import DEFAULT_TIMEOUT_S, RunRequest, check_seconds
@@ -418,7 +419,9 @@ async def _drive(r: Run, sup: _Supervision) -> Result:
     # while the anchor tears down its mount namespace; then reap it without blocking the loop.
     box: list[Result] = []
     await _step(lambda: box.append(r.result()))
-    if r.pidfd is not None and not r.anchor_reaped:
+    if r.pidfd is not None and not r.anchor_reaped and not (
+            _teardown.ENABLED and r.one_shot and r.exit_reported and r.handover is None):
+        # (A finished one-shot run's anchor is reaped by lowlevel.sandbox.teardown: Run.close.)
         await sup.readable(r.pidfd, INIT_KILL_TIMEOUT_S + INIT_EXIT_TIMEOUT_S)
         r.reap_anchor(block=False)
     return box[0]
