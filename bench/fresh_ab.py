@@ -11,6 +11,8 @@ processes on both sides). Switches (``--switch``):
 
 - ``teardown``: :mod:`lowlevel.sandbox.teardown` (the anchor's reaping and the cgroup's removal
   off the result path) off (A) / on (B).
+- ``json-later``: bwrap's json-status pipe read while the sandbox runs (A) / once it is gone
+  (B, :func:`lowlevel.sandbox.drive.json_deferred`).
 
 Root or an unprivileged user with user namespaces, as bench/startup.py.
 """
@@ -24,7 +26,7 @@ import time
 from collections.abc import Callable
 
 import lowlevel
-from lowlevel.sandbox import aio, teardown
+from lowlevel.sandbox import aio, drive, teardown
 
 
 def _set_teardown(on: bool) -> None:
@@ -32,7 +34,16 @@ def _set_teardown(on: bool) -> None:
     teardown.ENABLED = on
 
 
-SWITCHES: dict[str, Callable[[bool], None]] = {"teardown": _set_teardown}
+_JSON_DEFERRED = drive.json_deferred
+
+
+def _set_json_later(on: bool) -> None:
+    fn = _JSON_DEFERRED if on else (lambda r: False)
+    drive.json_deferred = fn
+    aio.json_deferred = fn  # type: ignore[attr-defined]
+
+
+SWITCHES: dict[str, Callable[[bool], None]] = {"teardown": _set_teardown, "json-later": _set_json_later}
 
 
 def _pct(xs: list[float], q: float) -> float:
