@@ -13,6 +13,7 @@ processes on both sides). Switches (``--switch``):
   off the result path) off (A) / on (B).
 - ``json-later``: bwrap's json-status pipe read while the sandbox runs (A) / once it is gone
   (B, :func:`lowlevel.sandbox.drive.json_deferred`).
+- ``both``: the two above together.
 
 Root or an unprivileged user with user namespaces, as bench/startup.py.
 """
@@ -43,7 +44,13 @@ def _set_json_later(on: bool) -> None:
     aio.json_deferred = fn  # type: ignore[attr-defined]
 
 
-SWITCHES: dict[str, Callable[[bool], None]] = {"teardown": _set_teardown, "json-later": _set_json_later}
+def _set_both(on: bool) -> None:
+    _set_teardown(on)
+    _set_json_later(on)
+
+
+SWITCHES: dict[str, Callable[[bool], None]] = {"teardown": _set_teardown, "json-later": _set_json_later,
+                                               "both": _set_both}
 
 
 def _pct(xs: list[float], q: float) -> float:
