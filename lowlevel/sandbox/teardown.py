@@ -21,7 +21,8 @@ Why this cannot leak, and cannot weaken a run:
   cleanup`` (or the next :func:`lowlevel.host.cgroup_detect.detect_cgroups` sweep) removes what it
   names, as for a caller killed mid-run; the anchor dies with the caller (its parent-death signal).
 - The process does not exit with teardown pending: an ``atexit`` handler :func:`drain`\\s the queue
-  (bounded: ``remove()`` gives up after 2 s per run, as it did inline).
+  (bounded: ``remove()`` gives up after 2 s per run, as it did inline), and a run after it (from
+  an exit handler that runs later) tears down inline.
 - Only pids and cgroup objects cross to the thread, no fd: the Run closes its fds itself.
 - A forked child drops the parent's pending items (they are the parent's children and cgroups).
 
@@ -55,6 +56,7 @@ _queue: collections.deque[tuple[int | None, _cgroups.RunCgroup | None]] = collec
 _busy = 0  # items taken by the thread and not finished
 _thread: threading.Thread | None = None
 _pid = os.getpid()
+_exiting = False  # the exit handler ran: later runs (another atexit handler's) tear down inline
 
 
 def _reset_after_fork() -> None:
@@ -111,6 +113,8 @@ def defer(pid: int | None, cgroup: _cgroups.RunCgroup | None) -> bool:
     global _thread
     if pid is None and cgroup is None:
         return True
+    if _exiting:
+        return False
     with _cond:
         if _thread is None or not _thread.is_alive():
             t = threading.Thread(target=_work, name="lowlevel-teardown", daemon=True)
@@ -152,6 +156,12 @@ def drain(timeout_s: float | None = None) -> bool:
     return True
 
 
-atexit.register(drain, EXIT_DRAIN_TIMEOUT_S)
+def _at_exit() -> None:
+    global _exiting
+    _exiting = True
+    drain(EXIT_DRAIN_TIMEOUT_S)
+
+
+atexit.register(_at_exit)
 
 __all__ = ["ENABLED", "EXIT_DRAIN_TIMEOUT_S", "defer", "drain", "finish", "pending"]

@@ -7,7 +7,8 @@ removal happen on lowlevel's teardown thread. What must hold, observed on real r
   anchor), no run cgroup directory, no run record; with the thread switched off (control: the
   old inline path) the same holds right after the call;
 - a process that exits right after a run leaves nothing (the exit handler drains), also when
-  many runs are still pending;
+  many runs are still pending, and a run made by an exit handler that runs after lowlevel's
+  tears down inline;
 - a caller SIGKILLed while teardown is pending leaves its run records, and ``lowlevel cleanup``
   removes every directory they name (the record is what makes that possible: it is removed only
   with the last directory);
@@ -116,6 +117,29 @@ def test_exit_right_after_runs_leaves_nothing(root_with_cgroups: None, tmp_path)
                          text=True, timeout=90, env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout.strip().splitlines()[-1])
+    assert _run_dirs(info["pid"]) == []
+    assert _records_of(info["pid"]) == []
+
+
+_RUN_IN_A_LATER_EXIT_HANDLER = """
+import atexit, json, os, sys
+def late():  # registered before lowlevel's own handler, so it runs after it (atexit is LIFO)
+    import lowlevel
+    from lowlevel.sandbox import teardown
+    lowlevel.run(["/usr/bin/true"], workspace=sys.argv[1])
+    print(json.dumps({"pid": os.getpid(), "pending": teardown.pending()}), flush=True)
+atexit.register(late)
+import lowlevel
+lowlevel.run(["/usr/bin/true"], workspace=sys.argv[1])
+"""
+
+
+def test_a_run_from_a_later_exit_handler_tears_down_inline(root_with_cgroups: None, tmp_path) -> None:
+    out = subprocess.run([sys.executable, "-c", _RUN_IN_A_LATER_EXIT_HANDLER, str(tmp_path)], capture_output=True,
+                         text=True, timeout=90, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout.strip().splitlines()[-1])
+    assert info["pending"] == 0  # lowlevel's exit handler had run: nothing handed to the thread
     assert _run_dirs(info["pid"]) == []
     assert _records_of(info["pid"]) == []
 
