@@ -67,6 +67,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from lowlevel.errors import LaunchError, LowlevelError, PolicyError
+from lowlevel.sandbox import teardown as _teardown
+from lowlevel.sandbox.drive import json_deferred
 from lowlevel.sandbox.failures import PROCESS_LIMIT_HINT
 from lowlevel.sandbox.launcher import DRAIN_TIMEOUT_S, INIT_EXIT_TIMEOUT_S, INIT_KILL_TIMEOUT_S, SETUP_TIMEOUT_S, Run
 from lowlevel.sandbox.request import DEFAULT_TIMEOUT_S, RunRequest, check_seconds
@@ -391,6 +393,9 @@ async def _drive(r: Run, sup: _Supervision) -> Result:
             raise LaunchError(f"the sandbox did not finish setting up within {SETUP_TIMEOUT_S:.0f} s",
                               argv=r.full_argv)
         await sup.wait(left)
+    json_later = json_deferred(r)
+    if json_later:
+        sup.remove_reader(r.json_r)  # read once the sandbox is gone (drive.json_deferred)
     if r.stdin_w is not None and not r.feed_stdin():
         sup.writer = r.stdin_w
         sup.loop.add_writer(r.stdin_w, sup.on_stdin)
@@ -404,6 +409,11 @@ async def _drive(r: Run, sup: _Supervision) -> Result:
         sup.timer.cancel()
         sup.timer = None
     await sup.reap()
+    if json_later and r.json_r is not None:
+        if r.read_fd("json_r", close=False):
+            sup.add_reader(r.json_r, sup.on_pipe, "json_r")  # not at EOF yet: the drain below waits
+        else:
+            r._close_fd("json_r")
     # The anchor is gone and the sandbox is dead: the pipes are at EOF or about to be.
     while any(fd is not None for fd in (r.out_r, r.err_r, r.json_r, r.stdin_w)):
         if not await sup.wait(DRAIN_TIMEOUT_S):
@@ -418,7 +428,9 @@ async def _drive(r: Run, sup: _Supervision) -> Result:
     # while the anchor tears down its mount namespace; then reap it without blocking the loop.
     box: list[Result] = []
     await _step(lambda: box.append(r.result()))
-    if r.pidfd is not None and not r.anchor_reaped:
+    if r.pidfd is not None and not r.anchor_reaped and not (
+            _teardown.ENABLED and r.one_shot and r.exit_reported and r.handover is None):
+        # (A finished one-shot run's anchor is reaped by lowlevel.sandbox.teardown: Run.close.)
         await sup.readable(r.pidfd, INIT_KILL_TIMEOUT_S + INIT_EXIT_TIMEOUT_S)
         r.reap_anchor(block=False)
     return box[0]

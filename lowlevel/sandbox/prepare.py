@@ -21,6 +21,7 @@ from lowlevel.host import seccomp_filter as _seccomp_filter
 from lowlevel.sandbox import landlock_rules as _landlock_rules
 from lowlevel.sandbox import bind_sockets as _bind_sockets
 from lowlevel.sandbox import facts as _facts
+from lowlevel.sandbox import teardown as _teardown
 from lowlevel.sandbox._interrupts import deferred_interrupts
 from lowlevel.sandbox.argv import AnchorOverlay as _AnchorOverlay
 from lowlevel.sandbox.argv import Fds, anchor_argv, build_argv, encode_args, etc_copies, setup_paths, static_args
@@ -101,7 +102,17 @@ class RunPrepare(RunWorkspace):
         policy = self.policy
         if self.facts.caller_is_root:
             if policy.host_uid is None:
-                self.lease = _uids.UidLease.acquire()
+                try:
+                    self.lease = _uids.UidLease.acquire()
+                except UnsupportedError:
+                    # Every uid of the range is leased: some may be held by anchors of finished
+                    # runs still exiting (lowlevel.sandbox.teardown reaps them off the result
+                    # path; the lease is the anchor's lock until it exits). Wait for those, then
+                    # ask once more: a range as small as the runs in flight keeps working.
+                    if not _teardown.pending():
+                        raise
+                    _teardown.drain()
+                    self.lease = _uids.UidLease.acquire()
                 self.host_ids = (self.lease.uid, self.lease.uid)
             else:
                 self.host_ids = (policy.host_uid, policy.host_gid if policy.host_gid is not None

@@ -88,9 +88,20 @@ def kept_children() -> set[int]:
     return {holder.pid} if holder is not None and holder.returncode is None else set()
 
 
+def settle() -> None:
+    """Wait for the teardown of this process's finished runs (:func:`lowlevel.sandbox.teardown.drain`:
+    their anchors reaped, their cgroups removed off the result path) before counting what is left."""
+    from lowlevel.sandbox import teardown
+
+    teardown.drain()
+
+
 def children(pid: int | None = None) -> list[int]:
     """PIDs of the children of ``pid`` (default: this process; every thread's, zombies
-    included), less :func:`kept_children` when ``pid`` is this process."""
+    included), less :func:`kept_children` when ``pid`` is this process (whose finished runs'
+    teardown is waited for first: :func:`settle`)."""
+    if pid is None or pid == os.getpid():
+        settle()
     pid = os.getpid() if pid is None else pid
     out: list[int] = []
     for path in glob.glob(f"/proc/{pid}/task/*/children"):

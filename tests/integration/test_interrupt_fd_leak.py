@@ -27,7 +27,7 @@ from types import FrameType
 from typing import Any
 
 import pytest
-from helpers.hygiene import children, open_fds
+from helpers.hygiene import children, open_fds, settle
 
 import lowlevel
 
@@ -170,6 +170,8 @@ def test_run_interrupted_while_its_cgroup_figures_are_read(ws: str) -> None:
 
 
 def _run_cgroups_of(pid: int) -> list[str]:
+    if pid == os.getpid():
+        settle()  # the finished runs' cgroups are removed off the result path (lowlevel.sandbox.teardown)
     from lowlevel.host import cgroup_detect
     left = []
     for h in cgroup_detect.detect_cgroups().hierarchies:

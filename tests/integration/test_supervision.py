@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.hygiene import children, open_fds
+from helpers.hygiene import children, open_fds, settle
 from helpers.procs import pids_with
 
 import lowlevel
@@ -88,6 +88,7 @@ def _children() -> list[int]:
 
 
 def _our_cgroups() -> list[str]:
+    settle()  # the finished runs' cgroups are removed off the result path (lowlevel.sandbox.teardown)
     support = _cgroup_detect.detect_cgroups()
     found = []
     for h in support.hierarchies:
