@@ -66,7 +66,7 @@ def _wants_json(argv: Sequence[str]) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``lowlevel`` console script. Returns the exit status."""
-    from lowlevel import _startup
+    from lowlevel import _dataclass, _startup
     try:
         _startup.disarm()  # the start-up ^C notice (lowlevel._startup) hands over to the handling below
         return _main(argv)
@@ -75,6 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 128 + signal.SIGINT
     finally:
         _startup.finished()
+        _dataclass.save()  # code of the dataclasses compiled by this process, for the next (lowlevel._dataclass)
 
 
 def _main(argv: Sequence[str] | None) -> int:
