@@ -52,6 +52,9 @@ from lowlevel.spec.seccomp import DEFAULT_PROFILE, SeccompProfile  # noqa: E402
 from lowlevel.workspace import Changes  # noqa: E402
 
 from lowlevel.version import __version__ as __version__  # noqa: E402  (re-exported)
+from lowlevel import _dataclass  # noqa: E402
+
+_dataclass.save()  # the dataclasses' code compiled by this import, for the next process (lowlevel._dataclass)
 
 #: Names served lazily by :func:`__getattr__`: the asyncio API imports asyncio (~30 ms),
 #: which ``import lowlevel`` (and the CLI) should not pay.
@@ -67,6 +70,7 @@ def __getattr__(name: str) -> object:
 
     value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value
+    _dataclass.save()
     return value
 
 
