@@ -91,3 +91,18 @@ def test_library_run_in_a_fresh_interpreter_loads_no_feature_it_does_not_use(tmp
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd="/", timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == [0, []]
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["run", "--help"], ["image", "--help"], ["bogus"]])
+def test_help_version_and_usage_errors_load_no_command_machinery(argv: list[str]) -> None:
+    code = ("import json, sys\nfrom lowlevel.cli import main\n"
+            "try:\n    code = main(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+            "print(json.dumps([code, sorted(m for m in sys.modules if m.startswith(('lowlevel.api', "
+            "'lowlevel.sandbox', 'lowlevel.image', 'lowlevel.rootfs', 'lowlevel.session', 'lowlevel.workspace')))]))")
+    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, cwd="/", timeout=60)
+    code_, loaded = json.loads(proc.stdout.splitlines()[-1])
+    assert code_ == (125 if argv == ["bogus"] else 0), proc.stderr
+    assert loaded == []
+    if argv == ["bogus"]:  # the usage error is still its one line
+        assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("lowlevel: "), proc.stderr
