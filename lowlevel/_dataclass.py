@@ -26,12 +26,14 @@ this process runs, so it is trusted exactly as much as the directory it is in (a
 filter, :mod:`lowlevel.host.hostcache`, is the same). An unreadable, foreign, truncated or
 mismatched file means "no cache": the methods are compiled as :mod:`dataclasses` always did.
 New code is written back (atomically: a temporary renamed into place) by :func:`save`, which
-the CLI and the package's lazy attributes call after their imports. Nothing in it is state of a
+the CLI and the package's lazy attributes call after their imports, and :mod:`atexit` at the
+end of any other process that compiled some. Nothing in it is state of a
 run: code objects are immutable, and each class gets fresh function objects from them.
 """
 
 from __future__ import annotations
 
+import atexit
 import builtins
 import dataclasses
 import marshal
@@ -60,6 +62,7 @@ _lock = threading.RLock()
 _codes: dict[str, CodeType] | None = None  # text -> code, loaded on first use
 _used: set[str] = set()
 _new = False
+_at_exit = False  # save() registered with atexit (on the first code compiled)
 
 
 def _header() -> tuple[int, str, str | None, int]:
@@ -97,7 +100,7 @@ def _load() -> dict[str, CodeType]:
 
 def _exec(source: str, globals: dict[str, object] | None = None, locals: dict[str, object] | None = None) -> None:
     """``exec(source, globals, locals)`` with the code object from the cache (see the module doc)."""
-    global _new
+    global _new, _at_exit
     if not isinstance(source, str):  # not what dataclasses passes: do what exec does
         builtins.exec(source, globals, locals)
         return
@@ -107,6 +110,9 @@ def _exec(source: str, globals: dict[str, object] | None = None, locals: dict[st
         if code is None:
             code = codes[source] = compile(source, "<string>", "exec", dont_inherit=True)
             _new = True
+            if not _at_exit:  # a process importing lowlevel's modules directly saves at its exit
+                _at_exit = True
+                atexit.register(save)
         _used.add(source)
     builtins.exec(code, globals, locals)
 
