@@ -4,7 +4,7 @@
 that the code objects of the methods it generates come from a cache on disk. CPython 3.11's
 :mod:`dataclasses` writes each generated method (``__init__``, ``__repr__``, ``__eq__``,
 ``__hash__``, a frozen class's ``__setattr__`` and ``__delattr__``) as source text and compiles
-it with ``exec``: 174 compiles for the 33 classes a ``lowlevel run`` process loads, 7-13 ms of
+it with ``exec``: 174 compiles for the 33 classes a ``lowlevel run`` process loads, 7-15 ms of
 the CLI's imports here, the largest single part (bench/README.md, "Issue 27", "The CLI"). The
 compiled code depends on nothing but that text, the interpreter and its optimization level,
 so it is cached by exactly those: the text is the key (compared in full), the file is keyed
