@@ -82,15 +82,19 @@ def test_cli_run_with_an_allowlist_loads_the_egress_proxy(tmp_path: Path) -> Non
 
 
 def test_library_run_in_a_fresh_interpreter_loads_no_feature_it_does_not_use(tmp_path: Path) -> None:
-    code = ("import json, sys, lowlevel\n"
+    code = ("import json, os, sys, lowlevel\n"
+            "seen = []\nspawn = os.posix_spawn\n"
+            f"def spy(*a, **k):\n    seen.append(sorted(m for m in {EAGER!r} if m in sys.modules))\n"
+            "    return spawn(*a, **k)\n"
+            "os.posix_spawn = spy\n"
             "r = lowlevel.run(['/usr/bin/true'], keep_workspace=False)\n"
             f"features = {NOT_FOR_A_PLAIN_RUN!r}\n"
             "print(json.dumps([r.exit_code, sorted(m for m in sys.modules if any(m == f or m.startswith(f + '.') "
-            "for f in features))]))\n")
+            "for f in features)), seen[:1]]))\n")
     env = {**os.environ, "PYTHONPATH": str(REPO), "LOWLEVEL_WORKSPACE_BASE": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd="/", timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout) == [0, []]
+    assert json.loads(proc.stdout) == [0, [], [sorted(EAGER)]]
 
 
 @pytest.mark.parametrize("argv", [["--version"], ["--help"], ["run", "--help"], ["image", "--help"], ["bogus"]])
