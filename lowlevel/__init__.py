@@ -39,35 +39,69 @@ if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
         except ValueError:  # not the main thread: not the command starting
             pass
     del _main_file, _orig
-from lowlevel.spec.egress import Egress, NetworkAttempt  # noqa: E402
-from lowlevel.errors import (BwrapNotFoundError, CommitConflictError, CommitIncompleteError, ImageError,  # noqa: E402
-                     LaunchError, LowlevelError, PolicyError, SeccompError, SessionError, UnsupportedError,
-                     WorkspaceError)
-from lowlevel.api import run  # noqa: E402
-from lowlevel.sandbox.failures import ExecError  # noqa: E402
-from lowlevel.spec.limits import Limits  # noqa: E402
-from lowlevel.spec.policy import Bind, Policy  # noqa: E402
-from lowlevel.sandbox.result import Result, RunFailedError  # noqa: E402
-from lowlevel.spec.seccomp import DEFAULT_PROFILE, SeccompProfile  # noqa: E402
-from lowlevel.workspace import Changes  # noqa: E402
-
 from lowlevel.version import __version__ as __version__  # noqa: E402  (re-exported)
 
-#: Names served lazily by :func:`__getattr__`: the asyncio API imports asyncio (~30 ms),
-#: which ``import lowlevel`` (and the CLI) should not pay.
-_LAZY = {"Runner": "sandbox.aio", "arun": "sandbox.aio", "AsyncProcess": "session.aio", "AsyncSession": "session.aio",
+# The public names are attributes served by __getattr__ (PEP 562) from the module that defines
+# them, imported on first use: ``lowlevel --version``, ``--help``, ``doctor``... do not pay the
+# run machinery's ~50 ms of imports, and a ``lowlevel.run`` imports it all (its failure and
+# cleanup paths included: docs/architecture.md) before its sandbox starts. Type checkers read
+# the imports below.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from lowlevel.api import run as run
+    from lowlevel.errors import (BwrapNotFoundError as BwrapNotFoundError, CommitConflictError as CommitConflictError,
+                                 CommitIncompleteError as CommitIncompleteError, ImageError as ImageError,
+                                 LaunchError as LaunchError, LowlevelError as LowlevelError,
+                                 PolicyError as PolicyError, SeccompError as SeccompError,
+                                 SessionError as SessionError, UnsupportedError as UnsupportedError,
+                                 WorkspaceError as WorkspaceError)
+    from lowlevel.sandbox.aio import Runner as Runner, arun as arun
+    from lowlevel.sandbox.failures import ExecError as ExecError
+    from lowlevel.sandbox.result import Result as Result, RunFailedError as RunFailedError
+    from lowlevel.session.aio import AsyncProcess as AsyncProcess, AsyncSession as AsyncSession
+    from lowlevel.session.pool import Pool as Pool
+    from lowlevel.session.sync import Process as Process, Session as Session
+    from lowlevel.spec.egress import Egress as Egress, NetworkAttempt as NetworkAttempt
+    from lowlevel.spec.limits import Limits as Limits
+    from lowlevel.spec.policy import Bind as Bind, Policy as Policy
+    from lowlevel.spec.seccomp import DEFAULT_PROFILE as DEFAULT_PROFILE, SeccompProfile as SeccompProfile
+    from lowlevel.workspace import Changes as Changes
+
+#: Where each public name is defined (module under ``lowlevel``).
+_LAZY = {"run": "api", "Egress": "spec.egress", "NetworkAttempt": "spec.egress", "ExecError": "sandbox.failures",
+         "Limits": "spec.limits", "Bind": "spec.policy", "Policy": "spec.policy", "Result": "sandbox.result",
+         "RunFailedError": "sandbox.result", "DEFAULT_PROFILE": "spec.seccomp", "SeccompProfile": "spec.seccomp",
+         "Changes": "workspace",
+         **dict.fromkeys(("BwrapNotFoundError", "CommitConflictError", "CommitIncompleteError", "ImageError",
+                          "LaunchError", "LowlevelError", "PolicyError", "SeccompError", "SessionError",
+                          "UnsupportedError", "WorkspaceError"), "errors"),
+         # the asyncio API imports asyncio (~30 ms), which a sync caller (and the CLI) should not pay
+         "Runner": "sandbox.aio", "arun": "sandbox.aio", "AsyncProcess": "session.aio", "AsyncSession": "session.aio",
          "Pool": "session.pool", "Process": "session.sync", "Session": "session.sync"}
 
 
 def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'lowlevel' has no attribute {name!r}")
     import importlib
 
+    module = _LAZY.get(name)
+    if module is None:
+        if name.startswith("_"):
+            raise AttributeError(f"module 'lowlevel' has no attribute {name!r}")
+        try:  # a subpackage not imported yet (``lowlevel.sandbox``), as an eager package would have it
+            return importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as err:
+            if err.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module 'lowlevel' has no attribute {name!r}") from None
     value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value
+    from lowlevel import _dataclass
+    _dataclass.save()  # the dataclasses' code compiled by that import, for the next process (lowlevel._dataclass)
     return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 __all__ = [

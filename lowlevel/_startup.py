@@ -1,6 +1,6 @@
 """SIGINT while the ``lowlevel`` command starts: one line, never a ``KeyboardInterrupt`` traceback.
 
-The console script imports ``lowlevel.cli`` (and so the whole package: ~110 ms here) before
+The console script imports ``lowlevel.cli`` (until issue 27 the whole package: ~110 ms here) before
 :func:`lowlevel.cli.main` runs; a ^C in that window raised ``KeyboardInterrupt`` out of an
 ``import`` and Python printed its traceback (21 of 300 root and 15 of 120 unprivileged runs,
 issue 23). The first statements of ``lowlevel/__init__.py`` (using only modules the interpreter
@@ -14,6 +14,11 @@ started yet, so there is nothing to kill or give back. :func:`lowlevel.cli.main`
 handler back first thing (:func:`disarm`: its own ``KeyboardInterrupt`` handling then applies)
 and drops SIGINT once it has its exit status (:func:`finished`). A SIGINT the parent ignored
 (``nohup``, ``&`` in a script) stays ignored.
+
+Since issue 27 the package's names are lazy (``lowlevel/__init__.py``), so the window this
+handler covers is short (``lowlevel.cli`` and its parser); ``run``'s machinery is imported by
+:func:`lowlevel.cli.main` after :func:`disarm`, where a ^C gives the same one-line notice
+(:data:`lowlevel.cli.STARTING_NOTICE`) and exit 130.
 
 Out of reach: a ^C before the package's first statement (Python's own start-up, the ``site``
 module and its ``.pth`` files, the console script's ``import re``) gets Python's default

@@ -41,8 +41,8 @@ import re
 import socket
 import stat
 import time
-from dataclasses import dataclass
 
+from lowlevel._dataclass import dataclass
 from lowlevel.host import cgroup_detect as _cgroup_detect
 from lowlevel.host import run_records as _records
 from lowlevel.errors import LowlevelError

@@ -2,10 +2,13 @@
 
 The static executables (``native/*.c``, built by ``setup.py``; the CFFI extension is ``lowlevel/host/_native*.so``)
 live at the top of the package whichever subpackage uses them; every module finds them here.
+Also the caller's own cache directory (:func:`cache_dir`), at the bottom of the layers so that
+every layer may cache (:mod:`lowlevel.host.hostcache`, :mod:`lowlevel._dataclass`).
 """
 from __future__ import annotations
 
 import os
+import stat
 
 #: The ``lowlevel`` package directory (absolute).
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -14,3 +17,50 @@ PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 def native(name: str) -> str:
     """Absolute path of the file ``name`` at the top of the package (``_lowlevel_guard``...)."""
     return os.path.join(PACKAGE_DIR, name)
+
+
+def cache_enabled() -> bool:
+    """False when ``LOWLEVEL_NO_CACHE`` is set (to anything non-empty): no on-disk cache at all
+    (host facts, :mod:`lowlevel.host.hostcache`; dataclass code, :mod:`lowlevel._dataclass`)."""
+    return not os.environ.get("LOWLEVEL_NO_CACHE")
+
+
+def cache_dir(create: bool = True) -> str | None:
+    """lowlevel's per-caller cache directory (made 0700 when missing), or None when there is none we trust.
+
+    Root ``/run/lowlevel/cache`` (tmpfs: gone at reboot); others ``$XDG_RUNTIME_DIR/lowlevel``
+    when that is set and ours, else ``~/.cache/lowlevel``; ``LOWLEVEL_CACHE_DIR`` overrides. The
+    directory must be ours (the caller's euid) and mode 0700: what is cached there (a compiled
+    seccomp filter, code objects) is trusted as much as lowlevel's own files.
+    """
+    if not cache_enabled():
+        return None
+    path = os.environ.get("LOWLEVEL_CACHE_DIR")
+    if not path:
+        if os.geteuid() == 0:
+            path = "/run/lowlevel/cache"
+        else:
+            runtime = os.environ.get("XDG_RUNTIME_DIR")
+            if runtime and _ours(runtime, directory=True):
+                path = os.path.join(runtime, "lowlevel")
+            elif os.environ.get("HOME"):
+                path = os.path.join(os.environ["HOME"], ".cache", "lowlevel")
+            else:
+                return None
+    if create:
+        try:
+            os.makedirs(path, 0o700, exist_ok=True)
+        except OSError:
+            return None
+    return path if _ours(path, directory=True, private=True) else None
+
+
+def _ours(path: str, *, directory: bool, private: bool = False) -> bool:
+    """``path`` (not a symlink) belongs to us and nobody else may write it (``private``: 0700)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    kind_ok = stat.S_ISDIR(st.st_mode) if directory else stat.S_ISREG(st.st_mode)
+    mode = stat.S_IMODE(st.st_mode)
+    return kind_ok and st.st_uid == os.geteuid() and not mode & (0o077 if private else 0o022)

@@ -54,14 +54,23 @@ from collections.abc import Sequence
 from lowlevel.cli.args import UsageError
 from lowlevel.cli.output import EXIT_FAILED, error_object, print_json, report_error, silence_stdout
 from lowlevel.cli.parser import COMMANDS, build_parser
-from lowlevel.cli.run_cmd import cmd_run
 from lowlevel.cli.signals import Interrupted, Terminated, clean_shutdown
+
+#: What a ^C while the command's modules import says (as lowlevel._startup's notice): nothing ran.
+STARTING_NOTICE = "SIGINT: interrupted while starting; nothing was run"
 
 
 def _wants_json(argv: Sequence[str]) -> bool:
     """``--json`` among the options (before ``--``), for errors found before parsing ends."""
     head = list(argv[:list(argv).index("--")] if "--" in argv else argv)
     return "--json" in head
+
+
+def _interrupted_while_starting(args: argparse.Namespace) -> int:
+    print(f"lowlevel: {STARTING_NOTICE}", file=sys.stderr)
+    if getattr(args, "json", False):
+        print_json(error_object("Interrupted", STARTING_NOTICE, 128 + signal.SIGINT, signal="SIGINT"))
+    return 128 + signal.SIGINT
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -75,6 +84,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 128 + signal.SIGINT
     finally:
         _startup.finished()
+        cached = sys.modules.get("lowlevel._dataclass")  # no import here: a finally of an exit
+        if cached is not None:
+            cached.save()  # code of the dataclasses compiled by this process, for the next (lowlevel._dataclass)
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -86,6 +98,10 @@ def _main(argv: Sequence[str] | None) -> int:
         parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
         args = parser.parse_args(argv)
         if args.cmd == "run":
+            try:  # the run machinery, all of it (its failure and cleanup paths too) before the sandbox
+                from lowlevel.cli.run_cmd import cmd_run
+            except KeyboardInterrupt:
+                return _interrupted_while_starting(args)
             with clean_shutdown():
                 return cmd_run(args)
         from lowlevel.cli import commands  # not for `run`: its start-up pays only for what it uses

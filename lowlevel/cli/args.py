@@ -15,7 +15,6 @@ import stat
 from typing import NoReturn
 
 from lowlevel.errors import PolicyError
-from lowlevel.spec.policy import WORKSPACE_DEST
 from lowlevel.units import duration_seconds, size_bytes
 
 
@@ -222,6 +221,7 @@ def input_spec(text: str) -> str | tuple[str, str]:
 
 def cwd_spec(text: str) -> str:
     """``--cwd``: absolute inside the sandbox, or relative to /workspace."""
+    from lowlevel.spec.policy import WORKSPACE_DEST
     from lowlevel.spec.validate import sandbox_cwd
 
     if not text or "\0" in text:

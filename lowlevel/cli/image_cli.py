@@ -16,7 +16,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, TextIO
+from typing import TextIO
 
 from lowlevel.errors import LowlevelError
 from lowlevel.image import STORE_ENV, ImageStore, ImportLimits, ImportProgress
@@ -79,45 +79,6 @@ class ProgressBar:
         if self.enabled and self.drawn:
             self.stream.write("\r\x1b[2K")
             self.stream.flush()
-
-
-def add_image_parser(sub: Any) -> None:
-    """Add ``image`` and its subcommands to the ``lowlevel`` parser's subparsers."""
-    from lowlevel.cli.args import parse_size
-
-    img = sub.add_parser("image", help="import, list and remove images (OCI / docker save archives)",
-                         description="Images for `lowlevel run --image`. No registry is contacted: fetch with "
-                         "`skopeo copy docker://IMAGE oci-archive:FILE:NAME:TAG` on a host that reaches one.")
-    isub = img.add_subparsers(dest="image_cmd", required=True, metavar="{import,ls,rm,inspect,tag}")
-
-    def store_opt(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--store", metavar="DIR", help=f"image store (default ${STORE_ENV} or "
-                       "/var/lib/lowlevel/images for root, ~/.local/share/lowlevel/images otherwise)")
-
-    p = isub.add_parser("import", help="import an OCI archive, OCI layout dir or docker save archive")
-    p.add_argument("file", metavar="FILE", help="the archive (or OCI image layout directory)")
-    p.add_argument("--name", metavar="NAME[:TAG]", help="name to give it (default: the name the archive records)")
-    p.add_argument("--ref", metavar="REF", help="which image of an archive holding several")
-    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar, print only the image id")
-    p.add_argument("--json", action="store_true", help="print the image as JSON")
-    p.add_argument("--max-bytes", metavar="BYTES", type=parse_size, help="refuse images whose files add up to "
-                   "more (default 8G)")
-    p.add_argument("--max-entries", metavar="N", type=int, help="refuse images with more entries (default 1000000)")
-    store_opt(p)
-    p = isub.add_parser("ls", help="list images: name, id, digest, layers, size, last use")
-    p.add_argument("--json", action="store_true", help="print JSON")
-    store_opt(p)
-    p = isub.add_parser("rm", help="remove names or images")
-    p.add_argument("refs", metavar="REF", nargs="+", help="NAME[:TAG] (untag; the image goes with its last name) "
-                   "or sha256:ID / ID prefix of 12+ hex digits (the image and all its names)")
-    store_opt(p)
-    p = isub.add_parser("inspect", help="print one image as JSON")
-    p.add_argument("ref", metavar="REF")
-    store_opt(p)
-    p = isub.add_parser("tag", help="give an image another name")
-    p.add_argument("ref", metavar="REF")
-    p.add_argument("name", metavar="NAME[:TAG]")
-    store_opt(p)
 
 
 def _store(args: argparse.Namespace) -> ImageStore:
@@ -203,5 +164,5 @@ def use_store(path: str | None) -> None:
         os.environ[STORE_ENV] = os.path.abspath(path)
 
 
-__all__ = ["ProgressBar", "add_image_parser", "cmd_image", "human_bytes", "use_store"]
+__all__ = ["ProgressBar", "cmd_image", "human_bytes", "use_store"]
 

@@ -1,7 +1,9 @@
 """The argparse tree of ``lowlevel``: :func:`build_parser` and each subcommand's options.
 
 Only the parser of the subcommand being run is built (:func:`build_parser` ``only=``): the
-others, ``image`` above all, cost imports and set-up at every CLI start.
+others cost argparse set-up at every CLI start. Building any of them imports nothing of
+lowlevel but the option types (:mod:`lowlevel.cli.args`): ``image``'s parser is here, not in
+:mod:`lowlevel.cli.image_cli`, so ``lowlevel --help`` does not load the image machinery.
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ examples:
   lowlevel run --image python:3.12 --rm -- python3 -V
 """
 
+#: The environment variable naming the image store (:data:`lowlevel.rootfs.store.STORE_ENV`, which
+#: tests/unit/test_cli_parser.py checks it against): ``--help`` does not import the image machinery.
+IMAGE_STORE_ENV = "LOWLEVEL_IMAGE_STORE"
+
 #: The subcommands, in the order ``lowlevel --help`` lists them.
 COMMANDS = ("run", "doctor", "cleanup", "replay", "mcp", "image")
 
@@ -59,8 +65,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     if only in (None, "cleanup", "doctor", "replay", "mcp"):
         _add_others(sub, only)
     if only in (None, "image"):
-        from lowlevel.cli.image_cli import add_image_parser
-        add_image_parser(sub)
+        _add_image(sub)
     return parser
 
 
@@ -246,3 +251,40 @@ def _add_mcp(sub: Any) -> None:
     m.add_argument("--pids", metavar="N", type=positive_int, help="process ceiling")
     m.add_argument("--allow-bind", metavar="PATH", action="append", default=None,
                    help="host path clients may ask to bind read-only (repeatable)")
+
+
+def _add_image(sub: Any) -> None:
+    """Add ``image`` and its subcommands to the ``lowlevel`` parser's subparsers."""
+    img = sub.add_parser("image", help="import, list and remove images (OCI / docker save archives)",
+                         description="Images for `lowlevel run --image`. No registry is contacted: fetch with "
+                         "`skopeo copy docker://IMAGE oci-archive:FILE:NAME:TAG` on a host that reaches one.")
+    isub = img.add_subparsers(dest="image_cmd", required=True, metavar="{import,ls,rm,inspect,tag}")
+
+    def store_opt(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--store", metavar="DIR", help=f"image store (default ${IMAGE_STORE_ENV} or "
+                       "/var/lib/lowlevel/images for root, ~/.local/share/lowlevel/images otherwise)")
+
+    p = isub.add_parser("import", help="import an OCI archive, OCI layout dir or docker save archive")
+    p.add_argument("file", metavar="FILE", help="the archive (or OCI image layout directory)")
+    p.add_argument("--name", metavar="NAME[:TAG]", help="name to give it (default: the name the archive records)")
+    p.add_argument("--ref", metavar="REF", help="which image of an archive holding several")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar, print only the image id")
+    p.add_argument("--json", action="store_true", help="print the image as JSON")
+    p.add_argument("--max-bytes", metavar="BYTES", type=parse_size, help="refuse images whose files add up to "
+                   "more (default 8G)")
+    p.add_argument("--max-entries", metavar="N", type=int, help="refuse images with more entries (default 1000000)")
+    store_opt(p)
+    p = isub.add_parser("ls", help="list images: name, id, digest, layers, size, last use")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    store_opt(p)
+    p = isub.add_parser("rm", help="remove names or images")
+    p.add_argument("refs", metavar="REF", nargs="+", help="NAME[:TAG] (untag; the image goes with its last name) "
+                   "or sha256:ID / ID prefix of 12+ hex digits (the image and all its names)")
+    store_opt(p)
+    p = isub.add_parser("inspect", help="print one image as JSON")
+    p.add_argument("ref", metavar="REF")
+    store_opt(p)
+    p = isub.add_parser("tag", help="give an image another name")
+    p.add_argument("ref", metavar="REF")
+    p.add_argument("name", metavar="NAME[:TAG]")
+    store_opt(p)

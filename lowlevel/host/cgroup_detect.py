@@ -31,12 +31,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # imported where used: subprocess costs ~1 ms at every import of lowlevel
     import subprocess
 
+from lowlevel._dataclass import dataclass
 from lowlevel.host import cgroupfs
 
 #: The cgroup controllers whose limits we write.

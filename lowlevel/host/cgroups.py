@@ -30,8 +30,8 @@ import itertools
 import os
 import re
 import time
-from dataclasses import dataclass
 
+from lowlevel._dataclass import dataclass
 from lowlevel.errors import UnsupportedError
 from lowlevel.host import cgroupfs, run_records
 from lowlevel.host.cgroup_detect import CgroupSupport, Hierarchy, detect_cgroups

@@ -43,6 +43,8 @@ import time
 import zlib
 from typing import Any
 
+from lowlevel.paths import cache_dir, cache_enabled as enabled
+
 #: Cache file format version: bump when the meaning of an entry changes.
 FORMAT = 1
 #: Entries kept per file (the most recently written).
@@ -51,46 +53,6 @@ MAX_ENTRIES = 16
 _lock = threading.Lock()
 _docs: dict[str, dict[str, Any]] = {}
 _base_key: dict[str, Any] | None = None
-
-
-def enabled() -> bool:
-    """False when ``LOWLEVEL_NO_CACHE`` is set (to anything non-empty)."""
-    return not os.environ.get("LOWLEVEL_NO_CACHE")
-
-
-def cache_dir(create: bool = True) -> str | None:
-    """The cache directory (made 0700 when missing), or None when there is none we trust."""
-    if not enabled():
-        return None
-    path = os.environ.get("LOWLEVEL_CACHE_DIR")
-    if not path:
-        if os.geteuid() == 0:
-            path = "/run/lowlevel/cache"
-        else:
-            runtime = os.environ.get("XDG_RUNTIME_DIR")
-            if runtime and _ours(runtime, directory=True):
-                path = os.path.join(runtime, "lowlevel")
-            elif os.environ.get("HOME"):
-                path = os.path.join(os.environ["HOME"], ".cache", "lowlevel")
-            else:
-                return None
-    if create:
-        try:
-            os.makedirs(path, 0o700, exist_ok=True)
-        except OSError:
-            return None
-    return path if _ours(path, directory=True, private=True) else None
-
-
-def _ours(path: str, *, directory: bool, private: bool = False) -> bool:
-    """``path`` (not a symlink) belongs to us and nobody else may write it (``private``: 0700)."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
-    kind_ok = stat.S_ISDIR(st.st_mode) if directory else stat.S_ISREG(st.st_mode)
-    mode = stat.S_IMODE(st.st_mode)
-    return kind_ok and st.st_uid == os.geteuid() and not mode & (0o077 if private else 0o022)
 
 
 def base_key() -> dict[str, Any]:

@@ -40,8 +40,8 @@ import errno
 import functools
 import os
 import struct
-from dataclasses import dataclass
 
+from lowlevel._dataclass import dataclass
 from lowlevel.paths import native
 from lowlevel.errors import UnsupportedError
 from lowlevel.spec.policy import Policy

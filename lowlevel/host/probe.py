@@ -17,8 +17,8 @@ import functools
 import os
 import re
 import stat
-from dataclasses import dataclass
 
+from lowlevel._dataclass import dataclass
 from lowlevel.errors import BwrapNotFoundError, LaunchError, UnsupportedError
 
 #: Top-level directories that usr-merged hosts make symlinks into /usr.

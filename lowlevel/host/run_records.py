@@ -26,8 +26,9 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from dataclasses import dataclass, field
+from dataclasses import field
 
+from lowlevel._dataclass import dataclass
 from lowlevel.host.procs import process_start_time
 
 #: Root's record directory.

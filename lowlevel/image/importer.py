@@ -26,9 +26,9 @@ import re
 import shutil
 import stat
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from lowlevel._dataclass import dataclass
 from lowlevel.errors import ImageError, PolicyError
 from lowlevel.image.tree import (atomic_write, check_space, ensure_placeholders, fs_used, make_workdir, neutralize,
                                  readable_by_others, rmtree, tree_bytes, user_ids)

@@ -46,9 +46,10 @@ from __future__ import annotations
 import os
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
 
+from lowlevel._dataclass import dataclass
 from lowlevel.errors import PolicyError
 from lowlevel.spec import config as _config
 from lowlevel.spec.policy import Policy

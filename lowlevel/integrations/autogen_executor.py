@@ -47,7 +47,6 @@ import logging
 import os
 import posixpath
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 from typing import Any, ClassVar, TYPE_CHECKING
@@ -63,6 +62,7 @@ except ImportError as _err:  # pragma: no cover - exercised only without the ext
     raise ImportError("lowlevel.integrations.autogen_executor needs autogen-core: "
                       "pip install '.[autogen]' in the lowlevel checkout") from _err
 
+from lowlevel._dataclass import dataclass
 import lowlevel.workspace
 from lowlevel import ExecError, LowlevelError, Policy, Result, SessionError, UnsupportedError
 

@@ -44,10 +44,11 @@ import dataclasses
 import os
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
 
 from lowlevel import workspace as _ws
+from lowlevel._dataclass import dataclass
 from lowlevel.errors import PolicyError
 from lowlevel.spec import config as _config
 from lowlevel.spec.egress import Egress

@@ -26,8 +26,8 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
+from lowlevel._dataclass import dataclass
 from lowlevel.net.host_addresses import host_addresses
 from lowlevel.net.http_head import RefusedError
 from lowlevel.spec.egress import Decision, Egress

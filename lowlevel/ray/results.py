@@ -8,12 +8,13 @@ import dataclasses
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
 
 import ray
 import ray.exceptions
 
+from lowlevel._dataclass import dataclass
 from lowlevel.errors import LowlevelError, PolicyError
 from lowlevel.spec.limits import Limits
 from lowlevel.spec.policy import Policy

@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import ray
 import ray.exceptions
 
+from lowlevel._dataclass import dataclass
 from lowlevel.spec.policy import Policy
 from lowlevel.ray.results import LOST, ClusterError, RemoteResult, log
 

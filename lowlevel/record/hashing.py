@@ -15,9 +15,9 @@ import hashlib
 import os
 import stat
 import time
-from dataclasses import dataclass
 from typing import Any
 
+from lowlevel._dataclass import dataclass
 from lowlevel.workspace import changes as _ws_changes
 from lowlevel.workspace import files as _ws_files
 from lowlevel.workspace import walk as _ws_walk

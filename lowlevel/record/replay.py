@@ -10,10 +10,11 @@ import os
 import shutil
 import stat
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
 
 from lowlevel import workspace as _ws
+from lowlevel._dataclass import dataclass
 from lowlevel.errors import LowlevelError, WorkspaceError
 from lowlevel.record.canonical import policy_from_canonical, policy_sha256
 from lowlevel.record.hashing import MAX_HASH_BYTES

@@ -10,9 +10,9 @@ import os
 import re
 import stat
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
+from lowlevel._dataclass import dataclass
 from lowlevel.workspace import files as _ws_files
 from lowlevel import workspace as _ws
 from lowlevel.errors import PolicyError, WorkspaceError

@@ -43,8 +43,8 @@ import hashlib
 import os
 import stat
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 
+from lowlevel._dataclass import dataclass
 from lowlevel.errors import PolicyError
 
 #: Top-level names the sandbox always provides itself; a rootfs entry with that name is ignored.

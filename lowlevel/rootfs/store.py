@@ -38,9 +38,10 @@ import re
 import shutil
 import stat
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import TYPE_CHECKING, Any
 
+from lowlevel._dataclass import dataclass
 from lowlevel.errors import ImageError, LowlevelError, PolicyError
 from lowlevel.rootfs import tree_sha256
 

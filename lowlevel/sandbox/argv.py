@@ -16,8 +16,8 @@ import functools
 import os
 import stat
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
+from lowlevel._dataclass import dataclass
 from lowlevel.sandbox import bind_sockets as _bind_sockets
 from lowlevel.spec.egress import EGRESS_ETC, Egress
 from lowlevel.errors import LaunchError

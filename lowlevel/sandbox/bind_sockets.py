@@ -42,9 +42,9 @@ import os
 import stat
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
+from lowlevel._dataclass import dataclass
 from lowlevel.errors import LaunchError
 from lowlevel.spec.policy import WORKSPACE_DEST, Bind, Policy
 

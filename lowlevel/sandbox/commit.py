@@ -17,13 +17,14 @@ import tempfile
 from collections.abc import Iterator
 
 from lowlevel import workspace as _ws
+from lowlevel._dataclass import dataclass
 from lowlevel.errors import CommitIncompleteError
 from lowlevel.sandbox.result import Result
 from lowlevel.spec.report import WARNING_PREFIX
 from lowlevel.workspace import overlay as _overlay
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class CommitTarget:
     """What a commit reads and writes.
 

@@ -28,12 +28,12 @@ anchor passes on to bwrap; the anchor closes every other fd it inherited).
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import os
 from collections.abc import Sequence
 from typing import Any
 
+from lowlevel._dataclass import dataclass
 from lowlevel.errors import LaunchError
 from lowlevel.sandbox.argv import ETC_COPY_FD, Fds, etc_copy_refusal
 from lowlevel.spec.policy import WORKSPACE_DEST
@@ -119,7 +119,7 @@ def clamp_to_own_hard_limits(triples: Sequence[tuple[str, int, int]]) -> tuple[t
     return tuple(out)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class FdLayout:
     """Where each fd of the spawn goes (the table in the module docstring, numbered for one run).
 

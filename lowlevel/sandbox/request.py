@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
+from lowlevel._dataclass import dataclass
 from lowlevel.errors import PolicyError
 from lowlevel.spec import validate as _validate
 
@@ -84,7 +85,7 @@ def check_keep_workspace(keep_workspace: object, workspace: object) -> bool:
     return keep_workspace
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False)
 class RunRequest:
     """One call: the fields of :func:`lowlevel.run` (see there for each one's meaning), checked.
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import os
 import signal
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, field
 from typing import Any
 
+from lowlevel._dataclass import dataclass
 from lowlevel.spec.egress import NetworkAttempt
 from lowlevel.errors import LowlevelError
 from lowlevel.spec.report import bytes_fields, json_safe

@@ -20,9 +20,9 @@ Documentation/admin-guide/cgroup-v2.rst and Documentation/admin-guide/cgroup-v1/
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Protocol
 
+from lowlevel._dataclass import dataclass
 from lowlevel.errors import PolicyError
 
 KiB = 1024

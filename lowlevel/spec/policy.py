@@ -24,10 +24,11 @@ import pwd
 import re
 import stat
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 from types import MappingProxyType
 from typing import Any
 
+from lowlevel._dataclass import dataclass
 from lowlevel.spec.egress import Egress
 from lowlevel.spec import validate as _validate
 from lowlevel.errors import LaunchError, PolicyError

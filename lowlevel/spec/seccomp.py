@@ -64,8 +64,9 @@ import errno
 import os
 import re
 import stat
-from dataclasses import dataclass, field, replace
+from dataclasses import field, replace
 
+from lowlevel._dataclass import dataclass
 from lowlevel.errors import PolicyError
 
 # --- actions, comparisons, arches (libseccomp's values, checked against the library in tests) ---

@@ -7,8 +7,8 @@
 from __future__ import annotations
 
 import stat
-from dataclasses import dataclass
 
+from lowlevel._dataclass import dataclass
 from lowlevel.workspace.walk import _walk
 
 

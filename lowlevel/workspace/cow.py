@@ -30,8 +30,8 @@ import os
 import re
 import stat
 import threading
-from dataclasses import dataclass
 
+from lowlevel._dataclass import dataclass
 from lowlevel.errors import WorkspaceError
 
 #: Default bound on a run's writes (the upper tmpfs), bytes: ``Limits.workspace_bytes`` when

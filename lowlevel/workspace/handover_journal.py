@@ -36,9 +36,10 @@ import errno
 import itertools
 import os
 import stat
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
 
+from lowlevel._dataclass import dataclass
 from lowlevel.host.procs import process_start_time, uid_runs_a_process
 from lowlevel.workspace import cow as _cow
 from lowlevel.workspace.changes import Snapshot

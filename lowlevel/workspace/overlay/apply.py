@@ -11,8 +11,8 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from dataclasses import dataclass
 
+from lowlevel._dataclass import dataclass
 from lowlevel.workspace.changes import Changes
 from lowlevel.workspace.handover import SETID_BITS
 from lowlevel.workspace.overlay.apply_files import FileApplier

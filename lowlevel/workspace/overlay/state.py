@@ -14,8 +14,9 @@ import fcntl
 import os
 import signal
 import stat
-from dataclasses import dataclass, field
+from dataclasses import field
 
+from lowlevel._dataclass import dataclass
 from lowlevel.workspace.overlay.fdops import (
     LEFTOVER_PREFIX,
     _btime_ns,

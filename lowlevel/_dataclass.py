@@ -1,0 +1,185 @@
+"""lowlevel's dataclasses without compiling their methods again at every start.
+
+:data:`dataclass` is :func:`dataclasses.dataclass` (same arguments, the same class out), except
+that the code objects of the methods it generates come from a cache on disk. CPython 3.11's
+:mod:`dataclasses` writes each generated method (``__init__``, ``__repr__``, ``__eq__``,
+``__hash__``, a frozen class's ``__setattr__`` and ``__delattr__``) as source text and compiles
+it with ``exec``: 174 compiles for the 33 classes a ``lowlevel run`` process loads, 7-15 ms of
+the CLI's imports here, the largest single part (bench/README.md, "Issue 27", "The CLI"). The
+compiled code depends on nothing but that text, the interpreter and its optimization level,
+so it is cached by exactly those: the text is the key (compared in full), the file is keyed
+by ``sys.version``, the bytecode cache tag and ``sys.flags.optimize``.
+
+How: while :func:`dataclasses.dataclass` processes one of lowlevel's classes, the name ``exec``
+in the :mod:`dataclasses` module is :func:`_exec`, which runs the cached code object of the
+text (compiling and remembering it when missing) in the globals and locals
+:mod:`dataclasses` gives. ``compile(text, "<string>", "exec", dont_inherit=True)`` is what
+``exec(text)`` compiles there (:mod:`dataclasses` has no ``__future__`` imports), so a class is
+the same with or without the cache (tests/unit/test_dataclass_cache.py compares them). Another
+thread's dataclass made in that window goes through :func:`_exec` too and gets the same code
+``exec`` would have made; the name is restored after each class.
+
+Where: ``dataclass-code.marshal`` in the caller's cache directory (:func:`lowlevel.paths.cache_dir`:
+ours, mode 0700; ``LOWLEVEL_NO_CACHE=1`` turns it off, ``LOWLEVEL_CACHE_DIR`` moves it). The
+file is read only when it is a regular file of ours that nobody else may write: it holds code
+this process runs, so it is trusted exactly as much as the directory it is in (a cached seccomp
+filter, :mod:`lowlevel.host.hostcache`, is the same). An unreadable, foreign, truncated or
+mismatched file means "no cache": the methods are compiled as :mod:`dataclasses` always did.
+New code is written back (atomically: a temporary renamed into place) by :func:`save`, which
+the CLI and the package's lazy attributes call after their imports, and :mod:`atexit` at the
+end of any other process that compiled some. Nothing in it is state of a
+run: code objects are immutable, and each class gets fresh function objects from them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import builtins
+import dataclasses
+import marshal
+import os
+import stat
+import sys
+import threading
+
+from lowlevel.paths import cache_dir, cache_enabled
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from types import CodeType
+
+#: Name of the cache file in :func:`lowlevel.paths.cache_dir`.
+FILE = "dataclass-code.marshal"
+#: Format of the file: bump when its layout changes.
+FORMAT = 1
+#: The largest cache file read, bytes (this package's classes make ~150 KB).
+MAX_BYTES = 8 << 20
+#: Entries kept when saving; past it only the ones this process used are written (stale texts
+#: of edited classes do not pile up).
+MAX_ENTRIES = 2000
+
+_lock = threading.RLock()
+_codes: dict[str, CodeType] | None = None  # text -> code, loaded on first use
+_used: set[str] = set()
+_new = False
+_at_exit = False  # save() registered with atexit (on the first code compiled)
+
+
+def _header() -> tuple[int, str, str | None, int]:
+    return (FORMAT, sys.version, sys.implementation.cache_tag, sys.flags.optimize)
+
+
+def _load() -> dict[str, CodeType]:
+    global _codes
+    if _codes is not None:
+        return _codes
+    codes: dict[str, CodeType] = {}
+    d = cache_dir(create=False)
+    if d is not None:
+        try:
+            fd = os.open(os.path.join(d, FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            fd = -1
+        if fd >= 0:
+            try:
+                st = os.fstat(fd)
+                if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022 \
+                        and st.st_size <= MAX_BYTES:
+                    got = marshal.loads(os.read(fd, st.st_size + 1))
+                    if isinstance(got, tuple) and len(got) == 2 and got[0] == _header() \
+                            and isinstance(got[1], dict):
+                        code_type = type(_load.__code__)
+                        codes = {k: v for k, v in got[1].items() if isinstance(k, str) and type(v) is code_type}
+            except (OSError, ValueError, EOFError, TypeError):
+                codes = {}
+            finally:
+                os.close(fd)
+    _codes = codes
+    return codes
+
+
+def _exec(source: str, globals: dict[str, object] | None = None, locals: dict[str, object] | None = None) -> None:
+    """``exec(source, globals, locals)`` with the code object from the cache (see the module doc)."""
+    global _new, _at_exit
+    if not isinstance(source, str):  # not what dataclasses passes: do what exec does
+        builtins.exec(source, globals, locals)
+        return
+    with _lock:
+        codes = _load()
+        code = codes.get(source)
+        if code is None:
+            code = codes[source] = compile(source, "<string>", "exec", dont_inherit=True)
+            _new = True
+            if not _at_exit:  # a process importing lowlevel's modules directly saves at its exit
+                _at_exit = True
+                atexit.register(save)
+        _used.add(source)
+    builtins.exec(code, globals, locals)
+
+
+def cached_dataclass(cls: type | None = None, /, **kwargs: object) -> object:
+    """:func:`dataclasses.dataclass` (same arguments and result) with cached method code; the
+    module's :data:`dataclass` at run time."""
+    def wrap(c: type) -> type:
+        with _lock:
+            module = vars(dataclasses)
+            previous = module.get("exec", _MISSING)
+            module["exec"] = _exec
+            try:
+                made: type = dataclasses.dataclass(c, **kwargs)  # type: ignore[call-overload]
+            finally:
+                if previous is _MISSING:
+                    module.pop("exec", None)
+                else:
+                    module["exec"] = previous
+        return made
+
+    return wrap if cls is None else wrap(cls)
+
+
+_MISSING = object()
+
+
+def save() -> None:
+    """Write the code compiled since the cache was read (nothing when there is none); errors are ignored."""
+    global _new
+    with _lock:
+        if not _new or _codes is None or not cache_enabled():
+            return
+        _new = False
+        codes = _codes if len(_codes) <= MAX_ENTRIES else {k: v for k, v in _codes.items() if k in _used}
+        d = cache_dir()
+        if d is None:
+            return
+        path = os.path.join(d, FILE)
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            data = marshal.dumps((_header(), codes))
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+            os.rename(tmp, path)
+        except (OSError, ValueError):
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
+def forget_loaded() -> None:
+    """Forget what this process read from the file (tests: the next class reads it again)."""
+    global _codes, _new
+    with _lock:
+        _codes = None
+        _new = False
+        _used.clear()
+
+
+if TYPE_CHECKING:  # the type checker sees the standard decorator (its dataclass support applies)
+    from dataclasses import dataclass as dataclass
+else:
+    dataclass = cached_dataclass
