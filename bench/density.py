@@ -22,10 +22,10 @@ For each caller (``root``, and ``user``: the unprivileged ``lowlevel-test``, thr
 Each child is killed (its whole process group) if it exceeds ``--child-timeout`` s: a hang is a
 result (``"hang": true``), never a stuck bench. ``--limits`` adds the probes of what stops density,
 each in a child of its own, each with a small N: the uid range (root: ``LOWLEVEL_UID_RANGE`` of 8
-uids), RLIMIT_NOFILE (a soft limit of 120), and RLIMIT_NPROC (user: a soft limit a few dozen
-processes above what the user runs already; the kernel does not apply it to root). Each probe
-records how many sessions started, the error (type, message) at the limit, how long the failing
-start took, and what was left afterwards.
+uids above the default range, which other callers' runs rotate through), RLIMIT_NOFILE (a soft
+limit of 120), and RLIMIT_NPROC (user: a soft limit a few dozen processes above what the user runs
+already; the kernel does not apply it to root). Each probe records how many sessions started, the
+error (type, message) at the limit, how long the failing start took, and what was left afterwards.
 
 ``--upper`` is the hook for the workspace's upper layer (issue 27, item 6): only ``tmpfs`` (today's
 upper) here; a disk-backed upper adds its Policy field in :func:`upper_policy`.
@@ -69,9 +69,10 @@ def summary(values: list[float]) -> dict[str, Any]:
     """``{n, p50, p90, p99, max, mean}`` of ``values`` (milliseconds or bytes), rounded."""
     if not values:
         return {"n": 0}
-    return {"n": len(values), "p50": round(percentile(values, 50) or 0, 3), "p90": round(percentile(values, 90) or 0, 3),
-            "p99": round(percentile(values, 99) or 0, 3), "max": round(max(values), 3),
-            "mean": round(sum(values) / len(values), 3)}
+    out: dict[str, Any] = {"n": len(values)}
+    for q in (50, 90, 99):
+        out[f"p{q}"] = round(percentile(values, q) or 0, 3)
+    return out | {"max": round(max(values), 3), "mean": round(sum(values) / len(values), 3)}
 
 
 def upper_policy(upper: str) -> dict[str, Any]:
@@ -193,14 +194,16 @@ def idle_memory(sessions: list[Any], me: int) -> dict[str, Any]:
 def measure(n: int, step: int, seconds: float, settle: float, upper: str, base: str) -> dict[str, Any]:
     """Start ``n`` Sessions, measure them idle and busy, close them: the result dict of one child."""
     import lowlevel
+    from lowlevel.session import Session
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     me = os.getpid()
     policy = lowlevel.Policy(**upper_policy(upper))
-    with lowlevel.Session(policy, workspace_base=base, commit=False) as warm:  # imports, the init's pages, caches
+    with Session(policy, workspace_base=base, commit=False) as warm:  # imports, the init's pages, caches
         warm.run(COMMAND)
     fds0, threads0, rss0, avail0 = fd_count(), thread_count(), status_kib("self", "VmRSS") or 0, mem_available_kib()
-    out: dict[str, Any] = {"n": n, "nofile_soft_was": soft, "nofile": hard, "baseline": {"fds": fds0, "threads": threads0}}
+    out: dict[str, Any] = {"n": n, "nofile_soft_was": soft, "nofile": hard,
+                           "baseline": {"fds": fds0, "threads": threads0}}
     sessions: list[Any] = []
     starts: list[float] = []
     try:
@@ -208,10 +211,11 @@ def measure(n: int, step: int, seconds: float, settle: float, upper: str, base: 
         try:
             for i in range(n):
                 t = time.perf_counter()
-                sessions.append(lowlevel.Session(policy, workspace_base=base, commit=False))
+                sessions.append(Session(policy, workspace_base=base, commit=False))
                 starts.append((time.perf_counter() - t) * 1e3)
                 if (i + 1) % step == 0 or i + 1 == n:
-                    print(f"  [{os.geteuid()}] {i + 1}/{n} started, last {starts[-1]:.1f} ms", file=sys.stderr, flush=True)
+                    print(f"  [{os.geteuid()}] {i + 1}/{n} started, last {starts[-1]:.1f} ms",
+                          file=sys.stderr, flush=True)
         except lowlevel.LowlevelError as err:
             out["start_error"] = {"after": len(sessions), "type": type(err).__name__, "message": str(err)}
         out["started"] = len(sessions)
@@ -240,26 +244,32 @@ def measure(n: int, step: int, seconds: float, settle: float, upper: str, base: 
     return out
 
 
-def round_robin(sessions: list[Any], seconds: float) -> dict[str, Any]:
-    """Run COMMAND in ``sessions`` in turn for ``seconds``: per-command latency, errors."""
+def round_robin(sessions: list[Any], seconds: float, block: int = 20) -> dict[str, Any]:
+    """Run COMMAND for ``seconds`` in blocks of ``block`` calls, alternating: round-robin over
+    ``sessions`` (each call in the next one), then ``block`` calls in one session (``hot``,
+    ``sessions[0]``). Same machine load for both, so ``hot`` says what N live sessions cost a
+    command beyond the machine's state, and round-robin what visiting a cold session adds."""
     if not sessions:
         return {"n": 0}
-    lat: list[float] = []
+    lat: dict[str, list[float]] = {"round_robin": [], "hot": []}
     errors: list[str] = []
     end = time.monotonic() + seconds
     i = 0
     while time.monotonic() < end:
-        s = sessions[i % len(sessions)]
-        t = time.perf_counter()
-        try:
-            r = s.run(COMMAND, timeout=30)
-            if r.exit_code != 0:
-                errors.append(f"exit {r.exit_code}")
-        except Exception as err:  # noqa: BLE001 - a benchmark reports, it does not stop
-            errors.append(f"{type(err).__name__}: {err}")
-        lat.append((time.perf_counter() - t) * 1e3)
-        i += 1
-    return {"latency_ms": summary(lat), "calls_per_s": round(len(lat) / seconds, 1),
+        for kind in ("round_robin", "hot"):
+            for _ in range(block):
+                s = sessions[i % len(sessions)] if kind == "round_robin" else sessions[0]
+                i += kind == "round_robin"
+                t = time.perf_counter()
+                try:
+                    r = s.run(COMMAND, timeout=30)
+                    if r.exit_code != 0:
+                        errors.append(f"exit {r.exit_code}")
+                except Exception as err:  # noqa: BLE001 - a benchmark reports, it does not stop
+                    errors.append(f"{type(err).__name__}: {err}")
+                lat[kind].append((time.perf_counter() - t) * 1e3)
+    return {"latency_ms": summary(lat["round_robin"]), "hot_latency_ms": summary(lat["hot"]),
+            "calls_per_s": round(len(lat["round_robin"]) * 2 / seconds, 1),
             "sessions_visited": min(i, len(sessions)), "errors": len(errors), "first_errors": errors[:3]}
 
 
@@ -268,10 +278,12 @@ def round_robin(sessions: list[Any], seconds: float) -> dict[str, Any]:
 def probe(kind: str, cap: int, base: str) -> dict[str, Any]:
     """Open sessions until ``kind``'s limit stops them (at most ``cap``); what the error was."""
     import lowlevel
+    from lowlevel.session import Session
     if kind == "nofile":
         resource.setrlimit(resource.RLIMIT_NOFILE, (120, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
     elif kind == "uids":
-        first = 0x70000000 + 65536 - 64  # the top of the default range, away from other runs' leases
+        # Above the default range: other callers' runs rotate through all of it.
+        first = 0x70000000 + 65536 + 512 + os.getpid() % 1024 * 8
         os.environ["LOWLEVEL_UID_RANGE"] = f"{first}-{first + 7}"
     elif kind == "nproc":
         mine = sum(1 for p in os.listdir("/proc") if p.isdigit() and _owner(p) == os.getuid())
@@ -284,7 +296,7 @@ def probe(kind: str, cap: int, base: str) -> dict[str, Any]:
         for _ in range(cap):
             t = time.perf_counter()
             try:
-                sessions.append(lowlevel.Session(workspace_base=base, commit=False))
+                sessions.append(Session(workspace_base=base, commit=False))
             except Exception as err:  # noqa: BLE001 - the error at the limit is the result
                 out["error"] = {"type": type(err).__name__, "message": str(err),
                                 "lowlevel_error": isinstance(err, lowlevel.LowlevelError),
@@ -344,20 +356,21 @@ def row(who: str, d: dict[str, Any]) -> str:
     if d.get("hang") or d.get("crashed"):
         return f"| {who} | ? | {'HANG' if d.get('hang') else 'crash'} | | | | | | | |"
     lat = d.get("commands", {}).get("latency_ms", {})
+    hot = d.get("commands", {}).get("hot_latency_ms", {})
     idle, caller = d.get("idle", {}), d.get("caller", {})
     err = d.get("start_error")
     return (f"| {who} | {d['n']} | {d['started']}{' (' + err['type'] + ')' if err else ''} | "
             f"{d['start_ms'].get('p50')} / {d['start_ms'].get('p99')} | {lat.get('p50')} / {lat.get('p99')} "
             f"| {idle.get('cgroup_mib_per_session')} | {idle.get('pss_mib_per_session')} "
             f"| {idle.get('mem_available_drop_mib_per_session')} | {caller.get('fds_per_session')} "
-            f"| {caller.get('threads_added')} |")
+            f"| {caller.get('threads_added')} | {hot.get('p50')} / {hot.get('p99')} |")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="100,300,1000")
     ap.add_argument("--as", dest="who", default="root,user", help="root, user (lowlevel-test) or both")
-    ap.add_argument("--seconds", type=float, default=5.0, help="round-robin time per size")
+    ap.add_argument("--seconds", type=float, default=6.0, help="command time per size (round-robin and hot)")
     ap.add_argument("--settle", type=float, default=1.0)
     ap.add_argument("--step", type=int, default=100)
     ap.add_argument("--limits", action="store_true", help="also probe what stops density")
@@ -382,8 +395,9 @@ def main() -> None:
     common = ["--step", str(args.step), "--seconds", str(args.seconds), "--settle", str(args.settle),
               "--upper", args.upper]
     print("| caller | N | started | start p50 / p99 ms | command p50 / p99 ms | cgroup MiB/session "
-          "| PSS MiB/session | MemAvailable drop MiB/session | caller fds/session | caller threads added |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| PSS MiB/session | MemAvailable drop MiB/session | caller fds/session | caller threads added "
+          "| hot p50 / p99 ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     try:
         for n in ([] if args.only_limits else [int(x) for x in args.sizes.split(",")]):
             for who in who_list:
