@@ -35,6 +35,7 @@ Benchmarks never assert: the figures go to stdout and ``--json``.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import pwd
@@ -221,6 +222,10 @@ def measure(n: int, step: int, seconds: float, settle: float, upper: str, base: 
         out["started"] = len(sessions)
         out["start_total_s"] = round(time.monotonic() - t_all, 2)
         out["start_ms"] = summary(starts)
+        # p50 of each tenth of the starts, in order: does a start cost more with more sessions live?
+        tenth = max(len(starts) // 10, 1)
+        out["start_ms_p50_by_tenth"] = [round(percentile(starts[k:k + tenth], 50) or 0, 2)
+                                        for k in range(0, len(starts), tenth)][:10]
         time.sleep(settle)
         k = max(len(sessions), 1)
         out["caller"] = {"fds": fd_count(), "threads": thread_count(),
@@ -252,11 +257,23 @@ def round_robin(sessions: list[Any], seconds: float, block: int = 20) -> dict[st
     if not sessions:
         return {"n": 0}
     lat: dict[str, list[float]] = {"round_robin": [], "hot": []}
+    cpu = {"round_robin": 0.0, "hot": 0.0}  # the caller's CPU (user+system), seconds
     errors: list[str] = []
+    pauses: list[float] = []
+    gc_t = [0.0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            gc_t[0] = time.perf_counter()
+        elif info.get("generation") == 2:
+            pauses.append((time.perf_counter() - gc_t[0]) * 1e3)
+
+    gc.callbacks.append(on_gc)
     end = time.monotonic() + seconds
     i = 0
     while time.monotonic() < end:
         for kind in ("round_robin", "hot"):
+            c0 = time.process_time()
             for _ in range(block):
                 s = sessions[i % len(sessions)] if kind == "round_robin" else sessions[0]
                 i += kind == "round_robin"
@@ -268,7 +285,11 @@ def round_robin(sessions: list[Any], seconds: float, block: int = 20) -> dict[st
                 except Exception as err:  # noqa: BLE001 - a benchmark reports, it does not stop
                     errors.append(f"{type(err).__name__}: {err}")
                 lat[kind].append((time.perf_counter() - t) * 1e3)
+            cpu[kind] += time.process_time() - c0
+    gc.callbacks.remove(on_gc)
     return {"latency_ms": summary(lat["round_robin"]), "hot_latency_ms": summary(lat["hot"]),
+            "caller_cpu_ms_per_command": {k: round(cpu[k] * 1e3 / max(len(lat[k]), 1), 3) for k in cpu},
+            "gc_gen2_pauses_ms": summary(pauses),
             "calls_per_s": round(len(lat["round_robin"]) * 2 / seconds, 1),
             "sessions_visited": min(i, len(sessions)), "errors": len(errors), "first_errors": errors[:3]}
 
