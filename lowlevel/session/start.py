@@ -21,6 +21,12 @@ from lowlevel.host.fd_limit import FD_EXHAUSTED, open_files_hint
 from lowlevel.sandbox.launcher import SETUP_TIMEOUT_S, Run
 from lowlevel.session import protocol as proto
 
+#: A start whose sandbox the kernel's OOM killer took before the init said HELLO: the session's
+#: own cgroup counted the kill, whichever limit was met (its own, or the caller's memory cgroup
+#: that the run cgroups nest in, shared with the caller's other sessions: bench/density.py).
+START_OOM_MESSAGE = ("the session's sandbox was killed by the kernel's OOM killer before its init said hello: "
+                     "memory is short (the session's Limits(memory_bytes=...), or the memory cgroup of the "
+                     "caller, which its other sessions share, or the host's); close sessions or give them more memory")
 #: How long bwrap's exit is waited for once the init said nothing (to say why it ended), seconds.
 EXIT_REPORT_WAIT_S = 5.0
 
@@ -76,7 +82,9 @@ def start_init(r: Run, sock: socket.socket, child: socket.socket) -> tuple[int, 
                 while r.read_fd("err_r") or r.read_fd("out_r") or r.read_fd("json_r"):
                     pass
                 if r.wait_status is not None and not any("exit-code" in d for d in r._docs()):
-                    raise r.setup_error()
+                    raise r.setup_error()  # names Limits(memory_bytes=...) when it is too small for a start
+                if r.cgroup is not None and (r.cgroup.event_counts()[0] or 0) > 0:
+                    raise LaunchError(START_OOM_MESSAGE, argv=r.full_argv)
                 raise LaunchError("the session init exited before saying hello"
                                   + (f": {r.err.value()[0].decode('utf-8', 'replace').strip()}"
                                      if r.err.value()[0].strip() else ""), argv=r.full_argv)

@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Any
 
 import pytest
@@ -205,3 +206,109 @@ def test_process_limit_stops_unprivileged_sessions_with_a_clear_error(request: p
     assert out["live_runs"] == 0 or (out["live_runs"][0] == "LaunchError"
                                      and "RLIMIT_NPROC" in out["live_runs"][1]), out
     _nothing_left(out)
+
+
+#: The memory caller: argv[1] its own v1 memory cgroup (made by the test, the limit written),
+#: argv[2] the workspace base, argv[3] "keep" for Policy(env={"LOWLEVEL_NO_OOM_SCORE_ADJ": "1"})
+#: (the init keeps oom_score_adj 0: the control). Joins the cgroup, opens Sessions until a start
+#: fails (at most 150), runs a command in each, prints one JSON line.
+MEMORY_CALLER = r"""
+import json, os, sys
+cg, base, mode = sys.argv[1:4]
+with open(os.path.join(cg, "cgroup.procs"), "w") as f:
+    f.write(str(os.getpid()))
+import lowlevel
+from lowlevel.session import Session
+policy = lowlevel.Policy(env={"LOWLEVEL_NO_OOM_SCORE_ADJ": "1"} if mode == "keep" else {})
+sessions, out = [], {"start_error": None, "session_errors": [], "ok": 0}
+try:
+    for _ in range(150):
+        try:
+            sessions.append(Session(policy, workspace_base=base, commit=False))
+        except lowlevel.LowlevelError as err:
+            out["start_error"] = [type(err).__name__, str(err)]
+            break
+    out["started"] = len(sessions)
+    for s in sessions:
+        try:
+            s.run(["/usr/bin/true"])
+            out["ok"] += 1
+        except lowlevel.LowlevelError as err:
+            out["session_errors"].append([type(err).__name__, getattr(err, "reason", None), str(err)])
+finally:
+    for s in sessions:
+        s.close()
+print(json.dumps(out), flush=True)
+"""
+
+
+def _memory_cgroup(limit_mib: int) -> str:
+    """A v1 memory cgroup below the test's own, with a limit: the caller's, which its sessions'
+    run cgroups nest in (lowlevel puts them below the caller's own memory cgroup)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (a memory cgroup of its own)")
+    with open("/proc/self/cgroup") as f:
+        own = next((line.split(":", 2)[2].strip() for line in f if ":memory:" in line), None)
+    if own is None or not os.path.isdir("/sys/fs/cgroup/memory"):
+        pytest.skip("no cgroup v1 memory hierarchy")
+    cg = f"/sys/fs/cgroup/memory{own.rstrip('/')}/lowlevel-density-test-{os.getpid()}"
+    os.mkdir(cg)
+    with open(os.path.join(cg, "memory.limit_in_bytes"), "w") as f:
+        f.write(str(limit_mib << 20))
+    return cg
+
+
+def _remove_cgroup(cg: str) -> list[int]:
+    """Remove ``cg`` and what lowlevel made below it; the PIDs still in it (none expected)."""
+    left = []
+    for root, dirs, _files in os.walk(cg, topdown=False):
+        with open(os.path.join(root, "cgroup.procs")) as f:
+            left += [int(p) for p in f.read().split()]
+        if not left:
+            os.rmdir(root)
+    return left
+
+
+def _memory_caller(mode: str) -> tuple[subprocess.CompletedProcess[str], list[int]]:
+    cg = _memory_cgroup(80)
+    base = tempfile.mkdtemp(prefix="lowlevel-density-test-")
+    try:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        proc = subprocess.run([sys.executable, "-c", MEMORY_CALLER, cg, base, mode], capture_output=True, text=True,
+                              env=env, cwd="/", timeout=240)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+        deadline = time.monotonic() + 10  # a killed caller's sessions die with it (--die-with-parent)
+        while True:
+            try:
+                left = _remove_cgroup(cg)
+            except OSError:
+                left = [-1]
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    return proc, left
+
+
+def test_memory_full_kills_sessions_not_their_caller() -> None:
+    """80 MiB for the caller and all its sessions: the kernel's OOM killer takes sessions (each
+    init has oom_score_adj 900 while idle), each a SessionError naming the OOM killer, or a start
+    that says so; the caller lives to close the rest, nothing is left in the cgroup."""
+    proc, left = _memory_caller("adjust")
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    killed = [e for e in out["session_errors"] if e[0] == "SessionError" and "OOM killer" in e[2]]
+    start = out["start_error"]
+    assert killed or (start and "OOM killer" in start[1]), out
+    assert all(e[0] == "SessionError" for e in out["session_errors"]), out
+    assert start is None or start[0] == "LaunchError", out
+    assert left == []
+
+
+def test_control_memory_full_with_the_old_victim_choice_kills_the_caller() -> None:
+    """Control: the inits keep oom_score_adj 0 (LOWLEVEL_NO_OOM_SCORE_ADJ=1): the caller, the
+    largest process under the limit, is the OOM killer's victim, and every session with it."""
+    proc, left = _memory_caller("keep")
+    assert proc.returncode == -9, (proc.returncode, proc.stdout[-500:], proc.stderr[-2000:])
+    assert left == []
