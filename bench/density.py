@@ -24,7 +24,9 @@ result (``"hang": true``), never a stuck bench. ``--limits`` adds the probes of 
 each in a child of its own, each with a small N: the uid range (root: ``LOWLEVEL_UID_RANGE`` of 8
 uids above the default range, which other callers' runs rotate through), RLIMIT_NOFILE (a soft
 limit of 120), and RLIMIT_NPROC (user: a soft limit a few dozen processes above what the user runs
-already; the kernel does not apply it to root). Each probe records how many sessions started, the
+already; the kernel does not apply it to root), and memory (root, cgroup v1: a memory cgroup of
+``MEMORY_PROBE_MIB`` for the child, which its sessions' run cgroups nest in: who the OOM killer
+takes, the child or its sessions, ``sessions_ended``). Each probe records how many sessions started, the
 error (type, message) at the limit, how long the failing start took, and what was left afterwards.
 
 ``--upper`` is the hook for the workspace's upper layer (issue 27, item 6): only ``tmpfs`` (today's
@@ -306,6 +308,9 @@ def probe(kind: str, cap: int, base: str) -> dict[str, Any]:
         # Above the default range: other callers' runs rotate through all of it.
         first = 0x70000000 + 65536 + 512 + os.getpid() % 1024 * 8
         os.environ["LOWLEVEL_UID_RANGE"] = f"{first}-{first + 7}"
+    elif kind == "memory":  # join the memory cgroup the parent made (MEMORY_PROBE_MIB for all of us)
+        with open(os.path.join(os.environ["DENSITY_CGROUP"], "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
     elif kind == "nproc":
         mine = sum(1 for p in os.listdir("/proc") if p.isdigit() and _owner(p) == os.getuid())
         resource.setrlimit(resource.RLIMIT_NPROC, (mine + 40, resource.getrlimit(resource.RLIMIT_NPROC)[1]))
@@ -329,6 +334,14 @@ def probe(kind: str, cap: int, base: str) -> dict[str, Any]:
                 out["command_at_limit"] = sessions[0].run(COMMAND, timeout=30).exit_code
             except Exception as err:  # noqa: BLE001
                 out["command_at_limit"] = f"{type(err).__name__}: {err}"
+        if kind == "memory":  # which sessions the OOM killer took
+            ended: list[str] = []
+            for s in sessions:
+                try:
+                    s.run(COMMAND, timeout=30)
+                except Exception as err:  # noqa: BLE001
+                    ended.append(f"{type(err).__name__}: {err}")
+            out["sessions_ended"] = {"n": len(ended), "first": ended[:2]}
     finally:
         for s in sessions:
             s.close()
@@ -345,7 +358,37 @@ def _owner(pid: str) -> int:
 
 # -- the parent ---------------------------------------------------------------------------
 
-def run_child(who: str, argv: list[str], timeout: float) -> dict[str, Any]:
+#: The memory probe's limit for the caller and all its sessions (a v1 memory cgroup below ours).
+MEMORY_PROBE_MIB = 80
+
+
+def memory_probe(timeout: float) -> dict[str, Any]:
+    """The memory probe (root, cgroup v1): a memory cgroup of MEMORY_PROBE_MIB below our own for
+    the child, which its sessions' run cgroups nest in; removed afterwards. Records whether the
+    OOM killer took the child (``crashed``, returncode -9) or its sessions."""
+    with open("/proc/self/cgroup") as f:
+        own = next((line.split(":", 2)[2].strip() for line in f if ":memory:" in line), None)
+    if own is None or not os.path.isdir("/sys/fs/cgroup/memory"):
+        return {"probe": "memory", "skipped": "no cgroup v1 memory hierarchy"}
+    cg = f"/sys/fs/cgroup/memory{own.rstrip('/')}/lowlevel-density-{os.getpid()}"
+    os.mkdir(cg)
+    try:
+        with open(os.path.join(cg, "memory.limit_in_bytes"), "w") as f:
+            f.write(str(MEMORY_PROBE_MIB << 20))
+        doc = run_child("root", ["--child-probe", "memory"], timeout, env={"DENSITY_CGROUP": cg})
+        return doc | {"probe": "memory", "limit_mib": MEMORY_PROBE_MIB}
+    finally:
+        end = time.monotonic() + 10  # a killed child's sessions die with it (--die-with-parent)
+        while time.monotonic() < end:
+            try:
+                for root, _dirs, _files in os.walk(cg, topdown=False):
+                    os.rmdir(root)
+                break
+            except OSError:
+                time.sleep(0.2)
+
+
+def run_child(who: str, argv: list[str], timeout: float, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run this script as ``who`` with ``argv`` in a process group of its own; its JSON, or a hang."""
     base = tempfile.mkdtemp(prefix="lowlevel-density-")
     prefix: list[str] = []
@@ -356,7 +399,8 @@ def run_child(who: str, argv: list[str], timeout: float) -> dict[str, Any]:
                   "env", f"PYTHONPATH={CHECKOUT}"]
     cmd = prefix + [sys.executable, os.path.abspath(__file__), "--child-base", base] + argv
     t = time.monotonic()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, start_new_session=True, cwd="/")
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, start_new_session=True, cwd="/",
+                         env=dict(os.environ, **(env or {})))
     try:
         stdout, _ = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -404,7 +448,8 @@ def main() -> None:
     ap.add_argument("--child-probe", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child_base:
-        doc = (probe(args.child_probe, 64, args.child_base) if args.child_probe
+        doc = (probe(args.child_probe, 150 if args.child_probe == "memory" else 64, args.child_base)
+               if args.child_probe
                else measure(args.child_n, args.step, args.seconds, args.settle, args.upper, args.child_base))
         print(json.dumps(doc), flush=True)
         return
@@ -432,6 +477,10 @@ def main() -> None:
                     d = run_child(who, ["--child-probe", kind], 300.0) | {"who": who}
                     results["limits"].append(d)
                     print(f"limit {kind} ({who}): {json.dumps(d)}", flush=True)
+                if who == "root":
+                    d = memory_probe(300.0) | {"who": who}
+                    results["limits"].append(d)
+                    print(f"limit memory ({who}): {json.dumps(d)}", flush=True)
     finally:
         if args.json:
             with open(args.json, "w") as f:

@@ -41,8 +41,11 @@ def test_density_bench_json_and_nothing_left(tmp_path: Path, request: pytest.Fix
         assert r["idle"]["processes_per_session"] == 4 and r["idle"]["pss_mib_per_session"] > 0, r
         assert r["caller"]["threads_added"] == 0 and r["caller"]["fds_per_session"] > 0, r
     assert sorted((p["who"], p["probe"]) for p in doc["limits"]) == [
-        ("root", "nofile"), ("root", "uids"), ("user", "nofile"), ("user", "nproc")], doc["limits"]
-    for p in doc["limits"]:
+        ("root", "memory"), ("root", "nofile"), ("root", "uids"), ("user", "nofile"), ("user", "nproc")], doc["limits"]
+    memory = next(p for p in doc["limits"] if p["probe"] == "memory")
+    if "skipped" not in memory:  # the OOM killer took sessions, not the bench's child (a crash)
+        assert "crashed" not in memory and memory["sessions_ended"]["n"] + ("error" in memory) > 0, memory
+    for p in (p for p in doc["limits"] if "skipped" not in p):
         assert p["error"]["lowlevel_error"] and p["started"] >= 1, p
         assert p["left_after_close"]["processes"] == 0, p
         # +1 at most: the init executable's fd, opened once per process (the probe's baseline is before it)
