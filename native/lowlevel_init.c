@@ -209,6 +209,15 @@ static int kill_children(int (*keep)(pid_t)) {
 /* The init's /proc/self/oom_score_adj, opened before it became non-dumpable; -1: none. */
 static int oom_adj_fd = -1;
 
+/* The init's own oom_score_adj between forks. Above 0, so that where the OOM killer chooses among
+ * many sessions and their caller (the caller's memory cgroup, which the run cgroups nest in, or
+ * the whole host without one), it kills an idle session's init (the session ends with a
+ * SessionError naming memory) before the caller, whose death would end every session (the OOM
+ * badness adds adj * limit / 1000 to a process's pages: a caller is chosen first only when it
+ * holds 90% of the limit). Below a command's 1000 by a tenth of the limit, so inside a session a
+ * command is still the victim. bench/density.py measured the caller killed at 80 MiB without. */
+#define IDLE_OOM_ADJ "900"
+
 static void set_oom_adj(const char *value) {
     if (oom_adj_fd >= 0) (void)!write(oom_adj_fd, value, strlen(value));
 }
@@ -545,7 +554,7 @@ static void do_spawn(int sock, const char *buf, size_t len, int *fds, int nfds) 
             _exit(0);
         }
         err = errno;
-        set_oom_adj("0");
+        set_oom_adj(IDLE_OOM_ADJ);
         close(sp[1]);
         free(vec);
         if (pid < 0) { close(sp[0]); goto fail; }
@@ -581,10 +590,12 @@ int main(int argc, char **argv) {
     /* Opened while still dumpable (PR_SET_DUMPABLE(0) makes /proc/self root-owned): the init
      * raises its oom_score_adj to 1000 around each shepherd's fork and lowers it back, so every
      * shepherd and command is born at 1000 and the memory cgroup's OOM killer picks a command,
-     * never the init (whose death ends the session). Lowering back to 0 needs no privilege (0 is
-     * the floor, oom_score_adj_min). proc(5), /proc/pid/oom_score_adj. */
+     * never the init (whose death ends the session), and to IDLE_OOM_ADJ otherwise (see there).
+     * Lowering back to it needs no privilege (it is above the floor, oom_score_adj_min, 0).
+     * proc(5), /proc/pid/oom_score_adj. */
     const char *keep_adj = getenv("LOWLEVEL_NO_OOM_SCORE_ADJ");  /* "1": the old victim choice (tests) */
     if (!keep_adj || strcmp(keep_adj, "1") != 0) oom_adj_fd = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+    set_oom_adj(IDLE_OOM_ADJ);
     /* Not dumpable: no ptrace, no /proc/PID/{mem,fd,environ} for the commands (same uid). */
     prctl(PR_SET_DUMPABLE, 0);
     prctl(PR_SET_CHILD_SUBREAPER, 1);

@@ -41,7 +41,7 @@ from lowlevel.session.command import Command
 from lowlevel.session.gate import HeldError, WorkspaceGate
 from lowlevel.session.outcome import command_result, start_error
 from lowlevel.session.phase import Phase
-from lowlevel.session.start import readable_within, start_init
+from lowlevel.session.start import explain_fd_exhaustion, readable_within, start_init
 from lowlevel.spec import limits as _limits
 from lowlevel.spec import validate as _validate
 from lowlevel.spec.limits import Limits
@@ -121,6 +121,7 @@ class Core(WorkspaceGate):
     exclusive) is :class:`lowlevel.session.gate.WorkspaceGate`; its life is :attr:`phase`.
     """
 
+    @explain_fd_exhaustion("cannot start the session")
     def __init__(self, policy: Policy | None, *, workspace: str | os.PathLike[str] | None,
                  inputs: Sequence[str | os.PathLike[str]], idle_timeout: float | None,
                  total_timeout: float | None, workspace_base: str | None, bwrap: str | None,
@@ -206,6 +207,7 @@ class Core(WorkspaceGate):
         return self.phase is Phase.OPEN
 
     # -- submit --------------------------------------------------------------------------
+    @explain_fd_exhaustion("cannot start the command")
     def submit(self, argv: Sequence[str], *, stdin: bytes | None, timeout: float | None,
                env: Mapping[str, str] | None, cwd: str | None, limits: Limits | None, stream: bool,
                track_changes: bool | None = None) -> Command:

@@ -10,6 +10,7 @@ init could not start.
 
 from __future__ import annotations
 
+import errno
 import os
 
 from lowlevel import workspace as _ws
@@ -29,7 +30,10 @@ def start_error(cmd: Command, kind: int, status: int, stage: int) -> LowlevelErr
     ``status`` an errno, ``stage`` a :data:`protocol.STAGES` key); None for another kind."""
     argv = list(cmd.argv)
     if kind == proto.EXIT_SPAWN_FAILED:
-        return LaunchError(f"the session init could not start {cmd.argv[0]!r}: {os.strerror(status)}",
+        hint = (": the session is at a process limit (its cgroup's pids.max, Limits(pids=...), or RLIMIT_NPROC, "
+                "which counts every process of the sandbox's uid: for an unprivileged caller, its own); wait for "
+                "commands to end, or give the Session a larger limit") if status == errno.EAGAIN else ""
+        return LaunchError(f"the session init could not start {cmd.argv[0]!r}: {os.strerror(status)}{hint}",
                            argv=argv, errno=status)
     if kind != proto.EXIT_SETUP_FAILED:
         return None
