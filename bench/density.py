@@ -29,8 +29,9 @@ already; the kernel does not apply it to root), and memory (root, cgroup v1: a m
 takes, the child or its sessions, ``sessions_ended``). Each probe records how many sessions started, the
 error (type, message) at the limit, how long the failing start took, and what was left afterwards.
 
-``--upper`` is the hook for the workspace's upper layer (issue 27, item 6): only ``tmpfs`` (today's
-upper) here; a disk-backed upper adds its Policy field in :func:`upper_policy`.
+``--upper`` picks the workspace's upper layer (issue 27, item 6): ``tmpfs`` (the default: the
+sandbox's writes live in RAM, charged to its cgroup) or ``disk`` (``Limits(upper="disk")``: an ext4
+on a per-session loop device, root callers only; the unprivileged child reports the refusal).
 Benchmarks never assert: the figures go to stdout and ``--json``.
 """
 
@@ -81,12 +82,12 @@ def summary(values: list[float]) -> dict[str, Any]:
 def upper_policy(upper: str) -> dict[str, Any]:
     """The Policy fields that select the workspace's upper layer (``--upper``).
 
-    ``tmpfs``: today's upper, nothing to set. A disk-backed upper (issue 27, item 6) adds its
-    field here, e.g. ``{"upper": "disk"}``, and its name to ``--upper``'s choices.
+    ``tmpfs``: the default, nothing to set. ``disk``: ``Limits(upper="disk")``.
     """
     if upper == "tmpfs":
         return {}
-    raise SystemExit(f"--upper {upper}: not available on this checkout (only tmpfs)")
+    import lowlevel
+    return {"limits": lowlevel.Limits(upper=upper)}
 
 
 # -- what the child measures -------------------------------------------------------------
@@ -440,7 +441,8 @@ def main() -> None:
     ap.add_argument("--step", type=int, default=100)
     ap.add_argument("--limits", action="store_true", help="also probe what stops density")
     ap.add_argument("--only-limits", action="store_true")
-    ap.add_argument("--upper", default="tmpfs", choices=["tmpfs"], help="the workspace's upper layer (hook)")
+    ap.add_argument("--upper", default="tmpfs", choices=["tmpfs", "disk"],
+                    help="the workspace's upper layer: tmpfs (RAM) or disk (a loop-mounted ext4; root only)")
     ap.add_argument("--child-timeout", type=float, default=900.0)
     ap.add_argument("--json")
     ap.add_argument("--child-base", help=argparse.SUPPRESS)

@@ -15,6 +15,7 @@ from typing import Any
 
 from lowlevel.errors import LaunchError, LowlevelError, UnsupportedError
 from lowlevel.host import cgroups as _cgroups
+from lowlevel.host import fd_limit as _fd_limit
 from lowlevel.host import landlock as _landlock
 from lowlevel.host import seccomp_audit as _seccomp_audit
 from lowlevel.host import seccomp_filter as _seccomp_filter
@@ -72,8 +73,10 @@ class RunPrepare(RunWorkspace):
         except LowlevelError:
             raise
         except OSError as err:
+            held = "a run holds up to about 45 while it starts; each live Session about 11"
+            hint = f": {_fd_limit.open_files_hint(err.errno, held)}" if err.errno in _fd_limit.FD_EXHAUSTED else ""
             raise LaunchError(f"cannot prepare the sandbox: {err.strerror or err}"
-                              + (f" ({err.filename})" if err.filename else ""), errno=err.errno) from err
+                              + (f" ({err.filename})" if err.filename else "") + hint, errno=err.errno) from err
 
     def _prepare(self) -> None:
         """The steps of :meth:`prepare` after the workspace is resolved, in order; each records
@@ -336,7 +339,12 @@ class RunPrepare(RunWorkspace):
             actions.append((os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0))
         for src, dst in layout.mapping:
             if src < layout.threshold:
-                src = self._own(fcntl.fcntl(src, fcntl.F_DUPFD_CLOEXEC, layout.threshold))
+                try:
+                    src = self._own(fcntl.fcntl(src, fcntl.F_DUPFD_CLOEXEC, layout.threshold))
+                except OSError as err:
+                    # fcntl(2): EINVAL when the threshold is at or past RLIMIT_NOFILE: the fd limit.
+                    code = errno.EMFILE if err.errno == errno.EINVAL else (err.errno or errno.EMFILE)
+                    raise OSError(code, os.strerror(code)) from err
             actions.append((os.POSIX_SPAWN_DUP2, src, dst))
         self.actions = actions
         self.json_w = json_w

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -312,3 +313,31 @@ def test_control_memory_full_with_the_old_victim_choice_kills_the_caller() -> No
     proc, left = _memory_caller("keep")
     assert proc.returncode == -9, (proc.returncode, proc.stdout[-500:], proc.stderr[-2000:])
     assert left == []
+
+
+def test_run_at_a_tiny_open_file_limit_names_rlimit_nofile(tmp_path: Path) -> None:
+    """A run whose caller's RLIMIT_NOFILE is below the fd table's numbers (F_DUPFD's EINVAL) or
+    runs out while preparing (EMFILE) gets one LaunchError naming the limit, at every small limit;
+    the control at the usual limit runs."""
+    script = (
+        "import resource, sys, lowlevel\n"
+        "hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]\n"
+        "for n in (20, 30, 40):\n"
+        "    resource.setrlimit(resource.RLIMIT_NOFILE, (n, hard))\n"
+        "    try:\n"
+        "        lowlevel.run(['/bin/true'], workspace_base=sys.argv[1])\n"
+        "        print(n, 'ran')\n"
+        "    except lowlevel.LaunchError as err:\n"
+        "        print(n, err.errno, 'RLIMIT_NOFILE' in str(err))\n"
+        "import os\n"
+        "print(os.listdir(sys.argv[1]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    # Nothing of the refused runs is left (no workspace, no mount dir).
+    assert out.stdout.split("\n")[:4] == ["20 24 True", "30 24 True", "40 24 True", "[]"], out.stdout
+    control = subprocess.run([sys.executable, "-c", "import lowlevel, sys; "
+                              "print(lowlevel.run(['/bin/true'], workspace_base=sys.argv[1]).exit_code)", str(tmp_path)],
+                             capture_output=True, text=True, timeout=60)
+    assert control.stdout.strip() == "0", control.stderr
+    assert len(os.listdir(tmp_path)) == 1  # the control's fresh workspace, the caller's to read and remove
