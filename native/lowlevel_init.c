@@ -74,6 +74,7 @@
 /* MSG_SPAWN flags */
 #define SPAWN_STDIN_PIPE 1u  /* fds[0] is stdin; else /dev/null */
 #define SPAWN_BODY_MEMFD 2u  /* the body is in the last fd passed, not inline */
+#define SPAWN_STARTED 4u     /* report STARTED (the command's pid); else the first report is EXIT */
 
 /* MSG_SIGNAL flags */
 #define SIGNAL_TREE 1u       /* SIGKILL the whole tree (the host cancelled the command) */
@@ -400,9 +401,15 @@ static void shepherd(int sock, int ctl, const struct cmd *c, int *fds, int nfds)
         _exit(0);
     }
     setpgid(pid, pid);  /* no-op: the child did it before exec; kept for clarity */
-    close(0); close(1); close(2);  /* the host sees EOF once the command's tree is gone */
-    struct started_msg sm = { MSG_STARTED, c->id, (uint32_t)pid, 0 };
-    send_msg(sock, &sm, sizeof sm);
+    /* stdin: closed, so the host's writes fail with EPIPE once the command closed its copy.
+     * stdout and stderr stay open until we exit, after EXIT: the host takes EXIT, then reads the
+     * pipes dry without waiting for EOF (the tree is dead: its output is all there), so the
+     * pipes' EOF wakes it no sooner than EXIT does (one wake-up per command, not two or three). */
+    close(0);
+    if (c->flags & SPAWN_STARTED) {  /* a background command: the host shows its pid */
+        struct started_msg sm = { MSG_STARTED, c->id, (uint32_t)pid, 0 };
+        send_msg(sock, &sm, sizeof sm);
+    }
 
     int64_t deadline = c->timeout_ms >= 0 ? t0 + c->timeout_ms * 1000000 : -1;
     int main_status = 0, main_done = 0;

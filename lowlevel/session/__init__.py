@@ -70,7 +70,7 @@ Protocol (``SOCK_SEQPACKET`` socketpair; one record per message; native byte ord
         ``SCM_RIGHTS``; a body over 128 KiB travels in a memfd), ``SIGNAL`` (id, signo, or
         "kill the tree").
     init/shepherd -> host: ``HELLO`` (version; the kernel attaches the init's host PID with
-        ``SO_PASSCRED``), ``STARTED`` (id, PID inside), ``EXIT`` (id, kind, wait status or
+        ``SO_PASSCRED``), ``STARTED`` (id, PID inside; background commands only), ``EXIT`` (id, kind, wait status or
         errno and stage, flags timed-out/cancelled, user and system CPU and max RSS of the
         command's tree from ``getrusage(RUSAGE_CHILDREN)``), ``BYE`` (idle/total timeout).
     Output never travels over the socket: the command writes into pipes the host created.

@@ -309,6 +309,8 @@ class Core(WorkspaceGate):
             send_fds.append(mfd)
             flags |= proto.SPAWN_BODY_MEMFD
             body = b""
+        if cmd.stream:
+            flags |= proto.SPAWN_STARTED  # a background command's handle shows its pid
         header = proto.spawn_header(cmd.id, flags, len(rlb), cmd.timeout, len(cmd.argv), envc)
         if self.cmds:
             cmd.alone = False
