@@ -170,6 +170,25 @@ def test_catchable_signals_to_the_init_are_ignored(session):
     assert session.run(["echo", "still"]).stdout == b"still\n"
 
 
+def _sig_masks(status: bytes) -> dict[str, int]:
+    return {k.decode(): int(v, 16) for k, v in (line.split(b":\t") for line in status.splitlines()
+                                                if line[:3] == b"Sig" and line[:4] != b"SigQ")}
+
+
+def test_commands_start_with_default_dispositions_and_an_empty_mask(session):
+    """The init shrugs signals off with a no-op handler (not SIG_IGN), which execve resets: no
+    command inherits a caught, ignored or blocked signal (the control: the init itself catches them)."""
+    init = _sig_masks(session.run(["cat", "/proc/2/status"]).stdout)
+    assert init["SigCgt"] & (1 << (signal.SIGTERM - 1)) and init["SigCgt"] & (1 << (signal.SIGRTMAX - 1))
+    # What a fresh sandbox's program inherits (signals 32 and 33, glibc's own, come ignored from
+    # above bwrap): a session command must get no more.
+    fresh = _sig_masks(lowlevel.run(["cat", "/proc/self/status"]).stdout)
+    for masks in (_sig_masks(session.run(["cat", "/proc/self/status"]).stdout),
+                  _sig_masks(session.start(["cat", "/proc/self/status"]).wait(timeout=10).stdout)):
+        assert masks == {"SigPnd": 0, "SigBlk": 0, "SigIgn": fresh["SigIgn"], "SigCgt": 0}, masks
+        assert not masks["SigIgn"] & init["SigCgt"]
+
+
 def test_init_not_ptraceable_or_readable(session):
     r = session.run(["sh", "-c", "cat /proc/2/environ; echo rc=$?; ls /proc/2/fd; echo rc=$?; cat /proc/2/mem; "
                      "echo rc=$?"])
