@@ -216,7 +216,8 @@ class Pool:
                 result.changes = s.diff()  # reported; the template is never written
             elif s._core.run.cow:
                 # The Result is final when it is returned: the call's changes are in its workspace.
-                result.changes = s.commit()
+                # No fresh layer after it (the sandbox runs nothing more): no anchor RESET round trip.
+                result.changes = s._final_commit()
             return result
         finally:
             with self._cond:
