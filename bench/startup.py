@@ -585,7 +585,8 @@ class SessionCases:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with pool._cond:
-                if len(pool._ready) >= pool.size and not pool._retired and not pool._starting:
+                if len(pool._ready) >= pool.size and not pool._retired and not pool._starting \
+                        and not getattr(pool, "_retiring", 0):
                     return
             time.sleep(0.0005)
 
