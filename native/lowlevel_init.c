@@ -5,7 +5,7 @@
  * host, several at once, each under its own "shepherd":
  *
  *   init (PID 2, child subreaper, not dumpable, catches every catchable signal with a no-op)
- *    +-- shepherd (one per command; child subreaper, not dumpable)
+ *    +-- shepherd (one per command, forked ahead as the "spare"; child subreaper, not dumpable)
  *         +-- command (own process group, own stdio from the host, per-command rlimits)
  *              +-- ... whatever the command forks; orphans reparent to the shepherd
  *
@@ -13,9 +13,11 @@
  * process group, then every process reparented to the shepherd, until none is left) when the
  * command exits, times out or the host asks, and reports the exit status and the tree's
  * rusage straight to the host over the shared socket (SEQPACKET sends are atomic, so several
- * shepherds never interleave). The init only dispatches: it forks shepherds, forwards signal
- * requests, reaps shepherds and SIGKILLs any process that ends up as its own child without
- * being a shepherd (the orphans of a shepherd that was killed).
+ * shepherds never interleave). The init only dispatches: it hands each SPAWN, as received, to
+ * the spare (a shepherd forked before it was needed, waiting on its control socket: the fork is
+ * off the command's path) and forks the next spare, forwards signal requests, reaps shepherds
+ * and SIGKILLs any process that ends up as its own child without being a shepherd (the orphans
+ * of a shepherd that was killed).
  *
  * Protocol: one message per SEQPACKET record, native byte order (both ends are on one host),
  * every message starting with a u32 type. See lowlevel/session.py for the host side; the two
@@ -476,7 +478,21 @@ struct job { uint32_t id; pid_t pid; int ctl; };
 static struct job *jobs;
 static size_t njobs, capjobs;
 
+/* The spare: the next command's shepherd, forked ahead (after the previous command was handed
+ * over, and before HELLO), so a SPAWN costs the init a sendmsg to it instead of a fork on the
+ * command's path (~0.1 ms here). It holds only the host socket and its own control socket
+ * (fds 3, 4) while it waits, at oom_score_adj 1000 like every shepherd. -1: none (it was
+ * handed over, or a command killed it: the next SPAWN forks one). */
+static pid_t spare_pid = -1;
+static int spare_ctl = -1;
+
+/* Internal to the init -> spare hand-over (never on the host's socket, which may not set it):
+ * the Landlock filesystem ruleset is the last fd passed (the init's current one: a reset may
+ * have rebuilt it since the spare was forked). */
+static const uint32_t SPAWN_FWD_LL_FD = 1u << 31;
+
 static int is_shepherd(pid_t pid) {
+    if (pid == spare_pid) return 1;
     for (size_t i = 0; i < njobs; i++)
         if (jobs[i].pid == pid) return 1;
     return 0;
@@ -491,8 +507,9 @@ static void send_exit_simple(int sock, uint32_t id, uint32_t kind, uint32_t stat
 
 static char msgbuf[MAX_MSG + 1];
 
-/* Parse and run one MSG_SPAWN. fds are ours to close. */
-static void do_spawn(int sock, const char *buf, size_t len, int *fds, int nfds) {
+/* In a shepherd: parse one MSG_SPAWN (the host's message as the init forwarded it) and be its
+ * command's shepherd; a malformed one is reported (EXIT_SPAWN_FAILED) and we exit. fds are ours. */
+static __attribute__((noreturn)) void run_spawn(int sock, int ctl, char *buf, size_t len, int *fds, int nfds) {
     const struct spawn_hdr *h = (const void *)buf;
     char *body = NULL;
     size_t blen = 0;
@@ -505,7 +522,7 @@ static void do_spawn(int sock, const char *buf, size_t len, int *fds, int nfds) 
         struct stat st;
         if (fstat(bfd, &st) < 0 || st.st_size > 64 * 1024 * 1024) { close(bfd); goto bad; }
         owned = malloc((size_t)st.st_size + 1);
-        if (!owned) { close(bfd); err = ENOMEM; goto bad; }
+        if (!owned) { close(bfd); err = ENOMEM; goto fail; }
         size_t got = 0;
         while (got < (size_t)st.st_size) {
             ssize_t n = pread(bfd, owned + got, (size_t)st.st_size - got, (off_t)got);
@@ -515,68 +532,193 @@ static void do_spawn(int sock, const char *buf, size_t len, int *fds, int nfds) 
         close(bfd);
         body = owned; blen = got;
     } else {
-        body = (char *)buf + sizeof *h; blen = len - sizeof *h;
+        body = buf + sizeof *h; blen = len - sizeof *h;
     }
     size_t rlbytes = (size_t)h->nrlimits * sizeof(struct rlim_rec);
     if (h->nrlimits > 64 || rlbytes > blen || h->argc == 0 || h->argc > 1000000 || h->envc > 1000000) goto bad;
-    {
-        int need = 2 + ((h->flags & SPAWN_STDIN_PIPE) ? 1 : 0);
-        if (nfds != need) goto bad;
-        /* Strings: cwd, argv, env, each NUL-terminated, all inside the body. */
-        char *s = body + rlbytes, *end = body + blen;
-        size_t nstr = 1 + (size_t)h->argc + h->envc;
-        char **vec = malloc((nstr + 2) * sizeof(char *));
-        if (!vec) { err = ENOMEM; goto bad; }
-        for (size_t i = 0; i < nstr; i++) {
-            char *z = memchr(s, 0, (size_t)(end - s));
-            if (!z) { free(vec); goto bad; }
-            vec[i] = s;
-            s = z + 1;
-        }
-        struct cmd c;
-        c.id = id; c.flags = h->flags; c.timeout_ms = h->timeout_ms;
-        c.rl = (const struct rlim_rec *)(void *)body; c.nrl = h->nrlimits;
-        c.cwd = vec[0];
-        /* argv = vec[1..argc], NULL; envp = vec[argc+2..], NULL: shift env up by one slot. */
-        memmove(vec + h->argc + 2, vec + h->argc + 1, h->envc * sizeof(char *));
-        vec[h->argc + 1] = NULL;
-        vec[nstr + 1] = NULL;
-        c.argv = vec + 1;
-        c.envp = vec + h->argc + 2;
-        int sp[2];
-        if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp) < 0) {
-            err = errno; free(vec); goto fail;
-        }
-        if (ll_fs_refresh() < 0) { err = errno; close(sp[0]); close(sp[1]); free(vec); goto fail; }
-        if (njobs == capjobs) {
-            size_t ncap = capjobs ? capjobs * 2 : 16;
-            struct job *nj = realloc(jobs, ncap * sizeof *nj);
-            if (!nj) { err = ENOMEM; close(sp[0]); close(sp[1]); free(vec); goto fail; }
-            jobs = nj; capjobs = ncap;
-        }
-        set_oom_adj("1000");
-        pid_t pid = fork();
-        if (pid == 0) {
-            close(sp[0]);
-            shepherd(sock, sp[1], &c, fds, nfds);
-            _exit(0);
-        }
-        err = errno;
-        set_oom_adj("0");
-        close(sp[1]);
-        free(vec);
-        if (pid < 0) { close(sp[0]); goto fail; }
-        jobs[njobs].id = id; jobs[njobs].pid = pid; jobs[njobs].ctl = sp[0];
-        njobs++;
-        for (int i = 0; i < nfds; i++) close(fds[i]);
-        free(owned);
-        return;
+    int need = 2 + ((h->flags & SPAWN_STDIN_PIPE) ? 1 : 0);
+    if (nfds != need) goto bad;
+    /* Strings: cwd, argv, env, each NUL-terminated, all inside the body. */
+    char *str = body + rlbytes, *end = body + blen;
+    size_t nstr = 1 + (size_t)h->argc + h->envc;
+    char **vec = malloc((nstr + 2) * sizeof(char *));
+    if (!vec) { err = ENOMEM; goto fail; }
+    for (size_t i = 0; i < nstr; i++) {
+        char *z = memchr(str, 0, (size_t)(end - str));
+        if (!z) { free(vec); goto bad; }
+        vec[i] = str;
+        str = z + 1;
     }
+    struct cmd c;
+    c.id = id; c.flags = h->flags; c.timeout_ms = h->timeout_ms;
+    c.rl = (const struct rlim_rec *)(void *)body; c.nrl = h->nrlimits;
+    c.cwd = vec[0];
+    /* argv = vec[1..argc], NULL; envp = vec[argc+2..], NULL: shift env up by one slot. */
+    memmove(vec + h->argc + 2, vec + h->argc + 1, h->envc * sizeof(char *));
+    vec[h->argc + 1] = NULL;
+    vec[nstr + 1] = NULL;
+    c.argv = vec + 1;
+    c.envp = vec + h->argc + 2;
+    shepherd(sock, ctl, &c, fds, nfds);
+    _exit(0);
 bad:
     err = EINVAL;
 fail:
     for (int i = 0; i < nfds; i++) close(fds[i]);
-    free(owned);
+    send_exit_simple(sock, id, EXIT_SPAWN_FAILED, (uint32_t)err);
+    _exit(0);
+}
+
+/* Receive one message (and its fds) on sock into buf; its length, 0 at EOF, -1 with errno. */
+static ssize_t recv_with_fds(int sock, char *buf, size_t size, int flags, int *fds, int *nfds, int *truncated) {
+    char cbuf[CMSG_SPACE((MAX_FDS + 1) * sizeof(int))];
+    struct iovec iov = { buf, size };
+    struct msghdr mh;
+    memset(&mh, 0, sizeof mh);
+    mh.msg_iov = &iov; mh.msg_iovlen = 1;
+    mh.msg_control = cbuf; mh.msg_controllen = sizeof cbuf;
+    ssize_t len = recvmsg(sock, &mh, MSG_CMSG_CLOEXEC | flags);
+    *nfds = 0;
+    if (len < 0) return -1;
+    for (struct cmsghdr *cm = CMSG_FIRSTHDR(&mh); cm; cm = CMSG_NXTHDR(&mh, cm)) {
+        if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
+            int k = (int)((cm->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+            int *src = (int *)(void *)CMSG_DATA(cm);
+            for (int i = 0; i < k; i++) {
+                if (*nfds < MAX_FDS + 1) fds[(*nfds)++] = src[i];
+                else close(src[i]);
+            }
+        }
+    }
+    *truncated = (mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) != 0;
+    return len;
+}
+
+/* The spare, from its fork: keep only the host socket (3) and its control socket (4), wait for
+ * the SPAWN the init hands over, then run it. EOF (the init is gone): exit. */
+static __attribute__((noreturn)) void spare_main(int sock, int ctl) {
+    int s3 = fcntl(sock, F_DUPFD_CLOEXEC, 10), c3 = fcntl(ctl, F_DUPFD_CLOEXEC, 10);
+    if (s3 < 0 || c3 < 0 || dup3(s3, 3, O_CLOEXEC) < 0 || dup3(c3, 4, O_CLOEXEC) < 0) _exit(0);
+    close_from(5);  /* the init's other fds: other shepherds' control sockets, its ruleset, oom_adj */
+    sock = 3; ctl = 4;
+    ll_fs_fd = -1;
+    int fds[MAX_FDS + 1], nfds, truncated;
+    ssize_t len;
+    do len = recv_with_fds(ctl, msgbuf, MAX_MSG, 0, fds, &nfds, &truncated); while (len < 0 && errno == EINTR);
+    if (len < (ssize_t)sizeof(struct spawn_hdr) || truncated) _exit(0);
+    struct spawn_hdr *h = (void *)msgbuf;
+    if (h->flags & SPAWN_FWD_LL_FD) {
+        if (nfds < 1) _exit(0);
+        ll_fs_fd = fds[--nfds];
+        h->flags &= ~SPAWN_FWD_LL_FD;
+    }
+    run_spawn(sock, ctl, msgbuf, (size_t)len, fds, nfds);
+}
+
+/* Fork the spare: 0, or -1 with errno. */
+static int make_spare(int sock) {
+    int sp[2];
+    if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp) < 0) return -1;
+    set_oom_adj("1000");
+    pid_t pid = fork();
+    if (pid == 0) {
+        close(sp[0]);
+        spare_main(sock, sp[1]);
+    }
+    int err = errno;
+    set_oom_adj("0");
+    close(sp[1]);
+    if (pid < 0) { close(sp[0]); errno = err; return -1; }
+    spare_pid = pid; spare_ctl = sp[0];
+    return 0;
+}
+
+static void drop_spare(void) {
+    if (spare_ctl >= 0) close(spare_ctl);
+    spare_ctl = -1; spare_pid = -1;
+}
+
+/* 1 if the spare can take a command: alive, and no SIGKILL pending. A command (same uid) may have
+ * killed it, and SIGKILL is acted on only when the spare next runs: a dying spare would take the
+ * command and die with it (EXIT_SHEPHERD_DIED). /proc/PID/status: State, SigPnd, ShdPnd
+ * (proc(5)); ~20 us, against ~100 us for the fork the spare saves. */
+static int spare_usable(void) {
+    char path[64], buf[2048];
+    snprintf(path, sizeof path, "/proc/%d/status", (int)spare_pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    buf[n] = 0;
+    const char *st = strstr(buf, "\nState:\t");
+    if (!st || st[8] == 'Z' || st[8] == 'X') return 0;
+    static const char *const pend[] = { "\nSigPnd:\t", "\nShdPnd:\t" };
+    for (int i = 0; i < 2; i++) {
+        const char *p = strstr(buf, pend[i]);
+        if (!p || (strtoull(p + 9, NULL, 16) >> (SIGKILL - 1)) & 1) return 0;
+    }
+    return 1;
+}
+
+/* Hand the SPAWN in buf (and fds, and the Landlock ruleset) to the spare: 0, or -1 with errno. */
+static int hand_over(char *buf, size_t len, const int *fds, int nfds) {
+    int all[MAX_FDS + 1], n = 0;
+    for (int i = 0; i < nfds; i++) all[n++] = fds[i];
+    struct spawn_hdr *h = (void *)buf;
+    if (ll_fs_fd >= 0) { all[n++] = ll_fs_fd; h->flags |= SPAWN_FWD_LL_FD; }
+    char cbuf[CMSG_SPACE((MAX_FDS + 1) * sizeof(int))];
+    struct iovec iov = { buf, len };
+    struct msghdr mh;
+    memset(&mh, 0, sizeof mh);
+    memset(cbuf, 0, sizeof cbuf);
+    mh.msg_iov = &iov; mh.msg_iovlen = 1;
+    if (n) {
+        mh.msg_control = cbuf; mh.msg_controllen = CMSG_SPACE((size_t)n * sizeof(int));
+        struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+        cm->cmsg_level = SOL_SOCKET; cm->cmsg_type = SCM_RIGHTS; cm->cmsg_len = CMSG_LEN((size_t)n * sizeof(int));
+        memcpy(CMSG_DATA(cm), all, (size_t)n * sizeof(int));
+    }
+    /* A command may have stopped the spare (same uid): it would never take its command. */
+    kill(spare_pid, SIGCONT);
+    ssize_t r;
+    do r = sendmsg(spare_ctl, &mh, MSG_NOSIGNAL | MSG_DONTWAIT); while (r < 0 && errno == EINTR);
+    h->flags &= ~SPAWN_FWD_LL_FD;
+    if (r == (ssize_t)len) return 0;
+    if (r >= 0) errno = EMSGSIZE;
+    return -1;
+}
+
+/* One MSG_SPAWN from the host: hand it to the spare (forking one first if there is none), then
+ * fork the next spare. fds are ours to close. The spare parses it (run_spawn). */
+static void do_spawn(int sock, char *buf, size_t len, int *fds, int nfds) {
+    const struct spawn_hdr *h = (const void *)buf;
+    uint32_t id = h->id;
+    int err = EINVAL;
+    if (h->flags & SPAWN_FWD_LL_FD || nfds > MAX_FDS) goto fail;
+    if (ll_fs_refresh() < 0) { err = errno; goto fail; }
+    if (njobs == capjobs) {
+        size_t ncap = capjobs ? capjobs * 2 : 16;
+        struct job *nj = realloc(jobs, ncap * sizeof *nj);
+        if (!nj) { err = ENOMEM; goto fail; }
+        jobs = nj; capjobs = ncap;
+    }
+    for (int attempt = 0; attempt < 2; attempt++) {
+        if (spare_pid >= 0 && attempt == 0 && !spare_usable()) drop_spare();  /* reaped as an orphan */
+        if (spare_pid < 0 && make_spare(sock) < 0) { err = errno; goto fail; }
+        if (hand_over(buf, len, fds, nfds) == 0) {
+            jobs[njobs].id = id; jobs[njobs].pid = spare_pid; jobs[njobs].ctl = spare_ctl;
+            njobs++;
+            spare_pid = -1; spare_ctl = -1;
+            for (int i = 0; i < nfds; i++) close(fds[i]);
+            make_spare(sock);  /* ahead of the next command; if it fails, the next SPAWN retries */
+            return;
+        }
+        err = errno;
+        drop_spare();  /* dead (EPIPE) or unusable: reaped as an orphan; fork a fresh one */
+    }
+fail:
+    for (int i = 0; i < nfds; i++) close(fds[i]);
     send_exit_simple(sock, id, EXIT_SPAWN_FAILED, (uint32_t)err);
 }
 
@@ -632,6 +774,7 @@ int main(int argc, char **argv) {
         if (w > 0) waitpid(w, NULL, 0);
         drain_fd(sfd);
     }
+    make_spare(sock);  /* the first command's shepherd; a failure is retried at its SPAWN */
     struct hello_msg hm = { MSG_HELLO, PROTO_VERSION, (uint32_t)getpid(), (uint32_t)ll_abi };
     send_msg(sock, &hm, sizeof hm);
 
@@ -663,6 +806,7 @@ int main(int argc, char **argv) {
             pid_t r;
             int orphans = 0;
             while ((r = waitpid(-1, &st, WNOHANG)) > 0) {
+                if (r == spare_pid) { drop_spare(); continue; }  /* killed while waiting: fork anew */
                 size_t i;
                 for (i = 0; i < njobs && jobs[i].pid != r; i++) {}
                 if (i == njobs) { orphans = 1; continue; }

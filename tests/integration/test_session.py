@@ -189,6 +189,25 @@ def test_commands_start_with_default_dispositions_and_an_empty_mask(session):
         assert not masks["SigIgn"] & init["SigCgt"]
 
 
+# The shepherds waiting for their command (the init forks each one ahead): their PIDs, from a
+# command: the init's children other than the command's own shepherd ($PPID of its sh).
+_SPARES = ("for f in /proc/[0-9]*/stat; do set -- $(cat $f 2>/dev/null); "
+           "[ \"$4\" = 2 ] && [ \"$1\" != $PPID ] && echo $1; done")
+
+
+@pytest.mark.parametrize("signo", ["KILL", "STOP"])
+def test_a_command_that_kills_or_stops_the_waiting_shepherd_does_not_stall_the_next(session, signo):
+    """The next command's shepherd is forked ahead and waits, as the commands' uid: a command can
+    SIGKILL or SIGSTOP it. The init forks a fresh one (KILL) or continues it (STOP) before it
+    hands a command over, so the next commands run (a stalled one would end in SessionError)."""
+    r = session.run(["sh", "-c", f"for i in $(seq 200); do s=$({_SPARES}); [ -n \"$s\" ] && break; sleep 0.01; done; "
+                                 f"for p in $s; do kill -{signo} $p && echo hit; done"])
+    assert r.exit_code == 0 and b"hit" in r.stdout, (r.stdout, r.stderr)
+    for i in range(3):
+        assert session.run(["echo", str(i)], timeout=10).stdout == f"{i}\n".encode()
+    assert session.alive
+
+
 def test_init_not_ptraceable_or_readable(session):
     r = session.run(["sh", "-c", "cat /proc/2/environ; echo rc=$?; ls /proc/2/fd; echo rc=$?; cat /proc/2/mem; "
                      "echo rc=$?"])
