@@ -372,28 +372,27 @@ static __attribute__((noinline)) pid_t spawn_command(const struct cmd *c, int *v
     return pid;
 }
 
+/* The fds of a shepherd, set up by the spare before its command comes (spare_main): the host
+ * socket, its control socket, the command's Landlock ruleset (a /dev/null placeholder until
+ * then), its SIGCHLD signalfd, /dev/null for a command without stdin. Everything a command
+ * brings lands above them. */
+enum { SH_SOCK = 3, SH_CTL = 4, SH_LL = 5, SH_SIGCHLD = 6, SH_NULL = 7, SH_FIRST_FREE = 8 };
+
 static void shepherd(int sock, int ctl, const struct cmd *c, int *fds, int nfds) {
     int64_t t0 = now_ns();
-    prctl(PR_SET_CHILD_SUBREAPER, 1);
-    /* stdio of the command on our own 0, 1, 2 (we never print). */
-    int idx = 0, in_fd;
+    /* stdio of the command on our own 0, 1, 2 (we never print); its ruleset on SH_LL. */
+    int idx = 0, in_fd = SH_NULL;
     if (c->flags & SPAWN_STDIN_PIPE) in_fd = fds[idx++];
-    else in_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
     int out_fd = idx < nfds ? fds[idx++] : -1;
     int err_fd = idx < nfds ? fds[idx++] : -1;
-    int s3 = fcntl(sock, F_DUPFD_CLOEXEC, 10), c3 = fcntl(ctl, F_DUPFD_CLOEXEC, 10);
-    int l3 = ll_fs_fd >= 0 ? fcntl(ll_fs_fd, F_DUPFD_CLOEXEC, 10) : -1;
-    if (in_fd < 0 || out_fd < 0 || err_fd < 0 || s3 < 0 || c3 < 0 || (ll_fs_fd >= 0 && l3 < 0)
-        || dup2(in_fd, 0) < 0 || dup2(out_fd, 1) < 0 || dup2(err_fd, 2) < 0
-        || dup3(s3, 3, O_CLOEXEC) < 0 || dup3(c3, 4, O_CLOEXEC) < 0
-        || (l3 >= 0 && dup3(l3, 5, O_CLOEXEC) < 0)) {
-        shepherd_report_exit(s3 >= 0 ? s3 : sock, c->id, EXIT_SETUP_FAILED, (uint32_t)errno, 0, STAGE_STDIO, t0);
+    if (out_fd < 0 || err_fd < 0 || dup2(in_fd, 0) < 0 || dup2(out_fd, 1) < 0 || dup2(err_fd, 2) < 0
+        || (ll_fs_fd >= 0 && dup3(ll_fs_fd, SH_LL, O_CLOEXEC) < 0)) {
+        shepherd_report_exit(sock, c->id, EXIT_SETUP_FAILED, (uint32_t)errno, 0, STAGE_STDIO, t0);
         _exit(0);
     }
-    sock = 3; ctl = 4;
-    cmd_ll_fd = ll_fs_fd >= 0 ? 5 : -1;
-    close_from(cmd_ll_fd >= 0 ? 6 : 5);
-    int sfd = sigchld_fd();  /* SIGCHLD is already blocked (inherited) */
+    cmd_ll_fd = ll_fs_fd >= 0 ? SH_LL : -1;
+    close_from(SH_NULL);
+    int sfd = SH_SIGCHLD;
 
     int vfork_errno = 0;
     sigset_t all, old;
@@ -594,13 +593,21 @@ static ssize_t recv_with_fds(int sock, char *buf, size_t size, int flags, int *f
     return len;
 }
 
-/* The spare, from its fork: keep only the host socket (3) and its control socket (4), wait for
- * the SPAWN the init hands over, then run it. EOF (the init is gone): exit. */
+/* The spare, from its fork: keep only what its shepherd needs (SH_*: the host socket, its
+ * control socket, a SIGCHLD signalfd, /dev/null), become a subreaper, all before its command
+ * comes; then wait for the SPAWN the init hands over and run it. EOF (the init is gone): exit. */
 static __attribute__((noreturn)) void spare_main(int sock, int ctl) {
     int s3 = fcntl(sock, F_DUPFD_CLOEXEC, 10), c3 = fcntl(ctl, F_DUPFD_CLOEXEC, 10);
-    if (s3 < 0 || c3 < 0 || dup3(s3, 3, O_CLOEXEC) < 0 || dup3(c3, 4, O_CLOEXEC) < 0) _exit(0);
-    close_from(5);  /* the init's other fds: other shepherds' control sockets, its ruleset, oom_adj */
-    sock = 3; ctl = 4;
+    int nul = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    int n3 = nul >= 0 ? fcntl(nul, F_DUPFD_CLOEXEC, 10) : -1;
+    if (s3 < 0 || c3 < 0 || n3 < 0 || dup3(s3, SH_SOCK, O_CLOEXEC) < 0 || dup3(c3, SH_CTL, O_CLOEXEC) < 0
+        || dup3(n3, SH_LL, O_CLOEXEC) < 0 || dup3(n3, SH_NULL, O_CLOEXEC) < 0) _exit(0);
+    close(SH_SIGCHLD);
+    close_from(SH_FIRST_FREE);  /* the init's other fds: other shepherds' control sockets, its ruleset, oom_adj */
+    int sfd = sigchld_fd();  /* SIGCHLD is already blocked (inherited from the init) */
+    if (sfd < 0 || (sfd != SH_SIGCHLD && (dup3(sfd, SH_SIGCHLD, O_CLOEXEC) < 0 || close(sfd) < 0))) _exit(0);
+    prctl(PR_SET_CHILD_SUBREAPER, 1);
+    sock = SH_SOCK; ctl = SH_CTL;
     ll_fs_fd = -1;
     int fds[MAX_FDS + 1], nfds, truncated;
     ssize_t len;
