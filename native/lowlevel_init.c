@@ -484,6 +484,14 @@ static size_t njobs, capjobs;
  * handed over, or a command killed it: the next SPAWN forks one). */
 static pid_t spare_pid = -1;
 static int spare_ctl = -1;
+/* When the next spare is due (CLOCK_MONOTONIC ns; 0: none wanted). Not at once after a
+ * hand-over: the spare just woken by it usually waits on the init's CPU (a unix socket's wake-up
+ * is a "sync" one, which places the wakee by the waker), so a fork there at once delayed the
+ * command's start by ~70 us; nor while the command runs (the fork competes with it). The init
+ * forks it as soon as a shepherd is reaped (its command is over: the caller is busy with the
+ * EXIT, the CPU idle), or SPARE_LATE_NS after the hand-over for a command still running. */
+static int64_t spare_due;
+#define SPARE_LATE_NS 5000000
 
 /* Internal to the init -> spare hand-over (never on the host's socket, which may not set it):
  * the Landlock filesystem ruleset is the last fd passed (the init's current one: a reset may
@@ -720,7 +728,7 @@ static void do_spawn(int sock, char *buf, size_t len, int *fds, int nfds) {
             njobs++;
             spare_pid = -1; spare_ctl = -1;
             for (int i = 0; i < nfds; i++) close(fds[i]);
-            make_spare(sock);  /* ahead of the next command; if it fails, the next SPAWN retries */
+            spare_due = now_ns() + SPARE_LATE_NS;  /* the next one: see spare_due */
             return;
         }
         err = errno;
@@ -803,6 +811,15 @@ int main(int argc, char **argv) {
             }
             wait_ms = (int)((next - now + 999999) / 1000000);
         }
+        if (spare_due && spare_pid < 0 && now >= spare_due) {
+            spare_due = 0;
+            make_spare(sock);  /* if it fails, the next SPAWN forks one itself */
+            now = now_ns();
+        }
+        if (spare_due && spare_pid < 0) {
+            int left_ms = (int)((spare_due - now + 999999) / 1000000);
+            if (wait_ms < 0 || left_ms < wait_ms) wait_ms = left_ms;
+        }
         struct pollfd p[2] = { { sock, POLLIN, 0 }, { sfd, POLLIN, 0 } };
         int n = poll(p, 2, wait_ms);
         if (n < 0) {
@@ -826,6 +843,7 @@ int main(int argc, char **argv) {
                 close(jobs[i].ctl);
                 jobs[i] = jobs[--njobs];
                 last_activity = now_ns();
+                if (spare_due) spare_due = last_activity;  /* its command is over: fork the spare now */
             }
             /* Anything reparented to us that is not a shepherd belonged to a shepherd that died. */
             if (orphans) kill_children(is_shepherd);
