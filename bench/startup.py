@@ -585,7 +585,8 @@ class SessionCases:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with pool._cond:
-                if len(pool._ready) >= pool.size and not pool._retired and not pool._starting:
+                if len(pool._ready) >= pool.size and not pool._retired and not pool._starting \
+                        and not getattr(pool, "_retiring", 0):
                     return
             time.sleep(0.0005)
 
@@ -1037,6 +1038,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         cases.append(Case("session_no_landlock", label, 1, "sync", lambda c=cmd: sess.session_no_landlock_call(c)))
         pool1 = Case("pool", label, 1, "sync", lambda c=cmd: sess.pool_call(2, c))
         pool1.before = lambda: sess.wait_full(sess.pool(2))
+        # And after its round: the refill of its last call (several bwrap starts at once) must not
+        # land in the next case's round.
+        pool1.settle = lambda: sess.wait_full(sess.pool(2))
         cases.append(pool1)
         for c in conc:
             cases.append(Case("raw_bwrap", label, c, "asyncio", raw.acall))

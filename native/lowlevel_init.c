@@ -4,8 +4,8 @@
  * host's end of a SOCK_SEQPACKET socketpair on an inherited fd. It then runs commands for the
  * host, several at once, each under its own "shepherd":
  *
- *   init (PID 2, child subreaper, not dumpable, ignores every catchable signal)
- *    +-- shepherd (one per command; child subreaper, not dumpable)
+ *   init (PID 2, child subreaper, not dumpable, catches every catchable signal with a no-op)
+ *    +-- shepherd (one per command, forked ahead as the "spare"; child subreaper, not dumpable)
  *         +-- command (own process group, own stdio from the host, per-command rlimits)
  *              +-- ... whatever the command forks; orphans reparent to the shepherd
  *
@@ -13,9 +13,11 @@
  * process group, then every process reparented to the shepherd, until none is left) when the
  * command exits, times out or the host asks, and reports the exit status and the tree's
  * rusage straight to the host over the shared socket (SEQPACKET sends are atomic, so several
- * shepherds never interleave). The init only dispatches: it forks shepherds, forwards signal
- * requests, reaps shepherds and SIGKILLs any process that ends up as its own child without
- * being a shepherd (the orphans of a shepherd that was killed).
+ * shepherds never interleave). The init only dispatches: it hands each SPAWN, as received, to
+ * the spare (a shepherd forked before it was needed, waiting on its control socket: the fork is
+ * off the command's path) and forks the next spare, forwards signal requests, reaps shepherds
+ * and SIGKILLs any process that ends up as its own child without being a shepherd (the orphans
+ * of a shepherd that was killed).
  *
  * Protocol: one message per SEQPACKET record, native byte order (both ends are on one host),
  * every message starting with a u32 type. See lowlevel/session.py for the host side; the two
@@ -74,6 +76,7 @@
 /* MSG_SPAWN flags */
 #define SPAWN_STDIN_PIPE 1u  /* fds[0] is stdin; else /dev/null */
 #define SPAWN_BODY_MEMFD 2u  /* the body is in the last fd passed, not inline */
+#define SPAWN_STARTED 4u     /* report STARTED (the command's pid); else the first report is EXIT */
 
 /* MSG_SIGNAL flags */
 #define SIGNAL_TREE 1u       /* SIGKILL the whole tree (the host cancelled the command) */
@@ -136,7 +139,15 @@ static void close_from(int lowfd) {
     for (int fd = lowfd; fd < max; fd++) close(fd);
 }
 
-/* Signals we ignore (SIG_IGN discards them at send time). SIGKILL and SIGSTOP cannot be. */
+/* Signals the init and the shepherds shrug off (a command's `kill -TERM -1`). SIGKILL and SIGSTOP
+ * cannot be. They are caught by a handler that does nothing, not set to SIG_IGN: execve(2) resets
+ * a caught signal to SIG_DFL but keeps SIG_IGN, so with SIG_IGN every command had to reset all 64
+ * dispositions itself between vfork and exec (64 rt_sigaction calls, each through the sandbox's
+ * seccomp filter: ~70 us per command here); a caught one needs nothing. SA_RESTART, and every
+ * call that can still fail with EINTR (poll, the shepherd's recv) is retried. signal(7),
+ * execve(2) ("dispositions of caught signals are reset to the default"). */
+static void shrug(int signo) { (void)signo; }
+
 static const int ignored_signals[] = {
     SIGHUP, SIGINT, SIGQUIT, SIGPIPE, SIGALRM, SIGTERM, SIGUSR1, SIGUSR2, SIGTSTP, SIGTTIN,
     SIGTTOU, SIGXCPU, SIGXFSZ, SIGVTALRM, SIGPROF, SIGIO, SIGPWR, SIGURG, SIGWINCH, SIGCONT,
@@ -145,7 +156,9 @@ static const int ignored_signals[] = {
 static void ignore_signals(void) {
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
-    sa.sa_handler = SIG_IGN;
+    sa.sa_handler = shrug;
+    sa.sa_flags = SA_RESTART;
+    sigfillset(&sa.sa_mask);
     for (size_t i = 0; i < sizeof ignored_signals / sizeof ignored_signals[0]; i++)
         sigaction(ignored_signals[i], &sa, NULL);
     for (int s = SIGRTMIN; s <= SIGRTMAX; s++) sigaction(s, &sa, NULL);
@@ -333,11 +346,10 @@ static __attribute__((noinline)) pid_t spawn_command(const struct cmd *c, int *v
     child_errno = 0; child_stage = 0;
     pid_t pid = vfork();
     if (pid == 0) {
-        /* The command: default dispositions, empty mask, own process group. */
-        struct sigaction sa;
-        memset(&sa, 0, sizeof sa);
-        sa.sa_handler = SIG_DFL;
-        for (int s = 1; s < NSIG; s++) sigaction(s, &sa, NULL);
+        /* The command: default dispositions (the execve resets the init's caught signals: see
+         * ignore_signals; nothing here is SIG_IGN), empty mask, own process group. A signal
+         * arriving between the unblock below and the execve runs the no-op handler (on this
+         * child's stack below the shepherd's frames) and is lost, as if sent a moment earlier. */
         sigset_t none;
         sigemptyset(&none);
         setpgid(0, 0);
@@ -369,28 +381,27 @@ static __attribute__((noinline)) pid_t spawn_command(const struct cmd *c, int *v
     return pid;
 }
 
+/* The fds of a shepherd, set up by the spare before its command comes (spare_main): the host
+ * socket, its control socket, the command's Landlock ruleset (a /dev/null placeholder until
+ * then), its SIGCHLD signalfd, /dev/null for a command without stdin. Everything a command
+ * brings lands above them. */
+enum { SH_SOCK = 3, SH_CTL = 4, SH_LL = 5, SH_SIGCHLD = 6, SH_NULL = 7, SH_FIRST_FREE = 8 };
+
 static void shepherd(int sock, int ctl, const struct cmd *c, int *fds, int nfds) {
     int64_t t0 = now_ns();
-    prctl(PR_SET_CHILD_SUBREAPER, 1);
-    /* stdio of the command on our own 0, 1, 2 (we never print). */
-    int idx = 0, in_fd;
+    /* stdio of the command on our own 0, 1, 2 (we never print); its ruleset on SH_LL. */
+    int idx = 0, in_fd = SH_NULL;
     if (c->flags & SPAWN_STDIN_PIPE) in_fd = fds[idx++];
-    else in_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
     int out_fd = idx < nfds ? fds[idx++] : -1;
     int err_fd = idx < nfds ? fds[idx++] : -1;
-    int s3 = fcntl(sock, F_DUPFD_CLOEXEC, 10), c3 = fcntl(ctl, F_DUPFD_CLOEXEC, 10);
-    int l3 = ll_fs_fd >= 0 ? fcntl(ll_fs_fd, F_DUPFD_CLOEXEC, 10) : -1;
-    if (in_fd < 0 || out_fd < 0 || err_fd < 0 || s3 < 0 || c3 < 0 || (ll_fs_fd >= 0 && l3 < 0)
-        || dup2(in_fd, 0) < 0 || dup2(out_fd, 1) < 0 || dup2(err_fd, 2) < 0
-        || dup3(s3, 3, O_CLOEXEC) < 0 || dup3(c3, 4, O_CLOEXEC) < 0
-        || (l3 >= 0 && dup3(l3, 5, O_CLOEXEC) < 0)) {
-        shepherd_report_exit(s3 >= 0 ? s3 : sock, c->id, EXIT_SETUP_FAILED, (uint32_t)errno, 0, STAGE_STDIO, t0);
+    if (out_fd < 0 || err_fd < 0 || dup2(in_fd, 0) < 0 || dup2(out_fd, 1) < 0 || dup2(err_fd, 2) < 0
+        || (ll_fs_fd >= 0 && dup3(ll_fs_fd, SH_LL, O_CLOEXEC) < 0)) {
+        shepherd_report_exit(sock, c->id, EXIT_SETUP_FAILED, (uint32_t)errno, 0, STAGE_STDIO, t0);
         _exit(0);
     }
-    sock = 3; ctl = 4;
-    cmd_ll_fd = ll_fs_fd >= 0 ? 5 : -1;
-    close_from(cmd_ll_fd >= 0 ? 6 : 5);
-    int sfd = sigchld_fd();  /* SIGCHLD is already blocked (inherited) */
+    cmd_ll_fd = ll_fs_fd >= 0 ? SH_LL : -1;
+    close_from(SH_NULL);
+    int sfd = SH_SIGCHLD;
 
     int vfork_errno = 0;
     sigset_t all, old;
@@ -409,9 +420,15 @@ static void shepherd(int sock, int ctl, const struct cmd *c, int *fds, int nfds)
         _exit(0);
     }
     setpgid(pid, pid);  /* no-op: the child did it before exec; kept for clarity */
-    close(0); close(1); close(2);  /* the host sees EOF once the command's tree is gone */
-    struct started_msg sm = { MSG_STARTED, c->id, (uint32_t)pid, 0 };
-    send_msg(sock, &sm, sizeof sm);
+    /* stdin: closed, so the host's writes fail with EPIPE once the command closed its copy.
+     * stdout and stderr stay open until we exit, after EXIT: the host takes EXIT, then reads the
+     * pipes dry without waiting for EOF (the tree is dead: its output is all there), so the
+     * pipes' EOF wakes it no sooner than EXIT does (one wake-up per command, not two or three). */
+    close(0);
+    if (c->flags & SPAWN_STARTED) {  /* a background command: the host shows its pid */
+        struct started_msg sm = { MSG_STARTED, c->id, (uint32_t)pid, 0 };
+        send_msg(sock, &sm, sizeof sm);
+    }
 
     int64_t deadline = c->timeout_ms >= 0 ? t0 + c->timeout_ms * 1000000 : -1;
     int main_status = 0, main_done = 0;
@@ -440,6 +457,7 @@ static void shepherd(int sock, int ctl, const struct cmd *c, int *fds, int nfds)
         if (p[1].revents) {
             struct signal_msg m;
             ssize_t got = recv(ctl, &m, sizeof m, 0);
+            if (got < 0 && errno == EINTR) continue;
             if (got <= 0) {  /* the init is gone: the session is over; the host hears it from the socket */
                 kill_tree(pid, sfd, pid, &main_status, &main_done);
                 _exit(0);
@@ -468,7 +486,29 @@ struct job { uint32_t id; pid_t pid; int ctl; };
 static struct job *jobs;
 static size_t njobs, capjobs;
 
+/* The spare: the next command's shepherd, forked ahead (after the previous command was handed
+ * over, and before HELLO), so a SPAWN costs the init a sendmsg to it instead of a fork on the
+ * command's path (~0.1 ms here). It holds only the host socket and its own control socket
+ * (fds 3, 4) while it waits, at oom_score_adj 1000 like every shepherd. -1: none (it was
+ * handed over, or a command killed it: the next SPAWN forks one). */
+static pid_t spare_pid = -1;
+static int spare_ctl = -1;
+/* When the next spare is due (CLOCK_MONOTONIC ns; 0: none wanted). Not at once after a
+ * hand-over: the spare just woken by it usually waits on the init's CPU (a unix socket's wake-up
+ * is a "sync" one, which places the wakee by the waker), so a fork there at once delayed the
+ * command's start by ~70 us; nor while the command runs (the fork competes with it). The init
+ * forks it as soon as a shepherd is reaped (its command is over: the caller is busy with the
+ * EXIT, the CPU idle), or SPARE_LATE_NS after the hand-over for a command still running. */
+static int64_t spare_due;
+#define SPARE_LATE_NS 5000000
+
+/* Internal to the init -> spare hand-over (never on the host's socket, which may not set it):
+ * the Landlock filesystem ruleset is the last fd passed (the init's current one: a reset may
+ * have rebuilt it since the spare was forked). */
+static const uint32_t SPAWN_FWD_LL_FD = 1u << 31;
+
 static int is_shepherd(pid_t pid) {
+    if (pid == spare_pid) return 1;
     for (size_t i = 0; i < njobs; i++)
         if (jobs[i].pid == pid) return 1;
     return 0;
@@ -483,8 +523,9 @@ static void send_exit_simple(int sock, uint32_t id, uint32_t kind, uint32_t stat
 
 static char msgbuf[MAX_MSG + 1];
 
-/* Parse and run one MSG_SPAWN. fds are ours to close. */
-static void do_spawn(int sock, const char *buf, size_t len, int *fds, int nfds) {
+/* In a shepherd: parse one MSG_SPAWN (the host's message as the init forwarded it) and be its
+ * command's shepherd; a malformed one is reported (EXIT_SPAWN_FAILED) and we exit. fds are ours. */
+static __attribute__((noreturn)) void run_spawn(int sock, int ctl, char *buf, size_t len, int *fds, int nfds) {
     const struct spawn_hdr *h = (const void *)buf;
     char *body = NULL;
     size_t blen = 0;
@@ -497,7 +538,7 @@ static void do_spawn(int sock, const char *buf, size_t len, int *fds, int nfds) 
         struct stat st;
         if (fstat(bfd, &st) < 0 || st.st_size > 64 * 1024 * 1024) { close(bfd); goto bad; }
         owned = malloc((size_t)st.st_size + 1);
-        if (!owned) { close(bfd); err = ENOMEM; goto bad; }
+        if (!owned) { close(bfd); err = ENOMEM; goto fail; }
         size_t got = 0;
         while (got < (size_t)st.st_size) {
             ssize_t n = pread(bfd, owned + got, (size_t)st.st_size - got, (off_t)got);
@@ -507,68 +548,203 @@ static void do_spawn(int sock, const char *buf, size_t len, int *fds, int nfds) 
         close(bfd);
         body = owned; blen = got;
     } else {
-        body = (char *)buf + sizeof *h; blen = len - sizeof *h;
+        body = buf + sizeof *h; blen = len - sizeof *h;
     }
     size_t rlbytes = (size_t)h->nrlimits * sizeof(struct rlim_rec);
     if (h->nrlimits > 64 || rlbytes > blen || h->argc == 0 || h->argc > 1000000 || h->envc > 1000000) goto bad;
-    {
-        int need = 2 + ((h->flags & SPAWN_STDIN_PIPE) ? 1 : 0);
-        if (nfds != need) goto bad;
-        /* Strings: cwd, argv, env, each NUL-terminated, all inside the body. */
-        char *s = body + rlbytes, *end = body + blen;
-        size_t nstr = 1 + (size_t)h->argc + h->envc;
-        char **vec = malloc((nstr + 2) * sizeof(char *));
-        if (!vec) { err = ENOMEM; goto bad; }
-        for (size_t i = 0; i < nstr; i++) {
-            char *z = memchr(s, 0, (size_t)(end - s));
-            if (!z) { free(vec); goto bad; }
-            vec[i] = s;
-            s = z + 1;
-        }
-        struct cmd c;
-        c.id = id; c.flags = h->flags; c.timeout_ms = h->timeout_ms;
-        c.rl = (const struct rlim_rec *)(void *)body; c.nrl = h->nrlimits;
-        c.cwd = vec[0];
-        /* argv = vec[1..argc], NULL; envp = vec[argc+2..], NULL: shift env up by one slot. */
-        memmove(vec + h->argc + 2, vec + h->argc + 1, h->envc * sizeof(char *));
-        vec[h->argc + 1] = NULL;
-        vec[nstr + 1] = NULL;
-        c.argv = vec + 1;
-        c.envp = vec + h->argc + 2;
-        int sp[2];
-        if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp) < 0) {
-            err = errno; free(vec); goto fail;
-        }
-        if (ll_fs_refresh() < 0) { err = errno; close(sp[0]); close(sp[1]); free(vec); goto fail; }
-        if (njobs == capjobs) {
-            size_t ncap = capjobs ? capjobs * 2 : 16;
-            struct job *nj = realloc(jobs, ncap * sizeof *nj);
-            if (!nj) { err = ENOMEM; close(sp[0]); close(sp[1]); free(vec); goto fail; }
-            jobs = nj; capjobs = ncap;
-        }
-        set_oom_adj("1000");
-        pid_t pid = fork();
-        if (pid == 0) {
-            close(sp[0]);
-            shepherd(sock, sp[1], &c, fds, nfds);
-            _exit(0);
-        }
-        err = errno;
-        set_oom_adj(IDLE_OOM_ADJ);
-        close(sp[1]);
-        free(vec);
-        if (pid < 0) { close(sp[0]); goto fail; }
-        jobs[njobs].id = id; jobs[njobs].pid = pid; jobs[njobs].ctl = sp[0];
-        njobs++;
-        for (int i = 0; i < nfds; i++) close(fds[i]);
-        free(owned);
-        return;
+    int need = 2 + ((h->flags & SPAWN_STDIN_PIPE) ? 1 : 0);
+    if (nfds != need) goto bad;
+    /* Strings: cwd, argv, env, each NUL-terminated, all inside the body. */
+    char *str = body + rlbytes, *end = body + blen;
+    size_t nstr = 1 + (size_t)h->argc + h->envc;
+    char **vec = malloc((nstr + 2) * sizeof(char *));
+    if (!vec) { err = ENOMEM; goto fail; }
+    for (size_t i = 0; i < nstr; i++) {
+        char *z = memchr(str, 0, (size_t)(end - str));
+        if (!z) { free(vec); goto bad; }
+        vec[i] = str;
+        str = z + 1;
     }
+    struct cmd c;
+    c.id = id; c.flags = h->flags; c.timeout_ms = h->timeout_ms;
+    c.rl = (const struct rlim_rec *)(void *)body; c.nrl = h->nrlimits;
+    c.cwd = vec[0];
+    /* argv = vec[1..argc], NULL; envp = vec[argc+2..], NULL: shift env up by one slot. */
+    memmove(vec + h->argc + 2, vec + h->argc + 1, h->envc * sizeof(char *));
+    vec[h->argc + 1] = NULL;
+    vec[nstr + 1] = NULL;
+    c.argv = vec + 1;
+    c.envp = vec + h->argc + 2;
+    shepherd(sock, ctl, &c, fds, nfds);
+    _exit(0);
 bad:
     err = EINVAL;
 fail:
     for (int i = 0; i < nfds; i++) close(fds[i]);
-    free(owned);
+    send_exit_simple(sock, id, EXIT_SPAWN_FAILED, (uint32_t)err);
+    _exit(0);
+}
+
+/* Receive one message (and its fds) on sock into buf; its length, 0 at EOF, -1 with errno. */
+static ssize_t recv_with_fds(int sock, char *buf, size_t size, int flags, int *fds, int *nfds, int *truncated) {
+    char cbuf[CMSG_SPACE((MAX_FDS + 1) * sizeof(int))];
+    struct iovec iov = { buf, size };
+    struct msghdr mh;
+    memset(&mh, 0, sizeof mh);
+    mh.msg_iov = &iov; mh.msg_iovlen = 1;
+    mh.msg_control = cbuf; mh.msg_controllen = sizeof cbuf;
+    ssize_t len = recvmsg(sock, &mh, MSG_CMSG_CLOEXEC | flags);
+    *nfds = 0;
+    if (len < 0) return -1;
+    for (struct cmsghdr *cm = CMSG_FIRSTHDR(&mh); cm; cm = CMSG_NXTHDR(&mh, cm)) {
+        if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
+            int k = (int)((cm->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+            int *src = (int *)(void *)CMSG_DATA(cm);
+            for (int i = 0; i < k; i++) {
+                if (*nfds < MAX_FDS + 1) fds[(*nfds)++] = src[i];
+                else close(src[i]);
+            }
+        }
+    }
+    *truncated = (mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) != 0;
+    return len;
+}
+
+/* The spare, from its fork: keep only what its shepherd needs (SH_*: the host socket, its
+ * control socket, a SIGCHLD signalfd, /dev/null), become a subreaper, all before its command
+ * comes; then wait for the SPAWN the init hands over and run it. EOF (the init is gone): exit. */
+static __attribute__((noreturn)) void spare_main(int sock, int ctl) {
+    int s3 = fcntl(sock, F_DUPFD_CLOEXEC, 10), c3 = fcntl(ctl, F_DUPFD_CLOEXEC, 10);
+    int nul = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    int n3 = nul >= 0 ? fcntl(nul, F_DUPFD_CLOEXEC, 10) : -1;
+    if (s3 < 0 || c3 < 0 || n3 < 0 || dup3(s3, SH_SOCK, O_CLOEXEC) < 0 || dup3(c3, SH_CTL, O_CLOEXEC) < 0
+        || dup3(n3, SH_LL, O_CLOEXEC) < 0 || dup3(n3, SH_NULL, O_CLOEXEC) < 0) _exit(0);
+    close(SH_SIGCHLD);
+    close_from(SH_FIRST_FREE);  /* the init's other fds: other shepherds' control sockets, its ruleset, oom_adj */
+    int sfd = sigchld_fd();  /* SIGCHLD is already blocked (inherited from the init) */
+    if (sfd < 0 || (sfd != SH_SIGCHLD && (dup3(sfd, SH_SIGCHLD, O_CLOEXEC) < 0 || close(sfd) < 0))) _exit(0);
+    prctl(PR_SET_CHILD_SUBREAPER, 1);
+    sock = SH_SOCK; ctl = SH_CTL;
+    ll_fs_fd = -1;
+    int fds[MAX_FDS + 1], nfds, truncated;
+    ssize_t len;
+    do len = recv_with_fds(ctl, msgbuf, MAX_MSG, 0, fds, &nfds, &truncated); while (len < 0 && errno == EINTR);
+    if (len < (ssize_t)sizeof(struct spawn_hdr) || truncated) _exit(0);
+    struct spawn_hdr *h = (void *)msgbuf;
+    if (h->flags & SPAWN_FWD_LL_FD) {
+        if (nfds < 1) _exit(0);
+        ll_fs_fd = fds[--nfds];
+        h->flags &= ~SPAWN_FWD_LL_FD;
+    }
+    run_spawn(sock, ctl, msgbuf, (size_t)len, fds, nfds);
+}
+
+/* Fork the spare: 0, or -1 with errno. */
+static int make_spare(int sock) {
+    int sp[2];
+    if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp) < 0) return -1;
+    set_oom_adj("1000");
+    pid_t pid = fork();
+    if (pid == 0) {
+        close(sp[0]);
+        spare_main(sock, sp[1]);
+    }
+    int err = errno;
+    set_oom_adj(IDLE_OOM_ADJ);
+    close(sp[1]);
+    if (pid < 0) { close(sp[0]); errno = err; return -1; }
+    spare_pid = pid; spare_ctl = sp[0];
+    return 0;
+}
+
+static void drop_spare(void) {
+    if (spare_ctl >= 0) close(spare_ctl);
+    spare_ctl = -1; spare_pid = -1;
+}
+
+/* 1 if the spare can take a command: alive, and no SIGKILL pending. A command (same uid) may have
+ * killed it, and SIGKILL is acted on only when the spare next runs: a dying spare would take the
+ * command and die with it (EXIT_SHEPHERD_DIED). /proc/PID/stat: field 3 (state) and field 31
+ * (the pending signals: kill(2) of SIGKILL adds it there at once, complete_signal), proc(5);
+ * ~25 us here (status, with the same facts, costs ~40), against ~100 us for the fork it saves. */
+static int spare_usable(void) {
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)spare_pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    buf[n] = 0;
+    char *p = strrchr(buf, ')');
+    if (!p || p[1] != ' ' || p[2] == 'Z' || p[2] == 'X' || p[2] == 'x') return 0;
+    p += 2;  /* field 3; each later field follows one space */
+    for (int field = 3; field < 31; field++) {
+        p = strchr(p, ' ');
+        if (!p) return 0;
+        p++;
+    }
+    return !((strtoull(p, NULL, 10) >> (SIGKILL - 1)) & 1);
+}
+
+/* Hand the SPAWN in buf (and fds, and the Landlock ruleset) to the spare: 0, or -1 with errno. */
+static int hand_over(char *buf, size_t len, const int *fds, int nfds) {
+    int all[MAX_FDS + 1], n = 0;
+    for (int i = 0; i < nfds; i++) all[n++] = fds[i];
+    struct spawn_hdr *h = (void *)buf;
+    if (ll_fs_fd >= 0) { all[n++] = ll_fs_fd; h->flags |= SPAWN_FWD_LL_FD; }
+    char cbuf[CMSG_SPACE((MAX_FDS + 1) * sizeof(int))];
+    struct iovec iov = { buf, len };
+    struct msghdr mh;
+    memset(&mh, 0, sizeof mh);
+    memset(cbuf, 0, sizeof cbuf);
+    mh.msg_iov = &iov; mh.msg_iovlen = 1;
+    if (n) {
+        mh.msg_control = cbuf; mh.msg_controllen = CMSG_SPACE((size_t)n * sizeof(int));
+        struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+        cm->cmsg_level = SOL_SOCKET; cm->cmsg_type = SCM_RIGHTS; cm->cmsg_len = CMSG_LEN((size_t)n * sizeof(int));
+        memcpy(CMSG_DATA(cm), all, (size_t)n * sizeof(int));
+    }
+    /* A command may have stopped the spare (same uid): it would never take its command. */
+    kill(spare_pid, SIGCONT);
+    ssize_t r;
+    do r = sendmsg(spare_ctl, &mh, MSG_NOSIGNAL | MSG_DONTWAIT); while (r < 0 && errno == EINTR);
+    h->flags &= ~SPAWN_FWD_LL_FD;
+    if (r == (ssize_t)len) return 0;
+    if (r >= 0) errno = EMSGSIZE;
+    return -1;
+}
+
+/* One MSG_SPAWN from the host: hand it to the spare (forking one first if there is none), then
+ * fork the next spare. fds are ours to close. The spare parses it (run_spawn). */
+static void do_spawn(int sock, char *buf, size_t len, int *fds, int nfds) {
+    const struct spawn_hdr *h = (const void *)buf;
+    uint32_t id = h->id;
+    int err = EINVAL;
+    if (h->flags & SPAWN_FWD_LL_FD || nfds > MAX_FDS) goto fail;
+    if (ll_fs_refresh() < 0) { err = errno; goto fail; }
+    if (njobs == capjobs) {
+        size_t ncap = capjobs ? capjobs * 2 : 16;
+        struct job *nj = realloc(jobs, ncap * sizeof *nj);
+        if (!nj) { err = ENOMEM; goto fail; }
+        jobs = nj; capjobs = ncap;
+    }
+    for (int attempt = 0; attempt < 2; attempt++) {
+        if (spare_pid >= 0 && attempt == 0 && !spare_usable()) drop_spare();  /* reaped as an orphan */
+        if (spare_pid < 0 && make_spare(sock) < 0) { err = errno; goto fail; }
+        if (hand_over(buf, len, fds, nfds) == 0) {
+            jobs[njobs].id = id; jobs[njobs].pid = spare_pid; jobs[njobs].ctl = spare_ctl;
+            njobs++;
+            spare_pid = -1; spare_ctl = -1;
+            for (int i = 0; i < nfds; i++) close(fds[i]);
+            spare_due = now_ns() + SPARE_LATE_NS;  /* the next one: see spare_due */
+            return;
+        }
+        err = errno;
+        drop_spare();  /* dead (EPIPE) or unusable: reaped as an orphan; fork a fresh one */
+    }
+fail:
+    for (int i = 0; i < nfds; i++) close(fds[i]);
     send_exit_simple(sock, id, EXIT_SPAWN_FAILED, (uint32_t)err);
 }
 
@@ -626,6 +802,7 @@ int main(int argc, char **argv) {
         if (w > 0) waitpid(w, NULL, 0);
         drain_fd(sfd);
     }
+    make_spare(sock);  /* the first command's shepherd; a failure is retried at its SPAWN */
     struct hello_msg hm = { MSG_HELLO, PROTO_VERSION, (uint32_t)getpid(), (uint32_t)ll_abi };
     send_msg(sock, &hm, sizeof hm);
 
@@ -645,6 +822,15 @@ int main(int argc, char **argv) {
             }
             wait_ms = (int)((next - now + 999999) / 1000000);
         }
+        if (spare_due && spare_pid < 0 && now >= spare_due) {
+            spare_due = 0;
+            make_spare(sock);  /* if it fails, the next SPAWN forks one itself */
+            now = now_ns();
+        }
+        if (spare_due && spare_pid < 0) {
+            int left_ms = (int)((spare_due - now + 999999) / 1000000);
+            if (wait_ms < 0 || left_ms < wait_ms) wait_ms = left_ms;
+        }
         struct pollfd p[2] = { { sock, POLLIN, 0 }, { sfd, POLLIN, 0 } };
         int n = poll(p, 2, wait_ms);
         if (n < 0) {
@@ -657,6 +843,7 @@ int main(int argc, char **argv) {
             pid_t r;
             int orphans = 0;
             while ((r = waitpid(-1, &st, WNOHANG)) > 0) {
+                if (r == spare_pid) { drop_spare(); continue; }  /* killed while waiting: fork anew */
                 size_t i;
                 for (i = 0; i < njobs && jobs[i].pid != r; i++) {}
                 if (i == njobs) { orphans = 1; continue; }
@@ -667,6 +854,7 @@ int main(int argc, char **argv) {
                 close(jobs[i].ctl);
                 jobs[i] = jobs[--njobs];
                 last_activity = now_ns();
+                if (spare_due) spare_due = last_activity;  /* its command is over: fork the spare now */
             }
             /* Anything reparented to us that is not a shepherd belonged to a shepherd that died. */
             if (orphans) kill_children(is_shepherd);

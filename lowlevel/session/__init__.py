@@ -44,11 +44,12 @@ Isolation between commands of one session (exactly):
         started, hold commands submitted meanwhile until they are done, and refuse while a
         background command runs (``running="wait"`` waits for it, ``running="leave"`` leaves it
         in the old layer). A command that exited 0 before or during a commit is in it.
-    The init: not dumpable (``PR_SET_DUMPABLE`` 0: no ptrace, no ``/proc/2/fd``), ignores
-        every catchable signal, and keeps no command's fds. A command can still SIGKILL or
-        SIGSTOP it (same uid; the kernel offers no way to refuse those). Killing it ends the
-        session at once (bwrap's PID 1 exits with it and the kernel kills the PID namespace):
-        every waiting call and every later one raises :class:`SessionError` with
+    The init: not dumpable (``PR_SET_DUMPABLE`` 0: no ptrace, no ``/proc/2/fd``), shrugs off
+        every catchable signal (a no-op handler, which execve resets for the commands), and
+        keeps no command's fds. A command can still SIGKILL or SIGSTOP it (same uid; the kernel
+        offers no way to refuse those). Killing it ends the session at once (bwrap's PID 1
+        exits with it and the kernel kills the PID namespace): every waiting call and every
+        later one raises :class:`SessionError` with
         ``reason="init_died"``. A stopped init or shepherd is found by the host when a command
         overruns its timeout by :data:`GRACE_S` (or, for a command without timeout, when the
         init's state is ``T``), and the session is then killed (``reason="unresponsive"``).
@@ -70,7 +71,7 @@ Protocol (``SOCK_SEQPACKET`` socketpair; one record per message; native byte ord
         ``SCM_RIGHTS``; a body over 128 KiB travels in a memfd), ``SIGNAL`` (id, signo, or
         "kill the tree").
     init/shepherd -> host: ``HELLO`` (version; the kernel attaches the init's host PID with
-        ``SO_PASSCRED``), ``STARTED`` (id, PID inside), ``EXIT`` (id, kind, wait status or
+        ``SO_PASSCRED``), ``STARTED`` (id, PID inside; background commands only), ``EXIT`` (id, kind, wait status or
         errno and stage, flags timed-out/cancelled, user and system CPU and max RSS of the
         command's tree from ``getrusage(RUSAGE_CHILDREN)``), ``BYE`` (idle/total timeout).
     Output never travels over the socket: the command writes into pipes the host created.

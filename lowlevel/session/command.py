@@ -59,6 +59,8 @@ class Command:
         # The session cgroup's (oom_kills, pids.max hits) when the command started, and
         # whether it ever ran alongside another command (then a count may be the other's).
         self.cg_before: tuple[int | None, int | None] = (None, None)
+        #: ``((cg_epoch, generation) before the read, counts)`` read for its Result (Core.cg_idle).
+        self.cg_after: tuple[tuple[int, int], tuple[int | None, int | None]] | None = None
         self.alone = True
 
     def outcome(self) -> Result:

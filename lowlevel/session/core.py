@@ -14,6 +14,7 @@ dispatches the init's reports into Results, judges the session's health and move
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import select
@@ -77,13 +78,31 @@ def _check_call_args(argv: Sequence[str], stdin: bytes | None, timeout: float | 
     :class:`~lowlevel.sandbox.request.RunRequest` (the fields a session command has: command,
     stdin, timeout, env, cwd): ``(argv as a list, cwd normalized)``.
 
+    The usual call (a list or tuple of plain ``str``, no env, stdin None or bytes, a plain
+    cwd) goes through :func:`_checked_plain`, which remembers the answers for the last few
+    argvs (a session runs the same commands again and again: the checks cost ~50 us).
+
     Raises:
         PolicyError: a bad argv, timeout, stdin, cwd, env or limits (the message says which).
     """
-    request = RunRequest(argv, stdin=stdin, timeout=timeout, env=env, cwd=cwd)
     if limits is not None and not isinstance(limits, Limits):
         raise PolicyError(f"limits must be a lowlevel.Limits or None, got {type(limits).__name__}")
+    if env is None and type(cwd) is str and type(argv) in (list, tuple) and all(type(a) is str for a in argv) \
+            and (stdin is None or type(stdin) is bytes) and (timeout is None or type(timeout) in (int, float)):
+        command, checked_cwd = _checked_plain(tuple(argv), timeout, cwd)
+        return list(command), checked_cwd
+    request = RunRequest(argv, stdin=stdin, timeout=timeout, env=env, cwd=cwd)
     return list(request.command), request.cwd or _validate.sandbox_cwd(cwd, "cwd")
+
+
+@functools.lru_cache(maxsize=256, typed=True)
+def _checked_plain(argv: tuple[str, ...], timeout: float | None, cwd: str) -> tuple[tuple[str, ...], str]:
+    """:func:`_check_call_args` of exactly these values (plain ``str``, ``int``/``float``: immutable,
+    so an answer cannot go stale; ``typed``: 1 and 1.0 and True are three keys). A refusal
+    raises and is not remembered. The stdin check (bytes or None) is made by the caller; the
+    answer holds no stdin, env or mutable object, so nothing is shared between commands."""
+    request = RunRequest(argv, timeout=timeout, cwd=cwd)
+    return tuple(request.command), request.cwd or _validate.sandbox_cwd(cwd, "cwd")
 
 
 def _open_pipes(cmd: Command, stdin: bytes | None, send_fds: list[int], close_after: list[int]) -> int:
@@ -182,6 +201,12 @@ class Core(WorkspaceGate):
         #: The cgroup's (oom_kills, pids.max hits) once the init is up: an OOM kill after it names
         #: memory in the SessionError of an init that died.
         self.cg_start: tuple[int | None, int | None] = (None, None)
+        #: The counts read as the last command's Result was built, when it left none running and
+        #: nothing since could have moved them (no command, limit rewrite, commit or reset: each
+        #: bumps ``cg_epoch`` or the gate's ``generation``): the next command's start counts,
+        #: without reading the cgroup's files again. None: read them.
+        self.cg_idle: tuple[int | None, int | None] | None = None
+        self.cg_epoch = 0
 
     def _init_defaults(self) -> None:
         """What the init's start settles: the cgroup's counts, each command's default environment
@@ -311,13 +336,18 @@ class Core(WorkspaceGate):
             send_fds.append(mfd)
             flags |= proto.SPAWN_BODY_MEMFD
             body = b""
+        if cmd.stream:
+            flags |= proto.SPAWN_STARTED  # a background command's handle shows its pid
         header = proto.spawn_header(cmd.id, flags, len(rlb), cmd.timeout, len(cmd.argv), envc)
         if self.cmds:
             cmd.alone = False
             for other in self.cmds.values():
                 other.alone = False
         if self.run.cgroup is not None:
-            cmd.cg_before = self._cg_counts()
+            idle = self.cg_idle if not self.cmds else None
+            cmd.cg_before = idle if idle is not None else self._cg_counts()
+        self.cg_idle = None
+        self.cg_epoch += 1
         self.cmds[cmd.id] = cmd
         for fd in cmd.fds():
             self.fd_owner[fd] = cmd
@@ -383,6 +413,9 @@ class Core(WorkspaceGate):
         cg = self.run.cgroup
         if cg is None or limits == self.cgroup_limits:
             return
+        with self.lock:  # a lower memory.max can OOM-kill: the counts must be read afresh
+            self.cg_idle = None
+            self.cg_epoch += 1
         try:
             cg.update_limits(limits)
         except OSError as err:
@@ -508,6 +541,9 @@ class Core(WorkspaceGate):
         finally:
             with self.lock:
                 self.finishing -= 1
+                seen = cmd.cg_after
+                if seen is not None and seen[0] == (self.cg_epoch, self.generation) and not self.cmds:
+                    self.cg_idle = seen[1]
 
     def _finish_result(self, cmd: Command, report: proto.ExitReport) -> None:
         """Settle ``cmd`` from its EXIT: its Result, or the error that ended it."""
@@ -539,7 +575,9 @@ class Core(WorkspaceGate):
         life, its changes, the egress attempts) for :func:`command_result`, which judges it."""
         oom_kills = pids_hits = None
         if self.run.cgroup is not None:
+            epoch = (self.cg_epoch, self.generation)
             (oom0, hits0), (oom1, hits1) = cmd.cg_before, self._cg_counts()
+            cmd.cg_after = (epoch, (oom1, hits1))
             oom_kills = None if oom1 is None else oom1 - (oom0 or 0)
             pids_hits = None if hits1 is None else hits1 - (hits0 or 0)
         changes = _ws.Changes()

@@ -19,6 +19,7 @@ The gate is part of the core (:class:`lowlevel.session.core.Core` inherits
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Sequence
 
@@ -187,13 +188,15 @@ class WorkspaceGate:
     def exclusive_op(self, what: str, left: Sequence[Command]) -> _ws.Changes | None:
         """Run the commit or reset that holds the gate, then reopen it (in every case).
 
+        ``what``: "commit", "reset", or "final" (a commit without the fresh layer after it:
+        the last workspace operation of a sandbox that serves no more commands, a Pool's).
         ``left``: background commands left running in the old layer (``running="leave"``):
         their Results say so in ``notes``. Returns the commit's changes (None for a reset).
         """
         try:
             with self.ws_lock:
                 self._need_cow(what)
-                out = self._commit() if what == "commit" else None
+                out = self._commit(reset=what == "commit") if what in ("commit", "final") else None
                 if what == "reset":
                     self.run.reset_cow()
             note = (f"this command ran across a Session.{what}() (running='leave'): it kept the old view of "
@@ -205,7 +208,10 @@ class WorkspaceGate:
         finally:
             self.end_exclusive()
 
-    def _commit(self) -> _ws.Changes:
+    def _commit(self, reset: bool = True) -> _ws.Changes:
+        """Apply the upper layer to the directory; then stack a fresh layer (``reset``), or, for
+        the final commit, mark the run committed: its close must not apply the same upper again
+        (it would meet its own applied entries as host changes)."""
         r = self.run
         changes = r.read_changes()
         if r.upper_fd is None or r.lower_fd is None:
@@ -223,8 +229,20 @@ class WorkspaceGate:
                 # was applied is in the directory, the rest saved at err.saved_upper. The
                 # session goes on over the directory as it now is: a second commit of the same
                 # upper would meet its own applied entries as host changes.
-                r.reset_cow()
+                self._after_commit(reset)
             raise
         r.notes.extend(report.notes)
-        r.reset_cow()
+        self._after_commit(reset)
         return changes
+
+    def _after_commit(self, reset: bool) -> None:
+        r = self.run
+        if reset:
+            r.reset_cow()
+            return
+        # The final commit: the run is committed (its close() must not apply the upper again) and
+        # the upper's fd is released now; the layer itself goes with the sandbox.
+        r.committed = True
+        if r.upper_fd is not None:
+            os.close(r.upper_fd)
+            r.upper_fd = None

@@ -1,7 +1,7 @@
 """A warm Pool of fresh sandboxes: each call gets a sandbox of its own, used once.
 
 One concept: keeping N session sandboxes started in advance (a background thread starts
-replacements and tears used ones down) so that a call has the isolation of :func:`lowlevel.run`
+replacements, another tears used ones down) so that a call has the isolation of :func:`lowlevel.run`
 at close to a session's latency. Each sandbox is a :class:`lowlevel.session.sync.Session` whose
 cgroup limits are rewritten for the one call it serves.
 """
@@ -41,7 +41,8 @@ class Pool:
 
     Each sandbox has its own fresh workspace (under ``workspace_base``, kept after use like
     :func:`lowlevel.run`'s: ``Result.workspace``), its own namespaces, ``/tmp`` and cgroup:
-    nothing is shared between calls. A background thread starts replacements and tears used
+    nothing is shared between calls. A background thread starts replacements (a call that finds
+    none ready waits for one already being started, else starts its own), another tears used
     sandboxes down.
 
     With the copy-on-write workspace, a call's Result is final when :meth:`run` returns: its
@@ -74,15 +75,24 @@ class Pool:
             self._kwargs.update(workspace=self.template, commit=False, track_changes=False)
         self._ready: collections.deque[Session] = collections.deque()
         self._retired: collections.deque[Session] = collections.deque()
+        #: Sandboxes the starter is bringing up / the reaper is tearing down now / calls waiting
+        #: for one of the starter's (each waits for one start already under way).
         self._starting = 0
+        self._retiring = 0
+        self._waiting = 0
         self._cond = threading.Condition()
         self._closed = False
         self._error: BaseException | None = None
-        #: Calls served by a ready sandbox / calls that had to start one themselves.
+        #: Calls served by a ready sandbox (or one the starter already had under way) / calls
+        #: that had to start one themselves.
         self.hits = 0
         self.misses = 0
+        # Two threads: starting a replacement never waits behind the teardown of a used sandbox
+        # (bwrap's reap, the commit, the cgroup's removal: several ms, much of it waiting).
         self._thread = threading.Thread(target=self._worker, name="lowlevel-pool", daemon=True)
+        self._reaper = threading.Thread(target=self._reap, name="lowlevel-pool-reaper", daemon=True)
         self._thread.start()
+        self._reaper.start()
 
     def __enter__(self) -> "Pool":
         return self
@@ -108,44 +118,61 @@ class Pool:
         return s
 
     def _worker(self) -> None:
+        """The starter: keep ``size`` sandboxes ready or starting. Each start runs in a thread of
+        its own, several at once: a start is mostly waiting (bwrap, the cgroup's attach, the
+        init's hello), so starts side by side refill the pool faster than one after another."""
         while True:
             with self._cond:
-                while not self._closed and not self._retired and \
-                        (len(self._ready) + self._starting >= self.size or self._error is not None):
+                while not self._closed and (len(self._ready) + self._starting >= self.size
+                                            or self._error is not None):
                     self._cond.wait()
                 if self._closed:
                     return
-                retire = self._retired.popleft() if self._retired else None
-                start = retire is None and len(self._ready) + self._starting < self.size
-                if start:
-                    self._starting += 1
-            if retire is not None:
-                try:
-                    retire.close()
-                except Exception as err:  # noqa: BLE001
-                    log.warning("lowlevel: pool teardown failed: %s", err)
-                continue
-            if start:
-                try:
-                    s = self._new()
-                except BaseException as err:  # noqa: BLE001 - reported on the next call
-                    with self._cond:
-                        self._starting -= 1
-                        self._error = err
-                        self._cond.notify_all()
-                    continue
+                self._starting += 1
+            threading.Thread(target=self._start_one, name="lowlevel-pool-start", daemon=True).start()
+
+    def _start_one(self) -> None:
+        try:
+            s = self._new()
+        except BaseException as err:  # noqa: BLE001 - reported on the next call
+            with self._cond:
+                self._starting -= 1
+                self._error = err
+                self._cond.notify_all()
+            return
+        with self._cond:
+            if not self._closed:
+                self._starting -= 1
+                self._ready.append(s)
+                self._cond.notify_all()
+                return
+        try:
+            s.close()
+            if self.template is None:
+                _ws.remove_workspace(s.directory)  # started as the pool closed: never used
+        finally:
+            with self._cond:  # counted until gone: close() waits for it
+                self._starting -= 1
+                self._cond.notify_all()
+
+    def _reap(self) -> None:
+        """The reaper: tear down used (or dead) sandboxes, beside the starter."""
+        while True:
+            with self._cond:
+                while not self._closed and not self._retired:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                retire = self._retired.popleft()
+                self._retiring += 1
+            try:
+                retire.close()
+            except Exception as err:  # noqa: BLE001
+                log.warning("lowlevel: pool teardown failed: %s", err)
+            finally:
                 with self._cond:
-                    self._starting -= 1
-                    if self._closed:
-                        closing = s
-                    else:
-                        closing = None
-                        self._ready.append(s)
+                    self._retiring -= 1
                     self._cond.notify_all()
-                if closing is not None:
-                    closing.close()
-                    if self.template is None:
-                        _ws.remove_workspace(closing.directory)  # started as the pool closed: never used
 
     def _take(self) -> Session:
         with self._cond:
@@ -154,12 +181,25 @@ class Pool:
             # No notify on a hit: the worker refills when this call is over (run's finally), so
             # starting the replacement (bwrap, cgroup, workspace: CPU and the GIL) does not
             # compete with the call itself.
-            while self._ready:
-                s = self._ready.popleft()
-                if s.alive:
-                    self.hits += 1
-                    return s
-                self._retired.append(s)
+            while True:
+                while self._ready:
+                    s = self._ready.popleft()
+                    if s.alive:
+                        self.hits += 1
+                        return s
+                    self._retired.append(s)
+                    self._cond.notify_all()
+                # A start the starter has under way (begun before this call, so sooner done than
+                # one begun now), not yet promised to another waiting call: wait for it.
+                if self._closed or self._error is not None or self._starting <= self._waiting:
+                    break
+                self._waiting += 1
+                try:
+                    self._cond.wait()
+                finally:
+                    self._waiting -= 1
+            if self._closed:
+                raise SessionError("the pool is closed", "closed")
             err, self._error = self._error, None
             self.misses += 1
             self._cond.notify_all()
@@ -216,7 +256,8 @@ class Pool:
                 result.changes = s.diff()  # reported; the template is never written
             elif s._core.run.cow:
                 # The Result is final when it is returned: the call's changes are in its workspace.
-                result.changes = s.commit()
+                # No fresh layer after it (the sandbox runs nothing more): no anchor RESET round trip.
+                result.changes = s._final_commit()
             return result
         finally:
             with self._cond:
@@ -235,6 +276,10 @@ class Pool:
             self._closed = True
             self._cond.notify_all()
         self._thread.join()
+        self._reaper.join()
+        with self._cond:
+            while self._starting:  # starts under way close what they started (the pool is closed)
+                self._cond.wait()
         while self._ready or self._retired:
             unused = bool(self._ready)
             s = (self._ready or self._retired).popleft()

@@ -13,7 +13,8 @@ Layout (``SOCK_SEQPACKET`` socketpair; one record per message):
         ``SCM_RIGHTS``; a body over :data:`MAX_INLINE` travels in a memfd), ``SIGNAL`` (id,
         signo, or "kill the tree").
     init/shepherd -> host: ``HELLO`` (version, Landlock ABI; the kernel attaches the init's host
-        PID with ``SO_PASSCRED``), ``STARTED`` (id, PID inside), ``EXIT`` (:class:`ExitReport`),
+        PID with ``SO_PASSCRED``), ``STARTED`` (id, PID inside; only when the SPAWN asked for it
+        with ``SPAWN_STARTED``), ``EXIT`` (:class:`ExitReport`),
         ``BYE`` (idle/total timeout).
 
 Sources: unix(7) (SOCK_SEQPACKET, SCM_RIGHTS, SO_PASSCRED, SCM_CREDENTIALS).
@@ -54,6 +55,9 @@ PROTO_VERSION = 1
 MSG_SPAWN, MSG_SIGNAL = 1, 2
 MSG_HELLO, MSG_STARTED, MSG_EXIT, MSG_BYE = 100, 101, 102, 103
 SPAWN_STDIN_PIPE, SPAWN_BODY_MEMFD = 1, 2
+#: SPAWN flag: report STARTED (the command's pid: a background command's ``Process.pid``); a
+#: command of ``run()`` goes without, so the host is woken once per command, by its EXIT.
+SPAWN_STARTED = 4
 SIGNAL_TREE = 1
 EXIT_WAIT_STATUS, EXIT_SETUP_FAILED, EXIT_SPAWN_FAILED, EXIT_SHEPHERD_DIED = 0, 1, 2, 3
 EXITF_TIMED_OUT, EXITF_CANCELLED = 1, 2

@@ -220,6 +220,14 @@ class Session:
         assert changes is not None
         return changes
 
+    def _final_commit(self) -> _ws.Changes:
+        """:meth:`commit` without the fresh layer after it, for a sandbox that runs no more
+        commands (:meth:`Pool.run`'s): the anchor's RESET round trip and the new overlay's mount
+        are skipped, and :meth:`close` does not commit again. Raises as :meth:`commit`."""
+        changes = self._exclusive("final", "refuse")
+        assert changes is not None
+        return changes
+
     def _exclusive(self, what: str, running: str) -> _ws.Changes | None:
         """Take the workspace gate, wait for the commands in flight, run ``what`` (see
         :class:`Core`): the sync driver."""

@@ -170,6 +170,44 @@ def test_catchable_signals_to_the_init_are_ignored(session):
     assert session.run(["echo", "still"]).stdout == b"still\n"
 
 
+def _sig_masks(status: bytes) -> dict[str, int]:
+    return {k.decode(): int(v, 16) for k, v in (line.split(b":\t") for line in status.splitlines()
+                                                if line[:3] == b"Sig" and line[:4] != b"SigQ")}
+
+
+def test_commands_start_with_default_dispositions_and_an_empty_mask(session):
+    """The init shrugs signals off with a no-op handler (not SIG_IGN), which execve resets: no
+    command inherits a caught, ignored or blocked signal (the control: the init itself catches them)."""
+    init = _sig_masks(session.run(["cat", "/proc/2/status"]).stdout)
+    assert init["SigCgt"] & (1 << (signal.SIGTERM - 1)) and init["SigCgt"] & (1 << (signal.SIGRTMAX - 1))
+    # What a fresh sandbox's program inherits (signals 32 and 33, glibc's own, come ignored from
+    # above bwrap): a session command must get no more.
+    fresh = _sig_masks(lowlevel.run(["cat", "/proc/self/status"]).stdout)
+    for masks in (_sig_masks(session.run(["cat", "/proc/self/status"]).stdout),
+                  _sig_masks(session.start(["cat", "/proc/self/status"]).wait(timeout=10).stdout)):
+        assert masks == {"SigPnd": 0, "SigBlk": 0, "SigIgn": fresh["SigIgn"], "SigCgt": 0}, masks
+        assert not masks["SigIgn"] & init["SigCgt"]
+
+
+# The shepherds waiting for their command (the init forks each one ahead): their PIDs, from a
+# command: the init's children other than the command's own shepherd ($PPID of its sh).
+_SPARES = ("for f in /proc/[0-9]*/stat; do set -- $(cat $f 2>/dev/null); "
+           "[ \"$4\" = 2 ] && [ \"$1\" != $PPID ] && echo $1; done")
+
+
+@pytest.mark.parametrize("signo", ["KILL", "STOP"])
+def test_a_command_that_kills_or_stops_the_waiting_shepherd_does_not_stall_the_next(session, signo):
+    """The next command's shepherd is forked ahead and waits, as the commands' uid: a command can
+    SIGKILL or SIGSTOP it. The init forks a fresh one (KILL) or continues it (STOP) before it
+    hands a command over, so the next commands run (a stalled one would end in SessionError)."""
+    r = session.run(["sh", "-c", f"for i in $(seq 200); do s=$({_SPARES}); [ -n \"$s\" ] && break; sleep 0.01; done; "
+                                 f"for p in $s; do kill -{signo} $p && echo hit; done"])
+    assert r.exit_code == 0 and b"hit" in r.stdout, (r.stdout, r.stderr)
+    for i in range(3):
+        assert session.run(["echo", str(i)], timeout=10).stdout == f"{i}\n".encode()
+    assert session.alive
+
+
 def test_init_not_ptraceable_or_readable(session):
     r = session.run(["sh", "-c", "cat /proc/2/environ; echo rc=$?; ls /proc/2/fd; echo rc=$?; cat /proc/2/mem; "
                      "echo rc=$?"])
