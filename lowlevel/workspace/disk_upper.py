@@ -47,6 +47,7 @@ import os
 import queue
 import select
 import shutil
+import stat
 import subprocess
 import threading
 from dataclasses import dataclass
@@ -66,7 +67,7 @@ _LOOP_CTL_GET_FREE = 0x4C82
 _LOOP_CONFIGURE = 0x4C0A
 _LO_FLAGS_AUTOCLEAR = 4
 _LO_FLAGS_DIRECT_IO = 16
-_FS_MEMORY = {"tmpfs", "ramfs"}
+_FS_MEMORY = {"tmpfs", "ramfs", "devtmpfs"}  # devtmpfs: a tmpfs (/dev)
 
 
 class _LoopInfo64(ctypes.Structure):
@@ -120,6 +121,9 @@ def upper_dir() -> str:
     except OSError as err:
         raise WorkspaceError(err.errno, f"the disk upper's directory {path} is unusable: {err.strerror}; "
                              f"set {UPPER_DIR_ENV} to a directory on disk") from err
+    if not stat.S_ISDIR(st.st_mode):
+        raise WorkspaceError(errno.ENOTDIR, f"the disk upper's directory {path} is not a directory: "
+                             f"set {UPPER_DIR_ENV} to a directory on disk")
     fstype = _fstype(st.st_dev)
     if fstype in _FS_MEMORY:
         raise WorkspaceError(errno.EINVAL, f"the disk upper's directory {path} is on a {fstype} (RAM): "
@@ -354,6 +358,32 @@ def close_later(fd: int, anchor_pid: int | None) -> None:
         _closer.put((fd, pidfd))
 
 
+def check_writeback(upper_fd: int) -> None:
+    """Before a commit: flush the disk upper (``syncfs(2)`` on ``upper_fd``, a directory fd of the
+    ext4 opened before the program ran) and refuse it when a write back to the loop device failed.
+
+    The backing file is sparse: the free-space check is at start only, so a host disk that fills
+    during the run fails the loop device's writes (EIO, the ext4's "lost async page write") while
+    the program's buffered ``write(2)`` calls had succeeded; the lost pages then read back as
+    zeros or stale data, and a commit would put corrupted files in the workspace with no error
+    (found by a run writing 40 MB while its upper directory's filesystem filled: exit 0, the
+    committed file's hash differed). ``syncfs`` returns the superblock's writeback error recorded
+    since ``upper_fd`` was opened (Linux 5.8, errseq: the program's own fsync/syncfs cannot hide
+    it from this fd). Sources: syncfs(2) "ERRORS", Documentation/filesystems/vfs.rst (errseq).
+
+    Raises:
+        WorkspaceError: EIO (or syncfs's errno): nothing was committed.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syncfs(upper_fd) != 0:
+        code = ctypes.get_errno()
+        where = os.environ.get(UPPER_DIR_ENV) or DEFAULT_UPPER_DIR
+        raise WorkspaceError(code, f"the disk upper lost writes ({os.strerror(code)}): its unnamed file in "
+                             f"{where} could not grow (that filesystem is full?); the run's changes are not "
+                             f"committed (they may be corrupt): free space there, lower workspace_bytes or set "
+                             f"{UPPER_DIR_ENV}")
+
+
 def doctor_check() -> tuple[bool, str, str]:
     """``lowlevel doctor``'s "disk upper" line: ``(works, detail, fix)``, from a real 8 MiB disk
     upper made and dropped (a loop device bound and cleared; its mke2fs template is cached)."""
@@ -389,4 +419,5 @@ def backing_files() -> dict[str, str]:
 
 
 __all__ = ["DEFAULT_UPPER_DIR", "MIN_DISK_UPPER_BYTES", "UPPER_DIR_ENV", "DiskUpper", "backing_files",
-           "check_caller", "close_later", "doctor_check", "inodes_for", "open_disk_upper", "upper_dir"]
+           "check_caller", "check_writeback", "close_later", "doctor_check", "inodes_for", "open_disk_upper",
+           "upper_dir"]
