@@ -159,14 +159,17 @@ def check_caller(caller_is_root: bool) -> None:
             "leave upper='tmpfs' (the default; bound it in RAM with memory_bytes under a cgroup), or run as root")
 
 
-_templates: dict[tuple[int, int, str], int] = {}
+_templates: dict[tuple[int, int, int], int] = {}
 _template_lock = threading.Lock()
 
 
-def _template(size: int, inodes: int, directory: str) -> int:
+def _template(size: int, inodes: int, directory: str, dev: int) -> int:
     """An O_TMPFILE fd (read-only use) holding a fresh ext4 of ``size`` bytes, ``inodes`` inodes,
-    made by mke2fs once per key in this process."""
-    key = (size, inodes, directory)
+    made by mke2fs in ``directory`` once per key in this process. Keyed by ``dev``, the
+    filesystem the run's file is on, not by the path: copy_file_range(2) copies within one
+    filesystem only, and a path (a symlink, a mount point) can name another one later (that was
+    "cannot prepare the sandbox: Invalid cross-device link")."""
+    key = (size, inodes, dev)
     with _template_lock:
         fd = _templates.get(key)
         if fd is not None:
@@ -286,9 +289,9 @@ def open_disk_upper(size: int) -> DiskUpper:
         # host disk later shows as EIO inside, never as a write past the bound.
         raise WorkspaceError(errno.ENOSPC, f"{directory} has {vfs.f_bavail * vfs.f_frsize} bytes free, less than "
                              f"the disk upper's bound ({size} bytes): lower workspace_bytes or set {UPPER_DIR_ENV}")
-    template = _template(size, inodes_for(size), directory)
     fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
     try:
+        template = _template(size, inodes_for(size), directory, os.fstat(fd).st_dev)
         os.ftruncate(fd, size)
         _copy_sparse(template, fd)
         dev, device = _bind_loop(fd)

@@ -473,3 +473,23 @@ def test_disk_upper_session_commit_after_lost_writes_applies_nothing(
             assert hashlib.sha256((ws / "out").read_bytes()).hexdigest() == want
     filler_path.unlink(missing_ok=True)
     assert_nothing_left(small_fs)
+
+
+@needs_root
+def test_disk_upper_dir_moved_to_another_filesystem_between_runs(small_fs: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """LOWLEVEL_UPPER_DIR is a symlink retargeted to another filesystem between two runs of one
+    process: the second run used the template of the first filesystem and failed ('cannot prepare
+    the sandbox: Invalid cross-device link': copy_file_range across filesystems). Now both run;
+    control: the first run, on the first filesystem."""
+    other = tmp_path / "uppers-other"
+    other.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(other)
+    monkeypatch.setenv("LOWLEVEL_UPPER_DIR", str(link))
+    policy = lowlevel.Policy(limits=lowlevel.Limits(upper="disk", workspace_bytes=16 * MiB))
+    assert lowlevel.run(["true"], policy=policy).exit_code == 0
+    link.unlink()
+    link.symlink_to(small_fs)
+    assert lowlevel.run(["true"], policy=policy).exit_code == 0
+    assert_nothing_left(small_fs)
