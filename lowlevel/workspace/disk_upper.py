@@ -178,7 +178,7 @@ def _template(size: int, inodes: int, directory: str, dev: int) -> int:
         if mkfs is None:
             raise UnsupportedError("disk-upper", "Limits.upper='disk' needs mkfs.ext4, which is not installed",
                                    "install e2fsprogs, or leave upper='tmpfs'")
-        fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        fd = _open_unnamed(directory)
         try:
             os.ftruncate(fd, size)
             # No journal (the upper is discarded with the run; a crash loses nothing of value),
@@ -205,6 +205,21 @@ def _template(size: int, inodes: int, directory: str, dev: int) -> int:
             raise
         _templates[key] = fd
         return fd
+
+
+def _open_unnamed(directory: str) -> int:
+    """An unnamed O_TMPFILE in ``directory`` (O_RDWR, O_CLOEXEC, 0600).
+
+    Raises:
+        WorkspaceError: the directory cannot hold one (a read-only filesystem, one without
+            O_TMPFILE such as vfat or NFSv3, no write permission): set LOWLEVEL_UPPER_DIR.
+    """
+    try:
+        return os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    except OSError as err:
+        raise WorkspaceError(err.errno, f"the disk upper's directory {directory} cannot hold its unnamed file "
+                             f"(open O_TMPFILE: {err.strerror}): set {UPPER_DIR_ENV} to a writable directory "
+                             "on a disk filesystem (ext4, xfs, btrfs)") from err
 
 
 def _copy_sparse(src: int, dst: int) -> None:
@@ -289,7 +304,7 @@ def open_disk_upper(size: int) -> DiskUpper:
         # host disk later shows as EIO inside, never as a write past the bound.
         raise WorkspaceError(errno.ENOSPC, f"{directory} has {vfs.f_bavail * vfs.f_frsize} bytes free, less than "
                              f"the disk upper's bound ({size} bytes): lower workspace_bytes or set {UPPER_DIR_ENV}")
-    fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    fd = _open_unnamed(directory)
     try:
         template = _template(size, inodes_for(size), directory, os.fstat(fd).st_dev)
         os.ftruncate(fd, size)

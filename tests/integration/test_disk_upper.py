@@ -410,19 +410,27 @@ def test_disk_upper_control_without_filling_commits_the_exact_bytes(small_fs: Pa
 
 
 @needs_root
-@pytest.mark.parametrize("where", ["/dev", "a file"])
+@pytest.mark.parametrize("where", ["/dev", "a file", "read-only"])
 def test_disk_upper_dir_in_devtmpfs_or_a_file_is_a_clear_workspace_error(
         where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """LOWLEVEL_UPPER_DIR=/dev (a devtmpfs: RAM, as a tmpfs, which is refused) put the "disk" upper
-    in RAM; a regular file gave 'cannot prepare the sandbox: Not a directory'. Both are now a
-    WorkspaceError naming LOWLEVEL_UPPER_DIR; control: a directory on disk runs."""
+    in RAM; a regular file gave 'cannot prepare the sandbox: Not a directory', a read-only mount
+    'cannot prepare the sandbox: Read-only file system'. All are now a WorkspaceError naming
+    LOWLEVEL_UPPER_DIR; control: a directory on disk runs."""
     path = "/dev" if where == "/dev" else str(tmp_path / "f")
     if where == "a file":
         Path(path).write_text("x")
+    if where == "read-only":
+        os.mkdir(path)
+        subprocess.run(["mount", "--bind", "-o", "ro", path, path], check=True)
     monkeypatch.setenv("LOWLEVEL_UPPER_DIR", path)
     policy = lowlevel.Policy(limits=lowlevel.Limits(upper="disk", workspace_bytes=16 * MiB))
-    with pytest.raises(lowlevel.WorkspaceError, match="LOWLEVEL_UPPER_DIR"):
-        lowlevel.run(["true"], policy=policy)
+    try:
+        with pytest.raises(lowlevel.WorkspaceError, match="LOWLEVEL_UPPER_DIR"):
+            lowlevel.run(["true"], policy=policy)
+    finally:
+        if where == "read-only":
+            subprocess.run(["umount", path], check=False)
     d = tmp_path / "ok"
     d.mkdir()
     monkeypatch.setenv("LOWLEVEL_UPPER_DIR", str(d))
