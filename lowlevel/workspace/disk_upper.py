@@ -112,8 +112,9 @@ def upper_dir() -> str:
     """The directory disk uppers' unnamed files go in: ``$LOWLEVEL_UPPER_DIR`` or /var/tmp.
 
     Raises:
-        WorkspaceError: it is missing, not a directory, or on a tmpfs/ramfs (which would put
-            the "disk" upper back in RAM): set LOWLEVEL_UPPER_DIR to a directory on disk.
+        WorkspaceError: it is missing, not a directory, on a tmpfs/ramfs/devtmpfs (which would
+            put the "disk" upper back in RAM) or on FUSE (a daemon would serve the image root
+            mounts): set LOWLEVEL_UPPER_DIR to a directory on disk.
     """
     path = os.environ.get(UPPER_DIR_ENV) or DEFAULT_UPPER_DIR
     try:
@@ -128,6 +129,13 @@ def upper_dir() -> str:
     if fstype in _FS_MEMORY:
         raise WorkspaceError(errno.EINVAL, f"the disk upper's directory {path} is on a {fstype} (RAM): "
                              f"set {UPPER_DIR_ENV} to a directory on disk")
+    if fstype is not None and (fstype == "fuse" or fstype.startswith(("fuse.", "fuseblk"))):
+        # Its bytes come from a user-space daemon, maybe another user's (allow_other): the ext4
+        # we mount would be an image someone else writes, even while mounted (the loop device's
+        # direct I/O reads it again each time). Mounting untrusted ext4 images is not safe.
+        raise WorkspaceError(errno.EINVAL, f"the disk upper's directory {path} is on a {fstype} (FUSE: its "
+                             f"daemon serves the ext4 image's blocks): set {UPPER_DIR_ENV} to a directory on "
+                             "a local disk filesystem")
     return path
 
 
