@@ -104,7 +104,7 @@ def parts(n: int) -> dict[str, float]:
     libc = ctypes.CDLL(None, use_errno=True)
     size = 1 << 30
     directory = _disk_upper.upper_dir()
-    template = _disk_upper._template(size, _disk_upper.inodes_for(size), directory)
+    template = _disk_upper._template(size, _disk_upper.inodes_for(size), directory, os.stat(directory).st_dev)
     mnt = tempfile.mkdtemp(prefix="lowlevel-bench-upper-")
     steps: dict[str, list[float]] = {k: [] for k in ("file_and_copy", "loop_configure", "mount", "umount",
                                                      "last_close_autoclear", "mke2fs_instead")}
@@ -134,7 +134,7 @@ def parts(n: int) -> dict[str, float]:
                 steps[k].append((b - a) * 1e3)
             t6 = time.perf_counter()
             _disk_upper._templates.clear()  # a fresh mke2fs (the template's fd stays open: closed below)
-            os.close(_disk_upper._template(size, _disk_upper.inodes_for(size), directory))
+            os.close(_disk_upper._template(size, _disk_upper.inodes_for(size), directory, os.stat(directory).st_dev))
             steps["mke2fs_instead"].append((time.perf_counter() - t6) * 1e3)
     finally:
         os.rmdir(mnt)

@@ -33,26 +33,34 @@ def cache_dir(create: bool = True) -> str | None:
     directory must be ours (the caller's euid) and mode 0700: what is cached there (a compiled
     seccomp filter, code objects) is trusted as much as lowlevel's own files.
     """
-    if not cache_enabled():
+    path = configured_cache_dir()
+    if path is None:
         return None
-    path = os.environ.get("LOWLEVEL_CACHE_DIR")
-    if not path:
-        if os.geteuid() == 0:
-            path = "/run/lowlevel/cache"
-        else:
-            runtime = os.environ.get("XDG_RUNTIME_DIR")
-            if runtime and _ours(runtime, directory=True):
-                path = os.path.join(runtime, "lowlevel")
-            elif os.environ.get("HOME"):
-                path = os.path.join(os.environ["HOME"], ".cache", "lowlevel")
-            else:
-                return None
     if create:
         try:
             os.makedirs(path, 0o700, exist_ok=True)
         except OSError:
             return None
     return path if _ours(path, directory=True, private=True) else None
+
+
+def configured_cache_dir() -> str | None:
+    """The path :func:`cache_dir` would use (None: the cache is off or has no place), whether or
+    not it exists or is trusted: what a workspace must not contain
+    (:func:`lowlevel.workspace.checks.check_workspace_path`)."""
+    if not cache_enabled():
+        return None
+    path = os.environ.get("LOWLEVEL_CACHE_DIR")
+    if path:
+        return path
+    if os.geteuid() == 0:
+        return "/run/lowlevel/cache"
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and _ours(runtime, directory=True):
+        return os.path.join(runtime, "lowlevel")
+    if os.environ.get("HOME"):
+        return os.path.join(os.environ["HOME"], ".cache", "lowlevel")
+    return None
 
 
 def _ours(path: str, *, directory: bool, private: bool = False) -> bool:

@@ -19,6 +19,7 @@ from lowlevel.cli.parser import DEFAULT_KILL_AFTER_S
 from lowlevel.cli.signals import Interrupted, Terminated
 from lowlevel.errors import LaunchError, LowlevelError, PolicyError, UnsupportedError
 from lowlevel.api import run
+from lowlevel.host.fd_limit import FD_EXHAUSTED, open_files_hint  # imported now: at EMFILE no import can open its file
 from lowlevel.sandbox.failures import ExecError, classify_setup_failure
 from lowlevel.sandbox.result import Result
 from lowlevel.spec.egress import DEFAULT_PORTS, Egress
@@ -84,6 +85,16 @@ def _remove(path: str) -> None:
         print(f"lowlevel: --rm: {err}", file=sys.stderr)
 
 
+def _fd_exhaustion(err: BaseException) -> BaseException:
+    """A LaunchError naming RLIMIT_NOFILE for an EMFILE/ENFILE OSError that escaped the run's own
+    checks (the terminal relay's pipes, a host probe's import at a tiny ``ulimit -n``: a
+    traceback, and --rm's workspace left), else ``err`` itself."""
+    if not isinstance(err, OSError) or isinstance(err, LowlevelError) or err.errno not in FD_EXHAUSTED:
+        return err
+    held = "a run holds up to about 45 while it starts; each live Session about 11"
+    return LaunchError(f"cannot start the run: {err.strerror}: {open_files_hint(err.errno, held)}", errno=err.errno)
+
+
 def _cmd_run(args: argparse.Namespace, command: list[str], created: list[str]) -> int:
     from lowlevel.sandbox.relay import StdioRelay, is_terminal_or_none
 
@@ -140,10 +151,11 @@ def _cmd_run(args: argparse.Namespace, command: list[str], created: list[str]) -
         if created and args.rm:
             _remove(created[0])
         raise Interrupted(signum, created[0] if created else None, bool(created and args.rm)) from None
-    except BaseException as err:
+    except BaseException as caught:
+        failure = _fd_exhaustion(caught)
         if created:
             from lowlevel.record import RecordError
-            if isinstance(err, (PolicyError, UnsupportedError, UsageError, LaunchError, RecordError)):
+            if isinstance(failure, (PolicyError, UnsupportedError, UsageError, LaunchError, RecordError)):
                 # Nothing ran (a bad option, the command not found, setup failed): the
                 # fresh workspace holds only the inputs.
                 _remove(created[0])
@@ -151,6 +163,8 @@ def _cmd_run(args: argparse.Namespace, command: list[str], created: list[str]) -
             else:
                 # Maybe after the program ran (giving the workspace back failed...): keep it.
                 print(f"lowlevel: workspace {created[0]}", file=sys.stderr)
+        if failure is not caught:
+            raise failure from None
         raise
     try:
         return _report(args, result)

@@ -171,6 +171,9 @@ class RunWorkspace(RunState):
                                   + ("" if self.commit is False else " (commit='on_success' and the run failed)"))
                 return
             assert self.lower_stat is not None
+            if self.policy.limits.upper == "disk":
+                from lowlevel.workspace.disk_upper import check_writeback
+                check_writeback(self.upper_fd)  # a full host disk lost some of the run's writes: refuse
             target = CommitTarget(
                 upper_fd=self.upper_fd, lower_fd=self.lower_fd, xattr_prefix=self.xattr_prefix,
                 since_ns=self.since_ns, upper_bytes=self.upper_bytes, workspace=self.workspace,

@@ -21,8 +21,8 @@ Why this cannot leak, and cannot weaken a run:
   cleanup`` (or the next :func:`lowlevel.host.cgroup_detect.detect_cgroups` sweep) removes what it
   names, as for a caller killed mid-run; the anchor dies with the caller (its parent-death signal).
 - The process does not exit with teardown pending: an ``atexit`` handler :func:`drain`\\s the queue
-  (bounded: ``remove()`` gives up after 2 s per run, as it did inline), and a run after it (from
-  an exit handler that runs later) tears down inline.
+  (bounded: ``remove()`` gives up after 2 s per run, as it did inline), and a run once the
+  interpreter is exiting (from any exit handler: the main thread has stopped) tears down inline.
 - Only pids and cgroup objects cross to the thread, no fd: the Run closes its fds itself.
 - A forked child drops the parent's pending items (they are the parent's children and cgroups).
 
@@ -38,6 +38,7 @@ from __future__ import annotations
 import atexit
 import collections
 import os
+import sys
 import threading
 import time
 
@@ -103,6 +104,30 @@ def _work() -> None:
                 _cond.notify_all()
 
 
+def _exit_started() -> bool:
+    """True when the interpreter is exiting: teardown handed over now might never be done.
+
+    Our exit handler may never run: registered by an import made inside another exit handler
+    (the lazy facade: a process's first run there), it is not called (atexit(3) handlers added
+    during the exit are not), and the daemon thread's work dies with the process (the red team
+    found such a run's cgroups and record left for ``lowlevel cleanup``). Signs, any of which
+    means inline teardown (always correct, only slower): our handler ran; the main thread was
+    stopped (``threading._shutdown``, before the exit handlers, when threading was imported
+    earlier); the main thread's outermost frame is a function called from C, i.e. an exit
+    handler, not a program's ``<module>`` code or runpy's (``python -m``). An embedding that calls
+    Python functions from C on its main thread also reads as exiting: it gets inline teardown.
+    """
+    if _exiting or sys.is_finalizing():
+        return True
+    main = threading.main_thread()
+    if not main.is_alive():
+        return True
+    frame = sys._current_frames().get(main.ident or -1)
+    while frame is not None and frame.f_back is not None:
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_name != "<module>" and frame.f_globals.get("__name__") != "runpy"
+
+
 def defer(pid: int | None, cgroup: _cgroups.RunCgroup | None) -> bool:
     """Hand a finished run's anchor ``pid`` (unreaped, or None) and ``cgroup`` (or None) to the
     reaper thread; returns False (nothing handed over: the caller does it inline) when the thread
@@ -113,7 +138,7 @@ def defer(pid: int | None, cgroup: _cgroups.RunCgroup | None) -> bool:
     global _thread
     if pid is None and cgroup is None:
         return True
-    if _exiting:
+    if _exit_started():
         return False
     with _cond:
         if _thread is None or not _thread.is_alive():

@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from lowlevel import workspace as _ws
-from lowlevel.errors import CommitIncompleteError, PolicyError, SessionError, UnsupportedError
+from lowlevel.errors import CommitIncompleteError, PolicyError, SessionError, UnsupportedError, WorkspaceError
 # A private name of lowlevel.sandbox.launcher (its engineer is reshaping it): where a commit's
 # conflicting changes are saved.
 from lowlevel.sandbox.commit import commit_record
@@ -217,6 +217,13 @@ class WorkspaceGate:
         if r.upper_fd is None or r.lower_fd is None:
             return changes
         owner = (r.lower_stat.st_uid, r.lower_stat.st_gid) if r.facts.caller_is_root and r.lower_stat else None
+        if r.policy.limits.upper == "disk":
+            from lowlevel.workspace.disk_upper import check_writeback
+            try:
+                check_writeback(r.upper_fd)  # a full host disk lost some writes: commit none of them
+            except WorkspaceError:
+                r.reset_cow()  # a second commit() would find no error and apply the corrupt layer
+                raise
         try:
             with commit_record(r.cgroup is None or r.cgroup.record is None, f"commit-{id(r):x}", r.workspace):
                 report = _overlay.commit_upper(r.upper_fd, r.lower_fd, xattr_prefix=r.xattr_prefix,

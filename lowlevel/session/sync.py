@@ -213,6 +213,8 @@ class Session:
             lowlevel.CommitIncompleteError: the directory's filesystem could not take the
                 changes (full, out of quota): ``.applied`` is in the directory, the rest saved
                 at ``.saved_upper``; the session's view was reset over the directory.
+            lowlevel.WorkspaceError: ``Limits.upper="disk"`` and its host filesystem filled, so
+                some writes were lost: nothing was applied, the changes were discarded (reset).
             SessionError(reason="busy"), PolicyError, UnsupportedError, SessionError,
                 LaunchError: as :meth:`reset`.
         """

@@ -161,8 +161,10 @@ class Bind:
             construction, so a symlink cannot smuggle in a refused location.
         dest: absolute path inside the sandbox; defaults to ``source``.
         writable: ``--bind`` when True, ``--ro-bind`` when False (the default).
-        allow_sensitive: bind even a location :func:`sensitive_reason` refuses. Use only
-            when you mean to hand that location to untrusted code.
+        allow_sensitive: bind even a location :func:`sensitive_reason` refuses, or a writable
+            one holding lowlevel's cache directory (code it loads:
+            :func:`lowlevel.workspace.checks.check_cache_outside`). Use only when you mean to
+            hand that location to untrusted code.
         allow_sockets: keep the unix sockets inside a bound directory reachable. False
             (default): the sockets found in it when the Policy is first planned are masked
             (:mod:`lowlevel.sandbox.bind_sockets`: connecting fails), and where Landlock has ABI >= 9
@@ -212,6 +214,16 @@ class Bind:
                 raise PolicyError(f"refusing to bind {raw!r} into the sandbox: {reason}. "
                                   "Pass allow_sensitive=True (CLI: --allow-sensitive) only if you "
                                   "really mean to expose it")
+        if self.writable and not self.allow_sensitive:
+            from lowlevel.paths import configured_cache_dir
+            cache = configured_cache_dir()
+            if cache is not None and _within(os.path.realpath(os.path.abspath(cache)), real):
+                # The caller's own code and filters are cached there: a program writing into the
+                # bind could plant them (lowlevel.workspace.checks.check_cache_outside).
+                raise PolicyError(f"refusing a writable bind of {raw!r}: it contains lowlevel's cache directory "
+                                  f"{cache}, whose files lowlevel loads as its own code: bind it read-only, set "
+                                  "LOWLEVEL_CACHE_DIR to a directory outside it (or LOWLEVEL_NO_CACHE=1), or pass "
+                                  "allow_sensitive=True if you really mean it")
         object.__setattr__(self, "source", real)
         object.__setattr__(self, "dest", dest)
         st = os.stat(real)

@@ -14,6 +14,7 @@ import os
 import stat
 
 from lowlevel.errors import WorkspaceError
+from lowlevel.paths import configured_cache_dir
 from lowlevel.host.trust import SYSTEM_DIRS, SYSTEM_TREES, check_trusted_ancestors, inside
 
 
@@ -54,8 +55,9 @@ def check_workspace_path(path: str, *, allow_sensitive: bool = False, check_ance
             ``--allow-sensitive``).
         check_ancestors: also :func:`check_trusted_ancestors` (whenever the workspace will be
             reached by path again; a copy-on-write run opens it once, by fd).
-        writable: also :func:`check_writable_fs` (whenever the run's changes will be written
-            into it: a read-only workspace is fine for a copy-on-write run that commits nothing).
+        writable: also :func:`check_writable_fs` and :func:`check_cache_outside` (whenever the
+            run's changes will be written into it: a read-only workspace is fine for a
+            copy-on-write run that commits nothing).
     Raises:
         WorkspaceError: (EPERM) the message says why and how to override.
     """
@@ -63,14 +65,42 @@ def check_workspace_path(path: str, *, allow_sensitive: bool = False, check_ance
         check_trusted_ancestors(path)
     if writable:
         check_writable_fs(path)
-    if allow_sensitive:
-        return
-    reason = workspace_refusal(path)
+    reason = None if allow_sensitive else workspace_refusal(path)
     if reason:
         raise WorkspaceError(errno.EPERM, f"refusing workspace {path}: {reason}. The workspace is bound "
                              "read-write into the sandbox (and, for a root caller, handed to the sandbox's "
                              "uid for the run): use a dedicated project directory, or pass "
                              "allow_sensitive_workspace=True (CLI: --allow-sensitive) if you really mean it")
+    if writable and not allow_sensitive:
+        check_cache_outside(path)
+
+
+def check_cache_outside(path: str) -> None:
+    """Refuse a workspace the run may write into that contains lowlevel's cache directory
+    (:func:`lowlevel.paths.configured_cache_dir`, existing or not); ``allow_sensitive`` skips it,
+    as it skips the home-directory refusal (a workspace holding ``~/.bashrc`` is as much).
+
+    lowlevel loads what is cached there as its own code and data (the dataclasses' code objects,
+    :mod:`lowlevel._dataclass`, run with ``marshal``; compiled seccomp filters,
+    :mod:`lowlevel.host.hostcache`), trusting any file of the caller's uid in a 0700 directory of
+    theirs. A commit writes the program's files into the workspace as exactly that: a program
+    that wrote ``.cache/dataclass-code.marshal`` (and the 0700 directory) into a workspace holding
+    ``LOWLEVEL_CACHE_DIR`` had its code run by the caller's next ``import lowlevel``, outside the
+    sandbox (found by the red team, as lowlevel-test).
+
+    Raises:
+        WorkspaceError: EPERM, naming the cache directory and how to move it.
+    """
+    cache = configured_cache_dir()
+    if cache is None:
+        return
+    real = os.path.realpath(os.path.abspath(cache))
+    if inside(real, path):
+        raise WorkspaceError(errno.EPERM, f"refusing workspace {path}: it contains lowlevel's cache directory "
+                             f"{cache}, whose files lowlevel loads as its own code (the run's commit could plant "
+                             "them): set LOWLEVEL_CACHE_DIR to a directory outside the workspace (or "
+                             "LOWLEVEL_NO_CACHE=1), or pass allow_sensitive_workspace=True (CLI: --allow-sensitive) "
+                             "if you really mean it")
 
 
 def check_writable_fs(path: str) -> None:

@@ -47,6 +47,7 @@ import os
 import queue
 import select
 import shutil
+import stat
 import subprocess
 import threading
 from dataclasses import dataclass
@@ -66,7 +67,7 @@ _LOOP_CTL_GET_FREE = 0x4C82
 _LOOP_CONFIGURE = 0x4C0A
 _LO_FLAGS_AUTOCLEAR = 4
 _LO_FLAGS_DIRECT_IO = 16
-_FS_MEMORY = {"tmpfs", "ramfs"}
+_FS_MEMORY = {"tmpfs", "ramfs", "devtmpfs"}  # devtmpfs: a tmpfs (/dev)
 
 
 class _LoopInfo64(ctypes.Structure):
@@ -111,8 +112,9 @@ def upper_dir() -> str:
     """The directory disk uppers' unnamed files go in: ``$LOWLEVEL_UPPER_DIR`` or /var/tmp.
 
     Raises:
-        WorkspaceError: it is missing, not a directory, or on a tmpfs/ramfs (which would put
-            the "disk" upper back in RAM): set LOWLEVEL_UPPER_DIR to a directory on disk.
+        WorkspaceError: it is missing, not a directory, on a tmpfs/ramfs/devtmpfs (which would
+            put the "disk" upper back in RAM) or on FUSE (a daemon would serve the image root
+            mounts): set LOWLEVEL_UPPER_DIR to a directory on disk.
     """
     path = os.environ.get(UPPER_DIR_ENV) or DEFAULT_UPPER_DIR
     try:
@@ -120,10 +122,20 @@ def upper_dir() -> str:
     except OSError as err:
         raise WorkspaceError(err.errno, f"the disk upper's directory {path} is unusable: {err.strerror}; "
                              f"set {UPPER_DIR_ENV} to a directory on disk") from err
+    if not stat.S_ISDIR(st.st_mode):
+        raise WorkspaceError(errno.ENOTDIR, f"the disk upper's directory {path} is not a directory: "
+                             f"set {UPPER_DIR_ENV} to a directory on disk")
     fstype = _fstype(st.st_dev)
     if fstype in _FS_MEMORY:
         raise WorkspaceError(errno.EINVAL, f"the disk upper's directory {path} is on a {fstype} (RAM): "
                              f"set {UPPER_DIR_ENV} to a directory on disk")
+    if fstype is not None and (fstype == "fuse" or fstype.startswith(("fuse.", "fuseblk"))):
+        # Its bytes come from a user-space daemon, maybe another user's (allow_other): the ext4
+        # we mount would be an image someone else writes, even while mounted (the loop device's
+        # direct I/O reads it again each time). Mounting untrusted ext4 images is not safe.
+        raise WorkspaceError(errno.EINVAL, f"the disk upper's directory {path} is on a {fstype} (FUSE: its "
+                             f"daemon serves the ext4 image's blocks): set {UPPER_DIR_ENV} to a directory on "
+                             "a local disk filesystem")
     return path
 
 
@@ -155,14 +167,17 @@ def check_caller(caller_is_root: bool) -> None:
             "leave upper='tmpfs' (the default; bound it in RAM with memory_bytes under a cgroup), or run as root")
 
 
-_templates: dict[tuple[int, int, str], int] = {}
+_templates: dict[tuple[int, int, int], int] = {}
 _template_lock = threading.Lock()
 
 
-def _template(size: int, inodes: int, directory: str) -> int:
+def _template(size: int, inodes: int, directory: str, dev: int) -> int:
     """An O_TMPFILE fd (read-only use) holding a fresh ext4 of ``size`` bytes, ``inodes`` inodes,
-    made by mke2fs once per key in this process."""
-    key = (size, inodes, directory)
+    made by mke2fs in ``directory`` once per key in this process. Keyed by ``dev``, the
+    filesystem the run's file is on, not by the path: copy_file_range(2) copies within one
+    filesystem only, and a path (a symlink, a mount point) can name another one later (that was
+    "cannot prepare the sandbox: Invalid cross-device link")."""
+    key = (size, inodes, dev)
     with _template_lock:
         fd = _templates.get(key)
         if fd is not None:
@@ -171,7 +186,7 @@ def _template(size: int, inodes: int, directory: str) -> int:
         if mkfs is None:
             raise UnsupportedError("disk-upper", "Limits.upper='disk' needs mkfs.ext4, which is not installed",
                                    "install e2fsprogs, or leave upper='tmpfs'")
-        fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        fd = _open_unnamed(directory)
         try:
             os.ftruncate(fd, size)
             # No journal (the upper is discarded with the run; a crash loses nothing of value),
@@ -198,6 +213,21 @@ def _template(size: int, inodes: int, directory: str) -> int:
             raise
         _templates[key] = fd
         return fd
+
+
+def _open_unnamed(directory: str) -> int:
+    """An unnamed O_TMPFILE in ``directory`` (O_RDWR, O_CLOEXEC, 0600).
+
+    Raises:
+        WorkspaceError: the directory cannot hold one (a read-only filesystem, one without
+            O_TMPFILE such as vfat or NFSv3, no write permission): set LOWLEVEL_UPPER_DIR.
+    """
+    try:
+        return os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    except OSError as err:
+        raise WorkspaceError(err.errno, f"the disk upper's directory {directory} cannot hold its unnamed file "
+                             f"(open O_TMPFILE: {err.strerror}): set {UPPER_DIR_ENV} to a writable directory "
+                             "on a disk filesystem (ext4, xfs, btrfs)") from err
 
 
 def _copy_sparse(src: int, dst: int) -> None:
@@ -282,9 +312,9 @@ def open_disk_upper(size: int) -> DiskUpper:
         # host disk later shows as EIO inside, never as a write past the bound.
         raise WorkspaceError(errno.ENOSPC, f"{directory} has {vfs.f_bavail * vfs.f_frsize} bytes free, less than "
                              f"the disk upper's bound ({size} bytes): lower workspace_bytes or set {UPPER_DIR_ENV}")
-    template = _template(size, inodes_for(size), directory)
-    fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    fd = _open_unnamed(directory)
     try:
+        template = _template(size, inodes_for(size), directory, os.fstat(fd).st_dev)
         os.ftruncate(fd, size)
         _copy_sparse(template, fd)
         dev, device = _bind_loop(fd)
@@ -354,6 +384,32 @@ def close_later(fd: int, anchor_pid: int | None) -> None:
         _closer.put((fd, pidfd))
 
 
+def check_writeback(upper_fd: int) -> None:
+    """Before a commit: flush the disk upper (``syncfs(2)`` on ``upper_fd``, a directory fd of the
+    ext4 opened before the program ran) and refuse it when a write back to the loop device failed.
+
+    The backing file is sparse: the free-space check is at start only, so a host disk that fills
+    during the run fails the loop device's writes (EIO, the ext4's "lost async page write") while
+    the program's buffered ``write(2)`` calls had succeeded; the lost pages then read back as
+    zeros or stale data, and a commit would put corrupted files in the workspace with no error
+    (found by a run writing 40 MB while its upper directory's filesystem filled: exit 0, the
+    committed file's hash differed). ``syncfs`` returns the superblock's writeback error recorded
+    since ``upper_fd`` was opened (Linux 5.8, errseq: the program's own fsync/syncfs cannot hide
+    it from this fd). Sources: syncfs(2) "ERRORS", Documentation/filesystems/vfs.rst (errseq).
+
+    Raises:
+        WorkspaceError: EIO (or syncfs's errno): nothing was committed.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syncfs(upper_fd) != 0:
+        code = ctypes.get_errno()
+        where = os.environ.get(UPPER_DIR_ENV) or DEFAULT_UPPER_DIR
+        raise WorkspaceError(code, f"the disk upper lost writes ({os.strerror(code)}): its unnamed file in "
+                             f"{where} could not grow (that filesystem is full?); the run's changes are not "
+                             f"committed (they may be corrupt): free space there, lower workspace_bytes or set "
+                             f"{UPPER_DIR_ENV}")
+
+
 def doctor_check() -> tuple[bool, str, str]:
     """``lowlevel doctor``'s "disk upper" line: ``(works, detail, fix)``, from a real 8 MiB disk
     upper made and dropped (a loop device bound and cleared; its mke2fs template is cached)."""
@@ -389,4 +445,5 @@ def backing_files() -> dict[str, str]:
 
 
 __all__ = ["DEFAULT_UPPER_DIR", "MIN_DISK_UPPER_BYTES", "UPPER_DIR_ENV", "DiskUpper", "backing_files",
-           "check_caller", "close_later", "doctor_check", "inodes_for", "open_disk_upper", "upper_dir"]
+           "check_caller", "check_writeback", "close_later", "doctor_check", "inodes_for", "open_disk_upper",
+           "upper_dir"]

@@ -341,3 +341,27 @@ def test_run_at_a_tiny_open_file_limit_names_rlimit_nofile(tmp_path: Path) -> No
                              capture_output=True, text=True, timeout=60)
     assert control.stdout.strip() == "0", control.stderr
     assert len(os.listdir(tmp_path)) == 1  # the control's fresh workspace, the caller's to read and remove
+
+
+@pytest.mark.parametrize("nofile", [8, 10, 12, 14, 16])
+def test_cli_run_at_a_tiny_open_file_limit_is_one_line_and_leaves_no_workspace(tmp_path: Path, nofile: int) -> None:
+    """`lowlevel run --rm` at `ulimit -n 8`/`10`: an EMFILE from the terminal relay's pipes (or a
+    host probe's import) escaped as a Python traceback, exit 1, and left the --rm workspace (the
+    red team's finding). Now every small limit is one `lowlevel:` line, exit 125, nothing left in
+    the workspace base. Control: the usual limit runs (exit 0) and leaves nothing either."""
+    import resource
+    lowlevel_cli = os.path.join(os.path.dirname(sys.executable), "lowlevel")
+    env = {**os.environ, "LOWLEVEL_WORKSPACE_BASE": str(tmp_path)}
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+    out = subprocess.run([lowlevel_cli, "run", "--rm", "--", "/bin/true"], capture_output=True, text=True,
+                         timeout=60, env=env, preexec_fn=limit)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 125 and len(lines) == 1 and lines[0].startswith("lowlevel: "), out.stderr
+    assert "Too many open files" in lines[0]
+    assert os.listdir(tmp_path) == []
+    control = subprocess.run([lowlevel_cli, "run", "--rm", "--", "/bin/true"], capture_output=True, text=True,
+                             timeout=60, env=env)
+    assert control.returncode == 0, control.stderr
+    assert os.listdir(tmp_path) == []

@@ -331,3 +331,173 @@ def test_session_commits_and_resets_a_full_disk_upper(upper_dir: Path, tmp_path:
         s.reset()
         assert s.run(["ls", "/workspace"]).stdout == b"big\n"
     assert_nothing_left(upper_dir)
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """LOWLEVEL_UPPER_DIR on an 80 MiB ext4 of the test's own (a file of tmp_path, loop-mounted)."""
+    img, mnt = tmp_path / "small.img", tmp_path / "small"
+    mnt.mkdir()
+    with open(img, "wb") as f:
+        f.truncate(80 * MiB)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(img)], check=True)
+    subprocess.run(["mount", "-o", "loop", str(img), str(mnt)], check=True)
+    d = mnt / "uppers"
+    d.mkdir()
+    monkeypatch.setenv("LOWLEVEL_UPPER_DIR", str(d))
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+# The program writes 40 MB (random: lost pages cannot read back as the same bytes) after a pause;
+# in the attack the host fills the upper directory's filesystem during that pause.
+_WRITE_40M = ["sh", "-c", "sleep 2; head -c 40000000 /dev/urandom > out; echo rc=$?; sha256sum out"]
+
+
+def _run_filling(small_fs: Path, ws: Path, fill: bool) -> lowlevel.Result:
+    import threading
+
+    def filler() -> None:
+        time.sleep(0.5)
+        with open(small_fs.parent / "filler", "wb") as f:
+            try:
+                while True:
+                    f.write(b"x" * MiB)
+            except OSError:
+                pass
+    t = threading.Thread(target=filler)
+    if fill:
+        t.start()
+    try:
+        return lowlevel.run(_WRITE_40M, workspace=ws, policy=lowlevel.Policy(
+            limits=lowlevel.Limits(upper="disk", workspace_bytes=48 * MiB, memory_bytes=256 * MiB)))
+    finally:
+        if fill:
+            t.join()
+        (small_fs.parent / "filler").unlink(missing_ok=True)
+
+
+@needs_root
+def test_disk_upper_full_host_disk_commits_nothing_corrupt(small_fs: Path, tmp_path: Path) -> None:
+    """Attack: the host filesystem of the sparse backing file fills during the run, so the loop
+    device's writes fail after the program's write(2) calls succeeded. Found by the red team: the
+    run ended 0 and the workspace got a 40 MB file whose hash was not the one the program saw
+    (its lost pages read back as other bytes). Now the commit is refused with a warning naming the
+    full directory, and the workspace is untouched."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    r = _run_filling(small_fs, ws, fill=True)
+    assert r.exit_code == 0 and b"rc=0" in r.stdout  # the program saw no error
+    assert not (ws / "out").exists(), "a corrupt output was committed"
+    assert any("disk upper lost writes" in n and str(small_fs) in n for n in r.notes), r.notes
+    assert_nothing_left(small_fs)
+
+
+@needs_root
+def test_disk_upper_control_without_filling_commits_the_exact_bytes(small_fs: Path, tmp_path: Path) -> None:
+    """Control: the same run without the filler commits the 40 MB the program hashed."""
+    import hashlib
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    r = _run_filling(small_fs, ws, fill=False)
+    assert r.exit_code == 0 and b"rc=0" in r.stdout
+    want = r.stdout.split(b"rc=0\n", 1)[1].split()[0].decode()
+    assert hashlib.sha256((ws / "out").read_bytes()).hexdigest() == want
+    assert not any("lost writes" in n for n in r.notes)
+    assert_nothing_left(small_fs)
+
+
+@needs_root
+@pytest.mark.parametrize("where", ["/dev", "a file", "read-only"])
+def test_disk_upper_dir_in_devtmpfs_or_a_file_is_a_clear_workspace_error(
+        where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LOWLEVEL_UPPER_DIR=/dev (a devtmpfs: RAM, as a tmpfs, which is refused) put the "disk" upper
+    in RAM; a regular file gave 'cannot prepare the sandbox: Not a directory', a read-only mount
+    'cannot prepare the sandbox: Read-only file system'. All are now a WorkspaceError naming
+    LOWLEVEL_UPPER_DIR; control: a directory on disk runs."""
+    path = "/dev" if where == "/dev" else str(tmp_path / "f")
+    if where == "a file":
+        Path(path).write_text("x")
+    if where == "read-only":
+        os.mkdir(path)
+        subprocess.run(["mount", "--bind", "-o", "ro", path, path], check=True)
+    monkeypatch.setenv("LOWLEVEL_UPPER_DIR", path)
+    policy = lowlevel.Policy(limits=lowlevel.Limits(upper="disk", workspace_bytes=16 * MiB))
+    try:
+        with pytest.raises(lowlevel.WorkspaceError, match="LOWLEVEL_UPPER_DIR"):
+            lowlevel.run(["true"], policy=policy)
+    finally:
+        if where == "read-only":
+            subprocess.run(["umount", path], check=False)
+    d = tmp_path / "ok"
+    d.mkdir()
+    monkeypatch.setenv("LOWLEVEL_UPPER_DIR", str(d))
+    assert lowlevel.run(["true"], policy=policy).exit_code == 0
+
+
+@needs_root
+@pytest.mark.parametrize("fill", [True, False], ids=["filled", "control"])
+def test_disk_upper_session_commit_after_lost_writes_applies_nothing(
+        fill: bool, small_fs: Path, tmp_path: Path) -> None:
+    """A Session's commit() after the host filesystem filled: WorkspaceError, nothing applied, and
+    the layer is discarded (a second commit() must not apply it: syncfs reports an error once per
+    fd). Control: no filler, commit() applies the exact bytes."""
+    import hashlib
+    import threading
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    filler_path = small_fs.parent / "filler"
+
+    def filler() -> None:
+        time.sleep(0.5)
+        with open(filler_path, "wb") as f:
+            try:
+                while True:
+                    f.write(b"x" * MiB)
+            except OSError:
+                pass
+    policy = lowlevel.Policy(limits=lowlevel.Limits(upper="disk", workspace_bytes=48 * MiB,
+                                                    memory_bytes=256 * MiB))
+    with lowlevel.Session(policy=policy, workspace=ws) as s:
+        t = threading.Thread(target=filler)
+        if fill:
+            t.start()
+        r = s.run(_WRITE_40M)
+        if fill:
+            t.join()
+        assert r.exit_code == 0 and b"rc=0" in r.stdout
+        if fill:
+            with pytest.raises(lowlevel.WorkspaceError, match="disk upper lost writes"):
+                s.commit()
+            filler_path.unlink()
+            s.commit()  # the discarded layer: nothing
+            assert not (ws / "out").exists()
+            assert s.run(["ls", "/workspace"]).stdout == b""
+        else:
+            s.commit()
+            want = r.stdout.split(b"rc=0\n", 1)[1].split()[0].decode()
+            assert hashlib.sha256((ws / "out").read_bytes()).hexdigest() == want
+    filler_path.unlink(missing_ok=True)
+    assert_nothing_left(small_fs)
+
+
+@needs_root
+def test_disk_upper_dir_moved_to_another_filesystem_between_runs(small_fs: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """LOWLEVEL_UPPER_DIR is a symlink retargeted to another filesystem between two runs of one
+    process: the second run used the template of the first filesystem and failed ('cannot prepare
+    the sandbox: Invalid cross-device link': copy_file_range across filesystems). Now both run;
+    control: the first run, on the first filesystem."""
+    other = tmp_path / "uppers-other"
+    other.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(other)
+    monkeypatch.setenv("LOWLEVEL_UPPER_DIR", str(link))
+    policy = lowlevel.Policy(limits=lowlevel.Limits(upper="disk", workspace_bytes=16 * MiB))
+    assert lowlevel.run(["true"], policy=policy).exit_code == 0
+    link.unlink()
+    link.symlink_to(small_fs)
+    assert lowlevel.run(["true"], policy=policy).exit_code == 0
+    assert_nothing_left(small_fs)

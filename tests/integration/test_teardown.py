@@ -183,3 +183,35 @@ def test_caller_killed_with_teardown_pending_leaves_what_cleanup_removes(root_wi
     assert cleanup.returncode == 0, cleanup.stdout + cleanup.stderr
     assert _run_dirs(pid) == []
     assert _records_of(pid, str(records)) == []
+
+
+_FIRST_RUN_IN_AN_EXIT_HANDLER = """
+import atexit, json, os, sys
+def late():
+    import lowlevel
+    lowlevel.run(["/usr/bin/true"], workspace=sys.argv[1])
+    from lowlevel.sandbox import teardown
+    print(json.dumps({"pid": os.getpid(), "pending": teardown.pending()}), flush=True)
+if sys.argv[2] == "before":
+    atexit.register(late)
+import lowlevel  # the lazy facade: lowlevel.sandbox.teardown is imported by the first run only
+if sys.argv[2] == "after":
+    atexit.register(late)
+if sys.argv[2] == "control":
+    late()
+"""
+
+
+@pytest.mark.parametrize("when", ["before", "after", "control"])
+def test_a_first_run_from_an_exit_handler_leaves_nothing(root_with_cgroups: None, tmp_path, when: str) -> None:
+    """The process's first run made by an exit handler (registered before or after ``import
+    lowlevel``): teardown's own exit handler, registered by that run's import, is never called
+    (the red team found its cgroups in every v1 hierarchy and its run record left, for ``lowlevel
+    cleanup``). Now such a run tears down inline. Control: the same run from the main program."""
+    out = subprocess.run([sys.executable, "-c", _FIRST_RUN_IN_AN_EXIT_HANDLER, str(tmp_path), when],
+                         capture_output=True, text=True, timeout=90, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout.strip().splitlines()[-1])
+    assert info["pending"] == (1 if when == "control" else 0)
+    assert _run_dirs(info["pid"]) == []
+    assert _records_of(info["pid"]) == []

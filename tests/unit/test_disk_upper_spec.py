@@ -53,3 +53,19 @@ def test_cli_upper_option() -> None:
     from lowlevel.cli.args import UsageError
     with pytest.raises(UsageError, match="invalid choice: 'ram'"):
         parser.parse_args(["run", "--upper", "ram", "--", "true"])
+
+
+@pytest.mark.parametrize("fstype", ["fuse", "fuse.sshfs", "fuseblk", "tmpfs", "devtmpfs"])
+def test_disk_upper_dir_on_fuse_or_ram_is_refused(fstype: str, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A FUSE directory (its daemon, maybe another user's, would serve the blocks of the ext4 root
+    mounts) and RAM filesystems are refused by type (read from mountinfo; set here: no FUSE
+    daemon on the test host). Control: the real type of tmp_path's filesystem passes."""
+    from lowlevel.errors import WorkspaceError
+    from lowlevel.workspace import disk_upper
+    monkeypatch.setenv("LOWLEVEL_UPPER_DIR", str(tmp_path))
+    real = disk_upper._fstype(tmp_path.stat().st_dev)
+    if real not in disk_upper._FS_MEMORY:
+        assert disk_upper.upper_dir() == str(tmp_path)
+    monkeypatch.setattr(disk_upper, "_fstype", lambda dev: fstype)
+    with pytest.raises(WorkspaceError, match="LOWLEVEL_UPPER_DIR"):
+        disk_upper.upper_dir()
