@@ -435,7 +435,7 @@ def row(who: str, d: dict[str, Any]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="100,300,1000")
-    ap.add_argument("--as", dest="who", default="root,user", help="root, user (lowlevel-test) or both")
+    ap.add_argument("--as", dest="who", default="root,user", help="root, user (lowlevel-test), root,user or both (the default)")
     ap.add_argument("--seconds", type=float, default=6.0, help="command time per size (round-robin and hot)")
     ap.add_argument("--settle", type=float, default=1.0)
     ap.add_argument("--step", type=int, default=100)
@@ -457,7 +457,9 @@ def main() -> None:
         return
     if os.geteuid() != 0:
         raise SystemExit("run as root (the bench runs the unprivileged half through runuser)")
-    who_list = [w for w in args.who.split(",") if w]
+    who_list = ["root", "user"] if args.who == "both" else [w for w in args.who.split(",") if w]
+    if not who_list or set(who_list) - {"root", "user"}:
+        raise SystemExit(f"--as {args.who}: say root, user, root,user or both")
     results: dict[str, Any] = {"schema": 1, "host": host_facts(), "seconds": args.seconds, "upper": args.upper,
                                "runs": [], "limits": []}
     common = ["--step", str(args.step), "--seconds", str(args.seconds), "--settle", str(args.settle),
