@@ -37,12 +37,10 @@ import atexit
 import builtins
 import dataclasses
 import marshal
-import os
-import stat
 import sys
 import threading
 
-from lowlevel.paths import cache_dir, cache_enabled
+from lowlevel.paths import cache_enabled, read_cache_file, write_cache_file
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -74,26 +72,15 @@ def _load() -> dict[str, CodeType]:
     if _codes is not None:
         return _codes
     codes: dict[str, CodeType] = {}
-    d = cache_dir(create=False)
-    if d is not None:
+    data = read_cache_file(FILE, MAX_BYTES)
+    if data is not None:
         try:
-            fd = os.open(os.path.join(d, FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            fd = -1
-        if fd >= 0:
-            try:
-                st = os.fstat(fd)
-                if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022 \
-                        and st.st_size <= MAX_BYTES:
-                    got = marshal.loads(os.read(fd, st.st_size + 1))
-                    if isinstance(got, tuple) and len(got) == 2 and got[0] == _header() \
-                            and isinstance(got[1], dict):
-                        code_type = type(_load.__code__)
-                        codes = {k: v for k, v in got[1].items() if isinstance(k, str) and type(v) is code_type}
-            except (OSError, ValueError, EOFError, TypeError):
-                codes = {}
-            finally:
-                os.close(fd)
+            got = marshal.loads(data)
+            if isinstance(got, tuple) and len(got) == 2 and got[0] == _header() and isinstance(got[1], dict):
+                code_type = type(_load.__code__)
+                codes = {k: v for k, v in got[1].items() if isinstance(k, str) and type(v) is code_type}
+        except (ValueError, EOFError, TypeError):
+            codes = {}
     _codes = codes
     return codes
 
@@ -148,26 +135,11 @@ def save() -> None:
             return
         _new = False
         codes = _codes if len(_codes) <= MAX_ENTRIES else {k: v for k, v in _codes.items() if k in _used}
-        d = cache_dir()
-        if d is None:
-            return
-        path = os.path.join(d, FILE)
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             data = marshal.dumps((_header(), codes))
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-            finally:
-                os.close(fd)
-            os.rename(tmp, path)
-        except (OSError, ValueError):
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+        except ValueError:
+            return
+        write_cache_file(FILE, data)
 
 
 def forget_loaded() -> None:

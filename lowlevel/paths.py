@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 
 #: The ``lowlevel`` package directory (absolute).
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -72,3 +73,57 @@ def _ours(path: str, *, directory: bool, private: bool = False) -> bool:
     kind_ok = stat.S_ISDIR(st.st_mode) if directory else stat.S_ISREG(st.st_mode)
     mode = stat.S_IMODE(st.st_mode)
     return kind_ok and st.st_uid == os.geteuid() and not mode & (0o077 if private else 0o022)
+
+
+def read_cache_file(name: str, max_bytes: int) -> bytes | None:
+    """The bytes of ``name`` in :func:`cache_dir` when we may trust them, else None.
+
+    Trusted: a regular file (the last component opened with ``O_NOFOLLOW``), owned by our euid,
+    not writable by group or others, at most ``max_bytes``: what the cache holds (a compiled
+    seccomp filter, code objects) is trusted as much as lowlevel's own files. Never raises.
+    """
+    d = cache_dir(create=False)
+    if d is None:
+        return None
+    try:
+        fd = os.open(os.path.join(d, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not (stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
+                and st.st_size <= max_bytes):
+            return None
+        return os.read(fd, st.st_size + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def write_cache_file(name: str, data: bytes) -> bool:
+    """Replace ``name`` in :func:`cache_dir` (made 0700 when missing) by ``data``, atomically: a
+    private temporary file (``O_EXCL | O_NOFOLLOW``, 0600) renamed over it, so a reader sees the old
+    file or the new one, never half. False (nothing left behind) when there is no trusted cache
+    directory or a write failed; never raises."""
+    d = cache_dir()
+    if d is None:
+        return False
+    path = os.path.join(d, name)
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+        return True
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        return False

@@ -37,13 +37,12 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import threading
 import time
 import zlib
 from typing import Any
 
-from lowlevel.paths import cache_dir, cache_enabled as enabled
+from lowlevel.paths import cache_dir, cache_enabled as enabled, read_cache_file, write_cache_file
 
 #: Cache file format version: bump when the meaning of an entry changes.
 FORMAT = 1
@@ -91,26 +90,14 @@ def _load(name: str) -> dict[str, Any]:
     if doc is not None:
         return doc
     doc = {}
-    d = cache_dir(create=False)
-    if d is not None:
-        path = os.path.join(d, f"{name}.json")
+    data = read_cache_file(f"{name}.json", (4 << 20) - 1)
+    if data is not None:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            fd = -1
-        if fd >= 0:
-            try:
-                st = os.fstat(fd)
-                if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022 \
-                        and st.st_size < (4 << 20):
-                    got = json.loads(os.read(fd, st.st_size + 1))
-                    if isinstance(got, dict) and got.get("base") == base_key() \
-                            and isinstance(got.get("entries"), dict):
-                        doc = got["entries"]
-            except (OSError, ValueError, UnicodeDecodeError):
-                doc = {}
-            finally:
-                os.close(fd)
+            got = json.loads(data)
+            if isinstance(got, dict) and got.get("base") == base_key() and isinstance(got.get("entries"), dict):
+                doc = got["entries"]
+        except (ValueError, UnicodeDecodeError):
+            doc = {}
     _docs[name] = doc
     return doc
 
@@ -174,26 +161,7 @@ def forget(name: str) -> None:
 
 
 def _write(name: str, entries: dict[str, Any]) -> None:
-    d = cache_dir()
-    if d is None:
-        return
-    path = os.path.join(d, f"{name}.json")
-    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            data = json.dumps({"base": base_key(), "entries": entries}, sort_keys=True).encode()
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
-        os.rename(tmp, path)
-    except OSError:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+    write_cache_file(f"{name}.json", json.dumps({"base": base_key(), "entries": entries}, sort_keys=True).encode())
 
 
 def clear_memory() -> None:
