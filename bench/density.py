@@ -435,7 +435,8 @@ def row(who: str, d: dict[str, Any]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="100,300,1000")
-    ap.add_argument("--as", dest="who", default="root,user", help="root, user (lowlevel-test), root,user or both (the default)")
+    ap.add_argument("--as", dest="who", default="root,user",
+                    help="root, user (lowlevel-test), root,user or both (the default)")
     ap.add_argument("--seconds", type=float, default=6.0, help="command time per size (round-robin and hot)")
     ap.add_argument("--settle", type=float, default=1.0)
     ap.add_argument("--step", type=int, default=100)
