@@ -295,13 +295,15 @@ def _memory_caller(mode: str) -> tuple[subprocess.CompletedProcess[str], list[in
 def test_memory_full_kills_sessions_not_their_caller() -> None:
     """80 MiB for the caller and all its sessions: the kernel's OOM killer takes sessions (each
     init has oom_score_adj 900 while idle), each a SessionError naming the OOM killer, or a start
-    that says so; the caller lives to close the rest, nothing is left in the cgroup."""
+    that says so (or that bwrap ran out of memory); the caller lives to close the rest, nothing is left in the cgroup."""
     proc, left = _memory_caller("adjust")
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     killed = [e for e in out["session_errors"] if e[0] == "SessionError" and "OOM killer" in e[2]]
     start = out["start_error"]
-    assert killed or (start and "OOM killer" in start[1]), out
+    # A start can also fail before any OOM kill: the kernel refuses bwrap's namespaces (ENOMEM at
+    # clone), which lowlevel reports as "ran out of memory" naming memory.max: as clear, as safe.
+    assert killed or (start and ("OOM killer" in start[1] or "ran out of memory" in start[1])), out
     assert all(e[0] == "SessionError" for e in out["session_errors"]), out
     assert start is None or start[0] == "LaunchError", out
     assert left == []
