@@ -65,13 +65,13 @@ import functools
 import re
 import socket
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # imported where used: ~1 ms that a run without egress (nearly all) never pays
-    import ipaddress
 
 from lowlevel._dataclass import dataclass
 from lowlevel.errors import PolicyError
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # imported where used: ~1 ms that a run without egress (nearly all) never pays
+    import ipaddress
 
 #: TCP port the relay listens on inside the sandbox (127.0.0.1 only), squid's customary port.
 PROXY_PORT = 3128
