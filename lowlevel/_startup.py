@@ -6,8 +6,8 @@ The console script imports ``lowlevel.cli`` (until issue 27 the whole package: ~
 issue 23). The first statements of ``lowlevel/__init__.py`` (using only modules the interpreter
 has loaded already, so that nothing before them can be interrupted) replace Python's default
 SIGINT handler with one that prints the one-line notice, and only when the process's main program
-is lowlevel's own command (the ``lowlevel`` console script, or ``python -m lowlevel``): never
-for a program that imports the library, whose SIGINT stays its own. The handler imports nothing
+is lowlevel's own command (the ``lowlevel`` console script, ``python -m lowlevel`` or ``python -m
+lowlevel.cli``): never for a program that imports the library, whose SIGINT stays its own. The handler imports nothing
 (the interrupted import may be half done), prints the CLI's one-line notice (with ``--json``,
 its error object too) and exits 130: nothing was
 started yet, so there is nothing to kill or give back. :func:`lowlevel.cli.main` puts Python's
