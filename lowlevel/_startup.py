@@ -7,11 +7,11 @@ issue 23). The first statements of ``lowlevel/__init__.py`` (using only modules 
 has loaded already, so that nothing before them can be interrupted) replace Python's default
 SIGINT handler with one that prints the one-line notice, and only when the process's main program
 is lowlevel's own command (the ``lowlevel`` console script, ``python -m lowlevel`` or ``python -m
-lowlevel.cli``): never for a program that imports the library, whose SIGINT stays its own. The handler imports nothing
-(the interrupted import may be half done), prints the CLI's one-line notice (with ``--json``,
-its error object too) and exits 130: nothing was
-started yet, so there is nothing to kill or give back. :func:`lowlevel.cli.main` puts Python's
-handler back first thing (:func:`disarm`: its own ``KeyboardInterrupt`` handling then applies)
+lowlevel.cli``): never for a program that imports the library, whose SIGINT stays its own. The
+handler imports nothing (the interrupted import may be half done), prints the CLI's one-line
+notice (with ``--json``, its error object too) and exits 130: nothing was started yet, so
+there is nothing to kill or give back. :func:`lowlevel.cli.main` puts Python's handler back
+first thing (:func:`disarm`: its own ``KeyboardInterrupt`` handling then applies)
 and drops SIGINT once it has its exit status (:func:`finished`). A SIGINT the parent ignored
 (``nohup``, ``&`` in a script) stays ignored.
 
