@@ -23,7 +23,7 @@ if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
     _main_file = getattr(_sys.modules.get("__main__"), "__file__", None) or ""
     _orig = list(getattr(_sys, "orig_argv", ()))
     if (_sys.argv and _sys.argv[0].rsplit("/", 1)[-1] == "lowlevel" and _main_file == _sys.argv[0]) \
-            or any(a == "-m" and _orig[i + 1:i + 2] == ["lowlevel"] for i, a in enumerate(_orig)):
+            or any(a == "-m" and _orig[i + 1:i + 2] in (["lowlevel"], ["lowlevel.cli"]) for i, a in enumerate(_orig)):
         def _startup_sigint(signum: int, _frame: object) -> None:
             # No import here: the interrupted one may be half done (lowlevel._startup).
             import posix

@@ -29,16 +29,19 @@ New code is written back (atomically: a temporary renamed into place) by :func:`
 the CLI and the package's lazy attributes call after their imports, and :mod:`atexit` at the
 end of any other process that compiled some. Nothing in it is state of a
 run: code objects are immutable, and each class gets fresh function objects from them.
+
+Importing this module imports :mod:`dataclasses` without its :mod:`inspect` (:func:`_import_dataclasses`),
+which it uses only for a class without a docstring; lowlevel's classes all have one.
 """
 
 from __future__ import annotations
 
 import atexit
 import builtins
-import dataclasses
 import marshal
 import sys
 import threading
+import types
 
 from lowlevel.paths import cache_enabled, read_cache_file, write_cache_file
 
@@ -57,6 +60,51 @@ MAX_BYTES = 8 << 20
 MAX_ENTRIES = 2000
 
 _lock = threading.RLock()
+
+
+class _LazyInspect(types.ModuleType):
+    """What :mod:`dataclasses` sees as ``inspect``: the real module, imported on first attribute use.
+
+    CPython 3.11's :mod:`dataclasses` imports :mod:`inspect` (with it ``ast``, ``dis``,
+    ``tokenize``, ``linecache``: ~3.5 ms of a ``lowlevel run``'s start-up here, bench/README.md
+    "The CLI, round 2") for one call, ``inspect.signature(cls)``, made only for a class without a
+    docstring. Every attribute is the real module's, so such a class gets the same ``__doc__``.
+    """
+
+    def __getattr__(self, name: str) -> object:
+        with _lock:  # another thread: wait until _import_dataclasses took this out of sys.modules
+            import inspect
+        if inspect is self:  # pragma: no cover  (only inside the window, and dataclasses makes no call there)
+            raise AttributeError(name)
+        return getattr(inspect, name)
+
+
+def _import_dataclasses() -> types.ModuleType:
+    """:mod:`dataclasses`, without importing :mod:`inspect` when nothing else did (:class:`_LazyInspect`).
+
+    While ``import dataclasses`` runs, ``sys.modules["inspect"]`` is a :class:`_LazyInspect` (so
+    its ``import inspect`` binds that); afterwards the entry is removed again, and any other
+    ``import inspect`` loads the real module as always. A thread that imports :mod:`inspect`
+    in that window gets the stand-in, which forwards every attribute to the real module.
+    """
+    with _lock:
+        if "dataclasses" in sys.modules or "inspect" in sys.modules:
+            import dataclasses
+            return dataclasses
+        stand_in = _LazyInspect("inspect")
+        sys.modules["inspect"] = stand_in
+        try:
+            import dataclasses
+        finally:
+            if sys.modules.get("inspect") is stand_in:
+                del sys.modules["inspect"]
+        return dataclasses
+
+
+if TYPE_CHECKING:
+    import dataclasses
+else:
+    dataclasses = _import_dataclasses()
 _codes: dict[str, CodeType] | None = None  # text -> code, loaded on first use
 _used: set[str] = set()
 _new = False

@@ -23,7 +23,10 @@ The program exiting non-zero, dying on a signal, hitting a limit or a seccomp de
 from __future__ import annotations
 
 import errno as _errno
-from typing import Any
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # not imported at run time: typing costs a `lowlevel run` ~2 ms
+    from typing import Any
 
 
 class LowlevelError(Exception):

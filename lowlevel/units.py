@@ -20,9 +20,11 @@ import re
 
 from lowlevel.errors import PolicyError
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?[bB])?\s*$")
+# Patterns, compiled on first use by re's own cache (not at import: a run that parses no size or
+# duration string does not pay for them).
+_SIZE = r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?[bB])?\s*$"
 _SIZE_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
-_DURATION = re.compile(r"^\s*((?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_DURATION = r"^\s*((?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*(ms|s|m|h|d)?\s*$"
 _DURATION_UNITS = {None: 1.0, "s": 1.0, "ms": 0.001, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
@@ -39,7 +41,7 @@ def size_bytes(value: object, name: str) -> int:
     if isinstance(value, int) and not isinstance(value, bool):
         return value
     if isinstance(value, str):
-        m = _SIZE.match(value)
+        m = re.match(_SIZE, value)
         if m:
             number, unit = m.group(1), m.group(2).lower()
             if not unit and "." in number:
@@ -58,7 +60,7 @@ def duration_seconds(value: object, name: str) -> float:
     """
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         seconds = float(value)
-    elif isinstance(value, str) and (m := _DURATION.match(value)):
+    elif isinstance(value, str) and (m := re.match(_DURATION, value)):
         seconds = float(m.group(1)) * _DURATION_UNITS[m.group(2)]
     else:
         raise PolicyError(f"{name}: invalid duration {value!r}: use seconds with an optional s, m, h or d "

@@ -74,19 +74,27 @@ def _interrupted_while_starting(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``lowlevel`` console script. Returns the exit status."""
+    """Entry point of the ``lowlevel`` console script. Returns the exit status.
+
+    Run as the command itself (the console script, ``python -m lowlevel``: ``argv`` None), the
+    process ends here once the status is known, without the interpreter's teardown
+    (:func:`lowlevel._startup.exit_now`: threads joined, atexit handlers run, output flushed).
+    """
     from lowlevel import _startup
+    status = 128 + signal.SIGINT
     try:
         _startup.disarm()  # the start-up ^C notice (lowlevel._startup) hands over to the handling below
-        return _main(argv)
+        status = _main(argv)
     except KeyboardInterrupt:  # between the two, or a second ^C while _main reported the first
         print("lowlevel: SIGINT: interrupted", file=sys.stderr)
-        return 128 + signal.SIGINT
     finally:
         _startup.finished()
         cached = sys.modules.get("lowlevel._dataclass")  # no import here: a finally of an exit
         if cached is not None:
             cached.save()  # code of the dataclasses compiled by this process, for the next (lowlevel._dataclass)
+    if argv is None and _startup.was_armed:
+        _startup.exit_now(status)
+    return status
 
 
 def _main(argv: Sequence[str] | None) -> int:

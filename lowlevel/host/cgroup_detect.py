@@ -31,13 +31,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # imported where used: subprocess costs ~1 ms at every import of lowlevel
-    import subprocess
 
 from lowlevel._dataclass import dataclass
 from lowlevel.host import cgroupfs
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # imported where used: subprocess costs ~1 ms at every import of lowlevel
+    import subprocess
 
 #: The cgroup controllers whose limits we write.
 LIMIT_CONTROLLERS = ("memory", "pids", "cpu")

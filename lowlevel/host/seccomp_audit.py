@@ -22,9 +22,9 @@ from lowlevel.host.seccomp_filter import native_arch, syscall_name
 from lowlevel.spec.seccomp import (ARCH_NAMES, SCMP_ACT_KILL_PROCESS, SCMP_ACT_KILL_THREAD, SCMP_ACT_LOG,
                                    SCMP_ARCH_X86_64)
 
-_AUDIT_RE = re.compile(
-    rb"type=1326 .*? pid=(?P<pid>\d+) .*? arch=(?P<arch>[0-9a-f]+) syscall=(?P<nr>\d+) "
-    rb".*? code=0x(?P<code>[0-9a-f]+)")
+#: An audit record of a seccomp action (compiled on first use, by re's cache: not at import).
+_AUDIT_RE = (rb"type=1326 .*? pid=(?P<pid>\d+) .*? arch=(?P<arch>[0-9a-f]+) syscall=(?P<nr>\d+) "
+             rb".*? code=0x(?P<code>[0-9a-f]+)")
 _active_audits = 0
 _active_lock = threading.Lock()
 
@@ -117,7 +117,7 @@ class DenialAudit:
             self._take(rec)
 
     def _take(self, rec: bytes) -> None:
-        m = _AUDIT_RE.search(rec)
+        m = re.search(_AUDIT_RE, rec)
         if m is None:
             return
         code = int(m["code"], 16)

@@ -31,11 +31,14 @@ import os
 import threading
 import warnings
 from collections.abc import Iterable
-from typing import Any
 
 from lowlevel.errors import PolicyError, SeccompError, UnsupportedError
 from lowlevel.host import hostcache
 from lowlevel.spec.seccomp import ARCH_NAMES, BAD_ARCH_ACTION, COMPAT_ARCHES, Arg, SeccompProfile
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # not imported at run time: typing costs a `lowlevel run` ~2 ms
+    from typing import Any
 
 #: ``_native`` (the CFFI extension built from native/) is loaded on first use, not at import:
 #: loading it and libseccomp costs ~3 ms that a process whose filter comes from the disk cache

@@ -24,7 +24,10 @@ import _signal  # type: ignore[import-not-found]  # the C module behind signal (
 import signal
 import threading
 from types import FrameType, TracebackType
-from typing import Any
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # not imported at run time: typing costs a `lowlevel run` ~2 ms
+    from typing import Any
 
 #: Signals whose Python handlers are held back (SIG_DFL and SIG_IGN ones are left alone).
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGALRM,

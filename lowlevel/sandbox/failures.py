@@ -24,9 +24,9 @@ class ExecError(LaunchError):
     """
 
 
-_EXEC_FAIL = re.compile(rb"bwrap: execvp ([^\n]*): ([^\n]*)")
+_EXEC_FAIL = rb"bwrap: execvp ([^\n]*): ([^\n]*)"  # the patterns here: compiled on first use (re's cache)
 #: native/lowlevel_exec.c's message when its execv of bwrap fails.
-_HELPER_EXEC_FAIL = re.compile(rb"lowlevel_exec: execv ([^\n]*): ([^\n]*)")
+_HELPER_EXEC_FAIL = rb"lowlevel_exec: execv ([^\n]*): ([^\n]*)"
 #: What to do when a process cannot be created (EAGAIN from clone/fork/posix_spawn).
 PROCESS_LIMIT_HINT = ("the caller's process limit is reached (EAGAIN: RLIMIT_NPROC, `ulimit -u`, counts every "
                       "process of your uid; or the pids.max of your cgroup, e.g. a systemd TasksMax). Raise it, or "
@@ -49,12 +49,12 @@ def classify_setup_failure(stderr: bytes, argv: list[str], command: Sequence[str
 
 def _classify_setup_failure(stderr: bytes, argv: list[str], command: Sequence[str]) -> LaunchError:
     text = stderr.decode("utf-8", "replace").strip()
-    m = _EXEC_FAIL.search(stderr)
+    m = re.search(_EXEC_FAIL, stderr)
     if m:
         reason = m.group(2).decode("utf-8", "replace")
         code = errno.ENOENT if "No such file" in reason else errno.EACCES
         return ExecError(f"{command[0]}: {reason.lower()} in the sandbox", argv=argv, stderr=text, errno=code)
-    m = _HELPER_EXEC_FAIL.search(stderr)
+    m = re.search(_HELPER_EXEC_FAIL, stderr)
     if m:
         # _lowlevel_exec dropped to the sandbox's host uid, then could not exec bwrap.
         path, reason = (g.decode("utf-8", "replace") for g in m.groups())
@@ -99,15 +99,15 @@ def _classify_setup_failure(stderr: bytes, argv: list[str], command: Sequence[st
 #: A program's own report of a connect() refused with EACCES: Python's bare ``PermissionError:
 #: [Errno 13] Permission denied`` (a file error names its path after a colon), node's ``connect
 #: EACCES``, or a line mentioning connect with "Permission denied" (wget, nc, ...).
-_CONNECT_EACCES = re.compile(rb"PermissionError: \[Errno 13\] Permission denied\s*$|connect[^\n]*(EACCES|Permission "
-                             rb"denied)|(EACCES|Permission denied)[^\n]*connect", re.MULTILINE | re.IGNORECASE)
+_CONNECT_EACCES = (rb"(?mi)PermissionError: \[Errno 13\] Permission denied\s*$|connect[^\n]*(EACCES|Permission "
+                   rb"denied)|(EACCES|Permission denied)[^\n]*connect")
 def network_denial_note(policy: Policy, landlock_abi: int | None, exit_code: int, stderr: bytes) -> str | None:
     """The note of a failed run whose program reported a connect() refused with EACCES, when
     the sandbox's own network policy is the cause: Landlock (ABI >= 4) denies TCP connect to
     every port without network, and to all but the egress relay's with ``network=Egress``
     (lowlevel/host/landlock.py). Cheap: one regex over the captured stderr; None otherwise."""
     if exit_code == 0 or policy.network is True or not landlock_abi or landlock_abi < 4 \
-            or not _CONNECT_EACCES.search(stderr[-65536:]):
+            or not re.search(_CONNECT_EACCES, stderr[-65536:]):
         return None
     if policy.network is False:
         return ("connect() refused by the sandbox's network policy (network=False: Landlock denies every TCP "

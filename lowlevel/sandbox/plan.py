@@ -31,12 +31,15 @@ from __future__ import annotations
 import errno
 import os
 from collections.abc import Sequence
-from typing import Any
 
 from lowlevel._dataclass import dataclass
 from lowlevel.errors import LaunchError
 from lowlevel.sandbox.argv import ETC_COPY_FD, Fds, etc_copy_refusal
 from lowlevel.spec.policy import WORKSPACE_DEST
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # not imported at run time: typing costs a `lowlevel run` ~2 ms
+    from typing import Any
 
 __all__ = ["ARGS_FD", "CHILD_FDS", "ETC_COPY_FD", "EXTRA_FDS_MIN", "FdLayout", "clamp_to_own_hard_limits",
            "guard_numbers", "lay_out", "memfd", "open_etc_copy", "passwd_group"]

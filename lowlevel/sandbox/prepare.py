@@ -11,7 +11,6 @@ import functools
 import itertools
 import os
 import socket
-from typing import Any
 
 from lowlevel.errors import LaunchError, LowlevelError, UnsupportedError
 from lowlevel.host import cgroups as _cgroups
@@ -43,6 +42,10 @@ from lowlevel.spec import limits as _limits
 from lowlevel.spec.egress import Egress
 from lowlevel.workspace import cow as _cow
 from lowlevel.workspace import uids as _uids
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # not imported at run time: typing costs a `lowlevel run` ~2 ms
+    from typing import Any
 
 #: Serial numbers of this process's run cgroups (``run-<pid>-<hex serial>``).
 _CGROUP_SERIAL = itertools.count(1)

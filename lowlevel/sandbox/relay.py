@@ -58,7 +58,10 @@ import termios
 import threading
 import tty
 from types import FrameType, TracebackType
-from typing import Any
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # not imported at run time: typing costs a `lowlevel run` ~2 ms
+    from typing import Any
 
 _CHUNK = 1 << 20
 #: Read size on the caller's stdin: small, as what the relay reads ahead of the program is

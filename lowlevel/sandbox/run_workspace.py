@@ -11,7 +11,6 @@ import os
 import shutil
 import socket
 import time
-from typing import Any
 
 from lowlevel import workspace as _ws
 from lowlevel.errors import LaunchError, LowlevelError, UnsupportedError, WorkspaceError
@@ -23,6 +22,10 @@ from lowlevel.sandbox.result import Result
 from lowlevel.sandbox.state import RunState, log
 from lowlevel.spec.report import WARNING_PREFIX
 from lowlevel.workspace import overlay as _overlay
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # not imported at run time: typing costs a `lowlevel run` ~2 ms
+    from typing import Any
 
 
 def drop_fresh_workspace(result: Result, note: str = "workspace removed after the run "

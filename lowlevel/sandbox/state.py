@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import socket
-from typing import Any
 
 from lowlevel import workspace as _ws
 from lowlevel.errors import LowlevelError
@@ -23,6 +22,10 @@ from lowlevel.sandbox.argv import HostFacts
 from lowlevel.sandbox.request import RunRequest
 from lowlevel.spec.policy import Policy
 from lowlevel.workspace import uids as _uids
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # not imported at run time: typing costs a `lowlevel run` ~2 ms
+    from typing import Any
 
 
 class _Log:

@@ -65,13 +65,13 @@ import functools
 import re
 import socket
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # imported where used: ~1 ms that a run without egress (nearly all) never pays
-    import ipaddress
 
 from lowlevel._dataclass import dataclass
 from lowlevel.errors import PolicyError
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # imported where used: ~1 ms that a run without egress (nearly all) never pays
+    import ipaddress
 
 #: TCP port the relay listens on inside the sandbox (127.0.0.1 only), squid's customary port.
 PROXY_PORT = 3128
@@ -92,8 +92,9 @@ NO_PROXY = "localhost,127.0.0.1,::1"
 #: update-ca-certificates(8)'s configuration, so it is left out (one bind mount less per run).
 EGRESS_ETC = ("/etc/ssl",)
 
-_LABEL = re.compile(r"^[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?$")
-_INET_ATON_CHARS = re.compile(r"^[0-9a-fx.]+$")
+# Compiled on first use (re's cache), not at import: a run without egress never needs them.
+_LABEL = r"^[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?$"
+_INET_ATON_CHARS = r"^[0-9a-fx.]+$"
 
 
 def normalize_host(name: str) -> str:
@@ -125,7 +126,7 @@ def normalize_host(name: str) -> str:
     if len(host) > 253:
         raise ValueError(f"host name {name[:40]!r}... is longer than 253 characters")
     for label in host.split("."):
-        if not _LABEL.match(label):
+        if not re.match(_LABEL, label):
             raise ValueError(f"host name {name!r} has an invalid label {label!r} (letters, digits, '-', '_'; "
                              "1 to 63 characters)")
     return host
@@ -143,7 +144,7 @@ def ip_literal(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | Non
         return ipaddress.ip_address(host)
     except ValueError:
         pass
-    if _INET_ATON_CHARS.match(host.lower()):
+    if re.match(_INET_ATON_CHARS, host.lower()):
         try:
             return ipaddress.IPv4Address(socket.inet_aton(host))
         except OSError:

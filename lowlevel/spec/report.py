@@ -28,7 +28,10 @@ from __future__ import annotations
 import base64
 import os
 from collections.abc import Mapping
-from typing import Any
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # not imported at run time: typing costs a `lowlevel run` ~2 ms
+    from typing import Any
 
 
 #: Prefix of the note :func:`lowlevel.record.record_run` adds to ``Result.notes`` when the record

@@ -23,9 +23,12 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Sequence
-from typing import Any
 
 from lowlevel.errors import PolicyError
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # not imported at run time: typing costs a `lowlevel run` ~2 ms
+    from typing import Any
 
 #: Longest single argument the kernel passes to a program (MAX_ARG_STRLEN: 32 pages of 4 KiB).
 MAX_ARG_BYTES = 32 * 4096

@@ -37,12 +37,15 @@ import itertools
 import os
 import stat
 from dataclasses import field
-from typing import Any
 
 from lowlevel._dataclass import dataclass
 from lowlevel.host.procs import process_start_time, uid_runs_a_process
 from lowlevel.workspace import cow as _cow
 from lowlevel.workspace.changes import Snapshot
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # not imported at run time: typing costs a `lowlevel run` ~2 ms
+    from typing import Any
 
 #: Where journals live (root callers only).
 JOURNAL_DIR = os.path.join(_cow.ROOT_STATE_DIR, "handover")

@@ -19,11 +19,14 @@ import os
 import pwd
 import struct
 from collections.abc import Callable
-from typing import Any, TypeVar
 
 from lowlevel.errors import UnsupportedError
 from lowlevel.workspace.cow import ensure_root_state_dir
 from lowlevel.workspace.handover_journal import journaled_uids
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # not imported at run time: typing costs a `lowlevel run` ~2 ms
+    from typing import Any, TypeVar
 
 #: Per-run host uids of root callers: ``(first, count)``. 0x70000000 starts just above the
 #: range systemd hands to containers (524288-1879048191) and below 2^31; override with
@@ -54,7 +57,8 @@ def uid_range() -> tuple[int, int]:
     return first, last - first + 1
 
 
-_T = TypeVar("_T")
+if TYPE_CHECKING:
+    _T = TypeVar("_T")
 _parsed_cache: dict[tuple[str, Callable[[bytes], Any]], tuple[tuple[int, int], Any]] = {}
 
 

@@ -33,6 +33,9 @@ NOT_FOR_A_PLAIN_RUN = ("lowlevel.image", "lowlevel.record", "lowlevel.mcp_server
                        "lowlevel.cli.commands")
 #: Standard modules the run's failure, cleanup and commit paths use: loaded before the sandbox.
 EAGER = ("shutil", "tempfile", "ctypes", "logging")
+#: Standard modules a plain run does without (issue 27, "The CLI, round 2"): ``typing`` only for the
+#: type checker, ``inspect`` (with ast, dis, tokenize) only for a dataclass without a docstring.
+STDLIB_NOT_FOR_A_RUN = ("typing", "inspect", "ast", "dis")
 
 #: Runs the CLI in-process, then prints the loaded lowlevel features and the eager modules that
 #: were already there when the sandbox was spawned (a wrapper around the anchor's spawn).
@@ -47,13 +50,14 @@ def spy(*a, **k):
 os.posix_spawn = spy
 code = lowlevel.cli.main(sys.argv[1:])
 mods = sorted(m for m in sys.modules if any(m == f or m.startswith(f + ".") for f in %(features)r))
-print(json.dumps({"code": code, "features": mods, "at_spawn": seen.get("at_spawn")}))
+stdlib = sorted(m for m in %(stdlib)r if m in sys.modules)
+print(json.dumps({"code": code, "features": mods, "at_spawn": seen.get("at_spawn"), "stdlib": stdlib}))
 """
 
 
 def _cli(tmp_path: Path, *args: str) -> dict[str, object]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "LOWLEVEL_WORKSPACE_BASE": str(tmp_path)}
-    code = WRAPPER % {"eager": EAGER, "features": NOT_FOR_A_PLAIN_RUN}
+    code = WRAPPER % {"eager": EAGER, "features": NOT_FOR_A_PLAIN_RUN, "stdlib": STDLIB_NOT_FOR_A_RUN}
     proc = subprocess.run([sys.executable, "-c", code, "run", *args], capture_output=True, text=True, env=env,
                           cwd="/", timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -66,11 +70,30 @@ def test_cli_run_loads_no_feature_it_does_not_use(tmp_path: Path) -> None:
     assert doc["code"] == 0
     assert doc["features"] == []
     assert doc["at_spawn"] == sorted(EAGER)
+    assert doc["stdlib"] == []
+
+
+def test_a_dataclass_without_a_docstring_still_loads_inspect_and_gets_its_doc(tmp_path: Path) -> None:
+    # The control of the check above: the same interpreter start does import inspect when a
+    # dataclass needs inspect.signature, and the class's __doc__ is the standard one.
+    code = ("import sys\nfrom lowlevel._dataclass import dataclass\nassert 'inspect' not in sys.modules\n"
+            "@dataclass\nclass NoDoc:\n    a: int\n"
+            "print(repr(NoDoc.__doc__), 'inspect' in sys.modules, type(sys.modules['inspect']).__name__)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd="/",
+                          env={**os.environ, "PYTHONPATH": str(REPO), "LOWLEVEL_CACHE_DIR": str(tmp_path)})
+    assert proc.stdout.split() == ["'NoDoc(a:", "int)'", "True", "module"], proc.stderr
+
+
+def test_python_m_lowlevel_cli_is_the_command(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "LOWLEVEL_WORKSPACE_BASE": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "lowlevel.cli", "run", "--rm", "--", "/bin/echo", "hi"],
+                          capture_output=True, text=True, env=env, cwd="/", timeout=60)
+    assert (proc.returncode, proc.stdout) == (0, "hi\n"), proc.stderr
 
 
 def test_cli_run_with_json_loads_no_feature_it_does_not_use(tmp_path: Path) -> None:
     doc = _cli(tmp_path, "--rm", "--json", "--", "/usr/bin/true")
-    assert doc["code"] == 0 and doc["features"] == [] and doc["at_spawn"] == sorted(EAGER)
+    assert doc["code"] == 0 and doc["features"] == [] and doc["at_spawn"] == sorted(EAGER) and doc["stdlib"] == []
 
 
 def test_cli_run_with_an_allowlist_loads_the_egress_proxy(tmp_path: Path) -> None:

@@ -154,3 +154,24 @@ def test_a_refused_class_leaves_dataclasses_as_it_was(cache: Path) -> None:
             a: int = 1
             b: int  # type: ignore[misc]  # no default after one with: dataclasses refuses the class
     assert "exec" not in vars(dataclasses)
+
+
+def test_a_class_without_a_docstring_gets_the_standard_doc(cache: Path) -> None:
+    # dataclasses calls inspect.signature only for such a class; _dataclass gives it a stand-in
+    # for inspect that forwards to the real module (the doc is the same as without lowlevel).
+    def make(decorator: Any) -> Any:
+        @decorator(frozen=True)
+        class NoDoc:
+            a: int
+            b: str = "x"
+        return NoDoc
+
+    assert make(_dataclass.dataclass).__doc__ == make(dataclasses.dataclass).__doc__ == "NoDoc(a: 'int', b: 'str' = 'x')"
+
+
+def test_the_inspect_stand_in_forwards_to_the_real_module() -> None:
+    import inspect
+    stand_in = _dataclass._LazyInspect("inspect")
+    assert stand_in.signature is inspect.signature and stand_in.Parameter is inspect.Parameter
+    with pytest.raises(AttributeError):
+        stand_in.no_such_name  # noqa: B018
