@@ -21,7 +21,6 @@ SIGSETXID 33).
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +28,7 @@ from pathlib import Path
 import pytest
 
 import lowlevel
-from helpers.identities import RUNUSER
+from helpers.identities import last_json_line, runuser
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(180)]
 
@@ -80,14 +79,11 @@ print(json.dumps(res))
 
 def _caller(sandbox, mode: str) -> dict[str, dict[str, list[int]]]:
     code = "CODE = " + repr(CALLER) + "\n" + CALLER
-    cmd = [sys.executable, "-c", code, mode]
-    if sandbox.user is not None:
-        cmd = [RUNUSER, "-u", sandbox.user.pw_name, "--", *cmd]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd="/",
-                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(lowlevel.__file__).parents[1]),
-                               "LANG": "C.UTF-8", "HOME": sandbox.home})
+    proc = subprocess.run(runuser(sandbox.user, [sys.executable, "-c", code, mode]), capture_output=True, text=True,
+                          timeout=150, cwd="/", env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": sandbox.home,
+                                                     "PYTHONPATH": str(Path(lowlevel.__file__).parents[1])})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return last_json_line(proc)
 
 
 @pytest.mark.parametrize("mode", ["none", "IGN", "BLK"])
