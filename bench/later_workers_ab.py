@@ -3,8 +3,10 @@
     python bench/later_workers_ab.py [BLOCKS]     (default 8 blocks of 120 calls per side)
 
 The one "close later" queue (lowlevel/host/later.py) serves the one-shot teardown (one thread
-before) and the disk upper's close (up to 4 before); this shows what more workers cost a
-teardown-only load. bench/README.md "Teardown nits".
+before) and the disk upper's close (up to 4 before); this showed what more workers cost a
+teardown-only load, measured at 65811b4 and ad30514, where quick items could start workers. At
+the commit after those, only slow items (the disk closes) may, so on this teardown-only load
+both sides run one worker: a control. bench/README.md "Teardown nits".
 """
 import asyncio
 import statistics

@@ -23,11 +23,12 @@ What holds, for every item:
   loop devices (tests/helpers/hygiene.py does), and before reporting a resource as exhausted
   that pending work frees (``lowlevel.sandbox.prepare``: the uid leases of exiting anchors).
 
-Workers: daemon threads named ``lowlevel-later``, started on first use and another (up to
-:data:`MAX_WORKERS`) whenever an item finds another still waiting: a backlog (many concurrent
-``arun`` calls, disk uppers' 10-40 ms unmounts) does not pile up, and the common case (each
-item done before the next comes) keeps one thread (one per item that finds the worker busy cost
-arun c8 3% of its calls/s on this 2-vCPU VM: bench/README.md "Teardown nits").
+Workers: daemon threads named ``lowlevel-later``, one started on first use, and another (up to
+:data:`MAX_WORKERS`) when a slow item (``defer(..., slow=True)``: a disk upper's 10-40 ms
+unmount) finds others still waiting, so such a backlog does not pile up. Quick items (the
+teardown) never add one: a teardown-only load keeps one thread, as before the two mechanisms
+were merged (more workers cost arun c8 ~3% of its calls/s on this 2-vCPU VM, and 500
+concurrent ``arun`` calls must not grow the caller's threads: tests/integration/test_aio.py).
 
 Sources: atexit(3); fork(2) (only the calling thread is copied); ``os.register_at_fork``.
 """
@@ -119,16 +120,19 @@ def exit_started() -> bool:
     return frame is not None and frame.f_code.co_name != "<module>" and frame.f_globals.get("__name__") != "runpy"
 
 
-def defer(work: Callable[[], None]) -> bool:
+def defer(work: Callable[[], None], *, slow: bool = False) -> bool:
     """Hand ``work`` (no arguments; bounded; see the module docstring for what it may do) to a
-    worker thread. Returns False, having handed over nothing, when the interpreter is exiting or
-    no worker can start: the caller then does the work inline."""
+    worker thread. ``slow``: the item may take tens of ms (a disk upper's unmount), so a backlog
+    of items may start another worker (up to :data:`MAX_WORKERS`); the quick ones (a teardown,
+    ~0.6 ms) never do: one worker keeps up with them, and more cost CPU (bench/README.md
+    "Teardown nits"). Returns False, having handed over nothing, when the interpreter is exiting
+    or no worker can start: the caller then does the work inline."""
     global _threads
     if exit_started():
         return False
     with _cond:
         alive = [t for t in _threads if t.is_alive()]
-        if not alive or (_queue and len(alive) < MAX_WORKERS):  # none yet, or a backlog
+        if not alive or (slow and _queue and len(alive) < MAX_WORKERS):  # none yet, or a slow backlog
             t = threading.Thread(target=_work, name="lowlevel-later", daemon=True)
             try:
                 t.start()

@@ -358,7 +358,7 @@ def close_later(fd: int, anchor_pid: int | None) -> None:
             pidfd = os.pidfd_open(anchor_pid)
         except OSError:
             pidfd = None  # reaped already (or no pidfd_open): nothing to wait for
-    if not _later.defer(functools.partial(_close_after, fd, pidfd)):
+    if not _later.defer(functools.partial(_close_after, fd, pidfd), slow=True):
         _close_after(fd, None)
         if pidfd is not None:
             os.close(pidfd)
