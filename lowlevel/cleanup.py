@@ -7,7 +7,13 @@ host's mount namespace (the overlay and its tmpfs live in the anchor's own). Wha
   was: under this process's own base, or where the run's record (:mod:`lowlevel.host.run_records`,
   written before the cgroup was made) says, e.g. under the cgroup of a service or container the
   caller ran in. The next :func:`lowlevel.host.cgroup_detect.detect_cgroups` of a caller in the same cgroup
-  also removes the empty ones of dead pids;
+  also removes the empty ones of dead pids. A run cgroup whose record is gone too (a private
+  record directory deleted, ``/run`` wiped) is found by walking every cgroup hierarchy (v1
+  ``memory``/``pids``/``cpu``/``cpuacct``/``freezer`` and v2, from ``/proc/self/mountinfo``; or
+  only the directories ``$LOWLEVEL_CGROUP_ROOTS`` names, ``:``-separated, empty: no walk) for
+  ``<cgroup>/lowlevel/[run-]<pid>-*`` whose ``<pid>`` no longer exists, when ``<cgroup>`` (the
+  caller's, less its ``lowlevel``) holds no process of another PID namespace (a caller there, a
+  container's, could be alive with a pid we do not see); what is still inside is killed first;
 - ``commit``: temporaries of a commit killed mid-way (``.lowlevel-commit-<pid>-<n>`` and its
   journal) in a workspace; the next commit into that workspace removes them
   (:func:`lowlevel.workspace.overlay.cleanup_commit_leftovers`), or ``lowlevel cleanup`` (the workspaces
@@ -44,10 +50,14 @@ import time
 
 from lowlevel._dataclass import dataclass
 from lowlevel.host import cgroup_detect as _cgroup_detect
+from lowlevel.host import cgroupfs as _cgroupfs
 from lowlevel.host import run_records as _records
 from lowlevel.errors import LowlevelError
 
 _EGRESS_PREFIX = "lowlevel-egress-"
+#: ``:``-separated cgroup directories cleanup's walk starts from instead of every cgroup mount
+#: (each must be inside one); empty: no walk (the records and this process's bases only).
+CGROUP_ROOTS_ENV = "LOWLEVEL_CGROUP_ROOTS"
 
 
 @dataclass(frozen=True)
@@ -66,12 +76,83 @@ class Leftover:
     detail: str
 
 
-def _cgroup_mounts() -> list[str]:
+def _cgroup_hierarchies() -> list[tuple[int, str, frozenset[str]]]:
+    """``(version, mount, controllers)`` of each cgroup hierarchy lowlevel uses, mounted here."""
+    out: list[tuple[int, str, frozenset[str]]] = []
     try:
         with open("/proc/self/mountinfo") as f:
-            return [mount for _root, mount, _fs, _opts in _cgroup_detect.parse_mountinfo(f.read())]
+            mounts = _cgroup_detect.parse_mountinfo(f.read())
     except OSError:
-        return []
+        return out
+    seen: set[frozenset[str]] = set()
+    for _root, mount, fs, opts in mounts:
+        used = frozenset(opts.split(",")) & _cgroup_detect._V1_USED if fs == "cgroup" else frozenset()
+        key = frozenset({"v2"}) if fs == "cgroup2" else used
+        if key and key not in seen:  # one mount per hierarchy
+            seen.add(key)
+            out.append((2 if fs == "cgroup2" else 1, mount, used))
+    return out
+
+
+def _cgroup_mounts() -> list[str]:
+    return [mount for _v, mount, _c in _cgroup_hierarchies()]
+
+
+def _walk_roots() -> list[tuple[int, str, frozenset[str]]]:
+    """Where the orphan walk starts: every hierarchy, or ``$LOWLEVEL_CGROUP_ROOTS`` (inside one)."""
+    hierarchies = _cgroup_hierarchies()
+    given = os.environ.get(CGROUP_ROOTS_ENV)
+    if given is None:
+        return hierarchies
+    out = []
+    for d in filter(None, given.split(":")):
+        real = os.path.realpath(d)
+        out += [(v, real, c) for v, m, c in hierarchies if real == m or real.startswith(m.rstrip("/") + "/")][:1]
+    return out
+
+
+def _foreign_procs(cgroup: str) -> bool:
+    """True when ``cgroup`` or a descendant (but its ``lowlevel``) holds a process of another PID
+    namespace than ours, or one we cannot check: a caller there may live with a pid we do not see."""
+    try:
+        ours = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return True
+    for parent, dirs, _files in os.walk(cgroup):
+        if parent == cgroup and _cgroup_detect.BASE_NAME in dirs:
+            dirs.remove(_cgroup_detect.BASE_NAME)
+        for pid in _cgroupfs.read_ints(os.path.join(parent, "cgroup.procs")):
+            try:
+                if pid <= 0 or os.readlink(f"/proc/{pid}/ns/pid") != ours:
+                    return True
+            except FileNotFoundError:
+                continue  # exited since
+            except OSError:
+                return True  # EACCES: not ours to judge
+    return False
+
+
+def _dead_owner(name: str) -> str | None:
+    m = _cgroup_detect.RUN_NAME.match(name)
+    if m and int(m.group(1)) != os.getpid() and not os.path.exists(f"/proc/{m.group(1)}"):
+        return m.group(1)
+    return None
+
+
+def _orphan_cgroups() -> dict[str, list[tuple[int, str, frozenset[str]]]]:
+    """Run cgroups of dead callers found by walking the hierarchies (see the module docstring):
+    ``{run name: [(version, path, controllers), ...]}``."""
+    found: dict[str, list[tuple[int, str, frozenset[str]]]] = {}
+    for version, top, controllers in _walk_roots():
+        for parent, dirs, _files in os.walk(top):
+            if os.path.basename(parent) != _cgroup_detect.BASE_NAME:
+                continue
+            runs = [d for d in dirs if _dead_owner(d)]
+            dirs[:] = [d for d in dirs if not _cgroup_detect.RUN_NAME.match(d)]  # never below a run's
+            if runs and not _foreign_procs(os.path.dirname(parent)):
+                for d in runs:
+                    found.setdefault(d, []).append((version, os.path.join(parent, d), controllers))
+    return found
 
 
 def _recorded_path_ok(path: str, record: str, mounts: list[str]) -> bool:
@@ -98,11 +179,11 @@ def _stale_cgroups() -> list[Leftover]:
         if not h.base or not os.path.isdir(h.base):
             continue
         for name in os.listdir(h.base):
-            m = _cgroup_detect.RUN_NAME.match(name)
-            if m and int(m.group(1)) != os.getpid() and not os.path.exists(f"/proc/{m.group(1)}"):
+            owner = _dead_owner(name)
+            if owner is not None:
                 path = os.path.join(h.base, name)
                 seen.add(path)
-                out.append(Leftover("cgroup", path, f"its creator (pid {m.group(1)}) is gone"))
+                out.append(Leftover("cgroup", path, f"its creator (pid {owner}) is gone"))
     mounts = _cgroup_mounts()
     for rec in _dead_records():
         for path in rec.cgroups:
@@ -110,6 +191,12 @@ def _stale_cgroups() -> list[Leftover]:
                 seen.add(path)
                 out.append(Leftover("cgroup", path, f"its caller (pid {rec.pid}) is gone (from its run record "
                                     f"{rec.path})"))
+    for name, dirs in _orphan_cgroups().items():
+        for _v, path, _c in dirs:
+            if path not in seen:
+                seen.add(path)
+                out.append(Leftover("cgroup", path, f"its creator (pid {_dead_owner(name)}) is gone, no record names "
+                                    f"it, and no process of another PID namespace is in its caller's cgroup"))
     return out
 
 
@@ -304,7 +391,14 @@ def clean(workspaces: tuple[str, ...] = (), base: str | None = None) -> tuple[li
 def _clean_cgroups(removed: list[Leftover], problems: list[str]) -> None:
     """Remove the stale per-run cgroups (:func:`clean`'s first step), appending to the two lists."""
     stale = _stale_cgroups()
-    # rmdir(2) only: a cgroup still holding a task stays. A caller killed a moment ago may still
+    # The walk's orphans (no record, no live caller that could own them) are killed first.
+    from lowlevel.host.cgroups import RunCgroup
+    paths = {item.path for item in stale}
+    for name, dirs in _orphan_cgroups().items():
+        mine = [d for d in dirs if d[1] in paths]
+        if mine:
+            RunCgroup.adopt(name, mine).kill_all()
+    # Else rmdir(2) only: a cgroup still holding a task stays. A caller killed a moment ago may still
     # have its sandbox exiting (it dies with its anchor): retry for up to 2 s, as RunCgroup.remove.
     deadline = time.monotonic() + 2.0
     pending = list(stale)

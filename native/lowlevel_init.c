@@ -347,7 +347,10 @@ static __attribute__((noinline)) pid_t spawn_command(const struct cmd *c, int *v
     pid_t pid = vfork();
     if (pid == 0) {
         /* The command: default dispositions (the execve resets the init's caught signals: see
-         * ignore_signals; nothing here is SIG_IGN), empty mask, own process group. A signal
+         * ignore_signals; 32 and 33, glibc's own, which glibc's posix_spawn of the anchor left
+         * SIG_IGN above bwrap and glibc's sigaction cannot touch, are reset by the raw syscall
+         * here, as the run guard does: the shepherds keep shrugging them), empty mask, own
+         * process group. A signal
          * arriving between the unblock below and the execve runs the no-op handler (on this
          * child's stack below the shepherd's frames) and is lost, as if sent a moment earlier. */
         sigset_t none;
@@ -371,6 +374,9 @@ static __attribute__((noinline)) pid_t spawn_command(const struct cmd *c, int *v
             _exit(127);
         }
         if (cmd_ll_fd >= 0 && ll_restrict(cmd_ll_fd) < 0) { child_errno = errno; child_stage = STAGE_LANDLOCK; _exit(127); }
+        static const unsigned long dfl[4] = { 0 /* SIG_DFL */, 0, 0, 0 };  /* the kernel's struct sigaction */
+        syscall(SYS_rt_sigaction, 32, dfl, NULL, 8);
+        syscall(SYS_rt_sigaction, 33, dfl, NULL, 8);
         sigprocmask(SIG_SETMASK, &none, NULL);
         exec_search(c->argv[0], c->argv, c->envp);
         child_errno = errno ? errno : ENOEXEC;

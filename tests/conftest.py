@@ -73,6 +73,11 @@ if "LOWLEVEL_RECORD_DIR" not in os.environ:
     os.environ["LOWLEVEL_RECORD_DIR"] = _records
     atexit.register(shutil.rmtree, _records, True)
 
+# ``lowlevel cleanup`` (and doctor's leftovers) walk no cgroup hierarchy of the host's in the suite: the
+# walk for record-less run cgroups of dead callers would find (and remove) other processes' leftovers
+# all over the machine. Tests of the walk name their own private roots.
+os.environ.setdefault("LOWLEVEL_CGROUP_ROOTS", "")
+
 RUN_AS = HERE / "helpers" / "run_as.py"
 TEST_USER = "lowlevel-test"
 RUNUSER = shutil.which("runuser") or "/usr/sbin/runuser"

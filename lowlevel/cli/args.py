@@ -18,6 +18,7 @@ from lowlevel.units import duration_seconds, size_bytes
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # not imported at run time: typing costs a `lowlevel run` ~2 ms
+    from collections.abc import Sequence
     from typing import NoReturn
 
 
@@ -28,6 +29,24 @@ class UsageError(Exception):
 
 class Parser(argparse.ArgumentParser):
     """argparse with lowlevel's exit status: a usage error raises :class:`UsageError`."""
+
+    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+        """argparse's, but an unknown argument is reported by the subcommand it came with (its
+        ``prog`` and its ``--help``: ``lowlevel run --help``, ``lowlevel image ls --help``)."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self._chosen(parsed).error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
+    def _chosen(self, parsed: argparse.Namespace) -> "Parser":
+        """The deepest (sub)command parser ``parsed`` went through (this one when none)."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                chosen = action.choices.get(getattr(parsed, action.dest, None) or "")
+                if isinstance(chosen, Parser):
+                    return chosen._chosen(parsed)
+        return self
 
     def error(self, message: str) -> NoReturn:
         text = " ".join(message.split()) + self._suggestion(message)

@@ -16,7 +16,9 @@ from lowlevel.spec.report import json_safe
 
 
 def cmd_cleanup(args: argparse.Namespace) -> int:
-    """``lowlevel cleanup``: exit 0 when nothing is left, 1 when something stayed."""
+    """``lowlevel cleanup``: exit 0 when nothing is left, 1 when something stayed; with
+    ``--dry-run``: 0 when nothing would be removed, 1 when it lists leftovers (scripts: ``if !
+    lowlevel cleanup --dry-run; then ...``)."""
     from lowlevel.cleanup import clean, find_leftovers
 
     workspaces = tuple(os.path.abspath(w) for w in args.workspace)
@@ -40,7 +42,7 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
             print(f"left    {line}", file=sys.stderr)
         if not (found or removed or problems):
             print("nothing left over")
-    return 1 if problems else 0
+    return 1 if problems or found else 0
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

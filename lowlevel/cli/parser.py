@@ -212,10 +212,12 @@ def _add_cleanup(sub: Any) -> None:
                        description="Remove what interrupted runs left on this host: per-run cgroups of dead "
                        "callers, egress socket directories whose proxy is gone, temporaries of commits killed "
                        "mid-way, workspaces a killed root caller left handed over (fallback without overlay). "
-                       "Never a workspace's content. Exit 0: nothing left; 1: something stayed (listed).")
+                       "Never a workspace's content. Exit 0: nothing left; 1: something stayed (listed). With "
+                       "--dry-run: 0 when nothing would be removed, 1 when something would (listed).")
     c.add_argument("--workspace", metavar="DIR", action="append", default=[],
                    help="also remove interrupted commits' temporaries in DIR (repeatable)")
-    c.add_argument("--dry-run", action="store_true", help="list, remove nothing")
+    c.add_argument("--dry-run", action="store_true",
+                   help="list, remove nothing; exit 1 when something would be removed, 0 when clean")
     c.add_argument("--json", action="store_true", help="print one JSON object")
 
 

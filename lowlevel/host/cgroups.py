@@ -255,6 +255,12 @@ class RunCgroup:
                                    + "; ".join(notes))
         return self
 
+    @classmethod
+    def adopt(cls, name: str, dirs: list[tuple[int, str, frozenset[str]]]) -> "RunCgroup":
+        """A RunCgroup for the existing directories ``(version, path, controllers)`` of a run that
+        is not this process's (``lowlevel cleanup``'s orphans), for :meth:`kill_all`; no record."""
+        return cls(name, [_Node(v, p, c) for v, p, c in dirs], (), (), ())
+
     def node(self, controller: str) -> _Node | None:
         """The run's directory carrying ``controller`` (v2's for ``"cgroup.kill"``/``"cpu.stat"``)."""
         if controller in ("v2",):

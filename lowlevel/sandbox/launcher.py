@@ -74,7 +74,9 @@ from lowlevel.spec.policy import WORKSPACE_DEST, Policy
 #: Signals reset to their default action in bwrap (and so in the program): Python ignores
 #: SIGPIPE and SIGXFSZ, and an ignored disposition survives exec, which would turn a write past
 #: RLIMIT_FSIZE into EFBIG instead of a kill and break `yes | head`. The caller may ignore
-#: others (SIGINT in a daemon). Source: posix_spawnattr_setsigdefault(3), signal(7).
+#: others (SIGINT in a daemon). 32 and 33 (glibc's own) cannot be named here, and glibc's posix_spawn
+#: sets them to SIG_IGN: the run guard and the session init reset those two before the program's exec
+#: (tests/integration/test_glibc_signals.py). Source: posix_spawnattr_setsigdefault(3), signal(7).
 _DEFAULT_SIGNALS = tuple(s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)
                          and s < signal.SIGRTMIN)
 

@@ -43,8 +43,8 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import functools
 import os
-import queue
 import select
 import shutil
 import stat
@@ -53,6 +53,7 @@ import threading
 from dataclasses import dataclass
 
 from lowlevel.errors import LaunchError, UnsupportedError, WorkspaceError
+from lowlevel.host import later as _later
 from lowlevel.spec.limits import MIN_DISK_UPPER_BYTES
 
 #: Environment variable naming the directory the disk uppers' unnamed files go in.
@@ -323,35 +324,18 @@ def open_disk_upper(size: int) -> DiskUpper:
     return DiskUpper(fd=dev, device=device, size=size, directory=directory)
 
 
-_closer_lock = threading.Lock()
-_closer: "queue.SimpleQueue[tuple[int, int | None]] | None" = None
-_closers = 0  # worker threads started (in this process)
-#: At most this many closer threads: a backlog (runs ending faster than one thread closes:
-#: many concurrent arun calls) gets more of them, so bound loop devices do not pile up.
-MAX_CLOSERS = 4
-#: Longest wait for the anchor's exit before the closer closes anyway, seconds.
+#: Longest wait for the anchor's exit before the close goes ahead anyway, seconds.
 _ANCHOR_EXIT_WAIT_S = 30.0
 
 
-def _close_forever(q: "queue.SimpleQueue[tuple[int, int | None]]") -> None:
-    while True:
-        fd, pidfd = q.get()
-        try:
-            if pidfd is not None:
-                select.select([pidfd], [], [], _ANCHOR_EXIT_WAIT_S)  # readable: the anchor exited
-                os.close(pidfd)
-            os.close(fd)
-        except OSError:
-            pass
-
-
-def _forget_closer() -> None:
-    """In a forked child: the worker threads are not there; the next close_later starts one."""
-    global _closer, _closers
-    _closer, _closers = None, 0
-
-
-os.register_at_fork(after_in_child=_forget_closer)
+def _close_after(fd: int, pidfd: int | None) -> None:
+    try:
+        if pidfd is not None:
+            select.select([pidfd], [], [], _ANCHOR_EXIT_WAIT_S)  # readable: the anchor exited
+            os.close(pidfd)
+        os.close(fd)
+    except OSError:
+        pass
 
 
 def close_later(fd: int, anchor_pid: int | None) -> None:
@@ -364,24 +348,20 @@ def close_later(fd: int, anchor_pid: int | None) -> None:
     fd is that last reference, so neither the anchor's exit (which the caller reaps, waiting)
     nor the caller pays it; the worker does. Nothing of the run is reachable through the fd any
     more (the commit is done), and if the process dies first the kernel closes it the same way.
-    Daemon threads, started on first use, a second (up to :data:`MAX_CLOSERS`) whenever a close
-    finds a backlog.
+    The workers are :mod:`lowlevel.host.later`'s (the one-shot teardown's too: its ``drain``
+    waits for these closes; done before exit); where it cannot take the close (no thread, the
+    interpreter exiting) ``fd`` is closed here at once and the anchor's exit pays the unmount.
     """
-    global _closer, _closers
     pidfd: int | None = None
     if anchor_pid is not None:
         try:
             pidfd = os.pidfd_open(anchor_pid)
         except OSError:
             pidfd = None  # reaped already (or no pidfd_open): nothing to wait for
-    with _closer_lock:
-        if _closer is None:
-            _closer = queue.SimpleQueue()
-        if _closers == 0 or (_closers < MAX_CLOSERS and not _closer.empty()):
-            threading.Thread(target=_close_forever, args=(_closer,), name="lowlevel-disk-upper-close",
-                             daemon=True).start()
-            _closers += 1
-        _closer.put((fd, pidfd))
+    if not _later.defer(functools.partial(_close_after, fd, pidfd), slow=True):
+        _close_after(fd, None)
+        if pidfd is not None:
+            os.close(pidfd)
 
 
 def check_writeback(upper_fd: int) -> None:

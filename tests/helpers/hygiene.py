@@ -89,11 +89,12 @@ def kept_children() -> set[int]:
 
 
 def settle() -> None:
-    """Wait for the teardown of this process's finished runs (:func:`lowlevel.sandbox.teardown.drain`:
-    their anchors reaped, their cgroups removed off the result path) before counting what is left."""
-    from lowlevel.sandbox import teardown
+    """Wait for the work this process's finished runs left for later (:func:`lowlevel.host.later.drain`:
+    their anchors reaped, their cgroups removed, their disk uppers closed, off the result path)
+    before counting what is left."""
+    from lowlevel.host import later
 
-    teardown.drain()
+    later.drain()
 
 
 def children(pid: int | None = None) -> list[int]:

@@ -69,6 +69,35 @@ def test_leftovers_of_a_dead_caller_are_found_and_removed(tmp_path: Path):
     assert str(d) not in out and str(ws) not in out and (cg is None or str(cg) not in out), out
 
 
+def _dry_run(ws: Path) -> tuple[int, list[dict[str, str]]]:
+    p = subprocess.run([sys.executable, "-m", "lowlevel", "cleanup", "--dry-run", "--json", "--workspace", str(ws)],
+                       capture_output=True, text=True, timeout=120)
+    return p.returncode, json.loads(p.stdout)["found"]
+
+
+def test_cleanup_dry_run_exits_1_when_it_lists_leftovers_and_0_when_clean(tmp_path: Path):
+    """``cleanup --dry-run`` is a check a script can use: exit 1 when something would be removed
+    (it listed it), 0 when clean (before: 0 either way). Other callers' leftovers on a shared
+    machine may appear at any time, so the clean half checks the rule (0 exactly when nothing
+    is listed), not the machine."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    temp = ws / f".lowlevel-commit-{_dead_pid()}-1"
+    temp.write_text("half")
+    rc, found = _dry_run(ws)
+    assert ("commit", str(temp)) in {(x["kind"], x["path"]) for x in found}
+    assert rc == 1, found
+    assert temp.exists(), "the dry run removed it"
+    subprocess.run([sys.executable, "-m", "lowlevel", "cleanup", "--workspace", str(ws)], capture_output=True,
+                   timeout=120)
+    assert not temp.exists()
+    rc, found = _dry_run(ws)
+    assert rc == (1 if found else 0), found
+    help_text = subprocess.run([sys.executable, "-m", "lowlevel", "cleanup", "--help"], capture_output=True,
+                               text=True).stdout
+    assert "exit 1 when something would be removed" in " ".join(help_text.split()), help_text
+
+
 def test_a_live_egress_socket_is_not_a_leftover():
     d = Path(tempfile.mkdtemp(prefix="lowlevel-egress-", dir="/dev/shm"))
     s = socket.socket(socket.AF_UNIX)

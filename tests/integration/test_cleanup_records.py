@@ -106,9 +106,10 @@ def _in(cgs: list[str], argv: list[str]) -> list[str]:
     return ["sh", "-c", JOIN, "sh", *argv] if cgs else argv
 
 
-def _cli(args: list[str], records: str, cgs: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+def _cli(args: list[str], records: str, cgs: list[str] | None = None,
+         extra: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(_in(cgs or [], [sys.executable, "-m", "lowlevel", *args]), capture_output=True, text=True,
-                          env=_env(records, cgs), cwd="/", timeout=240)
+                          env={**_env(records, cgs), **(extra or {})}, cwd="/", timeout=240)
 
 
 def _wait(cond, bound_s: float) -> bool:
@@ -162,7 +163,7 @@ def test_caller_killed_in_own_cgroup_cleanup_removes_its_cgroups(svc: dict):
 
     # cleanup --dry-run inside the caller's cgroup (its base is theirs): lists them, removes nothing.
     dry = _cli(["cleanup", "--dry-run", "--json"], svc["records"], svc["dirs"])
-    assert dry.returncode == 0, dry.stderr
+    assert dry.returncode == 1, dry.stderr  # it lists leftovers (0 only when clean)
     found = {x["path"] for x in json.loads(dry.stdout)["found"] if x["kind"] == "cgroup"}
     assert set(left) <= found, (left, found)
     assert _run_cgroups(svc["dirs"], pid) == left, "cleanup --dry-run removed cgroups"
@@ -324,3 +325,98 @@ def test_unprivileged_caller_killed_mid_commit_cleanup_removes_its_temporaries(r
     finally:
         shutil.rmtree(ws, ignore_errors=True)
         shutil.rmtree(records, ignore_errors=True)
+
+
+def _v2_mount() -> str | None:
+    with open("/proc/self/mountinfo") as f:
+        return next((m for _r, m, fs, _o in _cgroup_detect.parse_mountinfo(f.read()) if fs == "cgroup2"), None)
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    assert not os.path.exists(f"/proc/{p.pid}")
+    return p.pid
+
+
+def _procs(d: str) -> list[int]:
+    with open(os.path.join(d, "cgroup.procs")) as f:
+        return [int(w) for w in f.read().split()]
+
+
+def _start_in(dirs: list[str], argv: list[str], count: int) -> subprocess.Popen[bytes]:
+    """``argv`` started inside the cgroups ``dirs`` (it joins them, then execs); returns once
+    ``count`` processes are in the first."""
+    proc = subprocess.Popen(_in(dirs, argv), env=_env("/nonexistent", dirs))
+    assert _wait(lambda: len(_procs(dirs[0])) >= count, 30), f"{argv} never joined {dirs[0]}"
+    return proc
+
+
+def _rmtree_cgroup(top: str) -> None:
+    for parent, _dirs, _files in os.walk(top, topdown=False):
+        _wait(lambda d=parent: not os.path.exists(d) or _try_rmdir(d), 5)
+
+
+def _try_rmdir(d: str) -> bool:
+    try:
+        os.rmdir(d)
+        return True
+    except OSError:
+        return False
+
+
+def test_cleanup_walks_the_hierarchies_for_record_less_run_cgroups_of_dead_callers(svc: dict):
+    """A run cgroup whose record is gone, under a cgroup no caller holds any more (issue 27's 33
+    memory-only run cgroups of an engineer's shell): invisible to the record path, found by the
+    walk of the hierarchies (here only this test's private roots: ``LOWLEVEL_CGROUP_ROOTS``). What
+    is inside is killed, then every directory goes. Held: a run cgroup of a live pid, and one under
+    a cgroup holding a process of another PID namespace (whose caller could live with a pid we do
+    not see), stay; control: without the walk (empty roots), cleanup sees none of them."""
+    dead = _dead_pid()
+    roots = list(svc["dirs"])
+    v2 = _v2_mount()
+    v2_root = None
+    if v2 is not None:
+        v2_root = os.path.join(v2, os.path.basename(svc["dirs"][0]))
+        os.mkdir(v2_root)
+        roots.append(v2_root)
+    foreign = [os.path.join(r, "foreign") for r in roots]  # a cgroup a caller of another PID namespace holds
+    orphans = [os.path.join(r, "gone", "lowlevel", f"run-{dead}-1") for r in roots]  # its shell's cgroup: empty
+    held = [os.path.join(r, "gone", "lowlevel", f"run-{os.getpid()}-2") for r in roots]  # a live pid's
+    under_foreign = [os.path.join(f, "lowlevel", f"run-{dead}-3") for f in foreign]
+    for d in orphans + held + under_foreign:
+        os.makedirs(d)
+    procs = []
+    try:
+        inside = _start_in(orphans, ["sleep", "600"], 1)  # what a dead run left: cleanup kills it
+        procs.append(inside)
+        other_ns = _start_in(foreign, ["unshare", "--pid", "--fork", "--kill-child", "sleep", "600"], 2)  # a foreign caller
+        procs.append(other_ns)
+        walk = {"LOWLEVEL_CGROUP_ROOTS": ":".join(roots)}
+        ours = set(orphans + held + under_foreign)
+        blind = _cli(["cleanup", "--dry-run", "--json"], svc["empty"], extra={"LOWLEVEL_CGROUP_ROOTS": ""})
+        assert not {x["path"] for x in json.loads(blind.stdout)["found"]} & ours
+
+        dry = _cli(["cleanup", "--dry-run", "--json"], svc["empty"], extra=walk)
+        found = {x["path"] for x in json.loads(dry.stdout)["found"] if x["kind"] == "cgroup"}
+        assert found & ours == set(orphans), (orphans, found, dry.stderr)
+        assert all(os.path.isdir(d) for d in orphans) and inside.poll() is None, "the dry run changed something"
+
+        done = _cli(["cleanup", "--json"], svc["empty"], extra=walk)
+        assert done.returncode == 0, done.stdout + done.stderr
+        removed = {x["path"] for x in json.loads(done.stdout)["removed"]}
+        assert removed & ours == set(orphans), (orphans, done.stdout)
+        assert not any(os.path.exists(d) for d in orphans)
+        assert inside.wait(timeout=10) == -signal.SIGKILL
+        assert all(os.path.isdir(d) for d in held + under_foreign), "cleanup removed a cgroup it must keep"
+        assert other_ns.poll() is None and len(_procs(foreign[0])) == 2, "cleanup killed the foreign caller"
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        for pid in _procs(foreign[0]) if os.path.isdir(foreign[0]) else []:
+            os.kill(pid, signal.SIGKILL)  # the new PID namespace's sleep (--kill-child should have)
+        for d in [*foreign, *(os.path.join(r, "gone") for r in roots)]:
+            _rmtree_cgroup(d)
+        if v2_root is not None:
+            _rmtree_cgroup(v2_root)

@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 import lowlevel
+from helpers.hygiene import settle
 from helpers.procs import pids_with
 from lowlevel.workspace.disk_upper import backing_files
 
@@ -501,3 +502,22 @@ def test_disk_upper_dir_moved_to_another_filesystem_between_runs(small_fs: Path,
     link.symlink_to(small_fs)
     assert lowlevel.run(["true"], policy=policy).exit_code == 0
     assert_nothing_left(small_fs)
+
+
+@needs_root
+def test_settle_waits_for_the_disk_uppers_close_as_for_the_teardown(upper_dir: Path, tmp_path: Path) -> None:
+    """One "close later" queue (lowlevel.host.later): the drain that waits for a one-shot run's
+    teardown (hygiene.settle, ``lowlevel.sandbox.teardown.drain``) also waits for the disk upper's
+    close, so right after it no loop device of the run is bound (before, the close had its own
+    threads that no drain saw: the loop devices were still bound after settle)."""
+    policy = lowlevel.Policy(limits=lowlevel.Limits(upper="disk", workspace_bytes=16 * MiB))
+    for _ in range(3):
+        r = lowlevel.run(["/usr/bin/true"], policy=policy, workspace=str(tmp_path))
+        assert r.exit_code == 0, r.stderr
+        settle()
+        assert _ours(upper_dir) == {}, _losetup()
+    with lowlevel.Session(policy=policy, workspace=str(tmp_path)) as s:
+        assert s.run(["sh", "-c", "echo x > f"]).exit_code == 0
+    settle()
+    assert _ours(upper_dir) == {}, _losetup()
+    assert_nothing_left(upper_dir, timeout=0)

@@ -194,7 +194,8 @@ def test_commands_start_with_default_dispositions_and_an_empty_mask(session):
     init = _sig_masks(session.run(["cat", "/proc/2/status"]).stdout)
     assert init["SigCgt"] & (1 << (signal.SIGTERM - 1)) and init["SigCgt"] & (1 << (signal.SIGRTMAX - 1))
     # What a fresh sandbox's program inherits (signals 32 and 33, glibc's own, come ignored from
-    # above bwrap): a session command must get no more.
+    # above bwrap; the guard and the init reset them: test_glibc_signals.py): a session command
+    # must get no more.
     fresh = _sig_masks(lowlevel.run(["cat", "/proc/self/status"]).stdout)
     for masks in (_sig_masks(session.run(["cat", "/proc/self/status"]).stdout),
                   _sig_masks(session.start(["cat", "/proc/self/status"]).wait(timeout=10).stdout)):

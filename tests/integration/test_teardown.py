@@ -28,6 +28,7 @@ import pytest
 
 import lowlevel
 from lowlevel.host import cgroup_detect as _cgroup_detect
+from lowlevel.host import later
 from lowlevel.host import run_records
 from lowlevel.sandbox import teardown
 
@@ -84,7 +85,7 @@ def test_control_inline_teardown_leaves_nothing_at_return(root_with_cgroups: Non
 
 def test_no_thread_means_inline_teardown(root_with_cgroups: None, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     teardown.drain()
-    monkeypatch.setattr(teardown, "_thread", None)
+    monkeypatch.setattr(later, "_threads", [])
 
     def refuse(self: threading.Thread) -> None:
         raise RuntimeError("can't start new thread")
@@ -147,12 +148,12 @@ def test_a_run_from_a_later_exit_handler_tears_down_inline(root_with_cgroups: No
 _RUN_THEN_STOP = """
 import os, signal, sys
 import lowlevel
-from lowlevel.sandbox import teardown
+from lowlevel.host import later
 ws = sys.argv[1]
 # Keep the teardown thread from finishing anything: every run's teardown stays pending.
-teardown._cond.acquire()
+later._cond.acquire()
 lowlevel.run(["/usr/bin/true"], workspace=ws)
-sys.stdout.write(f"{os.getpid()} {teardown._queue.__len__()}\\n")
+sys.stdout.write(f"{os.getpid()} {later._queue.__len__()}\\n")
 sys.stdout.flush()
 os.kill(os.getpid(), signal.SIGSTOP)
 """

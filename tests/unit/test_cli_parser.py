@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
+from lowlevel.cli.args import UsageError
 from lowlevel.cli.parser import COMMANDS, IMAGE_STORE_ENV, build_parser
 from lowlevel.rootfs.store import STORE_ENV
 
@@ -38,3 +41,24 @@ def test_each_subcommand_alone_has_the_help_of_the_whole_tree() -> None:
 def test_the_image_store_variable_is_the_stores() -> None:
     assert IMAGE_STORE_ENV == STORE_ENV
     assert f"${STORE_ENV}" in _helps(build_parser("image"))["image ls"].replace("\n", " ")
+
+
+@pytest.mark.parametrize("argv, where", [
+    (["run", "--bogus", "--", "true"], "run"), (["cleanup", "--bogus"], "cleanup"), (["doctor", "--bogus"], "doctor"),
+    (["replay", "FILE", "--bogus"], "replay"), (["mcp", "--bogus"], "mcp"), (["image", "ls", "--bogus"], "image ls"),
+    (["image", "import", "FILE", "--bogus"], "image import")])
+@pytest.mark.parametrize("tree", ["alone", "whole"])
+def test_an_unknown_option_names_its_subcommands_help(argv: list[str], where: str, tree: str) -> None:
+    """The hint of an unknown option is the subcommand's help (``lowlevel run --help``), not
+    the top level's (argparse reports a subcommand's extra arguments from the top parser)."""
+    parser = build_parser(argv[0] if tree == "alone" else None)
+    with pytest.raises(UsageError) as err:
+        parser.parse_args(argv)
+    message = str(err.value)
+    assert message.startswith(f"{where}: unrecognized arguments: --bogus"), message
+    assert message.endswith(f"(see `lowlevel {where} --help`)"), message
+
+
+def test_an_unknown_option_of_run_suggests_a_run_option() -> None:
+    with pytest.raises(UsageError, match=r"did you mean --timeout\?"):
+        build_parser("run").parse_args(["run", "--timout", "5", "--", "true"])
