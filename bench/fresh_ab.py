@@ -14,6 +14,8 @@ processes on both sides). Switches (``--switch``):
 - ``json-later``: bwrap's json-status pipe read while the sandbox runs (A) / once it is gone
   (B, :func:`lowlevel.sandbox.drive.json_deferred`).
 - ``both``: the two above together.
+- ``empty-commit``: the commit and the change list of an upper with no entry walked as any other (A)
+  / skipped after one ``getdents64`` of its root (B, :func:`lowlevel.workspace.overlay.upper_is_empty`).
 
 Root or an unprivileged user with user namespaces, as bench/startup.py.
 """
@@ -28,6 +30,9 @@ from collections.abc import Callable
 
 import lowlevel
 from lowlevel.sandbox import aio, drive, teardown
+from lowlevel.workspace import overlay as _overlay
+from lowlevel.workspace.overlay import commits as _ov_commits
+from lowlevel.workspace.overlay import upper as _ov_upper
 
 
 def _set_teardown(on: bool) -> None:
@@ -49,8 +54,18 @@ def _set_both(on: bool) -> None:
     _set_json_later(on)
 
 
+_UPPER_IS_EMPTY = _ov_upper.upper_is_empty
+
+
+def _set_empty_commit(on: bool) -> None:
+    fn = _UPPER_IS_EMPTY if on else (lambda fd: False)
+    _ov_upper.upper_is_empty = fn  # read_changes
+    _ov_commits.upper_is_empty = fn  # type: ignore[attr-defined]  # commit_upper
+    _overlay.upper_is_empty = fn  # lowlevel.sandbox.commit's record decision
+
+
 SWITCHES: dict[str, Callable[[bool], None]] = {"teardown": _set_teardown, "json-later": _set_json_later,
-                                               "both": _set_both}
+                                               "both": _set_both, "empty-commit": _set_empty_commit}
 
 
 def _pct(xs: list[float], q: float) -> float:
