@@ -19,6 +19,7 @@ processes on both sides). Switches (``--switch``):
   / skipped after one ``getdents64`` of its root (B, :func:`lowlevel.workspace.overlay.upper_is_empty`).
 - ``syscalls``: the run's fds closed one by one and every cgroup figure read to a 0-byte read (A) /
   consecutive fds closed with one ``close_range`` and one-record cgroup files read once (B).
+- ``round2``: ``empty-commit`` and ``syscalls`` together.
 
 Root or an unprivileged user with user namespaces, as bench/startup.py.
 """
@@ -88,9 +89,14 @@ def _set_syscalls(on: bool) -> None:
     cgroupfs.read = _CG_READ if on else _read_to_eof
 
 
+def _set_round2(on: bool) -> None:
+    _set_empty_commit(on)
+    _set_syscalls(on)
+
+
 SWITCHES: dict[str, Callable[[bool], None]] = {"teardown": _set_teardown, "json-later": _set_json_later,
                                                "both": _set_both, "empty-commit": _set_empty_commit,
-                                               "syscalls": _set_syscalls}
+                                               "syscalls": _set_syscalls, "round2": _set_round2}
 
 
 def _pct(xs: list[float], q: float) -> float:
