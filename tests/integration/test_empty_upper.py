@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -50,51 +51,42 @@ def _tree(ws: Path) -> dict[str, tuple[object, ...]]:
     return out
 
 
-def test_a_run_that_writes_nothing_leaves_the_workspace_byte_identical(sandbox) -> None:
-    ws = sandbox.workspace()
+@pytest.fixture
+def ws(sandbox) -> Iterator[Path]:
+    """A workspace of the sandbox's identity holding ``f``, ``d/g`` and a dead commit's leftover."""
+    path = sandbox.workspace()
     try:
-        _plant(sandbox, ws)
-        before = _tree(ws)
-        out = sandbox.run(["sh", "-c", "cat f d/g >/dev/null && ls -la . d >/dev/null"], workspace=str(ws))
-        assert out.exit_code == 0, (out.err, out.message)
-        assert out.changes["added"] == [] and out.changes["modified"] == [] and out.changes["deleted"] == []
-        assert _tree(ws) == before
-        assert (ws / _dead_leftover()).exists()  # no commit ran: its sweep of leftovers did not either
+        _plant(sandbox, path)
+        yield path
     finally:
-        shutil.rmtree(ws, ignore_errors=True)
+        shutil.rmtree(path, ignore_errors=True)
 
 
-def test_control_a_run_that_writes_commits_and_sweeps(sandbox) -> None:
-    ws = sandbox.workspace()
-    try:
-        _plant(sandbox, ws)
-        out = sandbox.run(["sh", "-c", "echo new > h"], workspace=str(ws))
-        assert out.exit_code == 0, (out.err, out.message)
-        assert out.changes["added"] == ["h"]
-        assert (ws / "h").read_text() == "new\n"
-        assert not (ws / _dead_leftover()).exists()  # the commit ran and swept the dead commit's leftover
-    finally:
-        shutil.rmtree(ws, ignore_errors=True)
+def test_a_run_that_writes_nothing_leaves_the_workspace_byte_identical(sandbox, ws: Path) -> None:
+    before = _tree(ws)
+    out = sandbox.run(["sh", "-c", "cat f d/g >/dev/null && ls -la . d >/dev/null"], workspace=str(ws))
+    assert out.exit_code == 0, (out.err, out.message)
+    assert out.changes["added"] == [] and out.changes["modified"] == [] and out.changes["deleted"] == []
+    assert _tree(ws) == before
+    assert (ws / _dead_leftover()).exists()  # no commit ran: its sweep of leftovers did not either
 
 
-def test_a_run_that_only_deletes_commits_the_deletions(sandbox) -> None:
-    ws = sandbox.workspace()
-    try:
-        _plant(sandbox, ws)
-        out = sandbox.run(["sh", "-c", "rm f && rm -r d"], workspace=str(ws))
-        assert out.exit_code == 0, (out.err, out.message)
-        assert sorted(out.changes["deleted"]) == ["d", "f"] and out.changes["added"] == []
-        assert os.listdir(ws) == []  # the commit ran: the deletions applied, the leftover swept
-    finally:
-        shutil.rmtree(ws, ignore_errors=True)
+def test_control_a_run_that_writes_commits_and_sweeps(sandbox, ws: Path) -> None:
+    out = sandbox.run(["sh", "-c", "echo new > h"], workspace=str(ws))
+    assert out.exit_code == 0, (out.err, out.message)
+    assert out.changes["added"] == ["h"]
+    assert (ws / "h").read_text() == "new\n"
+    assert not (ws / _dead_leftover()).exists()  # the commit ran and swept the dead commit's leftover
 
 
-def test_control_an_uncommitted_deletion_is_not_applied(sandbox) -> None:
-    ws = sandbox.workspace()
-    try:
-        _plant(sandbox, ws)
-        out = sandbox.run(["sh", "-c", "rm f"], workspace=str(ws), commit=False)
-        assert out.exit_code == 0, (out.err, out.message)
-        assert (ws / "f").read_text() == "one\n"
-    finally:
-        shutil.rmtree(ws, ignore_errors=True)
+def test_a_run_that_only_deletes_commits_the_deletions(sandbox, ws: Path) -> None:
+    out = sandbox.run(["sh", "-c", "rm f && rm -r d"], workspace=str(ws))
+    assert out.exit_code == 0, (out.err, out.message)
+    assert sorted(out.changes["deleted"]) == ["d", "f"] and out.changes["added"] == []
+    assert os.listdir(ws) == []  # the commit ran: the deletions applied, the leftover swept
+
+
+def test_control_an_uncommitted_deletion_is_not_applied(sandbox, ws: Path) -> None:
+    out = sandbox.run(["sh", "-c", "rm f"], workspace=str(ws), commit=False)
+    assert out.exit_code == 0, (out.err, out.message)
+    assert (ws / "f").read_text() == "one\n"
