@@ -474,11 +474,11 @@ class RunCgroup:
         # A finished run's directories are empty: rmdir first (the kernel refuses a directory
         # with a task, EBUSY, atomically), and read cgroup.procs and kill only when one refused.
         # That skips three opens and reads per run (issue 27).
-        if not self._rmdir_all_once():
-            if self.pids():
-                self.kill_all(timeout_s)
+        gone = self._rmdir_all_once()
+        if not gone and self.pids():
+            self.kill_all(timeout_s)
         left = []
-        for node in self.nodes:
+        for node in () if gone else self.nodes:  # all gone: no second rmdir of each (ENOENT)
             delay = 0.0005
             while True:
                 try:
