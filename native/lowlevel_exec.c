@@ -89,8 +89,9 @@
  * Messages on --report-fd (text, one per record):
  *   anchor -> caller  "READY <flags>" + SCM_RIGHTS [bwrap pidfd, upper fd (overlay only)]
  *   caller -> anchor  "RESET"   stack a fresh overlay (new upper) on ws/; previous stacked
- *                               one unmounted first (propagates into the sandbox), and the
- *                               first one's cached entries dropped (drop_cached_entries)
+ *                               one unmounted first (propagates into the sandbox) and its
+ *                               directories removed (the caller emptied its upper before
+ *                               sending RESET), the first one's cached entries dropped
  *   anchor -> caller  "RESET_OK" + SCM_RIGHTS [new upper fd], or "RESET_ERR <message>"
  *   anchor -> caller  "EXIT <wait status> <maxrss> <end ns> <flags>" once bwrap is reaped (the
  *                     sandbox is gone), before the anchor's own exit: bwrap's wait(2) status,
@@ -608,10 +609,31 @@ static void drop_cached_entries(const char *ws) {
     close(fs);
 }
 
-/* RESET: unmount the stacked overlay (if any), stack a fresh one on the first. The first one
- * stays below: bwrap's /workspace is a copy of it, so only mounts on top of it propagate.
- * Before the new one is stacked, the first one (then on top of ws/ again) drops its cached
- * entries, so the upper the caller clears next frees its space (drop_cached_entries). */
+/* Remove the directories of generation ``gen`` (a stacked overlay just unmounted): work.N/work
+ * (overlayfs's own), work.N and upper.N, which the caller emptied before its RESET. Otherwise
+ * each RESET kept 3 of the bound's inodes for the session's life (1017 free -> 956 after 20
+ * resets of a 1 MiB tmpfs upper, measured). Best effort: a command left running across the
+ * reset (running="leave") may have written into it again; that stays, as its writes do. */
+static void remove_generation(const struct overlay *o, int gen) {
+    char path[PATH_MAX], name[32];
+    snprintf(name, sizeof name, "work.%d/work", gen);
+    path_in(path, sizeof path, o, name);
+    rmdir(path);
+    snprintf(name, sizeof name, "work.%d", gen);
+    path_in(path, sizeof path, o, name);
+    rmdir(path);
+    snprintf(name, sizeof name, "upper.%d", gen);
+    path_in(path, sizeof path, o, name);
+    rmdir(path);
+}
+
+/* RESET: unmount the stacked overlay (if any) and remove its directories, stack a fresh one
+ * on the first. The first one stays below: bwrap's /workspace is a copy of it, so only mounts
+ * on top of it propagate. Before the new one is stacked, the first one (then on top of ws/
+ * again) drops its cached entries, so that the upper the caller cleared frees its space
+ * (drop_cached_entries). The caller clears the old upper before sending RESET: its inodes are
+ * free for the new upper.N/work.N when a run has used every one (tmpfs directories take no
+ * blocks, nor do the disk upper's: inline_data; but each takes an inode). */
 static void reset_overlay(struct overlay *o, int sock) {
     char ws[PATH_MAX], msg[sizeof ov_error + 16];
     path_in(ws, sizeof ws, o, "ws");
@@ -619,6 +641,8 @@ static void reset_overlay(struct overlay *o, int sock) {
     if (o->stacked && umount2(ws, MNT_DETACH) != 0) {
         fail("umount2", ws);
     } else {
+        if (o->stacked)
+            remove_generation(o, o->generation);
         o->stacked = 0;
         drop_cached_entries(ws);
         if (mount_overlay(o, o->generation + 1) == 0) {

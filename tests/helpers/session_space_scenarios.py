@@ -21,9 +21,10 @@ from typing import Any
 
 from hygiene import children, fd_numbers
 
+from lowlevel import Limits, Policy
+from lowlevel.errors import LowlevelError
 from lowlevel.session import Session
 from lowlevel.workspace import disk_upper
-from lowlevel import Limits, Policy
 
 MiB = 1 << 20
 BOUND = 16 * MiB
@@ -32,6 +33,8 @@ CHUNK_MIB = 11
 #: A write past the bound (the control: still ENOSPC after any number of commits).
 OVER_MIB = 20
 CYCLES = 5
+#: Plain resets at the end of :func:`commit_cycles` (each used to keep 3 of the upper's inodes).
+MANY_RESETS = 30
 
 #: The command that writes ``$1`` MiB to ``$2`` and reports: "rc=N USED_BYTES" (the upper's
 #: filesystem's used bytes after the write, from statfs).
@@ -59,6 +62,10 @@ def _mounts(s: Session) -> int:
     return len(s.run(["cat", "/proc/self/mountinfo"]).stdout.splitlines())
 
 
+def _free_inodes(s: Session) -> int:
+    return int(s.run(["stat", "-f", "-c", "%d", "/workspace"]).stdout)
+
+
 def _listing(s: Session) -> list[str]:
     return sorted(s.run(["ls", "-A", "/workspace"]).stdout.decode().split())
 
@@ -68,7 +75,7 @@ def commit_cycles(ws: str, upper: str) -> dict[str, Any]:
     write ~70% and reset, three times. Returns every observation (see the test)."""
     out: dict[str, Any] = {"write_rc": [], "write_err": [], "used_after_write": [], "used_after_commit": [],
                            "added": [], "diff_after_commit": [], "mounts": [], "reset_rc": [],
-                           "used_after_reset": [], "reset_visible": []}
+                           "used_after_reset": [], "reset_visible": [], "free_inodes": []}
     fds, kids = fd_numbers(), children()
     policy = Policy(limits=Limits(workspace_bytes=BOUND, upper=upper))
     with Session(policy=policy, workspace=ws) as s:
@@ -83,6 +90,7 @@ def commit_cycles(ws: str, upper: str) -> dict[str, Any]:
             out["used_after_commit"].append(_used(s))
             out["diff_after_commit"].append(list(s.diff().added))  # nothing left in the upper
             out["mounts"].append(_mounts(s))
+            out["free_inodes"].append(_free_inodes(s))
         out["listing"] = _listing(s)
         out["sizes"] = {n: os.path.getsize(os.path.join(ws, n)) for n in sorted(os.listdir(ws))}
         # The control: the bound still holds after the commits.
@@ -96,6 +104,10 @@ def commit_cycles(ws: str, upper: str) -> dict[str, Any]:
             s.reset()
             out["used_after_reset"].append(_used(s))
             out["reset_visible"].append(f"r{i}" in _listing(s) or os.path.exists(os.path.join(ws, f"r{i}")))
+            out["free_inodes"].append(_free_inodes(s))
+        for _ in range(MANY_RESETS):
+            s.reset()
+        out["free_inodes"].append(_free_inodes(s))
         out["mounts"].append(_mounts(s))
     out["children_left"] = sorted(set(children()) - set(kids))  # first: it waits for the teardown
     # A disk upper's fd is closed by a worker (disk_upper.close_later); its mke2fs template is
@@ -114,10 +126,6 @@ INODE_BOUND = {"tmpfs": 1 * MiB, "disk": 8 * MiB}
 #: ``$1`` files in a new directory ``$2``; "rc=N FREE_INODES" after.
 MAKE_FILES = ('mkdir "$2" && cd "$2" && seq "$1" | xargs touch; rc=$?; '
               'echo "rc=$rc $(stat -f -c %d /workspace)"')
-
-
-def _free_inodes(s: Session) -> int:
-    return int(s.run(["stat", "-f", "-c", "%d", "/workspace"]).stdout)
 
 
 def inode_cycles(ws: str, upper: str) -> dict[str, Any]:
@@ -139,7 +147,27 @@ def inode_cycles(ws: str, upper: str) -> dict[str, Any]:
     return out
 
 
-SCENARIOS = {"commit_cycles": commit_cycles, "inode_cycles": inode_cycles}
+def inode_full(ws: str, upper: str) -> dict[str, Any]:
+    """Make files until the upper has no inode left, commit, then make ~70% of them again."""
+    out: dict[str, Any] = {}
+    with Session(policy=Policy(limits=Limits(workspace_bytes=INODE_BOUND[upper], upper=upper)), workspace=ws) as s:
+        out["cow"] = s._core.run.cow
+        out["free_at_start"] = free = _free_inodes(s)
+        r = s.run(["sh", "-c", MAKE_FILES, "sh", str(free + 16), "full"])
+        out["full_rc"], out["free_when_full"] = (int(x) for x in r.stdout.decode().removeprefix("rc=").split())
+        try:
+            out["added"], out["commit_error"] = len(s.commit().added), None
+        except LowlevelError as err:  # the observation: the test asserts there is none
+            out["added"], out["commit_error"] = None, f"{type(err).__name__}: {err}"[:500]
+        out["free_after_commit"] = _free_inodes(s)
+        r = s.run(["sh", "-c", MAKE_FILES, "sh", str(free * 7 // 10), "again"])
+        out["again_rc"] = int(r.stdout.split()[0].removeprefix(b"rc="))
+        out["diff_again"] = len(s.diff().added)
+    out["files"] = {d: len(os.listdir(os.path.join(ws, d))) for d in sorted(os.listdir(ws))}
+    return out
+
+
+SCENARIOS = {"commit_cycles": commit_cycles, "inode_cycles": inode_cycles, "inode_full": inode_full}
 
 if __name__ == "__main__":
     print(json.dumps(SCENARIOS[sys.argv[1]](sys.argv[2], sys.argv[3])))

@@ -5,14 +5,19 @@ below: bwrap's /workspace is a copy of it. Before the fix, that first overlay's 
 held the first generation's upper files after the caller had cleared them, so their blocks
 (and inodes) stayed charged to the run's tmpfs or disk upper: in a session bounded to 16 MiB,
 11 MiB written and committed left 11264 KiB used (``stat -f /workspace``, measured here) and the
-next 11 MiB write got ENOSPC at 5 MiB, for the session's whole life.
+next 11 MiB write got ENOSPC at 5 MiB, for the session's whole life. And every RESET kept the
+old layer's three directories (3 inodes: 1017 free -> 956 after 20 resets of a 1 MiB upper),
+and a session that had used every inode could not commit: the commit applied, then RESET's
+``mkdir upper.N`` failed with ENOSPC and each later commit or close met its own applied entries
+as host changes (CommitConflictError).
 
 Now, for root (tmpfs and disk upper) and the unprivileged user (tmpfs): 5 cycles of ~70% of
 the bound written and committed each succeed, and the used space after each commit is what it
 was at the start; the same for reset(); the bound still holds (a write past it after the commits
 is ENOSPC: the control); the committed files are in the directory and nothing of them is left in
-the upper (diff() empty); no mount, fd or process is left (the mount count inside is the same
-after 1 and after 8 resets).
+the upper (diff() empty); no mount, inode, fd or process is left (the mount count and the free
+inodes inside are the same after 1 and after 39 resets); ~70% of the inodes as files, committed
+3 times, fits each time and past them is ENOSPC; a session out of inodes commits and goes on.
 
 Each scenario (tests/helpers/session_space_scenarios.py) runs as root in-process and as the
 unprivileged test user through runuser, with the same assertions.
@@ -138,8 +143,10 @@ def test_resets_give_the_space_back(observed: Any) -> None:
 def test_no_mount_fd_or_process_left(observed: Any) -> None:
     out = observed
     # One stacked overlay whatever the number of resets: the first reset adds it, later ones
-    # replace it (5 commits + the over-bound reset + 3 resets = 9 resets).
+    # replace it (5 commits + the over-bound reset + 3 resets, then 30 more: 39).
     assert len(set(out["mounts"])) == 1, out["mounts"]
+    # Nor does a reset keep any of the upper's inodes (the old generation's directories).
+    assert len(set(out["free_inodes"])) == 1, out["free_inodes"]
     assert out["fds_leaked"] == [] and out["children_left"] == []
 
 
@@ -156,3 +163,15 @@ def test_commits_give_the_inodes_back(case: tuple[str, str], tmp_path_factory: p
     # The control: past the inode bound is ENOSPC, after the commits too.
     assert out["over_rc"] != 0 and "No space left on device" in out["over_err"], out
     assert out["files"] == {"d0": out["n"], "d1": out["n"], "d2": out["n"]}
+
+
+@pytest.mark.parametrize("case", _cases(), ids=lambda c: f"{c[0]}-{c[1]}")
+def test_a_session_out_of_inodes_commits_and_goes_on(case: tuple[str, str], tmp_path_factory: pytest.TempPathFactory,
+                                                     request: pytest.FixtureRequest) -> None:
+    out = _run("inode_full", *case, tmp_path_factory, request)
+    assert out["full_rc"] != 0 and out["free_when_full"] == 0, out  # every inode of the bound used
+    # The commit applies them and the RESET after it still finds room for the next layer.
+    assert out["commit_error"] is None, out
+    assert out["added"] == out["files"]["full"] + 1
+    assert out["free_after_commit"] >= out["free_at_start"] - 8, out
+    assert out["again_rc"] == 0 and out["diff_again"] == out["free_at_start"] * 7 // 10 + 1, out
