@@ -25,10 +25,8 @@ unprivileged test user through runuser, with the same assertions.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,12 +39,12 @@ HELPERS = Path(__file__).resolve().parent.parent / "helpers"
 sys.path.insert(0, str(HELPERS))
 
 import session_space_scenarios as sc  # noqa: E402
+from identities import scenario_as  # noqa: E402
 
 from lowlevel.workspace.disk_upper import backing_files  # noqa: E402
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(300)]
 
-RUNUSER = shutil.which("runuser") or "/usr/sbin/runuser"
 MiB = 1 << 20
 IS_ROOT = os.geteuid() == 0
 #: Slack on "used after commit == used at start": directories the RESET makes (upper.N, work.N)
@@ -77,16 +75,9 @@ def _run(name: str, who: str, upper: str, tmp_path_factory: pytest.TempPathFacto
         if who == "user":
             user = request.getfixturevalue("test_user")
             os.chown(ws, user.pw_uid, user.pw_gid)
-            proc = subprocess.run(
-                [RUNUSER, "-u", user.pw_name, "--", sys.executable, str(HELPERS / "session_space_scenarios.py"),
-                 name, ws, upper], capture_output=True, timeout=240, cwd="/",
-                env={"PATH": "/usr/bin:/bin", "HOME": user.pw_dir, "LANG": "C.UTF-8",
-                     "PYTHONPATH": str(HELPERS.parent.parent),
-                     **{k: v for k, v in os.environ.items() if k == "LOWLEVEL_NO_OVERLAY"}})
-            assert proc.returncode == 0, proc.stderr.decode()[-3000:]
-            out: dict[str, Any] = json.loads(proc.stdout)
+            out = scenario_as(user, HELPERS / "session_space_scenarios.py", name, ws, upper)
         else:
-            out = sc.SCENARIOS[name](ws, upper)
+            out: dict[str, Any] = sc.SCENARIOS[name](ws, upper)
         if not out.get("cow"):
             pytest.skip("no copy-on-write overlay on this host: commit()/reset() are unsupported")
         if upper == "disk":  # the disk upper's file and loop device go with the session
