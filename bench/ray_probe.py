@@ -20,7 +20,8 @@ cases interleaved in each round (the order reversed every other round), millisec
   ``sleepN_back`` is the return path after the actor (and the driver) idled N ms, no sandbox;
   ``sleep25p`` the same with the driver polling (``ray.wait(timeout=0)``) instead of blocking,
   ``sleep25f`` with ``ref.future().result()`` instead of ``ray.get``, ``sleep25w`` with a task
-  waking the actor's event loop every 0.5 ms during the sleep (the loop kept warm);
+  waking the actor's event loop every 0.5 ms during the sleep (the loop kept warm); ``tsleepN``
+  the same from a plain threaded actor (sync method, ``time.sleep``; no event loop);
 - ``defer`` / ``defer_thread``: the sandbox call with the workspace removal put after the reply
   (``call_soon`` on the actor's loop / a thread of its executor), the A/B of moving it off the
   call's path against ``stamped``;
@@ -57,8 +58,9 @@ from lowlevel.ray.actor import SandboxActor  # noqa: E402
 from lowlevel.ray.results import UNSET, RemoteResult, remote_result  # noqa: E402
 
 CASES = ("local", "run", "stamped", "ping", "ping_st", "sleep0", "sleep5", "sleep25", "sleep25p", "sleep25f",
-         "sleep25w", "defer", "defer_thread")
+         "sleep25w", "tsleep0", "tsleep25", "defer", "defer_thread")
 COMMAND = ["/usr/bin/true"]
+SLEEPER: list[Any] = []   # (ThreadedSleeper handle, a RemoteResult to carry)
 
 
 class ProbeActor(SandboxActor):
@@ -121,6 +123,15 @@ class ProbeActor(SandboxActor):
         return round(a, 4), round((time.perf_counter() - t) / n * 1e3, 4), len(pickle.dumps(self.kept, protocol=5))
 
 
+class ThreadedSleeper:
+    """A plain threaded actor (sync methods, no event loop): the return path without the async
+    actor's hand-offs."""
+
+    def sleep_stamped(self, ms: int, payload: Any) -> tuple[Any, float]:
+        time.sleep(ms / 1e3)
+        return payload, time.perf_counter()
+
+
 def one(case: str, pool: Any, h: Any, spec: dict[str, Any], loop: asyncio.AbstractEventLoop,
         add: Any) -> None:
     t0 = time.perf_counter()
@@ -147,6 +158,9 @@ def one(case: str, pool: Any, h: Any, spec: dict[str, Any], loop: asyncio.Abstra
         t4 = time.perf_counter()
         add("ping_st_there", a - t0)
         add("ping_st_back", t4 - a)
+    elif case.startswith("tsleep"):
+        _, a = ray.get(SLEEPER[0].sleep_stamped.remote(int(case[6:]), SLEEPER[1]))
+        add(case + "_back", time.perf_counter() - a)
     elif case.startswith("sleep"):
         ms = int(case[5:].rstrip("fpw"))
         ref = h.sleep_warm.remote(ms) if case.endswith("w") else h.sleep_stamped.remote(ms)
@@ -206,6 +220,9 @@ def main(argv: list[str] | None = None) -> None:
             h = next(iter(pool._actors.values()))[0]
             spec = pool._spec(COMMAND, None, None, None, UNSET, None, None)
             ray.get(h.keep.remote(spec))
+            if any(c.startswith("tsleep") for c in cases):
+                SLEEPER[:] = [ray.remote(ThreadedSleeper).options(num_cpus=0, max_concurrency=4).remote(),
+                              pool.run(COMMAND)]
             rows: dict[str, list[float]] = {}
 
             def add(name: str, seconds: float) -> None:
