@@ -25,7 +25,8 @@ cases interleaved in each round (the order reversed every other round), millisec
 - ``defer`` / ``defer_thread``: the sandbox call with the workspace removal put after the reply
   (``call_soon`` on the actor's loop / a thread of its executor), the A/B of moving it off the
   call's path against ``stamped``;
-- ``--pipe-control`` (no Ray): a process blocked on a pipe woken by one that slept 0-25 ms;
+- ``--pipe-control`` (no Ray): a process blocked on a pipe, then on a loopback TCP connection,
+  woken by one that slept 0-25 ms;
 - once, not per round: Ray's serialization of the RemoteResult in the actor (``ser``: Ray's
   serialization context, pickle protocol 5, bytes).
 
@@ -174,31 +175,45 @@ def one(case: str, pool: Any, h: Any, spec: dict[str, Any], loop: asyncio.Abstra
         add(case, time.perf_counter() - t0)
 
 
-def pipe_control(n: int) -> None:
-    """The kernel alone (no Ray): a process blocked in read() on a pipe, woken by a child that
-    slept 0 / 1 / 5 / 25 ms before writing its stamp; the reader's wake-up latency, ms."""
+def pipe_control(n: int, tcp: bool) -> None:
+    """The kernel alone (no Ray): a process blocked in read() on a pipe (``tcp``: a loopback TCP
+    connection with TCP_NODELAY, as gRPC's), woken by a child that slept 0 / 1 / 5 / 25 ms
+    before writing its stamp; the reader's wake-up latency, ms."""
+    import socket
     sleeps = (0, 1, 5, 25)
-    r1, w1 = os.pipe()
-    r2, w2 = os.pipe()
+    if tcp:
+        srv = socket.create_server(("127.0.0.1", 0))
+        a = socket.create_connection(srv.getsockname())
+        b, _ = srv.accept()
+        for sock in (a, b):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        r1, w2, w1, r2 = b.fileno(), b.fileno(), a.fileno(), a.fileno()  # child: b, parent: a
+    else:
+        r1, w1 = os.pipe()
+        r2, w2 = os.pipe()
     pid = os.fork()
     if pid == 0:  # the writer
-        os.close(w1)
-        while b := os.read(r1, 8):
-            time.sleep(int.from_bytes(b, "little") / 1e3)
+        if not tcp:
+            os.close(w1)
+        while got := os.read(r1, 8):
+            time.sleep(int.from_bytes(got, "little") / 1e3)
             os.write(w2, time.perf_counter_ns().to_bytes(8, "little"))
         os._exit(0)
-    os.close(r1)
     out: dict[int, list[float]] = {s: [] for s in sleeps}
     for i in range(n):
         for ms in (sleeps if i % 2 == 0 else sleeps[::-1]):
             os.write(w1, ms.to_bytes(8, "little"))
             sent = int.from_bytes(os.read(r2, 8), "little")
             out[ms].append((time.perf_counter_ns() - sent) / 1e6)
-    os.close(w1)
+    if tcp:
+        a.shutdown(socket.SHUT_WR)
+    else:
+        os.close(w1)
     os.waitpid(pid, 0)
     for ms, v in out.items():
         v.sort()
-        print(f"pipe wake after the writer slept {ms:>2} ms: p50 {v[len(v) // 2]:.3f}  p90 {v[9 * len(v) // 10]:.3f}")
+        print(f"{'tcp' if tcp else 'pipe'} wake after the writer slept {ms:>2} ms: p50 {v[len(v) // 2]:.3f}  "
+              f"p90 {v[9 * len(v) // 10]:.3f}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -208,7 +223,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pipe-control", action="store_true", help="only the kernel's wake-up control (no Ray)")
     args = ap.parse_args(argv)
     if args.pipe_control:
-        pipe_control(args.rounds)
+        pipe_control(args.rounds, tcp=False)
+        pipe_control(args.rounds, tcp=True)
         return
     cases = args.cases.split(",")
     _pool.SandboxActor = ProbeActor  # type: ignore[attr-defined]  # the pool's actor class, for this process only
