@@ -106,6 +106,19 @@ def test_cwd_and_per_command_rlimits(session):
     assert session.run(["sh", "-c", "ulimit -n"]).stdout == b"1024\n"
 
 
+def test_per_command_rlimit_above_the_sessions_hard_limit_is_lowered_to_it():
+    """The vfork child sets each rlimit with one prlimit64 and falls back to get, clamp, set only
+    when the kernel refuses (EPERM above the hard limit) or the set raised the hard limit: a
+    command can never raise the session's hard limit, and a value within it is set exactly."""
+    policy = lowlevel.Policy(limits=lowlevel.Limits(nofile=256))
+    with Session(policy, workspace=_ws()) as s:
+        probe = ["sh", "-c", "ulimit -Sn; ulimit -Hn"]
+        assert s.run(probe).stdout == b"256\n256\n"
+        assert s.run(probe, limits=lowlevel.Limits(nofile=100_000)).stdout == b"256\n256\n"
+        assert s.run(probe, limits=lowlevel.Limits(nofile=64)).stdout == b"64\n64\n"
+        assert s.run(probe).stdout == b"256\n256\n"
+
+
 def test_exec_errors(session):
     with pytest.raises(lowlevel.ExecError) as e:
         session.run(["no-such-program"])
