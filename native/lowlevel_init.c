@@ -145,12 +145,15 @@ static void close_from(int lowfd) {
  * dispositions itself between vfork and exec (64 rt_sigaction calls, each through the sandbox's
  * seccomp filter: ~70 us per command here); a caught one needs nothing. SA_RESTART, and every
  * call that can still fail with EINTR (poll, the shepherd's recv) is retried. signal(7),
- * execve(2) ("dispositions of caught signals are reset to the default"). */
+ * execve(2) ("dispositions of caught signals are reset to the default"). SIGCONT stays SIG_DFL:
+ * its default action only resumes (a signal the kernel then drops, sig_kernel_ignore), so the
+ * init's SIGCONT to the waiting spare before each hand-over (hand_over) resumes a stopped spare
+ * and clears a pending stop without waking it to run a handler and restart its recvmsg. */
 static void shrug(int signo) { (void)signo; }
 
 static const int ignored_signals[] = {
     SIGHUP, SIGINT, SIGQUIT, SIGPIPE, SIGALRM, SIGTERM, SIGUSR1, SIGUSR2, SIGTSTP, SIGTTIN,
-    SIGTTOU, SIGXCPU, SIGXFSZ, SIGVTALRM, SIGPROF, SIGIO, SIGPWR, SIGURG, SIGWINCH, SIGCONT,
+    SIGTTOU, SIGXCPU, SIGXFSZ, SIGVTALRM, SIGPROF, SIGIO, SIGPWR, SIGURG, SIGWINCH,
 };
 
 static void ignore_signals(void) {

@@ -235,6 +235,27 @@ def test_a_command_that_kills_or_stops_the_waiting_shepherd_does_not_stall_the_n
     assert session.alive
 
 
+def test_the_init_catches_the_signals_it_shrugs_off_but_leaves_sigcont_at_its_default(session):
+    """The init and its shepherds catch TERM, HUP etc. with a no-op handler (a command's
+    ``kill -TERM -1`` leaves them running; execve resets it for the command), but not SIGCONT,
+    whose default only resumes: the init's SIGCONT to the waiting spare before each hand-over
+    then does not wake it to run a handler. A command's ``kill -CONT -1`` and ``kill -TERM -1``
+    leave the session running its next commands; the commands themselves get SIGCONT's default."""
+    with open(f"/proc/{session._core.init_host_pid}/status") as f:
+        status = f.read()
+    caught = int(next(line for line in status.splitlines() if line.startswith("SigCgt:")).split()[1], 16)
+    assert caught >> (signal.SIGTERM - 1) & 1 and caught >> (signal.SIGHUP - 1) & 1
+    assert not caught >> (signal.SIGCONT - 1) & 1
+    r = session.run(["sh", "-c", "kill -CONT -1; kill -TERM -1; echo survived"])
+    assert r.stdout == b"survived\n" or r.term_signal == signal.SIGTERM, (r.stdout, r.stderr)
+    for i in range(3):
+        assert session.run(["echo", str(i)], timeout=10).stdout == f"{i}\n".encode()
+    fields = dict(line.split(":", 1) for line in session.run(["cat", "/proc/self/status"]).stdout.decode().splitlines())
+    for name in ("SigCgt", "SigIgn"):
+        assert not int(fields[name], 16) >> (signal.SIGCONT - 1) & 1, fields[name]
+    assert session.alive
+
+
 def test_init_not_ptraceable_or_readable(session):
     r = session.run(["sh", "-c", "cat /proc/2/environ; echo rc=$?; ls /proc/2/fd; echo rc=$?; cat /proc/2/mem; "
                      "echo rc=$?"])
