@@ -101,8 +101,8 @@ def main() -> int:
     print(f"load {os.getloadavg()[0]:.1f}, {n} commands each; p50 us")
     print(f"floor: wall {p50(floor):.0f}, children's CPU {floor_cpu / n:.0f} us per command")
     print(f"session: wall {p50(spans['wall']):.0f} ({p50(spans['wall']) / p50(floor):.2f}x floor), caller before "
-          f"the send {p50(spans['before']):.0f}, sendmsg {p50(spans['sendmsg']):.0f}, sent -> woken by EXIT {p50(spans['sandbox']):.0f}, after the "
-          f"EXIT {p50(spans['after']):.0f}")
+          f"the send {p50(spans['before']):.0f}, sendmsg {p50(spans['sendmsg']):.0f}, sent -> woken by EXIT "
+          f"{p50(spans['sandbox']):.0f}, after the EXIT {p50(spans['after']):.0f}")
     print(f"CPU per command: caller {caller_ns / n / 1e3:.0f} us, sandbox {sandbox_us:.0f} us "
           f"({sandbox_us - floor_cpu / n:+.0f} over the floor's)")
     return 0
