@@ -1,6 +1,6 @@
 """Where a Pool.run's time goes: per-method p50 of one sync Pool's calls, spaced (the pool full).
 
-    python bench/pool_split.py [--calls 200]
+    python bench/pool_split.py [--calls 200] [--settle S]
 
 Wraps Pool.run, Pool._take, the argument checks (``_validate.run_args``), Session.run/_submit/
 _wait/_final_commit and Core.submit/on_readable with ``perf_counter_ns`` (the calls of the
@@ -58,6 +58,9 @@ def p50(xs: list[int]) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--settle", type=float, default=0.0,
+                    help="every other call sleeps this long after the pool is full (the teardown's tail): "
+                         "Pool.run p50 of both halves is printed apart")
     args = ap.parse_args()
     for owner, names in ((_pool.Pool, ["run", "_take"]), (_validate, ["run_args"]),
                          (_sync.Session, ["run", "_submit", "_wait", "_final_commit"]),
@@ -71,13 +74,20 @@ def main() -> int:
         p.run(cmd)
     TIMES.clear()
     floor = []
-    for _ in range(args.calls):
+    halves: tuple[list[int], list[int]] = ([], [])
+    for i in range(args.calls):
         wait_full(p)
+        if i % 2:
+            time.sleep(args.settle)
         t = time.perf_counter_ns()
         os.waitpid(os.posix_spawn(cmd[0], cmd, {}), 0)
         floor.append(time.perf_counter_ns() - t)
+        t = time.perf_counter_ns()
         p.run(cmd)
+        halves[i % 2].append(time.perf_counter_ns() - t)
     print(f"load {os.getloadavg()[0]:.1f}, floor p50 {p50(floor):.0f} us")
+    if args.settle:
+        print(f"Pool.run p50: at once {p50(halves[0]):.0f} us, after {args.settle} s more {p50(halves[1]):.0f} us")
     for k, v in TIMES.items():
         print(f"{k:28s} n={len(v):4d} p50 {p50(v):8.0f} us")
     p.close()
