@@ -145,12 +145,15 @@ static void close_from(int lowfd) {
  * dispositions itself between vfork and exec (64 rt_sigaction calls, each through the sandbox's
  * seccomp filter: ~70 us per command here); a caught one needs nothing. SA_RESTART, and every
  * call that can still fail with EINTR (poll, the shepherd's recv) is retried. signal(7),
- * execve(2) ("dispositions of caught signals are reset to the default"). */
+ * execve(2) ("dispositions of caught signals are reset to the default"). SIGCONT stays SIG_DFL:
+ * its default action only resumes (a signal the kernel then drops, sig_kernel_ignore), so the
+ * init's SIGCONT to the waiting spare before each hand-over (hand_over) resumes a stopped spare
+ * and clears a pending stop without waking it to run a handler and restart its recvmsg. */
 static void shrug(int signo) { (void)signo; }
 
 static const int ignored_signals[] = {
     SIGHUP, SIGINT, SIGQUIT, SIGPIPE, SIGALRM, SIGTERM, SIGUSR1, SIGUSR2, SIGTSTP, SIGTTIN,
-    SIGTTOU, SIGXCPU, SIGXFSZ, SIGVTALRM, SIGPROF, SIGIO, SIGPWR, SIGURG, SIGWINCH, SIGCONT,
+    SIGTTOU, SIGXCPU, SIGXFSZ, SIGVTALRM, SIGPROF, SIGIO, SIGPWR, SIGURG, SIGWINCH,
 };
 
 static void ignore_signals(void) {
@@ -341,6 +344,27 @@ static void kill_tree(pid_t pgid, int sfd, pid_t main_pid, int *main_status, int
     }
 }
 
+/* Set one rlimit of the calling process to (soft, hard), both lowered to its current hard
+ * limit (a command may not raise the session's). One prlimit64 that sets and returns the old
+ * value in the common case (the values are within the hard limit: the set is what the clamp
+ * would have given); only when the kernel refused (EPERM: above the hard limit without
+ * CAP_SYS_RESOURCE; EINVAL: soft > hard), or the set raised the hard limit (the process holds
+ * CAP_SYS_RESOURCE), is the clamped value read and set again: getrlimit(2), prlimit(2).
+ * Returns 0, or -1 with errno. Async-signal-safe (the vfork child calls it). */
+static int set_rlimit_clamped(int resource, uint64_t soft, uint64_t hard) {
+    struct rlimit want = { .rlim_cur = soft, .rlim_max = hard }, cur;
+    if (prlimit(0, resource, &want, &cur) == 0) {
+        if (cur.rlim_max == RLIM_INFINITY || hard <= cur.rlim_max) return 0;
+    } else if ((errno != EPERM && errno != EINVAL) || getrlimit(resource, &cur) < 0) {
+        return -1;
+    }
+    if (cur.rlim_max != RLIM_INFINITY) {
+        if (want.rlim_max > cur.rlim_max) want.rlim_max = cur.rlim_max;
+        if (want.rlim_cur > cur.rlim_max) want.rlim_cur = cur.rlim_max;
+    }
+    return setrlimit(resource, &want);
+}
+
 /* vfork the command; the child never returns from here (exec or _exit). */
 static __attribute__((noinline)) pid_t spawn_command(const struct cmd *c, int *vfork_errno) {
     child_errno = 0; child_stage = 0;
@@ -356,16 +380,10 @@ static __attribute__((noinline)) pid_t spawn_command(const struct cmd *c, int *v
         sigset_t none;
         sigemptyset(&none);
         setpgid(0, 0);
-        for (uint32_t i = 0; i < c->nrl; i++) {
-            struct rlimit cur, want;
-            if (getrlimit((int)c->rl[i].resource, &cur) < 0) { child_errno = errno; child_stage = STAGE_RLIMIT; _exit(127); }
-            want.rlim_cur = c->rl[i].soft; want.rlim_max = c->rl[i].hard;
-            if (cur.rlim_max != RLIM_INFINITY) {
-                if (want.rlim_max > cur.rlim_max) want.rlim_max = cur.rlim_max;
-                if (want.rlim_cur > cur.rlim_max) want.rlim_cur = cur.rlim_max;
+        for (uint32_t i = 0; i < c->nrl; i++)
+            if (set_rlimit_clamped((int)c->rl[i].resource, c->rl[i].soft, c->rl[i].hard) < 0) {
+                child_errno = errno; child_stage = STAGE_RLIMIT; _exit(127);
             }
-            if (setrlimit((int)c->rl[i].resource, &want) < 0) { child_errno = errno; child_stage = STAGE_RLIMIT; _exit(127); }
-        }
         char cwd_buf[PATH_MAX];
         int cwd_r = ll_chdir_inside(c->cwd, cwd_buf, sizeof cwd_buf);
         if (cwd_r) {

@@ -106,6 +106,19 @@ def test_cwd_and_per_command_rlimits(session):
     assert session.run(["sh", "-c", "ulimit -n"]).stdout == b"1024\n"
 
 
+def test_per_command_rlimit_above_the_sessions_hard_limit_is_lowered_to_it():
+    """The vfork child sets each rlimit with one prlimit64 and falls back to get, clamp, set only
+    when the kernel refuses (EPERM above the hard limit) or the set raised the hard limit: a
+    command can never raise the session's hard limit, and a value within it is set exactly."""
+    policy = lowlevel.Policy(limits=lowlevel.Limits(nofile=256))
+    with Session(policy, workspace=_ws()) as s:
+        probe = ["sh", "-c", "ulimit -Sn; ulimit -Hn"]
+        assert s.run(probe).stdout == b"256\n256\n"
+        assert s.run(probe, limits=lowlevel.Limits(nofile=100_000)).stdout == b"256\n256\n"
+        assert s.run(probe, limits=lowlevel.Limits(nofile=64)).stdout == b"64\n64\n"
+        assert s.run(probe).stdout == b"256\n256\n"
+
+
 def test_exec_errors(session):
     with pytest.raises(lowlevel.ExecError) as e:
         session.run(["no-such-program"])
@@ -219,6 +232,27 @@ def test_a_command_that_kills_or_stops_the_waiting_shepherd_does_not_stall_the_n
     assert r.exit_code == 0 and b"hit" in r.stdout, (r.stdout, r.stderr)
     for i in range(3):
         assert session.run(["echo", str(i)], timeout=10).stdout == f"{i}\n".encode()
+    assert session.alive
+
+
+def test_the_init_catches_the_signals_it_shrugs_off_but_leaves_sigcont_at_its_default(session):
+    """The init and its shepherds catch TERM, HUP etc. with a no-op handler (a command's
+    ``kill -TERM -1`` leaves them running; execve resets it for the command), but not SIGCONT,
+    whose default only resumes: the init's SIGCONT to the waiting spare before each hand-over
+    then does not wake it to run a handler. A command's ``kill -CONT -1`` and ``kill -TERM -1``
+    leave the session running its next commands; the commands themselves get SIGCONT's default."""
+    with open(f"/proc/{session._core.init_host_pid}/status") as f:
+        status = f.read()
+    caught = int(next(line for line in status.splitlines() if line.startswith("SigCgt:")).split()[1], 16)
+    assert caught >> (signal.SIGTERM - 1) & 1 and caught >> (signal.SIGHUP - 1) & 1
+    assert not caught >> (signal.SIGCONT - 1) & 1
+    r = session.run(["sh", "-c", "kill -CONT -1; kill -TERM -1; echo survived"])
+    assert r.stdout == b"survived\n" or r.term_signal == signal.SIGTERM, (r.stdout, r.stderr)
+    for i in range(3):
+        assert session.run(["echo", str(i)], timeout=10).stdout == f"{i}\n".encode()
+    fields = dict(line.split(":", 1) for line in session.run(["cat", "/proc/self/status"]).stdout.decode().splitlines())
+    for name in ("SigCgt", "SigIgn"):
+        assert not int(fields[name], 16) >> (signal.SIGCONT - 1) & 1, fields[name]
     assert session.alive
 
 
