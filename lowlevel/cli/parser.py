@@ -76,8 +76,9 @@ def _add_run(sub: Any) -> None:
     p = sub.add_parser("run", help="run a command in a fresh sandbox",
                        description="Run COMMAND in a fresh sandbox. Put -- before the command.",
                        epilog=RUN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workspace", metavar="DIR", help="existing host dir bound read-write at /workspace "
-                   "(default: a fresh per-run dir, its path printed to stderr)")
+    p.add_argument("--workspace", metavar="DIR", help="existing host dir seen at /workspace, copy-on-write: the run's "
+                   "changes are applied to it after the run (see --discard) (default: a fresh "
+                   "per-run dir, its path printed to stderr)")
     p.add_argument("--input", metavar="PATH[:DEST]", action="append", default=[], type=input_spec,
                    help="file or dir copied into the workspace before the run, under its base name or at "
                    "DEST (relative to the workspace) (repeatable)")

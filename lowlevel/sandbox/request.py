@@ -48,8 +48,9 @@ def check_seconds(value: object, what: str, *, zero: bool) -> float:
         and (value >= 0 if zero else value > 0)
     if not ok:
         if zero:
-            raise PolicyError(f"{what} must be a number of seconds >= 0, got {value!r}")
-        raise PolicyError(f"{what} must be a finite number of seconds > 0 (or None for no {what}), got {value!r}")
+            raise PolicyError(f"{what} must be a number of seconds >= 0 and below 2**31, got {value!r}")
+        raise PolicyError(f"{what} must be a finite number of seconds > 0 and below 2**31 (about 68 years) "
+                          f"(or None for no {what}), got {value!r}")
     return float(value)  # type: ignore[arg-type]
 
 

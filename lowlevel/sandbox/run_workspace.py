@@ -48,7 +48,11 @@ class RunWorkspace(RunState):
             if not os.path.exists(ws):
                 raise WorkspaceError(errno.ENOENT, f"workspace {ws} does not exist: create it or omit it "
                                      "to get a fresh per-run workspace")
-            if not os.path.isdir(ws) or os.path.islink(ws):
+            if os.path.islink(ws):
+                raise WorkspaceError(errno.ENOTDIR, f"workspace {ws} is a symbolic link (to "
+                                     f"{os.readlink(ws)!r}), which is not followed: pass the directory "
+                                     "it names itself")
+            if not os.path.isdir(ws):
                 raise WorkspaceError(errno.ENOTDIR, f"workspace {ws} is not a directory")
             self.workspace = os.path.realpath(ws)
             # Inputs are copied in by path: that needs parents nobody else can rename. Without
