@@ -174,8 +174,8 @@ def read_env_file(path: str) -> list[tuple[str, str]]:
 
     Raises:
         UsageError: the file cannot be read, is not a regular file or a pipe, is over
-            :data:`ENV_FILE_MAX_BYTES`, or a line is neither ``KEY=VALUE`` nor ``KEY`` (the
-            message names the file and the line number).
+            :data:`ENV_FILE_MAX_BYTES`, or a line is neither ``KEY=VALUE`` nor ``KEY`` or holds
+            a NUL (the message names the file and the line number, never the line's text).
     Source: Docker CLI reference, ``docker run --env-file``.
     """
     try:
@@ -202,10 +202,16 @@ def read_env_file(path: str) -> list[tuple[str, str]]:
         stripped = line.lstrip()
         if not stripped or stripped.startswith("#"):
             continue
+        # The messages never quote the line: a wrong file (--env-file /etc/shadow, a key file)
+        # must not end up in the caller's logs through the error.
+        if "\0" in stripped:
+            raise UsageError(f"run: --env-file {path}:{number}: the line holds a NUL byte, which no environment "
+                             "value can; is this an env file (KEY=VALUE lines)?")
         try:
             pair = env_pair(stripped if "=" in stripped else stripped.rstrip())
         except argparse.ArgumentTypeError:
-            raise UsageError(f"run: --env-file {path}:{number}: not KEY=VALUE: {line[:60]!r}") from None
+            raise UsageError(f"run: --env-file {path}:{number}: not KEY=VALUE (a name of letters, digits and _, "
+                             "then =); is this an env file?") from None
         if pair is not None:
             pairs.append(pair)
     return pairs

@@ -84,6 +84,17 @@ def ensure_base(base: str) -> str:
     return base
 
 
+def _input_refusal(src: str) -> str | None:
+    """Why host path ``src`` (followed, as the copy follows it) must not be copied in, or None:
+    what :func:`lowlevel.spec.policy.sensitive_reason` refuses as a bind source (credential
+    locations, home directories themselves, ``/etc/shadow``, ``/proc``, ``/sys``, ``/dev``,
+    ``/run``...). A copy hands the sandbox the same bytes a read-only bind would:
+    ``--input /proc/self/environ`` was the caller's whole environment, secrets included."""
+    from lowlevel.spec.policy import sensitive_reason  # as workspace/checks.py: keep this module light
+
+    return sensitive_reason(os.path.realpath(src))
+
+
 def copy_inputs(root: str, inputs: Iterable[str | os.PathLike[str] | tuple[str, str]]) -> list[str]:
     """Copy files or directories into the workspace root, each under its base name, or at
     the destination given with it.
@@ -101,7 +112,9 @@ def copy_inputs(root: str, inputs: Iterable[str | os.PathLike[str] | tuple[str, 
     Returns:
         The relative names created.
     Raises:
-        WorkspaceError: an input is missing or not a regular file or directory, or two inputs
+        WorkspaceError: an input is missing or not a regular file or directory, or it is (or
+            resolves to) a location a bind would refuse (EACCES: credentials, ``/proc``,
+            ``/etc/shadow``: :func:`lowlevel.spec.policy.sensitive_reason`), or two inputs
             share a destination, or it exists already, or ``dest`` is absolute or has ``..``
             (EINVAL), or a symlink is in its way.
     """
@@ -128,6 +141,10 @@ def copy_inputs(root: str, inputs: Iterable[str | os.PathLike[str] | tuple[str, 
         if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
             raise WorkspaceError(errno.EINVAL, f"input {src!r} is a {_file_type(st.st_mode)}, not a regular file "
                                  "or a directory: copy its content into a file first")
+        refusal = _input_refusal(src)
+        if refusal:
+            raise WorkspaceError(errno.EACCES, f"input {src!r} is refused: {refusal}; to hand the sandbox such "
+                                 "data on purpose, copy what it needs into a file of your own and pass that")
         try:
             # The parent is opened component by component with O_NOFOLLOW and the copy goes
             # through its pinned fd: a symlink in the workspace cannot send it elsewhere.

@@ -118,6 +118,30 @@ def test_bad_env_file_line_is_one_line_naming_it(tmp_path: Path, capsys: pytest.
     assert not (tmp_path / "base").exists() or os.listdir(tmp_path / "base") == []
 
 
+def test_a_wrong_env_file_is_named_but_never_quoted(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file that is not an env file (a shadow-like line, /proc/self/environ's NUL-separated
+    text) is refused by file and line, and nothing of its text reaches the error (it echoed
+    root's /etc/shadow entry, and the caller's SHELL value)."""
+    monkeypatch.setenv("LOWLEVEL_WORKSPACE_BASE", str(tmp_path / "base"))
+    secret = "root:$6$s3cr3tHASH:19000:0:99999:7:::"
+    shadow = tmp_path / "shadow"
+    shadow.write_text(secret + "\n")
+    assert _cli.main(["run", "--env-file", str(shadow), "--", "true"]) == 125
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and f"{shadow}:1" in err and "s3cr3t" not in err, err
+    environ = tmp_path / "environ"
+    environ.write_bytes(b"SHELL=/bin/s3cr3t\0TOKEN=s3cr3t\0")
+    assert _cli.main(["run", "--env-file", str(environ), "--", "true"]) == 125
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "NUL" in err and "s3cr3t" not in err, err
+    # The control: a real env file's value reaches the program.
+    good = tmp_path / "good.env"
+    good.write_text("TOKEN=visible\n")
+    assert _cli.main(["run", "--rm", "--env-file", str(good), "--", "sh", "-c", "test \"$TOKEN\" = visible"]) == 0
+    assert not (tmp_path / "base").exists() or os.listdir(tmp_path / "base") == []
+
+
 def test_env_file_is_read_within_a_bound(tmp_path: Path, capfd: pytest.CaptureFixture[str],
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A device never ends (/dev/zero was read until the OOM killer, rc 137, nothing said), a FIFO

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -26,6 +27,28 @@ def test_create_copies_inputs_and_is_all_or_nothing(tmp_path):
     assert set(os.listdir(base)) == before, "a half-made workspace was left behind"
     with pytest.raises(WorkspaceError, match="same name"):
         create_workspace([tmp_path / "a.py", tmp_path / "dir" / ".." / "a.py"], base=str(base))
+
+
+@pytest.mark.parametrize("secret", ["/proc/self/environ", "/etc/shadow", "/proc/self", "link"])
+def test_inputs_a_bind_would_refuse_are_refused_and_leave_no_workspace(tmp_path, secret):
+    """A copy hands the sandbox what a read-only bind would: the caller's environment
+    (/proc/self/environ), /etc/shadow, or a symlink to it, is refused as a bind source is."""
+    if secret == "link":
+        (tmp_path / "link").symlink_to("/etc/shadow")
+        secret = str(tmp_path / "link")
+    if not os.path.lexists(secret):
+        pytest.skip(f"{secret} does not exist here")
+    (tmp_path / "a.py").write_text("print(1)")
+    base = tmp_path / "base"
+    base.mkdir()
+    with pytest.raises(WorkspaceError, match="is refused: it (overlaps|is inside)") as info:
+        create_workspace([tmp_path / "a.py", secret], base=str(base))
+    assert info.value.errno == errno.EACCES and "copy what it needs into a file" in str(info.value)
+    assert os.listdir(base) == [], "a half-made workspace was left behind"
+    # The control: the same call with a file of the caller's own copies it in.
+    (tmp_path / "mine.txt").write_text("mine")
+    ws = create_workspace([tmp_path / "a.py", tmp_path / "mine.txt"], base=str(base))
+    assert sorted(os.listdir(ws)) == ["a.py", "mine.txt"]
 
 
 def test_base_must_be_ours_and_not_a_symlink(tmp_path):
