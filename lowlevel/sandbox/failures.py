@@ -91,6 +91,13 @@ def _classify_setup_failure(stderr: bytes, argv: list[str], command: Sequence[st
             "`sysctl -w user.max_user_namespaces=15000`, or on Ubuntu >= 23.10 "
             "`sysctl -w kernel.apparmor_restrict_unprivileged_userns=0` or an AppArmor profile for bwrap. "
             f"bwrap said: {text}", argv=argv, stderr=text)
+    if b"Error 24" in stderr or b"Too many open files" in stderr:
+        # EMFILE before the program: the run's RLIMIT_NOFILE (set before bwrap's exec) is below
+        # what bwrap itself opens while it builds the sandbox (ld.so loading libselinux, its
+        # pipes): 12 with bwrap 0.8.0 here.
+        return LaunchError("the sandbox's open-file limit is too small for bwrap itself to start (EMFILE before "
+                           "the program ran): raise Limits.nofile (--nofile) to at least 16. "
+                           f"bwrap said: {text}", argv=argv, stderr=text, errno=errno.EMFILE)
     what = text or ("bwrap exited during setup (its stderr was not captured: in live mode its message, if any, "
                     "is on your stderr above)")
     return LaunchError(f"sandbox setup failed: {what}", argv=argv, stderr=text)

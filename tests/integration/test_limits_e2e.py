@@ -133,3 +133,14 @@ def test_limits_enforced_says_what_applied(sandbox) -> None:
     if sandbox.identity == "user":
         assert not any(e.startswith("cgroup:") for e in out.limits_enforced)
         assert {"RLIMIT_DATA", "RLIMIT_NPROC"} <= set(out.limits_enforced)
+
+
+def test_an_open_file_limit_too_small_for_bwrap_names_limits_nofile(sandbox) -> None:
+    """Limits.nofile of 3-11 starts bwrap with fewer fds than it opens itself (ld.so's
+    libselinux, its pipes): an EMFILE before the program, once "sandbox setup failed: ...
+    libselinux.so.1 ... Error 24". Now a LaunchError that names the limit and what to set."""
+    out = sandbox.run(["true"], limits={"nofile": 8})
+    assert out.error == "LaunchError" and out.errno == 24, out
+    assert "Limits.nofile" in out.message and "at least 16" in out.message, out.message
+    ok = sandbox.run(["true"], limits={"nofile": 16})  # the control: the limit it names works
+    assert ok.error is None and ok.exit_code == 0, ok
