@@ -22,6 +22,11 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     from lowlevel.cleanup import clean, find_leftovers
 
     workspaces = tuple(os.path.abspath(w) for w in args.workspace)
+    for given, path in zip(args.workspace, workspaces, strict=True):
+        if not os.path.isdir(path):  # a typo must not read as "nothing left over"
+            return report_error(args, FileNotFoundError(f"cleanup: --workspace {given}: no such directory "
+                                                        f"({path}); name the workspace directory a run used"),
+                                EXIT_FAILED)
     from lowlevel.cleanup import Leftover
     found: list[Leftover] = []
     removed: list[Leftover] = []

@@ -420,3 +420,18 @@ def test_cleanup_walks_the_hierarchies_for_record_less_run_cgroups_of_dead_calle
             _rmtree_cgroup(d)
         if v2_root is not None:
             _rmtree_cgroup(v2_root)
+
+
+def test_cleanup_of_a_workspace_that_does_not_exist_says_so(tmp_path) -> None:
+    """A typo in --workspace read as "nothing left over" and exit 0 (fresh-user trial): now one
+    line naming the path and 125, with nothing removed; an existing empty directory is fine."""
+    records = str(tmp_path / "records")
+    os.mkdir(records)
+    missing = _cli(["cleanup", "--workspace", "no/such/ws", "--dry-run"], records,
+                   extra={"LOWLEVEL_CGROUP_ROOTS": ""})
+    assert missing.returncode == 125, missing
+    assert missing.stderr.count("\n") == 1 and "no/such/ws: no such directory" in missing.stderr, missing.stderr
+    os.mkdir(tmp_path / "ws")
+    present = _cli(["cleanup", "--workspace", str(tmp_path / "ws"), "--dry-run", "--json"], records,
+                   extra={"LOWLEVEL_CGROUP_ROOTS": ""})
+    assert present.returncode in (0, 1) and "no such directory" not in present.stderr, present  # the control
