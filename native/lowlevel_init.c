@@ -668,11 +668,16 @@ static void drop_spare(void) {
     spare_ctl = -1; spare_pid = -1;
 }
 
-/* 1 if the spare can take a command: alive, and no SIGKILL pending. A command (same uid) may have
- * killed it, and SIGKILL is acted on only when the spare next runs: a dying spare would take the
- * command and die with it (EXIT_SHEPHERD_DIED). /proc/PID/stat: field 3 (state) and field 31
- * (the pending signals: kill(2) of SIGKILL adds it there at once, complete_signal), proc(5);
- * ~25 us here (status, with the same facts, costs ~40), against ~100 us for the fork it saves. */
+/* 1 if the spare can take a command: alive, not exiting, and no SIGKILL pending. A command (same
+ * uid) may have killed it, and SIGKILL is acted on only when the spare next runs: a dying spare
+ * would take the command and die with it (EXIT_SHEPHERD_DIED). /proc/PID/stat, proc(5): field 3
+ * (state: Z, X once dead), field 9 (the kernel's task flags: PF_EXITING, set by do_exit's
+ * exit_signals, from just after the spare dequeued the SIGKILL until it is a zombie: the
+ * exit itself, 0.1 ms to ms on a loaded host, in which state is still R or D and field 31 no
+ * longer shows the signal; a loaded .ci/run handed a command to such a spare) and field 31 (the
+ * pending signals: kill(2) of SIGKILL adds it there at once, complete_signal). ~25 us here
+ * (status costs ~40 and has no flags), against ~100 us for the fork it saves. */
+#define LL_PF_EXITING 0x00000004u /* include/linux/sched.h PF_EXITING */
 static int spare_usable(void) {
     char path[64], buf[1024];
     snprintf(path, sizeof path, "/proc/%d/stat", (int)spare_pid);
@@ -689,6 +694,7 @@ static int spare_usable(void) {
         p = strchr(p, ' ');
         if (!p) return 0;
         p++;
+        if (field + 1 == 9 && (strtoull(p, NULL, 10) & LL_PF_EXITING)) return 0;
     }
     return !((strtoull(p, NULL, 10) >> (SIGKILL - 1)) & 1);
 }

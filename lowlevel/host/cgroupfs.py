@@ -44,8 +44,16 @@ def write(path: str, text: str) -> None:
         os.close(fd)
 
 
-def read(path: str) -> str:
+def read(path: str, *, one_record: bool = False) -> str:
     """The whole file as ASCII text (undecodable bytes replaced).
+
+    ``one_record``: the file is one record of the kernel's seq_file (a counter or a flat-keyed
+    file whose ``seq_show`` prints it all at once: ``memory.max_usage_in_bytes``,
+    ``memory.oom_control``, ``pids.events``, ``pids.peak``, ``cpu.stat``), so a read that returns
+    less than it asked for got the end of it and the read(2) that would return 0 is skipped
+    (fs/seq_file.c ``seq_read_iter``: the record is formatted whole, then copied out up to the
+    caller's count). Not for multi-record files (``cgroup.procs``, ``/proc/self/mountinfo``),
+    where a read stops short before a record that does not fit.
 
     Raises:
         OSError: the file cannot be opened or read.
@@ -59,6 +67,8 @@ def read(path: str) -> str:
         chunks = []
         while chunk := f.read(65536):
             chunks.append(chunk)
+            if one_record and len(chunk) < 65536:
+                break
     return b"".join(chunks).decode("ascii", "replace")
 
 
@@ -70,10 +80,11 @@ def read_words(path: str) -> set[str]:
         return set()
 
 
-def read_int(path: str) -> int | None:
-    """One number (``max`` reads as :data:`MAX`); None if unreadable or not a number."""
+def read_int(path: str, *, one_record: bool = False) -> int | None:
+    """One number (``max`` reads as :data:`MAX`); None if unreadable or not a number.
+    ``one_record``: as :func:`read`."""
     try:
-        text = read(path).strip()
+        text = read(path, one_record=one_record).strip()
     except OSError:
         return None
     return MAX if text == "max" else int(text) if text.isdigit() else None
@@ -87,10 +98,11 @@ def read_ints(path: str) -> list[int]:
         return []
 
 
-def read_keyed(path: str) -> dict[str, int]:
-    """Parse ``key value`` lines (``memory.events``, ``cpu.stat``, ``memory.oom_control``)."""
+def read_keyed(path: str, *, one_record: bool = False) -> dict[str, int]:
+    """Parse ``key value`` lines (``memory.events``, ``cpu.stat``, ``memory.oom_control``);
+    ``one_record``: as :func:`read`."""
     try:
-        return parse_keyed(read(path))
+        return parse_keyed(read(path, one_record=one_record))
     except OSError:
         return {}
 

@@ -311,27 +311,27 @@ class RunCgroup:
         mem = self.node("memory")
         if mem is not None and mem.version == 2:
             self.sample()
-            peak = cgroupfs.read_int(os.path.join(mem.path, "memory.peak"))
+            peak = cgroupfs.read_int(os.path.join(mem.path, "memory.peak"), one_record=True)
             peak = max(peak or 0, self._memory_sampled) or peak
-            oom = cgroupfs.read_keyed(os.path.join(mem.path, "memory.events")).get("oom_kill")
+            oom = cgroupfs.read_keyed(os.path.join(mem.path, "memory.events"), one_record=True).get("oom_kill")
         elif mem is not None:
-            peak = cgroupfs.read_int(os.path.join(mem.path, "memory.max_usage_in_bytes"))
-            oom = cgroupfs.read_keyed(os.path.join(mem.path, "memory.oom_control")).get("oom_kill")
+            peak = cgroupfs.read_int(os.path.join(mem.path, "memory.max_usage_in_bytes"), one_record=True)
+            oom = cgroupfs.read_keyed(os.path.join(mem.path, "memory.oom_control"), one_record=True).get("oom_kill")
         pid_node = self.node("pids")
         if pid_node is not None:
-            hits = cgroupfs.read_keyed(os.path.join(pid_node.path, "pids.events")).get("max")
+            hits = cgroupfs.read_keyed(os.path.join(pid_node.path, "pids.events"), one_record=True).get("max")
             pids_hit = None if hits is None else hits > 0
-            pids_peak = cgroupfs.read_int(os.path.join(pid_node.path, "pids.peak"))
+            pids_peak = cgroupfs.read_int(os.path.join(pid_node.path, "pids.peak"), one_record=True)
         v2 = self.node("v2")
         acct = self.node("cpuacct")
         if v2 is not None:
-            stat = cgroupfs.read_keyed(os.path.join(v2.path, "cpu.stat"))
+            stat = cgroupfs.read_keyed(os.path.join(v2.path, "cpu.stat"), one_record=True)
             if "user_usec" in stat:
                 user, system = stat["user_usec"] / 1e6, stat.get("system_usec", 0) / 1e6
         elif acct is not None:
-            u = cgroupfs.read_int(os.path.join(acct.path, "cpuacct.usage_user"))
-            s = cgroupfs.read_int(os.path.join(acct.path, "cpuacct.usage_sys"))
-            total = cgroupfs.read_int(os.path.join(acct.path, "cpuacct.usage"))
+            u = cgroupfs.read_int(os.path.join(acct.path, "cpuacct.usage_user"), one_record=True)
+            s = cgroupfs.read_int(os.path.join(acct.path, "cpuacct.usage_sys"), one_record=True)
+            total = cgroupfs.read_int(os.path.join(acct.path, "cpuacct.usage"), one_record=True)
             if u is not None and s is not None:
                 # usage_user/usage_sys come from tick samples and overshoot; cpuacct.usage is the
                 # exact runtime: split it in their proportion (what cputime_adjust() does).
@@ -480,11 +480,11 @@ class RunCgroup:
         # A finished run's directories are empty: rmdir first (the kernel refuses a directory
         # with a task, EBUSY, atomically), and read cgroup.procs and kill only when one refused.
         # That skips three opens and reads per run (issue 27).
-        if not self._rmdir_all_once():
-            if self.pids():
-                self.kill_all(timeout_s)
+        gone = self._rmdir_all_once()
+        if not gone and self.pids():
+            self.kill_all(timeout_s)
         left = []
-        for node in self.nodes:
+        for node in () if gone else self.nodes:  # all gone: no second rmdir of each (ENOENT)
             delay = 0.0005
             while True:
                 try:

@@ -1,5 +1,10 @@
 """The driver's fast path to the sandbox actors: :class:`Dispatcher` (slots per actor, kept in the
-driver) and :class:`MapState` (the batched dispatch of :meth:`SandboxActorPool.map` / ``amap``).
+driver, and what a failed call means), :class:`OneCall` (the attempts of one
+:meth:`SandboxActorPool.run` / ``arun``) and :class:`MapState` (the batched dispatch of
+:meth:`SandboxActorPool.map` / ``amap``). The sync and async drivers in :mod:`lowlevel.ray.pool`
+only wait; every decision (which slot, which errors re-run a call, how often, which actor is
+dropped) is made here, with the slot and the choice of :mod:`lowlevel.ray.slots` that the
+router uses too.
 
 Why: through the router a call crosses two Ray hops each way (driver -> router -> actor); the
 router's share alone cost 4.5 ms of CPU per call on this 2-vCPU host (bench/README.md,
@@ -27,6 +32,7 @@ Source: Ray docs "Actors" (handles are passable, tasks of one caller run in orde
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -37,29 +43,13 @@ import ray
 import ray.exceptions
 
 from lowlevel.ray.results import LOST, ClusterError, RemoteResult, log, unwrap_error
-
-
-@dataclass
-class DirectSlot:
-    """One sandbox actor as the driver sees it: ``in_flight`` of ``capacity`` direct calls."""
-
-    key: str
-    handle: Any
-    node_id: str
-    capacity: int
-    in_flight: int = 0
-    dispatched: int = 0
-    alive: bool = True
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err)
-    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
+from lowlevel.ray.slots import Slot, first_line, least_loaded, retries_exhausted, take
 
 
 class Dispatcher:
     """The driver's slot table over the pool's sandbox actors (thread-safe: one lock, held only
-    for the bookkeeping, never across a Ray call).
+    for the bookkeeping, never across a Ray call), and the rule for a failed call that
+    ``run``, ``arun``, ``map`` and ``amap`` share (:meth:`verdict`, :meth:`rerun`).
 
     Args:
         router: the pool's router actor handle (told of each death seen here).
@@ -69,7 +59,7 @@ class Dispatcher:
     def __init__(self, router: Any, max_retries: int) -> None:
         self.router = router
         self.max_retries = max_retries
-        self.slots: dict[str, DirectSlot] = {}
+        self.slots: dict[str, Slot] = {}
         self.lock = threading.Lock()
         self.closed = False   # the pool is shutting down: its actors die on purpose
 
@@ -77,7 +67,7 @@ class Dispatcher:
         """Take ``(key, handle, node_id, capacity)`` actors into rotation."""
         with self.lock:
             for key, handle, node_id, capacity in entries:
-                self.slots[key] = DirectSlot(key, handle, node_id, capacity)
+                self.slots[key] = Slot(key, handle, node_id, capacity)
 
     def capacity(self) -> int:
         """Direct calls the live actors accept at once (at least 1)."""
@@ -88,36 +78,30 @@ class Dispatcher:
         with self.lock:
             return any(s.alive for s in self.slots.values())
 
-    def acquire(self, want: int = 1) -> tuple[DirectSlot | None, int]:
-        """Take up to ``want`` units of the least loaded live actor with room (ties: the one
-        dispatched to least, so sequential calls go round the nodes); ``(None, 0)`` when every
-        live actor is full or none is alive."""
+    def acquire(self, want: int = 1) -> tuple[Slot | None, int]:
+        """Take up to ``want`` units of the least loaded live actor with room
+        (:func:`lowlevel.ray.slots.least_loaded`); ``(None, 0)`` when every live actor is full
+        or none is alive."""
         with self.lock:
-            best: DirectSlot | None = None
-            for s in self.slots.values():
-                if s.alive and s.in_flight < s.capacity and (
-                        best is None or (s.in_flight / s.capacity, s.dispatched)
-                        < (best.in_flight / best.capacity, best.dispatched)):
-                    best = s
+            best = least_loaded(self.slots.values())
             if best is None:
                 return None, 0
             n = min(want, best.capacity - best.in_flight)
-            best.in_flight += n
-            best.dispatched += n
+            take(best, n)
             return best, n
 
-    def release(self, slot: DirectSlot, n: int = 1) -> None:
+    def release(self, slot: Slot, n: int = 1) -> None:
         with self.lock:
             slot.in_flight -= n
 
-    def mark_lost(self, slot: DirectSlot, err: BaseException) -> None:
+    def mark_lost(self, slot: Slot, err: BaseException) -> None:
         """``slot``'s actor died: never use it again here, and tell the router (fire and forget)."""
         with self.lock:
             was_alive, slot.alive = slot.alive, False
         if was_alive and not self.closed:
             log.warning("lowlevel.ray: sandbox actor on node %s lost: %s", slot.node_id, err)
             try:
-                self.router.mark_lost.remote(slot.key, _first_line(err))
+                self.router.mark_lost.remote(slot.key, first_line(err))
             except Exception:  # noqa: BLE001 - the router gone means the pool is shutting down
                 pass
 
@@ -128,11 +112,31 @@ class Dispatcher:
                 if key in self.slots:
                     self.slots[key].alive = False
 
-    def check_retry(self, lost_nodes: list[str]) -> None:
-        """Raise ClusterError ``"node_lost"`` once a call's actor died more than ``max_retries`` times."""
-        if len(lost_nodes) > self.max_retries:
-            raise ClusterError(f"the call's sandbox actor died {len(lost_nodes)} times (nodes {lost_nodes}); "
-                               f"max_retries={self.max_retries}", "node_lost")
+    def verdict(self, slot: Slot | None, err: BaseException) -> BaseException | None:
+        """What a call that failed with Ray error ``err`` on ``slot`` (None: sent through the
+        router, which retries by itself) means.
+
+        Returns:
+            None when ``slot``'s actor is lost (``RayActorError``/``ObjectLostError``): it is
+            marked dead (here and in the router) and the call may be re-run on another
+            actor (:meth:`rerun` says whether it still may); otherwise the lowlevel exception
+            the caller gets (``err`` unwrapped).
+        Raises:
+            ClusterError: ``"closed"`` when the pool is shut down (its shutdown cancelled or
+                killed the call).
+        """
+        lost = slot is not None and isinstance(err, LOST)
+        if lost and slot is not None:
+            self.mark_lost(slot, err)
+        if self.closed:
+            raise ClusterError("the pool is shut down", "closed")
+        return None if lost else unwrap_error(err)
+
+    def rerun(self, lost_nodes: list[str], slot: Slot) -> ClusterError | None:
+        """Count ``slot``'s node in a call's ``lost_nodes``; None: re-run it, else the
+        ClusterError ``"node_lost"`` it ends with (past ``max_retries``)."""
+        lost_nodes.append(slot.node_id)
+        return retries_exhausted(lost_nodes, self.max_retries)
 
 
 def finish(result: RemoteResult, lost_nodes: list[str]) -> RemoteResult:
@@ -140,6 +144,70 @@ def finish(result: RemoteResult, lost_nodes: list[str]) -> RemoteResult:
     result.attempts = len(lost_nodes) + 1
     result.lost_nodes = tuple(lost_nodes)
     return result
+
+
+class OneCall:
+    """The attempts of one :meth:`SandboxActorPool.run` / ``arun`` call: where each goes and what
+    its end means. The sync and async drivers only wait for the ObjectRef::
+
+        while True:
+            ref = call.send()
+            try:
+                return call.done(ray.get(ref))     # or: await ref
+            except BaseException as err:
+                call.failed(ref, err)              # raises, or returns: send again
+
+    Args:
+        dispatcher: the pool's slot table.
+        spec, box: the call's checked spec and inputs (sent as they are at every attempt).
+        via_router: ``(spec, box, lost_nodes) -> ObjectRef`` (the router's ``submit``).
+    """
+
+    def __init__(self, dispatcher: Dispatcher, spec: dict[str, Any], box: Any,
+                 via_router: Callable[[dict[str, Any], Any, tuple[str, ...]], Any]) -> None:
+        self.d = dispatcher
+        self.spec = spec
+        self.box = box
+        self.via_router = via_router
+        self.lost: list[str] = []
+        self.slot: Slot | None = None
+
+    def send(self) -> Any:
+        """Send the call to the least loaded live actor with room; when every slot is taken (or
+        every actor is dead), through the router (it queues the call, or says ``no_nodes``)."""
+        self.slot, _ = self.d.acquire()
+        if self.slot is None:
+            return self.via_router(self.spec, self.box, tuple(self.lost))
+        return self.slot.handle.run.remote(self.spec, self.box)
+
+    def _free(self) -> Slot | None:
+        slot, self.slot = self.slot, None
+        if slot is not None:
+            self.d.release(slot)
+        return slot
+
+    def done(self, result: RemoteResult) -> RemoteResult:
+        """The attempt's Result (stamped with the attempts when it went direct)."""
+        return result if self._free() is None else finish(result, self.lost)
+
+    def failed(self, ref: Any, err: BaseException) -> None:
+        """Getting ``ref`` raised ``err``. Returns when the call is to be sent again (its actor
+        died, retries are left); raises otherwise: the lowlevel exception, ClusterError
+        ``"node_lost"``/``"closed"``, or ``err`` itself when it is not Ray's (the driver was
+        cancelled or interrupted; an ``asyncio.CancelledError`` cancels the call, ``ray.cancel``)."""
+        slot = self.slot
+        try:
+            if not isinstance(err, ray.exceptions.RayError):
+                if isinstance(err, asyncio.CancelledError):
+                    ray.cancel(ref)
+                raise err
+            why = self.d.verdict(slot, err)
+            if why is None and slot is not None:
+                why = self.d.rerun(self.lost, slot)
+            if why is not None:
+                raise why from None
+        finally:
+            self._free()
 
 
 @dataclass
@@ -153,7 +221,7 @@ class _Item:
 @dataclass
 class _Sent:
     items: list[_Item]
-    slot: DirectSlot | None      # None: sent through the router (it retries and releases itself)
+    slot: Slot | None      # None: sent through the router (it retries and releases itself)
     batch: bool
 
 
@@ -170,13 +238,13 @@ class MapState:
         window: calls in flight plus finished-but-not-yielded at most.
         batch: calls per actor task at most.
         return_exceptions: keep a call's exception as its outcome instead of raising it.
-        closed: ``() -> bool``, the pool was shut down.
+        ordered: :meth:`ready` gives the outcomes in the order of ``calls`` (else as they end).
     """
 
     def __init__(self, dispatcher: Dispatcher, calls: Iterator[tuple[int, Any]],
                  prepare: Callable[[Any], tuple[dict[str, Any], Any]],
                  via_router: Callable[[dict[str, Any], Any, tuple[str, ...]], Any], window: int, batch: int,
-                 return_exceptions: bool, closed: Callable[[], bool]) -> None:
+                 return_exceptions: bool, ordered: bool) -> None:
         self.d = dispatcher
         self.calls = calls
         self.prepare = prepare
@@ -184,7 +252,8 @@ class MapState:
         self.window = window
         self.batch = max(1, batch)
         self.return_exceptions = return_exceptions
-        self.closed = closed
+        self.ordered = ordered
+        self.next_out = 0   # ordered: the index the caller waits for
         self.exhausted = False
         self.retry: collections.deque[_Item] = collections.deque()
         self.pending: dict[Any, _Sent] = {}
@@ -210,7 +279,7 @@ class MapState:
             out.append(_Item(index, spec, box, []))
         return out
 
-    def _send(self, items: list[_Item], slot: DirectSlot | None) -> Any:
+    def _send(self, items: list[_Item], slot: Slot | None) -> Any:
         if slot is None:
             ref = self.via_router(items[0].spec, items[0].box, tuple(items[0].lost))
         elif len(items) == 1:
@@ -234,7 +303,7 @@ class MapState:
             new_ok = not self.exhausted and room > 0
             if not self.retry and not new_ok:
                 break
-            if self.closed():
+            if self.d.closed:
                 raise ClusterError("the pool is shut down", "closed")
             slot, n = self.d.acquire(min(self.batch, max(room, len(self.retry))))
             if slot is None and self.pending:
@@ -249,45 +318,46 @@ class MapState:
             new.append(self._send(items, slot))
         return new
 
+    def settle(self, ref: Any, get: Callable[[], Any]) -> None:
+        """Account for the finished task ``ref``; ``get()`` gives its return (``ray.get``, a done
+        future's ``result``) or raises the Ray error that ended it."""
+        try:
+            value, err = get(), None
+        except ray.exceptions.RayError as exc:
+            value, err = None, exc
+        self.finished(ref, value, err)
+
     def finished(self, ref: Any, value: Any, err: BaseException | None) -> None:
-        """Account for a finished task: ``value`` its return, or ``err`` what getting it raised."""
+        """Account for a finished task: ``value`` its return, or ``err`` what getting it raised
+        (judged by :meth:`Dispatcher.verdict`: its calls re-run, or end with the exception)."""
         sent = self.pending.pop(ref)
         self.sent_calls -= len(sent.items)
         if sent.slot is not None:
             self.d.release(sent.slot, len(sent.items))
-        if err is not None and self.closed():
-            raise ClusterError("the pool is shut down", "closed")  # its shutdown cancelled or killed the call
-        if err is not None and sent.slot is not None and isinstance(err, LOST):
-            self.d.mark_lost(sent.slot, err)
-            for item in sent.items:
-                item.lost.append(sent.slot.node_id)
-                try:
-                    self.d.check_retry(item.lost)
-                except ClusterError as gave_up:
-                    self._outcome(item.index, gave_up)
-                    continue
-                self.retry.append(item)
-            return
         if err is not None:
-            exc = unwrap_error(err)
+            why = self.d.verdict(sent.slot, err)
             for item in sent.items:
-                self._outcome(item.index, exc)
+                gave_up = why if why is not None or sent.slot is None else self.d.rerun(item.lost, sent.slot)
+                if gave_up is None:
+                    self.retry.append(item)
+                else:
+                    self._outcome(item.index, gave_up)
             return
         values = value if sent.batch else [value]
         for item, v in zip(sent.items, values, strict=True):
             self._outcome(item.index, finish(v, item.lost) if isinstance(v, RemoteResult) and sent.slot else v)
 
-    def ready(self, ordered: bool, next_out: int) -> tuple[list[RemoteResult | BaseException], int]:
-        """The outcomes to yield now, and the next index an ordered map waits for."""
+    def ready(self) -> list[RemoteResult | BaseException]:
+        """The outcomes to yield now."""
         out: list[RemoteResult | BaseException] = []
-        if ordered:
-            while next_out in self.done:
-                out.append(self.done.pop(next_out))
-                next_out += 1
+        if self.ordered:
+            while self.next_out in self.done:
+                out.append(self.done.pop(self.next_out))
+                self.next_out += 1
         else:
             out = list(self.done.values())
             self.done.clear()
-        return out, next_out
+        return out
 
     def over(self) -> bool:
         return self.exhausted and not self.retry and not self.pending and not self.done

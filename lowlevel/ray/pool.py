@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -18,7 +19,7 @@ from lowlevel.errors import PolicyError, SessionError
 from lowlevel.spec.limits import Limits
 from lowlevel.spec.policy import Policy
 from lowlevel.ray.actor import SandboxActor
-from lowlevel.ray.direct import Dispatcher, MapState, finish
+from lowlevel.ray.direct import Dispatcher, MapState, OneCall
 from lowlevel.ray.inputs import pack_inputs
 from lowlevel.ray.router import _Router
 from lowlevel.ray.results import (DEFAULT_MAX_INPUT_BYTES, DEFAULT_MAX_OUTPUT_BYTES, DEFAULT_START_TIMEOUT_S,
@@ -323,62 +324,30 @@ class SandboxActorPool:
         ``max_retries`` times, then :class:`ClusterError` ``"node_lost"``), and waits in the
         router when every actor already holds ``max_in_flight`` direct calls.
         """
-        spec, box = self._prepare(command, **kwargs)
-        lost: list[str] = []
+        call = self._one_call(command, kwargs)
         while True:
-            slot, _ = self._direct.acquire()
-            if slot is None:  # every slot taken (or every actor dead: the router says no_nodes)
-                ref = self._via_router(spec, box, tuple(lost))
-                try:
-                    routed: RemoteResult = ray.get(ref)
-                except ray.exceptions.RayError as err:
-                    raise unwrap_error(err) from None
-                return routed
+            ref = call.send()
             try:
-                result: RemoteResult = ray.get(slot.handle.run.remote(spec, box))
-            except LOST as err:
-                self._direct.mark_lost(slot, err)
-                lost.append(slot.node_id)
-                self._check_open()  # shut down under the call: say so, not node_lost
-                self._direct.check_retry(lost)
-                continue
-            except ray.exceptions.RayError as err:
-                self._check_open()  # the pool's shutdown cancelled it
-                raise unwrap_error(err) from None
-            finally:
-                self._direct.release(slot)
-            return finish(result, lost)
+                return call.done(ray.get(ref))
+            except BaseException as err:  # noqa: BLE001 - judged in one place: OneCall.failed re-raises
+                call.failed(ref, err)  # returns: the actor died, send the call again
 
     async def arun(self, command: Sequence[str], **kwargs: Any) -> RemoteResult:
         """:meth:`run` for an asyncio driver (awaits the ObjectRef; the loop is never blocked).
 
         Cancelling the awaiting task cancels the call on its actor (``ray.cancel``).
         """
-        spec, box = self._prepare(command, **kwargs)
-        lost: list[str] = []
+        call = self._one_call(command, kwargs)
         while True:
-            slot, _ = self._direct.acquire()
-            ref = self._via_router(spec, box, tuple(lost)) if slot is None else slot.handle.run.remote(spec, box)
+            ref = call.send()
             try:
-                result: RemoteResult = await ref
-            except asyncio.CancelledError:
-                ray.cancel(ref)
-                raise
-            except LOST as err:
-                if slot is None:
-                    raise unwrap_error(err) from None
-                self._direct.mark_lost(slot, err)
-                lost.append(slot.node_id)
-                self._check_open()  # shut down under the call: say so, not node_lost
-                self._direct.check_retry(lost)
-                continue
-            except ray.exceptions.RayError as err:
-                self._check_open()  # the pool's shutdown cancelled it
-                raise unwrap_error(err) from None
-            finally:
-                if slot is not None:
-                    self._direct.release(slot)
-            return result if slot is None else finish(result, lost)
+                return call.done(await ref)
+            except BaseException as err:  # noqa: BLE001 - judged in one place: OneCall.failed re-raises
+                call.failed(ref, err)  # returns: the actor died, send the call again
+
+    def _one_call(self, command: Sequence[str], kwargs: dict[str, Any]) -> OneCall:
+        spec, box = self._prepare(command, **kwargs)
+        return OneCall(self._direct, spec, box, self._via_router)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -408,8 +377,8 @@ class SandboxActorPool:
             return self._prepare(item.command, **kw)
         return self._prepare(item, **defaults)
 
-    def _map_state(self, calls: Iterable[Sequence[str] | Call], batch: int | None, return_exceptions: bool,
-                   defaults: dict[str, Any]) -> MapState:
+    def _map_state(self, calls: Iterable[Sequence[str] | Call], ordered: bool, batch: int | None,
+                   return_exceptions: bool, defaults: dict[str, Any]) -> MapState:
         self._check_open()
         if batch is not None and (not isinstance(batch, int) or isinstance(batch, bool) or batch < 1):
             raise PolicyError(f"batch must be an int >= 1 or None, got {batch!r}")
@@ -417,7 +386,7 @@ class SandboxActorPool:
             caps = [s.capacity for s in self._direct.slots.values() if s.alive]
             batch = max(1, (min(caps) + 1) // 2) if caps else 1
         return MapState(self._direct, iter(enumerate(calls)), lambda item: self._item(item, defaults),
-                        self._via_router, self._direct.capacity(), batch, return_exceptions, lambda: self._closed)
+                        self._via_router, self._direct.capacity(), batch, return_exceptions, ordered)
 
     def map(self, calls: Iterable[Sequence[str] | Call], *, ordered: bool = True, return_exceptions: bool = False,
             batch: int | None = None, **defaults: Any) -> Iterator[RemoteResult | BaseException]:
@@ -442,21 +411,15 @@ class SandboxActorPool:
         Raises:
             PolicyError: a bad argument (``batch``, or a call's, when its turn comes).
         """
-        state = self._map_state(calls, batch, return_exceptions, defaults)
-        next_out = 0
+        state = self._map_state(calls, ordered, batch, return_exceptions, defaults)
         try:
             while not state.over():
                 state.fill()
                 if state.pending:
                     ready, _ = ray.wait(list(state.pending), num_returns=1)
                     for ref in ready:
-                        try:
-                            value, err = ray.get(ref), None
-                        except ray.exceptions.RayError as exc:
-                            value, err = None, exc
-                        state.finished(ref, value, err)
-                out, next_out = state.ready(ordered, next_out)
-                yield from out
+                        state.settle(ref, functools.partial(ray.get, ref))
+                yield from state.ready()
         finally:
             state.cancel_all()
 
@@ -464,9 +427,8 @@ class SandboxActorPool:
                    return_exceptions: bool = False, batch: int | None = None,
                    **defaults: Any) -> AsyncIterator[RemoteResult | BaseException]:
         """:meth:`map` for an asyncio driver: ``async for result in pool.amap(...)``."""
-        state = self._map_state(calls, batch, return_exceptions, defaults)
+        state = self._map_state(calls, ordered, batch, return_exceptions, defaults)
         futs: dict[asyncio.Future[Any], Any] = {}
-        next_out = 0
         try:
             while not state.over():
                 for ref in state.fill():
@@ -474,14 +436,8 @@ class SandboxActorPool:
                 if futs:
                     finished, _ = await asyncio.wait(list(futs), return_when=asyncio.FIRST_COMPLETED)
                     for fut in finished:
-                        ref = futs.pop(fut)
-                        try:
-                            value, err = fut.result(), None
-                        except ray.exceptions.RayError as exc:
-                            value, err = None, exc
-                        state.finished(ref, value, err)
-                out, next_out = state.ready(ordered, next_out)
-                for r in out:
+                        state.settle(futs.pop(fut), fut.result)
+                for r in state.ready():
                     yield r
         finally:
             state.cancel_all()

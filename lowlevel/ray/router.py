@@ -17,20 +17,9 @@ from typing import Any
 import ray
 import ray.exceptions
 
-from lowlevel._dataclass import dataclass
 from lowlevel.spec.policy import Policy
 from lowlevel.ray.results import LOST, ClusterError, RemoteResult, log
-
-
-@dataclass
-class _Slot:
-    key: str
-    handle: Any
-    node_id: str
-    capacity: int
-    in_flight: int = 0
-    dispatched: int = 0
-    alive: bool = True
+from lowlevel.ray.slots import Slot, first_line, least_loaded, retries_exhausted, take
 
 
 class _Router:
@@ -43,7 +32,7 @@ class _Router:
 
     def __init__(self, max_retries: int) -> None:
         self.max_retries = max_retries
-        self.slots: dict[str, _Slot] = {}
+        self.slots: dict[str, Slot] = {}
         self.policies: dict[str, Policy] = {}
         self.lost: dict[str, str] = {}
         self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
@@ -65,7 +54,7 @@ class _Router:
                                    for k in todo), return_exceptions=True)
             sent.update(todo)
         for key, handle, node_id, capacity in entries:  # no await since the check: none missed
-            self.slots[key] = _Slot(key, handle, node_id, capacity)
+            self.slots[key] = Slot(key, handle, node_id, capacity)
         self._wake(everyone=True)
 
     async def add_policy(self, key: str, policy: Policy) -> None:
@@ -88,24 +77,15 @@ class _Router:
         self.closed = True
         self._wake(everyone=True)
 
-    async def _acquire(self) -> _Slot:
+    async def _acquire(self) -> Slot:
         while True:
             if self.closed:
                 raise ClusterError("the pool is shut down", "closed")
-            best: _Slot | None = None
-            any_live = False
-            for s in self.slots.values():
-                if not s.alive:
-                    continue
-                any_live = True
-                if s.in_flight < s.capacity and (best is None or (s.in_flight / s.capacity, s.dispatched)
-                                                 < (best.in_flight / best.capacity, best.dispatched)):
-                    best = s
+            best = least_loaded(self.slots.values())
             if best is not None:
-                best.in_flight += 1
-                best.dispatched += 1
+                take(best)
                 return best
-            if not any_live:
+            if not any(s.alive for s in self.slots.values()):
                 raise ClusterError("no healthy sandbox actor is left in the pool"
                                    + (f" (lost: {self.lost})" if self.lost else ""), "no_nodes")
             fut = asyncio.get_running_loop().create_future()
@@ -117,15 +97,14 @@ class _Router:
                     self._wake()  # pass the wake-up on: this waiter no longer wants the slot
                 raise
 
-    def _release(self, slot: _Slot) -> None:
+    def _release(self, slot: Slot) -> None:
         slot.in_flight -= 1
         self._wake()
 
-    def _mark_lost(self, slot: _Slot, err: BaseException | str) -> None:
+    def _mark_lost(self, slot: Slot, err: BaseException | str) -> None:
         if slot.alive:
             slot.alive = False
-            self.lost[slot.node_id] = err if isinstance(err, str) else \
-                f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            self.lost[slot.node_id] = err if isinstance(err, str) else first_line(err)
             log.warning("lowlevel.ray: sandbox actor on node %s lost: %s", slot.node_id, err)
             try:
                 ray.kill(slot.handle, no_restart=True)
@@ -169,9 +148,9 @@ class _Router:
             except LOST as err:
                 self._mark_lost(slot, err)
                 lost_nodes.append(slot.node_id)
-                if len(lost_nodes) > self.max_retries:
-                    raise ClusterError(f"the call's sandbox actor died {len(lost_nodes)} times (nodes "
-                                       f"{lost_nodes}); max_retries={self.max_retries}", "node_lost") from None
+                gave_up = retries_exhausted(lost_nodes, self.max_retries)
+                if gave_up is not None:
+                    raise gave_up from None
                 continue
             except ray.exceptions.RayTaskError as err:
                 cause = getattr(err, "cause", None)

@@ -76,7 +76,13 @@ def commit_run(t: CommitTarget, result: Result | None, notes: list[str]) -> None
         WorkspaceError: the commit failed before applying anything (read-only, failing: each
             entry is old or new, never lost; the changes saved aside).
     """
-    with commit_record(t.needs_record, t.name, t.workspace):
+    needed = t.needs_record
+    if needed:
+        try:
+            needed = not _overlay.upper_is_empty(t.upper_fd)  # an empty upper writes no temporaries
+        except OSError:
+            pass  # commit_upper reports it as a WorkspaceError
+    with commit_record(needed, t.name, t.workspace):
         _commit_run(t, result, notes)
 
 

@@ -103,6 +103,34 @@ def _readable(fd: int, timeout_s: float) -> bool:
     return bool(p.poll(timeout_s * 1000))
 
 
+def close_fds(fds: list[int]) -> None:
+    """Close every fd of ``fds`` (all this Run's own and open; a duplicate is closed once): each run of
+    consecutive numbers with one ``close_range(2)`` (:func:`os.closerange`), the others one by
+    one; errors are ignored (an fd already closed is a bug elsewhere, never worth a second
+    close). A spawn leaves ~35 such fds, mostly its ``F_DUPFD_CLOEXEC`` copies on consecutive
+    numbers (issue 27: one system call for them instead of ~20).
+
+    Safe while other threads open fds: every number in a run is one of ours, open until the
+    kernel closes it, so no other thread's fd can be among them, and close_range walks the
+    range upward (fs/file.c ``__range_close``), so a number another thread takes once it is
+    freed is already behind the walk.
+    """
+    fds = sorted(set(fds))
+    i = 0
+    while i < len(fds):
+        j = i
+        while j + 1 < len(fds) and fds[j + 1] == fds[j] + 1:
+            j += 1
+        if j > i:
+            os.closerange(fds[i], fds[j] + 1)
+        else:
+            try:
+                os.close(fds[i])
+            except OSError:
+                pass
+        i = j + 1
+
+
 class Run(RunFinish):
     """One sandboxed run, driven by :func:`run` (sync) or :func:`lowlevel.sandbox.aio.arun` (async).
 
@@ -204,10 +232,9 @@ class Run(RunFinish):
             self.handover.journal.record_process("anchor", self.pid)  # lowlevel.workspace.handover_journal
         # Close the child's ends in the parent.
         keep = {self.json_r, self.out_r, self.err_r, self.stdin_w, self.lower_fd, self.status_r}
-        for fd in list(self.fds):
-            if fd not in keep:
-                os.close(fd)
-                self.fds.remove(fd)
+        drop = [fd for fd in self.fds if fd not in keep]
+        self.fds[:] = [fd for fd in self.fds if fd in keep]  # first: an fd is never closed twice
+        close_fds(drop)
         self.cgroup_fds.clear()
         self.cgroup_dir_fd = None
         if self.lease is not None:
@@ -572,17 +599,10 @@ class Run(RunFinish):
             self.audit = None
         if self.egress is not None:
             self.egress.close()
-        for fd in self.fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        owned = [*self.fds, *(fd for fd in (self.pidfd, self.init_pidfd) if fd is not None)]
         self.fds.clear()
-        for attr in ("pidfd", "init_pidfd"):
-            fd = getattr(self, attr)
-            if fd is not None:
-                os.close(fd)
-                setattr(self, attr, None)
+        self.pidfd = self.init_pidfd = None
+        close_fds(owned)
         self.json_r = self.stdin_w = self.out_r = self.err_r = self.status_r = None
         if self.upper_fd is not None:
             # Interrupted before result() (an exception, a signal): what the program wrote is

@@ -196,14 +196,27 @@ class RunWorkspace(RunState):
     def reset_cow(self, timeout_s: float = 10.0) -> None:
         """Drop the upper layer of a live sandbox (a Session): /workspace is the lower tree again.
 
-        The anchor stacks a fresh overlay on the workspace (the mount propagates into the
-        sandbox); the old upper's content is removed here to free its share of the bound.
+        The old upper's content is removed here first, to free its share of the bound; then the
+        anchor stacks a fresh overlay on the workspace (the mount propagates into the sandbox:
+        no cached view of the cleared layer is left) and removes the old layer's directories.
+        In that order, a RESET finds the bound's inodes free for the new layer's directories
+        (a session that had used them all could not commit: "mkdir upper.N: No space left on
+        device", after the commit had applied), and no old layer keeps any of them.
 
         Raises:
-            LaunchError: the anchor refused or did not answer within ``timeout_s``.
+            LaunchError: the anchor refused or did not answer within ``timeout_s``; the old
+                layer is cleared all the same (a commit had applied it; a reset drops it).
         """
         if self.report is None or not self.cow:
             raise LaunchError("this sandbox has no copy-on-write workspace to reset")
+        if self.upper_fd is not None:
+            try:
+                _overlay.clear_dir(self.upper_fd)
+            except WorkspaceError as err:
+                # A command left running across the reset (running="leave") can keep writing
+                # into the old layer (its cwd is there) while it is cleared: the reset stands;
+                # what it writes there is in no later diff or commit, and goes with the sandbox.
+                log.info("lowlevel: the dropped upper layer is still being written to: %s", err)
         self.report.setblocking(True)
         self.report.settimeout(timeout_s)
         with deferred_interrupts():  # the new upper's fd is ours before any KeyboardInterrupt
@@ -224,15 +237,7 @@ class RunWorkspace(RunState):
             self.fds.remove(self.upper_fd)
         self.since_ns = time.time_ns()
         if old is not None:
-            try:
-                _overlay.clear_dir(old)
-            except WorkspaceError as err:
-                # A command started before the reset can keep writing into the old layer (its cwd
-                # is there) while it is cleared: the reset stands; what it writes there is in no
-                # later diff or commit, and goes with the sandbox.
-                log.info("lowlevel: the dropped upper layer is still being written to: %s", err)
-            finally:
-                os.close(old)
+            os.close(old)
 
     def give_back_workspace(self) -> tuple[Any, bool]:
         """Strip setuid/setgid bits the run left and give the workspace back to its owners.

@@ -25,14 +25,17 @@ from lowlevel.spec.limits import Limits
 from lowlevel.spec.policy import Policy
 
 
+_PROCESS_LIMIT_HINT = (": the session is at a process limit (its cgroup's pids.max, Limits(pids=...), or RLIMIT_NPROC, "
+                       "which counts every process of the sandbox's uid: for an unprivileged caller, its own); wait "
+                       "for commands to end, or give the Session a larger limit")
+
+
 def start_error(cmd: Command, kind: int, status: int, stage: int) -> LowlevelError | None:
     """The error of a command that never ran (``kind`` EXIT_SETUP_FAILED or EXIT_SPAWN_FAILED,
     ``status`` an errno, ``stage`` a :data:`protocol.STAGES` key); None for another kind."""
     argv = list(cmd.argv)
+    hint = _PROCESS_LIMIT_HINT if status == errno.EAGAIN else ""
     if kind == proto.EXIT_SPAWN_FAILED:
-        hint = (": the session is at a process limit (its cgroup's pids.max, Limits(pids=...), or RLIMIT_NPROC, "
-                "which counts every process of the sandbox's uid: for an unprivileged caller, its own); wait for "
-                "commands to end, or give the Session a larger limit") if status == errno.EAGAIN else ""
         return LaunchError(f"the session init could not start {cmd.argv[0]!r}: {os.strerror(status)}{hint}",
                            argv=argv, errno=status)
     if kind != proto.EXIT_SETUP_FAILED:
@@ -44,6 +47,9 @@ def start_error(cmd: Command, kind: int, status: int, stage: int) -> LowlevelErr
                            "(through a magic link such as /proc/self/fd/N, or a symlink to one: "
                            "CVE-2024-21626 class); refused before it ran: use a directory of the "
                            "sandbox's own tree, e.g. /workspace", argv=argv, errno=status)
+    if stage_name == "execve" and status == errno.EAGAIN:
+        # execve(2)'s EAGAIN: the uid is above its RLIMIT_NPROC (a process limit, not the program).
+        return LaunchError(f"the session could not exec {cmd.argv[0]!r}: {msg}{hint}", argv=argv, errno=status)
     if stage_name == "execve":
         return ExecError(f"{cmd.argv[0]}: {msg.lower()} in the sandbox", argv=argv, errno=status)
     return LaunchError(f"{stage_name} failed for {cmd.argv[0]!r} in the session: {msg}", argv=argv, errno=status)

@@ -129,7 +129,8 @@ class Limits:
             launcher, not here.
         workspace_bytes: total bytes a run (or a Session, in all) may write into its workspace:
             the size of the tmpfs holding the copy-on-write overlay's upper layer (ENOSPC
-            inside beyond it; the host's disk is never used). None: the default,
+            inside beyond it; the host's disk is never used). A Session's ``commit()`` and
+            ``reset()`` give back the space (and inodes) of the changes they apply or drop. None: the default,
             :data:`lowlevel.workspace.cow.DEFAULT_UPPER_BYTES` (1 GiB). Where the overlay is unavailable
             (the hand-over fallback) a value raises UnsupportedError.
         upper: where that upper layer lives, one of :data:`UPPERS`. ``"tmpfs"`` (the default):

@@ -22,6 +22,7 @@ import pwd
 import secrets
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -102,3 +103,15 @@ def planted_key(owner: pwd.struct_passwd | None, prefix: str) -> Iterator[tuple[
 def last_json_line(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     """The JSON object a driver script printed last (after whatever its libraries logged)."""
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def scenario_as(user: pwd.struct_passwd, script: Path, *args: str, timeout: float = 240) -> dict[str, Any]:
+    """What scenario ``script`` (a tests/helpers module run as a program: ``script NAME ARGS...``,
+    printing one JSON object) observed when run as ``user`` through runuser(1), with this
+    checkout on PYTHONPATH and ``LOWLEVEL_NO_OVERLAY`` passed through; asserts it exited 0."""
+    repo = str(Path(__file__).resolve().parent.parent.parent)
+    keep = {k: v for k, v in os.environ.items() if k == "LOWLEVEL_NO_OVERLAY"}
+    proc = subprocess.run(runuser(user, [sys.executable, str(script), *args]), capture_output=True,
+                          timeout=timeout, cwd="/", env=user_env(user, PYTHONPATH=repo, **keep))
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    return dict(json.loads(proc.stdout))

@@ -467,7 +467,11 @@ def test_killed_raylet_mid_batch_loses_no_call(nodes, pool):
     while subprocess.run(["pgrep", "-f", token], capture_output=True).returncode == 0:
         assert time.monotonic() < deadline, "a sandbox process of the batch outlived it"
         time.sleep(0.2)
-    assert _sandbox_children(pids[nodes.head]) == []
+    # the last calls' anchors are reaped by the actor's one-shot teardown thread just after their
+    # Results (lowlevel.sandbox.teardown): a zombie (empty cmdline) may stand for a moment, not for good
+    while (left := _sandbox_children(pids[nodes.head])) and time.monotonic() < deadline + 10:
+        time.sleep(0.1)
+    assert left == []
 
 
 @pytest.mark.slow

@@ -15,10 +15,8 @@ unprivileged test user through runuser, with the same assertions.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -30,10 +28,10 @@ HELPERS = Path(__file__).resolve().parent.parent / "helpers"
 sys.path.insert(0, str(HELPERS))
 
 import session_gate_scenarios as scenarios  # noqa: E402
+from identities import scenario_as  # noqa: E402
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(300)]
 
-RUNUSER = shutil.which("runuser") or "/usr/sbin/runuser"
 
 
 def _identities() -> list[str]:
@@ -59,14 +57,7 @@ def scenario(request: pytest.FixtureRequest) -> Any:
         if user is None:
             out = scenarios.SCENARIOS[name](ws, base)
         else:
-            repo = str(HELPERS.parent.parent)
-            proc = subprocess.run(
-                [RUNUSER, "-u", user.pw_name, "--", sys.executable, str(HELPERS / "session_gate_scenarios.py"),
-                 name, ws, base], capture_output=True, timeout=240, cwd="/",
-                env={"PATH": "/usr/bin:/bin", "HOME": user.pw_dir, "LANG": "C.UTF-8", "PYTHONPATH": repo,
-                     **{k: v for k, v in os.environ.items() if k == "LOWLEVEL_NO_OVERLAY"}})
-            assert proc.returncode == 0, proc.stderr.decode()[-3000:]
-            out = json.loads(proc.stdout)
+            out = scenario_as(user, HELPERS / "session_gate_scenarios.py", name, ws, base)
         if not out.get("cow"):
             pytest.skip("no copy-on-write overlay on this host: commit()/reset() are unsupported")
         return out

@@ -70,9 +70,9 @@ from lowlevel.workspace.overlay.save import (
                                              save_upper,
 )
 from lowlevel.workspace.overlay.state import MAX_LINKED, STOP_ERRNOS
-from lowlevel.workspace.overlay.upper import read_changes
+from lowlevel.workspace.overlay.upper import read_changes, upper_is_empty
 
 __all__ = ["LEFTOVER_PREFIX", "MAX_LINKED", "NO_ROOM_ERRNOS", "SAVED_APPLIED", "SAVED_NOT_APPLIED", "SAVED_OPAQUE",
            "SAVED_SKIPPED", "SAVED_WHITEOUTS", "STOP_ERRNOS", "XATTR_PREFIXES", "CommitConflictError",
            "CommitIncompleteError", "CommitReport", "cleanup_commit_leftovers", "clear_dir", "commit", "commit_upper",
-           "iter_saved_list", "read_changes", "save_upper"]
+           "iter_saved_list", "read_changes", "save_upper", "upper_is_empty"]

@@ -68,6 +68,31 @@ def _dir_flags(fd: int, rel: str, prefix: str) -> tuple[bool, bool]:
     return value == b"y", value == b"x"
 
 
+def upper_is_empty(upper_fd: int) -> bool:
+    """True when the upper directory holds no entry at all: one ``getdents64`` of its root
+    returns only ``.`` and ``..``.
+
+    Such an upper changed nothing a commit or :func:`read_changes` would see: every change a
+    run can make (a new, modified or copied-up entry, a whiteout of a deletion, an opaque
+    directory, an xattr whiteout) is an entry below the root, and the root's own metadata is
+    never reported or applied (it belongs to the mount; the root is never opaque: overlayfs
+    merges the layer roots, and the program cannot remove its own mount point). Source:
+    the kernel's Documentation/filesystems/overlayfs.rst ("whiteouts and opaque directories").
+
+    Args:
+        upper_fd: ``O_DIRECTORY`` (or ``O_PATH``) fd on the upper directory; its offset is not
+            used (the root is opened anew).
+    Raises:
+        OSError: the upper directory cannot be opened or listed.
+    """
+    fd = os.open(".", _DIR_FLAGS, dir_fd=upper_fd)
+    try:
+        with os.scandir(fd) as it:  # readdir skips . and ..; stops at the first entry
+            return next(it, None) is None
+    finally:
+        os.close(fd)
+
+
 def read_changes(upper_fd: int, lower_fd: int, *, xattr_prefix: str,
                  limit: int = MAX_SNAPSHOT_ENTRIES) -> Changes:
     """What a copy-on-write run changed, read from its upper directory. Changes nothing.
@@ -110,6 +135,11 @@ def read_changes(upper_fd: int, lower_fd: int, *, xattr_prefix: str,
             was written with ``redirect_dir=on`` or ``metacopy=on`` (EOPNOTSUPP).
     """
     _check_prefix(xattr_prefix)
+    try:
+        if upper_is_empty(upper_fd):
+            return Changes()  # nothing written (issue 27: the walk's fds and lists skipped)
+    except OSError as err:
+        raise WorkspaceError(err.errno or errno.EIO, f"cannot open the upper directory: {err.strerror}") from err
     reader = _ChangeReader(xattr_prefix, limit)
     try:
         reader.open_roots(upper_fd, lower_fd)
