@@ -9,7 +9,8 @@
  *      signal is re-armed after every credential change, which clears it (prctl(2)).
  *   2. Everything of the sandbox dies with it: bwrap runs as PID 1 of a PID namespace the
  *      anchor creates; bwrap has its own PR_SET_PDEATHSIG (armed by the anchor's child before
- *      exec, and --die-with-parent), and when the PID 1 of a namespace dies the kernel kills
+ *      exec, and checked then: the "go" byte outlives a dead anchor in its pipe, see
+ *      anchor_alive(); and --die-with-parent), and when the PID 1 of a namespace dies the kernel kills
  *      every process in it and in the namespaces below (pid_namespaces(7)). So no instant
  *      exists at which the caller's death leaves a process of the sandbox alive, including
  *      bwrap's child blocked in its setup (which --die-with-parent alone does not cover).
@@ -308,6 +309,32 @@ static void arm_pdeathsig(pid_t parent) {
         errno = 0;
         die("the caller exited before the sandbox started", NULL);
     }
+}
+
+/* After the child's PR_SET_PDEATHSIG: is the anchor still alive? The "go" byte outlives its
+ * writer in the pipe, so reading "g" proves nothing: an anchor killed after writing it, before
+ * the child's prctl ran (a child not yet scheduled on a loaded host), sends no parent-death
+ * signal, and bwrap would run orphaned (seen: bwrap, the guard and the program left running,
+ * reparented to init, by tests/integration/test_caller_death.py at load ~10). getppid() cannot
+ * tell (the child is PID 1 of its namespace: its parent reads as 0 either way), so the child asks
+ * the pipe: a non-blocking read of the (now empty) pipe fails with EAGAIN while the anchor holds
+ * the write end, and returns 0 (EOF) once it is closed. Sound because both sides order through the
+ * pipe's mutex: the anchor's exit closes its fds (pipe_release, under the mutex) before
+ * exit_notify() sends the parent-death signals, and our prctl precedes this read (under the same
+ * mutex); so either the read sees EOF, or the anchor's exit sees our parent-death signal armed.
+ * Sources: prctl(2) PR_SET_PDEATHSIG; pipe(7) ("all file descriptors referring to the write end
+ * ... closed: read(2) sees end-of-file"); kernel/exit.c do_exit (exit_files, exit_task_work,
+ * then exit_notify). */
+static int anchor_alive(int go_fd) {
+    char b;
+    int fl = fcntl(go_fd, F_GETFL);
+    if (fl < 0 || fcntl(go_fd, F_SETFL, fl | O_NONBLOCK) != 0)
+        return 0;
+    ssize_t n;
+    do
+        n = read(go_fd, &b, 1);
+    while (n < 0 && errno == EINTR);
+    return n < 0 && errno == EAGAIN;
 }
 
 /* Send a text message with up to two fds. */
@@ -968,14 +995,12 @@ int main(int argc, char **argv) {
                 errno = 0;
                 die("setuid(0) succeeded after the drop", NULL);
             }
-            /* The uid change cleared the parent-death signal: arm it again, then make sure the
-             * anchor did not die in between (its end of "go" would be closed: POLLHUP). */
+            /* The uid change cleared the parent-death signal: arm it again (checked below). */
             if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0)
                 die("prctl", "(PR_SET_PDEATHSIG, SIGKILL)");
-            struct pollfd p = {.fd = go[0], .events = POLLIN};
-            if (poll(&p, 1, 0) > 0 && (p.revents & (POLLHUP | POLLERR)))
-                _exit(EXIT_SETUP);
         }
+        if (!anchor_alive(go[0]))
+            _exit(EXIT_SETUP); /* "g" was written, then the anchor died before our prctl */
         close(go[0]);
         execv(argv[i], &argv[i]);
         fprintf(stderr, "lowlevel_exec: execv %s: %s\n", argv[i], strerror(errno));

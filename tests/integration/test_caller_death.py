@@ -17,9 +17,11 @@ READY, while bwrap sets up, or while the program runs. Then, for every trial:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -156,3 +158,79 @@ def test_caller_killed_at_random_instants(identity: str, request: pytest.Fixture
     assert _host_mounts().count("lowlevel-upper") == mounts_before, "an upper tmpfs leaked into the host"
     assert _tree_state(ws) == before, "the workspace changed"
     shutil.rmtree(ws)
+
+
+# The caller dies 50 ms after READY, and the anchor with it, after writing "go" but before its fresh
+# child (bwrap-to-be, PID 1 of the run's PID namespace) armed its parent-death signal: strace
+# holds each process's first prctl(2) (the child's PR_SET_PDEATHSIG) 300 ms. The "go" byte
+# outlives the anchor in the pipe; a child that took it for "go" exec'd bwrap with no parent and
+# no parent-death signal, and the sandbox ran on, reparented to init (seen under load, 1 kill in
+# ~150: bwrap, the guard and the program of an unprivileged run, alive minutes later). A fork of
+# the caller (HOLD_S) keeps its ends of the pipes open meanwhile, as a helper process of a real
+# application may: else bwrap's first write to its json-status pipe fails (EPIPE) and it exits,
+# which hid the leak in most runs.
+KILL_AT_READY = r"""
+import os, signal, sys, time
+import lowlevel
+from lowlevel.sandbox import launcher
+orig = launcher.Run.read_report
+def read_report(self):
+    ok = orig(self)
+    if ok:
+        if os.fork() == 0:
+            time.sleep(float(sys.argv[2]))
+            os._exit(0)
+        time.sleep(0.05)  # the anchor writes "go" right after READY; its child waits 300 ms in strace
+        os.kill(os.getpid(), signal.SIGKILL)
+    return ok
+launcher.Run.read_report = read_report
+lowlevel.run(["sleep", sys.argv[1]], timeout=600)
+"""
+HOLD_S = 1.5
+
+
+def _anchor_wrote_go(log: str, marker: str) -> bool:
+    """In an ``strace -f -e trace=execve,write`` log: the anchor of the run whose command line
+    holds ``marker`` wrote its "go" byte (the caller died at READY, so the anchor died after it)."""
+    anchors = {m.group(1) for m in re.finditer(r'^(\d+)\s+execve\("[^"]*_lowlevel_exec".*' + re.escape(marker), log, re.M)}
+    return any(re.search(rf'^{pid}\s+write\(\d+, "g", 1\)\s+= 1$', log, re.M) for pid in anchors)
+
+
+@pytest.mark.parametrize("identity", ["root", "user"])
+def test_anchor_dead_before_child_armed_its_parent_death_signal(identity: str, request: pytest.FixtureRequest,
+                                                                tmp_path: Path):
+    strace = shutil.which("strace")
+    if strace is None or os.geteuid() != 0:
+        pytest.skip("needs strace (.ci/setup installs it) and root (to trace the user's caller)")
+    prefix: list[str] = []
+    if identity == "user":
+        prefix = [shutil.which("runuser") or "/usr/sbin/runuser", "-u", request.getfixturevalue("test_user").pw_name, "--"]
+    took_go = 0
+    for trial in range(3):
+        marker = f"{900 + trial}.{os.getpid()}{time.time_ns() % 10**6}"
+        log = tmp_path / f"strace-{trial}.log"
+        tracer = subprocess.Popen([strace, "-f", "-qq", "-v", "-s", "256", "-o", str(log), "-e", "trace=prctl,execve,write",
+                                   "-e", "inject=prctl:delay_enter=300000:when=1",
+                                   *prefix, sys.executable, "-c", KILL_AT_READY, marker, str(HOLD_S)],
+                                  cwd="/", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            time.sleep(HOLD_S + 0.3)  # the caller and the anchor are dead, the fork holding the pipes too
+            deadline = time.monotonic() + 3
+            left = [p for p in pids_with(marker, whole_arg=True) if p != tracer.pid]
+            while left and time.monotonic() < deadline:
+                time.sleep(0.05)
+                left = [p for p in pids_with(marker, whole_arg=True) if p != tracer.pid]
+            took_go += _anchor_wrote_go(log.read_text(), marker)
+            assert not left, f"trial {trial} ({identity}): the sandbox outlived its anchor: {_describe(left)}"
+        finally:
+            for pid in pids_with(marker, whole_arg=True):  # a leak: end it (bwrap is its PID 1)
+                with contextlib.suppress(OSError):
+                    if Path(f"/proc/{pid}/comm").read_text().strip() == "bwrap":
+                        os.kill(pid, signal.SIGKILL)
+            try:
+                tracer.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                tracer.kill()
+                tracer.wait()
+    # Not vacuous: the window was hit (the child read "go" after the anchor's death) at least once.
+    assert took_go >= 1, "the anchor never wrote \"go\" before it died: the window was not reached"
