@@ -45,3 +45,50 @@ def sleep_running(marker: str) -> bool:
     """A process runs ``sleep MARKER`` exactly (the sandboxed program; not the caller, whose
     command line holds the marker inside one shell argument)."""
     return running_exactly(["sleep", marker])
+
+
+def _status(pid: int) -> dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+    except OSError:
+        return {}
+
+
+def dying(pid: int) -> bool:
+    """``pid`` is on its way out: gone, a zombie, in an uninterruptible sleep (D: e.g. its last
+    write to a loop-backed ext4 under load), or with a SIGKILL pending (proc(5): State, SigPnd,
+    ShdPnd), as opposed to a process that kept running (S/R, no kill pending): a leak."""
+    st = _status(pid)
+    if not st:
+        return True
+    if st.get("State", "")[:1] in ("Z", "X", "D"):
+        return True
+    return any((int(st.get(k, "0"), 16) >> 8) & 1 for k in ("SigPnd", "ShdPnd"))  # bit 9: SIGKILL
+
+
+def describe(pids: list[int]) -> list[str]:
+    """``pid State Name PPid SigPnd/ShdPnd`` of each, to tell a slow death from a leak."""
+    out = []
+    for pid in pids:
+        st = _status(pid)
+        out.append(f"{pid} {st.get('State', '(gone)')} {st.get('Name', '')} ppid={st.get('PPid', '')} "
+                   f"pnd={st.get('SigPnd', '')}/{st.get('ShdPnd', '')}" if st else f"{pid} (gone)")
+    return out
+
+
+def survivors(marker: str, *, bound_s: float = 5.0, dying_bound_s: float = 60.0) -> list[int]:
+    """The processes with ``marker`` still there after ``bound_s`` seconds, or, while every one
+    left is :func:`dying`, after up to ``dying_bound_s``: a process still running normally at
+    ``bound_s`` is reported at once (a leak), a slow death on a loaded host is waited for."""
+    import time
+
+    start = time.monotonic()
+    while True:
+        left = pids_with(marker)
+        if not left:
+            return []
+        waited = time.monotonic() - start
+        if waited >= dying_bound_s or (waited >= bound_s and not all(dying(p) for p in left)):
+            return left
+        time.sleep(0.02)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.procs import pids_with
+from helpers.procs import describe, pids_with, survivors
 
 from lowlevel.host import cgroup_detect as _cgroup_detect
 
@@ -70,22 +70,6 @@ def _tree_state(root: str) -> dict[str, tuple[int, int, int, int, str]]:
             st = os.lstat(p)
             digest = hashlib.sha256(Path(p).read_bytes()).hexdigest() if os.path.isfile(p) else ""
             out[os.path.relpath(p, root)] = (st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns, digest)
-    return out
-
-
-def _describe(pids: list[int]) -> list[str]:
-    """``pid state comm ppid`` of each (from /proc/PID/stat), to tell a stuck exit (D, Z) from a
-    process that kept running (S, R) when a trial fails."""
-    out = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                data = f.read().decode(errors="replace")
-            comm = data[data.index("(") + 1:data.rindex(")")]
-            state, ppid = data[data.rindex(")") + 2:].split()[:2]
-            out.append(f"{pid} {state} {comm} ppid={ppid}")
-        except (OSError, ValueError):
-            out.append(f"{pid} (gone)")
     return out
 
 
@@ -134,12 +118,8 @@ def test_caller_killed_at_random_instants(identity: str, request: pytest.Fixture
             os.kill(pid, sig)
             if pids_with(f"{marker}-{trial}"):
                 live_at_kill += 1
-            deadline = time.monotonic() + 5
-            left = pids_with(f"{marker}-{trial}")
-            while left and time.monotonic() < deadline:
-                time.sleep(0.02)
-                left = pids_with(f"{marker}-{trial}")
-            assert not left, f"trial {trial} ({mode}, {sig.name}): survivors {_describe(left)}"
+            left = survivors(f"{marker}-{trial}")
+            assert not left, f"trial {trial} ({mode}, {sig.name}): survivors {describe(left)}"
     finally:
         server.kill()
         server.wait()
@@ -221,7 +201,7 @@ def test_anchor_dead_before_child_armed_its_parent_death_signal(identity: str, r
                 time.sleep(0.05)
                 left = [p for p in pids_with(marker, whole_arg=True) if p != tracer.pid]
             took_go += _anchor_wrote_go(log.read_text(), marker)
-            assert not left, f"trial {trial} ({identity}): the sandbox outlived its anchor: {_describe(left)}"
+            assert not left, f"trial {trial} ({identity}): the sandbox outlived its anchor: {describe(left)}"
         finally:
             for pid in pids_with(marker, whole_arg=True):  # a leak: end it (bwrap is its PID 1)
                 with contextlib.suppress(OSError):

@@ -31,7 +31,7 @@ import pytest
 
 import lowlevel
 from helpers.hygiene import settle
-from helpers.procs import pids_with
+from helpers.procs import describe, survivors
 from lowlevel.workspace.disk_upper import backing_files
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(300)]
@@ -252,10 +252,8 @@ def test_caller_killed_during_disk_upper_runs_leaves_nothing(upper_dir: Path) ->
             time.sleep(rng.uniform(0, 0.12))
             bound_at_kill += bool(_ours(upper_dir))
             os.kill(pid, signal.SIGKILL)
-            deadline = time.monotonic() + 5
-            while pids_with(f"{marker}-{trial}") and time.monotonic() < deadline:
-                time.sleep(0.02)
-            assert not pids_with(f"{marker}-{trial}"), f"trial {trial}: survivors"
+            left = survivors(f"{marker}-{trial}")
+            assert not left, f"trial {trial}: survivors {describe(left)}"
             assert_nothing_left(upper_dir)
     finally:
         server.kill()
