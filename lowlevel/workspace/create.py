@@ -84,6 +84,23 @@ def ensure_base(base: str) -> str:
     return base
 
 
+def _stat_input(src: str) -> os.stat_result:
+    """The stat of input ``src`` (followed), once it is a regular file or a directory that
+    :func:`_input_refusal` does not refuse; else the :class:`WorkspaceError` that says why."""
+    try:
+        st = os.stat(src)
+    except OSError as err:
+        raise WorkspaceError(err.errno or errno.EIO, f"cannot copy input {src!r}: {err.strerror}") from err
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+        raise WorkspaceError(errno.EINVAL, f"input {src!r} is a {_file_type(st.st_mode)}, not a regular file "
+                             "or a directory: copy its content into a file first")
+    refusal = _input_refusal(src)
+    if refusal:
+        raise WorkspaceError(errno.EACCES, f"input {src!r} is refused: {refusal}; to hand the sandbox such "
+                             "data on purpose, copy what it needs into a file of your own and pass that")
+    return st
+
+
 def _input_refusal(src: str) -> str | None:
     """Why host path ``src`` (followed, as the copy follows it) must not be copied in, or None:
     what :func:`lowlevel.spec.policy.sensitive_reason` refuses as a bind source (credential
@@ -134,17 +151,7 @@ def copy_inputs(root: str, inputs: Iterable[str | os.PathLike[str] | tuple[str, 
             raise WorkspaceError(errno.ENOENT, f"input {src!r} does not exist")
         if not name or name in ("..", "."):
             raise WorkspaceError(errno.EINVAL, f"input {src!r} has no usable base name")
-        try:
-            st = os.stat(src)
-        except OSError as err:
-            raise WorkspaceError(err.errno or errno.EIO, f"cannot copy input {src!r}: {err.strerror}") from err
-        if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
-            raise WorkspaceError(errno.EINVAL, f"input {src!r} is a {_file_type(st.st_mode)}, not a regular file "
-                                 "or a directory: copy its content into a file first")
-        refusal = _input_refusal(src)
-        if refusal:
-            raise WorkspaceError(errno.EACCES, f"input {src!r} is refused: {refusal}; to hand the sandbox such "
-                                 "data on purpose, copy what it needs into a file of your own and pass that")
+        st = _stat_input(src)
         try:
             # The parent is opened component by component with O_NOFOLLOW and the copy goes
             # through its pinned fd: a symlink in the workspace cannot send it elsewhere.
