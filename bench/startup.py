@@ -23,7 +23,9 @@ order, so machine drift hits all cases alike), for ``/usr/bin/true`` and
   imported image holding the host's ``/usr/bin/true`` and its libraries (``Policy(image=...)``),
   imported once before the rounds (``one_time``: import, first and second run);
 - ``pool``: ``Pool.run`` (a fresh pre-started sandbox per call; sync, concurrency 1, calls
-  spaced so the pool is full and idle when each call starts: the untimed wait is the refill)
+  spaced so the pool is full and idle when each call starts: the untimed wait is the refill);
+  ``floor_spaced``: ``floor`` with the same idle gap before each call (the median of the
+  pool's waits), for ``ratios.pool_vs_floor_spaced``
   and ``Pool.arun`` at each concurrency (unspaced: sustained throughput, refill-bound).
 
 ``--soak N`` (default 10000, ``--quick`` 1000) also runs N sequential ``/usr/bin/true`` in one
@@ -60,6 +62,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -942,6 +945,9 @@ def ratios(results: list[dict[str, Any]], command: str) -> dict[str, float | Non
            "arun_vs_run": div(p50["arun"], p50["run"]),
            "run_vs_session": div(p50["run"], _p50(get("session", 1, "sync"))),
            "run_vs_pool": div(p50["run"], _p50(get("pool", 1, "sync"))),
+           "session_vs_floor": div(_p50(get("session", 1, "sync")), p50["floor"]),
+           "pool_vs_floor": div(_p50(get("pool", 1, "sync")), p50["floor"]),
+           "pool_vs_floor_spaced": div(_p50(get("pool", 1, "sync")), _p50(get("floor_spaced", 1, "sync"))),
            "run_vs_session_c8": div(_p50(get("arun", 8, "asyncio")), _p50(get("session", 8, "asyncio"))),
            "run_vs_pool_c8": div(_p50(get("arun", 8, "asyncio")), _p50(get("pool", 8, "asyncio"))),
            "run_p99_vs_p50": div(run["p99_ms"] if run else None, p50["run"]),
@@ -1037,11 +1043,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         cases.append(Case("session", label, 1, "sync", lambda c=cmd: sess.session_call(c)))
         cases.append(Case("session_no_landlock", label, 1, "sync", lambda c=cmd: sess.session_no_landlock_call(c)))
         pool1 = Case("pool", label, 1, "sync", lambda c=cmd: sess.pool_call(2, c))
-        pool1.before = lambda: sess.wait_full(sess.pool(2))
+        gaps: list[float] = []  # seconds: the untimed wait before each pool call (its refill)
+
+        def pool_before(gaps: list[float] = gaps) -> None:
+            t = time.perf_counter()
+            sess.wait_full(sess.pool(2))
+            gaps.append(time.perf_counter() - t)
+
+        pool1.before = pool_before
         # And after its round: the refill of its last call (several bwrap starts at once) must not
         # land in the next case's round.
         pool1.settle = lambda: sess.wait_full(sess.pool(2))
         cases.append(pool1)
+        # The floor with the pool's spacing: a call after an idle gap costs the host too (856 ->
+        # 1374 us here after the pool's refill gap: bench/README.md "Session, round 2"), so
+        # pool / floor_spaced compares like with like; the gap is the median of the pool's waits.
+        spaced = Case("floor_spaced", label, 1, "sync", lambda c=cmd: floor_call(c))
+        spaced.before = lambda gaps=gaps: time.sleep(statistics.median(gaps[-200:]) if gaps else 0.005)
+        cases.append(spaced)
         for c in conc:
             cases.append(Case("raw_bwrap", label, c, "asyncio", raw.acall))
             cases.append(Case("seed_bwrap", label, c, "asyncio", seed.acall))
