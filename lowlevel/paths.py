@@ -110,9 +110,21 @@ def write_cache_file(name: str, data: bytes) -> bool:
     if d is None:
         return False
     path = os.path.join(d, name)
-    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        write_private_atomically(path, data, f"{path}.{os.getpid()}.{threading.get_ident()}.tmp", exclusive=True)
+        return True
+    except OSError:
+        return False
+
+
+def write_private_atomically(path: str, data: bytes, tmp: str, *, exclusive: bool) -> None:
+    """Write ``data`` to the new private file ``tmp`` (0600, ``O_NOFOLLOW``; ``exclusive``:
+    ``O_EXCL``, else ``O_TRUNC`` over a stale one) and rename it over ``path``: a reader sees the
+    old file or the whole new one. Raises OSError after removing ``tmp``. Used by
+    :func:`write_cache_file` and the record's input store (lowlevel/record/hashing.py)."""
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC) | os.O_NOFOLLOW
+                     | os.O_CLOEXEC, 0o600)
         try:
             view = memoryview(data)
             while view:
@@ -120,10 +132,9 @@ def write_cache_file(name: str, data: bytes) -> bool:
         finally:
             os.close(fd)
         os.rename(tmp, path)
-        return True
     except OSError:
         try:
             os.unlink(tmp)
         except OSError:
             pass
-        return False
+        raise

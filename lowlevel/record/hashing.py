@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from lowlevel._dataclass import dataclass
+from lowlevel.paths import write_private_atomically
 from lowlevel.workspace import changes as _ws_changes
 from lowlevel.workspace import files as _ws_files
 from lowlevel.workspace import walk as _ws_walk
@@ -199,24 +200,12 @@ class InputStore:
             self.complete = False
             return False
         path = os.path.join(self.dir, digest)
-        tmp = f"{path}.tmp{os.getpid()}"
         try:
             os.makedirs(self.dir, 0o700, exist_ok=True)
             if not os.path.exists(path):
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-                try:
-                    view = memoryview(data)
-                    while view:
-                        view = view[os.write(fd, view):]
-                finally:
-                    os.close(fd)
-                os.replace(tmp, path)
+                write_private_atomically(path, data, f"{path}.tmp{os.getpid()}", exclusive=False)
                 self.used += len(data)
         except OSError as err:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
             raise RecordError(f"cannot write the input store {self.dir}: {err.strerror or err}") from err
         return True
 
