@@ -168,7 +168,9 @@ def _dead_records() -> list[_records.Record]:
     return [r for r in _records.records() if not r.caller_alive()]
 
 
-def _stale_cgroups() -> list[Leftover]:
+def _stale_cgroups(orphans: dict[str, list[tuple[int, str, frozenset[str]]]] | None = None) -> list[Leftover]:
+    """The stale per-run cgroups; ``orphans``: :func:`_orphan_cgroups`'s walk when the caller made
+    it already (:func:`_clean_cgroups` kills what they hold: one walk, one view)."""
     out: list[Leftover] = []
     seen: set[str] = set()
     try:
@@ -191,7 +193,7 @@ def _stale_cgroups() -> list[Leftover]:
                 seen.add(path)
                 out.append(Leftover("cgroup", path, f"its caller (pid {rec.pid}) is gone (from its run record "
                                     f"{rec.path})"))
-    for name, dirs in _orphan_cgroups().items():
+    for name, dirs in (_orphan_cgroups() if orphans is None else orphans).items():
         for _v, path, _c in dirs:
             if path not in seen:
                 seen.add(path)
@@ -390,11 +392,12 @@ def clean(workspaces: tuple[str, ...] = (), base: str | None = None) -> tuple[li
 
 def _clean_cgroups(removed: list[Leftover], problems: list[str]) -> None:
     """Remove the stale per-run cgroups (:func:`clean`'s first step), appending to the two lists."""
-    stale = _stale_cgroups()
+    orphans = _orphan_cgroups()
+    stale = _stale_cgroups(orphans)
     # The walk's orphans (no record, no live caller that could own them) are killed first.
     from lowlevel.host.cgroups import RunCgroup
     paths = {item.path for item in stale}
-    for name, dirs in _orphan_cgroups().items():
+    for name, dirs in orphans.items():
         mine = [d for d in dirs if d[1] in paths]
         if mine:
             RunCgroup.adopt(name, mine).kill_all()
