@@ -12,33 +12,46 @@ filesystems: :mod:`lowlevel.image`, :mod:`lowlevel.rootfs`.
 
 # First thing, with modules Python itself has loaded already (no import can be interrupted
 # first): when this process is the lowlevel command, a ^C while the package imports prints the
-# CLI's one-line notice instead of a KeyboardInterrupt traceback (lowlevel._startup).
-import sys as _sys  # noqa: I001
-import _signal  # type: ignore[import-not-found]  # the C module: `signal` would import enum first
-
+# CLI's one-line notice instead of a KeyboardInterrupt traceback (lowlevel._startup). The two
+# definitions open the try block: neither checks for pending signals (only calls, backward jumps
+# and function entries do), so a SIGINT that lands before the handler is armed (during the checks
+# or the _signal.signal call itself) is a KeyboardInterrupt raised inside the try, and gets the
+# same notice. The constants come first: they make no call either.
 _STARTUP_NOTICE = "SIGINT: interrupted while starting; nothing was run"
 _STARTUP_JSON = ('{\n  "errno": null,\n  "error": "Interrupted",\n  "exit_status": 130,\n  "message": "'
                  + _STARTUP_NOTICE + '",\n  "signal": "SIGINT",\n  "workspace": null\n}\n')
-if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
-    _main_file = getattr(_sys.modules.get("__main__"), "__file__", None) or ""
-    _orig = list(getattr(_sys, "orig_argv", ()))
-    if (_sys.argv and _sys.argv[0].rsplit("/", 1)[-1] == "lowlevel" and _main_file == _sys.argv[0]) \
-            or any(a == "-m" and _orig[i + 1:i + 2] in (["lowlevel"], ["lowlevel.cli"]) for i, a in enumerate(_orig)):
-        def _startup_sigint(signum: int, _frame: object) -> None:
-            # No import here: the interrupted one may be half done (lowlevel._startup).
-            import posix
-            try:
-                _argv = _sys.argv[1:]
-                if "--json" in (_argv[:_argv.index("--")] if "--" in _argv else _argv):
-                    posix.write(1, _STARTUP_JSON.encode())
-                posix.write(2, f"lowlevel: {_STARTUP_NOTICE}\n".encode())
-            finally:
-                posix._exit(128 + signum)
+try:
+    def _startup_sigint(signum: int, _frame: object) -> None:
+        # No import of ours here: the interrupted one may be half done (lowlevel._startup).
+        import posix
+        import sys
+        try:
+            _argv = sys.argv[1:]
+            if "--json" in (_argv[:_argv.index("--")] if "--" in _argv else _argv):
+                posix.write(1, _STARTUP_JSON.encode())
+            posix.write(2, f"lowlevel: {_STARTUP_NOTICE}\n".encode())
+        finally:
+            posix._exit(128 + signum)
+
+    def _is_the_command() -> bool:
+        """Whether this process's main program is lowlevel's own command (not a library caller)."""
+        import sys
+        main_file = getattr(sys.modules.get("__main__"), "__file__", None) or ""
+        orig = list(getattr(sys, "orig_argv", ()))
+        return bool((sys.argv and sys.argv[0].rsplit("/", 1)[-1] == "lowlevel" and main_file == sys.argv[0])
+                    or any(a == "-m" and orig[i + 1:i + 2] in (["lowlevel"], ["lowlevel.cli"])
+                           for i, a in enumerate(orig)))
+
+    import _signal  # type: ignore[import-not-found]  # the C module: `signal` would import enum first
+    if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler and _is_the_command():
         try:
             _signal.signal(_signal.SIGINT, _startup_sigint)
         except ValueError:  # not the main thread: not the command starting
             pass
-    del _main_file, _orig
+except KeyboardInterrupt:
+    if _is_the_command():
+        _startup_sigint(2, None)  # exits 130
+    raise
 from lowlevel.version import __version__ as __version__  # noqa: E402  (re-exported)
 
 # The public names are attributes served by __getattr__ (PEP 562) from the module that defines

@@ -15,6 +15,13 @@ first thing (:func:`disarm`: its own ``KeyboardInterrupt`` handling then applies
 and drops SIGINT once it has its exit status (:func:`finished`). A SIGINT the parent ignored
 (``nohup``, ``&`` in a script) stays ignored.
 
+A SIGINT that lands while those first statements run, before the handler is armed (CI caught
+one inside the ``signal()`` call: 1 of 100 random instants), is Python's ``KeyboardInterrupt``
+raised inside their ``try`` block, whose handler gives the same notice when this is the command
+(and re-raises for a library caller); the block opens with definitions and constants, which
+cannot be interrupted (a pending signal is acted on at calls, backward jumps and function
+entries). ``tests/integration/test_cli_startup_sigint.py`` raises it on each of those lines.
+
 Since issue 27 the package's names are lazy (``lowlevel/__init__.py``), so the window this
 handler covers is short (``lowlevel.cli`` and its parser); ``run``'s machinery is imported by
 :func:`lowlevel.cli.main` after :func:`disarm`, where a ^C gives the same one-line notice

@@ -117,3 +117,80 @@ def test_control_without_the_startup_guard_tracebacks(tmp_bin: Path) -> None:
     script = _script(tmp_bin, extra="sys.argv[0] = 'not-the-cli'")
     bad, codes, _sample = _trials([], script, 60, 7)
     assert bad > 0, codes
+
+
+TRACER = """
+import sys
+INIT = {init!r}
+LINE = {line}
+SEEN = []
+def _local(frame, event, arg):
+    if event == "line" and LINE == 0:
+        SEEN.append((frame.f_code.co_name, frame.f_lineno))
+    if event == "line" and frame.f_lineno == LINE:
+        sys.settrace(None)
+        raise KeyboardInterrupt
+    return _local
+def _global(frame, event, arg):
+    if frame.f_code.co_filename == INIT and frame.f_code.co_name in ("<module>", "_is_the_command"):
+        return _local
+    if LINE == 0 and SEEN and frame.f_code.co_filename != INIT:  # the guard is behind: report what ran
+        sys.settrace(None)
+        print(repr(SEEN), file=sys.stderr)
+        import os; os._exit(0)
+    return None
+sys.settrace(_global)
+"""
+
+
+def _traced(tmp: Path, line: int) -> subprocess.CompletedProcess[bytes]:
+    script = tmp / f"l{line}" / "lowlevel"
+    script.parent.mkdir()
+    script.write_text(SCRIPT.format(python=sys.executable, repo=REPO, site=SITE,
+                                    extra=TRACER.format(init=os.path.join(OURS, "__init__.py"), line=line)))
+    script.chmod(0o755)
+    return subprocess.run([str(script), "run", "--rm", "--", "true"], capture_output=True, cwd="/",
+                          env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, timeout=60)
+
+
+def _guard_lines(tmp: Path) -> list[int]:
+    """The lines the start-up guard runs before its handler is armed (its try block's and
+    ``_is_the_command``'s), as a trace of the command's start records them.
+
+    Less its ``def`` and ``try:`` lines: a trace function can raise there, a signal cannot (a
+    pending signal is acted on at calls, backward jumps and function entries; those lines are
+    a MAKE_FUNCTION and a NOP, and CPython 3.11 leaves the inner ``try:``'s NOP out of the outer
+    handler's range).
+    """
+    import ast
+    lines = Path(OURS, "__init__.py").read_text().splitlines()
+    first, last = lines.index("try:") + 1, lines.index("except KeyboardInterrupt:") + 1
+    seen = ast.literal_eval(_traced(tmp, 0).stderr.decode().strip().splitlines()[-1])
+    return sorted({ln for _, ln in seen if first < ln < last
+                   and not lines[ln - 1].lstrip().startswith(("def ", "try:"))})
+
+
+def test_a_sigint_on_any_line_before_the_handler_is_armed_gives_the_notice(tmp_bin: Path) -> None:
+    """The guard's own window: a KeyboardInterrupt on each of its lines is the notice and 130.
+
+    CI once caught the SIGINT landing inside the guard before its handler was armed (1 of 100
+    random instants): the default handler's KeyboardInterrupt, raised in the package's first
+    lines, printed a traceback. A trace function raises it on each line in turn, deterministically.
+    """
+    lines = _guard_lines(tmp_bin)
+    assert len(lines) >= 4, lines
+    for line in lines:
+        p = _traced(tmp_bin, line)
+        assert (p.returncode, p.stdout, p.stderr) == (
+            130, b"", b"lowlevel: SIGINT: interrupted while starting; nothing was run\n"), (line, p.stderr[-900:])
+
+
+def test_control_a_library_caller_interrupted_there_gets_its_keyboardinterrupt(tmp_bin: Path) -> None:
+    """Control: a program that imports the library keeps Python's behaviour (a traceback)."""
+    line = next(n for n, text in enumerate(Path(OURS, "__init__.py").read_text().splitlines(), 1)
+                if "_signal.getsignal(_signal.SIGINT)" in text)  # where a library caller's check runs
+    prog = tmp_bin / "prog.py"
+    prog.write_text(f"import sys\nsys.path[:0] = [{REPO!r}, {SITE!r}]\n"
+                    + TRACER.format(init=os.path.join(OURS, "__init__.py"), line=line) + "import lowlevel\n")
+    p = subprocess.run([sys.executable, "-S", str(prog)], capture_output=True, cwd="/", timeout=60)
+    assert p.returncode == -signal.SIGINT and b"KeyboardInterrupt" in p.stderr, (p.returncode, p.stderr[-400:])
