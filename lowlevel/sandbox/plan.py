@@ -36,6 +36,7 @@ from lowlevel._dataclass import dataclass
 from lowlevel.errors import LaunchError
 from lowlevel.sandbox.argv import ETC_COPY_FD, Fds, etc_copy_refusal
 from lowlevel.spec.policy import WORKSPACE_DEST
+from lowlevel.spec.report import WARNING_PREFIX
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # not imported at run time: typing costs a `lowlevel run` ~2 ms
@@ -109,17 +110,39 @@ def passwd_group(uid: int, gid: int) -> tuple[bytes, bytes]:
     return passwd.encode(), group.encode()
 
 
-def clamp_to_own_hard_limits(triples: Sequence[tuple[str, int, int]]) -> tuple[tuple[str, int, int], ...]:
-    """Lower (name, soft, hard) rlimits to our own hard limits: without CAP_SYS_RESOURCE,
-    prlimit(1) cannot raise them, and the stricter value stays in force anyway."""
+def clamp_to_own_hard_limits(triples: Sequence[tuple[str, int, int]], *, may_raise: bool = False,
+                             ) -> tuple[tuple[tuple[str, int, int], ...], list[str]]:
+    """Lower (name, soft, hard) rlimits to what this caller can set, saying so.
+
+    Without CAP_SYS_RESOURCE, prlimit(2) cannot raise a hard limit above our own, and the
+    stricter value stays in force anyway; with it (``may_raise``), only ``RLIMIT_NOFILE`` has a
+    ceiling: ``/proc/sys/fs/nr_open`` (setrlimit(2): EPERM above it).
+
+    Returns:
+        ``(triples, notes)``: the triples to apply, and one ``"warning: ..."`` note
+        (:data:`lowlevel.spec.report.WARNING_PREFIX`, which the CLI prints) per lowered limit.
+    """
     import resource
-    out = []
+    out, notes = [], []
     for name, soft, hard in triples:
-        _cur, own_hard = resource.getrlimit(getattr(resource, name))
-        if own_hard != resource.RLIM_INFINITY:
-            soft, hard = min(soft, own_hard), min(hard, own_hard)
+        if may_raise:
+            bound, what = (_nr_open(), "/proc/sys/fs/nr_open") if name == "RLIMIT_NOFILE" else (None, "")
+        else:
+            bound, what = resource.getrlimit(getattr(resource, name))[1], "this caller's hard limit"
+            bound = None if bound == resource.RLIM_INFINITY else bound
+        if bound is not None and hard > bound:
+            notes.append(f"{WARNING_PREFIX}{name} {hard} is above {what} ({bound}): the sandbox runs with {bound}")
+            soft, hard = min(soft, bound), bound
         out.append((name, soft, hard))
-    return tuple(out)
+    return tuple(out), notes
+
+
+def _nr_open() -> int | None:
+    try:
+        with open("/proc/sys/fs/nr_open", "rb") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
 
 
 @dataclass(frozen=True)

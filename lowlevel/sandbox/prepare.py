@@ -205,8 +205,8 @@ class RunPrepare(RunWorkspace):
             if v2_dir is not None:
                 self.cgroup_dir_fd = self._own(os.open(v2_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
         triples = _limits.rlimits(policy.limits, self.cgroup)
-        if not (root and self.facts.cap_sys_resource):
-            triples = clamp_to_own_hard_limits(triples)
+        triples, lowered = clamp_to_own_hard_limits(triples, may_raise=root and self.facts.cap_sys_resource)
+        self.notes.extend(lowered)
         self.pre_exec_rlimits = triples
         self.rlimits_applied = tuple(name for name, _s, _h in triples)
         self.notes.extend(_limits.fallback_notes(policy.limits, self.cgroup))

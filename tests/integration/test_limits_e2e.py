@@ -144,3 +144,17 @@ def test_an_open_file_limit_too_small_for_bwrap_names_limits_nofile(sandbox) -> 
     assert "Limits.nofile" in out.message and "at least 16" in out.message, out.message
     ok = sandbox.run(["true"], limits={"nofile": 16})  # the control: the limit it names works
     assert ok.error is None and ok.exit_code == 0, ok
+
+
+def test_an_open_file_limit_above_what_the_caller_can_set_is_lowered_with_a_warning(sandbox) -> None:
+    """Limits.nofile above the caller's hard limit (or, with CAP_SYS_RESOURCE, fs.nr_open) cannot
+    be applied: it was lowered silently. Now the sandbox runs with the bound and a "warning:"
+    note (the CLI prints it) says which limit, the asked value and the bound."""
+    out = sandbox.run(["sh", "-c", "ulimit -Hn"], limits={"nofile": 1 << 30})
+    assert out.exit_code == 0, out
+    got = int(out.stdout.strip())
+    assert got < 1 << 30, out
+    lowered = [n for n in out.notes if n.startswith("warning: RLIMIT_NOFILE 1073741824 is above")]
+    assert lowered and lowered[0].endswith(f"the sandbox runs with {got}"), out.notes
+    ok = sandbox.run(["sh", "-c", "ulimit -Hn"], limits={"nofile": 1000})  # the control: within bounds, no note
+    assert ok.stdout.strip() == b"1000" and not any("RLIMIT_NOFILE" in n for n in ok.notes), ok
