@@ -131,13 +131,13 @@ def _cmd_run(args: argparse.Namespace, command: list[str], created: list[str]) -
                     result = run(command, stdio_fds=relay.child_fds, **kw)
                 except LaunchError as err:
                     relay.finish()
+                    shown = relay.stderr_tail.replace(b"\r\n", b"\n")
                     # A failure the guard reported (errno set: a cwd, Landlock) is already specific.
-                    if isinstance(err, ExecError) or err.stderr or err.errno is not None or not relay.stderr_tail:
-                        raise
+                    if isinstance(err, ExecError) or err.stderr or err.errno is not None or not shown:
+                        raise _not_twice(err, shown) from None
                     # bwrap's own message (an execvp failure: a missing ELF interpreter...)
                     # went through the relay, not into the Result.
-                    raise classify_setup_failure(relay.stderr_tail.replace(b"\r\n", b"\n"), err.argv,
-                                                 command) from None
+                    raise _not_twice(classify_setup_failure(shown, err.argv, command), shown) from None
                 relay.finish()
         if args.record is not None and not args.json:
             with reader_may_leave():
@@ -176,6 +176,15 @@ def _cmd_run(args: argparse.Namespace, command: list[str], created: list[str]) -
             _remove(created[0])
 
 
+def _not_twice(err: LaunchError, shown: bytes) -> LaunchError:
+    """``err`` without its quote of bwrap's message when the relay has put that message on the
+    terminal already (it would be printed twice, one line after the other)."""
+    quote = f" bwrap said: {err.stderr}"
+    if err.stderr and quote in err.message and err.stderr.encode() in shown:
+        err.message = err.message.replace(quote, " (bwrap's message is above)")
+    return err
+
+
 def _report(args: argparse.Namespace, result: Result) -> int:
     for note in result.notes:
         if note.startswith((RECORD_NOT_WRITTEN, WARNING_PREFIX)):
@@ -208,11 +217,37 @@ def _report(args: argparse.Namespace, result: Result) -> int:
     return result.exit_code
 
 
+#: The option that sets each :class:`Limits` field (a refusal names the option, not the field).
+LIMIT_OPTIONS = {"memory_bytes": "--memory", "cpu_s": "--cpu", "pids": "--pids", "fsize_bytes": "--fsize",
+                 "nofile": "--nofile", "tmp_size_bytes": "--tmp-size", "workspace_bytes": "--workspace-size",
+                 "upper": "--upper", "cpu_quota": "--cpus", "net_bytes": "--net-bytes"}
+
+
+def _in_options(err: PolicyError) -> PolicyError:
+    """``err`` with the library's names (``Limits.nofile``, ``Bind source``) as the options the
+    user typed (``--nofile``, ``--ro/--rw source``); the same error otherwise."""
+    import re
+    message = re.sub(r"\bLimits\.(\w+)", lambda m: LIMIT_OPTIONS.get(m[1], m[0]), str(err))
+    message = re.sub(r"^Bind (source|dest)\b", r"--ro/--rw \1", message)
+    return err if message == str(err) else PolicyError(message)
+
+
 def policy_from_args(args: argparse.Namespace) -> Policy:
-    overrides = {name: getattr(args, attr) for name, attr in (
-        ("memory_bytes", "memory"), ("cpu_s", "cpu"), ("pids", "pids"), ("fsize_bytes", "fsize"),
-        ("nofile", "nofile"), ("tmp_size_bytes", "tmp_size"),
-        ("workspace_bytes", "workspace_size"), ("upper", "upper")) if getattr(args, attr) is not None}
+    """The :class:`Policy` of a ``run``'s options.
+
+    Raises:
+        PolicyError: an option's value is refused; the message names the option.
+    """
+    try:
+        return _policy_from_args(args)
+    except PolicyError as err:
+        raise _in_options(err) from None
+
+
+def _policy_from_args(args: argparse.Namespace) -> Policy:
+    overrides = {name: getattr(args, name_of_arg) for name, option in LIMIT_OPTIONS.items()
+                 if name not in ("cpu_quota", "net_bytes")
+                 and getattr(args, name_of_arg := option[2:].replace("-", "_")) is not None}
     binds = [Bind(src, dest, writable=False, allow_sensitive=args.allow_sensitive,
                   allow_sockets=args.allow_sockets) for src, dest in args.ro]
     binds += [Bind(src, dest, writable=True, allow_sensitive=args.allow_sensitive,

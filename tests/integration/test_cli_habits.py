@@ -300,3 +300,38 @@ def test_kill_after_values_and_record(tmp_path: Path, capsys: pytest.CaptureFixt
         lowlevel.run(["true"], kill_after=-1)
     with pytest.raises(lowlevel.PolicyError, match="kill_after"):
         lowlevel.run(["true"], kill_after=True)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("args", "option"), [
+    (["--memory", "1"], "--memory must be"), (["--fsize", "0"], "--fsize must be"),
+    (["--tmp-size", "1"], "--tmp-size must be"), (["--workspace-size", "5"], "--workspace-size must be"),
+    (["--net-bytes", "0", "--allow-host", "example.invalid"], "--net-bytes must be"),
+    (["--ro", "/nonexistent-lowlevel-src"], "--ro/--rw source '/nonexistent-lowlevel-src' does not exist"),
+    (["--rw", "/etc:/proc"], "--ro/--rw dest '/proc' is reserved")])
+def test_a_refused_value_names_the_option_typed_not_the_library_field(
+        args: list[str], option: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--memory 1`` said "Limits.memory_bytes must be ...": a name the user never typed."""
+    assert _cli.main(["run", "--rm", *args, "--", "true"]) == 125
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and option in err, err
+    assert "Limits." not in err and "Bind " not in err, err
+
+
+def test_bwraps_own_setup_message_is_printed_once(who: pwd.struct_passwd | None, base: Path) -> None:
+    """A bwrap setup failure in the live mode (output relayed to the terminal) printed bwrap's
+    line, then lowlevel's message quoting it again. Now the quote points above; with --json
+    (nothing relayed) the message keeps it (the control)."""
+    proc = cli(who, base, "run", "--rm", "--nofile", "8", "--", "true")
+    assert proc.returncode == 125, proc.stderr
+    assert proc.stderr.count(b"Too many open files") == 1, proc.stderr
+    assert b"(bwrap's message is above)" in proc.stderr, proc.stderr
+    doc = json.loads(cli(who, base, "run", "--rm", "--json", "--nofile", "8", "--", "true").stdout)
+    assert "bwrap said: bwrap: pipe2(): Too many open files" in doc["message"], doc
+
+
+def test_a_limit_lowered_to_what_the_caller_can_set_is_a_warning(who: pwd.struct_passwd | None, base: Path) -> None:
+    proc = cli(who, base, "run", "--rm", "--nofile", str(1 << 30), "--", "sh", "-c", "ulimit -Hn")
+    assert proc.returncode == 0, proc.stderr
+    got = proc.stdout.strip().decode()
+    assert "lowlevel: warning: RLIMIT_NOFILE 1073741824 is above" in proc.stderr.decode(), proc.stderr
+    assert proc.stderr.decode().rstrip().endswith(f"the sandbox runs with {got}"), proc.stderr
