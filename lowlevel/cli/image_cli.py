@@ -18,6 +18,7 @@ import sys
 import time
 from typing import TextIO
 
+from lowlevel.cli.output import EXIT_FAILED, report_error
 from lowlevel.errors import LowlevelError
 from lowlevel.image import STORE_ENV, ImageStore, ImportLimits, ImportProgress
 
@@ -86,12 +87,13 @@ def _store(args: argparse.Namespace) -> ImageStore:
 
 
 def cmd_image(args: argparse.Namespace) -> int:
-    """``lowlevel image ...``: returns the exit status."""
+    """``lowlevel image ...``: returns the exit status: 0, or 125 (:data:`EXIT_FAILED`, as for a
+    refused option) when lowlevel refused or failed (one line on stderr; with ``--json`` the
+    error object on stdout too)."""
     try:
         return _cmd_image(args)
     except LowlevelError as err:
-        print(f"lowlevel: {err}", file=sys.stderr)
-        return 1
+        return report_error(args, err, EXIT_FAILED)
 
 
 def _cmd_image(args: argparse.Namespace) -> int:
@@ -139,8 +141,7 @@ def _cmd_image(args: argparse.Namespace) -> int:
             try:
                 names, gone = store.remove(ref)
             except LowlevelError as err:
-                print(f"lowlevel: {err}", file=sys.stderr)
-                status = 1
+                status = report_error(None, err, EXIT_FAILED)
                 continue
             for n in names:
                 print(f"untagged: {n}")

@@ -53,7 +53,14 @@ def fail(message: str, code: int = EXIT_FAILED) -> int:
 
 
 def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
+    """``text`` on one line, its library hints in the CLI's spelling: the library's messages
+    say "pass allow_sensitive=True (CLI: --allow-sensitive)"; the CLI's say "pass
+    --allow-sensitive"."""
+    text = " ".join(str(text).split())
+    if "(CLI: " in text:
+        import re
+        text = re.sub(r"\b[a-z_]+=\S* \(CLI: (--[a-z-]+)\)", r"\1", text)
+    return text
 
 
 def error_object(kind: str, message: str, exit_status: int, *, err_no: int | None = None,

@@ -263,7 +263,9 @@ def _add_image(sub: Any) -> None:
     """Add ``image`` and its subcommands to the ``lowlevel`` parser's subparsers."""
     img = sub.add_parser("image", help="import, list and remove images (OCI / docker save archives)",
                          description="Images for `lowlevel run --image`. No registry is contacted: fetch with "
-                         "`skopeo copy docker://IMAGE oci-archive:FILE:NAME:TAG` on a host that reaches one.")
+                         "`skopeo copy docker://IMAGE oci-archive:FILE:NAME:TAG` on a host that reaches one.",
+                         epilog="exit status: 0 done; 125 lowlevel refused or failed (a bad archive, a limit, an "
+                         "unknown image, a bad option): one line on stderr")
     isub = img.add_subparsers(dest="image_cmd", required=True, metavar="{import,ls,rm,inspect,tag}")
 
     def store_opt(p: argparse.ArgumentParser) -> None:

@@ -307,14 +307,16 @@ def test_kill_after_values_and_record(tmp_path: Path, capsys: pytest.CaptureFixt
     (["--tmp-size", "1"], "--tmp-size must be"), (["--workspace-size", "5"], "--workspace-size must be"),
     (["--net-bytes", "0", "--allow-host", "example.invalid"], "--net-bytes must be"),
     (["--ro", "/nonexistent-lowlevel-src"], "--ro/--rw source '/nonexistent-lowlevel-src' does not exist"),
-    (["--rw", "/etc:/proc"], "--ro/--rw dest '/proc' is reserved")])
+    (["--rw", "/etc:/proc"], "--ro/--rw dest '/proc' is reserved"),
+    (["--ro", "/root"], "Pass --allow-sensitive only if"), (["--workspace", "/tmp"], "or pass --allow-sensitive if")])
 def test_a_refused_value_names_the_option_typed_not_the_library_field(
         args: list[str], option: str, capsys: pytest.CaptureFixture[str]) -> None:
-    """``--memory 1`` said "Limits.memory_bytes must be ...": a name the user never typed."""
-    assert _cli.main(["run", "--rm", *args, "--", "true"]) == 125
+    """``--memory 1`` said "Limits.memory_bytes must be ...", ``--ro /root`` "pass
+    allow_sensitive=True (CLI: --allow-sensitive)": names the user never typed."""
+    assert _cli.main(["run", *args, "--", "true"]) == 125
     out, err = capsys.readouterr()
     assert out == "" and len(err.splitlines()) == 1 and option in err, err
-    assert "Limits." not in err and "Bind " not in err, err
+    assert "Limits." not in err and "Bind " not in err and "=True" not in err, err
 
 
 def test_bwraps_own_setup_message_is_printed_once(who: pwd.struct_passwd | None, base: Path) -> None:
