@@ -66,6 +66,14 @@ def _wants_json(argv: Sequence[str]) -> bool:
     return "--json" in head
 
 
+def _is_interrupt(err: BaseException) -> bool:
+    """A ``KeyboardInterrupt``, or CPython 3.11's ``RuntimeError("Error calling __set_name__
+    ...")`` around one: a ^C while a class statement set up its fields (a dataclass's
+    ``field()``: ``type.__new__`` wraps what ``__set_name__`` raised; 3.12 no longer wraps)."""
+    return isinstance(err, KeyboardInterrupt) or (
+        type(err) is RuntimeError and isinstance(err.__cause__, KeyboardInterrupt))
+
+
 def _interrupted_while_starting(args: argparse.Namespace) -> int:
     print(f"lowlevel: {STARTING_NOTICE}", file=sys.stderr)
     if getattr(args, "json", False):
@@ -108,7 +116,9 @@ def _main(argv: Sequence[str] | None) -> int:
         if args.cmd == "run":
             try:  # the run machinery, all of it (its failure and cleanup paths too) before the sandbox
                 from lowlevel.cli.run_cmd import cmd_run
-            except KeyboardInterrupt:
+            except (KeyboardInterrupt, RuntimeError) as err:
+                if not _is_interrupt(err):
+                    raise
                 return _interrupted_while_starting(args)
             with clean_shutdown():
                 return cmd_run(args)
@@ -131,6 +141,11 @@ def _main(argv: Sequence[str] | None) -> int:
     except BrokenPipeError:
         silence_stdout()  # the reader of our stdout went away: no traceback
         return 128 + signal.SIGPIPE
+    except RuntimeError as err:  # a ^C in a class statement of a command's module (_is_interrupt)
+        if not _is_interrupt(err):
+            raise
+        print("lowlevel: SIGINT: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
     except (KeyboardInterrupt, Terminated, Interrupted) as err:
         signum = err.signum if isinstance(err, (Terminated, Interrupted)) else signal.SIGINT
         name = signal.Signals(signum).name

@@ -194,3 +194,33 @@ def test_control_a_library_caller_interrupted_there_gets_its_keyboardinterrupt(t
                     + TRACER.format(init=os.path.join(OURS, "__init__.py"), line=line) + "import lowlevel\n")
     p = subprocess.run([sys.executable, "-S", str(prog)], capture_output=True, cwd="/", timeout=60)
     assert p.returncode == -signal.SIGINT and b"KeyboardInterrupt" in p.stderr, (p.returncode, p.stderr[-400:])
+
+
+SET_NAME_TRACER = """
+import sys
+def _local(frame, event, arg):
+    if event == "line" and "lowlevel.cli.run_cmd" in sys.modules:
+        sys.settrace(None)
+        raise KeyboardInterrupt
+    return _local
+def _global(frame, event, arg):
+    if frame.f_code.co_name == "__set_name__" and frame.f_code.co_filename.endswith("dataclasses.py"):
+        return _local
+    return None
+sys.settrace(_global)
+"""
+
+
+def test_a_sigint_in_a_dataclass_field_while_run_imports_is_the_notice(tmp_bin: Path) -> None:
+    """CI caught a ^C landing in ``dataclasses.Field.__set_name__`` while ``run``'s machinery
+    imported (1 of 100 random instants): CPython 3.11 wraps it in ``RuntimeError("Error calling
+    __set_name__ on 'Field' instance 'changes' in 'Result'")``, which the CLI's
+    ``except KeyboardInterrupt`` missed: a traceback, exit 1. A trace function raises it there."""
+    script = tmp_bin / "setname" / "lowlevel"
+    script.parent.mkdir()
+    script.write_text(SCRIPT.format(python=sys.executable, repo=REPO, site=SITE, extra=SET_NAME_TRACER))
+    script.chmod(0o755)
+    p = subprocess.run([str(script), "run", "--rm", "--", "true"], capture_output=True, cwd="/",
+                       env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "LOWLEVEL_NO_CACHE": "1"}, timeout=60)
+    assert (p.returncode, p.stdout, p.stderr) == (
+        130, b"", b"lowlevel: SIGINT: interrupted while starting; nothing was run\n"), p.stderr[-900:]
