@@ -96,7 +96,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # between the two, or a second ^C while _main reported the first
         print("lowlevel: SIGINT: interrupted", file=sys.stderr)
     finally:
-        _startup.finished()
+        try:
+            _startup.finished()
+        except KeyboardInterrupt:  # landed while SIGINT was being dropped: the status stands
+            pass
         cached = sys.modules.get("lowlevel._dataclass")  # no import here: a finally of an exit
         if cached is not None:
             cached.save()  # code of the dataclasses compiled by this process, for the next (lowlevel._dataclass)
