@@ -46,6 +46,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from lowlevel._dataclass import dataclass
 from lowlevel.errors import PolicyError
+from lowlevel.spec.validate import resolve_host
 
 #: Top-level names the sandbox always provides itself; a rootfs entry with that name is ignored.
 RESERVED_TOP = ("dev", "proc", "sys", "tmp", "workspace")
@@ -196,8 +197,8 @@ def check_rootfs(path: str) -> str:
     raw = os.fspath(path)
     if "\0" in raw or not os.path.isabs(raw):
         raise PolicyError(f"Policy.rootfs must be an absolute host path, got {raw!r}")
-    real = os.path.realpath(raw)
-    if not os.path.isdir(real):
+    real, st = resolve_host(raw, "Policy.rootfs")
+    if not stat.S_ISDIR(st.st_mode):
         raise PolicyError(f"Policy.rootfs {raw!r} is not a directory on the host")
     reason = sensitive_reason(real)
     if reason:

@@ -191,9 +191,7 @@ class Bind:
         if not isinstance(self.source, (str, os.PathLike)) or not str(self.source):
             raise PolicyError(f"Bind source must be a non-empty path, got {self.source!r}")
         raw = _validate.host_path(self.source, "Bind source")
-        real = os.path.realpath(raw)
-        if not os.path.exists(real):
-            raise PolicyError(f"Bind source {raw!r} does not exist on the host")
+        real, st = _validate.resolve_host(raw, "Bind source")
         if not isinstance(self.dest, str):
             raise PolicyError(f"Bind dest must be a str (an absolute path inside the sandbox), got {self.dest!r}")
         dest = self.dest or real
@@ -229,7 +227,6 @@ class Bind:
                                   "allow_sensitive=True if you really mean it")
         object.__setattr__(self, "source", real)
         object.__setattr__(self, "dest", dest)
-        st = os.stat(real)
         object.__setattr__(self, "_ident", (st.st_dev, st.st_ino))
 
     def __getstate__(self) -> dict[str, Any]:

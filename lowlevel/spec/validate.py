@@ -161,6 +161,30 @@ def host_path(value: Any, what: str) -> str:
     return text(value, what, max_bytes=MAX_PATH_BYTES - 1, empty=False)
 
 
+def resolve_host(raw: str, what: str) -> tuple[str, os.stat_result]:
+    """Host path ``raw`` resolved (``os.path.realpath(strict=True)``) and stat'ed, following links.
+
+    Returns:
+        ``(real path, its stat)``.
+    Raises:
+        PolicyError: it does not exist ("does not exist on the host"), or it cannot be reached by
+            this user (EACCES: a directory on its way is not searchable, e.g. another user's
+            ``/proc/PID/cwd``), or another resolution error (ELOOP, ENAMETOOLONG): the message
+            names ``what``, the path and the reason.
+    """
+    import errno
+    try:
+        real = os.path.realpath(raw, strict=True)
+        return real, os.stat(real)
+    except OSError as err:
+        if err.errno == errno.ENOENT:
+            raise PolicyError(f"{what} {raw!r} does not exist on the host") from None
+        if err.errno in (errno.EACCES, errno.EPERM):
+            raise PolicyError(f"{what} {raw!r} cannot be reached by this user ({err.strerror}): a directory "
+                              "on its way is not searchable, or it is another user's") from None
+        raise PolicyError(f"{what} {raw!r} cannot be resolved on the host: {err.strerror}") from None
+
+
 def env_name(value: Any, what: str = "environment variable name") -> str:
     """A variable name: letters, digits and ``_``, not starting with a digit (so no ``=``, no NUL).
 

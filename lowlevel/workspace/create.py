@@ -19,7 +19,7 @@ from collections.abc import Iterable
 
 from lowlevel.errors import WorkspaceError
 from lowlevel.host.procs import process_start_time
-from lowlevel.host.trust import SYSTEM_DIRS, inside
+from lowlevel.host.trust import SYSTEM_DIRS, SYSTEM_TREES, inside
 from lowlevel.workspace.files import _open_parent, _split_rel
 from lowlevel.workspace.walk import _iter_tree, _open_root
 
@@ -27,8 +27,11 @@ from lowlevel.workspace.walk import _iter_tree, _open_root
 def default_base() -> str:
     """The default parent of per-run workspaces: ``$LOWLEVEL_WORKSPACE_BASE`` or
     ``<tmpdir>/lowlevel-<uid>``."""
-    return os.environ.get("LOWLEVEL_WORKSPACE_BASE") or os.path.join(_tempdir(),
-                                                                     f"lowlevel-{os.getuid()}")
+    return os.environ.get("LOWLEVEL_WORKSPACE_BASE") or _builtin_base()
+
+
+def _builtin_base() -> str:
+    return os.path.join(_tempdir(), f"lowlevel-{os.getuid()}")
 
 
 def _tempdir() -> str:
@@ -53,19 +56,32 @@ def ensure_base(base: str) -> str:
 
     Raises:
         WorkspaceError: base exists but is a symlink, not a directory, or owned by someone else
-            (a squatted ``/tmp/lowlevel-<uid>``).
+            (a squatted ``/tmp/lowlevel-<uid>``); or (EPERM, before anything is created) it is,
+            contains or lies inside a system directory
+            (:data:`lowlevel.host.trust.SYSTEM_DIRS`, :data:`~lowlevel.host.trust.SYSTEM_TREES`).
     """
     if not isinstance(base, str) or not base or "\0" in base:
         raise WorkspaceError(errno.EINVAL, f"invalid workspace base {base!r}")
     base = os.path.abspath(base)
     real = os.path.realpath(base)
+    for tree in SYSTEM_TREES:
+        if inside(real, tree):
+            # Checked before anything is created: LOWLEVEL_WORKSPACE_BASE=/etc/lowlevel made
+            # /etc/lowlevel/run-*, which the workspace check then refused, and left both behind;
+            # the API's fresh workspaces under /boot/lowlevel were not refused at all.
+            raise WorkspaceError(errno.EPERM, f"refusing workspace base {base}: it is inside the system tree "
+                                 f"{tree}, where lowlevel creates nothing. Use a dedicated directory elsewhere "
+                                 f"(the default is {_builtin_base()})")
     for sysdir in SYSTEM_DIRS:
         if inside(sysdir, real):
             # Never chmod (below) or fill a system or shared directory: `workspace_base="/tmp"` as
             # root made /tmp mode 0711.
+            suggestion = os.path.join(sysdir, "lowlevel")
+            if any(inside(suggestion, tree) for tree in SYSTEM_TREES):
+                suggestion = _builtin_base()
             raise WorkspaceError(errno.EPERM, f"refusing workspace base {base}: it "
                                  f"{'is' if sysdir == real else 'contains'} the system directory "
-                                 f"{sysdir}. Use a dedicated directory, e.g. {os.path.join(sysdir, 'lowlevel')}")
+                                 f"{sysdir}. Use a dedicated directory, e.g. {suggestion}")
     try:
         os.makedirs(base, 0o711, exist_ok=True)
         st = os.lstat(base)

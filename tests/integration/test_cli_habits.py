@@ -17,6 +17,8 @@ Each run goes through ``python -m lowlevel`` as root and as the unprivileged tes
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 import os
 import pwd
 import subprocess
@@ -337,3 +339,31 @@ def test_a_limit_lowered_to_what_the_caller_can_set_is_a_warning(who: pwd.struct
     got = proc.stdout.strip().decode()
     assert "lowlevel: warning: RLIMIT_NOFILE 1073741824 is above" in proc.stderr.decode(), proc.stderr
     assert proc.stderr.decode().rstrip().endswith(f"the sandbox runs with {got}"), proc.stderr
+
+
+def test_a_bind_or_rootfs_this_user_cannot_reach_is_one_line_not_a_traceback(
+        who: pwd.struct_passwd | None, base: Path, tmp_path: Path) -> None:
+    """``--ro /proc/1/cwd:/x`` as a user (a path whose resolution hits EACCES) raised
+    PermissionError out of ``os.path.realpath`` in Bind: a traceback, exit 1, no --json object;
+    with ``--rootfs`` it also left the fresh workspace. Now a PolicyError: one line, 125. Root
+    resolves the same path (bwrap, as the sandbox's uid, then cannot: its one message)."""
+    locked = Path(tempfile.mkdtemp(prefix="lowlevel-locked-"))
+    try:
+        os.chmod(locked, 0o700)  # root's: a user cannot search it
+        (locked / "sub").mkdir()
+        (locked / "tree").mkdir()
+        proc = cli(who, base, "run", "--rm", "--ro", f"{locked}/sub:/x", "--", "true")
+        rootfs = cli(who, base, "run", "--rm", "--json", "--rootfs", f"{locked}/tree", "--", "true")
+        if who is None:  # root resolves it; its sandbox's uid cannot, and bwrap says so (one message)
+            assert proc.returncode == 125 and b"Traceback" not in proc.stderr, proc.stderr
+            assert b"bwrap: Can't find source path" in proc.stderr and b"(bwrap's message is above)" in proc.stderr
+            return
+        for p in (proc, rootfs):
+            assert p.returncode == 125 and b"Traceback" not in p.stderr, p.stderr
+            assert b"cannot be reached by this user (Permission denied)" in p.stderr, p.stderr
+            assert len(p.stderr.decode().strip().splitlines()) == 1, p.stderr
+        assert json.loads(rootfs.stdout)["error"] == "PolicyError"
+        assert list(base.iterdir()) in ([], [base / f"lowlevel-{who.pw_uid}"]) and not [
+            p for p in base.rglob("*") if p.name.startswith(("run-", "rm-"))], list(base.rglob("*"))
+    finally:
+        shutil.rmtree(locked, ignore_errors=True)

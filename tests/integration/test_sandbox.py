@@ -546,3 +546,31 @@ def test_a_real_groups_gid_is_never_leased(monkeypatch):
         assert r.stdout == f"{free}\n".encode() and r.exit_code != 0, r  # control: no group, no access
     finally:
         shutil.rmtree(data, ignore_errors=True)
+
+
+@pytest.mark.root
+def test_a_workspace_base_inside_a_system_tree_is_refused_before_anything_is_made():
+    """``workspace_base="/boot/lowlevel"`` (API) ran its fresh workspaces in /boot, and
+    LOWLEVEL_WORKSPACE_BASE=/etc/lowlevel (CLI) made /etc/lowlevel/run-* before refusing it and
+    left both. In a private mount namespace with empty tmpfs mounts over /boot and /mnt (never
+    the host's): each base in /boot is refused and nothing appears there; the control, a base
+    under /mnt (a system directory, but no system tree), runs."""
+    code = (
+        "import os, lowlevel, sys\n"
+        "for base in ('/boot/lowlevel', '/boot'):\n"
+        "    try:\n"
+        "        lowlevel.run(['true'], workspace_base=base)\n"
+        "        sys.exit('ran under ' + base)\n"
+        "    except lowlevel.WorkspaceError as err:\n"
+        "        assert 'system tree /boot' in str(err) or 'system directory /boot' in str(err), err\n"
+        "assert os.listdir('/boot') == [], os.listdir('/boot')\n"
+        "os.makedirs('/mnt/ok', exist_ok=True)\n"
+        "r = lowlevel.run(['true'], workspace_base='/mnt/ok/lowlevel')\n"
+        "assert r.exit_code == 0 and r.workspace.startswith('/mnt/ok/lowlevel/'), r\n"
+        "print('ok')\n")
+    script = ("mount -t tmpfs none /boot && mount -t tmpfs none /mnt && "
+              f"exec {sys.executable} -c \"$0\"")
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))}
+    p = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, code],
+                       capture_output=True, text=True, timeout=120, cwd="/", env=env)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stdout + p.stderr

@@ -136,7 +136,7 @@ def test_a_policy_is_built_without_reading_the_host(tmp_path: pathlib.Path, monk
     assert on_image.rootfs is None and on_tree.rootfs == str(tmp_path / "missing")
     with pytest.raises(lowlevel.PolicyError, match="no image 'nosuch:1' in the store"):
         resolve(on_image)
-    with pytest.raises(lowlevel.PolicyError, match="not a directory"):
+    with pytest.raises(lowlevel.PolicyError, match="does not exist on the host"):
         resolve(on_tree)
     assert not (tmp_path / "no-store").exists()  # looking an image up creates no store
     plain = lowlevel.Policy()
