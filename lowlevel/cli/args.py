@@ -230,9 +230,14 @@ def volume_spec(text: str) -> tuple[str, str, bool]:
 
 
 def bind_spec(text: str) -> tuple[str, str]:
-    """``SRC`` or ``SRC:DEST``."""
+    """``--ro``/``--rw``: ``SRC`` or ``SRC:DEST``. An empty side, or a third field (``-v``'s
+    ``:ro``/``:rw``, which bound at a literal ``/x:ro``), is refused: the option is the mode."""
     if ":" in text:
         src, dest = text.split(":", 1)
+        if not src or not dest or ":" in dest:
+            raise argparse.ArgumentTypeError(
+                f"invalid bind {text!r}: use SRC or SRC:DEST (the option says the mode: --ro read-only, --rw "
+                "writable; -v SRC:DEST:ro takes docker's suffix)")
         return src, dest
     return text, ""
 

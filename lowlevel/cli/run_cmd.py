@@ -61,6 +61,11 @@ def cmd_run(args: argparse.Namespace) -> int:
                          "--allow-host alone gives an allowlist")
     if args.net_bytes is not None and not egress_requested(args):
         raise UsageError("run: --net-bytes is enforced by the egress proxy: use it with --allow-host")
+    if egress_requested(args) and not (args.allow_host or args.allow_cidr):
+        alone = [o for o, v in (("--deny-host", args.deny_host), ("--allow-port", args.allow_port),
+                                ("--ca-cert", args.ca_cert)) if v]
+        raise UsageError(f"run: {'/'.join(alone)} only refine an egress allowlist, which allows nothing without "
+                         "--allow-host (or --allow-cidr): add the hosts the sandbox may reach")
     if args.record is not None and args.kill_after:
         raise UsageError("run: --kill-after does not go with --record (a record replays the SIGKILL at the "
                          "timeout): drop --kill-after, or --record")

@@ -100,7 +100,10 @@ def test_run_help_lists_exit_statuses_and_examples() -> None:
 
 @pytest.mark.parametrize(("bad", "word"), [("-v=/x", "--volume"), ("-v=/x:/y:z", "--volume"),
                                            ("-v=:/y", "--volume"), ("--cpus=0", "--cpus"),
-                                           ("--cpus=half", "--cpus"), ("-e=1BAD", "--env")])
+                                           ("--cpus=half", "--cpus"), ("-e=1BAD", "--env"),
+                                           ("--ro=/tmp:/x:rw", "--ro"), ("--rw=/tmp:", "--rw"),
+                                           ("--ro=:/x", "--ro"), ("--deny-host=a.example", "--allow-host"),
+                                           ("--allow-port=8080", "--allow-host"), ("--ca-cert=/x.pem", "--allow-host")])
 def test_bad_docker_style_values_are_one_line(bad: str, word: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert _cli.main(["run", bad, "--", "true"]) == 125
     out, err = capsys.readouterr()
