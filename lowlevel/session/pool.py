@@ -36,6 +36,16 @@ _WARMUP_PROGRAM = "/.lowlevel-warmup-does-not-exist"
 WARMUP_TIMEOUT_S = 10
 
 
+#: The largest Pool size: a bound against a typo (``size=10**6`` started sandboxes until the uid
+#: range or memory ran out), well above what the per-run uid range holds by default.
+MAX_SIZE = 4096
+
+#: How many of a Pool's sandboxes start at once (each start mostly waits on bwrap and the init's
+#: hello, so a few side by side refill faster; ``Pool(size=40)`` had started 80 bwrap processes
+#: within 0.5 s).
+MAX_PARALLEL_STARTS = max(4, 2 * (os.cpu_count() or 1))
+
+
 class Pool:
     """N sandboxes started in advance; each call gets a fresh one, used once, then destroyed.
 
@@ -50,7 +60,8 @@ class Pool:
 
     Args:
         policy: as for :func:`lowlevel.run`.
-        size: how many sandboxes to keep ready (>= 1).
+        size: how many sandboxes to keep ready (1 to :data:`MAX_SIZE`); at most
+            :data:`MAX_PARALLEL_STARTS` of them start at once.
         workspace_base, bwrap: as for :class:`Session`.
         track_changes: fill ``Result.changes`` where the overlay is unavailable (a snapshot walk
             of the fresh workspace; with the overlay the changes come from its upper layer).
@@ -64,8 +75,9 @@ class Pool:
     def __init__(self, policy: Policy | None = None, *, size: int = 2, workspace_base: str | None = None,
                  bwrap: str | None = None, track_changes: bool = True,
                  template: str | os.PathLike[str] | None = None) -> None:
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise PolicyError(f"Pool size must be an int >= 1, got {size!r}")
+        if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_SIZE:
+            raise PolicyError(f"Pool size must be an int from 1 to {MAX_SIZE}, got {size!r}: each one is a live "
+                              "sandbox (five processes, a per-run uid); hold more with Sessions of your own")
         self.policy = planned_policy(Policy() if policy is None else policy)
         self.size = size
         self.template = None if template is None else os.fspath(template)
@@ -124,6 +136,7 @@ class Pool:
         while True:
             with self._cond:
                 while not self._closed and (len(self._ready) + self._starting >= self.size
+                                            or self._starting >= MAX_PARALLEL_STARTS
                                             or self._error is not None):
                     self._cond.wait()
                 if self._closed:

@@ -136,8 +136,11 @@ class Session:
         init, the merged view, valid only until :meth:`close` (a root caller writing there
         creates files owned by root: pass ``uid``/``gid`` = :attr:`host_ids` to
         :func:`lowlevel.workspace.write_file`). Once closed, or without the overlay: the host
-        directory (:attr:`directory`). Treat what you read as untrusted output
-        (:func:`lowlevel.workspace.read_file`).
+        directory (:attr:`directory`). Treat what you read as untrusted output: never
+        ``open()`` a path under it, use :func:`lowlevel.workspace.read_file` and
+        :func:`~lowlevel.workspace.write_file`. The sandbox controls the entries, and an absolute
+        symlink it made (``ln -s /etc/shadow f``), followed from the host through
+        ``/proc/PID/root``, resolves against the host's root: proc(5) on ``/proc/PID/root``.
         """
         return self._core.view()
 

@@ -68,3 +68,40 @@ def test_runner_arguments_are_policy_errors(args: tuple[object, ...], kwargs: di
 def test_commit_takes_only_true_false_or_on_success(commit: object, tmp_path) -> None:
     with pytest.raises(lowlevel.PolicyError, match="commit"):
         lowlevel.run(["true"], workspace=str(tmp_path), commit=commit)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("size", [0, -1, True, 1.5, "2", 10**6], ids=repr)
+def test_pool_size_is_bounded(size: object) -> None:
+    """``Pool(size=10**6)`` was accepted and started sandboxes until the uid range or memory ran out."""
+    with pytest.raises(lowlevel.PolicyError, match="Pool size must be an int from 1 to"):
+        lowlevel.Pool(size=size)  # type: ignore[arg-type]
+
+
+def test_a_pool_starts_at_most_max_parallel_starts_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Pool(size=40)`` started all 40 at once (80 bwrap processes within 0.5 s). The real starts
+    of a Pool of 6 with the bound set to 2, counted as they run: never more than 2 side by side,
+    and all 6 become ready (the control that the bound does not starve the refill)."""
+    import threading
+    import time
+
+    from lowlevel.session import pool as pool_mod
+    monkeypatch.setattr(pool_mod, "MAX_PARALLEL_STARTS", 2)
+    lock, live, peak = threading.Lock(), [0], [0]
+    new = pool_mod.Pool._new
+
+    def counted(self: lowlevel.Pool) -> object:
+        with lock:
+            live[0] += 1
+            peak[0] = max(peak[0], live[0])
+        try:
+            return new(self)
+        finally:
+            with lock:
+                live[0] -= 1
+    monkeypatch.setattr(pool_mod.Pool, "_new", counted)
+    with lowlevel.Pool(size=6) as pool:
+        deadline = time.monotonic() + 120
+        while len(pool._ready) < 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(pool._ready) == 6 and peak[0] == 2, (len(pool._ready), peak[0])
+        assert pool.run(["true"]).exit_code == 0
