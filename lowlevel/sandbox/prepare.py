@@ -11,6 +11,7 @@ import functools
 import itertools
 import os
 import socket
+import stat
 
 from lowlevel.errors import LaunchError, LowlevelError, UnsupportedError
 from lowlevel.host import cgroups as _cgroups
@@ -40,6 +41,7 @@ from lowlevel.sandbox.precheck import precheck_exec
 from lowlevel.sandbox.run_workspace import RunWorkspace
 from lowlevel.spec import limits as _limits
 from lowlevel.spec.egress import Egress
+from lowlevel.spec.report import WARNING_PREFIX
 from lowlevel.workspace import cow as _cow
 from lowlevel.workspace import uids as _uids
 
@@ -85,6 +87,7 @@ class RunPrepare(RunWorkspace):
         """The steps of :meth:`prepare` after the workspace is resolved, in order; each records
         what it makes (fds, the lease, the cgroup) as it makes it."""
         self._prepare_ids()
+        self._note_unwritable_binds()
         support = self._workspace_model()
         precheck_exec(self.policy, self.workspace, self.command, self.environment, self.cwd,
                       self.facts.layout.etc_files)
@@ -125,6 +128,27 @@ class RunPrepare(RunWorkspace):
                                  else policy.host_uid)
         else:
             self.host_ids = (os.getuid(), os.getgid())
+
+    def _note_unwritable_binds(self) -> None:
+        """A "warning:" note per writable Bind the sandbox's uid cannot write: a root caller's
+        sandbox runs as a per-run uid with no groups, so a root-owned 0755 directory bound
+        with ``writable=True`` (``--rw``, ``-v``) refused every write with EACCES, silently."""
+        if not self.facts.caller_is_root:
+            return
+        uid, gid = self.host_ids
+        for bind in self.policy.binds:
+            if not bind.writable:
+                continue
+            try:
+                st = os.stat(bind.source)
+            except OSError:
+                continue  # bwrap says it (the source vanished)
+            if st.st_uid == uid or (st.st_gid == gid and st.st_mode & stat.S_IWGRP) or st.st_mode & stat.S_IWOTH:
+                continue
+            self.notes.append(f"{WARNING_PREFIX}the writable bind of {bind.source} at {bind.dest} cannot be written "
+                              f"by the sandbox: it runs as the per-run uid {uid}, and the source is "
+                              f"uid {st.st_uid}'s, mode {stat.S_IMODE(st.st_mode):04o}; make it writable for others "
+                              "(or give it to that uid for the run), or bind it read-only")
 
     def _workspace_model(self) -> _cow.CowSupport:
         """Copy-on-write overlay (``self.cow``) or hand-over; refuses what the hand-over cannot do."""

@@ -370,3 +370,24 @@ def test_a_bind_or_rootfs_this_user_cannot_reach_is_one_line_not_a_traceback(
             p for p in base.rglob("*") if p.name.startswith(("run-", "rm-"))], list(base.rglob("*"))
     finally:
         shutil.rmtree(locked, ignore_errors=True)
+
+
+def test_a_writable_bind_the_sandbox_cannot_write_says_so(who: pwd.struct_passwd | None, base: Path,
+                                                          scratch: Path) -> None:
+    """``--rw DIR:/x`` of a root caller's 0755 directory: the per-run uid's writes failed with
+    EACCES and nothing said why. Now a warning names the uid, the owner and the mode; the same
+    directory made o+w (the control) takes the write with no warning. An unprivileged caller's
+    sandbox runs as itself, the owner: its write works, no warning."""
+    d = scratch / "rw"
+    d.mkdir(mode=0o755)
+    d.chmod(0o755)
+    if who is not None:
+        os.chown(d, who.pw_uid, who.pw_gid)
+    proc = cli(who, base, "run", "--rm", "--rw", f"{d}:/x", "--", "touch", "/x/w")
+    warned = b"warning: the writable bind of" in proc.stderr
+    if who is None:
+        assert proc.returncode == 1 and warned and b"mode 0755" in proc.stderr, proc.stderr
+        d.chmod(0o777)
+        proc = cli(who, base, "run", "--rm", "--rw", f"{d}:/x", "--", "touch", "/x/w")
+    assert proc.returncode == 0 and b"warning" not in proc.stderr, proc.stderr
+    assert (d / "w").exists()
