@@ -138,3 +138,23 @@ def write_private_atomically(path: str, data: bytes, tmp: str, *, exclusive: boo
         except OSError:
             pass
         raise
+
+
+def unreachable(path: str) -> tuple[int, str] | None:
+    """None when host path ``path`` exists (``lstat``: a symlink counts), else ``(errno, why)``:
+    ENOENT/ENOTDIR "does not exist", EACCES/EPERM "cannot be reached by this user (a directory on
+    its way is not searchable, or it is another user's)", anything else its strerror. So a
+    message says "does not exist" only when that is so (``--workspace /proc/1/cwd`` as a user
+    said it of a directory that was only out of reach)."""
+    import errno
+    try:
+        os.lstat(path)
+        return None
+    except OSError as err:
+        code = err.errno or errno.EIO
+        if code in (errno.ENOENT, errno.ENOTDIR):
+            return code, "does not exist"
+        if code in (errno.EACCES, errno.EPERM):
+            return code, ("cannot be reached by this user (a directory on its way is not searchable, or it is "
+                          "another user's)")
+        return code, f"cannot be reached ({err.strerror})"

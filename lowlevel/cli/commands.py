@@ -6,12 +6,14 @@ Each imports what it runs only when called, so ``lowlevel run`` never loads them
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
 
 from lowlevel.cli.output import EXIT_FAILED, fail, print_json, reader_may_leave, report_error
 from lowlevel.errors import LowlevelError
+from lowlevel.paths import unreachable
 from lowlevel.spec.report import json_safe
 
 
@@ -24,7 +26,9 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     workspaces = tuple(os.path.abspath(w) for w in args.workspace)
     for given, path in zip(args.workspace, workspaces, strict=True):
         if not os.path.isdir(path):  # a typo must not read as "nothing left over"
-            return report_error(args, FileNotFoundError(f"cleanup: --workspace {given}: no such directory "
+            missing = unreachable(path)
+            why = "no such directory" if missing is None or missing[0] == errno.ENOENT else missing[1]
+            return report_error(args, FileNotFoundError(f"cleanup: --workspace {given}: {why} "
                                                         f"({path}); name the workspace directory a run used"),
                                 EXIT_FAILED)
     from lowlevel.cleanup import Leftover

@@ -18,6 +18,7 @@ from typing import Any
 
 from lowlevel.workspace.files import open_dir_at
 from lowlevel.errors import PolicyError, WorkspaceError
+from lowlevel.paths import unreachable
 from lowlevel.ray.results import DEFAULT_MAX_INPUT_BYTES, MAX_INPUT_ENTRIES
 
 
@@ -81,8 +82,9 @@ def pack_inputs(inputs: Any, *, max_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> byt
                 for item in inputs:
                     src = os.fspath(item)
                     name = os.path.basename(os.path.normpath(src))
-                    if not os.path.lexists(src):
-                        raise WorkspaceError(errno.ENOENT, f"input {src!r} does not exist")
+                    missing = unreachable(src)
+                    if missing is not None:
+                        raise WorkspaceError(missing[0], f"input {src!r} {missing[1]}")
                     if not name or name in (".", ".."):
                         raise WorkspaceError(errno.EINVAL, f"input {src!r} has no usable base name")
                     if name in seen:

@@ -25,6 +25,7 @@ from typing import Any
 from lowlevel.host import seccomp_filter as _seccomp_filter
 from lowlevel import workspace as _ws
 from lowlevel.errors import LowlevelError
+from lowlevel.paths import unreachable
 from lowlevel.record.canonical import canonical_policy, canonical_value, policy_sha256, seccomp_rules_sha256
 from lowlevel.record.hashing import HASH_BUDGET_BYTES, HASH_BUDGET_S, HashBudget, InputStore, hash_workspace
 from lowlevel.record.schema import SCHEMA_ID, STORE_SUFFIX, RecordError, store_dir_for
@@ -237,7 +238,9 @@ def check_record_path(path: str | os.PathLike[str]) -> str:
     if os.path.islink(full) or (os.path.lexists(full) and not os.path.isfile(full)):
         raise RecordError(f"cannot write the record {full}: it exists and is not a regular file")
     if not os.path.isdir(parent):
-        raise RecordError(f"cannot write the record {full}: the directory {parent} does not exist")
+        missing = unreachable(parent)
+        raise RecordError(f"cannot write the record {full}: the directory {parent} "
+                          + (missing[1] if missing is not None else "is not a directory"))
     store = full + STORE_SUFFIX
     if os.path.lexists(store) and (os.path.islink(store) or not os.path.isdir(store)):
         raise RecordError(f"cannot write the record {full}: its input store {store} exists and is not a directory")

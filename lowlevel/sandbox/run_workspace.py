@@ -14,6 +14,7 @@ import time
 
 from lowlevel import workspace as _ws
 from lowlevel.errors import LaunchError, LowlevelError, UnsupportedError, WorkspaceError
+from lowlevel.paths import unreachable
 from lowlevel.sandbox import bind_sockets as _bind_sockets
 from lowlevel.sandbox._interrupts import deferred_interrupts
 from lowlevel.sandbox.argv import static_args
@@ -45,9 +46,11 @@ class RunWorkspace(RunState):
     def _resolve_workspace(self) -> None:
         if self.workspace_arg is not None:
             ws = os.path.abspath(os.fspath(self.workspace_arg))
-            if not os.path.exists(ws):
-                raise WorkspaceError(errno.ENOENT, f"workspace {ws} does not exist: create it or omit it "
-                                     "to get a fresh per-run workspace")
+            missing = unreachable(ws)
+            if missing is not None:
+                code, why = missing
+                raise WorkspaceError(code, f"workspace {ws} {why}" + (": create it or omit it to get a fresh "
+                                     "per-run workspace" if code == errno.ENOENT else ""))
             if os.path.islink(ws):
                 raise WorkspaceError(errno.ENOTDIR, f"workspace {ws} is a symbolic link (to "
                                      f"{os.readlink(ws)!r}), which is not followed: pass the directory "

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Iterable
 
 from lowlevel.errors import WorkspaceError
+from lowlevel.paths import unreachable
 from lowlevel.host.procs import process_start_time
 from lowlevel.host.trust import SYSTEM_DIRS, SYSTEM_TREES, inside
 from lowlevel.workspace.files import _open_parent, _split_rel
@@ -163,8 +164,9 @@ def copy_inputs(root: str, inputs: Iterable[str | os.PathLike[str] | tuple[str, 
             parts = [name]
         if not isinstance(src, str) or "\0" in src:
             raise WorkspaceError(errno.EINVAL, f"invalid input path {src!r:.80}")
-        if not os.path.lexists(src):
-            raise WorkspaceError(errno.ENOENT, f"input {src!r} does not exist")
+        missing = unreachable(src)
+        if missing is not None:
+            raise WorkspaceError(missing[0], f"input {src!r} {missing[1]}")
         if not name or name in ("..", "."):
             raise WorkspaceError(errno.EINVAL, f"input {src!r} has no usable base name")
         st = _stat_input(src)

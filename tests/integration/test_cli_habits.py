@@ -391,3 +391,28 @@ def test_a_writable_bind_the_sandbox_cannot_write_says_so(who: pwd.struct_passwd
         proc = cli(who, base, "run", "--rm", "--rw", f"{d}:/x", "--", "touch", "/x/w")
     assert proc.returncode == 0 and b"warning" not in proc.stderr, proc.stderr
     assert (d / "w").exists()
+
+
+def test_a_path_out_of_this_users_reach_is_not_called_missing(who: pwd.struct_passwd | None, base: Path) -> None:
+    """``--workspace``, ``--input``, ``--record`` and ``cleanup --workspace`` of a path behind a
+    directory this user cannot search said "does not exist" (the real error was EACCES). Now
+    "cannot be reached by this user"; a path that is really missing still says "does not exist"
+    (the control). Root searches every directory: the case is the unprivileged caller's."""
+    if who is None:
+        pytest.skip("root searches every directory: the unprivileged half")
+    locked = Path(tempfile.mkdtemp(prefix="lowlevel-locked-"))
+    try:
+        os.chmod(locked, 0o700)
+        (locked / "sub").mkdir()
+        (locked / "sub" / "f").write_text("x")
+        for args in (["run", "--workspace", f"{locked}/sub", "--", "true"],
+                     ["run", "--rm", "--input", f"{locked}/sub/f", "--", "true"],
+                     ["run", "--rm", "--record", f"{locked}/sub/r.json", "--", "true"],
+                     ["cleanup", "--workspace", f"{locked}/sub"]):
+            p = cli(who, base, *args)
+            assert p.returncode == 125 and b"cannot be reached by this user" in p.stderr, (args, p.stderr)
+            assert b"does not exist" not in p.stderr and b"no such" not in p.stderr, (args, p.stderr)
+        p = cli(who, base, "run", "--rm", "--input", f"{base}/nonexistent", "--", "true")
+        assert p.returncode == 125 and b"does not exist" in p.stderr, p.stderr
+    finally:
+        shutil.rmtree(locked, ignore_errors=True)
