@@ -105,6 +105,21 @@ def positive_float(text: str) -> float:
     return value
 
 
+def timeout_arg(text: str) -> float | None:
+    """``--timeout``: a duration as :func:`positive_float` takes it, below 2**31 s; ``0`` is no
+    timeout at all (None), as ``timeout 0`` is for ``timeout(1)``."""
+    try:
+        value = duration_seconds(text, "duration")
+    except PolicyError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("duration: ")) from None
+    if value == 0:
+        return None
+    if not 0 < value < 2**31:
+        raise argparse.ArgumentTypeError(f"must be a duration > 0 below 2**31 s (about 68 years), or 0 for no "
+                                         f"timeout, got {text!r}")
+    return value
+
+
 def grace(text: str) -> float:
     """``--kill-after``: a duration >= 0."""
     try:

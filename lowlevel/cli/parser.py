@@ -12,7 +12,7 @@ import argparse
 
 from lowlevel.version import __version__
 from lowlevel.cli.args import (Parser, bind_spec, cores, cwd_spec, env_pair, grace, input_spec, network_mode,
-                               parse_size, port, positive_float, positive_int, volume_spec)
+                               parse_size, port, positive_float, positive_int, timeout_arg, volume_spec)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # not imported at run time: typing costs a `lowlevel run` ~2 ms
@@ -85,9 +85,9 @@ def _add_run(sub: Any) -> None:
     p.add_argument("-w", "--cwd", "--workdir", dest="cwd", metavar="DIR", type=cwd_spec, default=None,
                    help="working directory inside the sandbox, absolute or relative to /workspace "
                    "(default /workspace, or the image's WorkingDir)")
-    p.add_argument("--timeout", metavar="DURATION", type=positive_float, default=60.0,
+    p.add_argument("--timeout", metavar="DURATION", type=timeout_arg, default=60.0,
                    help="wall-clock limit: seconds, or with an s/m/h/d suffix as timeout(1) (10s, 2m; "
-                   "default 60); exit 124 when it fires")
+                   "default 60; 0: none, as timeout 0); exit 124 when it fires")
     p.add_argument("-k", "--kill-after", metavar="DURATION", type=grace, default=None,
                    help="as timeout -k: at the timeout, SIGTERM every process of the sandbox, and SIGKILL "
                    f"it this long after if it has not ended (default {DEFAULT_KILL_AFTER_S:g}s; 0: SIGKILL at "
