@@ -488,7 +488,7 @@ class Egress:
             net = self._in_cidrs(literal)
             if net is None:
                 kind = address_kind(literal)
-                what = f"a {kind} address" if kind else "an IP address"
+                what = f"{'an' if kind[:1] in 'aeiou' else 'a'} {kind} address" if kind else "an IP address"
                 return Decision(False, f"{literal} is {what}: IP literals are refused unless "
                                 "Egress.allow_cidrs names them", str(literal), str(literal))
             return Decision(True, f"{literal} is inside allowed network {net}", str(literal), str(literal))

@@ -57,6 +57,9 @@ def _split_rel(relpath: str) -> list[str]:
     # A backslash is an ordinary character in a Linux name: "a\\b" is one name, never a/b (a
     # record naming such a file must restore it as it was).
     parts = [p for p in relpath.split("/") if p not in ("", ".")]
+    if not parts and not relpath.startswith("/"):
+        raise WorkspaceError(errno.EINVAL, f"workspace path {relpath!r:.80} names the workspace itself: name a "
+                             "file or directory inside it (e.g. data/file.txt)")
     if relpath.startswith("/") or any(p == ".." for p in parts) or not parts:
         raise WorkspaceError(errno.EINVAL, f"workspace path {relpath!r:.80} must be relative, without '..'")
     if len(parts) > MAX_DEPTH + 1:

@@ -200,7 +200,8 @@ class UidLease:
         first, count = uid_range()
         path = UID_LOCK_PATH or os.path.join(ensure_root_state_dir(), "uids.lock")
         # An OSError here (EMFILE...) propagates: the launcher reports it as a LaunchError.
-        taken = account_uids(first, count) | journaled_uids()
+        accounts_taken = account_uids(first, count)
+        taken = accounts_taken | journaled_uids()
         ask_nss = nss_beyond_files()
         nss_known = 0
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
@@ -247,11 +248,17 @@ class UidLease:
             os.close(fd)
             raise
         os.close(fd)
-        accounts = (f" ({len(taken)} of them accounts in /etc/passwd or groups in /etc/group, never used)"
-                    if taken else "")
+        accounts = (f" ({len(accounts_taken)} of them accounts in /etc/passwd or groups in /etc/group, never used)"
+                    if accounts_taken else "")
         if nss_known:
             accounts += f" ({nss_known} of them ids NSS names, never used)"
-        raise UnsupportedError("uid-range", f"all {count} per-run uids of {first}-{first + count - 1} are "
+        span = f"{first}-{first + count - 1}"
+        if len(accounts_taken) + nss_known >= count:  # nothing leasable at all: no sandbox holds one
+            raise UnsupportedError("uid-range", f"none of the {count} ids of {span} can be a per-run uid: each is "
+                                   "an account's uid or a group's gid (/etc/passwd, /etc/group or NSS), which a "
+                                   "sandbox never runs as",
+                                   "set LOWLEVEL_UID_RANGE to ids no account uses, or pin Policy(host_uid=...)")
+        raise UnsupportedError("uid-range", f"all {count} per-run uids of {span} are "
                                f"leased to live sandboxes{accounts}",
                                "widen LOWLEVEL_UID_RANGE (to ids no account uses), or pin Policy(host_uid=...)")
 

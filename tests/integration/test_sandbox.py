@@ -505,7 +505,7 @@ def test_a_real_accounts_uid_is_never_leased(monkeypatch):
         uids.add(int(next(a for a in r.argv if a.startswith("--uid=")).split("=")[1]))
     assert acct not in uids and uids <= set(range(acct + 1, free + 1)), uids
     monkeypatch.setenv("LOWLEVEL_UID_RANGE", f"{acct}-{acct}")
-    with pytest.raises(lowlevel.UnsupportedError, match="accounts in /etc/passwd"):
+    with pytest.raises(lowlevel.UnsupportedError, match="can be a per-run uid: each is an account.s uid"):
         lowlevel.run(["true"], workspace=_ws())
 
 
@@ -538,7 +538,7 @@ def test_a_real_groups_gid_is_never_leased(monkeypatch):
         os.chmod(os.path.join(data, "f"), 0o640)
         policy = lowlevel.Policy(binds=(lowlevel.Bind(data, "/data"),))
         monkeypatch.setenv("LOWLEVEL_UID_RANGE", f"{gid}-{gid}")
-        with pytest.raises(lowlevel.UnsupportedError, match="groups in /etc/group"):
+        with pytest.raises(lowlevel.UnsupportedError, match=r"a group.s gid \(/etc/passwd, /etc/group or NSS\)"):
             lowlevel.run(["cat", "/data/f"], policy=policy, workspace=_ws())
         free = next(u for u in range(2_000_000_000, 2_000_000_100) if u not in accounts)
         monkeypatch.setenv("LOWLEVEL_UID_RANGE", f"{free}-{free}")

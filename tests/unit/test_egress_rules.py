@@ -517,3 +517,10 @@ def test_a_clean_head_with_tabs_passes() -> None:
     """Control: HTAB inside a value is allowed (RFC 9112 field values), CRLF line ends pass."""
     r = parse_request(b"GET http://allowed.test/x HTTP/1.1\r\nX-A: a\tb\r\nAccept: */*\r\n\r\n")
     assert r.host == "allowed.test" and b"X-A: a\tb\r\n" in (r.head_out or b"")
+
+
+def test_a_refused_ip_literal_is_named_with_the_right_article() -> None:
+    """The proxy said "0.0.0.0 is a unspecified address"."""
+    e = Egress(allow=("example.org",))
+    assert "0.0.0.0 is an unspecified address" in e.decide("0.0.0.0", 443).reason
+    assert "127.0.0.1 is a loopback address" in e.decide("127.0.0.1", 443).reason

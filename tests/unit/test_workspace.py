@@ -118,3 +118,12 @@ def test_backslash_is_part_of_a_name(tmp_path):
     write_file(str(tmp_path), "a\\b", b"x")
     assert os.listdir(tmp_path) == ["a\\b"]
     assert read_file(str(tmp_path), "a\\b") == b"x"
+
+
+@pytest.mark.parametrize("rel", [".", "./", "./."])
+def test_a_workspace_path_naming_the_workspace_itself_says_so(tmp_path: Path, rel: str) -> None:
+    """``--input f:.`` said "workspace path '.' must be relative, without '..'": it is both."""
+    src = tmp_path / "f"
+    src.write_text("x")
+    with pytest.raises(WorkspaceError, match="names the workspace itself"):
+        create_workspace([(str(src), rel)], base=str(tmp_path / "base"))
