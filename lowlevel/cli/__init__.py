@@ -54,7 +54,7 @@ from collections.abc import Sequence
 from lowlevel.cli.args import UsageError
 from lowlevel.cli.output import EXIT_FAILED, error_object, print_json, report_error, silence_stdout
 from lowlevel.cli.parser import COMMANDS, build_parser
-from lowlevel.cli.signals import Interrupted, Terminated, clean_shutdown
+from lowlevel.cli.signals import Interrupted, Terminated, clean_shutdown, is_interrupt
 
 #: What a ^C while the command's modules import says (as lowlevel._startup's notice): nothing ran.
 STARTING_NOTICE = "SIGINT: interrupted while starting; nothing was run"
@@ -64,14 +64,6 @@ def _wants_json(argv: Sequence[str]) -> bool:
     """``--json`` among the options (before ``--``), for errors found before parsing ends."""
     head = list(argv[:list(argv).index("--")] if "--" in argv else argv)
     return "--json" in head
-
-
-def _is_interrupt(err: BaseException) -> bool:
-    """A ``KeyboardInterrupt``, or CPython 3.11's ``RuntimeError("Error calling __set_name__
-    ...")`` around one: a ^C while a class statement set up its fields (a dataclass's
-    ``field()``: ``type.__new__`` wraps what ``__set_name__`` raised; 3.12 no longer wraps)."""
-    return isinstance(err, KeyboardInterrupt) or (
-        type(err) is RuntimeError and isinstance(err.__cause__, KeyboardInterrupt))
 
 
 def _interrupted_while_starting(args: argparse.Namespace) -> int:
@@ -99,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             _startup.finished()
         except KeyboardInterrupt:  # landed while SIGINT was being dropped: the status stands
-            pass
+            _startup.finished()  # and drop it now (a second ^C during the exit: no traceback)
         cached = sys.modules.get("lowlevel._dataclass")  # no import here: a finally of an exit
         if cached is not None:
             cached.save()  # code of the dataclasses compiled by this process, for the next (lowlevel._dataclass)
@@ -120,7 +112,7 @@ def _main(argv: Sequence[str] | None) -> int:
             try:  # the run machinery, all of it (its failure and cleanup paths too) before the sandbox
                 from lowlevel.cli.run_cmd import cmd_run
             except (KeyboardInterrupt, RuntimeError) as err:
-                if not _is_interrupt(err):
+                if not is_interrupt(err):
                     raise
                 return _interrupted_while_starting(args)
             with clean_shutdown():
@@ -144,10 +136,12 @@ def _main(argv: Sequence[str] | None) -> int:
     except BrokenPipeError:
         silence_stdout()  # the reader of our stdout went away: no traceback
         return 128 + signal.SIGPIPE
-    except RuntimeError as err:  # a ^C in a class statement of a command's module (_is_interrupt)
-        if not _is_interrupt(err):
+    except RuntimeError as err:  # a ^C in a class statement of a command's module (is_interrupt)
+        if not is_interrupt(err):
             raise
         print("lowlevel: SIGINT: interrupted", file=sys.stderr)
+        if args is not None and getattr(args, "json", False):
+            print_json(error_object("Interrupted", "SIGINT: interrupted", 128 + signal.SIGINT, signal="SIGINT"))
         return 128 + signal.SIGINT
     except (KeyboardInterrupt, Terminated, Interrupted) as err:
         signum = err.signum if isinstance(err, (Terminated, Interrupted)) else signal.SIGINT

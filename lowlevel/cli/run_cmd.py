@@ -15,7 +15,7 @@ from lowlevel.cli.args import UsageError, read_env_file
 from lowlevel.cli.output import (EXIT_FAILED, EXIT_NOEXEC, EXIT_NOTFOUND, EXIT_TIMEOUT, print_json, reader_may_leave,
                                  report_error)
 from lowlevel.cli.parser import DEFAULT_KILL_AFTER_S
-from lowlevel.cli.signals import Interrupted, Terminated
+from lowlevel.cli.signals import Interrupted, Terminated, is_interrupt
 from lowlevel.errors import LaunchError, LowlevelError, PolicyError, UnsupportedError
 from lowlevel.api import run
 from lowlevel.host.fd_limit import FD_EXHAUSTED, open_files_hint  # imported now: at EMFILE no import can open its file
@@ -152,14 +152,14 @@ def _cmd_run(args: argparse.Namespace, command: list[str], created: list[str]) -
             sys.stderr.flush()
         if created and not args.rm:
             print(f"lowlevel: workspace {created[0]}", file=sys.stderr)
-    except (KeyboardInterrupt, Terminated) as err:
-        # The program may have written into its workspace: keep it (as after a normal end)
-        # unless --rm asked for it to go.
-        signum = err.signum if isinstance(err, Terminated) else signal.SIGINT
-        if created and args.rm:
-            _remove(created[0])
-        raise Interrupted(signum, created[0] if created else None, bool(created and args.rm)) from None
     except BaseException as caught:
+        if isinstance(caught, Terminated) or is_interrupt(caught):
+            # The program may have written into its workspace: keep it (as after a normal end)
+            # unless --rm asked for it to go.
+            signum = caught.signum if isinstance(caught, Terminated) else signal.SIGINT
+            if created and args.rm:
+                _remove(created[0])
+            raise Interrupted(signum, created[0] if created else None, bool(created and args.rm)) from None
         failure = _fd_exhaustion(caught)
         if created:
             from lowlevel.record import RecordError
@@ -230,10 +230,10 @@ LIMIT_OPTIONS = {"memory_bytes": "--memory", "cpu_s": "--cpu", "pids": "--pids",
 
 def _in_options(err: PolicyError) -> PolicyError:
     """``err`` with the library's names (``Limits.nofile``, ``Bind source``) as the options the
-    user typed (``--nofile``, ``--ro/--rw source``); the same error otherwise."""
+    user typed (``--nofile``, ``--ro/--rw/-v source``); the same error otherwise."""
     import re
     message = re.sub(r"\bLimits\.(\w+)", lambda m: LIMIT_OPTIONS.get(m[1], m[0]), str(err))
-    message = re.sub(r"^Bind (source|dest)\b", r"--ro/--rw \1", message)
+    message = re.sub(r"^Bind (source|dest)\b", r"--ro/--rw/-v \1", message)
     return err if message == str(err) else PolicyError(message)
 
 

@@ -11,6 +11,14 @@ from collections.abc import Iterator
 from types import FrameType
 
 
+def is_interrupt(err: BaseException) -> bool:
+    """A ``KeyboardInterrupt``, or CPython 3.11's ``RuntimeError("Error calling __set_name__
+    ...")`` around one: a ^C while a class statement set up its fields (a dataclass's
+    ``field()``: ``type.__new__`` wraps what ``__set_name__`` raised; 3.12 no longer wraps)."""
+    return isinstance(err, KeyboardInterrupt) or (
+        type(err) is RuntimeError and isinstance(err.__cause__, KeyboardInterrupt))
+
+
 class Terminated(BaseException):
     """SIGTERM, SIGHUP or SIGQUIT arrived during ``run`` or ``replay``.
 

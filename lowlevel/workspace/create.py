@@ -35,6 +35,23 @@ def _builtin_base() -> str:
     return os.path.join(_tempdir(), f"lowlevel-{os.getuid()}")
 
 
+#: The system trees no workspace base may lie in (the files of the system: lowlevel never creates
+#: a directory there). :data:`~lowlevel.host.trust.SYSTEM_TREES` less ``/dev`` and ``/run``, which
+#: hold the user's own temporary places (``TMPDIR=/dev/shm``, ``$XDG_RUNTIME_DIR`` =
+#: ``/run/user/UID``): a default base there keeps working for the API (and its copy-on-write
+#: mount directory, conflict saves), as before.
+BASE_FORBIDDEN_TREES = tuple(t for t in SYSTEM_TREES if t not in ("/dev", "/run"))
+
+
+def _safe_suggestion() -> str:
+    """A base to suggest in a refusal: the built-in default, unless it is refused too."""
+    builtin = _builtin_base()
+    real = os.path.realpath(builtin)
+    if any(inside(real, t) for t in BASE_FORBIDDEN_TREES) or any(real == d for d in SYSTEM_DIRS):
+        return f"/var/tmp/lowlevel-{os.getuid()}"
+    return builtin
+
+
 def _tempdir() -> str:
     """:func:`tempfile.gettempdir` without importing tempfile (~1.5 ms with its dependencies) or
     writing a probe file into ``/tmp`` at each process start: ``$TMPDIR``, ``$TEMP``, ``$TMP``,
@@ -59,27 +76,27 @@ def ensure_base(base: str) -> str:
         WorkspaceError: base exists but is a symlink, not a directory, or owned by someone else
             (a squatted ``/tmp/lowlevel-<uid>``); or (EPERM, before anything is created) it is,
             contains or lies inside a system directory
-            (:data:`lowlevel.host.trust.SYSTEM_DIRS`, :data:`~lowlevel.host.trust.SYSTEM_TREES`).
+            (:data:`lowlevel.host.trust.SYSTEM_DIRS`, :data:`BASE_FORBIDDEN_TREES`).
     """
     if not isinstance(base, str) or not base or "\0" in base:
         raise WorkspaceError(errno.EINVAL, f"invalid workspace base {base!r}")
     base = os.path.abspath(base)
     real = os.path.realpath(base)
-    for tree in SYSTEM_TREES:
+    for tree in BASE_FORBIDDEN_TREES:
         if inside(real, tree):
             # Checked before anything is created: LOWLEVEL_WORKSPACE_BASE=/etc/lowlevel made
             # /etc/lowlevel/run-*, which the workspace check then refused, and left both behind;
             # the API's fresh workspaces under /boot/lowlevel were not refused at all.
             raise WorkspaceError(errno.EPERM, f"refusing workspace base {base}: it is inside the system tree "
-                                 f"{tree}, where lowlevel creates nothing. Use a dedicated directory elsewhere "
-                                 f"(the default is {_builtin_base()})")
+                                 f"{tree}, where lowlevel creates nothing. Use a dedicated directory elsewhere, "
+                                 f"e.g. {_safe_suggestion()}")
     for sysdir in SYSTEM_DIRS:
         if inside(sysdir, real):
             # Never chmod (below) or fill a system or shared directory: `workspace_base="/tmp"` as
             # root made /tmp mode 0711.
             suggestion = os.path.join(sysdir, "lowlevel")
             if any(inside(suggestion, tree) for tree in SYSTEM_TREES):
-                suggestion = _builtin_base()
+                suggestion = _safe_suggestion()
             raise WorkspaceError(errno.EPERM, f"refusing workspace base {base}: it "
                                  f"{'is' if sysdir == real else 'contains'} the system directory "
                                  f"{sysdir}. Use a dedicated directory, e.g. {suggestion}")

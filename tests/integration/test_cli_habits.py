@@ -319,8 +319,8 @@ def test_kill_after_values_and_record(tmp_path: Path, capsys: pytest.CaptureFixt
     (["--memory", "1"], "--memory must be"), (["--fsize", "0"], "--fsize must be"),
     (["--tmp-size", "1"], "--tmp-size must be"), (["--workspace-size", "5"], "--workspace-size must be"),
     (["--net-bytes", "0", "--allow-host", "example.invalid"], "--net-bytes must be"),
-    (["--ro", "/nonexistent-lowlevel-src"], "--ro/--rw source '/nonexistent-lowlevel-src' does not exist"),
-    (["--rw", "/etc:/proc"], "--ro/--rw dest '/proc' is reserved"),
+    (["--ro", "/nonexistent-lowlevel-src"], "--ro/--rw/-v source '/nonexistent-lowlevel-src' does not exist"),
+    (["--rw", "/etc:/proc"], "--ro/--rw/-v dest '/proc' is reserved"),
     (["--ro", "/root"], "Pass --allow-sensitive only if"), (["--workspace", "/tmp"], "or pass --allow-sensitive if")])
 def test_a_refused_value_names_the_option_typed_not_the_library_field(
         args: list[str], option: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -554,7 +554,8 @@ def test_a_workspace_base_inside_a_system_tree_is_refused_before_anything_is_mad
     LOWLEVEL_WORKSPACE_BASE=/etc/lowlevel (CLI) made /etc/lowlevel/run-* before refusing it and
     left both. In a private mount namespace with empty tmpfs mounts over /boot and /mnt (never
     the host's): each base in /boot is refused and nothing appears there; the control, a base
-    under /mnt (a system directory, but no system tree), runs."""
+    under /mnt (a system directory, but no system tree), runs, and so does the default base when
+    TMPDIR is /dev/shm (a tmpfs of the namespace's own there too)."""
     code = (
         "import os, lowlevel, sys\n"
         "for base in ('/boot/lowlevel', '/boot'):\n"
@@ -567,8 +568,11 @@ def test_a_workspace_base_inside_a_system_tree_is_refused_before_anything_is_mad
         "os.makedirs('/mnt/ok', exist_ok=True)\n"
         "r = lowlevel.run(['true'], workspace_base='/mnt/ok/lowlevel')\n"
         "assert r.exit_code == 0 and r.workspace.startswith('/mnt/ok/lowlevel/'), r\n"
+        "os.environ['TMPDIR'] = '/dev/shm'  # the user's own temp place under /dev: still a default base\n"
+        "r = lowlevel.run(['true'])\n"
+        "assert r.exit_code == 0 and r.workspace.startswith('/dev/shm/lowlevel-0/'), r\n"
         "print('ok')\n")
-    script = ("mount -t tmpfs none /boot && mount -t tmpfs none /mnt && "
+    script = ("mount -t tmpfs none /boot && mount -t tmpfs none /mnt && mount -t tmpfs none /dev/shm && "
               f"exec {sys.executable} -c \"$0\"")
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))}
     p = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, code],
