@@ -47,6 +47,7 @@ from lowlevel.spec import limits as _limits
 from lowlevel.spec import validate as _validate
 from lowlevel.spec.limits import Limits
 from lowlevel.spec.policy import WORKSPACE_DEST, Policy
+from lowlevel.spec.report import WARNING_PREFIX
 
 log = logging.getLogger("lowlevel")
 
@@ -400,7 +401,13 @@ class Core(WorkspaceGate):
                                        f"cgroup does not enforce it (enforced: {sorted(enforced) or 'none'})")
         if limits == self.policy.limits:
             return ()
-        return tuple(n for n in _limits.fallback_notes(limits, cg) if n not in self.notes)
+        # The init sets each command's rlimits under the sandbox's hard limits (the session's,
+        # applied before bwrap): above them it lowers the value, which is said here, as run() does.
+        bounds = {name: hard for name, _soft, hard in self.run.pre_exec_rlimits}
+        lowered = tuple(f"{WARNING_PREFIX}{name} {hard} is above the session's hard limit ({bounds[name]}): the "
+                        f"command runs with {bounds[name]}"
+                        for name, _soft, hard in _limits.rlimits(limits, cg) if name in bounds and hard > bounds[name])
+        return lowered + tuple(n for n in _limits.fallback_notes(limits, cg) if n not in self.notes)
 
     def set_cgroup_limits(self, limits: Limits) -> None:
         """Rewrite the session cgroup's memory, pids and CPU limits (:meth:`Pool.run`, whose

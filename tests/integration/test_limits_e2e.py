@@ -158,3 +158,17 @@ def test_an_open_file_limit_above_what_the_caller_can_set_is_lowered_with_a_warn
     assert lowered and lowered[0].endswith(f"the sandbox runs with {got}"), out.notes
     ok = sandbox.run(["sh", "-c", "ulimit -Hn"], limits={"nofile": 1000})  # the control: within bounds, no note
     assert ok.stdout.strip() == b"1000" and not any("RLIMIT_NOFILE" in n for n in ok.notes), ok
+
+
+def test_a_session_commands_limit_above_the_sessions_hard_limit_says_so() -> None:
+    """Per command (Session.run(limits=...)), the init lowers an rlimit above the session's hard
+    limit to it: silently, before. Now the command's Result says so, as run() does; a value
+    below it (the control) is applied exactly, without a note."""
+    import lowlevel
+    with lowlevel.Session() as s:
+        r = s.run(["sh", "-c", "ulimit -Hn"], limits=lowlevel.Limits(nofile=10**7))
+        assert r.exit_code == 0 and r.stdout == b"1024\n", r
+        assert any(n.startswith("warning: RLIMIT_NOFILE 10000000 is above the session's hard limit (1024)")
+                   for n in r.notes), r.notes
+        ok = s.run(["sh", "-c", "ulimit -Hn"], limits=lowlevel.Limits(nofile=100))
+        assert ok.stdout == b"100\n" and not any("RLIMIT_NOFILE" in n for n in ok.notes), ok.notes
