@@ -29,6 +29,7 @@ anchor passes on to bwrap; the anchor closes every other fd it inherited).
 from __future__ import annotations
 
 import errno
+import functools
 import os
 from collections.abc import Sequence
 
@@ -137,7 +138,9 @@ def clamp_to_own_hard_limits(triples: Sequence[tuple[str, int, int]], *, may_rai
     return tuple(out), notes
 
 
+@functools.lru_cache(maxsize=1)
 def _nr_open() -> int | None:
+    """``/proc/sys/fs/nr_open`` (read once per process: a sysctl an admin rarely changes)."""
     try:
         with open("/proc/sys/fs/nr_open", "rb") as f:
             return int(f.read())
