@@ -393,7 +393,7 @@ def _stop_holder(proc: subprocess.Popen[bytes]) -> None:
 
 
 #: Run names that carry their creator's PID: our default ``<pid>-<n>-<hex>`` and ``run-<pid>-<...>``.
-RUN_NAME = re.compile(r"^(?:run-)?(\d+)-[0-9A-Za-z_.-]+$")
+RUN_NAME = re.compile(r"^(?:run-)?(\d+)-[0-9A-Za-z_.-]+\Z")
 
 
 def _sweep(base: str) -> None:

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from lowlevel.sandbox.result import Result
     from lowlevel.spec.policy import Policy
 
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 #: uname -m -> the OCI/Go architecture name.
 _GOARCH = {"x86_64": "amd64", "aarch64": "arm64", "i686": "386", "i386": "386", "armv7l": "arm",
            "ppc64le": "ppc64le", "s390x": "s390x", "riscv64": "riscv64"}

@@ -117,7 +117,7 @@ def _split_authority(authority: str, default_port: int | None) -> tuple[str, int
     return host, int(port_text)
 
 
-_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")
 #: Bytes never allowed in a request head line once it is split on CRLF: a bare CR or LF, NUL and
 #: the other controls but HTAB (RFC 9112 section 2.2: a recipient of a bare CR must reject or
 #: replace it, and section 5.5 field values). An origin that takes a bare LF as a line end would

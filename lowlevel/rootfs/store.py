@@ -63,10 +63,10 @@ ETC_PLACEHOLDERS = ("etc/passwd", "etc/group", "etc/resolv.conf", "etc/hosts")
 
 GiB = 1024 ** 3
 MiB = 1024 ** 2
-HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_HEXPREFIX = re.compile(r"^[0-9a-f]{12,64}$")
-_NAME = re.compile(r"^[a-z0-9][a-z0-9._/:-]{0,254}$")
-_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
+HEX64 = re.compile(r"^[0-9a-f]{64}\Z")
+_HEXPREFIX = re.compile(r"^[0-9a-f]{12,64}\Z")
+_NAME = re.compile(r"^[a-z0-9][a-z0-9._/:-]{0,254}\Z")
+_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}\Z")
 MAX_JSON = 4 * MiB
 
 

@@ -170,7 +170,8 @@ def test_normalize_name(name: str, want: str) -> None:
     assert normalize_name(name) == want
 
 
-@pytest.mark.parametrize("name", ["", "Upper", "a b", "../x", "x:", "sha256:abc", "x:" + "t" * 200])
+@pytest.mark.parametrize("name", ["", "Upper", "a b", "../x", "x:", "sha256:abc", "x:" + "t" * 200,
+                                  "x\n:1\n", "x:1\n", "x\n"])  # a trailing newline: `$` matched before it
 def test_bad_names(name: str) -> None:
     with pytest.raises(ImageError):
         normalize_name(name)
