@@ -226,8 +226,11 @@ def ensure_placeholders(rootfs: str) -> list[str]:
             os.mkdir(parent, 0o755)
         elif not os.path.isdir(parent) or os.path.islink(parent):
             raise ImageError(f"the image's /{os.path.dirname(rel)} is not a directory: cannot run it")
-        fd = os.open(os.path.join(parent, os.path.basename(rel)),
-                     os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            fd = os.open(os.path.join(parent, os.path.basename(rel)),
+                         os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except FileExistsError:  # there, but resolving to nothing: a dangling symlink (never followed)
+            raise ImageError(f"the image's /{rel} is a dangling symlink: cannot mount over it") from None
         os.close(fd)
         notes.append(f"created an empty /{rel} (the sandbox mounts its own over it)")
     return notes

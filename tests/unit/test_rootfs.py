@@ -192,3 +192,20 @@ def test_a_tree_another_user_could_change_is_refused(tree: pathlib.Path) -> None
     tree.parent.chmod(0o1777)  # a sticky ancestor (like /tmp) is fine
     resolve(lowlevel.Policy(rootfs=str(tree)))
     tree.parent.chmod(0o755)
+
+
+def test_a_dangling_etc_passwd_symlink_in_an_image_is_one_image_error(tmp_path: pathlib.Path) -> None:
+    """An image whose /etc/passwd is a symlink to nothing (absolute, so resolved in the tree)
+    made the import fail with FileExistsError out of the placeholder's O_EXCL create: a
+    traceback. Now an ImageError naming it; nothing is created through the link. Control: the
+    same tree without the link gets its empty placeholders."""
+    from lowlevel.image.tree import ensure_placeholders
+    root = tmp_path / "rootfs"
+    (root / "etc").mkdir(parents=True)
+    os.symlink("/nonexistent-lowlevel/passwd", root / "etc" / "passwd")
+    with pytest.raises(ImageError, match="/etc/passwd is a dangling symlink"):
+        ensure_placeholders(str(root))
+    assert not os.path.exists("/nonexistent-lowlevel")
+    os.unlink(root / "etc" / "passwd")
+    notes = ensure_placeholders(str(root))
+    assert (root / "etc" / "passwd").is_file() and any("/etc/passwd" in n for n in notes), notes
