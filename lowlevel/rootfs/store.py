@@ -451,7 +451,9 @@ def check_record_rootfs(recorded: Any, policy: Policy) -> None:
                              f"here unpacks to {img.rootfs_sha256} (imported by another lowlevel version, or "
                              f"damaged): `lowlevel image rm {img.id}` and import the archive again")
         return
-    assert policy.rootfs is not None
+    if policy.rootfs is None:
+        raise ImageError("refusing the record: it has a rootfs entry but its policy runs on no rootfs and no "
+                         "image (a record is untrusted input: this one is inconsistent)")
     have = tree_sha256(policy.rootfs).sha256
     if have != want:
         raise ImageError(f"the record ran on the rootfs {policy.rootfs} with sha256 {want}, but it now hashes to "

@@ -209,3 +209,11 @@ def test_a_dangling_etc_passwd_symlink_in_an_image_is_one_image_error(tmp_path: 
     os.unlink(root / "etc" / "passwd")
     notes = ensure_placeholders(str(root))
     assert (root / "etc" / "passwd").is_file() and any("/etc/passwd" in n for n in notes), notes
+
+
+def test_a_record_with_a_rootfs_entry_but_no_rootfs_in_its_policy_is_refused_in_words() -> None:
+    """Replay of such a hand-edited record ended in a bare ``AssertionError:`` (rc 125)."""
+    from lowlevel.rootfs.store import check_record_rootfs
+    with pytest.raises(ImageError, match="runs on no rootfs and no image"):
+        check_record_rootfs({"path": "/", "sha256": "0" * 64}, lowlevel.Policy())
+    check_record_rootfs(None, lowlevel.Policy())  # control: no entry, nothing to check
