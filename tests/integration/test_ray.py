@@ -66,7 +66,7 @@ def nodes():
         good = cluster.add_node(**NODE, resources={"good": 1})
         # A node where no sandbox can run (env_vars: the raylet's environment, inherited by its
         # workers): its workspace base cannot be created.
-        bad = cluster.add_node(**NODE, resources={"broken": 1}, env_vars={"LOWLEVEL_WORKSPACE_BASE": "/proc/nope"})
+        bad = cluster.add_node(**NODE, resources={"broken": 1}, env_vars={"LOWLEVEL_WORKSPACE_BASE": "/dev/null/nope"})
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False)
         yield Nodes(cluster, _node_id(cluster.head_node), _node_id(good), _node_id(bad))
@@ -102,7 +102,7 @@ def test_node_that_cannot_run_sandboxes_is_reported_not_used(nodes, pool):
     assert status[nodes.head].ok and status[nodes.good].ok
     bad = status[nodes.broken]
     assert not bad.ok and bad.actors == 0
-    assert "sandbox runs" in bad.reason and "cannot create workspace base /proc/nope" in bad.reason
+    assert "sandbox runs" in bad.reason and "cannot create workspace base /dev/null/nope" in bad.reason
     assert bad.doctor is not None and bad.doctor["ok"] is False
     results = ray.get([pool.submit(["true"]) for _ in range(12)])
     assert {r.node_id for r in results} <= {nodes.head, nodes.good}
