@@ -452,11 +452,19 @@ class Tools:
 
     def list_files(self, workspace: str) -> dict[str, Any]:
         """List a workspace's entries (no symlink followed). A name that is not valid UTF-8 is a
-        ``{"b64", "text"}`` object (:mod:`lowlevel.spec.report`), so one odd name never breaks the list."""
+        ``{"b64", "text"}`` object (:mod:`lowlevel.spec.report`), so one odd name never breaks the list.
+        At most about ``max_output_bytes`` of entries (path order); ``truncated``/``total`` say so."""
         entries = _ws.list_files(self._view(workspace))
-        listing: dict[str, Any] = json_safe({"workspace": workspace,
-                                             "entries": [{"path": e.path, "kind": e.kind, "size": e.size}
-                                                         for e in entries]})
+        # Bounded like a run's output (max_output_bytes): 20,000 files made a 2.7 MB reply. The
+        # first entries in path order up to the cap; "truncated" and "total" say what was left out.
+        cap, used, shown = self.config.max_output_bytes, 0, []
+        for e in entries:
+            used += len(e.path.encode("utf-8", "surrogateescape")) + 48  # the entry's JSON, about
+            if used > cap:
+                break
+            shown.append({"path": e.path, "kind": e.kind, "size": e.size})
+        listing: dict[str, Any] = json_safe({"workspace": workspace, "entries": shown,
+                                             "truncated": len(shown) < len(entries), "total": len(entries)})
         return listing
 
 

@@ -181,3 +181,22 @@ def _payload(result: Any) -> dict[str, Any]:
         return dict(structured.get("result", structured)) if "result" in structured and len(structured) == 1 \
             else dict(structured)
     return dict(json.loads(result.content[0].text))
+
+
+def test_list_files_is_bounded_by_max_output_bytes(base: Path) -> None:
+    """20,000 files made a 2.7 MB list_files reply, past max_output_bytes. Now the first entries
+    up to about the cap, with truncated/total; a small workspace (the control) is listed whole."""
+    t = Tools(ServerConfig(workspace_base=str(base / "ws"), max_output_bytes=4096))
+    t.write_file("big", "keep.txt", "x")
+    d = base / "ws" / "big"
+    for i in range(500):
+        (d / f"f{i:04d}.txt").write_text("")
+    out = t.list_files("big")
+    assert out["truncated"] is True and out["total"] == 501 and 0 < len(out["entries"]) < 501, out["total"]
+    assert len(json.dumps(out)) < 2 * 4096
+    t.write_file("small", "a.txt", "x")
+    small = t.list_files("small")
+    try:
+        assert small["truncated"] is False and small["total"] == 1 and small["entries"][0]["path"] == "a.txt"
+    finally:
+        t.close()
