@@ -457,9 +457,13 @@ class ImportJob:
         with ``user_ids`` and the tree's :class:`lowlevel.rootfs.TreeDigest`."""
         self.notes.extend(neutralize(rootfs, summary["devices"], fix_caps=any(s["caps"] for s in summary["layers"])))
         self.notes.extend(ensure_placeholders(rootfs))
-        if cfg.workdir and make_workdir(rootfs, cfg.workdir):
+        made = make_workdir(rootfs, cfg.workdir) if cfg.workdir else "exists"
+        if made == "made":
             self.notes.append(f"created the config's WorkingDir {cfg.workdir} (missing from the layers; Docker "
                               "creates it too)")
+        elif made == "blocked":
+            self.notes.append(f"the config's WorkingDir {cfg.workdir} is missing and a symlink or file on its way "
+                              "kept it from being made (never created through a link): runs need --cwd / cwd=")
         cfg = dataclasses.replace(cfg, user_ids=user_ids(rootfs, cfg.user, self.notes))
         try:
             digest = tree_sha256(rootfs, lambda done: self._report("verify", min(done, want_bytes), want_bytes,

@@ -236,16 +236,25 @@ def ensure_placeholders(rootfs: str) -> list[str]:
     return notes
 
 
-def make_workdir(rootfs: str, workdir: str) -> bool:
-    """Create ``workdir`` inside the tree when missing (never through a symlink); True if made."""
-    if resolve_in_root(rootfs, workdir, _elsewhere) != "":
-        return False
+def make_workdir(rootfs: str, workdir: str) -> str:
+    """Create ``workdir`` inside the tree when missing (never through a symlink).
+
+    Returns:
+        ``"made"``, ``"exists"``, or ``"blocked"``: missing, and a symlink, a file or ``..`` on
+        its way kept it from being made (the image is left as it is; a run there fails on its
+        cwd unless given another).
+    """
+    where = resolve_in_root(rootfs, workdir, _elsewhere)
+    if where is None:
+        return "blocked"  # into a directory the sandbox provides (/tmp, /proc...): not the image's
+    if where != "":
+        return "exists"
     rootfd = os.open(rootfs, _DIR_FLAGS)
     fd = os.dup(rootfd)
     try:
         for part in [p for p in workdir.split("/") if p and p != "."]:
             if part == "..":
-                return False
+                return "blocked"
             try:
                 os.mkdir(part, 0o755, dir_fd=fd)
             except FileExistsError:
@@ -253,10 +262,10 @@ def make_workdir(rootfs: str, workdir: str) -> bool:
             try:
                 nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
             except OSError:
-                return False  # a symlink or a file on the way: leave it as the image has it
+                return "blocked"  # a symlink or a file on the way: leave it as the image has it
             os.close(fd)
             fd = nfd
-        return True
+        return "made"
     finally:
         os.close(fd)
         os.close(rootfd)

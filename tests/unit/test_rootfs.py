@@ -217,3 +217,21 @@ def test_a_record_with_a_rootfs_entry_but_no_rootfs_in_its_policy_is_refused_in_
     with pytest.raises(ImageError, match="runs on no rootfs and no image"):
         check_record_rootfs({"path": "/", "sha256": "0" * 64}, lowlevel.Policy())
     check_record_rootfs(None, lowlevel.Policy())  # control: no entry, nothing to check
+
+
+def test_a_workdir_behind_a_symlink_is_not_made_and_says_blocked(tmp_path: pathlib.Path) -> None:
+    """An image's WorkingDir under an absolute symlink (``/w/app``, ``w -> /tmp/x``) was silently
+    not created; now make_workdir says "blocked" (the import notes it) and creates nothing
+    through the link. Control: a plain missing WorkingDir is made."""
+    from lowlevel.image.tree import make_workdir
+    root = tmp_path / "rootfs"
+    root.mkdir()
+    outside = tmp_path / "outside"
+    os.symlink(str(outside), root / "w")  # absolute: resolved in the tree, under its /tmp
+    assert make_workdir(str(root), "/w/app") == "blocked"
+    (root / "opt").mkdir()
+    (root / "opt" / "f").write_text("")
+    assert make_workdir(str(root), "/opt/f/app") == "blocked"  # a file on the way
+    assert not outside.exists()
+    assert make_workdir(str(root), "/srv/app") == "made" and (root / "srv" / "app").is_dir()
+    assert make_workdir(str(root), "/srv/app") == "exists"
