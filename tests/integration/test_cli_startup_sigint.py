@@ -59,8 +59,8 @@ def tmp_bin():
     shutil.rmtree(d, ignore_errors=True)
 
 
-def _script(tmp: Path, extra: str = "") -> str:
-    d = tmp / ("bin-control" if extra else "bin")
+def _script(tmp: Path, extra: str = "", name: str | None = None) -> str:
+    d = tmp / (name or ("bin-control" if extra else "bin"))
     d.mkdir(mode=0o755)
     d.chmod(0o755)
     path = d / "lowlevel"
@@ -144,12 +144,8 @@ sys.settrace(_global)
 
 
 def _traced(tmp: Path, line: int) -> subprocess.CompletedProcess[bytes]:
-    script = tmp / f"l{line}" / "lowlevel"
-    script.parent.mkdir()
-    script.write_text(SCRIPT.format(python=sys.executable, repo=REPO, site=SITE,
-                                    extra=TRACER.format(init=os.path.join(OURS, "__init__.py"), line=line)))
-    script.chmod(0o755)
-    return subprocess.run([str(script), "run", "--rm", "--", "true"], capture_output=True, cwd="/",
+    script = _script(tmp, TRACER.format(init=os.path.join(OURS, "__init__.py"), line=line), name=f"l{line}")
+    return subprocess.run([script, "run", "--rm", "--", "true"], capture_output=True, cwd="/",
                           env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, timeout=60)
 
 
@@ -216,11 +212,8 @@ def test_a_sigint_in_a_dataclass_field_while_run_imports_is_the_notice(tmp_bin: 
     imported (1 of 100 random instants): CPython 3.11 wraps it in ``RuntimeError("Error calling
     __set_name__ on 'Field' instance 'changes' in 'Result'")``, which the CLI's
     ``except KeyboardInterrupt`` missed: a traceback, exit 1. A trace function raises it there."""
-    script = tmp_bin / "setname" / "lowlevel"
-    script.parent.mkdir()
-    script.write_text(SCRIPT.format(python=sys.executable, repo=REPO, site=SITE, extra=SET_NAME_TRACER))
-    script.chmod(0o755)
-    p = subprocess.run([str(script), "run", "--rm", "--", "true"], capture_output=True, cwd="/",
+    script = _script(tmp_bin, SET_NAME_TRACER, name="setname")
+    p = subprocess.run([script, "run", "--rm", "--", "true"], capture_output=True, cwd="/",
                        env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "LOWLEVEL_NO_CACHE": "1"}, timeout=60)
     assert (p.returncode, p.stdout, p.stderr) == (
         130, b"", b"lowlevel: SIGINT: interrupted while starting; nothing was run\n"), p.stderr[-900:]
