@@ -93,13 +93,18 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(err).removeprefix("size: ")) from None
 
 
+def _duration(text: str) -> float:
+    """Seconds of a duration option (:func:`lowlevel.units.duration_seconds`), its refusal as argparse's."""
+    try:
+        return duration_seconds(text, "duration")
+    except PolicyError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("duration: ")) from None
+
+
 def positive_float(text: str) -> float:
     """Seconds > 0: a number, or a duration with an s, m, h or d suffix as ``timeout(1)``
     takes (``10s``, ``2m``; :func:`lowlevel.units.duration_seconds`)."""
-    try:
-        value = duration_seconds(text, "duration")
-    except PolicyError as err:
-        raise argparse.ArgumentTypeError(str(err).removeprefix("duration: ")) from None
+    value = _duration(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
     return value
@@ -108,10 +113,7 @@ def positive_float(text: str) -> float:
 def timeout_arg(text: str) -> float | None:
     """``--timeout``: a duration as :func:`positive_float` takes it, below 2**31 s; ``0`` is no
     timeout at all (None), as ``timeout 0`` is for ``timeout(1)``."""
-    try:
-        value = duration_seconds(text, "duration")
-    except PolicyError as err:
-        raise argparse.ArgumentTypeError(str(err).removeprefix("duration: ")) from None
+    value = _duration(text)
     if value == 0:
         return None
     if not 0 < value < 2**31:
@@ -122,10 +124,7 @@ def timeout_arg(text: str) -> float | None:
 
 def grace(text: str) -> float:
     """``--kill-after``: a duration >= 0."""
-    try:
-        value = duration_seconds(text, "duration")
-    except PolicyError as err:
-        raise argparse.ArgumentTypeError(str(err).removeprefix("duration: ")) from None
+    value = _duration(text)
     if not 0 <= value < 2**31:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
     return value
