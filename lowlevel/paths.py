@@ -141,20 +141,25 @@ def write_private_atomically(path: str, data: bytes, tmp: str, *, exclusive: boo
 
 
 def unreachable(path: str) -> tuple[int, str] | None:
-    """None when host path ``path`` exists (``lstat``: a symlink counts), else ``(errno, why)``:
-    ENOENT/ENOTDIR "does not exist", EACCES/EPERM "cannot be reached by this user (a directory on
-    its way is not searchable, or it is another user's)", anything else its strerror. So a
-    message says "does not exist" only when that is so (``--workspace /proc/1/cwd`` as a user
-    said it of a directory that was only out of reach)."""
-    import errno
+    """None when host path ``path`` exists (``lstat``: a symlink counts), else
+    :func:`reach_error` of the failure. So a message says "does not exist" only when that is so
+    (``--workspace /proc/1/cwd`` as a user said it of a directory that was only out of reach)."""
     try:
         os.lstat(path)
         return None
     except OSError as err:
-        code = err.errno or errno.EIO
-        if code in (errno.ENOENT, errno.ENOTDIR):
-            return code, "does not exist"
-        if code in (errno.EACCES, errno.EPERM):
-            return code, ("cannot be reached by this user (a directory on its way is not searchable, or it is "
-                          "another user's)")
-        return code, f"cannot be reached ({err.strerror})"
+        return reach_error(err)
+
+
+def reach_error(err: OSError) -> tuple[int, str]:
+    """``(errno, why)`` for a host path that failed with ``err``: ENOENT/ENOTDIR "does not
+    exist", EACCES/EPERM "cannot be reached by this user (STRERROR): a directory on its way is
+    not searchable, or it is another user's", anything else "cannot be reached (STRERROR)"."""
+    import errno
+    code = err.errno or errno.EIO
+    if code in (errno.ENOENT, errno.ENOTDIR):
+        return code, "does not exist"
+    if code in (errno.EACCES, errno.EPERM):
+        return code, (f"cannot be reached by this user ({err.strerror}): a directory on its way is not "
+                      "searchable, or it is another user's")
+    return code, f"cannot be reached ({err.strerror})"

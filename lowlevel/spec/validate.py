@@ -25,6 +25,7 @@ import re
 from collections.abc import Sequence
 
 from lowlevel.errors import PolicyError
+from lowlevel.paths import reach_error
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # not imported at run time: typing costs a `lowlevel run` ~2 ms
@@ -170,19 +171,14 @@ def resolve_host(raw: str, what: str) -> tuple[str, os.stat_result]:
         PolicyError: it does not exist ("does not exist on the host"), or it cannot be reached by
             this user (EACCES: a directory on its way is not searchable, e.g. another user's
             ``/proc/PID/cwd``), or another resolution error (ELOOP, ENAMETOOLONG): the message
-            names ``what``, the path and the reason.
+            names ``what``, the path and the reason (:func:`lowlevel.paths.reach_error`).
     """
-    import errno
     try:
         real = os.path.realpath(raw, strict=True)
         return real, os.stat(real)
     except OSError as err:
-        if err.errno == errno.ENOENT:
-            raise PolicyError(f"{what} {raw!r} does not exist on the host") from None
-        if err.errno in (errno.EACCES, errno.EPERM):
-            raise PolicyError(f"{what} {raw!r} cannot be reached by this user ({err.strerror}): a directory "
-                              "on its way is not searchable, or it is another user's") from None
-        raise PolicyError(f"{what} {raw!r} cannot be resolved on the host: {err.strerror}") from None
+        why = reach_error(err)[1]
+        raise PolicyError(f"{what} {raw!r} {why}" + (" on the host" if why == "does not exist" else "")) from None
 
 
 def env_name(value: Any, what: str = "environment variable name") -> str:
