@@ -43,11 +43,16 @@ def _builtin_base() -> str:
 BASE_FORBIDDEN_TREES = tuple(t for t in SYSTEM_TREES if t not in ("/dev", "/run"))
 
 
+def _forbidden_tree(real: str) -> str | None:
+    """The :data:`BASE_FORBIDDEN_TREES` entry resolved path ``real`` lies in, or None."""
+    return next((t for t in BASE_FORBIDDEN_TREES if inside(real, t)), None)
+
+
 def _safe_suggestion() -> str:
     """A base to suggest in a refusal: the built-in default, unless it is refused too."""
     builtin = _builtin_base()
     real = os.path.realpath(builtin)
-    if any(inside(real, t) for t in BASE_FORBIDDEN_TREES) or any(real == d for d in SYSTEM_DIRS):
+    if _forbidden_tree(real) is not None or real in SYSTEM_DIRS:
         return f"/var/tmp/lowlevel-{os.getuid()}"
     return builtin
 
@@ -82,14 +87,14 @@ def ensure_base(base: str) -> str:
         raise WorkspaceError(errno.EINVAL, f"invalid workspace base {base!r}")
     base = os.path.abspath(base)
     real = os.path.realpath(base)
-    for tree in BASE_FORBIDDEN_TREES:
-        if inside(real, tree):
-            # Checked before anything is created: LOWLEVEL_WORKSPACE_BASE=/etc/lowlevel made
-            # /etc/lowlevel/run-*, which the workspace check then refused, and left both behind;
-            # the API's fresh workspaces under /boot/lowlevel were not refused at all.
-            raise WorkspaceError(errno.EPERM, f"refusing workspace base {base}: it is inside the system tree "
-                                 f"{tree}, where lowlevel creates nothing. Use a dedicated directory elsewhere, "
-                                 f"e.g. {_safe_suggestion()}")
+    tree = _forbidden_tree(real)
+    if tree is not None:
+        # Checked before anything is created: LOWLEVEL_WORKSPACE_BASE=/etc/lowlevel made
+        # /etc/lowlevel/run-*, which the workspace check then refused, and left both behind;
+        # the API's fresh workspaces under /boot/lowlevel were not refused at all.
+        raise WorkspaceError(errno.EPERM, f"refusing workspace base {base}: it is inside the system tree "
+                             f"{tree}, where lowlevel creates nothing. Use a dedicated directory elsewhere, "
+                             f"e.g. {_safe_suggestion()}")
     for sysdir in SYSTEM_DIRS:
         if inside(sysdir, real):
             # Never chmod (below) or fill a system or shared directory: `workspace_base="/tmp"` as
