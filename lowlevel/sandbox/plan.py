@@ -37,7 +37,7 @@ from lowlevel._dataclass import dataclass
 from lowlevel.errors import LaunchError
 from lowlevel.sandbox.argv import ETC_COPY_FD, Fds, etc_copy_refusal
 from lowlevel.spec.policy import WORKSPACE_DEST
-from lowlevel.spec.report import WARNING_PREFIX
+from lowlevel.spec.limits import lowered_note
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # not imported at run time: typing costs a `lowlevel run` ~2 ms
@@ -121,7 +121,7 @@ def clamp_to_own_hard_limits(triples: Sequence[tuple[str, int, int]], *, may_rai
 
     Returns:
         ``(triples, notes)``: the triples to apply, and one ``"warning: ..."`` note
-        (:data:`lowlevel.spec.report.WARNING_PREFIX`, which the CLI prints) per lowered limit.
+        (:func:`lowlevel.spec.limits.lowered_note`, which the CLI prints) per lowered limit.
     """
     import resource
     out, notes = [], []
@@ -132,7 +132,7 @@ def clamp_to_own_hard_limits(triples: Sequence[tuple[str, int, int]], *, may_rai
             bound, what = resource.getrlimit(getattr(resource, name))[1], "this caller's hard limit"
             bound = None if bound == resource.RLIM_INFINITY else bound
         if bound is not None and hard > bound:
-            notes.append(f"{WARNING_PREFIX}{name} {hard} is above {what} ({bound}): the sandbox runs with {bound}")
+            notes.append(lowered_note(name, hard, bound, what, "sandbox"))
             soft, hard = min(soft, bound), bound
         out.append((name, soft, hard))
     return tuple(out), notes

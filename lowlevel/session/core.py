@@ -47,7 +47,6 @@ from lowlevel.spec import limits as _limits
 from lowlevel.spec import validate as _validate
 from lowlevel.spec.limits import Limits
 from lowlevel.spec.policy import WORKSPACE_DEST, Policy
-from lowlevel.spec.report import WARNING_PREFIX
 
 log = logging.getLogger("lowlevel")
 
@@ -404,8 +403,7 @@ class Core(WorkspaceGate):
         # The init sets each command's rlimits under the sandbox's hard limits (the session's,
         # applied before bwrap): above them it lowers the value, which is said here, as run() does.
         bounds = {name: hard for name, _soft, hard in self.run.pre_exec_rlimits}
-        lowered = tuple(f"{WARNING_PREFIX}{name} {hard} is above the session's hard limit ({bounds[name]}): the "
-                        f"command runs with {bounds[name]}"
+        lowered = tuple(_limits.lowered_note(name, hard, bounds[name], "the session's hard limit", "command")
                         for name, _soft, hard in _limits.rlimits(limits, cg) if name in bounds and hard > bounds[name])
         return lowered + tuple(n for n in _limits.fallback_notes(limits, cg) if n not in self.notes)
 

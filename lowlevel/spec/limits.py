@@ -353,6 +353,13 @@ def memory_kill_note(limits: Limits, killed: str | None = None, *, session: bool
             "tmp_size_bytes; files there are RAM and count against it)")
 
 
+def lowered_note(name: str, asked: int, bound: int, bound_is: str, who: str) -> str:
+    """The "warning:" note of an rlimit lowered to what could be set: ``RLIMIT_NOFILE 99999999
+    is above this caller's hard limit (20000): the sandbox runs with 20000`` (``bound_is``:
+    whose limit the bound is; ``who``: "sandbox" for a run, "command" for a Session's)."""
+    from lowlevel.spec.report import WARNING_PREFIX
+    return f"{WARNING_PREFIX}{name} {asked} is above {bound_is} ({bound}): the {who} runs with {bound}"
+
 
 __all__ = [
     "CPU_QUOTA_FALLBACK_NOTE",
@@ -372,6 +379,7 @@ __all__ = [
     "REQUIRABLE",
     "VERDICT_NOTE_PREFIXES",
     "fallback_notes",
+    "lowered_note",
     "memory_kill_note",
     "rlimits",
     "rlimits_for",
