@@ -37,11 +37,12 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+# The tests' private Ray cluster (tests/helpers/ray_cluster.py), imported where Ray is.
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "helpers"))
 
 import lowlevel  # noqa: E402
 from lowlevel.workspace import remove_workspace  # noqa: E402
@@ -223,23 +224,12 @@ def _cpu_s(pid: int) -> float:
 def _cluster_processes(temp_dir: str, pool: Any) -> dict[int, str]:
     """Every process of the bench's cluster (its environment has ``RAY_TMPDIR=temp_dir``) by role."""
     import ray
+    from ray_cluster import cluster_processes
 
     actors = {s["pid"] for s in pool.stats()}
     router = ray.get(pool._router.status.remote())["router_pid"]
-    needle = b"\0RAY_TMPDIR=" + os.fsencode(temp_dir) + b"\0"
     roles: dict[int, str] = {os.getpid(): "driver"}
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                if needle not in b"\0" + f.read():
-                    continue
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        pid = int(name)
+    for pid, cmd in cluster_processes(temp_dir).items():
         roles[pid] = ("actor" if pid in actors else "router" if pid == router else "raylet" if "raylet" in cmd
                       else "gcs" if "gcs_server" in cmd else "other_ray")
     return roles
@@ -314,38 +304,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.cpu_calls = 50 if args.quick else 200
 
     import ray
-    from ray.cluster_utils import Cluster
+    from ray_cluster import private_ray_cluster
 
     from lowlevel.ray import SandboxActorPool
 
     host = host_info()
     started = time.perf_counter()
-    temp_dir = tempfile.mkdtemp(prefix="llray-bench-")
-    # Every file of this cluster under temp_dir: Cluster writes its address file into
-    # $RAY_TMPDIR/ray (default /tmp/ray, which it never creates) whatever the nodes' temp_dir.
-    os.environ["RAY_TMPDIR"] = temp_dir
-    node_args = {"num_cpus": 1, "object_store_memory": 100 << 20, "include_dashboard": False,
-                 "temp_dir": os.path.join(temp_dir, "ray")}
-    cluster = Cluster(initialize_head=False)
+    node_args = {"num_cpus": 1, "object_store_memory": 100 << 20}
     results: list[dict[str, Any]] = []
     ratios: dict[str, float | None] = {}
     cpu: dict[str, dict[str, float]] = {}
-    try:
-        cluster.add_node(**node_args, _system_config={"worker_niceness": args.worker_niceness})
+    # Every file of the cluster under one fresh temp root (not /tmp/ray), and every process of it
+    # stopped at the end, also after a failed start: the tests' private cluster.
+    with private_ray_cluster("llray-bench-", **node_args, include_dashboard=False,
+                             _system_config={"worker_niceness": args.worker_niceness}) as cluster:
+        temp_dir = os.environ["RAY_TMPDIR"]
         ray.init(address=cluster.address, log_to_driver=False)
         for count in range(1, args.nodes + 1):
             if count > 1:
-                cluster.add_node(**{k: v for k, v in node_args.items() if k not in ("include_dashboard", "temp_dir")})
+                cluster.add_node(**node_args)
                 cluster.wait_for_nodes()
             nodes = [nd["NodeID"] for nd in ray.nodes() if nd["Alive"]]
             with SandboxActorPool(nodes=nodes, concurrency=c, max_in_flight=2 * c) as pool:
                 measure(pool, count, n, rounds, c, n_lat, results, ratios)
                 if args.cpu_calls and count == args.nodes:
                     cpu = cpu_per_call(pool, temp_dir, args.cpu_calls)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-        subprocess.run(["rm", "-rf", temp_dir], check=False)
     largest = _suffix(args.nodes)
     ratios["cluster_vs_local_calls_per_s"] = ratios[f"cluster_vs_local_calls_per_s_{largest}"]
     if n_lat:

@@ -9,8 +9,8 @@
  *   3. starts a child (clone(CLONE_VM) on a stack of its own: no page tables copied, and the
  *      guard does not sleep until the exec as after vfork); the child restores the signal mask
  *      bwrap gave and keeps bwrap's dispositions but for signals 32 and 33, which it resets to
- *      SIG_DFL (default_glibc_signals: glibc's posix_spawn ignores them above bwrap), starts a
- *      new session (as bwrap --new-session did for the program), restricts itself with the
+ *      SIG_DFL (ll_default_glibc_signals in lowlevel_sys.h: glibc's posix_spawn ignores them
+ *      above bwrap), starts a new session (as bwrap --new-session did for the program), restricts itself with the
  *      ruleset and execs the program with execvp(3)'s rules (PATH search, EACCES remembered, ENOEXEC run
  *      by /bin/sh: the same as bwrap's own execvp); when that fails it reports FAIL (errno
  *      and stage) and exits 127 (not found) or 126,
@@ -135,20 +135,8 @@ static int exec_search(char **argv, char **envp) {
     return saw_eacces ? EACCES : ENOENT;
 }
 
-/* Signals 32 and 33, glibc's internal SIGCANCEL and SIGSETXID: the caller's glibc posix_spawn of
- * the anchor sets them to SIG_IGN in its child (spawni.c: "the internal signals ... SIG_IGN"),
- * glibc's sigaction refuses to touch them (so posix_spawnattr_setsigdefault cannot reset them),
- * and SIG_IGN survives every execve down to the program, where a shell's fork+exec would give
- * SIG_DFL. Measured: 32/33 ignored in every sandboxed program, whether or not the caller ignored
- * them. The kernel's struct sigaction: handler, flags, restorer, mask (x86_64 and aarch64). */
-static void default_glibc_signals(void) {
-    static const unsigned long dfl[4] = { 0 /* SIG_DFL */, 0, 0, 0 };
-    lsys4(__NR_rt_sigaction, 32, dfl, 0, 8);
-    lsys4(__NR_rt_sigaction, 33, dfl, 0, 8);
-}
-
 static __attribute__((noreturn)) void child(char **argv, char **envp, int ruleset) {
-    default_glibc_signals();  /* this child's own dispositions: clone without CLONE_SIGHAND */
+    ll_default_glibc_signals();  /* this child's own dispositions: clone without CLONE_SIGHAND */
     lsys4(__NR_rt_sigprocmask, G_SIG_SETMASK, &bwrap_mask, 0, 8);
     lsys0(__NR_setsid);
     if (ruleset >= 0 && ll_restrict(ruleset) < 0) {

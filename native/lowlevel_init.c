@@ -392,9 +392,7 @@ static __attribute__((noinline)) pid_t spawn_command(const struct cmd *c, int *v
             _exit(127);
         }
         if (cmd_ll_fd >= 0 && ll_restrict(cmd_ll_fd) < 0) { child_errno = errno; child_stage = STAGE_LANDLOCK; _exit(127); }
-        static const unsigned long dfl[4] = { 0 /* SIG_DFL */, 0, 0, 0 };  /* the kernel's struct sigaction */
-        syscall(SYS_rt_sigaction, 32, dfl, NULL, 8);
-        syscall(SYS_rt_sigaction, 33, dfl, NULL, 8);
+        ll_default_glibc_signals();
         sigprocmask(SIG_SETMASK, &none, NULL);
         exec_search(c->argv[0], c->argv, c->envp);
         child_errno = errno ? errno : ENOEXEC;

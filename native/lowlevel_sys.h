@@ -148,6 +148,20 @@ static int ll_chdir_inside(const char *path, char *buf, size_t size) {
     return 0;
 }
 
+/* Signals 32 and 33, glibc's internal SIGCANCEL and SIGSETXID, back to SIG_DFL: the caller's
+ * glibc posix_spawn of the anchor sets them to SIG_IGN in its child (spawni.c: "the internal
+ * signals ... SIG_IGN"), glibc's sigaction refuses to touch them (so
+ * posix_spawnattr_setsigdefault cannot reset them), and SIG_IGN survives every execve down to the
+ * program, where a shell's fork+exec would give SIG_DFL. Measured: 32/33 ignored in every
+ * sandboxed program, whether or not the caller ignored them. The raw syscall with the kernel's
+ * struct sigaction (handler, flags, restorer, mask: one layout on x86_64 and aarch64; the mask
+ * is 8 bytes). Called by the guard's child and the session init's command child before exec. */
+static void ll_default_glibc_signals(void) {
+    static const unsigned long dfl[4] = { 0 /* SIG_DFL */, 0, 0, 0 };
+    lsys4(__NR_rt_sigaction, 32, dfl, 0, 8);
+    lsys4(__NR_rt_sigaction, 33, dfl, 0, 8);
+}
+
 /* The file type bits (S_IFMT) of an open fd, or -1. statx: one layout on every architecture. */
 static long ll_fd_type(int fd) {
     struct statx stx;

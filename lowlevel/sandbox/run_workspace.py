@@ -184,6 +184,8 @@ class RunWorkspace(RunState):
             if self.policy.limits.upper == "disk":
                 from lowlevel.workspace.disk_upper import check_writeback
                 check_writeback(self.upper_fd)  # a full host disk lost some of the run's writes: refuse
+            if self.upper_empty:
+                return  # an upper with no entry is no commit (commit_upper would return at once)
             target = CommitTarget(
                 upper_fd=self.upper_fd, lower_fd=self.lower_fd, xattr_prefix=self.xattr_prefix,
                 since_ns=self.since_ns, upper_bytes=self.upper_bytes, workspace=self.workspace,
@@ -282,6 +284,13 @@ class RunWorkspace(RunState):
     def _final_changes(self) -> _ws.Changes:
         """What the run changed: the upper layer's entries, or the hand-over's snapshot diff."""
         if self.cow:
+            if self.upper_fd is not None and self.lower_fd is not None:
+                try:
+                    self.upper_empty = _overlay.upper_is_empty(self.upper_fd)
+                except OSError:
+                    pass  # read_changes reports it as a WorkspaceError
+                if self.upper_empty:
+                    return _ws.Changes()  # nothing written: no walk, and finish_cow no commit
             return self.read_changes()
         try:
             after = self.give_back_workspace() if self.handover is not None else _ws.snapshot(self.workspace)

@@ -199,6 +199,9 @@ class RunState:
         self.anchor_fds: dict[str, Any] = {}
         self.actions: list[tuple[Any, ...]] = []
         self.committed = False
+        #: A run's upper had no entry once its sandbox was dead (RunWorkspace._final_changes): the
+        #: one upper_is_empty check of a run, so finish_cow makes no commit; None: not looked at.
+        self.upper_empty: bool | None = None
         #: A Session's long-lived workspace: a host change the sandbox copied up (saw) afterwards
         #: is no conflict (lowlevel.workspace.overlay.commit); a run keeps the plain rule.
         self.accept_seen_host_changes = False

@@ -18,13 +18,12 @@ import ray
 from ray.cluster_utils import Cluster
 
 
-def kill_leftovers(temp_root: str) -> list[int]:
-    """SIGKILL every process whose environment has ``RAY_TMPDIR=temp_root`` (all of one private
-    cluster's processes inherit it) and reap those that are this process's children; return
-    their PIDs. Nothing is found after a clean ``Cluster.shutdown()``; after a start that failed
-    half-way, the started processes are found here and nowhere else."""
+def cluster_processes(temp_root: str) -> dict[int, str]:
+    """Every live process whose environment has ``RAY_TMPDIR=temp_root`` (all of one private
+    cluster's processes inherit it), this one excepted: ``{pid: command line}``, the command
+    line's NULs as spaces. Processes that end or cannot be read during the scan are left out."""
     needle = b"\0RAY_TMPDIR=" + os.fsencode(temp_root) + b"\0"
-    killed = []
+    found: dict[int, str] = {}
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == os.getpid():
             continue
@@ -32,10 +31,25 @@ def kill_leftovers(temp_root: str) -> list[int]:
             with open(f"/proc/{name}/environ", "rb") as f:
                 if needle not in b"\0" + f.read():
                     continue
-            os.kill(int(name), signal.SIGKILL)
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                found[int(name)] = f.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        killed.append(int(name))
+    return found
+
+
+def kill_leftovers(temp_root: str) -> list[int]:
+    """SIGKILL every process of the private cluster at ``temp_root`` (:func:`cluster_processes`)
+    and reap those that are this process's children; return their PIDs. Nothing is found after
+    a clean ``Cluster.shutdown()``; after a start that failed half-way, the started processes
+    are found here and nowhere else."""
+    killed = []
+    for pid in cluster_processes(temp_root):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            continue
+        killed.append(pid)
     for pid in killed:
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, 0)
@@ -46,7 +60,8 @@ def kill_leftovers(temp_root: str) -> list[int]:
 def private_ray_cluster(prefix: str, **head_args: Any) -> Iterator[Cluster]:
     """A ``ray.cluster_utils.Cluster`` (head node only; add workers with ``add_node``) whose every
     file is under one fresh temp root, and that is stopped on exit: its driver connection, its
-    nodes, and (also when the start failed half-way) any process of it still alive.
+    nodes, and (also when the start failed half-way) any process of it still alive. The temp
+    root is ``os.environ["RAY_TMPDIR"]`` while the block runs (:func:`cluster_processes`).
 
     Why a temp root of its own: ``Cluster`` writes its address file ``ray_current_cluster`` into
     ``$RAY_TMPDIR/ray`` (default ``/tmp/ray``) whatever ``temp_dir`` its nodes get (ray 2.60.0:
