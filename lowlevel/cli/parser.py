@@ -115,6 +115,9 @@ def _add_run_network(p: argparse.ArgumentParser) -> None:
                    help="egress: also allow addresses in this network, private ones included (repeatable)")
     p.add_argument("--allow-port", metavar="PORT", action="append", default=[], type=port,
                    help="egress: allow this port besides 80 and 443 (repeatable)")
+    p.add_argument("--tls-port", metavar="PORT", action="append", default=[], type=port,
+                   help="egress: tunnels to this port must start with a TLS ClientHello (its server name "
+                   "checked), as on 443 (repeatable)")
     p.add_argument("--ca-cert", metavar="FILE.pem", action="append", default=[],
                    help="egress: CA certificate(s) the sandbox trusts besides the system's (repeatable)")
     p.add_argument("--net-bytes", metavar="BYTES", type=parse_size,

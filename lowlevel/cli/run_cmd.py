@@ -21,7 +21,7 @@ from lowlevel.api import run
 from lowlevel.host.fd_limit import FD_EXHAUSTED, open_files_hint  # imported now: at EMFILE no import can open its file
 from lowlevel.sandbox.failures import ExecError, classify_setup_failure
 from lowlevel.sandbox.result import Result
-from lowlevel.spec.egress import DEFAULT_PORTS, Egress
+from lowlevel.spec.egress import DEFAULT_PORTS, DEFAULT_TLS_PORTS, Egress
 from lowlevel.spec.limits import CPU_QUOTA_FALLBACK_NOTE, VERDICT_NOTE_PREFIXES, Limits
 from lowlevel.spec.policy import Bind, Policy
 from lowlevel.spec.report import RECORD_NOT_WRITTEN, WARNING_PREFIX
@@ -57,13 +57,13 @@ def cmd_run(args: argparse.Namespace) -> int:
                          "--workspace (lowlevel never deletes your directory)")
     if args.network in ("host", "bare", "none") and egress_requested(args):
         raise UsageError(f"run: --network={'host' if args.network == 'bare' else args.network} and --allow-host "
-                         "(or --deny-host/--allow-cidr/--allow-port/--ca-cert) contradict each other: "
+                         "(or --deny-host/--allow-cidr/--allow-port/--tls-port/--ca-cert) contradict each other: "
                          "--allow-host alone gives an allowlist")
     if args.net_bytes is not None and not egress_requested(args):
         raise UsageError("run: --net-bytes is enforced by the egress proxy: use it with --allow-host")
     if egress_requested(args) and not (args.allow_host or args.allow_cidr):
         alone = [o for o, v in (("--deny-host", args.deny_host), ("--allow-port", args.allow_port),
-                                ("--ca-cert", args.ca_cert)) if v]
+                                ("--tls-port", args.tls_port), ("--ca-cert", args.ca_cert)) if v]
         raise UsageError(f"run: {'/'.join(alone)} only refine an egress allowlist, which allows nothing without "
                          "--allow-host (or --allow-cidr): add the hosts the sandbox may reach")
     if args.record is not None and args.kill_after:
@@ -276,7 +276,7 @@ def _policy_from_args(args: argparse.Namespace) -> Policy:
                 raise PolicyError(f"--ca-cert {path}: cannot read it: {err}") from None
         network = Egress(allow=tuple(args.allow_host), deny=tuple(args.deny_host),
                          allow_cidrs=tuple(args.allow_cidr), allow_ports=DEFAULT_PORTS + tuple(args.allow_port),
-                         extra_ca_pem=pem)
+                         tls_ports=DEFAULT_TLS_PORTS + tuple(args.tls_port), extra_ca_pem=pem)
     if args.image and args.rootfs:
         raise PolicyError("give --image or --rootfs, not both")
     landlock = {"on": True, "off": False}.get(args.landlock, args.landlock)
@@ -286,7 +286,8 @@ def _policy_from_args(args: argparse.Namespace) -> Policy:
 
 
 def egress_requested(args: argparse.Namespace) -> bool:
-    return bool(args.allow_host or args.deny_host or args.allow_cidr or args.allow_port or args.ca_cert)
+    return bool(args.allow_host or args.deny_host or args.allow_cidr or args.allow_port or args.tls_port
+                or args.ca_cert)
 
 
 def read_stdin_for_record(limit: int = MAX_RECORD_STDIN_BYTES, fd: int = 0) -> bytes | None:

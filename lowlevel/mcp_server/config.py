@@ -28,6 +28,7 @@ TOML keys (all optional)::
     deny = []
     allow_cidrs = []
     allow_ports = [80, 443]
+    tls_ports = [443]         # tunnels there must start with a TLS ClientHello (the default)
     extra_ca_file = "/etc/company-ca.pem"            # optional: CA certificates trusted inside
 
 With ``[egress]``, every run and session gets the allowlist unless the client narrows it;

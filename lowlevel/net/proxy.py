@@ -23,7 +23,8 @@ Per connection (all decisions are :class:`lowlevel.spec.egress.Egress`'s, see th
        show a TLS ClientHello (:mod:`lowlevel.net.tls_sni`), whose server name must be the
        CONNECT name (:meth:`Egress.check_server_name`: else a TLS ``unrecognized_name`` alert
        and the tunnel ends, so an allowed name cannot front a denied one); bytes that are not
-       TLS pass. Plain HTTP: one request per connection: the rewritten head, then its body
+       TLS end the tunnel on ``Egress.tls_ports`` (default 443, :meth:`Egress.check_not_tls`)
+       and pass elsewhere. Plain HTTP: one request per connection: the rewritten head, then its body
        (``Content-Length`` bytes); a second request pipelined after it is recorded as refused
        and never forwarded (only the first request's host was checked). Bytes move both ways
        by splice(2) (:mod:`lowlevel.net.tunnel`) until the server closes.
@@ -315,9 +316,10 @@ class Listener:
         server's bytes flow meanwhile (a protocol where the server speaks first works).
 
         Returns:
-            The bytes to send on (not TLS, or a ClientHello that passed), or None when the
-            tunnel ended meanwhile or the ClientHello was refused (then the program got a TLS
-            ``unrecognized_name`` alert and the attempt says why).
+            The bytes to send on (not TLS on a port outside ``Egress.tls_ports``, or a
+            ClientHello that passed), or None when the tunnel ended meanwhile, the ClientHello
+            was refused (then the program got a TLS ``unrecognized_name`` alert and the attempt
+            says why) or bytes that are not TLS came first on a TLS port (the tunnel just ends).
         """
         tunnel.downflow.start()
         buf = bytearray(rest)
@@ -326,7 +328,13 @@ class Listener:
             try:
                 hello = parse_client_hello(bytes(buf))
             except NotTlsError:
-                return bytes(buf)
+                d = self.egress.check_not_tls(attempt.host, attempt.port)
+                if d.allowed:
+                    attempt.reason += f"; {d.reason}"
+                    return bytes(buf)
+                attempt.refused(d.reason)
+                tunnel.close()
+                return None  # not a TLS client: no alert, the tunnel just ends
             except ValueError as err:
                 hello, reason = None, f"the tunnel's TLS ClientHello is malformed ({err})"
             if hello is not None:
@@ -376,7 +384,7 @@ class Listener:
         reason = ("a second request on one plain-HTTP connection (pipelined) is not forwarded: the proxy takes "
                   "one request per connection (it sent Connection: close); send it on a new connection")
         if host:
-            d = self.egress.decide(host, port)
+            d = self.egress.decide(host, port, tunnel=method == "CONNECT")
             attempt.host = d.host
             if not d.allowed:
                 reason += f" (and {d.reason})"
@@ -391,7 +399,7 @@ class Listener:
         if self.exhausted:
             attempt.reason = f"the run's net_bytes cap of {self.net_bytes} bytes is used up"
             raise RefusedError(403, attempt.reason)
-        d = self.egress.decide(req.host, req.port)
+        d = self.egress.decide(req.host, req.port, tunnel=req.head_out is None)
         attempt.decided(d)
         if not d.allowed:
             raise RefusedError(403, d.reason)

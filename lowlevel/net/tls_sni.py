@@ -4,10 +4,11 @@ Concept: the proxy holds a CONNECT tunnel's first bytes until they show a TLS Cl
 (:func:`parse_client_hello`), whose ``server_name`` must be the CONNECT name
 (:meth:`lowlevel.spec.egress.Egress.check_server_name` decides; :mod:`lowlevel.net.proxy`
 asks), else the program gets :data:`TLS_ALERT_UNRECOGNIZED_NAME` and the tunnel ends, so an
-allowed name cannot front a denied one. Bytes that are not TLS (:class:`NotTlsError`) pass,
-and so does whatever follows them: a ClientHello after a non-TLS prefix (a PROXY-protocol
-line) is never parsed (README, Egress: the guarantee is the address and port, not the names a
-server there accepts behind such a prefix).
+allowed name cannot front a denied one. Bytes that are not TLS (:class:`NotTlsError`) end
+the tunnel on ``Egress.tls_ports`` (default 443: :meth:`lowlevel.spec.egress.Egress.check_not_tls`),
+so a ClientHello cannot hide behind a non-TLS prefix there (a PROXY-protocol line); on other
+ports they pass, with whatever follows them, never parsed (README, Egress: the guarantee there
+is the address and port, not the names a server accepts behind such a prefix).
 Only the handshake framing and the extensions are read: no cryptography, nothing decrypted.
 
 Library choice: Python's :mod:`ssl` shows a ClientHello's SNI only to a server that

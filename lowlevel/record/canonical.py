@@ -17,16 +17,22 @@ from typing import Any
 
 from lowlevel.record.schema import RecordError
 from lowlevel.spec import seccomp as _seccomp
-from lowlevel.spec.egress import egress_from_mapping
+from lowlevel.spec.egress import RECORD_OMIT_DEFAULT, egress_from_mapping
 from lowlevel.spec.limits import Limits
 from lowlevel.spec.policy import Bind, Policy
 from lowlevel.spec.report import json_safe, name_from_json
 
 
 def canonical_value(value: Any) -> Any:
-    """JSON-ready form of a policy value: dataclasses by their comparable fields, tuples as lists."""
+    """JSON-ready form of a policy value: dataclasses by their comparable fields, tuples as lists.
+
+    A field marked :data:`lowlevel.spec.egress.RECORD_OMIT_DEFAULT` is left out while it has its
+    default: a field added after records were written keeps their ``policy_sha256`` (and a
+    policy that never sets it hashes as before); a set one is written, and an older lowlevel
+    refuses the record as naming a field it does not know."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: canonical_value(getattr(value, f.name)) for f in dataclasses.fields(value) if f.compare}
+        return {f.name: canonical_value(getattr(value, f.name)) for f in dataclasses.fields(value)
+                if f.compare and not _omitted(f, getattr(value, f.name))}
     if isinstance(value, Mapping):
         return {str(k): canonical_value(v) for k, v in sorted(value.items())}
     if isinstance(value, (list, tuple)):
@@ -34,6 +40,10 @@ def canonical_value(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return repr(value)
+
+
+def _omitted(f: dataclasses.Field[Any], value: Any) -> bool:
+    return f.metadata.get("record") == RECORD_OMIT_DEFAULT["record"] and value == f.default
 
 
 def _dumps(value: Any) -> bytes:

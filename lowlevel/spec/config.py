@@ -196,7 +196,7 @@ def binds_from_list(value: object, path: KeyPath) -> tuple[Bind, ...]:
 
 
 def egress_from_config(value: object, path: KeyPath) -> Egress:
-    """An ``[egress]`` table (``allow``, ``deny``, ``allow_cidrs``, ``allow_ports``,
+    """An ``[egress]`` table (``allow``, ``deny``, ``allow_cidrs``, ``allow_ports``, ``tls_ports``,
     ``extra_ca_pem``, or ``extra_ca_file``: a PEM file read here) as an
     :class:`~lowlevel.spec.egress.Egress`; an Egress is returned as is.
 

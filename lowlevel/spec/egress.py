@@ -44,7 +44,8 @@ Glossary:
         ``0x7f.1``: the same 127.0.0.1 to ``getaddrinfo``).
 
 Rules, in order (the first that refuses wins; each refusal's reason names the rule):
-    1. the port is in ``allow_ports`` (default 80 and 443);
+    1. the port is in ``allow_ports`` (default 80 and 443); a plain-HTTP request (not CONNECT)
+       to a port of ``tls_ports`` (default 443) is refused: there a tunnel must carry TLS;
     2. an IP literal is refused unless an ``allow_cidrs`` network contains it;
     3. a name is refused when a ``deny`` pattern matches, then unless an ``allow`` pattern does;
     4. every address the name resolves to must be public and not a host address, or inside an
@@ -66,6 +67,8 @@ import re
 import socket
 from collections.abc import Collection, Iterable, Mapping, Sequence
 
+from dataclasses import field
+
 from lowlevel._dataclass import dataclass
 from lowlevel.errors import PolicyError
 
@@ -81,6 +84,12 @@ PROXY_URL = f"http://127.0.0.1:{PROXY_PORT}"
 SOCKET_DEST = "/run/lowlevel/egress.sock"
 #: Ports allowed when ``Egress.allow_ports`` is not given: HTTP and HTTPS.
 DEFAULT_PORTS = (80, 443)
+#: Ports whose tunnels must be TLS from the first byte when ``Egress.tls_ports`` is not given: HTTPS.
+DEFAULT_TLS_PORTS = (443,)
+#: ``dataclasses.field`` metadata: a record's canonical policy leaves the field out while it has
+#: its default (:func:`lowlevel.record.canonical.canonical_value`), so a field added later does
+#: not change the policy_sha256 of records written before it (or of policies that never set it).
+RECORD_OMIT_DEFAULT = {"record": "omit_default"}
 #: Where the CA bundle is inside (Debian's ``ca-certificates`` bundle, OpenSSL's default
 #: CAfile there); with ``extra_ca_pem`` it is replaced by the system bundle plus those CAs.
 CA_BUNDLE_DEST = "/etc/ssl/certs/ca-certificates.crt"
@@ -388,7 +397,8 @@ class Egress:
     only through the proxy at :data:`PROXY_URL` (``HTTP_PROXY``, ``HTTPS_PROXY``,
     ``ALL_PROXY`` and lower-case forms set; ``NO_PROXY`` keeps the sandbox's own loopback
     direct). HTTP CONNECT (HTTPS and other TLS, end to end: the proxy reads only the TLS
-    ClientHello's server name, which must be the CONNECT name, :meth:`check_server_name`) and
+    ClientHello's server name, which must be the CONNECT name, :meth:`check_server_name`; on
+    ``tls_ports`` the tunnel must start with that ClientHello, :meth:`check_not_tls`) and
     plain-HTTP forwarding (one request per connection); no SOCKS, no UDP, no DNS inside. A refused request gets
     ``403`` with the reason in the status line and the body. See the module docstring for
     the rules and :attr:`lowlevel.Result.network` for the report.
@@ -404,6 +414,14 @@ class Egress:
             zero (``ipaddress.ip_network(strict=True)``).
         allow_ports: the TCP ports allowed, default ``(80, 443)``; give the whole set
             (``(80, 443, 8080)``).
+        tls_ports: ports whose CONNECT tunnels must start with a TLS ClientHello (its server
+            name checked, :meth:`check_server_name`), default ``(443,)``; other bytes first
+            there end the tunnel (:meth:`check_not_tls`), and a plain-HTTP request to such a
+            port is refused. On other ports a tunnel whose first bytes are not TLS passes
+            unchecked (SSH, git, a database protocol), and so does a ClientHello that comes
+            after such a prefix: the proxy still enforces the allowed name's checked address and
+            port, not the names a server there serves. ``()`` lets any protocol through on every
+            port (the behaviour before this field). Ports need not be in ``allow_ports``.
         extra_ca_pem: PEM certificates (``-----BEGIN CERTIFICATE-----`` blocks) the sandbox
             trusts besides the system's: ``/etc/ssl/certs/ca-certificates.crt`` inside becomes
             the host's bundle plus these, and ``SSL_CERT_FILE``, ``REQUESTS_CA_BUNDLE``,
@@ -421,6 +439,7 @@ class Egress:
     allow_cidrs: tuple[str, ...] = ()
     allow_ports: tuple[int, ...] = DEFAULT_PORTS
     extra_ca_pem: str = ""
+    tls_ports: tuple[int, ...] = field(default=DEFAULT_TLS_PORTS, metadata=RECORD_OMIT_DEFAULT)
 
     def __post_init__(self) -> None:
         import ipaddress
@@ -438,15 +457,8 @@ class Egress:
                                   "write e.g. '10.1.0.0/16' or '192.0.2.7/32'") from None
         object.__setattr__(self, "allow_cidrs", tuple(str(n) for n in sorted(
             set(cidrs), key=lambda n: (n.version, n.network_address, n.prefixlen))))
-        ports = self.allow_ports
-        if isinstance(ports, (int, str)) or not isinstance(ports, Iterable):
-            raise PolicyError(f"Egress.allow_ports must be a tuple of ports, got {ports!r}")
-        checked = set()
-        for port in ports:
-            if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
-                raise PolicyError(f"Egress.allow_ports: {port!r} is not a TCP port (1-65535)")
-            checked.add(port)
-        object.__setattr__(self, "allow_ports", tuple(sorted(checked)))
+        for name in ("allow_ports", "tls_ports"):
+            object.__setattr__(self, name, _ports(getattr(self, name), name))
         if not isinstance(self.extra_ca_pem, str):
             raise PolicyError("Egress.extra_ca_pem must be PEM text (str); read the file yourself "
                               "(CLI: --ca-cert FILE)")
@@ -469,12 +481,13 @@ class Egress:
         return None
 
     # -- decisions --------------------------------------------------------------------------
-    def decide(self, host: str, port: int) -> Decision:
+    def decide(self, host: str, port: int, *, tunnel: bool = True) -> Decision:
         """Decide a request by the name (or IP literal) and port it asks for, before resolution.
 
         Args:
             host: the host part of a CONNECT authority or absolute URL, without brackets.
             port: the TCP port.
+            tunnel: a CONNECT (True) or a plain-HTTP request (False: refused on ``tls_ports``).
         Returns:
             A :class:`Decision`; for an allowed IP literal ``address`` is set and no
             resolution is needed.
@@ -483,6 +496,9 @@ class Egress:
         if port not in self.allow_ports:
             return Decision(False, f"port {port} is not allowed (allowed: "
                             f"{', '.join(map(str, self.allow_ports)) or 'none'}; Egress.allow_ports)", shown)
+        if not tunnel and port in self.tls_ports:
+            return Decision(False, f"plain HTTP to port {port} is refused: it is a TLS port (Egress.tls_ports); "
+                            f"use https:// (a CONNECT tunnel)", shown)
         literal = ip_literal(host)
         if literal is not None:
             net = self._in_cidrs(literal)
@@ -552,6 +568,24 @@ class Egress:
                 return Decision(False, f"{name!r} resolves to {ip}, a {kind} address: refused unless "
                                 "Egress.allow_cidrs names it", name, str(ip))
         return Decision(True, f"{name!r} resolves to public or allowed addresses", name, addresses[0])
+
+    def check_not_tls(self, host: str, port: int) -> Decision:
+        """Decide a tunnel whose first bytes are not a TLS handshake record (another protocol,
+        or a ClientHello behind a prefix, which :meth:`check_server_name` would not see).
+
+        Args:
+            host: the CONNECT target as decided (:attr:`Decision.host`).
+            port: the CONNECT port.
+        Returns:
+            A :class:`Decision`: refused on ``tls_ports``, allowed elsewhere.
+
+        Source: RFC 8446 section 5.1 (every TLS connection starts with a handshake record from
+        the client), so on an HTTPS port anything else is not a TLS client.
+        """
+        if port in self.tls_ports:
+            return Decision(False, f"the tunnel to port {port} must start with a TLS ClientHello "
+                            "(Egress.tls_ports), and its first bytes are not TLS", host)
+        return Decision(True, f"not TLS (port {port} is not in Egress.tls_ports: the server name is not checked)", host)
 
     def check_server_name(self, host: str, sni: str | None, *, ech: bool = False) -> Decision:
         """Check the server name (SNI) of a tunnel's TLS ClientHello against its CONNECT target.
@@ -624,7 +658,7 @@ class Egress:
             allow_cidrs: networks, each inside one of ours; None keeps ours.
             allow_ports: ports, each one of ours; None keeps ours.
         Returns:
-            The narrower :class:`Egress` (``extra_ca_pem`` kept).
+            The narrower :class:`Egress` (``extra_ca_pem`` and ``tls_ports`` kept).
         Raises:
             PolicyError: a request reaching beyond this policy (the message names the entry).
         """
@@ -656,7 +690,7 @@ class Egress:
                                   f"{list(self.allow_ports)}")
             ports = asked_ports
         return Egress(allow=narrowed_allow, deny=self.deny + tuple(deny), allow_cidrs=cidrs, allow_ports=ports,
-                      extra_ca_pem=self.extra_ca_pem)
+                      extra_ca_pem=self.extra_ca_pem, tls_ports=self.tls_ports)
 
     def describe(self) -> str:
         """One line for notes and refusals: ``"allow ['pypi.org'], ports [80, 443]"``."""
@@ -666,7 +700,21 @@ class Egress:
         if self.allow_cidrs:
             parts.append(f"cidrs {list(self.allow_cidrs)}")
         parts.append(f"ports {list(self.allow_ports)}")
+        if self.tls_ports != DEFAULT_TLS_PORTS:
+            parts.append(f"tls ports {list(self.tls_ports)}")
         return ", ".join(parts)
+
+
+def _ports(ports: object, name: str) -> tuple[int, ...]:
+    """``Egress.allow_ports`` / ``Egress.tls_ports`` checked: TCP ports, deduplicated, sorted."""
+    if isinstance(ports, (int, str)) or not isinstance(ports, Iterable):
+        raise PolicyError(f"Egress.{name} must be a tuple of ports, got {ports!r}")
+    checked = set()
+    for port in ports:
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+            raise PolicyError(f"Egress.{name}: {port!r} is not a TCP port (1-65535)")
+        checked.add(port)
+    return tuple(sorted(checked))
 
 
 def _check_ca_pem(pem: str) -> None:
@@ -690,7 +738,7 @@ def egress_from_mapping(data: Mapping[str, object]) -> Egress:
     Raises:
         PolicyError: an unknown key or a bad value.
     """
-    known = {"allow", "deny", "allow_cidrs", "allow_ports", "extra_ca_pem"}
+    known = {"allow", "deny", "allow_cidrs", "allow_ports", "extra_ca_pem", "tls_ports"}
     unknown = set(data) - known
     if unknown:
         raise PolicyError(f"unknown egress keys {sorted(unknown)}; known: {sorted(known)}")
@@ -698,6 +746,7 @@ def egress_from_mapping(data: Mapping[str, object]) -> Egress:
     return Egress(**kwargs)  # type: ignore[arg-type]
 
 
-__all__ = ["CA_BUNDLE_DEST", "DEFAULT_PORTS", "Decision", "EGRESS_ETC", "Egress", "NO_PROXY", "NON_GLOBAL_V4",
-           "NON_GLOBAL_V6", "NetworkAttempt", "PROXY_PORT", "PROXY_URL", "SOCKET_DEST", "address_kind",
-           "egress_from_mapping", "embedded_ipv4", "ip_literal", "match", "normalize_host"]
+__all__ = ["CA_BUNDLE_DEST", "DEFAULT_PORTS", "DEFAULT_TLS_PORTS", "Decision", "EGRESS_ETC", "Egress", "NO_PROXY",
+           "NON_GLOBAL_V4", "NON_GLOBAL_V6", "NetworkAttempt", "PROXY_PORT", "PROXY_URL", "RECORD_OMIT_DEFAULT",
+           "SOCKET_DEST", "address_kind", "egress_from_mapping", "embedded_ipv4", "ip_literal", "match",
+           "normalize_host"]

@@ -111,7 +111,8 @@ def test_run_help_lists_exit_statuses_and_examples() -> None:
                                            ("--cpus=half", "--cpus"), ("-e=1BAD", "--env"),
                                            ("--ro=/tmp:/x:rw", "--ro"), ("--rw=/tmp:", "--rw"),
                                            ("--ro=:/x", "--ro"), ("--deny-host=a.example", "--allow-host"),
-                                           ("--allow-port=8080", "--allow-host"), ("--ca-cert=/x.pem", "--allow-host")])
+                                           ("--allow-port=8080", "--allow-host"), ("--ca-cert=/x.pem", "--allow-host"),
+                                           ("--tls-port=8443", "--allow-host"), ("--tls-port=0", "--tls-port")])
 def test_bad_docker_style_values_are_one_line(bad: str, word: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert _cli.main(["run", bad, "--", "true"]) == 125
     out, err = capsys.readouterr()

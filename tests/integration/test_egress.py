@@ -365,6 +365,11 @@ def test_cli_allow_host_json_and_network_warnings(origin, scripted, capsys):
     assert code == 0 and doc["stdout"] == "hello from origin\n"
     assert [(a["host"], a["allowed"]) for a in doc["network"]] == [("allowed.test", True)]
     assert "warning" not in err
+    # --tls-port: plain HTTP to that port is refused (the rule is the CLI's too), 443 stays one.
+    code = main(["run", "--workspace", _ws(), "--allow-host", "allowed.test", "--allow-port", str(origin.port),
+                 "--tls-port", str(origin.port), "--json", "--", "curl", "-sSf", f"http://allowed.test:{origin.port}/hello"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 22 and "it is a TLS port (Egress.tls_ports)" in doc["network"][0]["reason"], doc["network"]
     # Bare --network: the host network, with a one-line warning; --network=host: no warning.
     assert main(["run", "--workspace", _ws(), "--network", "--json", "--", "true"]) == 0
     out, err = capsys.readouterr()
@@ -649,6 +654,87 @@ def test_tunnel_without_tls_passes(sandbox, origin):
     assert r.exit_code == 0, r.err
     assert r.out == "hello from origin\n\n"
     assert [a["allowed"] for a in attempts(r)] == [True]
+
+
+FIRST_BYTES = """
+import json, socket, ssl, sys
+port = int(sys.argv[1])
+out = []
+for prefix in sys.argv[2:]:
+    inc, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    hello_of = ssl.create_default_context().wrap_bio(inc, outgoing, server_hostname="denied.test")
+    try:
+        hello_of.do_handshake()
+    except ssl.SSLWantReadError:
+        pass
+    hello = outgoing.read()  # a real ClientHello naming denied.test (SNI)
+    s = socket.create_connection(("127.0.0.1", 3128), timeout=20)
+    s.sendall(f"CONNECT secure.test:{port} HTTP/1.1\\r\\nHost: secure.test:{port}\\r\\n\\r\\n".encode())
+    head = b""
+    while b"\\r\\n\\r\\n" not in head:
+        head += s.recv(1)
+    s.sendall(prefix.encode().replace(b"\\\\n", b"\\r\\n") + hello)
+    reply = b""
+    try:
+        while (data := s.recv(65536)):
+            reply += data
+    except OSError as e:
+        reply += repr(e).encode()
+    out.append([head.split(b"\\r\\n")[0].decode(), reply[:1].hex()])
+    s.close()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("tls_ports", [(), "the port"], ids=["tls_ports-none", "tls_ports-this-port"])
+def test_tls_port_tunnel_must_start_with_the_client_hello(sandbox, tls_ports):
+    """The attack: CONNECT to an allowed name on an HTTPS port, then a PROXY-protocol line and
+    a ClientHello naming a denied host behind it. The SNI check reads only a tunnel's first
+    bytes, so with the port outside ``Egress.tls_ports`` (the control, ``tls_ports=()``) the
+    prefix and the fronted ClientHello reach the server unchecked (bytes up, the attempt
+    "not TLS"); with the port in ``tls_ports`` the tunnel ends before a byte goes up. A
+    ClientHello first on the same TLS port is still checked by name (denied.test: the
+    unrecognized_name alert, record type 0x15) in both."""
+    front = TlsOrigin("first-bytes", ("secure.test", "denied.test"))
+    try:
+        ports = [front.port] if tls_ports else []
+        r = sandbox.run(["python3", "first.py", str(front.port), "PROXY TCP4 192.0.2.1 192.0.2.2 1 2\\n", ""],
+                        files={"first.py": FIRST_BYTES.encode()}, resolver=resolver(),
+                        egress=egress(front.port, allow=("*.test",), deny=("denied.test",), tls_ports=ports))
+        assert r.exit_code == 0, r.err
+        (prefixed_head, _), (plain_head, plain_reply) = json.loads(r.out)
+        assert prefixed_head == plain_head == "HTTP/1.1 200 Connection established"
+        assert plain_reply == "15"  # a TLS alert record: the fronted ClientHello was read and refused
+        prefixed, plain = attempts(r)
+        assert not plain["allowed"] and "names 'denied.test' (SNI)" in plain["reason"], plain
+        assert plain["bytes_up"] == 0
+        if tls_ports:
+            assert not prefixed["allowed"], prefixed
+            assert "must start with a TLS ClientHello (Egress.tls_ports)" in prefixed["reason"], prefixed
+            assert prefixed["bytes_up"] == 0, prefixed
+        else:
+            assert prefixed["allowed"] and "not TLS" in prefixed["reason"], prefixed
+            assert prefixed["bytes_up"] > 200, prefixed  # the prefix and the ClientHello went up
+    finally:
+        front.close()
+
+
+def test_plain_http_to_a_tls_port_is_refused(sandbox, origin):
+    """Plain HTTP (an absolute-URL request, no tunnel) to a port of ``Egress.tls_ports`` is
+    refused with the rule's reason before any connection; control: the same request with the
+    port outside ``tls_ports`` is served."""
+    url = f"http://allowed.test:{origin.port}/hello"
+    for ports, want in (([origin.port], (403, "it is a TLS port (Egress.tls_ports)")),
+                        ([443], ("OK", "hello from origin"))):
+        r = sandbox.run(["python3", "probe.py", url], files={"probe.py": PROBE.encode()}, resolver=resolver(),
+                        egress=egress(origin.port, tls_ports=ports))
+        assert r.exit_code == 0, r.err
+        [(_, status, body)] = json.loads(r.out)
+        assert status == want[0] and want[1] in body, (ports, status, body)
+        [a] = attempts(r)
+        assert a["allowed"] == (want[0] == "OK"), a
+        if not a["allowed"]:
+            assert a["bytes_up"] == a["bytes_down"] == 0, a
 
 
 # --- issue 22 item 5: one run's lookups cannot stall another's ------------------------------------

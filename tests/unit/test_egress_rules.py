@@ -82,6 +82,8 @@ def test_address_kind(addr, kind):
     ({"allow_ports": (0,)}, "not a TCP port"),
     ({"allow_ports": (True,)}, "not a TCP port"),
     ({"allow_ports": 443}, "tuple of ports"),
+    ({"tls_ports": 443}, "Egress.tls_ports must be a tuple of ports"),
+    ({"tls_ports": (70000,)}, "Egress.tls_ports: 70000 is not a TCP port"),
     ({"extra_ca_pem": "-----BEGIN PRIVATE KEY-----\nx\n-----END PRIVATE KEY-----\n"}, "private key"),
     ({"extra_ca_pem": "hello"}, "no '-----BEGIN CERTIFICATE-----'"),
     ({"extra_ca_pem": "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n"}, "not valid PEM"),
@@ -156,6 +158,43 @@ def test_narrow_never_widens():
         with pytest.raises(PolicyError, match=needle):
             op.narrow(**kwargs)
     assert Egress(allow=("*",)).narrow(allow=["*.example"]).allow == ("*.example",)
+    strict = Egress(allow=("pypi.org",), tls_ports=(443, 8443))
+    assert strict.narrow(allow=["pypi.org"]).tls_ports == (443, 8443)  # a client cannot drop the operator's
+
+
+def test_tls_ports_decisions():
+    """A tunnel that is not TLS first: refused on tls_ports (default 443), allowed elsewhere;
+    plain HTTP to a TLS port refused; a CONNECT there decided as any other."""
+    e = Egress(allow=("pypi.org",), allow_ports=(22, 80, 443, 8443))
+    assert e.tls_ports == (443,)
+    d = e.check_not_tls("pypi.org", 443)
+    assert not d.allowed and "must start with a TLS ClientHello (Egress.tls_ports)" in d.reason
+    assert e.check_not_tls("pypi.org", 22).allowed
+    d = e.decide("pypi.org", 443, tunnel=False)
+    assert not d.allowed and "plain HTTP to port 443 is refused" in d.reason
+    assert e.decide("pypi.org", 443).allowed and e.decide("pypi.org", 80, tunnel=False).allowed
+    none = Egress(allow=("pypi.org",), tls_ports=[])
+    assert none.tls_ports == () and none.check_not_tls("pypi.org", 443).allowed
+    assert none.decide("pypi.org", 443, tunnel=False).allowed
+    more = Egress(allow=("pypi.org",), tls_ports=(8443, 443, 8443))
+    assert more.tls_ports == (443, 8443) and not more.check_not_tls("pypi.org", 8443).allowed
+    assert "tls ports [443, 8443]" in more.describe() and "tls ports" not in e.describe()
+
+
+def test_tls_ports_in_the_record_only_when_set():
+    """The canonical policy leaves tls_ports out at its default, so a record written before the
+    field existed (or a policy that never sets it) keeps its policy_sha256; set, it is written
+    and round-trips."""
+    from lowlevel.record import canonical_policy, policy_from_canonical, policy_sha256
+    default = Policy(network=Egress(allow=("pypi.org",)))
+    net = canonical_policy(default)["network"]
+    assert sorted(net) == ["allow", "allow_cidrs", "allow_ports", "deny", "extra_ca_pem"]
+    strict = Policy(network=Egress(allow=("pypi.org",), tls_ports=(443, 8443)))
+    assert canonical_policy(strict)["network"]["tls_ports"] == [443, 8443]
+    assert policy_sha256(strict) != policy_sha256(default)
+    for p in (default, strict):
+        back = policy_from_canonical(canonical_policy(p))
+        assert back == p and policy_sha256(back) == policy_sha256(p)
 
 
 labels = st.from_regex(r"[a-z0-9]([a-z0-9-]{0,8}[a-z0-9])?", fullmatch=True)

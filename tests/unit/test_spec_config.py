@@ -82,6 +82,10 @@ def test_egress_value_and_ca_file(tmp_path: Path) -> None:
     assert got.allow == ("pypi.org",) and got.allow_ports == (443,) and "BEGIN CERTIFICATE" in got.extra_ca_pem
     same = Egress(allow=("x.org",))
     assert config.egress_from_config(same, KeyPath()) is same
+    tls = config.egress_from_config({"allow": ["x.org"], "tls_ports": [8443, 443]}, KeyPath() / "egress")
+    assert tls.tls_ports == (443, 8443) and got.tls_ports == (443,)
+    with pytest.raises(PolicyError, match="egress: Egress.tls_ports: 0 is not a TCP port"):
+        config.egress_from_config({"allow": ["x.org"], "tls_ports": [0]}, KeyPath() / "egress")
 
 
 def test_policy_keys_and_contradictions() -> None:
