@@ -43,6 +43,9 @@ Configuration comes from the operator only (TOML file and CLI flags), never from
 a client can narrow the policy (shorter timeout, smaller limits) but never widen it. Its keys:
 :mod:`lowlevel.mcp_server.config`.
 
+The transport is :mod:`lowlevel.mcp_server.stdio`: the SDK's stdio loop with each input line
+checked first (a malformed one gets its JSON-RPC error, a line has a length bound).
+
 Source: Model Context Protocol specification (tools/list, tools/call, ``isError`` results);
 the ``mcp`` Python SDK (``MCPServer``, formerly ``FastMCP``).
 """
@@ -734,14 +737,18 @@ def _strict_arguments(server: Any, tool_error: type[Exception], fns: Mapping[str
 
 
 def serve(config: ServerConfig) -> None:
-    """Serve MCP over stdio until the client closes stdin."""
+    """Serve MCP over stdio until the client closes stdin, through :mod:`lowlevel.mcp_server.stdio`
+    (a malformed input line gets its JSON-RPC error; lines up to
+    ``stdio.line_limit(config.max_file_bytes)`` bytes, 16 MiB by default)."""
+    from lowlevel.mcp_server import stdio as _stdio
+
     tools = Tools(config)
     server = build_server(config, tools)
     log.debug("lowlevel: mcp server on stdio, workspace base %s, host network %s, egress %s",
               config.workspace_base, "allowed" if config.network else "off",
               config.egress.describe() if config.egress is not None else "off")
     try:
-        server.run("stdio")
+        _stdio.run(server, _stdio.line_limit(config.max_file_bytes))
     finally:
         tools.close()
 
