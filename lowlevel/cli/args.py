@@ -160,9 +160,20 @@ def network_mode(text: str) -> str:
 
 
 def port(text: str) -> int:
-    if not text.isdigit() or not 0 < int(text) < 65536:
+    if not (text.isascii() and text.isdigit()) or not 0 < int(text) < 65536:
         raise argparse.ArgumentTypeError(f"invalid port {text!r}: use a number from 1 to 65535")
     return int(text)
+
+
+def tls_port(text: str) -> int | None:
+    """``--tls-port``: a port, or ``none`` (None: no port requires TLS, 443 included)."""
+    if text.lower() == "none":
+        return None
+    try:
+        return port(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r}: use a number from 1 to 65535, "
+                                         "or none (no port requires TLS)") from None
 
 
 def env_pair(text: str) -> tuple[str, str] | None:

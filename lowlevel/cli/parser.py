@@ -12,7 +12,8 @@ import argparse
 
 from lowlevel.version import __version__
 from lowlevel.cli.args import (Parser, bind_spec, cores, cwd_spec, env_pair, grace, input_spec, network_mode,
-                               parse_size, port, positive_float, positive_int, timeout_arg, volume_spec)
+                               parse_size, port, positive_float, positive_int, timeout_arg, tls_port,
+                               volume_spec)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # not imported at run time: typing costs a `lowlevel run` ~2 ms
@@ -115,9 +116,9 @@ def _add_run_network(p: argparse.ArgumentParser) -> None:
                    help="egress: also allow addresses in this network, private ones included (repeatable)")
     p.add_argument("--allow-port", metavar="PORT", action="append", default=[], type=port,
                    help="egress: allow this port besides 80 and 443 (repeatable)")
-    p.add_argument("--tls-port", metavar="PORT", action="append", default=[], type=port,
-                   help="egress: tunnels to this port must start with a TLS ClientHello (its server name "
-                   "checked), as on 443 (repeatable)")
+    p.add_argument("--tls-port", metavar="PORT", action="append", default=[], type=tls_port,
+                   help="egress: tunnels to this allowed port must start with a TLS ClientHello (its server "
+                   "name checked), as on 443 (repeatable); none: on no port, 443 included (SSH over 443)")
     p.add_argument("--ca-cert", metavar="FILE.pem", action="append", default=[],
                    help="egress: CA certificate(s) the sandbox trusts besides the system's (repeatable)")
     p.add_argument("--net-bytes", metavar="BYTES", type=parse_size,

@@ -66,6 +66,14 @@ def cmd_run(args: argparse.Namespace) -> int:
                                 ("--tls-port", args.tls_port), ("--ca-cert", args.ca_cert)) if v]
         raise UsageError(f"run: {'/'.join(alone)} only refine an egress allowlist, which allows nothing without "
                          "--allow-host (or --allow-cidr): add the hosts the sandbox may reach")
+    if None in args.tls_port and len(args.tls_port) > 1:
+        raise UsageError("run: --tls-port none (no port requires TLS) does not go with --tls-port PORT: "
+                         "give one or the other")
+    allowed = set(DEFAULT_PORTS) | set(args.allow_port)
+    for tls in args.tls_port:
+        if tls is not None and tls not in allowed:
+            raise UsageError(f"run: --tls-port {tls}: port {tls} is not allowed (80, 443 and --allow-port): "
+                             f"add --allow-port {tls}")
     if args.record is not None and args.kill_after:
         raise UsageError("run: --kill-after does not go with --record (a record replays the SIGKILL at the "
                          "timeout): drop --kill-after, or --record")
@@ -276,7 +284,8 @@ def _policy_from_args(args: argparse.Namespace) -> Policy:
                 raise PolicyError(f"--ca-cert {path}: cannot read it: {err}") from None
         network = Egress(allow=tuple(args.allow_host), deny=tuple(args.deny_host),
                          allow_cidrs=tuple(args.allow_cidr), allow_ports=DEFAULT_PORTS + tuple(args.allow_port),
-                         tls_ports=DEFAULT_TLS_PORTS + tuple(args.tls_port), extra_ca_pem=pem)
+                         tls_ports=() if None in args.tls_port else DEFAULT_TLS_PORTS + tuple(args.tls_port),
+                         extra_ca_pem=pem)
     if args.image and args.rootfs:
         raise PolicyError("give --image or --rootfs, not both")
     landlock = {"on": True, "off": False}.get(args.landlock, args.landlock)

@@ -112,7 +112,8 @@ def _split_authority(authority: str, default_port: int | None) -> tuple[str, int
         if default_port is None:
             raise RefusedError(400, f"CONNECT {authority!r} has no port")
         return host, default_port
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+    # isascii: str.isdigit() is also true for '²' or '¹', which int() refuses (a ValueError, no 400).
+    if not (port_text.isascii() and port_text.isdigit()) or not 0 < int(port_text) < 65536:
         raise RefusedError(400, f"bad port in {authority!r}")
     return host, int(port_text)
 
@@ -233,7 +234,7 @@ def _body_length(headers: list[tuple[str, str]]) -> int:
     values = {v.strip() for k, value in headers if k.lower() == "content-length" for v in value.split(",")}
     if not values:
         return 0
-    if len(values) != 1 or not next(iter(values)).isdigit():
+    if len(values) != 1 or not (next(iter(values)).isascii() and next(iter(values)).isdigit()):
         raise RefusedError(400, f"bad Content-Length {sorted(values)!r}")
     return int(next(iter(values)))
 

@@ -49,7 +49,7 @@ class ClientHello:
 
 class NotTlsError(Exception):
     """The first bytes are not a TLS handshake record (another protocol in the tunnel: the
-    proxy passes them on unchecked)."""
+    proxy ends the tunnel on ``Egress.tls_ports`` and passes them on unchecked elsewhere)."""
 
 
 def parse_client_hello(data: bytes) -> ClientHello | None:

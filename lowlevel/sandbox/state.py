@@ -199,8 +199,9 @@ class RunState:
         self.anchor_fds: dict[str, Any] = {}
         self.actions: list[tuple[Any, ...]] = []
         self.committed = False
-        #: A run's upper had no entry once its sandbox was dead (RunWorkspace._final_changes): the
-        #: one upper_is_empty check of a run, so finish_cow makes no commit; None: not looked at.
+        #: A run's upper had no entry once its sandbox was dead (RunWorkspace._final_changes): an
+        #: empty upper is then looked at once (no change walk, and finish_cow makes no commit); a
+        #: non-empty one is looked at again by the walk and the commit (a few us). None: not looked at.
         self.upper_empty: bool | None = None
         #: A Session's long-lived workspace: a host change the sandbox copied up (saw) afterwards
         #: is no conflict (lowlevel.workspace.overlay.commit); a run keeps the plain rule.

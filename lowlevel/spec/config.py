@@ -205,7 +205,7 @@ def egress_from_config(value: object, path: KeyPath) -> Egress:
     """
     if isinstance(value, Egress):
         return value
-    spec = dict(table(value, path, "a table (allow = [...], deny, allow_cidrs, allow_ports)"))
+    spec = dict(table(value, path, "a table (allow = [...], deny, allow_cidrs, allow_ports, tls_ports)"))
     ca_file = spec.pop("extra_ca_file", None)
     if ca_file is not None:
         try:

@@ -481,13 +481,15 @@ class Egress:
         return None
 
     # -- decisions --------------------------------------------------------------------------
-    def decide(self, host: str, port: int, *, tunnel: bool = True) -> Decision:
+    def decide(self, host: str, port: int, *, tunnel: bool) -> Decision:
         """Decide a request by the name (or IP literal) and port it asks for, before resolution.
 
         Args:
             host: the host part of a CONNECT authority or absolute URL, without brackets.
             port: the TCP port.
-            tunnel: a CONNECT (True) or a plain-HTTP request (False: refused on ``tls_ports``).
+            tunnel: a CONNECT (True: its first bytes are checked later, :meth:`check_not_tls`) or
+                a plain-HTTP request (False: refused on ``tls_ports``); no default, so no caller
+                forgets which.
         Returns:
             A :class:`Decision`; for an allowed IP literal ``address`` is set and no
             resolution is needed.

@@ -112,11 +112,22 @@ def test_run_help_lists_exit_statuses_and_examples() -> None:
                                            ("--ro=/tmp:/x:rw", "--ro"), ("--rw=/tmp:", "--rw"),
                                            ("--ro=:/x", "--ro"), ("--deny-host=a.example", "--allow-host"),
                                            ("--allow-port=8080", "--allow-host"), ("--ca-cert=/x.pem", "--allow-host"),
-                                           ("--tls-port=8443", "--allow-host"), ("--tls-port=0", "--tls-port")])
+                                           ("--tls-port=8443", "--allow-host"), ("--tls-port=0", "--tls-port"),
+                                           ("--tls-port=4\u00b3", "--tls-port"), ("--allow-port=\u00b9", "--allow-port")])
 def test_bad_docker_style_values_are_one_line(bad: str, word: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert _cli.main(["run", bad, "--", "true"]) == 125
     out, err = capsys.readouterr()
     assert out == "" and len(err.splitlines()) == 1 and word in err, err
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--tls-port", "8443"], "--tls-port 8443: port 8443 is not allowed (80, 443 and --allow-port): add --allow-port 8443"),
+    (["--tls-port", "none", "--tls-port", "8443", "--allow-port", "8443"], "--tls-port none (no port requires TLS) does not go"),
+])
+def test_tls_port_mistakes_are_one_line(args: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _cli.main(["run", "--allow-host", "a.example", *args, "--", "true"]) == 125
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and needle in err, err
 
 
 def test_bad_env_file_line_is_one_line_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str],

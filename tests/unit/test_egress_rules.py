@@ -103,32 +103,32 @@ def test_egress_is_canonical_and_hashable():
 
 def test_decide_patterns():
     e = Egress(allow=("pypi.org", "*.pythonhosted.org", "bücher.example"), deny=("evil.pythonhosted.org",))
-    assert e.decide("PYPI.ORG.", 443).allowed
-    assert e.decide("files.pythonhosted.org", 443).allowed
-    assert e.decide("a.b.pythonhosted.org", 443).allowed
-    assert not e.decide("pythonhosted.org", 443).allowed  # a suffix pattern does not match its apex
-    assert not e.decide("www.pypi.org", 443).allowed  # an exact name does not match subdomains
-    assert not e.decide("pypi.org.evil.example", 443).allowed
-    assert not e.decide("evilpythonhosted.org", 443).allowed
-    assert e.decide("xn--bcher-kva.example", 80).allowed
-    d = e.decide("evil.pythonhosted.org", 443)
+    assert e.decide("PYPI.ORG.", 443, tunnel=True).allowed
+    assert e.decide("files.pythonhosted.org", 443, tunnel=True).allowed
+    assert e.decide("a.b.pythonhosted.org", 443, tunnel=True).allowed
+    assert not e.decide("pythonhosted.org", 443, tunnel=True).allowed  # a suffix pattern does not match its apex
+    assert not e.decide("www.pypi.org", 443, tunnel=True).allowed  # an exact name does not match subdomains
+    assert not e.decide("pypi.org.evil.example", 443, tunnel=True).allowed
+    assert not e.decide("evilpythonhosted.org", 443, tunnel=True).allowed
+    assert e.decide("xn--bcher-kva.example", 80, tunnel=True).allowed
+    d = e.decide("evil.pythonhosted.org", 443, tunnel=True)
     assert not d.allowed and "deny pattern" in d.reason  # deny wins
-    d = e.decide("pypi.org", 22)
+    d = e.decide("pypi.org", 22, tunnel=True)
     assert not d.allowed and "port 22 is not allowed" in d.reason
-    d = e.decide("nope.example", 443)
+    d = e.decide("nope.example", 443, tunnel=True)
     assert not d.allowed and "not on the allowlist" in d.reason
-    assert not e.decide("bad host", 443).allowed
+    assert not e.decide("bad host", 443, tunnel=True).allowed
 
 
 def test_decide_ip_literals_need_allow_cidrs():
     e = Egress(allow=("*",))
     for host in ("93.184.216.34", "127.0.0.1", "::1", "169.254.169.254", "2130706433"):
-        d = e.decide(host, 80)
+        d = e.decide(host, 80, tunnel=True)
         assert not d.allowed and "IP literals are refused" in d.reason
-    assert "cloud metadata" in e.decide("169.254.169.254", 80).reason
+    assert "cloud metadata" in e.decide("169.254.169.254", 80, tunnel=True).reason
     e = Egress(allow_cidrs=("10.1.0.0/16", "93.184.216.34/32"))
-    assert e.decide("10.1.2.3", 443).allowed and e.decide("93.184.216.34", 443).address == "93.184.216.34"
-    assert not e.decide("10.2.0.1", 443).allowed
+    assert e.decide("10.1.2.3", 443, tunnel=True).allowed and e.decide("93.184.216.34", 443, tunnel=True).address == "93.184.216.34"
+    assert not e.decide("10.2.0.1", 443, tunnel=True).allowed
 
 
 def test_check_addresses():
@@ -172,7 +172,7 @@ def test_tls_ports_decisions():
     assert e.check_not_tls("pypi.org", 22).allowed
     d = e.decide("pypi.org", 443, tunnel=False)
     assert not d.allowed and "plain HTTP to port 443 is refused" in d.reason
-    assert e.decide("pypi.org", 443).allowed and e.decide("pypi.org", 80, tunnel=False).allowed
+    assert e.decide("pypi.org", 443, tunnel=True).allowed and e.decide("pypi.org", 80, tunnel=False).allowed
     none = Egress(allow=("pypi.org",), tls_ports=[])
     assert none.tls_ports == () and none.check_not_tls("pypi.org", 443).allowed
     assert none.decide("pypi.org", 443, tunnel=False).allowed
@@ -301,6 +301,10 @@ def test_parse_origin_form_uses_host():
     b"GET /x HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", b"\x16\x03\x01\x00\xa5\x01\x00\x00\r\n\r\n",
     b"GET / HTTP/2\r\n\r\n", b"get http://x/ HTTP/1.1\r\n\r\n", b"GET http://x/ HTTP/1.1\r\n folded\r\n\r\n",
     b"GET http://x/ HTTP/1.1\r\nBad Header: y\r\n\r\n",
+    # Digits str.isdigit() takes and int() refuses: a 400, not a ValueError out of the proxy.
+    "CONNECT pypi.org:\u00b9 HTTP/1.1\r\n\r\n".encode("latin-1"),
+    "GET http://pypi.org:44\u00b3/ HTTP/1.1\r\n\r\n".encode("latin-1"),
+    "POST http://pypi.org/ HTTP/1.1\r\nContent-Length: \u00b2\r\n\r\n".encode("latin-1"),
 ])
 def test_parse_refuses(head):
     with pytest.raises(RefusedError) as info:
@@ -561,5 +565,16 @@ def test_a_clean_head_with_tabs_passes() -> None:
 def test_a_refused_ip_literal_is_named_with_the_right_article() -> None:
     """The proxy said "0.0.0.0 is a unspecified address"."""
     e = Egress(allow=("example.org",))
-    assert "0.0.0.0 is an unspecified address" in e.decide("0.0.0.0", 443).reason
-    assert "127.0.0.1 is a loopback address" in e.decide("127.0.0.1", 443).reason
+    assert "0.0.0.0 is an unspecified address" in e.decide("0.0.0.0", 443, tunnel=True).reason
+    assert "127.0.0.1 is a loopback address" in e.decide("127.0.0.1", 443, tunnel=True).reason
+
+
+def test_cli_tls_port_builds_the_egress_tls_ports():
+    from lowlevel import cli
+    from lowlevel.cli import run_cmd
+    parser = cli.build_parser()
+    for extra, want in (([], (443,)), (["--allow-port", "8443", "--tls-port", "8443"], (443, 8443)),
+                        (["--tls-port", "none"], ()), (["--tls-port", "NONE"], ())):
+        args = parser.parse_args(["run", "--allow-host", "a.example", *extra, "--", "true"])
+        network = run_cmd.policy_from_args(args).network
+        assert isinstance(network, Egress) and network.tls_ports == want, (extra, network)
