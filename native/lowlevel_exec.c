@@ -130,6 +130,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "lowlevel_errtext.h"
+
 #define EXIT_SETUP 125
 #define EXIT_EXEC 127
 #define MAX_RLIMITS 16
@@ -137,6 +139,11 @@
 
 #ifndef MOUNT_ATTR_IDMAP
 #define MOUNT_ATTR_IDMAP 0x00100000
+#endif
+#ifndef MOUNT_ATTR_RDONLY /* linux/mount.h; musl's sys/mount.h has none of the MOUNT_ATTR_ flags */
+#define MOUNT_ATTR_RDONLY 0x00000001
+#define MOUNT_ATTR_NOSUID 0x00000002
+#define MOUNT_ATTR_NODEV 0x00000004
 #endif
 #ifndef OPEN_TREE_CLONE
 #define OPEN_TREE_CLONE 1
@@ -207,7 +214,7 @@ static const struct {
 static void die(const char *what, const char *arg) {
     int err = errno;
     fprintf(stderr, "lowlevel_exec: %s%s%s%s%s\n", what, arg ? " " : "", arg ? arg : "", err ? ": " : "",
-            err ? strerror(err) : "");
+            err ? ll_strerror(err) : "");
     _exit(EXIT_SETUP);
 }
 
@@ -396,7 +403,7 @@ static char ov_error[6 * PATH_MAX];
 static int fail(const char *what, const char *arg) {
     int err = errno;
     snprintf(ov_error, sizeof ov_error, "%s%s%s%s%s", what, arg ? " " : "", arg ? arg : "", err ? ": " : "",
-             err ? strerror(err) : "");
+             err ? ll_strerror(err) : "");
     errno = err;
     return -1;
 }
@@ -505,7 +512,7 @@ static int mount_overlay(struct overlay *o, int generation) {
     if (mount("overlay", ws, "overlay", MS_NOSUID | MS_NODEV, opts) != 0) {
         int err = errno;
         snprintf(ov_error, sizeof ov_error, "mount overlay on %.*s (%.*s): %s", PATH_MAX, ws, PATH_MAX, opts,
-                 strerror(err));
+                 ll_strerror(err));
         errno = err;
         return -1;
     }
@@ -1003,7 +1010,7 @@ int main(int argc, char **argv) {
             _exit(EXIT_SETUP); /* "g" was written, then the anchor died before our prctl */
         close(go[0]);
         execv(argv[i], &argv[i]);
-        fprintf(stderr, "lowlevel_exec: execv %s: %s\n", argv[i], strerror(errno));
+        fprintf(stderr, "lowlevel_exec: execv %s: %s\n", argv[i], ll_strerror(errno));
         _exit(EXIT_EXEC);
     }
     close(go[0]);

@@ -48,6 +48,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "lowlevel_errtext.h"
+
 extern char **environ;
 
 #define EXIT_SETUP 125
@@ -78,7 +80,7 @@ static int npairs;
 static void die(const char *what, const char *arg) {
     int err = errno;
     fprintf(stderr, "lowlevel-relay: %s%s%s%s%s\n", what, arg ? " " : "", arg ? arg : "", err ? ": " : "",
-            err ? strerror(err) : "");
+            err ? ll_strerror(err) : "");
     exit(EXIT_SETUP);
 }
 
@@ -289,13 +291,13 @@ int main(int argc, char **argv) {
             sigprocmask(SIG_SETMASK, &old, NULL);
             execvp(command[0], command);
             int e = errno;
-            fprintf(stderr, "lowlevel-relay: execvp %s: %s\n", command[0], strerror(e));
+            fprintf(stderr, "lowlevel-relay: execvp %s: %s\n", command[0], ll_strerror(e));
             _exit(e == ENOENT || e == ENOTDIR ? 127 : 126);
         }
         err = 0;
     }
     if (err != 0) {
-        fprintf(stderr, "lowlevel-relay: execvp %s: %s\n", command[0], strerror(err));
+        fprintf(stderr, "lowlevel-relay: execvp %s: %s\n", command[0], ll_strerror(err));
         exit(err == ENOENT || err == ENOTDIR ? 127 : 126);
     }
     posix_spawnattr_destroy(&attr);

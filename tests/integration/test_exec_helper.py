@@ -293,3 +293,21 @@ def test_cgroup_join_v1_tasks_and_v2_born_inside(marker: Path, clone3: str):
                 except OSError:
                     import time
                     time.sleep(0.01)
+
+
+@needs_helper
+@pytest.mark.parametrize(("make", "words"), [
+    (lambda p: (os.symlink(p.name + "-b", p), os.symlink(p.name, str(p) + "-b")), "Too many levels of symbolic links"),
+    (lambda p: None, "No such file or directory"),
+])
+def test_the_anchor_words_errors_as_glibc_does(tmp_path: Path, make, words: str):
+    """The launcher reads the anchor's messages by glibc's strerror words (facts._TRANSIENT_TEXT,
+    failures.py), and the anchor may be linked against musl, which says "Symbolic link loop" for
+    ELOOP (native/lowlevel_errtext.h): an execv of a symlink loop is worded as glibc words it.
+    Control: ENOENT, worded alike by both libcs."""
+    target = tmp_path / "prog"
+    make(target)
+    proc = subprocess.run(["/bin/sh", "-c", f"{HELPER} --parent=$$ -- {target}; exit $?"],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 127, proc.stderr
+    assert proc.stderr == f"lowlevel_exec: execv {target}: {words}\n", proc.stderr
