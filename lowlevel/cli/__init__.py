@@ -152,9 +152,9 @@ def _main(argv: Sequence[str] | None) -> int:
             message = f"{name}: interrupted; nothing was imported, the staging directory was removed"
         elif workspace is not None:
             message += (f"; workspace {workspace} removed (--rm)" if err.removed  # type: ignore[union-attr]
-                        else f" and the workspace given back: {workspace}")
+                        else f"; the workspace is kept: {workspace}")
         else:
-            message += " and the workspace given back"
+            message += "; the workspace is kept"
         print(f"lowlevel: {message}", file=sys.stderr)
         if args is not None and getattr(args, "json", False):
             print_json(error_object("Interrupted", message, 128 + signum, workspace=workspace, signal=name))

@@ -39,7 +39,7 @@ examples:
   lowlevel run --timeout 2m -k 10s -- ./server       # 10 s to shut down after the SIGTERM
   lowlevel run -v "$PWD/data:/data:ro" -e API_MODE=test -w src -- ./run.sh
   lowlevel run --input main.py --json -- python3 main.py    # one JSON object (argv last)
-  lowlevel run --allow-host pypi.org -- pip download requests
+  lowlevel run --allow-host pypi.org --allow-host files.pythonhosted.org -- pip download requests
   lowlevel run --image python:3.12 --rm -- python3 -V
 """
 
@@ -213,12 +213,14 @@ def _add_others(sub: Any, only: str | None) -> None:
 
 def _add_cleanup(sub: Any) -> None:
     c = sub.add_parser("cleanup", help="remove what interrupted runs left (stale cgroups, egress sockets, "
-                       "commit temporaries); never a workspace",
+                       "commit temporaries, --rm workspaces of dead callers); never a kept workspace",
                        description="Remove what interrupted runs left on this host: per-run cgroups of dead "
                        "callers, egress socket directories whose proxy is gone, temporaries of commits killed "
-                       "mid-way, workspaces a killed root caller left handed over (fallback without overlay). "
-                       "Never a workspace's content. Exit 0: nothing left; 1: something stayed (listed). With "
-                       "--dry-run: 0 when nothing would be removed, 1 when something would (listed).")
+                       "mid-way, the disposable workspaces (--rm, keep_workspace=False) of callers that died, "
+                       "workspaces a killed root caller left handed over (fallback without overlay: given back, "
+                       "not removed). Never the content of a kept workspace. Exit 0: nothing left; 1: something "
+                       "stayed (listed). With --dry-run: 0 when nothing would be removed, 1 when something would "
+                       "(listed).")
     c.add_argument("--workspace", metavar="DIR", action="append", default=[],
                    help="also remove interrupted commits' temporaries in DIR (repeatable)")
     c.add_argument("--dry-run", action="store_true",

@@ -64,7 +64,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if egress_requested(args) and not (args.allow_host or args.allow_cidr):
         alone = [o for o, v in (("--deny-host", args.deny_host), ("--allow-port", args.allow_port),
                                 ("--tls-port", args.tls_port), ("--ca-cert", args.ca_cert)) if v]
-        raise UsageError(f"run: {'/'.join(alone)} only refine an egress allowlist, which allows nothing without "
+        raise UsageError(f"run: {'/'.join(alone)} only {'refines' if len(alone) == 1 else 'refine'} an egress "
+                         "allowlist, which allows nothing without "
                          "--allow-host (or --allow-cidr): add the hosts the sandbox may reach")
     if None in args.tls_port and len(args.tls_port) > 1:
         raise UsageError("run: --tls-port none (no port requires TLS) does not go with --tls-port PORT: "

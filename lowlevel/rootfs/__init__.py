@@ -204,11 +204,13 @@ def check_rootfs(path: str) -> str:
     if reason:
         raise PolicyError(f"refusing Policy.rootfs {raw!r}: {reason}")
     _check_trusted_tree(raw, real)
-    for rel in REQUIRED_FILES:
-        if not _is_regular(_inside(real, rel)):
-            raise PolicyError(f"Policy.rootfs {raw!r} has no regular file {rel}: lowlevel mounts a synthesized "
-                              f"/{rel} over it and bwrap cannot create it in a read-only tree. Create an empty "
-                              f"one (touch {os.path.join(real, rel)})")
+    missing = [rel for rel in REQUIRED_FILES if not _is_regular(_inside(real, rel))]
+    if missing:  # all of them in one message: the fix is one command
+        files = " and ".join(missing)
+        raise PolicyError(f"Policy.rootfs {raw!r} has no regular file {files}: lowlevel mounts a synthesized "
+                          f"/{' and /'.join(missing)} over {'it' if len(missing) == 1 else 'them'} and bwrap "
+                          f"cannot create {'it' if len(missing) == 1 else 'them'} in a read-only tree. Create "
+                          f"empty ones (touch {' '.join(os.path.join(real, rel) for rel in missing)})")
     return real
 
 

@@ -130,25 +130,34 @@ class RunPrepare(RunWorkspace):
             self.host_ids = (os.getuid(), os.getgid())
 
     def _note_unwritable_binds(self) -> None:
-        """A "warning:" note per writable Bind the sandbox's uid cannot write: a root caller's
-        sandbox runs as a per-run uid with no groups, so a root-owned 0755 directory bound
-        with ``writable=True`` (``--rw``, ``-v``) refused every write with EACCES, silently."""
+        """A "warning:" note per Bind the sandbox's uid cannot use as bound: a root caller's
+        sandbox runs as a per-run uid with no groups, so a root-owned 0755 directory bound with
+        ``writable=True`` (``--rw``, ``-v``) refused every write with EACCES, and a 0700 source
+        (read-only or not) every read, silently. bwrap itself binds such a source (the mount
+        needs only its path); what the program then may do is the source's own permission bits
+        for that uid (the owner's, the group's or the others' class: the first that matches, as
+        the kernel decides; an ACL may grant more, so the note says "may")."""
         if not self.facts.caller_is_root:
             return
         uid, gid = self.host_ids
         for bind in self.policy.binds:
-            if not bind.writable:
-                continue
             try:
                 st = os.stat(bind.source)
             except OSError:
-                continue  # bwrap says it (the source vanished)
-            if st.st_uid == uid or (st.st_gid == gid and st.st_mode & stat.S_IWGRP) or st.st_mode & stat.S_IWOTH:
-                continue
-            self.notes.append(f"{WARNING_PREFIX}the writable bind of {bind.source} at {bind.dest} cannot be written "
-                              f"by the sandbox: it runs as the per-run uid {uid}, and the source is "
-                              f"uid {st.st_uid}'s, mode {stat.S_IMODE(st.st_mode):04o}; make it writable for others "
-                              "(or give it to that uid for the run), or bind it read-only")
+                continue  # bwrap says it (the source vanished, or a parent is out of reach)
+            shift = 6 if st.st_uid == uid else 3 if st.st_gid == gid else 0
+            bits = (st.st_mode >> shift) & 7
+            is_dir = stat.S_ISDIR(st.st_mode)
+            read = 4 | (1 if is_dir else 0)  # a directory is listed and entered: r and x
+            owner = f"the source is uid {st.st_uid}'s, mode {stat.S_IMODE(st.st_mode):04o}"
+            if bits & read != read:
+                self.notes.append(f"{WARNING_PREFIX}the bind of {bind.source} at {bind.dest} may not be readable by "
+                                  f"the sandbox: it runs as the per-run uid {uid}, and {owner}; make it readable for "
+                                  f"others (chmod o+r{'x' if is_dir else ''}), or give it to that uid for the run")
+            elif bind.writable and not bits & 2:
+                self.notes.append(f"{WARNING_PREFIX}the writable bind of {bind.source} at {bind.dest} cannot be "
+                                  f"written by the sandbox: it runs as the per-run uid {uid}, and {owner}; make "
+                                  "it writable for others (or give it to that uid for the run), or bind it read-only")
 
     def _workspace_model(self) -> _cow.CowSupport:
         """Copy-on-write overlay (``self.cow``) or hand-over; refuses what the hand-over cannot do."""

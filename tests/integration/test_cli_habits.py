@@ -413,6 +413,29 @@ def test_a_writable_bind_the_sandbox_cannot_write_says_so(who: pwd.struct_passwd
     assert (d / "w").exists()
 
 
+def test_a_bind_the_sandbox_cannot_read_says_so(who: pwd.struct_passwd | None, base: Path, scratch: Path) -> None:
+    """``--ro DIR:/data`` of a root caller's 0700 directory: bwrap binds it (the mount needs only
+    its path) and the per-run uid's reads failed with EACCES, nothing said why. Now a warning
+    names the uid, the owner and the mode; the control, the same directory 0755, reads with no
+    warning. An unprivileged caller's sandbox runs as itself, the owner: no warning."""
+    d = scratch / "ro"
+    d.mkdir(mode=0o700)
+    d.chmod(0o700)
+    (d / "f").write_text("data\n")
+    (d / "f").chmod(0o644)
+    if who is not None:
+        os.chown(d, who.pw_uid, who.pw_gid)
+        os.chown(d / "f", who.pw_uid, who.pw_gid)
+    proc = cli(who, base, "run", "--rm", "--ro", f"{d}:/data", "--", "cat", "/data/f")
+    if who is None:
+        assert proc.returncode == 1 and b"Permission denied" in proc.stderr, proc.stderr
+        assert b"warning: the bind of" in proc.stderr and b"may not be readable" in proc.stderr, proc.stderr
+        assert b"mode 0700" in proc.stderr and b"chmod o+rx" in proc.stderr, proc.stderr
+        d.chmod(0o755)
+        proc = cli(who, base, "run", "--rm", "--ro", f"{d}:/data", "--", "cat", "/data/f")
+    assert proc.returncode == 0 and proc.stdout == b"data\n" and b"warning" not in proc.stderr, proc.stderr
+
+
 def test_a_path_out_of_this_users_reach_is_not_called_missing(who: pwd.struct_passwd | None, base: Path) -> None:
     """``--workspace``, ``--input``, ``--record`` and ``cleanup --workspace`` of a path behind a
     directory this user cannot search said "does not exist" (the real error was EACCES). Now

@@ -246,6 +246,10 @@ def test_rootfs_directory_without_an_image(tmp_path: pathlib.Path) -> None:
         os.unlink(tree / "etc" / "group")
         with pytest.raises(lowlevel.PolicyError, match="no regular file etc/group.*touch"):
             lowlevel.run(["/bin/true"], policy=lowlevel.Policy(rootfs=str(tree)))  # checked at plan time
+        os.unlink(tree / "etc" / "passwd")  # both missing: one message names both, one touch fixes them
+        with pytest.raises(lowlevel.PolicyError, match="no regular file etc/passwd and etc/group.*touch "
+                           f"{tree}/etc/passwd {tree}/etc/group"):
+            lowlevel.run(["/bin/true"], policy=lowlevel.Policy(rootfs=str(tree)))
     finally:
         shutil.rmtree(tree.parent, ignore_errors=True)
     with pytest.raises(lowlevel.PolicyError, match="host's root directory"):
