@@ -145,7 +145,7 @@ class Core(WorkspaceGate):
                  inputs: Sequence[str | os.PathLike[str]], idle_timeout: float | None,
                  total_timeout: float | None, workspace_base: str | None, bwrap: str | None,
                  track_changes: bool, allow_sensitive_workspace: bool = False,
-                 commit: bool | str = True) -> None:
+                 commit: bool | str = True, keep_workspace: bool = True) -> None:
         policy = _check_session_args(policy, idle_timeout, total_timeout)
         self.policy = policy
         self.track_changes = track_changes
@@ -166,7 +166,7 @@ class Core(WorkspaceGate):
         self.landlock_abi = 0
         self.run = Run(RunRequest(argv, workspace=workspace, inputs=inputs, timeout=None,
                                   workspace_base=workspace_base, allow_sensitive_workspace=allow_sensitive_workspace,
-                                  commit=commit),
+                                  commit=commit, keep_workspace=keep_workspace),
                        policy=self.sandbox_policy, bwrap=bwrap,
                        extra_fds={proto.SOCK_FD: child.fileno(), proto.EXE_FD: proto.init_fd(exe)}, guard=False,
                        one_shot=False)
@@ -733,10 +733,26 @@ class Core(WorkspaceGate):
             try:
                 self.sock.close()
             finally:
-                self.run.close()
+                try:
+                    self.run.close()
+                finally:
+                    self._drop_fresh_workspace()
         err, self.run.close_error = self.run.close_error, None
         if err is not None:
             raise err
+
+
+    def _drop_fresh_workspace(self) -> None:
+        """``keep_workspace=False``: remove the session's fresh workspace once its sandbox is gone
+        (named ``rm-...``: ``lowlevel cleanup`` removes it if this process dies first). A failure
+        is logged, never raised over the close's own outcome."""
+        run = self.run
+        if run.keep_workspace or not run.owns_workspace or not run.workspace or not os.path.lexists(run.workspace):
+            return
+        try:
+            _ws.remove_workspace(run.workspace)
+        except (OSError, LowlevelError) as err:
+            log.warning("lowlevel: keep_workspace=False: cannot remove %s: %s", run.workspace, err)
 
 
 def close_on_exit(close: Callable[[], None], exc: BaseException | None) -> None:

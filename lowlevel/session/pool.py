@@ -68,13 +68,18 @@ class Pool:
         template: a directory every call starts from: each sandbox gets a fresh copy-on-write
             overlay over it (nothing is copied; the directory is never written: calls' changes
             are reported and discarded). Needs the overlay (UnsupportedError otherwise).
+        keep_workspace: keep each call's fresh workspace (default, as :func:`lowlevel.run`);
+            False: a call's changes are reported in ``Result.changes`` and not committed, and
+            its workspace is removed when its sandbox is torn down (named ``rm-...`` meanwhile,
+            so ``lowlevel cleanup`` removes it if this process dies first). Ignored with
+            ``template`` (which has no workspace of its own to keep).
     Raises:
         PolicyError: a bad argument. The first sandbox's start errors surface on the first call.
     """
 
     def __init__(self, policy: Policy | None = None, *, size: int = 2, workspace_base: str | None = None,
                  bwrap: str | None = None, track_changes: bool = True,
-                 template: str | os.PathLike[str] | None = None) -> None:
+                 template: str | os.PathLike[str] | None = None, keep_workspace: bool = True) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_SIZE:
             raise PolicyError(f"Pool size must be an int from 1 to {MAX_SIZE}, got {size!r}: each one is a live "
                               "sandbox (five processes, a per-run uid); hold more with Sessions of your own")
@@ -83,8 +88,13 @@ class Pool:
         self.template = None if template is None else os.fspath(template)
         self._kwargs: dict[str, Any] = {"workspace_base": workspace_base, "bwrap": bwrap,
                                         "track_changes": track_changes}
+        if not isinstance(keep_workspace, bool):
+            raise PolicyError(f"keep_workspace must be a bool, got {keep_workspace!r}")
+        self.keep_workspace = keep_workspace or self.template is not None
         if self.template is not None:
             self._kwargs.update(workspace=self.template, commit=False, track_changes=False)
+        elif not keep_workspace:
+            self._kwargs.update(commit=False, keep_workspace=False)
         self._ready: collections.deque[Session] = collections.deque()
         self._retired: collections.deque[Session] = collections.deque()
         #: Sandboxes the starter is bringing up / the reaper is tearing down now / calls waiting
@@ -267,6 +277,10 @@ class Pool:
                            track_changes=False if s._core.run.cow else None)
             if self.template is not None:
                 result.changes = s.diff()  # reported; the template is never written
+            elif not self.keep_workspace:
+                if s._core.run.cow:
+                    result.changes = s.diff()  # reported, not committed: the workspace goes with the sandbox
+                result.notes = (*result.notes, "workspace removed after the call (keep_workspace=False)")
             elif s._core.run.cow:
                 # The Result is final when it is returned: the call's changes are in its workspace.
                 # No fresh layer after it (the sandbox runs nothing more): no anchor RESET round trip.

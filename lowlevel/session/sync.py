@@ -105,6 +105,9 @@ class Session:
             layer of a copy-on-write overlay; the commands write into a bounded upper layer):
             True (default) applies them to the directory, False drops them. :meth:`commit`,
             :meth:`reset` and :meth:`diff` act on them while the session lives.
+        keep_workspace: keep a fresh workspace after :meth:`close` (default, as
+            :func:`lowlevel.run`); False removes it once the sandbox is gone (not with
+            ``workspace``: lowlevel never deletes your directory; PolicyError).
     Raises:
         PolicyError, WorkspaceError, LaunchError, UnsupportedError: as :func:`lowlevel.run`,
             for the sandbox's start; UnsupportedError(feature="session-init") when the init
@@ -119,11 +122,12 @@ class Session:
                  inputs: Sequence[str | os.PathLike[str]] = (), idle_timeout: float | None = None,
                  total_timeout: float | None = None, workspace_base: str | None = None,
                  track_changes: bool = False, bwrap: str | None = None,
-                 allow_sensitive_workspace: bool = False, commit: bool | str = True) -> None:
+                 allow_sensitive_workspace: bool = False, commit: bool | str = True,
+                 keep_workspace: bool = True) -> None:
         self._core = Core(policy, workspace=workspace, inputs=inputs, idle_timeout=idle_timeout,
                            total_timeout=total_timeout, workspace_base=workspace_base, bwrap=bwrap,
                            track_changes=track_changes, allow_sensitive_workspace=allow_sensitive_workspace,
-                           commit=commit)
+                           commit=commit, keep_workspace=keep_workspace)
         self._io_lock = threading.Lock()
         self._cond = threading.Condition(threading.Lock())
         self._handles: list[Process] = []
