@@ -22,7 +22,8 @@ from lowlevel.host.fd_limit import FD_EXHAUSTED, open_files_hint  # imported now
 from lowlevel.sandbox.failures import ExecError, classify_setup_failure
 from lowlevel.sandbox.result import Result
 from lowlevel.spec.egress import DEFAULT_PORTS, DEFAULT_TLS_PORTS, Egress
-from lowlevel.spec.limits import CPU_QUOTA_FALLBACK_NOTE, VERDICT_NOTE_PREFIXES, Limits
+from lowlevel.spec.limits import (CPU_QUOTA_FALLBACK_NOTE, MEMORY_FALLBACK_NOTE, PIDS_FALLBACK_NOTE,
+                                  VERDICT_NOTE_PREFIXES, Limits)
 from lowlevel.spec.policy import Bind, Policy
 from lowlevel.spec.report import RECORD_NOT_WRITTEN, WARNING_PREFIX
 
@@ -206,6 +207,14 @@ def _report(args: argparse.Namespace, result: Result) -> int:
         elif note == CPU_QUOTA_FALLBACK_NOTE and args.cpus is not None:
             print(f"lowlevel: warning: --cpus {args.cpus:g}: {note}; --cpu SECONDS (RLIMIT_CPU) still bounds "
                   "CPU time", file=sys.stderr)
+        elif note == MEMORY_FALLBACK_NOTE and args.memory is not None:
+            # Asked for on the command line and weaker than asked: said, as --cpus is (an
+            # unprivileged caller without a writable memory cgroup got a bare MemoryError).
+            print(f"lowlevel: warning: --memory {args.memory}: no writable memory cgroup here: it is RLIMIT_DATA "
+                  "per process (an allocation past it fails with ENOMEM/MemoryError; files in /tmp, /dev/shm "
+                  "and the sum over processes are not bounded by it); --json notes say more", file=sys.stderr)
+        elif note == PIDS_FALLBACK_NOTE and args.pids is not None:
+            print(f"lowlevel: warning: --pids {args.pids}: {note}", file=sys.stderr)
     if args.json:
         with reader_may_leave():
             print_json(result.to_json(), last=("argv",))

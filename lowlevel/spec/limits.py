@@ -345,10 +345,14 @@ def memory_kill_note(limits: Limits, killed: str | None = None, *, session: bool
         return (f"{what} ({limit}); files in /workspace, /tmp and /dev/shm are RAM and count against it "
                 "(tmp_size_bytes=None leaves /tmp and /dev/shm unbounded)")
     if mem is not None and mem <= tmpfs:
-        return (f"{what} ({limit}, at most the tmpfs bounds of {tmpfs} bytes: workspace_bytes + 2 x "
-                "tmp_size_bytes); files in /workspace, /tmp and /dev/shm are RAM and count against it, so a "
-                "large write can meet the memory limit before ENOSPC: give memory_bytes more than "
-                f"{tmpfs} bytes plus what the program needs")
+        # The program's own memory first: most kills are that (an allocation), and the tmpfs
+        # advice is for the other case, a large write (the new-user pass read it as "raise
+        # memory_bytes to 1.5 GiB" for a heap allocation).
+        return (f"{what} ({limit}): the program's memory, with any files it wrote in /workspace, /tmp and "
+                "/dev/shm (RAM, counted against the same limit), went past it. If those files were large: "
+                f"the tmpfs bounds allow up to {tmpfs} bytes (workspace_bytes + 2 x tmp_size_bytes), more than "
+                "memory_bytes, so a large write meets the memory limit before ENOSPC; give memory_bytes more "
+                f"than {tmpfs} bytes plus what the program needs, or lower those bounds")
     return (f"{what} ({limit}, of which the tmpfs bounds take up to {tmpfs} bytes: workspace_bytes + 2 x "
             "tmp_size_bytes; files there are RAM and count against it)")
 

@@ -258,6 +258,23 @@ def test_cpus_is_cgroup_bandwidth_or_says_it_is_not_enforced(who: pwd.struct_pas
     assert "RLIMIT_CPU" in doc["limits_enforced"]
 
 
+def test_memory_and_pids_say_when_they_are_rlimits(who: pwd.struct_passwd | None, base: Path) -> None:
+    """``--memory``/``--pids`` without a writable cgroup (an unprivileged caller here) are rlimits
+    per process: the run said so only in --json's notes (a bare MemoryError, "Cannot fork").
+    Now one warning line each, as --cpus has; where the cgroup enforces them (root), none."""
+    proc = cli(who, base, "run", "--rm", "--json", "--memory", "256M", "--pids", "64", "--", "true")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    plain = cli(who, base, "run", "--rm", "--memory", "256M", "--pids", "64", "--", "true")
+    assert plain.returncode == 0, plain.stderr
+    for limit, option in (("memory", b"--memory 268435456: no writable memory cgroup here"),
+                          ("pids", b"--pids 64: pids is RLIMIT_NPROC here")):
+        if f"cgroup:{limit}" in doc["limits_enforced"]:
+            assert option not in plain.stderr, plain.stderr  # the control: the cgroup enforces it
+        else:
+            assert plain.stderr.count(option) == 1, plain.stderr
+
+
 def test_json_puts_argv_last(who: pwd.struct_passwd | None, base: Path) -> None:
     proc = cli(who, base, "run", "--rm", "--json", "--", "echo", "hi")
     assert proc.returncode == 0, proc.stderr
