@@ -75,6 +75,7 @@ from lowlevel.spec.policy import WORKSPACE_DEST, Bind, Policy
 from lowlevel.spec.report import bytes_fields, display, json_safe
 from lowlevel.mcp_server.config import ServerConfig
 from lowlevel.sandbox.result import Result
+from lowlevel.units import duration_seconds, size_bytes
 
 log = logging.getLogger("lowlevel")
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -250,11 +251,19 @@ class Tools:
         return Policy(network=net, binds=cfg.binds + tuple(extra), limits=new_limits,
                       deterministic=cfg.deterministic)
 
-    def _policy_and_timeout(self, network: bool, binds: list[str] | None, memory_bytes: int | None,
-                            cpu_s: float | None, pids: int | None, timeout_s: float | None,
+    def _policy_and_timeout(self, network: bool, binds: list[str] | None, memory_bytes: int | str | None,
+                            cpu_s: float | str | None, pids: int | None, timeout_s: float | str | None,
                             clamped: list[str], allow_hosts: list[str] | None = None) -> tuple[Policy, float]:
         """The request's Policy and timeout, both bounded by the operator's config (what was
-        cut is appended to ``clamped``)."""
+        cut is appended to ``clamped``). ``memory_bytes`` may be a size string (``"128M"``) and
+        ``cpu_s``/``timeout_s`` duration strings (``"30s"``, ``"2m"``): the CLI's syntax, as in
+        the config file (:mod:`lowlevel.units`; a bad one is one PolicyError line)."""
+        if isinstance(memory_bytes, str):
+            memory_bytes = size_bytes(memory_bytes, "memory_bytes")
+        if isinstance(cpu_s, str):
+            cpu_s = duration_seconds(cpu_s, "cpu_s")
+        if isinstance(timeout_s, str):
+            timeout_s = duration_seconds(timeout_s, "timeout_s")
         policy = self.policy_for(network=network, binds=list(binds or ()), memory_bytes=memory_bytes,
                                  cpu_s=cpu_s, pids=pids, clamped=clamped, allow_hosts=allow_hosts)
         if timeout_s is None:
@@ -264,8 +273,8 @@ class Tools:
             timeout = _clamp("timeout_s", timeout_s, self.config.max_timeout_s, clamped)
         return policy, timeout
 
-    def run(self, command: list[str], *, workspace: str | None = None, timeout_s: float | None = None,
-            memory_bytes: int | None = None, cpu_s: float | None = None, pids: int | None = None,
+    def run(self, command: list[str], *, workspace: str | None = None, timeout_s: float | str | None = None,
+            memory_bytes: int | str | None = None, cpu_s: float | str | None = None, pids: int | None = None,
             network: bool = False, binds: list[str] | None = None, stdin: str | None = None,
             env: dict[str, str] | None = None, cwd: str | None = None,
             allow_hosts: list[str] | None = None) -> dict[str, Any]:
@@ -308,8 +317,9 @@ class Tools:
             except (OSError, LowlevelError) as err:
                 log.warning("lowlevel: mcp: cannot remove workspace %s: %s", name, err)
 
-    def run_in_session(self, session: str, command: list[str], *, timeout_s: float | None = None,
-                       memory_bytes: int | None = None, cpu_s: float | None = None, pids: int | None = None,
+    def run_in_session(self, session: str, command: list[str], *, timeout_s: float | str | None = None,
+                       memory_bytes: int | str | None = None, cpu_s: float | str | None = None,
+                       pids: int | None = None,
                        network: bool = False, binds: list[str] | None = None, stdin: str | None = None,
                        env: dict[str, str] | None = None, cwd: str | None = None,
                        allow_hosts: list[str] | None = None) -> dict[str, Any]:
@@ -616,8 +626,8 @@ def _run_tools(server: Any, tools: Tools, context: Any, tool_error: type[Excepti
 
     @_tool(server)
     @with_context
-    async def run(command: list[str], workspace: str | None = None, timeout_s: float | None = None,
-                  memory_bytes: int | None = None, cpu_s: float | None = None, pids: int | None = None,
+    async def run(command: list[str], workspace: str | None = None, timeout_s: float | str | None = None,
+                  memory_bytes: int | str | None = None, cpu_s: float | str | None = None, pids: int | None = None,
                   network: bool = False, binds: list[str] | None = None, stdin: str | None = None,
                   env: dict[str, str] | None = None, cwd: str | None = None,
                   allow_hosts: list[str] | None = None, ctx: Any = None) -> dict[str, Any]:
@@ -625,14 +635,14 @@ def _run_tools(server: Any, tools: Tools, context: Any, tool_error: type[Excepti
 
         workspace: name of a workspace filled with write_file (default: a fresh empty one; its
         name is returned, and it is removed a while after the call). cwd: working directory
-        (absolute, or relative to /workspace). timeout_s, memory_bytes, cpu_s, pids: limits,
-        clamped to the operator's ceilings (what was cut is listed in "clamped"). network (the
-        host network), binds: requests the operator may refuse. allow_hosts: narrow the
-        operator's egress allowlist to these host patterns ([] for no network); programs reach
-        allowed hosts through HTTP_PROXY/HTTPS_PROXY. Returns exit_code, term_signal, killed_by,
-        timed_out, stdout, stderr (truncated, with stdout_truncated/stderr_truncated),
-        wall_time_s, workspace, and with egress "network" (each connection attempt and why it
-        was allowed or refused).
+        (absolute, or relative to /workspace). timeout_s, memory_bytes, cpu_s, pids: limits
+        (sizes and durations as numbers or as "128M", "30s"), clamped to the operator's
+        ceilings (what was cut is listed in "clamped"). network (the host network), binds:
+        requests the operator may refuse. allow_hosts: narrow the operator's egress allowlist
+        to these host patterns ([] for no network); programs reach allowed hosts through
+        HTTP_PROXY/HTTPS_PROXY. Returns exit_code, term_signal, killed_by, timed_out, stdout,
+        stderr (truncated, with stdout_truncated/stderr_truncated), wall_time_s, workspace,
+        and with egress "network" (each connection attempt and why it was allowed or refused).
         """
         return await _call_with_progress(tool_error, ctx, tools.run, command, workspace=workspace, timeout_s=timeout_s,
                           memory_bytes=memory_bytes, cpu_s=cpu_s, pids=pids, network=network,
@@ -640,8 +650,9 @@ def _run_tools(server: Any, tools: Tools, context: Any, tool_error: type[Excepti
 
     @_tool(server)
     @with_context
-    async def run_in_session(session: str, command: list[str], timeout_s: float | None = None,
-                             memory_bytes: int | None = None, cpu_s: float | None = None, pids: int | None = None,
+    async def run_in_session(session: str, command: list[str], timeout_s: float | str | None = None,
+                             memory_bytes: int | str | None = None, cpu_s: float | str | None = None,
+                             pids: int | None = None,
                              network: bool = False, binds: list[str] | None = None, stdin: str | None = None,
                              env: dict[str, str] | None = None, cwd: str | None = None,
                              allow_hosts: list[str] | None = None, ctx: Any = None) -> dict[str, Any]:

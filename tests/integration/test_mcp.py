@@ -90,6 +90,14 @@ def test_mcp_client_lists_tools_runs_and_is_refused_widening(base: Any) -> None:
                 # Timeout: killed_by comes back.
                 res = await session.call_tool("run", {"command": ["sleep", "30"], "timeout_s": 0.5})
                 assert _payload(res)["killed_by"] == "timeout"
+                # Sizes and durations in the CLI's syntax, as in the config file (a pydantic
+                # int_parsing error before); a bad one is one line naming the argument.
+                res = await session.call_tool("run", {"command": ["sleep", "30"], "timeout_s": "500ms",
+                                                      "memory_bytes": "100M", "cpu_s": "1m"})
+                assert _payload(res)["killed_by"] == "timeout"
+                res = await session.call_tool("run", {"command": ["true"], "memory_bytes": "lots"})
+                assert (res.is_error if hasattr(res, "is_error") else res.isError)
+                assert "memory_bytes: invalid size 'lots'" in _text(res) and "pydantic" not in _text(res)
 
                 # Widening refused: network, and a bind the operator did not allow.
                 res = await session.call_tool("run", {"command": ["true"], "network": True})
