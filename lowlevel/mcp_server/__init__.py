@@ -88,6 +88,11 @@ RUN_PREFIX = "run-"
 #: Seconds between two ``notifications/progress`` of a running ``run``/``run_in_session`` call.
 PROGRESS_INTERVAL_S = 5.0
 
+#: Paths listed per kind (added, modified, deleted) in a result's ``changes``; past it
+#: ``changes.truncated`` is true (``list_files`` lists the workspace, bounded by max_output_bytes).
+MAX_CHANGES_LISTED = 200
+
+
 def _clamp(name: str, asked: float | None, ceiling: float | None, clamped: list[str]) -> Any:
     if asked is None:
         return ceiling
@@ -421,6 +426,15 @@ class Tools:
             out["notes"] = why
         if result.network is not None:
             out["network"] = [dataclasses.asdict(a) for a in result.network]
+        changes = result.changes
+        if changes is not None and (changes.added or changes.modified or changes.deleted):
+            # What the command wrote, so a client need not list_files to find it; bounded like
+            # the output (MAX_CHANGES_LISTED paths per kind; workspace-relative paths only).
+            listed: dict[str, Any] = {kind: list(getattr(changes, kind)[:MAX_CHANGES_LISTED])
+                                      for kind in ("added", "modified", "deleted")}
+            listed["truncated"] = not changes.complete or any(
+                len(getattr(changes, kind)) > MAX_CHANGES_LISTED for kind in ("added", "modified", "deleted"))
+            out["changes"] = listed
         safe: dict[str, Any] = json_safe(out)
         return safe
 
@@ -642,7 +656,8 @@ def _run_tools(server: Any, tools: Tools, context: Any, tool_error: type[Excepti
         to these host patterns ([] for no network); programs reach allowed hosts through
         HTTP_PROXY/HTTPS_PROXY. Returns exit_code, term_signal, killed_by, timed_out, stdout,
         stderr (truncated, with stdout_truncated/stderr_truncated), wall_time_s, workspace,
-        and with egress "network" (each connection attempt and why it was allowed or refused).
+        and with egress "network" (each connection attempt and why it was allowed or refused);
+        "changes": the paths the command added, modified, deleted (at most 200 each, truncated).
         """
         return await _call_with_progress(tool_error, ctx, tools.run, command, workspace=workspace, timeout_s=timeout_s,
                           memory_bytes=memory_bytes, cpu_s=cpu_s, pids=pids, network=network,

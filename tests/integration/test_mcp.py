@@ -82,6 +82,7 @@ def test_mcp_client_lists_tools_runs_and_is_refused_widening(base: Any) -> None:
                                                       "workspace": "w1", "timeout_s": 999})
                 out = _payload(res)
                 assert out["exit_code"] == 0 and any("timeout_s" in c for c in out["clamped"])
+                assert out["changes"] == {"added": ["out.txt"], "modified": [], "deleted": [], "truncated": False}
                 res = await session.call_tool("read_file", {"workspace": "w1", "path": "out.txt"})
                 assert _payload(res)["content"] == "ABC"
                 res = await session.call_tool("list_files", {"workspace": "w1"})

@@ -126,7 +126,8 @@ def test_read_file_encoding_validated(tools: Tools) -> None:
 def test_bad_argument_types_are_policy_errors(tools: Tools) -> None:
     for kwargs in ({"command": "ls"}, {"command": ["ls", "a\0b"]}, {"command": ["ls"], "binds": ["/tmp\0x"]},
                    {"command": ["ls"], "stdin": "\ud800"}, {"command": ["ls"], "env": {"A": "1\0B"}},
-                   {"command": ["ls"], "timeout_s": "5"}, {"command": ["ls"], "workspace": "a\n"}):
+                   {"command": ["ls"], "timeout_s": "five"}, {"command": ["ls"], "memory_bytes": [1]},
+                   {"command": ["ls"], "workspace": "a\n"}):
         with pytest.raises(PolicyError):
             tools.run(**kwargs)  # type: ignore[arg-type]
     with pytest.raises(PolicyError):
