@@ -45,8 +45,12 @@ Root only (it runs the unprivileged half through setpriv(1) as ``--user``, defau
      workspaces (kept after use by design; each checked as a workspace whose old state is
      empty); the disk uppers' directory (``$LOWLEVEL_UPPER_DIR``, per trial) is empty;
    - the caller: exit by the signal sent (or by SystemExit 143 after SIGTERM), or 0 when it had
-     finished before the instant came; anything else (a traceback) is an anomaly;
-   - ``lowlevel cleanup`` exits 0 (nothing stayed).
+     finished before the instant came; anything else is an anomaly, and so is a traceback on
+     its stderr (the handler's SystemExit prints none: one is an error while unwinding);
+   - a caller that unwound (exit 143) left ``lowlevel cleanup`` nothing to remove (what only a
+     SIGKILL may leave: run cgroups, records, commit temporaries);
+   - ``lowlevel cleanup`` exits 0 (nothing stayed); a ``conflict-*`` directory in the workspace
+     base (a commit refused as a conflict saved the run's changes there) is an anomaly too.
 
 Kinds (a caller-owned workspace, the default ``commit=True``):
 
@@ -339,6 +343,13 @@ def compare(now_full: dict[str, tuple[Any, ...]], old: dict[str, tuple[Any, ...]
     return out
 
 
+def _traceback_tail(stderr: str) -> str:
+    """The last exception lines of each traceback in ``stderr`` (the frames cut)."""
+    keep = [ln for ln in stderr.splitlines()
+            if ln and not ln.startswith(" ") and not ln.startswith("Traceback") or ln.startswith("  File")]
+    return "\n".join(keep[-12:])
+
+
 # ---------------------------------------------------------------------------- host scans
 
 def proc_table() -> dict[int, tuple[int, str]]:
@@ -596,8 +607,12 @@ class Campaign:
         stderr = _read(os.path.join(tdir, "stderr")).strip()
         if stderr:
             out["stderr"] = stderr[-500:]
+            out["stderr_tail"] = _traceback_tail(stderr)[-1500:] if "Traceback" in stderr else ""
         if rc not in expected_rc:
             find.append({"what": "caller_exit", "rc": rc, "expected": expected_rc, "stderr": stderr[-1500:]})
+        elif "Traceback (most recent call last)" in stderr or "Exception ignored in" in stderr:
+            # The SIGTERM handler's SystemExit prints nothing: a traceback is an error while unwinding.
+            find.append({"what": "caller_traceback", "rc": rc, "stderr": _traceback_tail(stderr)})
         needles = [self.root.encode(), marker.encode()]
         # What the caller started: give it GRACE_S to go by itself.
         deadline = time.monotonic() + GRACE_S
@@ -624,6 +639,11 @@ class Campaign:
         except ValueError:
             report = {"unparsed": clean.stdout.decode(errors="replace")[-1500:]}
         out["cleanup"] = {"rc": clean.returncode, "report": report}
+        removed = report.get("removed", []) if isinstance(report, dict) else []
+        if rc == 128 + signal.SIGTERM and removed:
+            # The caller unwound (its handler's SystemExit ran the library's finally blocks) and
+            # still left cleanup something: what only a SIGKILL should leave.
+            find.append({"what": "unwound_but_left", "removed": removed})
         if clean.returncode != 0:
             find.append({"what": "cleanup_rc", "rc": clean.returncode,
                          "stdout": clean.stdout.decode(errors="replace")[-2000:],
@@ -944,6 +964,7 @@ def main() -> int:
                       f"{s['cleanup_removed']} (after SIGTERM: {s['sigterm_cleanup_removed']}), anomalies "
                       f"{s['anomalies']} {s['anomalies_by_what']}", flush=True)
     if args.replay is not None:
+        print(f"kept: {root}", flush=True)
         return 1 if any(t["findings"] for t in results) else 0
     summary = {}
     for key in dict.fromkeys(t["key"] for t in results):
