@@ -34,10 +34,14 @@ Root only (it runs the unprivileged half through setpriv(1) as ``--user``, defau
      killed command had written so far: documented, counted as ``partial``);
    - processes: none left among this process's descendants, nor anywhere whose command line
      names the campaign directory or the trial's marker (the sandboxed program's last argument);
-   - mounts: no new line naming the campaign directory or ``lowlevel`` in /proc/self/mountinfo
-     and /proc/1/mountinfo (against the lines there before the campaign);
+   - mounts: no new line naming the campaign directory or /run/lowlevel in /proc/self/mountinfo
+     and /proc/1/mountinfo (against the lines there before the campaign; other new lines
+     naming ``lowlevel`` are another user's, counted as ``foreign_mounts``);
    - cgroups: no ``<...>/lowlevel/[run-]<caller pid>-*`` directory in any cgroup hierarchy;
    - loop devices: none whose ``/sys/block/loop*/loop/backing_file`` is under the campaign dir;
+   - cleanup: only what names the caller's pid or lies in the campaign dir counts as the
+     trial's (cleanup also sweeps the shared cgroup bases for any dead pid's empty run cgroups:
+     counted as ``cleanup_foreign_removed``);
    - records: no run record of the caller's pid in ``$LOWLEVEL_RECORD_DIR``, no hand-over journal
      of it in /run/lowlevel/handover;
    - the workspace base (``$LOWLEVEL_WORKSPACE_BASE``, per trial) holds nothing but an empty
@@ -549,6 +553,11 @@ class Campaign:
                                              ident.uid, self.scratch)
         return self._states[key]
 
+    def ours(self, item: dict[str, Any], caller_pid: int) -> bool:
+        """Whether a leftover ``lowlevel cleanup`` reports is this trial's caller's."""
+        path = str(item.get("path", ""))
+        return bool(re.match(rf"^(run-)?{caller_pid}-", os.path.basename(path))) or path.startswith(self.root + "/")
+
     def trial(self, kind: str, ident: Identity, trial_seed: int | None, scale: float,
               keep: bool = False) -> dict[str, Any]:
         """One trial; ``trial_seed`` None: the control (no kill)."""
@@ -572,7 +581,7 @@ class Campaign:
                                 stdout=logs["stdout"], stderr=logs["stderr"])
         for f in logs.values():
             f.close()
-        caller_pid = proc.pid
+        caller_pid = out["caller_pid"] = proc.pid
         if instant is not None:
             time.sleep(max(0.0, t0 + instant - time.monotonic()))
             kill_at = time.monotonic()
@@ -610,6 +619,11 @@ class Campaign:
             out["stderr_tail"] = _traceback_tail(stderr)[-1500:] if "Traceback" in stderr else ""
         if rc not in expected_rc:
             find.append({"what": "caller_exit", "rc": rc, "expected": expected_rc, "stderr": stderr[-1500:]})
+        elif out["phase"] == "done" and re.fullmatch(r"Exception ignored in atexit callback: .*SystemExit: 143",
+                                                     stderr, re.S):
+            # SIGTERM after the caller's last line: the handler's SystemExit cut lowlevel's exit
+            # drain (lowlevel.host.later), whose items are what a SIGKILL leaves for cleanup.
+            out["sigterm_in_atexit"] = True
         elif "Traceback (most recent call last)" in stderr or "Exception ignored in" in stderr:
             # The SIGTERM handler's SystemExit prints nothing: a traceback is an error while unwinding.
             find.append({"what": "caller_traceback", "rc": rc, "stderr": _traceback_tail(stderr)})
@@ -638,14 +652,23 @@ class Campaign:
             report = json.loads(clean.stdout)
         except ValueError:
             report = {"unparsed": clean.stdout.decode(errors="replace")[-1500:]}
-        out["cleanup"] = {"rc": clean.returncode, "report": report}
-        removed = report.get("removed", []) if isinstance(report, dict) else []
-        if rc == 128 + signal.SIGTERM and removed:
+        # cleanup also sweeps the host's shared cgroup bases (``/sys/fs/cgroup/pids/lowlevel``...)
+        # for the empty run cgroups of any dead pid, another user's killed callers included:
+        # only what names this caller's pid or lies in the campaign dir is the trial's.
+        removed_all = report.get("removed", []) if isinstance(report, dict) else []
+        removed = [i for i in removed_all if isinstance(i, dict) and self.ours(i, caller_pid)]
+        out["cleanup"] = {"rc": clean.returncode, "removed": removed,
+                          "foreign_removed": len(removed_all) - len(removed),
+                          "found": report.get("found", []) if isinstance(report, dict) else report,
+                          "problems": report.get("problems", []) if isinstance(report, dict) else []}
+        if rc == 128 + signal.SIGTERM and removed and not out.get("sigterm_in_atexit"):
             # The caller unwound (its handler's SystemExit ran the library's finally blocks) and
             # still left cleanup something: what only a SIGKILL should leave.
             find.append({"what": "unwound_but_left", "removed": removed})
-        if clean.returncode != 0:
-            find.append({"what": "cleanup_rc", "rc": clean.returncode,
+        problems = out["cleanup"]["problems"]
+        mine = [p for p in problems if self.root in str(p) or re.search(rf"\b(run-)?{caller_pid}-", str(p))]
+        if clean.returncode != 0 and (mine or not problems):
+            find.append({"what": "cleanup_rc", "rc": clean.returncode, "problems": mine,
                          "stdout": clean.stdout.decode(errors="replace")[-2000:],
                          "stderr": clean.stderr.decode(errors="replace")[-1000:]})
         deadline = time.monotonic() + 2.0
@@ -660,9 +683,14 @@ class Campaign:
         loops = loop_devices(self.root)
         if loops:
             find.append({"what": "loop_devices_after_cleanup", "devices": loops})
+        # Our runs mount only in their anchors' namespaces, on /run/lowlevel/mnt (root) or the
+        # base's .mnt (under the campaign dir): a host mount elsewhere naming lowlevel is another
+        # user's (the test suite's probe mounts in /tmp), counted apart.
         mounts = sorted(mount_lines() - self.mounts_before)
-        if mounts:
-            find.append({"what": "mounts", "lines": mounts})
+        ours = [ln for ln in mounts if self.root in ln or "/run/lowlevel" in ln]
+        out["foreign_mounts"] = len(mounts) - len(ours)
+        if ours:
+            find.append({"what": "mounts", "lines": ours})
         cgs = run_cgroups(caller_pid)
         if cgs:
             find.append({"what": "cgroups", "paths": cgs})
@@ -727,7 +755,8 @@ def summarize(trials: list[dict[str, Any]]) -> dict[str, Any]:
     s: dict[str, Any] = {"trials": len(trials), "SIGKILL": 0, "SIGTERM": 0, "finished_before_kill": 0,
                          "phases": {}, "ws_old": 0, "ws_new": 0, "ws_mixed": 0, "ws_partial": 0,
                          "records_before_cleanup": 0, "cgroups_before_cleanup": 0, "cleanup_removed": {},
-                         "sigterm_cleanup_removed": 0, "anomalies": 0, "anomalies_by_what": {}}
+                         "sigterm_cleanup_removed": 0, "cleanup_foreign_removed": 0, "anomalies": 0,
+                         "anomalies_by_what": {}}
     for t in trials:
         if t.get("finished_before_kill"):
             s["finished_before_kill"] += 1
@@ -739,9 +768,9 @@ def summarize(trials: list[dict[str, Any]]) -> dict[str, Any]:
             s["ws_partial"] += bool(w["parts"])
         s["records_before_cleanup"] += bool(t["records_before_cleanup"])
         s["cgroups_before_cleanup"] += bool(t["cgroups_before_cleanup"])
-        rep = t["cleanup"]["report"]
-        items = rep.get("removed", []) if isinstance(rep, dict) else []
-        for k in {item.get("kind", "?") if isinstance(item, dict) else "?" for item in items}:
+        items = t["cleanup"]["removed"]
+        s["cleanup_foreign_removed"] += t["cleanup"]["foreign_removed"]
+        for k in {item.get("kind", "?") for item in items}:
             s["cleanup_removed"][k] = s["cleanup_removed"].get(k, 0) + 1
         # A SIGTERMed caller unwinds (SystemExit): did it still leave cleanup something to do?
         s["sigterm_cleanup_removed"] += bool(items) and t["signal"] == "SIGTERM" and not t.get("finished_before_kill")
