@@ -50,7 +50,10 @@ Root only (it runs the unprivileged half through setpriv(1) as ``--user``, defau
      empty); the disk uppers' directory (``$LOWLEVEL_UPPER_DIR``, per trial) is empty;
    - the caller: exit by the signal sent (or by SystemExit 143 after SIGTERM), or 0 when it had
      finished before the instant came; anything else is an anomaly, and so is a traceback on
-     its stderr (the handler's SystemExit prints none: one is an error while unwinding);
+     its stderr (the handler's SystemExit prints none: one is an error while unwinding), but
+     for the SystemExit itself raised where Python ignores exceptions ("Exception ignored in":
+     an import's weakref callback, the interpreter's shutdown): Python drops it and the caller
+     goes on, exit 0 (counted as ``sigterm_swallowed``; the other checks apply);
    - a caller that unwound (exit 143) left ``lowlevel cleanup`` nothing to remove (what only a
      SIGKILL may leave: run cgroups, records, commit temporaries);
    - ``lowlevel cleanup`` exits 0 (nothing stayed); a ``conflict-*`` directory in the workspace
@@ -609,21 +612,24 @@ class Campaign:
         else:
             out["phase"] = "control"
         expected_rc: tuple[int, ...] = {None: (0,), signal.SIGKILL: (-9,), signal.SIGTERM: (-15, 143)}[sig]
+        stderr = _read(os.path.join(tdir, "stderr")).strip()
+        # The handler's SystemExit raised where the interpreter ignores exceptions ("Exception
+        # ignored in": an importlib weakref callback, threading._shutdown, an atexit callback such
+        # as lowlevel's exit drain, lowlevel.host.later, whose items are what a SIGKILL leaves for
+        # cleanup): Python drops it and the caller goes on. Counted; the checks still apply.
+        swallowed = sig == signal.SIGTERM and bool(re.fullmatch(r"Exception ignored in .*SystemExit: 143", stderr,
+                                                                 re.S))
         if out.get("finished_before_kill"):
             expected_rc = (0,)
-        elif out["phase"] == "done":  # the signal met the interpreter's shutdown: no handler runs then
+        elif out["phase"] == "done" or swallowed:  # no handler runs in the shutdown; or it was dropped
             expected_rc += (0,)
-        stderr = _read(os.path.join(tdir, "stderr")).strip()
         if stderr:
             out["stderr"] = stderr[-500:]
             out["stderr_tail"] = _traceback_tail(stderr)[-1500:] if "Traceback" in stderr else ""
         if rc not in expected_rc:
             find.append({"what": "caller_exit", "rc": rc, "expected": expected_rc, "stderr": stderr[-1500:]})
-        elif out["phase"] == "done" and re.fullmatch(r"Exception ignored in atexit callback: .*SystemExit: 143",
-                                                     stderr, re.S):
-            # SIGTERM after the caller's last line: the handler's SystemExit cut lowlevel's exit
-            # drain (lowlevel.host.later), whose items are what a SIGKILL leaves for cleanup.
-            out["sigterm_in_atexit"] = True
+        elif swallowed:
+            out["sigterm_swallowed"] = True
         elif "Traceback (most recent call last)" in stderr or "Exception ignored in" in stderr:
             # The SIGTERM handler's SystemExit prints nothing: a traceback is an error while unwinding.
             find.append({"what": "caller_traceback", "rc": rc, "stderr": _traceback_tail(stderr)})
@@ -661,7 +667,7 @@ class Campaign:
                           "foreign_removed": len(removed_all) - len(removed),
                           "found": report.get("found", []) if isinstance(report, dict) else report,
                           "problems": report.get("problems", []) if isinstance(report, dict) else []}
-        if rc == 128 + signal.SIGTERM and removed and not out.get("sigterm_in_atexit"):
+        if rc == 128 + signal.SIGTERM and removed and not out.get("sigterm_swallowed"):
             # The caller unwound (its handler's SystemExit ran the library's finally blocks) and
             # still left cleanup something: what only a SIGKILL should leave.
             find.append({"what": "unwound_but_left", "removed": removed})
@@ -755,7 +761,8 @@ def summarize(trials: list[dict[str, Any]]) -> dict[str, Any]:
     s: dict[str, Any] = {"trials": len(trials), "SIGKILL": 0, "SIGTERM": 0, "finished_before_kill": 0,
                          "phases": {}, "ws_old": 0, "ws_new": 0, "ws_mixed": 0, "ws_partial": 0,
                          "records_before_cleanup": 0, "cgroups_before_cleanup": 0, "cleanup_removed": {},
-                         "sigterm_cleanup_removed": 0, "cleanup_foreign_removed": 0, "anomalies": 0,
+                         "sigterm_cleanup_removed": 0, "cleanup_foreign_removed": 0, "sigterm_swallowed": 0,
+                         "anomalies": 0,
                          "anomalies_by_what": {}}
     for t in trials:
         if t.get("finished_before_kill"):
@@ -774,6 +781,7 @@ def summarize(trials: list[dict[str, Any]]) -> dict[str, Any]:
             s["cleanup_removed"][k] = s["cleanup_removed"].get(k, 0) + 1
         # A SIGTERMed caller unwinds (SystemExit): did it still leave cleanup something to do?
         s["sigterm_cleanup_removed"] += bool(items) and t["signal"] == "SIGTERM" and not t.get("finished_before_kill")
+        s["sigterm_swallowed"] += bool(t.get("sigterm_swallowed"))
         s["anomalies"] += bool(t["findings"])
         for what in {f.get("what", "?") for f in t["findings"]}:
             s["anomalies_by_what"][what] = s["anomalies_by_what"].get(what, 0) + 1
