@@ -339,7 +339,8 @@ async def _step(fn: Callable[[], None], abort: threading.Event | None = None) ->
         fn: the step, called in a pool thread.
         abort: set on cancellation, for a step of several parts to skip the rest.
     """
-    fut = asyncio.wrap_future(_submit(fn))
+    step = _submit(fn)
+    fut = asyncio.wrap_future(step)
     cancelled = False
     while not fut.done():
         try:
@@ -349,8 +350,20 @@ async def _step(fn: Callable[[], None], abort: threading.Event | None = None) ->
                 cancelled = True
                 if abort is not None:
                     abort.set()
-        except BaseException:  # noqa: BLE001 - the step's own error: re-raised by fut.result() below
-            break
+        except BaseException:
+            if fut.done():
+                break  # the step's own error: re-raised by fut.result() below
+            # From outside the step, which still runs: SystemExit or KeyboardInterrupt from a
+            # signal handler, GeneratorExit when a pending task's coroutine is closed. Wait for
+            # the step here, blocking (steps are bounded), so whatever it started is on the Run
+            # for the caller's cleanup, then let the exception go on. (It broke out before and
+            # fut.result() raised InvalidStateError over it: that Run was never closed, and its
+            # cgroup and record were left to `lowlevel cleanup`: bench/kill_campaign.py.)
+            if abort is not None:
+                abort.set()
+            concurrent.futures.wait([step])
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved" log
+            raise
     if cancelled:
         fut.exception()  # retrieved, so asyncio does not log it as never retrieved
         raise asyncio.CancelledError

@@ -386,3 +386,40 @@ def test_arun_kill_after_sends_sigterm_first() -> None:
     assert r.timed_out and r.exit_code != 7 and b"term" not in r.stdout, r
     with pytest.raises(lowlevel.PolicyError, match="kill_after"):
         asyncio.run(lowlevel.arun(["true"], kill_after=-1))
+
+
+@pytest.mark.parametrize("outside", [GeneratorExit, SystemExit])
+def test_a_step_interrupted_from_outside_is_waited_for(outside: type[BaseException]) -> None:
+    """A blocking step (the run's prepare/spawn in the shared executor) interrupted from outside
+    the step: the coroutine closed (a pending task destroyed) or a SystemExit thrown in (a
+    SIGTERM handler). The step used to be left running and ``fut.result()`` raised
+    InvalidStateError over the interrupt, so the Run was never closed (its cgroup and record
+    left to ``lowlevel cleanup``: bench/kill_campaign.py). Now the step is waited for, then the
+    interrupt itself goes on. Control: the step's own error still comes out as itself."""
+    from lowlevel.sandbox import aio
+
+    done = threading.Event()
+
+    def slow() -> None:
+        time.sleep(0.3)
+        done.set()
+
+    async def main() -> None:
+        coro = aio._step(slow)
+        coro.send(None)  # the step runs in a pool thread; the coroutine waits at its await
+        await asyncio.sleep(0.05)
+        assert not done.is_set()
+        if outside is GeneratorExit:
+            coro.close()  # as for a pending task's coroutine destroyed: no other exception
+        else:
+            with pytest.raises(SystemExit):
+                coro.throw(SystemExit(143))
+        assert done.is_set()  # the step ended before the interrupt went on
+
+        def fails() -> None:
+            raise OSError(5, "the step's own error")
+
+        with pytest.raises(OSError, match="the step's own error"):
+            await aio._step(fails)
+
+    asyncio.run(main())
