@@ -105,7 +105,11 @@ class Applier(FileApplier):
     def finish(self, rootfd: int) -> None:
         """After the apply pass, however it ended: remove the temporaries still registered
         (all of them when it was interrupted), close what is held, remove the journal unless
-        something could not be removed. Retried until done if interrupted (KeyboardInterrupt)."""
+        something could not be removed. Retried until done if interrupted (KeyboardInterrupt, or
+        SystemExit from a SIGTERM handler: it left the journal in the workspace, which plain
+        ``lowlevel cleanup`` does not look in once the run's record is gone); the first interrupt
+        is raised once it is done (a ^C here was swallowed before)."""
+        interrupt: BaseException | None = None
         while True:
             try:
                 self.abort_cleanup()
@@ -132,8 +136,13 @@ class Applier(FileApplier):
                             self.note_once("journal", "commit: its journal could not be removed (read-only file "
                                            "system): cleanup_commit_leftovers() removes it once it is writable")
                     self.journal_name = ""
+                if interrupt is not None:
+                    raise interrupt
                 return
-            except KeyboardInterrupt:
+            except (KeyboardInterrupt, SystemExit) as err:
+                if err is interrupt:
+                    raise
+                interrupt = interrupt or err
                 continue
 
     def push(self, frame: _Frame, lower_names: list[str] | None) -> None:
