@@ -65,8 +65,8 @@ class Leftover:
     """One thing an interrupted run left.
 
     Attributes:
-        kind: ``"cgroup"``, ``"commit"``, ``"egress"``, ``"handover"``, ``"import"``, ``"mount"``
-            or ``"workspace"``.
+        kind: ``"cgroup"``, ``"commit"``, ``"egress"``, ``"handover"``, ``"import"``, ``"mount"``,
+            ``"record"`` (an empty run record of a dead caller) or ``"workspace"``.
         path: where it is.
         detail: why it counts as left over (one line).
     """
@@ -162,6 +162,11 @@ def _recorded_path_ok(path: str, record: str, mounts: list[str]) -> bool:
     return (real == os.path.normpath(path) and os.path.isabs(path)
             and any(real.startswith(m.rstrip("/") + "/") for m in mounts)
             and os.path.basename(record).endswith("-" + os.path.basename(real)))
+
+
+def _empty_records() -> list[Leftover]:
+    return [Leftover("record", p, "an empty run record (its caller died before writing it: it records nothing)")
+            for p in _records.empty_dead()]
 
 
 def _dead_records() -> list[_records.Record]:
@@ -343,7 +348,8 @@ def find_leftovers(workspaces: tuple[str, ...] = (), base: str | None = None) ->
     Returns:
         The leftovers, cgroups first. Never raises for an unreadable place (skipped).
     """
-    found = _stale_cgroups() + _stale_egress_dirs() + _stale_imports() + _host_mounts() + _handovers()
+    found = _stale_cgroups() + _stale_egress_dirs() + _stale_imports() + _host_mounts() + _handovers() \
+        + _empty_records()
     disposable = _disposable_workspaces(base)
     gone = {item.path for item in disposable}
     for ws in _workspaces(workspaces, base):
@@ -381,6 +387,10 @@ def clean(workspaces: tuple[str, ...] = (), base: str | None = None) -> tuple[li
     dead = _dead_records()
     for ws in _workspaces(workspaces, base):
         _clean_commits(ws, removed, problems)
+    for item in _empty_records():
+        _records.remove(item.path)
+        if not os.path.lexists(item.path):
+            removed.append(item)
     # A dead caller's record goes once nothing it lists is left (else the next cleanup retries).
     mounts = _cgroup_mounts()
     for rec in dead:

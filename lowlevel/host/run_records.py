@@ -165,6 +165,35 @@ def load(path: str) -> Record:
     return rec
 
 
+def empty_dead() -> list[str]:
+    """Records of nothing: empty files (``<pid>-<start time>-<name>``, 0 bytes) whose writer is
+    gone. A caller killed between the record's create and its one ``write(2)`` leaves one; it
+    recorded no cgroup (the record is written before the first directory), :func:`load` refuses
+    it, so no other sweep ever removed it (bench/kill_campaign.py). A live writer's record is
+    never listed: the name's pid and start time must not run any more."""
+    d = record_dir(create=False)
+    if d is None:
+        return []
+    out = []
+    try:
+        names = sorted(os.listdir(d))
+    except OSError:
+        return []
+    for name in names:
+        pid, _, rest = name.partition("-")
+        start, _, _ = rest.partition("-")
+        if not (pid.isascii() and pid.isdigit() and start.isascii() and start.isdigit()):
+            continue
+        path = os.path.join(d, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_size == 0 and process_start_time(int(pid)) != int(start):
+            out.append(path)
+    return out
+
+
 def records() -> list[Record]:
     """Every readable record of this euid's directory (malformed ones skipped), oldest first."""
     d = record_dir(create=False)
@@ -183,4 +212,5 @@ def records() -> list[Record]:
     return out
 
 
-__all__ = ["ROOT_RECORD_DIR", "Record", "load", "own_start_time", "record_dir", "records", "remove", "write"]
+__all__ = ["ROOT_RECORD_DIR", "Record", "empty_dead", "load", "own_start_time", "record_dir", "records", "remove",
+           "write"]

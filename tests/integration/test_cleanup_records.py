@@ -435,3 +435,32 @@ def test_cleanup_of_a_workspace_that_does_not_exist_says_so(tmp_path) -> None:
     present = _cli(["cleanup", "--workspace", str(tmp_path / "ws"), "--dry-run", "--json"], records,
                    extra={"LOWLEVEL_CGROUP_ROOTS": ""})
     assert present.returncode in (0, 1) and "no such directory" not in present.stderr, present  # the control
+
+
+def test_an_empty_record_of_a_dead_caller_is_removed(tmp_path: Path) -> None:
+    """A caller killed between its record's create and its one write(2) left a 0-byte record:
+    it records nothing (the record comes before the first cgroup directory), load() refuses
+    it, and ``lowlevel cleanup`` said "nothing left over" while it stayed, forever (found by
+    bench/kill_campaign.py). Now cleanup lists and removes it; the control, an empty record
+    named with a live process's pid and start time (a writer between its create and its
+    write), stays, and a non-empty record of a dead caller is judged as before."""
+    from lowlevel.host.procs import process_start_time
+
+    records = tmp_path / "records"
+    records.mkdir(mode=0o700)
+    child = subprocess.Popen(["sleep", "0"])
+    child.wait()
+    gone = records / f"{child.pid}-12345-run-x"
+    gone.touch(mode=0o600)
+    live_start = process_start_time(os.getpid())
+    assert live_start is not None
+    live = records / f"{os.getpid()}-{live_start}-run-y"
+    live.touch(mode=0o600)
+    dry = _cli(["cleanup", "--dry-run"], str(records))
+    assert dry.returncode == 1 and str(gone) in dry.stdout and str(live) not in dry.stdout, dry.stdout
+    assert gone.exists()  # a dry run removes nothing
+    proc = _cli(["cleanup"], str(records))
+    assert str(gone) in proc.stdout and "record" in proc.stdout, proc.stdout
+    assert not gone.exists() and live.exists()
+    again = _cli(["cleanup"], str(records))
+    assert again.returncode == 0 and "nothing left over" in again.stdout, again.stdout
