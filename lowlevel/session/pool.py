@@ -19,6 +19,7 @@ from typing import Any
 
 from lowlevel import workspace as _ws
 from lowlevel.errors import PolicyError, SessionError, UnsupportedError
+from lowlevel.sandbox._interrupts import deferred_interrupts
 from lowlevel.sandbox.facts import planned_policy
 from lowlevel.sandbox.failures import ExecError
 from lowlevel.sandbox.request import DEFAULT_TIMEOUT_S
@@ -296,23 +297,29 @@ class Pool:
         return await asyncio.to_thread(self.run, argv, **kwargs)
 
     def close(self) -> None:
-        """Stop refilling and destroy every sandbox; idempotent."""
+        """Stop refilling and destroy every sandbox; idempotent.
+
+        A signal handler's exception (^C, a SIGTERM handler's SystemExit) arriving meanwhile is
+        held back until every sandbox is gone (:class:`deferred_interrupts`; each close is
+        bounded: a kill and a reap), then raised: it abandoned the ones not yet closed before,
+        their cgroups and records left to ``lowlevel cleanup`` (bench/kill_campaign.py)."""
         with self._cond:
             if self._closed:
                 return
             self._closed = True
             self._cond.notify_all()
-        self._thread.join()
-        self._reaper.join()
-        with self._cond:
-            while self._starting:  # starts under way close what they started (the pool is closed)
-                self._cond.wait()
-        while self._ready or self._retired:
-            unused = bool(self._ready)
-            s = (self._ready or self._retired).popleft()
-            try:
-                s.close()
-                if unused and self.template is None:
-                    _ws.remove_workspace(s.directory)  # started in advance, never used: nothing to keep
-            except Exception as err:  # noqa: BLE001
-                log.warning("lowlevel: pool teardown failed: %s", err)
+        with deferred_interrupts():  # delivered once every sandbox is gone
+            self._thread.join()
+            self._reaper.join()
+            with self._cond:
+                while self._starting:  # starts under way close what they started (the pool is closed)
+                    self._cond.wait()
+            while self._ready or self._retired:
+                unused = bool(self._ready)
+                s = (self._ready or self._retired).popleft()
+                try:
+                    s.close()
+                    if unused and self.template is None:
+                        _ws.remove_workspace(s.directory)  # started in advance, never used: nothing to keep
+                except Exception as err:  # noqa: BLE001
+                    log.warning("lowlevel: pool teardown failed: %s", err)
