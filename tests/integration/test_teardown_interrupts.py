@@ -57,9 +57,13 @@ def interrupt(*_):
     raise KeyboardInterrupt
 signal.signal(signal.SIGALRM, interrupt)
 try:
-    with lowlevel.Pool(size=2) as pool:
-        pool.run(["true"])
-        signal.setitimer(signal.ITIMER_REAL, float(sys.argv[1]))  # lands in close(), at the with's end
+    try:
+        with lowlevel.Pool(size=2) as pool:
+            pool.run(["true"])
+            signal.setitimer(signal.ITIMER_REAL, float(sys.argv[1]))  # lands in close(), at the with's end
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)  # not later, in the interpreter's exit
+        signal.signal(signal.SIGALRM, signal.SIG_IGN)
     print("no interrupt")
 except KeyboardInterrupt:
     print("interrupted")

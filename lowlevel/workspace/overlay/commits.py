@@ -286,12 +286,12 @@ def _apply_pass(work: Applier, lock: int) -> OSError | None:
         # test_keyboard_interrupt_leaves_no_temporaries). Inline, not in a helper: the
         # helper's own first instruction would be that place. finish() is idempotent; the
         # interrupt is raised again once it is done.
-        interrupted: KeyboardInterrupt | None = None
+        interrupted: BaseException | None = None
         while True:
             try:
                 work.finish(lock)
                 break
-            except KeyboardInterrupt as err:
+            except (KeyboardInterrupt, SystemExit) as err:  # SystemExit: a SIGTERM handler's
                 interrupted = interrupted or err
         if interrupted is not None:
             raise interrupted
