@@ -69,6 +69,19 @@ def runuser(user: pwd.struct_passwd | None, argv: list[str]) -> list[str]:
     return argv if user is None else [RUNUSER, "-u", user.pw_name, "--", *argv]
 
 
+def identity_prefix(identity: str, request: pytest.FixtureRequest, own: str) -> list[str]:
+    """The runuser(1) prefix of a test parametrized over ``identity`` (``"root"`` or
+    ``"user"``), with ``own`` (a directory) given to the unprivileged test user for ``"user"``;
+    skips where the identity cannot be taken (not root)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to switch users" if identity == "user" else "needs root")
+    if identity == "root":
+        return []
+    user = request.getfixturevalue("test_user")
+    os.chown(own, user.pw_uid, user.pw_gid)
+    return [RUNUSER, "-u", user.pw_name, "--"]
+
+
 def setpriv(who: pwd.struct_passwd | None, argv: list[str]) -> list[str]:
     """``argv`` run as ``who`` through setpriv(1), which execs (None: as it is)."""
     if who is None:

@@ -15,6 +15,7 @@ import sys
 import tempfile
 
 import pytest
+from helpers.identities import identity_prefix
 
 pytestmark = [pytest.mark.bwrap]
 
@@ -49,18 +50,10 @@ print(json.dumps(out))
 @pytest.mark.parametrize("keep", ["keep", "drop"])
 @pytest.mark.parametrize("identity", ["root", "user"])
 def test_session_and_pool_keep_workspace(identity: str, keep: str, request: pytest.FixtureRequest) -> None:
-    prefix: list[str] = []
     d = tempfile.mkdtemp(prefix="rt-keepws-", dir="/tmp")
     try:
         os.chmod(d, 0o755)
-        if identity == "user":
-            if os.geteuid() != 0:
-                pytest.skip("needs root to switch users")
-            user = request.getfixturevalue("test_user")
-            os.chown(d, user.pw_uid, user.pw_gid)
-            prefix = [shutil.which("runuser") or "/usr/sbin/runuser", "-u", user.pw_name, "--"]
-        elif os.geteuid() != 0:
-            pytest.skip("needs root")
+        prefix = identity_prefix(identity, request, d)
         proc = subprocess.run([*prefix, sys.executable, "-c", SCRIPT, d, keep], capture_output=True, text=True,
                               cwd="/", timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]

@@ -16,6 +16,7 @@ import sys
 import tempfile
 
 import pytest
+from helpers.identities import identity_prefix
 
 pytestmark = [pytest.mark.bwrap]
 
@@ -38,21 +39,13 @@ print(json.dumps(out))
 
 @pytest.mark.parametrize("identity", ["root", "user"])
 def test_pool_call_may_change_its_inputs(identity: str, request: pytest.FixtureRequest) -> None:
-    prefix: list[str] = []
     d = tempfile.mkdtemp(prefix="rt-pool-", dir="/tmp")
     try:
         with open(os.path.join(d, "in.txt"), "w") as f:
             f.write("input\n")
         os.chmod(d, 0o755)
         os.chmod(os.path.join(d, "in.txt"), 0o644)
-        if identity == "user":
-            if os.geteuid() != 0:
-                pytest.skip("needs root to switch users")
-            user = request.getfixturevalue("test_user")
-            os.chown(d, user.pw_uid, user.pw_gid)
-            prefix = [shutil.which("runuser") or "/usr/sbin/runuser", "-u", user.pw_name, "--"]
-        elif os.geteuid() != 0:
-            pytest.skip("needs root")
+        prefix = identity_prefix(identity, request, d)
         proc = subprocess.run([*prefix, sys.executable, "-c", SCRIPT, d], capture_output=True, text=True,
                               cwd="/", timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]

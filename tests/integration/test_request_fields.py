@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from helpers.identities import identity_prefix
 
 pytestmark = [pytest.mark.bwrap]
 
@@ -35,18 +36,10 @@ SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "request_fields.py"
 @pytest.mark.parametrize("identity", ["root", "user"])
 def test_every_field_of_every_entry_point_is_honoured_or_refused(identity: str,
                                                                   request: pytest.FixtureRequest) -> None:
-    prefix: list[str] = []
     d = tempfile.mkdtemp(prefix="rt-fields-", dir="/tmp")
     try:
         os.chmod(d, 0o755)
-        if identity == "user":
-            if os.geteuid() != 0:
-                pytest.skip("needs root to switch users")
-            user = request.getfixturevalue("test_user")
-            os.chown(d, user.pw_uid, user.pw_gid)
-            prefix = [shutil.which("runuser") or "/usr/sbin/runuser", "-u", user.pw_name, "--"]
-        elif os.geteuid() != 0:
-            pytest.skip("needs root")
+        prefix = identity_prefix(identity, request, d)
         proc = subprocess.run([*prefix, sys.executable, str(SCRIPT), d], capture_output=True, cwd="/", timeout=900)
         assert proc.returncode == 0, proc.stderr[-3000:].decode(errors="replace")
         table = json.loads(proc.stdout.splitlines()[-1])
