@@ -741,7 +741,6 @@ class Core(WorkspaceGate):
         if err is not None:
             raise err
 
-
     def _drop_fresh_workspace(self) -> None:
         """``keep_workspace=False``: remove the session's fresh workspace once its sandbox is gone
         (named ``rm-...``: ``lowlevel cleanup`` removes it if this process dies first). A failure
