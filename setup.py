@@ -62,27 +62,23 @@ class BuildExtWithInit(build_ext):
         cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
         cc = cc.split()
         flags = ["-O2", "-Wall", "-std=gnu11", "-o", out + ".tmp", source]
+        # The builds to try, best first, each with what to say when it fails; the last resort,
+        # a dynamic link, raises.
+        attempts: list[tuple[list[str], str]] = []
         musl = shutil.which("musl-gcc")
         if target in MUSL and musl and not os.environ.get("LOWLEVEL_NO_MUSL"):
-            try:
-                subprocess.run([musl, "-static", *flags], check=True)
-                os.chmod(out + ".tmp", 0o755)
-                shutil.move(out + ".tmp", out)
-                return
-            except subprocess.CalledProcessError:
-                self.warn(f"musl build of {source} failed; building it with glibc")
+            attempts.append(([musl, "-static", *flags], f"musl build of {source} failed; building it with glibc"))
         if target in NOLIBC and platform.machine() in ("x86_64", "aarch64"):
+            attempts.append(([*cc, *NOLIBC_FLAGS, *flags, "-lgcc"],
+                             f"freestanding build of {source} failed; building it with libc"))
+        attempts.append(([*cc, "-static", *flags], f"static link of {source} failed (no libc.a?); linking dynamically"))
+        for command, fallback in attempts:
             try:
-                subprocess.run([*cc, *NOLIBC_FLAGS, *flags, "-lgcc"], check=True)
-                os.chmod(out + ".tmp", 0o755)
-                shutil.move(out + ".tmp", out)
-                return
+                subprocess.run(command, check=True)
+                break
             except subprocess.CalledProcessError:
-                self.warn(f"freestanding build of {source} failed; building it with libc")
-        try:
-            subprocess.run([*cc, "-static", *flags], check=True)
-        except subprocess.CalledProcessError:
-            self.warn(f"static link of {source} failed (no libc.a?); linking dynamically")
+                self.warn(fallback)
+        else:
             subprocess.run([*cc, *flags], check=True)
         os.chmod(out + ".tmp", 0o755)
         shutil.move(out + ".tmp", out)

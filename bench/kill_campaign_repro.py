@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,6 +41,23 @@ def _records(d: str) -> dict[str, int]:
 def _cleanup(d: str) -> str:
     out = subprocess.run([sys.executable, "-m", "lowlevel", "cleanup"], env=_env(d), capture_output=True, text=True)
     return f"exit {out.returncode}: {out.stdout.strip()}"
+
+
+def _until_reproduced(attempts: int, prefix: str, trial: Callable[[str, int], bool], *,
+                      parent: str | None = None) -> bool:
+    """Run ``trial(d, i)`` for i in range(attempts), each in a fresh directory ``d`` (its state:
+    :func:`_env`) that is cleaned up (``lowlevel cleanup``) and removed afterwards; True at the
+    first trial that reproduced the finding (it printed what it saw), else "not reproduced"."""
+    for i in range(attempts):
+        d = tempfile.mkdtemp(prefix=prefix, dir=parent)
+        try:
+            if trial(d, i):
+                return True
+        finally:
+            _cleanup(d)
+            shutil.rmtree(d)
+    print("not reproduced")
+    return False
 
 
 EMPTY_RECORD = r'''
@@ -90,25 +108,20 @@ def session_commit() -> bool:
     """An interrupt inside ``Session.commit()``'s apply pass: the ``with`` block's ``close()``
     commits the same upper again, meets the entries the first pass applied as host changes,
     refuses all, and saves the whole change set to ``<workspace base>/conflict-*``."""
-    for i in range(40):
-        d = tempfile.mkdtemp(prefix="repro-session-")
-        try:
-            ws, base = os.path.join(d, "ws"), os.path.join(d, "base")
-            os.mkdir(ws)
-            os.mkdir(base)
-            delay = 0.002 + 0.001 * i
-            out = subprocess.run([sys.executable, "-c", SESSION_COMMIT, ws, base, str(delay)], env=_env(d),
-                                 capture_output=True, text=True)
-            conflicts = [n for n in os.listdir(base) if n.startswith("conflict-")]
-            if conflicts:
-                print(f"interrupt {delay:.3f} s into commit(): {len(os.listdir(ws))} of 400 files applied, "
-                      f"then close() saved {conflicts}\n{out.stdout.strip()}")
-                return True
-        finally:
-            _cleanup(d)
-            shutil.rmtree(d)
-    print("not reproduced")
-    return False
+    def trial(d: str, i: int) -> bool:
+        ws, base = os.path.join(d, "ws"), os.path.join(d, "base")
+        os.mkdir(ws)
+        os.mkdir(base)
+        delay = 0.002 + 0.001 * i
+        out = subprocess.run([sys.executable, "-c", SESSION_COMMIT, ws, base, str(delay)], env=_env(d),
+                             capture_output=True, text=True)
+        conflicts = [n for n in os.listdir(base) if n.startswith("conflict-")]
+        if conflicts:
+            print(f"interrupt {delay:.3f} s into commit(): {len(os.listdir(ws))} of 400 files applied, "
+                  f"then close() saved {conflicts}\n{out.stdout.strip()}")
+        return bool(conflicts)
+
+    return _until_reproduced(40, "repro-session-", trial)
 
 
 COMMIT_FINISH = r'''
@@ -163,9 +176,13 @@ def interrupt(*_):
     raise KeyboardInterrupt
 signal.signal(signal.SIGALRM, interrupt)
 try:
-    with lowlevel.Pool(size=2) as pool:
-        pool.run(["true"])
-        signal.setitimer(signal.ITIMER_REAL, float(sys.argv[1]))  # lands in close(), at the with's end
+    try:
+        with lowlevel.Pool(size=2) as pool:
+            pool.run(["true"])
+            signal.setitimer(signal.ITIMER_REAL, float(sys.argv[1]))  # lands in close(), at the with's end
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)  # not later, in the interpreter's exit
+        signal.signal(signal.SIGALRM, signal.SIG_IGN)
 except KeyboardInterrupt:
     pass
 '''
@@ -175,24 +192,19 @@ def pool_close() -> bool:
     """An interrupt inside ``Pool.close()`` abandons the sandboxes it had not closed: close()
     is never run again (``_closed`` is set), their run cgroups and records stay for the next
     sweep or ``lowlevel cleanup`` (their processes die with the caller)."""
-    for i in range(40):
-        d = tempfile.mkdtemp(prefix="repro-pool-")
-        try:
-            delay = 0.001 + 0.002 * i
-            subprocess.run([sys.executable, "-c", POOL_CLOSE, str(delay)], env=_env(d), check=False)
-            left = _records(d)
-            pids = {n.split("-")[0] for n in left}
-            cgroups = [os.path.join(dp, n) for dp, dns, _f in os.walk("/sys/fs/cgroup") if dp.endswith("/lowlevel")
-                       for n in dns if n.split("-")[1:2] and n.split("-")[1] in pids]
-            if left:
-                print(f"interrupt {delay:.3f} s into close(): records {sorted(left)}, cgroups {cgroups}; "
-                      f"lowlevel cleanup: {_cleanup(d)}")
-                return True
-        finally:
-            _cleanup(d)
-            shutil.rmtree(d)
-    print("not reproduced")
-    return False
+    def trial(d: str, i: int) -> bool:
+        delay = 0.001 + 0.002 * i
+        subprocess.run([sys.executable, "-c", POOL_CLOSE, str(delay)], env=_env(d), check=False)
+        left = _records(d)
+        pids = {n.split("-")[0] for n in left}
+        cgroups = [os.path.join(dp, n) for dp, dns, _f in os.walk("/sys/fs/cgroup") if dp.endswith("/lowlevel")
+                   for n in dns if n.split("-")[1:2] and n.split("-")[1] in pids]
+        if left:
+            print(f"interrupt {delay:.3f} s into close(): records {sorted(left)}, cgroups {cgroups}; "
+                  f"lowlevel cleanup: {_cleanup(d)}")
+        return bool(left)
+
+    return _until_reproduced(40, "repro-pool-", trial)
 
 
 ARUN = r'''
@@ -215,38 +227,35 @@ def arun_sigterm(attempts: int) -> bool:
     never exits (both threads in futex waits, a zombie ``_lowlevel_exec`` child) until a
     second SIGTERM."""
     rng = random.Random(1)
-    for i in range(attempts):
-        d = tempfile.mkdtemp(prefix="repro-arun-", dir="/var/tmp")
+
+    def trial(d: str, i: int) -> bool:
+        wss = [os.path.join(d, f"ws{k}") for k in range(3)]
+        for w in wss:
+            os.mkdir(w)
+        p = subprocess.Popen([sys.executable, "-c", ARUN, *wss], stderr=subprocess.PIPE, env=_env(d))
+        time.sleep(rng.uniform(0.02, 0.10))
+        p.send_signal(signal.SIGTERM)
         try:
-            wss = [os.path.join(d, f"ws{k}") for k in range(3)]
-            for w in wss:
-                os.mkdir(w)
-            p = subprocess.Popen([sys.executable, "-c", ARUN, *wss], stderr=subprocess.PIPE, env=_env(d))
-            time.sleep(rng.uniform(0.02, 0.10))
+            _, err = p.communicate(timeout=20)
+            hung = False
+        except subprocess.TimeoutExpired:
+            hung = True
+            kids = subprocess.run(["ps", "--ppid", str(p.pid), "-o", "pid=,stat=,cmd="], capture_output=True,
+                                  text=True).stdout.strip()
+            print(f"attempt {i}: the caller is still running 20 s after SIGTERM; threads' wchan "
+                  f"{[open(f'/proc/{p.pid}/task/{t}/wchan').read() for t in os.listdir(f'/proc/{p.pid}/task')]}"
+                  f"; children: {kids or 'none'}; a second SIGTERM ends it")
             p.send_signal(signal.SIGTERM)
-            try:
-                _, err = p.communicate(timeout=20)
-                hung = False
-            except subprocess.TimeoutExpired:
-                hung = True
-                kids = subprocess.run(["ps", "--ppid", str(p.pid), "-o", "pid=,stat=,cmd="], capture_output=True,
-                                      text=True).stdout.strip()
-                print(f"attempt {i}: the caller is still running 20 s after SIGTERM; threads' wchan "
-                      f"{[open(f'/proc/{p.pid}/task/{t}/wchan').read() for t in os.listdir(f'/proc/{p.pid}/task')]}"
-                      f"; children: {kids or 'none'}; a second SIGTERM ends it")
-                p.send_signal(signal.SIGTERM)
-                _, err = p.communicate()
-            if hung or b"InvalidStateError" in err:
-                if not hung:
-                    print(f"attempt {i}: exit {p.returncode}; stderr ends:\n"
-                          + "\n".join(err.decode().splitlines()[-3:]))
-                print(f"records left: {sorted(_records(d))}; lowlevel cleanup: {_cleanup(d)}")
-                return True
-        finally:
-            _cleanup(d)
-            shutil.rmtree(d)
-    print("not reproduced")
-    return False
+            _, err = p.communicate()
+        if hung or b"InvalidStateError" in err:
+            if not hung:
+                print(f"attempt {i}: exit {p.returncode}; stderr ends:\n"
+                      + "\n".join(err.decode().splitlines()[-3:]))
+            print(f"records left: {sorted(_records(d))}; lowlevel cleanup: {_cleanup(d)}")
+            return True
+        return False
+
+    return _until_reproduced(attempts, "repro-arun-", trial, parent="/var/tmp")
 
 
 def main() -> int:

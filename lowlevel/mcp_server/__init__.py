@@ -430,10 +430,9 @@ class Tools:
         if changes is not None and (changes.added or changes.modified or changes.deleted):
             # What the command wrote, so a client need not list_files to find it; bounded like
             # the output (MAX_CHANGES_LISTED paths per kind; workspace-relative paths only).
-            listed: dict[str, Any] = {kind: list(getattr(changes, kind)[:MAX_CHANGES_LISTED])
-                                      for kind in ("added", "modified", "deleted")}
-            listed["truncated"] = not changes.complete or any(
-                len(getattr(changes, kind)) > MAX_CHANGES_LISTED for kind in ("added", "modified", "deleted"))
+            kinds = {kind: getattr(changes, kind) for kind in ("added", "modified", "deleted")}
+            listed: dict[str, Any] = {kind: list(paths[:MAX_CHANGES_LISTED]) for kind, paths in kinds.items()}
+            listed["truncated"] = not changes.complete or any(len(p) > MAX_CHANGES_LISTED for p in kinds.values())
             out["changes"] = listed
         safe: dict[str, Any] = json_safe(out)
         return safe

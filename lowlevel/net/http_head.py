@@ -234,9 +234,10 @@ def _body_length(headers: list[tuple[str, str]]) -> int:
     values = {v.strip() for k, value in headers if k.lower() == "content-length" for v in value.split(",")}
     if not values:
         return 0
-    if len(values) != 1 or not (next(iter(values)).isascii() and next(iter(values)).isdigit()):
+    value = next(iter(values))
+    if len(values) != 1 or not (value.isascii() and value.isdigit()):
         raise RefusedError(400, f"bad Content-Length {sorted(values)!r}")
-    return int(next(iter(values)))
+    return int(value)
 
 
 __all__ = ["MAX_HEAD_BYTES", "RefusedError", "Request", "parse_request", "refusal"]
