@@ -165,6 +165,17 @@ def load(path: str) -> Record:
     return rec
 
 
+def _entries(d: str | None) -> list[tuple[str, str]]:
+    """``(name, path)`` of the record directory's entries, by name; [] when there is none or it
+    cannot be read."""
+    if d is None:
+        return []
+    try:
+        return [(name, os.path.join(d, name)) for name in sorted(os.listdir(d))]
+    except OSError:
+        return []
+
+
 def empty_dead() -> list[str]:
     """Records of nothing: empty files (``<pid>-<start time>-<name>``, 0 bytes) whose writer is
     gone. A caller killed between the record's create and its one ``write(2)`` leaves one; it
@@ -172,19 +183,12 @@ def empty_dead() -> list[str]:
     it, so no other sweep ever removed it (bench/kill_campaign.py). A live writer's record is
     never listed: the name's pid and start time must not run any more."""
     d = record_dir(create=False)
-    if d is None:
-        return []
     out = []
-    try:
-        names = sorted(os.listdir(d))
-    except OSError:
-        return []
-    for name in names:
+    for name, path in _entries(d):
         pid, _, rest = name.partition("-")
         start, _, _ = rest.partition("-")
         if not (pid.isascii() and pid.isdigit() and start.isascii() and start.isdigit()):
             continue
-        path = os.path.join(d, name)
         try:
             st = os.lstat(path)
         except OSError:
@@ -197,16 +201,10 @@ def empty_dead() -> list[str]:
 def records() -> list[Record]:
     """Every readable record of this euid's directory (malformed ones skipped), oldest first."""
     d = record_dir(create=False)
-    if d is None:
-        return []
-    try:
-        names = sorted(os.listdir(d))
-    except OSError:
-        return []
     out = []
-    for name in names:
+    for _name, path in _entries(d):
         try:
-            out.append(load(os.path.join(d, name)))
+            out.append(load(path))
         except (OSError, ValueError, UnicodeDecodeError):
             continue
     return out
