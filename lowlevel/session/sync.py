@@ -224,6 +224,11 @@ class Session:
                 some writes were lost: nothing was applied, the changes were discarded (reset).
             SessionError(reason="busy"), PolicyError, UnsupportedError, SessionError,
                 LaunchError: as :meth:`reset`.
+            KeyboardInterrupt, SystemExit: (a signal handler's) raised inside the apply pass
+                after the commit's temporaries were removed: part of the changes may be applied
+                (each entry old or new); the session still holds them all, and a second
+                :meth:`commit` (or :meth:`close` with ``commit=True``) applies the rest (see
+                :func:`lowlevel.workspace.overlay.commit`, Interruption).
         """
         changes = self._exclusive("commit", running)
         assert changes is not None

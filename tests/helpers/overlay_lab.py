@@ -16,6 +16,7 @@ Imported by the tests (``Lab``), and executed as a script in two roles:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pwd
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import asdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +71,32 @@ def _jsonable(obj: Any) -> Any:
     return obj
 
 
+@contextlib.contextmanager
+def _interrupt_after(n: int | None) -> Iterator[list[int]]:
+    """With ``n``: a KeyboardInterrupt raised right after the commit's ``n``-th renameat2(2)
+    returns (an entry placed, swapped or moved out of sight, its bookkeeping not yet done: where
+    a ^C hurts most); the yielded list is non-empty once it was raised. Restored afterwards."""
+    from lowlevel.workspace.overlay import apply_files  # every placement and deletion renames through it
+    hit: list[int] = []
+    if n is None:
+        yield hit
+        return
+    real, count = apply_files._renameat2, [0]
+
+    def renameat2(*args: Any) -> None:
+        real(*args)
+        count[0] += 1
+        if count[0] == n and not hit:
+            hit.append(n)
+            raise KeyboardInterrupt
+
+    apply_files._renameat2 = renameat2  # type: ignore[assignment]
+    try:
+        yield hit
+    finally:
+        apply_files._renameat2 = real  # type: ignore[assignment]
+
+
 def call(req: dict[str, Any]) -> dict[str, Any]:
     """Run one lowlevel.workspace.overlay call described by ``req`` in this process; a JSON-ready dict."""
     from lowlevel.workspace import overlay
@@ -82,9 +110,15 @@ def call(req: dict[str, Any]) -> dict[str, Any]:
             out: Any = overlay.read_changes(upper, lower, xattr_prefix=req["prefix"])
         elif op == "commit":
             owner = tuple(req["new_owner"]) if req.get("new_owner") else None
-            out = overlay.commit(upper, lower, xattr_prefix=req["prefix"], since_ns=req["since_ns"],
-                                 new_owner=owner, max_bytes=req.get("max_bytes"),  # type: ignore[arg-type]
-                                 accept_seen_host_changes=req.get("accept_seen", False))
+            with _interrupt_after(req.get("interrupt_after")) as hit:
+                try:
+                    out = overlay.commit(upper, lower, xattr_prefix=req["prefix"], since_ns=req["since_ns"],
+                                         new_owner=owner, max_bytes=req.get("max_bytes"),  # type: ignore[arg-type]
+                                         accept_seen_host_changes=req.get("accept_seen", False))
+                except KeyboardInterrupt:
+                    if not hit:
+                        raise
+                    out = {"interrupted": True}
         elif op == "save":
             out = {"path": overlay.save_upper(upper, req["dest"], xattr_prefix=req["prefix"])}
         elif op == "cleanup":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import sys
 import threading
 import time
@@ -325,6 +326,66 @@ def close_conflict(workspace: str, base: str) -> dict[str, Any]:
     return out
 
 
+def interrupted_commit(workspace: str, base: str) -> dict[str, Any]:
+    """An interrupt inside ``Session.commit()``'s apply pass (KeyboardInterrupt, or a SIGTERM
+    handler's SystemExit, right after its 40th rename: entries placed, the rest not), then the
+    ``with`` block's ``close()`` (the final commit) completes it; the same with ``commit()``
+    called again by the caller that caught the interrupt. Nothing is saved aside as a conflict."""
+    from lowlevel.workspace.overlay import apply_files
+    out: dict[str, Any] = {}
+    real = apply_files._renameat2
+
+    def interrupting(exc: type[BaseException]) -> Any:
+        count = [0]
+
+        def renameat2(*args: Any) -> None:
+            real(*args)
+            count[0] += 1
+            if count[0] == 40:
+                raise exc(143) if exc is SystemExit else exc()
+        return renameat2
+
+    script = "for i in $(seq 100); do echo $i > f$i; done; echo new > keep; rm gone; mkdir -p d/e; echo x > d/e/x"
+    for what, exc in (("close", KeyboardInterrupt), ("close_sigterm", SystemExit), ("again", KeyboardInterrupt)):
+        for name in os.listdir(workspace):
+            path = os.path.join(workspace, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
+        for name, text in (("keep", "old\n"), ("gone", "old\n")):
+            with open(os.path.join(workspace, name), "w") as f:
+                f.write(text)
+        got: dict[str, Any] = {}
+        try:
+            with Session(workspace=workspace, workspace_base=base) as s:
+                out["cow"] = s._core.run.cow
+                if not out["cow"]:
+                    return out
+                s.run(["sh", "-c", script])
+                apply_files._renameat2 = interrupting(exc)  # type: ignore[assignment]
+                try:
+                    s.commit()
+                except (KeyboardInterrupt, SystemExit) as err:
+                    got["interrupted"] = type(err).__name__
+                    got["applied_first"] = len(os.listdir(workspace))
+                    if what != "again":
+                        raise
+                finally:
+                    apply_files._renameat2 = real  # type: ignore[assignment]
+                got["again"] = sorted(s.commit().modified)[:3]
+        except (KeyboardInterrupt, SystemExit) as err:
+            got["raised"] = [type(err).__name__, list(getattr(err, "__notes__", []))]
+        names = sorted(os.listdir(workspace))
+        got["files"] = len([n for n in names if n.startswith("f")])
+        got["keep"] = _read(os.path.join(workspace, "keep"))
+        got["gone"] = "gone" in names
+        got["deep"] = _read(os.path.join(workspace, "d", "e", "x")) if os.path.exists(
+            os.path.join(workspace, "d", "e", "x")) else None
+        got["temporaries"] = [n for n in names if n.startswith(".lowlevel-commit-")]
+        got["conflicts"] = [n for n in os.listdir(base) if n.startswith("conflict-")]
+        got["children"] = _children()
+        out[what] = got
+    return out
+
+
 def async_background_across_commit(workspace: str, base: str) -> dict[str, Any]:
     """AsyncSession: a running background writer refuses commit()/reset() as in the sync form;
     running='wait' awaits it and commits its files."""
@@ -364,7 +425,7 @@ def async_background_across_commit(workspace: str, base: str) -> dict[str, Any]:
 
 SCENARIOS = {f.__name__: f for f in (concurrent_commits, async_concurrent_commits, background_across_commit,
                                      async_background_across_commit, reset_waits_for_run_in_flight,
-                                     close_conflict)}
+                                     close_conflict, interrupted_commit)}
 
 if __name__ == "__main__":
     name, ws, base = sys.argv[1:4]

@@ -179,6 +179,52 @@ def test_conflicts_refuse_the_commit_and_change_nothing(lab: Lab, tmp_path: Path
     assert sorted(os.listdir(lo / "opq")) == [] and rep["changes"]["deleted"] == ["d", "opq/hostnew", "opq/o"]
 
 
+def test_commit_again_after_an_interrupted_apply_pass_completes_it(lab: Lab, tmp_path: Path):
+    """A ^C right after the apply pass's k-th rename (an entry placed, its bookkeeping not done)
+    leaves part of the run's changes applied; committing the same upper again (as a Session's
+    close() does after an interrupted commit()) completes it: the entries already holding the
+    run's version are no conflict, and the directory ends as one uninterrupted commit leaves
+    it. Control: an entry the host edits between the two commits is still a conflict (named,
+    left as the host made it). Before the fix, every such re-commit was refused as conflicts
+    with its own applied entries (bench/kill_campaign.py's open finding)."""
+    interrupted = 0
+    for k in range(1, 60, 4):
+        sub = Lab(lab.mode, parent=tmp_path)
+        try:
+            make_scenario_lower(sub.lower)
+            sub.chown_all()
+            old = tree_state(sub.lower)
+            since = time.time_ns()
+            merged = sub.run(sh=SCENARIO_OPS, py=SCENARIO_PY, capture=True)
+            assert merged is not None
+            first = sub.call("commit", since_ns=since, new_owner=None, interrupt_after=k)
+            if first.get("interrupted") is not True:
+                break  # k is past the commit's last rename
+            interrupted += 1
+            assert tree_state(sub.lower) != old  # part of it was applied
+            assert not [p for p in sub.lower.rglob("*") if p.name.startswith(PRE)]
+            sub.call("commit", since_ns=since, new_owner=None)
+            assert observed(sub.lower) == expected_after(merged, old, (sub.uid, sub.gid)), k
+            assert not [p for p in sub.lower.rglob("*") if p.name.startswith(PRE)]
+        finally:
+            sub.remove()
+    assert interrupted >= 5  # the interrupts did land at several points of the apply pass
+    # Control: the host edits an entry the first pass applied: still a conflict, left as the host made it.
+    make_scenario_lower(lab.lower)
+    lab.chown_all()
+    since = time.time_ns()
+    lab.run(sh=SCENARIO_OPS, py=SCENARIO_PY)
+    assert lab.call("commit", since_ns=since, new_owner=None, interrupt_after=3).get("interrupted") is True
+    edited = next(rel for rel in ("a.hard", "a.txt", "c2.txt") if (lab.lower / rel).exists()
+                  and (lab.lower / rel).read_bytes() == (lab.upper / rel).read_bytes())
+    time.sleep(0.01)
+    (lab.lower / edited).write_text("the host's edit")
+    with pytest.raises(LabError) as ei:
+        lab.call("commit", since_ns=since, new_owner=None)
+    assert ei.value.kind == "CommitConflictError" and edited in ei.value.conflicts
+    assert (lab.lower / edited).read_text() == "the host's edit"
+
+
 def test_host_change_the_run_copied_up_afterwards_is_no_conflict(lab: Lab):
     """accept_seen_host_changes=True: the host edits a file after since_ns, then the run edits
     the same file (its copy-up holds the host's edit): with a root overlay the origin file

@@ -151,3 +151,19 @@ def test_close_that_cannot_commit_raises_with_the_saved_path(scenario: Any) -> N
     kind, notes = out["async_with_error"]
     assert kind == "KeyError" and len(notes) == 1 and "CommitConflictError" in notes[0]
     assert out["children_after_async"] == []
+
+
+def test_close_after_an_interrupted_commit_completes_it(scenario: Any) -> None:
+    """^C (or a SIGTERM handler's SystemExit) inside commit()'s apply pass left part of the
+    changes applied; the with block's close() (or a second commit()) applies the rest and
+    meets the entries already applied as what they are, not as host changes (before: "commit
+    refused", everything saved to conflict-*, close() raised; bench/kill_campaign.py)."""
+    out = scenario("interrupted_commit")
+    for what in ("close", "close_sigterm", "again"):
+        got = out[what]
+        assert got["interrupted"] == ("SystemExit" if what == "close_sigterm" else "KeyboardInterrupt"), got
+        assert 0 < got["applied_first"], got
+        assert got.get("raised", [None, []])[1] == [], got  # close() raised nothing over the interrupt
+        assert (got["files"], got["keep"], got["gone"], got["deep"]) == (100, "new\n", False, "x\n"), got
+        assert got["temporaries"] == [] and got["conflicts"] == [] and got["children"] == [], got
+    assert "raised" not in out["again"] and out["again"]["again"]

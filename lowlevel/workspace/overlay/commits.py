@@ -88,7 +88,15 @@ Interruption: killed at any instant (SIGKILL included) every entry of the user's
 directory is old or new, none missing, none re-owned; leftovers carry the
 ``.lowlevel-commit-<pid>-`` names and :func:`cleanup_commit_leftovers` (run by the next
 commit) removes them. KeyboardInterrupt or any other exception removes the temporaries
-before propagating. The commit is atomic per entry, not as a whole.
+before propagating. The commit is atomic per entry, not as a whole. Committing the same upper
+again completes an interrupted commit: a user's file or symlink that already is exactly what this
+commit would make of the upper's entry (a file's bytes, size, mtime to the nanosecond, permission
+bits and ``user.*`` xattrs; a symlink's target and mtime) is no conflict whatever its ctime, and is
+left as it is (writing it again would lose nothing of the host's, but costs a copy). Still a
+conflict after an interrupt: an entry the first pass applied and the run (a live Session) changed
+again before the second commit, and an existing directory given a mode that takes away its owner's
+write or search bit (set last), when the interrupt came after entries were applied in it but
+before that mode was set (its ctime moved).
 """
 
 from __future__ import annotations

@@ -125,6 +125,7 @@ class ApplyState:
         self.held: list[int] = []                    # dir fds of popped frames with temporaries pending
         self.decisions: dict[str, str] = {}          # rel -> skip reason, decided by the dry pass
         self.stamps: dict[str, tuple[int, int]] = {}  # rel -> (st_ino, st_ctime_ns) seen by the dry pass
+        self.already: set[str] = set()               # rel: the host entry already is the run's (dry pass)
         self.ours: set[tuple[int, int]] = set()      # lower inodes this commit changed itself
         self.conflicts: list[str] = []
         self.late: list[str] = []                    # apply pass: entries the host changed meanwhile
