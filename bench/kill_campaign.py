@@ -2,7 +2,8 @@
 """Callers killed at random instants: does a killed caller leave its workspace old or new, and nothing else?
 
     python bench/kill_campaign.py [--trials N] [--kinds run,session,...] [--as root|user|both]
-                                  [--seed S] [--json FILE] [--user NAME] [--keep-user]
+                                  [--signals KILL,TERM,INT,HUP] [--seed S] [--json FILE]
+                                  [--user NAME] [--keep-user]
     python bench/kill_campaign.py --kinds KIND --as root|user --replay TRIAL_SEED   # one trial again
 
 Root only (it runs the unprivileged half through setpriv(1) as ``--user``, default
@@ -16,7 +17,9 @@ Root only (it runs the unprivileged half through setpriv(1) as ``--user``, defau
    PYTHONPATH; as the trial's user) does one of the kinds below; it installs a SIGTERM handler
    that raises SystemExit (what a service framework does), so SIGTERM exercises the library's
    unwinding paths and SIGKILL the ones that never run;
-3. after a random instant in [0, 1 s] the caller gets SIGKILL or SIGTERM (one seeded RNG: the
+3. after a random instant in [0, 1 s] the caller gets SIGKILL or SIGTERM (``--signals`` adds
+   SIGINT, left to Python's own handler: KeyboardInterrupt, as a ^C; and SIGHUP, whose default
+   action kills at once) (one seeded RNG: the
    campaign seed is printed, each trial has a seed of its own derived from it); this process is
    a child subreaper (``PR_SET_CHILD_SUBREAPER``), so whatever the caller leaves running is
    reparented here and seen (and its zombies reaped);
@@ -175,6 +178,9 @@ if __name__ == "__main__":
 CALLER = r'''
 import os, signal, sys
 signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+def _hook(t, v, tb, _default=sys.excepthook):  # ^C (SIGINT): Python's own KeyboardInterrupt, exit -2
+    sys.stderr.write("KeyboardInterrupt\n") if t is KeyboardInterrupt else _default(t, v, tb)
+sys.excepthook = _hook
 import json, time
 P = json.load(open(sys.argv[1]))
 _marks = os.open(P["marks"], os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -506,9 +512,18 @@ class Identity:
                 "LOWLEVEL_UPPER_DIR": os.path.join(trial_dir, "upper"), "LOWLEVEL_CGROUP_ROOTS": ""}
 
 
+#: The signals a trial may send (``--signals``): SIGTERM to a caller whose handler raises
+#: SystemExit, SIGINT to one left with Python's own handler (KeyboardInterrupt: ^C), SIGHUP with
+#: its default action (the process dies at once, as by SIGKILL but catchable by no one here).
+SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM, "INT": signal.SIGINT, "HUP": signal.SIGHUP}
+#: The signals whose caller unwinds (its finally blocks run) and the exit statuses that says so.
+UNWINDING = {signal.SIGTERM: (-15, 143), signal.SIGINT: (-2,)}
+
+
 class Campaign:
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, signals: tuple[signal.Signals, ...] = (signal.SIGKILL, signal.SIGTERM)) -> None:
         self.root = root
+        self.signals = signals
         self.caller = os.path.join(root, "caller.py")
         with open(self.caller, "w") as f:
             f.write(CALLER)
@@ -567,7 +582,7 @@ class Campaign:
         self.counter += 1
         rng = random.Random(trial_seed)
         instant = None if trial_seed is None else rng.uniform(0, KILL_WINDOW_S)
-        sig = None if trial_seed is None else rng.choice((signal.SIGKILL, signal.SIGTERM))
+        sig = None if trial_seed is None else rng.choice(self.signals)
         tdir = os.path.join(self.root, ident.who, f"{kind}-{self.counter:05d}")
         os.mkdir(tdir)
         marker = f"lowlevel-kill-trial-{os.getpid()}-{self.counter}"
@@ -611,14 +626,16 @@ class Campaign:
                     out["phase"] = name
         else:
             out["phase"] = "control"
-        expected_rc: tuple[int, ...] = {None: (0,), signal.SIGKILL: (-9,), signal.SIGTERM: (-15, 143)}[sig]
+        expected_rc: tuple[int, ...] = UNWINDING.get(sig, (0,) if sig is None else (-sig,))  # type: ignore[arg-type]
         stderr = _read(os.path.join(tdir, "stderr")).strip()
+        if sig == signal.SIGINT and stderr.endswith("KeyboardInterrupt") and "Traceback" not in stderr:
+            stderr = stderr[:-len("KeyboardInterrupt")].strip()  # the caller's excepthook: ^C's own exit
         # The handler's SystemExit raised where the interpreter ignores exceptions ("Exception
         # ignored in": an importlib weakref callback, threading._shutdown, an atexit callback such
         # as lowlevel's exit drain, lowlevel.host.later, whose items are what a SIGKILL leaves for
         # cleanup): Python drops it and the caller goes on. Counted; the checks still apply.
-        swallowed = sig == signal.SIGTERM and bool(re.fullmatch(r"Exception ignored in .*SystemExit: 143", stderr,
-                                                                 re.S))
+        swallowed = sig in UNWINDING and bool(re.fullmatch(
+            r"Exception ignored in .*(SystemExit: 143|KeyboardInterrupt: ?)", stderr, re.S))
         if out.get("finished_before_kill"):
             expected_rc = (0,)
         elif out["phase"] == "done" or swallowed:  # no handler runs in the shutdown; or it was dropped
@@ -667,7 +684,8 @@ class Campaign:
                           "foreign_removed": len(removed_all) - len(removed),
                           "found": report.get("found", []) if isinstance(report, dict) else report,
                           "problems": report.get("problems", []) if isinstance(report, dict) else []}
-        if rc == 128 + signal.SIGTERM and removed and not out.get("sigterm_swallowed"):
+        if sig in UNWINDING and rc in UNWINDING[sig] and rc != -signal.SIGTERM and removed \
+                and not out.get("sigterm_swallowed"):
             # The caller unwound (its handler's SystemExit ran the library's finally blocks) and
             # still left cleanup something: what only a SIGKILL should leave.
             find.append({"what": "unwound_but_left", "removed": removed})
@@ -710,7 +728,7 @@ class Campaign:
         if listdir(os.path.join(tdir, "upper")):
             find.append({"what": "upper_dir", "entries": listdir(os.path.join(tdir, "upper"))})
         # The workspaces.
-        allow_part = sig == signal.SIGTERM
+        allow_part = sig in UNWINDING
         checks = [(ws, compare(manifest(ws), old, new, allow_part)) for ws in params["workspaces"]]
         base = os.path.join(tdir, "base")
         stray = []
@@ -758,7 +776,8 @@ def summarize(trials: list[dict[str, Any]]) -> dict[str, Any]:
     """Counts over one (kind, user)'s trials. ``cleanup_removed``: trials in which ``lowlevel
     cleanup`` removed something of that kind (``commit``: temporaries of a commit the kill
     interrupted; ``cgroup``: the run cgroups of the dead caller)."""
-    s: dict[str, Any] = {"trials": len(trials), "SIGKILL": 0, "SIGTERM": 0, "finished_before_kill": 0,
+    s: dict[str, Any] = {"trials": len(trials), "SIGKILL": 0, "SIGTERM": 0, "SIGINT": 0, "SIGHUP": 0,
+                         "finished_before_kill": 0,
                          "phases": {}, "ws_old": 0, "ws_new": 0, "ws_mixed": 0, "ws_partial": 0,
                          "records_before_cleanup": 0, "cgroups_before_cleanup": 0, "cleanup_removed": {},
                          "sigterm_cleanup_removed": 0, "cleanup_foreign_removed": 0, "sigterm_swallowed": 0,
@@ -779,8 +798,10 @@ def summarize(trials: list[dict[str, Any]]) -> dict[str, Any]:
         s["cleanup_foreign_removed"] += t["cleanup"]["foreign_removed"]
         for k in {item.get("kind", "?") for item in items}:
             s["cleanup_removed"][k] = s["cleanup_removed"].get(k, 0) + 1
-        # A SIGTERMed caller unwinds (SystemExit): did it still leave cleanup something to do?
-        s["sigterm_cleanup_removed"] += bool(items) and t["signal"] == "SIGTERM" and not t.get("finished_before_kill")
+        # A SIGTERMed (SystemExit) or SIGINTed (KeyboardInterrupt) caller unwinds: did it still
+        # leave cleanup something to do?
+        s["sigterm_cleanup_removed"] += bool(items) and t["signal"] in ("SIGTERM", "SIGINT") \
+            and not t.get("finished_before_kill")
         s["sigterm_swallowed"] += bool(t.get("sigterm_swallowed"))
         s["anomalies"] += bool(t["findings"])
         for what in {f.get("what", "?") for f in t["findings"]}:
@@ -790,15 +811,16 @@ def summarize(trials: list[dict[str, Any]]) -> dict[str, Any]:
 
 def table(summary: dict[str, dict[str, Any]], controls: dict[str, Any]) -> str:
     """The Markdown table of the summary."""
-    head = ("kind", "user", "trials", "SIGKILL", "SIGTERM", "done first", "workspaces old/new/mixed/partial",
-            "cleanup removed (trials)", "control s", "anomalies")
+    head = ("kind", "user", "trials", "SIGKILL", "SIGTERM", "SIGINT", "SIGHUP", "done first",
+            "workspaces old/new/mixed/partial", "cleanup removed (trials)", "control s", "anomalies")
     rows = [head]
     for key, s in summary.items():
         kind, user = key.split("/")
         removed = ", ".join(f"{k} {v}" for k, v in sorted(s["cleanup_removed"].items())) or "-"
         bad = ", ".join(f"{k} {v}" for k, v in sorted(s["anomalies_by_what"].items()))
         c = controls.get(key, {})
-        rows.append((kind, user, str(s["trials"]), str(s["SIGKILL"]), str(s["SIGTERM"]),
+        rows.append((kind, user, str(s["trials"]), str(s["SIGKILL"]), str(s["SIGTERM"]), str(s["SIGINT"]),
+                     str(s["SIGHUP"]),
                      str(s["finished_before_kill"]),
                      f"{s['ws_old']}/{s['ws_new']}/{s['ws_mixed']}/{s['ws_partial']}", removed,
                      str(c.get("caller_s", "-")), f"{s['anomalies']}" + (f" ({bad})" if bad else "")))
@@ -936,17 +958,26 @@ def main() -> int:
     ap.add_argument("--json", metavar="FILE", help="write every trial and the summary here")
     ap.add_argument("--user", default=DEFAULT_USER, help=f"the unprivileged user (default {DEFAULT_USER})")
     ap.add_argument("--keep-user", action="store_true", help="do not remove a user this run created")
+    ap.add_argument("--signals", default="KILL,TERM",
+                    help=f"comma-separated signals a trial picks from, of {','.join(SIGNALS)} (default KILL,TERM: "
+                    "the seeds of earlier campaigns replay as they ran)")
     ap.add_argument("--dir", help="campaign directory (default: a fresh /var/tmp/lowlevel-kill-*, removed after)")
     args = ap.parse_args()
     if os.geteuid() != 0:
         ap.error("run as root (the unprivileged half runs as --user through setpriv)")
     kinds = [k for k in args.kinds.split(",") if k]
+    try:
+        signals = tuple(SIGNALS[n] for n in args.signals.split(",") if n)
+    except KeyError as err:
+        ap.error(f"unknown signal {err.args[0]!r} in --signals (of {','.join(SIGNALS)})")
+    if not signals:
+        ap.error("--signals names no signal")
     for k in kinds:
         if k not in KINDS:
             ap.error(f"unknown kind {k!r}")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 32)
     print(f"kill_campaign: seed {seed}, commit {_git_head()[:12]}, {args.trials} trials per kind and user, "
-          f"kinds {','.join(kinds)}, as {args.who}", flush=True)
+          f"kinds {','.join(kinds)}, as {args.who}, signals {args.signals}", flush=True)
     _subreaper()
     root = args.dir or tempfile.mkdtemp(prefix="lowlevel-kill-", dir="/var/tmp")
     os.makedirs(root, exist_ok=True)
@@ -961,7 +992,7 @@ def main() -> int:
     started = time.time()
     who = ["root", "user"] if args.who == "both" else [args.who]
     with contextlib.ExitStack() as stack:
-        camp = Campaign(root)
+        camp = Campaign(root, signals)
         idents = []
         for w in who:
             pw = None if w == "root" else stack.enter_context(throwaway_user(args.user, args.keep_user))
@@ -995,7 +1026,8 @@ def main() -> int:
                               flush=True)
                 done = [t for t in results if t.get("key") == key]
                 s = summarize(done)
-                print(f"{key}: {s['trials']} trials, KILL {s['SIGKILL']} TERM {s['SIGTERM']} done "
+                print(f"{key}: {s['trials']} trials, KILL {s['SIGKILL']} TERM {s['SIGTERM']} INT {s['SIGINT']} "
+                      f"HUP {s['SIGHUP']} done "
                       f"{s['finished_before_kill']}, ws old/new/mixed/partial {s['ws_old']}/{s['ws_new']}/"
                       f"{s['ws_mixed']}/{s['ws_partial']}, phases {s['phases']}, cleanup removed "
                       f"{s['cleanup_removed']} (after SIGTERM: {s['sigterm_cleanup_removed']}), anomalies "

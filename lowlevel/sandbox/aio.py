@@ -68,6 +68,7 @@ from typing import Any
 
 from lowlevel.errors import LaunchError, LowlevelError, PolicyError
 from lowlevel.sandbox import teardown as _teardown
+from lowlevel.sandbox._interrupts import deferred_interrupts
 from lowlevel.sandbox.drive import json_deferred
 from lowlevel.sandbox.failures import PROCESS_LIMIT_HINT
 from lowlevel.sandbox.launcher import DRAIN_TIMEOUT_S, INIT_EXIT_TIMEOUT_S, INIT_KILL_TIMEOUT_S, SETUP_TIMEOUT_S, Run
@@ -315,7 +316,14 @@ def _submit(fn: Callable[[], None]) -> concurrent.futures.Future[None]:
             out.set_result(None)
 
     try:
-        _executor().submit(work)
+        # Held back meanwhile: a signal handler's exception (SystemExit from a SIGTERM handler,
+        # KeyboardInterrupt) raised inside submit() lands between the work item's queueing and
+        # the return (a step that runs with nobody awaiting it), or, for the executor's new
+        # thread, between its start and its registration with concurrent.futures' exit hook,
+        # which then never wakes it: the interpreter's exit joined that idle thread forever (2
+        # callers in ~900 of bench/kill_campaign_repro.py arun-sigterm). 3 us per submit.
+        with deferred_interrupts():
+            _executor().submit(work)
     except RuntimeError as err:
         with lock:
             if state[0] == "queued":
@@ -339,8 +347,23 @@ async def _step(fn: Callable[[], None], abort: threading.Event | None = None) ->
         fn: the step, called in a pool thread.
         abort: set on cancellation, for a step of several parts to skip the rest.
     """
-    step = _submit(fn)
-    fut = asyncio.wrap_future(step)
+    # A signal handler's exception that comes while the step is handed to the executor is held
+    # back until this coroutine holds the step's future, then raised inside the wait below (it
+    # escaped from between the submission and the assignment before: a step ran with nobody
+    # waiting for it, so nobody closed what it started).
+    held = deferred_interrupts()
+    held.__enter__()
+    try:
+        step = _submit(fn)
+        fut = asyncio.wrap_future(step)
+    except BaseException:
+        held.__exit__(None, None, None)
+        raise
+    try:
+        held.__exit__(None, None, None)  # what came during the submission is raised here
+    except BaseException:
+        _outlive(step, fut, abort)
+        raise
     cancelled = False
     while not fut.done():
         try:
@@ -353,21 +376,25 @@ async def _step(fn: Callable[[], None], abort: threading.Event | None = None) ->
         except BaseException:
             if fut.done():
                 break  # the step's own error: re-raised by fut.result() below
-            # From outside the step, which still runs: SystemExit or KeyboardInterrupt from a
-            # signal handler, GeneratorExit when a pending task's coroutine is closed. Wait for
-            # the step here, blocking (steps are bounded), so whatever it started is on the Run
-            # for the caller's cleanup, then let the exception go on. (It broke out before and
-            # fut.result() raised InvalidStateError over it: that Run was never closed, and its
-            # cgroup and record were left to `lowlevel cleanup`: bench/kill_campaign.py.)
-            if abort is not None:
-                abort.set()
-            concurrent.futures.wait([step])
-            fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved" log
+            _outlive(step, fut, abort)
             raise
     if cancelled:
         fut.exception()  # retrieved, so asyncio does not log it as never retrieved
         raise asyncio.CancelledError
     fut.result()
+
+
+def _outlive(step: concurrent.futures.Future[None], fut: asyncio.Future[None], abort: threading.Event | None) -> None:
+    """:func:`_step` met an exception from outside its step, which still runs (SystemExit or
+    KeyboardInterrupt from a signal handler, GeneratorExit when a pending task's coroutine is
+    closed): wait for the step here, blocking (steps are bounded), so whatever it started is on
+    the Run for the caller's cleanup; the caller then lets the exception go on. (It broke out
+    before and ``fut.result()`` raised InvalidStateError over it: that Run was never closed, and
+    its cgroup and record were left to ``lowlevel cleanup``: bench/kill_campaign.py.)"""
+    if abort is not None:
+        abort.set()
+    concurrent.futures.wait([step])
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved" log
 
 
 def _start(r: Run, abort: threading.Event) -> None:

@@ -423,3 +423,61 @@ def test_a_step_interrupted_from_outside_is_waited_for(outside: type[BaseExcepti
             await aio._step(fails)
 
     asyncio.run(main())
+
+
+SIGTERM_IN_SUBMIT = r"""
+import asyncio, os, signal, sys, threading
+signal.signal(signal.SIGTERM, lambda s, f: sys.exit(143))
+import lowlevel
+real = threading.Thread.start
+where = sys.argv[2]
+
+def start(self):
+    real(self)
+    if self.name.startswith("lowlevel-aio"):
+        threading.Thread.start = real
+        # The SIGTERM lands right after the executor's new thread started, inside submit():
+        # before concurrent.futures registered the thread for its exit hook.
+        os.kill(os.getpid(), signal.SIGTERM)
+
+if where == "thread-start":
+    threading.Thread.start = start
+elif where == "none":
+    pass
+r = asyncio.run(lowlevel.arun(["sh", "-c", "echo new > f"], workspace=sys.argv[1]))
+print("returned", r.exit_code)
+"""
+
+
+@pytest.mark.parametrize("where", ["thread-start", "none"])
+def test_a_sigterm_inside_the_executors_thread_start_ends_the_caller(tmp_path: Path, where: str) -> None:
+    """A SIGTERM handler's SystemExit inside ThreadPoolExecutor.submit(), right after it started
+    the executor's first thread and before it registered that thread for its exit hook: the
+    interpreter's exit then joined the idle thread forever (the caller hung until a second
+    SIGTERM; 2 in ~900 of bench/kill_campaign_repro.py arun-sigterm). Now the signal is held
+    back until the step's future is the coroutine's: the caller exits 143, the step it had
+    submitted is waited for and its Run closed (no process, record or cgroup of it left).
+    Control: without the signal, the call returns and commits."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    records = tmp_path / "records"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LOWLEVEL_RECORD_DIR": str(records)}
+    proc = subprocess.Popen([sys.executable, "-c", SIGTERM_IN_SUBMIT, str(ws), where], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail("the caller hung after the SIGTERM (joined its idle executor thread at exit)")
+    if where == "none":
+        assert (proc.returncode, out) == (0, b"returned 0\n"), err
+        assert (ws / "f").read_text() == "new\n"
+        return
+    assert proc.returncode == 143, err
+    assert b"Traceback" not in err, err
+    assert not (ws / "f").exists() or (ws / "f").read_text() == "new\n"  # old or new (a close commits)
+    assert [n for n in os.listdir(ws) if n.startswith(".lowlevel-commit-")] == []
+    time.sleep(0.5)
+    assert pids_with(str(ws)) == []
+    assert not records.exists() or os.listdir(records) == []
