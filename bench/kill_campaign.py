@@ -71,7 +71,10 @@ Kinds (a caller-owned workspace, the default ``commit=True``):
   part, then ``commit()``; ``session_disk``: the same with ``Limits(upper="disk")`` (root only);
 - ``arun``: three concurrent ``lowlevel.arun`` calls, each on a workspace of its own;
 - ``pool``: a ``Pool(size=2)`` serving three calls, each writing files into its own fresh
-  workspace under the trial's workspace base.
+  workspace under the trial's workspace base;
+- ``cli``: ``lowlevel run --workspace WS -- ...`` of the ``run`` program: the caller script
+  execs the CLI (same pid), which has its own handlers (SIGTERM, SIGHUP, SIGQUIT: unwind, then
+  exit 128+N; SIGINT: 130).
 
 Unprivileged callers have no per-run uid and no disk upper (UnsupportedError): the ``*_disk``
 kinds are skipped for them. Before its trials, each (kind, user) runs one control trial without
@@ -120,7 +123,7 @@ import time
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KINDS = ("run", "run_disk", "session", "session_disk", "arun", "pool")
+KINDS = ("run", "run_disk", "session", "session_disk", "arun", "pool", "cli")
 ROOT_ONLY = ("run_disk", "session_disk")
 #: How long what a killed caller started may take to go by itself before it counts as left.
 GRACE_S = 5.0
@@ -226,6 +229,10 @@ elif kind == "arun":
         for i, r in enumerate(rs):
             check(r, f"arun {i}")
     asyncio.run(main())
+elif kind == "cli":  # the CLI is the caller (the same pid: exec), with its own signal handling
+    mark("exec")
+    os.execv(sys.executable, [sys.executable, "-m", "lowlevel", "run", "--workspace", P["workspaces"][0],
+                              "--timeout", "60", "--", *cmd(P["ops"])])
 elif kind == "pool":
     with lowlevel.Pool(policy=policy, size=2, workspace_base=P["base"]) as pool:
         mark("pool")
@@ -260,7 +267,7 @@ def old_tree_ops() -> list[list[Any]]:
 
 #: Per kind: (files added, MiB of the big file rewritten, seconds the program works first). Sized
 #: so that a caller lives about 1 s here (the kill window) and its commit a good part of it.
-WORKLOAD = {"run": (400, 8, 0.1), "run_disk": (400, 8, 0.1), "session": (300, 8, 0.05),
+WORKLOAD = {"run": (400, 8, 0.1), "cli": (400, 8, 0.1), "run_disk": (400, 8, 0.1), "session": (300, 8, 0.05),
             "session_disk": (300, 8, 0.05), "arun": (120, 4, 0.1), "pool": (60, 1, 0.05)}
 
 
@@ -516,8 +523,13 @@ class Identity:
 #: SystemExit, SIGINT to one left with Python's own handler (KeyboardInterrupt: ^C), SIGHUP with
 #: its default action (the process dies at once, as by SIGKILL but catchable by no one here).
 SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM, "INT": signal.SIGINT, "HUP": signal.SIGHUP}
-#: The signals whose caller unwinds (its finally blocks run) and the exit statuses that says so.
+#: The signals whose caller unwinds (its finally blocks run) and the exit statuses that say so
+#: (a negative one: killed by the signal before its handler was installed, or Python's own exit
+#: after an uncaught KeyboardInterrupt).
 UNWINDING = {signal.SIGTERM: (-15, 143), signal.SIGINT: (-2,)}
+#: The same for ``lowlevel run`` (lowlevel.cli.signals: SIGTERM, SIGHUP, SIGQUIT and SIGINT
+#: unwind, then exit 128+N).
+CLI_UNWINDING = {signal.SIGTERM: (-15, 143), signal.SIGINT: (-2, 130), signal.SIGHUP: (-1, 129)}
 
 
 class Campaign:
@@ -626,7 +638,8 @@ class Campaign:
                     out["phase"] = name
         else:
             out["phase"] = "control"
-        expected_rc: tuple[int, ...] = UNWINDING.get(sig, (0,) if sig is None else (-sig,))  # type: ignore[arg-type]
+        unwinding = CLI_UNWINDING if kind == "cli" else UNWINDING
+        expected_rc: tuple[int, ...] = unwinding.get(sig, (0,) if sig is None else (-sig,))  # type: ignore[arg-type]
         stderr = _read(os.path.join(tdir, "stderr")).strip()
         if sig == signal.SIGINT and stderr.endswith("KeyboardInterrupt") and "Traceback" not in stderr:
             stderr = stderr[:-len("KeyboardInterrupt")].strip()  # the caller's excepthook: ^C's own exit
@@ -634,7 +647,7 @@ class Campaign:
         # ignored in": an importlib weakref callback, threading._shutdown, an atexit callback such
         # as lowlevel's exit drain, lowlevel.host.later, whose items are what a SIGKILL leaves for
         # cleanup): Python drops it and the caller goes on. Counted; the checks still apply.
-        swallowed = sig in UNWINDING and bool(re.fullmatch(
+        swallowed = sig in unwinding and bool(re.fullmatch(
             r"Exception ignored in .*(SystemExit: 143|KeyboardInterrupt: ?)", stderr, re.S))
         if out.get("finished_before_kill"):
             expected_rc = (0,)
@@ -684,7 +697,7 @@ class Campaign:
                           "foreign_removed": len(removed_all) - len(removed),
                           "found": report.get("found", []) if isinstance(report, dict) else report,
                           "problems": report.get("problems", []) if isinstance(report, dict) else []}
-        if sig in UNWINDING and rc in UNWINDING[sig] and rc != -signal.SIGTERM and removed \
+        if sig in unwinding and rc in unwinding[sig] and rc not in (-signal.SIGTERM, -signal.SIGHUP) and removed \
                 and not out.get("sigterm_swallowed"):
             # The caller unwound (its handler's SystemExit ran the library's finally blocks) and
             # still left cleanup something: what only a SIGKILL should leave.
@@ -728,7 +741,7 @@ class Campaign:
         if listdir(os.path.join(tdir, "upper")):
             find.append({"what": "upper_dir", "entries": listdir(os.path.join(tdir, "upper"))})
         # The workspaces.
-        allow_part = sig in UNWINDING
+        allow_part = sig in unwinding
         checks = [(ws, compare(manifest(ws), old, new, allow_part)) for ws in params["workspaces"]]
         base = os.path.join(tdir, "base")
         stray = []

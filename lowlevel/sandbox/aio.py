@@ -356,35 +356,46 @@ async def _step(fn: Callable[[], None], abort: threading.Event | None = None) ->
     try:
         step = _submit(fn)
         fut = asyncio.wrap_future(step)
+        fut.add_done_callback(_retrieved)
     except BaseException:
         held.__exit__(None, None, None)
         raise
     try:
         held.__exit__(None, None, None)  # what came during the submission is raised here
     except BaseException:
-        _outlive(step, fut, abort)
+        _outlive(step, abort)
         raise
+    # Decided on the step's own future (``step``), the loop's copy (``fut``) only wakes us: a
+    # signal handler's SystemExit raised inside the loop callback that copies the state over
+    # (wrap_future's call_soon_threadsafe) loses that callback, and asyncio.run's cancellation
+    # of the tasks left then waited for ``fut`` forever (the caller hung in _cancel_all_tasks
+    # with every executor thread idle: 1 in ~700 of bench/kill_campaign_repro.py arun-sigterm).
     cancelled = False
-    while not fut.done():
+    while not step.done():
         try:
             await asyncio.shield(fut)
         except asyncio.CancelledError:
-            if not fut.done():
-                cancelled = True
-                if abort is not None:
-                    abort.set()
-        except BaseException:
-            if fut.done():
-                break  # the step's own error: re-raised by fut.result() below
-            _outlive(step, fut, abort)
+            cancelled = True
+            if abort is not None and not step.done():
+                abort.set()
+        except BaseException as err:
+            if step.done() and not step.cancelled() and step.exception() is err:
+                break  # the step's own error: re-raised by step.result() below
+            _outlive(step, abort)
             raise
     if cancelled:
-        fut.exception()  # retrieved, so asyncio does not log it as never retrieved
         raise asyncio.CancelledError
-    fut.result()
+    step.result()
 
 
-def _outlive(step: concurrent.futures.Future[None], fut: asyncio.Future[None], abort: threading.Event | None) -> None:
+def _retrieved(fut: asyncio.Future[None]) -> None:
+    """Mark a step's loop future retrieved (its outcome is read from the step's own future), so
+    asyncio logs no "exception was never retrieved"."""
+    if not fut.cancelled():
+        fut.exception()
+
+
+def _outlive(step: concurrent.futures.Future[None], abort: threading.Event | None) -> None:
     """:func:`_step` met an exception from outside its step, which still runs (SystemExit or
     KeyboardInterrupt from a signal handler, GeneratorExit when a pending task's coroutine is
     closed): wait for the step here, blocking (steps are bounded), so whatever it started is on
@@ -394,7 +405,6 @@ def _outlive(step: concurrent.futures.Future[None], fut: asyncio.Future[None], a
     if abort is not None:
         abort.set()
     concurrent.futures.wait([step])
-    fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved" log
 
 
 def _start(r: Run, abort: threading.Event) -> None:

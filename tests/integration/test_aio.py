@@ -442,22 +442,42 @@ def start(self):
 
 if where == "thread-start":
     threading.Thread.start = start
-elif where == "none":
-    pass
+elif where == "lost-callback":
+    # The SystemExit raised inside the loop callback that copies a step's outcome to its loop
+    # future (wrap_future's _set_state), as a SIGTERM handler's would at its first bytecode.
+    loop_cls = asyncio.get_event_loop_policy().new_event_loop().__class__
+    real_cst = loop_cls.call_soon_threadsafe
+
+    def call_soon_threadsafe(self, callback, *args, **kw):
+        if getattr(callback, "__name__", "") == "_set_state" and not getattr(loop_cls, "hit", False):
+            loop_cls.hit = True
+
+            def callback(*_args):
+                raise SystemExit(143)
+        return real_cst(self, callback, *args, **kw)
+
+    loop_cls.call_soon_threadsafe = call_soon_threadsafe
 r = asyncio.run(lowlevel.arun(["sh", "-c", "echo new > f"], workspace=sys.argv[1]))
 print("returned", r.exit_code)
 """
 
 
-@pytest.mark.parametrize("where", ["thread-start", "none"])
+@pytest.mark.parametrize("where", ["thread-start", "lost-callback", "none"])
 def test_a_sigterm_inside_the_executors_thread_start_ends_the_caller(tmp_path: Path, where: str) -> None:
-    """A SIGTERM handler's SystemExit inside ThreadPoolExecutor.submit(), right after it started
-    the executor's first thread and before it registered that thread for its exit hook: the
-    interpreter's exit then joined the idle thread forever (the caller hung until a second
-    SIGTERM; 2 in ~900 of bench/kill_campaign_repro.py arun-sigterm). Now the signal is held
-    back until the step's future is the coroutine's: the caller exits 143, the step it had
-    submitted is waited for and its Run closed (no process, record or cgroup of it left).
-    Control: without the signal, the call returns and commits."""
+    """Two hangs of a caller whose SIGTERM handler raises SystemExit during arun (each 1 in
+    several hundred of bench/kill_campaign_repro.py arun-sigterm; the caller never exited until
+    a second SIGTERM), each made deterministic here:
+
+    - ``thread-start``: inside ThreadPoolExecutor.submit(), right after it started the
+      executor's first thread and before it registered that thread for its exit hook: the
+      interpreter's exit joined the idle thread forever. Now the signal is held back until the
+      step's future is the coroutine's, then raised there (the step waited for, its Run closed).
+    - ``lost-callback``: inside the loop callback that copies a step's outcome to its loop
+      future: that future never completed, and asyncio.run's cancellation waited for it
+      forever. Now the step's own future decides.
+
+    Either way the caller exits 143 and leaves no process or run record. Control: without
+    the signal, the call returns and commits."""
     ws = tmp_path / "ws"
     ws.mkdir()
     records = tmp_path / "records"
@@ -469,7 +489,7 @@ def test_a_sigterm_inside_the_executors_thread_start_ends_the_caller(tmp_path: P
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()
-        pytest.fail("the caller hung after the SIGTERM (joined its idle executor thread at exit)")
+        pytest.fail(f"the caller hung after the SIGTERM ({where})")
     if where == "none":
         assert (proc.returncode, out) == (0, b"returned 0\n"), err
         assert (ws / "f").read_text() == "new\n"
