@@ -2,10 +2,10 @@
 """Reproducers of what bench/kill_campaign.py found (bench/README.md, "kill_campaign.py").
 
     python bench/kill_campaign_repro.py empty-record       # any user; deterministic
-    python bench/kill_campaign_repro.py session-commit     # any user; first attempt, usually
+    python bench/kill_campaign_repro.py session-commit     # any user; first attempt before 2f15ab3
     python bench/kill_campaign_repro.py commit-finish      # any user; deterministic (a patched hook)
     python bench/kill_campaign_repro.py pool-close         # root (cgroups); first attempt, usually
-    python bench/kill_campaign_repro.py arun-sigterm [N]   # root; timing: 1-3 hits in 300 attempts
+    python bench/kill_campaign_repro.py arun-sigterm [N]   # root; timing: 1-3 hits in 300 attempts before f63938a
 
 Each prints what it saw and exits 1 when it reproduced the finding, 0 when not. State is
 redirected into a temporary directory (``LOWLEVEL_RECORD_DIR``, ``LOWLEVEL_WORKSPACE_BASE``,
@@ -208,7 +208,17 @@ def pool_close() -> bool:
 
 
 ARUN = r'''
-import asyncio, signal, sys
+import asyncio, faulthandler, signal, sys
+def dump(*_):  # on a hang: every thread's stack, then the loop's tasks and readers
+    faulthandler.dump_traceback(all_threads=True)
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    for t in asyncio.all_tasks(loop):
+        print("task", t, file=sys.stderr)
+    print("readers", sorted(loop._selector.get_map()), file=sys.stderr)
+signal.signal(signal.SIGUSR1, dump)
 signal.signal(signal.SIGTERM, lambda s, f: sys.exit(143))
 import lowlevel
 async def main():
@@ -242,11 +252,15 @@ def arun_sigterm(attempts: int) -> bool:
             hung = True
             kids = subprocess.run(["ps", "--ppid", str(p.pid), "-o", "pid=,stat=,cmd="], capture_output=True,
                                   text=True).stdout.strip()
+            p.send_signal(signal.SIGUSR1)
+            time.sleep(1)
             print(f"attempt {i}: the caller is still running 20 s after SIGTERM; threads' wchan "
                   f"{[open(f'/proc/{p.pid}/task/{t}/wchan').read() for t in os.listdir(f'/proc/{p.pid}/task')]}"
                   f"; children: {kids or 'none'}; a second SIGTERM ends it")
             p.send_signal(signal.SIGTERM)
             _, err = p.communicate()
+        if hung:
+            print("its stacks and tasks:\n" + err.decode(errors="replace")[-6000:])
         if hung or b"InvalidStateError" in err:
             if not hung:
                 print(f"attempt {i}: exit {p.returncode}; stderr ends:\n"
