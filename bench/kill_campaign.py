@@ -641,14 +641,23 @@ class Campaign:
         unwinding = CLI_UNWINDING if kind == "cli" else UNWINDING
         expected_rc: tuple[int, ...] = unwinding.get(sig, (0,) if sig is None else (-sig,))  # type: ignore[arg-type]
         stderr = _read(os.path.join(tdir, "stderr")).strip()
-        if sig == signal.SIGINT and stderr.endswith("KeyboardInterrupt") and "Traceback" not in stderr:
-            stderr = stderr[:-len("KeyboardInterrupt")].strip()  # the caller's excepthook: ^C's own exit
+        if sig == signal.SIGINT and rc == -signal.SIGINT and stderr.endswith("KeyboardInterrupt") \
+                and "During handling" not in stderr and "Exception ignored" not in stderr:
+            # ^C's own exit: the caller's excepthook's one line, or Python's traceback of the bare
+            # KeyboardInterrupt when it came before the hook was set (no other exception on top).
+            stderr = ""
         # The handler's SystemExit raised where the interpreter ignores exceptions ("Exception
         # ignored in": an importlib weakref callback, threading._shutdown, an atexit callback such
         # as lowlevel's exit drain, lowlevel.host.later, whose items are what a SIGKILL leaves for
         # cleanup): Python drops it and the caller goes on. Counted; the checks still apply.
         swallowed = sig in unwinding and bool(re.fullmatch(
             r"Exception ignored in .*(SystemExit: 143|KeyboardInterrupt: ?)", stderr, re.S))
+        if sig == signal.SIGINT and rc == 1 and "Fatal Python error: init_import_site" in stderr \
+                and stderr.endswith("KeyboardInterrupt"):
+            # The ^C came while the interpreter itself started (its site import): CPython exits 1
+            # with a "Fatal Python error" before any code of ours ran. Counted, not an anomaly.
+            out["interrupted_python_startup"] = True
+            expected_rc, stderr = (1,), ""
         if out.get("finished_before_kill"):
             expected_rc = (0,)
         elif out["phase"] == "done" or swallowed:  # no handler runs in the shutdown; or it was dropped
