@@ -228,6 +228,11 @@ class _Supervision:
         """Await ``fd`` readable (a pidfd: its process exited); False after ``timeout_s``."""
         if _ready_now(fd):
             return True
+        # Ours from here on: a registration of this Run's own on the same fd (the anchor's pidfd:
+        # on_bwrap_exit) is dropped first, or on_exit_report's remove_reader(pidfd), when the
+        # anchor's EXIT came meanwhile, removed this wait's reader and it sat out its whole
+        # timeout (a cancelled arun took 12 s to end: bench/kill_campaign_repro.py arun-sigterm).
+        self.remove_reader(fd)
         fut: asyncio.Future[None] = self.loop.create_future()
 
         def ready() -> None:

@@ -501,3 +501,32 @@ def test_a_sigterm_inside_the_executors_thread_start_ends_the_caller(tmp_path: P
     time.sleep(0.5)
     assert pids_with(str(ws)) == []
     assert not records.exists() or os.listdir(records) == []
+
+
+def test_a_wait_for_a_pidfd_survives_the_runs_own_reader_removal() -> None:
+    """``_Supervision.readable(fd)`` on an fd the Run already watched (the anchor's pidfd,
+    ``on_bwrap_exit``): the Run's own later ``remove_reader(fd)`` (``on_exit_report``, when the
+    anchor's EXIT arrives during the wait) removed the wait's reader too, and the wait sat out
+    its whole timeout (a cancelled ``arun`` took 12 s to end after SIGTERM). Now the wait owns
+    the fd: it returns as soon as the fd is readable. Real fds (a pipe), the real loop."""
+    from lowlevel.sandbox import aio
+
+    async def main() -> tuple[bool, float]:
+        loop = asyncio.get_running_loop()
+        r_fd, w_fd = os.pipe()
+        try:
+            sup = aio._Supervision(loop, None)  # type: ignore[arg-type]  # readable() uses no Run
+            sup.add_reader(r_fd, lambda: None)  # as _drive's on_bwrap_exit on the pidfd
+            t0 = time.monotonic()
+            waiting = asyncio.ensure_future(sup.readable(r_fd, 5.0))
+            await asyncio.sleep(0.05)
+            sup.remove_reader(r_fd)  # as on_exit_report does when the anchor's EXIT comes
+            os.write(w_fd, b"x")     # the "process" exits
+            ok = await waiting
+            return ok, time.monotonic() - t0
+        finally:
+            os.close(r_fd)
+            os.close(w_fd)
+
+    ok, took = asyncio.run(main())
+    assert ok and took < 2.0, (ok, took)
