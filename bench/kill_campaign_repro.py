@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.join(REPO, "tests", "helpers"))
+from interrupt_scripts import POOL_CLOSE  # noqa: E402  (the test's own script)
 
 
 def _env(d: str) -> dict[str, str]:
@@ -169,32 +171,14 @@ def commit_finish() -> bool:
     return found
 
 
-POOL_CLOSE = r'''
-import signal, sys
-import lowlevel
-def interrupt(*_):
-    raise KeyboardInterrupt
-signal.signal(signal.SIGALRM, interrupt)
-try:
-    try:
-        with lowlevel.Pool(size=2) as pool:
-            pool.run(["true"])
-            signal.setitimer(signal.ITIMER_REAL, float(sys.argv[1]))  # lands in close(), at the with's end
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)  # not later, in the interpreter's exit
-        signal.signal(signal.SIGALRM, signal.SIG_IGN)
-except KeyboardInterrupt:
-    pass
-'''
-
-
 def pool_close() -> bool:
     """An interrupt inside ``Pool.close()`` abandons the sandboxes it had not closed: close()
     is never run again (``_closed`` is set), their run cgroups and records stay for the next
     sweep or ``lowlevel cleanup`` (their processes die with the caller)."""
     def trial(d: str, i: int) -> bool:
         delay = 0.001 + 0.002 * i
-        subprocess.run([sys.executable, "-c", POOL_CLOSE, str(delay)], env=_env(d), check=False)
+        subprocess.run([sys.executable, "-c", POOL_CLOSE, str(delay)], env=_env(d), check=False,
+                       stdout=subprocess.DEVNULL)
         left = _records(d)
         pids = {n.split("-")[0] for n in left}
         cgroups = [os.path.join(dp, n) for dp, dns, _f in os.walk("/sys/fs/cgroup") if dp.endswith("/lowlevel")

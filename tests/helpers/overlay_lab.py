@@ -72,10 +72,11 @@ def _jsonable(obj: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _interrupt_after(n: int | None) -> Iterator[list[int]]:
-    """With ``n``: a KeyboardInterrupt raised right after the commit's ``n``-th renameat2(2)
-    returns (an entry placed, swapped or moved out of sight, its bookkeeping not yet done: where
-    a ^C hurts most); the yielded list is non-empty once it was raised. Restored afterwards."""
+def interrupt_after(n: int | None, exc: type[BaseException] = KeyboardInterrupt) -> Iterator[list[int]]:
+    """With ``n``: ``exc`` (KeyboardInterrupt, or SystemExit(143) as a SIGTERM handler raises it)
+    raised right after the commit's ``n``-th renameat2(2) returns (an entry placed, swapped or
+    moved out of sight, its bookkeeping not yet done: where an interrupt hurts most); the yielded
+    list is non-empty once it was raised. Restored afterwards."""
     from lowlevel.workspace.overlay import apply_files  # every placement and deletion renames through it
     hit: list[int] = []
     if n is None:
@@ -88,7 +89,7 @@ def _interrupt_after(n: int | None) -> Iterator[list[int]]:
         count[0] += 1
         if count[0] == n and not hit:
             hit.append(n)
-            raise KeyboardInterrupt
+            raise exc(143) if exc is SystemExit else exc()
 
     apply_files._renameat2 = renameat2  # type: ignore[assignment]
     try:
@@ -110,7 +111,7 @@ def call(req: dict[str, Any]) -> dict[str, Any]:
             out: Any = overlay.read_changes(upper, lower, xattr_prefix=req["prefix"])
         elif op == "commit":
             owner = tuple(req["new_owner"]) if req.get("new_owner") else None
-            with _interrupt_after(req.get("interrupt_after")) as hit:
+            with interrupt_after(req.get("interrupt_after")) as hit:
                 try:
                     out = overlay.commit(upper, lower, xattr_prefix=req["prefix"], since_ns=req["since_ns"],
                                          new_owner=owner, max_bytes=req.get("max_bytes"),  # type: ignore[arg-type]

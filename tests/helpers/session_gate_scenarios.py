@@ -331,20 +331,8 @@ def interrupted_commit(workspace: str, base: str) -> dict[str, Any]:
     handler's SystemExit, right after its 40th rename: entries placed, the rest not), then the
     ``with`` block's ``close()`` (the final commit) completes it; the same with ``commit()``
     called again by the caller that caught the interrupt. Nothing is saved aside as a conflict."""
-    from lowlevel.workspace.overlay import apply_files
+    from overlay_lab import interrupt_after
     out: dict[str, Any] = {}
-    real = apply_files._renameat2
-
-    def interrupting(exc: type[BaseException]) -> Any:
-        count = [0]
-
-        def renameat2(*args: Any) -> None:
-            real(*args)
-            count[0] += 1
-            if count[0] == 40:
-                raise exc(143) if exc is SystemExit else exc()
-        return renameat2
-
     script = "for i in $(seq 100); do echo $i > f$i; done; echo new > keep; rm gone; mkdir -p d/e; echo x > d/e/x"
     for what, exc in (("close", KeyboardInterrupt), ("close_sigterm", SystemExit), ("again", KeyboardInterrupt)):
         for name in os.listdir(workspace):
@@ -360,16 +348,14 @@ def interrupted_commit(workspace: str, base: str) -> dict[str, Any]:
                 if not out["cow"]:
                     return out
                 s.run(["sh", "-c", script])
-                apply_files._renameat2 = interrupting(exc)  # type: ignore[assignment]
                 try:
-                    s.commit()
+                    with interrupt_after(40, exc):
+                        s.commit()
                 except (KeyboardInterrupt, SystemExit) as err:
                     got["interrupted"] = type(err).__name__
                     got["applied_first"] = len(os.listdir(workspace))
                     if what != "again":
                         raise
-                finally:
-                    apply_files._renameat2 = real  # type: ignore[assignment]
                 got["again"] = sorted(s.commit().modified)[:3]
         except (KeyboardInterrupt, SystemExit) as err:
             got["raised"] = [type(err).__name__, list(getattr(err, "__notes__", []))]

@@ -16,6 +16,8 @@ import pytest
 import lowlevel
 from lowlevel.workspace.overlay import apply
 
+from helpers.interrupt_scripts import POOL_CLOSE
+
 pytestmark = pytest.mark.bwrap
 
 
@@ -48,26 +50,6 @@ def test_control_without_an_interrupt_commits_and_returns(tmp_path: Path) -> Non
     r = lowlevel.run(["sh", "-c", "echo new > f"], workspace=str(ws))
     assert r.exit_code == 0 and (ws / "f").read_text() == "new\n"
     assert [n for n in os.listdir(ws) if n.startswith(".lowlevel-commit-")] == []
-
-
-POOL_CLOSE = r"""
-import signal, sys
-import lowlevel
-def interrupt(*_):
-    raise KeyboardInterrupt
-signal.signal(signal.SIGALRM, interrupt)
-try:
-    try:
-        with lowlevel.Pool(size=2) as pool:
-            pool.run(["true"])
-            signal.setitimer(signal.ITIMER_REAL, float(sys.argv[1]))  # lands in close(), at the with's end
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)  # not later, in the interpreter's exit
-        signal.signal(signal.SIGALRM, signal.SIG_IGN)
-    print("no interrupt")
-except KeyboardInterrupt:
-    print("interrupted")
-"""
 
 
 @pytest.mark.root
