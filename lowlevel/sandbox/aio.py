@@ -299,6 +299,14 @@ def _submit(fn: Callable[[], None]) -> concurrent.futures.Future[None]:
     wrapped: once the submission failed it does nothing, unless a worker already started it, in
     which case the call goes on as submitted.
 
+    Called under :class:`~lowlevel.sandbox._interrupts.deferred_interrupts` (both callers are):
+    a signal handler's exception (SystemExit from a SIGTERM handler, KeyboardInterrupt) raised
+    inside ``submit()`` lands between the work item's queueing and the return (a step that runs
+    with nobody awaiting it), or, for the executor's new thread, between its start and its
+    registration with concurrent.futures' exit hook, which then never wakes it: the
+    interpreter's exit joined that idle thread forever (2 callers in ~900 of
+    bench/kill_campaign_repro.py arun-sigterm). 3 us per submission.
+
     Raises:
         LaunchError: no thread could start for ``fn`` (``errno`` EAGAIN); nothing ran.
     """
@@ -321,14 +329,7 @@ def _submit(fn: Callable[[], None]) -> concurrent.futures.Future[None]:
             out.set_result(None)
 
     try:
-        # Held back meanwhile: a signal handler's exception (SystemExit from a SIGTERM handler,
-        # KeyboardInterrupt) raised inside submit() lands between the work item's queueing and
-        # the return (a step that runs with nobody awaiting it), or, for the executor's new
-        # thread, between its start and its registration with concurrent.futures' exit hook,
-        # which then never wakes it: the interpreter's exit joined that idle thread forever (2
-        # callers in ~900 of bench/kill_campaign_repro.py arun-sigterm). 3 us per submit.
-        with deferred_interrupts():
-            _executor().submit(work)
+        _executor().submit(work)
     except RuntimeError as err:
         with lock:
             if state[0] == "queued":
@@ -527,7 +528,8 @@ async def _off_loop(fn: Callable[[], None]) -> None:
     """``fn`` in the shared executor; on the loop itself when no thread can start (bounded file
     work that must happen: the removal of a disposable workspace)."""
     try:
-        fut = _submit(fn)
+        with deferred_interrupts():  # see _submit
+            fut = _submit(fn)
     except LaunchError:
         fn()
         return
