@@ -521,7 +521,7 @@ class Identity:
 
 #: The signals a trial may send (``--signals``): SIGTERM to a caller whose handler raises
 #: SystemExit, SIGINT to one left with Python's own handler (KeyboardInterrupt: ^C), SIGHUP with
-#: its default action (the process dies at once, as by SIGKILL but catchable by no one here).
+#: its default action (a library caller dies at once, as by SIGKILL; the cli kind unwinds).
 SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM, "INT": signal.SIGINT, "HUP": signal.SIGHUP}
 #: The signals whose caller unwinds (its finally blocks run) and the exit statuses that say so
 #: (a negative one: killed by the signal before its handler was installed, or Python's own exit

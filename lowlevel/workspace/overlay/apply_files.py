@@ -320,7 +320,7 @@ class FileApplier(ApplyState):
         """``user.*`` xattrs of the upper entry, except ``user.overlay.*`` (overlayfs's own, or
         escaped ones: a later ``userxattr`` overlay of this directory would obey them)."""
         for attr in _listxattr(src):
-            if not attr.startswith("user.") or attr.startswith("user.overlay."):
+            if not _copied_xattr(attr):
                 continue
             value = _getxattr(src, attr)
             if value is None:
@@ -389,9 +389,14 @@ class FileApplier(ApplyState):
                 os.close(lease)  # lets go of the lease: a host open(2) waiting on it proceeds
 
 
+def _copied_xattr(attr: str) -> bool:
+    """An xattr a commit copies: ``user.*`` but ``user.overlay.*`` (see :meth:`FileApplier.copy_xattrs`)."""
+    return attr.startswith("user.") and not attr.startswith("user.overlay.")
+
+
 def _user_xattrs(fd: int) -> dict[str, bytes | None]:
-    """The ``user.*`` xattrs a commit copies (not ``user.overlay.*``), by name."""
-    return {a: _getxattr(fd, a) for a in _listxattr(fd) if a.startswith("user.") and not a.startswith("user.overlay.")}
+    """The xattrs a commit copies (:func:`_copied_xattr`), by name."""
+    return {a: _getxattr(fd, a) for a in _listxattr(fd) if _copied_xattr(a)}
 
 
 def _same_file(src: int, dst: int, key: tuple[int, int], lst: os.stat_result) -> bool:
