@@ -39,6 +39,8 @@ class CommitTarget:
         needs_record: no cgroup record names the workspace: write a run record for the commit,
             so ``lowlevel cleanup`` finds its temporaries if this process dies mid-way.
         name: the run record's name.
+        own_stamps: a Session's record of what its earlier, interrupted commits of this upper
+            left (:func:`lowlevel.workspace.overlay.commits.commit`'s ``own_stamps``), or None.
     """
 
     upper_fd: int
@@ -52,6 +54,7 @@ class CommitTarget:
     owner: tuple[int, int] | None
     needs_record: bool
     name: str
+    own_stamps: set[tuple[int, ...]] | None = None
 
 
 def conflict_dir(base: str | None) -> str:
@@ -91,7 +94,8 @@ def _commit_run(t: CommitTarget, result: Result | None, notes: list[str]) -> Non
         report = _overlay.commit_upper(t.upper_fd, t.lower_fd, xattr_prefix=t.xattr_prefix, since_ns=t.since_ns,
                                        new_owner=t.owner, upper_bytes=t.upper_bytes,
                                        accept_seen_host_changes=t.accept_seen_host_changes,
-                                       save_to=lambda: conflict_dir(t.workspace_base), keep_upper=False)
+                                       own_stamps=t.own_stamps, save_to=lambda: conflict_dir(t.workspace_base),
+                                       keep_upper=False)
     except (CommitIncompleteError, _overlay.CommitConflictError) as err:
         # The Result then lists what was applied, never what was not (a conflict found before
         # the apply pass applied nothing: err.applied None).

@@ -191,7 +191,8 @@ class RunWorkspace(RunState):
                 since_ns=self.since_ns, upper_bytes=self.upper_bytes, workspace=self.workspace,
                 workspace_base=self.workspace_base, accept_seen_host_changes=self.accept_seen_host_changes,
                 owner=(self.lower_stat.st_uid, self.lower_stat.st_gid) if self.facts.caller_is_root else None,
-                needs_record=self.cgroup is None or self.cgroup.record is None, name=f"commit-{id(self):x}")
+                needs_record=self.cgroup is None or self.cgroup.record is None, name=f"commit-{id(self):x}",
+                own_stamps=self.own_stamps or None)  # a Session's final commit after an interrupted one
             commit_run(target, result, self.notes)
         finally:
             if self.policy.limits.upper == "disk":
@@ -245,6 +246,7 @@ class RunWorkspace(RunState):
             old, self.upper_fd = self.upper_fd, self._own(fds[0])
             self.fds.remove(self.upper_fd)
         self.since_ns = time.time_ns()
+        self.own_stamps.clear()
         if old is not None:
             os.close(old)
 

@@ -195,6 +195,10 @@ class RunState:
         self.report: socket.socket | None = None
         self.report_child: socket.socket | None = None
         self.since_ns = 0
+        #: What this upper's commits left in the user's directory (a Session's: committed again
+        #: after an interrupted commit; lowlevel.workspace.overlay.commits.commit(own_stamps=)).
+        #: Emptied with the upper (reset_cow).
+        self.own_stamps: set[tuple[int, ...]] = set()
         self.pass_fds: tuple[int, ...] = ()
         self.anchor_fds: dict[str, Any] = {}
         self.actions: list[tuple[Any, ...]] = []

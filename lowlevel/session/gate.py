@@ -228,7 +228,7 @@ class WorkspaceGate:
             with commit_record(r.cgroup is None or r.cgroup.record is None, f"commit-{id(r):x}", r.workspace):
                 report = _overlay.commit_upper(r.upper_fd, r.lower_fd, xattr_prefix=r.xattr_prefix,
                                                since_ns=r.since_ns, new_owner=owner, upper_bytes=r.upper_bytes,
-                                               accept_seen_host_changes=True,
+                                               accept_seen_host_changes=True, own_stamps=r.own_stamps,
                                                save_to=lambda: _conflict_dir(r.workspace_base), keep_upper=True)
         except (CommitIncompleteError, _overlay.CommitConflictError) as err:
             if err.applied is not None:

@@ -372,6 +372,66 @@ def interrupted_commit(workspace: str, base: str) -> dict[str, Any]:
     return out
 
 
+def interrupted_commit_changed_again(workspace: str, base: str) -> dict[str, Any]:
+    """An interrupted ``Session.commit()`` (KeyboardInterrupt right after its ``n``-th rename),
+    then a command that changes again what the first pass had applied (every file, a file in a
+    new directory, a file in an existing directory whose new mode, 0555, is set last: the
+    interrupt falls inside it), then ``close()``: the final commit applies the new versions;
+    nothing is a conflict, nothing saved aside. Control (``host``): the host also edits an
+    applied file between the two commits: that one is a conflict and keeps the host's bytes."""
+    from overlay_lab import interrupt_after
+    out: dict[str, Any] = {}
+    first = ("mkdir -p d/e && echo x > d/e/x && for i in $(seq 60); do echo $i > f$i; done && "
+             "for i in $(seq 30); do echo $i > ro/g$i; done && chmod 0555 ro")
+    second = ("echo x2 > d/e/x && for i in $(seq 60); do echo again$i > f$i; done && chmod u+w ro && "
+              "for i in $(seq 30); do echo again$i > ro/g$i; done && chmod 0555 ro")
+    # Renames in name order: d (1), f1..f60 (60), then ro's g1..g30: the 75th is ro's 14th.
+    for what in ("changed", "host"):
+        for name in os.listdir(workspace):
+            path = os.path.join(workspace, name)
+            if os.path.isdir(path):
+                os.chmod(path, 0o755)
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+        os.mkdir(os.path.join(workspace, "ro"), 0o755)
+        got: dict[str, Any] = {}
+        try:
+            with Session(workspace=workspace, workspace_base=base) as s:
+                out["cow"] = s._core.run.cow
+                if not out["cow"]:
+                    return out
+                s.run(["sh", "-c", first])
+                try:
+                    with interrupt_after(75):
+                        s.commit()
+                except KeyboardInterrupt:
+                    got["interrupted"] = True
+                got["applied_first"] = [len([n for n in os.listdir(workspace) if n.startswith("f")]),
+                                        len(os.listdir(os.path.join(workspace, "ro"))),
+                                        oct(os.stat(os.path.join(workspace, "ro")).st_mode & 0o7777)]
+                got["second"] = s.run(["sh", "-c", second]).exit_code
+                if what == "host":
+                    time.sleep(0.05)  # past a coarse ctime tick
+                    with open(os.path.join(workspace, "f1"), "w") as f:
+                        f.write("host\n")
+        except CommitConflictError as err:
+            got["conflict"] = sorted(err.conflicts)
+        files = {n: _read(os.path.join(workspace, n)) for n in os.listdir(workspace) if n.startswith("f")}
+        got["files_again"] = sorted(n for n, t in files.items() if t == f"again{n[1:]}\n")
+        got["f1"] = files.get("f1")
+        got["x"] = _read(os.path.join(workspace, "d", "e", "x"))
+        ro = os.path.join(workspace, "ro")
+        got["ro_mode"] = oct(os.stat(ro).st_mode & 0o7777)
+        got["ro_again"] = len([n for n in os.listdir(ro) if _read(os.path.join(ro, n)) == f"again{n[1:]}\n"])
+        got["temporaries"] = [n for n in os.listdir(workspace) if n.startswith(".lowlevel-commit-")]
+        got["conflict_dirs"] = len([n for n in os.listdir(base) if n.startswith("conflict-")])
+        got["children"] = _children()
+        os.chmod(ro, 0o755)
+        out[what] = got
+    return out
+
+
 def async_background_across_commit(workspace: str, base: str) -> dict[str, Any]:
     """AsyncSession: a running background writer refuses commit()/reset() as in the sync form;
     running='wait' awaits it and commits its files."""
@@ -411,7 +471,7 @@ def async_background_across_commit(workspace: str, base: str) -> dict[str, Any]:
 
 SCENARIOS = {f.__name__: f for f in (concurrent_commits, async_concurrent_commits, background_across_commit,
                                      async_background_across_commit, reset_waits_for_run_in_flight,
-                                     close_conflict, interrupted_commit)}
+                                     close_conflict, interrupted_commit, interrupted_commit_changed_again)}
 
 if __name__ == "__main__":
     name, ws, base = sys.argv[1:4]

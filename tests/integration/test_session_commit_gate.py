@@ -167,3 +167,25 @@ def test_close_after_an_interrupted_commit_completes_it(scenario: Any) -> None:
         assert (got["files"], got["keep"], got["gone"], got["deep"]) == (100, "new\n", False, "x\n"), got
         assert got["temporaries"] == [] and got["conflicts"] == [] and got["children"] == [], got
     assert "raised" not in out["again"] and out["again"]["again"]
+
+
+def test_close_after_an_interrupted_commit_applies_what_the_session_changed_again(scenario: Any) -> None:
+    """After an interrupted commit, a command changes again entries the first pass had applied
+    (files, a file in a new directory, files in an existing directory whose 0555 mode is set
+    last): close() applies the new versions, no conflict (before: every one of them was a
+    conflict, all saved to conflict-*). Control: a host edit between the two commits is still
+    one, and the host's bytes stay."""
+    out = scenario("interrupted_commit_changed_again")
+    if not out.get("cow"):
+        pytest.skip("no copy-on-write workspace here")
+    got = out["changed"]
+    assert got["interrupted"] and got["applied_first"] == [60, 14, "0o755"], got
+    assert got["second"] == 0 and "conflict" not in got, got
+    assert len(got["files_again"]) == 60 and got["x"] == "x2\n", got
+    assert (got["ro_mode"], got["ro_again"]) == ("0o555", 30), got
+    assert got["temporaries"] == [] and got["conflict_dirs"] == 0 and got["children"] == [], got
+    host = out["host"]
+    # (Found before anything is applied: the whole commit is refused, its changes saved aside.)
+    assert host["interrupted"] and host["conflict"] == ["f1"], host
+    assert host["f1"] == "host\n" and host["files_again"] == [] and host["conflict_dirs"] == 1, host
+    assert host["children"] == [], host

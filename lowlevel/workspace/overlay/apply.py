@@ -244,6 +244,7 @@ class Applier(FileApplier):
             else:
                 self.skip(rel, f"cannot open it: {err.strerror}")
             return
+        self.dir_modes[(lst.st_dev, lst.st_ino)] = (lst.st_mode, lst.st_uid, lst.st_gid)
         child = _Frame(cfd, tfd, rel, opaque=opaque, fresh=False, lst=lst, ust=ust, mode=want if chmod else None)
         self.push(child, os.listdir(tfd) if opaque else None)
         if chmod and not self.dry and want & 0o300 == 0o300:
@@ -255,6 +256,9 @@ class Applier(FileApplier):
         assert frame.tfd is not None and frame.mode is not None and frame.ust is not None
         os.fchmod(frame.tfd, frame.mode)
         frame.mode = None
+        st = os.fstat(frame.tfd)
+        self.dir_modes[(st.st_dev, st.st_ino)] = (st.st_mode, st.st_uid, st.st_gid)
+        self.dir_left(frame.tfd)
         self.mine(frame.lst)
         self.count(frame.ust)
         self.modified.append(frame.rel)
@@ -318,9 +322,12 @@ class Applier(FileApplier):
             want |= stat.S_IMODE(os.fstat(tfd).st_mode) & stat.S_ISGID
             os.fchmod(tfd, want)
             os.utime(tfd, ns=(ust.st_atime_ns, ust.st_mtime_ns))
+            assert frame.parent_tfd is not None
             if frame.temp is not None:
-                assert frame.parent_tfd is not None
                 self.place(frame.parent_tfd, frame.temp, frame.name, lst)
+                self.dir_left(frame.parent_tfd)
+            else:
+                self.left_so(frame.parent_tfd, frame.name)
         except OSError as err:
             if frame.temp is not None and frame.parent_tfd is not None:
                 self.remove_temp(frame.parent_tfd, frame.temp)

@@ -85,6 +85,7 @@ class FileApplier(ApplyState):
                     raise _ChangedOnHostError(errno.EBUSY, "changed on the host during the commit", name)
                 self.mine(lst)
                 self.remove_temp(frame.tfd, temp)
+                self.dir_left(frame.tfd)
             finally:
                 if lease is not None:
                     os.close(lease)
@@ -151,8 +152,11 @@ class FileApplier(ApplyState):
         target = name if frame.fresh else self.temp_in(frame)
         try:
             self.write_leaf(frame, name, target, ust, lst, owner)
-            if not frame.fresh:
+            if frame.fresh:
+                self.left_so(frame.tfd, name)
+            else:
                 self.place(frame.tfd, target, name, lst)
+                self.dir_left(frame.tfd)
         except OSError as err:
             if not frame.fresh:
                 self.remove_temp(frame.tfd, target)
@@ -333,6 +337,16 @@ class FileApplier(ApplyState):
                 self.note_once("xattr", f"commit: some user xattrs were not copied ({err.strerror})")
 
     def place(self, tfd: int, temp: str, name: str, lst: os.stat_result | None) -> None:
+        """:meth:`_place`, the entry placed recorded in ``own_stamps`` (:meth:`expect`, :meth:`settle`)."""
+        loose = self.expect(tfd, temp)
+        try:
+            self._place(tfd, temp, name, lst)
+        except OSError:
+            self.settle(tfd, name, loose, placed=False)
+            raise
+        self.settle(tfd, name, loose, placed=True)
+
+    def _place(self, tfd: int, temp: str, name: str, lst: os.stat_result | None) -> None:
         """Move finished ``temp`` to ``name`` atomically: ``name`` is old or new at every instant.
 
         A new name: ``renameat2(RENAME_NOREPLACE)``. An existing entry ``lst``: checked right

@@ -92,11 +92,19 @@ before propagating. The commit is atomic per entry, not as a whole. Committing t
 again completes an interrupted commit: a user's file or symlink that already is exactly what this
 commit would make of the upper's entry (a file's bytes, size, mtime to the nanosecond, permission
 bits and ``user.*`` xattrs; a symlink's target and mtime) is no conflict whatever its ctime, and is
-left as it is (writing it again would lose nothing of the host's, but costs a copy). Still a
-conflict after an interrupt: an entry the first pass applied and the run (a live Session) changed
-again before the second commit, and an existing directory given a mode that takes away its owner's
-write or search bit (set last), when the interrupt came after entries were applied in it but
-before that mode was set (its ctime moved).
+left as it is (writing it again would lose nothing of the host's, but costs a copy). With
+``own_stamps`` (a Session's commits), so is an entry the first pass left that the run changed again
+before the second commit: the first pass recorded the state it left each entry in (device, inode,
+mode, ctime, mtime, size: an entry placed, every entry of a new directory, and each existing
+directory whose entries it changed, the last only while its mode and owner are as the commit
+knows them), and an entry still in that state was changed by nobody since; any host change moves
+its ctime (with multigrain timestamps, Linux 6.13+, to a value no earlier change had: the state
+was read). The one entry whose rename an interrupt followed before its state was read is known by
+all of it but the ctime the rename changed (and its owner): a host change to it in that instant
+that moves only its ctime (an xattr set, a hard link made) is taken for the commit's. Still a
+conflict after an interrupt: a directory whose entries changed in the instant between the change
+and the read of its state (an interrupt there), the host's changes, and, without ``own_stamps``, an
+entry changed again by the run.
 """
 
 from __future__ import annotations
@@ -114,7 +122,7 @@ from lowlevel.workspace.overlay.apply import Applier, CommitReport
 from lowlevel.workspace.overlay.fdops import _DIR_FLAGS
 from lowlevel.workspace.overlay.leftovers import cleanup_commit_leftovers
 from lowlevel.workspace.overlay.save import SAVED_APPLIED, SAVED_NOT_APPLIED, _write_list, save_upper
-from lowlevel.workspace.overlay.state import STOP_ERRNOS, _check_owner
+from lowlevel.workspace.overlay.state import STOP_ERRNOS, Stamps, _check_owner
 from lowlevel.workspace.overlay.upper import _check_prefix, upper_is_empty
 
 #: Those of STOP_ERRNOS that mean "out of room": a run's commit stopped by one always raises
@@ -186,7 +194,8 @@ def _incomplete(work: Applier, report: CommitReport, stopped: OSError | None, up
 
 def commit(upper_fd: int, lower_fd: int, *, xattr_prefix: str, since_ns: int,
            new_owner: tuple[int, int] | None, max_bytes: int | None = None,
-           accept_seen_host_changes: bool = False, save_to: Callable[[], str] | None = None) -> CommitReport:
+           accept_seen_host_changes: bool = False, save_to: Callable[[], str] | None = None,
+           own_stamps: Stamps | None = None) -> CommitReport:
     """Apply a run's upper directory to the user's directory, treating the upper as untrusted.
 
     How it works (order, conflicts, host changes during the commit, out of room, what is
@@ -212,6 +221,12 @@ def commit(upper_fd: int, lower_fd: int, *, xattr_prefix: str, since_ns: int,
             host change after ``since_ns`` where the commit writes is a conflict).
         save_to: makes and returns the directory the run's changes are saved into after a
             late conflict or a stop (called at most once); None for the default above.
+        own_stamps: for an upper that may be committed again (a live Session's): a set the
+            caller keeps for this upper, empty at first, which the apply pass fills with the
+            state (device, inode, mode, ctime, mtime, size) of every user's entry it leaves,
+            and which a later commit of the same upper reads: an entry still in such a state
+            is no host change (see "Interruption" above). None (a run's single commit):
+            nothing recorded, one lstat per applied entry saved.
     Returns:
         :class:`CommitReport`.
     Raises:
@@ -236,7 +251,7 @@ def commit(upper_fd: int, lower_fd: int, *, xattr_prefix: str, since_ns: int,
         except WorkspaceError as err:  # a dead commit's leftover we cannot remove: not this commit's problem
             early = [f"commit: {err}"]
         work = Applier(upper_fd, lock, prefix=xattr_prefix, since_ns=since_ns, new_owner=new_owner,
-                       max_bytes=max_bytes, save=False)
+                       max_bytes=max_bytes, save=False, own_stamps=own_stamps)
         work.accept_seen = accept_seen_host_changes
         _dry_pass(work, max_bytes)
         stopped = _apply_pass(work, lock)
@@ -324,9 +339,9 @@ def _nothing_written(upper_fd: int, xattr_prefix: str, new_owner: tuple[int, int
         raise WorkspaceError(err.errno or errno.EIO, f"cannot open the upper directory: {err.strerror}") from err
 
 
-def commit_upper(upper_fd: int, lower_fd: int, *, xattr_prefix: str, since_ns: int,
-                 new_owner: tuple[int, int] | None, upper_bytes: int, save_to: Callable[[], str],
-                 keep_upper: bool, accept_seen_host_changes: bool = False) -> CommitReport:
+def commit_upper(upper_fd: int, lower_fd: int, *, xattr_prefix: str, since_ns: int, upper_bytes: int,
+                 new_owner: tuple[int, int] | None, save_to: Callable[[], str], keep_upper: bool,
+                 accept_seen_host_changes: bool = False, own_stamps: Stamps | None = None) -> CommitReport:
     """Commit a run's or a session's upper directory into the user's directory: the one commit
     path of :class:`lowlevel.sandbox.launcher.Run` and :class:`lowlevel.Session`, with one error
     model (never a bare OSError).
@@ -347,8 +362,7 @@ def commit_upper(upper_fd: int, lower_fd: int, *, xattr_prefix: str, since_ns: i
       ``keep_upper``.
 
     Args:
-        upper_fd, lower_fd, xattr_prefix, since_ns, new_owner, accept_seen_host_changes: as
-            :func:`commit`.
+        upper_fd, lower_fd, xattr_prefix, since_ns, new_owner, accept_seen_host_changes, own_stamps: as commit().
         upper_bytes: the size of the upper tmpfs (bytes): the commit writes at most
             :func:`lowlevel.workspace.cow.commit_budget` of it.
         save_to: makes and returns a fresh directory to save the changes into (called once per save).
@@ -370,7 +384,8 @@ def commit_upper(upper_fd: int, lower_fd: int, *, xattr_prefix: str, since_ns: i
     budget = commit_budget(upper_bytes)
     try:
         return commit(upper_fd, lower_fd, xattr_prefix=xattr_prefix, since_ns=since_ns, new_owner=new_owner,
-                      max_bytes=budget, accept_seen_host_changes=accept_seen_host_changes, save_to=save_to)
+                      max_bytes=budget, accept_seen_host_changes=accept_seen_host_changes, save_to=save_to,
+                      own_stamps=own_stamps)
     except CommitIncompleteError as err:
         applied = err.applied
         if err.errno not in NO_ROOM_ERRNOS and applied is not None and \

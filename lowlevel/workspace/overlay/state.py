@@ -58,9 +58,19 @@ def _stop(err: OSError, rel: str) -> OSError:
     return OSError(err.errno, err.strerror or os.strerror(err.errno or errno.EIO), rel)
 
 
+#: A set of entry states (:func:`_stamp`, :func:`_loose_stamp`): ``commit(own_stamps=)``.
+Stamps = set[tuple[int, ...]]
+
+
 def _stamp(st: os.stat_result) -> tuple[int, ...]:
     """What identifies one state of an entry: device, inode, type and mode, ctime, mtime, size."""
     return (st.st_dev, st.st_ino, st.st_mode, st.st_ctime_ns, st.st_mtime_ns, st.st_size)
+
+
+def _loose_stamp(st: os.stat_result) -> tuple[int, ...]:
+    """:func:`_stamp` without the ctime (-1 in its place), with owner and group: an entry about
+    to be renamed into place, whose ctime the rename will change (see ``own_stamps``)."""
+    return (st.st_dev, st.st_ino, st.st_mode, -1, st.st_mtime_ns, st.st_size, st.st_uid, st.st_gid)
 
 
 #: fcntl(2) F_SETSIG: the signal a lease break sends (default SIGIO, whose default action
@@ -106,8 +116,11 @@ class ApplyState:
 
 
     def __init__(self, upper_fd: int, target_fd: int, *, prefix: str, since_ns: int | None,
-                 new_owner: tuple[int, int] | None, max_bytes: int | None, save: bool) -> None:
+                 new_owner: tuple[int, int] | None, max_bytes: int | None, save: bool,
+                 own_stamps: Stamps | None = None) -> None:
         self.upper_fd = upper_fd
+        self.own_stamps = own_stamps  # see commit(own_stamps=): None records nothing
+        self.dir_modes: dict[tuple[int, int], tuple[int, int, int]] = {}  # see dir_left
         self.target_fd = target_fd
         self.prefix = prefix
         self.since_ns = since_ns
@@ -180,7 +193,65 @@ class ApplyState:
             self.allocated += ust.st_blocks * 512
 
     def changed_on_host(self, st: os.stat_result) -> bool:
-        return self.since_ns is not None and st.st_ctime_ns > self.since_ns
+        """Changed since ``since_ns``, and not left so by this upper's own commits (``own_stamps``)."""
+        if self.since_ns is None or st.st_ctime_ns <= self.since_ns:
+            return False
+        own = self.own_stamps
+        return not own or (_stamp(st) not in own and _loose_stamp(st) not in own)
+
+    # -- own_stamps: the user's entries as this upper's commits left them
+
+    def left_so(self, dirfd: int, name: str) -> None:
+        """Apply pass: ``name`` was just written by this commit where nobody else writes (a new
+        directory being built under a temporary name): its stamp is this upper's own."""
+        if self.own_stamps is not None:
+            st = _lstat(dirfd, name)
+            if st is not None:
+                self.own_stamps.add(_stamp(st))
+
+    def expect(self, dirfd: int, temp: str) -> tuple[int, ...] | None:
+        """Apply pass, right before ``temp`` (finished) is renamed into place: its stamp but the
+        ctime the rename changes, kept among ``own_stamps`` until :meth:`settle` replaces it
+        with the full stamp (an interrupt between the rename and that leaves it: the entry is
+        still known for this upper's by everything but its ctime)."""
+        if self.own_stamps is None:
+            return None
+        st = _lstat(dirfd, temp)
+        if st is None:
+            return None
+        loose = _loose_stamp(st)
+        self.own_stamps.add(loose)
+        return loose
+
+    def settle(self, dirfd: int, name: str, loose: tuple[int, ...] | None, placed: bool) -> None:
+        """After :meth:`expect`'s rename: ``placed``, the entry now at ``name`` is recorded by its
+        full stamp if it still is the one renamed (a host change between the rename and this
+        lstat moves its mtime, size, mode or owner: then it is not, and stays a conflict)."""
+        if self.own_stamps is None or loose is None:
+            return
+        self.own_stamps.discard(loose)
+        st = _lstat(dirfd, name) if placed else None
+        if st is not None and _loose_stamp(st) == loose:
+            self.own_stamps.add(_stamp(st))
+
+    def dir_left(self, dirfd: int) -> None:
+        """Apply pass: this commit just changed the entries of directory ``dirfd`` (placed,
+        swapped out or removed one), which moved its ctime and mtime: its stamp now is this
+        upper's own, unless its mode or owner is not what this commit knows of it
+        (``dir_modes``: a host chmod or chown meanwhile), so a later commit of the same upper
+        may still chmod or delete it (an existing directory whose new mode is set last, once
+        its entries are in). Not recorded: a host change to it in the microseconds between
+        this commit's change and this fstat that leaves its mode and owner (an entry added,
+        an ACL or xattr set) is taken for this commit's; only a chmod or a removal can follow."""
+        if self.own_stamps is None:
+            return
+        try:
+            st = os.fstat(dirfd)
+        except OSError:
+            return
+        want = self.dir_modes.get((st.st_dev, st.st_ino))
+        if want is None or want == (st.st_mode, st.st_uid, st.st_gid):
+            self.own_stamps.add(_stamp(st))
 
     def touch(self, rel: str, lst: os.stat_result, copy: tuple[int, int, str] | None = None) -> bool:
         """An existing lower entry is about to be replaced, deleted or chmodded.
@@ -340,6 +411,7 @@ class ApplyState:
             dirfd, name = self.pending[-1]
             try:
                 _remove_tree(dirfd, name)
+                self.dir_left(dirfd)
             except KeyboardInterrupt:
                 continue
             except OSError:
