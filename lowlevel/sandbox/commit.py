@@ -54,7 +54,7 @@ class CommitTarget:
     owner: tuple[int, int] | None
     needs_record: bool
     name: str
-    own_stamps: set[tuple[int, ...]] | None = None
+    own_stamps: dict[tuple[int, ...], int] | None = None
 
 
 def conflict_dir(base: str | None) -> str:

@@ -198,7 +198,7 @@ class RunState:
         #: What this upper's commits left in the user's directory (a Session's: committed again
         #: after an interrupted commit; lowlevel.workspace.overlay.commits.commit(own_stamps=)).
         #: Emptied with the upper (reset_cow).
-        self.own_stamps: set[tuple[int, ...]] = set()
+        self.own_stamps: dict[tuple[int, ...], int] = {}
         self.pass_fds: tuple[int, ...] = ()
         self.anchor_fds: dict[str, Any] = {}
         self.actions: list[tuple[Any, ...]] = []

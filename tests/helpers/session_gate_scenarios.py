@@ -377,8 +377,10 @@ def interrupted_commit_changed_again(workspace: str, base: str) -> dict[str, Any
     then a command that changes again what the first pass had applied (every file, a file in a
     new directory, a file in an existing directory whose new mode, 0555, is set last: the
     interrupt falls inside it), then ``close()``: the final commit applies the new versions;
-    nothing is a conflict, nothing saved aside. Control (``host``): the host also edits an
-    applied file between the two commits: that one is a conflict and keeps the host's bytes."""
+    nothing is a conflict, nothing saved aside. Control (``host``): the host also edits two
+    applied files between the two commits, f1 and the entry whose rename the interrupt followed
+    (same size, its mtime put back: only its ctime tells): both are conflicts and keep the
+    host's bytes."""
     from overlay_lab import interrupt_after
     out: dict[str, Any] = {}
     first = ("mkdir -p d/e && echo x > d/e/x && for i in $(seq 60); do echo $i > f$i; done && "
@@ -410,17 +412,26 @@ def interrupted_commit_changed_again(workspace: str, base: str) -> dict[str, Any
                 got["applied_first"] = [len([n for n in os.listdir(workspace) if n.startswith("f")]),
                                         len(os.listdir(os.path.join(workspace, "ro"))),
                                         oct(os.stat(os.path.join(workspace, "ro")).st_mode & 0o7777)]
+                last = "ro/" + sorted(os.listdir(os.path.join(workspace, "ro")))[-1]  # the 75th rename
                 got["second"] = s.run(["sh", "-c", second]).exit_code
                 if what == "host":
-                    time.sleep(0.05)  # past a coarse ctime tick
+                    time.sleep(0.1)  # past a coarse ctime tick and the loose stamp's 50 ms
                     with open(os.path.join(workspace, "f1"), "w") as f:
                         f.write("host\n")
+                    path = os.path.join(workspace, last)
+                    st = os.stat(path)
+                    with open(path, "r+") as f:
+                        f.write("h" * (st.st_size - 1))
+                    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+                    got["last"] = last
         except CommitConflictError as err:
             got["conflict"] = sorted(err.conflicts)
         files = {n: _read(os.path.join(workspace, n)) for n in os.listdir(workspace) if n.startswith("f")}
         got["files_again"] = sorted(n for n, t in files.items() if t == f"again{n[1:]}\n")
         got["f1"] = files.get("f1")
         got["x"] = _read(os.path.join(workspace, "d", "e", "x"))
+        if "last" in got:
+            got["last_text"] = _read(os.path.join(workspace, got["last"]))
         ro = os.path.join(workspace, "ro")
         got["ro_mode"] = oct(os.stat(ro).st_mode & 0o7777)
         got["ro_again"] = len([n for n in os.listdir(ro) if _read(os.path.join(ro, n)) == f"again{n[1:]}\n"])

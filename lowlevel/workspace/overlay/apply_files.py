@@ -341,10 +341,8 @@ class FileApplier(ApplyState):
         loose = self.expect(tfd, temp)
         try:
             self._place(tfd, temp, name, lst)
-        except OSError:
-            self.settle(tfd, name, loose, placed=False)
-            raise
-        self.settle(tfd, name, loose, placed=True)
+        finally:  # an interrupt too: the entry is read while it propagates (a second one leaves it loose)
+            self.settle(tfd, name, loose)
 
     def _place(self, tfd: int, temp: str, name: str, lst: os.stat_result | None) -> None:
         """Move finished ``temp`` to ``name`` atomically: ``name`` is old or new at every instant.

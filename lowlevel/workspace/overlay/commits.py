@@ -99,12 +99,17 @@ mode, ctime, mtime, size: an entry placed, every entry of a new directory, and e
 directory whose entries it changed, the last only while its mode and owner are as the commit
 knows them), and an entry still in that state was changed by nobody since; any host change moves
 its ctime (with multigrain timestamps, Linux 6.13+, to a value no earlier change had: the state
-was read). The one entry whose rename an interrupt followed before its state was read is known by
-all of it but the ctime the rename changed (and its owner): a host change to it in that instant
-that moves only its ctime (an xattr set, a hard link made) is taken for the commit's. Still a
-conflict after an interrupt: a directory whose entries changed in the instant between the change
-and the read of its state (an interrupt there), the host's changes, and, without ``own_stamps``, an
-entry changed again by the run.
+was read; before 6.13, ctimes have a timer tick's granularity, 1-10 ms, and a host change in the
+same tick as the commit's read of the entry that keeps its mode, mtime and size leaves the same
+stamp). An entry is read right after its rename, even while an interrupt propagates; only a
+second interrupt there leaves the one entry known by all of it but the ctime the rename changed
+(and its owner), and then for at most ``LOOSE_HORIZON_NS`` (50 ms) after the rename: a host change
+to it in those milliseconds that keeps mode, mtime, size and owner (an xattr set, a hard link, a
+same-size rewrite with the mtime put back) is taken for the commit's. Still a conflict after an
+interrupt: a directory whose entries changed in the instant between the change and the read of
+its state (an interrupt there), the host's changes, and, without ``own_stamps``, an entry changed
+again by the run. Found by a red-team pass: without the bound, the loose stamp of an interrupted
+rename matched that inode at any later ctime, under any name, until the next commit.
 """
 
 from __future__ import annotations
@@ -221,9 +226,10 @@ def commit(upper_fd: int, lower_fd: int, *, xattr_prefix: str, since_ns: int,
             host change after ``since_ns`` where the commit writes is a conflict).
         save_to: makes and returns the directory the run's changes are saved into after a
             late conflict or a stop (called at most once); None for the default above.
-        own_stamps: for an upper that may be committed again (a live Session's): a set the
-            caller keeps for this upper, empty at first, which the apply pass fills with the
-            state (device, inode, mode, ctime, mtime, size) of every user's entry it leaves,
+        own_stamps: for an upper that may be committed again (a live Session's): a dict the
+            caller keeps for this upper (:data:`~lowlevel.workspace.overlay.state.Stamps`),
+            empty at first, which the apply pass fills with the state (device, inode, mode,
+            ctime, mtime, size) of every user's entry it leaves,
             and which a later commit of the same upper reads: an entry still in such a state
             is no host change (see "Interruption" above). None (a run's single commit):
             nothing recorded, one lstat per applied entry saved.

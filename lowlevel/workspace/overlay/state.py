@@ -14,6 +14,7 @@ import fcntl
 import os
 import signal
 import stat
+import time
 from dataclasses import field
 
 from lowlevel._dataclass import dataclass
@@ -58,8 +59,14 @@ def _stop(err: OSError, rel: str) -> OSError:
     return OSError(err.errno, err.strerror or os.strerror(err.errno or errno.EIO), rel)
 
 
-#: A set of entry states (:func:`_stamp`, :func:`_loose_stamp`): ``commit(own_stamps=)``.
-Stamps = set[tuple[int, ...]]
+#: Entry states (``commit(own_stamps=)``): a full :func:`_stamp` -> 0, or a :func:`_loose_stamp`
+#: -> the latest ctime (ns) an entry matching it may have (:data:`LOOSE_HORIZON_NS`).
+Stamps = dict[tuple[int, ...], int]
+
+#: How long after an entry's rename into place a :func:`_loose_stamp` of it still matches (ns):
+#: the one entry whose rename an interrupt followed before its full stamp was read. A rename
+#: later than this (a stalled disk) makes the entry a conflict again: nothing lost, saved aside.
+LOOSE_HORIZON_NS = 50_000_000
 
 
 def _stamp(st: os.stat_result) -> tuple[int, ...]:
@@ -197,7 +204,10 @@ class ApplyState:
         if self.since_ns is None or st.st_ctime_ns <= self.since_ns:
             return False
         own = self.own_stamps
-        return not own or (_stamp(st) not in own and _loose_stamp(st) not in own)
+        if not own or _stamp(st) in own:
+            return not own
+        bound = own.get(_loose_stamp(st))
+        return bound is None or st.st_ctime_ns > bound
 
     # -- own_stamps: the user's entries as this upper's commits left them
 
@@ -207,32 +217,34 @@ class ApplyState:
         if self.own_stamps is not None:
             st = _lstat(dirfd, name)
             if st is not None:
-                self.own_stamps.add(_stamp(st))
+                self.own_stamps[_stamp(st)] = 0
 
     def expect(self, dirfd: int, temp: str) -> tuple[int, ...] | None:
         """Apply pass, right before ``temp`` (finished) is renamed into place: its stamp but the
-        ctime the rename changes, kept among ``own_stamps`` until :meth:`settle` replaces it
-        with the full stamp (an interrupt between the rename and that leaves it: the entry is
-        still known for this upper's by everything but its ctime)."""
+        ctime the rename changes (:func:`_loose_stamp`), kept among ``own_stamps`` until
+        :meth:`settle` replaces it with the full stamp. Left there only when an interrupt comes
+        between the rename and that :meth:`settle`'s lstat, and then matching only ctimes up to
+        :data:`LOOSE_HORIZON_NS` from now (a rename's ctime is at most the wall clock then)."""
         if self.own_stamps is None:
             return None
         st = _lstat(dirfd, temp)
         if st is None:
             return None
         loose = _loose_stamp(st)
-        self.own_stamps.add(loose)
+        self.own_stamps[loose] = time.time_ns() + LOOSE_HORIZON_NS
         return loose
 
-    def settle(self, dirfd: int, name: str, loose: tuple[int, ...] | None, placed: bool) -> None:
-        """After :meth:`expect`'s rename: ``placed``, the entry now at ``name`` is recorded by its
-        full stamp if it still is the one renamed (a host change between the rename and this
-        lstat moves its mtime, size, mode or owner: then it is not, and stays a conflict)."""
+    def settle(self, dirfd: int, name: str, loose: tuple[int, ...] | None) -> None:
+        """After :meth:`expect`'s rename was tried (done, failed or interrupted): the entry now
+        at ``name`` is recorded by its full stamp if it is the one renamed (another inode, or a
+        host change between the rename and this lstat that moved its mtime, size, mode or
+        owner: not recorded, a conflict), and the loose stamp is dropped."""
         if self.own_stamps is None or loose is None:
             return
-        self.own_stamps.discard(loose)
-        st = _lstat(dirfd, name) if placed else None
+        st = _lstat(dirfd, name)
         if st is not None and _loose_stamp(st) == loose:
-            self.own_stamps.add(_stamp(st))
+            self.own_stamps[_stamp(st)] = 0
+        self.own_stamps.pop(loose, None)
 
     def dir_left(self, dirfd: int) -> None:
         """Apply pass: this commit just changed the entries of directory ``dirfd`` (placed,
@@ -251,7 +263,7 @@ class ApplyState:
             return
         want = self.dir_modes.get((st.st_dev, st.st_ino))
         if want is None or want == (st.st_mode, st.st_uid, st.st_gid):
-            self.own_stamps.add(_stamp(st))
+            self.own_stamps[_stamp(st)] = 0
 
     def touch(self, rel: str, lst: os.stat_result, copy: tuple[int, int, str] | None = None) -> bool:
         """An existing lower entry is about to be replaced, deleted or chmodded.
