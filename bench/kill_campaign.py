@@ -2,7 +2,7 @@
 """Callers killed at random instants: does a killed caller leave its workspace old or new, and nothing else?
 
     python bench/kill_campaign.py [--trials N] [--kinds run,session,...] [--as root|user|both]
-                                  [--signals KILL,TERM,INT,HUP] [--seed S] [--json FILE]
+                                  [--signals KILL,TERM,INT,HUP,QUIT] [--double] [--seed S] [--json FILE]
                                   [--user NAME] [--keep-user]
     python bench/kill_campaign.py --kinds KIND --as root|user --replay TRIAL_SEED   # one trial again
 
@@ -18,8 +18,9 @@ Root only (it runs the unprivileged half through setpriv(1) as ``--user``, defau
    that raises SystemExit (what a service framework does), so SIGTERM exercises the library's
    unwinding paths and SIGKILL the ones that never run;
 3. after a random instant in [0, 1 s] the caller gets SIGKILL or SIGTERM (``--signals`` adds
-   SIGINT, left to Python's own handler: KeyboardInterrupt, as a ^C; and SIGHUP, whose default
-   action kills at once) (one seeded RNG: the
+   SIGINT, left to Python's own handler: KeyboardInterrupt, as a ^C; SIGHUP and SIGQUIT, whose
+   default actions kill at once, SIGQUIT's without a core file; ``--double`` sends a non-KILL
+   signal again 0-0.3 s later, into the unwinding) (one seeded RNG: the
    campaign seed is printed, each trial has a seed of its own derived from it); this process is
    a child subreaper (``PR_SET_CHILD_SUBREAPER``), so whatever the caller leaves running is
    reparented here and seen (and its zombies reaped);
@@ -112,6 +113,7 @@ import json
 import os
 import pwd
 import random
+import resource
 import re
 import shutil
 import signal
@@ -522,20 +524,38 @@ class Identity:
 #: The signals a trial may send (``--signals``): SIGTERM to a caller whose handler raises
 #: SystemExit, SIGINT to one left with Python's own handler (KeyboardInterrupt: ^C), SIGHUP with
 #: its default action (a library caller dies at once, as by SIGKILL; the cli kind unwinds).
-SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM, "INT": signal.SIGINT, "HUP": signal.SIGHUP}
+SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM, "INT": signal.SIGINT, "HUP": signal.SIGHUP,
+           "QUIT": signal.SIGQUIT}
+#: ``--double``: the same signal again after a delay drawn in [0, DOUBLE_WINDOW_S] (a second ^C,
+#: a supervisor's second SIGTERM), landing in the caller's unwinding.
+DOUBLE_WINDOW_S = 0.3
 #: The signals whose caller unwinds (its finally blocks run) and the exit statuses that say so
 #: (a negative one: killed by the signal before its handler was installed, or Python's own exit
 #: after an uncaught KeyboardInterrupt).
 UNWINDING = {signal.SIGTERM: (-15, 143), signal.SIGINT: (-2,)}
 #: The same for ``lowlevel run`` (lowlevel.cli.signals: SIGTERM, SIGHUP, SIGQUIT and SIGINT
 #: unwind, then exit 128+N).
-CLI_UNWINDING = {signal.SIGTERM: (-15, 143), signal.SIGINT: (-2, 130), signal.SIGHUP: (-1, 129)}
+CLI_UNWINDING = {signal.SIGTERM: (-15, 143), signal.SIGINT: (-2, 130), signal.SIGHUP: (-1, 129),
+                 signal.SIGQUIT: (-3, 131)}
+
+
+def _no_core() -> None:
+    """The caller's preexec: no core file (SIGQUIT's default action dumps one into its cwd, /)."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def _only_interrupts(stderr: str) -> bool:
+    """Every exception in a traceback's chain is a KeyboardInterrupt (a second ^C while the first unwound)."""
+    raised = [ln for ln in stderr.splitlines() if ln and not ln.startswith((" ", "Traceback", "During handling"))]
+    return bool(raised) and all(ln.startswith("KeyboardInterrupt") for ln in raised)
 
 
 class Campaign:
-    def __init__(self, root: str, signals: tuple[signal.Signals, ...] = (signal.SIGKILL, signal.SIGTERM)) -> None:
+    def __init__(self, root: str, signals: tuple[signal.Signals, ...] = (signal.SIGKILL, signal.SIGTERM),
+                 double: bool = False) -> None:
         self.root = root
         self.signals = signals
+        self.double = double
         self.caller = os.path.join(root, "caller.py")
         with open(self.caller, "w") as f:
             f.write(CALLER)
@@ -595,6 +615,7 @@ class Campaign:
         rng = random.Random(trial_seed)
         instant = None if trial_seed is None else rng.uniform(0, KILL_WINDOW_S)
         sig = None if trial_seed is None else rng.choice(self.signals)
+        again = rng.uniform(0, DOUBLE_WINDOW_S) if self.double and trial_seed is not None else None
         tdir = os.path.join(self.root, ident.who, f"{kind}-{self.counter:05d}")
         os.mkdir(tdir)
         marker = f"lowlevel-kill-trial-{os.getpid()}-{self.counter}"
@@ -608,7 +629,7 @@ class Campaign:
         t0 = time.monotonic()
         proc = subprocess.Popen(ident.argv([sys.executable, self.caller, os.path.join(tdir, "params.json")]),
                                 env=ident.env(tdir), cwd="/", stdin=subprocess.DEVNULL,
-                                stdout=logs["stdout"], stderr=logs["stderr"])
+                                stdout=logs["stdout"], stderr=logs["stderr"], preexec_fn=_no_core)
         for f in logs.values():
             f.close()
         caller_pid = out["caller_pid"] = proc.pid
@@ -618,6 +639,11 @@ class Campaign:
             out["finished_before_kill"] = proc.poll() is not None
             if not out["finished_before_kill"]:
                 os.kill(caller_pid, sig)
+                if again is not None and sig != signal.SIGKILL:
+                    time.sleep(again)
+                    if proc.poll() is None:
+                        os.kill(caller_pid, sig)
+                        out["double_s"] = round(again, 4)
         else:
             kill_at = None
         try:
@@ -642,9 +668,11 @@ class Campaign:
         expected_rc: tuple[int, ...] = unwinding.get(sig, (0,) if sig is None else (-sig,))  # type: ignore[arg-type]
         stderr = _read(os.path.join(tdir, "stderr")).strip()
         if sig == signal.SIGINT and rc == -signal.SIGINT and stderr.endswith("KeyboardInterrupt") \
-                and "During handling" not in stderr and "Exception ignored" not in stderr:
+                and ("During handling" not in stderr or _only_interrupts(stderr) and "double_s" in out) \
+                and "Exception ignored" not in stderr:
             # ^C's own exit: the caller's excepthook's one line, or Python's traceback of the bare
-            # KeyboardInterrupt when it came before the hook was set (no other exception on top).
+            # KeyboardInterrupt when it came before the hook was set (no other exception on top;
+            # with --double, the second ^C's KeyboardInterrupt raised while handling the first).
             stderr = ""
         # The handler's SystemExit raised where the interpreter ignores exceptions ("Exception
         # ignored in": an importlib weakref callback, threading._shutdown, an atexit callback such
@@ -707,10 +735,12 @@ class Campaign:
                           "found": report.get("found", []) if isinstance(report, dict) else report,
                           "problems": report.get("problems", []) if isinstance(report, dict) else []}
         if sig in unwinding and rc in unwinding[sig] and rc not in (-signal.SIGTERM, -signal.SIGHUP) and removed \
-                and not out.get("sigterm_swallowed"):
+                and not out.get("sigterm_swallowed") and "double_s" not in out:
             # The caller unwound (its handler's SystemExit ran the library's finally blocks) and
             # still left cleanup something: what only a SIGKILL should leave.
             find.append({"what": "unwound_but_left", "removed": removed})
+        elif "double_s" in out and removed:
+            out["double_left"] = True  # a second signal may cut the unwinding short: cleanup's to remove
         problems = out["cleanup"]["problems"]
         mine = [p for p in problems if self.root in str(p) or re.search(rf"\b(run-)?{caller_pid}-", str(p))]
         if clean.returncode != 0 and (mine or not problems):
@@ -799,7 +829,7 @@ def summarize(trials: list[dict[str, Any]]) -> dict[str, Any]:
     cleanup`` removed something of that kind (``commit``: temporaries of a commit the kill
     interrupted; ``cgroup``: the run cgroups of the dead caller)."""
     s: dict[str, Any] = {"trials": len(trials), "SIGKILL": 0, "SIGTERM": 0, "SIGINT": 0, "SIGHUP": 0,
-                         "finished_before_kill": 0,
+                         "SIGQUIT": 0, "doubled": 0, "double_left": 0, "finished_before_kill": 0,
                          "phases": {}, "ws_old": 0, "ws_new": 0, "ws_mixed": 0, "ws_partial": 0,
                          "records_before_cleanup": 0, "cgroups_before_cleanup": 0, "cleanup_removed": {},
                          "sigterm_cleanup_removed": 0, "cleanup_foreign_removed": 0, "sigterm_swallowed": 0,
@@ -825,6 +855,8 @@ def summarize(trials: list[dict[str, Any]]) -> dict[str, Any]:
         s["sigterm_cleanup_removed"] += bool(items) and t["signal"] in ("SIGTERM", "SIGINT") \
             and not t.get("finished_before_kill")
         s["sigterm_swallowed"] += bool(t.get("sigterm_swallowed"))
+        s["doubled"] += "double_s" in t
+        s["double_left"] += bool(t.get("double_left"))
         s["anomalies"] += bool(t["findings"])
         for what in {f.get("what", "?") for f in t["findings"]}:
             s["anomalies_by_what"][what] = s["anomalies_by_what"].get(what, 0) + 1
@@ -983,6 +1015,8 @@ def main() -> int:
     ap.add_argument("--signals", default="KILL,TERM",
                     help=f"comma-separated signals a trial picks from, of {','.join(SIGNALS)} (default KILL,TERM: "
                     "the seeds of earlier campaigns replay as they ran)")
+    ap.add_argument("--double", action="store_true",
+                    help=f"send a trial's signal (not KILL) a second time, 0-{DOUBLE_WINDOW_S} s after the first")
     ap.add_argument("--dir", help="campaign directory (default: a fresh /var/tmp/lowlevel-kill-*, removed after)")
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -1014,7 +1048,7 @@ def main() -> int:
     started = time.time()
     who = ["root", "user"] if args.who == "both" else [args.who]
     with contextlib.ExitStack() as stack:
-        camp = Campaign(root, signals)
+        camp = Campaign(root, signals, double=args.double)
         idents = []
         for w in who:
             pw = None if w == "root" else stack.enter_context(throwaway_user(args.user, args.keep_user))
@@ -1049,7 +1083,8 @@ def main() -> int:
                 done = [t for t in results if t.get("key") == key]
                 s = summarize(done)
                 print(f"{key}: {s['trials']} trials, KILL {s['SIGKILL']} TERM {s['SIGTERM']} INT {s['SIGINT']} "
-                      f"HUP {s['SIGHUP']} done "
+                      f"HUP {s['SIGHUP']} QUIT {s['SIGQUIT']} doubled {s['doubled']} (cleanup after: "
+                      f"{s['double_left']}) done "
                       f"{s['finished_before_kill']}, ws old/new/mixed/partial {s['ws_old']}/{s['ws_new']}/"
                       f"{s['ws_mixed']}/{s['ws_partial']}, phases {s['phases']}, cleanup removed "
                       f"{s['cleanup_removed']} (after SIGTERM: {s['sigterm_cleanup_removed']}), anomalies "
