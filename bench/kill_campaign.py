@@ -75,7 +75,9 @@ Kinds (a caller-owned workspace, the default ``commit=True``):
   workspace under the trial's workspace base;
 - ``cli``: ``lowlevel run --workspace WS -- ...`` of the ``run`` program: the caller script
   execs the CLI (same pid), which has its own handlers (SIGTERM, SIGHUP, SIGQUIT: unwind, then
-  exit 128+N; SIGINT: 130).
+  exit 128+N; SIGINT: 130); ``cli_rm``: ``lowlevel run --rm -- ...`` of the ``pool`` program
+  in a fresh workspace under the trial's base, which must be gone afterwards (the
+  unwinding's ``--rm``, or ``lowlevel cleanup`` after a SIGKILL): nothing may stay in the base.
 
 Unprivileged callers have no per-run uid and no disk upper (UnsupportedError): the ``*_disk``
 kinds are skipped for them. Before its trials, each (kind, user) runs one control trial without
@@ -125,7 +127,7 @@ import time
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KINDS = ("run", "run_disk", "session", "session_disk", "arun", "pool", "cli")
+KINDS = ("run", "run_disk", "session", "session_disk", "arun", "pool", "cli", "cli_rm")
 ROOT_ONLY = ("run_disk", "session_disk")
 #: How long what a killed caller started may take to go by itself before it counts as left.
 GRACE_S = 5.0
@@ -235,6 +237,10 @@ elif kind == "cli":  # the CLI is the caller (the same pid: exec), with its own 
     mark("exec")
     os.execv(sys.executable, [sys.executable, "-m", "lowlevel", "run", "--workspace", P["workspaces"][0],
                               "--timeout", "60", "--", *cmd(P["ops"])])
+elif kind == "cli_rm":  # the same with a fresh workspace (in $LOWLEVEL_WORKSPACE_BASE) that --rm removes
+    mark("exec")
+    os.execv(sys.executable, [sys.executable, "-m", "lowlevel", "run", "--rm", "--timeout", "60", "--",
+                              *cmd(P["ops"])])
 elif kind == "pool":
     with lowlevel.Pool(policy=policy, size=2, workspace_base=P["base"]) as pool:
         mark("pool")
@@ -269,8 +275,8 @@ def old_tree_ops() -> list[list[Any]]:
 
 #: Per kind: (files added, MiB of the big file rewritten, seconds the program works first). Sized
 #: so that a caller lives about 1 s here (the kill window) and its commit a good part of it.
-WORKLOAD = {"run": (400, 8, 0.1), "cli": (400, 8, 0.1), "run_disk": (400, 8, 0.1), "session": (300, 8, 0.05),
-            "session_disk": (300, 8, 0.05), "arun": (120, 4, 0.1), "pool": (60, 1, 0.05)}
+WORKLOAD = {"run": (400, 8, 0.1), "cli": (400, 8, 0.1), "cli_rm": (400, 8, 0.1), "run_disk": (400, 8, 0.1),
+            "session": (300, 8, 0.05), "session_disk": (300, 8, 0.05), "arun": (120, 4, 0.1), "pool": (60, 1, 0.05)}
 
 
 def sized(kind: str, scale: float) -> tuple[int, int, float]:
@@ -294,9 +300,9 @@ def change_parts(kind: str, scale: float) -> list[list[list[Any]]]:
 
 
 
-def pool_ops(scale: float) -> list[list[Any]]:
-    """What each pool call writes into its fresh (empty) workspace."""
-    nadd, big, work = sized("pool", scale)
+def pool_ops(scale: float, kind: str = "pool") -> list[list[Any]]:
+    """What each pool call (or ``cli_rm``'s one run) writes into its fresh (empty) workspace."""
+    nadd, big, work = sized(kind, scale)
     ops: list[list[Any]] = [["sleep", str(work)]]
     ops += [["write", f"out/p{i:03d}.txt", f"pool{i}", 2048 + 11 * i] for i in range(nadd)]
     return ops + [["write", "out/big.bin", "pool-big", big << 20], ["symlink", "out/link", "p000.txt"]]
@@ -586,7 +592,7 @@ class Campaign:
                                   "marks": os.path.join(tdir, "marks"), "upper": "disk" if "disk" in kind else "tmpfs",
                                   "workspace_bytes": 64 << 20, "base": os.path.join(tdir, "base"),
                                   "ops": [op for p in parts for op in p], "parts": parts, "workspaces": []}
-        n = {"arun": 3, "pool": 0}.get(kind, 1)
+        n = {"arun": 3, "pool": 0, "cli_rm": 0}.get(kind, 1)
         for i in range(n):
             ws = os.path.join(tdir, f"ws{i}")
             os.mkdir(ws)
@@ -594,6 +600,8 @@ class Campaign:
             params["workspaces"].append(ws)
         if kind == "pool":
             params["ops"], params["calls"] = pool_ops(scale), 3
+        elif kind == "cli_rm":
+            params["ops"] = pool_ops(scale, kind)
         for d in ("base", "upper"):
             os.mkdir(os.path.join(tdir, d))
         for dirpath, dirnames, filenames in os.walk(tdir):
@@ -609,8 +617,8 @@ class Campaign:
     def states(self, kind: str, ident: Identity, scale: float) -> tuple[dict, dict]:
         key = (kind, ident.uid, scale)
         if key not in self._states:
-            if kind == "pool":
-                self._states[key] = expected([], pool_ops(scale), ident.uid, self.scratch)
+            if kind in ("pool", "cli_rm"):
+                self._states[key] = expected([], pool_ops(scale, kind), ident.uid, self.scratch)
             else:
                 self._states[key] = expected(old_tree_ops(), [op for p in change_parts(kind, scale) for op in p],
                                              ident.uid, self.scratch)
@@ -677,7 +685,7 @@ class Campaign:
                     out["phase"] = name
         else:
             out["phase"] = "control"
-        unwinding = CLI_UNWINDING if kind == "cli" else UNWINDING
+        unwinding = CLI_UNWINDING if kind.startswith("cli") else UNWINDING
         expected_rc: tuple[int, ...] = unwinding.get(sig, (0,) if sig is None else (-sig,))  # type: ignore[arg-type]
         stderr = _read(os.path.join(tdir, "stderr")).strip()
         if sig == signal.SIGINT and rc == -signal.SIGINT and stderr.endswith("KeyboardInterrupt") \

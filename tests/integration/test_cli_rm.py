@@ -71,3 +71,31 @@ def test_rm_as_unprivileged_user(base: Path, test_user: pwd.struct_passwd) -> No
     # its own mount namespace (lowlevel.workspace.cow.mount_dir); it stays, empty, for the next run.
     assert [n for n in os.listdir(base) if n != ".mnt"] == []
     assert os.listdir(base / ".mnt") == [] if (base / ".mnt").exists() else True
+
+
+#: ``lowlevel run --rm`` with a SIGTERM that lands the moment the fresh workspace exists (raised
+#: right after ``create_workspace`` made it, before the CLI could note it).
+SIGNAL_AT_CREATE = """
+import os, signal, sys
+import lowlevel.workspace as ws
+from lowlevel.cli import main
+real = ws.create_workspace
+def create_workspace(*args, **kwargs):
+    path = real(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGTERM)  # its handler runs at the next bytecode: here, or deferred
+    return path
+ws.create_workspace = create_workspace
+sys.exit(main(["run", "--rm", "--", "true"]))
+"""
+
+
+def test_rm_removes_a_workspace_made_the_instant_a_signal_came(base: Path) -> None:
+    """A SIGTERM right after the fresh workspace was made: the CLI unwinds (143) and --rm removes
+    it. Before, the handler's exception came between the mkdir and the CLI's note of the path,
+    and the workspace was left to ``lowlevel cleanup`` (bench/kill_campaign.py ``cli_rm``)."""
+    env = {"PATH": "/usr/bin:/bin", "LOWLEVEL_WORKSPACE_BASE": str(base), "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", SIGNAL_AT_CREATE], capture_output=True, env=env, cwd="/",
+                          timeout=60)
+    assert proc.returncode == 143, proc.stderr
+    assert b"SIGTERM" in proc.stderr and b"Traceback" not in proc.stderr, proc.stderr
+    assert os.listdir(base) == []
