@@ -65,12 +65,18 @@ class RunWorkspace(RunState):
             if self.inputs:
                 _ws.copy_inputs(self.workspace, self.inputs)
         else:
-            self.workspace = _ws.create_workspace(self.inputs, self.workspace_base, disposable=not self.keep_workspace)
-            self.owns_workspace = True
+            # Made and owned in one step: a signal handler's exception between the mkdir and
+            # the record left the workspace to `lowlevel cleanup` (found for the CLI's --rm by
+            # bench/kill_campaign.py cli_rm). The copies, which may take long, stay interruptible.
+            with deferred_interrupts():
+                self.workspace = _ws.create_workspace((), self.workspace_base, disposable=not self.keep_workspace)
+                self.owns_workspace = True
             try:
+                _ws.copy_inputs(self.workspace, self.inputs)
                 _ws.check_trusted_ancestors(self.workspace)
-            except WorkspaceError:
+            except BaseException:  # all or nothing, as create_workspace with its inputs
                 shutil.rmtree(self.workspace, ignore_errors=True)
+                self.workspace, self.owns_workspace = "", False
                 raise
 
     def _open_lower(self) -> None:
