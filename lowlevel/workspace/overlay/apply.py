@@ -256,9 +256,7 @@ class Applier(FileApplier):
         assert frame.tfd is not None and frame.mode is not None and frame.ust is not None
         os.fchmod(frame.tfd, frame.mode)
         frame.mode = None
-        st = os.fstat(frame.tfd)
-        self.dir_modes[(st.st_dev, st.st_ino)] = (st.st_mode, st.st_uid, st.st_gid)
-        self.dir_left(frame.tfd)
+        self.dir_left(frame.tfd, mode_set=True)
         self.mine(frame.lst)
         self.count(frame.ust)
         self.modified.append(frame.rel)

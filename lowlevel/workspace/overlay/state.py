@@ -246,7 +246,7 @@ class ApplyState:
             self.own_stamps[_stamp(st)] = 0
         self.own_stamps.pop(loose, None)
 
-    def dir_left(self, dirfd: int) -> None:
+    def dir_left(self, dirfd: int, mode_set: bool = False) -> None:
         """Apply pass: this commit just changed the entries of directory ``dirfd`` (placed,
         swapped out or removed one), which moved its ctime and mtime: its stamp now is this
         upper's own, unless its mode or owner is not what this commit knows of it
@@ -254,13 +254,17 @@ class ApplyState:
         may still chmod or delete it (an existing directory whose new mode is set last, once
         its entries are in). Not recorded: a host change to it in the microseconds between
         this commit's change and this fstat that leaves its mode and owner (an entry added,
-        an ACL or xattr set) is taken for this commit's; only a chmod or a removal can follow."""
+        an ACL or xattr set) is taken for this commit's; only a chmod or a removal can follow.
+        ``mode_set``: the commit just set its mode itself: the mode and owner it now has become
+        the ones known."""
         if self.own_stamps is None:
             return
         try:
             st = os.fstat(dirfd)
         except OSError:
             return
+        if mode_set:
+            self.dir_modes[(st.st_dev, st.st_ino)] = (st.st_mode, st.st_uid, st.st_gid)
         want = self.dir_modes.get((st.st_dev, st.st_ino))
         if want is None or want == (st.st_mode, st.st_uid, st.st_gid):
             self.own_stamps[_stamp(st)] = 0
