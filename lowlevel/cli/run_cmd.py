@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import errno
 import os
-import shutil
 import signal
 import sys
 
@@ -115,23 +114,15 @@ def _fd_exhaustion(err: BaseException) -> BaseException:
 
 
 def _fresh_workspace(args: argparse.Namespace, created: list[str]) -> str:
-    """A fresh workspace with ``--input``'s copies, recorded in ``created`` the moment it exists:
-    a signal between the ``mkdir`` and the record left ``--rm``'s workspace to ``lowlevel
-    cleanup`` (bench/kill_campaign.py ``cli_rm``: 1 in 30 trials, a SIGQUIT 0.13 s in), so the
-    two are one step under :class:`deferred_interrupts`; the copies, which may take long, are
-    not (a failed or interrupted copy removes the half-made workspace, as before)."""
-    from lowlevel.sandbox._interrupts import deferred_interrupts
-    from lowlevel.workspace import copy_inputs, create_workspace
-    with deferred_interrupts():
-        workspace = create_workspace((), disposable=args.rm)
-        created.append(workspace)
-    try:
-        copy_inputs(workspace, args.input)
-    except BaseException:
-        shutil.rmtree(workspace, ignore_errors=True)
-        created.clear()
-        raise
-    return workspace
+    """A fresh workspace with ``--input``'s copies, in ``created`` from the moment it exists
+    (:func:`lowlevel.sandbox.run_workspace.fresh_workspace`: ``--rm`` removes it whenever a
+    signal comes)."""
+    from lowlevel.sandbox.run_workspace import fresh_workspace
+
+    def own(path: str) -> None:
+        created[:] = [path] if path else []
+
+    return fresh_workspace(args.input, None, disposable=args.rm, own=own)
 
 
 def _cmd_run(args: argparse.Namespace, command: list[str], created: list[str]) -> int:

@@ -26,6 +26,7 @@ from lowlevel.workspace import overlay as _overlay
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # not imported at run time: typing costs a `lowlevel run` ~2 ms
+    from collections.abc import Callable, Iterable
     from typing import Any
 
 
@@ -38,6 +39,35 @@ def drop_fresh_workspace(result: Result, note: str = "workspace removed after th
     except (OSError, LowlevelError) as err:
         note = f"keep_workspace=False: could not remove {result.workspace}: {err}"
     return dataclasses.replace(result, notes=(*result.notes, note))
+
+
+def fresh_workspace(inputs: Iterable[Any], base: str | None, *, disposable: bool, own: Callable[[str], None],
+                    check: Callable[[str], None] | None = None) -> str:
+    """A fresh workspace (:func:`lowlevel.workspace.create_workspace`) handed to ``own`` in the
+    same step, under :class:`deferred_interrupts`: a signal handler's exception between the mkdir
+    and its record left the workspace to ``lowlevel cleanup`` (bench/kill_campaign.py ``cli_rm``:
+    1 in 30 trials of ``lowlevel run --rm``). Then ``inputs`` are copied in and ``check`` runs,
+    both interruptible (the copies may take long): on any failure, an interrupt too, the
+    workspace is removed, ``own("")`` called and the error raised (all or nothing).
+
+    Returns:
+        The workspace's path.
+    Raises:
+        WorkspaceError: from :func:`~lowlevel.workspace.create_workspace` or
+            :func:`~lowlevel.workspace.copy_inputs`; and what ``check`` raises.
+    """
+    with deferred_interrupts():
+        path = _ws.create_workspace((), base, disposable=disposable)
+        own(path)
+    try:
+        _ws.copy_inputs(path, inputs)
+        if check is not None:
+            check(path)
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
+        own("")
+        raise
+    return path
 
 
 class RunWorkspace(RunState):
@@ -65,19 +95,12 @@ class RunWorkspace(RunState):
             if self.inputs:
                 _ws.copy_inputs(self.workspace, self.inputs)
         else:
-            # Made and owned in one step: a signal handler's exception between the mkdir and
-            # the record left the workspace to `lowlevel cleanup` (found for the CLI's --rm by
-            # bench/kill_campaign.py cli_rm). The copies, which may take long, stay interruptible.
-            with deferred_interrupts():
-                self.workspace = _ws.create_workspace((), self.workspace_base, disposable=not self.keep_workspace)
-                self.owns_workspace = True
-            try:
-                _ws.copy_inputs(self.workspace, self.inputs)
-                _ws.check_trusted_ancestors(self.workspace)
-            except BaseException:  # all or nothing, as create_workspace with its inputs
-                shutil.rmtree(self.workspace, ignore_errors=True)
-                self.workspace, self.owns_workspace = "", False
-                raise
+            fresh_workspace(self.inputs, self.workspace_base, disposable=not self.keep_workspace,
+                            own=self._own_fresh, check=_ws.check_trusted_ancestors)
+
+    def _own_fresh(self, path: str) -> None:
+        """:func:`fresh_workspace`'s record: the fresh workspace is this run's (``""``: none)."""
+        self.workspace, self.owns_workspace = path, bool(path)
 
     def _open_lower(self) -> None:
         """Open the workspace once, by fd; everything after the run goes through that fd.
