@@ -15,7 +15,8 @@
  * rusage straight to the host over the shared socket (SEQPACKET sends are atomic, so several
  * shepherds never interleave). The init only dispatches: it hands each SPAWN, as received, to
  * the spare (a shepherd forked before it was needed, waiting on its control socket: the fork is
- * off the command's path) and forks the next spare, forwards signal requests, reaps shepherds
+ * off the command's path; one that dies before it reads its command is replaced: retake) and
+ * forks the next spare, forwards signal requests, reaps shepherds
  * and SIGKILLs any process that ends up as its own child without being a shepherd (the orphans
  * of a shepherd that was killed).
  *
@@ -504,7 +505,10 @@ static void shepherd(int sock, int ctl, const struct cmd *c, int *fds, int nfds)
 /* init                                                                                       */
 /* ------------------------------------------------------------------------------------------ */
 
-struct job { uint32_t id; pid_t pid; int ctl; };
+/* A command's shepherd: its command's id, pid, the init's end of its control socket (ctl) and
+ * the init's copy of the shepherd's own end (peer: see spare_peer), and how many shepherds the
+ * command was handed to (retake). */
+struct job { uint32_t id; pid_t pid; int ctl, peer, handovers; };
 static struct job *jobs;
 static size_t njobs, capjobs;
 
@@ -515,6 +519,18 @@ static size_t njobs, capjobs;
  * handed over, or a command killed it: the next SPAWN forks one). */
 static pid_t spare_pid = -1;
 static int spare_ctl = -1;
+/* The init keeps a copy of the spare's end of its control socket (until the shepherd is reaped):
+ * a SPAWN the spare never read then outlives the spare, queued on that end with its fds, and the
+ * init can tell a command a spare died holding unread (SIGKILLed after spare_usable looked, in
+ * the window no /proc field shows: retake) from one its shepherd took. */
+static int spare_peer = -1;
+/* LOWLEVEL_INIT_FAULT_SPARE_DEATHS=N (tests only, through Policy.env, which a command cannot
+ * change): the next N spares kill themselves once a command is queued to them, unread, as a
+ * spare SIGKILLed after spare_usable looked does. */
+static long spare_deaths;
+/* Shepherds one command may be handed to: a spare that dies before it reads its command is
+ * replaced this many times less one, then the command is reported EXIT_SHEPHERD_DIED. */
+#define MAX_HANDOVERS 3
 /* When the next spare is due (CLOCK_MONOTONIC ns; 0: none wanted). Not at once after a
  * hand-over: the spare just woken by it usually waits on the init's CPU (a unix socket's wake-up
  * is a "sync" one, which places the wakee by the waker), so a fork there at once delayed the
@@ -639,22 +655,30 @@ static __attribute__((noreturn)) void spare_main(int sock, int ctl) {
     int s3 = fcntl(sock, F_DUPFD_CLOEXEC, 10), c3 = fcntl(ctl, F_DUPFD_CLOEXEC, 10);
     int nul = open("/dev/null", O_RDONLY | O_CLOEXEC);
     int n3 = nul >= 0 ? fcntl(nul, F_DUPFD_CLOEXEC, 10) : -1;
+    /* A failure before the command is read exits 1: the init then finds it queued (retake). */
     if (s3 < 0 || c3 < 0 || n3 < 0 || dup3(s3, SH_SOCK, O_CLOEXEC) < 0 || dup3(c3, SH_CTL, O_CLOEXEC) < 0
-        || dup3(n3, SH_LL, O_CLOEXEC) < 0 || dup3(n3, SH_NULL, O_CLOEXEC) < 0) _exit(0);
+        || dup3(n3, SH_LL, O_CLOEXEC) < 0 || dup3(n3, SH_NULL, O_CLOEXEC) < 0) _exit(1);
     close(SH_SIGCHLD);
     close_from(SH_FIRST_FREE);  /* the init's other fds: other shepherds' control sockets, its ruleset, oom_adj */
     int sfd = sigchld_fd();  /* SIGCHLD is already blocked (inherited from the init) */
-    if (sfd < 0 || (sfd != SH_SIGCHLD && (dup3(sfd, SH_SIGCHLD, O_CLOEXEC) < 0 || close(sfd) < 0))) _exit(0);
+    if (sfd < 0 || (sfd != SH_SIGCHLD && (dup3(sfd, SH_SIGCHLD, O_CLOEXEC) < 0 || close(sfd) < 0))) _exit(1);
     prctl(PR_SET_CHILD_SUBREAPER, 1);
     sock = SH_SOCK; ctl = SH_CTL;
     ll_fs_fd = -1;
     int fds[MAX_FDS + 1], nfds, truncated;
     ssize_t len;
     do len = recv_with_fds(ctl, msgbuf, MAX_MSG, 0, fds, &nfds, &truncated); while (len < 0 && errno == EINTR);
-    if (len < (ssize_t)sizeof(struct spawn_hdr) || truncated) _exit(0);
+    if (len == 0) _exit(0);  /* EOF: the init dropped us, or is gone */
+    if (len < (ssize_t)sizeof(struct spawn_hdr)) _exit(1);
     struct spawn_hdr *h = (void *)msgbuf;
+    if (truncated || ((h->flags & SPAWN_FWD_LL_FD) && nfds < 1)) {
+        /* Read, so the init cannot hand it over again: fds lost (MSG_CTRUNC: our RLIMIT_NOFILE,
+         * lowered by a command through prlimit(2) where the policy's seccomp profile allows it). */
+        for (int i = 0; i < nfds; i++) close(fds[i]);
+        send_exit_simple(sock, h->id, EXIT_SPAWN_FAILED, (uint32_t)EMFILE);
+        _exit(0);
+    }
     if (h->flags & SPAWN_FWD_LL_FD) {
-        if (nfds < 1) _exit(0);
         ll_fs_fd = fds[--nfds];
         h->flags &= ~SPAWN_FWD_LL_FD;
     }
@@ -669,19 +693,25 @@ static int make_spare(int sock) {
     pid_t pid = fork();
     if (pid == 0) {
         close(sp[0]);
+        if (spare_deaths > 0) {  /* the test fault: die with the command queued, unread */
+            struct pollfd p = { sp[1], POLLIN, 0 };
+            while (poll(&p, 1, -1) < 0 && errno == EINTR) {}
+            raise(SIGKILL);
+        }
         spare_main(sock, sp[1]);
     }
     int err = errno;
     set_oom_adj(IDLE_OOM_ADJ);
-    close(sp[1]);
-    if (pid < 0) { close(sp[0]); errno = err; return -1; }
-    spare_pid = pid; spare_ctl = sp[0];
+    if (pid < 0) { close(sp[0]); close(sp[1]); errno = err; return -1; }
+    if (spare_deaths > 0) spare_deaths--;
+    spare_pid = pid; spare_ctl = sp[0]; spare_peer = sp[1];
     return 0;
 }
 
 static void drop_spare(void) {
     if (spare_ctl >= 0) close(spare_ctl);
-    spare_ctl = -1; spare_pid = -1;
+    if (spare_peer >= 0) close(spare_peer);
+    spare_ctl = -1; spare_peer = -1; spare_pid = -1;
 }
 
 /* 1 if the spare can take a command: alive, not exiting, and no SIGKILL pending. A command (same
@@ -691,8 +721,12 @@ static void drop_spare(void) {
  * exit_signals, from just after the spare dequeued the SIGKILL until it is a zombie: the
  * exit itself, 0.1 ms to ms on a loaded host, in which state is still R or D and field 31 no
  * longer shows the signal; a loaded .ci/run handed a command to such a spare) and field 31 (the
- * pending signals: kill(2) of SIGKILL adds it there at once, complete_signal). ~25 us here
- * (status costs ~40 and has no flags), against ~100 us for the fork it saves. */
+ * pending signals: kill(2) of SIGKILL adds it there at once, complete_signal; a fatal signal the
+ * spare does not catch, SEGV say, is turned into a SIGKILL there too). ~25 us here (status
+ * costs ~40 and has no flags), against ~100 us for the fork it saves. One window no field
+ * shows: get_signal has dequeued the SIGKILL (field 31 clear) and do_exit has not yet set
+ * PF_EXITING; a command handed over then is still queued, unread, when the spare is reaped,
+ * and retake hands it to a fresh spare (a loaded .ci/run hit it once). */
 #define LL_PF_EXITING 0x00000004u /* include/linux/sched.h PF_EXITING */
 static int spare_usable(void) {
     char path[64], buf[1024];
@@ -715,12 +749,13 @@ static int spare_usable(void) {
     return !((strtoull(p, NULL, 10) >> (SIGKILL - 1)) & 1);
 }
 
-/* Hand the SPAWN in buf (and fds, and the Landlock ruleset) to the spare: 0, or -1 with errno. */
-static int hand_over(char *buf, size_t len, const int *fds, int nfds) {
+/* Hand the SPAWN in buf (and fds, and llfd, the Landlock ruleset, -1: none) to the spare: 0,
+ * or -1 with errno. */
+static int hand_over(char *buf, size_t len, const int *fds, int nfds, int llfd) {
     int all[MAX_FDS + 1], n = 0;
     for (int i = 0; i < nfds; i++) all[n++] = fds[i];
     struct spawn_hdr *h = (void *)buf;
-    if (ll_fs_fd >= 0) { all[n++] = ll_fs_fd; h->flags |= SPAWN_FWD_LL_FD; }
+    if (llfd >= 0) { all[n++] = llfd; h->flags |= SPAWN_FWD_LL_FD; }
     char cbuf[CMSG_SPACE((MAX_FDS + 1) * sizeof(int))];
     struct iovec iov = { buf, len };
     struct msghdr mh;
@@ -743,8 +778,30 @@ static int hand_over(char *buf, size_t len, const int *fds, int nfds) {
     return -1;
 }
 
-/* One MSG_SPAWN from the host: hand it to the spare (forking one first if there is none), then
- * fork the next spare. fds are ours to close. The spare parses it (run_spawn). */
+/* Hand the SPAWN in buf (fds, llfd as hand_over's) to the spare, forking one first if there is
+ * none or it is unusable, and make it the job in slot (id, pid, control sockets); the next spare
+ * is due. 0 (fds closed), or -1 with errno (fds still ours). */
+static int give_to_spare(int sock, char *buf, size_t len, const int *fds, int nfds, int llfd, struct job *slot) {
+    for (int attempt = 0; attempt < 2; attempt++) {
+        if (spare_pid >= 0 && attempt == 0 && !spare_usable()) drop_spare();  /* reaped as an orphan */
+        if (spare_pid < 0 && make_spare(sock) < 0) return -1;
+        if (hand_over(buf, len, fds, nfds, llfd) == 0) {
+            slot->id = ((const struct spawn_hdr *)(const void *)buf)->id;
+            slot->pid = spare_pid; slot->ctl = spare_ctl; slot->peer = spare_peer;
+            spare_pid = -1; spare_ctl = -1; spare_peer = -1;
+            for (int i = 0; i < nfds; i++) close(fds[i]);
+            spare_due = now_ns() + SPARE_LATE_NS;  /* the next one: see spare_due */
+            return 0;
+        }
+        int err = errno;
+        drop_spare();  /* dead (EPIPE) or unusable: reaped as an orphan; fork a fresh one */
+        errno = err;
+    }
+    return -1;
+}
+
+/* One MSG_SPAWN from the host: hand it to the spare (give_to_spare). fds are ours to close. The
+ * spare parses it (run_spawn). */
 static void do_spawn(int sock, char *buf, size_t len, int *fds, int nfds) {
     const struct spawn_hdr *h = (const void *)buf;
     uint32_t id = h->id;
@@ -757,23 +814,43 @@ static void do_spawn(int sock, char *buf, size_t len, int *fds, int nfds) {
         if (!nj) { err = ENOMEM; goto fail; }
         jobs = nj; capjobs = ncap;
     }
-    for (int attempt = 0; attempt < 2; attempt++) {
-        if (spare_pid >= 0 && attempt == 0 && !spare_usable()) drop_spare();  /* reaped as an orphan */
-        if (spare_pid < 0 && make_spare(sock) < 0) { err = errno; goto fail; }
-        if (hand_over(buf, len, fds, nfds) == 0) {
-            jobs[njobs].id = id; jobs[njobs].pid = spare_pid; jobs[njobs].ctl = spare_ctl;
-            njobs++;
-            spare_pid = -1; spare_ctl = -1;
-            for (int i = 0; i < nfds; i++) close(fds[i]);
-            spare_due = now_ns() + SPARE_LATE_NS;  /* the next one: see spare_due */
-            return;
-        }
-        err = errno;
-        drop_spare();  /* dead (EPIPE) or unusable: reaped as an orphan; fork a fresh one */
+    if (give_to_spare(sock, buf, len, fds, nfds, ll_fs_fd, &jobs[njobs]) == 0) {
+        jobs[njobs++].handovers = 1;
+        return;
     }
+    err = errno;
 fail:
     for (int i = 0; i < nfds; i++) close(fds[i]);
     send_exit_simple(sock, id, EXIT_SPAWN_FAILED, (uint32_t)err);
+}
+
+/* A shepherd died abnormally: if its command is still queued on its control socket, unread (the
+ * spare died before it took it), hand it, and the signal requests queued after it, to a fresh
+ * spare in the same slot: 1. Else (it took its command, or MAX_HANDOVERS were tried): 0, and the
+ * caller reports EXIT_SHEPHERD_DIED. The old control sockets are closed either way. */
+static int retake(int sock, struct job *j) {
+    int fds[MAX_FDS + 1], nfds, truncated, done = 0;
+    ssize_t len = recv_with_fds(j->peer, msgbuf, MAX_MSG, MSG_DONTWAIT, fds, &nfds, &truncated);
+    struct spawn_hdr *h = (void *)msgbuf;
+    struct job old = *j;
+    if (len >= (ssize_t)sizeof *h && !truncated && h->type == MSG_SPAWN && h->id == j->id && j->handovers < MAX_HANDOVERS) {
+        int llfd = -1;
+        if (h->flags & SPAWN_FWD_LL_FD && nfds > 0) llfd = fds[--nfds];
+        h->flags &= ~SPAWN_FWD_LL_FD;
+        if (give_to_spare(sock, msgbuf, (size_t)len, fds, nfds, llfd, j) == 0) {
+            nfds = 0;
+            j->handovers = old.handovers + 1;
+            struct signal_msg m;  /* the host's signal requests since, in order */
+            while (recv(old.peer, &m, sizeof m, MSG_DONTWAIT) == (ssize_t)sizeof m)
+                send(j->ctl, &m, sizeof m, MSG_NOSIGNAL | MSG_DONTWAIT);
+            done = 1;
+        }
+        if (llfd >= 0) close(llfd);
+    }
+    for (int i = 0; i < nfds; i++) close(fds[i]);
+    close(old.ctl);
+    close(old.peer);
+    return done;
 }
 
 int main(int argc, char **argv) {
@@ -817,6 +894,8 @@ int main(int argc, char **argv) {
         fprintf(stderr, "lowlevel-init: landlock: %s\n", strerror(errno));
         return 5;
     }
+    const char *deaths = getenv("LOWLEVEL_INIT_FAULT_SPARE_DEATHS");
+    if (deaths) spare_deaths = atol(deaths);
     if (getenv("LOWLEVEL_INIT_NO_WARMUP") == NULL) {
         /* Warm-up: the first fork (and vfork) of a fresh sandbox costs ~1-3 ms more than the
          * next ones; pay it here, before HELLO, so the first command does not. */
@@ -876,10 +955,13 @@ int main(int argc, char **argv) {
                 for (i = 0; i < njobs && jobs[i].pid != r; i++) {}
                 if (i == njobs) { orphans = 1; continue; }
                 if (!(WIFEXITED(st) && WEXITSTATUS(st) == 0)) {
-                    send_exit_simple(sock, jobs[i].id, EXIT_SHEPHERD_DIED, (uint32_t)st);
                     orphans = 1;
+                    if (retake(sock, &jobs[i])) continue;  /* its command went to a fresh spare */
+                    send_exit_simple(sock, jobs[i].id, EXIT_SHEPHERD_DIED, (uint32_t)st);
+                } else {
+                    close(jobs[i].ctl);
+                    close(jobs[i].peer);
                 }
-                close(jobs[i].ctl);
                 jobs[i] = jobs[--njobs];
                 last_activity = now_ns();
                 if (spare_due) spare_due = last_activity;  /* its command is over: fork the spare now */

@@ -32,8 +32,9 @@ Isolation between commands of one session (exactly):
         init's, so commands still signal each other: :mod:`lowlevel.host.landlock`).
     Not isolated: commands run as the same uid in one PID namespace, so a command can see
         the others in ``/proc``, signal them and read their ``/proc/PID/{environ,cmdline}``
-        (ptrace, process_vm_* and pidfd_getfd are denied by the seccomp profile). Use a Pool,
-        or one ``run`` per call, when calls must not see each other.
+        (ptrace, process_vm_*, pidfd_getfd and prlimit(2) of another process are denied by the
+        seccomp profile). Use a Pool, or one ``run`` per call, when calls must not see each
+        other.
     Lifetime: no command outlives its own end: when a command's main process exits, times
         out or is killed, its shepherd SIGKILLs its process group and then every process
         reparented to it (a double-forked ``setsid`` daemon included) until none is left, and

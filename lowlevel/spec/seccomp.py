@@ -422,6 +422,16 @@ _DEFAULT_RULES: tuple[Rule, ...] = (
     _deny("kcmp", "Probes other processes' kernel objects (fd/mm identity, KASLR-ish leaks).",
           "moby default.json (CAP_SYS_PTRACE)"),
     _deny("pidfd_getfd", "Steals an fd from another process.", "moby default.json (CAP_SYS_PTRACE)"),
+    _deny("prlimit64", "Setting another process's rlimits (pid != 0 and a new limit): every process of a "
+          "sandbox runs as one uid, and prlimit(2) needs only that. A command of a Session could lower the "
+          "limits of the session's init or of the next command's waiting shepherd (RLIMIT_FSIZE 0, "
+          "RLIMIT_NOFILE 3: the next SPAWN's fds dropped), so a later command would start under limits "
+          "the caller never set. Reading another's limits (new_limit NULL) and setting one's own "
+          "(setrlimit(2), prlimit(0, ...)) stay allowed; prlimit(1) --pid on a process, even one's own "
+          "pid, fails with EPERM. flatpak and Docker have no rule (one program per sandbox).",
+          "prlimit(2) (permission: same real, effective and saved uid and gid); lowlevel red-team finding "
+          "(issue 27)",
+          args=(Arg(0, SCMP_CMP_NE, 0), Arg(2, SCMP_CMP_NE, 0))),
     _deny("migrate_pages", "Moves another process's pages between NUMA nodes.", "flatpak-run.c"),
     _deny("move_pages", "Moves/queries another process's pages.", "flatpak-run.c"),
     # Kernel attack surface rarely needed by tools.

@@ -124,6 +124,8 @@ DENIED: list[tuple[str, tuple[int, ...]]] = [
     ("process_madvise", (-1, 1, 1)),
     ("kcmp", (0x7FFFFFFF, 0x7FFFFFFF)),
     ("pidfd_getfd", (-1,)),
+    ("prlimit64", (0x7FFFFFFF, 7, 1, 0)),          # set another's RLIMIT_NOFILE: EFAULT/ESRCH if unfiltered
+    ("prlimit64", (HIGH, 7, 1, 0)),
     ("migrate_pages", (0x7FFFFFFF, 0, 1, 1)),
     ("move_pages", (0x7FFFFFFF, 1, 1, 0, 1)),
     ("bpf", (-1,)),
@@ -199,6 +201,8 @@ ALLOWED: list[tuple[str, tuple[int, ...]]] = [
     ("personality", (0xFFFFFFFF,)),              # query
     ("socket", (1, 1)),                          # AF_UNIX
     ("socket", (2, 2)),                          # AF_INET (a netns of our own)
+    ("prlimit64", (0, 7, 1, 0)),                 # set one's own (EFAULT: the pointer)
+    ("prlimit64", (0x7FFFFFFF, 7, 0, 1)),        # read another's: ESRCH
 ]
 
 #: Not run outside a sandbox: vhangup would hang up the test's own terminal.

@@ -4,6 +4,7 @@ the init under attack, concurrency without mixed outputs, and no growth over man
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import shutil
 import signal
@@ -233,6 +234,82 @@ def test_a_command_that_kills_or_stops_the_waiting_shepherd_does_not_stall_the_n
     for i in range(3):
         assert session.run(["echo", str(i)], timeout=10).stdout == f"{i}\n".encode()
     assert session.alive
+
+
+def _fault_session(deaths: int) -> Session:
+    """A session whose next ``deaths`` spares die (SIGKILL) with their command queued, unread: the
+    init's test fault LOWLEVEL_INIT_FAULT_SPARE_DEATHS, as a spare SIGKILLed after the init's
+    /proc check did in a loaded CI run (the signal dequeued, PF_EXITING not yet set)."""
+    policy = lowlevel.Policy(env={"LOWLEVEL_INIT_FAULT_SPARE_DEATHS": str(deaths)})
+    return Session(policy, workspace=_ws())
+
+
+def test_a_command_whose_spare_dies_before_reading_it_runs_on_a_fresh_one():
+    """The init keeps its copy of each spare's end of the control socket, so a command queued to a
+    spare that died unread is still there, fds and all: the init hands it to a fresh spare (twice
+    here), with the signal requests queued after it. Before: 'the supervisor of 'echo' was killed
+    (wait status 9)', a SessionError for a command that never ran."""
+    with _fault_session(2) as s:
+        r = s.run(["sh", "-c", "echo one; echo two >&2"], timeout=10)
+        assert (r.exit_code, r.stdout, r.stderr) == (0, b"one\n", b"two\n")
+        assert s.run(["cat"], stdin=b"in", timeout=10).stdout == b"in"
+    with _fault_session(1) as s:
+        p = s.start(["sleep", "30"])
+        p.send_signal(signal.SIGTERM)  # queued behind the SPAWN, or sent to the fresh shepherd
+        assert p.wait(timeout=10).term_signal == signal.SIGTERM
+        assert s.run(["echo", "next"], timeout=10).stdout == b"next\n"
+        assert s.alive
+
+
+def test_a_command_whose_spares_keep_dying_gets_an_error_not_a_hang():
+    """Every spare dies unread: each command is handed over MAX_HANDOVERS (3) times, then reported
+    as a SessionError at once (no timeout waited out), and the session's init still answers."""
+    with _fault_session(1000) as s:
+        for _ in range(2):
+            t = time.monotonic()
+            with pytest.raises(SessionError, match="supervisor of 'true' was killed"):
+                s.run(["true"], timeout=30)
+            assert time.monotonic() - t < 5
+        assert s.alive
+
+
+def test_a_command_cannot_lower_the_limits_of_the_init_or_the_next_command(session):
+    """The default seccomp profile fails prlimit(2) on another process with EPERM (the same uid is
+    all the kernel asks): a command cannot set RLIMIT_FSIZE 0 on the init or the waiting spare for
+    the commands after it. Control: on the host, the same prlimit of a child of ours works."""
+    before = session.run(["sh", "-c", "ulimit -f; prlimit --pid 2 --fsize --noheadings --output SOFT,HARD"]).stdout
+    r = session.run(["sh", "-c", f"for i in $(seq 200); do s=$({_SPARES}); [ -n \"$s\" ] && break; sleep 0.01; done; "
+                                 "for p in 2 $s; do prlimit --pid $p --fsize=0:0 || echo refused; done"])
+    assert r.stdout.split() == [b"refused", b"refused"], (r.stdout, r.stderr)
+    assert b"Operation not permitted" in r.stderr
+    after = session.run(["sh", "-c", "ulimit -f; prlimit --pid 2 --fsize --noheadings --output SOFT,HARD"]).stdout
+    assert after == before and b" 0" not in before, (before, after)
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        subprocess.run(["prlimit", "--pid", str(child.pid), "--fsize=0:0"], check=True, timeout=10)
+        with open(f"/proc/{child.pid}/limits") as f:
+            assert any(line.startswith("Max file size") and line.split()[3:5] == ["0", "0"] for line in f), "control"
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_spare_whose_fd_limit_a_command_lowered_reports_the_next_command_not_a_hang():
+    """Without that rule (a policy's own seccomp profile), a command can set RLIMIT_NOFILE 3 on the
+    waiting spare: the next SPAWN's fds are dropped as it reads it (MSG_CTRUNC). The spare
+    reports EMFILE for that command at once (a LaunchError), and the one after runs on a fresh
+    spare. Before: the spare exited 0 without a report and the command hung until its timeout."""
+    from lowlevel.spec.seccomp import DEFAULT_PROFILE, SeccompProfile
+    profile = SeccompProfile("no-prlimit-rule", tuple(r for r in DEFAULT_PROFILE.rules if r.syscall != "prlimit64"))
+    with Session(lowlevel.Policy(seccomp=profile), workspace=_ws()) as s:
+        r = s.run(["sh", "-c", f"for i in $(seq 200); do s=$({_SPARES}); [ -n \"$s\" ] && break; sleep 0.01; done; "
+                               "for p in $s; do prlimit --pid $p --nofile=3:3 && echo hit; done"])
+        assert b"hit" in r.stdout, (r.stdout, r.stderr)
+        t = time.monotonic()
+        with pytest.raises(lowlevel.LaunchError, match="Too many open files") as e:
+            s.run(["echo", "lost"], timeout=30)
+        assert e.value.errno == errno.EMFILE and time.monotonic() - t < 5
+        assert s.run(["echo", "next"], timeout=10).stdout == b"next\n"
 
 
 def test_the_init_catches_the_signals_it_shrugs_off_but_leaves_sigcont_at_its_default(session):
@@ -483,18 +560,14 @@ def test_pool_fresh_sandbox_per_call(tmp_path):
     assert not children(os.getpid())
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="runs the session as an unprivileged user via runuser")
-def test_session_as_unprivileged_user():
+def _as_test_user(code: str) -> str:
+    """Run Python ``code`` as the unprivileged test user (runuser) and return its stdout."""
     user = "lowlevel-test"
     try:
         import pwd
         pwd.getpwnam(user)
     except KeyError:
         pytest.skip("no lowlevel-test user (tests/conftest.py creates it)")
-    code = ("from lowlevel.session import Session\n"
-            "with Session() as s:\n"
-            "    r = s.run(['sh', '-c', 'id -u; echo hi > /workspace/f; cat /workspace/f'])\n"
-            "    print(r.exit_code, r.stdout)\n")
     runuser = shutil.which("runuser") or "/usr/sbin/runuser"
     probe = subprocess.run([runuser, "-u", user, "--", sys.executable, "-c", "import lowlevel.session"],
                            capture_output=True, cwd="/")
@@ -504,4 +577,26 @@ def test_session_as_unprivileged_user():
     proc = subprocess.run([runuser, "-u", user, "--", sys.executable, "-c", code], capture_output=True,
                           timeout=60, cwd="/", env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
     assert proc.returncode == 0, proc.stderr.decode()[-2000:]
-    assert "0 b'" in proc.stdout.decode() and "hi" in proc.stdout.decode()
+    return proc.stdout.decode()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs the session as an unprivileged user via runuser")
+def test_session_as_unprivileged_user():
+    out = _as_test_user("from lowlevel.session import Session\n"
+                        "with Session() as s:\n"
+                        "    r = s.run(['sh', '-c', 'id -u; echo hi > /workspace/f; cat /workspace/f'])\n"
+                        "    print(r.exit_code, r.stdout)\n")
+    assert "0 b'" in out and "hi" in out
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs the session as an unprivileged user via runuser")
+def test_spare_faults_as_unprivileged_user():
+    """As an unprivileged caller: a command queued to spares that die unread runs on a fresh one,
+    and a command's prlimit(2) of the init is refused (the root tests above, in brief)."""
+    out = _as_test_user("import lowlevel\nfrom lowlevel.session import Session\n"
+                        "p = lowlevel.Policy(env={'LOWLEVEL_INIT_FAULT_SPARE_DEATHS': '2'})\n"
+                        "with Session(p) as s:\n"
+                        "    print(s.run(['echo', 'ran'], timeout=10).stdout)\n"
+                        "    r = s.run(['sh', '-c', 'prlimit --pid 2 --nofile=3:3 || echo refused'], timeout=10)\n"
+                        "    print(r.stdout, s.run(['true'], timeout=10).exit_code)\n")
+    assert out.split() == ["b'ran\\n'", "b'refused\\n'", "0"], out
