@@ -5,6 +5,7 @@
                                   [--signals KILL,TERM,INT,HUP,QUIT] [--double] [--seed S] [--json FILE]
                                   [--user NAME] [--keep-user]
     python bench/kill_campaign.py --kinds KIND --as root|user --replay TRIAL_SEED   # one trial again
+    python bench/kill_campaign.py --victim sandbox ...   # SIGKILL a process the caller started instead
 
 Root only (it runs the unprivileged half through setpriv(1) as ``--user``, default
 ``lowlevel-kill``, created with ``useradd -M`` when missing and removed at the end unless
@@ -63,6 +64,15 @@ Root only (it runs the unprivileged half through setpriv(1) as ``--user``, defau
    - ``lowlevel cleanup`` exits 0 (nothing stayed); a ``conflict-*`` directory in the workspace
      base (a commit refused as a conflict saved the run's changes there) is an anomaly too.
 
+``--victim sandbox``: the caller is left alone; at the instant one of its descendants, picked at
+random (the anchor, bwrap, the guard, a Session's init or shepherd, the program, a process the
+program started; what the kernel's OOM killer or an operator's ``kill -9`` may pick), gets
+SIGKILL. The caller must then end on its own, in time: exit 0, or exit 1 with a lowlevel error
+(``lowlevel.*Error``: one line, no traceback) or the workload's own complaint about a program
+that did not exit 0; the CLI kinds with any status and no traceback. It lived, so it ran its
+own clean-up: ``lowlevel cleanup`` must find nothing of it (``survived_but_left``). Every other
+check is as above (a program killed mid-write may leave its ``.part-`` file committed).
+
 Kinds (a caller-owned workspace, the default ``commit=True``):
 
 - ``run``: ``lowlevel.run`` of a program (python3 inside) that adds, modifies and deletes
@@ -70,6 +80,9 @@ Kinds (a caller-owned workspace, the default ``commit=True``):
   ``Limits(upper="disk")`` (root only);
 - ``session``: a ``Session`` on the workspace running three commands that each write a disjoint
   part, then ``commit()``; ``session_disk``: the same with ``Limits(upper="disk")`` (root only);
+- ``run_egress``, ``session_egress``: ``run`` and ``session`` with ``network=Egress(allow=...)``
+  (the host-side proxy and its socket directory: started, then stopped by the caller or
+  ``lowlevel cleanup``; the program makes no connection);
 - ``arun``: three concurrent ``lowlevel.arun`` calls, each on a workspace of its own;
 - ``pool``: a ``Pool(size=2)`` serving three calls, each writing files into its own fresh
   workspace under the trial's workspace base;
@@ -127,7 +140,8 @@ import time
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KINDS = ("run", "run_disk", "session", "session_disk", "arun", "pool", "cli", "cli_rm")
+KINDS = ("run", "run_disk", "run_egress", "session", "session_disk", "session_egress", "arun", "pool", "cli",
+         "cli_rm")
 ROOT_ONLY = ("run_disk", "session_disk")
 #: How long what a killed caller started may take to go by itself before it counts as left.
 GRACE_S = 5.0
@@ -186,7 +200,12 @@ CALLER = r'''
 import os, signal, sys
 signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 def _hook(t, v, tb, _default=sys.excepthook):  # ^C (SIGINT): Python's own KeyboardInterrupt, exit -2
-    sys.stderr.write("KeyboardInterrupt\n") if t is KeyboardInterrupt else _default(t, v, tb)
+    if t is KeyboardInterrupt:
+        sys.stderr.write("KeyboardInterrupt\n")
+    elif t.__module__.startswith("lowlevel") and t.__name__.endswith("Error"):  # what the library raises
+        sys.stderr.write(f"lowlevel-error {t.__name__}: {v}\n")
+    else:
+        _default(t, v, tb)
 sys.excepthook = _hook
 import json, time
 P = json.load(open(sys.argv[1]))
@@ -198,7 +217,8 @@ def mark(name):
 mark("python")
 import lowlevel
 mark("imported")
-policy = lowlevel.Policy(limits=lowlevel.Limits(upper=P["upper"], workspace_bytes=P["workspace_bytes"]))
+policy = lowlevel.Policy(limits=lowlevel.Limits(upper=P["upper"], workspace_bytes=P["workspace_bytes"]),
+                         network=lowlevel.Egress(allow=("pypi.org",)) if P["egress"] else False)
 
 def cmd(ops):
     return ["python3", "-c", P["ops_code"], json.dumps(ops), P["marker"]]
@@ -208,12 +228,12 @@ def check(r, what):
         raise SystemExit(f"{what}: exit {r.exit_code}: {r.stderr[-2000:]!r} {r.notes}")
 
 kind = P["kind"]
-if kind in ("run", "run_disk"):
+if kind in ("run", "run_disk", "run_egress"):
     mark("call")
     r = lowlevel.run(cmd(P["ops"]), policy=policy, workspace=P["workspaces"][0], timeout=60)
     mark("returned")
     check(r, "run")
-elif kind in ("session", "session_disk"):
+elif kind in ("session", "session_disk", "session_egress"):
     with lowlevel.Session(policy, workspace=P["workspaces"][0]) as s:
         mark("started")
         for i, part in enumerate(P["parts"]):
@@ -276,7 +296,8 @@ def old_tree_ops() -> list[list[Any]]:
 #: Per kind: (files added, MiB of the big file rewritten, seconds the program works first). Sized
 #: so that a caller lives about 1 s here (the kill window) and its commit a good part of it.
 WORKLOAD = {"run": (400, 8, 0.1), "cli": (400, 8, 0.1), "cli_rm": (400, 8, 0.1), "run_disk": (400, 8, 0.1),
-            "session": (300, 8, 0.05), "session_disk": (300, 8, 0.05), "arun": (120, 4, 0.1), "pool": (60, 1, 0.05)}
+            "run_egress": (400, 8, 0.1), "session": (300, 8, 0.05), "session_disk": (300, 8, 0.05),
+            "session_egress": (300, 8, 0.05), "arun": (120, 4, 0.1), "pool": (60, 1, 0.05)}
 
 
 def sized(kind: str, scale: float) -> tuple[int, int, float]:
@@ -571,10 +592,11 @@ def _only_signal_exceptions(stderr: str) -> bool:
 
 class Campaign:
     def __init__(self, root: str, signals: tuple[signal.Signals, ...] = (signal.SIGKILL, signal.SIGTERM),
-                 double: bool = False) -> None:
+                 double: bool = False, victim: str = "caller") -> None:
         self.root = root
         self.signals = signals
         self.double = double
+        self.victim = victim
         self.caller = os.path.join(root, "caller.py")
         with open(self.caller, "w") as f:
             f.write(CALLER)
@@ -590,6 +612,7 @@ class Campaign:
         parts = change_parts(kind, scale)
         params: dict[str, Any] = {"kind": kind, "marker": marker, "ops_code": OPS_CODE,
                                   "marks": os.path.join(tdir, "marks"), "upper": "disk" if "disk" in kind else "tmpfs",
+                                  "egress": "egress" in kind,
                                   "workspace_bytes": 64 << 20, "base": os.path.join(tdir, "base"),
                                   "ops": [op for p in parts for op in p], "parts": parts, "workspaces": []}
         n = {"arun": 3, "pool": 0, "cli_rm": 0}.get(kind, 1)
@@ -629,6 +652,27 @@ class Campaign:
         path = str(item.get("path", ""))
         return bool(re.match(rf"^(run-)?{caller_pid}-", os.path.basename(path))) or path.startswith(self.root + "/")
 
+    def kill_descendant(self, caller_pid: int, rng: random.Random, out: dict[str, Any]) -> None:
+        """``--victim sandbox``: SIGKILL one of the caller's descendants, picked with ``rng``; say
+        which (``victim``: its comm) or that there was none (``no_victim``)."""
+        table = proc_table()
+        kids: dict[int, list[int]] = {}
+        for pid, (ppid, _state) in table.items():
+            kids.setdefault(ppid, []).append(pid)
+        found, todo = [], list(kids.get(caller_pid, []))
+        while todo:
+            pid = todo.pop()
+            if table.get(pid, (0, "Z"))[1] not in ("Z", "X"):
+                found.append(pid)
+            todo += kids.get(pid, [])
+        if not found:
+            out["no_victim"] = True
+            return
+        pid = rng.choice(sorted(found))
+        out["victim"] = _read(f"/proc/{pid}/comm").strip() or "?"
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
     def trial(self, kind: str, ident: Identity, trial_seed: int | None, scale: float,
               keep: bool = False) -> dict[str, Any]:
         """One trial; ``trial_seed`` None: the control (no kill)."""
@@ -636,6 +680,8 @@ class Campaign:
         rng = random.Random(trial_seed)
         instant = None if trial_seed is None else rng.uniform(0, KILL_WINDOW_S)
         sig = None if trial_seed is None else rng.choice(self.signals)
+        if self.victim == "sandbox" and sig is not None:
+            sig = signal.SIGKILL
         again = rng.uniform(0, DOUBLE_WINDOW_S) if self.double and trial_seed is not None else None
         tdir = os.path.join(self.root, ident.who, f"{kind}-{self.counter:05d}")
         os.mkdir(tdir)
@@ -658,7 +704,9 @@ class Campaign:
             time.sleep(max(0.0, t0 + instant - time.monotonic()))
             kill_at = time.monotonic()
             out["finished_before_kill"] = proc.poll() is not None
-            if not out["finished_before_kill"]:
+            if self.victim == "sandbox":
+                self.kill_descendant(caller_pid, rng, out)
+            elif not out["finished_before_kill"]:
                 os.kill(caller_pid, sig)
                 if again is not None and sig != signal.SIGKILL:
                     time.sleep(again)
@@ -714,6 +762,12 @@ class Campaign:
             expected_rc, stderr = (1,), ""
         if out.get("finished_before_kill"):
             expected_rc = (0,)
+        if self.victim == "sandbox" and sig is not None:
+            # The caller was not signalled: it ends on its own, cleanly (see the module docstring).
+            expected_rc, swallowed = (tuple(range(256)) if kind.startswith("cli") else (0, 1)), False
+            if "Traceback" not in stderr and "Exception ignored" not in stderr:
+                stderr = ""
+            unwinding = {}
         elif out["phase"] == "done" or swallowed:  # no handler runs in the shutdown; or it was dropped
             expected_rc += (0,)
         if stderr:
@@ -762,7 +816,9 @@ class Campaign:
                           "foreign_removed": len(removed_all) - len(removed),
                           "found": report.get("found", []) if isinstance(report, dict) else report,
                           "problems": report.get("problems", []) if isinstance(report, dict) else []}
-        if sig in unwinding and rc in unwinding[sig] and rc not in (-signal.SIGTERM, -signal.SIGHUP) and removed \
+        if self.victim == "sandbox" and removed:
+            find.append({"what": "survived_but_left", "removed": removed})  # the caller lived: its clean-up ran
+        elif sig in unwinding and rc in unwinding[sig] and rc not in (-signal.SIGTERM, -signal.SIGHUP) and removed \
                 and not out.get("sigterm_swallowed") and "double_s" not in out:
             # The caller unwound (its handler's SystemExit ran the library's finally blocks) and
             # still left cleanup something: what only a SIGKILL should leave.
@@ -808,7 +864,7 @@ class Campaign:
         if listdir(os.path.join(tdir, "upper")):
             find.append({"what": "upper_dir", "entries": listdir(os.path.join(tdir, "upper"))})
         # The workspaces.
-        allow_part = sig in unwinding
+        allow_part = sig in unwinding or self.victim == "sandbox"
         checks = [(ws, compare(manifest(ws), old, new, allow_part)) for ws in params["workspaces"]]
         base = os.path.join(tdir, "base")
         stray = []
@@ -861,7 +917,7 @@ def summarize(trials: list[dict[str, Any]]) -> dict[str, Any]:
                          "phases": {}, "ws_old": 0, "ws_new": 0, "ws_mixed": 0, "ws_partial": 0,
                          "records_before_cleanup": 0, "cgroups_before_cleanup": 0, "cleanup_removed": {},
                          "sigterm_cleanup_removed": 0, "cleanup_foreign_removed": 0, "sigterm_swallowed": 0,
-                         "anomalies": 0,
+                         "anomalies": 0, "victims": {}, "no_victim": 0,
                          "anomalies_by_what": {}}
     for t in trials:
         if t.get("finished_before_kill"):
@@ -886,6 +942,9 @@ def summarize(trials: list[dict[str, Any]]) -> dict[str, Any]:
         s["doubled"] += "double_s" in t
         s["double_left"] += bool(t.get("double_left"))
         s["anomalies"] += bool(t["findings"])
+        s["no_victim"] += bool(t.get("no_victim"))
+        if "victim" in t:
+            s["victims"][t["victim"]] = s["victims"].get(t["victim"], 0) + 1
         for what in {f.get("what", "?") for f in t["findings"]}:
             s["anomalies_by_what"][what] = s["anomalies_by_what"].get(what, 0) + 1
     return s
@@ -1045,6 +1104,8 @@ def main() -> int:
                     "the seeds of earlier campaigns replay as they ran)")
     ap.add_argument("--double", action="store_true",
                     help=f"send a trial's signal (not KILL) a second time, 0-{DOUBLE_WINDOW_S} s after the first")
+    ap.add_argument("--victim", choices=("caller", "sandbox"), default="caller",
+                    help="who gets the signal: the caller (default), or a random process it started (SIGKILL)")
     ap.add_argument("--dir", help="campaign directory (default: a fresh /var/tmp/lowlevel-kill-*, removed after)")
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -1061,7 +1122,7 @@ def main() -> int:
             ap.error(f"unknown kind {k!r}")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 32)
     print(f"kill_campaign: seed {seed}, commit {_git_head()[:12]}, {args.trials} trials per kind and user, "
-          f"kinds {','.join(kinds)}, as {args.who}, signals {args.signals}", flush=True)
+          f"kinds {','.join(kinds)}, as {args.who}, signals {args.signals}, victim {args.victim}", flush=True)
     _subreaper()
     root = args.dir or tempfile.mkdtemp(prefix="lowlevel-kill-", dir="/var/tmp")
     os.makedirs(root, exist_ok=True)
@@ -1076,7 +1137,7 @@ def main() -> int:
     started = time.time()
     who = ["root", "user"] if args.who == "both" else [args.who]
     with contextlib.ExitStack() as stack:
-        camp = Campaign(root, signals, double=args.double)
+        camp = Campaign(root, signals, double=args.double, victim=args.victim)
         idents = []
         for w in who:
             pw = None if w == "root" else stack.enter_context(throwaway_user(args.user, args.keep_user))
@@ -1115,7 +1176,8 @@ def main() -> int:
                       f"{s['double_left']}) done "
                       f"{s['finished_before_kill']}, ws old/new/mixed/partial {s['ws_old']}/{s['ws_new']}/"
                       f"{s['ws_mixed']}/{s['ws_partial']}, phases {s['phases']}, cleanup removed "
-                      f"{s['cleanup_removed']} (after SIGTERM: {s['sigterm_cleanup_removed']}), anomalies "
+                      f"{s['cleanup_removed']} (after SIGTERM: {s['sigterm_cleanup_removed']}), "
+                      f"victims {s['victims']} (none alive: {s['no_victim']}), anomalies "
                       f"{s['anomalies']} {s['anomalies_by_what']}", flush=True)
     if args.replay is not None:
         print(f"kept: {root}", flush=True)
@@ -1126,7 +1188,7 @@ def main() -> int:
     anomalies = [{**{k: t[k] for k in ("key", "trial_seed", "scale", "signal", "instant_s", "phase", "findings",
                                        "dir")},
                   "replay": f"bench/kill_campaign.py --kinds {t['kind']} --as {t['user']} --replay {t['trial_seed']} "
-                            f"--scale {t['scale']}"}
+                            f"--scale {t['scale']} --victim {args.victim}"}
                  for t in results if t["findings"]]
     print()
     print(table(summary, controls))

@@ -33,7 +33,11 @@ Isolation between commands of one session (exactly):
     Not isolated: commands run as the same uid in one PID namespace, so a command can see
         the others in ``/proc``, signal them and read their ``/proc/PID/{environ,cmdline}``
         (ptrace, process_vm_*, pidfd_getfd and prlimit(2) of another process are denied by the
-        seccomp profile). Use a Pool, or one ``run`` per call, when calls must not see each
+        seccomp profile). A command can also renice the init (setpriority(2)), move it to
+        ``SCHED_IDLE`` or pin it to one CPU (sched_setaffinity(2)): the same uid is all the
+        kernel asks, threads set their own by thread id so seccomp cannot tell the two apart,
+        and the commands after it inherit the change (slower, never with other limits or
+        rights). Use a Pool, or one ``run`` per call, when calls must not see or slow each
         other.
     Lifetime: no command outlives its own end: when a command's main process exits, times
         out or is killed, its shepherd SIGKILLs its process group and then every process
