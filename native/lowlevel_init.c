@@ -49,6 +49,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/signalfd.h>
@@ -778,6 +779,20 @@ static int hand_over(char *buf, size_t len, const int *fds, int nfds, int llfd) 
     return -1;
 }
 
+/* Close the init's copy of each started shepherd's control socket (see spare_peer) once its
+ * SPAWN is read (nothing queued): a job then costs the init one fd, not two. One ioctl per job
+ * still holding it, at each SPAWN: usually the previous command's alone. FIONREAD (SIOCINQ) on a
+ * unix datagram socket: the size of the next queued message, 0 when none (unix(7)). */
+static void settle_peers(void) {
+    for (size_t i = 0; i < njobs; i++) {
+        int queued = 1;
+        if (jobs[i].peer >= 0 && ioctl(jobs[i].peer, FIONREAD, &queued) == 0 && queued == 0) {
+            close(jobs[i].peer);
+            jobs[i].peer = -1;
+        }
+    }
+}
+
 /* Hand the SPAWN in buf (fds, llfd as hand_over's) to the spare, forking one first if there is
  * none or it is unusable, and make it the job in slot (id, pid, control sockets); the next spare
  * is due. 0 (fds closed), or -1 with errno (fds still ours). */
@@ -807,6 +822,7 @@ static void do_spawn(int sock, char *buf, size_t len, int *fds, int nfds) {
     uint32_t id = h->id;
     int err = EINVAL;
     if (h->flags & SPAWN_FWD_LL_FD || nfds > MAX_FDS) goto fail;
+    settle_peers();
     if (ll_fs_refresh() < 0) { err = errno; goto fail; }
     if (njobs == capjobs) {
         size_t ncap = capjobs ? capjobs * 2 : 16;
@@ -824,32 +840,54 @@ fail:
     send_exit_simple(sock, id, EXIT_SPAWN_FAILED, (uint32_t)err);
 }
 
+/* A command that never ran, cancelled by the host (a SIGNAL_TREE queued behind its SPAWN): the
+ * EXIT the shepherd's kill_tree would have sent (SIGKILL's wait status, EXITF_CANCELLED). */
+static void send_exit_cancelled(int sock, uint32_t id) {
+    struct exit_msg m;
+    memset(&m, 0, sizeof m);
+    m.type = MSG_EXIT; m.id = id; m.kind = EXIT_WAIT_STATUS; m.status = SIGKILL; m.flags = EXITF_CANCELLED;
+    send_msg(sock, &m, sizeof m);
+}
+
+#define MAX_QUEUED_SIGNALS 64
+
 /* A shepherd died abnormally: if its command is still queued on its control socket, unread (the
  * spare died before it took it), hand it, and the signal requests queued after it, to a fresh
- * spare in the same slot: 1. Else (it took its command, or MAX_HANDOVERS were tried): 0, and the
- * caller reports EXIT_SHEPHERD_DIED. The old control sockets are closed either way. */
+ * spare in the same slot: 1. A command the host cancelled meanwhile is not run: its EXIT is
+ * sent here (-1). Else (it took its command, or MAX_HANDOVERS were tried: 0) the caller reports
+ * EXIT_SHEPHERD_DIED; a fresh spare that could not be made is reported here (EXIT_SPAWN_FAILED,
+ * its errno: -1). The old control sockets are closed in every case. */
 static int retake(int sock, struct job *j) {
-    int fds[MAX_FDS + 1], nfds, truncated, done = 0;
-    ssize_t len = recv_with_fds(j->peer, msgbuf, MAX_MSG, MSG_DONTWAIT, fds, &nfds, &truncated);
+    int fds[MAX_FDS + 1], nfds = 0, truncated = 0, done = 0;
+    ssize_t len = -1;
+    if (j->peer >= 0) len = recv_with_fds(j->peer, msgbuf, MAX_MSG, MSG_DONTWAIT, fds, &nfds, &truncated);
     struct spawn_hdr *h = (void *)msgbuf;
     struct job old = *j;
     if (len >= (ssize_t)sizeof *h && !truncated && h->type == MSG_SPAWN && h->id == j->id && j->handovers < MAX_HANDOVERS) {
+        struct signal_msg queued[MAX_QUEUED_SIGNALS];  /* the host's signal requests since, in order */
+        int nq = 0, cancelled = 0;
+        while (nq < MAX_QUEUED_SIGNALS && recv(old.peer, &queued[nq], sizeof queued[nq], MSG_DONTWAIT) == (ssize_t)sizeof queued[nq])
+            if (queued[nq++].flags & SIGNAL_TREE) cancelled = 1;
         int llfd = -1;
         if (h->flags & SPAWN_FWD_LL_FD && nfds > 0) llfd = fds[--nfds];
         h->flags &= ~SPAWN_FWD_LL_FD;
-        if (give_to_spare(sock, msgbuf, (size_t)len, fds, nfds, llfd, j) == 0) {
+        if (cancelled) {
+            send_exit_cancelled(sock, old.id);
+            done = -1;
+        } else if (give_to_spare(sock, msgbuf, (size_t)len, fds, nfds, llfd, j) == 0) {
             nfds = 0;
             j->handovers = old.handovers + 1;
-            struct signal_msg m;  /* the host's signal requests since, in order */
-            while (recv(old.peer, &m, sizeof m, MSG_DONTWAIT) == (ssize_t)sizeof m)
-                send(j->ctl, &m, sizeof m, MSG_NOSIGNAL | MSG_DONTWAIT);
+            for (int i = 0; i < nq; i++) send(j->ctl, &queued[i], sizeof queued[i], MSG_NOSIGNAL | MSG_DONTWAIT);
             done = 1;
+        } else {
+            send_exit_simple(sock, old.id, EXIT_SPAWN_FAILED, (uint32_t)errno);
+            done = -1;
         }
         if (llfd >= 0) close(llfd);
     }
     for (int i = 0; i < nfds; i++) close(fds[i]);
     close(old.ctl);
-    close(old.peer);
+    if (old.peer >= 0) close(old.peer);
     return done;
 }
 
@@ -949,18 +987,25 @@ int main(int argc, char **argv) {
             int st;
             pid_t r;
             int orphans = 0;
-            while ((r = waitpid(-1, &st, WNOHANG)) > 0) {
+            while ((r = waitpid(-1, &st, WNOHANG | WUNTRACED)) > 0) {
+                if (WIFSTOPPED(st)) {
+                    /* A command stopped a shepherd (same uid): resume it, or its command would
+                     * never be reported (one without a timeout: the host waits for its EXIT). */
+                    if (is_shepherd(r)) kill(r, SIGCONT);
+                    continue;
+                }
                 if (r == spare_pid) { drop_spare(); continue; }  /* killed while waiting: fork anew */
                 size_t i;
                 for (i = 0; i < njobs && jobs[i].pid != r; i++) {}
                 if (i == njobs) { orphans = 1; continue; }
                 if (!(WIFEXITED(st) && WEXITSTATUS(st) == 0)) {
                     orphans = 1;
-                    if (retake(sock, &jobs[i])) continue;  /* its command went to a fresh spare */
-                    send_exit_simple(sock, jobs[i].id, EXIT_SHEPHERD_DIED, (uint32_t)st);
+                    int taken = retake(sock, &jobs[i]);
+                    if (taken > 0) continue;  /* its command went to a fresh spare */
+                    if (taken == 0) send_exit_simple(sock, jobs[i].id, EXIT_SHEPHERD_DIED, (uint32_t)st);
                 } else {
                     close(jobs[i].ctl);
-                    close(jobs[i].peer);
+                    if (jobs[i].peer >= 0) close(jobs[i].peer);
                 }
                 jobs[i] = jobs[--njobs];
                 last_activity = now_ns();

@@ -127,7 +127,7 @@ def clamp_to_own_hard_limits(triples: Sequence[tuple[str, int, int]], *, may_rai
     out, notes = [], []
     for name, soft, hard in triples:
         if may_raise:
-            bound, what = (_nr_open(), "/proc/sys/fs/nr_open") if name == "RLIMIT_NOFILE" else (None, "")
+            bound, what = (nr_open(), "/proc/sys/fs/nr_open") if name == "RLIMIT_NOFILE" else (None, "")
         else:
             bound, what = resource.getrlimit(getattr(resource, name))[1], "this caller's hard limit"
             bound = None if bound == resource.RLIM_INFINITY else bound
@@ -139,7 +139,7 @@ def clamp_to_own_hard_limits(triples: Sequence[tuple[str, int, int]], *, may_rai
 
 
 @functools.lru_cache(maxsize=1)
-def _nr_open() -> int | None:
+def nr_open() -> int | None:
     """``/proc/sys/fs/nr_open`` (read once per process: a sysctl an admin rarely changes)."""
     try:
         with open("/proc/sys/fs/nr_open", "rb") as f:

@@ -14,6 +14,7 @@ dispatches the init's reports into Results, judges the session's health and move
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import logging
 import os
@@ -154,13 +155,17 @@ class Core(WorkspaceGate):
         self.phase = Phase.STARTING
         # The init itself must not run under RLIMIT_CPU (it lives for thousands of commands):
         # the sandbox gets the Policy's limits without it; each command gets it back.
-        self.sandbox_policy = dataclasses.replace(policy, limits=dataclasses.replace(policy.limits, cpu_s=None))
+        # And it holds more fds than a command (proto.INIT_NOFILE_HEADROOM); each command gets the
+        # Policy's RLIMIT_NOFILE back too.
+        facts = host_facts(bwrap)
+        self.sandbox_policy = dataclasses.replace(policy, limits=dataclasses.replace(
+            policy.limits, cpu_s=None,
+            nofile=proto.init_nofile(policy.limits.nofile, facts.caller_is_root and facts.cap_sys_resource)))
         exe = proto.init_path()
         self.sock, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         # Landlock (lowlevel.host.landlock): the init takes the TCP rules and scopes before its first
         # command; each command restricts itself with the filesystem rules.
-        facts = host_facts(bwrap)
         argv = proto.init_argv(idle_timeout, total_timeout,
                                _landlock_rules.ruleset_args(policy, facts.layout.ro_dirs, facts.bwrap.options))
         self.landlock_abi = 0
@@ -302,7 +307,8 @@ class Core(WorkspaceGate):
         """
         call_notes = self.check_call_limits(limits) if limits is not None else ()
         envc, envb = self.env_default if env is None else proto.env_block(self.policy.environment(env))
-        names, rlb = self.rlimit_default if limits is None else proto.rlimit_records(limits, self.run.cgroup)
+        names, rlb = self.rlimit_default if limits is None else proto.rlimit_records(limits, self.run.cgroup,
+                                                                                     self._bounds().get("RLIMIT_NOFILE"))
         strings = proto.spawn_strings(cwd, command, envb)  # NUL-separated for the init: refuses a NUL
         cmd = Command(0, command, self.policy, timeout, stream)
         cmd.rlimit_names = names
@@ -402,10 +408,18 @@ class Core(WorkspaceGate):
             return ()
         # The init sets each command's rlimits under the sandbox's hard limits (the session's,
         # applied before bwrap): above them it lowers the value, which is said here, as run() does.
-        bounds = {name: hard for name, _soft, hard in self.run.pre_exec_rlimits}
+        bounds = self._bounds()
         lowered = tuple(_limits.lowered_note(name, hard, bounds[name], "the session's hard limit", "command")
                         for name, _soft, hard in _limits.rlimits(limits, cg) if name in bounds and hard > bounds[name])
         return lowered + tuple(n for n in _limits.fallback_notes(limits, cg) if n not in self.notes)
+
+    def _bounds(self) -> dict[str, int]:
+        """The session's hard rlimits, which no command's may exceed: the sandbox's, applied before
+        bwrap, but ``RLIMIT_NOFILE`` the Policy's (the init's is higher: proto.INIT_NOFILE_HEADROOM)."""
+        bounds = {name: hard for name, _soft, hard in self.run.pre_exec_rlimits}
+        if "RLIMIT_NOFILE" in bounds and self.policy.limits.nofile is not None:
+            bounds["RLIMIT_NOFILE"] = min(bounds["RLIMIT_NOFILE"], self.policy.limits.nofile)
+        return bounds
 
     def set_cgroup_limits(self, limits: Limits) -> None:
         """Rewrite the session cgroup's memory, pids and CPU limits (:meth:`Pool.run`, whose
@@ -453,13 +467,22 @@ class Core(WorkspaceGate):
                                       "command?); the session was killed", "unresponsive")
                     assert self.failed is not None
                     raise self.failed from None
-            except (BrokenPipeError, ConnectionResetError) as err:
-                bye = self._pending_bye()
-                if bye is not None:
-                    self._fail_locked(*bye)
-                self._fail_locked(self._death_message(), "init_died")
-                assert self.failed is not None
-                raise self.failed from err
+            except OSError as err:
+                if err.errno != errno.ETOOMANYREFS:
+                    if isinstance(err, (BrokenPipeError, ConnectionResetError)):
+                        self._init_gone(err)
+                    raise
+                raise LaunchError(f"cannot pass the command's pipes to the session's init: {proto.TOO_MANY_REFS}",
+                                  errno=err.errno) from None
+
+    def _init_gone(self, err: OSError) -> None:
+        """The init's end of the socket is closed: fail the session with why, and raise that."""
+        bye = self._pending_bye()
+        if bye is not None:
+            self._fail_locked(*bye)
+        self._fail_locked(self._death_message(), "init_died")
+        assert self.failed is not None
+        raise self.failed from err
 
     def _pending_bye(self) -> tuple[str, str] | None:
         """The (message, reason) of a BYE still queued on the socket (the init ended itself)."""
@@ -566,9 +589,14 @@ class Core(WorkspaceGate):
                                                    session=True),)
             cmd.result = self._result(cmd, report.status, report.flags, report.utime_us, report.stime_us,
                                       report.maxrss_kib, wall)
+        elif report.kind == proto.EXIT_SHEPHERD_DIED and os.WIFSIGNALED(report.status):
+            cmd.error = SessionError(f"the supervisor of {cmd.argv[0]!r} was killed (wait status {report.status}: "
+                                     f"{signal.Signals(os.WTERMSIG(report.status)).name}) by a command of the "
+                                     "session or the kernel; its processes were killed", "unresponsive")
         elif report.kind == proto.EXIT_SHEPHERD_DIED:
-            cmd.error = SessionError(f"the supervisor of {cmd.argv[0]!r} was killed (wait status {report.status}) "
-                                     "by a command of the session; its processes were killed", "unresponsive")
+            cmd.error = SessionError(f"the supervisor of {cmd.argv[0]!r} ended before it reported (wait status "
+                                     f"{report.status}: it could not set itself up, e.g. out of file descriptors); "
+                                     "its processes were killed", "unresponsive")
         else:
             cmd.result = self._result(cmd, report.status, report.flags, report.utime_us, report.stime_us,
                                       report.maxrss_kib, wall)

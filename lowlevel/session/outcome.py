@@ -35,6 +35,8 @@ def start_error(cmd: Command, kind: int, status: int, stage: int) -> LowlevelErr
     ``status`` an errno, ``stage`` a :data:`protocol.STAGES` key); None for another kind."""
     argv = list(cmd.argv)
     hint = _PROCESS_LIMIT_HINT if status == errno.EAGAIN else ""
+    if status == errno.ETOOMANYREFS:
+        hint = f" ({proto.TOO_MANY_REFS})"
     if kind == proto.EXIT_SPAWN_FAILED:
         return LaunchError(f"the session init could not start {cmd.argv[0]!r}: {os.strerror(status)}{hint}",
                            argv=argv, errno=status)

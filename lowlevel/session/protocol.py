@@ -33,16 +33,31 @@ from typing import Any, NamedTuple
 from lowlevel.errors import UnsupportedError
 from lowlevel.paths import native
 from lowlevel.sandbox.argv import encode_args
+from lowlevel.sandbox.plan import nr_open
 from lowlevel.spec import limits as _limits
 from lowlevel.spec.limits import Limits
 
 #: Extra seconds the host waits past a command's timeout before it declares the session
-#: unresponsive (the shepherd enforces the timeout itself; this covers a stopped shepherd).
+#: unresponsive (the shepherd enforces the timeout itself, and the init continues a shepherd a
+#: command stopped; this covers a stopped init, or a shepherd stopped again and again).
 GRACE_S = 2.0
 #: How long the host waits for the init's HELLO after bwrap released it, seconds.
 HELLO_TIMEOUT_S = 10.0
 #: How long the host waits for the init to take a message (socket buffer full), seconds.
 SEND_TIMEOUT_S = 10.0
+#: How many more open files the init (the sandbox's RLIMIT_NOFILE) may hold than a command (the
+#: Policy's ``Limits.nofile``, set per command). Two uses: the init's fds (one control socket per
+#: running command), and the fds a uid may have in flight in unix sockets, which the kernel caps
+#: at the *sender's* RLIMIT_NOFILE (unix(7), ETOOMANYREFS) and counts per uid: a command that
+#: parks fds in a socket it never reads reaches at most its own limit plus one message's 253
+#: (SCM_MAX_FD), so the init, above that, can still pass the next command its pipes. Bounded by
+#: the caller's own hard limit where it may not raise it (then no headroom is kept, silently).
+INIT_NOFILE_HEADROOM = 1024
+#: What an ETOOMANYREFS from sendmsg(2) means here (the host's or the init's).
+TOO_MANY_REFS = ("ETOOMANYREFS: the sandbox's uid has more file descriptors in flight in unix sockets than "
+                 "RLIMIT_NOFILE allows (a command holds them in a socket it does not read: unix(7)); end "
+                 "that command. For an unprivileged caller the sandbox's uid is its own, so its other "
+                 "programs passing fds fail alike until then")
 #: Path of the init executable built at install time (``setup.py`` ``build_ext``).
 INIT_PATH = native("_lowlevel_init")
 
@@ -111,9 +126,28 @@ def init_argv(idle_timeout: float | None, total_timeout: float | None, landlock_
             str(EXE_FD), *landlock_args]
 
 
-def rlimit_records(limits: Limits, cgroup: Any) -> tuple[tuple[str, ...], bytes]:
-    """The SPAWN body's rlimit records for ``limits`` (``RLIM`` each) and the names they set."""
+def init_nofile(nofile: int | None, may_raise: bool) -> int | None:
+    """The sandbox's RLIMIT_NOFILE for a Session (its init's): ``nofile`` (the commands') plus
+    :data:`INIT_NOFILE_HEADROOM`, within what this caller can set
+    (its own hard limit, or ``/proc/sys/fs/nr_open`` with ``may_raise``: CAP_SYS_RESOURCE), never
+    below ``nofile``; None (no limit set) stays None."""
+    if nofile is None:
+        return None
+    bound = nr_open() if may_raise else resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    want = nofile + INIT_NOFILE_HEADROOM
+    if bound is not None and bound != resource.RLIM_INFINITY:
+        want = min(want, bound)
+    return max(nofile, want)
+
+
+def rlimit_records(limits: Limits, cgroup: Any, nofile_cap: int | None = None) -> tuple[tuple[str, ...], bytes]:
+    """The SPAWN body's rlimit records for ``limits`` (``RLIM`` each) and the names they set;
+    ``RLIMIT_NOFILE`` no higher than ``nofile_cap`` (a command's per-call limits: the session's,
+    not the init's, which is higher by :data:`INIT_NOFILE_HEADROOM`)."""
     triples = _limits.rlimits(limits, cgroup)
+    if nofile_cap is not None:
+        triples = tuple((n, min(s, nofile_cap), min(h, nofile_cap)) if n == "RLIMIT_NOFILE" else (n, s, h)
+                        for n, s, h in triples)
     names = tuple(name for name, _s, _h in triples)
     data = b"".join(RLIM.pack(getattr(resource, name), 0, soft & _U64, hard & _U64)
                     for name, soft, hard in triples)

@@ -376,6 +376,15 @@ _MOUNT_REASON = ("Mount table changes. bwrap drops CAP_SYS_ADMIN so the kernel s
                  "returns ENOSYS for the new mount API (so libmount falls back to mount(2) and "
                  "reports EPERM there); we return EPERM directly: same outcome for tools.")
 
+_IOPRIO_REASON = ("ioprio_set on anything but the caller itself (IOPRIO_WHO_PROCESS with who 0: the calling "
+                  "thread): one uid runs every process of a sandbox, so a command of a Session could put the "
+                  "init, and every command after it, in the idle I/O class (IOPRIO_WHO_USER covers the whole "
+                  "uid). ionice -c3 CMD sets the command's own; ionice -p PID fails with EPERM. Unlike "
+                  "setpriority(2) and sched_setaffinity(2), which threads call on their own thread ids, "
+                  "per-thread I/O priorities go through who 0. flatpak and Docker have no rule.")
+_IOPRIO_SOURCE = ("ioprio_set(2) (IOPRIO_WHO_PROCESS 1, IOPRIO_WHO_PGRP 2, IOPRIO_WHO_USER 3); lowlevel red-team "
+                  "finding (issue 27)")
+
 _DEFAULT_RULES: tuple[Rule, ...] = (
     # Terminal injection: the sandbox may share the caller's tty.
     _deny("ioctl", "TIOCSTI pushes bytes into the tty's input queue: a command typed into the "
@@ -432,6 +441,8 @@ _DEFAULT_RULES: tuple[Rule, ...] = (
           "prlimit(2) (permission: same real, effective and saved uid and gid); lowlevel red-team finding "
           "(issue 27)",
           args=(Arg(0, SCMP_CMP_NE, 0), Arg(2, SCMP_CMP_NE, 0))),
+    _deny("ioprio_set", _IOPRIO_REASON, _IOPRIO_SOURCE, args=(Arg(0, SCMP_CMP_NE, 1),)),
+    _deny("ioprio_set", _IOPRIO_REASON, _IOPRIO_SOURCE, args=(Arg(1, SCMP_CMP_NE, 0),)),
     _deny("migrate_pages", "Moves another process's pages between NUMA nodes.", "flatpak-run.c"),
     _deny("move_pages", "Moves/queries another process's pages.", "flatpak-run.c"),
     # Kernel attack surface rarely needed by tools.

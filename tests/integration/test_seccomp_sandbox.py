@@ -126,6 +126,10 @@ DENIED: list[tuple[str, tuple[int, ...]]] = [
     ("pidfd_getfd", (-1,)),
     ("prlimit64", (0x7FFFFFFF, 7, 1, 0)),          # set another's RLIMIT_NOFILE: EFAULT/ESRCH if unfiltered
     ("prlimit64", (HIGH, 7, 1, 0)),
+    ("ioprio_set", (1, 0x7FFFFFFF, 7 << 13)),     # IOPRIO_WHO_PROCESS, another pid (class 7: EINVAL unfiltered)
+    ("ioprio_set", (3, 0, 7 << 13)),              # IOPRIO_WHO_USER: the whole uid
+    ("ioprio_set", (2, 0, 7 << 13)),              # IOPRIO_WHO_PGRP
+    ("ioprio_set", (1, HIGH, 7 << 13)),
     ("migrate_pages", (0x7FFFFFFF, 0, 1, 1)),
     ("move_pages", (0x7FFFFFFF, 1, 1, 0, 1)),
     ("bpf", (-1,)),
@@ -203,6 +207,8 @@ ALLOWED: list[tuple[str, tuple[int, ...]]] = [
     ("socket", (2, 2)),                          # AF_INET (a netns of our own)
     ("prlimit64", (0, 7, 1, 0)),                 # set one's own (EFAULT: the pointer)
     ("prlimit64", (0x7FFFFFFF, 7, 0, 1)),        # read another's: ESRCH
+    ("ioprio_set", (1, 0, 7 << 13)),             # its own (class 7: EINVAL from the kernel)
+    ("ioprio_get", (3, 0)),                      # reading the uid's
 ]
 
 #: Not run outside a sandbox: vhangup would hang up the test's own terminal.
