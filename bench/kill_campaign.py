@@ -64,7 +64,9 @@ Root only (it runs the unprivileged half through setpriv(1) as ``--user``, defau
    - ``lowlevel cleanup`` exits 0 (nothing stayed); a ``conflict-*`` directory in the workspace
      base (a commit refused as a conflict saved the run's changes there) is an anomaly too.
 
-``--victim sandbox``: the caller is left alone; at the instant one of its descendants, picked at
+``--victim sandbox``: the caller is left alone; at the instant (drawn from the span in which the
+kind's last control trial had processes below its caller: a run's commit, after its sandbox is
+gone, has none) one of its descendants, picked at
 random (the anchor, bwrap, the guard, a Session's init or shepherd, the program, a process the
 program started; what the kernel's OOM killer or an operator's ``kill -9`` may pick), gets
 SIGKILL. The caller must then end on its own, in time: exit 0, or exit 1 with a lowlevel error
@@ -606,6 +608,8 @@ class Campaign:
         self.mounts_before = mount_lines()
         self.counter = 0
         self._states: dict[tuple[str, int, float], tuple[dict, dict]] = {}
+        #: ``--victim sandbox``: per (kind, uid), when the last control's caller had descendants (s).
+        self.alive_span: dict[tuple[str, int], tuple[float, float]] = {}
 
     def prepare(self, kind: str, ident: Identity, tdir: str, marker: str, scale: float) -> dict[str, Any]:
         """Make the trial's workspaces; return the caller's parameters and what to check."""
@@ -652,9 +656,9 @@ class Campaign:
         path = str(item.get("path", ""))
         return bool(re.match(rf"^(run-)?{caller_pid}-", os.path.basename(path))) or path.startswith(self.root + "/")
 
-    def kill_descendant(self, caller_pid: int, rng: random.Random, out: dict[str, Any]) -> None:
-        """``--victim sandbox``: SIGKILL one of the caller's descendants, picked with ``rng``; say
-        which (``victim``: its comm) or that there was none (``no_victim``)."""
+    @staticmethod
+    def descendants(caller_pid: int) -> list[int]:
+        """The live (not zombie) processes below ``caller_pid``, sorted."""
         table = proc_table()
         kids: dict[int, list[int]] = {}
         for pid, (ppid, _state) in table.items():
@@ -665,10 +669,26 @@ class Campaign:
             if table.get(pid, (0, "Z"))[1] not in ("Z", "X"):
                 found.append(pid)
             todo += kids.get(pid, [])
+        return sorted(found)
+
+    def watch_descendants(self, proc: subprocess.Popen[bytes], t0: float) -> tuple[float, float]:
+        """A control's caller until it ends: the first and last instants (s after ``t0``) at which
+        it had descendants, polled every 5 ms; ``(0, KILL_WINDOW_S)`` if it never had one."""
+        seen: list[float] = []
+        while proc.poll() is None:
+            if self.descendants(proc.pid):
+                seen.append(time.monotonic() - t0)
+            time.sleep(0.005)
+        return (round(seen[0], 4), round(seen[-1], 4)) if seen else (0.0, KILL_WINDOW_S)
+
+    def kill_descendant(self, caller_pid: int, rng: random.Random, out: dict[str, Any]) -> None:
+        """``--victim sandbox``: SIGKILL one of the caller's descendants, picked with ``rng``; say
+        which (``victim``: its comm) or that there was none (``no_victim``)."""
+        found = self.descendants(caller_pid)
         if not found:
             out["no_victim"] = True
             return
-        pid = rng.choice(sorted(found))
+        pid = rng.choice(found)
         out["victim"] = _read(f"/proc/{pid}/comm").strip() or "?"
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -678,7 +698,9 @@ class Campaign:
         """One trial; ``trial_seed`` None: the control (no kill)."""
         self.counter += 1
         rng = random.Random(trial_seed)
-        instant = None if trial_seed is None else rng.uniform(0, KILL_WINDOW_S)
+        span = self.alive_span.get((kind, ident.uid), (0.0, KILL_WINDOW_S)) if self.victim == "sandbox" \
+            else (0.0, KILL_WINDOW_S)
+        instant = None if trial_seed is None else rng.uniform(*span)
         sig = None if trial_seed is None else rng.choice(self.signals)
         if self.victim == "sandbox" and sig is not None:
             sig = signal.SIGKILL
@@ -715,6 +737,8 @@ class Campaign:
                         out["double_s"] = round(again, 4)
         else:
             kill_at = None
+            if self.victim == "sandbox":
+                self.alive_span[(kind, ident.uid)] = out["alive_span"] = self.watch_descendants(proc, t0)
         try:
             rc = proc.wait(timeout=TERM_WAIT_S if sig != signal.SIGKILL else 60)
         except subprocess.TimeoutExpired:
@@ -1154,13 +1178,14 @@ def main() -> int:
                     continue
                 scale, c = calibrate(camp, kind, ident, args.scale)
                 controls[key] = {"caller_s": c["caller_s"], "scale": scale, "workload": sized(kind, scale),
-                                 "marks": c["marks"], "findings": c["findings"]}
+                                 "marks": c["marks"], "findings": c["findings"], "alive_span": c.get("alive_span")}
                 if c["findings"]:
                     print(f"{key}: CONTROL FAILED, kind skipped: {json.dumps(c['findings'], default=str)[:3000]}",
                           flush=True)
                     continue
                 print(f"{key}: control {c['caller_s']} s at scale {scale} (files, MiB, work s = "
-                      f"{sized(kind, scale)}), marks {c['marks']}", flush=True)
+                      f"{sized(kind, scale)}), marks {c['marks']}"
+                      + (f", descendants alive {c['alive_span']} s" if "alive_span" in c else ""), flush=True)
                 for i in range(args.trials):
                     t = camp.trial(kind, ident, rng.getrandbits(32), scale)
                     t["key"] = key
