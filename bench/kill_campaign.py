@@ -790,7 +790,7 @@ class Campaign:
             # The caller was not signalled: it ends on its own, cleanly (see the module docstring).
             expected_rc, swallowed = (tuple(range(256)) if kind.startswith("cli") else (0, 1)), False
             if "Traceback" not in stderr and "Exception ignored" not in stderr:
-                stderr = ""
+                out["caller_said"], stderr = stderr[-300:], ""  # its own error line: kept, not an anomaly
             unwinding = {}
         elif out["phase"] == "done" or swallowed:  # no handler runs in the shutdown; or it was dropped
             expected_rc += (0,)
