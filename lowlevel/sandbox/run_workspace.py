@@ -243,8 +243,9 @@ class RunWorkspace(RunState):
         device", after the commit had applied), and no old layer keeps any of them.
 
         Raises:
-            LaunchError: the anchor refused or did not answer within ``timeout_s``; the old
-                layer is cleared all the same (a commit had applied it; a reset drops it).
+            LaunchError: the anchor refused or did not answer within ``timeout_s``, or is gone
+                (``errno`` EPIPE or ECONNRESET: the sandbox was killed); the old layer is cleared
+                all the same (a commit had applied it; a reset drops it).
         """
         if self.report is None or not self.cow:
             raise LaunchError("this sandbox has no copy-on-write workspace to reset")
@@ -267,6 +268,9 @@ class RunWorkspace(RunState):
                                   errno=getattr(err, "errno", None)) from err
             finally:
                 self.report.setblocking(False)
+            if not msg and not fds:  # EOF: the anchor is gone, and the sandbox with it
+                raise LaunchError("resetting the workspace failed: the sandbox's anchor closed its socket (the "
+                                  "sandbox is gone)", errno=errno.EPIPE)
             if not msg.startswith(b"RESET_OK") or len(fds) != 1:
                 for fd in fds:
                     os.close(fd)

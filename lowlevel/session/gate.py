@@ -19,12 +19,14 @@ The gate is part of the core (:class:`lowlevel.session.core.Core` inherits
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from collections.abc import Callable, Sequence
 
 from lowlevel import workspace as _ws
-from lowlevel.errors import CommitIncompleteError, PolicyError, SessionError, UnsupportedError, WorkspaceError
+from lowlevel.errors import (CommitIncompleteError, LaunchError, PolicyError, SessionError, UnsupportedError,
+                             WorkspaceError)
 # A private name of lowlevel.sandbox.launcher (its engineer is reshaping it): where a commit's
 # conflicting changes are saved.
 from lowlevel.sandbox.commit import commit_record
@@ -68,6 +70,8 @@ class WorkspaceGate:
     failed: SessionError | None
     cmds: dict[int, Command]
     init_host_pid: int | None
+    _death_message: Callable[[], str]
+    _fail_locked: Callable[[str, str], None]
 
     def _init_gate(self) -> None:
         """The gate's state, open (call once ``self.lock`` exists: the gate's condition uses it)."""
@@ -196,9 +200,14 @@ class WorkspaceGate:
         try:
             with self.ws_lock:
                 self._need_cow(what)
-                out = self._commit(reset=what == "commit") if what in ("commit", "final") else None
-                if what == "reset":
-                    self.run.reset_cow()
+                try:
+                    out = self._commit(reset=what == "commit") if what in ("commit", "final") else None
+                    if what == "reset":
+                        self.run.reset_cow()
+                except LaunchError as err:
+                    if err.errno not in (errno.EPIPE, errno.ECONNRESET):
+                        raise
+                    raise self._sandbox_gone(what) from err
             note = (f"this command ran across a Session.{what}() (running='leave'): it kept the old view of "
                     "/workspace, and what it wrote there afterwards is in no commit")
             for cmd in left:
@@ -207,6 +216,15 @@ class WorkspaceGate:
             return out
         finally:
             self.end_exclusive()
+
+    def _sandbox_gone(self, what: str) -> SessionError:
+        """The error of a commit or reset whose sandbox died under it (the anchor's socket closed:
+        bwrap, the anchor or the init was killed): the session is failed, and says why."""
+        applied = f"the changes were applied to {self.run.workspace}, but " if what in ("commit", "final") else ""
+        with self.lock:
+            self._fail_locked(f"Session.{what}(): {applied}the sandbox is gone: {self._death_message()}", "init_died")
+        assert self.failed is not None
+        return self.failed
 
     def _commit(self, reset: bool = True) -> _ws.Changes:
         """Apply the upper layer to the directory; then stack a fresh layer (``reset``), or, for

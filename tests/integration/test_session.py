@@ -450,6 +450,37 @@ def test_stopping_the_shepherd_cannot_hang_the_caller(session):
     assert session.run(["echo", "ok"]).stdout == b"ok\n"
 
 
+def test_a_commit_whose_sandbox_is_killed_under_it_applies_and_says_the_session_is_over():
+    """bwrap SIGKILLed while commit() applies (found by ``kill_campaign.py --victim sandbox``): the
+    host-side apply completes; stacking the fresh layer then finds the anchor gone. That was
+    ``LaunchError: resetting the workspace failed: [Errno 32] Broken pipe``; it is now the
+    session's SessionError(reason="init_died") saying the changes were applied, and close()
+    applies nothing twice."""
+    ws = _ws()
+    s = Session(workspace=ws)
+    try:
+        s.run(["sh", "-c", "mkdir d; for i in $(seq 3000); do echo $i > d/f$i; done"])
+        bwrap = s._core.run.pid
+
+        def kill_when_the_apply_starts() -> None:
+            while not os.path.exists(os.path.join(ws, "d")):
+                time.sleep(0.0005)
+            os.kill(bwrap, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_when_the_apply_starts)
+        killer.start()
+        with pytest.raises(SessionError, match="the changes were applied to .*, but the sandbox is gone") as e:
+            s.commit()
+        killer.join()
+        assert e.value.reason == "init_died"
+        assert len(os.listdir(os.path.join(ws, "d"))) == 3000
+        with pytest.raises(SessionError):
+            s.run(["true"])
+    finally:
+        s.close()
+    assert sorted(os.listdir(ws)) == ["d"] and len(os.listdir(os.path.join(ws, "d"))) == 3000
+
+
 def test_killing_the_shepherd_kills_its_command(session):
     with pytest.raises(SessionError) as e:
         session.run(["sh", "-c", "(setsid sleep 300 &); kill -KILL $PPID; sleep 300"], timeout=30)
