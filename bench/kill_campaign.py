@@ -87,7 +87,9 @@ Kinds (a caller-owned workspace, the default ``commit=True``):
   ``lowlevel cleanup``; the program makes no connection);
 - ``arun``: three concurrent ``lowlevel.arun`` calls, each on a workspace of its own;
 - ``pool``: a ``Pool(size=2)`` serving three calls, each writing files into its own fresh
-  workspace under the trial's workspace base;
+  workspace under the trial's workspace base; ``pool_template``: a ``Pool(size=2,
+  template=WS)`` serving three calls of the ``run`` changes, each in a copy-on-write view of the
+  template, which must stay exactly old (``template_written``: never committed to);
 - ``cli``: ``lowlevel run --workspace WS -- ...`` of the ``run`` program: the caller script
   execs the CLI (same pid), which has its own handlers (SIGTERM, SIGHUP, SIGQUIT: unwind, then
   exit 128+N; SIGINT: 130); ``cli_rm``: ``lowlevel run --rm -- ...`` of the ``pool`` program
@@ -142,8 +144,8 @@ import time
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KINDS = ("run", "run_disk", "run_egress", "session", "session_disk", "session_egress", "arun", "pool", "cli",
-         "cli_rm")
+KINDS = ("run", "run_disk", "run_egress", "session", "session_disk", "session_egress", "arun", "pool",
+         "pool_template", "cli", "cli_rm")
 ROOT_ONLY = ("run_disk", "session_disk")
 #: How long what a killed caller started may take to go by itself before it counts as left.
 GRACE_S = 5.0
@@ -263,6 +265,13 @@ elif kind == "cli_rm":  # the same with a fresh workspace (in $LOWLEVEL_WORKSPAC
     mark("exec")
     os.execv(sys.executable, [sys.executable, "-m", "lowlevel", "run", "--rm", "--timeout", "60", "--",
                               *cmd(P["ops"])])
+elif kind == "pool_template":  # every call in a copy-on-write view of the template, never written
+    with lowlevel.Pool(policy=policy, size=2, template=P["workspaces"][0], workspace_base=P["base"]) as pool:
+        mark("pool")
+        for i in range(P["calls"]):
+            check(pool.run(cmd(P["ops"]), timeout=60), f"pool call {i}")
+            mark(f"call{i}")
+    mark("closed")
 elif kind == "pool":
     with lowlevel.Pool(policy=policy, size=2, workspace_base=P["base"]) as pool:
         mark("pool")
@@ -299,7 +308,8 @@ def old_tree_ops() -> list[list[Any]]:
 #: so that a caller lives about 1 s here (the kill window) and its commit a good part of it.
 WORKLOAD = {"run": (400, 8, 0.1), "cli": (400, 8, 0.1), "cli_rm": (400, 8, 0.1), "run_disk": (400, 8, 0.1),
             "run_egress": (400, 8, 0.1), "session": (300, 8, 0.05), "session_disk": (300, 8, 0.05),
-            "session_egress": (300, 8, 0.05), "arun": (120, 4, 0.1), "pool": (60, 1, 0.05)}
+            "session_egress": (300, 8, 0.05), "arun": (120, 4, 0.1), "pool": (60, 1, 0.05),
+            "pool_template": (60, 1, 0.05)}
 
 
 def sized(kind: str, scale: float) -> tuple[int, int, float]:
@@ -627,6 +637,8 @@ class Campaign:
             params["workspaces"].append(ws)
         if kind == "pool":
             params["ops"], params["calls"] = pool_ops(scale), 3
+        elif kind == "pool_template":
+            params["calls"] = 3
         elif kind == "cli_rm":
             params["ops"] = pool_ops(scale, kind)
         for d in ("base", "upper"):
@@ -909,6 +921,8 @@ class Campaign:
             find.append({"what": "workspace_base", "entries": stray})
         out["workspaces"] = [{"state": c["state"], "temporaries": len(c["temporaries"]), "parts": len(c["parts"])}
                              for _ws, c in checks]
+        if kind == "pool_template" and checks and checks[0][1]["state"] != "old":
+            find.append({"what": "template_written", "workspace": checks[0][0], "state": checks[0][1]["state"]})
         for ws, c in checks:
             if c["bad"]:
                 find.append({"what": "entries_neither_old_nor_new", "workspace": ws, "count": len(c["bad"]),
@@ -918,7 +932,10 @@ class Campaign:
                              "entries": c["temporaries"][:10]})
         if trial_seed is None:
             got = [c["state"] for _ws, c in checks]
-            if kind == "pool":
+            if kind == "pool_template":
+                if got != ["old"]:
+                    find.append({"what": "control", "detail": f"template {got}, expected old"})
+            elif kind == "pool":
                 used = sum(s == "new" for s in got)
                 if used < params["calls"]:
                     find.append({"what": "control", "detail": f"{used} pool workspaces new, expected "
