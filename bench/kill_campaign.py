@@ -82,6 +82,11 @@ Kinds (a caller-owned workspace, the default ``commit=True``):
   ``Limits(upper="disk")`` (root only);
 - ``session``: a ``Session`` on the workspace running three commands that each write a disjoint
   part, then ``commit()``; ``session_disk``: the same with ``Limits(upper="disk")`` (root only);
+- ``run_nooverlay``: ``run`` with ``LOWLEVEL_NO_OVERLAY=1`` in the caller: no copy-on-write
+  layer, the program writes into the workspace itself; a root caller hands its entries to the
+  per-run uid and back (journal in ``/run/lowlevel/handover``, which ``lowlevel cleanup``
+  replays after a SIGKILL: every entry must be back with its owner, ``with_owner``); a
+  ``.part-`` file of the program's, killed mid-write, may stay (no commit step leaves it out);
 - ``run_egress``, ``session_egress``: ``run`` and ``session`` with ``network=Egress(allow=...)``
   (the host-side proxy and its socket directory: started, then stopped by the caller or
   ``lowlevel cleanup``; the program makes no connection);
@@ -144,7 +149,7 @@ import time
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KINDS = ("run", "run_disk", "run_egress", "session", "session_disk", "session_egress", "arun", "pool",
+KINDS = ("run", "run_disk", "run_egress", "run_nooverlay", "session", "session_disk", "session_egress", "arun", "pool",
          "pool_template", "cli", "cli_rm")
 ROOT_ONLY = ("run_disk", "session_disk")
 #: How long what a killed caller started may take to go by itself before it counts as left.
@@ -213,6 +218,8 @@ def _hook(t, v, tb, _default=sys.excepthook):  # ^C (SIGINT): Python's own Keybo
 sys.excepthook = _hook
 import json, time
 P = json.load(open(sys.argv[1]))
+if P["kind"].endswith("_nooverlay"):
+    os.environ["LOWLEVEL_NO_OVERLAY"] = "1"  # read when the first run looks for overlay support
 _marks = os.open(P["marks"], os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
 
 def mark(name):
@@ -232,7 +239,7 @@ def check(r, what):
         raise SystemExit(f"{what}: exit {r.exit_code}: {r.stderr[-2000:]!r} {r.notes}")
 
 kind = P["kind"]
-if kind in ("run", "run_disk", "run_egress"):
+if kind in ("run", "run_disk", "run_egress", "run_nooverlay"):
     mark("call")
     r = lowlevel.run(cmd(P["ops"]), policy=policy, workspace=P["workspaces"][0], timeout=60)
     mark("returned")
@@ -307,7 +314,8 @@ def old_tree_ops() -> list[list[Any]]:
 #: Per kind: (files added, MiB of the big file rewritten, seconds the program works first). Sized
 #: so that a caller lives about 1 s here (the kill window) and its commit a good part of it.
 WORKLOAD = {"run": (400, 8, 0.1), "cli": (400, 8, 0.1), "cli_rm": (400, 8, 0.1), "run_disk": (400, 8, 0.1),
-            "run_egress": (400, 8, 0.1), "session": (300, 8, 0.05), "session_disk": (300, 8, 0.05),
+            "run_egress": (400, 8, 0.1), "run_nooverlay": (400, 8, 0.1), "session": (300, 8, 0.05),
+            "session_disk": (300, 8, 0.05),
             "session_egress": (300, 8, 0.05), "arun": (120, 4, 0.1), "pool": (60, 1, 0.05),
             "pool_template": (60, 1, 0.05)}
 
@@ -627,7 +635,8 @@ class Campaign:
         params: dict[str, Any] = {"kind": kind, "marker": marker, "ops_code": OPS_CODE,
                                   "marks": os.path.join(tdir, "marks"), "upper": "disk" if "disk" in kind else "tmpfs",
                                   "egress": "egress" in kind,
-                                  "workspace_bytes": 64 << 20, "base": os.path.join(tdir, "base"),
+                                  "workspace_bytes": None if kind.endswith("_nooverlay") else 64 << 20,
+                                  "base": os.path.join(tdir, "base"),
                                   "ops": [op for p in parts for op in p], "parts": parts, "workspaces": []}
         n = {"arun": 3, "pool": 0, "cli_rm": 0}.get(kind, 1)
         for i in range(n):
@@ -900,7 +909,9 @@ class Campaign:
         if listdir(os.path.join(tdir, "upper")):
             find.append({"what": "upper_dir", "entries": listdir(os.path.join(tdir, "upper"))})
         # The workspaces.
-        allow_part = sig in unwinding or self.victim == "sandbox"
+        # Without the overlay the program writes into the workspace itself: a program killed
+        # mid-write leaves its own temporary there (no commit step to leave it out).
+        allow_part = sig in unwinding or self.victim == "sandbox" or kind.endswith("_nooverlay")
         checks = [(ws, compare(manifest(ws), old, new, allow_part)) for ws in params["workspaces"]]
         base = os.path.join(tdir, "base")
         stray = []
