@@ -560,6 +560,50 @@ static void send_exit_simple(int sock, uint32_t id, uint32_t kind, uint32_t stat
     send_msg(sock, &m, sizeof m);
 }
 
+/* The init's own EXITs (a SPAWN it could not hand over, a shepherd that died, a command cancelled
+ * before it ran) never block it: one the socket has no room for waits here, in order, and goes
+ * when poll says POLLOUT. A blocking send there stopped the init reading SPAWNs while a sync
+ * caller started commands without reading (Session.start() in a loop, each failing at a process
+ * limit): the host's sendmsg then timed out and killed the session as "unresponsive". The
+ * shepherds' own reports block as before (a shepherd is one command's). */
+static struct exit_msg *outbox;
+static size_t nout, capout;
+
+/* Send what waits in the outbox while the socket takes it (EPIPE: the host is gone; dropped). */
+static void flush_outbox(int sock) {
+    size_t i = 0;
+    while (i < nout) {
+        ssize_t r = send(sock, &outbox[i], sizeof outbox[i], MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+        i++;
+    }
+    memmove(outbox, outbox + i, (nout - i) * sizeof *outbox);
+    nout -= i;
+}
+
+static void init_report(int sock, const struct exit_msg *m) {
+    if (nout == 0) {
+        ssize_t r;
+        do r = send(sock, m, sizeof *m, MSG_NOSIGNAL | MSG_DONTWAIT); while (r < 0 && errno == EINTR);
+        if (r >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) return;
+    }
+    if (nout == capout) {
+        size_t ncap = capout ? capout * 2 : 64;
+        struct exit_msg *no = realloc(outbox, ncap * sizeof *no);
+        if (!no) { send_msg(sock, m, sizeof *m); return; }  /* no memory: block, as before */
+        outbox = no; capout = ncap;
+    }
+    outbox[nout++] = *m;
+}
+
+static void init_exit(int sock, uint32_t id, uint32_t kind, uint32_t status) {
+    struct exit_msg m;
+    memset(&m, 0, sizeof m);
+    m.type = MSG_EXIT; m.id = id; m.kind = kind; m.status = status;
+    init_report(sock, &m);
+}
+
 static char msgbuf[MAX_MSG + 1];
 
 /* In a shepherd: parse one MSG_SPAWN (the host's message as the init forwarded it) and be its
@@ -837,7 +881,7 @@ static void do_spawn(int sock, char *buf, size_t len, int *fds, int nfds) {
     err = errno;
 fail:
     for (int i = 0; i < nfds; i++) close(fds[i]);
-    send_exit_simple(sock, id, EXIT_SPAWN_FAILED, (uint32_t)err);
+    init_exit(sock, id, EXIT_SPAWN_FAILED, (uint32_t)err);
 }
 
 /* A command that never ran, cancelled by the host (a SIGNAL_TREE queued behind its SPAWN): the
@@ -846,7 +890,7 @@ static void send_exit_cancelled(int sock, uint32_t id) {
     struct exit_msg m;
     memset(&m, 0, sizeof m);
     m.type = MSG_EXIT; m.id = id; m.kind = EXIT_WAIT_STATUS; m.status = SIGKILL; m.flags = EXITF_CANCELLED;
-    send_msg(sock, &m, sizeof m);
+    init_report(sock, &m);
 }
 
 #define MAX_QUEUED_SIGNALS 64
@@ -880,7 +924,7 @@ static int retake(int sock, struct job *j) {
             for (int i = 0; i < nq; i++) send(j->ctl, &queued[i], sizeof queued[i], MSG_NOSIGNAL | MSG_DONTWAIT);
             done = 1;
         } else {
-            send_exit_simple(sock, old.id, EXIT_SPAWN_FAILED, (uint32_t)errno);
+            init_exit(sock, old.id, EXIT_SPAWN_FAILED, (uint32_t)errno);
             done = -1;
         }
         if (llfd >= 0) close(llfd);
@@ -962,6 +1006,7 @@ int main(int argc, char **argv) {
             if (next <= now) {
                 uint32_t reason = (total_ns > 0 && now >= start + total_ns) ? BYE_TOTAL : BYE_IDLE;
                 struct bye_msg b = { MSG_BYE, reason, 0, 0 };
+                for (size_t i = 0; i < nout; i++) send_msg(sock, &outbox[i], sizeof outbox[i]);
                 send_msg(sock, &b, sizeof b);
                 return 0;  /* bwrap's PID 1 follows us; the kernel kills the namespace */
             }
@@ -976,12 +1021,13 @@ int main(int argc, char **argv) {
             int left_ms = (int)((spare_due - now + 999999) / 1000000);
             if (wait_ms < 0 || left_ms < wait_ms) wait_ms = left_ms;
         }
-        struct pollfd p[2] = { { sock, POLLIN, 0 }, { sfd, POLLIN, 0 } };
+        struct pollfd p[2] = { { sock, (short)(POLLIN | (nout ? POLLOUT : 0)), 0 }, { sfd, POLLIN, 0 } };
         int n = poll(p, 2, wait_ms);
         if (n < 0) {
             if (errno == EINTR) continue;
             return 3;
         }
+        if (p[0].revents & POLLOUT) flush_outbox(sock);
         if (p[1].revents) {
             drain_fd(sfd);
             int st;
@@ -1002,7 +1048,7 @@ int main(int argc, char **argv) {
                     orphans = 1;
                     int taken = retake(sock, &jobs[i]);
                     if (taken > 0) continue;  /* its command went to a fresh spare */
-                    if (taken == 0) send_exit_simple(sock, jobs[i].id, EXIT_SHEPHERD_DIED, (uint32_t)st);
+                    if (taken == 0) init_exit(sock, jobs[i].id, EXIT_SHEPHERD_DIED, (uint32_t)st);
                 } else {
                     close(jobs[i].ctl);
                     if (jobs[i].peer >= 0) close(jobs[i].peer);
@@ -1014,7 +1060,7 @@ int main(int argc, char **argv) {
             /* Anything reparented to us that is not a shepherd belonged to a shepherd that died. */
             if (orphans) kill_children(is_shepherd);
         }
-        if (p[0].revents) {
+        if (p[0].revents & ~POLLOUT) {
             char cbuf[CMSG_SPACE(MAX_FDS * sizeof(int))];
             struct iovec iov = { msgbuf, MAX_MSG };
             struct msghdr mh;

@@ -590,13 +590,13 @@ class Core(WorkspaceGate):
             cmd.result = self._result(cmd, report.status, report.flags, report.utime_us, report.stime_us,
                                       report.maxrss_kib, wall)
         elif report.kind == proto.EXIT_SHEPHERD_DIED and os.WIFSIGNALED(report.status):
-            cmd.error = SessionError(f"the supervisor of {cmd.argv[0]!r} was killed (wait status {report.status}: "
-                                     f"{signal.Signals(os.WTERMSIG(report.status)).name}) by a command of the "
-                                     "session or the kernel; its processes were killed", "unresponsive")
+            cmd.error = SessionError(f"the supervisor of {cmd.argv[0]!r} was killed ({report.status}: "
+                                     f"{signal.Signals(os.WTERMSIG(report.status)).name}) by a command of the session "
+                                     "or the kernel; its processes were killed (the session goes on)", "unresponsive")
         elif report.kind == proto.EXIT_SHEPHERD_DIED:
             cmd.error = SessionError(f"the supervisor of {cmd.argv[0]!r} ended before it reported (wait status "
                                      f"{report.status}: it could not set itself up, e.g. out of file descriptors); "
-                                     "its processes were killed", "unresponsive")
+                                     "its processes were killed (the session goes on)", "unresponsive")
         else:
             cmd.result = self._result(cmd, report.status, report.flags, report.utime_us, report.stime_us,
                                       report.maxrss_kib, wall)

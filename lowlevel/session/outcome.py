@@ -37,6 +37,9 @@ def start_error(cmd: Command, kind: int, status: int, stage: int) -> LowlevelErr
     hint = _PROCESS_LIMIT_HINT if status == errno.EAGAIN else ""
     if status == errno.ETOOMANYREFS:
         hint = f" ({proto.TOO_MANY_REFS})"
+    elif status == errno.EMFILE and kind == proto.EXIT_SPAWN_FAILED:
+        hint = (": the session init's open-file limit (one fd per running command, Limits.nofile plus "
+                f"{proto.INIT_NOFILE_HEADROOM}): run fewer commands at once, or give the Session a larger nofile")
     if kind == proto.EXIT_SPAWN_FAILED:
         return LaunchError(f"the session init could not start {cmd.argv[0]!r}: {os.strerror(status)}{hint}",
                            argv=argv, errno=status)

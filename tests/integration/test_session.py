@@ -4,6 +4,7 @@ the init under attack, concurrency without mixed outputs, and no growth over man
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import shutil
@@ -379,6 +380,34 @@ def test_the_init_holds_one_fd_per_running_command(session):
         p.kill()
     for p in procs:
         p.wait(timeout=10)
+
+
+def test_starting_commands_that_fail_without_reading_their_reports_keeps_the_session():
+    """Session.start() in a loop, nobody reading, every start past the pids limit failing: the
+    init's own EXIT for each failure (EXIT_SPAWN_FAILED) used to block it once the socket was
+    full, so it stopped reading SPAWNs and the host killed the session after 10 s as
+    "unresponsive" (found by a fresh-user trial). The init queues its own reports and sends them
+    as the socket takes them: every start returns at once, each failure is a LaunchError naming
+    the process limit, and the session lives on."""
+    with Session(lowlevel.Policy(limits=lowlevel.Limits(pids=64)), workspace=_ws()) as s:
+        t = time.monotonic()
+        procs = [s.start(["sleep", "30"]) for _ in range(450)]
+        assert time.monotonic() - t < 5
+        failed = running = 0
+        for p in procs:
+            try:
+                running += p.poll() is None
+            except lowlevel.LaunchError as err:
+                assert "process limit" in str(err), err
+                failed += 1
+        assert failed > 300 and running > 0, (failed, running)
+        assert s.alive
+        for p in procs:
+            p.kill()
+        for p in procs:
+            with contextlib.suppress(lowlevel.LaunchError):
+                p.wait(timeout=10)
+        assert s.run(["echo", "ok"], timeout=10).stdout == b"ok\n"
 
 
 def test_the_init_catches_the_signals_it_shrugs_off_but_leaves_sigcont_at_its_default(session):
