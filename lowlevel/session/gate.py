@@ -258,7 +258,7 @@ class WorkspaceGate:
             raise
         r.notes.extend(report.notes)
         self._after_commit(reset)
-        return changes
+        return report.changes
 
     def _after_commit(self, reset: bool) -> None:
         r = self.run

@@ -479,6 +479,20 @@ def test_stopping_the_shepherd_cannot_hang_the_caller(session):
     assert session.run(["echo", "ok"]).stdout == b"ok\n"
 
 
+def test_commit_returns_what_it_applied_not_the_entries_it_skipped():
+    """A fifo and a unix socket in the upper are skipped by the commit (documented), so
+    ``Session.commit()``, which returns what was applied, leaves them out (found by a fresh-user
+    trial: it returned them as added)."""
+    ws = _ws()
+    with Session(workspace=ws) as s:
+        r = s.run(["python3", "-c", "import os, socket; os.mkfifo('fifo'); open('plain', 'w').write('x'); "
+                   "socket.socket(socket.AF_UNIX).bind('sock')"])
+        assert r.exit_code == 0, r.stderr
+        assert s.diff().added == ("fifo", "plain", "sock")
+        assert s.commit().added == ("plain",)
+    assert sorted(os.listdir(ws)) == ["plain"]
+
+
 def test_a_commit_whose_sandbox_is_killed_under_it_applies_and_says_the_session_is_over():
     """bwrap SIGKILLed while commit() applies (found by ``kill_campaign.py --victim sandbox``): the
     host-side apply completes; stacking the fresh layer then finds the anchor gone. That was
