@@ -231,9 +231,8 @@ class WorkspaceGate:
         the final commit, mark the run committed: its close must not apply the same upper again
         (it would meet its own applied entries as host changes)."""
         r = self.run
-        changes = r.read_changes()
         if r.upper_fd is None or r.lower_fd is None:
-            return changes
+            return _ws.Changes()  # what read_changes() gives there: nothing to apply
         owner = (r.lower_stat.st_uid, r.lower_stat.st_gid) if r.facts.caller_is_root and r.lower_stat else None
         if r.policy.limits.upper == "disk":
             from lowlevel.workspace.disk_upper import check_writeback
