@@ -132,6 +132,13 @@ def _foreign_procs(cgroup: str) -> bool:
     return False
 
 
+def _removable(path: str) -> bool:
+    """True when this caller may rmdir(2) the cgroup ``path``: root, or write and search permission
+    on its parent (access(2)). Another user's run cgroup (root's, seen by an unprivileged caller in
+    the same cgroup) is not this caller's leftover: it is neither listed nor a problem here."""
+    return os.geteuid() == 0 or os.access(os.path.dirname(path), os.W_OK | os.X_OK)
+
+
 def _dead_owner(name: str) -> str | None:
     m = _cgroup_detect.RUN_NAME.match(name)
     if m and int(m.group(1)) != os.getpid() and not os.path.exists(f"/proc/{m.group(1)}"):
@@ -147,7 +154,7 @@ def _orphan_cgroups() -> dict[str, list[tuple[int, str, frozenset[str]]]]:
         for parent, dirs, _files in os.walk(top):
             if os.path.basename(parent) != _cgroup_detect.BASE_NAME:
                 continue
-            runs = [d for d in dirs if _dead_owner(d)]
+            runs = [d for d in dirs if _dead_owner(d) and _removable(os.path.join(parent, d))]
             dirs[:] = [d for d in dirs if not _cgroup_detect.RUN_NAME.match(d)]  # never below a run's
             if runs and not _foreign_procs(os.path.dirname(parent)):
                 for d in runs:
@@ -187,14 +194,15 @@ def _stale_cgroups(orphans: dict[str, list[tuple[int, str, frozenset[str]]]] | N
             continue
         for name in os.listdir(h.base):
             owner = _dead_owner(name)
-            if owner is not None:
-                path = os.path.join(h.base, name)
+            path = os.path.join(h.base, name)
+            if owner is not None and _removable(path):
                 seen.add(path)
                 out.append(Leftover("cgroup", path, f"its creator (pid {owner}) is gone"))
     mounts = _cgroup_mounts()
     for rec in _dead_records():
         for path in rec.cgroups:
-            if path not in seen and _recorded_path_ok(path, rec.path, mounts) and os.path.isdir(path):
+            if path not in seen and _recorded_path_ok(path, rec.path, mounts) and os.path.isdir(path) \
+                    and _removable(path):
                 seen.add(path)
                 out.append(Leftover("cgroup", path, f"its caller (pid {rec.pid}) is gone (from its run record "
                                     f"{rec.path})"))

@@ -327,6 +327,38 @@ def test_unprivileged_caller_killed_mid_commit_cleanup_removes_its_temporaries(r
         shutil.rmtree(records, ignore_errors=True)
 
 
+def test_unprivileged_cleanup_leaves_root_run_cgroups_alone(request: pytest.FixtureRequest, svc: dict) -> None:
+    """A run cgroup root left (its caller dead) under a cgroup no process holds any more (an
+    earlier login's or container's: CI's machine held a previous session's) is found by the walk
+    of the hierarchies, but it is not the unprivileged user's leftover: that user's ``cleanup``
+    neither lists it nor fails on it (it cannot rmdir(2) it: stop 35's CI failure,
+    ``run-<pid>-*: still there``). Control: the directory is there, root's and stale, while the
+    user's cleanup runs; root's ``cleanup``, same walk, removes it."""
+    user = request.getfixturevalue("test_user")
+    dead = _dead_pid()
+    stale = [os.path.join(d, "gone", "lowlevel", f"run-{dead}-9") for d in svc["dirs"]]
+    for d in stale:
+        os.makedirs(d)
+    records = tempfile.mkdtemp(prefix="records-user-", dir="/tmp")
+    os.chown(records, user.pw_uid, user.pw_gid)
+    walk = {"LOWLEVEL_CGROUP_ROOTS": ":".join(svc["dirs"])}
+    try:
+        env = {"PATH": "/usr/bin:/bin", "HOME": user.pw_dir, "PYTHONPATH": REPO, "LOWLEVEL_RECORD_DIR": records,
+               **walk}
+        done = subprocess.run(["/usr/sbin/runuser", "-u", user.pw_name, "--", sys.executable, "-m", "lowlevel",
+                               "cleanup", "--json"], capture_output=True, text=True, env=env, cwd="/", timeout=240)
+        assert done.returncode == 0, done.stdout + done.stderr
+        report = json.loads(done.stdout)
+        assert not [x for x in report["removed"] + report.get("found", []) if x["path"] in stale], done.stdout
+        assert all(os.path.isdir(d) and os.stat(d).st_uid == 0 for d in stale), "the control: root's and still there"
+        root = _cli(["cleanup", "--json"], svc["empty"], extra=walk)
+        assert {x["path"] for x in json.loads(root.stdout)["removed"]} >= set(stale), root.stdout + root.stderr
+    finally:
+        for d in svc["dirs"]:
+            _rmtree_cgroup(os.path.join(d, "gone"))
+        shutil.rmtree(records, ignore_errors=True)
+
+
 def _v2_mount() -> str | None:
     with open("/proc/self/mountinfo") as f:
         return next((m for _r, m, fs, _o in _cgroup_detect.parse_mountinfo(f.read()) if fs == "cgroup2"), None)
