@@ -597,10 +597,12 @@ static void init_report(int sock, const struct exit_msg *m) {
     outbox[nout++] = *m;
 }
 
-static void init_exit(int sock, uint32_t id, uint32_t kind, uint32_t status) {
+/* The init's own EXIT for command ``id`` (one it could not start, whose shepherd died, or that was
+ * cancelled before it ran: ``flags`` EXITF_CANCELLED), through the outbox. */
+static void init_exit(int sock, uint32_t id, uint32_t kind, uint32_t status, uint32_t flags) {
     struct exit_msg m;
     memset(&m, 0, sizeof m);
-    m.type = MSG_EXIT; m.id = id; m.kind = kind; m.status = status;
+    m.type = MSG_EXIT; m.id = id; m.kind = kind; m.status = status; m.flags = flags;
     init_report(sock, &m);
 }
 
@@ -881,16 +883,7 @@ static void do_spawn(int sock, char *buf, size_t len, int *fds, int nfds) {
     err = errno;
 fail:
     for (int i = 0; i < nfds; i++) close(fds[i]);
-    init_exit(sock, id, EXIT_SPAWN_FAILED, (uint32_t)err);
-}
-
-/* A command that never ran, cancelled by the host (a SIGNAL_TREE queued behind its SPAWN): the
- * EXIT the shepherd's kill_tree would have sent (SIGKILL's wait status, EXITF_CANCELLED). */
-static void send_exit_cancelled(int sock, uint32_t id) {
-    struct exit_msg m;
-    memset(&m, 0, sizeof m);
-    m.type = MSG_EXIT; m.id = id; m.kind = EXIT_WAIT_STATUS; m.status = SIGKILL; m.flags = EXITF_CANCELLED;
-    init_report(sock, &m);
+    init_exit(sock, id, EXIT_SPAWN_FAILED, (uint32_t)err, 0);
 }
 
 #define MAX_QUEUED_SIGNALS 64
@@ -916,7 +909,9 @@ static int retake(int sock, struct job *j) {
         if (h->flags & SPAWN_FWD_LL_FD && nfds > 0) llfd = fds[--nfds];
         h->flags &= ~SPAWN_FWD_LL_FD;
         if (cancelled) {
-            send_exit_cancelled(sock, old.id);
+            /* Never ran, cancelled by the host (a SIGNAL_TREE queued behind its SPAWN): the EXIT
+             * the shepherd's kill_tree would have sent (SIGKILL's wait status, EXITF_CANCELLED). */
+            init_exit(sock, old.id, EXIT_WAIT_STATUS, SIGKILL, EXITF_CANCELLED);
             done = -1;
         } else if (give_to_spare(sock, msgbuf, (size_t)len, fds, nfds, llfd, j) == 0) {
             nfds = 0;
@@ -924,7 +919,7 @@ static int retake(int sock, struct job *j) {
             for (int i = 0; i < nq; i++) send(j->ctl, &queued[i], sizeof queued[i], MSG_NOSIGNAL | MSG_DONTWAIT);
             done = 1;
         } else {
-            init_exit(sock, old.id, EXIT_SPAWN_FAILED, (uint32_t)errno);
+            init_exit(sock, old.id, EXIT_SPAWN_FAILED, (uint32_t)errno, 0);
             done = -1;
         }
         if (llfd >= 0) close(llfd);
@@ -1048,7 +1043,7 @@ int main(int argc, char **argv) {
                     orphans = 1;
                     int taken = retake(sock, &jobs[i]);
                     if (taken > 0) continue;  /* its command went to a fresh spare */
-                    if (taken == 0) init_exit(sock, jobs[i].id, EXIT_SHEPHERD_DIED, (uint32_t)st);
+                    if (taken == 0) init_exit(sock, jobs[i].id, EXIT_SHEPHERD_DIED, (uint32_t)st, 0);
                 } else {
                     close(jobs[i].ctl);
                     if (jobs[i].peer >= 0) close(jobs[i].peer);
