@@ -41,7 +41,7 @@ from lowlevel.sandbox.result import Result
 from lowlevel.session import protocol as proto
 from lowlevel.session.command import Command
 from lowlevel.session.gate import HeldError, WorkspaceGate
-from lowlevel.session.outcome import command_result, start_error
+from lowlevel.session.outcome import command_result, init_death_message, shepherd_died_error, start_error
 from lowlevel.session.phase import Phase
 from lowlevel.session.start import explain_fd_exhaustion, readable_within, start_init
 from lowlevel.spec import limits as _limits
@@ -589,14 +589,8 @@ class Core(WorkspaceGate):
                                                    session=True),)
             cmd.result = self._result(cmd, report.status, report.flags, report.utime_us, report.stime_us,
                                       report.maxrss_kib, wall)
-        elif report.kind == proto.EXIT_SHEPHERD_DIED and os.WIFSIGNALED(report.status):
-            cmd.error = SessionError(f"the supervisor of {cmd.argv[0]!r} was killed ({report.status}: "
-                                     f"{signal.Signals(os.WTERMSIG(report.status)).name}) by a command of the session "
-                                     "or the kernel; its processes were killed (the session goes on)", "unresponsive")
         elif report.kind == proto.EXIT_SHEPHERD_DIED:
-            cmd.error = SessionError(f"the supervisor of {cmd.argv[0]!r} ended before it reported (wait status "
-                                     f"{report.status}: it could not set itself up, e.g. out of file descriptors); "
-                                     "its processes were killed (the session goes on)", "unresponsive")
+            cmd.error = shepherd_died_error(cmd, report.status)
         else:
             cmd.result = self._result(cmd, report.status, report.flags, report.utime_us, report.stime_us,
                                       report.maxrss_kib, wall)
@@ -687,20 +681,7 @@ class Core(WorkspaceGate):
         for doc in r._docs():
             if "exit-code" in doc:
                 code = int(doc["exit-code"])
-        how = "exited"
-        if code is not None and 128 < code <= 192:
-            try:
-                how = f"was killed by {signal.Signals(code - 128).name}"
-            except ValueError:
-                how = f"was killed by signal {code - 128}"
-        elif code is not None:
-            how = f"exited with status {code}"
-        if self._oom_since():
-            return (f"the session's init {how}: {_limits.memory_kill_note(self.cgroup_limits, 'the init or bwrap')}"
-                    "; the session is over: start a new Session, with a larger memory_bytes if its commands need "
-                    "more memory or room for files")
-        return (f"the session's init {how}: the session is over (a command can kill it: commands run as the "
-                "same uid); start a new Session")
+        return init_death_message(code, self.cgroup_limits if self._oom_since() else None)
 
     def _fail_locked(self, message: str, reason: str) -> None:
         """Mark the session failed, fail every pending command, kill the sandbox. Holds self.lock."""

@@ -5,16 +5,18 @@ into what :meth:`lowlevel.session.Session.run` returns or raises. :func:`command
 session's copy of the exit-code/``killed_by`` classification and of the Result assembly (the one
 :func:`lowlevel.run` makes in :mod:`lowlevel.sandbox.launcher`): kept apart so that it can be
 switched to the sandbox's result builder in one place. :func:`start_error` names a command the
-init could not start.
+init could not start, :func:`shepherd_died_error` one whose supervisor died, and
+:func:`init_death_message` says how the session itself ended.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import signal
 
 from lowlevel import workspace as _ws
-from lowlevel.errors import LaunchError, LowlevelError
+from lowlevel.errors import LaunchError, LowlevelError, SessionError
 from lowlevel.sandbox.failures import ExecError, network_denial_note, pids_note
 from lowlevel.sandbox.result import Result, classify_kill, wait_status_exit
 from lowlevel.session import protocol as proto
@@ -58,6 +60,43 @@ def start_error(cmd: Command, kind: int, status: int, stage: int) -> LowlevelErr
     if stage_name == "execve":
         return ExecError(f"{cmd.argv[0]}: {msg.lower()} in the sandbox", argv=argv, errno=status)
     return LaunchError(f"{stage_name} failed for {cmd.argv[0]!r} in the session: {msg}", argv=argv, errno=status)
+
+
+def shepherd_died_error(cmd: Command, status: int) -> SessionError:
+    """The error of a command whose shepherd (its supervisor in the session) died before it
+    reported (EXIT_SHEPHERD_DIED, ``status`` the shepherd's wait status): killed by a command or
+    the kernel, or unable to set itself up. Its processes were killed; the session goes on."""
+    if os.WIFSIGNALED(status):
+        return SessionError(f"the supervisor of {cmd.argv[0]!r} was killed ({status}: "
+                            f"{_signal_name(os.WTERMSIG(status))}) by a command of the session or the kernel; its "
+                            "processes were killed (the session goes on)", "unresponsive")
+    return SessionError(f"the supervisor of {cmd.argv[0]!r} ended before it reported (wait status {status}: it could "
+                        "not set itself up, e.g. out of file descriptors); its processes were killed (the session goes "
+                        "on)", "unresponsive")
+
+
+def init_death_message(code: int | None, oom_limits: Limits | None) -> str:
+    """What ended the session, for its SessionError: bwrap's ``exit-code`` (its json-status;
+    128+N: the init was killed by signal N; None: unknown), and ``oom_limits`` the session's
+    cgroup limits when its memory cgroup's OOM killer struck since the start (else None)."""
+    how = "exited"
+    if code is not None and 128 < code <= 192:
+        how = f"was killed by {_signal_name(code - 128)}"
+    elif code is not None:
+        how = f"exited with status {code}"
+    if oom_limits is not None:
+        return (f"the session's init {how}: {_limits.memory_kill_note(oom_limits, 'the init or bwrap')}"
+                "; the session is over: start a new Session, with a larger memory_bytes if its commands need "
+                "more memory or room for files")
+    return (f"the session's init {how}: the session is over (a command can kill it: commands run as the "
+            "same uid); start a new Session")
+
+
+def _signal_name(signo: int) -> str:
+    try:
+        return signal.Signals(signo).name
+    except ValueError:
+        return f"signal {signo}"
 
 
 def command_result(cmd: Command, *, status: int, flags: int, utime_us: int, stime_us: int, maxrss_kib: int,
