@@ -156,6 +156,7 @@ def cached_dataclass(cls: type | None = None, /, **kwargs: object) -> object:
     """:func:`dataclasses.dataclass` (same arguments and result) with cached method code; the
     module's :data:`dataclass` at run time."""
     def wrap(c: type) -> type:
+        _wait_for_typing()
         with _lock:
             module = vars(dataclasses)
             previous = module.get("exec", _MISSING)
@@ -173,6 +174,23 @@ def cached_dataclass(cls: type | None = None, /, **kwargs: object) -> object:
 
 
 _MISSING = object()
+
+
+def _wait_for_typing() -> None:
+    """Wait until no other thread is half-way through ``import typing``.
+
+    CPython 3.11's :mod:`dataclasses` looks :mod:`typing` up with ``sys.modules.get("typing")``
+    (not an import: it does not wait for the module's lock) and then reads ``typing.ClassVar``:
+    a class made while another thread imports :mod:`typing` failed with "partially initialized
+    module 'typing' has no attribute 'ClassVar'" (threads starting their first ``lowlevel.run``
+    while another imported :mod:`typing`: 1 process in 30, found by a fresh-user trial). An
+    ``import`` of a module another thread is initializing blocks on that module's import lock
+    until it is done (importlib's ``_ModuleLock``); this thread's own partial import (never the
+    case here) is returned as is.
+    """
+    module = sys.modules.get("typing")
+    if module is not None and getattr(getattr(module, "__spec__", None), "_initializing", False):
+        import typing  # noqa: F401  (waits for the other thread's import to finish)
 
 
 def save() -> None:

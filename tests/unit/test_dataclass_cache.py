@@ -175,3 +175,4 @@ def test_the_inspect_stand_in_forwards_to_the_real_module() -> None:
     assert stand_in.signature is inspect.signature and stand_in.Parameter is inspect.Parameter
     with pytest.raises(AttributeError):
         stand_in.no_such_name  # noqa: B018
+
