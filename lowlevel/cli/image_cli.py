@@ -5,7 +5,7 @@ an OCI layout directory or a ``docker save`` archive, with a progress bar on a t
 (stderr; none when stderr is not a terminal, or with ``--quiet``). ``lowlevel image ls`` lists
 name, id, manifest digest, layers, size and last use. ``lowlevel image rm REF...`` removes
 names or images. Every subcommand takes ``--store DIR`` (default ``$LOWLEVEL_IMAGE_STORE`` or
-:func:`lowlevel.image.default_store_dir`). Exit status: 0, or 1 with one ``lowlevel: ...`` line
+:func:`lowlevel.image.default_store_dir`). Exit status: 0, or 125 with one ``lowlevel: ...`` line
 on stderr.
 """
 

@@ -325,13 +325,18 @@ class StoreReader:
 
     def get(self, ref: str) -> Image:
         """The image ``ref`` names: ``NAME[:TAG]``, ``sha256:<id>``, a unique id prefix of at least
-        12 hex digits (with or without ``sha256:``), or a manifest digest.
+        12 hex digits (with or without ``sha256:``), a manifest digest, or ``NAME[:TAG]@sha256:<hex>``
+        (pinned: the image the name points to must have that manifest digest or id; a digest is
+        never dropped, so a pinned reference cannot run another image).
 
         Raises:
-            ImageError: no such image (the message lists the fix), or an ambiguous prefix.
+            ImageError: no such image (the message lists the fix), an ambiguous prefix, or a
+            pinned reference whose image has another digest.
         """
         if not isinstance(ref, str) or not ref or "\0" in ref:
             raise ImageError(f"invalid image reference {ref!r}")
+        if "@" in ref:
+            return self._get_pinned(ref)
         names = self._names()
         ids = self._ids()
         hexref = ref[7:] if ref.startswith("sha256:") else ref
@@ -361,6 +366,19 @@ class StoreReader:
         if img is None:
             raise ImageError(f"image {ref!r} in the store {self.path} is damaged: remove it (`lowlevel image rm "
                              f"sha256:{found}`) and import it again")
+        return img
+
+    def _get_pinned(self, ref: str) -> Image:
+        """``NAME[:TAG]@sha256:<64 hex>``: :meth:`get` of the name, checked against the digest."""
+        name, _, digest = ref.partition("@")
+        if not name or not digest.startswith("sha256:") or not HEX64.match(digest[7:]):
+            raise ImageError(f"invalid image reference {ref!r}: a pinned reference is NAME[:TAG]@sha256:<64 hex "
+                             "digits> (or give sha256:<digest> alone)")
+        img = self.get(name)
+        if digest not in (img.manifest_digest, img.id):
+            raise ImageError(f"image {name!r} in the store {self.path} is not {digest} (its manifest digest is "
+                             f"{img.manifest_digest or 'unknown'}, its id {img.id}): import the image with "
+                             f"that digest, or drop @{digest} to use the one the store has")
         return img
 
     def touch(self, image: Image) -> None:

@@ -164,6 +164,28 @@ def test_short_id_prefix_is_refused_with_the_rule(bb: lowlevel.Policy, store: Im
     assert "hex digits" not in str(err.value)
 
 
+def test_a_pinned_reference_must_match_its_digest(bb: lowlevel.Policy, store: ImageStore) -> None:
+    """``NAME@sha256:DIGEST`` ran whatever NAME pointed to and ``image rm NAME@sha256:WRONG``
+    removed NAME (the digest was dropped: found by a fresh-user trial). Now the digest is
+    checked: the manifest digest or the id pins it; another digest is refused by ``get``,
+    ``Policy(image=)`` (a PolicyError, as every bad image reference there) and ``image rm`` (which then keeps the name); a malformed one too."""
+    img = store.get("bbtest:1")
+    assert store.get(f"bbtest:1@{img.manifest_digest}").id == img.id
+    assert store.get(f"bbtest:1@{img.id}").id == img.id
+    wrong = "sha256:" + "0" * 64
+    with pytest.raises(lowlevel.ImageError, match="is not sha256:0+ .*import the image with that digest"):
+        store.get(f"bbtest:1@{wrong}")
+    for bad in ("bbtest:1@sha256:1234", "bbtest:1@md5:" + "0" * 32, f"@{wrong}"):
+        with pytest.raises(lowlevel.ImageError, match="pinned reference is NAME"):
+            store.get(bad)
+    with pytest.raises(lowlevel.PolicyError, match="is not sha256:0+"):
+        lowlevel.run(["true"], policy=lowlevel.Policy(image=f"bbtest:1@{wrong}"))
+    assert lowlevel.run(["true"], policy=lowlevel.Policy(image=f"bbtest:1@{img.manifest_digest}")).exit_code == 0
+    with pytest.raises(lowlevel.ImageError, match="is not sha256:0+"):
+        store.remove(f"bbtest:1@{wrong}")
+    assert store.get("bbtest:1").id == img.id, "a refused rm removed the name"
+
+
 def test_all_formats_import_and_the_same_image_unpacks_once(store: ImageStore,
                                                              archives: dict[str, pathlib.Path]) -> None:
     a = store.import_archive(archives["oci"])
