@@ -505,7 +505,12 @@ def tree_sha256(root: str, progress: Callable[[int], None] | None = None) -> Tre
 
     SHA-256 over one line per entry, in pre-order with names in byte order:
     ``relpath NUL kind NUL octal-permission-bits NUL payload LF`` where payload is the SHA-256 of
-    a regular file's content, a symlink's target, and empty otherwise. Owners, times and inode
+    a regular file's content (hex), a symlink's target, and empty otherwise; a symlink target
+    holding an LF is given as NUL and the hex SHA-256 of the target instead. Every line then
+    parses one way (a path and a target hold no NUL; a path ends at its NUL, a payload at the
+    first LF): two trees hash alike only if they are alike. Without that rule, a target
+    ``x LF b`` then a directory ``c`` hashed as a target ``x`` then a directory ``b LF c`` (found
+    by a fresh-user trial); trees without such a target hash as before. Owners, times and inode
     numbers are left out (they differ between a root and an unprivileged unpack of the same image).
 
     Args:
@@ -540,6 +545,8 @@ def tree_sha256(root: str, progress: Callable[[int], None] | None = None) -> Tre
                 payload = fh.hexdigest().encode()
             elif kind == "symlink":
                 payload = os.fsencode(os.readlink(name, dir_fd=dirfd))
+                if b"\n" in payload:
+                    payload = b"\0" + hashlib.sha256(payload).hexdigest().encode()
             h.update(os.fsencode(rel) + b"\0" + kind.encode() + b"\0"
                      + f"{stat.S_IMODE(st.st_mode):o}".encode() + b"\0" + payload + b"\n")
     finally:

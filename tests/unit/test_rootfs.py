@@ -161,6 +161,25 @@ def test_tree_hash_covers_content_modes_and_links(tree: pathlib.Path) -> None:
     assert tree_sha256(str(tree)) == d
 
 
+def test_tree_hash_lines_parse_one_way(tmp_path: pathlib.Path) -> None:
+    """A symlink target with an LF ended its line early: a target ``x LF b`` then a directory
+    ``c`` hashed as a target ``x`` then a directory ``b LF c`` (a fresh-user trial). Both trees
+    now hash apart; a tree without such a target hashes as before (the v1 lines, computed here)."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        d.mkdir(mode=0o755)
+    os.symlink("x\nb", a / "a")
+    (a / "c").mkdir(mode=0o755)
+    os.symlink("x", b / "a")
+    (b / "b\nc").mkdir(mode=0o755)
+    os.chmod(a / "c", 0o755)
+    os.chmod(b / "b\nc", 0o755)
+    assert tree_sha256(str(a)).sha256 != tree_sha256(str(b)).sha256
+    import hashlib
+    v1 = hashlib.sha256(b"a\x00symlink\x00777\x00x\n" + b"b\nc\x00dir\x00755\x00\n").hexdigest()
+    assert tree_sha256(str(b)).sha256 == v1, "a tree without an LF in a target hashed differently than before"
+
+
 @pytest.mark.parametrize("name,want", [
     ("busybox", "busybox:latest"), ("docker.io/library/python:3.12", "python:3.12"),
     ("ghcr.io/org/tool:v1", "ghcr.io/org/tool:v1"), ("localhost:5000/x", "localhost:5000/x:latest"),
