@@ -145,7 +145,9 @@ def _cmd_image(args: argparse.Namespace) -> int:
                 continue
             for n in names:
                 print(f"untagged: {n}")
-            if gone is not None:
+            if isinstance(gone, str):
+                print(f"deleted: {gone} (damaged)")
+            elif gone is not None:
                 print(f"deleted: {gone.id}")
         return status
     if args.image_cmd == "inspect":

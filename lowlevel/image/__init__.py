@@ -54,9 +54,9 @@ from collections.abc import Iterator, Mapping
 from lowlevel.errors import ImageError, WorkspaceError
 from lowlevel.image.importer import ImportJob, ImportLimits, ImportProgress, ProgressFn
 from lowlevel.image.tree import atomic_write, rmtree
-from lowlevel.rootfs.store import (ETC_PLACEHOLDERS, ROOT_STORE, SCHEMA, STORE_ENV, Image, ImageConfig, Layer,
-                                   StoreReader, apply_image, check_record_rootfs, default_store_dir, doctor_checks,
-                                   find_tool, image_record, normalize_name)
+from lowlevel.rootfs.store import (ETC_PLACEHOLDERS, ROOT_STORE, SCHEMA, STORE_ENV, DamagedImageError, Image,
+                                   ImageConfig, Layer, StoreReader, apply_image, check_record_rootfs, default_store_dir,
+                                   doctor_checks, find_tool, image_record, normalize_name)
 
 
 class ImageStore(StoreReader):
@@ -126,31 +126,38 @@ class ImageStore(StoreReader):
         return self.get(image.id)
 
     # -- removal -----------------------------------------------------------------------------------
-    def remove(self, ref: str) -> tuple[list[str], Image | None]:
+    def remove(self, ref: str) -> tuple[list[str], Image | str | None]:
         """Remove a name or an image.
 
         ``ref`` a name: the name goes; the image too when no other name points at it. ``ref`` an
-        id (or prefix): the image and all its names go. A sandbox running on the image when its
-        tree is deleted sees its files vanish: remove images no run uses.
+        id (or prefix): the image and all its names go. A damaged image (its ``image.json``
+        unreadable or of the wrong shape) is removed whole, by name or id. A sandbox running on
+        the image when its tree is deleted sees its files vanish: remove images no run uses.
 
         Returns:
-            ``(names removed, the image deleted or None)``.
+            ``(names removed, the image deleted or None)``; for a damaged image deleted, its id
+            (``sha256:<hex>``) instead of the Image.
         Raises:
             ImageError: no such image.
         """
         self.ensure()
         with self._locked():
             names = self._names()
-            image = self.get(ref)
+            image: Image | None
+            try:
+                image = self.get(ref)
+                image_id = image.id
+            except DamagedImageError as err:
+                image, image_id = None, err.image_id
             by_name = None
             with contextlib.suppress(ImageError):
                 by_name = normalize_name(ref) if not ref.startswith("sha256:") else None
-            if by_name is not None and names.get(by_name) == image.id:
+            if image is not None and by_name is not None and names.get(by_name) == image_id:
                 del names[by_name]
                 removed = [by_name]
-                delete = image.id not in names.values()
+                delete = image_id not in names.values()
             else:
-                removed = sorted(n for n, i in names.items() if i == image.id)
+                removed = sorted(n for n, i in names.items() if i == image_id)
                 for n in removed:
                     del names[n]
                 delete = True
@@ -158,9 +165,9 @@ class ImageStore(StoreReader):
             if not delete:
                 return removed, None
             trash = tempfile.mkdtemp(prefix="rm-", dir=self.tmp_dir)
-            os.rename(self.image_dir(image.id), os.path.join(trash, "image"))
+            os.rename(self.image_dir(image_id), os.path.join(trash, "image"))
         rmtree(trash)
-        return removed, image
+        return removed, image if image is not None else image_id
 
     def _clean_stale(self) -> None:
         """Remove imports left by dead processes (``tmp/import-<pid>-*``) and old removals."""

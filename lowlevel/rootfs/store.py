@@ -181,6 +181,50 @@ class Image:
 
 
 
+def _image_from(doc: Mapping[str, Any], d: str, names: Mapping[str, str], last: float | None) -> Image:
+    """The :class:`Image` an ``image.json`` document describes (``d`` its directory).
+
+    Raises:
+        KeyError, TypeError, ValueError, AttributeError, IndexError: a field is missing or of the
+            wrong type (the caller treats the entry as damaged).
+    """
+    c = doc["config"]
+    user_ids = c.get("user_ids")
+    config = ImageConfig(env=tuple((str(k), str(v)) for k, v in c.get("env", ())), workdir=_opt_str(c.get("workdir")),
+                         user=str(c.get("user", "")),
+                         user_ids=(int(user_ids[0]), int(user_ids[1])) if user_ids else None,
+                         entrypoint=tuple(map(str, c.get("entrypoint") or ())),
+                         cmd=tuple(map(str, c.get("cmd") or ())),
+                         architecture=str(c.get("architecture", "")), os=str(c.get("os", "")))
+    layers = tuple(Layer(**{k: v for k, v in layer.items() if k in Layer.__dataclass_fields__})
+                   for layer in doc.get("layers", ()))
+    rootfs = doc["rootfs"]
+    sha = rootfs["sha256"]
+    if not isinstance(sha, str):
+        raise TypeError(f"rootfs.sha256 is {type(sha).__name__}, not a string")
+    return Image(id=doc["id"], manifest_digest=str(doc.get("manifest_digest", "")),
+                 names=tuple(sorted(n for n, i in names.items() if i == doc["id"])),
+                 rootfs=os.path.join(d, "rootfs"), rootfs_sha256=sha,
+                 size_bytes=int(rootfs["bytes"]), entries=int(rootfs["entries"]), layers=layers,
+                 config=config, imported_at=str(doc.get("imported_at", "")), last_used=last,
+                 source=dict(doc.get("source") or {}), notes=tuple(map(str, doc.get("notes", ()))))
+
+
+def _opt_str(value: object) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise TypeError(f"{value!r} is not a string")
+
+
+class DamagedImageError(ImageError):
+    """The reference names an image whose ``image.json`` cannot be read or has the wrong shape;
+    ``image_id`` (``sha256:<hex>``) is its id, which ``lowlevel image rm`` still removes."""
+
+    def __init__(self, message: str, image_id: str) -> None:
+        super().__init__(message)
+        self.image_id = image_id
+
+
 # --- names ------------------------------------------------------------------------------------
 
 def normalize_name(name: str) -> str:
@@ -292,22 +336,14 @@ class StoreReader:
             last: float | None = os.stat(os.path.join(d, "last-used")).st_mtime
         except OSError:
             last = None
-        c = doc["config"]
-        user_ids = c.get("user_ids")
-        config = ImageConfig(env=tuple((str(k), str(v)) for k, v in c.get("env", ())), workdir=c.get("workdir"),
-                             user=str(c.get("user", "")),
-                             user_ids=(int(user_ids[0]), int(user_ids[1])) if user_ids else None,
-                             entrypoint=tuple(map(str, c.get("entrypoint") or ())),
-                             cmd=tuple(map(str, c.get("cmd") or ())),
-                             architecture=str(c.get("architecture", "")), os=str(c.get("os", "")))
-        layers = tuple(Layer(**{k: v for k, v in layer.items() if k in Layer.__dataclass_fields__})
-                       for layer in doc.get("layers", ()))
-        return Image(id=doc["id"], manifest_digest=doc.get("manifest_digest", ""),
-                     names=tuple(sorted(n for n, i in names.items() if i == doc["id"])),
-                     rootfs=os.path.join(d, "rootfs"), rootfs_sha256=doc["rootfs"]["sha256"],
-                     size_bytes=int(doc["rootfs"]["bytes"]), entries=int(doc["rootfs"]["entries"]), layers=layers,
-                     config=config, imported_at=doc.get("imported_at", ""), last_used=last,
-                     source=doc.get("source") or {}, notes=tuple(doc.get("notes", ())))
+        try:
+            return _image_from(doc, d, names, last)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
+            # Valid JSON of the wrong shape (a field missing, null or of another type): a damaged
+            # entry, skipped like an unreadable one, never a traceback from every reader of the store.
+            log.warning("lowlevel: skipping %s in the image store: its image.json is damaged (%s: %s); remove it "
+                        "with `lowlevel image rm sha256:%s`", d, type(err).__name__, err, hexid)
+            return None
 
     def _ids(self) -> list[str]:
         try:
@@ -364,8 +400,8 @@ class StoreReader:
                              f"import ARCHIVE` (see `lowlevel image ls`; another store? set ${STORE_ENV})")
         img = self._load(found, names)
         if img is None:
-            raise ImageError(f"image {ref!r} in the store {self.path} is damaged: remove it (`lowlevel image rm "
-                             f"sha256:{found}`) and import it again")
+            raise DamagedImageError(f"image {ref!r} in the store {self.path} is damaged: remove it (`lowlevel image "
+                                    f"rm sha256:{found}`) and import it again", f"sha256:{found}")
         return img
 
     def _get_pinned(self, ref: str) -> Image:
@@ -511,4 +547,4 @@ def doctor_checks() -> list[dict[str, Any]]:
 
 __all__ = ["ETC_PLACEHOLDERS", "Image", "ImageConfig", "Layer", "ROOT_STORE", "SCHEMA", "STORE_ENV", "StoreReader",
            "apply_image", "check_record_rootfs", "default_store_dir", "doctor_checks", "find_tool", "image_record",
-           "normalize_name", "parse_json", "read_bounded"]
+           "normalize_name", "parse_json", "read_bounded", "DamagedImageError"]

@@ -186,6 +186,42 @@ def test_a_pinned_reference_must_match_its_digest(bb: lowlevel.Policy, store: Im
     assert store.get("bbtest:1").id == img.id, "a refused rm removed the name"
 
 
+DAMAGES = {
+    "no config": lambda d: d.pop("config"),
+    "rootfs null": lambda d: d.update(rootfs=None),
+    "user_ids strings": lambda d: d["config"].update(user_ids=["a", "b"]),
+    "a layer of another shape": lambda d: d.update(layers=[{"nope": 1}]),
+    "sha256 a number": lambda d: d["rootfs"].update(sha256=1),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_a_damaged_image_json_is_skipped_and_removable(bb: lowlevel.Policy, store: ImageStore, damage: str) -> None:
+    """An ``image.json`` that is valid JSON of the wrong shape made ``image ls``, ``inspect``, a
+    run and even ``image rm`` end in a KeyError/TypeError traceback, for the whole store (a
+    fresh-user trial). Now the entry is skipped with one warning naming the fix, a run of it is
+    one PolicyError, and ``image rm NAME`` removes it. Control: the same store lists it before."""
+    img = store.get("bbtest:1")
+    assert [i.id for i in store.list_images()] == [img.id]
+    path = pathlib.Path(store.image_dir(img.id)) / "image.json"
+    doc = json.loads(path.read_text())
+    DAMAGES[damage](doc)
+    path.write_text(json.dumps(doc))
+    assert store.list_images() == []
+    with pytest.raises(lowlevel.ImageError, match="is damaged: remove it"):
+        store.get("bbtest:1")
+    with pytest.raises(lowlevel.PolicyError, match="is damaged"):
+        lowlevel.run(["true"], policy=bb)
+    env = {**os.environ, STORE_ENV: str(store.path)}
+    ls = subprocess.run([sys.executable, "-m", "lowlevel", "image", "ls"], capture_output=True, text=True, env=env,
+                        timeout=60)
+    assert ls.returncode == 0 and "Traceback" not in ls.stderr and "image.json is damaged" in ls.stderr, ls.stderr
+    rm = subprocess.run([sys.executable, "-m", "lowlevel", "image", "rm", "bbtest:1"], capture_output=True, text=True,
+                        env=env, timeout=60)
+    assert rm.returncode == 0 and f"deleted: {img.id} (damaged)" in rm.stdout, rm.stdout + rm.stderr
+    assert not pathlib.Path(store.image_dir(img.id)).exists()
+
+
 def test_all_formats_import_and_the_same_image_unpacks_once(store: ImageStore,
                                                              archives: dict[str, pathlib.Path]) -> None:
     a = store.import_archive(archives["oci"])
