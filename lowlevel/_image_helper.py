@@ -318,6 +318,8 @@ def main() -> int:
         doc = {"ok": False, "error": str(err)}
     except MemoryError:
         doc = {"ok": False, "error": "reading it needed more memory than the import allows (a hostile archive?)"}
+    except RecursionError:  # json's parser recurses per nesting level: "[" * 100000 is valid JSON
+        doc = {"ok": False, "error": "its JSON is nested deeper than the import reads (a hostile archive?)"}
     except (OSError, ValueError) as err:
         doc = {"ok": False, "error": f"cannot read it: {err}"}
     sys.stdout.write(json.dumps(doc))

@@ -279,10 +279,18 @@ def read_bounded(path: str, limit: int, what: str) -> bytes:
 
 
 def parse_json(data: bytes, what: str) -> Any:
+    """``data`` (untrusted: an archive's or the store's) as JSON.
+
+    Raises:
+        ImageError: not JSON, or nested deeper than :func:`json.loads` recurses (RecursionError).
+    """
     try:
         return json.loads(data)
     except ValueError as err:
         raise ImageError(f"the image's {what} is not valid JSON: {err}") from err
+    except RecursionError:
+        raise ImageError(f"the image's {what} is JSON nested deeper than the import reads (a hostile "
+                         "archive?)") from None
 
 
 # --- reading the store ------------------------------------------------------------------------------

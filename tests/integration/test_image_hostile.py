@@ -193,6 +193,27 @@ def test_truncated_archives(store: ImageStore, work: pathlib.Path) -> None:
     _refused(store, imagekit.oci_archive(layout, work / "diff.tar"), "not to the config's diff_id")
 
 
+def test_json_nested_deeper_than_the_parser_recurses(store: ImageStore, work: pathlib.Path) -> None:
+    """``"[" * 200000`` is valid JSON that Python's parser cannot read (RecursionError): the
+    import said "failed (exit 1)" with a piece of the helper's traceback (a fresh-user trial).
+    Now one line, for a docker-save ``manifest.json`` (read in the sandboxed helper) and an OCI
+    layout's ``index.json`` (read by the caller)."""
+    import io
+    deep = b"[" * 200000 + b"]" * 200000
+    archive = work / "deep.tar"
+    with tarfile.open(archive, "w") as tar:
+        ti = tarfile.TarInfo("manifest.json")
+        ti.size = len(deep)
+        tar.addfile(ti, io.BytesIO(deep))
+    archive.chmod(0o644)
+    msg = _refused(store, archive, "nested deeper than the import reads")
+    assert "RecursionError" not in msg and "exit 1" not in msg, msg
+    layout = imagekit.write_layout(work / "deep-layout", [imagekit.layer([{"name": "f", "data": b"x"}])])
+    (layout / "index.json").write_bytes(deep)
+    msg = _refused(store, layout, "nested deeper than the import reads")
+    assert "RecursionError" not in msg, msg
+
+
 def test_unknown_member_type(store: ImageStore, work: pathlib.Path) -> None:
     import io
     buf = io.BytesIO()
