@@ -69,7 +69,13 @@ def resolve(policy: Policy) -> Policy:
         return policy
     hit = _RESOLVED.get(id(policy))
     if hit is not None and hit[0]() is policy:
-        return policy if hit[1] is None else hit[1]
+        resolved = policy if hit[1] is None else hit[1]
+        if resolved.image is None or os.path.isdir(resolved.rootfs or ""):
+            return resolved
+        # The image was removed from the store since (`image rm`): resolve again, so the name's
+        # current image is used, or the store's "no image" error is raised, never a run on a
+        # vanished tree ("true: command not found": a fresh-user trial).
+        _RESOLVED.pop(id(policy), None)
     out = apply_image(policy) if policy.image is not None else policy
     assert out.rootfs is not None
     real = check_rootfs(out.rootfs)

@@ -41,7 +41,8 @@ from lowlevel.sandbox.result import Result
 from lowlevel.session import protocol as proto
 from lowlevel.session.command import Command
 from lowlevel.session.gate import HeldError, WorkspaceGate
-from lowlevel.session.outcome import command_result, init_death_message, shepherd_died_error, start_error
+from lowlevel.session.outcome import (command_result, image_removed_error, init_death_message, shepherd_died_error,
+                                      start_error)
 from lowlevel.session.phase import Phase
 from lowlevel.session.start import explain_fd_exhaustion, readable_within, start_init
 from lowlevel.spec import limits as _limits
@@ -580,7 +581,7 @@ class Core(WorkspaceGate):
         wall = report.wall_ns / 1e9 if report.wall_ns > 0 else time.monotonic() - cmd.t0
         error = start_error(cmd, report.kind, report.status, report.stage)
         if error is not None:
-            cmd.error = error
+            cmd.error = image_removed_error(self.policy, error)
         elif report.kind == proto.EXIT_SHEPHERD_DIED and self._oom_since(cmd):
             # The memory cgroup's OOM killer took the command's shepherd (oom_score_adj 1000 like
             # the command, fewer pages): a verdict on the command's memory, not a broken session.

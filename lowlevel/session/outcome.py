@@ -62,6 +62,19 @@ def start_error(cmd: Command, kind: int, status: int, stage: int) -> LowlevelErr
     return LaunchError(f"{stage_name} failed for {cmd.argv[0]!r} in the session: {msg}", argv=argv, errno=status)
 
 
+def image_removed_error(policy: Policy, error: LowlevelError) -> LowlevelError:
+    """``error`` (a command that could not start), unless the session runs on an image whose
+    tree is gone from the host (``lowlevel image rm`` while it ran): then the error that says
+    so. The tree's absence made the command's checks fail in ways that named the wrong cause
+    (its working directory "resolves outside the sandbox": a fresh-user trial)."""
+    if policy.image is None or policy.rootfs is None or os.path.isdir(policy.rootfs):
+        return error
+    return LaunchError(f"the image this session runs on ({policy.image}) was removed from the store (`lowlevel image "
+                       "rm`) while the session ran: its files are gone; close the session and start a new one "
+                       "(import the image again first)", argv=list(error.argv) if isinstance(error, LaunchError) else
+                       None, errno=errno.ENOENT)
+
+
 def shepherd_died_error(cmd: Command, status: int) -> SessionError:
     """The error of a command whose shepherd (its supervisor in the session) died before it
     reported (EXIT_SHEPHERD_DIED, ``status`` the shepherd's wait status): killed by a command or

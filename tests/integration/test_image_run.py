@@ -222,6 +222,35 @@ def test_a_damaged_image_json_is_skipped_and_removable(bb: lowlevel.Policy, stor
     assert not pathlib.Path(store.image_dir(img.id)).exists()
 
 
+def test_a_policy_whose_image_was_removed_says_so(bb: lowlevel.Policy, store: ImageStore,
+                                                  archives: dict[str, pathlib.Path]) -> None:
+    """A Policy resolved once (cached) kept running on its image's tree after ``image rm``: the
+    next run said "true: command not found" (a fresh-user trial). Now its next run looks the
+    name up again: the store's "no image" error while it is gone, the new image once the name
+    is imported again. Control: the first run works."""
+    assert lowlevel.run(["true"], policy=bb).exit_code == 0
+    store.remove("bbtest:1")
+    with pytest.raises(lowlevel.PolicyError, match="no image 'bbtest:1' in the store .*import it"):
+        lowlevel.run(["true"], policy=bb)
+    store.import_archive(archives["oci"])
+    assert lowlevel.run(["true"], policy=bb).exit_code == 0
+
+
+def test_a_session_whose_image_was_removed_says_so(bb: lowlevel.Policy, store: ImageStore) -> None:
+    """``image rm`` of the image a live Session runs on: its next command failed with "the
+    working directory resolves outside the sandbox (CVE-2024-21626 class)" (a fresh-user trial),
+    an alarm about the wrong thing. Now the error says the image was removed. Control: a command
+    before the removal runs."""
+    with lowlevel.Session(policy=bb) as s:
+        assert s.run(["true"]).exit_code == 0
+        store.remove("bbtest:1")
+        with pytest.raises(lowlevel.LowlevelError) as err:
+            r = s.run(["true"])
+            raise AssertionError(f"ran on a removed image: {r}")
+    assert "image" in str(err.value) and "removed" in str(err.value), err.value
+    assert "CVE" not in str(err.value), err.value
+
+
 def test_all_formats_import_and_the_same_image_unpacks_once(store: ImageStore,
                                                              archives: dict[str, pathlib.Path]) -> None:
     a = store.import_archive(archives["oci"])
