@@ -254,12 +254,20 @@ def _stale_egress_dirs() -> list[Leftover]:
 _IMPORT_NAME = re.compile(r"^import-(\d+)-(?:(\d+)-)?")
 
 
-def _stale_imports() -> list[Leftover]:
-    """Staging directories of image imports whose process is gone (the default store only)."""
+def _stale_imports(stores: tuple[str, ...] = ()) -> list[Leftover]:
+    """Staging directories of image imports whose process is gone: in the default store
+    (``$LOWLEVEL_IMAGE_STORE`` or its default) and in each of ``stores``."""
+    out: list[Leftover] = []
+    for store in (None, *stores):
+        out += [item for item in _stale_imports_in(store) if item not in out]
+    return out
+
+
+def _stale_imports_in(store: str | None) -> list[Leftover]:
     from lowlevel.image import ImageStore
     from lowlevel.host.procs import process_start_time
     try:
-        tmp = ImageStore().tmp_dir
+        tmp = ImageStore(store).tmp_dir
         names = os.listdir(tmp)
     except (OSError, LowlevelError):
         return []
@@ -346,17 +354,19 @@ def _workspaces(given: tuple[str, ...], base: str | None) -> list[str]:
     return out
 
 
-def find_leftovers(workspaces: tuple[str, ...] = (), base: str | None = None) -> list[Leftover]:
+def find_leftovers(workspaces: tuple[str, ...] = (), base: str | None = None,
+                   stores: tuple[str, ...] = ()) -> list[Leftover]:
     """Everything interrupted runs left that this caller can see (see the module docstring).
 
     Args:
         workspaces: directories to check for commit temporaries, on top of the fresh
             workspaces under ``base`` (default: ``$LOWLEVEL_WORKSPACE_BASE`` or
             ``/tmp/lowlevel-<uid>``).
+        stores: image stores to check for interrupted imports, on top of the default one.
     Returns:
         The leftovers, cgroups first. Never raises for an unreadable place (skipped).
     """
-    found = _stale_cgroups() + _stale_egress_dirs() + _stale_imports() + _host_mounts() + _handovers() \
+    found = _stale_cgroups() + _stale_egress_dirs() + _stale_imports(stores) + _host_mounts() + _handovers() \
         + _empty_records()
     disposable = _disposable_workspaces(base)
     gone = {item.path for item in disposable}
@@ -366,8 +376,9 @@ def find_leftovers(workspaces: tuple[str, ...] = (), base: str | None = None) ->
     return found + disposable
 
 
-def clean(workspaces: tuple[str, ...] = (), base: str | None = None) -> tuple[list[Leftover], list[str]]:
-    """Remove what :func:`find_leftovers` finds, where it is safe.
+def clean(workspaces: tuple[str, ...] = (), base: str | None = None,
+          stores: tuple[str, ...] = ()) -> tuple[list[Leftover], list[str]]:
+    """Remove what :func:`find_leftovers` finds, where it is safe (same arguments).
 
     Returns:
         ``(removed, problems)``: what went, and one line for each thing that stayed (a
@@ -377,7 +388,7 @@ def clean(workspaces: tuple[str, ...] = (), base: str | None = None) -> tuple[li
     problems: list[str] = []
     _clean_cgroups(removed, problems)
     _clean_egress_dirs(removed, problems)
-    _clean_imports(removed, problems)
+    _clean_imports(removed, problems, stores)
     _clean_mounts(removed, problems)
     # Workspaces a dead root caller left handed over (the fallback without overlay).
     from lowlevel.workspace.handover import recover
@@ -449,9 +460,9 @@ def _clean_egress_dirs(removed: list[Leftover], problems: list[str]) -> None:
             problems.append(f"{item.path}: {err.strerror}")
 
 
-def _clean_imports(removed: list[Leftover], problems: list[str]) -> None:
+def _clean_imports(removed: list[Leftover], problems: list[str], stores: tuple[str, ...]) -> None:
     """Remove the staging directories of interrupted image imports."""
-    for item in _stale_imports():
+    for item in _stale_imports(stores):
         from lowlevel.image.tree import rmtree as _rmtree_import
         _rmtree_import(item.path)
         if os.path.lexists(item.path):

@@ -35,10 +35,15 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     found: list[Leftover] = []
     removed: list[Leftover] = []
     problems: list[str] = []
+    stores = tuple(os.path.abspath(d) for d in args.store)
+    for given, path in zip(args.store, stores, strict=True):
+        if not os.path.isdir(path):
+            return report_error(args, FileNotFoundError(f"cleanup: --store {given}: no such directory ({path}); "
+                                                        "name the image store an import used"), EXIT_FAILED)
     if args.dry_run:
-        found = find_leftovers(workspaces)
+        found = find_leftovers(workspaces, stores=stores)
     else:
-        removed, problems = clean(workspaces)
+        removed, problems = clean(workspaces, stores=stores)
     if args.json:
         print_json({"found": [vars(x) for x in found], "removed": [vars(x) for x in removed],
                      "problems": problems})

@@ -223,6 +223,9 @@ def _add_cleanup(sub: Any) -> None:
                        "(listed).")
     c.add_argument("--workspace", metavar="DIR", action="append", default=[],
                    help="also remove interrupted commits' temporaries in DIR (repeatable)")
+    c.add_argument("--store", metavar="DIR", action="append", default=[],
+                   help="also remove interrupted image imports' staging in the image store DIR (repeatable; "
+                   "the default store, $LOWLEVEL_IMAGE_STORE, is always checked)")
     c.add_argument("--dry-run", action="store_true",
                    help="list, remove nothing; exit 1 when something would be removed, 0 when clean")
     c.add_argument("--json", action="store_true", help="print one JSON object")

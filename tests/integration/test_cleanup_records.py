@@ -360,6 +360,28 @@ def test_unprivileged_cleanup_leaves_root_run_cgroups_alone(request: pytest.Fixt
         shutil.rmtree(records, ignore_errors=True)
 
 
+def test_cleanup_store_finds_a_killed_import_in_a_store_given_by_flag(tmp_path: Path) -> None:
+    """A killed ``image import --store DIR`` leaves ``DIR/tmp/import-<pid>-*``; ``cleanup`` looked
+    only in the default store (a fresh-user trial). ``cleanup --store DIR`` lists and removes it;
+    control: without the flag it is not seen; a --store that does not exist is one error line."""
+    from lowlevel.image import ImageStore
+    store = ImageStore(str(tmp_path / "store"))
+    store.ensure()
+    staging = os.path.join(store.tmp_dir, f"import-{_dead_pid()}-1-abc")
+    os.makedirs(os.path.join(staging, "layout"))
+    env = {"LOWLEVEL_IMAGE_STORE": str(tmp_path / "default-store")}
+    blind = _cli(["cleanup", "--dry-run", "--json"], str(tmp_path), extra=env)
+    assert staging not in {x["path"] for x in json.loads(blind.stdout)["found"]}
+    dry = _cli(["cleanup", "--dry-run", "--json", "--store", store.path], str(tmp_path), extra=env)
+    assert staging in {x["path"] for x in json.loads(dry.stdout)["found"] if x["kind"] == "import"}, dry.stdout
+    assert os.path.isdir(staging)
+    done = _cli(["cleanup", "--json", "--store", store.path], str(tmp_path), extra=env)
+    assert staging in {x["path"] for x in json.loads(done.stdout)["removed"]}, done.stdout + done.stderr
+    assert not os.path.exists(staging)
+    bad = _cli(["cleanup", "--store", str(tmp_path / "nope")], str(tmp_path), extra=env)
+    assert bad.returncode == 125 and "--store" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+
+
 def _v2_mount() -> str | None:
     with open("/proc/self/mountinfo") as f:
         return next((m for _r, m, fs, _o in _cgroup_detect.parse_mountinfo(f.read()) if fs == "cgroup2"), None)
