@@ -1,12 +1,12 @@
-"""``lowlevel image import|ls|rm|inspect|tag``: the command line of :mod:`lowlevel.image`.
+"""``lowlevel image import|ls|rm|prune|inspect|tag``: the command line of :mod:`lowlevel.image`.
 
 ``lowlevel image import FILE [--name NAME[:TAG]] [--ref REF] [--quiet]`` imports an OCI archive,
 an OCI layout directory or a ``docker save`` archive, with a progress bar on a terminal
 (stderr; none when stderr is not a terminal, or with ``--quiet``). ``lowlevel image ls`` lists
 name, id, manifest digest, layers, size and last use. ``lowlevel image rm REF...`` removes
-names or images. Every subcommand takes ``--store DIR`` (default ``$LOWLEVEL_IMAGE_STORE`` or
-:func:`lowlevel.image.default_store_dir`). Exit status: 0, or 125 with one ``lowlevel: ...`` line
-on stderr.
+names or images, ``lowlevel image prune`` the images without a name. Every subcommand takes
+``--store DIR`` (default ``$LOWLEVEL_IMAGE_STORE`` or :func:`lowlevel.image.default_store_dir`).
+Exit status: 0, or 125 with one ``lowlevel: ...`` line on stderr.
 """
 
 from __future__ import annotations
@@ -150,6 +150,10 @@ def _cmd_image(args: argparse.Namespace) -> int:
             elif gone is not None:
                 print(f"deleted: {gone.id}")
         return status
+    if args.image_cmd == "prune":
+        for image_id in store.prune():
+            print(f"deleted: {image_id}")
+        return 0
     if args.image_cmd == "inspect":
         json.dump(store.get(args.ref).to_json(), sys.stdout, indent=2, sort_keys=True)
         sys.stdout.write("\n")

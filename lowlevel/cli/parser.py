@@ -275,7 +275,7 @@ def _add_image(sub: Any) -> None:
                          "`skopeo copy docker://IMAGE oci-archive:FILE:NAME:TAG` on a host that reaches one.",
                          epilog="exit status: 0 done; 125 lowlevel refused or failed (a bad archive, a limit, an "
                          "unknown image, a bad option): one line on stderr")
-    isub = img.add_subparsers(dest="image_cmd", required=True, metavar="{import,ls,rm,inspect,tag}")
+    isub = img.add_subparsers(dest="image_cmd", required=True, metavar="{import,ls,rm,prune,inspect,tag}")
 
     def store_opt(p: argparse.ArgumentParser) -> None:
         p.add_argument("--store", metavar="DIR", help=f"image store (default ${IMAGE_STORE_ENV} or "
@@ -297,6 +297,8 @@ def _add_image(sub: Any) -> None:
     p = isub.add_parser("rm", help="remove names or images")
     p.add_argument("refs", metavar="REF", nargs="+", help="NAME[:TAG] (untag; the image goes with its last name) "
                    "or sha256:ID / ID prefix of 12+ hex digits (the image and all its names)")
+    store_opt(p)
+    p = isub.add_parser("prune", help="remove the images no name points to (<none> in `image ls`)")
     store_opt(p)
     p = isub.add_parser("inspect", help="print one image as JSON")
     p.add_argument("ref", metavar="REF")

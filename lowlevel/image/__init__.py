@@ -169,6 +169,27 @@ class ImageStore(StoreReader):
         rmtree(trash)
         return removed, image if image is not None else image_id
 
+    def prune(self) -> list[str]:
+        """Remove every image no name points to: what an import under a name another image had
+        leaves (the old one, ``<none>`` in ``image ls``), or an import killed between its commit
+        and its name; an image imported without a name is one too. A sandbox running on such an
+        image sees its files vanish, as with :meth:`remove`.
+
+        Returns:
+            The ids (``sha256:<hex>``) removed, damaged entries included.
+        """
+        self.ensure()
+        with self._locked():
+            named = set(self._names().values())
+            gone = [f"sha256:{h}" for h in self._ids() if f"sha256:{h}" not in named]
+            if not gone:
+                return []
+            trash = tempfile.mkdtemp(prefix="rm-", dir=self.tmp_dir)
+            for i, image_id in enumerate(gone):
+                os.rename(self.image_dir(image_id), os.path.join(trash, str(i)))
+        rmtree(trash)
+        return gone
+
     def _clean_stale(self) -> None:
         """Remove imports left by dead processes (``tmp/import-<pid>-*``) and old removals."""
         try:

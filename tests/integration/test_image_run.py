@@ -251,6 +251,27 @@ def test_a_session_whose_image_was_removed_says_so(bb: lowlevel.Policy, store: I
     assert "CVE" not in str(err.value), err.value
 
 
+def test_prune_removes_the_images_no_name_points_to(bb: lowlevel.Policy, store: ImageStore,
+                                                    tmp_path: pathlib.Path) -> None:
+    """An import under a name another image had leaves that one ``<none>``, and there was no
+    way to remove such images but by id (a fresh-user trial). ``image prune`` removes exactly
+    them; control: the named image stays and runs."""
+    old = store.get("bbtest:1")
+    work = imagekit.public_tmpdir("prune-")
+    try:
+        layout = imagekit.write_layout(work / "layout", [imagekit.layer([{"name": "f", "data": b"new"}])])
+        new = store.import_archive(layout, name="bbtest:1")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    assert new.id != old.id and {i.id: i.names for i in store.list_images()} == {new.id: ("bbtest:1",), old.id: ()}
+    env = {**os.environ, STORE_ENV: str(store.path)}
+    out = subprocess.run([sys.executable, "-m", "lowlevel", "image", "prune"], capture_output=True, text=True,
+                         env=env, timeout=60)
+    assert out.returncode == 0 and out.stdout.split() == ["deleted:", old.id], out.stdout + out.stderr
+    assert [i.id for i in store.list_images()] == [new.id]
+    assert store.prune() == []
+
+
 def test_all_formats_import_and_the_same_image_unpacks_once(store: ImageStore,
                                                              archives: dict[str, pathlib.Path]) -> None:
     a = store.import_archive(archives["oci"])
