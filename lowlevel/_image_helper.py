@@ -156,6 +156,9 @@ def _check_member(m: tarfile.TarInfo, what: str, totals: _Totals, stats: dict[st
         totals.devices.discard(name)
     base = name.rsplit("/", 1)[-1]
     if base.startswith(".wh.") and base != ".wh..wh..opq":
+        if base[4:] in ("", ".", ".."):  # a whiteout of its own directory or of the parent: no entry to delete
+            raise RefusedError(f"{what}: member {m.name!r} is a whiteout of {base[4:] or 'nothing'!r}, which no "
+                               "layer may hold (OCI image-spec layer.md: a whiteout names one entry of its directory)")
         gone = name[: len(name) - len(base)] + base[4:]
         totals.devices = {d for d in totals.devices if d != gone and not d.startswith(gone + "/")}
     if m.isfifo():

@@ -214,6 +214,17 @@ def test_json_nested_deeper_than_the_parser_recurses(store: ImageStore, work: pa
     assert "RecursionError" not in msg, msg
 
 
+@pytest.mark.parametrize("name", [".wh...", "etc/.wh...", "etc/.wh..", "etc/.wh."])
+def test_a_whiteout_of_the_parent_or_of_its_own_directory_is_refused(store: ImageStore, work: pathlib.Path,
+                                                                    name: str) -> None:
+    """``.wh...`` whites out ``..``: umoci acted on the tree's parent and the import failed with
+    umoci's raw error (a fresh-user trial; still inside the sandbox). The scan now refuses it
+    in one line; control: a whiteout of an entry (one the layers below do not have) imports."""
+    _refused(store, imagekit.hostile_archive(work, "wh", [{"name": name}]), "is a whiteout of")
+    img = store.import_archive(imagekit.hostile_archive(work, "whok", [{"name": "etc/.wh.nothing"}]))
+    assert os.path.isfile(os.path.join(img.rootfs, "etc", "passwd"))
+
+
 def test_unknown_member_type(store: ImageStore, work: pathlib.Path) -> None:
     import io
     buf = io.BytesIO()
