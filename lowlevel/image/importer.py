@@ -374,9 +374,9 @@ class ImportJob:
                            "architecture": cfg.architecture, "os": cfg.os},
                 "rootfs": {"sha256": digest.sha256, "entries": digest.entries, "bytes": digest.bytes},
                 "notes": self.notes, "lowlevel": _version()}
-        self._commit(image_id, meta)
+        self._commit(image_id, meta, names)
         self._report("done", want_bytes, want_bytes, layers=len(layers))
-        return self._commit_names(image_id, names)
+        return self.store.get(image_id)
 
     def _copy(self) -> tuple[str, str, list[str]]:
         """Inspect the source and copy it with skopeo to an OCI layout in ``out``.
@@ -475,9 +475,11 @@ class ImportJob:
         rmtree(self.ws)
         return cfg, digest
 
-    def _commit(self, image_id: str, meta: Mapping[str, Any]) -> None:
+    def _commit(self, image_id: str, meta: Mapping[str, Any], names: Sequence[str]) -> None:
         """Write image.json and the last-used stamp, then move the staging directory into the store
-        (one ``rename(2)`` under the lock; an image another import committed first wins)."""
+        (one ``rename(2)`` under the lock; an image another import committed first wins) and point
+        ``names`` at it in the same locked step: a kill between the two left a complete image
+        without its name (``<none>``: a fresh-user trial), now only within two renames."""
         store = self.store
         atomic_write(os.path.join(self.staging, "image.json"), json.dumps(meta, indent=1).encode() + b"\n")
         os.close(os.open(os.path.join(self.staging, "last-used"), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
@@ -489,16 +491,21 @@ class ImportJob:
             if not os.path.isdir(final):
                 os.rename(self.staging, final)
                 os.mkdir(self.staging, 0o700)  # the caller's cleanup removes this empty stand-in
+            self._point_names(image_id, names)
 
     def _commit_names(self, image_id: str, names: Sequence[str]) -> Image:
-        store = self.store
         if names:
-            with store._locked():
-                current = store._names()
-                for n in names:
-                    current[n] = image_id
-                store._write_names(current)
-        return store.get(image_id)
+            with self.store._locked():
+                self._point_names(image_id, names)
+        return self.store.get(image_id)
+
+    def _point_names(self, image_id: str, names: Sequence[str]) -> None:
+        """Point ``names`` at ``image_id`` (the store's lock held)."""
+        if names:
+            current = self.store._names()
+            for n in names:
+                current[n] = image_id
+            self.store._write_names(current)
 
     def _read_layout(self, layout: str) -> tuple[str, dict[str, Any], tuple[Layer, ...]]:
         """Read what skopeo wrote (bounded, digest-checked): (manifest digest, config, layers).
