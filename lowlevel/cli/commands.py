@@ -9,6 +9,7 @@ import argparse
 import errno
 import json
 import os
+import signal
 import sys
 
 from lowlevel.cli.output import EXIT_FAILED, fail, print_json, reader_may_leave, report_error
@@ -131,9 +132,13 @@ def cmd_mcp(args: argparse.Namespace) -> int:
         text = str(err)  # ServerConfig's own errors start with "mcp config"; a missing file does not
         return fail(text if text.startswith("mcp config") else f"mcp config: {text}")
     try:
-        serve(config)
+        signum = serve(config)
     except ImportError as err:
         return fail(f"{err}: install the MCP SDK with `pip install '.[mcp]'` in the lowlevel checkout")
     except LowlevelError as err:  # e.g. a refused --workspace-base
         return fail(f"mcp: {err}")
+    if signum is not None:
+        print(f"lowlevel mcp: {signal.Signals(signum).name}: stopped (the runs in flight killed, the sessions closed "
+              "and their work committed)", file=sys.stderr)
+        return 128 + signum
     return 0

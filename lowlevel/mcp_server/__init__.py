@@ -69,7 +69,7 @@ from lowlevel.spec import validate as _validate
 from lowlevel import workspace as _ws
 from lowlevel.workspace.files import _split_rel
 from lowlevel.spec.egress import Egress
-from lowlevel.errors import LowlevelError, PolicyError, WorkspaceError
+from lowlevel.errors import LaunchError, LowlevelError, PolicyError, WorkspaceError
 from lowlevel.spec.limits import VERDICT_NOTE_PREFIXES
 from lowlevel.spec.policy import WORKSPACE_DEST, Bind, Policy
 from lowlevel.spec.report import bytes_fields, display, json_safe
@@ -85,6 +85,8 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 RUN_PREFIX = "run-"
 
 
+#: How long :meth:`Tools.shutdown` keeps killing the runs in flight before it closes the sessions, seconds.
+SHUTDOWN_KILL_S = 10.0
 #: Seconds between two ``notifications/progress`` of a running ``run``/``run_in_session`` call.
 PROGRESS_INTERVAL_S = 5.0
 
@@ -124,6 +126,7 @@ class Tools:
         self.session_last_used: dict[str, float] = {}
         self.busy: dict[str, int] = {}     # workspace/session name -> calls in flight
         self.life_lock = threading.Lock()
+        self.inflight: set[Any] = set()    # the Runs of one-shot calls in flight (shutdown kills them)
         self._sweep_stale_runs()
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep_loop, name="lowlevel-mcp-sweeper", daemon=True)
@@ -284,7 +287,8 @@ class Tools:
             env: dict[str, str] | None = None, cwd: str | None = None,
             allow_hosts: list[str] | None = None) -> dict[str, Any]:
         """Run ``command`` in a fresh sandbox; see the module docstring for the result."""
-        from lowlevel.sandbox.drive import run as _run
+        from lowlevel.sandbox.drive import run_request
+        from lowlevel.sandbox.request import RunRequest
 
         clamped: list[str] = []
         command = _validate.command(command)
@@ -297,20 +301,56 @@ class Tools:
             with self.life_lock:
                 self.run_expiry[name] = float("inf")  # not swept while the call runs
         self._enter(name)
+        box: list[Any] = []
         try:
             path = self._workspace(name, create=workspace is None)
-            result = _run(command, policy=policy, workspace=path, timeout=timeout, stdin=stdin_bytes, env=env,
-                          cwd=inside)
+            request = RunRequest(command, workspace=path, timeout=timeout, stdin=stdin_bytes, env=env, cwd=inside)
+            result = run_request(request, policy, started=lambda r: self._track(box, r))
         except BaseException:
             if workspace is None:
                 self._drop_run_workspace(name)
             raise
         finally:
+            self._untrack(box)
             self._leave(name)
         if workspace is None and self.config.run_workspace_ttl_s == 0:
             self._drop_run_workspace(name)
             return self._result(result, None, clamped)
         return self._result(result, name, clamped)
+
+    def _track(self, box: list[Any], run: Any) -> None:
+        with self.life_lock:
+            if self._stop.is_set():
+                raise LaunchError("the server is shutting down: no new run")
+            box.append(run)
+            self.inflight.add(run)
+
+    def _untrack(self, box: list[Any]) -> None:
+        with self.life_lock:
+            for run in box:
+                self.inflight.discard(run)
+
+    def shutdown(self, bound_s: float = SHUTDOWN_KILL_S) -> None:
+        """A signal ended the server (SIGTERM, SIGHUP, SIGINT): refuse new runs, kill the one-shot
+        runs in flight (again every 20 ms until their calls return, at most ``bound_s`` seconds:
+        a run not yet spawned cannot be killed yet), then :meth:`close` (every session closed,
+        its work committed as on ``close_session``; unnamed run workspaces removed). Thread-safe;
+        called from the server's loop while tool calls still run in worker threads."""
+        with self.life_lock:
+            self._stop.set()  # under the lock: no run is tracked after this (_track refuses it)
+        deadline = time.monotonic() + bound_s
+        while True:
+            with self.life_lock:
+                runs = list(self.inflight)
+            if not runs or time.monotonic() > deadline:
+                break
+            for run in runs:
+                try:
+                    run.kill("shutdown")
+                except Exception as err:  # noqa: BLE001 - the others still go
+                    log.debug("lowlevel: mcp: killing a run at shutdown: %s", err)
+            time.sleep(0.02)
+        self.close()
 
     def _drop_run_workspace(self, name: str) -> None:
         with self.life_lock:
@@ -761,10 +801,16 @@ def _strict_arguments(server: Any, tool_error: type[Exception], fns: Mapping[str
             params["additionalProperties"] = False
 
 
-def serve(config: ServerConfig) -> None:
+def serve(config: ServerConfig) -> int | None:
     """Serve MCP over stdio until the client closes stdin, through :mod:`lowlevel.mcp_server.stdio`
     (a malformed input line gets its JSON-RPC error; lines up to
-    ``stdio.line_limit(config.max_file_bytes)`` bytes, 16 MiB by default)."""
+    ``stdio.line_limit(config.max_file_bytes)`` bytes, 16 MiB by default), or until SIGTERM,
+    SIGHUP or SIGINT (called from the main thread): then :meth:`Tools.shutdown` kills the runs in
+    flight and closes every session (its work committed) before the server stops.
+
+    Returns:
+        The signal number that stopped the server, or None (the client closed stdin).
+    """
     from lowlevel.mcp_server import stdio as _stdio
 
     tools = Tools(config)
@@ -773,7 +819,7 @@ def serve(config: ServerConfig) -> None:
               config.workspace_base, "allowed" if config.network else "off",
               config.egress.describe() if config.egress is not None else "off")
     try:
-        _stdio.run(server, _stdio.line_limit(config.max_file_bytes))
+        return _stdio.run(server, _stdio.line_limit(config.max_file_bytes), on_signal=lambda _signum: tools.shutdown())
     finally:
         tools.close()
 

@@ -49,11 +49,15 @@ Source: JSON-RPC 2.0 specification (sections 4, 5, 5.1, 6); MCP specification, b
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
 import os
+import queue
+import signal
 import sys
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any, BinaryIO
@@ -203,6 +207,44 @@ def _read_line(wire: BinaryIO, limit: int) -> tuple[bytes, bool]:
             return line, True
 
 
+class _Lines:
+    """The input side: a daemon thread reads ``wire`` line by line (:func:`_read_line`) and hands
+    each line over through a one-slot queue; :meth:`next` waits for one in a worker thread.
+
+    Why a thread of its own: a read of stdin blocks until the client writes, and a blocked
+    anyio worker thread (non-daemon) kept the process from exiting after a signal ended the
+    server (Python joins such threads at exit). The daemon thread holding the blocked read
+    dies with the process; :meth:`release` frees a worker waiting in :meth:`next`.
+    """
+
+    def __init__(self, wire: BinaryIO, limit: int) -> None:
+        self.queue: queue.Queue[tuple[bytes, bool] | BaseException] = queue.Queue(maxsize=1)
+        self.thread = threading.Thread(target=self._pump, args=(wire, limit), name="lowlevel-mcp-stdin", daemon=True)
+        self.thread.start()
+
+    def _pump(self, wire: BinaryIO, limit: int) -> None:
+        while True:
+            try:
+                item: tuple[bytes, bool] | BaseException = _read_line(wire, limit)
+            except BaseException as err:  # noqa: BLE001 - raised again on the loop's side by next()
+                item = err
+            self.queue.put(item)
+            if not isinstance(item, tuple) or not item[0]:
+                return
+
+    async def next(self) -> tuple[bytes, bool]:
+        """The next line (b"" at EOF) and whether it was too long; what the read raised."""
+        item = await anyio.to_thread.run_sync(self.queue.get, abandon_on_cancel=True)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def release(self) -> None:
+        """Free a worker thread waiting in :meth:`next` (the server stops: it reads no more)."""
+        with contextlib.suppress(queue.Full):
+            self.queue.put_nowait((b"", False))
+
+
 class _Wire:
     """The output side: one lock, one line per write, flushed."""
 
@@ -266,10 +308,12 @@ async def stdio_server(max_line_bytes: int = MAX_LINE_BYTES) -> AsyncIterator[tu
         read_send, read_receive = _streams(0)
         write_send, write_receive = _streams(0)
 
+        lines = _Lines(wire_in, max_line_bytes)
+
         async def reader() -> None:
             async with read_send:
                 while True:
-                    line, too_long = await anyio.to_thread.run_sync(_read_line, wire_in, max_line_bytes)
+                    line, too_long = await lines.next()
                     if not line:
                         return
                     checked = (error_line(INVALID_REQUEST, None, f"the line is longer than {max_line_bytes} "
@@ -285,22 +329,57 @@ async def stdio_server(max_line_bytes: int = MAX_LINE_BYTES) -> AsyncIterator[tu
                 async for item in write_receive:
                     await wire.send(codec.encode(item))
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(reader)
-            tg.start_soon(writer)
-            yield read_receive, write_send
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(reader)
+                tg.start_soon(writer)
+                yield read_receive, write_send
+        finally:
+            lines.release()
 
 
-def run(server: Any, max_line_bytes: int = MAX_LINE_BYTES) -> None:
+#: The signals that end the server gracefully (:func:`run`'s ``on_signal``).
+SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+def run(server: Any, max_line_bytes: int = MAX_LINE_BYTES,
+        on_signal: Callable[[int], None] | None = None) -> int | None:
     """Serve ``server`` (the SDK's ``MCPServer``, or ``FastMCP`` on mcp 1.x) over stdio until the
-    client closes stdin: its ``run("stdio")``, with :func:`stdio_server` as the transport."""
+    client closes stdin: its ``run("stdio")``, with :func:`stdio_server` as the transport.
+
+    With ``on_signal`` (in the main thread only: signal handlers are per process, set there),
+    SIGTERM, SIGHUP and SIGINT end the server gracefully instead of killing it: the first one
+    calls ``on_signal(signum)`` in a worker thread (the caller's shutdown: kill what runs, close
+    and commit sessions) while the loop still serves the calls it ends, then stops reading and
+    serving; later signals meanwhile are ignored. Without it the process dies at once: sessions
+    lost uncommitted, run cgroups left (a fresh-user trial: the MCP SDK's own client ends a
+    server with SIGTERM 2 s after closing its stdin).
+
+    Returns:
+        The signal number that ended the server, or None (the client closed stdin).
+    """
     inner = getattr(server, "_lowlevel_server", None) or server._mcp_server
+    got: list[int] = []
+
+    async def on_signals(scope: anyio.CancelScope) -> None:
+        assert on_signal is not None
+        with anyio.open_signal_receiver(*SHUTDOWN_SIGNALS) as signals:
+            async for signum in signals:
+                if not got:
+                    got.append(int(signum))
+                    await anyio.to_thread.run_sync(on_signal, int(signum))
+                    scope.cancel()
 
     async def main() -> None:
-        async with stdio_server(max_line_bytes) as (read, write):
-            await inner.run(read, write, inner.create_initialization_options())
+        async with anyio.create_task_group() as tg:
+            if on_signal is not None and threading.current_thread() is threading.main_thread():
+                tg.start_soon(on_signals, tg.cancel_scope)
+            async with stdio_server(max_line_bytes) as (read, write):
+                await inner.run(read, write, inner.create_initialization_options())
+            tg.cancel_scope.cancel()  # stdin closed: the signal task goes too
 
     anyio.run(main)
+    return got[0] if got else None
 
 
-__all__ = ["MAX_LINE_BYTES", "Codec", "error_line", "line_limit", "run", "stdio_server"]
+__all__ = ["MAX_LINE_BYTES", "SHUTDOWN_SIGNALS", "Codec", "error_line", "line_limit", "run", "stdio_server"]

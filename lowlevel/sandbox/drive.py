@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import select
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from lowlevel.errors import LaunchError
 from lowlevel.sandbox.launcher import DRAIN_TIMEOUT_S, SETUP_TIMEOUT_S, Run
@@ -181,15 +181,22 @@ def run(command: Sequence[str], *, policy: Policy | None = None, workspace: str 
     return run_request(request, policy)
 
 
-def run_request(request: RunRequest, policy: Policy | None = None) -> Result:
+def run_request(request: RunRequest, policy: Policy | None = None,
+                started: Callable[[Run], None] | None = None) -> Result:
     """Run one validated :class:`~lowlevel.sandbox.request.RunRequest` under ``policy``
     (default ``Policy()``) and wait for it: the sync driver over :class:`Run`.
+
+    ``started``: called with the :class:`Run` once it is planned, before its sandbox starts
+    (a server's shutdown keeps it to :meth:`Run.kill` from another thread; a kill before the
+    spawn does nothing, so such a caller kills again until the call returns).
 
     Raises:
         PolicyError: ``request.record`` is set (see :func:`run`); and the errors of :func:`run`.
     """
     r = Run(request, policy=policy or Policy())
     try:
+        if started is not None:
+            started(r)  # what it raises ends the run here, cleaned up as any failure
         result = _drive_sync(r)
     except BaseException:
         r.close()

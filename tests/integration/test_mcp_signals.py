@@ -1,0 +1,153 @@
+"""``lowlevel mcp`` ended by a signal stops gracefully: the runs in flight killed, every session
+closed with its work committed, no run cgroup left, exit 128+N with one line.
+
+A fresh-user trial found that ``lowlevel mcp`` installed no handler: SIGTERM or SIGHUP (the MCP
+SDK's own client sends SIGTERM 2 s after closing the server's stdin) killed the process at once,
+so a session's finished work (a file its command wrote, shown by ``list_files``) was lost
+uncommitted and the run cgroups stayed; SIGINT left the server blocked on stdin after printing a
+message about a sandbox that was not running. The server here is a real ``python -m lowlevel
+mcp`` over pipes; a run in flight is a ``sleep`` with a marker, looked for in /proc.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("mcp")
+
+from helpers.identities import tmpdir_fixture  # noqa: E402
+from helpers.procs import pids_with  # noqa: E402
+
+pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(180)]
+
+REPO = Path(__file__).resolve().parents[2]
+
+base = tmpdir_fixture("lowlevel-mcp-signals-")
+
+
+class Server:
+    """``python -m lowlevel mcp`` over pipes, initialized; stderr to a file."""
+
+    def __init__(self, base: Path) -> None:
+        env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path]),
+               "LOWLEVEL_CGROUP_ROOTS": ""}
+        self.log = base / "stderr.txt"
+        with open(self.log, "wb") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "lowlevel", "mcp", "--workspace-base",
+                                          str(base / "ws")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=err, env=env, cwd=base)
+        self.next_id = 0
+        self.request("initialize", {"protocolVersion": "2025-06-18", "capabilities": {},
+                                    "clientInfo": {"name": "test_mcp_signals", "version": "0"}})
+        self.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+
+    def close_pipes(self) -> None:
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                try:
+                    pipe.close()
+                except BrokenPipeError:
+                    pass
+
+    def send(self, message: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(message).encode() + b"\n")
+        self.proc.stdin.flush()
+
+    def request(self, method: str, params: dict[str, Any], wait: bool = True) -> dict[str, Any] | None:
+        self.next_id += 1
+        self.send({"jsonrpc": "2.0", "id": self.next_id, "method": method, "params": params})
+        if not wait:
+            return None
+        assert self.proc.stdout is not None
+        while True:
+            line = self.proc.stdout.readline()
+            assert line, f"the server closed stdout: {self.log.read_text()}"
+            answer = json.loads(line)
+            if answer.get("id") == self.next_id:
+                return answer
+
+    def call(self, tool: str, arguments: dict[str, Any], wait: bool = True) -> dict[str, Any] | None:
+        answer = self.request("tools/call", {"name": tool, "arguments": arguments}, wait)
+        if answer is not None:
+            assert not answer["result"].get("isError"), answer
+        return answer
+
+
+def _run_cgroups(pid: int) -> list[str]:
+    return [p for p in glob.glob("/sys/fs/cgroup/**/lowlevel/run-*", recursive=True)
+            if os.path.basename(p).startswith(f"run-{pid}-")]
+
+
+def _wait(cond: Any, bound_s: float) -> bool:
+    end = time.monotonic() + bound_s
+    while time.monotonic() < end and not cond():
+        time.sleep(0.02)
+    return bool(cond())
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_a_signal_commits_the_sessions_and_kills_the_runs_in_flight(base: Path, sig: signal.Signals) -> None:
+    server = Server(base)
+    marker = f"9{os.getpid()}{time.time_ns() % 10**8}"
+    try:
+        server.call("run_in_session", {"session": "w", "command": ["sh", "-c", "echo important > result.txt"]})
+        server.call("run", {"command": ["sleep", marker], "timeout_s": 120}, wait=False)
+        assert _wait(lambda: bool(pids_with(marker, whole_arg=True)), 60), "the run never started"
+        t0 = time.monotonic()
+        server.proc.send_signal(sig)
+        server.proc.wait(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait()
+        server.close_pipes()
+    err = server.log.read_text()
+    assert server.proc.returncode == 128 + sig, err
+    assert f"lowlevel mcp: {sig.name}: stopped" in err and "Traceback" not in err, err
+    assert took < 30, f"the server took {took:.1f} s to stop"
+    assert (base / "ws" / "w" / "result.txt").read_text() == "important\n", "the session's work was lost"
+    assert _wait(lambda: not pids_with(marker, whole_arg=True), 10), "the run in flight outlived the server"
+    assert _wait(lambda: not _run_cgroups(server.proc.pid), 5), _run_cgroups(server.proc.pid)
+
+
+def test_control_sigkill_loses_the_uncommitted_session_work(base: Path) -> None:
+    """The control: with no chance to handle it (SIGKILL), the session's work is not committed."""
+    server = Server(base)
+    try:
+        server.call("run_in_session", {"session": "w", "command": ["sh", "-c", "echo important > result.txt"]})
+        server.proc.kill()
+        server.proc.wait(timeout=30)
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait()
+        server.close_pipes()
+    assert not (base / "ws" / "w" / "result.txt").exists()
+
+
+def test_an_idle_server_stops_at_once_on_sigint(base: Path) -> None:
+    """SIGINT on a server waiting for its client's next line: it used to print "the sandbox was
+    killed" and wait on stdin until the client closed it."""
+    server = Server(base)
+    try:
+        server.proc.send_signal(signal.SIGINT)
+        server.proc.wait(timeout=30)
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait()
+        server.close_pipes()
+    err = server.log.read_text()
+    assert server.proc.returncode == 130 and "SIGINT: stopped" in err and "sandbox was killed" not in err, err
