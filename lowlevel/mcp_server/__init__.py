@@ -81,8 +81,11 @@ log = logging.getLogger("lowlevel")
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-#: Prefix of the server's own workspaces (runs without a workspace name).
+#: Prefix of the server's own workspaces (runs without a workspace name):
+#: ``run-<server pid>-<its start time>-<random hex>``, so another server on the same base can
+#: tell a live server's workspace from a dead one's (:meth:`Tools._sweep_stale_runs`).
 RUN_PREFIX = "run-"
+_OWNED_RUN = re.compile(r"^run-(\d+)-(\d+)-[0-9a-f]+$")
 
 
 #: How long :meth:`Tools.shutdown` keeps killing the runs in flight before it closes the sessions, seconds.
@@ -127,6 +130,8 @@ class Tools:
         self.busy: dict[str, int] = {}     # workspace/session name -> calls in flight
         self.life_lock = threading.Lock()
         self.inflight: set[Any] = set()    # the Runs of one-shot calls in flight (shutdown kills them)
+        from lowlevel.host.run_records import own_start_time
+        self._run_owner = f"{os.getpid()}-{own_start_time() or 0}"  # in each run-* name (the sweep's test)
         self._sweep_stale_runs()
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep_loop, name="lowlevel-mcp-sweeper", daemon=True)
@@ -134,7 +139,11 @@ class Tools:
 
     # -- lifetimes ---------------------------------------------------------------------------
     def _sweep_stale_runs(self) -> None:
-        """Remove ``run-*`` workspaces an earlier server left (last changed over a TTL ago)."""
+        """Remove ``run-*`` workspaces an earlier server left (last changed over a TTL ago), never
+        one of a server still running on the same base (its pid and start time in the name: a
+        second server's sweep with a TTL of 0 removed the first one's workspace mid-call, a
+        fresh-user trial)."""
+        from lowlevel.host.procs import process_start_time
         cutoff = time.time() - self.config.run_workspace_ttl_s
         try:
             names = os.listdir(self.base)
@@ -142,6 +151,9 @@ class Tools:
             return
         for name in names:
             path = os.path.join(self.base, name)
+            owner = _OWNED_RUN.match(name)
+            if owner and process_start_time(int(owner.group(1))) == int(owner.group(2)):
+                continue  # a live server's
             try:
                 if name.startswith(RUN_PREFIX) and not os.path.islink(path) and os.lstat(path).st_mtime < cutoff:
                     _ws.remove_workspace(path)
@@ -296,7 +308,7 @@ class Tools:
         policy, timeout = self._policy_and_timeout(network, binds, memory_bytes, cpu_s, pids, timeout_s, clamped,
                                                    allow_hosts)
         inside = _cwd(cwd)
-        name = workspace or f"{RUN_PREFIX}{secrets.token_hex(6)}"
+        name = workspace or f"{RUN_PREFIX}{self._run_owner}-{secrets.token_hex(6)}"
         if workspace is None:
             with self.life_lock:
                 self.run_expiry[name] = float("inf")  # not swept while the call runs

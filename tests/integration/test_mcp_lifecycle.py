@@ -89,6 +89,24 @@ def test_stale_run_workspaces_of_a_dead_server_are_swept_at_start(base: Path) ->
     assert not stale.exists() and fresh.exists()
 
 
+def test_a_second_server_on_the_base_keeps_a_live_servers_run_workspaces(base: Path) -> None:
+    """Server B started with ``run_workspace_ttl_s = 0`` swept server A's live ``run-*`` workspace:
+    A's result named a workspace ``read_file`` no longer found (a fresh-user trial). Now each name
+    carries its server's pid and start time, and a live server's are never swept. Control: a
+    dead server's, past the TTL, is."""
+    a = tools(base, run_workspace_ttl_s=3600)
+    try:
+        name = a.run(["sh", "-c", "echo mine > f"])["workspace"]
+        dead = base / "ws" / "run-999999999-1-00aa"
+        dead.mkdir()
+        b = tools(base, run_workspace_ttl_s=0)
+        b.close()
+        assert a.read_file(name, "f")["content"] == "mine\n"
+        assert not dead.exists()
+    finally:
+        a.close()
+
+
 def test_idle_session_is_closed_and_frees_its_slot(base: Path) -> None:
     t = tools(base, max_sessions=1, session_idle_ttl_s=600)
     try:
