@@ -119,6 +119,9 @@ def cmd_mcp(args: argparse.Namespace) -> int:
                       ("max_output_bytes", "max_output_bytes"), ("allowed_binds", "allow_bind")):
         if getattr(args, attr) is not None:
             overrides[key] = getattr(args, attr)
+    flag_base = overrides.get("workspace_base")
+    if isinstance(flag_base, str):
+        overrides["workspace_base"] = os.path.abspath(flag_base)  # a flag: from the shell's cwd
     if args.allow_host is not None:
         overrides["egress"] = {"allow": args.allow_host}
     limits = {name: getattr(args, attr) for name, attr in (

@@ -72,7 +72,9 @@ from lowlevel.spec.egress import Egress
 from lowlevel.errors import LaunchError, LowlevelError, PolicyError, WorkspaceError
 from lowlevel.spec.limits import VERDICT_NOTE_PREFIXES
 from lowlevel.spec.policy import WORKSPACE_DEST, Bind, Policy
-from lowlevel.spec.report import bytes_fields, display, json_safe
+from lowlevel.mcp_server.calls import (CURRENT_CALL, PROGRESS_INTERVAL_S, SHUTDOWN_KILL_S, tool_call,
+                                       tool_call_with_progress)
+from lowlevel.spec.report import bytes_fields, json_safe
 from lowlevel.mcp_server.config import ServerConfig
 from lowlevel.sandbox.result import Result
 from lowlevel.units import duration_seconds, size_bytes
@@ -87,11 +89,6 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 RUN_PREFIX = "run-"
 _OWNED_RUN = re.compile(r"^run-(\d+)-(\d+)-[0-9a-f]+$")
 
-
-#: How long :meth:`Tools.shutdown` keeps killing the runs in flight before it closes the sessions, seconds.
-SHUTDOWN_KILL_S = 10.0
-#: Seconds between two ``notifications/progress`` of a running ``run``/``run_in_session`` call.
-PROGRESS_INTERVAL_S = 5.0
 
 #: Paths listed per kind (added, modified, deleted) in a result's ``changes``; past it
 #: ``changes.truncated`` is true (``list_files`` lists the workspace, bounded by max_output_bytes).
@@ -130,6 +127,7 @@ class Tools:
         self.busy: dict[str, int] = {}     # workspace/session name -> calls in flight
         self.life_lock = threading.Lock()
         self.inflight: set[Any] = set()    # the Runs of one-shot calls in flight (shutdown kills them)
+        self._run_limiter: Any = None
         from lowlevel.host.run_records import own_start_time
         self._run_owner = f"{os.getpid()}-{own_start_time() or 0}"  # in each run-* name (the sweep's test)
         self._sweep_stale_runs()
@@ -336,11 +334,22 @@ class Tools:
                 raise LaunchError("the server is shutting down: no new run")
             box.append(run)
             self.inflight.add(run)
+        call = CURRENT_CALL.get()
+        if call is not None:
+            call.add(run)
 
     def _untrack(self, box: list[Any]) -> None:
         with self.life_lock:
             for run in box:
                 self.inflight.discard(run)
+
+    def run_limiter(self) -> Any:
+        """The ``anyio.CapacityLimiter`` of ``max_concurrent_runs`` the run tools' worker threads
+        take (made on first use, inside the server's event loop)."""
+        if self._run_limiter is None:
+            import anyio
+            self._run_limiter = anyio.CapacityLimiter(self.config.max_concurrent_runs)
+        return self._run_limiter
 
     def shutdown(self, bound_s: float = SHUTDOWN_KILL_S) -> None:
         """A signal ended the server (SIGTERM, SIGHUP, SIGINT): refuse new runs, kill the one-shot
@@ -358,7 +367,7 @@ class Tools:
                 break
             for run in runs:
                 try:
-                    run.kill("shutdown")
+                    run.kill("cancelled")
                 except Exception as err:  # noqa: BLE001 - the others still go
                     log.debug("lowlevel: mcp: killing a run at shutdown: %s", err)
             time.sleep(0.02)
@@ -620,59 +629,6 @@ def _decode(content: str, encoding: str) -> bytes:
     raise PolicyError(f"encoding must be 'utf-8' or 'base64', got {encoding!r}")
 
 
-async def _call(tool_error: type[Exception], fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-    """Run the tool ``fn`` in a worker thread; lowlevel's errors become the SDK's ``ToolError``
-    (an ``isError`` result with one line), the result JSON-safe (:func:`lowlevel.spec.report.json_safe`)."""
-    import anyio.to_thread
-
-    try:
-        result: dict[str, Any] = await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
-    except (LowlevelError, OSError) as err:
-        raise tool_error(display(str(err))) from err
-    safe: dict[str, Any] = json_safe(result)
-    return safe
-
-
-async def _call_with_progress(tool_error: type[Exception], ctx: Any, fn: Any, *args: Any,
-                              **kwargs: Any) -> dict[str, Any]:
-    """:func:`_call`, sending ``notifications/progress`` while the command runs: one at the
-    start, one every :data:`PROGRESS_INTERVAL_S` (elapsed seconds), one at the end. Sent
-    only when the client's request carried a ``progressToken`` (the SDK drops them otherwise)."""
-    import anyio
-
-    t0 = time.monotonic()
-    done = anyio.Event()
-    out: dict[str, Any] = {}
-
-    async def work() -> None:
-        try:
-            out["result"] = await _call(tool_error, fn, *args, **kwargs)
-        except Exception as err:  # noqa: BLE001 - re-raised below, outside the task group (not as an ExceptionGroup)
-            out["error"] = err
-        finally:
-            done.set()
-
-    async def report(message: str) -> None:
-        try:
-            await ctx.report_progress(round(time.monotonic() - t0, 3), None, message)
-        except Exception as err:  # noqa: BLE001 - a client gone away must not fail the run
-            log.debug("lowlevel: mcp progress notification not sent: %s", err)
-
-    async with anyio.create_task_group() as tg:
-        await report("started")
-        tg.start_soon(work)
-        while not done.is_set():
-            with anyio.move_on_after(PROGRESS_INTERVAL_S):
-                await done.wait()
-            if not done.is_set():
-                await report(f"running for {time.monotonic() - t0:.0f} s")
-    await report("finished")
-    if "error" in out:
-        raise out["error"]
-    result: dict[str, Any] = out["result"]
-    return result
-
-
 def _tool(server: Any) -> Callable[[_F], _F]:
     """``server.tool()``, typed: the SDK's decorator registers the function and returns it."""
     decorator: Callable[[_F], _F] = server.tool()
@@ -710,9 +666,10 @@ def _run_tools(server: Any, tools: Tools, context: Any, tool_error: type[Excepti
         and with egress "network" (each connection attempt and why it was allowed or refused);
         "changes": the paths the command added, modified, deleted (at most 200 each, truncated).
         """
-        return await _call_with_progress(tool_error, ctx, tools.run, command, workspace=workspace, timeout_s=timeout_s,
-                          memory_bytes=memory_bytes, cpu_s=cpu_s, pids=pids, network=network,
-                          binds=binds, stdin=stdin, env=env, cwd=cwd, allow_hosts=allow_hosts)
+        return await tool_call_with_progress(tool_error, ctx, tools.run, command, limiter=tools.run_limiter(),
+                                         workspace=workspace, timeout_s=timeout_s, memory_bytes=memory_bytes,
+                                         cpu_s=cpu_s, pids=pids, network=network, binds=binds, stdin=stdin,
+                                         env=env, cwd=cwd, allow_hosts=allow_hosts)
 
     @_tool(server)
     @with_context
@@ -730,9 +687,10 @@ def _run_tools(server: Any, tools: Tools, context: Any, tool_error: type[Excepti
         command, clamped to the operator's ceilings; cwd as for run. A session idle for the
         operator's session_idle_ttl_s is closed. Returns the same fields as run.
         """
-        return await _call_with_progress(tool_error, ctx, tools.run_in_session, session, command, timeout_s=timeout_s,
-                          memory_bytes=memory_bytes, cpu_s=cpu_s, pids=pids, network=network, binds=binds,
-                          stdin=stdin, env=env, cwd=cwd, allow_hosts=allow_hosts)
+        return await tool_call_with_progress(tool_error, ctx, tools.run_in_session, session, command,
+                                         limiter=tools.run_limiter(), timeout_s=timeout_s, memory_bytes=memory_bytes,
+                                         cpu_s=cpu_s, pids=pids, network=network, binds=binds, stdin=stdin,
+                                         env=env, cwd=cwd, allow_hosts=allow_hosts)
 
     return {"run": run, "run_in_session": run_in_session}
 
@@ -743,22 +701,22 @@ def _file_tools(server: Any, tools: Tools, tool_error: type[Exception]) -> dict[
     @_tool(server)
     async def close_session(session: str) -> dict[str, Any]:
         """Close a named session; its workspace stays."""
-        return await _call(tool_error, tools.close_session, session)
+        return await tool_call(tool_error, tools.close_session, session)
 
     @_tool(server)
     async def write_file(workspace: str, path: str, content: str, encoding: str = "utf-8") -> dict[str, Any]:
         """Write a file (relative path) into a named workspace, creating it. encoding: utf-8 or base64."""
-        return await _call(tool_error, tools.write_file, workspace, path, content, encoding)
+        return await tool_call(tool_error, tools.write_file, workspace, path, content, encoding)
 
     @_tool(server)
     async def read_file(workspace: str, path: str, encoding: str = "utf-8") -> dict[str, Any]:
         """Read a file (relative path) from a workspace; symlinks and oversized files are refused."""
-        return await _call(tool_error, tools.read_file, workspace, path, encoding)
+        return await tool_call(tool_error, tools.read_file, workspace, path, encoding)
 
     @_tool(server)
     async def list_files(workspace: str) -> dict[str, Any]:
         """List the entries of a workspace (path, kind, size)."""
-        return await _call(tool_error, tools.list_files, workspace)
+        return await tool_call(tool_error, tools.list_files, workspace)
 
     return {"close_session": close_session, "write_file": write_file, "read_file": read_file,
             "list_files": list_files}
@@ -831,9 +789,10 @@ def serve(config: ServerConfig) -> int | None:
               config.workspace_base, "allowed" if config.network else "off",
               config.egress.describe() if config.egress is not None else "off")
     try:
-        return _stdio.run(server, _stdio.line_limit(config.max_file_bytes), on_signal=lambda _signum: tools.shutdown())
+        return _stdio.run(server, _stdio.line_limit(config.max_file_bytes), on_signal=lambda _signum: tools.shutdown(),
+                          on_gone=tools.shutdown)
     finally:
         tools.close()
 
 
-__all__ = ["ServerConfig", "Tools", "build_server", "serve"]
+__all__ = ["PROGRESS_INTERVAL_S", "ServerConfig", "Tools", "build_server", "serve"]

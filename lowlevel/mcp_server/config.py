@@ -5,7 +5,8 @@ a client can narrow the policy (shorter timeout, smaller limits) but never widen
 
 TOML keys (all optional)::
 
-    workspace_base = "/var/lib/lowlevel-mcp"   # where named and per-run workspaces live
+    workspace_base = "/var/lib/lowlevel-mcp"   # where named and per-run workspaces live (relative:
+                                               # to the config file's directory)
     network = false           # may a client ask for the host's whole network? (off by default)
     deterministic = false     # Policy(deterministic=True) for every run
     default_timeout_s = 30.0  # when the client gives none
@@ -13,6 +14,7 @@ TOML keys (all optional)::
     max_output_bytes = "64K"  # per stream, in tool results
     max_file_bytes = "1M"     # read_file / write_file cap
     max_sessions = 8          # named sessions alive at once
+    max_concurrent_runs = 8   # run/run_in_session calls executing at once (more wait their turn)
     session_idle_ttl_s = 1800.0   # a session idle this long is closed, freeing its slot
     run_workspace_ttl_s = 3600.0  # unnamed run workspaces kept this long after use (0: not kept)
     allowed_binds = ["/opt/data"]  # host paths a client may ask to bind read-only
@@ -79,13 +81,17 @@ class ServerConfig:
         max_output_bytes: per stream, in results (bytes).
         max_file_bytes: cap for read_file/write_file (bytes).
         max_sessions: named sessions alive at once.
+        max_concurrent_runs: ``run`` and ``run_in_session`` calls executing at once (1-1024);
+            more wait their turn. Bounds what one client can start at once (each sandbox up to
+            the memory ceiling), and keeps the transport's own threads free (a flood of 40
+            calls took every worker thread and a ``ping`` waited 20 s: a fresh-user trial).
         session_idle_ttl_s: seconds without a command after which a session is closed and
             its ``max_sessions`` slot freed (> 0; the session's init enforces it too).
         run_workspace_ttl_s: seconds an unnamed run's workspace is kept after its last use
             (>= 0; 0 removes it right after the call).
     """
 
-    workspace_base: str = field(default_factory=lambda: os.path.join(_ws.default_base(), "mcp"))
+    workspace_base: str = field(default_factory=lambda: os.path.abspath(os.path.join(_ws.default_base(), "mcp")))
     network: bool = False
     egress: Egress | None = None
     deterministic: bool = False
@@ -97,10 +103,18 @@ class ServerConfig:
     max_output_bytes: int = 64 * 1024
     max_file_bytes: int = 1024 * 1024
     max_sessions: int = 8
+    max_concurrent_runs: int = 8
     session_idle_ttl_s: float = 1800.0
     run_workspace_ttl_s: float = 3600.0
 
     def __post_init__(self) -> None:
+        for name in ("max_sessions", "max_concurrent_runs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= 1024:
+                raise PolicyError(f"mcp config {name} must be a whole number from 1 to 1024, got {value!r}")
+        if not isinstance(self.workspace_base, str) or not os.path.isabs(self.workspace_base):
+            raise PolicyError(f"mcp config workspace_base must be an absolute path, got {self.workspace_base!r} "
+                              "(in a config file, a relative one is taken from the file's directory)")
         for name, minimum in (("session_idle_ttl_s", 0.0), ("run_workspace_ttl_s", -1.0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not minimum < value < 1e9:
@@ -118,6 +132,11 @@ class ServerConfig:
         """
         with open(path, "rb") as f:
             data = tomllib.load(f)
+        base = data.get("workspace_base")
+        if isinstance(base, str) and base and not os.path.isabs(base):
+            # Relative to the file, not to wherever the client started the server (a GUI client's
+            # working directory: root made /rel/base at the host's root, a fresh-user trial).
+            data["workspace_base"] = os.path.join(os.path.dirname(os.path.abspath(path)), base)
         for name in ("egress", "limits"):
             if isinstance(data.get(name), Mapping) and isinstance(overrides.get(name), Mapping):
                 overrides = {**overrides, name: {**data[name], **overrides[name]}}

@@ -219,6 +219,7 @@ class _Lines:
 
     def __init__(self, wire: BinaryIO, limit: int) -> None:
         self.queue: queue.Queue[tuple[bytes, bool] | BaseException] = queue.Queue(maxsize=1)
+        self.limiter: anyio.CapacityLimiter | None = None
         self.thread = threading.Thread(target=self._pump, args=(wire, limit), name="lowlevel-mcp-stdin", daemon=True)
         self.thread.start()
 
@@ -234,7 +235,9 @@ class _Lines:
 
     async def next(self) -> tuple[bytes, bool]:
         """The next line (b"" at EOF) and whether it was too long; what the read raised."""
-        item = await anyio.to_thread.run_sync(self.queue.get, abandon_on_cancel=True)
+        if self.limiter is None:  # a thread of its own: tool calls holding every worker cannot starve it
+            self.limiter = anyio.CapacityLimiter(1)
+        item = await anyio.to_thread.run_sync(self.queue.get, abandon_on_cancel=True, limiter=self.limiter)
         if isinstance(item, BaseException):
             raise item
         return item
@@ -251,6 +254,7 @@ class _Wire:
     def __init__(self, out: BinaryIO) -> None:
         self.out = out
         self.lock = anyio.Lock()
+        self.limiter = anyio.CapacityLimiter(1)  # its own thread, as _Lines'
 
     def _write(self, data: bytes) -> None:
         self.out.write(data)
@@ -258,7 +262,7 @@ class _Wire:
 
     async def send(self, data: bytes) -> None:
         async with self.lock:
-            await anyio.to_thread.run_sync(self._write, data)
+            await anyio.to_thread.run_sync(self._write, data, limiter=self.limiter)
 
 
 @contextmanager
@@ -293,12 +297,16 @@ def _streams(size: int) -> tuple[Any, Any]:
 
 
 @asynccontextmanager
-async def stdio_server(max_line_bytes: int = MAX_LINE_BYTES) -> AsyncIterator[tuple[Any, Any]]:
+async def stdio_server(max_line_bytes: int = MAX_LINE_BYTES,
+                       on_gone: Callable[[], None] | None = None) -> AsyncIterator[tuple[Any, Any]]:
     """Serve MCP over stdin/stdout, checking each line (the module docstring): yields the read
     stream (the SDK's messages) and the write stream (its answers), as the SDK's ``stdio_server``.
 
     ``max_line_bytes``: longest line read (bytes, > 0; ValueError otherwise). fd 0 and fd 1 are
-    claimed meanwhile (the module docstring).
+    claimed meanwhile (the module docstring). ``on_gone``: called once, in a worker thread, when
+    the client is gone: stdin at its end, or stdout's reader gone (EPIPE: the answers stop,
+    without the BrokenPipeError traceback the SDK's task group printed); the caller's shutdown
+    kills what still runs, so the calls in flight end instead of running to their timeouts.
     """
     if max_line_bytes <= 0:
         raise ValueError(f"max_line_bytes must be > 0, got {max_line_bytes!r}")
@@ -309,12 +317,20 @@ async def stdio_server(max_line_bytes: int = MAX_LINE_BYTES) -> AsyncIterator[tu
         write_send, write_receive = _streams(0)
 
         lines = _Lines(wire_in, max_line_bytes)
+        gone: list[bool] = []
+
+        async def client_gone() -> None:
+            if not gone:
+                gone.append(True)
+                if on_gone is not None:
+                    await anyio.to_thread.run_sync(on_gone)
 
         async def reader() -> None:
             async with read_send:
                 while True:
                     line, too_long = await lines.next()
                     if not line:
+                        await client_gone()
                         return
                     checked = (error_line(INVALID_REQUEST, None, f"the line is longer than {max_line_bytes} "
                                           "bytes, the server's limit: not read") if too_long else codec.check(line))
@@ -327,7 +343,14 @@ async def stdio_server(max_line_bytes: int = MAX_LINE_BYTES) -> AsyncIterator[tu
         async def writer() -> None:
             async with write_receive:
                 async for item in write_receive:
-                    await wire.send(codec.encode(item))
+                    if gone:
+                        continue  # nobody reads the answers any more: drop them
+                    try:
+                        await wire.send(codec.encode(item))
+                    except (BrokenPipeError, ConnectionResetError):
+                        log.debug("lowlevel: mcp: the client stopped reading (EPIPE): stopping")
+                        await client_gone()
+                        tg.cancel_scope.cancel()  # no answer can reach it: stop serving
 
         try:
             async with anyio.create_task_group() as tg:
@@ -343,7 +366,7 @@ SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
 
 def run(server: Any, max_line_bytes: int = MAX_LINE_BYTES,
-        on_signal: Callable[[int], None] | None = None) -> int | None:
+        on_signal: Callable[[int], None] | None = None, on_gone: Callable[[], None] | None = None) -> int | None:
     """Serve ``server`` (the SDK's ``MCPServer``, or ``FastMCP`` on mcp 1.x) over stdio until the
     client closes stdin: its ``run("stdio")``, with :func:`stdio_server` as the transport.
 
@@ -354,6 +377,8 @@ def run(server: Any, max_line_bytes: int = MAX_LINE_BYTES,
     serving; later signals meanwhile are ignored. Without it the process dies at once: sessions
     lost uncommitted, run cgroups left (a fresh-user trial: the MCP SDK's own client ends a
     server with SIGTERM 2 s after closing its stdin).
+
+    ``on_gone``: as :func:`stdio_server`'s.
 
     Returns:
         The signal number that ended the server, or None (the client closed stdin).
@@ -374,7 +399,7 @@ def run(server: Any, max_line_bytes: int = MAX_LINE_BYTES,
         async with anyio.create_task_group() as tg:
             if on_signal is not None and threading.current_thread() is threading.main_thread():
                 tg.start_soon(on_signals, tg.cancel_scope)
-            async with stdio_server(max_line_bytes) as (read, write):
+            async with stdio_server(max_line_bytes, on_gone=on_gone) as (read, write):
                 await inner.run(read, write, inner.create_initialization_options())
             tg.cancel_scope.cancel()  # stdin closed: the signal task goes too
 

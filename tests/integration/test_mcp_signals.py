@@ -1,5 +1,8 @@
 """``lowlevel mcp`` ended by a signal stops gracefully: the runs in flight killed, every session
-closed with its work committed, no run cgroup left, exit 128+N with one line.
+closed with its work committed, no run cgroup left, exit 128+N with one line. And the other ends
+of a call: a cancelled call kills its run, a client that closes stdin or stops reading stdout
+ends the calls in flight (no traceback), and ``max_concurrent_runs`` bounds a flood of calls
+while the transport still answers.
 
 A fresh-user trial found that ``lowlevel mcp`` installed no handler: SIGTERM or SIGHUP (the MCP
 SDK's own client sends SIGTERM 2 s after closing the server's stdin) killed the process at once,
@@ -26,7 +29,7 @@ import pytest
 pytest.importorskip("mcp")
 
 from helpers.identities import tmpdir_fixture  # noqa: E402
-from helpers.procs import pids_with  # noqa: E402
+from helpers.procs import cmdlines, pids_with  # noqa: E402
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(180)]
 
@@ -38,13 +41,13 @@ base = tmpdir_fixture("lowlevel-mcp-signals-")
 class Server:
     """``python -m lowlevel mcp`` over pipes, initialized; stderr to a file."""
 
-    def __init__(self, base: Path) -> None:
+    def __init__(self, base: Path, *extra: str, base_flag: bool = True) -> None:
         env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path]),
                "LOWLEVEL_CGROUP_ROOTS": ""}
         self.log = base / "stderr.txt"
         with open(self.log, "wb") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "lowlevel", "mcp", "--workspace-base",
-                                          str(base / "ws")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            flag = ["--workspace-base", str(base / "ws")] if base_flag else []
+            self.proc = subprocess.Popen([sys.executable, "-m", "lowlevel", "mcp", *flag, *extra], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=err, env=env, cwd=base)
         self.next_id = 0
         self.request("initialize", {"protocolVersion": "2025-06-18", "capabilities": {},
@@ -87,6 +90,11 @@ class Server:
 def _run_cgroups(pid: int) -> list[str]:
     return [p for p in glob.glob("/sys/fs/cgroup/**/lowlevel/run-*", recursive=True)
             if os.path.basename(p).startswith(f"run-{pid}-")]
+
+
+def _sleeps(marker: str) -> int:
+    """How many sandboxed ``sleep MARKER`` programs run (not their anchors, whose command lines hold it too)."""
+    return sum(1 for _pid, raw in cmdlines() if raw == b"sleep\0" + marker.encode() + b"\0")
 
 
 def _wait(cond: Any, bound_s: float) -> bool:
@@ -151,3 +159,84 @@ def test_an_idle_server_stops_at_once_on_sigint(base: Path) -> None:
         server.close_pipes()
     err = server.log.read_text()
     assert server.proc.returncode == 130 and "SIGINT: stopped" in err and "sandbox was killed" not in err, err
+
+
+def _sleep_call(server: Server, marker: str) -> int:
+    server.call("run", {"command": ["sleep", marker], "timeout_s": 120}, wait=False)
+    return server.next_id
+
+
+def test_a_cancelled_call_kills_its_run(base: Path) -> None:
+    """``notifications/cancelled`` left the sandbox running to its timeout. Control: the server
+    goes on serving (a later call runs)."""
+    server = Server(base)
+    marker = f"8{os.getpid()}{time.time_ns() % 10**8}"
+    try:
+        rid = _sleep_call(server, marker)
+        assert _wait(lambda: bool(pids_with(marker, whole_arg=True)), 60), "the run never started"
+        server.send({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": rid}})
+        assert _wait(lambda: not pids_with(marker, whole_arg=True), 15), "the cancelled run kept running"
+        answer = server.call("run", {"command": ["echo", "next"]})
+        assert answer is not None and "next" in json.dumps(answer)
+    finally:
+        server.proc.kill()
+        server.proc.wait()
+        server.close_pipes()
+
+
+@pytest.mark.parametrize("end", ["stdin", "stdout"])
+def test_a_client_gone_ends_the_calls_in_flight(base: Path, end: str) -> None:
+    """stdin closed: the server waited for the run in flight (up to max_timeout). stdout's reader
+    gone (EPIPE): an ExceptionGroup traceback and exit 1. Now both kill the run and exit 0
+    without a traceback; a session's work is committed as at any close."""
+    server = Server(base)
+    marker = f"7{os.getpid()}{time.time_ns() % 10**8}"
+    try:
+        server.call("run_in_session", {"session": "w", "command": ["sh", "-c", "echo kept > f"]})
+        _sleep_call(server, marker)
+        assert _wait(lambda: bool(pids_with(marker, whole_arg=True)), 60), "the run never started"
+        if end == "stdin":
+            assert server.proc.stdin is not None
+            server.proc.stdin.close()
+        else:
+            assert server.proc.stdout is not None
+            server.proc.stdout.close()
+            server.call("run", {"command": ["true"]}, wait=False)  # its answer meets EPIPE
+            server.call("run", {"command": ["true"]}, wait=False)
+        server.proc.wait(timeout=60)
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait()
+        server.close_pipes()
+    err = server.log.read_text()
+    assert server.proc.returncode == 0 and "Traceback" not in err, err
+    assert _wait(lambda: not pids_with(marker, whole_arg=True), 10), "the run in flight outlived its client"
+    assert (base / "ws" / "w" / "f").read_text() == "kept\n"
+
+
+def test_max_concurrent_runs_bounds_a_flood_and_the_transport_still_answers(base: Path) -> None:
+    """40 concurrent calls took every anyio worker thread, so the stdio reader and writer (which
+    need one) starved: a ``ping`` waited 20 s. Now at most ``max_concurrent_runs`` calls run (the
+    others wait), and a ping is answered while they do. The config file's relative
+    ``workspace_base`` is taken from the file's directory, not the server's cwd."""
+    config = base / "conf"
+    config.mkdir()
+    (config / "mcp.toml").write_text('max_concurrent_runs = 2\nworkspace_base = "rel-ws"\n')
+    server = Server(base, "--config", str(config / "mcp.toml"), base_flag=False)
+    marker = f"6{os.getpid()}{time.time_ns() % 10**8}"
+    try:
+        for _ in range(6):
+            _sleep_call(server, marker)
+        assert _wait(lambda: _sleeps(marker) == 2, 60), _sleeps(marker)
+        time.sleep(1)
+        assert _sleeps(marker) == 2, "more runs than max_concurrent_runs"
+        t0 = time.monotonic()
+        assert server.request("ping", {}) is not None
+        assert time.monotonic() - t0 < 5
+        assert (config / "rel-ws").is_dir() and not (base / "rel-ws").exists()
+    finally:
+        server.proc.kill()
+        server.proc.wait()
+        server.close_pipes()
+    assert _wait(lambda: not pids_with(marker, whole_arg=True), 15)
