@@ -71,6 +71,7 @@ from lowlevel.workspace.files import _split_rel
 from lowlevel.spec.egress import Egress
 from lowlevel.errors import LaunchError, LowlevelError, PolicyError, WorkspaceError
 from lowlevel.spec.limits import VERDICT_NOTE_PREFIXES
+from lowlevel.workspace.overlay import COMMIT_SKIPPED_NOTE
 from lowlevel.spec.policy import WORKSPACE_DEST, Bind, Policy
 from lowlevel.mcp_server.calls import (CURRENT_CALL, PROGRESS_INTERVAL_S, SHUTDOWN_KILL_S, tool_call,
                                        tool_call_with_progress)
@@ -481,8 +482,10 @@ class Tools:
             out[stream], out[f"{stream}_b64"] = bytes_fields(cut)
             out[f"{stream}_truncated"] = truncated or len(data) > cap
         # Why a limit or the network policy ended the program (issue 25): the verdict notes only,
-        # which name limits and policy, never host paths.
-        why = [n for n in result.notes if n.startswith(VERDICT_NOTE_PREFIXES)]
+        # which name limits and policy, never host paths; and what of the run's writes did not
+        # reach the workspace (a fifo, an entry too deep: workspace-relative paths; a fresh-user
+        # trial found those dropped without a word).
+        why = [n for n in result.notes if n.startswith((*VERDICT_NOTE_PREFIXES, COMMIT_SKIPPED_NOTE))]
         if why:
             out["notes"] = why
         if result.network is not None:

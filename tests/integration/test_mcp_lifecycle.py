@@ -107,6 +107,22 @@ def test_a_second_server_on_the_base_keeps_a_live_servers_run_workspaces(base: P
         a.close()
 
 
+def test_a_run_result_says_what_its_commit_did_not_apply(base: Path) -> None:
+    """A fifo the run made is not committed: the MCP result said exit 0 and listed it as added,
+    without a word (a fresh-user trial; the Result's note existed, the server dropped it). Now
+    the note reaches the client, workspace-relative. Control: a plain file is applied."""
+    t = tools(base)
+    try:
+        t.write_file("w", "seed", "")
+        out = t.run(["sh", "-c", "mkfifo pipe; echo x > plain"], workspace="w")
+        assert out["exit_code"] == 0
+        notes = [n for n in out.get("notes", []) if n.startswith("commit: not applied:")]
+        assert len(notes) == 1 and "'pipe'" in notes[0] and str(base) not in notes[0], out
+        assert t.read_file("w", "plain")["content"] == "x\n"
+    finally:
+        t.close()
+
+
 def test_idle_session_is_closed_and_frees_its_slot(base: Path) -> None:
     t = tools(base, max_sessions=1, session_idle_ttl_s=600)
     try:

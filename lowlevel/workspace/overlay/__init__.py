@@ -55,7 +55,7 @@ concept each: :mod:`~lowlevel.workspace.overlay.fdops` (fd-relative operations),
 from __future__ import annotations
 
 from lowlevel.errors import CommitConflictError, CommitIncompleteError
-from lowlevel.workspace.overlay.apply import CommitReport
+from lowlevel.workspace.overlay.apply import COMMIT_SKIPPED_NOTE, CommitReport
 from lowlevel.workspace.overlay.commits import NO_ROOM_ERRNOS, commit, commit_upper
 from lowlevel.workspace.overlay.fdops import LEFTOVER_PREFIX, XATTR_PREFIXES
 from lowlevel.workspace.overlay.leftovers import cleanup_commit_leftovers
@@ -72,7 +72,8 @@ from lowlevel.workspace.overlay.save import (
 from lowlevel.workspace.overlay.state import MAX_LINKED, STOP_ERRNOS
 from lowlevel.workspace.overlay.upper import read_changes, upper_is_empty
 
-__all__ = ["LEFTOVER_PREFIX", "MAX_LINKED", "NO_ROOM_ERRNOS", "SAVED_APPLIED", "SAVED_NOT_APPLIED", "SAVED_OPAQUE",
+__all__ = ["COMMIT_SKIPPED_NOTE",
+           "LEFTOVER_PREFIX", "MAX_LINKED", "NO_ROOM_ERRNOS", "SAVED_APPLIED", "SAVED_NOT_APPLIED", "SAVED_OPAQUE",
            "SAVED_SKIPPED", "SAVED_WHITEOUTS", "STOP_ERRNOS", "XATTR_PREFIXES", "CommitConflictError",
            "CommitIncompleteError", "CommitReport", "cleanup_commit_leftovers", "clear_dir", "commit", "commit_upper",
            "iter_saved_list", "read_changes", "save_upper", "upper_is_empty"]

@@ -22,6 +22,11 @@ from lowlevel.workspace.overlay.upper import _dir_flags, _is_whiteout
 from lowlevel.workspace.walk import MAX_DEPTH
 
 
+#: How the note listing the upper entries a commit did not apply begins (then the count, and
+#: paths relative to the workspace only: the MCP server passes it on to its clients).
+COMMIT_SKIPPED_NOTE = "commit: not applied: "
+
+
 @dataclass(frozen=True)
 class CommitReport:
     """What :func:`commit` did to the user's directory.
@@ -352,6 +357,6 @@ class Applier(FileApplier):
             shown = "; ".join(f"{(p if len(p) <= 120 else p[:60] + '...' + p[-57:])!r}: {why}"
                               for p, why in skipped[:5])
             more = f"; and {len(skipped) - 5} more" if len(skipped) > 5 else ""
-            notes.append(f"commit: {len(skipped)} entr{'y' if len(skipped) == 1 else 'ies'} of the run not "
-                         f"applied ({shown}{more})")
+            notes.append(f"{COMMIT_SKIPPED_NOTE}{len(skipped)} entr{'y' if len(skipped) == 1 else 'ies'} of the "
+                         f"run ({shown}{more})")
         return CommitReport(changes, self.copied, skipped, tuple(notes))
