@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import errno
 import inspect
 import logging
 import os
@@ -69,14 +68,14 @@ from lowlevel.spec import validate as _validate
 from lowlevel import workspace as _ws
 from lowlevel.workspace.files import _split_rel
 from lowlevel.spec.egress import Egress
-from lowlevel.errors import LaunchError, LowlevelError, PolicyError, WorkspaceError
+from lowlevel.errors import LaunchError, LowlevelError, PolicyError
 from lowlevel.spec.limits import VERDICT_NOTE_PREFIXES
 from lowlevel.workspace.overlay import COMMIT_SKIPPED_NOTE
 from lowlevel.spec.policy import WORKSPACE_DEST, Bind, Policy
 from lowlevel.mcp_server.calls import (CURRENT_CALL, PROGRESS_INTERVAL_S, SHUTDOWN_KILL_S, tool_call,
                                        tool_call_with_progress)
 from lowlevel.spec.report import bytes_fields, json_safe
-from lowlevel.mcp_server.config import ServerConfig
+from lowlevel.mcp_server.config import ServerConfig, check_base
 from lowlevel.sandbox.result import Result
 from lowlevel.units import duration_seconds, size_bytes
 
@@ -118,7 +117,7 @@ class Tools:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.base = _check_base(config.workspace_base)
+        self.base = check_base(config.workspace_base)
         self.sessions: dict[str, Any] = {}
         self.session_policies: dict[str, Policy] = {}
         self.sessions_lock = threading.Lock()
@@ -568,25 +567,6 @@ def _whole_utf8(data: bytes) -> bytes:
             need = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
             return data if back >= need else data[:-back]
     return data
-
-
-def _check_base(base: str) -> str:
-    """The operator's workspace base, refused by the rules for workspaces
-    (:func:`lowlevel.workspace.check_workspace_path`: not a system or home directory, nothing
-    inside ``/etc``, ``/usr``..., only trusted ancestors), then created (0711) if missing.
-    Every named workspace is a directory of it, so ``--workspace-base /etc`` would have made
-    ``read_file``/``list_files`` reach ``/etc/ssl``.
-
-    Raises:
-        PolicyError: a bad path. WorkspaceError: a refused one.
-    """
-    real = os.path.realpath(_validate.host_path(base, "workspace_base"))
-    reason = _ws.workspace_refusal(real)
-    if reason:
-        raise WorkspaceError(errno.EPERM, f"refusing workspace base {real}: {reason}")
-    made = _ws.ensure_base(real)  # refuses a system or sticky directory before changing anything
-    _ws.check_workspace_path(made)  # trusted ancestors, a writable file system
-    return made
 
 
 def _encoding(encoding: str) -> str:

@@ -44,6 +44,7 @@ read by :mod:`lowlevel.spec.config` (one error model: ``mcp config [limits] memo
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import tomllib
 from collections.abc import Mapping
@@ -52,8 +53,9 @@ from typing import Any
 
 from lowlevel import workspace as _ws
 from lowlevel._dataclass import dataclass
-from lowlevel.errors import PolicyError
+from lowlevel.errors import PolicyError, WorkspaceError
 from lowlevel.spec import config as _config
+from lowlevel.spec import validate as _validate
 from lowlevel.spec.egress import Egress
 from lowlevel.spec.limits import Limits
 from lowlevel.spec.policy import Bind
@@ -179,4 +181,31 @@ class ServerConfig:
         return cls(**kwargs)
 
 
-__all__ = ["ServerConfig"]
+def check_base(base: str) -> str:
+    """The operator's workspace base, refused by the rules for workspaces
+    (:func:`lowlevel.workspace.check_workspace_path`: not a system or home directory, nothing
+    inside ``/etc``, ``/usr``..., only trusted ancestors), then created (0711) if missing.
+    Every named workspace is a directory of it, so ``--workspace-base /etc`` would have made
+    ``read_file``/``list_files`` reach ``/etc/ssl``.
+
+    Raises:
+        PolicyError: a bad path. WorkspaceError: a refused one.
+    """
+    real = os.path.realpath(_validate.host_path(base, "workspace_base"))
+    reason = _ws.workspace_refusal(real)
+    if reason:
+        raise WorkspaceError(errno.EPERM, f"refusing workspace base {real}: {reason}")
+    if not os.path.lexists(real):
+        # The ancestors' trust before a directory is made there (the check after the mkdir left
+        # the refused base behind: a fresh-user trial).
+        from lowlevel.host.trust import check_trusted_ancestors
+        existing = real
+        while not os.path.lexists(existing):
+            existing = os.path.dirname(existing)
+        check_trusted_ancestors(os.path.join(existing, "new"))
+    made = _ws.ensure_base(real)  # refuses a system or sticky directory before changing anything
+    _ws.check_workspace_path(made)  # trusted ancestors, a writable file system
+    return made
+
+
+__all__ = ["ServerConfig", "check_base"]

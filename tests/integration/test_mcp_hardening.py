@@ -67,6 +67,21 @@ def test_workspace_base_follows_the_workspace_rules(base: Path) -> None:
     assert stat.S_IMODE(os.stat(sticky).st_mode) == 0o1777
 
 
+def test_a_refused_base_is_not_made_first(base: Path) -> None:
+    """A base below a world-writable (not sticky) directory was created, then refused, and
+    stayed (a fresh-user trial). Now the ancestors are checked before the mkdir. Control: the
+    same base below a trusted directory is made."""
+    shared = base / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(LowlevelError, match="could be renamed or replaced by another user"):
+        Tools(ServerConfig(workspace_base=str(shared / "a" / "b")))
+    assert os.listdir(shared) == []
+    t = Tools(ServerConfig(workspace_base=str(base / "fine" / "b")))
+    t.close()
+    assert (base / "fine" / "b").is_dir()
+
+
 def test_read_and_list_never_leave_the_workspace(tools: Tools, base: Path) -> None:
     (base / "ws" / "evil").symlink_to("/etc")
     for call in (lambda: tools.list_files("evil"), lambda: tools.read_file("evil", "passwd"),
