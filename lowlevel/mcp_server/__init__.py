@@ -306,7 +306,7 @@ class Tools:
         policy, timeout = self._policy_and_timeout(network, binds, memory_bytes, cpu_s, pids, timeout_s, clamped,
                                                    allow_hosts)
         inside = _cwd(cwd)
-        name = workspace or f"{RUN_PREFIX}{self._run_owner}-{secrets.token_hex(6)}"
+        name = workspace if workspace is not None else f"{RUN_PREFIX}{self._run_owner}-{secrets.token_hex(6)}"
         if workspace is None:
             with self.life_lock:
                 self.run_expiry[name] = float("inf")  # not swept while the call runs

@@ -123,6 +123,17 @@ def test_a_run_result_says_what_its_commit_did_not_apply(base: Path) -> None:
         t.close()
 
 
+def test_an_empty_workspace_name_is_refused_as_a_name(base: Path) -> None:
+    """``workspace: ""`` said "no workspace named 'run-<hex>'", a name the client never gave (a
+    fresh-user trial); now the name's own rule."""
+    t = tools(base)
+    try:
+        with pytest.raises(PolicyError, match="workspace name '': use 1-64 letters"):
+            t.run(["true"], workspace="")
+    finally:
+        t.close()
+
+
 def test_idle_session_is_closed_and_frees_its_slot(base: Path) -> None:
     t = tools(base, max_sessions=1, session_idle_ttl_s=600)
     try:
