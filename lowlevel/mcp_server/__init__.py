@@ -720,7 +720,9 @@ def build_server(config: ServerConfig, tools: Tools | None = None) -> Any:
         from mcp.server.fastmcp.exceptions import ToolError  # type: ignore[no-redef,unused-ignore]
 
     tools = tools or Tools(config)
-    server = _Server("lowlevel", instructions=(
+    # log_level WARNING: the SDK's default INFO logged every failed call, several lines each, on
+    # stderr; a client that never drains stderr stopped the server after ~64 KiB (a fresh-user trial).
+    server = _Server("lowlevel", log_level="WARNING", instructions=(
         "Run commands in a bubblewrap sandbox (no network unless the operator allows it; with an "
         "operator allowlist, HTTP(S) to allowed hosts goes through a proxy: see each result's 'network'). "
         "Use write_file to put files in a named workspace, run with workspace=NAME, then read_file."))

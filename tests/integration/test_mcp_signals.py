@@ -240,3 +240,24 @@ def test_max_concurrent_runs_bounds_a_flood_and_the_transport_still_answers(base
         server.proc.wait()
         server.close_pipes()
     assert _wait(lambda: not pids_with(marker, whole_arg=True), 15)
+
+
+def test_failed_calls_do_not_fill_stderr(base: Path) -> None:
+    """The SDK logged every failed call at INFO, several lines each, on stderr: a client that
+    never drains stderr stopped the server after ~64 KiB (a fresh-user trial). Now only
+    warnings reach stderr. Control: the calls did fail."""
+    server = Server(base)
+    try:
+        for _ in range(5):
+            answer = server.request("tools/call", {"name": "read_file", "arguments": {"workspace": "nope",
+                                                                                       "path": "x"}})
+            assert answer is not None and answer["result"]["isError"], answer
+        assert server.proc.stdin is not None
+        server.proc.stdin.close()
+        server.proc.wait(timeout=30)
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait()
+        server.close_pipes()
+    assert server.proc.returncode == 0 and server.log.read_text() == "", server.log.read_text()
