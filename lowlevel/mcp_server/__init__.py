@@ -336,7 +336,7 @@ class Tools:
             self.inflight.add(run)
         call = CURRENT_CALL.get()
         if call is not None:
-            call.add(run)
+            call.add(lambda: run.kill("cancelled"))
 
     def _untrack(self, box: list[Any]) -> None:
         with self.life_lock:
@@ -433,7 +433,13 @@ class Tools:
                                       "it started; close it to start it with another value")
             # memory_bytes and pids are the session's; cpu_s applies per command.
             limits = dataclasses.replace(fixed, cpu_s=policy.limits.cpu_s)
-            result = sess.run(command, timeout=timeout, stdin=stdin_bytes, env=env, cwd=inside, limits=limits)
+            # start + wait, not run: the handle is what a cancelled call kills (CallRuns).
+            proc = sess.start(command, timeout=timeout, stdin=stdin_bytes, env=env, cwd=inside, limits=limits,
+                              track_changes=None)
+            call = CURRENT_CALL.get()
+            if call is not None:
+                call.add(proc.kill)
+            result = proc.wait()
         finally:
             self._leave(session)
         return self._result(result, session, clamped)

@@ -14,6 +14,7 @@ import contextvars
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from lowlevel.errors import LaunchError, LowlevelError
@@ -28,20 +29,22 @@ PROGRESS_INTERVAL_S = 5.0
 
 
 class CallRuns:
-    """The one-shot runs a tool call started (:meth:`Tools.run` adds them through
+    """The one-shot runs (:class:`lowlevel.sandbox.launcher.Run`) and session commands
+    (:class:`lowlevel.session.Process`) a tool call started (the tools add them through
     :data:`CURRENT_CALL`), so that cancelling the call (``notifications/cancelled``) kills them."""
 
     def __init__(self) -> None:
-        self.runs: list[Any] = []
+        self.runs: list[Callable[[], None]] = []  # what kills each
         self.cancelled = False
         self.done = threading.Event()
         self.lock = threading.Lock()
 
-    def add(self, run: Any) -> None:
+    def add(self, kill: Callable[[], None]) -> None:
+        """Keep ``kill`` (kills one run or command of the call); LaunchError once cancelled."""
         with self.lock:
             if self.cancelled:
                 raise LaunchError("the call was cancelled by the client")
-            self.runs.append(run)
+            self.runs.append(kill)
 
     def cancel(self) -> None:
         """Kill the call's runs, again every 20 ms until its worker thread is done (a run not
@@ -57,7 +60,7 @@ class CallRuns:
                 runs = list(self.runs)
             for run in runs:
                 try:
-                    run.kill("cancelled")
+                    run()
                 except Exception as err:  # noqa: BLE001 - the others still go
                     log.debug("lowlevel: mcp: killing a cancelled call's run: %s", err)
             self.done.wait(0.02)

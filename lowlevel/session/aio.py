@@ -235,12 +235,12 @@ class AsyncSession:
 
     async def start(self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None,
                     env: Mapping[str, str] | None = None, cwd: str | None = None,
-                    limits: Limits | None = None) -> AsyncProcess:
+                    limits: Limits | None = None, track_changes: bool | None = False) -> AsyncProcess:
         """As :meth:`Session.start`."""
         await self._open()
         assert self._core is not None
         cmd = await self._submit(argv, stdin=stdin, timeout=timeout, env=env, cwd=cwd, limits=limits,
-                                 stream=True, track_changes=False)
+                                 stream=True, track_changes=track_changes)
         self._watch(cmd)
         return AsyncProcess(self, cmd)
 

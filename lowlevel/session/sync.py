@@ -337,11 +337,13 @@ class Session:
 
     def start(self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = None,
               env: Mapping[str, str] | None = None, cwd: str | None = None,
-              limits: Limits | None = None) -> Process:
+              limits: Limits | None = None, track_changes: bool | None = False) -> Process:
         """Start a background command and return its :class:`Process` handle at once.
 
         Arguments as :meth:`run`, but ``timeout`` defaults to None (a server runs until
-        killed). Its output is captured (capped as for ``run``) and streamed through
+        killed) and ``track_changes`` to False (None: the session's; True: the Result's
+        ``changes`` list the workspace's changes while it ran, other commands' included).
+        Its output is captured (capped as for ``run``) and streamed through
         :meth:`Process.read`. Handles still running are killed by :meth:`close`.
 
         A sync Session moves output only while some thread is inside :meth:`run` or a
@@ -354,7 +356,7 @@ class Session:
         across the replaced upper layer would lose ``/workspace``.
         """
         cmd = self._submit(argv, stdin=stdin, timeout=timeout, env=env, cwd=cwd, limits=limits, stream=True,
-                           track_changes=False)
+                           track_changes=track_changes)
         handle = Process(self, cmd)
         self._handles = [h for h in self._handles if not h._cmd.done] + [handle]
         return handle

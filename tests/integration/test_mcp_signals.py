@@ -184,6 +184,26 @@ def test_a_cancelled_call_kills_its_run(base: Path) -> None:
         server.close_pipes()
 
 
+def test_a_cancelled_session_call_kills_its_command_and_the_session_goes_on(base: Path) -> None:
+    """A cancelled ``run_in_session`` left its command running to its timeout. Control: the
+    session's next command runs, and what an earlier one wrote is still there."""
+    server = Server(base)
+    marker = f"5{os.getpid()}{time.time_ns() % 10**8}"
+    try:
+        server.call("run_in_session", {"session": "w", "command": ["sh", "-c", "echo before > f"]})
+        server.call("run_in_session", {"session": "w", "command": ["sleep", marker], "timeout_s": 120}, wait=False)
+        rid = server.next_id
+        assert _wait(lambda: _sleeps(marker) == 1, 60), "the command never started"
+        server.send({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": rid}})
+        assert _wait(lambda: _sleeps(marker) == 0, 15), "the cancelled session command kept running"
+        answer = server.call("run_in_session", {"session": "w", "command": ["cat", "f"]})
+        assert answer is not None and "before" in json.dumps(answer)
+    finally:
+        server.proc.kill()
+        server.proc.wait()
+        server.close_pipes()
+
+
 @pytest.mark.parametrize("end", ["stdin", "stdout"])
 def test_a_client_gone_ends_the_calls_in_flight(base: Path, end: str) -> None:
     """stdin closed: the server waited for the run in flight (up to max_timeout). stdout's reader
