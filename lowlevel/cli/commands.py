@@ -13,6 +13,7 @@ import signal
 import sys
 
 from lowlevel.cli.output import EXIT_FAILED, fail, print_json, reader_may_leave, report_error
+from lowlevel.cli.signals import SignalRecorder
 from lowlevel.errors import LowlevelError
 from lowlevel.paths import unreachable
 from lowlevel.spec.report import json_safe
@@ -110,7 +111,17 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_mcp(args: argparse.Namespace) -> int:
-    """``lowlevel mcp``: serve MCP over stdio until the client goes away."""
+    """``lowlevel mcp``: serve MCP over stdio until the client goes away or a signal stops it
+    (SIGTERM, SIGHUP, SIGQUIT, SIGINT: recorded from the first line on, so one during the start
+    or during the final commits stops the server cleanly instead of killing it)."""
+    recorder = SignalRecorder()
+    try:
+        return _cmd_mcp(args, recorder)
+    finally:
+        recorder.restore()
+
+
+def _cmd_mcp(args: argparse.Namespace, recorder: SignalRecorder) -> int:
     from lowlevel.mcp_server import ServerConfig, serve
 
     overrides: dict[str, object] = {}
@@ -134,12 +145,15 @@ def cmd_mcp(args: argparse.Namespace) -> int:
     except (LowlevelError, OSError, ValueError) as err:
         text = str(err)  # ServerConfig's own errors start with "mcp config"; a missing file does not
         return fail(text if text.startswith("mcp config") else f"mcp config: {text}")
-    try:
-        signum = serve(config)
-    except ImportError as err:
-        return fail(f"{err}: install the MCP SDK with `pip install '.[mcp]'` in the lowlevel checkout")
-    except LowlevelError as err:  # e.g. a refused --workspace-base
-        return fail(f"mcp: {err}")
+    if recorder.pending() is not None:
+        signum: int | None = recorder.pending()
+    else:
+        try:
+            signum = serve(config, recorder.pending)
+        except ImportError as err:
+            return fail(f"{err}: install the MCP SDK with `pip install '.[mcp]'` in the lowlevel checkout")
+        except LowlevelError as err:  # e.g. a refused --workspace-base
+            return fail(f"mcp: {err}")
     if signum is not None:
         print(f"lowlevel mcp: {signal.Signals(signum).name}: stopped (the runs in flight killed, the sessions closed "
               "and their work committed)", file=sys.stderr)

@@ -66,6 +66,38 @@ def clean_shutdown() -> Iterator[None]:
             signal.signal(signum, previous)  # type: ignore[arg-type]
 
 
+class SignalRecorder:
+    """SIGTERM, SIGHUP, SIGQUIT and SIGINT recorded, not acted on: :attr:`signum` is the first
+    one's number (later ones are ignored). For ``lowlevel mcp``, whose server stops by itself on
+    a signal (its event loop's own handlers) and must not be killed before or after that: while
+    it imports and starts, and while it waits for its calls' last work (a session's commit).
+    Main thread only (elsewhere nothing is installed); :meth:`restore` puts the old handlers back.
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._old: dict[int, object] = {}
+        try:
+            for sig in (*SHUTDOWN_SIGNALS, signal.SIGINT):
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    self._old[sig] = signal.signal(sig, self._record)
+        except ValueError:  # not the main thread
+            pass
+
+    def _record(self, signum: int, _frame: FrameType | None) -> None:
+        if self.signum is None:
+            self.signum = signum
+
+    def pending(self) -> int | None:
+        """The first signal recorded, or None."""
+        return self.signum
+
+    def restore(self) -> None:
+        for sig, previous in self._old.items():
+            signal.signal(sig, previous)  # type: ignore[arg-type]
+        self._old.clear()
+
+
 class Interrupted(BaseException):
     """SIGINT, SIGTERM, SIGHUP or SIGQUIT ended ``lowlevel run``; carries what main() reports."""
 

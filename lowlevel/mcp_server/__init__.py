@@ -71,11 +71,12 @@ from lowlevel.spec.egress import Egress
 from lowlevel.errors import LaunchError, LowlevelError, PolicyError
 from lowlevel.spec.limits import VERDICT_NOTE_PREFIXES
 from lowlevel.workspace.overlay import COMMIT_SKIPPED_NOTE
-from lowlevel.spec.policy import WORKSPACE_DEST, Bind, Policy
+from lowlevel.spec.policy import Bind, Policy
 from lowlevel.mcp_server.calls import (CURRENT_CALL, PROGRESS_INTERVAL_S, SHUTDOWN_KILL_S, tool_call,
                                        tool_call_with_progress)
 from lowlevel.spec.report import bytes_fields, json_safe
 from lowlevel.mcp_server.config import ServerConfig, check_base
+from lowlevel.mcp_server.inputs import check_encoding, decode_content, sandbox_cwd, utf8_arg, whole_utf8
 from lowlevel.sandbox.result import Result
 from lowlevel.units import duration_seconds, size_bytes
 
@@ -302,10 +303,10 @@ class Tools:
 
         clamped: list[str] = []
         command = _validate.command(command)
-        stdin_bytes = _utf8(stdin, "stdin")
+        stdin_bytes = utf8_arg(stdin, "stdin")
         policy, timeout = self._policy_and_timeout(network, binds, memory_bytes, cpu_s, pids, timeout_s, clamped,
                                                    allow_hosts)
-        inside = _cwd(cwd)
+        inside = sandbox_cwd(cwd)
         name = workspace if workspace is not None else f"{RUN_PREFIX}{self._run_owner}-{secrets.token_hex(6)}"
         if workspace is None:
             with self.life_lock:
@@ -394,12 +395,12 @@ class Tools:
 
         clamped: list[str] = []
         command = _validate.command(command)
-        stdin_bytes = _utf8(stdin, "stdin")
+        stdin_bytes = utf8_arg(stdin, "stdin")
         if not isinstance(session, str) or not _NAME.fullmatch(session):
             raise PolicyError(f"session name {session!r:.80}: use 1-64 letters, digits, '_', '.', '-'")
         policy, timeout = self._policy_and_timeout(network, binds, memory_bytes, cpu_s, pids, timeout_s, clamped,
                                                    allow_hosts)
-        inside = _cwd(cwd)
+        inside = sandbox_cwd(cwd)
         self._enter(session)
         try:
             with self.sessions_lock:
@@ -413,6 +414,8 @@ class Tools:
             with self.sessions_lock:
                 sess = self.sessions.get(session)
                 if sess is None:
+                    if self._stop.is_set():  # shutdown() closes the sessions under this lock, after setting it
+                        raise LaunchError("the server is shutting down: no new session")
                     if len(self.sessions) >= self.config.max_sessions:
                         raise PolicyError(f"refused: {len(self.sessions)} sessions are open, the operator's "
                                           f"max_sessions; close one with close_session (idle sessions close "
@@ -483,7 +486,7 @@ class Tools:
                                         ("stderr", result.stderr, result.stderr_truncated)):
             cut = data[:cap]
             if len(data) > cap:
-                cut = _whole_utf8(cut)
+                cut = whole_utf8(cut)
             out[stream], out[f"{stream}_b64"] = bytes_fields(cut)
             out[f"{stream}_truncated"] = truncated or len(data) > cap
         # Why a limit or the network policy ended the program (issue 25): the verdict notes only,
@@ -513,9 +516,9 @@ class Tools:
         more than :data:`lowlevel.workspace.MAX_DEPTH` levels deep (see
         :func:`lowlevel.workspace.write_file`).
         """
-        _encoding(encoding)
+        check_encoding(encoding)
         _split_rel(path)  # the path's own errors before the workspace is created
-        data = _decode(content, encoding)
+        data = decode_content(content, encoding)
         if len(data) > self.config.max_file_bytes:
             raise PolicyError(f"refused: {len(data)} bytes > the operator's max_file_bytes "
                               f"{self.config.max_file_bytes}")
@@ -539,7 +542,7 @@ class Tools:
 
     def read_file(self, workspace: str, path: str, encoding: str = "utf-8") -> dict[str, Any]:
         """Read a workspace file (untrusted: no symlinks, size-capped). ``encoding``: utf-8 or base64."""
-        _encoding(encoding)
+        check_encoding(encoding)
         data = _ws.read_file(self._view(workspace), path, self.config.max_file_bytes)
         content = base64.b64encode(data).decode() if encoding == "base64" else data.decode("utf-8", "replace")
         return {"workspace": workspace, "path": path, "bytes": len(data), "encoding": encoding, "content": content,
@@ -561,61 +564,6 @@ class Tools:
         listing: dict[str, Any] = json_safe({"workspace": workspace, "entries": shown,
                                              "truncated": len(shown) < len(entries), "total": len(entries)})
         return listing
-
-
-def _whole_utf8(data: bytes) -> bytes:
-    """``data`` without a UTF-8 sequence cut at its end (by a byte cap), so capped text stays text."""
-    for back in range(1, min(4, len(data)) + 1):
-        byte = data[-back]
-        if byte < 0x80:
-            return data
-        if byte >= 0xC0:  # a lead byte: keep it only if its sequence is complete
-            need = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
-            return data if back >= need else data[:-back]
-    return data
-
-
-def _encoding(encoding: str) -> str:
-    if encoding not in ("utf-8", "base64"):
-        raise PolicyError(f"encoding must be 'utf-8' or 'base64', got {encoding!r:.40}")
-    return encoding
-
-
-def _utf8(value: str | None, what: str) -> bytes | None:
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise PolicyError(f"{what} must be a string, got {type(value).__name__}")
-    try:
-        return value.encode()
-    except UnicodeEncodeError as err:
-        raise PolicyError(f"{what} is not valid Unicode ({err.reason} at index {err.start}): "
-                          "send bytes with write_file(encoding='base64') instead") from None
-
-
-def _cwd(cwd: str | None) -> str:
-    """A request's ``cwd``: absolute inside the sandbox, or relative to ``/workspace``."""
-    if cwd is None:
-        return WORKSPACE_DEST
-    if not isinstance(cwd, str) or not cwd:
-        raise PolicyError(f"cwd {cwd!r}: give a directory inside the sandbox (absolute, or relative to "
-                          "/workspace), without '..'")
-    return _validate.sandbox_cwd(cwd if cwd.startswith("/") else f"{WORKSPACE_DEST}/{cwd}", "cwd")
-
-
-def _decode(content: str, encoding: str) -> bytes:
-    if not isinstance(content, str):
-        raise PolicyError(f"content must be a string, got {type(content).__name__}")
-    if encoding == "utf-8":
-        data = _utf8(content, "content")
-        assert data is not None
-        return data
-    if encoding == "base64":
-        try:
-            return base64.b64decode(content, validate=True)
-        except ValueError as err:
-            raise PolicyError(f"content is not valid base64: {err}") from err
-    raise PolicyError(f"encoding must be 'utf-8' or 'base64', got {encoding!r}")
 
 
 def _tool(server: Any) -> Callable[[_F], _F]:
@@ -762,28 +710,45 @@ def _strict_arguments(server: Any, tool_error: type[Exception], fns: Mapping[str
             params["additionalProperties"] = False
 
 
-def serve(config: ServerConfig) -> int | None:
+def serve(config: ServerConfig, pending: Callable[[], int | None] | None = None) -> int | None:
     """Serve MCP over stdio until the client closes stdin, through :mod:`lowlevel.mcp_server.stdio`
     (a malformed input line gets its JSON-RPC error; lines up to
     ``stdio.line_limit(config.max_file_bytes)`` bytes, 16 MiB by default), or until SIGTERM,
     SIGHUP or SIGINT (called from the main thread): then :meth:`Tools.shutdown` kills the runs in
-    flight and closes every session (its work committed) before the server stops.
+    flight and closes every session (its work committed) before the server stops. Either way it
+    then waits, up to :data:`DRAIN_S`, for the calls' worker threads to return (a
+    ``close_session`` still committing). ``pending``: the first signal a handler of the caller's
+    recorded (the CLI's :class:`lowlevel.cli.signals.SignalRecorder`, which also keeps the
+    process alive through that wait), or None.
 
     Returns:
         The signal number that stopped the server, or None (the client closed stdin).
     """
     from lowlevel.mcp_server import stdio as _stdio
+    from lowlevel.mcp_server.calls import wait_idle
 
     tools = Tools(config)
-    server = build_server(config, tools)
-    log.debug("lowlevel: mcp server on stdio, workspace base %s, host network %s, egress %s",
-              config.workspace_base, "allowed" if config.network else "off",
-              config.egress.describe() if config.egress is not None else "off")
+    signum: int | None = None
     try:
-        return _stdio.run(server, _stdio.line_limit(config.max_file_bytes), on_signal=lambda _signum: tools.shutdown(),
-                          on_gone=tools.shutdown)
+        if pending is None or pending() is None:
+            server = build_server(config, tools)
+            log.debug("lowlevel: mcp server on stdio, workspace base %s, host network %s, egress %s",
+                      config.workspace_base, "allowed" if config.network else "off",
+                      config.egress.describe() if config.egress is not None else "off")
+            signum = _stdio.run(server, _stdio.line_limit(config.max_file_bytes),
+                                on_signal=lambda _signum: tools.shutdown(), on_gone=tools.shutdown, pending=pending)
+        tools.shutdown()
+        if not wait_idle(DRAIN_S):
+            log.warning("lowlevel: mcp: a call still runs after %g s; stopping anyway", DRAIN_S)
     finally:
         tools.close()
+    if signum is None and pending is not None:
+        signum = pending()
+    return signum
+
+
+#: How long a stopping server waits for its calls' worker threads (a session's final commit), seconds.
+DRAIN_S = 600.0
 
 
 __all__ = ["PROGRESS_INTERVAL_S", "ServerConfig", "Tools", "build_server", "serve"]

@@ -34,6 +34,7 @@ class CallRuns:
     :data:`CURRENT_CALL`), so that cancelling the call (``notifications/cancelled``) kills them."""
 
     def __init__(self) -> None:
+        self.started = False  # its worker thread runs the tool
         self.runs: list[Callable[[], None]] = []  # what kills each
         self.cancelled = False
         self.done = threading.Event()
@@ -66,6 +67,28 @@ class CallRuns:
             self.done.wait(0.02)
 
 
+#: The calls whose worker threads have not returned (a cancelled call's thread runs on, killed).
+_ACTIVE: set[CallRuns] = set()
+_ACTIVE_LOCK = threading.Lock()
+
+
+def wait_idle(bound_s: float) -> bool:
+    """Wait until every tool call's worker thread has returned, at most ``bound_s`` seconds: a
+    server stopping waits for what its calls still do (a ``close_session`` committing a large
+    workspace), which ran on in threads the loop had let go of, and a signal then killed the
+    process mid-commit (a fresh-user trial). Returns True when none is left."""
+    deadline = time.monotonic() + bound_s
+    while True:
+        with _ACTIVE_LOCK:
+            pending = [c for c in _ACTIVE if c.started]
+        if not pending:
+            return True
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        pending[0].done.wait(min(left, 0.5))
+
+
 #: The tool call a worker thread runs for (set by :func:`tool_call`, copied into the thread's context).
 CURRENT_CALL: contextvars.ContextVar[CallRuns | None] = contextvars.ContextVar("lowlevel_mcp_call", default=None)
 
@@ -85,16 +108,24 @@ async def tool_call(tool_error: type[Exception], fn: Any, *args: Any, limiter: A
     context.run(CURRENT_CALL.set, call)
 
     def work() -> dict[str, Any]:
+        call.started = True
         try:
             out: dict[str, Any] = context.run(fn, *args, **kwargs)
             return out
         finally:
             call.done.set()
+            with _ACTIVE_LOCK:
+                _ACTIVE.discard(call)
 
+    with _ACTIVE_LOCK:
+        _ACTIVE.add(call)
     try:
         result = await anyio.to_thread.run_sync(work, abandon_on_cancel=True, limiter=limiter)
     except anyio.get_cancelled_exc_class():
         call.cancel()
+        if not call.started:  # cancelled while it waited for a thread: it never runs
+            with _ACTIVE_LOCK:
+                _ACTIVE.discard(call)
         raise
     except (LowlevelError, OSError) as err:
         raise tool_error(display(str(err))) from err
@@ -142,4 +173,5 @@ async def tool_call_with_progress(tool_error: type[Exception], ctx: Any, fn: Any
     return result
 
 
-__all__ = ["CURRENT_CALL", "PROGRESS_INTERVAL_S", "SHUTDOWN_KILL_S", "CallRuns", "tool_call", "tool_call_with_progress"]
+__all__ = ["CURRENT_CALL", "PROGRESS_INTERVAL_S", "SHUTDOWN_KILL_S", "CallRuns", "tool_call", "tool_call_with_progress",
+           "wait_idle"]

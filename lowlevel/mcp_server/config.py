@@ -198,11 +198,20 @@ def check_base(base: str) -> str:
     if not os.path.lexists(real):
         # The ancestors' trust before a directory is made there (the check after the mkdir left
         # the refused base behind: a fresh-user trial).
-        from lowlevel.host.trust import check_trusted_ancestors
+        from lowlevel.host.trust import first_untrusted_dir
         existing = real
         while not os.path.lexists(existing):
             existing = os.path.dirname(existing)
-        check_trusted_ancestors(os.path.join(existing, "new"))
+        try:
+            found = first_untrusted_dir(os.path.join(existing, "."))  # ``existing`` and above, as ancestors
+        except OSError as err:
+            raise WorkspaceError(err.errno, f"cannot check {err.filename} above workspace base {real}: "
+                                 f"{err.strerror}") from err
+        if found is not None:
+            cur, st = found
+            raise WorkspaceError(errno.EPERM, f"refusing workspace base {real}: {cur} (owner uid {st.st_uid}, mode "
+                                 f"{st.st_mode & 0o7777:04o}) could be renamed or replaced by another user; use a "
+                                 "base below directories owned by root or by you and not writable by others")
     made = _ws.ensure_base(real)  # refuses a system or sticky directory before changing anything
     _ws.check_workspace_path(made)  # trusted ancestors, a writable file system
     return made

@@ -317,7 +317,8 @@ async def stdio_server(max_line_bytes: int = MAX_LINE_BYTES,
         write_send, write_receive = _streams(0)
 
         lines = _Lines(wire_in, max_line_bytes)
-        gone: list[bool] = []
+        gone: list[bool] = []    # on_gone was called (stdin's end, or EPIPE)
+        broken: list[bool] = []  # stdout's reader is gone: answers are dropped
 
         async def client_gone() -> None:
             if not gone:
@@ -343,12 +344,13 @@ async def stdio_server(max_line_bytes: int = MAX_LINE_BYTES,
         async def writer() -> None:
             async with write_receive:
                 async for item in write_receive:
-                    if gone:
+                    if broken:
                         continue  # nobody reads the answers any more: drop them
                     try:
                         await wire.send(codec.encode(item))
                     except (BrokenPipeError, ConnectionResetError):
                         log.debug("lowlevel: mcp: the client stopped reading (EPIPE): stopping")
+                        broken.append(True)
                         await client_gone()
                         tg.cancel_scope.cancel()  # no answer can reach it: stop serving
 
@@ -366,7 +368,8 @@ SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
 
 def run(server: Any, max_line_bytes: int = MAX_LINE_BYTES,
-        on_signal: Callable[[int], None] | None = None, on_gone: Callable[[], None] | None = None) -> int | None:
+        on_signal: Callable[[int], None] | None = None, on_gone: Callable[[], None] | None = None,
+        pending: Callable[[], int | None] | None = None) -> int | None:
     """Serve ``server`` (the SDK's ``MCPServer``, or ``FastMCP`` on mcp 1.x) over stdio until the
     client closes stdin: its ``run("stdio")``, with :func:`stdio_server` as the transport.
 
@@ -378,7 +381,9 @@ def run(server: Any, max_line_bytes: int = MAX_LINE_BYTES,
     lost uncommitted, run cgroups left (a fresh-user trial: the MCP SDK's own client ends a
     server with SIGTERM 2 s after closing its stdin).
 
-    ``on_gone``: as :func:`stdio_server`'s.
+    ``on_gone``: as :func:`stdio_server`'s. ``pending``: the first signal the caller's own
+    handlers recorded, or None; given, those handlers stay in place (no receiver of the loop's)
+    and a recorded signal stops the server as one received here would.
 
     Returns:
         The signal number that ended the server, or None (the client closed stdin).
@@ -386,14 +391,27 @@ def run(server: Any, max_line_bytes: int = MAX_LINE_BYTES,
     inner = getattr(server, "_lowlevel_server", None) or server._mcp_server
     got: list[int] = []
 
-    async def on_signals(scope: anyio.CancelScope) -> None:
+    async def stop(signum: int, scope: anyio.CancelScope) -> None:
         assert on_signal is not None
+        if not got:
+            got.append(signum)
+            await anyio.to_thread.run_sync(on_signal, signum)
+            scope.cancel()
+
+    async def on_signals(scope: anyio.CancelScope) -> None:
+        if pending is not None:
+            # The caller's handler stays installed (an event loop's own receiver would put SIG_DFL
+            # back when the loop ends, and a signal during the final commits killed the process:
+            # a fresh-user trial); a signal interrupts the loop's wait, this sees it within 0.1 s.
+            while True:
+                signum = pending()
+                if signum is not None:
+                    await stop(signum, scope)
+                    return
+                await anyio.sleep(0.1)
         with anyio.open_signal_receiver(*SHUTDOWN_SIGNALS) as signals:
-            async for signum in signals:
-                if not got:
-                    got.append(int(signum))
-                    await anyio.to_thread.run_sync(on_signal, int(signum))
-                    scope.cancel()
+            async for received in signals:
+                await stop(int(received), scope)
 
     async def main() -> None:
         async with anyio.create_task_group() as tg:

@@ -8,6 +8,7 @@ sizes are capped.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -147,12 +148,17 @@ def read_file(root: str, relpath: str, max_bytes: int = DEFAULT_READ_LIMIT) -> b
 
 def write_file(root: str, relpath: str, data: bytes, *, uid: int | None = None, gid: int | None = None) -> None:
     """Write ``data`` to a workspace file, creating parent dirs, never through a symlink or a
-    hard link.
+    hard link, and whole or not at all.
 
-    The file is opened without ``O_TRUNC`` and checked first: a symlink anywhere on the path
-    (``O_NOFOLLOW`` per component), a special file, or a regular file with more than one hard
-    link (a name the sandbox may have linked to another file) is refused before one byte
-    changes.
+    The content goes to a new file first (``O_TMPFILE``, linked in under a temporary name just
+    before the ``rename(2)``; a named temporary where the file system has no ``O_TMPFILE``),
+    which then replaces the name in one step: a reader, the sandbox, or a process killed during
+    a large write sees the old content or the new, never a mix (an in-place write killed half-way
+    left 16 MB of 40 and the old content gone: a fresh-user trial). What the name holds now is
+    checked first, without following it: a symlink anywhere on the path (``O_NOFOLLOW`` per
+    component), a special file, or a regular file with more than one hard link (a name the
+    sandbox may have linked to another file) is refused before one byte changes. A replaced
+    file keeps its mode and, without ``uid``, its owner.
 
     ``uid``/``gid``: owner of the file and of the directories made for it (a root caller
     writing into a live session's workspace passes :attr:`lowlevel.Session.host_ids`).
@@ -166,34 +172,72 @@ def write_file(root: str, relpath: str, data: bytes, *, uid: int | None = None, 
     try:
         dfd = _open_parent(root, parts, create=True,
                            owner=(uid, gid if gid is not None else uid) if uid is not None else None)
-        try:
-            fd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
-                         0o644, dir_fd=dfd)
-        finally:
-            os.close(dfd)
     except OSError as err:
         if err.errno in (errno.ELOOP, errno.ENOTDIR):
             raise WorkspaceError(err.errno, f"refusing to write {relpath!r}: a symlink is in the way "
                                  "(workspace content is untrusted)") from err
         raise WorkspaceError(err.errno, f"cannot write {relpath!r} in workspace: {err.strerror}") from err
     try:
-        with os.fdopen(fd, "wb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise WorkspaceError(errno.EINVAL, f"refusing {relpath!r}: not a regular file")
-            if st.st_nlink > 1:
-                raise WorkspaceError(errno.EMLINK, f"refusing to write {relpath!r}: it has {st.st_nlink} hard "
-                                     "links, so the write would change the other names too")
-            os.ftruncate(f.fileno(), 0)
-            f.write(data)
-            f.flush()
-            if uid is not None:
-                os.fchown(f.fileno(), uid, gid if gid is not None else -1)
+        _replace(dfd, parts[-1], relpath, data, uid, gid)
     except WorkspaceError:
         raise
     except OSError as err:
         raise WorkspaceError(err.errno or errno.EIO, f"cannot write {relpath!r} in workspace: "
                              f"{err.strerror or err}") from err
+    finally:
+        os.close(dfd)
+
+
+def _existing(dfd: int, name: str, relpath: str) -> os.stat_result | None:
+    """What ``name`` holds now (lstat), refused unless absent or a singly-linked regular file."""
+    try:
+        st = os.lstat(name, dir_fd=dfd)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        raise WorkspaceError(errno.ELOOP, f"refusing to write {relpath!r}: a symlink is in the way "
+                             "(workspace content is untrusted)")
+    if not stat.S_ISREG(st.st_mode):
+        raise WorkspaceError(errno.EINVAL, f"refusing {relpath!r}: not a regular file")
+    if st.st_nlink > 1:
+        raise WorkspaceError(errno.EMLINK, f"refusing to write {relpath!r}: it has {st.st_nlink} hard "
+                             "links, so the write would change the other names too")
+    return st
+
+
+def _replace(dfd: int, name: str, relpath: str, data: bytes, uid: int | None, gid: int | None) -> None:
+    """:func:`write_file`'s new file in directory ``dfd``, renamed over ``name``."""
+    old = _existing(dfd, name, relpath)
+    tmp = f".lowlevel-write-{os.getpid()}-{os.urandom(6).hex()}"
+    try:
+        fd = os.open(".", os.O_WRONLY | os.O_TMPFILE | os.O_CLOEXEC, 0o644, dir_fd=dfd)
+        linked = False
+    except OSError as err:
+        if err.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            raise
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd)
+        linked = True
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            if old is not None:
+                os.fchmod(f.fileno(), stat.S_IMODE(old.st_mode) & 0o777)
+            if uid is not None:
+                os.fchown(f.fileno(), uid, gid if gid is not None else -1)
+            elif old is not None and (old.st_uid, old.st_gid) != (os.geteuid(), os.getegid()):
+                with contextlib.suppress(PermissionError):
+                    os.fchown(f.fileno(), old.st_uid, old.st_gid)
+            if not linked:
+                os.link(f"/proc/self/fd/{f.fileno()}", tmp, dst_dir_fd=dfd, follow_symlinks=True)
+                linked = True
+        _existing(dfd, name, relpath)  # still what was checked (the sandbox may have swapped it meanwhile)
+        os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        linked = False
+    finally:
+        if linked:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dfd)
 
 
 def make_dir(root: str, relpath: str, mode: int = 0o755) -> None:

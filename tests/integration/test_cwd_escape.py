@@ -87,7 +87,8 @@ def test_validate_keeps_sandbox_directories(cwd: str, norm: str) -> None:
 
 def test_every_entry_point_refuses_an_escaping_cwd(marker: str) -> None:
     """run, arun, Session.run, Policy.workdir, a record, MCP: each a PolicyError/RecordError."""
-    from lowlevel import mcp_server, record
+    from lowlevel import record
+    from lowlevel.mcp_server import inputs as mcp_inputs
     from lowlevel.record import validation
     for cwd in ("/proc/self/fd/3", "/dev/fd/3", "/workspace/../proc/self/fd/3"):
         with pytest.raises(lowlevel.PolicyError):
@@ -97,7 +98,7 @@ def test_every_entry_point_refuses_an_escaping_cwd(marker: str) -> None:
         with pytest.raises(lowlevel.PolicyError):
             lowlevel.Policy(workdir=cwd)
         with pytest.raises(lowlevel.PolicyError):
-            mcp_server._cwd(cwd)
+            mcp_inputs.sandbox_cwd(cwd)
     with lowlevel.Session(lowlevel.Policy()) as s:
         with pytest.raises(lowlevel.PolicyError):
             s.run(["ls", ".."], cwd="/proc/self/fd/3")

@@ -74,8 +74,9 @@ def test_a_refused_base_is_not_made_first(base: Path) -> None:
     shared = base / "shared"
     shared.mkdir()
     os.chmod(shared, 0o777)
-    with pytest.raises(LowlevelError, match="could be renamed or replaced by another user"):
+    with pytest.raises(LowlevelError, match="could be renamed or replaced by another user") as err:
         Tools(ServerConfig(workspace_base=str(shared / "a" / "b")))
+    assert str(err.value).startswith(f"refusing workspace base {shared / 'a' / 'b'}: {shared} "), err.value
     assert os.listdir(shared) == []
     t = Tools(ServerConfig(workspace_base=str(base / "fine" / "b")))
     t.close()

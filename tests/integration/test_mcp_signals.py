@@ -281,3 +281,56 @@ def test_failed_calls_do_not_fill_stderr(base: Path) -> None:
             server.proc.wait()
         server.close_pipes()
     assert server.proc.returncode == 0 and server.log.read_text() == "", server.log.read_text()
+
+
+def test_a_close_session_commit_finishes_when_the_client_leaves_and_signals(base: Path) -> None:
+    """The SDK client's exit (stdin closed, SIGTERM soon after) during a ``close_session`` whose
+    commit takes a while: the server had let the call's thread go, the signal handlers were
+    back at their defaults, and the SIGTERM killed it mid-commit (0 of 30,000 files applied as
+    root, half as the user: a fresh-user trial). Now it waits for the commit, signals recorded,
+    and exits 128+N with the workspace whole and no commit temporary left."""
+    server = Server(base)
+    try:
+        server.call("run_in_session", {"session": "big", "timeout_s": 120, "command": [
+            "sh", "-c", "mkdir d && cd d && i=0; while [ $i -lt 8000 ]; do echo $i > f$i; i=$((i+1)); done; "
+            "echo last > ../zz-last"]})
+        server.call("close_session", {"session": "big"}, wait=False)
+        time.sleep(0.05)
+        assert server.proc.stdin is not None
+        server.proc.stdin.close()
+        time.sleep(0.1)
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(timeout=120)
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait()
+        server.close_pipes()
+    err = server.log.read_text()
+    assert server.proc.returncode in (0, 128 + signal.SIGTERM) and "Traceback" not in err, (server.proc.returncode, err)
+    ws = base / "ws" / "big"
+    assert (ws / "zz-last").read_text() == "last\n"
+    assert len(os.listdir(ws / "d")) == 8000
+    assert not [n for n in os.listdir(ws) if n.startswith(".lowlevel-")], os.listdir(ws)
+
+
+def test_requests_written_before_stdin_closes_are_all_answered(base: Path) -> None:
+    """``printf '...' | lowlevel mcp``: the requests before the end of stdin got no answers once
+    it ended (the server dropped its answers as soon as stdin ended: a fresh-user trial). A
+    client that closes stdin may still read stdout: every answer is written."""
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])}
+    lines = [
+        {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "pipe", "version": "0"}}},
+        {"jsonrpc": "2.0", "method": "notifications/initialized"},
+        {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
+            "name": "write_file", "arguments": {"workspace": "p", "path": "f", "content": "x"}}},
+        {"jsonrpc": "2.0", "id": 3, "method": "ping"},
+    ]
+    data = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+    out = subprocess.run([sys.executable, "-m", "lowlevel", "mcp", "--workspace-base", str(base / "ws")], input=data,
+                         capture_output=True, env=env, cwd=base, timeout=120)
+    ids = sorted(json.loads(line)["id"] for line in out.stdout.splitlines() if line.strip())
+    assert out.returncode == 0 and ids == [1, 2, 3], (ids, out.stderr[-2000:])
+    assert (base / "ws" / "p" / "f").read_text() == "x"

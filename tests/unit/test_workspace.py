@@ -127,3 +127,26 @@ def test_a_workspace_path_naming_the_workspace_itself_says_so(tmp_path: Path, re
     src.write_text("x")
     with pytest.raises(WorkspaceError, match="names the workspace itself"):
         create_workspace([(str(src), rel)], base=str(tmp_path / "base"))
+
+
+def test_write_file_replaces_the_file_whole(tmp_path):
+    """write_file wrote in place (truncate, then write): a writer killed half-way left part of
+    the new content and none of the old (16 MB of 40: a fresh-user trial). Now a new file
+    replaces the name in one rename: an fd opened on the old file still reads all the old
+    content, the name holds all the new, the mode is kept, and no temporary is left."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "f").write_bytes(b"old" * 1000)
+    os.chmod(ws / "f", 0o600)
+    before = os.stat(ws / "f").st_ino
+    with open(ws / "f", "rb") as old:
+        write_file(str(ws), "f", b"new" * 5000)
+        assert old.read() == b"old" * 1000
+    assert (ws / "f").read_bytes() == b"new" * 5000
+    assert os.stat(ws / "f").st_ino != before and oct(os.stat(ws / "f").st_mode & 0o777) == oct(0o600)
+    assert sorted(os.listdir(ws)) == ["f"]
+    os.link(ws / "f", ws / "other")
+    with pytest.raises(WorkspaceError) as err:
+        write_file(str(ws), "f", b"x")
+    assert err.value.errno == errno.EMLINK and (ws / "other").read_bytes() == b"new" * 5000
+    assert sorted(os.listdir(ws)) == ["f", "other"]
