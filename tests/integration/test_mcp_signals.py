@@ -54,6 +54,13 @@ class Server:
                                     "clientInfo": {"name": "test_mcp_signals", "version": "0"}})
         self.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
 
+    def finish(self) -> None:
+        """Kill the server if it still runs, reap it, close our pipe ends."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.close_pipes()
+
     def close_pipes(self) -> None:
         for pipe in (self.proc.stdin, self.proc.stdout):
             if pipe is not None:
@@ -117,10 +124,7 @@ def test_a_signal_commits_the_sessions_and_kills_the_runs_in_flight(base: Path, 
         server.proc.wait(timeout=60)
         took = time.monotonic() - t0
     finally:
-        if server.proc.poll() is None:
-            server.proc.kill()
-            server.proc.wait()
-        server.close_pipes()
+        server.finish()
     err = server.log.read_text()
     assert server.proc.returncode == 128 + sig, err
     assert f"lowlevel mcp: {sig.name}: stopped" in err and "Traceback" not in err, err
@@ -138,10 +142,7 @@ def test_control_sigkill_loses_the_uncommitted_session_work(base: Path) -> None:
         server.proc.kill()
         server.proc.wait(timeout=30)
     finally:
-        if server.proc.poll() is None:
-            server.proc.kill()
-            server.proc.wait()
-        server.close_pipes()
+        server.finish()
     assert not (base / "ws" / "w" / "result.txt").exists()
 
 
@@ -153,10 +154,7 @@ def test_an_idle_server_stops_at_once_on_sigint(base: Path) -> None:
         server.proc.send_signal(signal.SIGINT)
         server.proc.wait(timeout=30)
     finally:
-        if server.proc.poll() is None:
-            server.proc.kill()
-            server.proc.wait()
-        server.close_pipes()
+        server.finish()
     err = server.log.read_text()
     assert server.proc.returncode == 130 and "SIGINT: stopped" in err and "sandbox was killed" not in err, err
 
@@ -179,9 +177,7 @@ def test_a_cancelled_call_kills_its_run(base: Path) -> None:
         answer = server.call("run", {"command": ["echo", "next"]})
         assert answer is not None and "next" in json.dumps(answer)
     finally:
-        server.proc.kill()
-        server.proc.wait()
-        server.close_pipes()
+        server.finish()
 
 
 def test_a_cancelled_session_call_kills_its_command_and_the_session_goes_on(base: Path) -> None:
@@ -199,9 +195,7 @@ def test_a_cancelled_session_call_kills_its_command_and_the_session_goes_on(base
         answer = server.call("run_in_session", {"session": "w", "command": ["cat", "f"]})
         assert answer is not None and "before" in json.dumps(answer)
     finally:
-        server.proc.kill()
-        server.proc.wait()
-        server.close_pipes()
+        server.finish()
 
 
 @pytest.mark.parametrize("end", ["stdin", "stdout"])
@@ -225,10 +219,7 @@ def test_a_client_gone_ends_the_calls_in_flight(base: Path, end: str) -> None:
             server.call("run", {"command": ["true"]}, wait=False)
         server.proc.wait(timeout=60)
     finally:
-        if server.proc.poll() is None:
-            server.proc.kill()
-            server.proc.wait()
-        server.close_pipes()
+        server.finish()
     err = server.log.read_text()
     assert server.proc.returncode == 0 and "Traceback" not in err, err
     assert _wait(lambda: not pids_with(marker, whole_arg=True), 10), "the run in flight outlived its client"
@@ -256,9 +247,7 @@ def test_max_concurrent_runs_bounds_a_flood_and_the_transport_still_answers(base
         assert time.monotonic() - t0 < 5
         assert (config / "rel-ws").is_dir() and not (base / "rel-ws").exists()
     finally:
-        server.proc.kill()
-        server.proc.wait()
-        server.close_pipes()
+        server.finish()
     assert _wait(lambda: not pids_with(marker, whole_arg=True), 15)
 
 
@@ -276,10 +265,7 @@ def test_failed_calls_do_not_fill_stderr(base: Path) -> None:
         server.proc.stdin.close()
         server.proc.wait(timeout=30)
     finally:
-        if server.proc.poll() is None:
-            server.proc.kill()
-            server.proc.wait()
-        server.close_pipes()
+        server.finish()
     assert server.proc.returncode == 0 and server.log.read_text() == "", server.log.read_text()
 
 
@@ -303,10 +289,7 @@ def test_a_close_session_commit_finishes_when_the_client_leaves_and_signals(base
         server.proc.send_signal(signal.SIGTERM)
         server.proc.wait(timeout=120)
     finally:
-        if server.proc.poll() is None:
-            server.proc.kill()
-            server.proc.wait()
-        server.close_pipes()
+        server.finish()
     err = server.log.read_text()
     assert server.proc.returncode in (0, 128 + signal.SIGTERM) and "Traceback" not in err, (server.proc.returncode, err)
     ws = base / "ws" / "big"
