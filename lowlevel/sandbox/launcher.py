@@ -541,7 +541,16 @@ class Run(RunFinish):
         pidfd readable, then waits for the sandbox-init pidfd itself instead of blocking.
         """
         if self.pid is not None and self.wait_status is None:
-            _, status, ru = os.wait4(self.pid, 0)
+            try:
+                _, status, ru = os.wait4(self.pid, 0)
+            except ChildProcessError:
+                # Another thread of ours reaped it at the same moment (a Session's reader seeing
+                # its init die while close() reaps: "[Errno 10] No child processes" from close,
+                # found by a fresh-user trial): its values land in a moment.
+                deadline = time.monotonic() + 1.0
+                while self.wait_status is None and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                return
             self.wait_status = status
             self.supervisor_signaled = self.supervisor_signaled or os.WIFSIGNALED(status)  # the anchor killed
             self.rusage = ru

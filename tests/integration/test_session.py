@@ -775,3 +775,32 @@ def test_fds_in_flight_as_unprivileged_user_give_a_clear_error():
     assert lines[0] == "[b'ETOOMANYREFS']", out
     assert lines[1] in ("ran b'next\\n'", "LaunchError True 109"), out
     assert lines[2] == "after b'ok\\n'", out
+
+
+def _reap_at_once(run: "lowlevel.sandbox.launcher.Run", barrier: threading.Barrier, errors: list[str]) -> None:
+    barrier.wait()
+    try:
+        run.reap_bwrap()
+    except Exception as err:  # noqa: BLE001 - the test's assertion shows it
+        errors.append(repr(err))
+
+
+def test_two_threads_reaping_a_dead_sessions_bwrap_at_once_do_not_fail():
+    """A Session's reader reaping its dead init's bwrap while close() reaps it too: the second
+    os.wait4 failed with "[Errno 10] No child processes", which close() raised (an MCP server's
+    shutdown logged it; 11 of 20 here before the fix). Now the loser takes the winner's status."""
+    errors: list[str] = []
+    for _ in range(10):
+        s = Session()
+        s.run(["true"])
+        run = s._core.run
+        run.kill(None)
+        barrier = threading.Barrier(2)
+        threads = [threading.Thread(target=_reap_at_once, args=(run, barrier, errors)) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert run.wait_status is not None
+        s.close()
+    assert errors == []
