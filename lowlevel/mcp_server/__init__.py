@@ -736,7 +736,8 @@ def serve(config: ServerConfig, pending: Callable[[], int | None] | None = None)
                       config.workspace_base, "allowed" if config.network else "off",
                       config.egress.describe() if config.egress is not None else "off")
             signum = _stdio.run(server, _stdio.line_limit(config.max_file_bytes),
-                                on_signal=lambda _signum: tools.shutdown(), on_gone=tools.shutdown, pending=pending)
+                                on_signal=lambda _signum: tools.shutdown(), on_gone=lambda: _drain(tools),
+                                pending=pending)
         tools.shutdown()
         if not wait_idle(DRAIN_S):
             log.warning("lowlevel: mcp: a call still runs after %g s; stopping anyway", DRAIN_S)
@@ -749,6 +750,14 @@ def serve(config: ServerConfig, pending: Callable[[], int | None] | None = None)
 
 #: How long a stopping server waits for its calls' worker threads (a session's final commit), seconds.
 DRAIN_S = 600.0
+
+
+def _drain(tools: Tools) -> None:
+    """The client is gone (stdin's end, EPIPE): kill what runs, close the sessions, and wait for
+    the calls' worker threads, so the answers of those that finish can still be written."""
+    from lowlevel.mcp_server.calls import wait_idle
+    tools.shutdown()
+    wait_idle(DRAIN_S)
 
 
 __all__ = ["PROGRESS_INTERVAL_S", "ServerConfig", "Tools", "build_server", "serve"]

@@ -331,7 +331,8 @@ async def stdio_server(max_line_bytes: int = MAX_LINE_BYTES,
                 while True:
                     line, too_long = await lines.next()
                     if not line:
-                        await client_gone()
+                        await client_gone()  # the caller's shutdown: runs killed, calls drained
+                        await anyio.sleep(EOF_GRACE_S)  # their answers go out before the stream closes
                         return
                     checked = (error_line(INVALID_REQUEST, None, f"the line is longer than {max_line_bytes} "
                                           "bytes, the server's limit: not read") if too_long else codec.check(line))
@@ -362,6 +363,11 @@ async def stdio_server(max_line_bytes: int = MAX_LINE_BYTES,
         finally:
             lines.release()
 
+
+#: After stdin's end and ``on_gone``, how long the read stream stays open so the answers of the
+#: calls that just finished are written (the SDK drops a handler still running when it closes:
+#: ``printf ... | lowlevel mcp`` lost its last answers), seconds.
+EOF_GRACE_S = 0.5
 
 #: The signals that end the server gracefully (:func:`run`'s ``on_signal``).
 SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
