@@ -248,6 +248,48 @@ class _Lines:
             self.queue.put_nowait((b"", False))
 
 
+class Unanswered:
+    """The ids of the requests read and not yet answered (a count per id: a client may reuse one).
+
+    :meth:`read` takes each message handed to the server: a request's id is counted, a
+    ``notifications/cancelled`` uncounts its ``requestId`` (the SDK never answers a cancelled
+    request, MCP 2025-06-18 "Cancellation"); :meth:`written` takes each message written: a
+    response's or an error's id is uncounted. Truthy while any request waits for its answer.
+    Messages are the SDK's (a ``RootModel`` on mcp 1.x: its ``root`` is read)."""
+
+    def __init__(self) -> None:
+        self.ids: dict[object, int] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.ids)
+
+    def __len__(self) -> int:
+        return sum(self.ids.values())
+
+    def _drop(self, rid: object) -> None:
+        left = self.ids.get(rid, 0) - 1
+        if left > 0:
+            self.ids[rid] = left
+        else:
+            self.ids.pop(rid, None)
+
+    def read(self, message: Any) -> None:
+        message = getattr(message, "root", message)
+        method = getattr(message, "method", None)
+        if method == "notifications/cancelled":
+            params = getattr(message, "params", None)
+            rid = params.get("requestId") if isinstance(params, dict) else getattr(params, "request_id", None)
+            if rid is not None:
+                self._drop(rid)
+        elif method is not None and getattr(message, "id", None) is not None:
+            self.ids[message.id] = self.ids.get(message.id, 0) + 1
+
+    def written(self, message: Any) -> None:
+        message = getattr(message, "root", message)
+        if getattr(message, "method", None) is None and getattr(message, "id", None) is not None:
+            self._drop(message.id)
+
+
 class _Wire:
     """The output side: one lock, one line per write, flushed."""
 
@@ -317,6 +359,7 @@ async def stdio_server(max_line_bytes: int = MAX_LINE_BYTES,
         write_send, write_receive = _streams(0)
 
         lines = _Lines(wire_in, max_line_bytes)
+        unanswered = Unanswered()
         gone: list[bool] = []    # on_gone was called (stdin's end, or EPIPE)
         broken: list[bool] = []  # stdout's reader is gone: answers are dropped
 
@@ -332,7 +375,15 @@ async def stdio_server(max_line_bytes: int = MAX_LINE_BYTES,
                     line, too_long = await lines.next()
                     if not line:
                         await client_gone()  # the caller's shutdown: runs killed, calls drained
-                        await anyio.sleep(EOF_GRACE_S)  # their answers go out before the stream closes
+                        # Every request read gets its answer before the read stream closes (the SDK
+                        # drops the handlers still running then: calls queued behind
+                        # max_concurrent_runs lost their answers), within EOF_ANSWERS_S.
+                        with anyio.move_on_after(EOF_ANSWERS_S):
+                            while unanswered and not broken:
+                                await anyio.sleep(0.01)
+                        if unanswered and not broken:
+                            log.warning("lowlevel: mcp: %d request(s) still unanswered %g s after stdin's end: "
+                                        "stopping", len(unanswered), EOF_ANSWERS_S)
                         return
                     checked = (error_line(INVALID_REQUEST, None, f"the line is longer than {max_line_bytes} "
                                           "bytes, the server's limit: not read") if too_long else codec.check(line))
@@ -340,6 +391,7 @@ async def stdio_server(max_line_bytes: int = MAX_LINE_BYTES,
                         log.debug("lowlevel: mcp: refused an input line: %s", checked[:200].decode(errors="replace"))
                         await wire.send(checked)
                     elif checked is not None:
+                        unanswered.read(checked.message)
                         await read_send.send(checked)
 
         async def writer() -> None:
@@ -349,6 +401,7 @@ async def stdio_server(max_line_bytes: int = MAX_LINE_BYTES,
                         continue  # nobody reads the answers any more: drop them
                     try:
                         await wire.send(codec.encode(item))
+                        unanswered.written(item.message)
                     except (BrokenPipeError, ConnectionResetError):
                         log.debug("lowlevel: mcp: the client stopped reading (EPIPE): stopping")
                         broken.append(True)
@@ -364,10 +417,12 @@ async def stdio_server(max_line_bytes: int = MAX_LINE_BYTES,
             lines.release()
 
 
-#: After stdin's end and ``on_gone``, how long the read stream stays open so the answers of the
-#: calls that just finished are written (the SDK drops a handler still running when it closes:
-#: ``printf ... | lowlevel mcp`` lost its last answers), seconds.
-EOF_GRACE_S = 0.5
+#: After stdin's end and ``on_gone``, how long the read stream stays open at most while requests
+#: read are still unanswered, seconds. The SDK drops a handler still running when the stream
+#: closes: ``printf ... | lowlevel mcp`` lost its last answers, and calls queued behind
+#: ``max_concurrent_runs`` (776 of 1,000) lost theirs. By then every call's worker thread has
+#: returned (``on_gone``) and new runs are refused at once, so what is left is the loop's work.
+EOF_ANSWERS_S = 30.0
 
 #: The signals that end the server gracefully (:func:`run`'s ``on_signal``).
 SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
@@ -431,4 +486,5 @@ def run(server: Any, max_line_bytes: int = MAX_LINE_BYTES,
     return got[0] if got else None
 
 
-__all__ = ["MAX_LINE_BYTES", "SHUTDOWN_SIGNALS", "Codec", "error_line", "line_limit", "run", "stdio_server"]
+__all__ = ["MAX_LINE_BYTES", "SHUTDOWN_SIGNALS", "Codec", "Unanswered", "error_line", "line_limit", "run",
+           "stdio_server"]

@@ -317,3 +317,38 @@ def test_requests_written_before_stdin_closes_are_all_answered(base: Path) -> No
     ids = sorted(json.loads(line)["id"] for line in out.stdout.splitlines() if line.strip())
     assert out.returncode == 0 and ids == [1, 2, 3], (ids, out.stderr[-2000:])
     assert (base / "ws" / "p" / "f").read_text() == "x"
+
+
+def test_calls_queued_behind_max_concurrent_runs_at_stdin_end_are_all_answered(base: Path) -> None:
+    """A client that writes 1,000 run calls (``max_concurrent_runs = 1``: one runs, the others
+    wait for the limiter) and a ping, then closes stdin, gets an answer to every one: the server
+    keeps its read stream open until each request read has been answered. It closed after a
+    fixed 0.5 s grace before, and the SDK dropped the handlers still waiting: 776 of 1,003 ids
+    went unanswered (a fresh-user trial's "left" item, reproduced)."""
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path]), "LOWLEVEL_CGROUP_ROOTS": ""}
+    config = base / "c.toml"
+    config.write_text(f'workspace_base = "{base / "ws"}"\nmax_concurrent_runs = 1\n')
+    n = 1000
+    lines: list[dict[str, Any]] = [
+        {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+            "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "pipe", "version": "0"}}},
+        {"jsonrpc": "2.0", "method": "notifications/initialized"},
+        {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+            "name": "run", "arguments": {"command": ["sleep", "60"]}}},
+        *({"jsonrpc": "2.0", "id": 2 + i, "method": "tools/call", "params": {
+            "name": "run", "arguments": {"command": ["true"]}}} for i in range(n)),
+        {"jsonrpc": "2.0", "id": "c", "method": "tools/call", "params": {
+            "name": "run", "arguments": {"command": ["sleep", "60"]}}},
+        {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": "c"}},
+        {"jsonrpc": "2.0", "id": 2 + n, "method": "ping"},
+    ]
+    data = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "lowlevel", "mcp", "--config", str(config)], input=data,
+                         capture_output=True, env=env, cwd=base, timeout=150)
+    took = time.monotonic() - started
+    ids = [json.loads(line)["id"] for line in out.stdout.splitlines() if line.strip()]
+    missing = sorted(set(range(n + 3)) - set(ids))
+    assert out.returncode == 0 and not missing, (len(missing), missing[:10], out.stderr[-2000:])
+    assert "c" not in ids  # a cancelled request is never answered (MCP "Cancellation"), and not waited for
+    assert took < 60, took  # the sleeps were killed, not waited out
