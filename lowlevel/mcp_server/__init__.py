@@ -76,7 +76,8 @@ from lowlevel.mcp_server.calls import (CURRENT_CALL, PROGRESS_INTERVAL_S, SHUTDO
                                        tool_call_with_progress)
 from lowlevel.spec.report import bytes_fields, json_safe
 from lowlevel.mcp_server.config import ServerConfig, check_base
-from lowlevel.mcp_server.inputs import check_encoding, decode_content, sandbox_cwd, utf8_arg, whole_utf8
+from lowlevel.mcp_server.inputs import (argument_errors, check_encoding, decode_content, sandbox_cwd, utf8_arg,
+                                       whole_utf8)
 from lowlevel.sandbox.result import Result
 from lowlevel.units import duration_seconds, size_bytes
 
@@ -701,13 +702,22 @@ def _strict_arguments(server: Any, tool_error: type[Exception], fns: Mapping[str
         if unknown:
             raise tool_error(f"tool {name!r} takes no argument {', '.join(map(repr, unknown))}; its arguments: "
                              f"{', '.join(sorted(known[name]))}")
-        return await inner(name, arguments, *args, **kwargs)
+        try:
+            return await inner(name, arguments, *args, **kwargs)
+        except tool_error as err:
+            cause = err.__cause__
+            if cause is None or type(cause).__name__ != "ValidationError" or name not in schemas:
+                raise
+            raise tool_error(f"Error executing tool {name}: bad arguments: "
+                             f"{argument_errors(cause, arguments, schemas[name])}") from None
 
     target.call_tool = call_tool
+    schemas: dict[str, Mapping[str, Any]] = {}
     for tool in (manager.list_tools() if manager is not None and hasattr(manager, "list_tools") else ()):
         params = getattr(tool, "parameters", None)
         if isinstance(params, dict) and tool.name in known:
             params["additionalProperties"] = False
+            schemas[tool.name] = params
 
 
 def serve(config: ServerConfig, pending: Callable[[], int | None] | None = None) -> int | None:

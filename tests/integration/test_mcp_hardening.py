@@ -217,3 +217,55 @@ def test_list_files_is_bounded_by_max_output_bytes(base: Path) -> None:
         assert small["truncated"] is False and small["total"] == 1 and small["entries"][0]["path"] == "a.txt"
     finally:
         t.close()
+
+
+BAD_ARGUMENTS = [
+    ("run", {"command": "ls"}, "'command' must be a list of strings, not a string"),
+    ("run", {"command": ["true"], "timeout_s": [1]}, "'timeout_s' must be a number, a string or null, not a list"),
+    ("run", {"command": ["true"], "pids": "x"}, "'pids' must be an integer or null, not a string"),
+    ("run", {"command": ["true"], "env": {"A": 1}}, "'env'['A'] must be a string, not an integer"),
+    ("run", {"command": ["a", 3]}, "'command'[1] must be a string, not an integer"),
+    ("close_session", {}, "'session' is required (a string)"),
+    ("write_file", {"workspace": "w", "path": "p", "content": None}, "'content' must be a string, not null"),
+]
+
+
+def test_argument_type_errors_are_one_line_in_the_schema_s_terms(base: Path) -> None:
+    """A wrong argument type reached an MCP client as the SDK's pydantic text: several lines per
+    argument, pydantic's union member tags (``timeout_s.float``), the client's value and a URL
+    per error (a fresh-user trial's "left" item). Now one line in the terms of the published
+    input schema, with the value's JSON type and never the value; a valid call still runs (the
+    control)."""
+    lines: list[dict[str, Any]] = [
+        {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+            "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "pipe", "version": "0"}}},
+        {"jsonrpc": "2.0", "method": "notifications/initialized"},
+        *({"jsonrpc": "2.0", "id": i + 1, "method": "tools/call", "params": {"name": name, "arguments": args}}
+          for i, (name, args, _want) in enumerate(BAD_ARGUMENTS)),
+        {"jsonrpc": "2.0", "id": 99, "method": "tools/call", "params": {
+            "name": "run", "arguments": {"command": ["echo", "ok"], "timeout_s": "10s"}}},
+    ]
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path]), "LOWLEVEL_CGROUP_ROOTS": ""}
+    proc = subprocess.Popen([sys.executable, "-m", "lowlevel", "mcp", "--workspace-base", str(base / "ws")],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=base)
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        proc.stdin.write(b"".join(json.dumps(line).encode() + b"\n" for line in lines))
+        proc.stdin.flush()
+        answers: dict[int, Any] = {}
+        while len(answers) < len(BAD_ARGUMENTS) + 2:  # stdin stays open: the valid run is not refused
+            message = json.loads(proc.stdout.readline())
+            answers[message["id"]] = message["result"]
+        proc.stdin.close()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+    for i, (name, _args, want) in enumerate(BAD_ARGUMENTS):
+        result = answers[i + 1]
+        text = result["content"][0]["text"]
+        assert result["isError"] and text == f"Error executing tool {name}: bad arguments: {want}", text
+        assert "\n" not in text and "pydantic" not in text and "'ls'" not in text
+    assert not answers[99]["isError"] and "ok" in json.dumps(answers[99]), answers[99]
