@@ -34,11 +34,15 @@ try:
             posix._exit(128 + signum)
 
     def _is_the_command() -> bool:
-        """Whether this process's main program is lowlevel's own command (not a library caller)."""
+        """Whether this process's main program is lowlevel's own command (not a library caller):
+        the console script (run by any path: Python makes ``__main__.__file__`` absolute, so
+        ``.venv/bin/lowlevel`` has a relative ``argv[0]``), or ``python -m lowlevel[.cli]``."""
+        import os
         import sys
         main_file = getattr(sys.modules.get("__main__"), "__file__", None) or ""
         orig = list(getattr(sys, "orig_argv", ()))
-        return bool((sys.argv and sys.argv[0].rsplit("/", 1)[-1] == "lowlevel" and main_file == sys.argv[0])
+        argv0 = sys.argv[0] if sys.argv else ""
+        return bool((argv0.rsplit("/", 1)[-1] == "lowlevel" and main_file in (argv0, os.path.abspath(argv0)))
                     or any(a == "-m" and orig[i + 1:i + 2] in (["lowlevel"], ["lowlevel.cli"])
                            for i, a in enumerate(orig)))
 

@@ -96,3 +96,28 @@ def test_a_usage_error_is_still_one_line_and_125(tmp_path: Path) -> None:
     proc = _command(tmp_path, "-m", "lowlevel", "run", "--timeout", "soon", "--", "/bin/true")
     assert proc.returncode == 125
     assert proc.stderr.count(b"\n") == 1 and proc.stderr.startswith(b"lowlevel: "), proc.stderr
+
+
+CONSOLE_SCRIPT = "import sys\nfrom lowlevel.cli import main\nsys.exit(main())\n"  # what pip writes
+
+
+@pytest.mark.parametrize("how", ["relative", "absolute"])
+def test_the_console_script_by_a_relative_path_is_the_command_too(tmp_path: Path, how: str) -> None:
+    """``.venv/bin/lowlevel run ...`` (the README's own form): Python makes ``__main__.__file__``
+    absolute while ``argv[0]`` stays relative, so the command did not know itself and took
+    Python's whole teardown (the teardown mark written; its start-up ^C notice and its cache of
+    modules were off too). Run by a relative and by an absolute path, it ends as the command."""
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "lowlevel").write_text(CONSOLE_SCRIPT)
+    script = "bin/lowlevel" if how == "relative" else str(tmp_path / "bin" / "lowlevel")
+    env = {**os.environ, "LOWLEVEL_WORKSPACE_BASE": str(tmp_path / "ws")}
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    (tmp_path / "marks").mkdir()
+    (tmp_path / "ws").mkdir()
+    env.update(PYTHONPATH=f"{site}:{REPO}", MARKS=str(tmp_path / "marks"))
+    proc = subprocess.run([sys.executable, script, "run", "--rm", "--", "/bin/echo", "hi"], capture_output=True,
+                          env=env, cwd=tmp_path, timeout=60)
+    assert (proc.returncode, proc.stdout) == (0, b"hi\n"), proc.stderr
+    assert sorted(os.listdir(tmp_path / "marks")) == ["atexit", "thread"]  # no teardown: exit_now was taken
