@@ -37,14 +37,21 @@ try:
         """Whether this process's main program is lowlevel's own command (not a library caller):
         the console script (run by any path: Python makes ``__main__.__file__`` absolute, so
         ``.venv/bin/lowlevel`` has a relative ``argv[0]``), or ``python -m lowlevel[.cli]``."""
-        import os
+        import posix  # the C module: no frame of another module runs in this window (os may be unloaded: -S)
         import sys
         main_file = getattr(sys.modules.get("__main__"), "__file__", None) or ""
         orig = list(getattr(sys, "orig_argv", ()))
         argv0 = sys.argv[0] if sys.argv else ""
-        return bool((argv0.rsplit("/", 1)[-1] == "lowlevel" and main_file in (argv0, os.path.abspath(argv0)))
-                    or any(a == "-m" and orig[i + 1:i + 2] in (["lowlevel"], ["lowlevel.cli"])
-                           for i, a in enumerate(orig)))
+        if argv0.rsplit("/", 1)[-1] == "lowlevel" and main_file:
+            if main_file == argv0:
+                return True
+            try:  # the same file
+                named, main = posix.stat(argv0), posix.stat(main_file)
+                if (named.st_dev, named.st_ino) == (main.st_dev, main.st_ino):
+                    return True
+            except OSError:
+                pass
+        return any(a == "-m" and orig[i + 1:i + 2] in (["lowlevel"], ["lowlevel.cli"]) for i, a in enumerate(orig))
 
     import _signal  # type: ignore[import-not-found]  # the C module: `signal` would import enum first
     if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler and _is_the_command():
