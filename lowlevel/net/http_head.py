@@ -126,6 +126,38 @@ _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")
 _HEAD_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
+_TCHARS = rb"!#$%&'*+.^_`|~0-9A-Za-z-"
+#: Whitespace a lenient server splits a request line on (RFC 9112 section 3: SP, HTAB, VT, FF, bare CR).
+_WS = rb"[ \t\x0b\x0c\r]"
+#: An HTTP request line as the most lenient server reads one (no LF in it): a method token,
+#: whitespace, a target, and an ``HTTP/`` version after whitespace later on (the HTTP/2
+#: preface's ``PRI * HTTP/2.0`` included); or an HTTP/0.9 ``GET /path``.
+_LINE_CHAR = rb"[^\x00-\x08\x0a\x0e-\x1f\x7f]"  # no other control: a NUL is no HTTP (git's pkt-lines)
+_REQUEST_LINE = re.compile(rb"[%s]+%s+[^ \t\x0b\x0c\r]%s*%s[Hh][Tt][Tt][Pp]/[0-9]%s*|GET%s+/%s*" % (
+    _TCHARS, _WS, _LINE_CHAR, _WS, _LINE_CHAR, _WS, _LINE_CHAR))
+#: What can still grow into one before its line ends.
+_REQUEST_PREFIX = re.compile(rb"[%s]*|[%s]+%s%s*" % (_TCHARS, _TCHARS, _WS, _LINE_CHAR))
+
+
+def starts_http_request(data: bytes) -> bool | None:
+    """Whether the first bytes of a tunnel are an HTTP request: True (a request line, after the
+    empty lines RFC 9112 section 2.2 lets a server skip), False (they cannot become one), None
+    (a request line's start so far: more bytes decide).
+
+    Why: a CONNECT tunnel to a port outside ``Egress.tls_ports`` (80 by default) passes its bytes
+    unchecked, so a plain-HTTP request inside it reached any site served at an allowed name's
+    address by naming it in ``Host`` (virtual-host fronting: a fresh-user trial). Plain HTTP goes
+    through the proxy as a request of its own, whose ``Host`` the proxy sets. Other protocols
+    are told apart by their first line: SSH's banner, SMTP's ``EHLO x``, Redis' ``*1``, git's
+    pkt-lines have no ``SP target SP HTTP/d.d`` line; a binary protocol's first byte is no token.
+    """
+    start = len(data) - len(data.lstrip(b"\r\n"))
+    end = data.find(b"\n", start)
+    if end < 0:
+        return None if _REQUEST_PREFIX.fullmatch(data, start) else False
+    return _REQUEST_LINE.fullmatch(data, start, end) is not None
+
+
 def parse_request(head: bytes) -> Request:
     """Parse a request head (up to and including the blank line) into what the proxy needs.
 
@@ -139,6 +171,8 @@ def parse_request(head: bytes) -> Request:
             the refusals of the module docstring), 411 for a ``Transfer-Encoding``.
     """
     lines = _head_lines(head)
+    if "\t" in lines[0]:  # urlsplit drops a TAB the origin would get: the target checked would not be the one sent
+        raise RefusedError(400, "a TAB in the request line (RFC 9112 section 3: single spaces between its parts)")
     parts = lines[0].split(" ")
     if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
         raise RefusedError(400, f"not an HTTP/1.x request line: {lines[0][:80]!r}")
@@ -240,4 +274,4 @@ def _body_length(headers: list[tuple[str, str]]) -> int:
     return int(value)
 
 
-__all__ = ["MAX_HEAD_BYTES", "RefusedError", "Request", "parse_request", "refusal"]
+__all__ = ["MAX_HEAD_BYTES", "RefusedError", "Request", "parse_request", "refusal", "starts_http_request"]

@@ -68,7 +68,7 @@ from typing import Any
 from lowlevel.net import loop as proxy_loop
 from lowlevel.net import resolve
 from lowlevel.net.attempts import MAX_ATTEMPTS, Attempt, AttemptLog
-from lowlevel.net.http_head import MAX_HEAD_BYTES, RefusedError, Request, parse_request, refusal
+from lowlevel.net.http_head import MAX_HEAD_BYTES, RefusedError, Request, parse_request, refusal, starts_http_request
 from lowlevel.net.tls_sni import MAX_HELLO_BYTES, TLS_ALERT_UNRECOGNIZED_NAME, NotTlsError, parse_client_hello
 from lowlevel.net.tunnel import Tunnel
 from lowlevel.spec.egress import Egress, NetworkAttempt
@@ -328,13 +328,10 @@ class Listener:
             try:
                 hello = parse_client_hello(bytes(buf))
             except NotTlsError:
-                d = self.egress.check_not_tls(attempt.host, attempt.port)
-                if d.allowed:
-                    attempt.reason += f"; {d.reason}"
-                    return bytes(buf)
-                attempt.refused(d.reason)
-                tunnel.close()
-                return None  # not a TLS client: no alert, the tunnel just ends
+                decided, out = self._not_tls(tunnel, attempt, buf)
+                if decided:
+                    return out
+                hello = None  # the start of an HTTP request line so far: more bytes decide
             except ValueError as err:
                 hello, reason = None, f"the tunnel's TLS ClientHello is malformed ({err})"
             if hello is not None:
@@ -355,6 +352,22 @@ class Listener:
             if not data:
                 return b"" if data is not None and not buf else None
             buf += data
+
+    def _not_tls(self, tunnel: Tunnel, attempt: Attempt, buf: bytearray) -> tuple[bool, bytes | None]:
+        """Decide a tunnel whose first bytes are not TLS (:meth:`Egress.check_not_tls`): (False,
+        None) while they may still be the start of an HTTP request line, else (True, the bytes to
+        send on, or None: refused, the tunnel closed). A request line refuses the tunnel on any
+        port: inside a tunnel its ``Host`` would go unchecked (:func:`starts_http_request`)."""
+        http = starts_http_request(bytes(buf)) if attempt.port not in self.egress.tls_ports else False
+        if http is None and len(buf) <= MAX_HEAD_BYTES:
+            return False, None
+        d = self.egress.check_not_tls(attempt.host, attempt.port, http=http is not False)
+        if d.allowed:
+            attempt.reason += f"; {d.reason}"
+            return True, bytes(buf)
+        attempt.refused(d.reason)
+        tunnel.close()
+        return True, None  # not a TLS client: no alert, the tunnel just ends
 
     async def _recv_or_end(self, tunnel: Tunnel, conn: socket.socket) -> bytes | None:
         """The program's next bytes (b"" at its EOF), or None when the tunnel ended first or

@@ -25,8 +25,10 @@ from lowlevel.spec.policy import WORKSPACE_DEST, Policy
 from lowlevel.host.probe import BwrapInfo, HostLayout
 
 #: /etc entries bound only with ``network=True``: name resolution and TLS trust (egress mode
-#: binds only the TLS ones, :data:`lowlevel.spec.egress.EGRESS_ETC`).
-NETWORK_ETC = ("/etc/resolv.conf", "/etc/hosts", "/etc/ssl", "/etc/ca-certificates",
+#: binds only the TLS ones, :data:`lowlevel.spec.egress.EGRESS_ETC`). Of ``/etc/ssl`` only the
+#: certificates and OpenSSL's configuration: ``/etc/ssl/private`` holds the host's TLS keys
+#: (mode 0710, group ``ssl-cert``: a caller in that group could read them by name).
+NETWORK_ETC = ("/etc/resolv.conf", "/etc/hosts", "/etc/ssl/certs", "/etc/ssl/openssl.cnf", "/etc/ca-certificates",
                "/etc/gai.conf", "/etc/host.conf")
 
 

@@ -96,10 +96,12 @@ CA_BUNDLE_DEST = "/etc/ssl/certs/ca-certificates.crt"
 #: Hosts programs reach directly (the sandbox's own loopback), never through the proxy.
 NO_PROXY = "localhost,127.0.0.1,::1"
 #: /etc entries bound read-only in egress mode: TLS trust only (no resolv.conf, no hosts).
-#: ``/etc/ssl`` holds the CA bundle and the hashed certificate links OpenSSL reads (their
-#: targets are under ``/usr/share/ca-certificates``); ``/etc/ca-certificates`` is only
-#: update-ca-certificates(8)'s configuration, so it is left out (one bind mount less per run).
-EGRESS_ETC = ("/etc/ssl",)
+#: ``/etc/ssl/certs`` holds the CA bundle and the hashed certificate links OpenSSL reads (their
+#: targets are under ``/usr/share/ca-certificates``), ``/etc/ssl/openssl.cnf`` its configuration;
+#: never ``/etc/ssl/private``, the host's keys (a fresh-user trial: a caller in group ``ssl-cert``
+#: could read them by name inside). ``/etc/ca-certificates`` is only update-ca-certificates(8)'s
+#: configuration, so it is left out.
+EGRESS_ETC = ("/etc/ssl/certs", "/etc/ssl/openssl.cnf")
 
 # Compiled on first use (re's cache), not at import: a run without egress never needs them.
 _LABEL = r"^[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?$"
@@ -571,22 +573,33 @@ class Egress:
                                 "Egress.allow_cidrs names it", name, str(ip))
         return Decision(True, f"{name!r} resolves to public or allowed addresses", name, addresses[0])
 
-    def check_not_tls(self, host: str, port: int) -> Decision:
+    def check_not_tls(self, host: str, port: int, *, http: bool = False) -> Decision:
         """Decide a tunnel whose first bytes are not a TLS handshake record (another protocol,
         or a ClientHello behind a prefix, which :meth:`check_server_name` would not see).
 
         Args:
             host: the CONNECT target as decided (:attr:`Decision.host`).
             port: the CONNECT port.
+            http: the first bytes are an HTTP request line
+                (:func:`lowlevel.net.http_head.starts_http_request`).
         Returns:
-            A :class:`Decision`: refused on ``tls_ports``, allowed elsewhere.
+            A :class:`Decision`: refused on ``tls_ports``, and for ``http`` on every port (a
+            plain-HTTP request in a tunnel names its site in a ``Host`` the proxy never sees: an
+            allowed name's address then serves any site hosted there, virtual-host fronting;
+            plain HTTP goes to the proxy as ``http://`` requests, whose ``Host`` it sets);
+            allowed elsewhere.
 
         Source: RFC 8446 section 5.1 (every TLS connection starts with a handshake record from
-        the client), so on an HTTPS port anything else is not a TLS client.
+        the client), so on an HTTPS port anything else is not a TLS client; RFC 9110 section
+        7.2 (``Host`` selects the site) and 9.3.6 (a tunnel's bytes are opaque to the proxy).
         """
         if port in self.tls_ports:
             return Decision(False, f"the tunnel to port {port} must start with a TLS ClientHello "
                             "(Egress.tls_ports), and its first bytes are not TLS", host)
+        if http:
+            return Decision(False, f"the tunnel to port {port} carries a plain-HTTP request: its Host would go "
+                            "unchecked; send http:// URLs to the proxy itself (HTTP_PROXY), not through CONNECT",
+                            host)
         return Decision(True, f"not TLS (port {port} is not in Egress.tls_ports: the server name is not checked)", host)
 
     def check_server_name(self, host: str, sni: str | None, *, ech: bool = False) -> Decision:

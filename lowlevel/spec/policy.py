@@ -291,11 +291,11 @@ class Policy:
         network: False (default) unshares the network namespace: the sandbox has only its own
             loopback. An :class:`lowlevel.spec.egress.Egress` keeps that namespace and adds one way
             out, an allowlisting HTTP proxy on the host (``HTTP_PROXY`` and friends set inside,
-            ``/etc/ssl`` bound; no DNS inside): see
+            ``/etc/ssl/certs`` and ``openssl.cnf`` bound, never ``/etc/ssl/private``; no DNS inside): see
             :mod:`lowlevel.spec.egress`. True keeps the host's whole network (``--share-net``: its
             ``127.0.0.1`` services and abstract unix sockets included) and binds
-            ``/etc/resolv.conf``, ``/etc/hosts``, ``/etc/ssl`` and ``/etc/ca-certificates``
-            read-only.
+            ``/etc/resolv.conf``, ``/etc/hosts``, ``/etc/ssl/certs``, ``/etc/ssl/openssl.cnf`` and
+            ``/etc/ca-certificates`` read-only.
         binds: extra :class:`Bind` mounts (a virtualenv, node_modules, a toolchain...).
         env: variables set on top of :data:`BASE_ENV` (mapping or sorted pairs).
         limits: resource limits (:class:`lowlevel.spec.limits.Limits`).

@@ -75,6 +75,21 @@ def _loopback_name() -> str | None:
         lowlevel.spec.egress.address_kind(__import__("ipaddress").ip_address(i[4][0])) for i in infos) else None
 
 
+def test_tls_trust_is_bound_but_never_the_hosts_tls_keys(sandbox, origin):
+    """Egress mode binds the CA certificates and OpenSSL's configuration, not all of
+    ``/etc/ssl``: its ``private`` directory (the host's TLS keys, 0710 group ``ssl-cert``) was
+    bound too, readable by name for a caller in that group (a fresh-user trial). Control: the
+    host has ``/etc/ssl/private``; inside only ``certs`` and ``openssl.cnf`` are there, and HTTPS
+    trust still works (the other tests here)."""
+    if not os.path.isdir("/etc/ssl/private"):
+        pytest.skip("no /etc/ssl/private on this host")
+    r = sandbox.run(["sh", "-c", "ls -a /etc/ssl; test -s /etc/ssl/certs/ca-certificates.crt && echo bundle"],
+                    resolver=resolver(), egress=egress(origin.port))
+    assert r.exit_code == 0, r.err
+    names = r.out.split()
+    assert "private" not in names and "certs" in names and "bundle" in names, names
+
+
 # --- allowed: curl, urllib, pip, npm ------------------------------------------------------------
 
 URLLIB = """
@@ -644,16 +659,57 @@ def test_deny_not_bypassed_by_tls_fronting(sandbox):
         front.close()
 
 
-def test_tunnel_without_tls_passes(sandbox, origin):
-    """Control for the ClientHello check: a tunnel whose first bytes are not TLS (plain HTTP
-    through CONNECT) is carried as before."""
-    code = ("import socket,sys\ns=socket.create_connection(('127.0.0.1',3128))\np=sys.argv[1]\n"
-            "s.sendall(f'CONNECT allowed.test:{p} HTTP/1.1\\r\\n\\r\\nGET /hello HTTP/1.1\\r\\nHost: allowed.test\\r\\n"
-            "Connection: close\\r\\n\\r\\n'.encode())\nb=b''\nwhile (d:=s.recv(65536)): b+=d\nprint(b.decode().split('\\r\\n\\r\\n')[-1])")
-    r = sandbox.run(["python3", "-c", code, str(origin.port)], resolver=resolver(), egress=egress(origin.port))
+TUNNEL = """
+import json, socket, sys
+port, out = sys.argv[1], []
+for first in sys.argv[2:]:
+    s = socket.create_connection(("127.0.0.1", 3128), timeout=20)
+    s.sendall(f"CONNECT allowed.test:{port} HTTP/1.1\\r\\n\\r\\n".encode() + first.encode().replace(b"|", b"\\r\\n"))
+    b = b""
+    try:
+        while (d := s.recv(65536)):
+            b += d
+    except OSError as e:
+        b += repr(e).encode()
+    out.append(b.decode(errors="replace").split("\\r\\n\\r\\n", 1)[-1][:200])
+    s.close()
+print(json.dumps(out))
+"""
+
+
+def test_a_tunnel_carrying_plain_http_is_refused(sandbox, origin):
+    """The attack (virtual-host fronting, found by a fresh-user trial): CONNECT to an allowed
+    name on a port outside ``tls_ports`` (80 by default), then a plain-HTTP request naming any
+    other site in ``Host``: the proxy never saw that Host, and a server hosting several sites at
+    the allowed address served the other one. Now a tunnel whose first line is an HTTP request
+    line ends before a byte goes up, in the lenient forms a server accepts too (empty lines
+    first, tabs, HTTP/0.9, the HTTP/2 preface)."""
+    firsts = ["GET /hello HTTP/1.1|Host: other.test||", "||GET\t/hello\tHTTP/1.1|Host: other.test||",
+              "GET /hello|", "PRI * HTTP/2.0||SM||"]
+    r = sandbox.run(["python3", "t.py", str(origin.port), *firsts], files={"t.py": TUNNEL.encode()},
+                    resolver=resolver(), egress=egress(origin.port))
     assert r.exit_code == 0, r.err
-    assert r.out == "hello from origin\n\n"
-    assert [a["allowed"] for a in attempts(r)] == [True]
+    assert json.loads(r.out) == ["", "", "", ""], r.out  # nothing from the origin
+    tries = attempts(r)
+    assert len(tries) == 4 and not any(a["allowed"] for a in tries), tries
+    assert all("carries a plain-HTTP request" in a["reason"] and a["bytes_up"] == 0 for a in tries), tries
+
+
+def test_a_tunnel_of_another_protocol_passes(sandbox, origin):
+    """Control: a tunnel whose first bytes are neither TLS nor an HTTP request line (a line
+    protocol's greeting, an SSH banner) reaches the server as before: the origin, an HTTP
+    server, answers it with its own 400; and plain HTTP through the proxy itself (an http://
+    URL, absolute form) is still forwarded."""
+    r = sandbox.run(["python3", "t.py", str(origin.port), "SSH-2.0-OpenSSH_9.2p1 Debian-2|", "EHLO x|"],
+                    files={"t.py": TUNNEL.encode()}, resolver=resolver(), egress=egress(origin.port))
+    assert r.exit_code == 0, r.err
+    assert all("Error code: 400" in reply for reply in json.loads(r.out)), r.out  # the origin's own answer
+    tries = attempts(r)
+    assert [a["allowed"] for a in tries] == [True, True] and all(a["bytes_up"] > 0 for a in tries), tries
+    url = f"http://allowed.test:{origin.port}/hello"
+    r = sandbox.run(["python3", "-c", f"import urllib.request; print(urllib.request.urlopen({url!r}).read().decode())"],
+                    resolver=resolver(), egress=egress(origin.port))
+    assert r.exit_code == 0 and r.out == "hello from origin\n\n", (r.out, r.err)
 
 
 FIRST_BYTES = """

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import lowlevel
 from lowlevel.sandbox.argv import Fds, HostFacts, build_argv
 from lowlevel.spec.egress import Egress, address_kind, ip_literal, match, normalize_host
-from lowlevel.net.http_head import RefusedError, parse_request
+from lowlevel.net.http_head import RefusedError, parse_request, starts_http_request
 from lowlevel.errors import PolicyError
 from lowlevel.spec.policy import Policy
 from lowlevel.host.probe import BwrapInfo, HostLayout
@@ -235,7 +235,8 @@ INFO = BwrapInfo(path="/usr/bin/bwrap", version=(0, 8, 0), setuid=False,
                  options=frozenset({"--disable-userns", "--size", "--json-status-fd", "--block-fd", "--args"}))
 FACTS = HostFacts(bwrap=INFO, layout=HostLayout(symlinks=(), ro_dirs=(), etc_files=()), caller_is_root=False,
                   network_etc=(("/run/resolv.conf", "/etc/resolv.conf"), ("/etc/hosts", "/etc/hosts"),
-                               ("/etc/ssl", "/etc/ssl"), ("/etc/ca-certificates", "/etc/ca-certificates")))
+                               ("/etc/ssl/certs", "/etc/ssl/certs"), ("/etc/ssl/openssl.cnf", "/etc/ssl/openssl.cnf"),
+                               ("/etc/ca-certificates", "/etc/ca-certificates")))
 
 
 def test_egress_argv_keeps_its_own_netns_and_binds_only_tls_trust():
@@ -243,7 +244,9 @@ def test_egress_argv_keeps_its_own_netns_and_binds_only_tls_trust():
                       extra_mounts=["--ro-bind", "/tmp/x/proxy.sock", "/run/lowlevel/egress.sock"])
     assert "--share-net" not in argv
     assert "/etc/resolv.conf" not in argv and "/etc/hosts" not in argv and "/etc/ca-certificates" not in argv
-    assert ["--ro-bind", "/etc/ssl", "/etc/ssl"] == argv[argv.index("/etc/ssl") - 1:argv.index("/etc/ssl") + 2]
+    for tls in ("/etc/ssl/certs", "/etc/ssl/openssl.cnf"):
+        assert ["--ro-bind", tls, tls] == argv[argv.index(tls) - 1:argv.index(tls) + 2]
+    assert "/etc/ssl" not in argv and not any(a.startswith("/etc/ssl/private") for a in argv)
     i = argv.index("/run/lowlevel/egress.sock")
     assert i < argv.index("/")  # mounted before --remount-ro / (nothing can be created after)
     assert argv[argv.index("/") - 1] == "--remount-ro"
@@ -578,3 +581,31 @@ def test_cli_tls_port_builds_the_egress_tls_ports():
         args = parser.parse_args(["run", "--allow-host", "a.example", *extra, "--", "true"])
         network = run_cmd.policy_from_args(args).network
         assert isinstance(network, Egress) and network.tls_ports == want, (extra, network)
+
+
+@pytest.mark.parametrize("first, verdict", [
+    (b"GET / HTTP/1.1\r\nHost: other.test\r\n\r\n", True),
+    (b"\r\n\r\nGET / HTTP/1.1\r\n", True),                 # empty lines a server skips (RFC 9112 2.2)
+    (b"GET\t/x\tHTTP/1.1\r\n", True), (b"GET  /x  HTTP/1.0\n", True), (b"get / http/1.1\n", True),
+    (b"GET /x\r\n", True),                                  # HTTP/0.9
+    (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", True),            # the HTTP/2 preface
+    (b"G", None), (b"GET /", None), (b"GET /x HTTP/1.1", None), (b"", None), (b"EHLO x", None),
+    (b"SSH-2.0-OpenSSH_9.2p1 Debian-2+deb12u3\r\n", False), (b"EHLO mail.test\r\n", False),
+    (b"*1\r\n$4\r\nPING\r\n", False), (b"0032git-upload-pack /p.git\x00host=x\x00", False),
+    (b"\x00\x00\x00\x08\x04\xd2\x16/", False), (b"\x16\x03\x01\x02\x00", False), (b"GET /\x00 HTTP/1.1\r\n", False),
+])
+def test_starts_http_request(first: bytes, verdict: bool | None) -> None:
+    """What a tunnel's first bytes are: an HTTP request line (refused in a tunnel), another
+    protocol (passes), or the start of a request line (the proxy reads on)."""
+    assert starts_http_request(first) is verdict
+
+
+def test_a_tab_in_the_request_line_is_refused() -> None:
+    """``urlsplit`` drops a TAB inside an absolute URL: the host checked was the one with the
+    TAB dropped while the origin got a path cut at the wrong place (a fresh-user trial); now a
+    TAB anywhere in the request line is a 400. Control: the same request with spaces parses."""
+    for line in (b"GET http://local\thost:8000/secret HTTP/1.1", b"GET http://localhost:8000/a\tb HTTP/1.1",
+                 b"GET\thttp://localhost/ HTTP/1.1"):
+        with pytest.raises(RefusedError, match="TAB in the request line"):
+            parse_request(line + b"\r\n\r\n")
+    assert parse_request(b"GET http://localhost:8000/secret HTTP/1.1\r\n\r\n").head_out.startswith(b"GET /secret ")
