@@ -75,6 +75,8 @@ class CommitConflictError(WorkspaceError):
         applied: None when nothing was changed; after the apply pass, the
             :class:`lowlevel.workspace.Changes` that were applied (and kept).
         not_applied: the relative paths of the run's changes not applied (sorted).
+        record: a recorded run's record (the dict :func:`lowlevel.record.execute_recorded` built,
+            written by :func:`lowlevel.record.record_run` before it raises), else None.
     Errno: EBUSY. ``str(err)`` is ``err.args[1]``, so a caller may extend the message by
     replacing ``err.args``.
     """
@@ -82,6 +84,7 @@ class CommitConflictError(WorkspaceError):
     result: Any = None
     applied: Any = None
     not_applied: tuple[str, ...] = ()
+    record: Any = None
 
     def __init__(self, conflicts: tuple[str, ...], message: str = "", saved_upper: str | None = None) -> None:
         shown = ", ".join(repr(p) for p in conflicts[:10]) + (f" and {len(conflicts) - 10} more"
@@ -121,10 +124,12 @@ class CommitIncompleteError(WorkspaceError):
         saved_upper: where the run's changes were saved, or None when saving failed too.
         conflicts: entries the host changed during the commit (left as the host made them).
         result: the run's :class:`lowlevel.Result` when a run's commit raised it, else None.
+        record: a recorded run's record (as :class:`CommitConflictError`'s), else None.
     Errno: the filesystem's (``.errno``). ``str(err)`` says where the changes were saved.
     """
 
     result: Any = None
+    record: Any = None
 
     def __init__(self, code: int, message: str, *, applied: Any = None, not_applied: tuple[str, ...] = (),
                  saved_upper: str | None = None, conflicts: tuple[str, ...] = ()) -> None:

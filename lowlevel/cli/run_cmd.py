@@ -12,8 +12,8 @@ import signal
 import sys
 
 from lowlevel.cli.args import UsageError, read_env_file
-from lowlevel.cli.output import (EXIT_FAILED, EXIT_NOEXEC, EXIT_NOTFOUND, EXIT_TIMEOUT, print_json, reader_may_leave,
-                                 report_error)
+from lowlevel.cli.output import (EXIT_FAILED, EXIT_NOEXEC, EXIT_NOTFOUND, EXIT_TIMEOUT, error_object, print_json,
+                                 reader_may_leave, report_error)
 from lowlevel.cli.parser import DEFAULT_KILL_AFTER_S
 from lowlevel.cli.signals import Interrupted, Terminated, is_interrupt
 from lowlevel.errors import LaunchError, LowlevelError, PolicyError, UnsupportedError
@@ -92,7 +92,31 @@ def cmd_run(args: argparse.Namespace) -> int:
         return report_error(args, err, EXIT_NOTFOUND if err.errno == errno.ENOENT else EXIT_NOEXEC,
                       workspace=created[0] if created else None)
     except LowlevelError as err:
+        if isinstance(getattr(err, "result", None), Result):
+            return _report_commit_failure(args, err, created[0] if created else None)
         return report_error(args, err, EXIT_FAILED, workspace=created[0] if created else None)
+
+
+def _report_commit_failure(args: argparse.Namespace, err: LowlevelError, workspace: str | None) -> int:
+    """The program ran but its commit failed (CommitConflictError, CommitIncompleteError carry its
+    Result): what it printed is delivered as after any run (captured with --record), the error is
+    one line and 125; with --json the error object holds the Result (``"result"``). A record
+    names the failure in its notes (:func:`lowlevel.record.record_run`)."""
+    result: Result = err.result  # type: ignore[attr-defined]
+    message = " ".join(str(err).split())
+    if args.json:
+        with reader_may_leave():
+            print_json(error_object(type(err).__name__, message, EXIT_FAILED, err_no=getattr(err, "errno", None),
+                                    workspace=workspace, result=result.to_json()))
+    else:
+        if args.record is not None:
+            with reader_may_leave():
+                sys.stdout.buffer.write(result.stdout)
+                sys.stdout.flush()
+            sys.stderr.buffer.write(result.stderr)
+            sys.stderr.flush()
+        print(f"lowlevel: {message} (the program exited {result.exit_code})", file=sys.stderr)
+    return EXIT_FAILED
 
 
 def _remove(path: str) -> None:

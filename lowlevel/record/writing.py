@@ -24,7 +24,7 @@ from typing import Any
 
 from lowlevel.host import seccomp_filter as _seccomp_filter
 from lowlevel import workspace as _ws
-from lowlevel.errors import LowlevelError
+from lowlevel.errors import CommitConflictError, CommitIncompleteError, LowlevelError
 from lowlevel.paths import unreachable
 from lowlevel.record.canonical import canonical_policy, canonical_value, policy_sha256, seccomp_rules_sha256
 from lowlevel.record.hashing import HASH_BUDGET_BYTES, HASH_BUDGET_S, HashBudget, InputStore, hash_workspace
@@ -41,6 +41,9 @@ from lowlevel.spec.policy import WORKSPACE_DEST, Policy
 from lowlevel.spec.report import RECORD_NOT_WRITTEN, json_safe
 
 log = logging.getLogger("lowlevel")
+
+#: Start of the Result's note (and the record's) when the run's commit failed after the program ran.
+COMMIT_FAILED_NOTE = "commit: failed: "
 
 
 def _versions(bwrap_version: tuple[int, ...] | None) -> dict[str, Any]:
@@ -108,7 +111,8 @@ def execute_recorded(command: Sequence[str], *, policy: Policy | None = None,
     Raises:
         Whatever :func:`lowlevel.run` raises (PolicyError for a bad argument, before anything
         is created); RecordError when the input store cannot be written. No record is made for
-        a run that never started.
+        a run that never started. A failed commit (CommitConflictError, CommitIncompleteError) is
+        raised once the record is built: ``err.result`` (noted), ``err.record``.
     """
     policy = planned_policy(policy or Policy())
     if cwd is None:
@@ -131,19 +135,15 @@ def execute_recorded(command: Sequence[str], *, policy: Policy | None = None,
             stdin_doc = {"sha256": digest, "bytes": len(stdin), "stored": store.put(digest, bytes(stdin))}
         hash_before_s = time.monotonic() - t_hash
         started_at = _now()
-        result = _run(command, policy=policy, workspace=ws, timeout=timeout, stdin=stdin, env=env,
-                      capture=capture, cwd=cwd, allow_sensitive_workspace=allow_sensitive_workspace)
+        result, commit_error = _run_keeping_commit_error(
+            command, policy=policy, workspace=ws, timeout=timeout, stdin=stdin, env=env, capture=capture, cwd=cwd,
+            allow_sensitive_workspace=allow_sensitive_workspace)
     except BaseException:
         if created:
             shutil.rmtree(created, ignore_errors=True)
         raise
     finished_at = _now()
-    budget_after = HashBudget(*hash_budget)
-    try:
-        after, after_complete = hash_workspace(ws, budget=budget_after)
-    except LowlevelError as err:
-        after, after_complete = [], False
-        result.notes = (*result.notes, f"record: cannot hash the workspace after the run: {err}")
+    after, after_complete, budget_after = _hash_after(ws, result, hash_budget)
     budget_notes = [n for n in (budget_before.note("before"), budget_after.note("after")) if n]
     record = _record_doc(result, policy, command=list(command), cwd=cwd, env=env, stdin_doc=stdin_doc,
                          timeout=timeout, capture=capture, notes=list(result.notes) + budget_notes)
@@ -159,7 +159,37 @@ def execute_recorded(command: Sequence[str], *, policy: Policy | None = None,
     safe: dict[str, Any] = json_safe(record)
     if created and not keep_workspace:
         result = drop_fresh_workspace(result)
+    if commit_error is not None:
+        commit_error.result, commit_error.record = result, safe
+        raise commit_error
     return result, safe
+
+
+def _hash_after(ws: str, result: Result, hash_budget: tuple[int, float]) -> tuple[list[Any], bool, HashBudget]:
+    """The workspace's hashes after the run (entries, complete, the budget used); a failure is
+    a note of the Result and no entries."""
+    budget = HashBudget(*hash_budget)
+    try:
+        after, complete = hash_workspace(ws, budget=budget)
+    except LowlevelError as err:
+        result.notes = (*result.notes, f"record: cannot hash the workspace after the run: {err}")
+        return [], False, budget
+    return after, complete, budget
+
+
+def _run_keeping_commit_error(command: Sequence[str], **kwargs: Any) -> tuple[
+        Result, CommitConflictError | CommitIncompleteError | None]:
+    """:func:`lowlevel.sandbox.drive.run`; a commit that failed after the program ran gives the
+    Result (a note says why) and the error, so the run is recorded before the error is raised
+    (carrying ``.result`` and ``.record``)."""
+    try:
+        return _run(command, **kwargs), None
+    except (CommitConflictError, CommitIncompleteError) as err:
+        if err.result is None:
+            raise
+        result: Result = err.result
+        result.notes = (*result.notes, f"{COMMIT_FAILED_NOTE}{err}")
+        return result, err
 
 
 def _workspace(workspace: str | os.PathLike[str] | None, inputs: Sequence[str | os.PathLike[str]],
@@ -308,12 +338,21 @@ def record_run(command: Sequence[str], *, record: str | os.PathLike[str], **kwar
         The run's :class:`Result`.
     Raises:
         Whatever :func:`lowlevel.run` raises; RecordError (before the run) for an unusable path
-        or input store.
+        or input store, or a record inside the workspace. A failed commit
+        (CommitConflictError, CommitIncompleteError) is raised after the record is written
+        (its notes say so): the program's output is in ``err.result``.
     """
     path = check_record_path(record)
+    _outside_workspace(path, kwargs.get("workspace"))
     f = _RecordFile(path)
+    commit_error: CommitConflictError | CommitIncompleteError | None = None
     try:
         result, doc = execute_recorded(command, store_dir=store_dir_for(path), **kwargs)
+    except (CommitConflictError, CommitIncompleteError) as err:
+        if err.record is None:
+            f.discard()
+            raise
+        commit_error, result, doc = err, err.result, err.record
     except BaseException:
         f.discard()
         raise
@@ -325,7 +364,22 @@ def record_run(command: Sequence[str], *, record: str | os.PathLike[str], **kwar
         note = f"{RECORD_NOT_WRITTEN}{path}: {reason}"
         log.info("lowlevel: %s", note)  # the note is the report (the CLI prints it)
         result.notes = (*result.notes, note)
+    if commit_error is not None:
+        raise commit_error
     return result
 
 
-__all__ = ["check_record_path", "execute_recorded", "record_run"]
+def _outside_workspace(path: str, workspace: str | os.PathLike[str] | None) -> None:
+    """Refuse a record (or its input store) inside the run's workspace: the program would see
+    its temporary file and store, and could change or delete them to make the commit fail and
+    the record vanish (a fresh-user trial)."""
+    if workspace is None:
+        return
+    ws = os.path.realpath(os.fspath(workspace))
+    where = os.path.realpath(os.path.dirname(path))
+    if os.path.commonpath([ws, where]) == ws:
+        raise RecordError(f"the record {path} is inside the run's workspace {ws}: the program could change or "
+                          "remove it; write the record outside the workspace")
+
+
+__all__ = ["COMMIT_FAILED_NOTE", "check_record_path", "execute_recorded", "record_run"]

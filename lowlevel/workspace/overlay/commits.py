@@ -408,7 +408,7 @@ def commit_upper(upper_fd: int, lower_fd: int, *, xattr_prefix: str, since_ns: i
             try:
                 err.saved_upper = save_upper(upper_fd, save_to(), xattr_prefix=xattr_prefix, owner=new_owner,
                                              max_bytes=budget)
-                err.args = (err.args[0], f"{err.args[1]}; the run's changes were saved to {err.saved_upper}")
+                err.args = err.with_saved_upper(err.saved_upper).args  # the message says where, not how
             except (OSError, LowlevelError) as save_err:
                 err.args = (err.args[0], f"{err.args[1]}; saving the run's changes failed too: {save_err}")
         raise
