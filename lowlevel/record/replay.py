@@ -132,12 +132,16 @@ def _check_image_present(doc: Mapping[str, Any]) -> None:
     image = (doc.get("rootfs") or {}).get("image") if isinstance(doc.get("rootfs"), Mapping) else None
     if not isinstance(image, Mapping):
         return
+    image_id, names_raw = image.get("id"), image.get("names")
+    if not isinstance(image_id, str) or not (names_raw is None or (
+            isinstance(names_raw, list) and all(isinstance(n, str) for n in names_raw))):
+        raise RecordError("refusing the record: rootfs.image.id must be a string and rootfs.image.names a list "
+                          "of strings")
     store = StoreReader()
-    image_id = str(image.get("id"))
     try:
         store.get(image_id)
     except LowlevelError:
-        names = ", ".join(map(str, image.get("names") or ())) or "no name"
+        names = ", ".join(names_raw or ()) or "no name"
         raise RecordError(f"refusing to replay: the record ran on image {image_id} ({names}, manifest "
                           f"{image.get('manifest_digest')}), which is not in the image store {store.path}. Import "
                           "the archive it came from (`lowlevel image import ARCHIVE`), or point --image-store "

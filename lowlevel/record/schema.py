@@ -21,6 +21,13 @@ class RecordError(LowlevelError):
     """A record cannot be written, read or replayed (bad schema, missing input, policy drift)."""
 
 
+#: The top-level keys a record may have (``docs/record-schema.json``'s ``properties``, which has
+#: ``additionalProperties: false``; tests/unit/test_record_schema_keys.py keeps the two the same).
+TOP_LEVEL_KEYS = frozenset({
+    "schema", "created_at", "command", "cwd", "env", "environment", "stdin", "timeout_s", "policy", "policy_sha256",
+    "seccomp", "bwrap_argv", "versions", "host", "limits", "timings", "usage", "exit", "output", "workspace",
+    "inputs", "notes", "network", "rootfs"})
+
 #: Largest record file :func:`load_record` reads (bytes).
 MAX_RECORD_BYTES = 256 * 1024 * 1024
 #: Default cap on the bytes a replay writes into its workspace (every copy of a file counts).
@@ -35,4 +42,4 @@ def store_dir_for(record_path: str) -> str:
 
 
 __all__ = ["MAX_RECORD_BYTES", "MAX_REPLAY_BYTES", "MAX_REPLAY_ENTRIES", "RecordError", "SCHEMA_ID", "STORE_SUFFIX",
-           "store_dir_for"]
+           "TOP_LEVEL_KEYS", "store_dir_for"]

@@ -16,7 +16,7 @@ from lowlevel._dataclass import dataclass
 from lowlevel.workspace import files as _ws_files
 from lowlevel import workspace as _ws
 from lowlevel.errors import PolicyError, WorkspaceError
-from lowlevel.record.schema import MAX_RECORD_BYTES, MAX_REPLAY_ENTRIES, SCHEMA_ID, RecordError
+from lowlevel.record.schema import MAX_RECORD_BYTES, MAX_REPLAY_ENTRIES, SCHEMA_ID, TOP_LEVEL_KEYS, RecordError
 from lowlevel.sandbox.result import KILLED_BY
 from lowlevel.spec import validate as _validate
 from lowlevel.spec.report import name_from_json
@@ -45,17 +45,33 @@ def load_record(path: str | os.PathLike[str]) -> dict[str, Any]:
     if len(data) > MAX_RECORD_BYTES:
         raise RecordError(f"cannot read record {name!r}: larger than {MAX_RECORD_BYTES} bytes")
     try:
-        doc = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+        doc = json.loads(data.decode("utf-8"), parse_constant=_no_constant, object_pairs_hook=_no_duplicates)
     except (ValueError, RecursionError) as err:
         what = "nested too deep" if isinstance(err, RecursionError) else str(err)
         raise RecordError(f"cannot read record {name!r}: not valid JSON ({what})") from None
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA_ID:
         raise RecordError(f"{name!r} is not a {SCHEMA_ID} record")
+    unknown = sorted(set(doc) - TOP_LEVEL_KEYS)
+    if unknown:
+        raise RecordError(f"refusing the record {name!r}: unknown field {', '.join(map(repr, unknown[:5]))} "
+                          f"(docs/record-schema.json allows no other; a record this version did not write)")
     return doc
 
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object of the record, refusing a key given twice: readers disagree on which one counts
+    (Python's json keeps the last, others the first), so a record could show a reviewer one
+    command and replay another (RFC 8259 section 4: names SHOULD be unique)."""
+    doc = dict(pairs)
+    if len(doc) != len(pairs):
+        seen: set[str] = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise ValueError(f"the key {twice[:80]!r} appears twice in one object")
+    return doc
 
 
 _DIGEST = re.compile(r"[0-9a-f]{64}")
