@@ -90,7 +90,8 @@ class AttemptLog:
 
 def describe_attempt(a: NetworkAttempt) -> str:
     """One line for logs and the CLI: ``"CONNECT pypi.org:443 -> 151.101.0.223 allowed (matches ...)"``."""
-    where = f"{a.host}:{a.port}" + (f" -> {a.address}" if a.address else "")
+    host = a.host if a.host.isprintable() else repr(a.host)[1:-1]  # a refused name may hold C0/C1 controls
+    where = f"{host}:{a.port}" + (f" -> {a.address}" if a.address else "")
     verdict = "allowed" if a.allowed else "DENIED"
     extra = f", {a.bytes_up} B up, {a.bytes_down} B down" if a.allowed else ""
     err = f", {a.error}" if a.error else ""

@@ -609,3 +609,17 @@ def test_a_tab_in_the_request_line_is_refused() -> None:
         with pytest.raises(RefusedError, match="TAB in the request line"):
             parse_request(line + b"\r\n\r\n")
     assert parse_request(b"GET http://localhost:8000/secret HTTP/1.1\r\n\r\n").head_out.startswith(b"GET /secret ")
+
+
+def test_a_refused_host_name_with_control_characters_is_shown_escaped() -> None:
+    """The CLI's ``egress:`` lines printed a refused name's C0/C1 controls raw (U+009B is a
+    terminal's CSI: a fresh-user trial); now escaped as repr does. Control: a plain name as is."""
+    from lowlevel.net.attempts import describe_attempt
+    from lowlevel.spec.egress import NetworkAttempt
+    bad = NetworkAttempt(method="CONNECT", host="evil\x9b31m\x1b[2J.test", port=443, address=None, allowed=False,
+                         reason="not on the allowlist", bytes_up=0, bytes_down=0, error=None, resolver="system")
+    line = describe_attempt(bad)
+    assert "\x9b" not in line and "\x1b" not in line and "evil\\x9b31m\\x1b[2J.test:443" in line
+    ok = NetworkAttempt(method="CONNECT", host="pypi.org", port=443, address=None, allowed=False,
+                        reason="x", bytes_up=0, bytes_down=0, error=None, resolver="system")
+    assert describe_attempt(ok).startswith("CONNECT pypi.org:443 DENIED")
