@@ -46,6 +46,28 @@ MAX_SIZE = 4096
 #: within 0.5 s).
 MAX_PARALLEL_STARTS = max(4, 2 * (os.cpu_count() or 1))
 
+#: What a call in flight raises once its sandbox was killed under it (``_Call.killed``).
+_KILLED = {"closed": "the pool was closed while this call was in flight: Pool.close() killed its sandbox",
+           "cancelled": "the call was cancelled: its sandbox was killed"}
+
+
+class _Call:
+    """One :meth:`Pool.run` in flight, from taking a sandbox to handing it back: its thread (close()
+    does not wait for its own), the sandbox it holds (None before it has one and once it is handed
+    back: only an attached sandbox is killed, never one being torn down) and why it was killed."""
+
+    __slots__ = ("thread", "session", "killed")
+
+    def __init__(self) -> None:
+        self.thread = threading.get_ident()
+        self.session: Session | None = None
+        #: "closed" (Pool.close()) or "cancelled" (Pool.arun's task), set under the pool's lock.
+        self.killed: str | None = None
+
+    def error(self) -> SessionError:
+        assert self.killed is not None
+        return SessionError(_KILLED[self.killed], self.killed)
+
 
 class Pool:
     """N sandboxes started in advance; each call gets a fresh one, used once, then destroyed.
@@ -103,6 +125,8 @@ class Pool:
         self._starting = 0
         self._retiring = 0
         self._waiting = 0
+        #: The calls in flight (:meth:`_take` to :meth:`_hand_back`): close() kills their sandboxes.
+        self._calls: set[_Call] = set()
         self._cond = threading.Condition()
         self._closed = False
         self._error: BaseException | None = None
@@ -198,10 +222,44 @@ class Pool:
                     self._retiring -= 1
                     self._cond.notify_all()
 
-    def _take(self) -> Session:
+    def _take(self, call: _Call) -> Session:
+        """A sandbox for ``call``, attached to it: a ready one, one the starter has under way,
+        else one started here. From here until :meth:`_hand_back` the call is in flight: close()
+        kills its sandbox and waits for it.
+
+        Raises:
+            SessionError(reason="closed"): the pool is (or was meanwhile) closed; "cancelled": the
+                call was cancelled before it had its sandbox (kept ready for the next call).
+            Others: the starter's (or this call's own) sandbox start failed.
+        """
         with self._cond:
             if self._closed:
                 raise SessionError("the pool is closed", "closed")
+            self._calls.add(call)
+        try:
+            s = self._take_ready(call)
+            if s is None:
+                s = self._new()
+        except BaseException:
+            with self._cond:
+                self._calls.discard(call)
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            if not self._closed:
+                if call.killed is None:
+                    call.session = s
+                    return s
+                self._ready.appendleft(s)  # cancelled before it was used: still fresh
+                self._calls.discard(call)
+                self._cond.notify_all()
+                raise call.error()
+        self._tear_down(call, s, unused=True)
+        raise call.error()
+
+    def _take_ready(self, call: _Call) -> Session | None:
+        """A ready sandbox, waiting for one the starter has under way; None: start one (a miss)."""
+        with self._cond:
             # No notify on a hit: the worker refills when this call is over (run's finally), so
             # starting the replacement (bwrap, cgroup, workspace: CPU and the GIL) does not
             # compete with the call itself.
@@ -215,21 +273,60 @@ class Pool:
                     self._cond.notify_all()
                 # A start the starter has under way (begun before this call, so sooner done than
                 # one begun now), not yet promised to another waiting call: wait for it.
-                if self._closed or self._error is not None or self._starting <= self._waiting:
+                if call.killed is not None or self._error is not None or self._starting <= self._waiting:
                     break
                 self._waiting += 1
                 try:
                     self._cond.wait()
                 finally:
                     self._waiting -= 1
-            if self._closed:
-                raise SessionError("the pool is closed", "closed")
+            if call.killed is not None:
+                raise call.error()
             err, self._error = self._error, None
             self.misses += 1
             self._cond.notify_all()
         if err is not None:
             raise err
-        return self._new()
+        return None
+
+    def _hand_back(self, call: _Call, s: Session) -> None:
+        """The call is over: its sandbox goes to the reaper, or, the pool being closed, is torn
+        down here (close() waits for it)."""
+        with self._cond:
+            call.session = None  # never killed from now on: it is being torn down
+            if not self._closed:
+                self._calls.discard(call)
+                self._retired.append(s)
+                self._cond.notify_all()
+                return
+        self._tear_down(call, s, unused=False)
+
+    def _tear_down(self, call: _Call, s: Session, *, unused: bool) -> None:
+        """Close ``s`` (a call's, the pool closed: close() waits for it), then the call is over."""
+        try:
+            with deferred_interrupts():
+                s.close()
+                if unused and self.template is None:
+                    _ws.remove_workspace(s.directory)  # started for the call, never used
+        except Exception as err:  # noqa: BLE001
+            log.warning("lowlevel: pool teardown failed: %s", err)
+        finally:
+            with self._cond:
+                self._calls.discard(call)
+                self._cond.notify_all()
+
+    def _kill(self, call: _Call, why: str) -> None:
+        """Kill the sandbox of ``call`` (its command sees the session end and raises); holds the lock.
+        Only SIGKILLs (no wait for the cgroup to empty): the teardown empties and removes it."""
+        if call.killed is None:
+            call.killed = why
+        s = call.session
+        if s is not None:
+            try:
+                s._core.run.kill(None, cgroup_kill=False)
+            except Exception as err:  # noqa: BLE001
+                log.warning("lowlevel: cannot kill a pool call's sandbox: %s", err)
+        self._cond.notify_all()
 
     def run(self, argv: Sequence[str], *, inputs: Sequence[str | os.PathLike[str] | tuple[str, str]] = (),
             stdin: bytes | None = None, timeout: float | None = DEFAULT_TIMEOUT_S,
@@ -251,46 +348,67 @@ class Pool:
         Raises:
             WorkspaceError: an input is missing or unreadable. Others as :meth:`Session.run`.
         """
+        return self._run(_Call(), argv, inputs=inputs, stdin=stdin, timeout=timeout, env=env, cwd=cwd,
+                         limits=limits)
+
+    def _run(self, call: _Call, argv: Sequence[str], *,
+             inputs: Sequence[str | os.PathLike[str] | tuple[str, str]] = (), stdin: bytes | None = None,
+             timeout: float | None = DEFAULT_TIMEOUT_S, env: Mapping[str, str] | None = None,
+             cwd: str | None = None, limits: Limits | None = None) -> Result:
+        """:meth:`run` as ``call`` (which :meth:`arun` keeps, to kill its sandbox on cancellation)."""
+        call.thread = threading.get_ident()
         cwd = cwd if cwd is not None else (self.policy.workdir or WORKSPACE_DEST)
         _validate.run_args(command=argv, cwd=cwd, env=env, inputs=inputs)  # before a sandbox is used up
-        s = self._take()
+        s = self._take(call)
         try:
-            if limits is not None:
-                s._core.set_cgroup_limits(limits)
-            if inputs and self.template is not None:
-                # Into this call's view (its upper layer), owned as its sandbox.
-                names = _ws.copy_inputs(s.workspace, inputs)
-                if s._core.run.facts.caller_is_root:
-                    for name in dict.fromkeys(n.split("/")[0] for n in names):
-                        _ws.chown_tree(os.path.join(s.workspace, name), *s.host_ids)
-            elif inputs:
-                # Into the directory itself (the overlay's lower layer: this sandbox's fresh,
-                # still unvisited workspace), so they are inputs, not changes; the idmapped lower
-                # gives them to the sandbox's uid without a chown.
-                names = _ws.copy_inputs(s.directory, inputs)
-                if s._core.run.facts.caller_is_root and not s._core.run.cow:
-                    for name in dict.fromkeys(n.split("/")[0] for n in names):
-                        _ws.chown_tree(os.path.join(s.directory, name), *s.host_ids)
-                # The call starts from here: its commit must not take the inputs for host changes
-                # made during the run (a program that edits or deletes an input got a conflict).
-                s._core.run.since_ns = time.time_ns()
-            result = s.run(argv, stdin=stdin, timeout=timeout, env=env, cwd=cwd, limits=limits,
-                           track_changes=False if s._core.run.cow else None)
-            if self.template is not None:
-                result.changes = s.diff()  # reported; the template is never written
-            elif not self.keep_workspace:
-                if s._core.run.cow:
-                    result.changes = s.diff()  # reported, not committed: the workspace goes with the sandbox
-                result.notes = (*result.notes, "workspace removed after the call (keep_workspace=False)")
-            elif s._core.run.cow:
-                # The Result is final when it is returned: the call's changes are in its workspace.
-                # No fresh layer after it (the sandbox runs nothing more): no anchor RESET round trip.
-                result.changes = s._final_commit()
-            return result
+            result = self._serve(s, argv, inputs=inputs, stdin=stdin, timeout=timeout, env=env, cwd=cwd,
+                                 limits=limits)
+        except Exception as err:
+            if call.killed is None:
+                raise
+            raise call.error() from err  # what the kill made of it (the session ended under it...)
         finally:
-            with self._cond:
-                self._retired.append(s)
-                self._cond.notify_all()
+            self._hand_back(call, s)
+        if call.killed is not None:  # killed as it finished: in flight at close() all the same
+            raise call.error()
+        return result
+
+    def _serve(self, s: Session, argv: Sequence[str], *, inputs: Sequence[str | os.PathLike[str] | tuple[str, str]],
+               stdin: bytes | None, timeout: float | None, env: Mapping[str, str] | None, cwd: str,
+               limits: Limits | None) -> Result:
+        """The call in its sandbox ``s``: the limits, the inputs, the command, the changes."""
+        if limits is not None:
+            s._core.set_cgroup_limits(limits)
+        if inputs and self.template is not None:
+            # Into this call's view (its upper layer), owned as its sandbox.
+            names = _ws.copy_inputs(s.workspace, inputs)
+            if s._core.run.facts.caller_is_root:
+                for name in dict.fromkeys(n.split("/")[0] for n in names):
+                    _ws.chown_tree(os.path.join(s.workspace, name), *s.host_ids)
+        elif inputs:
+            # Into the directory itself (the overlay's lower layer: this sandbox's fresh,
+            # still unvisited workspace), so they are inputs, not changes; the idmapped lower
+            # gives them to the sandbox's uid without a chown.
+            names = _ws.copy_inputs(s.directory, inputs)
+            if s._core.run.facts.caller_is_root and not s._core.run.cow:
+                for name in dict.fromkeys(n.split("/")[0] for n in names):
+                    _ws.chown_tree(os.path.join(s.directory, name), *s.host_ids)
+            # The call starts from here: its commit must not take the inputs for host changes
+            # made during the run (a program that edits or deletes an input got a conflict).
+            s._core.run.since_ns = time.time_ns()
+        result = s.run(argv, stdin=stdin, timeout=timeout, env=env, cwd=cwd, limits=limits,
+                       track_changes=False if s._core.run.cow else None)
+        if self.template is not None:
+            result.changes = s.diff()  # reported; the template is never written
+        elif not self.keep_workspace:
+            if s._core.run.cow:
+                result.changes = s.diff()  # reported, not committed: the workspace goes with the sandbox
+            result.notes = (*result.notes, "workspace removed after the call (keep_workspace=False)")
+        elif s._core.run.cow:
+            # The Result is final when it is returned: the call's changes are in its workspace.
+            # No fresh layer after it (the sandbox runs nothing more): no anchor RESET round trip.
+            result.changes = s._final_commit()
+        return result
 
     async def arun(self, argv: Sequence[str], **kwargs: Any) -> Result:
         """:meth:`run` in a worker thread, for asyncio callers: same arguments, Result and errors."""
@@ -299,20 +417,35 @@ class Pool:
     def close(self) -> None:
         """Stop refilling and destroy every sandbox; idempotent.
 
+        Calls in flight (in other threads, or :meth:`arun` tasks) are ended: their sandboxes are
+        killed at once and they raise ``SessionError(reason="closed")`` ("the pool was closed while
+        this call was in flight"), even one whose command had just finished; close() waits for
+        them to hand their sandboxes back (a kill makes that prompt; a call still copying its
+        ``inputs`` finishes the copy first) and returns once every sandbox is torn down: no
+        process, fd, cgroup, run record or ``keep_workspace=False`` workspace of the pool is
+        left. (A call of the thread calling close(), as from a signal handler, is killed and
+        tears its sandbox down itself once it returns.) Calls made after close() raise
+        ``SessionError(reason="closed")`` ("the pool is closed").
+
         A signal handler's exception (^C, a SIGTERM handler's SystemExit) arriving meanwhile is
         held back until every sandbox is gone (:class:`deferred_interrupts`; each close is
         bounded: a kill and a reap), then raised: it abandoned the ones not yet closed before,
         their cgroups and records left to ``lowlevel cleanup`` (bench/kill_campaign.py)."""
+        me = threading.get_ident()
         with self._cond:
             if self._closed:
                 return
             self._closed = True
+            for call in self._calls:
+                self._kill(call, "closed")
             self._cond.notify_all()
         with deferred_interrupts():  # delivered once every sandbox is gone
             self._thread.join()
             self._reaper.join()
             with self._cond:
-                while self._starting:  # starts under way close what they started (the pool is closed)
+                # Starts under way close what they started (the pool is closed); calls in flight
+                # tear theirs down as they hand them back (_hand_back).
+                while self._starting or any(call.thread != me for call in self._calls):
                     self._cond.wait()
             while self._ready or self._retired:
                 unused = bool(self._ready)
