@@ -36,8 +36,15 @@ remote executors, while the step semantics follow its ``LocalPythonExecutor``:
 - **Timeout**: a step over ``timeout_seconds`` is killed with its process tree, the kernel is
   restarted (its variables are lost, the tools and last variables are sent again) and
   ``InterpreterError("Code execution exceeded the maximum execution time of N seconds ...")``
-  is raised. A kernel killed by a limit (memory, pids) or by the code itself is restarted the
-  same way.
+  is raised. A kernel killed by a limit (memory, pids) or by the code itself (its own process
+  or its supervisor, ``os.kill(os.getppid(), 9)``) is restarted the same way, the step raising
+  ``InterpreterError("Code execution failed: the sandboxed interpreter died (...)")``.
+- **Sandbox ended**: a step that ends the whole session (kills its init) raises
+  ``InterpreterError("Code execution failed: the lowlevel sandbox ended (...); it was
+  restarted ...")`` and the executor runs on in a fresh session (its ``/tmp`` and scratch files
+  are gone too; tools and variables are sent again); a session found ended before a step is
+  restarted the same way, that step raising the same error without running.
+  :meth:`LowlevelPythonExecutor.restart` starts a fresh sandbox on demand.
 
 Call :meth:`cleanup` (``CodeAgent`` does on ``__exit__``/``cleanup()``) to end the session.
 """
@@ -155,34 +162,84 @@ class LowlevelPythonExecutor(RemotePythonExecutor):  # type: ignore[misc]
         raise InterpreterError(f"the sandboxed Python did not start within {KERNEL_START_TIMEOUT_S} s")
 
     def _restart_kernel(self) -> None:
-        if self._kernel is not None:
-            self._kernel.kill()
+        """A fresh kernel in the session (the tools and variables sent again); a fresh session
+        when the session itself ended (or ends meanwhile)."""
+        assert self.session is not None
+        if self.session.alive:
             try:
-                self._kernel.wait(timeout=10)
-            except LowlevelError:
-                pass
+                if self._kernel is not None:
+                    self._kernel.kill()
+                    try:
+                        self._kernel.wait(timeout=10)
+                    except LowlevelError:  # its outcome is an error (its supervisor was killed...)
+                        pass
+                self._start_kernel()
+            except SessionError:
+                if self.session.alive:
+                    raise
+            else:
+                self._send_setup()
+                return
+        self._restart_session()
+
+    def _restart_session(self) -> None:
+        """A fresh session and kernel (the tools and variables sent again); the old session is
+        closed and its workspace removed once the new one runs (if its start fails, the old one
+        stays, dead: the next step tries again)."""
+        old = self.session
+        assert old is not None
+        self.session = Session(self.config.policy, workspace_base=self.config.workspace_base, commit=False)
+        self._kernel = None
+        self._close_session(old)
         self._start_kernel()
+        self._send_setup()
+
+    def _send_setup(self) -> None:
         for code in self._setup_code:
             self._request(code, trusted=True)
+
+    def restart(self) -> None:
+        """Start a fresh sandbox (session and interpreter): its processes, ``/tmp`` and scratch
+        files are gone and so are the variables of earlier steps; the tools and the variables
+        sent (``send_tools``, ``send_variables``) are sent again. A step after which the sandbox
+        ended does this by itself.
+
+        Raises:
+            InterpreterError: the executor was cleaned up, or the new interpreter did not start.
+            lowlevel.LaunchError: the new session could not start (the old one is kept, dead).
+        """
+        if self.session is None:
+            raise InterpreterError("the executor was cleaned up; make a new one")
+        self._restart_session()
 
     def _request(self, code: str, *, trusted: bool) -> dict[str, Any]:
         if self.session is None:
             raise InterpreterError("the executor was cleaned up; make a new one")
+        if not self.session.alive:  # it ended after the last step (or its restart failed then)
+            self._restart_session()
+            if not trusted:
+                raise InterpreterError("Code execution failed: the lowlevel sandbox had ended; it was restarted "
+                                       "and variables of earlier steps are lost (this code did not run)")
         body = json.dumps({"code": code, "check_imports": not trusted,
                            "max_logs": self.max_print_outputs_length}).encode()
         try:
             result = self.session.run([self.python, "-I", "-S", "-c", CLIENT, self._socket], stdin=body,
                                       timeout=self.timeout_seconds)
         except SessionError as err:
-            raise InterpreterError(f"the lowlevel sandbox ended: {err}") from err
+            if self.session.alive:
+                raise InterpreterError(f"the lowlevel sandbox failed: {err}") from err
+            self._restart_session()
+            raise InterpreterError(f"Code execution failed: the lowlevel sandbox ended ({err}); it was restarted "
+                                   "and variables of earlier steps are lost") from err
         if result.timed_out:
             self._restart_kernel()
             raise InterpreterError(f"Code execution exceeded the maximum execution time of {self.timeout_seconds} "
                                    "seconds (the sandboxed interpreter was restarted: variables of earlier steps "
                                    "are lost)")
-        if result.exit_code != 0 or self._kernel.poll() is not None:
-            reason = self._kernel_death()
+        death = self._kernel_death()
+        if result.exit_code != 0 or death is not None:
             self._restart_kernel()
+            reason = death or "lost connection"
             raise InterpreterError(f"Code execution failed: the sandboxed interpreter died ({reason}); it was "
                                    "restarted and variables of earlier steps are lost")
         try:
@@ -193,10 +250,17 @@ class LowlevelPythonExecutor(RemotePythonExecutor):  # type: ignore[misc]
             raise InterpreterError("the sandboxed interpreter sent a malformed answer")
         return answer
 
-    def _kernel_death(self) -> str:
-        if self._kernel is None or self._kernel.poll() is None:
-            return "lost connection"
-        result = self._kernel.wait()
+    def _kernel_death(self) -> str | None:
+        """Why the kernel is gone (None: it runs). Its supervisor killed, or the session ended, is
+        an error where a Result would be: that is the reason, not raised."""
+        if self._kernel is None:
+            return "not started"
+        try:
+            if self._kernel.poll() is None:
+                return None
+            result = self._kernel.wait()
+        except LowlevelError as err:
+            return str(err)
         if result.killed_by:
             return f"killed: {result.killed_by}"
         return f"exit status {result.exit_code}"
@@ -261,8 +325,11 @@ class LowlevelPythonExecutor(RemotePythonExecutor):  # type: ignore[misc]
     def cleanup(self) -> None:
         """End the session (kernel and all) and remove its workspace. Idempotent."""
         session, self.session = self.session, None
-        if session is None:
-            return
+        if session is not None:
+            self._close_session(session)
+
+    @staticmethod
+    def _close_session(session: Session) -> None:
         session.close()
         try:
             lowlevel.workspace.remove_workspace(session.directory)

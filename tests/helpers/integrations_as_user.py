@@ -2,7 +2,8 @@
 
 Reads a JSON spec on stdin: {"secret_path": str, "secret": str, "port": int}. Prints one JSON
 object: for each adapter, what its sandbox printed for a benign step and for the attacks
-(reading the secret by host path, connecting to the host loopback port).
+(reading the secret by host path, connecting to the host loopback port), and any more
+checks as booleans (all must be True).
 """
 
 from __future__ import annotations
@@ -52,9 +53,21 @@ def smolagents_part() -> None:
 
     from lowlevel.integrations.smolagents_executor import LowlevelPythonExecutor
 
+    from smolagents.local_python_executor import InterpreterError
+
     ex = LowlevelPythonExecutor(["os", "socket"], AgentLogger(level=LogLevel.OFF))
     try:
         out["smolagents"] = [ex(BENIGN).logs, ex(ATTACK).logs]
+        # A step killing its interpreter's supervisor, then one killing the session's init: each
+        # an InterpreterError, and the next step answers (a fresh kernel, a fresh session).
+        recovered = []
+        for victim in ("os.getppid()", "int(open(f'/proc/{os.getppid()}/stat').read().rsplit(')', 1)[1].split()[1])"):
+            try:
+                ex(f"import os\nos.kill({victim}, 9)")
+                recovered.append(False)
+            except InterpreterError as err:
+                recovered.append("restarted" in str(err) and ex("6 * 7").output == 42)
+        out["smolagents"].append(all(recovered) and len(recovered) == 2)
     finally:
         ex.cleanup()
 

@@ -2,8 +2,9 @@
 
 No model: ``ScriptedModel`` returns prewritten steps. Checked: state carried between steps,
 final-answer detection, a tool defined and called inside the sandbox, authorized imports,
-errors with their logs, a step timeout that restarts the interpreter, and the ssh-key and
-loopback attacks blocked (with their host controls).
+errors with their logs, a step timeout that restarts the interpreter, a step that kills the
+interpreter's supervisor or the session's init (the executor recovers), restart(), and the
+ssh-key and loopback attacks blocked (with their host controls).
 """
 
 from __future__ import annotations
@@ -134,5 +135,53 @@ def test_memory_hog_restarts_the_interpreter() -> None:
         # With a memory cgroup the kernel is OOM-killed; with RLIMIT_DATA the allocation fails.
         assert "MemoryError" in str(info.value) or "died" in str(info.value)
         assert ex("2 * 21").output == 42
+    finally:
+        ex.cleanup()
+
+
+#: A step's code that prints the PID of the session's init: its kernel's supervisor's parent.
+_INIT_PID = "int(open(f'/proc/{os.getppid()}/stat').read().rsplit(')', 1)[1].split()[1])"
+
+
+def test_a_step_killing_the_supervisor_is_an_interpreter_error_and_the_agent_goes_on() -> None:
+    """One line of agent code (``os.kill(os.getppid(), 9)``: the kernel's supervisor) wedged the
+    executor: every later step raised the same raw SessionError ("the supervisor of 'python3' was
+    killed ... (the session goes on)"), because the kernel's poll() raised before the kernel was
+    restarted. Now the step raises InterpreterError and the kernel is restarted (the tool too)."""
+    steps = ["import os\nos.kill(os.getppid(), 9)", "print('still here', multiply(6, 7))", "final_answer('done')"]
+    model = ScriptedModel(steps)
+    with CodeAgent(tools=[Multiply()], model=model, executor=_executor(imports=["os"], timeout_seconds=10),
+                   max_steps=4, verbosity_level=LogLevel.OFF) as agent:
+        assert agent.run("go") == "done"
+        errors = [str(getattr(step, "error", None) or "") for step in agent.memory.steps[1:]]
+    assert "the sandboxed interpreter died" in errors[0] and "supervisor" in errors[0], errors
+    assert errors[1:] == ["", ""], errors
+    assert any("still here 42" in s for s in model.seen), model.seen
+
+
+def test_a_step_ending_the_session_gets_a_fresh_sandbox_and_restart() -> None:
+    """A step that kills the session's init ended the sandbox for good (every later step: "the
+    lowlevel sandbox ended"), and there was no restart(). Now the step raises InterpreterError and
+    the executor starts a fresh session (the tools and variables sent again); restart() does so on
+    demand."""
+    ex = _executor(imports=["os"], timeout_seconds=10)
+    try:
+        ex.send_variables({"sent": 5})
+        ex("kept = 1\nopen('/tmp/scratch', 'w').write('x')")
+        first = ex.session
+        with pytest.raises(InterpreterError, match="sandbox ended.*restarted"):
+            ex(f"import os\nos.kill({_INIT_PID}, 9)")
+        assert ex.session is not first and ex.session is not None and ex.session.alive
+        assert ex("import os\nsent * 2").output == 10  # the variables sent were sent again
+        assert ex("os.path.exists('/tmp/scratch')").output is False  # a fresh sandbox
+        with pytest.raises(InterpreterError, match="is not defined"):
+            ex("kept")
+        ex("kept = 2")
+        second = ex.session
+        ex.restart()
+        assert ex.session is not second and not second.alive
+        assert ex("sent").output == 5
+        with pytest.raises(InterpreterError, match="is not defined"):
+            ex("kept")
     finally:
         ex.cleanup()
