@@ -51,6 +51,13 @@ _KILLED = {"closed": "the pool was closed while this call was in flight: Pool.cl
            "cancelled": "the call was cancelled: its sandbox was killed"}
 
 
+def _retrieve(task: asyncio.Future[Result]) -> None:
+    """Mark the outcome of a cancelled :meth:`Pool.arun`'s thread as seen (it raised what its
+    sandbox's kill made of it): no "exception was never retrieved" log."""
+    if not task.cancelled():
+        task.exception()
+
+
 class _Call:
     """One :meth:`Pool.run` in flight, from taking a sandbox to handing it back: its thread (close()
     does not wait for its own), the sandbox it holds (None before it has one and once it is handed
@@ -411,8 +418,22 @@ class Pool:
         return result
 
     async def arun(self, argv: Sequence[str], **kwargs: Any) -> Result:
-        """:meth:`run` in a worker thread, for asyncio callers: same arguments, Result and errors."""
-        return await asyncio.to_thread(self.run, argv, **kwargs)
+        """:meth:`run` in a worker thread, for asyncio callers: same arguments, Result and errors.
+
+        Cancelling the task kills the call's sandbox (its command with it, as cancelling
+        :func:`lowlevel.arun` does) and waits for the call to hand it back (a call still
+        starting its own sandbox or copying its ``inputs`` finishes that first; one still waiting
+        for a sandbox leaves it ready for the next call), then raises CancelledError."""
+        call = _Call()
+        task = asyncio.ensure_future(asyncio.to_thread(self._run, call, argv, **kwargs))
+        task.add_done_callback(_retrieve)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            with self._cond:
+                self._kill(call, "cancelled")
+            await asyncio.wait({task})  # prompt after the kill; its error is the cancellation's doing
+            raise
 
     def close(self) -> None:
         """Stop refilling and destroy every sandbox; idempotent.

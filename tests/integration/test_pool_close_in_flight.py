@@ -5,8 +5,9 @@ and each of their sandboxes was never torn down afterwards (its anchor, bwrap an
 ~30 fds, 3 cgroups, a run record and an ``rm-*`` workspace, until the process exited): nothing
 tore down what a call handed back after close. Now close() kills the sandboxes of the calls in
 flight, waits for them to hand their sandboxes back and tears every one down before it returns;
-those calls raise ``SessionError(reason="closed")``. Driven in a caller of its own (root and the
-unprivileged user), which looks at its own descendants, fds, workspace base and run records.
+those calls raise ``SessionError(reason="closed")``. And cancelling ``Pool.arun`` kills its call's
+sandbox (it ran on to its timeout). Driven in a caller of its own (root and the unprivileged
+user), which looks at its own descendants, fds, workspace base and run records.
 """
 
 from __future__ import annotations
@@ -96,6 +97,30 @@ print(json.dumps({"running": running, "close_s": close_s, "at_close": gone_at_cl
 """
 
 
+CANCEL = COMMON + r"""
+pool = Pool(size=1, workspace_base=base, keep_workspace=False)
+async def main():
+    task = asyncio.create_task(pool.arun(["sleep", "20"], timeout=60))
+    running = await asyncio.to_thread(wait_for, lambda: "sleep 20" in descendants(), 30)
+    task.cancel()
+    t = time.monotonic()
+    try:
+        await task
+        outcome = "returned"
+    except asyncio.CancelledError:
+        outcome = "cancelled"
+    cancel_s = time.monotonic() - t
+    killed = wait_for(lambda: "sleep 20" not in descendants(), 3)
+    after = (await pool.arun(["echo", "next"])).stdout.decode()
+    return {"running": running, "outcome": outcome, "cancel_s": cancel_s, "killed": killed, "after": after}
+t = time.monotonic()
+out = asyncio.run(main())
+out["asyncio_run_s"] = time.monotonic() - t
+pool.close()
+print(json.dumps({**out, **left(fds0)}))
+"""
+
+
 def _trial(script: str, identity: str, request: pytest.FixtureRequest) -> dict[str, object]:
     d = tempfile.mkdtemp(prefix="rt-poolclose-", dir="/tmp")
     try:
@@ -121,4 +146,17 @@ def test_close_kills_and_tears_down_the_calls_in_flight(identity: str, request: 
     for kind, reason, message, elapsed in calls.values():
         assert (kind, reason) == ("SessionError", "closed") and "pool was closed" in message, out
         assert elapsed < 15, out  # killed, not run to its end
+    assert (out["procs"], out["new_fds"], out["ws"], out["records"]) == ([], [], [], []), out
+
+
+@pytest.mark.parametrize("identity", ["root", "user"])
+def test_cancelling_arun_kills_its_call(identity: str, request: pytest.FixtureRequest) -> None:
+    """Cancelling ``Pool.arun`` only abandoned the thread running the call: the sandbox ran on to
+    its timeout and ``asyncio.run`` waited for it at shutdown (unlike ``lowlevel.arun`` and
+    ``AsyncSession.run``, whose cancellation kills the command). Now the call's sandbox is killed
+    and the task raises CancelledError once it is handed back; the pool serves the next call."""
+    out = _trial(CANCEL, identity, request)
+    assert out["running"] is True and out["outcome"] == "cancelled", out
+    assert out["cancel_s"] < 10 and out["killed"] is True, out  # killed, not left to run its 20 s
+    assert out["after"] == "next\n" and out["asyncio_run_s"] < 15, out
     assert (out["procs"], out["new_fds"], out["ws"], out["records"]) == ([], [], [], []), out
