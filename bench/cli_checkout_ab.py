@@ -65,8 +65,8 @@ def main() -> None:
             cpu[key].append(c)
     py = statistics.median(cpu["python -c pass"])
     for key in sides:
-        print(f"{key:15s} wall p50 {statistics.median(wall[key]):7.1f} ms  cpu p50 {statistics.median(cpu[key]):7.1f} ms"
-              f"  cpu / python {statistics.median(cpu[key]) / py:.2f}")
+        w, c = statistics.median(wall[key]), statistics.median(cpu[key])
+        print(f"{key:15s} wall p50 {w:7.1f} ms  cpu p50 {c:7.1f} ms  cpu / python {c / py:.2f}")
 
 
 if __name__ == "__main__":
