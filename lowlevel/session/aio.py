@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from lowlevel import workspace as _ws
 from lowlevel.errors import LowlevelError
@@ -24,6 +25,42 @@ from lowlevel.session.gate import check_running, HeldError
 from lowlevel.session.handle import ProcessHandle
 from lowlevel.spec.limits import Limits
 from lowlevel.spec.policy import Policy
+
+_T = TypeVar("_T")
+
+
+async def _in_thread(fn: Callable[[], _T], *, not_run: Callable[[], None] | None = None) -> _T:
+    """``fn()`` in a worker thread of the loop's default executor, awaited, with one owner of its
+    outcome whatever happens to the awaiting task.
+
+    The executor may be busy (the application's own ``to_thread`` work), so the job can wait
+    there for a thread, and a cancelled ``asyncio.to_thread`` is dropped from that queue: it
+    never runs. So, cancelled (or the await failed otherwise) before ``fn`` started, it never
+    starts and ``not_run()`` is called here; once started, it runs to its end in its thread.
+    """
+    lock = threading.Lock()
+    state = ["queued"]  # -> "running" -> "done"; or "abandoned" (never to run), "orphaned" (nobody awaits)
+
+    def job() -> _T | None:
+        with lock:
+            if state[0] == "abandoned":
+                return None
+            state[0] = "running"
+        try:
+            return fn()
+        finally:
+            with lock:
+                state[0] = "done"
+
+    try:
+        return cast(_T, await asyncio.to_thread(job))
+    except BaseException:
+        with lock:
+            was = state[0]
+            state[0] = {"queued": "abandoned", "running": "orphaned"}.get(was, was)
+        if was == "queued" and not_run is not None:
+            not_run()
+        raise
 
 
 class AsyncProcess(ProcessHandle):
@@ -143,12 +180,18 @@ class AsyncSession:
         return await asyncio.to_thread(self._core.diff)
 
     async def reset(self, *, running: str = "refuse") -> None:
-        """As :meth:`Session.reset` (exclusive; the commands in flight are awaited)."""
+        """As :meth:`Session.reset` (exclusive; the commands in flight are awaited). Cancelled: as
+        :meth:`commit`."""
         await self._exclusive("reset", running)
 
     async def commit(self, *, running: str = "refuse") -> _ws.Changes:
         """As :meth:`Session.commit` (exclusive; the commands in flight are awaited, commands
-        submitted meanwhile start after it)."""
+        submitted meanwhile start after it).
+
+        Cancelled while it waits (for the commands in flight, or for a thread of the loop's
+        default executor): nothing is applied and the session takes commands again at once.
+        Cancelled once the commit runs in its thread: it runs to its end there (the changes are
+        applied), and the session takes commands again when it is done."""
         changes = await self._exclusive("commit", running)
         assert changes is not None
         return changes
@@ -156,7 +199,9 @@ class AsyncSession:
     async def _exclusive(self, what: str, running: str) -> _ws.Changes | None:
         """The async driver of :meth:`Session._exclusive`: the waits are on the event loop (which
         moves the commands' I/O meanwhile), the operation itself in a worker thread. Cancelled
-        while that runs, the thread still ends the operation and reopens the gate."""
+        while that runs, the thread still ends the operation and reopens the gate; cancelled
+        before it ran (queued behind the executor's other jobs), it never runs and the gate
+        reopens here (:func:`_in_thread`)."""
         core = self._core
         assert core is not None
         check_running(running)
@@ -172,7 +217,7 @@ class AsyncSession:
             left = core.check_background(what, running)
             await self._until(lambda: core.drained(running), None)
             handed = True
-            return await asyncio.to_thread(core.exclusive_op, what, left)
+            return await _in_thread(lambda: core.exclusive_op(what, left), not_run=core.end_exclusive)
         finally:
             if not handed:
                 core.end_exclusive()

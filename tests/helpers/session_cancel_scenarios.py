@@ -1,0 +1,140 @@
+"""A session's life when its caller goes away midway: cancelled ``AsyncSession`` calls, an
+``AsyncSession`` nobody closed, a ^C inside ``Session.close()`` or at the end of ``commit()``.
+
+tests/integration/test_session_cancel.py calls each function in-process (root) or runs this
+file through ``runuser`` as the unprivileged user (``python session_cancel_scenarios.py NAME
+WORKSPACE BASE``: prints the returned dict as JSON), as tests/helpers/session_gate_scenarios.py.
+``workspace`` is an empty directory of the caller's, ``base`` one for fresh workspaces. Each
+returns what it observed (``cow``: the session had the copy-on-write workspace); the test asserts.
+
+The waits are made deterministic where the bug needs a race: a default executor of one thread
+that the application's own job holds (so a commit's job waits in its queue), a hook on the
+session's start (so the cancel lands while it runs), a signal sent to this process from inside
+the step it must interrupt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from lowlevel.session import AsyncSession
+from session_gate_scenarios import _children
+
+#: How long a call that should return is given before the scenario calls it hung, seconds.
+HUNG_S = 10.0
+
+
+async def _queued_behind(pool: concurrent.futures.ThreadPoolExecutor, start: Callable[[], Any]) -> Any:
+    """Start ``start()`` (a task) while ``pool``'s only thread runs the application's own job,
+    cancel it once its worker-thread job waits in the pool's queue, release the thread.
+    Returns ``(outcome, queued)``: "cancelled" or what the task returned; whether the job was
+    seen waiting in the queue."""
+    loop = asyncio.get_running_loop()
+    release, holding = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        holding.set()
+        release.wait(60.0)
+
+    blocker = loop.run_in_executor(pool, hold)
+    while not holding.is_set():  # the thread has taken the job: the queue is empty
+        await asyncio.sleep(0.005)
+    task = asyncio.ensure_future(start())
+    deadline = time.monotonic() + HUNG_S
+    while not pool._work_queue.qsize() and time.monotonic() < deadline:  # the job waits for the thread
+        await asyncio.sleep(0.005)
+    queued = pool._work_queue.qsize() > 0
+    task.cancel()
+    try:
+        outcome = await task
+    except asyncio.CancelledError:
+        outcome = "cancelled"
+    release.set()
+    await blocker
+    return outcome, queued
+
+
+def commit_cancelled_in_the_queue(workspace: str, base: str) -> dict[str, Any]:
+    """``AsyncSession.commit()`` and ``reset()`` cancelled while their job waits for a thread of
+    the busy default executor, then cancelled while the commit runs in its thread: what the
+    session does next (run, commit) and what reached the directory."""
+    async def main() -> dict[str, Any]:
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        asyncio.get_running_loop().set_default_executor(pool)
+        out: dict[str, Any] = {}
+        s = await AsyncSession.create(workspace=workspace, workspace_base=base)
+        out["cow"] = s._core is not None and s._core.run.cow
+        if not out["cow"]:
+            await s.close()
+            return out
+        assert s._core is not None
+        for what in ("commit", "reset"):
+            if what == "reset" and out["commit"]["run"] == "hung":
+                break  # the session is stuck: nothing more to learn from it
+            await s.run(["sh", "-c", f"echo {what} > {what}"])
+            outcome, queued = await _queued_behind(pool, getattr(s, what))
+            got: dict[str, Any] = {"outcome": outcome, "queued": queued, "held": s._core.exclusive}
+            try:
+                r = await asyncio.wait_for(s.run(["cat", what]), HUNG_S)
+                got["run"] = [r.exit_code, r.stdout.decode()]
+            except TimeoutError:
+                got["run"] = "hung"
+            got["directory"] = sorted(os.listdir(workspace))
+            out[what] = got
+        if "reset" in out:
+            out["running"] = await _cancelled_while_running(s, workspace)
+            await s.run(["sh", "-c", "echo after > after"])
+            try:
+                out["commit_after"] = sorted((await asyncio.wait_for(s.commit(), HUNG_S)).added)
+            except TimeoutError:
+                out["commit_after"] = "hung"
+        await asyncio.wait_for(s.close(), 60)
+        out["children"] = _children()
+        return out
+
+    return asyncio.run(main())
+
+
+async def _cancelled_while_running(s: AsyncSession, workspace: str) -> dict[str, Any]:
+    """A commit cancelled once it runs in its thread (held there 0.3 s): it runs to its end,
+    then the session takes commands again."""
+    core = s._core
+    assert core is not None
+    await s.run(["sh", "-c", "echo late > late"])
+    started = threading.Event()
+    real = core.exclusive_op
+
+    def slow_op(what: str, left: Any) -> Any:
+        started.set()
+        time.sleep(0.3)
+        return real(what, left)
+
+    core.exclusive_op = slow_op  # type: ignore[method-assign]
+    try:
+        task = asyncio.ensure_future(s.commit())
+        while not started.is_set():
+            await asyncio.sleep(0.005)
+        task.cancel()
+        try:
+            outcome = await task
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+        r = await asyncio.wait_for(s.run(["true"]), HUNG_S)
+    finally:
+        core.exclusive_op = real  # type: ignore[method-assign]
+    return {"outcome": outcome, "run_after": r.exit_code, "applied": "late" in os.listdir(workspace)}
+
+
+SCENARIOS = {f.__name__: f for f in (commit_cancelled_in_the_queue,)}
+
+if __name__ == "__main__":
+    name, ws, base = sys.argv[1:4]
+    print(json.dumps(SCENARIOS[name](ws, base)))

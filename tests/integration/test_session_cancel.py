@@ -1,0 +1,80 @@
+"""A session whose caller goes away midway: cancelled AsyncSession calls, an AsyncSession nobody
+closed, a ^C inside ``Session.close()`` or at the end of ``commit()`` (found by a fresh-user trial).
+
+Before: a commit() or reset() cancelled while its job waited for a thread of the loop's (busy)
+default executor never ran and never reopened the workspace gate: every later run(), start()
+and commit() of the session waited forever. A create() cancelled while its sandbox started
+dropped the started session (a zombie anchor, ~10 fds, its cgroups, run record and workspace).
+An AsyncSession garbage-collected unclosed left its sandbox running (a Session is closed). A ^C
+in close()'s kill skipped the anchor's reap (a zombie for the process's life; a second close()
+did nothing), and one at the end of commit()'s RESET left the old upper layer's fd open and the
+commit baseline (since_ns, own_stamps) of the dropped layer.
+
+Each scenario (tests/helpers/session_cancel_scenarios.py) runs as root in-process and as the
+unprivileged test user through runuser, with the same assertions.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HELPERS = Path(__file__).resolve().parent.parent / "helpers"
+sys.path.insert(0, str(HELPERS))
+
+import session_cancel_scenarios as scenarios  # noqa: E402
+from identities import scenario_as  # noqa: E402
+
+pytestmark = [pytest.mark.bwrap, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(params=["root", "user"] if os.geteuid() == 0 else ["self"])
+def scenario(request: pytest.FixtureRequest) -> Iterator[Callable[[str], dict[str, Any]]]:
+    """``scenario(name)``: run one scenario as this identity and return what it observed."""
+    made: list[str] = []
+    user = request.getfixturevalue("test_user") if request.param == "user" else None
+
+    def mkdir(prefix: str) -> str:
+        path = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+        made.append(path)
+        os.chmod(path, 0o755)
+        if user is not None:
+            os.chown(path, user.pw_uid, user.pw_gid)
+        return path
+
+    def run(name: str) -> dict[str, Any]:
+        ws, base = mkdir("ws-cancel-"), mkdir("base-cancel-")
+        if user is None:
+            return scenarios.SCENARIOS[name](ws, base)
+        return scenario_as(user, HELPERS / "session_cancel_scenarios.py", name, ws, base)
+
+    yield run
+    for path in made:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _need_cow(out: dict[str, Any]) -> None:
+    if not out.get("cow"):
+        pytest.skip("no copy-on-write overlay on this host: commit()/reset() are unsupported")
+
+
+def test_a_commit_cancelled_while_queued_for_a_thread_releases_the_session(scenario: Any) -> None:
+    out = scenario("commit_cancelled_in_the_queue")
+    _need_cow(out)
+    for what in ("commit", "reset"):
+        got = out[what]
+        assert got["queued"] and got["outcome"] == "cancelled", got  # cancelled while its job waited
+        assert got["held"] is None, got  # was "commit" (or "reset") forever
+        assert got["run"] == [0, f"{what}\n"], got  # was "hung"; the change is still the session's
+        assert what not in got["directory"], got  # nothing was applied
+    # Cancelled once it ran in its thread: it ran to its end (applied), then commands ran again.
+    assert out["running"] == {"outcome": "cancelled", "run_after": 0, "applied": True}
+    assert out["commit_after"] == ["after"]
+    assert out["children"] == []
