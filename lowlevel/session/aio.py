@@ -9,6 +9,7 @@ condition holds. The sandbox's start and close, and a commit or reset, run in wo
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import threading
 import time
@@ -26,20 +27,25 @@ from lowlevel.session.handle import ProcessHandle
 from lowlevel.spec.limits import Limits
 from lowlevel.spec.policy import Policy
 
+log = logging.getLogger("lowlevel")
 _T = TypeVar("_T")
 
 
-async def _in_thread(fn: Callable[[], _T], *, not_run: Callable[[], None] | None = None) -> _T:
+async def _in_thread(fn: Callable[[], _T], *, not_run: Callable[[], None] | None = None,
+                     unclaimed: Callable[[_T], None] | None = None) -> _T:
     """``fn()`` in a worker thread of the loop's default executor, awaited, with one owner of its
     outcome whatever happens to the awaiting task.
 
     The executor may be busy (the application's own ``to_thread`` work), so the job can wait
     there for a thread, and a cancelled ``asyncio.to_thread`` is dropped from that queue: it
     never runs. So, cancelled (or the await failed otherwise) before ``fn`` started, it never
-    starts and ``not_run()`` is called here; once started, it runs to its end in its thread.
+    starts and ``not_run()`` is called here; once started, it runs to its end in its thread,
+    and a result nobody awaits any more goes to ``unclaimed(result)`` (in that thread, or here
+    when it had returned just before the cancellation reached the task).
     """
     lock = threading.Lock()
     state = ["queued"]  # -> "running" -> "done"; or "abandoned" (never to run), "orphaned" (nobody awaits)
+    results: list[_T] = []
 
     def job() -> _T | None:
         with lock:
@@ -47,10 +53,17 @@ async def _in_thread(fn: Callable[[], _T], *, not_run: Callable[[], None] | None
                 return None
             state[0] = "running"
         try:
-            return fn()
-        finally:
+            out = fn()
+        except BaseException:
             with lock:
                 state[0] = "done"
+            raise
+        with lock:
+            orphaned, state[0] = state[0] == "orphaned", "done"
+            results.append(out)
+        if orphaned and unclaimed is not None:
+            unclaimed(out)
+        return out
 
     try:
         return cast(_T, await asyncio.to_thread(job))
@@ -60,7 +73,17 @@ async def _in_thread(fn: Callable[[], _T], *, not_run: Callable[[], None] | None
             state[0] = {"queued": "abandoned", "running": "orphaned"}.get(was, was)
         if was == "queued" and not_run is not None:
             not_run()
+        elif was == "done" and results and unclaimed is not None:
+            unclaimed(results[0])  # it returned, but the task was cancelled before it resumed
         raise
+
+
+def _close_unclaimed(core: Core) -> None:
+    """Close a session whose start completed after its ``create()`` was cancelled (nobody has it)."""
+    try:
+        core.close()
+    except LowlevelError as err:
+        log.warning("lowlevel: closing a session whose start was cancelled: %s", err)
 
 
 class AsyncProcess(ProcessHandle):
@@ -124,6 +147,11 @@ class AsyncSession:
                 and ``total_timeout`` in seconds, ``commit``...).
         Raises:
             PolicyError, WorkspaceError, LaunchError, UnsupportedError: as :class:`Session`.
+
+        Cancelled (``asyncio.wait_for``, a cancelled ``async with`` entry): a start still
+        waiting for a thread of the loop's default executor never begins; one under way ends in
+        its thread, and the session it started is closed there, as :meth:`close` closes it
+        (``commit=`` and ``keep_workspace`` apply): no process, fd or cgroup is left.
         """
         self = cls(policy, **kwargs)
         await self._open()
@@ -135,7 +163,7 @@ class AsyncSession:
         policy, kwargs = self._args
         kwargs = {"workspace": None, "inputs": (), "idle_timeout": None, "total_timeout": None,
                   "workspace_base": None, "bwrap": None, "track_changes": False, "commit": True, **kwargs}
-        self._core = await asyncio.to_thread(Core, policy, **kwargs)
+        self._core = await _in_thread(lambda: Core(policy, **kwargs), unclaimed=_close_unclaimed)
         self._loop = asyncio.get_running_loop()
         self._core.on_gate_open = self._gate_opened
         self._loop.add_reader(self._core.sock.fileno(), self._on_sock)

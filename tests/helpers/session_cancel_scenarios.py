@@ -17,19 +17,50 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import json
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
-from lowlevel.session import AsyncSession
+from lowlevel.session import AsyncSession, Session
+from lowlevel.session import core as session_core
 from session_gate_scenarios import _children
 
 #: How long a call that should return is given before the scenario calls it hung, seconds.
 HUNG_S = 10.0
+
+
+def _fds() -> set[str]:
+    """What this process's fds point at (numbers are reused: compared by target)."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.add(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return out
+
+
+def _warm(base: str) -> None:
+    """One session started and closed first: the fds a process opens once (the init's and the
+    anchor's executables, the host-facts cache) are not counted as a scenario's leak."""
+    with Session(workspace_base=base, keep_workspace=False) as s:
+        s.run(["true"])
+
+
+@contextmanager
+def _patched(owner: Any, name: str, make: Callable[[Any], Any]) -> Iterator[None]:
+    real = getattr(owner, name)
+    setattr(owner, name, make(real))
+    try:
+        yield
+    finally:
+        setattr(owner, name, real)
 
 
 async def _queued_behind(pool: concurrent.futures.ThreadPoolExecutor, start: Callable[[], Any]) -> Any:
@@ -133,7 +164,50 @@ async def _cancelled_while_running(s: AsyncSession, workspace: str) -> dict[str,
     return {"outcome": outcome, "run_after": r.exit_code, "applied": "late" in os.listdir(workspace)}
 
 
-SCENARIOS = {f.__name__: f for f in (commit_cancelled_in_the_queue,)}
+def create_cancelled(workspace: str, base: str) -> dict[str, Any]:
+    """``AsyncSession.create()`` cancelled while its sandbox starts in the worker thread, and
+    while its job still waits for a thread: what is left once the loop's executor is done."""
+    _warm(base)
+    out: dict[str, Any] = {}
+    before, dirs = _fds(), set(os.listdir(base))
+    started = threading.Event()
+
+    def hooked(real: Any) -> Any:
+        def start_init(*args: Any, **kwargs: Any) -> Any:
+            started.set()
+            time.sleep(0.2)  # the cancel lands here, while the start is under way
+            return real(*args, **kwargs)
+        return start_init
+
+    async def during_start() -> str:
+        task = asyncio.ensure_future(AsyncSession.create(workspace_base=base, keep_workspace=False))
+        while not started.is_set() and not task.done():
+            await asyncio.sleep(0.005)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            return "cancelled"
+        return "returned"
+
+    with _patched(session_core, "start_init", hooked):
+        out["during_start"] = asyncio.run(during_start())  # its end waits for the executor's threads
+    out["started"] = started.is_set()
+
+    async def queued() -> Any:
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        asyncio.get_running_loop().set_default_executor(pool)
+        return await _queued_behind(pool, lambda: AsyncSession.create(workspace_base=base, keep_workspace=False))
+
+    out["queued"] = asyncio.run(queued())[0]
+    gc.collect()
+    out["children"] = _children()
+    out["fds_leaked"] = sorted(_fds() - before)
+    out["new_dirs"] = sorted(set(os.listdir(base)) - dirs)
+    return out
+
+
+SCENARIOS = {f.__name__: f for f in (commit_cancelled_in_the_queue, create_cancelled)}
 
 if __name__ == "__main__":
     name, ws, base = sys.argv[1:4]

@@ -78,3 +78,13 @@ def test_a_commit_cancelled_while_queued_for_a_thread_releases_the_session(scena
     assert out["running"] == {"outcome": "cancelled", "run_after": 0, "applied": True}
     assert out["commit_after"] == ["after"]
     assert out["children"] == []
+
+
+def test_a_cancelled_create_leaves_nothing(scenario: Any) -> None:
+    out = scenario("create_cancelled")
+    assert out["started"] and out["during_start"] == "cancelled"
+    assert out["queued"] == "cancelled"
+    # The session started under the cancelled create() was closed in its thread (keep_workspace=False:
+    # its workspace removed); before, its anchor, fds and workspace stayed.
+    assert out["children"] == [] and out["fds_leaked"] == [], out
+    assert out["new_dirs"] == [], out
