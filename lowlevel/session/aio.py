@@ -127,7 +127,8 @@ class AsyncSession:
     or ``async with AsyncSession(...)`` (the sandbox then starts on ``__aenter__``).
 
     Arguments, Results and errors as :class:`Session`. One event loop per session; the
-    sandbox's start and close run in a worker thread (they wait on bwrap).
+    sandbox's start and close run in a worker thread (they wait on bwrap). Dropped unclosed, it
+    is closed when garbage-collected, as a :class:`Session` is.
     """
 
     def __init__(self, policy: Policy | None = None, **kwargs: Any) -> None:

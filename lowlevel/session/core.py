@@ -22,6 +22,7 @@ import select
 import signal
 import socket
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable, Generator, Mapping, Sequence
@@ -750,6 +751,20 @@ class Core(WorkspaceGate):
         err, self.run.close_error = self.run.close_error, None
         if err is not None:
             raise err
+
+    def __del__(self) -> None:
+        """Collected open (its Session or AsyncSession was dropped without close()): closed as
+        :meth:`close` closes it, ``commit=`` and ``keep_workspace`` applied; an error of its
+        final commit is logged (nobody is there to raise it to). Not at the interpreter's exit,
+        where the modules it needs may be gone already (the sandbox dies with the process: its
+        anchor's parent-death signal; ``lowlevel cleanup`` removes what is left)."""
+        if getattr(self, "phase", Phase.CLOSED) in (Phase.OPEN, Phase.ENDED) and not sys.is_finalizing():
+            try:
+                self.close()
+            except LowlevelError as err:
+                log.warning("lowlevel: closing a session nobody closed: %s", err)
+            except Exception:  # noqa: BLE001 (a finalizer raises nothing)
+                pass
 
     def _drop_fresh_workspace(self) -> None:
         """``keep_workspace=False``: remove the session's fresh workspace once its sandbox is gone

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import select
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -83,7 +82,8 @@ class Process(ProcessHandle):
 
 
 class Session:
-    """One sandbox for many commands (sync). Use as a context manager.
+    """One sandbox for many commands (sync). Use as a context manager (one dropped unclosed is
+    closed, as :meth:`close` closes it, when garbage-collected; not at the interpreter's exit).
 
     Args:
         policy: as for :func:`lowlevel.run` (default ``Policy()``): mounts, seccomp filter,
@@ -281,14 +281,6 @@ class Session:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         close_on_exit(self.close, exc)
-
-    def __del__(self) -> None:
-        core = getattr(self, "_core", None)
-        if core is not None and not core.closed and not sys.is_finalizing():
-            try:
-                self.close()
-            except Exception:  # noqa: BLE001
-                pass
 
     def run(self, argv: Sequence[str], *, stdin: bytes | None = None, timeout: float | None = DEFAULT_TIMEOUT_S,
             env: Mapping[str, str] | None = None, cwd: str | None = None, limits: Limits | None = None,

@@ -29,7 +29,7 @@ from typing import Any
 
 from lowlevel.session import AsyncSession, Session
 from lowlevel.session import core as session_core
-from session_gate_scenarios import _children
+from session_gate_scenarios import _children, _read
 
 #: How long a call that should return is given before the scenario calls it hung, seconds.
 HUNG_S = 10.0
@@ -207,7 +207,36 @@ def create_cancelled(workspace: str, base: str) -> dict[str, Any]:
     return out
 
 
-SCENARIOS = {f.__name__: f for f in (commit_cancelled_in_the_queue, create_cancelled)}
+def collected_unclosed(workspace: str, base: str) -> dict[str, Any]:
+    """An ``AsyncSession`` (and, the control, a ``Session``) dropped without close() and
+    garbage-collected: is it closed as close() would (sandbox gone, changes committed)?"""
+    _warm(base)
+    out: dict[str, Any] = {}
+    before = _fds()
+
+    async def main() -> bool:
+        s = await AsyncSession.create(workspace=workspace, workspace_base=base)
+        await s.run(["sh", "-c", "echo async > async.txt"])
+        return s._core is not None and s._core.run.cow
+
+    out["cow"] = asyncio.run(main())  # the loop is closed: nothing refers to the session any more
+    gc.collect()
+    out["async"] = {"children": _children(), "fds_leaked": sorted(_fds() - before),
+                    "committed": _read(os.path.join(workspace, "async.txt")) if os.path.exists(
+                        os.path.join(workspace, "async.txt")) else None}
+
+    def sync() -> None:
+        s = Session(workspace=workspace, workspace_base=base)
+        s.run(["sh", "-c", "echo sync > sync.txt"])
+
+    sync()
+    gc.collect()
+    out["sync"] = {"children": _children(), "fds_leaked": sorted(_fds() - before),
+                   "committed": os.path.exists(os.path.join(workspace, "sync.txt"))}
+    return out
+
+
+SCENARIOS = {f.__name__: f for f in (commit_cancelled_in_the_queue, create_cancelled, collected_unclosed)}
 
 if __name__ == "__main__":
     name, ws, base = sys.argv[1:4]

@@ -88,3 +88,12 @@ def test_a_cancelled_create_leaves_nothing(scenario: Any) -> None:
     # its workspace removed); before, its anchor, fds and workspace stayed.
     assert out["children"] == [] and out["fds_leaked"] == [], out
     assert out["new_dirs"] == [], out
+
+
+def test_an_async_session_collected_unclosed_is_closed(scenario: Any) -> None:
+    out = scenario("collected_unclosed")
+    for kind in ("async", "sync"):  # sync: the control (it was closed before too)
+        got = out[kind]
+        assert got["children"] == [] and got["fds_leaked"] == [], (kind, got)
+    if out["cow"]:  # commit=True: its changes reached the directory as close() commits them
+        assert out["async"]["committed"] == "async\n" and out["sync"]["committed"]
