@@ -573,18 +573,26 @@ class Run(RunFinish):
         thread: they cost ~0.6 ms after the Result is built and nothing of the run depends on
         them (the uid lease is the anchor's own lock; the run record stays until the cgroup is
         gone, so a caller killed meanwhile leaves what ``lowlevel cleanup`` removes).
+
+        A signal handler's exception (KeyboardInterrupt) arriving during the kill and the reap is
+        held until both are done, then raised; the rest of the teardown runs as it propagates.
         """
         if self.closed:
             return
         self.closed = True
         defer = False
         try:
-            if self.pid is not None and self.wait_status is None:
-                self.kill(None)
-                self.reap()
-            elif self.init_pidfd is not None and self.sandbox_alive():
-                self.kill(None)
-                self.reap()
+            # A ^C (KeyboardInterrupt, a SIGTERM handler's SystemExit) in the kill's wait for the
+            # cgroup to empty, or in the reap, skipped the anchor's reaping: a zombie for the
+            # process's life, and a second close() does nothing. Held until both are done (bounded:
+            # kill_all's 2 s, the reap's INIT_EXIT_TIMEOUT_S + INIT_KILL_TIMEOUT_S), then raised.
+            with deferred_interrupts():
+                if self.pid is not None and self.wait_status is None:
+                    self.kill(None)
+                    self.reap()
+                elif self.init_pidfd is not None and self.sandbox_alive():
+                    self.kill(None)
+                    self.reap()
             defer = (_teardown.ENABLED and self.one_shot and self.exit_reported and self.handover is None
                      and not self.sandbox_alive())
         finally:

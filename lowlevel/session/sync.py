@@ -366,6 +366,8 @@ class Session:
             Either comes after everything was torn down (no process, fd or cgroup is left);
             ``with Session(...)`` raises it too, unless the block is already raising: the
             block's exception then propagates with this one in a note (and a warning log).
+            KeyboardInterrupt (a ^C, or a signal handler's exception) arriving while the sandbox
+            is killed and reaped is held until both are done, and raised after the teardown.
         """
         try:
             self._core.close()

@@ -20,6 +20,7 @@ import concurrent.futures
 import gc
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -27,6 +28,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from lowlevel.sandbox import launcher
 from lowlevel.session import AsyncSession, Session
 from lowlevel.session import core as session_core
 from session_gate_scenarios import _children, _read
@@ -61,6 +63,19 @@ def _patched(owner: Any, name: str, make: Callable[[Any], Any]) -> Iterator[None
         yield
     finally:
         setattr(owner, name, real)
+
+
+def _sigint_once(real: Any) -> Any:
+    """``real`` with a SIGINT sent to this process at its first call, before it runs (the Python
+    handler's KeyboardInterrupt is raised at the next bytecode boundary: inside this step)."""
+    sent: list[int] = []
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        if not sent:
+            sent.append(1)
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, **kwargs)
+    return step
 
 
 async def _queued_behind(pool: concurrent.futures.ThreadPoolExecutor, start: Callable[[], Any]) -> Any:
@@ -236,7 +251,31 @@ def collected_unclosed(workspace: str, base: str) -> dict[str, Any]:
     return out
 
 
-SCENARIOS = {f.__name__: f for f in (commit_cancelled_in_the_queue, create_cancelled, collected_unclosed)}
+def interrupted_close(workspace: str, base: str) -> dict[str, Any]:
+    """A ^C (SIGINT) inside ``Session.close()``'s kill of the sandbox, then a second close()."""
+    _warm(base)
+    out: dict[str, Any] = {}
+    before = _fds()
+    s = Session(workspace=workspace, workspace_base=base)
+    s.run(["sh", "-c", "echo kept > kept.txt"])
+    anchor = s._core.run.pid
+    with _patched(launcher.Run, "kill", _sigint_once):
+        try:
+            s.close()
+            out["close"] = "returned"
+        except KeyboardInterrupt:
+            out["close"] = "KeyboardInterrupt"
+    out["children"] = _children()
+    out["anchor_left"] = anchor is not None and os.path.exists(f"/proc/{anchor}")
+    s.close()  # the caller retries: nothing to do, nothing raised
+    out["children_after_retry"] = _children()
+    out["fds_leaked"] = sorted(_fds() - before)
+    out["committed"] = os.path.exists(os.path.join(workspace, "kept.txt"))
+    return out
+
+
+SCENARIOS = {f.__name__: f for f in (commit_cancelled_in_the_queue, create_cancelled, collected_unclosed,
+                                     interrupted_close)}
 
 if __name__ == "__main__":
     name, ws, base = sys.argv[1:4]

@@ -97,3 +97,11 @@ def test_an_async_session_collected_unclosed_is_closed(scenario: Any) -> None:
         assert got["children"] == [] and got["fds_leaked"] == [], (kind, got)
     if out["cow"]:  # commit=True: its changes reached the directory as close() commits them
         assert out["async"]["committed"] == "async\n" and out["sync"]["committed"]
+
+
+def test_a_sigint_inside_close_still_reaps_the_sandbox(scenario: Any) -> None:
+    out = scenario("interrupted_close")
+    assert out["close"] == "KeyboardInterrupt"  # raised, once the teardown was done
+    assert out["children"] == [] and not out["anchor_left"], out  # was the anchor, a zombie
+    assert out["children_after_retry"] == [] and out["fds_leaked"] == [], out
+    assert out["committed"]
