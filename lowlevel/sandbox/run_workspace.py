@@ -246,6 +246,9 @@ class RunWorkspace(RunState):
             LaunchError: the anchor refused or did not answer within ``timeout_s``, or is gone
                 (``errno`` EPIPE or ECONNRESET: the sandbox was killed); the old layer is cleared
                 all the same (a commit had applied it; a reset drops it).
+            KeyboardInterrupt (a signal handler's exception) arriving during the RESET round
+                trip: held until the new layer is in force, the old one's fd closed and the commit
+                baseline (``since_ns``, ``own_stamps``) moved to it, then raised.
         """
         if self.report is None or not self.cow:
             raise LaunchError("this sandbox has no copy-on-write workspace to reset")
@@ -278,10 +281,13 @@ class RunWorkspace(RunState):
                                   + msg.decode("utf-8", "replace").removeprefix("RESET_ERR ").strip())
             old, self.upper_fd = self.upper_fd, self._own(fds[0])
             self.fds.remove(self.upper_fd)
-        self.since_ns = time.time_ns()
-        self.own_stamps.clear()
-        if old is not None:
-            os.close(old)
+            # In the block too: a ^C raised at its end skipped them (the old upper's fd stayed open
+            # for the session's life, and the next commit compared the host's entries with stamps
+            # and a time of the dropped layer).
+            self.since_ns = time.time_ns()
+            self.own_stamps.clear()
+            if old is not None:
+                os.close(old)
 
     def give_back_workspace(self) -> tuple[Any, bool]:
         """Strip setuid/setgid bits the run left and give the workspace back to its owners.

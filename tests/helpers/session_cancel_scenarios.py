@@ -21,6 +21,7 @@ import gc
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -274,8 +275,52 @@ def interrupted_close(workspace: str, base: str) -> dict[str, Any]:
     return out
 
 
+def interrupted_commit_reset(workspace: str, base: str) -> dict[str, Any]:
+    """A ^C (SIGINT) during the RESET round trip at the end of ``Session.commit()`` (raised at the
+    end of the step that holds it back): is the old upper layer's fd closed, the session's
+    commit baseline moved; do later commits work?"""
+    _warm(base)
+    out: dict[str, Any] = {}
+    with Session(workspace=workspace, workspace_base=base) as s:
+        run = s._core.run
+        out["cow"] = run.cow
+        if not run.cow:
+            return out
+        s.run(["sh", "-c", "echo v1 > f.txt"])
+        assert run.upper_fd is not None
+        st, since = os.fstat(run.upper_fd), run.since_ns
+        old = (st.st_dev, st.st_ino)
+        with _patched(socket, "recv_fds", _sigint_once):
+            try:
+                s.commit()
+                out["commit"] = "returned"
+            except KeyboardInterrupt:
+                out["commit"] = "KeyboardInterrupt"
+        out["old_upper_open"] = old in _open_inodes()
+        out["since_moved"] = run.since_ns > since
+        out["own_stamps"] = len(run.own_stamps)
+        out["host"] = _read(os.path.join(workspace, "f.txt"))
+        s.run(["sh", "-c", "echo v2 > f.txt"])
+        out["later_commit"] = sorted(s.commit().modified)
+    out["host_after"] = _read(os.path.join(workspace, "f.txt"))
+    out["children"] = _children()
+    return out
+
+
+def _open_inodes() -> set[tuple[int, int]]:
+    """``(st_dev, st_ino)`` of every fd this process has open."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            st = os.fstat(int(fd))
+        except OSError:
+            continue
+        out.add((st.st_dev, st.st_ino))
+    return out
+
+
 SCENARIOS = {f.__name__: f for f in (commit_cancelled_in_the_queue, create_cancelled, collected_unclosed,
-                                     interrupted_close)}
+                                     interrupted_close, interrupted_commit_reset)}
 
 if __name__ == "__main__":
     name, ws, base = sys.argv[1:4]

@@ -105,3 +105,13 @@ def test_a_sigint_inside_close_still_reaps_the_sandbox(scenario: Any) -> None:
     assert out["children"] == [] and not out["anchor_left"], out  # was the anchor, a zombie
     assert out["children_after_retry"] == [] and out["fds_leaked"] == [], out
     assert out["committed"]
+
+
+def test_a_sigint_at_the_end_of_commit_leaves_no_old_upper(scenario: Any) -> None:
+    out = scenario("interrupted_commit_reset")
+    _need_cow(out)
+    assert out["commit"] == "KeyboardInterrupt" and out["host"] == "v1\n"  # applied, then the ^C
+    assert not out["old_upper_open"], out  # the dropped layer's fd was kept for the session's life
+    assert out["since_moved"] and out["own_stamps"] == 0, out
+    assert out["later_commit"] == ["f.txt"] and out["host_after"] == "v2\n"
+    assert out["children"] == []
