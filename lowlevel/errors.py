@@ -91,7 +91,7 @@ class CommitConflictError(WorkspaceError):
                                                               if len(conflicts) > 10 else "")
         message = message or (f"commit refused: {len(conflicts)} entr{'y' if len(conflicts) == 1 else 'ies'} of "
                               f"the workspace changed on the host during the run ({shown}); nothing was changed"
-                              + (f"; the run's changes are saved in {saved_upper}" if saved_upper else
+                              + (f"; the run's changes were saved to {saved_upper}" if saved_upper else
                                  "; save the run's changes with lowlevel.workspace.overlay.save_upper()"
                                  " or discard them"))
         super().__init__(_errno.EBUSY, message)
