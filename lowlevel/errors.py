@@ -225,7 +225,9 @@ class SessionError(LowlevelError):
             killed, e.g. by a command), ``"unresponsive"`` (the init or a shepherd stopped
             answering: SIGSTOP from a command), ``"idle_timeout"``, ``"total_timeout"``,
             ``"protocol"`` (a malformed message: a bug), ``"busy"`` (``commit()``/``reset()``
-            refused while background commands run: nothing changed, the session goes on).
+            refused while background commands run: nothing changed, the session goes on),
+            ``"other_loop"`` (an :class:`lowlevel.AsyncSession` used from an event loop other
+            than the one that opened it: nothing changed, the session goes on).
     """
 
     def __init__(self, message: str, reason: str = "init_died") -> None:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
 from lowlevel import workspace as _ws
-from lowlevel.errors import LowlevelError
+from lowlevel.errors import LowlevelError, SessionError
 from lowlevel.sandbox.request import DEFAULT_TIMEOUT_S
 from lowlevel.sandbox.result import Result
 from lowlevel.session.command import Command
@@ -233,6 +233,7 @@ class AsyncSession:
         reopens here (:func:`_in_thread`)."""
         core = self._core
         assert core is not None
+        self._on_own_loop()
         check_running(running)
         while True:
             try:
@@ -252,6 +253,15 @@ class AsyncSession:
                 core.end_exclusive()
             self._wake()
 
+    def _on_own_loop(self) -> None:
+        """Refuse a call from an event loop other than the one that opened the session: its
+        readers and timers live on that loop (a second ``asyncio.run()`` got a bare "Event loop
+        is closed": a fresh-user trial)."""
+        if self._loop is not None and asyncio.get_running_loop() is not self._loop:
+            raise SessionError("this AsyncSession was opened on another event loop (an earlier asyncio.run()?): "
+                               "use it on that loop, or open a new session on this one; close() works from any "
+                               "loop", "other_loop")
+
     def _gate_opened(self) -> None:
         """The gate reopened (in any thread): wake the coroutines waiting for it, on the loop."""
         loop = self._loop
@@ -267,6 +277,7 @@ class AsyncSession:
         new commands."""
         core = self._core
         assert core is not None
+        self._on_own_loop()
         steps = core.submit_when_open(argv, **kwargs)
         held = False
         try:

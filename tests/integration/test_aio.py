@@ -530,3 +530,33 @@ def test_a_wait_for_a_pidfd_survives_the_runs_own_reader_removal() -> None:
 
     ok, took = asyncio.run(main())
     assert ok and took < 2.0, (ok, took)
+
+
+def test_an_async_session_used_from_another_event_loop_says_so_and_goes_on():
+    """An AsyncSession opened in one ``asyncio.run()`` and used in a second one got a bare
+    "RuntimeError: Event loop is closed" from deep inside (its readers live on the first loop: a
+    fresh-user trial). Now one SessionError(reason="other_loop") before anything changes; the
+    session goes on, and close() from the second loop ends it with nothing left. Control: the
+    same call on its own loop runs."""
+    async def opened() -> lowlevel.AsyncSession:
+        sess = await lowlevel.AsyncSession.create()
+        assert (await sess.run(["echo", "first"])).stdout == b"first\n"  # control, on its own loop
+        return sess
+
+    before = set(children())
+    sess = asyncio.run(opened())
+
+    async def second() -> None:
+        for call in (lambda: sess.run(["true"]), lambda: sess.start(["true"]), sess.commit, sess.reset):
+            with pytest.raises(lowlevel.SessionError, match="opened on another event loop") as info:
+                await call()
+            assert info.value.reason == "other_loop"
+        assert sess.alive
+        await sess.close()
+
+    asyncio.run(second())
+    assert not sess.alive
+    deadline = time.monotonic() + 10
+    while set(children()) - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not set(children()) - before
