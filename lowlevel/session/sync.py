@@ -273,8 +273,20 @@ class Session:
 
     @property
     def alive(self) -> bool:
-        """False once the session was closed or ended (init death, idle/total timeout)."""
-        return self._core.failed is None
+        """False once the session was closed or ended (init death, idle/total timeout).
+
+        Reads what the init reported meanwhile when no other thread is reading (a session that
+        its idle timeout ended stayed "alive" until the next command found out: a fresh-user
+        trial): one non-blocking ``recv``, no wait."""
+        core = self._core
+        if core.failed is None and core.usable and self._io_lock.acquire(blocking=False):
+            try:
+                core.on_readable()
+            finally:
+                with self._cond:
+                    self._io_lock.release()
+                    self._cond.notify_all()
+        return core.failed is None
 
     def __enter__(self) -> "Session":
         return self

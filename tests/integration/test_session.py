@@ -594,6 +594,23 @@ def test_idle_timeout_ends_the_session():
         s.close()
 
 
+def test_alive_says_the_idle_timeout_ended_the_session_without_a_command():
+    """``alive`` stayed True after the idle timeout until a command found out (a fresh-user
+    trial); now it reads what the init reported. Control: alive while the timeout has not run out."""
+    s = Session(workspace=_ws(), idle_timeout=0.5)
+    try:
+        assert s.run(["true"]).exit_code == 0 and s.alive
+        deadline = time.monotonic() + 10
+        while s.alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not s.alive and time.monotonic() < deadline
+        with pytest.raises(SessionError) as e:
+            s.run(["true"])
+        assert e.value.reason == "idle_timeout"
+    finally:
+        s.close()
+
+
 def test_total_timeout_ends_the_session():
     s = Session(workspace=_ws(), total_timeout=0.5)
     try:
