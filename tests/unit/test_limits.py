@@ -330,6 +330,11 @@ def test_v2_root_cgroup_gets_lowlevel_base_with_controllers(kernel: FakeKernel) 
     assert support.version == "v2" and support.hierarchy_for("memory") is h
 
 
+#: The uid that owns the caller's own cgroup in the v2 cases: 1000 as root (chown works), the
+#: runner's own uid otherwise (a user whose uid is not 1000 could not chown to it: a fresh-user trial).
+OWNER = 1000 if os.geteuid() == 0 else os.geteuid()
+
+
 def test_v2_own_cgroup_delegated_moves_us_to_a_leaf(kernel: FakeKernel) -> None:
     root = kernel.v2_root()
     kernel.write(os.path.join(root, "cgroup.subtree_control"), "+memory +pids")
@@ -338,9 +343,9 @@ def test_v2_own_cgroup_delegated_moves_us_to_a_leaf(kernel: FakeKernel) -> None:
     kernel.write(os.path.join(os.path.dirname(own), "cgroup.subtree_control"), "+memory +pids")
     kernel.mkdir(own)
     kernel.write(os.path.join(own, "cgroup.procs"), "4242")
-    os.chown(own, 1000, 1000)
+    os.chown(own, OWNER, OWNER)
     support = D._detect(_mountinfo((root, "cgroup2", "rw")), "0::/user.slice/app.scope\n",
-                        euid=1000, pid=4242, delegate=_no_delegate)
+                        euid=OWNER, pid=4242, delegate=_no_delegate)
     h = support.v2
     assert h is not None and h.base == os.path.join(own, "lowlevel"), h
     assert h.controllers == {"memory", "pids"}
@@ -355,8 +360,8 @@ def test_v2_own_cgroup_shared_with_other_processes_gets_no_controllers(kernel: F
     kernel.mkdir(own)
     kernel.write(os.path.join(own, "cgroup.procs"), "4242")
     kernel.write(os.path.join(own, "cgroup.procs"), "77")  # the caller's shell
-    os.chown(own, 1000, 1000)
-    h = D._detect(_mountinfo((root, "cgroup2", "rw")), "0::/session.scope\n", euid=1000, pid=4242,
+    os.chown(own, OWNER, OWNER)
+    h = D._detect(_mountinfo((root, "cgroup2", "rw")), "0::/session.scope\n", euid=OWNER, pid=4242,
                   delegate=_no_delegate).v2
     assert h is not None and h.base == os.path.join(own, "lowlevel") and h.controllers == frozenset()
     assert not os.path.exists(os.path.join(own, "supervisor"))  # the caller's shell is not moved
