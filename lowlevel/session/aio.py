@@ -330,13 +330,19 @@ class AsyncSession:
         return AsyncProcess(self, cmd)
 
     async def close(self) -> None:
-        """As :meth:`Session.close`."""
+        """As :meth:`Session.close`. Cancelled, the close still happens: in its worker thread once
+        it started, or in a thread of its own when the cancel came while it waited for one (a
+        busy default executor); the await itself ends with the CancelledError."""
         core = self._core
         if core is None or core.closed:
             return
         self._drop_readers()
+
+        def close_anyway() -> None:  # cancelled while queued for an executor thread: close regardless
+            threading.Thread(target=core.close, name="lowlevel-session-close").start()
+
         try:
-            await asyncio.to_thread(core.close)
+            await _in_thread(core.close, not_run=close_anyway)
         finally:
             self._wake()
 

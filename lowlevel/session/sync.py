@@ -211,8 +211,11 @@ class Session:
                 ``/workspace`` and what they write there afterwards is lost (their Result's
                 ``notes`` say so); for commands that do not use the workspace.
         Raises:
-            lowlevel.workspace.overlay.CommitConflictError: an entry was changed on the host since the
-                session started (or since the last commit/reset): nothing was applied
+            lowlevel.workspace.overlay.CommitConflictError: an entry the session changed was also
+                changed on the host since the session started (or since the last commit/reset),
+                in a version the session did not see (as root, a file the session copied up
+                after the host's change is no conflict: it worked on the host's version and
+                nothing of it is lost; :mod:`lowlevel.workspace.overlay.commits`): nothing was applied
                 (``.applied`` None), the changes stay in the session; or the host changed
                 entries while they were applied (``.applied`` set): those are left as the host
                 made them, the rest applied, and the session's view was reset over the

@@ -319,8 +319,31 @@ def _open_inodes() -> set[tuple[int, int]]:
     return out
 
 
+def close_cancelled_in_the_queue(workspace: str, base: str) -> dict[str, Any]:
+    """``AsyncSession.close()`` cancelled while its job waits for a thread of the busy default
+    executor (a task cancelled in ``async with``'s exit): is the session closed (its work
+    committed) without another close()?"""
+    async def main() -> dict[str, Any]:
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        asyncio.get_running_loop().set_default_executor(pool)
+        s = await AsyncSession.create(workspace=workspace, workspace_base=base)
+        out: dict[str, Any] = {"cow": s._core is not None and s._core.run.cow}
+        await s.run(["sh", "-c", "echo closed > closed"])
+        outcome, queued = await _queued_behind(pool, s.close)
+        out.update(outcome=outcome, queued=queued)
+        deadline = time.monotonic() + HUNG_S
+        while _children() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        out["children"] = _children()
+        out["closed"] = s._core is not None and s._core.closed
+        out["directory"] = sorted(os.listdir(workspace))
+        return out
+
+    return asyncio.run(main())
+
+
 SCENARIOS = {f.__name__: f for f in (commit_cancelled_in_the_queue, create_cancelled, collected_unclosed,
-                                     interrupted_close, interrupted_commit_reset)}
+                                     interrupted_close, interrupted_commit_reset, close_cancelled_in_the_queue)}
 
 if __name__ == "__main__":
     name, ws, base = sys.argv[1:4]

@@ -80,6 +80,17 @@ def test_a_commit_cancelled_while_queued_for_a_thread_releases_the_session(scena
     assert out["children"] == []
 
 
+def test_a_close_cancelled_while_queued_for_a_thread_still_closes(scenario: Any) -> None:
+    """A close() cancelled while its job waited for a thread of the busy default executor never
+    ran: the session stayed open (its sandbox, and its work uncommitted) until a later close()
+    or garbage collection. Now the close runs anyway, in a thread of its own."""
+    out = scenario("close_cancelled_in_the_queue")
+    assert out["queued"] and out["outcome"] == "cancelled", out
+    assert out["closed"] and out["children"] == [], out
+    if out["cow"]:
+        assert "closed" in out["directory"], out  # commit=True: close() committed the work
+
+
 def test_a_cancelled_create_leaves_nothing(scenario: Any) -> None:
     out = scenario("create_cancelled")
     assert out["started"] and out["during_start"] == "cancelled"
