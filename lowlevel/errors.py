@@ -227,7 +227,8 @@ class SessionError(LowlevelError):
             ``"protocol"`` (a malformed message: a bug), ``"busy"`` (``commit()``/``reset()``
             refused while background commands run: nothing changed, the session goes on),
             ``"other_loop"`` (an :class:`lowlevel.AsyncSession` used from an event loop other
-            than the one that opened it: nothing changed, the session goes on).
+            than the one that opened it: nothing changed, the session goes on), ``"forked"``
+            (a session used in a child process forked from its owner: the owner's session goes on).
     """
 
     def __init__(self, message: str, reason: str = "init_died") -> None:

@@ -44,7 +44,7 @@ from lowlevel.session.command import Command
 from lowlevel.session.gate import HeldError, WorkspaceGate
 from lowlevel.session.outcome import (command_result, image_removed_error, init_death_message, shepherd_died_error,
                                       start_error)
-from lowlevel.session.phase import Phase
+from lowlevel.session.phase import Phase, track
 from lowlevel.session.start import explain_fd_exhaustion, readable_within, start_init
 from lowlevel.spec import limits as _limits
 from lowlevel.spec import validate as _validate
@@ -155,6 +155,7 @@ class Core(WorkspaceGate):
         self.idle_timeout = idle_timeout
         self.total_timeout = total_timeout
         self.phase = Phase.STARTING
+        track(self)  # a forked child's copy is CLOSED there (lowlevel.session.phase)
         # The init itself must not run under RLIMIT_CPU (it lives for thousands of commands):
         # the sandbox gets the Policy's limits without it; each command gets it back.
         # And it holds more fds than a command (proto.INIT_NOFILE_HEADROOM); each command gets the

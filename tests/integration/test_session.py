@@ -821,3 +821,38 @@ def test_two_threads_reaping_a_dead_sessions_bwrap_at_once_do_not_fail():
         assert run.wait_status is not None
         s.close()
     assert errors == []
+
+
+def test_a_forked_child_cannot_use_or_close_its_parents_session():
+    """A child forked while a Session was open could run commands in it and its close() ended
+    the parent's sandbox (the parent then heard "the session's init exited": a fresh-user
+    trial). Now the child's copy is closed there: its calls raise SessionError(reason="forked"),
+    its close() does nothing, and the parent's session goes on. Control: the parent's command
+    runs before and after."""
+    s = Session(workspace=_ws())
+    try:
+        assert s.run(["echo", "before"]).stdout == b"before\n"
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report, never return into pytest
+            code = 1
+            try:
+                os.close(r)
+                try:
+                    s.run(["true"])
+                    verdict = "ran"
+                except SessionError as err:
+                    verdict = f"{err.reason}:{'forked' in str(err) and not s.alive}"
+                s.close()
+                os.write(w, verdict.encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(w)
+        with os.fdopen(r, "rb") as f:
+            verdict = f.read().decode()
+        assert os.waitpid(pid, 0)[1] == 0
+        assert verdict == "forked:True", verdict
+        assert s.alive and s.run(["echo", "after"]).stdout == b"after\n"
+    finally:
+        s.close()
