@@ -79,7 +79,10 @@ async def _in_thread(fn: Callable[[], _T], *, not_run: Callable[[], None] | None
 
 
 def _close_unclaimed(core: Core) -> None:
-    """Close a session whose start completed after its ``create()`` was cancelled (nobody has it)."""
+    """Close a session whose start completed after its ``create()`` was cancelled (nobody has it):
+    a fresh workspace it made goes too (no command ran in it, and nobody learnt its path)."""
+    if core.run.owns_workspace:
+        core.run.keep_workspace = False
     try:
         core.close()
     except LowlevelError as err:

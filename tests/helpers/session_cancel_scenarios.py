@@ -196,7 +196,8 @@ def create_cancelled(workspace: str, base: str) -> dict[str, Any]:
         return start_init
 
     async def during_start() -> str:
-        task = asyncio.ensure_future(AsyncSession.create(workspace_base=base, keep_workspace=False))
+        # keep_workspace as default (True): the workspace nobody learnt of goes too
+        task = asyncio.ensure_future(AsyncSession.create(workspace_base=base))
         while not started.is_set() and not task.done():
             await asyncio.sleep(0.005)
         task.cancel()
