@@ -376,7 +376,8 @@ class AsyncSession:
             self._forget(fd)
             assert self._core is not None
             with self._core.lock:
-                self._core.fd_owner.pop(fd, None)
+                if self._core.fd_owner.get(fd) is cmd:  # the number may be a newer command's already
+                    del self._core.fd_owner[fd]
         self._wake()
 
     def _on_stdin(self, cmd: Command) -> None:

@@ -81,6 +81,18 @@ class Process(ProcessHandle):
         return self._take_output()
 
 
+def _drop_owner(core: Core, fd: int, owner: Command) -> None:
+    """Forget ``fd`` (just closed by ``owner``) in the fd table, unless its number already
+    belongs to a newer command: between the close and this, another thread's submit may get
+    the same number for its pipe, and dropping that entry left the new command's stdout unread
+    while it blocked writing it (6 threads piping 300 KB each through ``cat`` hung 1 run in 5:
+    test_session.py::test_concurrent_stdin_never_mixed)."""
+    with core.lock:
+        if core.fd_owner.get(fd) is owner:
+            del core.fd_owner[fd]
+        core.fds_version += 1
+
+
 class Session:
     """One sandbox for many commands (sync). Use as a context manager (one dropped unclosed is
     closed, as :meth:`close` closes it, when garbage-collected; not at the interpreter's exit).
@@ -465,15 +477,11 @@ class Session:
                 if fd == owner.stdin_w:
                     owner.feed_stdin()
                     if owner.stdin_w is None:
-                        with core.lock:
-                            core.fd_owner.pop(fd, None)
-                            core.fds_version += 1
+                        _drop_owner(core, fd, owner)
                 else:
                     owner.read(fd)
                     if fd not in (owner.out_r, owner.err_r):
-                        with core.lock:
-                            core.fd_owner.pop(fd, None)
-                            core.fds_version += 1
+                        _drop_owner(core, fd, owner)
             if done_any:
                 with self._cond:
                     self._cond.notify_all()

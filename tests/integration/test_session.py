@@ -658,6 +658,28 @@ def test_concurrent_stdin_never_mixed(session):
         assert r.stdout == data
 
 
+def test_concurrent_stdin_rounds_never_hang(session):
+    """40 rounds of 6 threads each piping 300 KB through ``cat``: a thread closing a finished
+    command's pipe and then dropping its number from the fd table could drop a newer command's
+    entry that had just got the same number, leaving that command's stdout unread while it
+    blocked writing it: a hang (the test above failed 1 run in 5 at its 60 s join). Each round
+    must finish within 20 s."""
+    for round_ in range(40):
+        results: dict = {}
+
+        def job(n: int) -> None:
+            data = bytes([65 + n]) * 300_000 + os.urandom(100)
+            results[n] = (data, session.run(["cat"], stdin=data))
+
+        threads = [threading.Thread(target=job, args=(n,), daemon=True) for n in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert len(results) == 6, (round_, sorted(results))
+        assert all(r.stdout == data for data, r in results.values())
+
+
 def test_async_session_concurrent():
     async def main() -> None:
         async with AsyncSession(workspace=_ws()) as s:
