@@ -667,11 +667,11 @@ def test_concurrent_stdin_rounds_never_hang(session):
     for round_ in range(40):
         results: dict = {}
 
-        def job(n: int) -> None:
+        def job(n: int, out: dict) -> None:
             data = bytes([65 + n]) * 300_000 + os.urandom(100)
-            results[n] = (data, session.run(["cat"], stdin=data))
+            out[n] = (data, session.run(["cat"], stdin=data))
 
-        threads = [threading.Thread(target=job, args=(n,), daemon=True) for n in range(6)]
+        threads = [threading.Thread(target=job, args=(n, results), daemon=True) for n in range(6)]
         for t in threads:
             t.start()
         for t in threads:

@@ -190,9 +190,17 @@ _FIRST_RUN_IN_AN_EXIT_HANDLER = """
 import atexit, json, os, sys
 def late():
     import lowlevel
-    lowlevel.run(["/usr/bin/true"], workspace=sys.argv[1])
     from lowlevel.sandbox import teardown
-    print(json.dumps({"pid": os.getpid(), "pending": teardown.pending()}), flush=True)
+    handed = []
+    real = teardown.defer
+    def counted(pid, cgroup):
+        done = real(pid, cgroup)
+        handed.append(done)
+        return done
+    teardown.defer = counted  # how many runs were handed to the thread (pending() may be 0 already)
+    lowlevel.run(["/usr/bin/true"], workspace=sys.argv[1])
+    teardown.drain(30)
+    print(json.dumps({"pid": os.getpid(), "pending": sum(handed)}), flush=True)
 if sys.argv[2] == "before":
     atexit.register(late)
 import lowlevel  # the lazy facade: lowlevel.sandbox.teardown is imported by the first run only
