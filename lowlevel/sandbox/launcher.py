@@ -25,7 +25,7 @@ The life of one run (:class:`Run`), the same for the sync and the async drivers:
 4. supervise: poll the anchor's pidfd, the output pipes and the deadline; at the deadline
    ``pidfd_send_signal(SIGKILL)`` bwrap, the PID 1 of the run's namespace, which makes the
    kernel kill every process of it (a double-forked ``setsid`` daemon included).
-5. finish: reap the anchor with ``os.wait4``, wait until bwrap's pidfd reports exit (a PID 1
+5. finish: reap the anchor with ``os.waitpid``, wait until bwrap's pidfd reports exit (a PID 1
    exits only after every process of its namespace is gone: ``zap_pid_ns_processes``), read
    cgroup figures, build the :class:`Result`, read the upper layer's changes and commit or
    discard them (:mod:`lowlevel.workspace.overlay`), remove the cgroup.
@@ -349,7 +349,7 @@ class Run(RunFinish):
         if self.anchor_reaped or self.pid is None:
             return True
         try:
-            pid, _status, _ru = os.wait4(self.pid, 0 if block else os.WNOHANG)
+            pid, _status = os.waitpid(self.pid, 0 if block else os.WNOHANG)  # no rusage: see teardown.finish
         except ChildProcessError:
             pid = self.pid  # reaped by someone else (a SIGCHLD handler waiting for any child)
         if pid == 0:

@@ -60,7 +60,11 @@ def finish(pid: int | None, cgroup: _cgroups.RunCgroup | None) -> None:
     """Reap the anchor ``pid`` (blocking: it only tears down), then remove ``cgroup``."""
     if pid is not None:
         try:
-            os.wait4(pid, 0)
+            # waitpid, not wait4: wait4 imports ``resource`` for its rusage, which fails once the
+            # interpreter is finalizing (an arun's close run by its coroutine's finalizer after a
+            # ^C: "ImportError: sys.meta_path is None", a kill campaign's traceback), and no
+            # rusage of the anchor is needed.
+            os.waitpid(pid, 0)
         except ChildProcessError:
             pass  # reaped by someone else (a SIGCHLD handler waiting for any child)
         except OSError as err:

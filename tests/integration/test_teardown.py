@@ -224,3 +224,30 @@ def test_a_first_run_from_an_exit_handler_leaves_nothing(root_with_cgroups: None
     assert info["pending"] == (1 if when == "control" else 0)
     assert _run_dirs(info["pid"]) == []
     assert _records_of(info["pid"]) == []
+
+
+_FINISH_WHILE_FINALIZING = """
+import os, sys
+from lowlevel.sandbox import teardown
+pid = os.fork()
+if pid == 0:
+    os._exit(0)
+sys.modules.pop("resource", None)
+saved, sys.meta_path = sys.meta_path, None  # as during the interpreter's finalization: no import works
+try:
+    teardown.finish(pid, None)
+finally:
+    sys.meta_path = saved
+print("reaped", not os.path.exists(f"/proc/{pid}"))
+"""
+
+
+def test_teardown_reaps_while_the_interpreter_finalizes() -> None:
+    """An arun cancelled by a ^C is closed by its coroutine's finalizer while the interpreter
+    shuts down; teardown's reap was ``os.wait4``, which imports ``resource`` for its rusage:
+    "ImportError: sys.meta_path is None" and a traceback (a kill campaign's anomaly). The reap
+    needs no rusage: ``os.waitpid``. Here the import machinery is switched off as finalization
+    does, and the child is reaped."""
+    out = subprocess.run([sys.executable, "-c", _FINISH_WHILE_FINALIZING], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert out.returncode == 0 and out.stdout.strip() == "reaped True", out.stderr
