@@ -60,13 +60,18 @@ def smolagents_part() -> None:
         out["smolagents"] = [ex(BENIGN).logs, ex(ATTACK).logs]
         # A step killing its interpreter's supervisor, then one killing the session's init: each
         # an InterpreterError, and the next step answers (a fresh kernel, a fresh session).
+        # (Killing the init, the step's answer may come back before the init is gone: then the
+        # next step is the one that finds the session ended and says so.)
         recovered = []
         for victim in ("os.getppid()", "int(open(f'/proc/{os.getppid()}/stat').read().rsplit(')', 1)[1].split()[1])"):
-            try:
-                ex(f"import os\nos.kill({victim}, 9)")
-                recovered.append(False)
-            except InterpreterError as err:
-                recovered.append("restarted" in str(err) and ex("6 * 7").output == 42)
+            errors, last = [], None
+            for code in (f"import os\nos.kill({victim}, 9)", "6 * 7", "6 * 7"):
+                try:
+                    last = ex(code).output
+                except InterpreterError as err:
+                    errors.append(str(err))
+                    last = None
+            recovered.append(last == 42 and 1 <= len(errors) <= 2 and all("restarted" in e for e in errors))
         out["smolagents"].append(all(recovered) and len(recovered) == 2)
     finally:
         ex.cleanup()

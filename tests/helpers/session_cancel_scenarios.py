@@ -332,6 +332,9 @@ def close_cancelled_in_the_queue(workspace: str, base: str) -> dict[str, Any]:
         await s.run(["sh", "-c", "echo closed > closed"])
         outcome, queued = await _queued_behind(pool, s.close)
         out.update(outcome=outcome, queued=queued)
+        for t in threading.enumerate():  # the close's own thread: its commit comes after the sandbox is gone
+            if t.name == "lowlevel-session-close":
+                t.join(HUNG_S)
         deadline = time.monotonic() + HUNG_S
         while _children() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
